@@ -1,0 +1,107 @@
+"""kvcompile's operators, registered with ``torch.library`` so ``torch.compile(fullgraph=True)`` traces them.
+
+    torch.ops.kvcompile.store(state, k, v, pos, spec)            -> None   (mutates ``state``)
+    torch.ops.kvcompile.attention(q, state, mask, scale, spec)    -> out    [B, Hq, n, D]
+    torch.ops.kvcompile.dequantize(state, spec)                   -> (k, v) [B, H, C, D]
+
+``state`` is a layer's ``KVState`` as a list, ``spec`` the name of its registered ``LayerSpec``.
+
+Which implementation runs (``kernels()``):
+- "triton": the generated Triton kernels in ``kvcompile.templates`` -- the default on CUDA;
+- "reference": the pure-torch specification in ``kvcompile.store`` -- the default on the CPU;
+- on the CPU, ``KVCOMPILE_KERNELS=triton`` together with ``TRITON_INTERPRET=1`` (both set before
+  kvcompile is imported) runs the Triton kernels through Triton's interpreter: slow, for tests.
+``set_kernels(name)`` switches at run time.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from .store import KVState, LayerSpec, attention_reference, dequantize_reference, store_reference
+
+_KERNELS = os.environ.get("KVCOMPILE_KERNELS", "auto")
+
+
+def set_kernels(name: str) -> None:
+    """Choose "auto" (Triton on CUDA, reference on CPU), "triton" or "reference"."""
+    global _KERNELS
+    if name not in ("auto", "triton", "reference"):
+        raise ValueError(f"kernels={name!r}: expected 'auto', 'triton' or 'reference'")
+    if name == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("Triton kernels on the CPU need TRITON_INTERPRET=1 set before kvcompile is imported")
+    _KERNELS = name
+
+
+def kernels(device: torch.device) -> str:
+    if _KERNELS == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    return _KERNELS
+
+
+def _triton():
+    from .templates import launch  # imported lazily: Triton is only needed when its kernels run
+    return launch
+
+
+@torch.library.custom_op("kvcompile::store", mutates_args=("state",))
+def store(state: list[Tensor], k: Tensor, v: Tensor, pos: Tensor, spec: str) -> None:
+    """Append ``k, v [B, H, n, D]`` at each sequence's current length.
+
+    ``pos [n]`` are the positions the model meant to write (``cache_position`` / ``input_pos``); on the CPU
+    they are checked against the store's lengths, so a rewound or skipped position fails loudly.
+    """
+    ls = LayerSpec.from_name(spec)
+    st = KVState(*state)
+    if pos.device.type == "cpu" and st.lengths.device.type == "cpu" and pos.numel():
+        first = int(pos[0])
+        bad = st.lengths != first
+        if bool(bad.any()):
+            raise RuntimeError(
+                f"kvcompile cache write at position {first}, but the cache holds {st.lengths.tolist()} tokens: "
+                f"the quantized cache is append-only. Reset the cache (cache.reset()) before a new sequence."
+            )
+    if kernels(k.device) == "triton":
+        _triton().store(st, ls, k, v)
+    else:
+        store_reference(st, ls, k, v)
+
+
+@store.register_fake
+def _(state, k, v, pos, spec):
+    return None
+
+
+@torch.library.custom_op("kvcompile::attention", mutates_args=())
+def attention(q: Tensor, state: list[Tensor], mask: Tensor | None, scale: float, spec: str) -> Tensor:
+    """Attention of the last ``n`` tokens' queries ``q [B, Hq, n, D]`` over the store (see
+    ``attention_reference`` for the exact semantics of ``mask``)."""
+    ls = LayerSpec.from_name(spec)
+    st = KVState(*state)
+    if kernels(q.device) == "triton":
+        return _triton().attention(q, st, ls, mask, scale)
+    return attention_reference(q, st, ls, mask, scale)
+
+
+@attention.register_fake
+def _(q, state, mask, scale, spec):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("kvcompile::dequantize", mutates_args=())
+def dequantize(state: list[Tensor], spec: str) -> tuple[Tensor, Tensor]:
+    """The store's contents in model space and dtype, ``[B, H, C, D]`` each; zeros past each length."""
+    ls = LayerSpec.from_name(spec)
+    k, v = dequantize_reference(KVState(*state), ls, ls.torch_dtype)
+    return k, v
+
+
+@dequantize.register_fake
+def _(state, spec):
+    ls = LayerSpec.from_name(spec)
+    shape = (ls.batch, ls.heads, ls.capacity, ls.head_dim)
+    dev = state[0].device
+    return (torch.empty(shape, dtype=ls.torch_dtype, device=dev),
+            torch.empty(shape, dtype=ls.torch_dtype, device=dev))

@@ -1,0 +1,294 @@
+"""What a user writes: how each layer's KV cache is stored.
+
+``Quant`` says how one tensor (keys or values) is stored; ``Policy`` says how one layer's cache is stored;
+``Policy.override`` chooses per layer. All are frozen dataclasses validated at construction, so a bad value
+fails where it is written and compile caches can key on them.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
+
+# format -> bits per stored element.
+FORMAT_BITS = {
+    "fp8_e4m3": 8,
+    "fp8_e5m2": 8,
+    "int8": 8,
+    "int4": 4,
+    "int3": 3,
+    "int2": 2,
+    "none": 0,  # full precision: the element keeps the model's dtype
+}
+AXES = ("token", "channel")
+SCALE_DTYPES = ("float16", "float32")
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be built or applied; the message says what was found and what to do."""
+
+
+def _fail(field_name: str, value: Any, allowed: str) -> None:
+    raise PolicyError(f"{field_name}={value!r} is not valid: {allowed}.")
+
+
+def _is_pow2(n: int) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and (n & (n - 1)) == 0
+
+
+@dataclass(frozen=True)
+class Quant:
+    """How one tensor (keys or values) of one layer is stored.
+
+    format:    "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int3", "int2" or "none" (full precision).
+    axis:      "token"   -> one scale per token over ``group`` consecutive channels
+                            (``group=None`` means the whole head: per-token-head).
+               "channel" -> one scale per channel over ``group`` consecutive tokens (KIVI keys).
+    group:     a positive power of two; required for axis="channel".
+    symmetric: absmax scaling with no zero point. ``None`` picks the format's natural choice:
+               asymmetric (min/max) for integers, symmetric for fp8 (the only fp8 mode).
+    scale_dtype: "float16" (default; 16 bits per scale) or "float32" (exact, twice the overhead).
+    """
+
+    format: str = "int8"
+    axis: str = "token"
+    group: int | None = None
+    symmetric: bool | None = None
+    scale_dtype: str = "float16"
+
+    def __post_init__(self):
+        if self.format not in FORMAT_BITS:
+            _fail("Quant.format", self.format, f"expected one of {sorted(FORMAT_BITS)}")
+        if self.axis not in AXES:
+            _fail("Quant.axis", self.axis, 'expected "token" (one scale per token) or "channel" (one per channel)')
+        if self.group is not None and not _is_pow2(self.group):
+            _fail("Quant.group", self.group, "expected a positive power of two (or None for a whole head)")
+        if self.axis == "channel" and self.group is None and self.format != "none":
+            _fail("Quant.group", None, 'axis="channel" needs a token group size, e.g. group=32')
+        if self.scale_dtype not in SCALE_DTYPES:
+            _fail("Quant.scale_dtype", self.scale_dtype, f"expected one of {SCALE_DTYPES}")
+        sym = self.symmetric
+        if sym is None:
+            sym = self.is_fp8
+        if self.is_fp8 and not sym:
+            _fail("Quant.symmetric", self.symmetric, "fp8 formats are symmetric only (one absmax scale)")
+        object.__setattr__(self, "symmetric", bool(sym))
+
+    @property
+    def bits(self) -> int:
+        return FORMAT_BITS[self.format]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.format.startswith("fp8")
+
+    @property
+    def is_int(self) -> bool:
+        return self.format.startswith("int")
+
+    @property
+    def quantized(self) -> bool:
+        return self.format != "none"
+
+    @property
+    def has_zero(self) -> bool:
+        return self.is_int and not self.symmetric
+
+    def group_for(self, head_dim: int) -> int:
+        """The resolved group size for a head of ``head_dim`` channels."""
+        return head_dim if (self.group is None and self.axis == "token") else int(self.group or 1)
+
+    def check(self, head_dim: int, what: str = "Quant") -> None:
+        """Validate against a model's head dimension (called when a policy is applied)."""
+        if not self.quantized:
+            return
+        if self.axis == "token":
+            g = self.group_for(head_dim)
+            if head_dim % g:
+                raise PolicyError(
+                    f"{what}.group={g} does not divide head_dim={head_dim}: axis='token' groups split each "
+                    f"head into head_dim/group channel groups. Use a power of two that divides {head_dim}, "
+                    f"or group=None for one scale per token-head."
+                )
+        per_byte_multiple = {8: 1, 4: 2, 2: 4, 3: 8}[self.bits]
+        if head_dim % per_byte_multiple:
+            raise PolicyError(
+                f"{what}.format={self.format!r} packs {per_byte_multiple} codes per whole byte run along head_dim, "
+                f"but head_dim={head_dim} is not a multiple of {per_byte_multiple}."
+            )
+
+    def key(self) -> str:
+        """A short name that spells out this format (used in kernel and compile cache keys)."""
+        if not self.quantized:
+            return "none"
+        sym = "sym" if self.symmetric else "asym"
+        g = "head" if self.group is None else str(self.group)
+        sd = "f16" if self.scale_dtype == "float16" else "f32"
+        return f"{self.format}.{self.axis}.{g}.{sym}.{sd}"
+
+
+_NONE = Quant("none")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How one layer's KV cache is stored.
+
+    key, value: a ``Quant`` each.
+    residual:   the most recent tokens kept in full precision (KIVI's streaming window).
+    sink:       the first tokens kept in full precision (attention sinks).
+    rotate:     apply an orthonormal Hadamard rotation over head_dim to keys, values and queries before
+                quantization (exact in full precision; it spreads outlier channels).
+    overrides:  per-layer choices added with ``override``; read them through ``resolve``.
+    """
+
+    key: Quant = _NONE
+    value: Quant = _NONE
+    residual: int = 0
+    sink: int = 0
+    rotate: bool = False
+    overrides: tuple = field(default=(), compare=True)
+
+    def __post_init__(self):
+        for name in ("key", "value"):
+            if not isinstance(getattr(self, name), Quant):
+                _fail(f"Policy.{name}", getattr(self, name), "expected a kvcompile.Quant")
+        for name in ("residual", "sink"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                _fail(f"Policy.{name}", v, "expected a non-negative number of tokens")
+        if not isinstance(self.rotate, bool):
+            _fail("Policy.rotate", self.rotate, "expected True or False")
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def kivi(cls, bits: int = 4, group: int = 32, residual: int = 128, **kw) -> "Policy":
+        """KIVI: keys per channel, values per token, asymmetric, recent tokens in full precision."""
+        if bits not in (2, 3, 4, 8):
+            _fail("Policy.kivi(bits)", bits, "expected 2, 3, 4 or 8")
+        fmt = f"int{bits}"
+        return cls(Quant(fmt, "channel", group), Quant(fmt, "token", group), residual=residual, **kw)
+
+    @classmethod
+    def fp8(cls, format: str = "fp8_e4m3", residual: int = 128, **kw) -> "Policy":
+        """fp8 keys and values with one scale per token-head; recent tokens in full precision."""
+        if format not in ("fp8_e4m3", "fp8_e5m2"):
+            _fail("Policy.fp8(format)", format, 'expected "fp8_e4m3" or "fp8_e5m2"')
+        return cls(Quant(format, "token"), Quant(format, "token"), residual=residual, **kw)
+
+    @classmethod
+    def int8(cls, residual: int = 0, **kw) -> "Policy":
+        """int8 keys and values, asymmetric, one scale and zero point per token-head."""
+        return cls(Quant("int8", "token"), Quant("int8", "token"), residual=residual, **kw)
+
+    @classmethod
+    def full(cls) -> "Policy":
+        """No quantization, through the same path (the control in every comparison)."""
+        return cls()
+
+    # ------------------------------------------------------------------ per layer
+    def override(self, choices: Mapping[Any, "Policy | None"]) -> "Policy":
+        """Choose other policies for some layers; later keys win over earlier ones.
+
+        Keys: a layer index (negative counts from the end), a ``range`` of indices, a module name
+        (``"model.layers.3"`` or any dotted prefix of the attention module's path), or ``"re:<regex>"``
+        searched in the module path. A value of ``None`` keeps that layer in full precision.
+        """
+        items = []
+        for sel, pol in dict(choices).items():
+            items.append((_normalize_selector(sel), Policy.full() if pol is None else _check_leaf(pol, sel)))
+        return replace(self, overrides=self.overrides + tuple(items))
+
+    def base(self) -> "Policy":
+        return replace(self, overrides=())
+
+    def resolve(self, layer_names: Iterable[str]) -> list["Policy"]:
+        """One concrete policy per layer, in order. A key that matches no layer is an error."""
+        names = list(layer_names)
+        out = [self.base()] * len(names)
+        for sel, pol in self.overrides:
+            hit = [i for i, n in enumerate(names) if _matches(sel, i, n, len(names))]
+            if not hit:
+                raise PolicyError(
+                    f"policy override {_show_selector(sel)} matches none of the {len(names)} attention layers "
+                    f"found ({names[0] if names else '-'} ... {names[-1] if names else '-'}); use an index in "
+                    f"[-{len(names)}, {len(names)}), a range, a module name or 're:<regex>'."
+                )
+            for i in hit:
+                out[i] = pol
+        return out
+
+    def check(self, head_dim: int) -> None:
+        self.key.check(head_dim, "Policy.key")
+        self.value.check(head_dim, "Policy.value")
+        if self.rotate and not _is_pow2(head_dim):
+            raise PolicyError(
+                f"Policy.rotate=True needs a power-of-two head_dim for the Hadamard rotation; found {head_dim}. "
+                f"Use rotate=False for this model."
+            )
+        for sel, pol in self.overrides:
+            pol.check(head_dim)
+
+    @property
+    def flush(self) -> int:
+        """Tokens move from the full-precision residual into packed storage in whole multiples of this.
+
+        A per-channel tensor gets one scale per ``group`` tokens, so it can only be quantized once a whole
+        group of tokens is complete (KIVI); per-token tensors flush token by token.
+        """
+        gs = [q.group for q in (self.key, self.value) if q.quantized and q.axis == "channel"]
+        return max(gs) if gs else 1  # groups are powers of two, so the largest is their lcm
+
+    def key_str(self) -> str:
+        """A name that spells out this (base) policy, used for op and kernel specialization."""
+        return (f"k={self.key.key()};v={self.value.key()};r={self.residual};s={self.sink};"
+                f"rot={int(self.rotate)}")
+
+    def __str__(self) -> str:
+        return self.key_str() + (f" (+{len(self.overrides)} overrides)" if self.overrides else "")
+
+
+def _check_leaf(pol: Any, sel: Any) -> Policy:
+    if not isinstance(pol, Policy):
+        _fail(f"override value for {sel!r}", pol, "expected a kvcompile.Policy or None")
+    if pol.overrides:
+        _fail(f"override value for {sel!r}", pol, "expected a policy without overrides of its own")
+    return pol
+
+
+def _normalize_selector(sel: Any):
+    if isinstance(sel, bool):
+        _fail("override key", sel, "expected a layer index, range, module name or 're:<regex>'")
+    if isinstance(sel, int):
+        return ("index", sel)
+    if isinstance(sel, range):
+        return ("range", sel.start, sel.stop, sel.step)
+    if isinstance(sel, str):
+        if sel.startswith("re:"):
+            try:
+                re.compile(sel[3:])
+            except re.error as e:
+                _fail("override key", sel, f"not a valid regular expression ({e})")
+            return ("re", sel[3:])
+        return ("name", sel)
+    _fail("override key", sel, "expected a layer index, range, module name or 're:<regex>'")
+
+
+def _matches(sel, i: int, name: str, n: int) -> bool:
+    kind = sel[0]
+    if kind == "index":
+        return i == (sel[1] + n if sel[1] < 0 else sel[1])
+    if kind == "range":
+        return i in range(sel[1], sel[2], sel[3])
+    if kind == "re":
+        return re.search(sel[1], name) is not None
+    return name == sel[1] or name.startswith(sel[1] + ".")
+
+
+def _show_selector(sel) -> str:
+    kind = sel[0]
+    if kind == "range":
+        return f"range({sel[1]}, {sel[2]}, {sel[3]})"
+    if kind == "re":
+        return repr("re:" + sel[1])
+    return repr(sel[1])

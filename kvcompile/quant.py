@@ -1,0 +1,183 @@
+"""Reference numerics: quantize, dequantize and bit packing, in pure torch.
+
+This module is the specification. Every Triton kernel in ``kvcompile.templates`` must produce the same
+codes, scales and zero points bit for bit, so each step below is written as the exact fp32 operation a
+kernel performs:
+
+Integer, asymmetric (``b`` bits, ``Q = 2**b - 1``), per group of elements::
+
+    zero  = fp16_round_down(min(x))                     # stored zero point (the group's minimum)
+    scale = fp16_round_up((max(x) - zero) / Q)          # stored step; 0 for a constant group
+    code  = clamp(round_half_even((x - zero) / scale'), 0, Q)    with scale' = scale or 1
+    x^    = code * scale + zero
+
+Integer, symmetric (``q = 2**(b-1) - 1``)::
+
+    scale = fp16_round_up(absmax(x) / q)
+    code  = clamp(round_half_even(x / scale'), -q, q) + 2**(b-1)   # stored unsigned
+    x^    = (code - 2**(b-1)) * scale
+
+fp8 (``F`` = 448 for e4m3, 57344 for e5m2; always symmetric)::
+
+    scale = fp16_round_up(absmax(x) / F)
+    code  = bits of fp8_round_half_even(x / scale')       # |x / scale| <= F by construction
+    x^    = float(code) * scale
+
+Rounding the zero point down and the scale up (to the scale dtype) guarantees ``x`` lies inside the
+representable range, so codes never clip and every element comes back within half a step of the stored
+scale (fp8: within the format's relative error). All-zero and constant groups store scale 0 and come back
+exactly (constants exactly when representable in the scale dtype: every fp16 value, every bf16 value of
+normal fp16 magnitude; use ``scale_dtype="float32"`` for exact fp32 constants).
+
+Packing: the codes of one row (one token of one head) form a little-endian bit stream: code ``i`` occupies
+bits ``[i*b, (i+1)*b)``. So int8 is one code per byte, int4 two per byte (low nibble first), int2 four per
+byte, and int3 packs eight codes into three bytes -- 3 bits per element, no padding.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .policy import Quant
+
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+SCALE_TORCH_DTYPE = {"float16": torch.float16, "float32": torch.float32}
+
+
+# --------------------------------------------------------------------------- directed rounding
+def round_to_dtype(x: Tensor, dtype: torch.dtype, direction: str) -> Tensor:
+    """Round fp32 ``x`` to ``dtype`` towards -inf ("down") or +inf ("up"); fp32 passes through."""
+    if dtype == torch.float32:
+        return x
+    y = x.to(dtype)
+    yf = y.float()
+    if direction == "down":
+        bad = yf > x
+        return torch.where(bad, torch.nextafter(y, torch.full_like(y, float("-inf"))), y)
+    bad = yf < x
+    return torch.where(bad, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+
+
+# --------------------------------------------------------------------------- grouping
+def _to_groups(x: Tensor, q: Quant) -> tuple[Tensor, int]:
+    """View ``x [..., T, D]`` as ``[..., n_groups..., elems]`` with the reduction over the last dim.
+
+    axis="token":   [..., T, D/g, g]        -> scale [..., T, D/g]
+    axis="channel": [..., T/g, D, g]        -> scale [..., T/g, D]   (T must be a multiple of g)
+    """
+    *lead, T, D = x.shape
+    if q.axis == "token":
+        g = q.group_for(D)
+        return x.reshape(*lead, T, D // g, g), g
+    g = q.group
+    if T % g:
+        raise ValueError(f"per-channel quantization needs whole token groups: got {T} tokens, group {g}")
+    return x.reshape(*lead, T // g, g, D).transpose(-1, -2), g
+
+
+def _from_groups(y: Tensor, q: Quant, T: int, D: int) -> Tensor:
+    if q.axis == "token":
+        return y.reshape(*y.shape[:-2], D)
+    return y.transpose(-1, -2).flatten(-3, -2)
+
+
+def scale_shape(q: Quant, T: int, D: int) -> tuple[int, int]:
+    """Shape of the scale (and zero point) tensor for ``T`` tokens of ``D`` channels, trailing dims."""
+    if q.axis == "token":
+        return (T, D // q.group_for(D))
+    return (T // q.group, D)
+
+
+# --------------------------------------------------------------------------- quantize / dequantize
+def quantize(x: Tensor, q: Quant) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Quantize ``x [..., T, D]`` (any float dtype) to ``(codes, scale, zero)``.
+
+    codes: uint8 [..., T, D] (one unpacked code per element; ``pack`` makes the stored layout)
+    scale: q.scale_dtype [..., *scale_shape]
+    zero:  q.scale_dtype [..., *scale_shape] for asymmetric integers, else None
+    """
+    if not q.quantized:
+        raise ValueError("quantize() called with format 'none'")
+    T, D = x.shape[-2:]
+    xg, _ = _to_groups(x.float(), q)
+    sdt = SCALE_TORCH_DTYPE[q.scale_dtype]
+    if q.is_fp8:
+        fmax = FP8_MAX[q.format]
+        scale = round_to_dtype(xg.abs().amax(-1) / fmax, sdt, "up")
+        s = scale.float().unsqueeze(-1)
+        y = xg / torch.where(s == 0, torch.ones_like(s), s)
+        codes = y.to(FP8_DTYPES[q.format]).view(torch.uint8)
+        zero = None
+    elif q.symmetric:
+        qmax = 2 ** (q.bits - 1) - 1
+        scale = round_to_dtype(xg.abs().amax(-1) / qmax, sdt, "up")
+        s = scale.float().unsqueeze(-1)
+        y = torch.round(xg / torch.where(s == 0, torch.ones_like(s), s))
+        codes = (y.clamp(-qmax, qmax) + 2 ** (q.bits - 1)).to(torch.uint8)
+        zero = None
+    else:
+        Q = 2 ** q.bits - 1
+        zero = round_to_dtype(xg.amin(-1), sdt, "down")
+        z = zero.float().unsqueeze(-1)
+        scale = round_to_dtype((xg.amax(-1) - zero.float()) / Q, sdt, "up")
+        s = scale.float().unsqueeze(-1)
+        y = torch.round((xg - z) / torch.where(s == 0, torch.ones_like(s), s))
+        codes = y.clamp(0, Q).to(torch.uint8)
+    return _from_groups(codes, q, T, D), scale, zero
+
+
+def dequantize(codes: Tensor, scale: Tensor, zero: Tensor | None, q: Quant, dtype=torch.float32) -> Tensor:
+    """Inverse of ``quantize``: unpacked ``codes [..., T, D]`` -> ``x^ [..., T, D]`` in ``dtype``."""
+    T, D = codes.shape[-2:]
+    cg, _ = _to_groups(codes, q)
+    s = scale.float().unsqueeze(-1)
+    if q.is_fp8:
+        y = cg.contiguous().view(FP8_DTYPES[q.format]).float() * s
+    elif q.symmetric:
+        y = (cg.float() - 2 ** (q.bits - 1)) * s
+    else:
+        y = cg.float() * s + zero.float().unsqueeze(-1)
+    return _from_groups(y, q, T, D).to(dtype)
+
+
+def step_size(scale: Tensor, q: Quant) -> Tensor:
+    """Largest round-trip error allowed per group: half a step for integers; fp8 is relative (see tests)."""
+    return scale.float() / 2
+
+
+# --------------------------------------------------------------------------- packing
+def packed_bytes(D: int, bits: int) -> int:
+    """Bytes one row of ``D`` codes takes when packed."""
+    assert (D * bits) % 8 == 0, (D, bits)
+    return D * bits // 8
+
+
+def pack(codes: Tensor, bits: int) -> Tensor:
+    """uint8 codes ``[..., D]`` (each < 2**bits) -> packed uint8 ``[..., D*bits/8]``, little-endian bit stream."""
+    if bits == 8:
+        return codes.contiguous()
+    D = codes.shape[-1]
+    per = 8 if bits == 3 else 8 // bits  # codes per whole-byte unit
+    nbytes = per * bits // 8
+    c = codes.reshape(*codes.shape[:-1], D // per, per).to(torch.int32)
+    word = torch.zeros(c.shape[:-1], dtype=torch.int32, device=codes.device)
+    for i in range(per):
+        word |= c[..., i] << (bits * i)
+    out = torch.stack([(word >> (8 * j)) & 0xFF for j in range(nbytes)], dim=-1)
+    return out.reshape(*codes.shape[:-1], D * bits // 8).to(torch.uint8)
+
+
+def unpack(packed: Tensor, bits: int, D: int) -> Tensor:
+    """Inverse of ``pack``: packed uint8 ``[..., D*bits/8]`` -> codes uint8 ``[..., D]``."""
+    if bits == 8:
+        return packed.contiguous()
+    per = 8 if bits == 3 else 8 // bits
+    nbytes = per * bits // 8
+    p = packed.reshape(*packed.shape[:-1], D // per, nbytes).to(torch.int32)
+    word = torch.zeros(p.shape[:-1], dtype=torch.int32, device=packed.device)
+    for j in range(nbytes):
+        word |= p[..., j] << (8 * j)
+    mask = (1 << bits) - 1
+    out = torch.stack([(word >> (bits * i)) & mask for i in range(per)], dim=-1)
+    return out.reshape(*packed.shape[:-1], D).to(torch.uint8)
