@@ -25,9 +25,11 @@ fp8 (``F`` = 448 for e4m3, 57344 for e5m2; always symmetric)::
 
 Rounding the zero point down and the scale up (to the scale dtype) guarantees ``x`` lies inside the
 representable range, so codes never clip and every element comes back within half a step of the stored
-scale (fp8: within the format's relative error). All-zero and constant groups store scale 0 and come back
-exactly (constants exactly when representable in the scale dtype: every fp16 value, every bf16 value of
-normal fp16 magnitude; use ``scale_dtype="float32"`` for exact fp32 constants).
+scale (fp8: within the format's relative error). All-zero groups come back exactly in every format, never
+NaN or Inf (a zero scale divides by 1). Constant groups come back exactly with a zero point (asymmetric
+integers store scale 0 and zero = c), when ``c`` is representable in the scale dtype: every fp16 value,
+every bf16 value of normal fp16 magnitude; ``scale_dtype="float32"`` makes every fp32 constant exact. A
+symmetric grid has no point exactly at an arbitrary ``c``, so there a constant is within the format's bound.
 
 Packing: the codes of one row (one token of one head) form a little-endian bit stream: code ``i`` occupies
 bits ``[i*b, (i+1)*b)``. So int8 is one code per byte, int4 two per byte (low nibble first), int2 four per

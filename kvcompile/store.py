@@ -189,12 +189,12 @@ def _hadamard_cpu(D: int) -> Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < D:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / math.sqrt(D)).float()
+    return h / math.sqrt(D)
 
 
-def hadamard(D: int, device=None) -> Tensor:
-    """Orthonormal (Sylvester) Hadamard matrix, fp32 [D, D]; symmetric, so it is its own inverse."""
-    return _hadamard_cpu(D).to(device)
+def hadamard(D: int, device=None, dtype=torch.float32) -> Tensor:
+    """Orthonormal (Sylvester) Hadamard matrix [D, D] (built in float64); symmetric, its own inverse."""
+    return _hadamard_cpu(D).to(device=device, dtype=dtype)
 
 
 def rotate(x: Tensor, spec: LayerSpec) -> Tensor:
@@ -315,7 +315,7 @@ def dequantize_reference(state: KVState, spec: LayerSpec, dtype=torch.float32, r
             for p in range(max(qb, S), L):
                 full[b, :, p] = res[b, :, p % W].to(dtype)
         if not rotated and spec.policy.rotate:
-            full = (full.double() @ hadamard(D, full.device).double()).to(dtype)
+            full = (full.double() @ hadamard(D, full.device, torch.float64)).to(dtype)
         out.append(full)
     return out[0], out[1]
 

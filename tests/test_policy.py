@@ -1,0 +1,110 @@
+"""The policy objects: validation at construction, presets, per-layer resolution."""
+import pytest
+
+from kvcompile import Policy, PolicyError, Quant
+
+NAMES = [f"model.layers.{i}.self_attn" for i in range(6)]
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(format="int5"), "Quant.format"),
+    (dict(axis="row"), "Quant.axis"),
+    (dict(group=3), "Quant.group"),
+    (dict(group=0), "Quant.group"),
+    (dict(group=-4), "Quant.group"),
+    (dict(axis="channel"), "Quant.group"),
+    (dict(format="fp8_e4m3", symmetric=False), "Quant.symmetric"),
+    (dict(scale_dtype="bfloat16"), "Quant.scale_dtype"),
+])
+def test_quant_rejects_bad_fields(kwargs, field):
+    with pytest.raises(PolicyError, match=field.replace(".", r"\.")) as e:
+        Quant(**kwargs)
+    assert repr(list(kwargs.values())[-1]) in str(e.value) or "None" in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(residual=-1), "Policy.residual"),
+    (dict(sink=-2), "Policy.sink"),
+    (dict(key="int4"), "Policy.key"),
+    (dict(rotate=1), "Policy.rotate"),
+])
+def test_policy_rejects_bad_fields(kwargs, field):
+    with pytest.raises(PolicyError, match=field.replace(".", r"\.")):
+        Policy(**kwargs)
+
+
+def test_defaults_and_symmetric_resolution():
+    assert Quant("int4").symmetric is False
+    assert Quant("fp8_e4m3").symmetric is True
+    assert Quant("int4", symmetric=True).symmetric is True
+    assert Quant("int3").bits == 3 and Quant("none").quantized is False
+
+
+def test_presets():
+    k = Policy.kivi(2)
+    assert (k.key.format, k.key.axis, k.key.group) == ("int2", "channel", 32)
+    assert (k.value.format, k.value.axis, k.value.group) == ("int2", "token", 32)
+    assert k.residual == 128 and not k.key.symmetric
+    f = Policy.fp8()
+    assert f.key.format == "fp8_e4m3" and f.key.axis == "token" and f.key.group is None
+    assert Policy.int8().key.format == "int8"
+    assert not Policy.full().key.quantized and not Policy.full().value.quantized
+    with pytest.raises(PolicyError, match="bits"):
+        Policy.kivi(5)
+
+
+def test_hashable_and_equal():
+    a, b = Policy.kivi(4), Policy.kivi(4)
+    assert a == b and hash(a) == hash(b)
+    assert len({a, b, Policy.kivi(2)}) == 2
+    assert a.override({0: None}) != a
+
+
+def test_group_must_divide_head_dim_when_applied():
+    p = Policy(Quant("int4", "token", 64), Quant("int4", "token", 64))
+    p.check(128)
+    with pytest.raises(PolicyError, match=r"group=64 does not divide head_dim=32"):
+        p.check(32)
+    with pytest.raises(PolicyError, match="power-of-two head_dim"):
+        Policy.kivi(4, rotate=True).check(96)
+
+
+def test_override_resolution_order_and_selectors():
+    base = Policy.kivi(4)
+    p8, p2, full = Policy.int8(), Policy.kivi(2), Policy.full()
+    pol = base.override({
+        range(0, 3): p8,                 # layers 0, 1, 2
+        -1: p2,                          # layer 5
+        "model.layers.1": full,          # layer 1, later wins over the range
+        "re:layers\\.[34]\\.": p2,        # layers 3, 4
+        0: None,                         # None keeps full precision
+    })
+    got = pol.resolve(NAMES)
+    assert got == [full, full, p8, p2, p2, p2]
+    assert all(not g.overrides for g in got)
+
+
+def test_override_matching_no_layer_is_an_error():
+    for sel in (6, -7, range(10, 12), "model.layers.9", "re:nothing"):
+        with pytest.raises(PolicyError, match="matches none of the 6 attention layers"):
+            Policy.kivi(4).override({sel: Policy.int8()}).resolve(NAMES)
+
+
+def test_override_rejects_bad_keys_and_values():
+    with pytest.raises(PolicyError, match="override key"):
+        Policy().override({1.5: Policy.int8()})
+    with pytest.raises(PolicyError, match="override key"):
+        Policy().override({"re:(": Policy.int8()})
+    with pytest.raises(PolicyError, match="expected a kvcompile.Policy"):
+        Policy().override({0: "int8"})
+
+
+def test_flush_granularity():
+    assert Policy.kivi(4, group=64).flush == 64
+    assert Policy.int8().flush == 1
+    assert Policy(Quant("int4", "channel", 16), Quant("int2", "channel", 64)).flush == 64
+
+
+def test_key_str_spells_out_the_specialization():
+    s = Policy.kivi(3, group=16, residual=64, sink=4, rotate=True).key_str()
+    assert s == "k=int3.channel.16.asym.f16;v=int3.token.16.asym.f16;r=64;s=4;rot=1"

@@ -1,0 +1,178 @@
+"""Reference quantization: round-trip bounds derived from each format, code ranges, packing, edge inputs."""
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvcompile import Quant
+from kvcompile import quant as Q
+
+INT_FORMATS = ["int8", "int4", "int3", "int2"]
+FP8_FORMATS = ["fp8_e4m3", "fp8_e5m2"]
+# fp8: mantissa bits and the spacing of its subnormals (absolute error floor, in units of the scale)
+FP8_MANTISSA = {"fp8_e4m3": 3, "fp8_e5m2": 2}
+FP8_SUBNORMAL = {"fp8_e4m3": 2.0 ** -9, "fp8_e5m2": 2.0 ** -16}
+EPS32 = 2.0 ** -22  # a few fp32 roundings (subtract, divide, multiply, add), relative
+
+
+@st.composite
+def quant_and_tensor(draw, formats=INT_FORMATS + FP8_FORMATS):
+    fmt = draw(st.sampled_from(formats))
+    axis = draw(st.sampled_from(["token", "channel"]))
+    D = draw(st.sampled_from([8, 16, 64]))
+    group = draw(st.sampled_from([None, 8, D] if axis == "token" else [1, 4, 8, 32]))
+    sym = True if fmt.startswith("fp8") else draw(st.booleans())
+    sdt = draw(st.sampled_from(["float16", "float32"]))
+    q = Quant(fmt, axis, group, sym, sdt)
+    T = (group or 1) * draw(st.integers(1, 3)) if axis == "channel" else draw(st.integers(1, 9))
+    seed = draw(st.integers(0, 2 ** 31 - 1))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    g = torch.Generator().manual_seed(seed)
+    mag = draw(st.sampled_from([1e-3, 1.0, 30.0]))
+    x = (torch.randn(2, T, D, generator=g) * mag).to(dtype)
+    if draw(st.booleans()):  # a key-like outlier channel, as in real keys
+        x[..., draw(st.integers(0, D - 1))] += 20 * mag
+    return q, x
+
+
+def _expand(s, q, T, D):
+    """Per-element value of a per-group tensor [.., *scale_shape] -> [.., T, D]."""
+    if q.axis == "token":
+        return s.float().repeat_interleave(q.group_for(D), dim=-1)
+    return s.float().repeat_interleave(q.group, dim=-2)
+
+
+def _bound(x, codes, scale, zero, q):
+    """The largest round-trip error each element may have, from the format alone."""
+    T, D = x.shape[-2:]
+    s = _expand(scale, q, T, D)
+    xa = x.float().abs()
+    if q.is_fp8:
+        m = FP8_MANTISSA[q.format]
+        return 2.0 ** -(m + 1) * xa * (1 + 1e-6) + FP8_SUBNORMAL[q.format] / 2 * s + EPS32 * xa
+    qmax = 2 ** q.bits
+    z = _expand(zero, q, T, D).abs() if zero is not None else 0
+    # half a step of the stored scale, plus fp32 rounding of (x - z) / s and code * s + z
+    return s / 2 + EPS32 * (qmax * s + z + xa)
+
+
+@given(quant_and_tensor())
+def test_round_trip_within_half_a_step(case):
+    q, x = case
+    codes, scale, zero = Q.quantize(x, q)
+    assert codes.dtype == torch.uint8 and codes.shape == x.shape
+    assert scale.dtype == Q.SCALE_TORCH_DTYPE[q.scale_dtype]
+    assert (zero is not None) == q.has_zero
+    xh = Q.dequantize(codes, scale, zero, q)
+    assert torch.isfinite(xh).all()
+    err = (xh - x.float()).abs()
+    bound = _bound(x, codes, scale, zero, q)
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item()} for {q}"
+
+
+@given(quant_and_tensor(INT_FORMATS))
+def test_integer_codes_in_range(case):
+    q, x = case
+    codes, _, _ = Q.quantize(x, q)
+    if q.symmetric:
+        mid, qmax = 2 ** (q.bits - 1), 2 ** (q.bits - 1) - 1
+        assert codes.min() >= mid - qmax and codes.max() <= mid + qmax
+    else:
+        assert codes.max() <= 2 ** q.bits - 1
+
+
+@given(quant_and_tensor(FP8_FORMATS))
+def test_fp8_codes_are_finite_and_match_torch(case):
+    q, x = case
+    codes, scale, _ = Q.quantize(x, q)
+    f = codes.view(Q.FP8_DTYPES[q.format]).float()
+    assert torch.isfinite(f).all()
+    assert f.abs().max() <= Q.FP8_MAX[q.format]
+
+
+def test_rounding_is_half_to_even():
+    q = Quant("int8", "token", None, symmetric=True, scale_dtype="float32")
+    # absmax 127 -> scale exactly 1.0, so x / scale lands on exact halves
+    x = torch.tensor([[[0.5, 1.5, 2.5, -0.5, -1.5, 127.0, 3.5, -2.5]]])
+    codes, scale, _ = Q.quantize(x, q)
+    assert scale.item() == 1.0
+    assert (codes.float() - 128).tolist() == [[[0, 2, 2, 0, -2, 127, 4, -2]]]
+
+
+@pytest.mark.parametrize("fmt", INT_FORMATS + FP8_FORMATS)
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("axis,group", [("token", None), ("token", 8), ("channel", 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_zero_and_constant_groups(fmt, sym, axis, group, dtype):
+    """Zeros come back exactly in every format; constants exactly with a zero point (asymmetric integers),
+    and within the format's bound otherwise (a symmetric grid has no point exactly at an arbitrary c)."""
+    if fmt.startswith("fp8") and not sym:
+        pytest.skip("fp8 is symmetric only")
+    q = Quant(fmt, axis, group, sym)
+    for const in (0.0, 3.25, -0.75, 1e4):
+        x = torch.full((1, 8, 16), const, dtype=dtype)
+        codes, scale, zero = Q.quantize(x, q)
+        xh = Q.dequantize(codes, scale, zero, q)
+        assert torch.isfinite(xh).all()
+        if const == 0.0 or q.has_zero:
+            assert torch.equal(xh, x.float()), (fmt, const)
+        else:
+            assert ((xh - x.float()).abs() <= _bound(x, codes, scale, zero, q)).all()
+
+
+def test_constants_not_representable_in_fp16_are_exact_with_fp32_scales():
+    x = torch.full((1, 4, 8), 0.1, dtype=torch.float32)
+    for q in (Quant("int4", scale_dtype="float32"), Quant("int4", symmetric=True, scale_dtype="float32")):
+        codes, scale, zero = Q.quantize(x, q)
+        assert torch.equal(Q.dequantize(codes, scale, zero, q), x)
+
+
+@pytest.mark.parametrize("fmt", INT_FORMATS + FP8_FORMATS)
+def test_denormals_and_tiny_values_stay_finite(fmt):
+    x = torch.tensor([1e-40, -3e-39, 0.0, 1e-45] * 4, dtype=torch.float32).view(1, 1, 16)
+    q = Quant(fmt)
+    codes, scale, zero = Q.quantize(x, q)
+    xh = Q.dequantize(codes, scale, zero, q)
+    assert torch.isfinite(xh).all() and (xh - x).abs().max() <= 6e-8  # one fp16 subnormal step
+
+
+def test_outlier_channel_is_isolated_by_per_channel_scales():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 32, 64, generator=g)
+    x[..., 7] += 50.0
+    per_token = Quant("int4", "token")
+    per_channel = Quant("int4", "channel", 32)
+    e_tok = (Q.dequantize(*Q.quantize(x, per_token), per_token) - x).abs()
+    e_ch = (Q.dequantize(*Q.quantize(x, per_channel), per_channel) - x).abs()
+    normal = torch.ones(64, dtype=torch.bool)
+    normal[7] = False
+    # per token, the outlier stretches every token's step ~10x; per channel only channel 7 pays
+    assert e_ch[..., normal].mean() * 5 < e_tok[..., normal].mean()
+
+
+@given(st.sampled_from([2, 3, 4, 8]), st.integers(1, 4), st.integers(0, 2 ** 31 - 1))
+def test_pack_unpack_is_a_bijection(bits, rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    D = 8 * rows * 2
+    codes = torch.randint(0, 2 ** bits, (3, D), generator=g, dtype=torch.uint8)
+    packed = Q.pack(codes, bits)
+    assert packed.shape == (3, D * bits // 8) and packed.dtype == torch.uint8
+    assert torch.equal(Q.unpack(packed, bits, D), codes)
+    raw = torch.randint(0, 256, (3, D * bits // 8), generator=g, dtype=torch.uint8)
+    assert torch.equal(Q.pack(Q.unpack(raw, bits, D), bits), raw)
+
+
+def test_packing_layout_is_a_little_endian_bit_stream():
+    c = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0], dtype=torch.uint8)
+    assert Q.pack(c, 4).tolist() == [0x21, 0x43, 0x65, 0x07]
+    assert Q.pack(c[:4] % 4, 2).tolist() == [1 | 2 << 2 | 3 << 4 | 0 << 6]
+    word = sum(int(v) << (3 * i) for i, v in enumerate(c))
+    assert Q.pack(c, 3).tolist() == [word & 0xFF, (word >> 8) & 0xFF, word >> 16]
+
+
+def test_directed_rounding_to_fp16():
+    x = torch.tensor([0.1, -0.1, 1.0, 0.0, 1e-9, -1e-9])
+    up = Q.round_to_dtype(x, torch.float16, "up").float()
+    down = Q.round_to_dtype(x, torch.float16, "down").float()
+    assert (up >= x).all() and (down <= x).all()
+    assert up[2] == 1.0 and down[2] == 1.0 and up[3] == 0 and down[3] == 0
