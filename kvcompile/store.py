@@ -249,24 +249,24 @@ def _append_row(state: KVState, spec: LayerSpec, b: int, L: int, k: Tensor, v: T
     L2 = L + n
     S, W, dt = spec.sink, spec.ring, spec.torch_dtype
     q0, q1 = spec.boundary(L), spec.boundary(L2)
+    dev = k.device
     # sinks
-    for p in range(L, min(L2, S)):
-        state.k_sink[b, :, p] = k[:, p - L].to(dt)
-        state.v_sink[b, :, p] = v[:, p - L].to(dt)
+    if L < S:
+        state.k_sink[b, :, L:min(L2, S)] = k[:, :min(L2, S) - L].to(dt)
+        state.v_sink[b, :, L:min(L2, S)] = v[:, :min(L2, S) - L].to(dt)
     # flush [q0, q1) into packed storage, from the ring (p < L) or from the chunk (p >= L)
     if q1 > q0:
+        old = torch.arange(q0, max(q0, min(L, q1)), device=dev)
         def window(res, x):
-            old = [res[b, :, p % W] for p in range(q0, min(L, q1))]
-            new = [x[:, p - L].to(dt) for p in range(max(L, q0), q1)]
-            return torch.stack(old + new, dim=1)  # [H, q1 - q0, D] in the model dtype
+            return torch.cat([res[b, :, old % max(W, 1)], x[:, max(L, q0) - L:max(L, q1) - L].to(dt)], dim=1)
         _write_quantized(state.k_codes, state.k_scale, state.k_zero, spec.policy.key, window(state.k_res, k),
                          b, q0 - S)
         _write_quantized(state.v_codes, state.v_scale, state.v_zero, spec.policy.value, window(state.v_res, v),
                          b, q0 - S)
-    # the newcomers that stay in full precision
-    for p in range(max(L, S, q1), L2):
-        state.k_res[b, :, p % W] = k[:, p - L].to(dt)
-        state.v_res[b, :, p % W] = v[:, p - L].to(dt)
+    # the newcomers that stay in full precision, at p % W in the ring
+    new = torch.arange(max(L, S, q1), max(L, S, q1, L2), device=dev)
+    state.k_res[b, :, new % max(W, 1)] = k[:, new - L].to(dt)
+    state.v_res[b, :, new % max(W, 1)] = v[:, new - L].to(dt)
 
 
 def _write_quantized(codes, scale, zero, q, x: Tensor, b: int, start: int) -> None:
@@ -312,8 +312,8 @@ def dequantize_reference(state: KVState, spec: LayerSpec, dtype=torch.float32, r
             s_end = min(L, S)
             full[b, :, :s_end] = sink[b, :, :s_end].to(dtype)
             full[b, :, S:qb] = deq[b, :, :qb - S]
-            for p in range(max(qb, S), L):
-                full[b, :, p] = res[b, :, p % W].to(dtype)
+            live = torch.arange(max(qb, S), max(qb, S, L), device=codes.device)  # the residual's live positions
+            full[b, :, live] = res[b, :, live % max(W, 1)].to(dtype)
         if not rotated and spec.policy.rotate:
             full = (full.double() @ hadamard(D, full.device, torch.float64)).to(dtype)
         out.append(full)
