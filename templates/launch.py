@@ -1,0 +1,58 @@
+"""The two entry points ``kvcompile.ops`` calls when its kernels are "triton".
+
+    store(state, spec, k, v)                 -> None            append k, v [B, H, n, D]
+    attention(q, state, spec, mask, scale)   -> [B, Hq, n, D]   attention of the last n tokens' queries
+
+They check shapes, apply the policy's rotation in torch (``kvcompile.store.rotate``: keys, values and
+queries in, the output back out), and launch the kernels of ``templates.store`` / ``templates.attention``.
+Nothing here reads a device tensor on the host when the state is on CUDA, so a decode step can be captured in
+a CUDA graph; on the CPU (Triton's interpreter) the capacity check reads ``lengths`` like the reference does.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvcompile.store import KVState, LayerSpec, _check_append, rotate
+
+from . import store as _store
+
+MAX_HEAD_DIM = 256  # one head is a single tile in registers
+
+
+def check_supported(spec: LayerSpec) -> None:
+    """Raise for a layout the Triton kernels do not implement (never fall back silently)."""
+    if spec.head_dim > MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"kvcompile's Triton kernels hold one head in registers and support head_dim <= {MAX_HEAD_DIM}; "
+            f"policy {spec.policy.key_str()} was applied to head_dim={spec.head_dim}. Use the reference "
+            f"kernels for this layer (kvcompile.ops.set_kernels('reference'))."
+        )
+
+
+def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor | None = None) -> None:
+    """``kvcompile.store.store_reference`` with Triton kernels: append ``k, v [B, H, n, D]`` in place.
+
+    ``n_new`` (int [B], optional): row ``b`` appends only its first ``n_new[b]`` tokens.
+    """
+    check_supported(spec)
+    B, H, n, D = k.shape
+    if (B, H, D) != (spec.batch, spec.heads, spec.head_dim) or v.shape != k.shape:
+        raise ValueError(f"store expects k, v of shape [{spec.batch}, {spec.heads}, n, {spec.head_dim}]; "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    dev = state.lengths.device
+    if n_new is None:
+        n_new = torch.full((B,), n, dtype=torch.int32, device=dev)
+    else:
+        n_new = n_new.to(device=dev, dtype=torch.int32)
+    if dev.type == "cpu":
+        _check_append(spec, state.lengths, n_new)
+    else:  # no host sync on CUDA: an overflow fails on the device instead of corrupting memory
+        torch._assert_async((state.lengths + n_new <= spec.capacity).all(),
+                            f"kvcompile KV cache overflow: capacity is {spec.capacity} tokens")
+    if n == 0:
+        return
+    dt = spec.torch_dtype
+    k = rotate(k, spec).to(dt).contiguous()
+    v = rotate(v, spec).to(dt).contiguous()
+    _store.launch_store(state, spec, k, v, n_new)
