@@ -35,8 +35,10 @@ from torch import Tensor
 from kvcompile.policy import Quant
 from kvcompile.store import KVState, LayerSpec
 
+from .common import run
+
 # 1.5 * 2**23: adding it to |y| < 2**22 leaves round_half_even(y) in the low bits (fp32 has 23 mantissa bits).
-_RNE_MAGIC = 12582912.0
+_RNE_MAGIC = tl.constexpr(12582912.0)
 
 
 # --------------------------------------------------------------------------- numerics helpers
@@ -353,22 +355,24 @@ def launch_store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: T
             _, kw = flush_config(q, D, S, R, F, W)
             block_t = kw["G"] if kw["CHANNEL"] else min(16, triton.next_power_of_2(t_max))
             grid = (B * H, triton.cdiv(t_max, block_t))
-            sstr = scale.stride() if scale.dim() == 4 else (0, 0, 0)
+            sstr = scale.stride() if scale.dim() == 4 and scale.numel() else (0, 0, 0)
             rstr = res.stride() if res.numel() else (0, 0, 0)
-            _flush_kernel[grid](
-                x, nonempty(res), codes, nonempty(scale), nonempty(zero), state.lengths, n_new,
-                x.stride(0), x.stride(1), x.stride(2), rstr[0], rstr[1], rstr[2],
-                codes.stride(0), codes.stride(1), codes.stride(2), sstr[0], sstr[1], sstr[2],
-                H, BLOCK_T=block_t, num_warps=8 if block_t * kw["DB"] >= 8192 else 4, **kw,
-            )
+            run(_flush_kernel, grid, dict(
+                x_ptr=x, res_ptr=nonempty(res), codes_ptr=codes, scale_ptr=nonempty(scale),
+                zero_ptr=nonempty(zero), len_ptr=state.lengths, nnew_ptr=n_new,
+                sx_b=x.stride(0), sx_h=x.stride(1), sx_t=x.stride(2), sr_b=rstr[0], sr_h=rstr[1], sr_t=rstr[2],
+                sc_b=codes.stride(0), sc_h=codes.stride(1), sc_t=codes.stride(2),
+                ss_b=sstr[0], ss_h=sstr[1], ss_t=sstr[2], H=H, BLOCK_T=block_t, **kw,
+            ), num_warps=8 if block_t * kw["DB"] >= 8192 else 4)
     if S > 0 or W > 0:
         block_t = min(16, triton.next_power_of_2(n))
         rstr = state.k_res.stride() if W > 0 else (0, 0, 0)
         sstr = state.k_sink.stride() if S > 0 else (0, 0, 0)
-        _copy_kernel[(B * H, triton.cdiv(n, block_t))](
-            k, v, nonempty(state.k_res), nonempty(state.v_res), nonempty(state.k_sink), nonempty(state.v_sink),
-            state.lengths, n_new,
-            k.stride(0), k.stride(1), k.stride(2), rstr[0], rstr[1], rstr[2], sstr[0], sstr[1], sstr[2],
-            H, D=D, DB=triton.next_power_of_2(D), S=S, R=R, F=F, W=W, BLOCK_T=block_t,
-        )
+        run(_copy_kernel, (B * H, triton.cdiv(n, block_t)), dict(
+            k_ptr=k, v_ptr=v, k_res=nonempty(state.k_res), v_res=nonempty(state.v_res),
+            k_sink=nonempty(state.k_sink), v_sink=nonempty(state.v_sink), len_ptr=state.lengths, nnew_ptr=n_new,
+            sx_b=k.stride(0), sx_h=k.stride(1), sx_t=k.stride(2), sr_b=rstr[0], sr_h=rstr[1], sr_t=rstr[2],
+            ss_b=sstr[0], ss_h=sstr[1], ss_t=sstr[2], H=H, D=D, DB=triton.next_power_of_2(D), S=S, R=R, F=F, W=W,
+            BLOCK_T=block_t,
+        ))
     state.lengths.add_(n_new)

@@ -1,0 +1,84 @@
+"""What every kernel family shares: the one place kernels are launched, and an ahead-of-time compile check.
+
+Launchers build their arguments as a name -> value dict and call ``run``. ``compile_only`` swaps ``run``
+for a compiler: the same launcher code, fed CPU tensors, then builds each kernel for a GPU target (``sm_90``
+by default) with Triton's real compiler and ptxas -- no GPU needed. Tests use it to prove that every
+specialization they exercise in the interpreter also lowers to a GPU binary (the interpreter runs Python and
+accepts code the compiler rejects).
+"""
+import contextlib
+import os
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# fp-contraction off: a fused multiply-add rounds once where the reference (torch) rounds twice, e.g. in
+# dequantization ``code * scale + zero``; keeping two roundings makes the GPU agree with the specification.
+OPTIONS = {"enable_fp_fusion": False}
+
+_TRITON_TYPES = {
+    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8", torch.int8: "i8",
+    torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1",
+}
+
+_compiler = None  # set by compile_only(): called instead of launching
+
+
+def run(kernel, grid, args: dict, **options) -> None:
+    """Launch ``kernel[grid](**args, **options)`` (or compile it, inside ``compile_only``)."""
+    options = {**OPTIONS, **options}
+    if _compiler is not None:
+        _compiler(kernel, args, options)
+        return
+    if INTERPRET:  # the interpreter takes no compile options
+        options = {}
+    kernel[grid](**args, **options)
+
+
+def _signature(kernel, args: dict):
+    sig, constexprs = {}, {}
+    params = {p.name: p for p in kernel.params}
+    for i, name in enumerate(kernel.arg_names):
+        value = args[name]
+        if params[name].is_constexpr:
+            sig[name] = "constexpr"
+            constexprs[(i,)] = value
+        elif isinstance(value, torch.Tensor):
+            sig[name] = "*" + _TRITON_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            sig[name] = "i1"
+        elif isinstance(value, int):
+            sig[name] = "i64" if not -2**31 <= value < 2**31 else "i32"
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.__name__}: cannot type argument {name}={value!r}")
+    return sig, constexprs
+
+
+@contextlib.contextmanager
+def compile_only(arch: int = 90, log: list | None = None):
+    """Within this block, ``run`` compiles each kernel for ``cuda:sm_{arch}`` instead of launching it.
+
+    Needs TRITON_INTERPRET unset when the kernels were defined. ``log`` collects (kernel name, constexprs).
+    """
+    global _compiler
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+
+    def compiler(kernel, args, options):
+        sig, constexprs = _signature(kernel, args)
+        triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs), target=target,
+                       options={k: v for k, v in options.items()})
+        if log is not None:
+            log.append((kernel.__name__, {kernel.arg_names[i[0]]: v for i, v in constexprs.items()}))
+
+    previous, _compiler = _compiler, compiler
+    try:
+        yield
+    finally:
+        _compiler = previous
