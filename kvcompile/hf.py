@@ -6,8 +6,15 @@ holds a packed ``KVState``; no full-precision tensor of full capacity is allocat
 Eager mode (no torch.compile), ``update`` appends through ``torch.ops.kvcompile.store`` and returns the
 dequantized cache (``torch.ops.kvcompile.dequantize``) for the model's own attention to read: the exact
 numerics of the policy, at the cost of materializing the full-precision view every step (this is what the
-reference path and the quality evaluation use). Under ``kvcompile.apply`` the FX pass replaces that read by
-the fused attention op, so the view is never built.
+reference path and the quality evaluation use).
+
+Under Dynamo tracing (``torch.compiler.is_compiling()``) ``update`` does what a StaticLayer does --
+``keys.index_copy_(2, pos, k)`` and returns ``keys, values`` -- on *stand-ins* (``kvcompile.standin``):
+zero-stride tensors of the full cache shape that hold one element. The graph therefore shows the same
+write/read pattern as a plain StaticCache, and the FX pass (``kvcompile.passes``) rewrites it into
+``kvcompile.store`` / ``kvcompile.attention`` over the layer's packed state, so no full-precision view of
+the cache is ever built. The stand-ins and the packed state are created together, outside the graph, by
+``initialize`` (``early_initialization`` or the first eager ``update``).
 """
 from __future__ import annotations
 
@@ -15,8 +22,9 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from . import ops  # noqa: F401  (registers torch.ops.kvcompile)
+from . import standin
 from .policy import Policy
-from .store import DTYPE_NAMES, KVState, LayerSpec, state_nbytes
+from .store import DTYPE_NAMES, CapacityError, KVState, LayerSpec, state_nbytes
 
 
 def _text_config(config):
@@ -33,7 +41,11 @@ def model_shape(config) -> tuple[int, int, int]:
 
 
 class KVCompileLayer(StaticLayer):
-    """One decoder layer's quantized cache, with StaticLayer's interface (``max_cache_len`` slots)."""
+    """One decoder layer's quantized cache, with StaticLayer's interface (``max_cache_len`` slots).
+
+    keys, values: stand-ins ``[B, H, max_cache_len, D]`` (one element of memory each); the data lives in
+    ``state`` (a packed ``KVState``), registered with ``kvcompile.standin`` under the stand-ins.
+    """
 
     def __init__(self, max_cache_len: int, policy: Policy, name: str = ""):
         super().__init__(max_cache_len=max_cache_len)
@@ -42,20 +54,31 @@ class KVCompileLayer(StaticLayer):
         self.spec: LayerSpec | None = None
         self.state: KVState | None = None
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.batch_size, self.num_heads, _, self.k_head_dim = key_states.shape
-        self.v_head_dim = value_states.shape[-1]
-        if self.v_head_dim != self.k_head_dim:
-            raise NotImplementedError(
-                f"kvcompile needs keys and values of the same head_dim; layer {self.name!r} has "
-                f"{self.k_head_dim} and {self.v_head_dim}")
-        self.spec = LayerSpec(self.policy, self.batch_size, self.num_heads, self.max_cache_len, self.k_head_dim,
-                              DTYPE_NAMES[key_states.dtype])
-        self.spec_name = self.spec.register()
-        self.state = self.spec.allocate(self.device)
+    def initialize(self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        """Allocate the packed store and the stand-ins (outside any compiled region)."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                f"KVCompileCache layer {self.name!r} is first used inside torch.compile: its packed store must be "
+                f"allocated outside the graph. Create the cache with batch_size=... (or call "
+                f"cache.early_initialization(...)) before the compiled call, or use kvcompile.apply, which does it.")
+        self.device = torch.device(device)
+        self.batch_size, self.num_heads, self.k_head_dim, self.v_head_dim = batch_size, num_heads, head_dim, head_dim
+        self.spec = LayerSpec(self.policy, batch_size, num_heads, self.max_cache_len, head_dim, DTYPE_NAMES[dtype])
+        shape = (batch_size, num_heads, self.max_cache_len, head_dim)
+        self.keys = standin.make_standin(shape, dtype, self.device)
+        self.values = standin.make_standin(shape, dtype, self.device)
+        self.state = standin.register(self.keys, self.values, self.spec, self.name, owned=True)
+        self.spec_name = self.spec.name
         self.cumulative_length = self.cumulative_length.to(self.device)
         self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, Dk = key_states.shape
+        Dv = value_states.shape[-1]
+        if Dv != Dk:
+            raise NotImplementedError(
+                f"kvcompile needs keys and values of the same head_dim; layer {self.name!r} has {Dk} and {Dv}")
+        self.initialize(B, H, Dk, key_states.dtype, key_states.device)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -63,6 +86,11 @@ class KVCompileLayer(StaticLayer):
         n = key_states.shape[-2]
         pos = torch.arange(n, device=self.device) + self.cumulative_length
         self.cumulative_length.add_(n)
+        if torch.compiler.is_compiling():
+            # The pattern the FX pass rewrites into kvcompile.store / kvcompile.attention (a StaticLayer's).
+            self.keys.index_copy_(2, pos, key_states)
+            self.values.index_copy_(2, pos, value_states)
+            return self.keys, self.values
         torch.ops.kvcompile.store(list(self.state), key_states, value_states, pos, self.spec_name)
         return torch.ops.kvcompile.dequantize(list(self.state), self.spec_name)
 
@@ -76,21 +104,34 @@ class KVCompileLayer(StaticLayer):
         raise NotImplementedError("a kvcompile cache is append-only: it cannot be cropped (quantized tokens "
                                   "cannot be un-quantized); reset() it and prefill again")
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("a kvcompile cache is allocated for a fixed batch; beam search and "
+                                  "num_return_sequences > 1 need a cache created for the expanded batch")
+
+    batch_select_indices = reorder_cache = batch_repeat_interleave
+
     @property
     def nbytes(self) -> int:
-        return state_nbytes(self.state) if self.is_initialized else 0
+        """Bytes held: the packed store plus the stand-ins' one element each."""
+        if not self.is_initialized:
+            return 0
+        return state_nbytes(self.state) + 2 * self.keys.untyped_storage().nbytes()
 
 
 class KVCompileCache(Cache):
     """A transformers Cache storing every layer per ``policy`` (per-layer overrides resolved by layer name).
 
     >>> cache = KVCompileCache(model.config, Policy.kivi(4), max_cache_len=4096)
-    >>> out = model(input_ids, past_key_values=cache, use_cache=True)
+    >>> out = model(input_ids, past_key_values=cache, use_cache=True)   # ``cache=`` on transformers >= 5.2x
     >>> cache.nbytes        # bytes the cache really holds
+
+    With ``batch_size`` (and optionally ``dtype``, ``device``) the packed stores are allocated at once, which
+    ``torch.compile`` needs (nothing may be allocated inside the graph); otherwise on the first eager update.
     """
 
-    def __init__(self, config, policy: Policy, max_cache_len: int, layer_names: list[str] | None = None):
-        n_layers, _, head_dim = model_shape(config)
+    def __init__(self, config, policy: Policy, max_cache_len: int, layer_names: list[str] | None = None,
+                 batch_size: int | None = None, dtype: torch.dtype | None = None, device=None):
+        n_layers, kv_heads, head_dim = model_shape(config)
         names = layer_names or [f"model.layers.{i}.self_attn" for i in range(n_layers)]
         policy.check(head_dim)
         self.policies = policy.resolve(names)
@@ -98,6 +139,38 @@ class KVCompileCache(Cache):
         super().__init__(layers=layers)
         self.policy = policy
         self.max_cache_len = max_cache_len
+        self.tokens = 0  # tokens appended so far (host-side count: the capacity check needs no device sync)
+        if batch_size is not None:
+            if dtype is None:
+                dtype = getattr(_text_config(config), "torch_dtype", None) or torch.float32
+                dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+            self.early_initialization(batch_size, kv_heads, head_dim, dtype, device or "cpu")
+
+    def early_initialization(self, batch_size, num_heads, head_dim, dtype, device):
+        for layer in self.layers:
+            if not layer.is_initialized:
+                layer.initialize(batch_size, num_heads, head_dim, dtype, device)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0 and not torch.compiler.is_compiling():
+            self.check_capacity(key_states.shape[-2])
+            self.tokens += key_states.shape[-2]
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def check_capacity(self, n: int) -> None:
+        if self.tokens + n > self.max_cache_len:
+            raise CapacityError(
+                f"KV cache overflow: the cache holds {self.tokens} tokens and {n} more were given, but it was "
+                f"allocated for {self.max_cache_len} (max_cache_len). Create a larger cache, or pass "
+                f"max_cache_len=... to kvcompile.apply.")
+
+    def reset(self) -> None:
+        super().reset()
+        self.tokens = 0
+
+    @property
+    def is_initialized(self) -> bool:
+        return all(layer.is_initialized for layer in self.layers)
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,447 @@
+"""The KV-cache pass: find each layer's cache write and its attention read, and fuse them into kvcompile ops.
+
+Where it runs: on the **Dynamo graph** (``torch.fx``, pre-autograd, what a ``torch.compile`` backend receives),
+before AOTAutograd and Inductor. Three reasons:
+
+- The cache writes are still *in place* there: ``cache.index_copy_(2, pos, k)`` (HF StaticCache),
+  ``cache[:, :, pos] = k`` (gpt-fast; ``operator.setitem``), ``cache.index_put_((None, None, pos), k)`` and
+  ``cache[:, :, a:b] = k`` (torchtune), each on the placeholder of the cache tensor. After AOTAutograd they
+  are functional ``index_put`` nodes plus a ``copy_`` epilogue into the input, and the read goes through the
+  functionalized value, so "which read sees which write" has to be reconstructed.
+- Each node carries ``meta["nn_module_stack"]``, which names the layer, and each placeholder carries
+  ``meta["grapharg"]`` whose ``example`` is the real tensor: the zero-stride stand-in that
+  ``kvcompile.apply`` put in place of the cache, which keys the layer's packed store.
+- The rewritten graph still goes on to Inductor (or runs as is): the rest of the model is compiled as usual
+  and kvcompile's ops are opaque custom ops to it.
+
+The pass is small functions that each find or replace one thing; every replacement bumps ``counters``, and
+``check_fused`` verifies afterwards that no write or read of a rewritten cache is left.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.fx import GraphModule, Node
+
+from kvcompile import ops as _ops  # noqa: F401  (registers torch.ops.kvcompile)
+
+counters: Counter = Counter()
+
+SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
+        torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.scaled_dot_product_attention}
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+N_STATE = 11  # tensors in a KVState
+
+
+class KVCompileError(RuntimeError):
+    """The pass met a graph it cannot rewrite safely; the message says what was found and what to do."""
+
+
+# --------------------------------------------------------------------------- what the pass finds
+@dataclass
+class Write:
+    node: Node
+    src: Node       # the new keys/values [B, H, n, D]
+    pos: Any        # a tensor Node of positions, or ("slice", start, stop) for slice assignment
+    idiom: str      # "index_copy_", "setitem", "index_put_", "slice"
+
+
+@dataclass
+class Site:
+    """One layer: a cache written once for keys and once for values, then read by one SDPA."""
+
+    layer: str
+    read: Node
+    k_cache: Node
+    v_cache: Node
+    k_write: Write
+    v_write: Write
+    query: Node
+    mask: Node | None
+    scale: float
+    gqa: int            # query heads per kv head
+    repeat: str         # how the heads were replicated: "none", "repeat_kv", "repeat_interleave", "enable_gqa"
+    read_len: Any       # None when SDPA reads the whole cache, else the end of a [:, :, :end] slice
+    shape: tuple        # the cache's [B, H, C, D]
+    dtype: torch.dtype
+    spec_name: str | None = None
+
+
+@dataclass
+class Skipped:
+    layer: str
+    node: str
+    reason: str
+
+
+@dataclass
+class Analysis:
+    sites: list[Site] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    unpaired_writes: list[Skipped] = field(default_factory=list)
+    reads_found: int = 0
+
+
+def _val(n):
+    if not isinstance(n, Node):
+        return n
+    return n.meta.get("example_value", n.meta.get("val"))
+
+
+def _example(ph: Node):
+    ga = ph.meta.get("grapharg")
+    return getattr(ga, "example", None) if ga is not None else _val(ph)
+
+
+def layer_name(node: Node) -> str:
+    """The module path of the innermost module that issued ``node``, e.g. ``model.layers.3.self_attn``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return node.name
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\['[^']*'\](\[\d+\])?\.?", "", path)  # the compiled callable itself: L['self'], L['args'][0]
+    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return path.strip(".") or node.name
+
+
+def _order(gm: GraphModule) -> dict[Node, int]:
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def _op_name(n: Node) -> str:
+    if n.op == "call_method":
+        return n.target
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", str(n.target))
+    return n.op
+
+
+def _arg(n: Node, i: int, name: str, default=None):
+    if len(n.args) > i:
+        return n.args[i]
+    return n.kwargs.get(name, default)
+
+
+def sdpa_args(n: Node) -> dict:
+    out = dict(zip(SDPA_ARGS, n.args))
+    out.update(n.kwargs)
+    return out
+
+
+def find_reads(gm: GraphModule) -> list[Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA]
+
+
+# --------------------------------------------------------------------------- from SDPA's key back to the cache
+_FULL = slice(None, None, None)
+
+
+def _is_full(s) -> bool:
+    return s == _FULL or s is Ellipsis
+
+
+def _walk_to_cache(x: Node):
+    """Follow SDPA's key/value argument back through head replication to the cache placeholder.
+
+    Returns ``(placeholder, repeat, read_len, chain)`` or ``(None, reason, None, chain)``. Accepted on the way:
+    ``repeat_kv`` (``[:, :, None]`` + expand + reshape), ``unsqueeze(2)``, ``repeat_interleave(n, dim=1)``,
+    ``contiguous``, and one ``[:, :, :end]`` slice of the cache. These replicate each kv head over consecutive
+    query heads, which is the GQA layout kvcompile's attention uses; anything else is reported.
+    """
+    repeat, read_len, chain = "none", None, []
+    while True:
+        if x.op == "placeholder":
+            return x, repeat, read_len, chain
+        chain.append(x)
+        name = _op_name(x)
+        src = x.args[0] if x.args else None
+        if name in ("contiguous", "reshape", "view", "expand") and isinstance(src, Node):
+            x = src
+            continue
+        if name == "unsqueeze" and _arg(x, 1, "dim") in (2, -3):
+            repeat, x = "repeat_kv", src
+            continue
+        if name == "repeat_interleave" and isinstance(src, Node) and _arg(x, 2, "dim") in (1, -3):
+            repeat, x = "repeat_interleave", src
+            continue
+        if name == "getitem" and isinstance(src, Node) and isinstance(x.args[1], tuple):
+            idx = x.args[1]
+            if len(idx) == 5 and idx[2] is None and all(_is_full(s) for s in idx[:2] + idx[3:]):
+                repeat, x = "repeat_kv", src
+                continue
+            if (len(idx) in (3, 4) and all(_is_full(s) for s in idx[:2] + idx[3:])
+                    and isinstance(idx[2], slice) and idx[2].start in (None, 0) and idx[2].step in (None, 1)
+                    and read_len is None):
+                read_len, x = idx[2].stop, src
+                continue
+        return None, f"{x.op} {name}", None, chain
+
+
+# --------------------------------------------------------------------------- writes into a cache placeholder
+def _as_write(n: Node, cache: Node) -> Write | None:
+    """``n`` as a write of new tokens along the sequence axis of ``cache``, or None."""
+    name = _op_name(n)
+    if n.op == "call_method" and name == "index_copy_" and n.args[0] is cache:
+        dim = _arg(n, 1, "dim")
+        if dim in (2, -2):
+            return Write(n, _arg(n, 3, "source"), _arg(n, 2, "index"), "index_copy_")
+    if n.op == "call_method" and name == "index_put_" and n.args[0] is cache:
+        idx = tuple(_arg(n, 1, "indices"))
+        if len(idx) == 3 and idx[0] is None and idx[1] is None and isinstance(idx[2], Node):
+            return Write(n, _arg(n, 2, "values"), idx[2], "index_put_")
+    if n.op == "call_function" and n.target is operator.setitem and n.args[0] is cache:
+        idx = n.args[1]
+        if isinstance(idx, tuple) and len(idx) in (3, 4) and all(_is_full(s) for s in idx[:2] + idx[3:]):
+            if isinstance(idx[2], Node):
+                return Write(n, n.args[2], idx[2], "setitem")
+            if isinstance(idx[2], slice) and idx[2].step in (None, 1) and idx[2].stop is not None:
+                return Write(n, n.args[2], ("slice", idx[2].start or 0, idx[2].stop), "slice")
+    return None
+
+
+def find_writes(cache: Node, reads: set[Node]) -> tuple[list[Write], list[Node]]:
+    """The writes into ``cache``, and its other uses that are neither a write nor part of a read."""
+    writes, other = [], []
+    for u in cache.users:
+        if u in reads:
+            continue
+        w = _as_write(u, cache)
+        if w is not None:
+            writes.append(w)
+        else:
+            other.append(u)
+    return writes, other
+
+
+def _looks_like_cache_write(n: Node) -> Node | None:
+    """The 4-D placeholder that ``n`` writes into in place, if it is one (for the unpaired-write report)."""
+    if n.op == "call_method" and _op_name(n) in ("index_copy_", "index_put_", "copy_"):
+        tgt = n.args[0]
+    elif n.op == "call_function" and n.target is operator.setitem:
+        tgt = n.args[0]
+    else:
+        return None
+    if isinstance(tgt, Node) and tgt.op == "placeholder" and getattr(_val(tgt), "dim", lambda: 0)() == 4:
+        return tgt
+    return None
+
+
+# --------------------------------------------------------------------------- matching
+def _match_read(gm: GraphModule, read: Node, order: dict) -> Site | Skipped:
+    a = sdpa_args(read)
+    layer = layer_name(read)
+    roots = []
+    for which in ("key", "value"):
+        ph, repeat, read_len, chain = _walk_to_cache(a[which])
+        if ph is None:
+            return Skipped(layer, read.name, f"SDPA's {which} does not come from a cache tensor (it is computed "
+                                             f"by {repeat}); only a cache written in place can be rewritten")
+        roots.append((ph, repeat, read_len, chain))
+    (kc, k_rep, k_len, k_chain), (vc, _, v_len, v_chain) = roots
+    if kc is vc:
+        return Skipped(layer, read.name, "keys and values are read from the same tensor")
+    if a.get("dropout_p", 0.0) not in (0, 0.0):
+        return Skipped(layer, read.name, f"SDPA with dropout_p={a['dropout_p']} (training) is not rewritten")
+    chains = set(k_chain) | set(v_chain)
+    wk, other_k = find_writes(kc, chains)
+    wv, other_v = find_writes(vc, chains)
+    for name, ws, other in (("keys", wk, other_k), ("values", wv, other_v)):
+        if other:
+            return Skipped(layer, read.name, f"the {name} cache {_src(kc if name == 'keys' else vc)} is also used "
+                                             f"by {', '.join(f'{u.name} ({_op_name(u)})' for u in other)}")
+        if len(ws) != 1:
+            return Skipped(layer, read.name, f"the {name} cache {_src(kc if name == 'keys' else vc)} is written "
+                                             f"{len(ws)} times before this read; the pass expects exactly one write")
+        if order[ws[0].node] > order[read]:
+            return Skipped(layer, read.name, f"the {name} cache is written after it is read")
+    kval = _val(kc)
+    if kval is None or kval.dim() != 4 or tuple(_val(vc).shape) != tuple(kval.shape):
+        return Skipped(layer, read.name, "the key and value caches are not two [B, H, C, D] tensors of one shape")
+    q = a["query"]
+    mask = a.get("attn_mask")
+    is_causal = bool(a.get("is_causal", False))
+    B, H, C, D = (int(s) for s in kval.shape)
+    qv = _val(q)
+    if mask is None:
+        n = qv.shape[-2]
+        if not (is_causal and k_len is None and isinstance(n, int) and n == C):
+            return Skipped(layer, read.name, "SDPA reads the cache with no attn_mask"
+                           + (" and is_causal=True over a cache longer than the query" if is_causal else "")
+                           + ": unwritten slots would be attended. kvcompile rewrites reads that pass a mask "
+                             "(bool or additive) over the cache positions")
+    elif is_causal:
+        return Skipped(layer, read.name, "SDPA with both attn_mask and is_causal=True")
+    if k_len != v_len:
+        return Skipped(layer, read.name, "keys and values are read over different lengths")
+    enable_gqa = bool(a.get("enable_gqa", False))
+    hq = qv.shape[1]
+    if hq % H:
+        return Skipped(layer, read.name, f"{hq} query heads are not a multiple of the cache's {H} kv heads")
+    repeat = "enable_gqa" if enable_gqa else (k_rep if hq != H else "none")
+    scale = a.get("scale")
+    if scale is None:
+        scale = 1.0 / math.sqrt(qv.shape[-1])
+    return Site(layer, read, kc, vc, wk[0], wv[0], q, mask, float(scale), hq // H, repeat, k_len,
+                (B, H, C, D), kval.dtype)
+
+
+def _src(ph: Node) -> str:
+    ga = ph.meta.get("grapharg")
+    return ga.source.name if ga is not None and hasattr(ga, "source") else ph.name
+
+
+def analyze(gm: GraphModule) -> Analysis:
+    """Every (write, read) site in the graph, what was skipped and why, and cache writes no read pairs with."""
+    order = _order(gm)
+    out = Analysis()
+    reads = find_reads(gm)
+    out.reads_found = len(reads)
+    counters["reads_found"] += len(reads)
+    paired = set()
+    for r in reads:
+        m = _match_read(gm, r, order)
+        if isinstance(m, Site):
+            out.sites.append(m)
+            paired |= {m.k_cache, m.v_cache}
+            counters["sites_matched"] += 1
+        else:
+            out.skipped.append(m)
+            counters["reads_skipped"] += 1
+    for n in gm.graph.nodes:
+        tgt = _looks_like_cache_write(n)
+        if tgt is not None and tgt not in paired:
+            users = sorted({_op_name(u) for u in tgt.users if u is not n})
+            out.unpaired_writes.append(Skipped(layer_name(n), n.name, (
+                f"{_src(tgt)} is written by {_op_name(n)} but no scaled_dot_product_attention reads it "
+                f"(its other uses: {', '.join(users) or 'none'})")))
+    counters["unpaired_writes"] += len(out.unpaired_writes)
+    return out
+
+
+# --------------------------------------------------------------------------- rewriting
+def _restart_at_zero(lengths: torch.Tensor, pos: torch.Tensor) -> None:
+    """A write at position 0 starts a new sequence (gpt-fast reuses its cache across prompts this way).
+
+    The packed store is append-only, so it forgets what it holds; written with tensor ops so it neither
+    syncs with the device nor breaks the graph.
+    """
+    lengths.mul_(pos.reshape(-1)[:1].ne(0).to(lengths.dtype))
+
+
+def _slice_positions(start, stop, like: torch.Tensor) -> torch.Tensor:
+    return torch.arange(start, stop, device=like.device)
+
+
+_IMPURE = {_restart_at_zero, operator.setitem}
+
+
+def _copy_meta(new: Node, old: Node) -> None:
+    for k in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if k in old.meta:
+            new.meta[k] = old.meta[k]
+
+
+def add_state_inputs(gm: GraphModule, sites: list[Site]) -> list[list[Node]]:
+    """One group of ``N_STATE`` new placeholders per site, after the existing ones (the store's tensors)."""
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    groups = []
+    for i, s in enumerate(sites):
+        group = []
+        for j in range(N_STATE):
+            with gm.graph.inserting_after(last):
+                last = gm.graph.placeholder(f"kvstate_{i}_{j}")
+            group.append(last)
+        groups.append(group)
+    return groups
+
+
+def replace_writes(gm: GraphModule, site: Site, state: list[Node]) -> Node:
+    """The two cache writes -> ``restart`` + one ``kvcompile.store(state, k, v, pos, spec)``."""
+    g = gm.graph
+    order = _order(gm)
+    later = max(site.k_write.node, site.v_write.node, key=order.__getitem__)
+    with g.inserting_before(later):
+        pos = site.k_write.pos
+        if isinstance(pos, tuple):
+            pos = g.call_function(_slice_positions, (pos[1], pos[2], site.k_write.src))
+        restart = g.call_function(_restart_at_zero, (state[-1], pos))
+        store = g.call_function(torch.ops.kvcompile.store.default,
+                                (list(state), site.k_write.src, site.v_write.src, pos, site.spec_name))
+    for new in (restart, store):
+        _copy_meta(new, later)
+    for w, cache in ((site.k_write, site.k_cache), (site.v_write, site.v_cache)):
+        w.node.replace_all_uses_with(cache)  # index_copy_ returns the cache itself
+        g.erase_node(w.node)
+        counters[f"write_{w.idiom}"] += 1
+    counters["stores_inserted"] += 1
+    return store
+
+
+def replace_read(gm: GraphModule, site: Site, state: list[Node]) -> Node:
+    """SDPA over the (replicated) cache -> ``kvcompile.attention(q, state, mask, scale, spec)``."""
+    g = gm.graph
+    with g.inserting_before(site.read):
+        mask = site.mask
+        if mask is not None and site.read_len is not None:
+            # SDPA saw only [:, :, :end]; the op masks by absolute position over the whole capacity.
+            mval = _val(mask)
+            fill = False if mval.dtype == torch.bool else float("-inf")
+            width = g.call_function(operator.sub, (site.shape[2], site.read_len))
+            mask = g.call_function(F.pad, (mask, (0, width)), {"value": fill})
+        att = g.call_function(torch.ops.kvcompile.attention.default,
+                              (site.query, list(state), mask, site.scale, site.spec_name))
+    _copy_meta(att, site.read)
+    if "example_value" in site.read.meta:
+        att.meta["example_value"] = site.read.meta["example_value"]
+    site.read.replace_all_uses_with(att)
+    g.erase_node(site.read)
+    counters["attention_rewritten"] += 1
+    counters[f"gqa_{site.repeat}"] += 1
+    return att
+
+
+def _impure(n: Node) -> bool:
+    if n.is_impure():
+        return True
+    if n.op == "call_method" and n.target.endswith("_") and not n.target.startswith("__"):
+        return True  # in-place tensor methods (cumulative_length.add_, ...) in a Dynamo graph
+    if n.op == "call_function":
+        if n.target in _IMPURE:
+            return True
+        name = getattr(n.target, "__name__", "")
+        return name.endswith("_") and not name.startswith("__")
+    return False
+
+
+def check_fused(gm: GraphModule, sites: list[Site]) -> None:
+    """After rewriting: nothing may still read or write a rewritten cache tensor."""
+    for s in sites:
+        for cache in (s.k_cache, s.v_cache):
+            left = [f"{u.name} ({_op_name(u)})" for u in cache.users]
+            if left:
+                raise KVCompileError(
+                    f"layer {s.layer}: the cache {_src(cache)} is still used by {', '.join(left)} after the rewrite; "
+                    f"its contents live in the packed store, so this use would see a stand-in. Report this graph.")
+    counters["checked_fused"] += len(sites)
+
+
+def rewrite(gm: GraphModule, sites: list[Site]) -> GraphModule:
+    """Rewrite every site (each must have ``spec_name`` set); adds ``N_STATE`` inputs per site, in order."""
+    groups = add_state_inputs(gm, sites)
+    for s, state in zip(sites, groups):
+        replace_writes(gm, s, state)
+        replace_read(gm, s, state)
+    gm.graph.eliminate_dead_code(is_impure_node=_impure)
+    check_fused(gm, sites)
+    gm.graph.lint()
+    gm.recompile()
+    counters["graphs_rewritten"] += 1
+    return gm
