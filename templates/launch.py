@@ -10,11 +10,15 @@ a CUDA graph; on the CPU (Triton's interpreter) the capacity check reads ``lengt
 """
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 from torch import Tensor
 
-from kvcompile.store import KVState, LayerSpec, _check_append, rotate
+from kvcompile.store import KVState, LayerSpec, _check_append, hadamard, rotate
 
+from . import attention as _attention
 from . import store as _store
 
 MAX_HEAD_DIM = 256  # one head is a single tile in registers
@@ -56,3 +60,36 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
     k = rotate(k, spec).to(dt).contiguous()
     v = rotate(v, spec).to(dt).contiguous()
     _store.launch_store(state, spec, k, v, n_new)
+
+
+def dot_precision(device: torch.device) -> str:
+    """Operand precision of the two matrix products: tf32 tensor cores on CUDA (operands rounded to 10
+    mantissa bits, fp32 accumulation), exact fp32 elsewhere. ``KVCOMPILE_DOT=ieee|tf32`` overrides."""
+    return os.environ.get("KVCOMPILE_DOT") or ("tf32" if device.type == "cuda" else "ieee")
+
+
+def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = None,
+              scale: float | None = None, *, tiles: tuple[int, int, int] | None = None) -> Tensor:
+    """``kvcompile.store.attention_reference`` with Triton kernels.
+
+    q: [B, Hq, n, D], the last n tokens' queries (already stored); Hq a multiple of the store's heads.
+    mask: None (causal), or bool / float broadcastable to [B, Hq, n, C] over absolute key positions.
+    Returns [B, Hq, n, D] in q's dtype. ``tiles`` = (BLOCK_Q, BLOCK_N, NSPLIT) overrides the tiling.
+    """
+    check_supported(spec)
+    B, Hq, n, D = q.shape
+    H, C = spec.heads, spec.capacity
+    if B != spec.batch or D != spec.head_dim or Hq % H:
+        raise ValueError(f"attention expects q of shape [{spec.batch}, k*{H}, n, {spec.head_dim}]; got {tuple(q.shape)}")
+    if mask is not None:
+        if not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
+            raise TypeError(f"attention mask must be bool or floating point; got {mask.dtype}")
+        mask = mask[..., :C].expand(B, Hq, n, C)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    qr = q.float()
+    if spec.policy.rotate:  # as the reference: the query rotated in fp32, the output un-rotated in fp32
+        qr = qr @ hadamard(D, q.device)
+    out = _attention.launch_attention(qr, state, spec, mask, scale, dot_precision(q.device), tiles)
+    if spec.policy.rotate:
+        out = out @ hadamard(D, q.device)
+    return out.to(q.dtype)

@@ -1,0 +1,341 @@
+"""Fused dequantize-attention over one layer's store: split-K flash-decoding and chunked prefill.
+
+Reference: ``kvcompile.store.attention_reference`` (semantics: queries are the last ``n`` tokens, causal
+without a mask, a bool or additive mask over absolute key positions otherwise, a query that sees nothing
+returns zeros) over ``kvcompile.store.dequantize_reference`` (what each position holds).
+
+One kernel serves both shapes of the problem, specialised by its constexprs:
+
+- **decode** (``n == 1``): a program owns one (sequence, KV head) and one slice of the sequence (split-K).
+  Its query rows are the ``G = Hq / H`` query heads that share the KV head (grouped-query attention), so each
+  KV tile is loaded and dequantized once for all of them. ``NSPLIT`` programs per (sequence, head) each
+  cover ``ceil(L / NSPLIT)`` positions -- split by the sequence's length on the device, so a batch of one at
+  128K context still fills the GPU without a host sync -- and ``_merge_kernel`` combines their partial
+  (max, sum, accumulator) triples with the online-softmax rule.
+- **chunked prefill** (``n > 1``): rows are ``BLOCK_Q`` query tokens x ``G`` heads; the key range stops at
+  the block's last query (causal), and the same split-K applies when the grid is small.
+
+A tile of keys/values comes from one of three regions, walked in order by three loops: sinks (``p < S``,
+full precision), packed codes (``S <= p < Q(L)``, dequantized in registers: unpack the little-endian bit
+stream, gather the scale/zero of each element's group), and the residual ring (``Q(L) <= p < L``, slot
+``p % W``). Scores and softmax are fp32 (online softmax); the two matrix products accumulate in fp32 with
+operands in fp32 (``DOT="ieee"``) or rounded to tf32 on the tensor cores (``DOT="tf32"``).
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kvcompile.store import KVState, LayerSpec
+
+from .common import INTERPRET, run
+from .store import _boundary, _kind, nonempty
+
+
+# --------------------------------------------------------------------------- tiles
+@triton.jit
+def _fp8_decode(code, E4M3: tl.constexpr):
+    """fp32 value of fp8 bit patterns (int32 in [0, 256)), by integer arithmetic (works on any GPU)."""
+    if E4M3:
+        e = (code >> 3) & 15
+        m = code & 7
+        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * 0.001953125  # 2**-9
+    else:
+        e = (code >> 2) & 31
+        m = code & 3
+        normal = (((e + 112) << 23) | (m << 21)).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * 0.0000152587890625  # 2**-16
+    val = tl.where(e == 0, sub, normal)
+    return tl.where(code >= 128, -val, val)
+
+
+@triton.jit
+def _packed_tile(codes_ptr, scale_ptr, zero_ptr, idx, tok_ok, sc_t, ss_t,
+                 D: tl.constexpr, DB: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr,
+                 BITS: tl.constexpr, E4M3: tl.constexpr, CHANNEL: tl.constexpr, G: tl.constexpr):
+    """Dequantized fp32 ``[BLOCK_N, DB]`` tile of packed-region rows ``idx`` (position - S); as
+    ``quant.dequantize(quant.unpack(...))``. ``codes_ptr``/``scale_ptr``/``zero_ptr`` point at (b, h)."""
+    c = tl.arange(0, DB)
+    ok = tok_ok[:, None] & (c < D)[None, :]
+    row = idx.to(tl.int64)[:, None] * sc_t
+    if KIND == 3:
+        x = tl.load(codes_ptr + row + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    else:
+        if BITS == 8:
+            code = tl.load(codes_ptr + row + c[None, :], mask=ok, other=0).to(tl.int32)
+        else:
+            if BITS == 3:
+                PER: tl.constexpr = 8
+                NB: tl.constexpr = 3
+            else:
+                PER: tl.constexpr = 8 // BITS
+                NB: tl.constexpr = 1
+            U: tl.constexpr = DB // PER
+            units = tl.arange(0, U)
+            uok = tok_ok[:, None] & (units * PER < D)[None, :]
+            base = codes_ptr + row + units[None, :] * NB
+            word = tl.load(base, mask=uok, other=0).to(tl.int32)
+            for j in tl.static_range(1, NB):
+                word = word | (tl.load(base + j, mask=uok, other=0).to(tl.int32) << (8 * j))
+            shifts = (tl.arange(0, PER) * BITS)[None, None, :]
+            code = tl.reshape((word[:, :, None] >> shifts) & ((1 << BITS) - 1), (BLOCK_N, DB))
+        if CHANNEL:
+            s_off = (idx // G).to(tl.int64)[:, None] * ss_t + c[None, :]
+        else:
+            s_off = idx.to(tl.int64)[:, None] * ss_t + (c // G)[None, :]
+        s = tl.load(scale_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
+        if KIND == 0:
+            z = tl.load(zero_ptr + s_off, mask=ok, other=0.0).to(tl.float32)
+            x = code.to(tl.float32) * s + z
+        elif KIND == 1:
+            x = (code.to(tl.float32) - (1 << (BITS - 1))) * s
+        else:
+            x = _fp8_decode(code, E4M3) * s
+    return x
+
+
+@triton.jit
+def _full_tile(ptr, pos, tok_ok, s_t, D: tl.constexpr, DB: tl.constexpr):
+    """fp32 ``[BLOCK_N, DB]`` tile of full-precision rows ``pos`` (sinks or ring slots) at ``ptr`` (b, h)."""
+    c = tl.arange(0, DB)
+    ok = tok_ok[:, None] & (c < D)[None, :]
+    return tl.load(ptr + pos.to(tl.int64)[:, None] * s_t + c[None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c, sm_scale,
+                 MASK_KIND: tl.constexpr, DOT: tl.constexpr):
+    """One tile of online softmax: scores ``q k^T * scale`` (+ mask), running max ``m_i``, running sum
+    ``l_i`` and unnormalised output ``acc``, all fp32."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT) * sm_scale
+    vis = row_ok[:, None] & kv_ok[None, :]
+    if MASK_KIND == 0:
+        vis = vis & (p[None, :] <= qpos[:, None])
+    elif MASK_KIND == 1:
+        mv = tl.load(mask_rows + p.to(tl.int64)[None, :] * sm_c, mask=vis, other=0)
+        vis = vis & (mv != 0)
+    else:
+        s = s + tl.load(mask_rows + p.to(tl.int64)[None, :] * sm_c, mask=vis, other=0.0).to(tl.float32)
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp() away from NaN
+    alpha = tl.exp(m_i - m_use)
+    pr = tl.exp(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(pr, 1)
+    acc = acc * alpha[:, None] + tl.dot(pr, v, input_precision=DOT)
+    return acc, m_new, l_i
+
+
+# --------------------------------------------------------------------------- kernels
+@triton.jit
+def _attn_kernel(
+    q_ptr, out_ptr, ws_acc, ws_ml,
+    kc, ks, kz, vc, vs, vz, kr, vr, ksk, vsk, len_ptr, mask_ptr,
+    sq_b, sq_h, sq_t,  # q [B, Hq, n, D] fp32, unit stride along D
+    skc_b, skc_h, skc_t, sks_b, sks_h, sks_t,  # key codes, key scale/zero
+    svc_b, svc_h, svc_t, svs_b, svs_h, svs_t,  # value codes, value scale/zero
+    sr_b, sr_h, sr_t, ssk_b, ssk_h, ssk_t,  # rings, sinks (keys and values share strides)
+    sm_b, sm_h, sm_t, sm_c,  # mask, broadcast to [B, Hq, n, C]
+    H, Hq, n, sm_scale,
+    D: tl.constexpr, DB: tl.constexpr, S: tl.constexpr, R: tl.constexpr, F: tl.constexpr, W: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_E4M3: tl.constexpr, K_CHANNEL: tl.constexpr, K_G: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_E4M3: tl.constexpr, V_CHANNEL: tl.constexpr, V_G: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NSPLIT: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
+):
+    """Program (b*H + h, query block, split): rows = BLOCK_Q queries x G heads sharing KV head h.
+
+    NSPLIT == 1 writes the normalised output ``out [B, Hq, n, DB]``; otherwise the partial results go to
+    ``ws_acc [B, Hq, n, NSPLIT, DB]`` and ``ws_ml [B, Hq, n, NSPLIT, 2]`` (running max, running sum).
+    """
+    bh = tl.program_id(0)
+    qblk = tl.program_id(1)
+    split = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    L = tl.load(len_ptr + b)
+    c = tl.arange(0, DB)
+    m = tl.arange(0, BLOCK_M)
+    gq = m % GP
+    qi = qblk * BLOCK_Q + m // GP
+    row_ok = (gq < G) & (m // GP < BLOCK_Q) & (qi < n)
+    hq = h * G + gq
+    q = tl.load(q_ptr + b.to(tl.int64) * sq_b + hq.to(tl.int64)[:, None] * sq_h + qi[:, None] * sq_t + c[None, :],
+                mask=row_ok[:, None] & (c < D)[None, :], other=0.0)
+    qpos = L - n + qi  # each query's own absolute position
+    mask_rows = mask_ptr + b.to(tl.int64) * sm_b + hq.to(tl.int64)[:, None] * sm_h + qi[:, None] * sm_t
+    # the positions this block may see, split evenly (in whole tiles) across NSPLIT programs
+    if MASK_KIND == 0:
+        end = tl.maximum(L - n + tl.minimum(qblk * BLOCK_Q + BLOCK_Q, n), 0)
+    else:
+        end = L
+    per = tl.cdiv(tl.cdiv(end, NSPLIT), BLOCK_N) * BLOCK_N
+    lo = split * per
+    hi = tl.minimum(lo + per, end)
+    QL = _boundary(L, S, R, F)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DB], tl.float32)
+    offs = tl.arange(0, BLOCK_N)
+    if S > 0:
+        sk = ksk + b.to(tl.int64) * ssk_b + h.to(tl.int64) * ssk_h
+        sv = vsk + b.to(tl.int64) * ssk_b + h.to(tl.int64) * ssk_h
+        stop = tl.minimum(hi, S)
+        for start in range(lo, stop, BLOCK_N):
+            p = start + offs
+            kv_ok = p < stop
+            k = _full_tile(sk, p, kv_ok, ssk_t, D, DB)
+            v = _full_tile(sv, p, kv_ok, ssk_t, D, DB)
+            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c,
+                                         sm_scale, MASK_KIND, DOT)
+    kcb = kc + b.to(tl.int64) * skc_b + h.to(tl.int64) * skc_h
+    ksb = b.to(tl.int64) * sks_b + h.to(tl.int64) * sks_h
+    vcb = vc + b.to(tl.int64) * svc_b + h.to(tl.int64) * svc_h
+    vsb = b.to(tl.int64) * svs_b + h.to(tl.int64) * svs_h
+    stop = tl.minimum(hi, QL)
+    for start in range(tl.maximum(lo, S), stop, BLOCK_N):
+        p = start + offs
+        kv_ok = p < stop
+        k = _packed_tile(kcb, ks + ksb, kz + ksb, p - S, kv_ok, skc_t, sks_t, D, DB, BLOCK_N,
+                         K_KIND, K_BITS, K_E4M3, K_CHANNEL, K_G)
+        v = _packed_tile(vcb, vs + vsb, vz + vsb, p - S, kv_ok, svc_t, svs_t, D, DB, BLOCK_N,
+                         V_KIND, V_BITS, V_E4M3, V_CHANNEL, V_G)
+        acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c,
+                                     sm_scale, MASK_KIND, DOT)
+    if W > 0:
+        rk = kr + b.to(tl.int64) * sr_b + h.to(tl.int64) * sr_h
+        rv = vr + b.to(tl.int64) * sr_b + h.to(tl.int64) * sr_h
+        for start in range(tl.maximum(lo, QL), hi, BLOCK_N):
+            p = start + offs
+            kv_ok = p < hi
+            k = _full_tile(rk, p % W, kv_ok, sr_t, D, DB)
+            v = _full_tile(rv, p % W, kv_ok, sr_t, D, DB)
+            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c,
+                                         sm_scale, MASK_KIND, DOT)
+
+    r = (b.to(tl.int64) * Hq + hq) * n + qi  # [BLOCK_M] row of [B, Hq, n]
+    if NSPLIT == 1:
+        lsafe = tl.where(l_i > 0, l_i, 1.0)
+        out = tl.math.div_rn(acc, lsafe[:, None])
+        out = tl.where((l_i > 0)[:, None], out, 0.0)  # a query that sees nothing returns zeros
+        tl.store(out_ptr + r[:, None] * DB + c[None, :], out, mask=row_ok[:, None])
+    else:
+        w = r * NSPLIT + split
+        tl.store(ws_acc + w[:, None] * DB + c[None, :], acc, mask=row_ok[:, None])
+        tl.store(ws_ml + w * 2, m_i, mask=row_ok)
+        tl.store(ws_ml + w * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(out_ptr, ws_acc, ws_ml, NSPLIT: tl.constexpr, NSPLIT_B: tl.constexpr, DB: tl.constexpr):
+    """out[r] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the splits of row r (zeros if empty)."""
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, NSPLIT_B)
+    c = tl.arange(0, DB)
+    ok = sp < NSPLIT
+    w = r * NSPLIT + sp
+    m = tl.load(ws_ml + w * 2, mask=ok, other=float("-inf"))
+    l = tl.load(ws_ml + w * 2 + 1, mask=ok, other=0.0)
+    M = tl.max(m, 0)
+    scale = tl.exp(m - tl.where(M == float("-inf"), 0.0, M))
+    lsum = tl.sum(scale * l, 0)
+    acc = tl.sum(scale[:, None] * tl.load(ws_acc + w[:, None] * DB + c[None, :], mask=ok[:, None], other=0.0), 0)
+    out = tl.math.div_rn(acc, tl.where(lsum > 0, lsum, 1.0))
+    tl.store(out_ptr + r * DB + c, tl.where(lsum > 0, out, 0.0))
+
+
+# --------------------------------------------------------------------------- launcher
+@functools.lru_cache(maxsize=None)
+def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, gqa: int, block_q: int,
+                     block_n: int, nsplit: int, mask_kind: int, dot: str) -> tuple[str, dict]:
+    """The constexprs of one ``_attn_kernel`` specialization, and the key that spells it out (memoised)."""
+    D = head_dim
+    kw = dict(D=D, DB=max(16, triton.next_power_of_2(D)), S=sink, R=policy.residual, F=flush, W=ring)
+    for pre, q in (("K_", policy.key), ("V_", policy.value)):
+        kw.update({pre + "KIND": _kind(q), pre + "BITS": q.bits, pre + "E4M3": q.format == "fp8_e4m3",
+                   pre + "CHANNEL": q.quantized and q.axis == "channel",
+                   pre + "G": q.group_for(D) if q.quantized else 1})
+    gp = triton.next_power_of_2(gqa)
+    kw.update(G=gqa, GP=gp, BLOCK_Q=block_q, BLOCK_M=max(16, gp * block_q), BLOCK_N=block_n, NSPLIT=nsplit,
+              MASK_KIND=mask_kind, DOT=dot)
+    key = (f"attention[k={policy.key.key()};v={policy.value.key()};S={sink};R={policy.residual};F={flush};"
+           f"W={ring};D={D};gqa={gqa};bq={block_q};bn={block_n};split={nsplit};mask={mask_kind};dot={dot}]")
+    return key, kw
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def default_tiles(spec: LayerSpec, n: int, gqa: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_Q, BLOCK_N, NSPLIT) from static shapes only. The interpreter gets small tiles (each op costs
+    Python time; small tiles also make short test sequences cross tile and split boundaries)."""
+    gp = triton.next_power_of_2(gqa)
+    rows = 16 if INTERPRET else 64
+    block_q = 1 if n == 1 else min(triton.next_power_of_2(n), max(1, rows // gp))
+    block_n = 16 if INTERPRET else (64 if spec.head_dim <= 128 else 32)
+    programs = spec.batch * spec.heads * triton.cdiv(n, block_q)
+    if INTERPRET:
+        nsplit = 3 if n == 1 else 1
+    else:  # about two programs per SM, but never slices shorter than 4 tiles of the capacity
+        nsplit = max(1, min(triton.cdiv(2 * _sm_count(device), programs), triton.cdiv(spec.capacity, 4 * block_n)))
+    return block_q, block_n, nsplit
+
+
+def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float,
+                     dot: str, tiles: tuple[int, int, int] | None = None) -> Tensor:
+    """Attention of ``q [B, Hq, n, D]`` (fp32, already rotated) over ``state``; returns fp32 [B, Hq, n, D].
+
+    ``mask``: None, or bool / float already broadcast (``expand``) to ``[B, Hq, n, C]``.
+    """
+    B, Hq, n, D = q.shape
+    H = spec.heads
+    G = Hq // H
+    block_q, block_n, nsplit = tiles or default_tiles(spec, n, G, q.device)
+    mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
+    _, kw = attention_config(spec.policy, D, spec.sink, spec.flush, spec.ring, G, block_q, block_n, nsplit,
+                             mask_kind, dot)
+    DB = kw["DB"]
+    q = q.contiguous()
+    dev = q.device
+    out = torch.empty(B, Hq, n, DB, dtype=torch.float32, device=dev)
+    if nsplit > 1:
+        ws_acc = torch.empty(B, Hq, n, nsplit, DB, dtype=torch.float32, device=dev)
+        ws_ml = torch.empty(B, Hq, n, nsplit, 2, dtype=torch.float32, device=dev)
+    else:
+        ws_acc = ws_ml = out
+    if mask is None:
+        mask_t, mstr = state.lengths, (0, 0, 0, 0)
+    else:
+        mask_t = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        mstr = mask_t.stride()
+
+    def strides(t):
+        return t.stride()[:3] if t.numel() else (0, 0, 0)
+
+    skc, sks, svc, svs = strides(state.k_codes), strides(state.k_scale), strides(state.v_codes), strides(state.v_scale)
+    sr, ssk = strides(state.k_res), strides(state.k_sink)
+    args = dict(
+        q_ptr=q, out_ptr=out, ws_acc=ws_acc, ws_ml=ws_ml,
+        kc=nonempty(state.k_codes), ks=nonempty(state.k_scale), kz=nonempty(state.k_zero),
+        vc=nonempty(state.v_codes), vs=nonempty(state.v_scale), vz=nonempty(state.v_zero),
+        kr=nonempty(state.k_res), vr=nonempty(state.v_res), ksk=nonempty(state.k_sink), vsk=nonempty(state.v_sink),
+        len_ptr=state.lengths, mask_ptr=nonempty(mask_t),
+        sq_b=q.stride(0), sq_h=q.stride(1), sq_t=q.stride(2),
+        skc_b=skc[0], skc_h=skc[1], skc_t=skc[2], sks_b=sks[0], sks_h=sks[1], sks_t=sks[2],
+        svc_b=svc[0], svc_h=svc[1], svc_t=svc[2], svs_b=svs[0], svs_h=svs[1], svs_t=svs[2],
+        sr_b=sr[0], sr_h=sr[1], sr_t=sr[2], ssk_b=ssk[0], ssk_h=ssk[1], ssk_t=ssk[2],
+        sm_b=mstr[0], sm_h=mstr[1], sm_t=mstr[2], sm_c=mstr[3],
+        H=H, Hq=Hq, n=n, sm_scale=float(scale), **kw,
+    )
+    run(_attn_kernel, (B * H, triton.cdiv(n, block_q), nsplit), args,
+        num_warps=4 if kw["BLOCK_M"] * DB <= 64 * 128 else 8)
+    if nsplit > 1:
+        run(_merge_kernel, (B * Hq * n,), dict(out_ptr=out, ws_acc=ws_acc, ws_ml=ws_ml, NSPLIT=nsplit,
+                                               NSPLIT_B=triton.next_power_of_2(nsplit), DB=DB))
+    return out[..., :D]
