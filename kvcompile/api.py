@@ -6,7 +6,7 @@
 
 How the pieces fit:
 
-- ``apply`` swaps each cache tensor for a zero-stride stand-in (``kvcompile.standin``) and allocates the
+- ``apply`` swaps each cache tensor for a stand-in (a few KB, unit strides) (``kvcompile.standin``) and allocates the
   layer's packed ``KVState`` beside it, so no full-precision cache of full capacity exists. For Hugging Face
   models the caches are ``KVCompileCache`` objects (``kvcompile.hf``) that ``apply`` creates for ``forward``
   and ``generate`` whenever the caller passes none.
@@ -118,8 +118,8 @@ class _Analyzed(Exception):
 def check_kernel_support(spec: LayerSpec, device: torch.device) -> None:
     """Fail at compile time, naming the layer's policy, if the kernels that will run cannot do this layout.
 
-    The Triton launcher (``kvcompile.templates.launch``) may define ``check(spec)`` raising for layouts it does
-    not support; the pure-torch reference supports every layout.
+    The Triton launcher (``kvcompile.templates.launch``) defines ``check_supported(spec)``, which raises for
+    layouts it does not implement; the pure-torch reference supports every layout.
     """
     if ops.kernels(device) != "triton":
         return
@@ -128,7 +128,7 @@ def check_kernel_support(spec: LayerSpec, device: torch.device) -> None:
     except ImportError as e:
         raise KVCompileError(f"kvcompile is set to run its Triton kernels, but they cannot be imported ({e}); "
                              f"use kvcompile.ops.set_kernels('reference')") from e
-    check = getattr(launch, "check", None)
+    check = getattr(launch, "check_supported", None)
     if check is not None:
         try:
             check(spec)
@@ -171,6 +171,7 @@ def _bind(gm, sites: list[Site], analysis, opts: Options, allocate: bool):
                                      f"kvcompile stores; the pass cannot pair this write with this read")
             specs.append(slot.spec)
             owned.append(slot.owned)
+            s.layer = slot.layer or s.layer  # the name its policy was resolved by
         s.spec_name = specs[-1].register()
         check_kernel_support(specs[-1], kt.device)
         k_index.append(index[s.k_cache])

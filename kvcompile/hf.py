@@ -10,7 +10,7 @@ reference path and the quality evaluation use).
 
 Under Dynamo tracing (``torch.compiler.is_compiling()``) ``update`` does what a StaticLayer does --
 ``keys.index_copy_(2, pos, k)`` and returns ``keys, values`` -- on *stand-ins* (``kvcompile.standin``):
-zero-stride tensors of the full cache shape that hold one element. The graph therefore shows the same
+tensors of the full cache shape over ``B + H + C + D`` elements (unit strides). The graph therefore shows the same
 write/read pattern as a plain StaticCache, and the FX pass (``kvcompile.passes``) rewrites it into
 ``kvcompile.store`` / ``kvcompile.attention`` over the layer's packed state, so no full-precision view of
 the cache is ever built. The stand-ins and the packed state are created together, outside the graph, by
@@ -43,7 +43,7 @@ def model_shape(config) -> tuple[int, int, int]:
 class KVCompileLayer(StaticLayer):
     """One decoder layer's quantized cache, with StaticLayer's interface (``max_cache_len`` slots).
 
-    keys, values: stand-ins ``[B, H, max_cache_len, D]`` (one element of memory each); the data lives in
+    keys, values: stand-ins ``[B, H, max_cache_len, D]`` (B + H + C + D elements each); the data lives in
     ``state`` (a packed ``KVState``), registered with ``kvcompile.standin`` under the stand-ins.
     """
 
@@ -112,7 +112,7 @@ class KVCompileLayer(StaticLayer):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the packed store plus the stand-ins' one element each."""
+        """Bytes held: the packed store plus the two stand-ins (B + H + C + D elements each)."""
         if not self.is_initialized:
             return 0
         return state_nbytes(self.state) + 2 * self.keys.untyped_storage().nbytes()

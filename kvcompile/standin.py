@@ -1,10 +1,15 @@
 """Zero-stride stand-ins for cache tensors, and the registry that maps each one to its packed store.
 
 A model's cache tensor (``k_cache [B, H, C, D]``, a StaticLayer's ``keys``) is replaced by a *stand-in*: a
-tensor of the same shape, dtype and device whose strides are all zero, a view of one element. It costs one
-element of memory, it traces through Dynamo exactly like the real buffer (the graph shows the same writes
-and reads on a placeholder), and it can never be used by mistake: writing into it raises ("more than one
-element of the written-to tensor refers to a single memory location") unless the pass replaced the write.
+tensor of the same shape, dtype and device with strides ``(1, 1, 1, 1)`` over ``B + H + C + D - 3``
+elements (16 KB for a [1, 8, 8192, 128] bf16 cache that would hold 16 MB). It traces through Dynamo exactly
+like the real buffer: the graph shows the same writes and reads on a placeholder.
+
+Why not all-zero strides (one element): fake-tensor propagation rejects a slice assignment into a tensor
+with a zero stride ("more than one element of the written-to tensor refers to a single memory location"),
+so torchtune-style ``cache[:, :, a:b] = k`` would not trace. Unit strides overlap just as much but are not
+flagged by the overlap check, and every write/read of a registered stand-in is rewritten by the pass (or the
+backend raises), so the overlapping memory is never used.
 
 Each stand-in is registered here with the layer's packed ``KVState``. The registry is keyed by tensor
 identity and holds its keys weakly, so a cache that goes away takes its store with it. The compiled graph
@@ -43,16 +48,18 @@ _SLOTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def make_standin(shape, dtype: torch.dtype, device) -> Tensor:
-    """A ``shape`` tensor of ``dtype`` on ``device`` that holds one element (all strides zero).
+    """A ``shape`` tensor of ``dtype`` on ``device`` over ``sum(shape) - len(shape) + 1`` elements.
 
-    Each stand-in gets its own one-element base: two stand-ins sharing storage would look aliased to
-    Dynamo and AOTAutograd.
+    Each stand-in gets its own storage: two stand-ins sharing storage would look aliased to Dynamo and
+    AOTAutograd.
     """
-    return torch.zeros(1, dtype=dtype, device=device).expand(*shape)
+    base = torch.zeros(sum(shape) - len(shape) + 1, dtype=dtype, device=device)
+    return base.as_strided(tuple(shape), (1,) * len(shape))
 
 
 def is_standin(t: Tensor) -> bool:
-    return isinstance(t, Tensor) and t.dim() > 0 and all(s == 0 for s in t.stride()) and t.numel() > 1
+    return (isinstance(t, Tensor) and t.dim() > 0 and t.numel() > 1
+            and t.untyped_storage().nbytes() < t.numel() * t.element_size())
 
 
 def register(k: Tensor, v: Tensor, spec: LayerSpec, layer: str, owned: bool, state: KVState | None = None) -> KVState:

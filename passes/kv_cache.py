@@ -9,7 +9,7 @@ before AOTAutograd and Inductor. Three reasons:
   are functional ``index_put`` nodes plus a ``copy_`` epilogue into the input, and the read goes through the
   functionalized value, so "which read sees which write" has to be reconstructed.
 - Each node carries ``meta["nn_module_stack"]``, which names the layer, and each placeholder carries
-  ``meta["grapharg"]`` whose ``example`` is the real tensor: the zero-stride stand-in that
+  ``meta["grapharg"]`` whose ``example`` is the real tensor: the stand-in (unit strides, a few KB) that
   ``kvcompile.apply`` put in place of the cache, which keys the layer's packed store.
 - The rewritten graph still goes on to Inductor (or runs as is): the rest of the model is compiled as usual
   and kvcompile's ops are opaque custom ops to it.
@@ -193,7 +193,7 @@ def _as_write(n: Node, cache: Node) -> Write | None:
         dim = _arg(n, 1, "dim")
         if dim in (2, -2):
             return Write(n, _arg(n, 3, "source"), _arg(n, 2, "index"), "index_copy_")
-    if n.op == "call_method" and name == "index_put_" and n.args[0] is cache:
+    if name == "index_put_" and n.op in ("call_method", "call_function") and n.args[0] is cache:
         idx = tuple(_arg(n, 1, "indices"))
         if len(idx) == 3 and idx[0] is None and idx[1] is None and isinstance(idx[2], Node):
             return Write(n, _arg(n, 2, "values"), idx[2], "index_put_")
@@ -223,7 +223,7 @@ def find_writes(cache: Node, reads: set[Node]) -> tuple[list[Write], list[Node]]
 
 def _looks_like_cache_write(n: Node) -> Node | None:
     """The 4-D placeholder that ``n`` writes into in place, if it is one (for the unpaired-write report)."""
-    if n.op == "call_method" and _op_name(n) in ("index_copy_", "index_put_", "copy_"):
+    if n.op in ("call_method", "call_function") and _op_name(n) in ("index_copy_", "index_put_", "copy_"):
         tgt = n.args[0]
     elif n.op == "call_function" and n.target is operator.setitem:
         tgt = n.args[0]
@@ -250,7 +250,7 @@ def _match_read(gm: GraphModule, read: Node, order: dict) -> Site | Skipped:
         return Skipped(layer, read.name, "keys and values are read from the same tensor")
     if a.get("dropout_p", 0.0) not in (0, 0.0):
         return Skipped(layer, read.name, f"SDPA with dropout_p={a['dropout_p']} (training) is not rewritten")
-    chains = set(k_chain) | set(v_chain)
+    chains = set(k_chain) | set(v_chain) | {read}
     wk, other_k = find_writes(kc, chains)
     wv, other_v = find_writes(vc, chains)
     for name, ws, other in (("keys", wk, other_k), ("values", wv, other_v)):
