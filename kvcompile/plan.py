@@ -1,0 +1,227 @@
+"""How many concurrent sequences fit on a GPU: a symbolic planner over the exact cache layout.
+
+The bytes one sequence's cache holds are written as a sympy expression of the context length ``C``,
+term by term from the store's layout (``kvcompile.store``): packed codes, scales and zero points of the
+quantized region, the full-precision residual ring and sinks, and the per-sequence length counter. Tests
+check the expression against ``LayerSpec.nbytes`` of the allocated layout, so the planner and the cache
+cannot disagree. Then::
+
+    sequences = floor((gpu_bytes * utilization - weight_bytes) / bytes_per_sequence(C))
+
+``ideal(bits)`` is the textbook count the two source articles use: ``bits / 8`` bytes per element, scales
+and residual ignored. Comparing the two shows what a real policy's overhead costs.
+
+Units: the Llama 3 8B article writes decimal gigabytes (16.1 GB of weights on an 80 GB GPU); the 70B one
+writes binary units (320 KB per token is 327,680 bytes, 1.25 GB per 4K conversation is 1.25 GiB). The
+functions take bytes; the presets say which unit their source meant.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import sympy as sp
+
+from .policy import Policy
+from .store import LayerSpec
+
+GB = 10 ** 9
+GiB = 2 ** 30
+C = sp.Symbol("C", integer=True, nonnegative=True)  # context length (tokens per sequence)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a model: its cache geometry and its weights' bytes."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    weight_bytes: float
+    dtype_bytes: int = 2  # the cache's full-precision dtype (bf16)
+
+    def __post_init__(self):
+        for f in ("layers", "kv_heads", "head_dim", "dtype_bytes"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                raise ValueError(f"ModelShape.{f}={getattr(self, f)!r}: expected a positive integer")
+        if self.weight_bytes < 0:
+            raise ValueError(f"ModelShape.weight_bytes={self.weight_bytes!r}: expected >= 0")
+
+
+PRESETS = {
+    # Meta Llama 3: 8B has 32 layers, 8 KV heads of 128; 70B has 80 layers, same heads. BF16 weights.
+    "llama3-8b": ModelShape("Llama 3 8B", 32, 8, 128, 16.1 * GB),
+    "llama3-70b": ModelShape("Llama 3 70B", 80, 8, 128, 141.0 * GB),
+}
+
+
+def shape_from_config(path_or_config, weight_bytes: float | None = None, name: str | None = None) -> ModelShape:
+    """A ``ModelShape`` from a Hugging Face config (a ``PretrainedConfig``, a ``config.json`` or its folder).
+
+    ``weight_bytes`` defaults to the size of the folder's ``*.safetensors`` / ``*.bin`` files.
+    """
+    from .hf import model_shape
+
+    folder = None
+    cfg = path_or_config
+    if isinstance(cfg, (str, Path)):
+        p = Path(cfg)
+        folder = p if p.is_dir() else p.parent
+        from transformers import AutoConfig
+        cfg = AutoConfig.from_pretrained(folder)
+    layers, kv, hd = model_shape(cfg)
+    if weight_bytes is None:
+        files = list(folder.glob("*.safetensors")) + list(folder.glob("*.bin")) if folder else []
+        if not files:
+            raise ValueError("the weights' size is unknown: pass weight_bytes (--weights-gb) or a model folder "
+                             "that holds its *.safetensors files")
+        weight_bytes = sum(f.stat().st_size for f in files)
+    return ModelShape(name or getattr(cfg, "name_or_path", "") or "model", layers, kv, hd, float(weight_bytes))
+
+
+# --------------------------------------------------------------------------- bytes per sequence
+def _quant_bytes(q, D: int, tokens, scale_bytes: int, dtype_bytes: int):
+    """Bytes one head's keys (or values) take over ``tokens`` packed positions (a sympy expression)."""
+    if not q.quantized:
+        return tokens * D * dtype_bytes
+    codes = tokens * D * q.bits / sp.Integer(8)
+    per_scale = scale_bytes * (2 if q.has_zero else 1)  # a zero point has the scale's dtype
+    if q.axis == "token":
+        scales = tokens * (D // q.group_for(D))
+    else:
+        scales = tokens / q.group * D  # tokens is a whole number of groups by construction
+    return codes + scales * per_scale
+
+
+def layer_bytes_expr(policy: Policy, kv_heads: int, head_dim: int, dtype_bytes: int = 2, context=C):
+    """Exact bytes of one layer's store for one sequence of ``context`` tokens (capacity), as sympy.
+
+    Mirrors ``LayerSpec``: sinks ``S = min(sink, C)``; packed ``Cq = floor(max(0, C - S - R) / F) * F``;
+    residual ring ``min(R + F - 1, C - S)``; an int32 length per sequence.
+    """
+    H, D = kv_heads, head_dim
+    S = sp.Min(policy.sink, context)
+    F, R = policy.flush, policy.residual
+    Cq = sp.floor(sp.Max(0, context - S - R) / F) * F
+    ring = sp.Min(R + F - 1, context - S)
+    total = 0
+    for q in (policy.key, policy.value):
+        scale_bytes = 2 if q.scale_dtype == "float16" else 4
+        total += H * _quant_bytes(q, D, Cq, scale_bytes, dtype_bytes)
+    total += 2 * H * (ring + S) * D * dtype_bytes + 4
+    return total
+
+
+def sequence_bytes_expr(policy: Policy, shape: ModelShape, context=C):
+    """Exact bytes of one sequence's whole cache (every layer, per-layer overrides resolved)."""
+    names = [f"model.layers.{i}.self_attn" for i in range(shape.layers)]
+    return sp.Add(*[layer_bytes_expr(p, shape.kv_heads, shape.head_dim, shape.dtype_bytes, context)
+                    for p in policy.resolve(names)])
+
+
+def ideal_sequence_bytes_expr(bits: float, shape: ModelShape, context=C):
+    """The articles' count: ``bits / 8`` bytes per cached element, nothing else."""
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * sp.nsimplify(bits) / 8 * context
+
+
+def sequences_expr(seq_bytes, available):
+    """``floor(available / bytes_per_sequence)`` as a sympy expression (``available`` may be a symbol)."""
+    return sp.floor(available / seq_bytes)
+
+
+def available_bytes(gpu_bytes: float, utilization: float, weight_bytes: float) -> float:
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization={utilization}: expected a fraction in (0, 1]")
+    avail = gpu_bytes * utilization - weight_bytes
+    if avail <= 0:
+        raise ValueError(f"nothing is left for the cache: {gpu_bytes * utilization / GB:.1f} GB usable, "
+                         f"{weight_bytes / GB:.1f} GB of weights; use a larger GPU or a smaller model")
+    return avail
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    label: str
+    bytes_per_token: float
+    sequence_bytes: int
+    sequences: int
+    policy: str
+
+    def as_dict(self):
+        return dict(self.__dict__)
+
+
+def plan_policy(label: str, policy_or_bits, shape: ModelShape, context: int, available: float) -> PlanRow:
+    """One row: a ``Policy`` (exact layout) or a number of bits (ideal, overhead ignored)."""
+    if isinstance(policy_or_bits, Policy):
+        expr, desc = sequence_bytes_expr(policy_or_bits, shape), str(policy_or_bits)
+    else:
+        expr, desc = ideal_sequence_bytes_expr(policy_or_bits, shape), f"ideal {policy_or_bits} bits"
+    seq = expr.subs(C, context)
+    n = sequences_expr(seq, sp.Rational(int(available)) if float(available).is_integer() else available)
+    return PlanRow(label, float(seq) / context, int(sp.ceiling(seq)), int(n), desc)
+
+
+def default_policies() -> dict[str, object]:
+    """The rows ``kvcompile plan`` shows: the articles' ideal widths, then real policies."""
+    return {
+        "ideal 16-bit": 16, "ideal 8-bit": 8, "ideal 4-bit": 4, "ideal 2-bit": 2,
+        "bf16 (kvcompile full)": Policy.full(),
+        "int8 per token": Policy.int8(),
+        "fp8 e4m3, R=128": Policy.fp8(),
+        "KIVI 4-bit G32 R128": Policy.kivi(4),
+        "KIVI 2-bit G32 R128": Policy.kivi(2),
+    }
+
+
+def plan(shape: ModelShape, context: int, gpu_bytes: float = 80 * GB, utilization: float = 0.9,
+         available: float | None = None, policies: dict | None = None) -> list[PlanRow]:
+    """Sequences per GPU for each policy (``available`` overrides gpu * utilization - weights)."""
+    avail = available if available is not None else available_bytes(gpu_bytes, utilization, shape.weight_bytes)
+    return [plan_policy(k, v, shape, context, avail) for k, v in (policies or default_policies()).items()]
+
+
+def format_table(rows: list[PlanRow], shape: ModelShape, context: int, available: float) -> str:
+    base = next((r for r in rows if r.label.startswith("ideal 16")), rows[0])
+    lines = [f"{shape.name}: {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim}, "
+             f"{context:,}-token sequences, {available / GB:.1f} GB ({available / GiB:.1f} GiB) for the cache",
+             f"{'policy':<24}{'bytes/token':>13}{'GB/seq':>9}{'sequences':>11}{'vs 16-bit':>11}"]
+    for r in rows:
+        lines.append(f"{r.label:<24}{r.bytes_per_token:>13,.0f}{r.sequence_bytes / GB:>9.3f}{r.sequences:>11}"
+                     f"{r.sequences / max(base.sequences, 1):>10.2f}x")
+    return "\n".join(lines)
+
+
+def plot(shape: ModelShape, available: float, path, policies: dict | None = None,
+         contexts=(1024, 2048, 4096, 8192, 16384, 32768)) -> Path:
+    """Sequences per GPU vs context length, one line per policy (ideal widths dashed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = policies or default_policies()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for label, pol in policies.items():
+        ys = [plan_policy(label, pol, shape, c, available).sequences for c in contexts]
+        ax.plot(contexts, ys, "--" if not isinstance(pol, Policy) else "-", marker="o", ms=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("concurrent sequences")
+    ax.set_title(f"{shape.name}: {available / GB:.1f} GB for the KV cache")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def to_json(rows: list[PlanRow], shape: ModelShape, context: int, available: float) -> str:
+    return json.dumps({"model": shape.__dict__, "context": context, "available_bytes": available,
+                       "rows": [r.as_dict() for r in rows]}, indent=2)

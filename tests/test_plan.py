@@ -1,0 +1,95 @@
+"""The planner: the source articles' numbers, and the symbolic layout against the allocated one."""
+import json
+
+import pytest
+import sympy as sp
+from hypothesis import given, strategies as st
+
+from kvcompile import Policy, Quant
+from kvcompile import plan as P
+from kvcompile.store import LayerSpec
+
+
+def test_llama3_8b_reproduces_the_plate():
+    # Plate: 16.1 GB of BF16 weights, 80 GB at 90 %, 8,192-token conversations, scales ignored.
+    shape = P.PRESETS["llama3-8b"]
+    avail = P.available_bytes(80 * P.GB, 0.9, shape.weight_bytes)
+    got = {bits: P.plan_policy("", bits, shape, 8192, avail).sequences for bits in (16, 8, 4)}
+    assert got == {16: 52, 8: 104, 4: 208}
+
+
+def test_llama3_70b_reproduces_the_article():
+    shape = P.PRESETS["llama3-70b"]
+    row = P.plan_policy("bf16", 16, shape, 4096, 45 * P.GiB)
+    assert row.bytes_per_token == 320 * 1024            # "320 KB per token"
+    assert row.sequence_bytes == 1.25 * P.GiB            # "1.25 GB per 4K conversation"
+    assert row.sequences == 36                           # "36 fit in 45 GB"
+
+
+def test_real_overhead_costs_sequences():
+    shape = P.PRESETS["llama3-8b"]
+    rows = {r.label: r for r in P.plan(shape, 8192)}
+    ideal4, kivi4 = rows["ideal 4-bit"], rows["KIVI 4-bit G32 R128"]
+    # int4 codes plus an fp16 scale and zero per 32 elements: 4 + 32/32 = 5 bits, plus the bf16 residual
+    assert kivi4.bytes_per_token > ideal4.bytes_per_token * 5 / 4
+    assert kivi4.sequences < ideal4.sequences
+    assert rows["int8 per token"].sequences < rows["ideal 8-bit"].sequences
+    # kvcompile's own full-precision store carries a 4-byte length per layer: never more than the ideal
+    assert rows["bf16 (kvcompile full)"].sequences <= rows["ideal 16-bit"].sequences
+
+
+quants = st.builds(
+    Quant,
+    format=st.sampled_from(["int8", "int4", "int3", "int2", "fp8_e4m3", "none"]),
+    axis=st.sampled_from(["token", "channel"]),
+    group=st.sampled_from([8, 16, 32, 64]),
+    scale_dtype=st.sampled_from(["float16", "float32"]),
+)
+
+
+@given(k=quants, v=quants, residual=st.integers(0, 300), sink=st.integers(0, 8), context=st.integers(1, 3000),
+       heads=st.integers(1, 4), head_dim=st.sampled_from([64, 128]), dtype=st.sampled_from(["bfloat16", "float32"]))
+def test_expression_equals_allocated_layout(k, v, residual, sink, context, heads, head_dim, dtype):
+    pol = Policy(k, v, residual=residual, sink=sink)
+    el = 2 if dtype == "bfloat16" else 4
+    expr = P.layer_bytes_expr(pol, heads, head_dim, el)
+    assert expr.subs(P.C, context) == LayerSpec(pol, 1, heads, context, head_dim, dtype).nbytes()
+
+
+def test_overrides_are_summed_per_layer():
+    shape = P.ModelShape("tiny", 4, 2, 64, 0)
+    pol = Policy.kivi(2).override({0: Policy.int8(), -1: None})
+    want = sum(LayerSpec(p, 1, 2, 4096, 64, "bfloat16").nbytes()
+               for p in pol.resolve([f"model.layers.{i}.self_attn" for i in range(4)]))
+    assert P.sequence_bytes_expr(pol, shape).subs(P.C, 4096) == want
+
+
+def test_sequences_is_symbolic_in_memory():
+    shape = P.PRESETS["llama3-8b"]
+    M = sp.Symbol("M", positive=True)
+    n = P.sequences_expr(P.ideal_sequence_bytes_expr(16, shape).subs(P.C, 8192), M)
+    assert n.subs(M, 2 * 2 ** 30 * 2) == 4  # 4 GiB / 1 GiB per sequence
+
+
+def test_nothing_left_for_the_cache_is_an_error():
+    with pytest.raises(ValueError, match="nothing is left"):
+        P.available_bytes(16 * P.GB, 0.9, 16.1 * P.GB)
+
+
+def test_shape_from_config_folder(tmp_path):
+    from transformers import LlamaConfig
+    LlamaConfig(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=256).save_pretrained(
+        tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    s = P.shape_from_config(tmp_path)
+    assert (s.layers, s.kv_heads, s.head_dim, s.weight_bytes) == (3, 2, 64, 1000)
+
+
+def test_plot_and_json(tmp_path):
+    shape = P.PRESETS["llama3-8b"]
+    avail = P.available_bytes(80 * P.GB, 0.9, shape.weight_bytes)
+    png = P.plot(shape, avail, tmp_path / "plan.png", contexts=(1024, 8192))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    rows = P.plan(shape, 8192, available=avail)
+    data = json.loads(P.to_json(rows, shape, 8192, avail))
+    assert [r["sequences"] for r in data["rows"]][:3] == [52, 104, 208]
