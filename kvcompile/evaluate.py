@@ -1,0 +1,507 @@
+"""What a policy costs in quality: held-out loss and long-context passkey retrieval, on a real model.
+
+Held-out loss: windows of ``N`` tokens from ``pydoc_data.topics`` (ships with Python, so nothing is
+downloaded). The first half of each window is prefilled through the cache, the second half is fed through
+it in chunks of 64 tokens, and the loss is the mean cross-entropy over the second half. Every token the
+model attends to has gone through the policy's store, so the number includes what a real decode sees.
+
+Passkey retrieval: a random 5-digit key hidden at a random depth in ``L`` tokens of filler; the model must
+continue "The pass key is" with it. A trial counts as retrieved when greedy decoding would produce every
+digit: the answer is fed teacher-forced and each answer token must be the argmax (the same outcome as
+greedy generation, in one forward).
+
+Numerics come from ``KVCompileCache`` in eager mode (the reference store). Its ``update`` dequantizes the
+whole cache at every call; here ``_EvalCache`` keeps that view and refreshes only the positions an append
+changed (sinks written, tokens flushed to packed storage, the residual ring). Packed tokens never change
+once written, so the view is identical to ``dequantize_reference`` -- tests assert it bit for bit --
+at about a fifth of the cost per 64-token chunk (the full dequantize re-unpacks all ``max_cache_len``
+codes of every layer every chunk).
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from . import quant as Q
+from .accounting import bytes_per_token, full_precision_bytes_per_token
+from .hf import KVCompileCache, KVCompileLayer, model_shape
+from .policy import Policy, Quant
+from .store import hadamard
+
+# --------------------------------------------------------------------------- the policies compared
+# Each scheme maps a bit width to a policy (None: that width is not meaningful for the scheme).
+
+
+def naive(bits: int) -> Policy:
+    """The plate's scheme: symmetric round-to-nearest of each head's key and value at every token."""
+    q = Quant(f"int{bits}", "token", None, symmetric=True)
+    return Policy(q, q)
+
+
+def _kivi(bits, **kw):
+    return Policy.kivi(bits, **kw)
+
+
+def _only(bits_wanted: int, make: Callable[[], Policy]) -> Callable[[int], Policy | None]:
+    return lambda bits: make() if bits == bits_wanted else None
+
+
+SCHEMES: dict[str, Callable[[int], Policy | None]] = {
+    "naive": naive,
+    "kivi": lambda b: _kivi(b),
+    "kivi+rot": lambda b: _kivi(b, rotate=True),
+    "fp8": _only(8, lambda: Policy.fp8("fp8_e4m3", residual=128)),
+    "fp8-r0": _only(8, lambda: Policy.fp8("fp8_e4m3", residual=0)),
+    "int8": _only(8, lambda: Policy.int8()),
+    # The policy's other tools, one at a time and combined (only widths below 8 are meaningful for them):
+    # sinks keep the first tokens (the attention sink, whose huge key would set the scale of its whole
+    # channel group) in full precision; g16 halves the group size (twice the scale overhead); l0 keeps the
+    # first layer at 8 bits (per-layer override).
+    "kivi+sink": lambda b: _kivi(b, sink=4) if b < 8 else None,
+    "kivi-g16": lambda b: _kivi(b, group=16) if b < 8 else None,
+    "kivi+rot+sink": lambda b: _kivi(b, sink=4, rotate=True) if b < 8 else None,
+    "kivi+sink+l0": lambda b: _kivi(b, sink=4).override({0: _kivi(8, sink=4)}) if b < 8 else None,
+}
+DEFAULT_SCHEMES = ("naive", "kivi", "kivi+rot", "kivi+sink", "kivi-g16", "kivi+rot+sink", "kivi+sink+l0",
+                   "fp8", "fp8-r0", "int8")
+DEFAULT_BITS = (2, 3, 4, 8)
+
+
+def scheme_policy(name: str, bits: int) -> Policy | None:
+    try:
+        make = SCHEMES[name]
+    except KeyError:
+        raise ValueError(f"unknown scheme {name!r}: expected one of {sorted(SCHEMES)}") from None
+    return make(bits)
+
+
+# --------------------------------------------------------------------------- an incrementally updated view
+def _view_range(layer: KVCompileLayer, a: int, b: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dequantize_reference`` restricted to positions ``[a, b)`` of a layer whose rows all hold ``b``."""
+    st, spec = layer.state, layer.spec
+    S, W, D = spec.sink, spec.ring, spec.head_dim
+    qb = spec.boundary(b)
+    out = []
+    for codes, scale, zero, res, sink, q in (
+        (st.k_codes, st.k_scale, st.k_zero, st.k_res, st.k_sink, spec.policy.key),
+        (st.v_codes, st.v_scale, st.v_zero, st.v_res, st.v_sink, spec.policy.value),
+    ):
+        parts = []
+        if a < S:
+            parts.append(sink[:, :, a:min(b, S)].to(dtype))
+        p0, p1 = max(a, S), max(qb, S)  # packed positions; p0 is S or a flush boundary, so group-aligned
+        if p1 > p0:
+            rows = slice(p0 - S, p1 - S)
+            if q.quantized:
+                srows = rows if q.axis == "token" else slice((p0 - S) // q.group, (p1 - S) // q.group)
+                z = zero[:, :, srows] if q.has_zero else None
+                parts.append(Q.dequantize(Q.unpack(codes[:, :, rows], q.bits, D), scale[:, :, srows], z, q,
+                                          dtype))
+            else:
+                parts.append(codes[:, :, rows].to(dtype))
+        live = torch.arange(max(a, qb, S), b, device=res.device)
+        if live.numel():
+            parts.append(res[:, :, live % max(W, 1)].to(dtype))
+        x = torch.cat(parts, dim=2)
+        if spec.policy.rotate:
+            x = (x.double() @ _hadamard64(D, x.device)).to(dtype)
+        out.append(x)
+    return out[0], out[1]
+
+
+def _hadamard64(D, device):
+    try:
+        return hadamard(D, device, torch.float64)
+    except TypeError:  # an older store.hadamard(D, device) returns fp32; the reference doubles it
+        return hadamard(D, device).double()
+
+
+class _EvalLayer(KVCompileLayer):
+    """A ``KVCompileLayer`` whose dequantized view is kept and refreshed where an append changed it."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            B, H, D, C = self.spec.batch, self.spec.heads, self.spec.head_dim, self.max_cache_len
+            self._k = torch.zeros(B, H, C, D, dtype=key_states.dtype, device=self.device)
+            self._v = torch.zeros_like(self._k)
+        L = int(self.cumulative_length)
+        n = key_states.shape[-2]
+        pos = torch.arange(n, device=self.device) + L
+        self.cumulative_length.add_(n)
+        torch.ops.kvcompile.store(list(self.state), key_states, value_states, pos, self.spec_name)
+        a = min(L, self.spec.boundary(L))  # tokens in [boundary(L), L) may have moved ring -> packed
+        k, v = _view_range(self, a, L + n, key_states.dtype)
+        self._k[:, :, a:L + n] = k
+        self._v[:, :, a:L + n] = v
+        return self._k, self._v
+
+    def reset(self) -> None:
+        super().reset()
+        if self.is_initialized:
+            self._k.zero_()
+            self._v.zero_()
+
+
+class _EvalCache(KVCompileCache):
+    def __init__(self, config, policy: Policy, max_cache_len: int):
+        super().__init__(config, policy, max_cache_len)
+        self.layers = [_EvalLayer(max_cache_len, p, layer.name) for p, layer in zip(self.policies, self.layers)]
+
+
+def make_cache(model, policy: Policy, max_cache_len: int, fast: bool = True) -> KVCompileCache:
+    """The cache the evaluation feeds: ``_EvalCache`` (same numerics, faster) or the plain reference one."""
+    return (_EvalCache if fast else KVCompileCache)(model.config, policy, max_cache_len)
+
+
+def _forward(model, ids, cache, keep: int = 0):
+    """Logits of ``ids`` fed through ``cache``; ``keep > 0``: only the last ``keep`` positions' (the vocabulary
+    projection is a fifth of SmolLM2's FLOPs, so a prefill that needs one position skips it)."""
+    return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits
+
+
+# --------------------------------------------------------------------------- held-out loss
+def heldout_text() -> str:
+    import pydoc_data.topics as topics
+    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+
+
+def heldout_windows(tok, n: int = 2048, count: int = 4) -> torch.Tensor:
+    """``count`` windows of ``n`` tokens, evenly spaced over the held-out text: int64 ``[count, n]``."""
+    ids = torch.tensor(tok(heldout_text(), add_special_tokens=False)["input_ids"], dtype=torch.long)
+    if len(ids) < n:
+        raise ValueError(f"the held-out text has {len(ids)} tokens, fewer than one window of {n}")
+    last = len(ids) - n
+    starts = [round(i * last / max(count - 1, 1)) for i in range(count)] if count > 1 else [0]
+    return torch.stack([ids[s:s + n] for s in starts])
+
+
+@torch.no_grad()
+def heldout_loss(model, windows: torch.Tensor, policy: Policy, chunk: int = 64, batch: int = 4,
+                 fast: bool = True, progress: bool = False) -> list[float]:
+    """Mean loss (nats/token) on the second half of each window, fed through a cache with ``policy``.
+
+    windows: int64 ``[W, N]``. The first ``N/2`` tokens are prefilled in one call; the rest go through
+    the cache ``chunk`` tokens at a time. Returns one number per window.
+    """
+    W, N = windows.shape
+    half = N // 2
+    losses = []
+    bar = tqdm(total=W * (1 + math.ceil((N - half) / chunk)), disable=not progress, leave=False,
+               desc=f"loss {policy}"[:60])
+    for w0 in range(0, W, batch):
+        ids = windows[w0:w0 + batch]
+        cache = make_cache(model, policy, N, fast)
+        # Position p's logits predict token p + 1: the prefill's last one predicts the first target.
+        prev = _forward(model, ids[:, :half], cache, keep=1)
+        bar.update(len(ids))
+        nll = torch.zeros(len(ids), dtype=torch.float64)
+        for s in range(half, N, chunk):
+            lg = _forward(model, ids[:, s:s + chunk], cache)
+            pred = torch.cat([prev, lg[:, :-1]], 1).float()  # predicts tokens s .. s + chunk - 1
+            prev = lg[:, -1:]
+            nll += F.cross_entropy(pred.reshape(-1, pred.shape[-1]), ids[:, s:s + chunk].reshape(-1),
+                                   reduction="none").view(len(ids), -1).double().sum(1)
+            bar.update(len(ids))
+        ce = nll / (N - half)
+        losses += ce.tolist()
+    bar.close()
+    return losses
+
+
+# --------------------------------------------------------------------------- passkey retrieval
+_INTRO = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+          "I will quiz you about the pass key.\n")
+_FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+_QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+@dataclass(frozen=True)
+class PasskeyTrial:
+    length: int
+    depth: float
+    key: int
+
+
+def passkey_trials(lengths: Iterable[int], trials: int = 20, seed: int = 0) -> list[PasskeyTrial]:
+    """``trials`` random (key, depth) pairs per length; depths are stratified over [0, 1] so every
+    region of the context is probed, keys are uniform 5-digit numbers."""
+    rng = random.Random(seed)
+    out = []
+    for L in lengths:
+        for i in range(trials):
+            depth = (i + rng.random()) / trials
+            out.append(PasskeyTrial(L, depth, rng.randrange(10000, 100000)))
+    return out
+
+
+def passkey_prompt(tok, trial: PasskeyTrial) -> tuple[list[int], list[int]]:
+    """``(prompt_ids, answer_ids)``: exactly ``trial.length`` prompt tokens (filler is cut to fit)."""
+    def enc(s):
+        return tok(s, add_special_tokens=False)["input_ids"]
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    intro, question = bos + enc(_INTRO), enc(_QUESTION)
+    needle = enc(_NEEDLE.format(key=trial.key))
+    unit = enc(_FILLER)
+    room = trial.length - len(intro) - len(needle) - len(question)
+    if room < len(unit):
+        raise ValueError(f"passkey length {trial.length} leaves no room for filler")
+    filler = (unit * (room // len(unit) + 1))[:room]
+    # The needle goes at a sentence boundary of the filler, at the trial's depth.
+    at = round(trial.depth * (room // len(unit))) * len(unit)
+    at = min(at, room - room % len(unit))
+    prompt = intro + filler[:at] + needle + filler[at:] + question
+    return prompt, enc(f" {trial.key}")
+
+
+@torch.no_grad()
+def passkey_retrieved(model, tok, trials: list[PasskeyTrial], policy: Policy, chunk: int = 2048,
+                      fast: bool = True) -> list[bool]:
+    """Whether greedy decoding would return each trial's key; ``trials`` must share one length."""
+    prompts = [passkey_prompt(tok, t) for t in trials]
+    lengths = {len(p) + len(a) for p, a in prompts}
+    if len(lengths) != 1:
+        raise ValueError("passkey_retrieved needs trials of one length (answers of one token count)")
+    total = lengths.pop()
+    ids = torch.tensor([p + a for p, a in prompts])
+    cache = make_cache(model, policy, total, fast)
+    n_ans = len(prompts[0][1])
+    tails = []  # the last n_ans + 1 logits of each chunk; their concatenation ends with the sequence's
+    for s in range(0, total, chunk):
+        tails.append(_forward(model, ids[:, s:s + chunk], cache, keep=n_ans + 1))
+    pred = torch.cat(tails, 1)[:, -(n_ans + 1):-1].argmax(-1)
+    want = torch.tensor([a for _, a in prompts])
+    return (pred == want).all(-1).tolist()
+
+
+def _fork(cache: "_EvalCache", model, policy: Policy) -> "_EvalCache":
+    """A copy of ``cache`` that can go on independently (same stores, views and counters)."""
+    new = make_cache(model, policy, cache.max_cache_len)
+    for a, b in zip(cache.layers, new.layers):
+        b.initialize(a.spec.batch, a.spec.heads, a.spec.head_dim, a._k.dtype, a.device)
+        for x, y in zip(a.state, b.state):
+            y.copy_(x)
+        b._k, b._v = a._k.clone(), a._v.clone()
+        b.cumulative_length.copy_(a.cumulative_length)
+    new.tokens = cache.tokens
+    return new
+
+
+@torch.no_grad()
+def passkey_retrieved_shared(model, tok, trials: list[PasskeyTrial], policy: Policy,
+                             chunk: int = 2048, on_trial=None) -> list[bool]:
+    """``passkey_retrieved`` for trials of one length, sharing the filler before each needle.
+
+    The filler before the needle is the same tokens in every trial, so one "trunk" cache consumes it once,
+    in depth order; each trial forks the trunk at its needle and feeds only the rest. About 11 instead of
+    20 context lengths of compute for 20 trials. Each trial's tokens are the ones ``passkey_prompt`` gives.
+    """
+    order = sorted(range(len(trials)), key=lambda i: trials[i].depth)
+    total = trials[0].length
+    prompts = {i: passkey_prompt(tok, trials[i]) for i in order}
+    needle_len = {i: len(tok(_NEEDLE.format(key=trials[i].key), add_special_tokens=False)["input_ids"])
+                  for i in order}
+    # where each needle starts: the first token at which the prompt differs from pure filler
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    intro = bos + tok(_INTRO, add_special_tokens=False)["input_ids"]
+    unit = tok(_FILLER, add_special_tokens=False)["input_ids"]
+    trunk_ids = intro + unit * (total // len(unit) + 1)
+    out = [False] * len(trials)
+    trunk, fed = None, 0
+    for i in order:
+        prompt, answer = prompts[i]
+        at = next((p for p in range(len(prompt)) if p >= len(trunk_ids) or prompt[p] != trunk_ids[p]), len(prompt))
+        ids = torch.tensor([prompt + answer])
+        if trunk is None:
+            trunk = make_cache(model, policy, len(prompt) + len(answer))
+        while fed < at:  # advance the trunk to this needle
+            n = min(chunk, at - fed)
+            _forward(model, ids[:, fed:fed + n], trunk, keep=1)
+            fed += n
+        branch = _fork(trunk, model, policy) if trunk.layers[0].is_initialized else make_cache(
+            model, policy, len(prompt) + len(answer))
+        n_ans = len(answer)
+        tails = []
+        for s in range(at, ids.shape[1], chunk):
+            tails.append(_forward(model, ids[:, s:s + chunk], branch, keep=n_ans + 1))
+        pred = torch.cat(tails, 1)[:, -(n_ans + 1):-1].argmax(-1)
+        out[i] = pred[0].tolist() == answer
+        del branch
+        if on_trial:
+            on_trial()
+    return out
+
+
+def passkey_accuracy(model, tok, policy: Policy, lengths=(1024, 2048, 4096, 8192), trials: int = 20,
+                     seed: int = 0, progress: bool = False) -> dict[int, float]:
+    """Accuracy (0..1) per context length over ``trials`` random keys and depths each."""
+    acc = {}
+    bar = tqdm(total=len(lengths) * trials, disable=not progress, leave=False, desc=f"passkey {policy}"[:60])
+    for L in lengths:
+        ts = passkey_trials([L], trials, seed + L)
+        hits = passkey_retrieved_shared(model, tok, ts, policy, on_trial=lambda: bar.update(1))
+        acc[L] = sum(hits) / len(hits)
+    bar.close()
+    return acc
+
+
+# --------------------------------------------------------------------------- the whole evaluation
+def parse_entry(entry: str) -> tuple[str, int]:
+    """``"kivi:4"`` -> ``("kivi", 4)``."""
+    name, _, bits = entry.rpartition(":")
+    if not name or not bits.isdigit():
+        raise ValueError(f"{entry!r}: expected SCHEME:BITS, e.g. kivi:4 (schemes: {', '.join(SCHEMES)})")
+    return name, int(bits)
+
+
+def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int] = DEFAULT_BITS,
+        window: int = 2048, windows: int = 4, chunk: int = 64, passkey: Iterable[str] = (),
+        passkey_lengths=(1024, 2048, 4096, 8192), passkey_trials_n: int = 20, seed: int = 0,
+        progress: bool = True, log=print, fast: bool = True, out_dir=None,
+        entries: Iterable[str] | None = None) -> dict:
+    """Loss delta of every ``scheme x bits`` over full precision, and passkey accuracy of the ``passkey``
+    entries: ``"full"``, ``"scheme:bits"`` or ``"best:bits"`` (the lowest loss delta of that width).
+    ``entries``: ``"scheme:bits"`` strings to evaluate instead of ``schemes x bits`` (``[]``: passkey only).
+    ``out_dir``: write ``eval.partial.json`` there after every row. Returns a JSON-ready dict (see ``write``)."""
+    layers, kv_heads, head_dim = model_shape(model.config)
+    W = heldout_windows(tok, window, windows)
+    if entries is not None:  # explicit "scheme:bits" list instead of the product
+        pairs = [parse_entry(e) for e in entries]
+    else:
+        pairs = [(name, b) for b in bits for name in schemes]
+    todo = [("full", 16, Policy.full())] if pairs else []
+    for name, b in pairs:
+        pol = scheme_policy(name, b)
+        if pol is not None:
+            todo.append((name, b, pol))
+    fp_bpt = full_precision_bytes_per_token(layers, kv_heads, head_dim)
+    res = {"model": getattr(model.config, "_name_or_path", "") or "model",
+           "window": window, "windows": windows, "chunk": chunk, "seed": seed,
+           "full_precision_bytes_per_token_bf16": fp_bpt, "rows": [], "passkey": {},
+           "cache_path": "reference store (KVCompileCache numerics, incremental view)" if fast
+           else "reference store (KVCompileCache)"}
+    base = None
+    for name, b, pol in tqdm(todo, desc="loss", disable=not progress):
+        t0 = time.perf_counter()
+        losses = heldout_loss(model, W, pol, chunk, fast=fast, progress=progress)
+        if base is None:
+            base = losses
+        deltas = [x - y for x, y in zip(losses, base)]
+        row = {"scheme": name, "bits": b, "policy": str(pol), "loss": sum(losses) / len(losses),
+               "loss_delta": sum(deltas) / len(deltas), "loss_delta_per_window": deltas,
+               "bytes_per_token_bf16": bytes_per_token(pol, layers, kv_heads, head_dim, window),
+               "seconds": time.perf_counter() - t0}
+        row["ratio_to_bf16"] = row["bytes_per_token_bf16"] / fp_bpt
+        res["rows"].append(row)
+        log(f"{name:>10} {b:>2} bits  loss {row['loss']:.4f}  delta {row['loss_delta']:+.5f}  "
+            f"{row['bytes_per_token_bf16']:,.0f} B/token  ({row['seconds']:.0f} s)")
+        if out_dir is not None:
+            _write_json(res, Path(out_dir) / "eval.partial.json")
+    for entry in passkey:
+        if entry == "full":
+            name, b, pol = "full", 16, Policy.full()
+        else:
+            name, b = parse_entry(entry)
+            if name == "best":  # the measured best scheme of that width, by loss delta
+                cands = [r for r in res["rows"] if r["bits"] == b and r["scheme"] != "full"]
+                if not cands:
+                    raise ValueError(f"{entry!r}: no {b}-bit scheme was evaluated")
+                name = min(cands, key=lambda r: r["loss_delta"])["scheme"]
+            pol = scheme_policy(name, b)
+            if pol is None:
+                raise ValueError(f"{entry!r}: scheme {name!r} has no {b}-bit policy")
+        t0 = time.perf_counter()
+        acc = passkey_accuracy(model, tok, pol, passkey_lengths, passkey_trials_n, seed, progress=progress)
+        res["passkey"][f"{name}:{b}"] = {"policy": str(pol), "accuracy": {str(k): v for k, v in acc.items()},
+                                         "trials": passkey_trials_n, "seconds": time.perf_counter() - t0}
+        log(f"passkey {name}:{b}  " + "  ".join(f"{k}: {v:.0%}" for k, v in acc.items()))
+        if out_dir is not None:
+            _write_json(res, Path(out_dir) / "eval.partial.json")
+    return res
+
+
+def merge(results: list[dict]) -> dict:
+    """One result from several runs (rows and passkey entries; later runs win on duplicates)."""
+    out = dict(results[0])
+    rows, pk = {}, {}
+    for r in results:
+        for row in r["rows"]:
+            rows[(row["scheme"], row["bits"])] = row
+        pk.update(r.get("passkey", {}))
+    out["rows"], out["passkey"] = list(rows.values()), pk
+    out["merged_from"] = [r.get("command") for r in results]
+    return out
+
+
+def _write_json(res, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=2))
+
+
+def format_table(res: dict) -> str:
+    pk = res.get("passkey", {})
+    lines = [f"{'scheme':<12}{'bits':>5}{'bytes/token':>13}{'x bf16':>8}{'loss':>9}{'delta':>11}  passkey",
+             "-" * 72]
+    for r in res["rows"]:
+        acc = pk.get(f"{r['scheme']}:{r['bits']}")
+        ps = " ".join(f"{int(v * 100)}" for v in acc["accuracy"].values()) if acc else ""
+        lines.append(f"{r['scheme']:<12}{r['bits']:>5}{r['bytes_per_token_bf16']:>13,.0f}{r['ratio_to_bf16']:>8.3f}"
+                     f"{r['loss']:>9.4f}{r['loss_delta']:>+11.5f}  {ps}")
+    if pk:
+        L = next(iter(pk.values()))["accuracy"].keys()
+        lines.append(f"passkey: % retrieved at {', '.join(L)} tokens")
+    return "\n".join(lines)
+
+
+def write(res: dict, out_dir) -> tuple[Path, Path]:
+    """``eval.json`` and ``eval.png`` (loss delta vs bits per scheme; passkey accuracy vs context)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    js = out / "eval.json"
+    js.write_text(json.dumps(res, indent=2))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    by: dict[str, list] = {}
+    for r in res["rows"]:
+        if r["scheme"] != "full":
+            by.setdefault(r["scheme"], []).append((r["bits"], max(r["loss_delta"], 1e-5)))
+    for name, pts in by.items():
+        pts.sort()
+        a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    a.set_yscale("log")
+    a.set_xticks([2, 3, 4, 8])
+    a.set_xlabel("bits per stored element (codes)")
+    a.set_ylabel("loss increase over full precision (nats/token)")
+    a.set_title(f"held-out loss, {res['windows']} x {res['window']} tokens")
+    a.grid(alpha=0.3, which="both")
+    a.legend(fontsize=7)
+    for name, v in res.get("passkey", {}).items():
+        xs = [int(k) for k in v["accuracy"]]
+        b.plot(xs, [100 * x for x in v["accuracy"].values()], marker="o", label=name)
+    b.set_xscale("log", base=2)
+    b.set_ylim(-5, 105)
+    b.set_xlabel("context length (tokens)")
+    b.set_ylabel("passkey retrieved (%)")
+    b.set_title("passkey retrieval")
+    b.grid(alpha=0.3)
+    if res.get("passkey"):
+        b.legend(fontsize=7)
+    fig.suptitle(res.get("model", ""), fontsize=9)
+    fig.tight_layout()
+    png = out / "eval.png"
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return js, png

@@ -1,0 +1,178 @@
+"""The evaluation harness on a tiny random Llama: exact view, loss alignment, passkey prompts."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvcompile import Policy, Quant
+from kvcompile import evaluate as E
+from kvcompile.store import dequantize_reference
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=1024)
+    cfg._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+POLICIES = [
+    Policy.kivi(2, sink=4, rotate=True),
+    Policy.kivi(4, group=16, residual=8),
+    E.naive(3),
+    Policy.fp8(residual=16),
+    Policy.int8(),
+    Policy.kivi(3, residual=0).override({0: None}),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=str)
+def test_incremental_view_is_the_reference_view(tiny, policy):
+    ids = torch.randint(0, 512, (2, 150))
+    cache = E.make_cache(tiny, policy, 160)
+    with torch.no_grad():
+        tiny(input_ids=ids[:, :37], past_key_values=cache, use_cache=True)
+        for s in range(37, 150, 11):  # odd chunks: flushes land mid-chunk and across chunks
+            tiny(input_ids=ids[:, s:s + 11], past_key_values=cache, use_cache=True)
+            for layer in cache.layers:
+                k, v = dequantize_reference(layer.state, layer.spec, torch.float32)
+                assert torch.equal(k, layer._k) and torch.equal(v, layer._v)
+
+
+def test_fast_and_reference_cache_give_the_same_loss(tiny):
+    W = torch.randint(0, 512, (2, 128))
+    pol = Policy.kivi(2, residual=16)
+    assert E.heldout_loss(tiny, W, pol, chunk=16, fast=True) == E.heldout_loss(tiny, W, pol, chunk=16, fast=False)
+
+
+def test_full_precision_loss_is_the_model_loss_on_the_second_half(tiny):
+    W = torch.randint(0, 512, (3, 96))
+    got = E.heldout_loss(tiny, W, Policy.full(), chunk=10, batch=2)  # chunk does not divide the half
+    with torch.no_grad():
+        lg = tiny(input_ids=W).logits
+    want = F.cross_entropy(lg[:, 47:-1].transpose(1, 2), W[:, 48:], reduction="none").mean(1)
+    assert torch.allclose(torch.tensor(got, dtype=torch.float64), want.double(), atol=1e-5)
+
+
+def test_quantization_costs_loss(tiny):
+    # A random model still reacts to its cache: 2-bit naive rounding must move the loss.
+    W = torch.randint(0, 512, (1, 96))
+    full = E.heldout_loss(tiny, W, Policy.full(), chunk=16)[0]
+    bad = E.heldout_loss(tiny, W, E.naive(2), chunk=16)[0]
+    assert abs(bad - full) > 1e-4
+
+
+def test_schemes():
+    assert E.scheme_policy("fp8", 4) is None
+    assert E.scheme_policy("int8", 8) == Policy.int8()
+    assert E.scheme_policy("kivi", 2) == Policy.kivi(2)
+    n = E.naive(4)
+    assert n.residual == 0 and n.key.symmetric and n.key.group is None and n.key.axis == "token"
+    with pytest.raises(ValueError, match="unknown scheme"):
+        E.scheme_policy("nope", 4)
+    assert E.parse_entry("kivi+rot:3") == ("kivi+rot", 3)
+    with pytest.raises(ValueError):
+        E.parse_entry("kivi")
+
+
+def test_passkey_trials_are_random_and_stratified():
+    ts = E.passkey_trials([1024, 2048], trials=20, seed=3)
+    assert len(ts) == 40
+    d = sorted(t.depth for t in ts if t.length == 1024)
+    assert all(i / 20 <= x < (i + 1) / 20 for i, x in enumerate(d))
+    assert len({t.key for t in ts}) > 30 and all(10000 <= t.key < 100000 for t in ts)
+    assert E.passkey_trials([1024], 5, seed=3) == E.passkey_trials([1024], 5, seed=3)
+
+
+class _CharTok:
+    """A byte-level stand-in tokenizer: one token per character."""
+    bos_token_id = 1
+
+    def __call__(self, s, add_special_tokens=False):
+        return {"input_ids": [min(ord(c), 511) for c in s]}
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.37, 0.999])
+def test_passkey_prompt_has_the_length_and_the_needle(depth):
+    tok = _CharTok()
+    t = E.PasskeyTrial(1024, depth, 48213)
+    prompt, answer = E.passkey_prompt(tok, t)
+    assert len(prompt) == 1024
+    text = "".join(chr(c) for c in prompt[1:])
+    at = text.index("The pass key is 48213")
+    before, units = text[:at].count("The grass is green"), text.count("The grass is green")
+    assert abs(before / units - depth) <= 1 / units  # the needle sits at a sentence boundary near the depth
+    assert "".join(chr(c) for c in answer) == " 48213"
+
+
+def test_passkey_scoring_matches_greedy_generation(tiny):
+    tok = _CharTok()
+    ts = E.passkey_trials([400], 3, seed=1)
+    got = E.passkey_retrieved(tiny, tok, ts, Policy.full(), chunk=64)
+    for t, hit in zip(ts, got):
+        prompt, answer = E.passkey_prompt(tok, t)
+        out = tiny.generate(torch.tensor([prompt]), max_new_tokens=len(answer), do_sample=False)
+        assert hit == (out[0, len(prompt):].tolist() == answer)
+    # And a model that must answer: make the answer's tokens the argmax everywhere they are asked for.
+    with torch.no_grad():
+        prompt, answer = E.passkey_prompt(tok, ts[0])
+        bias = torch.full((512,), -1e4)
+        bias[answer[0]] = 1e4
+        tiny.lm_head.bias = torch.nn.Parameter(bias)
+        try:
+            if len(set(answer)) == 1:
+                assert E.passkey_retrieved(tiny, tok, ts[:1], Policy.full(), chunk=64) == [True]
+            else:
+                assert E.passkey_retrieved(tiny, tok, ts[:1], Policy.full(), chunk=64) == [False]
+        finally:
+            tiny.lm_head.bias = None
+
+
+def test_write_json_and_plot(tmp_path):
+    res = {"model": "tiny", "window": 64, "windows": 1, "rows": [
+        {"scheme": "full", "bits": 16, "policy": "p", "loss": 2.0, "loss_delta": 0.0, "bytes_per_token_bf16": 10,
+         "ratio_to_bf16": 1.0},
+        {"scheme": "kivi", "bits": 4, "policy": "p", "loss": 2.01, "loss_delta": 0.01, "bytes_per_token_bf16": 3,
+         "ratio_to_bf16": 0.3},
+        {"scheme": "kivi", "bits": 2, "policy": "p", "loss": 2.2, "loss_delta": 0.2, "bytes_per_token_bf16": 2,
+         "ratio_to_bf16": 0.2}],
+        "passkey": {"full:16": {"policy": "p", "accuracy": {"1024": 1.0, "2048": 0.95}}}}
+    js, png = E.write(res, tmp_path)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "kivi" in E.format_table(res) and "100 95" in E.format_table(res)
+
+
+def test_shared_prefix_passkey_feeds_each_prompt(tiny, monkeypatch):
+    # Record what each branch's cache ends up holding: exactly prompt + answer, token for token.
+    tok = _CharTok()
+    ts = E.passkey_trials([400], 4, seed=2)
+    seen = []
+    real_fork = E._fork
+
+    def fork(cache, model, policy):
+        new = real_fork(cache, model, policy)
+        seen.append(new)
+        return new
+    monkeypatch.setattr(E, "_fork", fork)
+    fed = []
+    real_forward = E._forward
+    monkeypatch.setattr(E, "_forward", lambda m, ids, cache, keep=0: (fed.append((id(cache), ids[0].tolist())),
+                                                                      real_forward(m, ids, cache, keep))[1])
+    shared = E.passkey_retrieved_shared(tiny, tok, ts, Policy.kivi(2, residual=16), chunk=64)
+    trunk = [ids for c, ids in fed if c not in {id(s) for s in seen}]
+    for t, branch in zip(sorted(ts, key=lambda t: t.depth), seen):
+        prompt, answer = E.passkey_prompt(tok, t)
+        mine = [ids for c, ids in fed if c == id(branch)]
+        n = int(branch.layers[0].cumulative_length)
+        assert n == len(prompt) + len(answer)
+        head = sum(trunk, [])[:n - sum(map(len, mine))]
+        assert head + sum(mine, []) == prompt + answer
+    monkeypatch.undo()
+    assert E.passkey_retrieved_shared(tiny, tok, ts, Policy.full()) == E.passkey_retrieved(tiny, tok, ts,
+                                                                                          Policy.full())
