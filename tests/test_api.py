@@ -1,0 +1,318 @@
+"""kvcompile.apply / explain / the "kvcompile" backend on tiny Hugging Face Llamas (random weights).
+
+The eager reference is the unmodified model with a ``KVCompileCache`` passed in: its ``update`` stores through
+the reference store and returns the dequantized cache, which the model's own SDPA reads. Logits must equal it
+at fp32 rounding (``assert_close``'s fp32 defaults) wherever every quantized layer sees identical inputs --
+see tests/passes/test_kv_cache_pass.py for why layers after the first one are kept in full precision there.
+"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch._dynamo.utils as dynamo_utils
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import DynamicCache, StaticCache
+
+import kvcompile
+from kvcompile import CapacityError, KVCompileError, Policy, PolicyError, Quant
+from kvcompile.api import _cache_kwarg
+from kvcompile.hf import KVCompileCache
+from kvcompile.passes import counters
+
+
+def tiny(layers=2, heads=4, kv_heads=2, head_dim=8, dtype=torch.float32, seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=heads * head_dim, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                      attn_implementation="sdpa", **kw)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def twin(model):
+    other = LlamaForCausalLM(model.config).to(next(model.parameters()).dtype).eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def cache_of(out):
+    return getattr(out, "cache", None) or out.past_key_values
+
+
+def chunks(model, ids, prefill, cache=None):
+    """Logits of a prefill then one-token steps, passing the returned cache back each time."""
+    kw = _cache_kwarg(model)
+    with torch.no_grad():
+        out = model(ids[:, :prefill], use_cache=True, **({kw: cache} if cache is not None else {}))
+        logits, cache = [out.logits], cache_of(out)
+        for p in range(prefill, ids.shape[1]):
+            out = model(ids[:, p:p + 1], use_cache=True, **{kw: cache})
+            logits.append(out.logits)
+            cache = cache_of(out)
+    return torch.cat(logits, 1), cache
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    dynamo_utils.counters.clear()
+    yield
+
+
+# --------------------------------------------------------------------------- compiled == eager reference
+FORMATS = ("none", "int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2")
+
+
+@st.composite
+def quants(draw):
+    fmt = draw(st.sampled_from(FORMATS))
+    axis = draw(st.sampled_from(("token", "channel")))
+    group = draw(st.sampled_from((None, 4, 8))) if axis == "token" else draw(st.sampled_from((4, 8)))
+    sym = draw(st.sampled_from((None, True))) if fmt.startswith("int") else None
+    try:
+        return Quant(fmt, axis, group, sym)
+    except PolicyError:
+        assume(False)
+
+
+@st.composite
+def policies(draw):
+    return Policy(draw(quants()), draw(quants()), residual=draw(st.sampled_from((0, 3, 8))),
+                  sink=draw(st.sampled_from((0, 2))), rotate=draw(st.booleans()))
+
+
+@settings(max_examples=8)
+@given(policy=policies(), layers=st.integers(1, 2), kv_heads=st.sampled_from((1, 2)), ratio=st.sampled_from((1, 2)),
+       head_dim=st.sampled_from((8, 16)), batch=st.integers(1, 2), prefill=st.integers(1, 9),
+       steps=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
+def test_compiled_equals_eager_reference(policy, layers, kv_heads, ratio, head_dim, batch, prefill, steps, seed):
+    torch._dynamo.reset()
+    counters.clear()
+    policy = Policy.full().override({0: policy})  # quantized layer 0; a second layer is rewritten, full precision
+    model = tiny(layers, kv_heads * ratio, kv_heads, head_dim, seed=seed)
+    ref = twin(model)
+    ids = torch.randint(3, 64, (batch, prefill + steps))
+    C = prefill + steps + 4
+    want, _ = chunks(ref, ids, prefill, KVCompileCache(ref.config, policy, C))
+    applied = kvcompile.apply(model, policy, max_cache_len=C, compiler="eager")
+    got, cache = chunks(applied, ids, prefill)
+    torch.testing.assert_close(got, want)
+    assert isinstance(cache, KVCompileCache) and cache.tokens == prefill + steps
+    assert counters["attention_rewritten"] == counters["stores_inserted"] == layers * len(applied._kvcompile.reports)
+
+
+def test_policy_full_equals_the_unmodified_model():
+    model = tiny(layers=2)
+    plain = twin(model)
+    ids = torch.randint(3, 64, (2, 9))
+    want, _ = chunks(plain, ids, 5, DynamicCache(config=plain.config))
+    got, _ = chunks(kvcompile.apply(model, Policy.full(), max_cache_len=16, compiler="eager"), ids, 5)
+    torch.testing.assert_close(got, want)
+
+
+# --------------------------------------------------------------------------- generate
+def test_generate_greedy_and_sampling_batched_with_left_padding():
+    policy = Policy.kivi(4, group=4, residual=4)
+    model = tiny(layers=2)
+    ref = twin(model)
+    ids = torch.randint(3, 64, (3, 7))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    ids[2, :1], mask[2, :1] = 0, 0
+    kw = _cache_kwarg(model)
+    gen = dict(attention_mask=mask, max_new_tokens=8)
+    with torch.no_grad():
+        want = ref.generate(ids, do_sample=False, **gen, **{kw: KVCompileCache(ref.config, policy, 15)})
+        torch.manual_seed(7)
+        want_s = ref.generate(ids, do_sample=True, top_k=8, **gen, **{kw: KVCompileCache(ref.config, policy, 15)})
+        applied = kvcompile.apply(model, policy, compiler="eager")
+        got = applied.generate(ids, do_sample=False, **gen)
+        torch.manual_seed(7)
+        got_s = applied.generate(ids, do_sample=True, top_k=8, **gen)
+    assert got.shape == (3, 15)
+    assert torch.equal(got, want)
+    assert torch.equal(got_s, want_s)
+    # one graph for prefill, one for decode: no recompile per step, nor for the second generate's fresh cache
+    assert len(applied._kvcompile.reports) == 2
+    assert not dynamo_utils.counters["graph_break"]
+
+
+def test_forward_returns_a_cache_that_reports_its_bytes():
+    applied = kvcompile.apply(tiny(), Policy.kivi(4, group=4, residual=4), max_cache_len=32, compiler="eager")
+    with torch.no_grad():
+        out = applied(torch.randint(3, 64, (1, 5)), use_cache=True)
+    cache = cache_of(out)
+    assert isinstance(cache, KVCompileCache)
+    held = sum(t.untyped_storage().nbytes() for layer in cache.layers
+               for t in (*layer.state, layer.keys, layer.values))
+    assert cache.nbytes == held > 0
+    with torch.no_grad():  # without a cache nothing is compiled or quantized
+        applied(torch.randint(3, 64, (1, 5)), use_cache=False)
+
+
+# --------------------------------------------------------------------------- memory
+def test_memory_4bit_cache_is_under_0_3x_of_bf16_and_no_full_cache_exists():
+    B, H, D, C, L = 1, 2, 64, 1024, 2
+    model = tiny(layers=L, heads=H, kv_heads=H, head_dim=D, dtype=torch.bfloat16)
+    policy = Policy(Quant("int4"), Quant("int4"))  # one fp16 scale + zero point per token-head
+    applied = kvcompile.apply(model, policy, max_cache_len=C, compiler="eager")
+    with torch.no_grad():
+        cache = cache_of(applied(torch.randint(3, 64, (B, 16)), use_cache=True))
+    bf16 = 2 * L * B * H * C * D * 2
+    storages = {}
+    for layer in cache.layers:
+        for t in (*layer.state, layer.keys, layer.values):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    held = sum(storages.values())
+    assert held <= 0.3 * bf16, (held, bf16)
+    # nothing of a full layer's bf16 size lives anywhere (weights here are far smaller)
+    gc.collect()
+    big = [tuple(o.shape) for o in gc.get_objects()
+           if isinstance(o, torch.Tensor) and o.is_floating_point() and o.untyped_storage().nbytes() >= B * H * C * D * 2]
+    assert not big, big
+
+
+# --------------------------------------------------------------------------- explain and the backend
+def test_explain_lists_every_site():
+    applied = kvcompile.apply(tiny(layers=2), Policy.kivi(4, group=4, residual=4), max_cache_len=32)
+    ex = kvcompile.explain(applied)  # traced for the purpose: nothing compiled or run
+    assert [s.layer for s in ex.sites] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert all("index_copy_" in s.write and "sdpa" in s.read and s.memory_saved for s in ex.sites)
+    assert all(0 < s.bytes_per_token < s.fp_bytes_per_token for s in ex.sites)
+    assert "2 cache site(s) rewritten" in str(ex)
+
+
+def test_backend_option_with_a_kvcompile_cache_equals_reference():
+    policy = Policy.int8(residual=2)
+    model = tiny()
+    ref = twin(model)
+    ids = torch.randint(3, 64, (1, 8))
+    want, _ = chunks(ref, ids, 5, KVCompileCache(ref.config, policy, 12))
+    compiled = torch.compile(model, backend="kvcompile", fullgraph=True,
+                             options={"policy": policy, "compiler": "eager"})
+    got, cache = chunks(compiled, ids, 5, KVCompileCache(model.config, policy, 12, batch_size=1))
+    torch.testing.assert_close(got, want)
+    assert counters["attention_rewritten"] == 2 * 2
+
+
+def test_backend_with_a_full_precision_static_cache_quantizes_but_says_memory_is_not_saved():
+    policy = Policy.int8(residual=2)
+    model = tiny()
+    ref = twin(model)
+    ids = torch.randint(3, 64, (1, 8))
+    want, _ = chunks(ref, ids, 5, KVCompileCache(ref.config, policy, 12))
+    static = StaticCache(config=model.config, max_cache_len=12)
+    static.early_initialization(1, 2, 8, torch.float32, "cpu")
+    compiled = torch.compile(model, backend="kvcompile", fullgraph=True,
+                             options={"policy": policy, "compiler": "eager"})
+    got, _ = chunks(compiled, ids, 5, static)
+    torch.testing.assert_close(got, want)
+    fresh = StaticCache(config=model.config, max_cache_len=12)
+    fresh.early_initialization(1, 2, 8, torch.float32, "cpu")
+    ex = kvcompile.explain(compiled, ids[:, :2], **{_cache_kwarg(model): fresh, "use_cache": True}, policy=policy)
+    assert len(ex.sites) == 2 and not any(s.memory_saved for s in ex.sites)
+    assert any("still allocated" in n for n in ex.notes)
+
+
+def test_backend_without_a_policy_says_how_to_pass_one():
+    model = tiny()
+    static = StaticCache(config=model.config, max_cache_len=12)
+    static.early_initialization(1, 2, 8, torch.float32, "cpu")
+    compiled = torch.compile(model, backend="kvcompile", fullgraph=True, options={"compiler": "eager"})
+    with pytest.raises(Exception, match=r"options=\{'policy'"):
+        compiled(torch.randint(3, 64, (1, 3)), use_cache=True, **{_cache_kwarg(model): static})
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_rest_of_the_graph():
+    policy = Policy.full().override({0: Policy.kivi(4, group=4, residual=4)})
+    model = tiny(layers=1)
+    ref = twin(model)
+    ids = torch.randint(3, 64, (1, 7))
+    want, _ = chunks(ref, ids, 5, KVCompileCache(ref.config, policy, 12))
+    got, _ = chunks(kvcompile.apply(model, policy, max_cache_len=12, compiler="inductor"), ids, 5)
+    # Inductor fuses the projections differently, so keys may differ in the last bit before quantization
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+
+
+# --------------------------------------------------------------------------- errors
+def test_error_override_naming_no_layer():
+    with pytest.raises(PolicyError, match="matches none of the 2 attention layers"):
+        kvcompile.apply(tiny(), Policy.int8().override({"model.layers.7": None}))
+
+
+def test_error_group_not_dividing_head_dim():
+    with pytest.raises(PolicyError, match="does not divide head_dim=24"):
+        kvcompile.apply(tiny(head_dim=24), Policy(Quant("int4", "token", 16), Quant("int4", "token", 16)))
+
+
+def test_error_model_without_sdpa():
+    model = tiny()
+    model.config._attn_implementation = "eager"
+    with pytest.raises(KVCompileError, match="no scaled_dot_product_attention read"):
+        kvcompile.apply(model, Policy.int8())
+
+
+def test_error_apply_twice_and_to_a_compiled_model():
+    model = kvcompile.apply(tiny(), Policy.int8(), compiler="eager")
+    with pytest.raises(KVCompileError, match="already applied"):
+        kvcompile.apply(model, Policy.int8())
+    with pytest.raises(KVCompileError, match="already compiled"):
+        kvcompile.apply(torch.compile(tiny()), Policy.int8())
+
+
+def test_error_sequence_longer_than_capacity():
+    applied = kvcompile.apply(tiny(), Policy.int8(), max_cache_len=8, compiler="eager")
+    with torch.no_grad():
+        cache = cache_of(applied(torch.randint(3, 64, (1, 6)), use_cache=True))
+        with pytest.raises(CapacityError, match="allocated for 8"):
+            applied(torch.randint(3, 64, (1, 3)), use_cache=True, **{_cache_kwarg(applied): cache})
+        with pytest.raises(CapacityError):
+            applied(torch.randint(3, 64, (1, 9)), use_cache=True)
+
+
+def test_error_dynamic_cache_given_to_an_applied_model():
+    applied = kvcompile.apply(tiny(), Policy.int8(), compiler="eager")
+    with pytest.raises(KVCompileError, match="DynamicCache"):
+        applied(torch.randint(3, 64, (1, 3)), use_cache=True,
+                **{_cache_kwarg(applied): DynamicCache(config=applied.config)})
+
+
+# --------------------------------------------------------------------------- the Triton kernels, end to end
+def _launch():
+    try:
+        from kvcompile.templates import launch
+    except ImportError as e:
+        pytest.skip(f"kvcompile.templates.launch cannot be imported ({e})")
+    if not (hasattr(launch, "store") and hasattr(launch, "attention")):
+        pytest.skip("kvcompile.templates.launch has no attention entry point yet (kernel issue in progress)")
+    return launch
+
+
+def test_tiny_llama_through_the_pass_runs_the_triton_kernels(monkeypatch):
+    launch = _launch()
+    from kvcompile import ops
+
+    calls = {"store": 0, "attention": 0}
+    for name in calls:
+        fn = getattr(launch, name)
+
+        def counted(*a, _fn=fn, _name=name, **k):
+            calls[_name] += 1
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(launch, name, counted)
+    policy = Policy.full().override({0: Policy.kivi(4, group=4, residual=4)})
+    model = tiny(layers=1, head_dim=16)
+    ref = twin(model)
+    ids = torch.randint(3, 64, (1, 7))
+    want, _ = chunks(ref, ids, 5, KVCompileCache(ref.config, policy, 12))  # reference kernels, eager
+    monkeypatch.setattr(ops, "_KERNELS", "triton")
+    got, _ = chunks(kvcompile.apply(model, policy, max_cache_len=12, compiler="eager"), ids, 5)
+    assert calls["store"] == 3 and calls["attention"] == 3  # prefill + two decode steps, all through the kernels
+    torch.testing.assert_close(got, want)
