@@ -339,3 +339,74 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
         run(_merge_kernel, (B * Hq * n,), dict(out_ptr=out, ws_acc=ws_acc, ws_ml=ws_ml, NSPLIT=nsplit,
                                                NSPLIT_B=triton.next_power_of_2(nsplit), DB=DB))
     return out[..., :D]
+
+
+# --------------------------------------------------------------------------- what the kernel must equal
+def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = None,
+                        scale: float | None = None, *, nsplit: int, dot: str = "ieee") -> tuple[Tensor, Tensor]:
+    """float64 attention over the reference's dequantized store (``attention_reference`` in float64), and an
+    elementwise bound on ``|launch.attention(...) - it|`` derived from the kernel's fp32 arithmetic.
+
+    Returns (expected [B, Hq, n, D] float64, bound [B, Hq, n, D] float64). The derivation, with u = 2**-24,
+    gamma_k = k u / (1 - k u), u_op = 2**-11 for tf32 operands (0 for "ieee"), N = keys a query sees:
+
+    1. The kernel reads exactly the reference's fp32 dequantized keys/values (same fp32 operations,
+       contraction off) and exactly its query (with rotation: ``q.float() @ H`` in fp32, the reference's own
+       step; the float64 attention starts from that query). Each score q.k_j * scale (+ mask) is within
+       scale (gamma_D + 2 u_op) sum_i |q_i k_ji| + 2u|s_j| of the exact one; exp(s_j - m) adds 2u(|s_j| + |m|) through the subtraction and log2(e)
+       scaling and 2**-22 relative (ex2.approx), i.e. 2**-21 on the exponent. So every weight's exponent is
+       off by at most E = max_j [...] + 6u max_j |s_j| + 2**-21.
+    2. Exponents off by at most E change the normalised weights by a factor in [e^-2E, e^2E]: the output moves
+       by at most (e^2E - 1) sum_j w_j |v_jd|.
+    3. The running sum l and accumulator acc are sums of non-negative weights (times v) through one
+       BLOCK_N-long dot, one rescale-and-add per tile and one per split: relative error gamma_(3N + 2 NSPLIT + 4)
+       each (the rescale factors themselves multiply acc and l alike and cancel in acc / l); plus u for the
+       division and 2 u_op for tf32 operands of p v. Cross terms are covered by the factor (1 + 2**-10).
+    4. Rotation back (fp32 ``out @ H``): sum_i e_i / sqrt(D) + gamma_D sum_i (|o_i| + e_i) / sqrt(D).
+    5. Rounding to q's dtype: + u_t (|o| + e) with u_t = 2**-8 (bf16) or 2**-11 (fp16).
+    A query that sees no key must return exactly 0.
+    """
+    from kvcompile.store import dequantize_reference, hadamard
+
+    B, Hq, n, D = q.shape
+    H, C = spec.heads, spec.capacity
+    u, uop = 2.0 ** -24, (2.0 ** -11 if dot == "tf32" else 0.0)
+
+    def gamma(k):
+        return k * u / (1 - k * u)
+
+    scale = 1.0 / D ** 0.5 if scale is None else float(scale)
+    k, v = dequantize_reference(state, spec, torch.float64, rotated=True)
+    k = k.repeat_interleave(Hq // H, dim=1).to(q.device)
+    v = v.repeat_interleave(Hq // H, dim=1).to(q.device)
+    q64 = q.float().double()
+    Hm = hadamard(D, q.device).double()
+    # the query in the store's space exactly as the reference (and the launcher) compute it, in fp32
+    qr = (q.float() @ hadamard(D, q.device)).double() if spec.policy.rotate else q64
+    sc = (qr @ k.transpose(-1, -2)) * scale
+    pos = torch.arange(C, device=q.device)
+    L = state.lengths.to(q.device).long().view(B, 1, 1, 1)
+    vis = pos.view(1, 1, 1, C) < L
+    if mask is None:
+        vis = vis & (pos.view(1, 1, 1, C) <= L - n + torch.arange(n, device=q.device).view(1, 1, n, 1))
+    elif mask.dtype == torch.bool:
+        vis = vis & mask[..., :C].to(q.device)
+    else:
+        sc = sc + mask[..., :C].to(q.device).double()
+    vis = vis & torch.isfinite(sc)
+    sc = sc.masked_fill(~vis, float("-inf"))
+    w = torch.softmax(sc, dim=-1).nan_to_num(0.0)
+    term = scale * (gamma(D) + 2 * uop) * (qr.abs() @ k.abs().transpose(-1, -2))
+    E = (torch.where(vis, term, 0).amax(-1) + 6 * u * torch.where(vis, sc.abs(), 0).amax(-1) + 2.0 ** -21)
+    N = vis.sum(-1).double()
+    rel = (torch.expm1(2 * E) + gamma(6 * N + 4 * nsplit + 9) + 2 * uop) * (1 + 2.0 ** -10)
+    o = w @ v
+    e = rel.unsqueeze(-1) * (w @ v.abs())
+    if spec.policy.rotate:
+        e = ((e.sum(-1, keepdim=True) + gamma(D) * (o.abs() + e).sum(-1, keepdim=True)) / D ** 0.5).expand_as(o)
+        o = o @ Hm
+    if q.dtype != torch.float32:
+        ut = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[q.dtype]
+        e = e + ut * (o.abs() + e)
+    empty = (N == 0).unsqueeze(-1)
+    return o.masked_fill(empty, 0.0), e.masked_fill(empty, 0.0)

@@ -1,0 +1,157 @@
+"""The fused dequantize-attention kernels against float64 attention over the reference's dequantized store.
+
+The bound is derived, not tuned: see ``kvcompile.templates.attention.reference_and_bound`` (fp32 dot products,
+online softmax, split merge, rotation and output rounding, each with its own term). It is about 1e-6 relative,
+three orders of magnitude below one quantization step, so a wrong code, scale, region or mask fails it (see
+``test_the_bound_catches_one_wrong_code``).
+"""
+import pytest
+import torch
+import triton
+import triton.language as tl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompile import Policy, Quant
+from kvcompile import quant as Q
+from kvcompile.store import LayerSpec, store_reference
+from kvcompile.templates import attention as kattn
+from kvcompile.templates import launch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check(q, state, spec, mask=None, scale=None, tiles=None):
+    """Run the kernel and assert it is within the derived bound of float64 attention, elementwise."""
+    B, Hq, n, D = q.shape
+    nsplit = (tiles or kattn.default_tiles(spec, n, Hq // spec.heads, torch.device(DEV)))[2]
+    got = launch.attention(q.to(DEV), type(state)(*[t.to(DEV) for t in state]), spec,
+                           None if mask is None else mask.to(DEV), scale, tiles=tiles)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    want, bound = kattn.reference_and_bound(q, state, spec, mask, scale, nsplit=nsplit,
+                                            dot=launch.dot_precision(torch.device(DEV)))
+    err = (got.cpu().double() - want).abs()
+    bad = err > bound
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs outside the bound; worst error "
+                           f"{err[bad].max():.3g} vs bound {bound[bad][err[bad].argmax()]:.3g}; {spec.name}")
+    return err, bound
+
+
+def filled(policy, lengths, H, D, C, dtype="float32", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    spec = LayerSpec(policy, len(lengths), H, C, D, dtype)
+    state = spec.allocate()
+    m = max(lengths)
+    k = torch.randn(len(lengths), H, m, D, generator=g)
+    k[..., 3] *= 8  # an outlier channel, as real keys have
+    v = torch.randn(len(lengths), H, m, D, generator=g)
+    store_reference(state, spec, k, v, torch.tensor(lengths))
+    return spec, state
+
+
+# Keys per channel in groups of 16, residual 8, two sinks: Q(L) moves at L = 2 + 8 + 16 j.
+MIXED = Policy(Quant("int4", "channel", 16), Quant("int2", "token", 32), residual=8, sink=2)
+ROTATED = Policy(Quant("fp8_e4m3", "token"), Quant("int3", "channel", 16), residual=8, sink=2, rotate=True)
+# lengths 1, group - 1, group + 1, around the first flush (25, 26, 27) and the second (42, 43): one batch
+LENGTHS = [1, 15, 17, 25, 26, 27, 42, 43]
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 3, 4, 8])
+def test_attention_kernel_grid(gqa, D):
+    H, C = 2, 48
+    g = torch.Generator().manual_seed(gqa * D)
+    spec, state = filled(MIXED, LENGTHS, H, D, C)
+    B, Hq = len(LENGTHS), H * gqa
+    check(torch.randn(B, Hq, 1, D, generator=g), state, spec)  # decode, split-K
+    check(torch.randn(B, Hq, 5, D, generator=g), state, spec)  # chunked prefill (row 0 has 1 < 5 tokens)
+    spec, state = filled(ROTATED, LENGTHS, H, D, C)
+    keep = torch.rand(B, 1, 1, C, generator=g) > 0.4
+    check(torch.randn(B, Hq, 1, D, generator=g), state, spec, mask=keep)
+    soft = torch.where(torch.rand(B, Hq, 3, C, generator=g) > 0.2, torch.randn(B, Hq, 3, C, generator=g), -torch.inf)
+    check(torch.randn(B, Hq, 3, D, generator=g), state, spec, mask=soft, scale=0.3)
+
+
+@st.composite
+def quants(draw, D):
+    fmt = draw(st.sampled_from(["int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2", "none"]))
+    axis = draw(st.sampled_from(["token", "channel"]))
+    group = draw(st.sampled_from([None, 8, 16]) if axis == "token" else st.sampled_from([2, 4, 8]))
+    return Quant(fmt, axis, group, True if fmt.startswith("fp8") else draw(st.booleans()),
+                 draw(st.sampled_from(["float16", "float32"])))
+
+
+@st.composite
+def attention_cases(draw):
+    D = draw(st.sampled_from([16, 32, 48]))
+    policy = Policy(draw(quants(D)), draw(quants(D)), residual=draw(st.sampled_from([0, 3, 16])),
+                    sink=draw(st.sampled_from([0, 2])), rotate=D != 48 and draw(st.booleans()))
+    B, H, G = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3, 4]))
+    C = 80
+    lengths = [draw(st.integers(1, C)) for _ in range(B)]
+    n = draw(st.sampled_from([1, 1, 2, 6]))
+    block_q = 1 if n == 1 else draw(st.sampled_from([1, 2, 4]))
+    tiles = (block_q, draw(st.sampled_from([16, 32])), draw(st.sampled_from([1, 2, 3, 5])))
+    mask = draw(st.sampled_from([None, "bool", "float"]))
+    dtype = draw(st.sampled_from(["float32", "bfloat16"]))
+    return policy, B, H, G, D, C, lengths, n, tiles, mask, dtype, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=25)
+@given(attention_cases())
+def test_attention_kernel_equals_float64_attention(case):
+    policy, B, H, G, D, C, lengths, n, tiles, mask_kind, dtype, seed = case
+    g = torch.Generator().manual_seed(seed)
+    spec, state = filled(policy, lengths, H, D, C, dtype, seed)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(B, 1, n, C, generator=g) > 0.3
+    elif mask_kind == "float":
+        mask = torch.where(torch.rand(1, H * G, 1, C + 5, generator=g) > 0.3, torch.randn(C + 5, generator=g), -torch.inf)
+    q = torch.randn(B, H * G, n, D, generator=g).to(spec.torch_dtype)
+    check(q, state, spec, mask, scale=float(torch.rand((), generator=g)) + 0.05, tiles=tiles)
+
+
+def test_a_query_that_sees_nothing_returns_zeros():
+    spec, state = filled(MIXED, [3, 40], 1, 32, 48)
+    mask = torch.zeros(2, 1, 1, 48, dtype=torch.bool)
+    mask[1, ..., 5] = True
+    got = launch.attention(torch.randn(2, 2, 1, 32).to(DEV), type(state)(*[t.to(DEV) for t in state]), spec,
+                           mask.to(DEV)).cpu()
+    assert torch.equal(got[0], torch.zeros_like(got[0])) and got[1].abs().sum() > 0
+
+
+def test_the_bound_catches_one_wrong_code():
+    """The check is sharp enough to fail: flip one stored key code of one position and it must fire."""
+    spec, state = filled(Policy.kivi(8, group=8, residual=4), [40], 1, 16, 48)
+    q = torch.randn(1, 2, 1, 16)
+    check(q, state, spec)
+    bad = type(state)(*[t.clone() for t in state])
+    bad.k_codes[0, 0, 5, 3] ^= 1  # one int8 code off by one step
+    got = launch.attention(q.to(DEV), type(bad)(*[t.to(DEV) for t in bad]), spec).cpu()
+    want, bound = kattn.reference_and_bound(q, state, spec, nsplit=3)
+    assert ((got.double() - want).abs() > bound).any()
+
+
+def test_attention_keys_spell_out_the_specialization():
+    key, kw = kattn.attention_config(MIXED, 128, 2, 16, 23, 4, 1, 64, 8, 0, "tf32")
+    assert key == ("attention[k=int4.channel.16.asym.f16;v=int2.token.32.asym.f16;S=2;R=8;F=16;W=23;D=128;"
+                   "gqa=4;bq=1;bn=64;split=8;mask=0;dot=tf32]")
+    assert kw["GP"] == 4 and kw["BLOCK_M"] == 16 and kw["K_CHANNEL"] and not kw["V_CHANNEL"]
+    assert kattn.attention_config(MIXED, 128, 2, 16, 23, 4, 1, 64, 8, 0, "tf32")[1] is kw
+
+
+@triton.jit
+def _decode_kernel(c_ptr, o_ptr, E4M3: tl.constexpr):
+    i = tl.arange(0, 256)
+    tl.store(o_ptr + i, kattn._fp8_decode(tl.load(c_ptr + i), E4M3))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_decode_equals_torch_for_every_finite_code(fmt):
+    codes = torch.arange(256, dtype=torch.int32)
+    out = torch.empty(256, device=DEV)
+    _decode_kernel[(1,)](codes.to(DEV), out, E4M3=fmt == "fp8_e4m3")
+    want = codes.to(torch.uint8).view(Q.FP8_DTYPES[fmt]).float()
+    finite = want.isfinite()  # NaN/inf codes are never written (|x / scale| <= max)
+    assert torch.equal(out.cpu()[finite].view(torch.int32), want[finite].view(torch.int32))
