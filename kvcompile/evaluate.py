@@ -14,8 +14,9 @@ Numerics come from ``KVCompileCache`` in eager mode (the reference store). Its `
 whole cache at every call; here ``_EvalCache`` keeps that view and refreshes only the positions an append
 changed (sinks written, tokens flushed to packed storage, the residual ring). Packed tokens never change
 once written, so the view is identical to ``dequantize_reference`` -- tests assert it bit for bit --
-at about a fifth of the cost per 64-token chunk (the full dequantize re-unpacks all ``max_cache_len``
-codes of every layer every chunk).
+at a fraction of the cost per 64-token chunk (the full dequantize re-unpacks all ``max_cache_len``
+codes of every layer every chunk: 60 % of a 2K window's time). Attention reads only the positions held
+rather than the whole capacity, which changes nothing but the order of floating-point sums.
 """
 from __future__ import annotations
 
@@ -143,7 +144,12 @@ class _EvalLayer(KVCompileLayer):
         k, v = _view_range(self, a, L + n, key_states.dtype)
         self._k[:, :, a:L + n] = k
         self._v[:, :, a:L + n] = v
-        return self._k, self._v
+        # Only the positions held: attention over the whole capacity would spend most of its FLOPs on
+        # masked slots (at 8K capacity, chunked prefill cost 4x the attention it needs).
+        return self._k[:, :, :L + n], self._v[:, :, :L + n]
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return int(self.cumulative_length) + query_length, 0  # the mask matches the views returned above
 
     def reset(self) -> None:
         super().reset()
