@@ -283,10 +283,7 @@ def _finish(gm, example_inputs, opts: Options):
         return gm.forward
     from torch._inductor.compile_fx import compile_fx
 
-    compiled = compile_fx(gm, example_inputs)
-    if getattr(compiled, "_boxed_call", False):
-        return lambda *args: compiled(list(args))
-    return compiled
+    return compile_fx(gm, example_inputs)  # called like Dynamo calls a backend's result: compiled(*args)
 
 
 @torch._dynamo.register_backend(name="kvcompile")

@@ -396,8 +396,11 @@ def replace_read(gm: GraphModule, site: Site, state: list[Node]) -> Node:
             fill = False if mval.dtype == torch.bool else float("-inf")
             width = g.call_function(operator.sub, (site.shape[2], site.read_len))
             mask = g.call_function(F.pad, (mask, (0, width)), {"value": fill})
+        # The op returns a contiguous [B, Hq, n, D]; its fake returns empty_like(q), so q must be contiguous
+        # for the two to agree (q is usually a transposed view). A copy of the queries only: n tokens.
+        q = g.call_method("contiguous", (site.query,))
         att = g.call_function(torch.ops.kvcompile.attention.default,
-                              (site.query, list(state), mask, site.scale, site.spec_name))
+                              (q, list(state), mask, site.scale, site.spec_name))
     _copy_meta(att, site.read)
     if "example_value" in site.read.meta:
         att.meta["example_value"] = site.read.meta["example_value"]

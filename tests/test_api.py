@@ -236,8 +236,9 @@ def test_inductor_compiles_the_rest_of_the_graph():
     ids = torch.randint(3, 64, (1, 7))
     want, _ = chunks(ref, ids, 5, KVCompileCache(ref.config, policy, 12))
     got, _ = chunks(kvcompile.apply(model, policy, max_cache_len=12, compiler="inductor"), ids, 5)
-    # Inductor fuses the projections differently, so keys may differ in the last bit before quantization
-    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    # Seen: 6e-8. Inductor fuses the projections, so keys could differ in the last bit and flip a code (see
+    # tests/passes); with this seed they do not, and a flip here would be worth a look, not a wider bound.
+    torch.testing.assert_close(got, want)
 
 
 # --------------------------------------------------------------------------- errors
