@@ -243,7 +243,7 @@ def compile_graph(gm, example_inputs, options=None, *, report=None, analyze_only
         report(ex)
     if not sites:
         return _finish(gm, list(example_inputs), opts)
-    rewrite(gm, sites)
+    rewrite(gm, sites, fused_cpu=opts.compiler == "inductor")
     bound = [(i, j, spec, s.layer) for i, j, spec, s in zip(k_index, v_index, specs, sites)]
     states = [_state_for(example_inputs[i], example_inputs[j], spec, layer) for i, j, spec, layer in bound]
     inner = _finish(gm, list(example_inputs) + [t for st in states for t in st], opts)

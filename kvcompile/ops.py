@@ -87,7 +87,7 @@ def attention(q: Tensor, state: list[Tensor], mask: Tensor | None, scale: float,
 
 @attention.register_fake
 def _(q, state, mask, scale, spec):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, like every implementation's output (not q's strides)
 
 
 @torch.library.custom_op("kvcompile::dequantize", mutates_args=())

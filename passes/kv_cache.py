@@ -385,8 +385,24 @@ def replace_writes(gm: GraphModule, site: Site, state: list[Node]) -> Node:
     return store
 
 
-def replace_read(gm: GraphModule, site: Site, state: list[Node]) -> Node:
-    """SDPA over the (replicated) cache -> ``kvcompile.attention(q, state, mask, scale, spec)``."""
+def fused_cpu_attention(q, state, mask, scale, spec_name):
+    """The attention read as plain torch ops (``kvcompile.templates.inductor``), for Inductor to fuse.
+
+    The custom op is opaque to Inductor, and on the CPU it runs the Python reference (which dequantizes the
+    whole cache). Traced through this function instead, the read becomes one generated C++ kernel that
+    unpacks and dequantizes inside its reductions. Same semantics; tested against the reference.
+    """
+    from kvcompile.store import KVState, LayerSpec
+    from kvcompile.templates import inductor
+
+    return inductor.attention(q, KVState(*state), LayerSpec.from_name(spec_name), mask, scale)
+
+
+def replace_read(gm: GraphModule, site: Site, state: list[Node], fused_cpu: bool = False) -> Node:
+    """SDPA over the (replicated) cache -> ``kvcompile.attention(q, state, mask, scale, spec)``.
+
+    fused_cpu: for a CPU cache compiled by Inductor, call ``fused_cpu_attention`` instead of the op.
+    """
     g = gm.graph
     with g.inserting_before(site.read):
         mask = site.mask
@@ -399,8 +415,10 @@ def replace_read(gm: GraphModule, site: Site, state: list[Node]) -> Node:
         # The op returns a contiguous [B, Hq, n, D]; its fake returns empty_like(q), so q must be contiguous
         # for the two to agree (q is usually a transposed view). A copy of the queries only: n tokens.
         q = g.call_method("contiguous", (site.query,))
-        att = g.call_function(torch.ops.kvcompile.attention.default,
-                              (q, list(state), mask, site.scale, site.spec_name))
+        on_cpu = _val(site.query).device.type == "cpu" and _ops.kernels(torch.device("cpu")) == "reference"
+        target = fused_cpu_attention if (fused_cpu and on_cpu) else torch.ops.kvcompile.attention.default
+        att = g.call_function(target, (q, list(state), mask, site.scale, site.spec_name))
+        counters["attention_fused_cpu" if target is fused_cpu_attention else "attention_op"] += 1
     _copy_meta(att, site.read)
     if "example_value" in site.read.meta:
         att.meta["example_value"] = site.read.meta["example_value"]
@@ -436,12 +454,15 @@ def check_fused(gm: GraphModule, sites: list[Site]) -> None:
     counters["checked_fused"] += len(sites)
 
 
-def rewrite(gm: GraphModule, sites: list[Site]) -> GraphModule:
-    """Rewrite every site (each must have ``spec_name`` set); adds ``N_STATE`` inputs per site, in order."""
+def rewrite(gm: GraphModule, sites: list[Site], fused_cpu: bool = False) -> GraphModule:
+    """Rewrite every site (each must have ``spec_name`` set); adds ``N_STATE`` inputs per site, in order.
+
+    fused_cpu: CPU reads become ``fused_cpu_attention`` (set when Inductor compiles the result).
+    """
     groups = add_state_inputs(gm, sites)
     for s, state in zip(sites, groups):
         replace_writes(gm, s, state)
-        replace_read(gm, s, state)
+        replace_read(gm, s, state, fused_cpu)
     gm.graph.eliminate_dead_code(is_impure_node=_impure)
     check_fused(gm, sites)
     gm.graph.lint()
