@@ -10,6 +10,7 @@ import torch
 
 import kvcompile
 from kvcompile import Policy, models
+from kvcompile.evaluate import cache_kwarg
 from kvcompile.hf import KVCompileCache
 
 ap = argparse.ArgumentParser()
@@ -30,7 +31,7 @@ cache = KVCompileCache(model.config, policy, max_cache_len=ids.shape[1] + args.m
                        batch_size=1, dtype=next(model.parameters()).dtype)
 t0 = time.perf_counter()
 with torch.no_grad():
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=args.max_new_tokens, do_sample=False)
+    out = model.generate(ids, **{cache_kwarg(model): cache}, max_new_tokens=args.max_new_tokens, do_sample=False)
 print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 print(f"{time.perf_counter() - t0:.1f} s (compile included); cache holds {cache.nbytes:,} bytes")
 print(kvcompile.explain(model))

@@ -169,10 +169,17 @@ def make_cache(model, policy: Policy, max_cache_len: int, fast: bool = True) -> 
     return (_EvalCache if fast else KVCompileCache)(model.config, policy, max_cache_len)
 
 
+def cache_kwarg(model) -> str:
+    """transformers >= 5.2x names the cache argument ``cache`` (``past_key_values`` is deprecated there)."""
+    import inspect
+    fwd = getattr(model, "_kvcompile", None) and type(model).forward or model.forward
+    return "cache" if "cache" in inspect.signature(fwd).parameters else "past_key_values"
+
+
 def _forward(model, ids, cache, keep: int = 0):
     """Logits of ``ids`` fed through ``cache``; ``keep > 0``: only the last ``keep`` positions' (the vocabulary
     projection is a fifth of SmolLM2's FLOPs, so a prefill that needs one position skips it)."""
-    return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits
+    return model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{cache_kwarg(model): cache}).logits
 
 
 # --------------------------------------------------------------------------- held-out loss

@@ -37,9 +37,9 @@ def test_incremental_view_is_the_reference_view(tiny, policy):
     ids = torch.randint(0, 512, (2, 150))
     cache = E.make_cache(tiny, policy, 160)
     with torch.no_grad():
-        tiny(input_ids=ids[:, :37], past_key_values=cache, use_cache=True)
+        tiny(input_ids=ids[:, :37], use_cache=True, **{E.cache_kwarg(tiny): cache})
         for s in range(37, 150, 11):  # odd chunks: flushes land mid-chunk and across chunks
-            tiny(input_ids=ids[:, s:s + 11], past_key_values=cache, use_cache=True)
+            tiny(input_ids=ids[:, s:s + 11], use_cache=True, **{E.cache_kwarg(tiny): cache})
             for layer in cache.layers:
                 k, v = dequantize_reference(layer.state, layer.spec, torch.float32)
                 assert torch.equal(k, layer._k) and torch.equal(v, layer._v)

@@ -1,0 +1,46 @@
+"""Model loading: the embedded SmolLM2 (converted once, cached) and local Hugging Face directories."""
+import time
+
+import pytest
+import torch
+
+from kvcompile import models
+
+
+def test_a_path_that_is_not_a_model_says_what_to_do(tmp_path):
+    with pytest.raises(models.ModelNotFound, match="no config.json"):
+        models.resolve(tmp_path / "nothing-here")
+
+
+def test_a_local_directory_is_used_as_is(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert models.resolve(tmp_path) == tmp_path
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVCOMPILE_CACHE", str(tmp_path / "c"))
+    assert models.cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("KVCOMPILE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert models.cache_dir() == tmp_path / "x" / "kvcompile"
+
+
+def test_the_wheel_holds_a_gguf():
+    pytest.importorskip("gguf")
+    g = models.find_gguf()
+    assert g.suffix == ".gguf" and g.stat().st_size > 50_000_000
+
+
+@pytest.mark.slow
+def test_smollm2_loads_from_the_converted_copy_and_answers():
+    pytest.importorskip("gguf")
+    path = models.convert_default(log=lambda *a: None)  # converts on the first run only
+    t0 = time.perf_counter()
+    model, tok = models.load()
+    assert time.perf_counter() - t0 < 30  # a reload, not a conversion (~2 s on an idle machine)
+    assert models.resolve("smollm2") == path and not hasattr(model.config, "quantization_config")
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(ids["input_ids"], max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1]:])
