@@ -8,8 +8,8 @@ One kernel serves both shapes of the problem, specialised by its constexprs:
 
 - **decode** (``n == 1``): a program owns one (sequence, KV head) and one slice of the sequence (split-K).
   Its query rows are the ``G = Hq / H`` query heads that share the KV head (grouped-query attention), so each
-  KV tile is loaded and dequantized once for all of them. ``NSPLIT`` programs per (sequence, head) each
-  cover ``ceil(L / NSPLIT)`` positions -- split by the sequence's length on the device, so a batch of one at
+  KV tile is loaded and dequantized once for all of them. ``nsplit`` programs per (sequence, head) each
+  cover ``ceil(L / nsplit)`` positions -- split by the sequence's length on the device, so a batch of one at
   128K context still fills the GPU without a host sync -- and ``_merge_kernel`` combines their partial
   (max, sum, accumulator) triples with the online-softmax rule.
 - **chunked prefill** (``n > 1``): rows are ``BLOCK_Q`` query tokens x ``G`` heads; the key range stops at
@@ -144,17 +144,18 @@ def _attn_kernel(
     svc_b, svc_h, svc_t, svs_b, svs_h, svs_t,  # value codes, value scale/zero
     sr_b, sr_h, sr_t, ssk_b, ssk_h, ssk_t,  # rings, sinks (keys and values share strides)
     sm_b, sm_h, sm_t, sm_c,  # mask, broadcast to [B, Hq, n, C]
-    H, Hq, n, sm_scale,
+    H, Hq, n, sm_scale, nsplit,
     D: tl.constexpr, DB: tl.constexpr, S: tl.constexpr, R: tl.constexpr, F: tl.constexpr, W: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_E4M3: tl.constexpr, K_CHANNEL: tl.constexpr, K_G: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_E4M3: tl.constexpr, V_CHANNEL: tl.constexpr, V_G: tl.constexpr,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NSPLIT: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
+    SPLIT: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
 ):
     """Program (b*H + h, query block, split): rows = BLOCK_Q queries x G heads sharing KV head h.
 
-    NSPLIT == 1 writes the normalised output ``out [B, Hq, n, DB]``; otherwise the partial results go to
-    ``ws_acc [B, Hq, n, NSPLIT, DB]`` and ``ws_ml [B, Hq, n, NSPLIT, 2]`` (running max, running sum).
+    Without SPLIT (nsplit == 1) it writes the normalised output ``out [B, Hq, n, DB]``; with SPLIT the partial
+    results go to ``ws_acc [B, Hq, n, nsplit, DB]`` and ``ws_ml [B, Hq, n, nsplit, 2]`` (running max, sum).
+    ``nsplit`` is a runtime argument, so batch sizes and contexts that split differently share one binary.
     """
     bh = tl.program_id(0)
     qblk = tl.program_id(1)
@@ -172,12 +173,12 @@ def _attn_kernel(
                 mask=row_ok[:, None] & (c < D)[None, :], other=0.0)
     qpos = L - n + qi  # each query's own absolute position
     mask_rows = mask_ptr + b.to(tl.int64) * sm_b + hq.to(tl.int64)[:, None] * sm_h + qi[:, None] * sm_t
-    # the positions this block may see, split evenly (in whole tiles) across NSPLIT programs
+    # the positions this block may see, split evenly (in whole tiles) across nsplit programs
     if MASK_KIND == 0:
         end = tl.maximum(L - n + tl.minimum(qblk * BLOCK_Q + BLOCK_Q, n), 0)
     else:
         end = L
-    per = tl.cdiv(tl.cdiv(end, NSPLIT), BLOCK_N) * BLOCK_N
+    per = tl.cdiv(tl.cdiv(end, nsplit), BLOCK_N) * BLOCK_N
     lo = split * per
     hi = tl.minimum(lo + per, end)
     QL = _boundary(L, S, R, F)
@@ -223,26 +224,26 @@ def _attn_kernel(
                                          sm_scale, MASK_KIND, DOT)
 
     r = (b.to(tl.int64) * Hq + hq) * n + qi  # [BLOCK_M] row of [B, Hq, n]
-    if NSPLIT == 1:
+    if not SPLIT:
         lsafe = tl.where(l_i > 0, l_i, 1.0)
         out = tl.math.div_rn(acc, lsafe[:, None])
         out = tl.where((l_i > 0)[:, None], out, 0.0)  # a query that sees nothing returns zeros
         tl.store(out_ptr + r[:, None] * DB + c[None, :], out, mask=row_ok[:, None])
     else:
-        w = r * NSPLIT + split
+        w = r * nsplit + split
         tl.store(ws_acc + w[:, None] * DB + c[None, :], acc, mask=row_ok[:, None])
         tl.store(ws_ml + w * 2, m_i, mask=row_ok)
         tl.store(ws_ml + w * 2 + 1, l_i, mask=row_ok)
 
 
 @triton.jit
-def _merge_kernel(out_ptr, ws_acc, ws_ml, NSPLIT: tl.constexpr, NSPLIT_B: tl.constexpr, DB: tl.constexpr):
+def _merge_kernel(out_ptr, ws_acc, ws_ml, nsplit, NSPLIT_B: tl.constexpr, DB: tl.constexpr):
     """out[r] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the splits of row r (zeros if empty)."""
     r = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, NSPLIT_B)
     c = tl.arange(0, DB)
-    ok = sp < NSPLIT
-    w = r * NSPLIT + sp
+    ok = sp < nsplit
+    w = r * nsplit + sp
     m = tl.load(ws_ml + w * 2, mask=ok, other=float("-inf"))
     l = tl.load(ws_ml + w * 2 + 1, mask=ok, other=0.0)
     M = tl.max(m, 0)
@@ -256,7 +257,7 @@ def _merge_kernel(out_ptr, ws_acc, ws_ml, NSPLIT: tl.constexpr, NSPLIT_B: tl.con
 # --------------------------------------------------------------------------- launcher
 @functools.lru_cache(maxsize=None)
 def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, gqa: int, block_q: int,
-                     block_n: int, nsplit: int, mask_kind: int, dot: str) -> tuple[str, dict]:
+                     block_n: int, split: bool, mask_kind: int, dot: str) -> tuple[str, dict]:
     """The constexprs of one ``_attn_kernel`` specialization, and the key that spells it out (memoised)."""
     D = head_dim
     kw = dict(D=D, DB=max(16, triton.next_power_of_2(D)), S=sink, R=policy.residual, F=flush, W=ring)
@@ -265,10 +266,10 @@ def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, gq
                    pre + "CHANNEL": q.quantized and q.axis == "channel",
                    pre + "G": q.group_for(D) if q.quantized else 1})
     gp = triton.next_power_of_2(gqa)
-    kw.update(G=gqa, GP=gp, BLOCK_Q=block_q, BLOCK_M=max(16, gp * block_q), BLOCK_N=block_n, NSPLIT=nsplit,
+    kw.update(G=gqa, GP=gp, BLOCK_Q=block_q, BLOCK_M=max(16, gp * block_q), BLOCK_N=block_n, SPLIT=split,
               MASK_KIND=mask_kind, DOT=dot)
     key = (f"attention[k={policy.key.key()};v={policy.value.key()};S={sink};R={policy.residual};F={flush};"
-           f"W={ring};D={D};gqa={gqa};bq={block_q};bn={block_n};split={nsplit};mask={mask_kind};dot={dot}]")
+           f"W={ring};D={D};gqa={gqa};bq={block_q};bn={block_n};split={int(split)};mask={mask_kind};dot={dot}]")
     return key, kw
 
 
@@ -309,7 +310,7 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
     G = Hq // H
     block_q, block_n, nsplit = tiles or default_tiles(spec, n, G, q.device)
     mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
-    _, kw = attention_config(spec.policy, D, spec.sink, spec.flush, spec.ring, G, block_q, block_n, nsplit,
+    _, kw = attention_config(spec.policy, D, spec.sink, spec.flush, spec.ring, G, block_q, block_n, nsplit > 1,
                              mask_kind, dot)
     DB = kw["DB"]
     q = q.contiguous()
@@ -342,13 +343,13 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
         svc_b=svc[0], svc_h=svc[1], svc_t=svc[2], svs_b=svs[0], svs_h=svs[1], svs_t=svs[2],
         sr_b=sr[0], sr_h=sr[1], sr_t=sr[2], ssk_b=ssk[0], ssk_h=ssk[1], ssk_t=ssk[2],
         sm_b=mstr[0], sm_h=mstr[1], sm_t=mstr[2], sm_c=mstr[3],
-        H=H, Hq=Hq, n=n, sm_scale=float(scale), **kw,
+        H=H, Hq=Hq, n=n, sm_scale=float(scale), nsplit=nsplit, **kw,
     )
     run(_attn_kernel, (B * H, triton.cdiv(n, block_q), nsplit), args,
         num_warps=num_warps(kw["BLOCK_M"], block_n, DB))
     if nsplit > 1:
-        run(_merge_kernel, (B * Hq * n,), dict(out_ptr=out, ws_acc=ws_acc, ws_ml=ws_ml, NSPLIT=nsplit,
-                                               NSPLIT_B=triton.next_power_of_2(nsplit), DB=DB))
+        run(_merge_kernel, (B * Hq * n,), dict(out_ptr=out, ws_acc=ws_acc, ws_ml=ws_ml, nsplit=nsplit,
+                                               NSPLIT_B=max(16, triton.next_power_of_2(nsplit)), DB=DB))
     return out[..., :D]
 
 

@@ -134,11 +134,11 @@ def test_the_bound_catches_one_wrong_code():
 
 
 def test_attention_keys_spell_out_the_specialization():
-    key, kw = kattn.attention_config(MIXED, 128, 2, 16, 23, 4, 1, 64, 8, 0, "tf32")
+    key, kw = kattn.attention_config(MIXED, 128, 2, 16, 23, 4, 1, 64, True, 0, "tf32")
     assert key == ("attention[k=int4.channel.16.asym.f16;v=int2.token.32.asym.f16;S=2;R=8;F=16;W=23;D=128;"
-                   "gqa=4;bq=1;bn=64;split=8;mask=0;dot=tf32]")
+                   "gqa=4;bq=1;bn=64;split=1;mask=0;dot=tf32]")
     assert kw["GP"] == 4 and kw["BLOCK_M"] == 16 and kw["K_CHANNEL"] and not kw["V_CHANNEL"]
-    assert kattn.attention_config(MIXED, 128, 2, 16, 23, 4, 1, 64, 8, 0, "tf32")[1] is kw
+    assert kattn.attention_config(MIXED, 128, 2, 16, 23, 4, 1, 64, True, 0, "tf32")[1] is kw
 
 
 @triton.jit

@@ -1,0 +1,213 @@
+"""Decode-attention kernels on a GPU: correctness first, then time / bandwidth / speedup against bf16 SDPA.
+
+    python benchmarks/gpu_kernels.py            # on a CUDA machine (H200: about 2-3 minutes)
+    python benchmarks/gpu_kernels.py --record   # ... and append the run to benchmarks/RESULTS.md
+    python benchmarks/gpu_kernels.py --smoke    # tiny sizes; on a machine without CUDA through TRITON_INTERPRET=1
+
+1. Correctness on the device: for every benchmarked format (and a few more layouts) the store kernels must
+   equal ``store_reference`` bit for bit and the attention kernel must be within the derived bound of float64
+   attention (``templates.attention.reference_and_bound``, with tf32 operands). Any failure stops the run.
+2. Timing: decode attention (one query token, 32 query heads over 8 KV heads, head_dim 128) at batch 1/8/32 and
+   context 4K/32K/128K for fp8, int8, int4, int2 and bf16 ``F.scaled_dot_product_attention`` (the first of the
+   flash / efficient / cuDNN / math backends that accepts GQA) on the same lengths. Times are triton's
+   ``do_bench_cudagraph`` medians (a CUDA graph per call, so the numbers are the GPU's, not Python's launch
+   overhead). GB/s is over the bytes the call actually moves: every byte of the store (all positions live at
+   length = capacity: codes, scales, zero points, ring, sinks), the query, the output and the split-K workspace
+   (written, then read). Speedup is bf16 SDPA time / kernel time.
+"""
+import argparse
+import datetime
+import math
+import os
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():  # the kernels run through Triton's interpreter: must be set before they exist
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+
+from kvcompile import Policy, Quant  # noqa: E402
+from kvcompile.store import LayerSpec, state_nbytes, store_reference  # noqa: E402
+from kvcompile.templates import attention as kattn  # noqa: E402
+from kvcompile.templates import launch  # noqa: E402
+
+FORMATS = {  # name -> policy; every position packed (no residual, no sinks) so the table measures the kernel
+    "fp8": Policy(Quant("fp8_e4m3", "token"), Quant("fp8_e4m3", "token")),
+    "int8": Policy(Quant("int8", "token"), Quant("int8", "token")),
+    "int4": Policy(Quant("int4", "token"), Quant("int4", "token")),
+    "int2": Policy(Quant("int2", "token"), Quant("int2", "token")),
+    "int4-kivi": Policy.kivi(4, group=32, residual=0),  # per-channel keys, 32-groups: 1 bit/elem of scales
+    "int2-kivi": Policy.kivi(2, group=32, residual=0),
+}
+TARGET_SPEEDUP_32K = {"fp8": 1.9, "int8": 1.9, "int4": 3.5, "int2": 6.0}
+NOMINAL_TBPS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}
+
+
+# --------------------------------------------------------------------------- 1. correctness
+def check_correctness(device: str, B: int, H: int, G: int, D: int, C: int, names=None) -> list[str]:
+    """Store exactness and attention bound for each format (or ``names``); returns a line per layout."""
+    dot = launch.dot_precision(torch.device(device))
+    extra = {
+        "kivi4+res+sink+rot": Policy.kivi(4, group=16, residual=8, sink=2, rotate=True),
+        "fp8e5m2/int3": Policy(Quant("fp8_e5m2", "token"), Quant("int3", "channel", 8), residual=3),
+    }
+    lines = []
+    g = torch.Generator().manual_seed(0)
+    lengths = [C, C * 2 // 3 + 1][:B] + [C // 3] * max(0, B - 2)
+    for name, policy in {**FORMATS, **extra}.items():
+        if names is not None and name not in names:
+            continue
+        spec = LayerSpec(policy, B, H, C, D, "bfloat16")
+        ref, got = spec.allocate(), spec.allocate(device)
+        L = 0
+        for n in (C // 2, 1, 1, C - C // 2 - 2):  # prefill, decode, decode, chunk
+            k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
+            n_new = torch.tensor([max(0, min(n, x - L)) for x in lengths], dtype=torch.int32)
+            store_reference(ref, spec, k, v, n_new)
+            launch.store(got, spec, k.to(device), v.to(device), n_new.to(device))
+            L += n
+            for field, a, b in zip(ref._fields, ref, got):
+                if field in ("k_res", "v_res"):
+                    continue  # dead ring slots are unspecified; they are read back through attention below
+                if not torch.equal(a, b.cpu()):
+                    raise SystemExit(f"FAIL store {name}: {field} differs from the reference after {L} tokens")
+            for nq in (1, 4):
+                q = torch.randn(B, H * G, nq, D, generator=g).to(torch.bfloat16)
+                out = launch.attention(q.to(device), got, spec).cpu()
+                nsplit = kattn.default_tiles(spec, nq, G, torch.device(device))[2]
+                want, bound = kattn.reference_and_bound(q, ref, spec, nsplit=nsplit, dot=dot)
+                err = (out.double() - want).abs()
+                if (err > bound).any():
+                    raise SystemExit(f"FAIL attention {name} n={nq} after {L} tokens: max error {err.max():.3g}, "
+                                     f"{int((err > bound).sum())} outputs outside the derived bound")
+        lines.append(f"ok  {name:20s} store exact, attention within bound ({spec.policy.key_str()})")
+    return lines
+
+
+# --------------------------------------------------------------------------- 2. timing
+def filled_state(spec: LayerSpec, device: str, L: int):
+    """A store holding L tokens of random (finite) codes: timing does not depend on the values."""
+    state = spec.allocate(device)
+    for t in state[:6]:
+        if t.numel() == 0:
+            continue
+        if t.dtype == torch.uint8:
+            t.copy_(torch.randint(0, 119, t.shape, dtype=torch.uint8, device=device))  # < 0x77: finite fp8
+        else:
+            t.fill_(0.01)
+    for t in state[6:10]:
+        if t.numel():
+            t.normal_()
+    state.lengths.fill_(L)
+    return state
+
+
+def bench(fn, smoke: bool) -> float:
+    """Median milliseconds of fn()."""
+    fn()
+    if smoke:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing as tt
+    torch.cuda.synchronize()
+    try:
+        return float(tt.do_bench_cudagraph(fn, rep=60, return_mode="median"))
+    except Exception:  # a call that cannot be captured: time it eagerly (recorded in the table)
+        return float(tt.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def sdpa_backend(q, k, v):
+    """The first SDPA backend that runs GQA decode here, and a closure calling it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.MATH):
+        def fn(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        try:
+            fn()
+            return backend.name.lower(), fn
+        except RuntimeError:
+            continue
+    raise RuntimeError("no SDPA backend accepts this GQA decode shape")
+
+
+def time_table(device: str, batches, contexts, Hq: int, H: int, D: int, formats, smoke: bool):
+    rows = []
+    for B in batches:
+        for ctx in contexts:
+            q = torch.randn(B, Hq, 1, D, dtype=torch.bfloat16, device=device)
+            k = torch.randn(B, H, ctx, D, dtype=torch.bfloat16, device=device)
+            v = torch.randn(B, H, ctx, D, dtype=torch.bfloat16, device=device)
+            backend, sdpa = sdpa_backend(q, k, v)
+            t_ref = bench(sdpa, smoke)
+            bytes_ref = 2 * k.numel() * 2 + 2 * q.numel() * 2
+            rows.append((B, ctx, f"bf16 sdpa ({backend})", t_ref, bytes_ref, 1.0))
+            del k, v
+            for name in formats:
+                spec = LayerSpec(FORMATS[name], B, H, ctx, D, "bfloat16")
+                state = filled_state(spec, device, ctx)
+                nsplit = kattn.default_tiles(spec, 1, Hq // H, torch.device(device))[2]
+                moved = state_nbytes(state) + 2 * q.numel() * 2 + (2 * B * Hq * nsplit * (128 + 2) * 4 if nsplit > 1 else 0)
+                t = bench(lambda: launch.attention(q, state, spec), smoke)
+                rows.append((B, ctx, name, t, moved, t_ref / t))
+                del state
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def render(rows, card: str, peak_tbps: float | None) -> str:
+    head = "| batch | context | kernel | time (ms) | GB moved | GB/s | % of peak | speedup vs bf16 |\n"
+    head += "|---:|---:|---|---:|---:|---:|---:|---:|\n"
+    lines = []
+    for B, ctx, name, t, nbytes, speedup in rows:
+        gbps = nbytes / (t * 1e-3) / 1e9
+        peak = f"{100 * gbps / (peak_tbps * 1e3):.0f}%" if peak_tbps else "-"
+        target = ""
+        if ctx == 32768 and name in TARGET_SPEEDUP_32K:
+            target = " (target %.1fx: %s)" % (TARGET_SPEEDUP_32K[name], "met" if speedup >= TARGET_SPEEDUP_32K[name] else "MISSED")
+        lines.append(f"| {B} | {f'{ctx // 1024}K' if ctx >= 1024 else ctx} | {name} | {t:.4f} | {nbytes / 1e9:.3f} | {gbps:.0f} | {peak} | "
+                     f"{speedup:.2f}x{target} |")
+    return head + "\n".join(lines)
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (automatic without CUDA)")
+    p.add_argument("--record", action="store_true", help="append this run to benchmarks/RESULTS.md")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    smoke = args.smoke or not cuda
+    device = "cuda" if cuda else "cpu"
+    started = time.time()
+    if smoke:
+        checks = check_correctness(device, B=2, H=2, G=2, D=32, C=40,
+                                   names=["int2", "int4-kivi", "kivi4+res+sink+rot"])
+        rows = time_table(device, [1], [256], Hq=8, H=2, D=128, formats=["fp8", "int4-kivi"], smoke=True)
+        card, peak = ("cpu (Triton interpreter)" if not cuda else torch.cuda.get_device_name()), None
+    else:
+        checks = check_correctness(device, B=3, H=8, G=4, D=128, C=300)
+        card = torch.cuda.get_device_name()
+        peak = next((v for k, v in NOMINAL_TBPS.items() if k in card), None)
+        rows = time_table(device, [1, 8, 32], [4096, 32768, 131072], Hq=32, H=8, D=128, formats=list(FORMATS),
+                          smoke=False)
+    table = render(rows, card, peak)
+    report = (f"## {datetime.date.today().isoformat()} -- {card}\n\n"
+              f"`python benchmarks/gpu_kernels.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
+              f" (torch {torch.__version__}, triton {__import__('triton').__version__}, "
+              f"{time.time() - started:.0f} s{', smoke: timings are single interpreter calls, not GPU numbers' if smoke else ''})\n\n"
+              + "\n".join("    " + c for c in checks) + "\n\n" + table + "\n")
+    print(report)
+    if args.record:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), "a") as f:
+            f.write("\n" + report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
