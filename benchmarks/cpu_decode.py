@@ -1,0 +1,255 @@
+"""CPU decode benchmark: kvcompile against Hugging Face's caches, side by side in one process.
+
+    python benchmarks/cpu_decode.py                       # the full table (SmolLM2, 1K-8K, batch 1 and 4)
+    python benchmarks/cpu_decode.py --contexts 2048 --batches 1 --new 32 --repeats 2
+    python benchmarks/cpu_decode.py --smoke               # a tiny random Llama, seconds (run by the tests)
+
+Contenders run interleaved (A B C ... A B C ...) so machine drift hits all of them alike. For each one:
+prefill time, decode tokens/s (median over repeats), the bytes the KV cache holds at the end (summed from
+its tensors), peak process memory (RSS high-water mark sampled during the run, minus the baseline before
+it), and ratios to the full-precision DynamicCache. Writes JSON next to the printed table.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache, QuantizedCache, StaticCache
+
+import kvcompile
+from kvcompile import Policy
+from kvcompile.hf import KVCompileCache
+
+# --------------------------------------------------------------------------- memory measurement
+
+
+def tensor_bytes(obj, seen=None) -> int:
+    """Bytes of every distinct tensor storage reachable from a cache object (its real footprint)."""
+    seen = set() if seen is None else seen
+    total = 0
+    stack = [obj]
+    visited = set()
+    while stack:
+        o = stack.pop()
+        if id(o) in visited:
+            continue
+        visited.add(id(o))
+        if isinstance(o, torch.Tensor):
+            if o.numel() == 0:
+                continue
+            st = o.untyped_storage()
+            key = st.data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += st.nbytes()
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif hasattr(o, "__dict__") and not isinstance(o, (type, torch.nn.Module)):
+            stack.extend(vars(o).values())
+    return total
+
+
+class PeakRSS:
+    """Samples the process RSS in a thread; ``peak - base`` is what the run added at its worst."""
+
+    def __init__(self, interval=0.002):
+        self.proc, self.interval = psutil.Process(), interval
+
+    def __enter__(self):
+        gc.collect()
+        self.base = self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+    @property
+    def added(self) -> int:
+        return self.peak - self.base
+
+
+# --------------------------------------------------------------------------- contenders
+@dataclass
+class Contender:
+    name: str
+    make: object                      # (model, batch, capacity) -> (model_to_call, cache or None)
+    results: dict = field(default_factory=dict)
+
+
+def dynamic(model, batch, capacity):
+    return model, DynamicCache(config=model.config)
+
+
+def static_compiled(model, batch, capacity, _cache={}):
+    if "fwd" not in _cache:
+        _cache["fwd"] = torch.compile(model.forward, fullgraph=False)
+    return _cache["fwd"], StaticCache(config=model.config, max_cache_len=capacity)
+
+
+def quanto(nbits):
+    def make(model, batch, capacity):
+        return model, QuantizedCache(backend="quanto", config=model.config, nbits=nbits, residual_length=128)
+    return make
+
+
+COMPILER = {"name": "inductor"}
+
+
+def kv(policy):
+    applied = {}
+
+    def make(model, batch, capacity):
+        if "model" not in applied:
+            applied["model"] = kvcompile.apply(_clone(model), policy, max_cache_len=capacity,
+                                               compiler=COMPILER["name"])
+        return applied["model"], KVCompileCache(model.config, policy, capacity)
+    return make
+
+
+def _clone(model):
+    import copy
+    return copy.deepcopy(model)
+
+
+def contenders(names):
+    table = {
+        "dynamic": dynamic,
+        "static+compile": static_compiled,
+        "quanto-int4": quanto(4),
+        "quanto-int2": quanto(2),
+        "kvc-int8": kv(Policy.int8()),
+        "kvc-fp8": kv(Policy.fp8()),
+        "kvc-int4": kv(Policy.kivi(4)),
+        "kvc-int2": kv(Policy.kivi(2)),
+    }
+    return [Contender(n, table[n]) for n in names]
+
+
+# --------------------------------------------------------------------------- one measurement
+@torch.no_grad()
+def run_once(c: Contender, model, ids, new_tokens: int):
+    B, T = ids.shape
+    capacity = T + new_tokens
+    fn, cache = c.make(model, B, capacity)
+    # No attention_mask: the rows are unpadded, and a growing 2-D mask would change shape every step (a
+    # recompile per step for the compiled contenders); the models build their causal masks from positions.
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        out = fn(input_ids=ids, past_key_values=cache, use_cache=True)
+        t1 = time.perf_counter()
+        cache = out.past_key_values
+        nxt = out.logits[:, -1:].argmax(-1)
+        step_times = []
+        for i in range(new_tokens):
+            s = time.perf_counter()
+            out = fn(input_ids=nxt, past_key_values=cache, use_cache=True,
+                     cache_position=torch.tensor([T + i]))
+            step_times.append(time.perf_counter() - s)
+            nxt = out.logits[:, -1:].argmax(-1)
+    held = cache.nbytes if hasattr(cache, "nbytes") else tensor_bytes(cache)
+    return dict(prefill_s=t1 - t0, decode_tok_s=B * new_tokens / sum(step_times),
+                step_ms=[1e3 * s for s in step_times], cache_bytes=held, peak_added=mem.added)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="local HF model dir (default: the embedded SmolLM2)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--contenders", nargs="+",
+                    default=["dynamic", "static+compile", "quanto-int4", "quanto-int2",
+                             "kvc-int8", "kvc-fp8", "kvc-int4", "kvc-int2"])
+    ap.add_argument("--out", default="benchmarks/cpu_decode.json")
+    ap.add_argument("--compiler", default="inductor", choices=["inductor", "eager"],
+                    help="what compiles the rest of kvcompile's graph")
+    ap.add_argument("--smoke", action="store_true", help="tiny random Llama; checks the script runs")
+    args = ap.parse_args(argv)
+
+    if args.smoke:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+        model = LlamaForCausalLM(cfg).eval()
+        args.contexts, args.batches, args.new, args.repeats, args.compiler = [160], [1], 4, 1, "eager"
+        args.contenders = [c for c in args.contenders if c in ("dynamic", "kvc-int4", "kvc-int8")]
+        vocab = cfg.vocab_size
+    else:
+        from kvcompile.models import load
+        model, tok = load(args.model)
+        vocab = model.config.vocab_size
+
+    COMPILER["name"] = args.compiler
+    cs = contenders(args.contenders)
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    total = len(args.contexts) * len(args.batches) * args.repeats * len(cs)
+    bar = tqdm(total=total, desc="decode benchmark")
+    for T in args.contexts:
+        for B in args.batches:
+            ids = torch.randint(0, vocab, (B, T), generator=g)
+            per = {c.name: [] for c in cs}
+            first = {}
+            for c in cs:  # an untimed first run per shape: compilation (and its recompiles) happen here
+                bar.set_postfix_str(f"T={T} B={B} {c.name} (first call)")
+                t0 = time.perf_counter()
+                run_once(c, model, ids, args.new)
+                first[c.name] = time.perf_counter() - t0
+            for r in range(args.repeats):
+                for c in cs:  # interleaved: A B C ... then again
+                    bar.set_postfix_str(f"T={T} B={B} {c.name}")
+                    per[c.name].append(run_once(c, model, ids, args.new))
+                    bar.update()
+            base = per[cs[0].name]
+            base_tps = statistics.median(x["decode_tok_s"] for x in base)
+            for c in cs:
+                xs = per[c.name]
+                tps = statistics.median(x["decode_tok_s"] for x in xs)
+                rows.append(dict(
+                    contender=c.name, context=T, batch=B, first_call_s=first[c.name],
+                    prefill_s=statistics.median(x["prefill_s"] for x in xs),
+                    decode_tok_s=tps, speed_vs_first=tps / base_tps,
+                    cache_bytes=xs[-1]["cache_bytes"],
+                    cache_vs_first=xs[-1]["cache_bytes"] / max(1, base[-1]["cache_bytes"]),
+                    peak_added_mib=statistics.median(x["peak_added"] for x in xs) / 2 ** 20,
+                    step_ms_first=xs[-1]["step_ms"][0], step_ms_last=xs[-1]["step_ms"][-1]))
+    bar.close()
+    hdr = (f"{'contender':16} {'ctx':>6} {'B':>2} {'1st call s':>10} {'prefill s':>9} {'tok/s':>7} {'x first':>7} "
+           f"{'cache MiB':>9} {'x first':>7} {'peak+MiB':>8}")
+    print(hdr)
+    for r in rows:
+        print(f"{r['contender']:16} {r['context']:6d} {r['batch']:2d} {r['first_call_s']:10.1f} "
+              f"{r['prefill_s']:9.2f} {r['decode_tok_s']:7.2f} "
+              f"{r['speed_vs_first']:7.2f} {r['cache_bytes'] / 2 ** 20:9.1f} {r['cache_vs_first']:7.2f} "
+              f"{r['peak_added_mib']:8.1f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
+    print(f"wrote {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
