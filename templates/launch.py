@@ -34,12 +34,21 @@ def check_supported(spec: LayerSpec) -> None:
         )
 
 
+def _check_state(state: KVState, spec: LayerSpec) -> None:
+    """The kernels index the last dimension with unit stride and everything else through strides."""
+    for name, t in zip(state._fields, state):
+        if t.numel() and t.dim() > 1 and t.stride(-1) != 1:
+            raise ValueError(f"kvcompile store tensor {name} of layout {spec.name} has stride {t.stride()}: the "
+                             f"Triton kernels need a unit stride along the last dimension (use spec.allocate()).")
+
+
 def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor | None = None) -> None:
     """``kvcompile.store.store_reference`` with Triton kernels: append ``k, v [B, H, n, D]`` in place.
 
     ``n_new`` (int [B], optional): row ``b`` appends only its first ``n_new[b]`` tokens.
     """
     check_supported(spec)
+    _check_state(state, spec)
     B, H, n, D = k.shape
     if (B, H, D) != (spec.batch, spec.heads, spec.head_dim) or v.shape != k.shape:
         raise ValueError(f"store expects k, v of shape [{spec.batch}, {spec.heads}, n, {spec.head_dim}]; "
@@ -77,6 +86,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     Returns [B, Hq, n, D] in q's dtype. ``tiles`` = (BLOCK_Q, BLOCK_N, NSPLIT) overrides the tiling.
     """
     check_supported(spec)
+    _check_state(state, spec)
     B, Hq, n, D = q.shape
     H, C = spec.heads, spec.capacity
     if B != spec.batch or D != spec.head_dim or Hq % H:
