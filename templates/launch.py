@@ -3,8 +3,10 @@
     store(state, spec, k, v)                 -> None            append k, v [B, H, n, D]
     attention(q, state, spec, mask, scale)   -> [B, Hq, n, D]   attention of the last n tokens' queries
 
-They check shapes, apply the policy's rotation in torch (``kvcompile.store.rotate``: keys, values and
-queries in, the output back out), and launch the kernels of ``templates.store`` / ``templates.attention``.
+They check shapes, apply the policy's rotation in torch -- keys and values with ``kvcompile.store.rotate``
+as ``store_reference`` does; the query in and the output back out as fp32 products with the same Hadamard
+matrix, as ``attention_reference`` does -- and launch the kernels of ``templates.store`` /
+``templates.attention``. Kernels never rotate, so kernel and reference see identical inputs.
 Nothing here reads a device tensor on the host when the state is on CUDA, so a decode step can be captured in
 a CUDA graph; on the CPU (Triton's interpreter) the capacity check reads ``lengths`` like the reference does.
 """
