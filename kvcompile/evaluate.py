@@ -356,14 +356,19 @@ def passkey_retrieved_shared(model, tok, trials: list[PasskeyTrial], policy: Pol
 
 
 def passkey_accuracy(model, tok, policy: Policy, lengths=(1024, 2048, 4096, 8192), trials: int = 20,
-                     seed: int = 0, progress: bool = False) -> dict[int, float]:
-    """Accuracy (0..1) per context length over ``trials`` random keys and depths each."""
+                     seed: int = 0, progress: bool = False, on_length=None) -> dict[int, float]:
+    """Accuracy (0..1) per context length over ``trials`` random keys and depths each.
+
+    ``on_length(acc)`` is called after each length with the accuracies so far (long runs save as they go).
+    """
     acc = {}
     bar = tqdm(total=len(lengths) * trials, disable=not progress, leave=False, desc=f"passkey {policy}"[:60])
     for L in lengths:
         ts = passkey_trials([L], trials, seed + L)
         hits = passkey_retrieved_shared(model, tok, ts, policy, on_trial=lambda: bar.update(1))
         acc[L] = sum(hits) / len(hits)
+        if on_length:
+            on_length(dict(acc))
     bar.close()
     return acc
 
@@ -434,9 +439,16 @@ def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int
             if pol is None:
                 raise ValueError(f"{entry!r}: scheme {name!r} has no {b}-bit policy")
         t0 = time.perf_counter()
-        acc = passkey_accuracy(model, tok, pol, passkey_lengths, passkey_trials_n, seed, progress=progress)
-        res["passkey"][f"{name}:{b}"] = {"policy": str(pol), "accuracy": {str(k): v for k, v in acc.items()},
-                                         "trials": passkey_trials_n, "seconds": time.perf_counter() - t0}
+
+        def save(acc, key=f"{name}:{b}", pol=pol, t0=t0):
+            res["passkey"][key] = {"policy": str(pol), "accuracy": {str(k): v for k, v in acc.items()},
+                                   "trials": passkey_trials_n, "seconds": time.perf_counter() - t0}
+            log(f"passkey {key} so far: " + "  ".join(f"{k}: {v:.0%}" for k, v in acc.items()))
+            if out_dir is not None:
+                _write_json(res, Path(out_dir) / "eval.partial.json")
+        acc = passkey_accuracy(model, tok, pol, passkey_lengths, passkey_trials_n, seed, progress=progress,
+                               on_length=save)
+        save(acc)
         log(f"passkey {name}:{b}  " + "  ".join(f"{k}: {v:.0%}" for k, v in acc.items()))
         if out_dir is not None:
             _write_json(res, Path(out_dir) / "eval.partial.json")
