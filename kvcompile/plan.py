@@ -174,6 +174,8 @@ def default_policies() -> dict[str, object]:
         "fp8 e4m3, R=128": Policy.fp8(),
         "KIVI 4-bit G32 R128": Policy.kivi(4),
         "KIVI 2-bit G32 R128": Policy.kivi(2),
+        # the best 2-bit policy measured on SmolLM2 (docs/eval.json): KIVI + Hadamard rotation + 4 sinks
+        "KIVI 2-bit +rot +sink4": Policy.kivi(2, sink=4, rotate=True),
     }
 
 
