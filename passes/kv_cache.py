@@ -207,11 +207,26 @@ def _as_write(n: Node, cache: Node) -> Write | None:
     return None
 
 
+_SHAPE_FUNCTIONS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_size.default, torch.ops.aten.sym_stride.int,
+                    torch.ops.aten.sym_numel.default}
+
+
+def is_shape_query(n: Node) -> bool:
+    """A use that reads only the cache's metadata (its shape), never its data: harmless after a rewrite,
+    since the stand-in keeps the cache's shape. Dynamo emits these once it treats a size as dynamic (after
+    it has seen two different cache lengths for the same code in one process)."""
+    if n.op == "call_method":
+        return n.target in ("size", "dim", "stride", "numel")
+    if n.op == "call_function":
+        return n.target in _SHAPE_FUNCTIONS or (n.target is getattr and n.args[1:2] in (("shape",), ("ndim",)))
+    return False
+
+
 def find_writes(cache: Node, reads: set[Node]) -> tuple[list[Write], list[Node]]:
-    """The writes into ``cache``, and its other uses that are neither a write nor part of a read."""
+    """The writes into ``cache``, and its other uses that are neither a write, a read nor a shape query."""
     writes, other = [], []
     for u in cache.users:
-        if u in reads:
+        if u in reads or is_shape_query(u):
             continue
         w = _as_write(u, cache)
         if w is not None:
@@ -289,7 +304,12 @@ def _match_read(gm: GraphModule, read: Node, order: dict) -> Site | Skipped:
     scale = a.get("scale")
     if scale is None:
         scale = 1.0 / math.sqrt(qv.shape[-1])
-    return Site(layer, read, kc, vc, wk[0], wv[0], q, mask, float(scale), hq // H, repeat, k_len,
+    if isinstance(scale, Node):  # a symbolic scale (dynamic shapes): concrete if Dynamo knows it, else wired through
+        ex = _val(scale)
+        scale = float(ex) if isinstance(ex, (int, float)) else scale
+    else:
+        scale = float(scale)
+    return Site(layer, read, kc, vc, wk[0], wv[0], q, mask, scale, hq // H, repeat, k_len,
                 (B, H, C, D), kval.dtype)
 
 
@@ -446,7 +466,7 @@ def check_fused(gm: GraphModule, sites: list[Site]) -> None:
     """After rewriting: nothing may still read or write a rewritten cache tensor."""
     for s in sites:
         for cache in (s.k_cache, s.v_cache):
-            left = [f"{u.name} ({_op_name(u)})" for u in cache.users]
+            left = [f"{u.name} ({_op_name(u)})" for u in cache.users if not is_shape_query(u)]
             if left:
                 raise KVCompileError(
                     f"layer {s.layer}: the cache {_src(cache)} is still used by {', '.join(left)} after the rewrite; "

@@ -244,6 +244,23 @@ def test_inductor_compiles_the_rest_of_the_graph():
     torch.testing.assert_close(got, want)
 
 
+def test_shapes_changing_in_one_process_still_rewrite():
+    """Models of other head sizes and cache lengths in one process (no dynamo reset in between): Dynamo
+    makes those sizes dynamic for the shared modeling code, and the graph then holds shape queries
+    (``size``) on the cache and a symbolic scale. The pass must still pair every write with its read.
+    Seen failing before the fix: 'the keys cache ... is also used by size_10 (size)'."""
+    policy = Policy.full().override({0: Policy.kivi(4, group=4, residual=4)})
+    ids = torch.randint(3, 64, (1, 9))
+    for head_dim, cap in ((8, 12), (16, 16), (32, 20), (8, 24)):
+        model = tiny(head_dim=head_dim)
+        ref = twin(model)
+        applied = kvcompile.apply(model, policy, compiler="eager")
+        want, _ = chunks(ref, ids, 6, KVCompileCache(ref.config, policy, cap))
+        got, _ = chunks(applied, ids, 6, KVCompileCache(model.config, policy, cap))
+        torch.testing.assert_close(got, want)
+    assert counters["reads_skipped"] == 0
+
+
 # --------------------------------------------------------------------------- errors
 def test_error_override_naming_no_layer():
     with pytest.raises(PolicyError, match="matches none of the 2 attention layers"):
