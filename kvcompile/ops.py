@@ -8,13 +8,17 @@
 
 Which implementation runs (``kernels()``):
 - "triton": the generated Triton kernels in ``kvcompile.templates`` -- the default on CUDA;
-- "reference": the pure-torch specification in ``kvcompile.store`` -- the default on the CPU;
+- "inductor": on the CPU, attention runs ``kvcompile.templates.inductor`` compiled by Inductor once per
+  store layout (one fused C++ kernel that unpacks inside its reductions); the store runs the reference --
+  the default on the CPU;
+- "reference": the pure-torch specification in ``kvcompile.store`` (dequantizes the whole cache per read);
 - on the CPU, ``KVCOMPILE_KERNELS=triton`` together with ``TRITON_INTERPRET=1`` (both set before
   kvcompile is imported) runs the Triton kernels through Triton's interpreter: slow, for tests.
 ``set_kernels(name)`` switches at run time.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -25,11 +29,14 @@ from .store import KVState, LayerSpec, attention_reference, dequantize_reference
 _KERNELS = os.environ.get("KVCOMPILE_KERNELS", "auto")
 
 
+KERNELS = ("auto", "triton", "inductor", "reference")
+
+
 def set_kernels(name: str) -> None:
-    """Choose "auto" (Triton on CUDA, reference on CPU), "triton" or "reference"."""
+    """Choose "auto" (Triton on CUDA, Inductor on the CPU), "triton", "inductor" or "reference"."""
     global _KERNELS
-    if name not in ("auto", "triton", "reference"):
-        raise ValueError(f"kernels={name!r}: expected 'auto', 'triton' or 'reference'")
+    if name not in KERNELS:
+        raise ValueError(f"kernels={name!r}: expected one of {KERNELS}")
     if name == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("Triton kernels on the CPU need TRITON_INTERPRET=1 set before kvcompile is imported")
     _KERNELS = name
@@ -37,8 +44,22 @@ def set_kernels(name: str) -> None:
 
 def kernels(device: torch.device) -> str:
     if _KERNELS == "auto":
-        return "triton" if device.type == "cuda" else "reference"
+        return "triton" if device.type == "cuda" else "inductor"
     return _KERNELS
+
+
+def _fused_attention(q, state, mask, scale, spec_name):
+    from .templates import inductor
+    return inductor.attention(q, KVState(*state), LayerSpec.from_name(spec_name), mask, scale)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_attention(spec_name: str):
+    """``templates.inductor.attention`` compiled for one store layout (built once, shared by every layer
+    with that layout). Its own code object per layout, so Dynamo's per-code recompile limit is per layout."""
+    code = _fused_attention.__code__.replace(co_name=f"kvcompile_attention_{abs(hash(spec_name)):x}")
+    fn = type(_fused_attention)(code, _fused_attention.__globals__)
+    return torch.compile(fn, fullgraph=True, dynamic=False)
 
 
 def _triton():
@@ -80,8 +101,11 @@ def attention(q: Tensor, state: list[Tensor], mask: Tensor | None, scale: float,
     ``attention_reference`` for the exact semantics of ``mask``)."""
     ls = LayerSpec.from_name(spec)
     st = KVState(*state)
-    if kernels(q.device) == "triton":
+    which = kernels(q.device)
+    if which == "triton":
         return _triton().attention(q, st, ls, mask, scale)
+    if which == "inductor" and q.device.type == "cpu":
+        return _compiled_attention(spec)(q, state, mask, scale, spec)
     return attention_reference(q, st, ls, mask, scale)
 
 

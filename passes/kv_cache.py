@@ -408,14 +408,11 @@ def replace_writes(gm: GraphModule, site: Site, state: list[Node]) -> Node:
 def fused_cpu_attention(q, state, mask, scale, spec_name):
     """The attention read as plain torch ops (``kvcompile.templates.inductor``), for Inductor to fuse.
 
-    The custom op is opaque to Inductor, and on the CPU it runs the Python reference (which dequantizes the
-    whole cache). Traced through this function instead, the read becomes one generated C++ kernel that
-    unpacks and dequantizes inside its reductions. Same semantics; tested against the reference.
+    The custom op is opaque to Inductor. Traced through this function instead, the read becomes part of the
+    graph Inductor compiles: one generated C++ kernel that unpacks and dequantizes inside its reductions.
+    Same semantics; tested against the reference.
     """
-    from kvcompile.store import KVState, LayerSpec
-    from kvcompile.templates import inductor
-
-    return inductor.attention(q, KVState(*state), LayerSpec.from_name(spec_name), mask, scale)
+    return _ops._fused_attention(q, state, mask, scale, spec_name)
 
 
 def replace_read(gm: GraphModule, site: Site, state: list[Node], fused_cpu: bool = False) -> Node:
@@ -435,7 +432,7 @@ def replace_read(gm: GraphModule, site: Site, state: list[Node], fused_cpu: bool
         # The op returns a contiguous [B, Hq, n, D]; its fake returns empty_like(q), so q must be contiguous
         # for the two to agree (q is usually a transposed view). A copy of the queries only: n tokens.
         q = g.call_method("contiguous", (site.query,))
-        on_cpu = _val(site.query).device.type == "cpu" and _ops.kernels(torch.device("cpu")) == "reference"
+        on_cpu = _val(site.query).device.type == "cpu" and _ops.kernels(torch.device("cpu")) != "triton"
         target = fused_cpu_attention if (fused_cpu and on_cpu) else torch.ops.kvcompile.attention.default
         att = g.call_function(target, (q, list(state), mask, site.scale, site.spec_name))
         counters["attention_fused_cpu" if target is fused_cpu_attention else "attention_op"] += 1

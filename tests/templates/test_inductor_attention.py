@@ -57,3 +57,24 @@ def test_compiled_inductor_attention_equals_reference(policy):
     q = torch.randn(B, 2 * H, 1, D)
     expect = attention_reference(q, state, spec, None, None, torch.float64)
     assert (fn(q, state).double() - expect).abs().max() <= TOL * (1 + expect.abs().max())
+
+
+def test_op_dispatches_to_the_compiled_template_on_cpu():
+    """kernels "inductor" (the CPU default): the op runs the template compiled once per store layout."""
+    from kvcompile import ops
+
+    spec = LayerSpec(Policy.kivi(4, group=8, residual=8), 1, 2, 64, 32)
+    name = spec.register()
+    state = spec.allocate()
+    store_reference(state, spec, torch.randn(1, 2, 40, 32), torch.randn(1, 2, 40, 32))
+    q = torch.randn(1, 4, 1, 32)
+    expect = attention_reference(q, state, spec, None, 0.2, torch.float64)
+    before = ops._compiled_attention.cache_info().misses
+    try:
+        ops.set_kernels("inductor")
+        for _ in range(2):
+            got = torch.ops.kvcompile.attention(q, list(state), None, 0.2, name)
+            assert (got.double() - expect).abs().max() <= TOL * (1 + expect.abs().max())
+    finally:
+        ops.set_kernels("auto")
+    assert ops._compiled_attention.cache_info().misses == before + 1  # built once for this layout
