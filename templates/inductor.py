@@ -98,7 +98,11 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     for k, v, p, valid in regions:
         kp, per = k
         # mul + sum per plane (not a matmul) so the unpacking, dequantizing loads fuse into the reduction
-        sc = sum((qg[..., i::per].unsqueeze(-2) * kp[i].unsqueeze(2)).sum(-1) for i in range(per)) * sc_scale
+        # One reduction per query row sharing a KV head (G*n of them), each a mul + sum over the planes: the
+        # same loop nest computes them all, so each packed key is unpacked and dequantized once, not G times.
+        rows = [sum((qg[:, :, r, i::per].unsqueeze(-2) * kp[i]).sum(-1) for i in range(per))
+                for r in range(qg.shape[2])]
+        sc = torch.stack(rows, dim=2) * sc_scale
         sc = sc.view(B, Hq, n, -1)
         vis = valid.view(B, 1, 1, -1)
         if mask is None:
@@ -124,7 +128,8 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     for vp, per in values:
         R = vp[0].shape[2]
         pr = prob[..., at:at + R].reshape(B, H, G * n, R).unsqueeze(-1)
-        planes = [(pr * v.unsqueeze(2)).sum(-2) for v in vp]  # [B, H, G*n, D/per] each
+        planes = [torch.stack([(pr[:, :, r] * v).sum(-2) for r in range(pr.shape[2])], dim=2)
+                  for v in vp]  # [B, H, G*n, D/per] each; per query row, sharing the value loads
         out = out + torch.stack(planes, dim=-1).flatten(-2)  # re-interleave: channel j*per + i
         at += R
     out = out.view(B, Hq, n, D)
