@@ -377,6 +377,7 @@ def find_cache_buffers(model: nn.Module) -> list[tuple[str, nn.Module, str, str]
 
 
 def _apply_module(model, policy, compiler, dynamic):
+    _raise_recompile_limit()
     found = find_cache_buffers(model)
     if not found:
         raise KVCompileError(
@@ -430,6 +431,20 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+CAPACITY_BUCKET = 256  # generate() sizes caches in multiples of this many tokens
+RECOMPILE_LIMIT = 64
+
+
+def _raise_recompile_limit() -> None:
+    """Every applied model of one class shares its forward's code object, and each prompt length or cache
+    capacity is a graph of its own: Dynamo's default limit (8 graphs per code object) is reached by a few
+    generate calls, and with fullgraph=True that is a hard failure. Raised once, process-wide."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name) and getattr(cfg, name) < RECOMPILE_LIMIT:
+            setattr(cfg, name, RECOMPILE_LIMIT)
+
+
 def _apply_hf(model, policy, max_cache_len, compiler, dynamic):
     from .hf import KVCompileCache, model_shape
 
@@ -450,6 +465,7 @@ def _apply_hf(model, policy, max_cache_len, compiler, dynamic):
         max_cache_len = getattr(model_shape.__globals__["_text_config"](cfg), "max_position_embeddings", 2048)
     applied = Applied(policy, compiler, max_cache_len, names)
     cache_kw = _cache_kwarg(model)
+    _raise_recompile_limit()
     orig_forward = model.forward
     compiled = torch.compile(orig_forward, backend=_backend_for(applied), fullgraph=True, dynamic=dynamic)
 
@@ -502,7 +518,10 @@ def _apply_hf(model, policy, max_cache_len, compiler, dynamic):
             if mult > 1:
                 raise KVCompileError("kvcompile caches are allocated per batch: beam search and "
                                      "num_return_sequences > 1 are not supported; repeat the prompts instead.")
-            kwargs[cache_kw] = new_cache(ids.shape[0], int(total), ids.device)
+            # Capacity rounded up to a whole bucket: prompts of other lengths then share the compiled decode
+            # graph (the cache's shape is part of it) instead of recompiling per length.
+            kwargs[cache_kw] = new_cache(ids.shape[0], -(-int(total) // CAPACITY_BUCKET) * CAPACITY_BUCKET,
+                                         ids.device)
         return orig_generate(*args, **kwargs)
 
     model.forward = forward

@@ -14,6 +14,7 @@ import torch
 import torch._dynamo.utils as dynamo_utils
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, StaticCache
 
@@ -170,10 +171,12 @@ def test_memory_4bit_cache_is_under_0_3x_of_bf16_and_no_full_cache_exists():
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     held = sum(storages.values())
     assert held <= 0.3 * bf16, (held, bf16)
-    # nothing of a full layer's bf16 size lives anywhere (weights here are far smaller)
+    # nothing of a full layer's bf16 size lives anywhere (weights here are far smaller); fake tensors kept in
+    # compiled graphs' metadata describe shapes and hold no memory, so they are not counted
     gc.collect()
     big = [tuple(o.shape) for o in gc.get_objects()
-           if isinstance(o, torch.Tensor) and o.is_floating_point() and o.untyped_storage().nbytes() >= B * H * C * D * 2]
+           if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor) and o.device.type != "meta"
+           and o.is_floating_point() and o.untyped_storage().nbytes() >= B * H * C * D * 2]
     assert not big, big
 
 
