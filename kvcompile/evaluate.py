@@ -69,8 +69,11 @@ SCHEMES: dict[str, Callable[[int], Policy | None]] = {
     # first layer at 8 bits (per-layer override).
     "kivi+sink": lambda b: _kivi(b, sink=4) if b < 8 else None,
     "kivi-g16": lambda b: _kivi(b, group=16) if b < 8 else None,
-    "kivi+rot+sink": lambda b: _kivi(b, sink=4, rotate=True) if b < 8 else None,
+    "kivi+rot+sink": lambda b: _kivi(b, sink=4, rotate=True),
     "kivi+sink+l0": lambda b: _kivi(b, sink=4).override({0: _kivi(8, sink=4)}) if b < 8 else None,
+    # 8-bit formats with the same tools: rotation spreads the keys' outlier channels over the head.
+    "int8+rot": _only(8, lambda: Policy.int8(rotate=True)),
+    "fp8+rot+sink": _only(8, lambda: Policy.fp8("fp8_e4m3", residual=128, sink=4, rotate=True)),
 }
 DEFAULT_SCHEMES = ("naive", "kivi", "kivi+rot", "kivi+sink", "kivi-g16", "kivi+rot+sink", "kivi+sink+l0",
                    "fp8", "fp8-r0", "int8")
@@ -463,7 +466,9 @@ def merge(results: list[dict]) -> dict:
         for row in r["rows"]:
             rows[(row["scheme"], row["bits"])] = row
         pk.update(r.get("passkey", {}))
-    out["rows"], out["passkey"] = list(rows.values()), pk
+    # full precision first, then by width (widest first) and by loss delta within a width
+    out["rows"] = sorted(rows.values(), key=lambda r: (r["scheme"] != "full", -r["bits"], r["loss_delta"]))
+    out["passkey"] = pk
     out["merged_from"] = [r.get("command") for r in results]
     return out
 
@@ -475,12 +480,12 @@ def _write_json(res, path: Path) -> None:
 
 def format_table(res: dict) -> str:
     pk = res.get("passkey", {})
-    lines = [f"{'scheme':<12}{'bits':>5}{'bytes/token':>13}{'x bf16':>8}{'loss':>9}{'delta':>11}  passkey",
-             "-" * 72]
+    lines = [f"{'scheme':<14}{'bits':>5}{'bytes/token':>13}{'x bf16':>8}{'loss':>9}{'delta':>11}  passkey",
+             "-" * 74]
     for r in res["rows"]:
         acc = pk.get(f"{r['scheme']}:{r['bits']}")
         ps = " ".join(f"{int(v * 100)}" for v in acc["accuracy"].values()) if acc else ""
-        lines.append(f"{r['scheme']:<12}{r['bits']:>5}{r['bytes_per_token_bf16']:>13,.0f}{r['ratio_to_bf16']:>8.3f}"
+        lines.append(f"{r['scheme']:<14}{r['bits']:>5}{r['bytes_per_token_bf16']:>13,.0f}{r['ratio_to_bf16']:>8.3f}"
                      f"{r['loss']:>9.4f}{r['loss_delta']:>+11.5f}  {ps}")
     if pk:
         L = next(iter(pk.values()))["accuracy"].keys()
@@ -505,11 +510,13 @@ def write(res: dict, out_dir) -> tuple[Path, Path]:
             by.setdefault(r["scheme"], []).append((r["bits"], max(r["loss_delta"], 1e-5)))
     for name, pts in by.items():
         pts.sort()
-        a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
+               ls="-" if len(by) <= 10 or list(by).index(name) < 10 else "--")
     a.set_yscale("log")
     a.set_xticks([2, 3, 4, 8])
     a.set_xlabel("bits per stored element (codes)")
-    a.set_ylabel("loss increase over full precision (nats/token)")
+    a.set_ylabel("loss increase over full precision (nats/token)\n(deltas <= 1e-5, incl. negative, at 1e-5)",
+                 fontsize=8)
     a.set_title(f"held-out loss, {res['windows']} x {res['window']} tokens")
     a.grid(alpha=0.3, which="both")
     a.legend(fontsize=7)

@@ -117,7 +117,7 @@ def test_passkey_prompt_has_the_length_and_the_needle(depth):
 
 def test_passkey_scoring_matches_greedy_generation(tiny):
     tok = _CharTok()
-    ts = E.passkey_trials([400], 3, seed=1)
+    ts = E.passkey_trials([400], 2, seed=1)
     got = E.passkey_retrieved(tiny, tok, ts, Policy.full(), chunk=64)
     for t, hit in zip(ts, got):
         prompt, answer = E.passkey_prompt(tok, t)
@@ -155,7 +155,7 @@ def test_write_json_and_plot(tmp_path):
 def test_shared_prefix_passkey_feeds_each_prompt(tiny, monkeypatch):
     # Record what each branch's cache ends up holding: exactly prompt + answer, token for token.
     tok = _CharTok()
-    ts = E.passkey_trials([400], 4, seed=2)
+    ts = E.passkey_trials([400], 3, seed=2)
     seen = []
     real_fork = E._fork
 
