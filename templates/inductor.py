@@ -5,7 +5,9 @@ Inductor's generated C++: this function has the exact semantics of ``store.atten
 shape is static (the cache's capacity ``C``, not its current length) and every step is an elementwise op,
 an indexing op with constant indices, or a reduction. Traced inside a compiled graph, Inductor fuses the bit
 unpacking, the dequantization and the region selection (sink / packed / residual ring) into the loads of the
-score and output reductions, so no full-precision copy of the cache is materialized.
+score and output reductions, so a decode step materializes no full-precision copy of the cache. With more
+than ``UNROLL_ROWS`` query rows per KV head (prefill chunks) the planes are dequantized once per layer,
+transiently, and multiplied as matrices: enough queries share them that this is the faster form.
 
 Called eagerly it is a (slow) second reference; tests check it equals ``attention_reference``.
 """
@@ -62,6 +64,9 @@ def _dequantized_planes(codes, scale, zero, q, D: int) -> tuple[list[Tensor], in
     return [c.float() * si + zi for c, si, zi in zip(planes, s, z)], per
 
 
+UNROLL_ROWS = 16  # up to this many query rows per KV head, one fused reduction each (decode under GQA)
+
+
 def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float | None) -> Tensor:
     """Same contract as ``kvcompile.store.attention_reference`` (q: [B, Hq, n, D] -> [B, Hq, n, D]).
 
@@ -100,9 +105,14 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
         # mul + sum per plane (not a matmul) so the unpacking, dequantizing loads fuse into the reduction
         # One reduction per query row sharing a KV head (G*n of them), each a mul + sum over the planes: the
         # same loop nest computes them all, so each packed key is unpacked and dequantized once, not G times.
-        rows = [sum((qg[:, :, r, i::per].unsqueeze(-2) * kp[i]).sum(-1) for i in range(per))
-                for r in range(qg.shape[2])]
-        sc = torch.stack(rows, dim=2) * sc_scale
+        # With many query rows (prefill) the dequantized planes are shared by enough queries that a matmul
+        # (which materializes them once per layer, transiently) wins, and unrolled rows would swamp Inductor.
+        if qg.shape[2] <= UNROLL_ROWS:
+            rows = [sum((qg[:, :, r, i::per].unsqueeze(-2) * kp[i]).sum(-1) for i in range(per))
+                    for r in range(qg.shape[2])]
+            sc = torch.stack(rows, dim=2) * sc_scale
+        else:
+            sc = sum(qg[..., i::per] @ kp[i].transpose(-1, -2) for i in range(per)) * sc_scale
         sc = sc.view(B, Hq, n, -1)
         vis = valid.view(B, 1, 1, -1)
         if mask is None:
@@ -128,8 +138,10 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     for vp, per in values:
         R = vp[0].shape[2]
         pr = prob[..., at:at + R].reshape(B, H, G * n, R).unsqueeze(-1)
-        planes = [torch.stack([(pr[:, :, r] * v).sum(-2) for r in range(pr.shape[2])], dim=2)
-                  for v in vp]  # [B, H, G*n, D/per] each; per query row, sharing the value loads
+        if pr.shape[2] <= UNROLL_ROWS:  # per query row, sharing the value loads
+            planes = [torch.stack([(pr[:, :, r] * v).sum(-2) for r in range(pr.shape[2])], dim=2) for v in vp]
+        else:
+            planes = [pr.squeeze(-1) @ v for v in vp]  # [B, H, G*n, D/per] each
         out = out + torch.stack(planes, dim=-1).flatten(-2)  # re-interleave: channel j*per + i
         at += R
     out = out.view(B, Hq, n, D)
