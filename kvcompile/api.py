@@ -31,7 +31,7 @@ from torch import nn
 
 from . import ops, standin
 from .passes import KVCompileError, analyze, rewrite
-from .passes.kv_cache import N_STATE, Site, Skipped, _example
+from .passes.kv_cache import ALLOCATED_IN_GRAPH, N_STATE, Site, Skipped, _example
 from .policy import Policy, PolicyError
 from .store import DTYPE_NAMES, CapacityError, LayerSpec
 
@@ -188,6 +188,9 @@ def _dtype_name(dt: torch.dtype, layer: str) -> str:
 
 def _check_analysis(gm, analysis, example_inputs) -> None:
     """Turn what the pass could not do into errors when leaving it would be wrong or silently useless."""
+    lazy = [k for k in analysis.skipped if k.reason.startswith(ALLOCATED_IN_GRAPH)]
+    if lazy:
+        raise KVCompileError(f"layer {lazy[0].layer}: {lazy[0].reason}")
     registered = [(i, n) for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
                   if standin.lookup(_example(n)) is not None]
     covered = {c for s in analysis.sites for c in (s.k_cache, s.v_cache)}

@@ -250,6 +250,14 @@ def _looks_like_cache_write(n: Node) -> Node | None:
 
 
 # --------------------------------------------------------------------------- matching
+_FACTORIES = ("zeros", "empty", "full", "ones")
+ALLOCATED_IN_GRAPH = (
+    "the KV cache is allocated inside the compiled region (a StaticCache initializing lazily on its first "
+    "update), so its writes would land in a full-precision tensor the next call never sees. Initialize the "
+    "cache before the first compiled call: cache.early_initialization(batch_size, num_kv_heads, head_dim, "
+    "dtype, device), or use kvcompile.apply, which creates its caches itself")
+
+
 def _match_read(gm: GraphModule, read: Node, order: dict) -> Site | Skipped:
     a = sdpa_args(read)
     layer = layer_name(read)
@@ -257,6 +265,8 @@ def _match_read(gm: GraphModule, read: Node, order: dict) -> Site | Skipped:
     for which in ("key", "value"):
         ph, repeat, read_len, chain = _walk_to_cache(a[which])
         if ph is None:
+            if any(f in repeat for f in _FACTORIES):
+                return Skipped(layer, read.name, ALLOCATED_IN_GRAPH + f" (SDPA's {which} comes from {repeat})")
             return Skipped(layer, read.name, f"SDPA's {which} does not come from a cache tensor (it is computed "
                                              f"by {repeat}); only a cache written in place can be rewritten")
         roots.append((ph, repeat, read_len, chain))

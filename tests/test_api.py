@@ -222,6 +222,17 @@ def test_backend_with_a_full_precision_static_cache_quantizes_but_says_memory_is
     assert any("still allocated" in n for n in ex.notes)
 
 
+def test_backend_with_a_lazily_initialized_static_cache_says_to_initialize_it():
+    """A StaticCache allocating on its first update does so inside the compiled graph: its prefill would go
+    to a full-precision tensor the decode graph never reads. Refused with what to do, not run wrongly."""
+    model = tiny()
+    static = StaticCache(config=model.config, max_cache_len=12)  # no early_initialization
+    compiled = torch.compile(model, backend="kvcompile", fullgraph=True,
+                             options={"policy": Policy.int8(), "compiler": "eager"})
+    with pytest.raises(Exception, match=r"allocated inside the compiled region.*early_initialization"):
+        compiled(torch.randint(3, 64, (1, 5)), use_cache=True, **{_cache_kwarg(model): static})
+
+
 def test_backend_without_a_policy_says_how_to_pass_one():
     model = tiny()
     static = StaticCache(config=model.config, max_cache_len=12)
