@@ -44,6 +44,11 @@ def tensor_bytes(obj, seen=None) -> int:
             continue
         visited.add(id(o))
         if isinstance(o, torch.Tensor):
+            if type(o) is not torch.Tensor and hasattr(o, "__tensor_flatten__"):
+                # a wrapper subclass (quanto's packed tensors): count the tensors it is made of
+                names, _ = o.__tensor_flatten__()
+                stack.extend(getattr(o, n) for n in names)
+                continue
             if o.numel() == 0:
                 continue
             st = o.untyped_storage()
