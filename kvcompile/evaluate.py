@@ -117,16 +117,9 @@ def _view_range(layer: KVCompileLayer, a: int, b: int, dtype) -> tuple[torch.Ten
             parts.append(res[:, :, live % max(W, 1)].to(dtype))
         x = torch.cat(parts, dim=2)
         if spec.policy.rotate:
-            x = (x.double() @ _hadamard64(D, x.device)).to(dtype)
+            x = (x.double() @ hadamard(D, x.device, torch.float64)).to(dtype)
         out.append(x)
     return out[0], out[1]
-
-
-def _hadamard64(D, device):
-    try:
-        return hadamard(D, device, torch.float64)
-    except TypeError:  # an older store.hadamard(D, device) returns fp32; the reference doubles it
-        return hadamard(D, device).double()
 
 
 class _EvalLayer(KVCompileLayer):
