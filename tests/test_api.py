@@ -62,7 +62,11 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     counters.clear()
     dynamo_utils.counters.clear()
+    # The API's wiring is under test, so the ops run the reference on the CPU; the default CPU attention
+    # (compiled per store layout) would add a compile per random layout and has its own tests.
+    kvcompile.ops.set_kernels("reference")
     yield
+    kvcompile.ops.set_kernels("auto")
 
 
 # --------------------------------------------------------------------------- compiled == eager reference
