@@ -1,5 +1,6 @@
 """CPU decode benchmark: kvcompile against Hugging Face's caches, side by side in one process.
 
+    pip install -e ".[test,bench]"                        # optimum-quanto for the QuantizedCache contenders
     python benchmarks/cpu_decode.py                       # the full table (SmolLM2, 1K-8K, batch 1 and 4)
     python benchmarks/cpu_decode.py --contexts 2048 --batches 1 --new 32 --repeats 2
     python benchmarks/cpu_decode.py --smoke               # a tiny random Llama, seconds (run by the tests)
