@@ -32,11 +32,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from . import quant as Q
 from .accounting import bytes_per_token, full_precision_bytes_per_token
 from .hf import KVCompileCache, KVCompileLayer, model_shape
 from .policy import Policy, Quant
-from .store import hadamard
+from .store import dequantize_reference
 
 # --------------------------------------------------------------------------- the policies compared
 # Each scheme maps a bit width to a policy (None: that width is not meaningful for the scheme).
@@ -89,39 +88,6 @@ def scheme_policy(name: str, bits: int) -> Policy | None:
 
 
 # --------------------------------------------------------------------------- an incrementally updated view
-def _view_range(layer: KVCompileLayer, a: int, b: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dequantize_reference`` restricted to positions ``[a, b)`` of a layer whose rows all hold ``b``."""
-    st, spec = layer.state, layer.spec
-    S, W, D = spec.sink, spec.ring, spec.head_dim
-    qb = spec.boundary(b)
-    out = []
-    for codes, scale, zero, res, sink, q in (
-        (st.k_codes, st.k_scale, st.k_zero, st.k_res, st.k_sink, spec.policy.key),
-        (st.v_codes, st.v_scale, st.v_zero, st.v_res, st.v_sink, spec.policy.value),
-    ):
-        parts = []
-        if a < S:
-            parts.append(sink[:, :, a:min(b, S)].to(dtype))
-        p0, p1 = max(a, S), max(qb, S)  # packed positions; p0 is S or a flush boundary, so group-aligned
-        if p1 > p0:
-            rows = slice(p0 - S, p1 - S)
-            if q.quantized:
-                srows = rows if q.axis == "token" else slice((p0 - S) // q.group, (p1 - S) // q.group)
-                z = zero[:, :, srows] if q.has_zero else None
-                parts.append(Q.dequantize(Q.unpack(codes[:, :, rows], q.bits, D), scale[:, :, srows], z, q,
-                                          dtype))
-            else:
-                parts.append(codes[:, :, rows].to(dtype))
-        live = torch.arange(max(a, qb, S), b, device=res.device)
-        if live.numel():
-            parts.append(res[:, :, live % max(W, 1)].to(dtype))
-        x = torch.cat(parts, dim=2)
-        if spec.policy.rotate:
-            x = (x.double() @ hadamard(D, x.device, torch.float64)).to(dtype)
-        out.append(x)
-    return out[0], out[1]
-
-
 class _EvalLayer(KVCompileLayer):
     """A ``KVCompileLayer`` whose dequantized view is kept and refreshed where an append changed it."""
 
@@ -137,7 +103,7 @@ class _EvalLayer(KVCompileLayer):
         self.cumulative_length.add_(n)
         torch.ops.kvcompile.store(list(self.state), key_states, value_states, pos, self.spec_name)
         a = min(L, self.spec.boundary(L))  # tokens in [boundary(L), L) may have moved ring -> packed
-        k, v = _view_range(self, a, L + n, key_states.dtype)
+        k, v = dequantize_reference(self.state, self.spec, key_states.dtype, start=a, end=L + n)
         self._k[:, :, a:L + n] = k
         self._v[:, :, a:L + n] = v
         # Only the positions held: attention over the whole capacity would spend most of its FLOPs on

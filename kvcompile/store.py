@@ -289,31 +289,46 @@ def _write_quantized(codes, scale, zero, q, x: Tensor, b: int, start: int) -> No
 
 
 # --------------------------------------------------------------------------- reference read
-def dequantize_reference(state: KVState, spec: LayerSpec, dtype=torch.float32, rotated: bool = False):
-    """What the store holds, as ``k^, v^ [B, H, C, D]`` in ``dtype``; positions >= length are zero.
+def dequantize_reference(state: KVState, spec: LayerSpec, dtype=torch.float32, rotated: bool = False,
+                         start: int = 0, end: int | None = None):
+    """What the store holds at positions ``[start, end)`` (default: all ``C``), as ``k^, v^ [B, H, end-start, D]``
+    in ``dtype``; positions >= a row's length are zero.
 
-    In model space unless ``rotated=True`` (the store's own space, which attention works in).
+    In model space unless ``rotated=True`` (the store's own space, which attention works in). Only the packed
+    rows inside the range are unpacked, so refreshing a few recent positions is cheap.
     """
     B, H, C, D, S = spec.batch, spec.heads, spec.capacity, spec.head_dim, spec.sink
-    Cq, W = spec.quantized_capacity, spec.ring
+    W, F = spec.ring, spec.flush
+    end = C if end is None else end
+    # packed rows to unpack: the range, widened to whole flush groups so per-channel scales line up
+    p0 = S + (max(start - S, 0) // F) * F
+    p1 = min(spec.boundary(C), S + -(-(max(end, S) - S) // F) * F)
     out = []
     for codes, scale, zero, res, sink, q in (
         (state.k_codes, state.k_scale, state.k_zero, state.k_res, state.k_sink, spec.policy.key),
         (state.v_codes, state.v_scale, state.v_zero, state.v_res, state.v_sink, spec.policy.value),
     ):
-        full = torch.zeros(B, H, C, D, dtype=dtype, device=codes.device)
-        if q.quantized:
-            deq = Q.dequantize(Q.unpack(codes, q.bits, D), scale, zero if q.has_zero else None, q, dtype)
-        else:
-            deq = codes.to(dtype)
+        full = torch.zeros(B, H, end - start, D, dtype=dtype, device=codes.device)
+        deq = None
+        if p1 > p0:
+            rows = slice(p0 - S, p1 - S)
+            if q.quantized:
+                srows = rows if q.axis == "token" else slice((p0 - S) // q.group, -(-(p1 - S) // q.group))
+                z = zero[:, :, srows] if q.has_zero else None
+                deq = Q.dequantize(Q.unpack(codes[:, :, rows], q.bits, D), scale[:, :, srows], z, q, dtype)
+            else:
+                deq = codes[:, :, rows].to(dtype)
         for b in range(B):
-            L = int(state.lengths[b])
-            qb = spec.boundary(L)
-            s_end = min(L, S)
-            full[b, :, :s_end] = sink[b, :, :s_end].to(dtype)
-            full[b, :, S:qb] = deq[b, :, :qb - S]
-            live = torch.arange(max(qb, S), max(qb, S, L), device=codes.device)  # the residual's live positions
-            full[b, :, live] = res[b, :, live % max(W, 1)].to(dtype)
+            L = min(int(state.lengths[b]), end)
+            qb = spec.boundary(int(state.lengths[b]))
+            lo, hi = max(start, 0), min(L, S)  # sinks
+            if hi > lo:
+                full[b, :, lo - start:hi - start] = sink[b, :, lo:hi].to(dtype)
+            lo, hi = max(start, S), min(qb, L)  # packed
+            if hi > lo:
+                full[b, :, lo - start:hi - start] = deq[b, :, lo - p0:hi - p0]
+            live = torch.arange(max(qb, S, start), max(qb, S, start, L), device=codes.device)  # residual ring
+            full[b, :, live - start] = res[b, :, live % max(W, 1)].to(dtype)
         if not rotated and spec.policy.rotate:
             full = (full.double() @ hadamard(D, full.device, torch.float64)).to(dtype)
         out.append(full)

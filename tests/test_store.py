@@ -225,3 +225,18 @@ def test_dequantize_reference_model_space_and_rotated_space():
     assert (model_space - x).abs().max() < 1e-5
     assert (rotated - x @ hadamard(16)).abs().max() < 1e-5
     assert state.lengths.tolist() == [0]
+
+
+@given(policies(), st.data())
+def test_dequantize_reference_range_equals_slice_of_whole(policy, data):
+    B, H, D, C = 2, 2, 16, 40
+    kv = QuantizedKV(policy, B, H, C, D)
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 999)))
+    n = data.draw(st.integers(1, C))
+    kv.append(*torch.randn(2, B, H, n, D, generator=g), n_new=torch.tensor([n, data.draw(st.integers(0, n))]))
+    start = data.draw(st.integers(0, C - 1))
+    end = data.draw(st.integers(start + 1, C))
+    whole = dequantize_reference(kv.state, kv.spec)
+    part = dequantize_reference(kv.state, kv.spec, start=start, end=end)
+    for w, p in zip(whole, part):
+        assert torch.equal(w[:, :, start:end], p)
