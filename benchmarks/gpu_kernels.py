@@ -17,7 +17,6 @@
 """
 import argparse
 import datetime
-import math
 import os
 import sys
 import time

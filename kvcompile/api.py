@@ -31,9 +31,9 @@ from torch import nn
 
 from . import ops, standin
 from .passes import KVCompileError, analyze, rewrite
-from .passes.kv_cache import ALLOCATED_IN_GRAPH, N_STATE, Site, Skipped, _example
+from .passes.kv_cache import ALLOCATED_IN_GRAPH, Site, Skipped, _example
 from .policy import Policy, PolicyError
-from .store import DTYPE_NAMES, CapacityError, LayerSpec
+from .store import DTYPE_NAMES, LayerSpec
 
 COMPILERS = ("inductor", "eager")
 

@@ -284,8 +284,6 @@ def passkey_retrieved_shared(model, tok, trials: list[PasskeyTrial], policy: Pol
     order = sorted(range(len(trials)), key=lambda i: trials[i].depth)
     total = trials[0].length
     prompts = {i: passkey_prompt(tok, trials[i]) for i in order}
-    needle_len = {i: len(tok(_NEEDLE.format(key=trials[i].key), add_special_tokens=False)["input_ids"])
-                  for i in order}
     # where each needle starts: the first token at which the prompt differs from pure filler
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     intro = bos + tok(_INTRO, add_special_tokens=False)["input_ids"]

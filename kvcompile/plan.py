@@ -18,14 +18,12 @@ functions take bytes; the presets say which unit their source meant.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import sympy as sp
 
 from .policy import Policy
-from .store import LayerSpec
 
 GB = 10 ** 9
 GiB = 2 ** 30
