@@ -148,7 +148,8 @@ def cmd_eval(args) -> int:
         entries = None if args.entries is None else [e for e in args.entries if e != "none"]
         res = run(model, tok, args.schemes, args.bits, args.window, args.windows, args.chunk, args.passkey,
                   args.passkey_lengths, args.trials, args.seed, progress=not args.no_progress,
-                  log=lambda m: print(m, file=sys.stderr, flush=True), out_dir=args.out, entries=entries)
+                  log=lambda m: print(m, file=sys.stderr, flush=True), out_dir=args.out, entries=entries,
+                  passkey_chunk=args.passkey_chunk)
         res["command"] = "kvcompile " + " ".join(args.argv)
     print(format_table(res))
     js, png = write(res, args.out)
@@ -214,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--passkey", nargs="*", default=["full", "best:4", "best:2"],
                    help='passkey entries: "full", SCHEME:BITS, or best:BITS (lowest loss delta of that width)')
     e.add_argument("--passkey-lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
+    e.add_argument("--passkey-chunk", type=int, default=2048,
+                   help="passkey prompts are prefilled through the cache in aligned chunks of this many tokens "
+                        "(default 2048: one call up to 2K, like generate); the answer is then decoded token by token")
     e.add_argument("--trials", type=int, default=20, help="random passkeys and depths per length")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", default="results")

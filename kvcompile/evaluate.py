@@ -220,8 +220,9 @@ def passkey_trials(lengths: Iterable[int], trials: int = 20, seed: int = 0) -> l
     return out
 
 
-def passkey_prompt(tok, trial: PasskeyTrial) -> tuple[list[int], list[int]]:
-    """``(prompt_ids, answer_ids)``: exactly ``trial.length`` prompt tokens (filler is cut to fit)."""
+def passkey_layout(tok, trial: PasskeyTrial) -> tuple[list[int], list[int], int, int]:
+    """``(prompt_ids, answer_ids, start, end)``: the prompt (exactly ``trial.length`` tokens, filler cut to
+    fit), the answer, and the needle's token span ``[start, end)`` in the prompt."""
     def enc(s):
         return tok(s, add_special_tokens=False)["input_ids"]
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
@@ -236,27 +237,71 @@ def passkey_prompt(tok, trial: PasskeyTrial) -> tuple[list[int], list[int]]:
     at = round(trial.depth * (room // len(unit))) * len(unit)
     at = min(at, room - room % len(unit))
     prompt = intro + filler[:at] + needle + filler[at:] + question
-    return prompt, enc(f" {trial.key}")
+    start = len(intro) + at
+    return prompt, enc(f" {trial.key}"), start, start + len(needle)
+
+
+def passkey_prompt(tok, trial: PasskeyTrial) -> tuple[list[int], list[int]]:
+    """``(prompt_ids, answer_ids)``: exactly ``trial.length`` prompt tokens (filler cut to fit)."""
+    return passkey_layout(tok, trial)[:2]
+
+
+def needle_region(cache: KVCompileCache, start: int, end: int, length: int) -> str:
+    """Where tokens ``[start, end)`` are stored once the cache holds ``length`` tokens: ``"packed"`` (in the
+    quantized codes of every quantized layer), ``"residual"`` or ``"sink"`` (partly in full precision in some
+    quantized layer), or ``"full"`` (no layer quantizes anything)."""
+    regions = set()
+    for layer, pol in zip(cache.layers, cache.policies):
+        if not (pol.key.quantized or pol.value.quantized):
+            continue
+        S = min(pol.sink, layer.max_cache_len)
+        F = pol.flush
+        Q = S + (max(0, length - S - pol.residual) // F) * F  # LayerSpec.boundary
+        regions.add("sink" if start < S else "residual" if end > Q else "packed")
+    if not regions:
+        return "full"
+    return "sink" if "sink" in regions else "residual" if "residual" in regions else "packed"
+
+
+def _answer(model, ids, cache, prompt_len: int, answer: list[int], chunk: int, start: int = 0):
+    """Feed ``ids[:, start:prompt_len]`` in chunks aligned to multiples of ``chunk`` (position 0 based), then
+    the answer one token at a time, as greedy generation would after that prefill. Returns ``(hit, logprob)``:
+    whether every answer token is the argmax where it is predicted, and the answer's total log-probability."""
+    last = None
+    s = start
+    while s < prompt_len:
+        e = min((s // chunk + 1) * chunk, prompt_len)
+        last = _forward(model, ids[:, s:e], cache, keep=1)
+        s = e
+    logits = [last[:, -1]]
+    for j in range(len(answer) - 1):  # teacher-forced decode: the same steps greedy decoding takes if right
+        logits.append(_forward(model, ids[:, prompt_len + j:prompt_len + j + 1], cache, keep=1)[:, -1])
+    lg = torch.stack(logits, 1).float()  # [B, n_ans, V]
+    want = ids[:, prompt_len:prompt_len + len(answer)]
+    hit = (lg.argmax(-1) == want).all(-1)
+    lp = torch.log_softmax(lg, -1).gather(-1, want[..., None])[..., 0].sum(-1)
+    return hit.tolist(), lp.tolist()
 
 
 @torch.no_grad()
 def passkey_retrieved(model, tok, trials: list[PasskeyTrial], policy: Policy, chunk: int = 2048,
                       fast: bool = True) -> list[bool]:
-    """Whether greedy decoding would return each trial's key; ``trials`` must share one length."""
+    """Whether greedy decoding would return each trial's key; ``trials`` must share one length.
+
+    The protocol: the prompt is prefilled through the cache in chunks aligned to multiples of ``chunk``
+    (one call when the prompt is at most ``chunk`` tokens, as ``generate`` does), then the answer is decoded
+    one token at a time, teacher-forced (the same steps greedy decoding takes while it is right)."""
     prompts = [passkey_prompt(tok, t) for t in trials]
-    lengths = {len(p) + len(a) for p, a in prompts}
-    if len(lengths) != 1:
+    if len({(len(p), len(a)) for p, a in prompts}) != 1:
         raise ValueError("passkey_retrieved needs trials of one length (answers of one token count)")
-    total = lengths.pop()
+    n = len(prompts[0][0])
     ids = torch.tensor([p + a for p, a in prompts])
-    cache = make_cache(model, policy, total, fast)
-    n_ans = len(prompts[0][1])
-    tails = []  # the last n_ans + 1 logits of each chunk; their concatenation ends with the sequence's
-    for s in range(0, total, chunk):
-        tails.append(_forward(model, ids[:, s:s + chunk], cache, keep=n_ans + 1))
-    pred = torch.cat(tails, 1)[:, -(n_ans + 1):-1].argmax(-1)
-    want = torch.tensor([a for _, a in prompts])
-    return (pred == want).all(-1).tolist()
+    hits = []
+    for b in range(len(prompts)):  # one sequence per cache row would need per-row answers; keep it simple
+        cache = make_cache(model, policy, ids.shape[1], fast)
+        hit, _ = _answer(model, ids[b:b + 1], cache, n, prompts[b][1], chunk)
+        hits += hit
+    return hits
 
 
 def _fork(cache: "_EvalCache", model, policy: Policy) -> "_EvalCache":
@@ -274,41 +319,38 @@ def _fork(cache: "_EvalCache", model, policy: Policy) -> "_EvalCache":
 
 @torch.no_grad()
 def passkey_retrieved_shared(model, tok, trials: list[PasskeyTrial], policy: Policy,
-                             chunk: int = 2048, on_trial=None) -> list[bool]:
+                             chunk: int = 2048, on_trial=None, details: dict | None = None) -> list[bool]:
     """``passkey_retrieved`` for trials of one length, sharing the filler before each needle.
 
-    The filler before the needle is the same tokens in every trial, so one "trunk" cache consumes it once,
-    in depth order; each trial forks the trunk at its needle and feeds only the rest. About 11 instead of
-    20 context lengths of compute for 20 trials. Each trial's tokens are the ones ``passkey_prompt`` gives.
+    The prompt chunks wholly before the needle are the same tokens in every trial, so one "trunk" cache
+    consumes them once, in depth order; each trial forks the trunk at the start of the chunk that holds its
+    needle and feeds the rest exactly as ``passkey_retrieved`` does (same chunk boundaries, so the same
+    numbers). ``details``: filled with one dict per trial index (depth, key, needle span, where the needle
+    is stored, hit, the answer's log-probability).
     """
     order = sorted(range(len(trials)), key=lambda i: trials[i].depth)
-    total = trials[0].length
-    prompts = {i: passkey_prompt(tok, trials[i]) for i in order}
-    # where each needle starts: the first token at which the prompt differs from pure filler
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    intro = bos + tok(_INTRO, add_special_tokens=False)["input_ids"]
-    unit = tok(_FILLER, add_special_tokens=False)["input_ids"]
-    trunk_ids = intro + unit * (total // len(unit) + 1)
+    layouts = {i: passkey_layout(tok, trials[i]) for i in order}
     out = [False] * len(trials)
     trunk, fed = None, 0
     for i in order:
-        prompt, answer = prompts[i]
-        at = next((p for p in range(len(prompt)) if p >= len(trunk_ids) or prompt[p] != trunk_ids[p]), len(prompt))
+        prompt, answer, n0, n1 = layouts[i]
         ids = torch.tensor([prompt + answer])
         if trunk is None:
-            trunk = make_cache(model, policy, len(prompt) + len(answer))
-        while fed < at:  # advance the trunk to this needle
-            n = min(chunk, at - fed)
-            _forward(model, ids[:, fed:fed + n], trunk, keep=1)
-            fed += n
+            trunk = make_cache(model, policy, ids.shape[1])
+        start = min(n0 // chunk * chunk, len(prompt))  # the needle's chunk and everything after: per trial
+        if start < fed:
+            raise AssertionError("trials must be fed in depth order")
+        while fed < start:  # advance the trunk to that chunk, in whole aligned chunks of pure filler
+            _forward(model, ids[:, fed:fed + chunk], trunk, keep=1)
+            fed += chunk
         branch = _fork(trunk, model, policy) if trunk.layers[0].is_initialized else make_cache(
-            model, policy, len(prompt) + len(answer))
-        n_ans = len(answer)
-        tails = []
-        for s in range(at, ids.shape[1], chunk):
-            tails.append(_forward(model, ids[:, s:s + chunk], branch, keep=n_ans + 1))
-        pred = torch.cat(tails, 1)[:, -(n_ans + 1):-1].argmax(-1)
-        out[i] = pred[0].tolist() == answer
+            model, policy, ids.shape[1])
+        hit, lp = _answer(model, ids, branch, len(prompt), answer, chunk, start)
+        out[i] = hit[0]
+        if details is not None:
+            details[i] = {"depth": trials[i].depth, "key": trials[i].key, "needle": [n0, n1],
+                          "region": needle_region(branch, n0, n1, len(prompt)), "hit": hit[0],
+                          "logprob": lp[0]}
         del branch
         if on_trial:
             on_trial()
@@ -316,21 +358,33 @@ def passkey_retrieved_shared(model, tok, trials: list[PasskeyTrial], policy: Pol
 
 
 def passkey_accuracy(model, tok, policy: Policy, lengths=(1024, 2048, 4096, 8192), trials: int = 20,
-                     seed: int = 0, progress: bool = False, on_length=None) -> dict[int, float]:
+                     seed: int = 0, progress: bool = False, on_length=None, chunk: int = 2048,
+                     details: dict | None = None) -> dict[int, float]:
     """Accuracy (0..1) per context length over ``trials`` random keys and depths each.
 
     ``on_length(acc)`` is called after each length with the accuracies so far (long runs save as they go).
+    ``details``: filled with ``{length: [per-trial dict, ...]}`` (see ``passkey_retrieved_shared``).
     """
     acc = {}
     bar = tqdm(total=len(lengths) * trials, disable=not progress, leave=False, desc=f"passkey {policy}"[:60])
     for L in lengths:
         ts = passkey_trials([L], trials, seed + L)
-        hits = passkey_retrieved_shared(model, tok, ts, policy, on_trial=lambda: bar.update(1))
+        per: dict = {}
+        hits = passkey_retrieved_shared(model, tok, ts, policy, chunk=chunk, on_trial=lambda: bar.update(1),
+                                        details=per)
         acc[L] = sum(hits) / len(hits)
+        if details is not None:
+            details[L] = [per[i] for i in range(len(ts))]
         if on_length:
             on_length(dict(acc))
     bar.close()
     return acc
+
+
+def packed_accuracy(details: list[dict]) -> tuple[float | None, int]:
+    """Accuracy over the trials whose needle is entirely in packed (quantized) storage, and their count."""
+    packed = [d["hit"] for d in details if d["region"] == "packed"]
+    return (sum(packed) / len(packed) if packed else None), len(packed)
 
 
 # --------------------------------------------------------------------------- the whole evaluation
@@ -346,11 +400,13 @@ def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int
         window: int = 2048, windows: int = 4, chunk: int = 64, passkey: Iterable[str] = (),
         passkey_lengths=(1024, 2048, 4096, 8192), passkey_trials_n: int = 20, seed: int = 0,
         progress: bool = True, log=print, fast: bool = True, out_dir=None,
-        entries: Iterable[str] | None = None) -> dict:
+        entries: Iterable[str] | None = None, passkey_chunk: int = 2048) -> dict:
     """Loss delta of every ``scheme x bits`` over full precision, and passkey accuracy of the ``passkey``
     entries: ``"full"``, ``"scheme:bits"`` or ``"best:bits"`` (the lowest loss delta of that width).
     ``entries``: ``"scheme:bits"`` strings to evaluate instead of ``schemes x bits`` (``[]``: passkey only).
-    ``out_dir``: write ``eval.partial.json`` there after every row. Returns a JSON-ready dict (see ``write``)."""
+    ``out_dir``: write ``eval.partial.json`` there after every row. ``passkey_chunk``: the prompt is prefilled
+    through the cache in aligned chunks of this many tokens (see ``passkey_retrieved``).
+    Returns a JSON-ready dict (see ``write``)."""
     layers, kv_heads, head_dim = model_shape(model.config)
     W = heldout_windows(tok, window, windows)
     if entries is not None:  # explicit "scheme:bits" list instead of the product
@@ -399,19 +455,28 @@ def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int
             if pol is None:
                 raise ValueError(f"{entry!r}: scheme {name!r} has no {b}-bit policy")
         t0 = time.perf_counter()
+        details: dict = {}
 
-        def save(acc, key=f"{name}:{b}", pol=pol, t0=t0):
-            res["passkey"][key] = {"policy": str(pol), "accuracy": {str(k): v for k, v in acc.items()},
-                                   "trials": passkey_trials_n, "seconds": time.perf_counter() - t0}
+        key = f"{name}:{b}" + ("" if passkey_chunk == 2048 else f"@chunk{passkey_chunk}")
+
+        def save(acc, key=key, pol=pol, t0=t0, details=details):
+            entry = {"policy": str(pol), "accuracy": {str(k): v for k, v in acc.items()},
+                     "trials": passkey_trials_n, "prefill_chunk": passkey_chunk,
+                     "bytes_per_token_bf16": {str(k): bytes_per_token(pol, layers, kv_heads, head_dim, k)
+                                              for k in acc},
+                     "seconds": time.perf_counter() - t0}
+            if any(d["region"] != "full" for ds in details.values() for d in ds):
+                entry["accuracy_needle_packed"] = {str(k): packed_accuracy(ds)[0] for k, ds in details.items()}
+                entry["needle_packed_trials"] = {str(k): packed_accuracy(ds)[1] for k, ds in details.items()}
+            entry["trials_detail"] = {str(k): ds for k, ds in details.items()}
+            res["passkey"][key] = entry
             log(f"passkey {key} so far: " + "  ".join(f"{k}: {v:.0%}" for k, v in acc.items()))
             if out_dir is not None:
                 _write_json(res, Path(out_dir) / "eval.partial.json")
         acc = passkey_accuracy(model, tok, pol, passkey_lengths, passkey_trials_n, seed, progress=progress,
-                               on_length=save)
+                               on_length=save, chunk=passkey_chunk, details=details)
         save(acc)
-        log(f"passkey {name}:{b}  " + "  ".join(f"{k}: {v:.0%}" for k, v in acc.items()))
-        if out_dir is not None:
-            _write_json(res, Path(out_dir) / "eval.partial.json")
+        log(f"passkey {key}  " + "  ".join(f"{k}: {v:.0%}" for k, v in acc.items()))
     return res
 
 
@@ -441,12 +506,23 @@ def format_table(res: dict) -> str:
              "-" * 74]
     for r in res["rows"]:
         acc = pk.get(f"{r['scheme']}:{r['bits']}")
-        ps = " ".join(f"{int(v * 100)}" for v in acc["accuracy"].values()) if acc else ""
+        ps = " ".join(f"{int(round(v * 100))}" for v in acc["accuracy"].values()) if acc else ""
         lines.append(f"{r['scheme']:<14}{r['bits']:>5}{r['bytes_per_token_bf16']:>13,.0f}{r['ratio_to_bf16']:>8.3f}"
                      f"{r['loss']:>9.4f}{r['loss_delta']:>+11.5f}  {ps}")
     if pk:
-        L = next(iter(pk.values()))["accuracy"].keys()
-        lines.append(f"passkey: % retrieved at {', '.join(L)} tokens")
+        lines += ["", "passkey retrieval (% of trials; 'packed': only trials whose needle is in quantized storage)",
+                  f"{'entry':<28}{'chunk':>6}{'trials':>7}  {'length':>6}{'retrieved':>10}{'packed':>12}"
+                  f"{'bytes/token':>13}", "-" * 82]
+        for key, v in pk.items():
+            packed = v.get("accuracy_needle_packed", {})
+            n_packed = v.get("needle_packed_trials", {})
+            bpt = v.get("bytes_per_token_bf16", {})
+            for L, a in v["accuracy"].items():
+                pa = packed.get(L)
+                pcol = f"{pa * 100:.0f} ({n_packed.get(L)})" if pa is not None else "-"
+                b = f"{bpt[L]:,.0f}" if L in bpt else "-"
+                lines.append(f"{key:<28}{str(v.get('prefill_chunk', '?')):>6}{v.get('trials', '?'):>7}  {L:>6}"
+                             f"{a * 100:>9.0f}%{pcol:>12}{b:>13}")
     return "\n".join(lines)
 
 

@@ -62,6 +62,19 @@ def test_eval_writes_table_json_and_plot(capsys, tmp_path, tiny_dir):
     assert len(json.loads((tmp_path / "m" / "eval.json").read_text())["rows"]) == 3
 
 
+def test_eval_passkey_only_with_a_prefill_chunk(capsys, tmp_path, tiny_dir):
+    out = tmp_path / "pk"
+    cli.main(["eval", "--model", str(tiny_dir), "--entries", "none", "--passkey", "kivi+rot+sink:2",
+              "--passkey-lengths", "256", "--passkey-chunk", "64", "--trials", "2", "--out", str(out),
+              "--no-progress"])
+    res = json.loads((out / "eval.json").read_text())
+    assert res["rows"] == [] and list(res["passkey"]) == ["kivi+rot+sink:2@chunk64"]
+    pk = res["passkey"]["kivi+rot+sink:2@chunk64"]
+    assert pk["prefill_chunk"] == 64 and len(pk["trials_detail"]["256"]) == 2
+    assert pk["bytes_per_token_bf16"]["256"] > 0 and "256" in pk["needle_packed_trials"]
+    assert "kivi+rot+sink:2@chunk64" in capsys.readouterr().out
+
+
 def test_demo_prints_bytes_loss_speed_and_reply(capsys, tiny_dir):
     cli.main(["demo", "--model", str(tiny_dir), "--max-new-tokens", "4", "--capacity", "512", "--loss-window",
               "256", "--compiler", "eager"])

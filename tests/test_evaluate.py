@@ -153,7 +153,8 @@ def test_write_json_and_plot(tmp_path):
 
 
 def test_shared_prefix_passkey_feeds_each_prompt(tiny, monkeypatch):
-    # Record what each branch's cache ends up holding: exactly prompt + answer, token for token.
+    # Record what each branch's cache ends up holding: exactly the prompt and the answer but its last token
+    # (decoded one at a time; the last one is only predicted), token for token.
     tok = _CharTok()
     ts = E.passkey_trials([400], 3, seed=2)
     seen = []
@@ -174,9 +175,62 @@ def test_shared_prefix_passkey_feeds_each_prompt(tiny, monkeypatch):
         prompt, answer = E.passkey_prompt(tok, t)
         mine = [ids for c, ids in fed if c == id(branch)]
         n = int(branch.layers[0].cumulative_length)
-        assert n == len(prompt) + len(answer)
+        assert n == len(prompt) + len(answer) - 1
         head = sum(trunk, [])[:n - sum(map(len, mine))]
-        assert head + sum(mine, []) == prompt + answer
+        assert head + sum(mine, []) == (prompt + answer)[:-1]
     monkeypatch.undo()
     assert E.passkey_retrieved_shared(tiny, tok, ts, Policy.full()) == E.passkey_retrieved(tiny, tok, ts,
                                                                                           Policy.full())
+
+
+def _fresh_logprobs(model, tok, trials, policy, chunk):
+    """Each trial alone, from an empty cache: the protocol without any sharing."""
+    out = []
+    for t in trials:
+        prompt, answer = E.passkey_prompt(tok, t)
+        ids = torch.tensor([prompt + answer])
+        cache = E.make_cache(model, policy, ids.shape[1])
+        out.append(E._answer(model, ids, cache, len(prompt), answer, chunk)[1][0])
+    return out
+
+
+@pytest.mark.parametrize("policy", [Policy.kivi(2, residual=16, sink=2), Policy.fp8(residual=8)], ids=str)
+def test_shared_trunk_gives_the_numbers_of_separate_runs_when_quantized(tiny, policy):
+    # The trunk must stop at a chunk boundary: a prefill split at the needle instead would store (and attend
+    # to) other values than the protocol's aligned chunks, and quantized results would depend on the depth.
+    tok = _CharTok()
+    ts = E.passkey_trials([700], 4, seed=5)
+    det = {}
+    E.passkey_retrieved_shared(tiny, tok, ts, policy, chunk=128, details=det)
+    assert {det[i]["needle"][0] // 128 for i in range(4)} != {0}  # some trials did share a trunk
+    want = _fresh_logprobs(tiny, tok, ts, policy, 128)
+    assert [det[i]["logprob"] for i in range(4)] == pytest.approx(want, abs=1e-5)
+
+
+def test_passkey_layout_and_needle_region(tiny):
+    tok = _CharTok()
+    shallow, deep = E.PasskeyTrial(600, 0.0, 11111), E.PasskeyTrial(600, 0.999, 22222)
+    for t in (shallow, deep):
+        prompt, answer, a, b = E.passkey_layout(tok, t)
+        assert "".join(chr(c) for c in prompt[a:b]).strip().startswith(f"The pass key is {t.key}.")
+    pol = Policy.kivi(2, residual=64, sink=4)
+    cache = E.make_cache(tiny, pol, 606)
+    a, b = E.passkey_layout(tok, shallow)[2:]
+    assert E.needle_region(cache, a, b, 600) == "packed"
+    a, b = E.passkey_layout(tok, deep)[2:]
+    assert E.needle_region(cache, a, b, 600) == "residual"  # the needle is among the 64 recent tokens
+    assert E.needle_region(cache, 2, 20, 600) == "sink"
+    assert E.needle_region(E.make_cache(tiny, Policy.full(), 606), a, b, 600) == "full"
+    # one quantized layer holding it in its residual is enough to say "residual"
+    mixed = E.make_cache(tiny, Policy.kivi(2, residual=0).override({1: Policy.kivi(2, residual=64)}), 606)
+    assert E.needle_region(mixed, a, b, 600) == "residual"
+
+
+def test_passkey_details_are_recorded(tiny):
+    tok = _CharTok()
+    det = {}
+    acc = E.passkey_accuracy(tiny, tok, Policy.kivi(2, residual=16), lengths=[400], trials=3, chunk=64, details=det)
+    assert list(det) == [400] and len(det[400]) == 3
+    assert acc[400] == sum(d["hit"] for d in det[400]) / 3
+    assert all(d["region"] in ("packed", "residual") and d["logprob"] <= 0 for d in det[400])
+    assert E.packed_accuracy(det[400])[1] == sum(d["region"] == "packed" for d in det[400])
