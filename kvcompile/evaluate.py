@@ -70,6 +70,12 @@ SCHEMES: dict[str, Callable[[int], Policy | None]] = {
     "kivi-g16": lambda b: _kivi(b, group=16) if b < 8 else None,
     "kivi+rot+sink": lambda b: _kivi(b, sink=4, rotate=True),
     "kivi+sink+l0": lambda b: _kivi(b, sink=4).override({0: _kivi(8, sink=4)}) if b < 8 else None,
+    # Bits moved from values to keys at the bytes of 2-bit KIVI: keys int3 and values int2, both in groups of
+    # 64 (half the scale overhead), an 80-token residual (so the ring, residual + group - 1, is no longer
+    # than KIVI's 128 + 31); bytes/token at or below kivi+rot+sink:2 at every length. Keys are the side
+    # that 2-bit passkey retrieval is sensitive to (docs/eval.txt).
+    "kivi-k3v2": _only(2, lambda: Policy(Quant("int3", "channel", 64), Quant("int2", "token", 64), residual=80,
+                                         sink=4, rotate=True)),
     # 8-bit formats with the same tools: rotation spreads the keys' outlier channels over the head.
     "int8+rot": _only(8, lambda: Policy.int8(rotate=True)),
     "fp8+rot+sink": _only(8, lambda: Policy.fp8("fp8_e4m3", residual=128, sink=4, rotate=True)),

@@ -234,3 +234,11 @@ def test_passkey_details_are_recorded(tiny):
     assert acc[400] == sum(d["hit"] for d in det[400]) / 3
     assert all(d["region"] in ("packed", "residual") and d["logprob"] <= 0 for d in det[400])
     assert E.packed_accuracy(det[400])[1] == sum(d["region"] == "packed" for d in det[400])
+
+
+def test_k3v2_scheme_stays_within_the_bytes_of_2bit_kivi():
+    from kvcompile.accounting import bytes_per_token
+    k3v2, kivi2 = E.scheme_policy("kivi-k3v2", 2), E.scheme_policy("kivi+rot+sink", 2)
+    assert E.scheme_policy("kivi-k3v2", 4) is None
+    for L in (1024, 1030, 2048, 4096, 8192, 8198):
+        assert bytes_per_token(k3v2, 30, 3, 64, L) <= bytes_per_token(kivi2, 30, 3, 64, L)
