@@ -138,13 +138,19 @@ class KVCompileCache(Cache):
         layers = [KVCompileLayer(max_cache_len, p, n) for p, n in zip(self.policies, names)]
         super().__init__(layers=layers)
         self.policy = policy
-        self.max_cache_len = max_cache_len
+        self.capacity = max_cache_len
         self.tokens = 0  # tokens appended so far (host-side count: the capacity check needs no device sync)
         if batch_size is not None:
             if dtype is None:
                 dtype = getattr(_text_config(config), "torch_dtype", None) or torch.float32
                 dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
             self.early_initialization(batch_size, kv_heads, head_dim, dtype, device or "cpu")
+
+    @property
+    def max_cache_len(self) -> int:
+        """Tokens the cache holds at most (a property: transformers 5.1x's ``Cache`` defines it as a read-only
+        property, so it cannot be assigned)."""
+        return self.capacity
 
     def early_initialization(self, batch_size, num_heads, head_dim, dtype, device):
         for layer in self.layers:
