@@ -72,6 +72,7 @@ class Site:
     shape: tuple        # the cache's [B, H, C, D]
     dtype: torch.dtype
     spec_name: str | None = None
+    causal_prefix: bool = False  # no mask, is_causal=True over cache[:, :, :n], n queries (CAUSAL_PREFIX)
 
 
 @dataclass
@@ -295,16 +296,20 @@ def _match_read(gm: GraphModule, read: Node, order: dict) -> Site | Skipped:
     is_causal = bool(a.get("is_causal", False))
     B, H, C, D = (int(s) for s in kval.shape)
     qv = _val(q)
+    causal_prefix = False
     if mask is None:
         n = qv.shape[-2]
-        if not (is_causal and k_len is None and isinstance(n, int) and n == C):
+        if is_causal and k_len is not None and _same_size(k_len, n) and _same_size(v_len, n):
+            causal_prefix = True  # transformers' prefill shortcut over a static cache (see CAUSAL_PREFIX)
+        elif not (is_causal and k_len is None and isinstance(n, int) and n == C):
             return Skipped(layer, read.name, "SDPA reads the cache with no attn_mask"
                            + (" and is_causal=True over a cache longer than the query" if is_causal else "")
                            + ": unwritten slots would be attended. kvcompile rewrites reads that pass a mask "
-                             "(bool or additive) over the cache positions")
+                             "(bool or additive) over the cache positions, is_causal=True over the whole "
+                             "cache, or is_causal=True over cache[:, :, :n] for n queries")
     elif is_causal:
         return Skipped(layer, read.name, "SDPA with both attn_mask and is_causal=True")
-    if k_len != v_len:
+    if k_len != v_len and not causal_prefix:  # (a causal prefix has both equal to n, checked above)
         return Skipped(layer, read.name, "keys and values are read over different lengths")
     enable_gqa = bool(a.get("enable_gqa", False))
     hq = qv.shape[1]
@@ -320,7 +325,17 @@ def _match_read(gm: GraphModule, read: Node, order: dict) -> Site | Skipped:
     else:
         scale = float(scale)
     return Site(layer, read, kc, vc, wk[0], wv[0], q, mask, scale, hq // H, repeat, k_len,
-                (B, H, C, D), kval.dtype)
+                (B, H, C, D), kval.dtype, causal_prefix=causal_prefix)
+
+
+def _same_size(a, b) -> bool:
+    """Whether the slice end ``a`` (an int or a graph node of a SymInt) is the size ``b`` (int or SymInt)."""
+    a = _val(a) if isinstance(a, Node) else a
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt)):
+        return str(a) == str(b)  # the same symbol (no guard is added by comparing expressions as text)
+    return False
 
 
 def _src(ph: Node) -> str:
@@ -415,6 +430,27 @@ def replace_writes(gm: GraphModule, site: Site, state: list[Node]) -> Node:
     return store
 
 
+CAUSAL_PREFIX = """\
+transformers' SDPA integration (``sdpa_attention_forward``, 5.1x and 5.2x) drops the mask of a prefill into an
+empty static cache: it calls ``SDPA(q, key[:, :, :n], value[:, :, :n], attn_mask=None, is_causal=True)``, n the
+query length, which is right when the n new tokens sit in slots 0..n-1. This happens when the mask reaching
+the model is None -- ``masking_utils`` skips it when it can read the offset eagerly and sees 0 -- which is
+the case under ``generate`` for models whose config has ``layer_types`` (Qwen2, Qwen3, ...): generate builds
+their masks eagerly, *outside* the compiled forward, and passes ``{"full_attention": None}``. (For Llama and
+Mistral it returns a bare None, which generate drops, so the model builds the mask inside the graph, where a
+traced offset forbids the skip.) The pass rewrites this read with the mask it stands for, over absolute
+positions: query i sees slot p iff p <= i -- exactly what the SDPA over the slice computed, whatever the
+store held before (on an empty store, the same as the op's own causal rule)."""
+
+
+def causal_prefix_mask(q, capacity: int):
+    """``[1, 1, n, capacity]`` bool: query ``i`` (of ``n``) sees slot ``p`` iff ``p <= i`` (see ``CAUSAL_PREFIX``)."""
+    n = q.shape[-2]
+    i = torch.arange(n, device=q.device).view(1, 1, n, 1)
+    p = torch.arange(capacity, device=q.device).view(1, 1, 1, capacity)
+    return p <= i
+
+
 def fused_cpu_attention(q, state, mask, scale, spec_name):
     """The attention read as plain torch ops (``kvcompile.templates.inductor``), for Inductor to fuse.
 
@@ -433,7 +469,10 @@ def replace_read(gm: GraphModule, site: Site, state: list[Node], fused_cpu: bool
     g = gm.graph
     with g.inserting_before(site.read):
         mask = site.mask
-        if mask is not None and site.read_len is not None:
+        if site.causal_prefix:
+            mask = g.call_function(causal_prefix_mask, (site.query, site.shape[2]))
+            counters["mask_causal_prefix"] += 1
+        elif mask is not None and site.read_len is not None:
             # SDPA saw only [:, :, :end]; the op masks by absolute position over the whole capacity.
             mval = _val(mask)
             fill = False if mval.dtype == torch.bool else float("-inf")
@@ -442,7 +481,7 @@ def replace_read(gm: GraphModule, site: Site, state: list[Node], fused_cpu: bool
         # The op returns a contiguous [B, Hq, n, D]; its fake returns empty_like(q), so q must be contiguous
         # for the two to agree (q is usually a transposed view). A copy of the queries only: n tokens.
         q = g.call_method("contiguous", (site.query,))
-        on_cpu = _val(site.query).device.type == "cpu" and _ops.kernels(torch.device("cpu")) != "triton"
+        on_cpu = _val(site.query).device.type == "cpu" and _ops.kernels(torch.device("cpu")) == "inductor"
         target = fused_cpu_attention if (fused_cpu and on_cpu) else torch.ops.kvcompile.attention.default
         att = g.call_function(target, (q, list(state), mask, site.scale, site.spec_name))
         counters["attention_fused_cpu" if target is fused_cpu_attention else "attention_op"] += 1

@@ -150,6 +150,48 @@ def test_analyze_skips_a_maskless_read_with_the_reason():
     assert counters["reads_skipped"] == 1
 
 
+def test_analyze_reads_a_causal_prefix_only_over_the_query_length():
+    """``SDPA(q, cache[:, :, :n], ..., is_causal=True)`` with n queries is transformers' prefill shortcut over an
+    empty static cache (passes/kv_cache.py, CAUSAL_PREFIX): a site. A slice of another length is not."""
+    for extra, found in ((0, True), (2, False)):
+        kc, vc = _cache()
+
+        def f(q, k, v, pos):
+            kc.index_copy_(2, pos, k)
+            vc.index_copy_(2, pos, v)
+            n = q.shape[2] + extra
+            return F.scaled_dot_product_attention(q, kc[:, :, :n], vc[:, :, :n], is_causal=True, enable_gqa=True)
+
+        q, x = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+        a = analyze(_dynamo_graph(f, q, x, x, torch.arange(3)))
+        if found:
+            assert len(a.sites) == 1 and a.sites[0].causal_prefix and a.sites[0].repeat == "enable_gqa"
+        else:
+            assert not a.sites and "is_causal=True over a cache longer than the query" in a.skipped[0].reason
+
+
+def test_causal_prefix_read_is_rewritten_with_the_mask_it_stands_for():
+    """The rewritten read equals SDPA over the slice exactly: also on a second call, where the slice holds the
+    first call's tokens (what the original graph reads), not the new ones."""
+    def make(kc, vc):
+        def f(q, k, v, pos):
+            kc.index_copy_(2, pos, k)
+            vc.index_copy_(2, pos, v)
+            n = q.shape[2]
+            return F.scaled_dot_product_attention(q, kc[:, :, :n], vc[:, :, :n], is_causal=True, enable_gqa=True)
+        return f
+
+    torch.manual_seed(4)
+    eager = make(*_cache())
+    compiled = torch.compile(make(*_cache()), backend="kvcompile", fullgraph=True,
+                             options={"policy": Policy.full(), "compiler": "eager"})
+    for start in (0, 3):
+        q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+        pos = torch.arange(start, start + 3)
+        torch.testing.assert_close(compiled(q, k, v, pos), eager(q, k, v, pos))
+    assert counters["mask_causal_prefix"] == 1 and counters["graphs_rewritten"] == 1
+
+
 def test_analyze_skips_a_tiled_gqa_layout():
     kc, vc = _cache()
     mask = torch.ones(1, 1, 3, 16, dtype=torch.bool)

@@ -1,21 +1,38 @@
 """The pass on the Llama family's other members (random tiny weights): Mistral, Qwen2 (q/k/v biases),
 Qwen3 (q/k RMS norms). Same contract as for Llama: compiled equals the eager reference cache, every
-layer's write and read rewritten, no graph break. Qwen2/Qwen3 are a known gap (strict xfail: it fails loudly
-with KVCompileError today, and this test says so the day it starts to work)."""
+layer's write and read rewritten, no graph break (``fullgraph=True``).
+
+Qwen2/Qwen3 differ from Llama/Mistral in one way that matters to the pass: their configs have
+``layer_types``, so ``generate`` builds their masks eagerly, outside the compiled forward, and for a prefill
+into an empty static cache transformers skips the mask: the model receives ``{"full_attention": None}`` and
+calls ``SDPA(q, key[:, :, :n], value[:, :, :n], attn_mask=None, is_causal=True)``. The pass rewrites that
+read with the causal mask it stands for (``passes/kv_cache.py``, ``CAUSAL_PREFIX``); the counter
+``mask_causal_prefix`` says it happened.
+"""
 import pytest
 import torch
+import torch._dynamo.utils as dynamo_utils
 import transformers
+from transformers.cache_utils import StaticCache
 
 import kvcompile
 from kvcompile import Policy
+from kvcompile.api import _cache_kwarg
 from kvcompile.hf import KVCompileCache
 from kvcompile.passes import counters
 
-QWEN_GAP = ("transformers drops the attention mask for these models' steps (SDPA sees no attn_mask and "
-            "is_causal=False over the whole static cache), and the pass refuses a maskless read of a cache "
-            "with unwritten slots; not yet supported")
-FAMILIES = ["Mistral", pytest.param("Qwen2", marks=pytest.mark.xfail(strict=True, reason=QWEN_GAP)),
-            pytest.param("Qwen3", marks=pytest.mark.xfail(strict=True, reason=QWEN_GAP))]
+FAMILIES = ["Mistral", "Qwen2", "Qwen3"]
+# Only layer 0 quantized: later layers would see last-bit differences from layer 0's attention sums
+# and could flip a code (see tests/passes/test_kv_cache_pass.py); they are still rewritten.
+POLICY = Policy.full().override({0: Policy.kivi(4, group=4, residual=4)})
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    dynamo_utils.counters.clear()
+    yield
 
 
 def tiny(family):
@@ -27,27 +44,78 @@ def tiny(family):
     return getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
 
 
+def twin(model):
+    other = type(model)(model.config).eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def prefill_mask_skipped(model) -> bool:
+    """Whether generate hands this model's prefill no mask (see the module docstring)."""
+    return getattr(model.config, "layer_types", None) is not None
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_compiles_and_equals_the_reference(family):
-    torch._dynamo.reset()
-    counters.clear()
-    # Only layer 0 quantized: later layers would see last-bit differences from layer 0's attention sums
-    # and could flip a code (see tests/passes/test_kv_cache_pass.py); they are still rewritten.
-    policy = Policy.full().override({0: Policy.kivi(4, group=4, residual=4)})
     model = tiny(family)
-    ref = getattr(transformers, f"{family}ForCausalLM")(model.config).eval()
-    ref.load_state_dict(model.state_dict())
+    ref = twin(model)
     ids = torch.randint(3, 64, (1, 10))
+    kw = _cache_kwarg(ref)
     with torch.no_grad():
-        want = ref.generate(ids, max_new_tokens=6, do_sample=False,
-                            past_key_values=KVCompileCache(ref.config, policy, 16), output_logits=True,
-                            return_dict_in_generate=True)
-        applied = kvcompile.apply(model, policy, compiler="eager")
-        got = applied.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
+        want = ref.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+                            return_dict_in_generate=True, **{kw: KVCompileCache(ref.config, POLICY, 16)})
+        applied = kvcompile.apply(model, POLICY, compiler="eager")
+        got = applied.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
                                return_dict_in_generate=True)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits))
     graphs = counters["graphs_rewritten"]
-    assert graphs >= 1
+    # prefill and decode (min_new_tokens: random weights may emit EOS at once); no recompile per step
+    assert graphs == len(applied._kvcompile.reports) == 2
     assert counters["attention_rewritten"] == counters["stores_inserted"] == 2 * graphs  # both layers, every graph
     assert counters["reads_skipped"] == 0
+    assert counters["mask_causal_prefix"] == (2 if prefill_mask_skipped(model) else 0)  # the prefill's 2 layers
+    assert not dynamo_utils.counters["graph_break"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_generate_batched_with_left_padding(family):
+    """With padding the prefill mask is materialized (no shortcut): the usual masked read, per row."""
+    model = tiny(family)
+    ref = twin(model)
+    ids = torch.randint(3, 64, (2, 7))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    kw = _cache_kwarg(ref)
+    gen = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True,
+               return_dict_in_generate=True)
+    with torch.no_grad():
+        want = ref.generate(ids, **gen, **{kw: KVCompileCache(ref.config, POLICY, 12)})
+        got = kvcompile.apply(model, POLICY, compiler="eager").generate(ids, **gen)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits))
+    assert counters["reads_skipped"] == 0 and counters["mask_causal_prefix"] == 0
+    assert not dynamo_utils.counters["graph_break"]
+
+
+@pytest.mark.parametrize("family", ["Qwen2", "Qwen3"])
+def test_backend_with_a_static_cache_under_generate(family):
+    """The standard entry point: the model's forward compiled by the kvcompile backend, a transformers
+    StaticCache (full precision, so the pass shadows it with a packed store), generate's eager masks."""
+    model = tiny(family)
+    ref = twin(model)
+    ids = torch.randint(3, 64, (1, 9))
+    kw = _cache_kwarg(ref)
+    gen = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = ref.generate(ids, **gen, **{kw: KVCompileCache(ref.config, POLICY, 16)})
+        static = StaticCache(config=model.config, max_cache_len=16)
+        static.early_initialization(1, 2, 8, torch.float32, "cpu")
+        model.forward = torch.compile(model.forward, backend="kvcompile", fullgraph=True,
+                                      options={"policy": POLICY, "compiler": "eager"})
+        model.generation_config.disable_compile = True  # forward is compiled already
+        got = model.generate(ids, **gen, **{kw: static})
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits))
+    assert counters["attention_rewritten"] == 4 and counters["mask_causal_prefix"] == 2
+    assert not dynamo_utils.counters["graph_break"]
