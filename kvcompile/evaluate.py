@@ -490,10 +490,25 @@ def merge(results: list[dict]) -> dict:
     """One result from several runs (rows and passkey entries; later runs win on duplicates)."""
     out = dict(results[0])
     rows, pk = {}, {}
+    per_length = ("accuracy", "accuracy_needle_packed", "needle_packed_trials", "bytes_per_token_bf16",
+                  "trials_detail")
     for r in results:
         for row in r["rows"]:
             rows[(row["scheme"], row["bits"])] = row
-        pk.update(r.get("passkey", {}))
+        for key, v in r.get("passkey", {}).items():
+            old = pk.get(key)
+            if old is None or old.get("prefill_chunk") != v.get("prefill_chunk") or old.get("trials") != v.get(
+                    "trials"):
+                pk[key] = v  # another protocol (or the first run): the later run wins
+                continue
+            # the same entry and protocol measured at other lengths in another run: one entry, lengths sorted
+            new = dict(v)
+            for f in per_length:
+                both = {**old.get(f, {}), **v.get(f, {})}
+                if both:
+                    new[f] = {k: both[k] for k in sorted(both, key=int)}
+            new["seconds"] = old.get("seconds", 0) + v.get("seconds", 0)
+            pk[key] = new
     # full precision first, then by width (widest first) and by loss delta within a width
     out["rows"] = sorted(rows.values(), key=lambda r: (r["scheme"] != "full", -r["bits"], r["loss_delta"]))
     out["passkey"] = pk

@@ -242,3 +242,15 @@ def test_k3v2_scheme_stays_within_the_bytes_of_2bit_kivi():
     assert E.scheme_policy("kivi-k3v2", 4) is None
     for L in (1024, 1030, 2048, 4096, 8192, 8198):
         assert bytes_per_token(k3v2, 30, 3, 64, L) <= bytes_per_token(kivi2, 30, 3, 64, L)
+
+
+def test_merge_joins_passkey_lengths_of_one_protocol():
+    def run(lengths, chunk=2048, acc=1.0):
+        return {"rows": [], "passkey": {"kivi:2": {"policy": "p", "trials": 20, "prefill_chunk": chunk,
+                                                   "accuracy": {str(L): acc for L in lengths},
+                                                   "trials_detail": {str(L): [] for L in lengths}}}}
+    m = E.merge([run([1024, 4096]), run([2048], acc=0.5)])
+    assert m["passkey"]["kivi:2"]["accuracy"] == {"1024": 1.0, "2048": 0.5, "4096": 1.0}
+    assert list(m["passkey"]["kivi:2"]["trials_detail"]) == ["1024", "2048", "4096"]
+    m = E.merge([run([1024]), run([2048], chunk=64)])  # another protocol replaces, never mixes
+    assert m["passkey"]["kivi:2"]["accuracy"] == {"2048": 1.0}
