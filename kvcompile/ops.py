@@ -8,9 +8,12 @@
 
 Which implementation runs (``kernels()``):
 - "triton": the generated Triton kernels in ``kvcompile.templates`` -- the default on CUDA;
+- "cpu": on the CPU, decode attention (up to 16 query rows per kv head) runs the C kernel generated from
+  ``kvcompile/templates/cpu_attention.c`` per store layout (compiled with the system C compiler, cached on
+  disk); longer query blocks (prefill) dequantize the layer transiently and run PyTorch's fused SDPA; the
+  store runs the reference -- the default on the CPU;
 - "inductor": on the CPU, attention runs ``kvcompile.templates.inductor`` compiled by Inductor once per
-  store layout (one fused C++ kernel that unpacks inside its reductions); the store runs the reference --
-  the default on the CPU;
+  store layout (one fused C++ kernel that unpacks inside its reductions);
 - "reference": the pure-torch specification in ``kvcompile.store`` (dequantizes the whole cache per read);
 - on the CPU, ``KVCOMPILE_KERNELS=triton`` together with ``TRITON_INTERPRET=1`` (both set before
   kvcompile is imported) runs the Triton kernels through Triton's interpreter: slow, for tests.
@@ -29,11 +32,11 @@ from .store import KVState, LayerSpec, attention_reference, dequantize_reference
 _KERNELS = os.environ.get("KVCOMPILE_KERNELS", "auto")
 
 
-KERNELS = ("auto", "triton", "inductor", "reference")
+KERNELS = ("auto", "triton", "cpu", "inductor", "reference")
 
 
 def set_kernels(name: str) -> None:
-    """Choose "auto" (Triton on CUDA, Inductor on the CPU), "triton", "inductor" or "reference"."""
+    """Choose "auto" (Triton on CUDA, the C kernels on the CPU), "triton", "cpu", "inductor" or "reference"."""
     global _KERNELS
     if name not in KERNELS:
         raise ValueError(f"kernels={name!r}: expected one of {KERNELS}")
@@ -44,7 +47,7 @@ def set_kernels(name: str) -> None:
 
 def kernels(device: torch.device) -> str:
     if _KERNELS == "auto":
-        return "triton" if device.type == "cuda" else "inductor"
+        return "triton" if device.type == "cuda" else "cpu"
     return _KERNELS
 
 
@@ -104,6 +107,11 @@ def attention(q: Tensor, state: list[Tensor], mask: Tensor | None, scale: float,
     which = kernels(q.device)
     if which == "triton":
         return _triton().attention(q, st, ls, mask, scale)
+    if which == "cpu" and q.device.type == "cpu":
+        from .templates import cpu
+        if cpu.check_decode(q, ls) is None:
+            return cpu.attention(q, st, ls, mask, scale)
+        return cpu.prefill_attention(q, st, ls, mask, scale)
     if which == "inductor" and q.device.type == "cpu":
         return _compiled_attention(spec)(q, state, mask, scale, spec)
     return attention_reference(q, st, ls, mask, scale)

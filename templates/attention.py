@@ -375,7 +375,8 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
        each (the rescale factors themselves multiply acc and l alike and cancel in acc / l); plus u for the
        division and 2 u_op for tf32 operands of p v. Cross terms are covered by the factor (1 + 2**-10).
     4. Rotation back (fp32 ``out @ H``): sum_i e_i / sqrt(D) + gamma_D sum_i (|o_i| + e_i) / sqrt(D).
-    5. Rounding to q's dtype: + u_t (|o| + e) with u_t = 2**-8 (bf16) or 2**-11 (fp16).
+    5. Rounding to q's dtype: + u_t (|o| + e) with u_t = 2**-8 (bf16) or 2**-11 (fp16), plus half the
+       subnormal spacing (2**-25 for fp16) where the output is subnormal.
     A query that sees no key must return exactly 0.
     """
     from kvcompile.store import dequantize_reference, hadamard
@@ -419,6 +420,8 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
         o = o @ Hm
     if q.dtype != torch.float32:
         ut = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[q.dtype]
-        e = e + ut * (o.abs() + e)
+        fi = torch.finfo(q.dtype)
+        # relative below the smallest normal; absolute (half the subnormal spacing) under it
+        e = e + ut * (o.abs() + e) + fi.smallest_normal * fi.eps / 2
     empty = (N == 0).unsqueeze(-1)
     return o.masked_fill(empty, 0.0), e.masked_fill(empty, 0.0)

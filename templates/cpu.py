@@ -1,0 +1,254 @@
+"""The CPU kernels: ``cpu_attention.c`` specialized per store layout, compiled with the system C compiler.
+
+Triton's CPU path here is an interpreter, so on the CPU kvcompile generates C instead: the template is
+compiled once per layout (``-D`` definitions spell the layout out: formats, axes, groups, head_dim, GQA
+ratio, regions), with ``-O3 -march=native -fopenmp``, cached on disk under ``~/.cache/kvcompile/cpu``
+(``KVCOMPILE_CACHE_DIR`` moves it) keyed by the source, the flags and the compiler, and called through
+ctypes. Building one layout takes about a second.
+
+``attention`` is the decode path (a few query rows per kv head). ``prefill_attention`` is the path for
+many query rows: the layer's store is dequantized for positions ``[0, max length)`` (one layer at a time,
+transiently) and PyTorch's fused SDPA runs over it with an explicit mask, so no ``[n, C]`` score matrix is
+materialized either.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvcompile.store import KVState, LayerSpec, dequantize_reference, hadamard
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+ROWS_MAX = 16  # query rows per kv head the decode kernel takes (its ROWS_MAX)
+# -ffp-contract=off: every product and sum rounds as the reference's fp32 ops do (no fused multiply-add), so
+# the kernel dequantizes to exactly the reference's values and the error bound of the tests applies as derived.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared",
+         "-std=gnu11"]
+TILE = 32  # positions per tile (the kernel's TILE)
+_FMT = {"none": 0}
+_MODEL_T = {"float32": 0, "bfloat16": 1, "float16": 2}
+
+
+class CompilerError(RuntimeError):
+    """No C compiler, or the kernel failed to build."""
+
+
+def compiler() -> str | None:
+    """The C compiler kvcompile uses: ``$CC``, else ``cc``/``gcc``/``clang`` on the PATH, else None."""
+    for c in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if c and shutil.which(c):
+            return shutil.which(c)
+    return None
+
+
+def _fmt(q) -> int:
+    if not q.quantized:
+        return 0
+    if q.is_fp8:
+        return 4 if q.format == "fp8_e5m2" else 3
+    return 2 if q.symmetric else 1
+
+
+def defines(spec: LayerSpec, group_heads: int) -> dict[str, int]:
+    """The compile-time constants of one specialization (the kernel's name spells them out)."""
+    pol = spec.policy
+    out = dict(D=spec.head_dim, G=group_heads, H=spec.heads, S=spec.sink, W=max(spec.ring, 1),
+               CQ=spec.quantized_capacity, R=pol.residual, FL=spec.flush, MODEL_T=_MODEL_T[spec.dtype])
+    for p, q in (("K", pol.key), ("V", pol.value)):
+        out[f"{p}_FMT"] = _fmt(q)
+        out[f"{p}_BITS"] = q.bits if q.quantized else 8
+        out[f"{p}_AXIS"] = 1 if q.axis == "channel" else 0
+        out[f"{p}_GROUP"] = q.group_for(spec.head_dim) if q.quantized else 1
+        out[f"{p}_SF32"] = int(q.scale_dtype == "float32")
+    return out
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVCOMPILE_CACHE_DIR", Path.home() / ".cache" / "kvcompile")) / "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_id(cc: str) -> str:
+    return subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+
+
+@functools.lru_cache(maxsize=None)
+def build(key: tuple) -> ctypes.CDLL:
+    """Compile (or load from the disk cache) the kernel for one tuple of ``defines`` items."""
+    cc = compiler()
+    if cc is None:
+        raise CompilerError(
+            "kvcompile's CPU kernels need a C compiler (gcc or clang; set CC to choose one), and none was found "
+            "on the PATH. Install one, or run the pure-torch reference instead: kvcompile.ops.set_kernels('reference')."
+        )
+    src = SOURCE.read_text()
+    dflags = [f"-D{k}={v}" for k, v in key]
+    digest = hashlib.sha256("\n".join([src, _compiler_id(cc), *FLAGS, *dflags]).encode()).hexdigest()[:24]
+    name = "kvc_attention_" + "_".join(f"{k}{v}" for k, v in key).lower() + "_" + digest[:8]
+    path = cache_dir() / f"{name}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            tmp_so = Path(tmp) / path.name
+            r = subprocess.run([cc, *FLAGS, *dflags, str(SOURCE), "-o", str(tmp_so), "-lm"],
+                               capture_output=True, text=True)
+            if r.returncode:
+                raise CompilerError(f"building the CPU kernel {name} failed:\n{' '.join(r.args)}\n{r.stderr[-4000:]}")
+            os.replace(tmp_so, path)  # atomic: a concurrent builder of the same kernel writes the same bytes
+    lib = ctypes.CDLL(str(path))
+    fn = lib.kvc_attention
+    P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    fn.argtypes = [P] * 12 + [P, I, I, I, I, P, I, I, F, I, I]
+    fn.restype = None
+    return lib
+
+
+def _ptr(t: Tensor) -> int | None:
+    return t.data_ptr() if t.numel() else None
+
+
+def splits(lengths: Tensor, heads: int, threads: int) -> int:
+    """How many pieces each (sequence, kv head)'s positions are cut into (flash-decoding): enough tasks for
+    every thread, in a multiple of the threads, but at least 4 tiles per piece."""
+    B = lengths.numel()
+    cap = max(1, -(-int(lengths.max()) // (4 * TILE))) if B else 1
+    ns = 1
+    while ns < cap and (B * heads * ns < 2 * threads or (B * heads * ns) % threads):
+        ns += 1
+    return ns
+
+
+def check_decode(q: Tensor, spec: LayerSpec) -> str | None:
+    """Why the decode kernel cannot take this call (None when it can)."""
+    B, Hq, n, D = q.shape
+    if q.device.type != "cpu":
+        return f"tensors on {q.device}"
+    if Hq % spec.heads:
+        return f"query heads {Hq} are not a multiple of the cache's kv heads {spec.heads}"
+    if D % 8:
+        return f"head_dim {D} is not a multiple of 8 (the kernel's vector width)"
+    if (Hq // spec.heads) * n > ROWS_MAX:
+        return f"{(Hq // spec.heads) * n} query rows per kv head (more than {ROWS_MAX}: prefill)"
+    return None
+
+
+def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float | None) -> Tensor:
+    """Same contract as ``kvcompile.store.attention_reference``, for at most ``ROWS_MAX`` query rows per kv head."""
+    why = check_decode(q, spec)
+    if why:
+        raise ValueError(f"the CPU decode kernel cannot take this call: {why}")
+    B, Hq, n, D = q.shape
+    G = Hq // spec.heads
+    lib = build(tuple(sorted(defines(spec, G).items())))
+    qf = q.float()
+    if spec.policy.rotate:
+        qf = qf @ hadamard(D, q.device)
+    qf = qf.contiguous()
+    for t in state:
+        if not t.is_contiguous():
+            raise ValueError("the CPU kernels need a contiguous store (allocate it with LayerSpec.allocate)")
+    m = None
+    msb = msh = msi = mw = 0
+    if mask is not None:
+        mk = mask
+        if mk.dtype == torch.bool:
+            mk = torch.zeros(mk.shape, dtype=torch.float32).masked_fill_(~mk, float("-inf"))
+        mk = mk.float()
+        while mk.dim() < 4:
+            mk = mk.unsqueeze(0)
+        if mk.shape[-2] not in (1, n):
+            raise ValueError(f"mask of shape {tuple(mask.shape)} does not match {n} query tokens")
+        m = mk.expand(B, Hq, n, mk.shape[-1])
+        msb, msh, msi = (m.stride(0), m.stride(1), m.stride(2))
+        if m.stride(3) != 1:
+            m = m.contiguous()
+            msb, msh, msi = m.stride(0), m.stride(1), m.stride(2)
+        mw = m.shape[-1]
+    out = torch.empty(B, Hq, n, D, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    pol = spec.policy
+    lib.kvc_attention(
+        qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(),
+        None if m is None else m.data_ptr(), msb, msh, msi, mw,
+        out.data_ptr(), B, n, float(scale if scale is not None else D ** -0.5),
+        splits(state.lengths, spec.heads, threads), threads)
+    if pol.rotate:
+        out = out @ hadamard(D, q.device)
+    return out.to(q.dtype)
+
+
+_CAUSAL_SEEN: dict = {}
+
+
+def _is_causal(mask: Tensor, n: int, L: int) -> bool:
+    """Whether ``mask[..., :L]`` is exactly the causal mask of ``n == L`` queries (bool, or additive 0/-inf),
+    the same for every batch row and head. Checked once per mask tensor and version: every layer of a
+    forward receives the same mask."""
+    key = (mask.data_ptr(), tuple(mask.shape), tuple(mask.stride()), mask._version, mask.dtype, n, L)
+    if key not in _CAUSAL_SEEN:
+        if len(_CAUSAL_SEEN) > 64:
+            _CAUSAL_SEEN.clear()
+        m = mask[..., :L]
+        ok = m.shape[-2:] == (n, L)
+        if ok:
+            tri = torch.ones(n, L, dtype=torch.bool, device=mask.device).tril()
+            if m.dtype == torch.bool:
+                ok = bool((m == tri).all())
+            else:
+                ok = bool(((m == 0) == tri).all()) and bool((m[..., ~tri] == float("-inf")).all())
+        _CAUSAL_SEEN[key] = ok
+    return _CAUSAL_SEEN[key]
+
+
+def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None,
+                      scale: float | None) -> Tensor:
+    """Same contract as ``attention_reference``, for many query rows (prefill and chunked prefill).
+
+    The store is dequantized for positions ``[0, longest length)`` only (this layer, transiently, in the
+    store's rotated space), then PyTorch's fused SDPA attends with a mask over absolute positions: causal
+    from each row's length, or the caller's mask. No ``[n, C]`` score matrix is materialized (with no mask
+    and a fresh, equal-length batch it is SDPA's own causal kernel, with no mask tensor at all).
+    """
+    B, Hq, n, D = q.shape
+    H = spec.heads
+    if Hq % H:
+        raise ValueError(f"query heads {Hq} are not a multiple of the cache's kv heads {H}")
+    lengths = state.lengths.to(torch.int64)
+    Lmax = int(lengths.max()) if B else 0
+    qf = q.float()
+    if spec.policy.rotate:
+        qf = qf @ hadamard(D, q.device)
+    if Lmax == 0:
+        return torch.zeros_like(q)
+    k, v = dequantize_reference(state, spec, torch.float32, rotated=True, start=0, end=Lmax)
+    sm = scale if scale is not None else D ** -0.5
+    pos = torch.arange(Lmax, device=q.device).view(1, 1, 1, Lmax)
+    Lb = lengths.view(B, 1, 1, 1)
+    same = bool((lengths == Lmax).all())
+    if mask is not None and same and n == Lmax and _is_causal(mask, n, Lmax):
+        mask = None  # the model's own causal mask (transformers passes one): SDPA's causal kernel skips half
+    if mask is None and same and n == Lmax:
+        out = F.scaled_dot_product_attention(qf, k, v, is_causal=True, scale=sm, enable_gqa=Hq != H)
+    else:
+        if mask is None:
+            L = Lb[:1] if same else Lb
+            vis = pos <= L - n + torch.arange(n, device=q.device).view(1, 1, n, 1)
+        else:
+            mk = mask[..., :Lmax]
+            inside = pos < Lb
+            vis = (inside & mk) if mk.dtype == torch.bool else mk.float().masked_fill(~inside, float("-inf"))
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=vis, scale=sm, enable_gqa=Hq != H)
+        out = out.nan_to_num(0.0)  # a query row that sees no key gets zeros (the reference's rule)
+    if spec.policy.rotate:
+        out = out @ hadamard(D, q.device)
+    return out.to(q.dtype)

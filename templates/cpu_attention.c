@@ -1,0 +1,431 @@
+/* kvcompile CPU decode attention over the packed KV store: a C template, specialized per store layout.
+ *
+ * templates/cpu.py compiles this file once per layout with -D definitions (below) and calls
+ * kvc_attention through ctypes. The semantics are exactly those of kvcompile.store.attention_reference:
+ * the n newest tokens' queries (already rotated when the policy rotates) attend to positions [0, L) of
+ * their sequence, causally (or as an additive mask says), over three regions found from L alone:
+ *
+ *     p < S            sink      model dtype   k_sink[b, h, p]
+ *     S <= p < Q(L)    packed    codes         k_codes[b, h, p - S] with scales by group
+ *     Q(L) <= p < L    residual  model dtype   k_res[b, h, p % W]
+ *
+ * Work is split flash-decoding style: each (sequence, kv head, split of positions) is one task that walks
+ * its positions in tiles of TILE tokens. A tile is dequantized once into two small fp32 buffers (they stay
+ * in L1) and used by every query row that shares the kv head (GQA ratio x query tokens), with an online
+ * softmax; the splits are merged at the end. No full-precision copy of the cache is ever made.
+ *
+ * Vector code is written with GCC/Clang vector extensions (8 floats), which compile to AVX2/AVX-512 on
+ * x86 and NEON on ARM without intrinsics. Packed tiles are unpacked in "plane" order, the order the bytes
+ * unpack in without shuffles: with `per` codes per packed unit (int4: 2, int2: 4, int3: 8 per 3 bytes),
+ * channel d = j*per + i sits at i*(D/per) + j. Queries are permuted into the keys' plane order and values
+ * accumulate in their own plane order (un-permuted once, at the end); full-precision tiles (sinks and the
+ * residual ring) use the natural order with their own accumulator, so they are read without shuffles too.
+ *
+ * Specialization (all compile-time):
+ *   D, G (query heads per kv head), H (kv heads), S, W, CQ (packed capacity), R (residual), FL (flush)
+ *   MODEL_T  dtype of residual/sink/unquantized codes: 0 fp32, 1 bf16, 2 fp16
+ *   K_FMT / V_FMT     0 none (model dtype), 1 int asymmetric, 2 int symmetric, 3 fp8 e4m3, 4 fp8 e5m2
+ *   K_BITS / V_BITS   8, 4, 3, 2 (ignored for none)
+ *   K_AXIS / V_AXIS   0 token (groups of K_GROUP channels), 1 channel (groups of K_GROUP tokens)
+ *   K_GROUP / V_GROUP
+ *   K_SF32 / V_SF32   scales (and zero points) stored as fp32 (1) or fp16 (0)
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+
+#ifndef TILE
+#define TILE 32
+#endif
+#define ROWS_MAX 16 /* query rows per kv head (G * n); more goes to the prefill path */
+
+typedef _Float16 f16;
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+
+#ifndef TILE
+#define TILE 32
+#endif
+#define ROWS_MAX 16 /* query rows per kv head (G * n); more goes to the prefill path */
+#define NV (D / 8)  /* 8-float vectors per row */
+
+#if D % 8
+#error "head_dim must be a multiple of 8"
+#endif
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint8_t v8b __attribute__((vector_size(8)));
+typedef _Float16 f16;
+
+static inline v8f ld(const float *p) { v8f v; memcpy(&v, p, 32); return v; }
+static inline void st(float *p, v8f v) { memcpy(p, &v, 32); }
+static inline v8f bcast(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+static inline v8u ldb(const uint8_t *p) { v8b b; memcpy(&b, p, 8); return __builtin_convertvector(b, v8u); }
+static inline v8f to_f(v8u x) { return __builtin_convertvector((v8i)x, v8f); }
+
+/* Eight vectors -> one vector of their eight horizontal sums (a transpose folded into the additions). */
+static inline v8f reduce8(const v8f a[8]) {
+    v8f c[4], d[2];
+    for (int i = 0; i < 4; i++)
+        c[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)
+        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(d[0], d[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(d[0], d[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float model_at(const void *base, int64_t i) {
+#if MODEL_T == 0
+    return ((const float *)base)[i];
+#elif MODEL_T == 1
+    return bf16_to_f32(((const uint16_t *)base)[i]);
+#else
+    return (float)((const f16 *)base)[i];
+#endif
+}
+
+static inline float scale_at(const void *base, int64_t i, int f32) {
+    return f32 ? ((const float *)base)[i] : (float)((const f16 *)base)[i];
+}
+
+/* exp(x) for x <= 0 (scores minus their running max), vectorizable; exactly 0 below -87 (and for -inf),
+ * so a masked position contributes nothing (x is never NaN: a row with nothing visible skips the tile).
+ * Relative error below 2e-7 (2**-22): range reduction by ln 2 with a two-part constant, then the degree-7
+ * Taylor polynomial of e^r for |r| <= ln2/2 (truncation below 1e-8). */
+static inline float kexp(float x) {
+    const int hidden = x < -87.0f;
+    x = hidden ? -87.0f : x;
+    float k = __builtin_roundevenf(x * 1.44269504088896341f);
+    float r = x - k * 0.693145751953125f;
+    r = r - k * 1.428606765330187045e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t e = ((int32_t)k + 127) << 23;
+    float two_k;
+    memcpy(&two_k, &e, 4);
+    return hidden ? 0.0f : p * two_k;
+}
+
+static inline int plane_channel(int idx, int per) { /* the channel sitting at plane-order index idx */
+    return (idx % (D / per)) * per + idx / (D / per);
+}
+
+/* fp8 bytes -> floats by integer arithmetic (no table, no dependence on denormal modes for normals). */
+static inline v8f fp8_decode(v8u w, int e5m2) {
+    const v8u sign = (w & 0x80u) << 24;
+    v8u e, m;
+    v8f sub, mag;
+    if (e5m2) {
+        e = (w >> 2) & 31u;
+        m = w & 3u;
+        sub = to_f(m) * bcast(1.0f / 65536.0f);                    /* m * 2^-16 */
+        mag = (v8f)(((e + 112u) << 23) | (m << 21));
+    } else {
+        e = (w >> 3) & 15u;
+        m = w & 7u;
+        sub = to_f(m) * bcast(1.0f / 512.0f);                      /* m * 2^-9 */
+        mag = (v8f)(((e + 120u) << 23) | (m << 20));
+    }
+    const v8i is_sub = (v8i)(e == 0u);
+    v8u bits = (v8u)((is_sub & (v8i)sub) | (~is_sub & (v8i)mag));
+    return (v8f)(bits | sign);
+}
+
+/* One packed row (one token of one head) -> codes in plane order, as floats with the symmetric offset
+ * removed (fp8: the decoded value). */
+static inline __attribute__((always_inline)) void unpack_row(int fmt, int bits, const uint8_t *row, float *out) {
+    const float off = fmt == 2 ? (float)(1 << (bits - 1)) : 0.0f;
+    const int per = bits == 8 ? 1 : (bits == 3 ? 8 : 8 / bits);
+    if (fmt >= 3) {
+        for (int k = 0; k < NV; k++) st(out + 8 * k, fp8_decode(ldb(row + 8 * k), fmt == 4));
+    } else if (bits == 8) {
+        for (int k = 0; k < NV; k++) st(out + 8 * k, to_f(ldb(row + 8 * k)) - off);
+    } else if (bits == 4 && D % 16 == 0) {
+        for (int k = 0; k < D / 16; k++) {
+            const v8u b = ldb(row + 8 * k);
+            st(out + 8 * k, to_f(b & 15u) - off);
+            st(out + D / 2 + 8 * k, to_f(b >> 4) - off);
+        }
+    } else if (bits == 2 && D % 32 == 0) {
+        for (int k = 0; k < D / 32; k++) {
+            const v8u b = ldb(row + 8 * k);
+            for (int i = 0; i < 4; i++) st(out + i * (D / 4) + 8 * k, to_f((b >> (2 * i)) & 3u) - off);
+        }
+    } else { /* any width: unit j holds codes j*per .. j*per + per - 1 in per*bits/8 little-endian bytes */
+        const int nb = per * bits / 8;
+        for (int j = 0; j < D / per; j++) {
+            uint32_t w = 0;
+            for (int y = 0; y < nb; y++) w |= (uint32_t)row[nb * j + y] << (8 * y);
+            for (int i = 0; i < per; i++) out[i * (D / per) + j] = (float)((w >> (bits * i)) & ((1u << bits) - 1)) - off;
+        }
+    }
+}
+
+/* Dequantize tokens [q0, q0 + nt) of the packed region of one (sequence, head) into out[nt][D], plane
+ * order. codes/scale/zero point at that (sequence, head)'s first packed token. */
+static inline __attribute__((always_inline)) void dequant_packed(
+        int fmt, int bits, int axis, int group, int sf32,
+        const uint8_t *codes, const void *scale, const void *zero, int64_t q0, int nt, float *out) {
+    if (fmt == 0) { /* unquantized: model dtype [CQ, D], natural order */
+        for (int t = 0; t < nt; t++)
+            for (int d = 0; d < D; d++) out[t * D + d] = model_at(codes, (q0 + t) * D + d);
+        return;
+    }
+    const int per = bits == 8 ? 1 : (bits == 3 ? 8 : 8 / bits);
+    const int row_bytes = D * bits / 8;
+    const int run = axis == 0 ? group / per : 0; /* plane-order run of channels sharing a per-token scale */
+    float sv[D], zv[D];
+    int64_t cur = -1;
+    for (int t = 0; t < nt; t++) {
+        const int64_t qi = q0 + t;
+        float *o = out + t * D;
+        unpack_row(fmt, bits, codes + qi * row_bytes, o);
+        if (axis == 1) { /* per channel: one scale vector per group of tokens */
+            const int64_t g = qi / group;
+            if (g != cur) {
+                cur = g;
+                for (int idx = 0; idx < D; idx++) {
+                    const int c = plane_channel(idx, per);
+                    sv[idx] = scale_at(scale, g * D + c, sf32);
+                    zv[idx] = fmt == 1 ? scale_at(zero, g * D + c, sf32) : 0.0f;
+                }
+            }
+            for (int k = 0; k < NV; k++) st(o + 8 * k, ld(o + 8 * k) * ld(sv + 8 * k) + ld(zv + 8 * k));
+        } else if (run >= 8 && run % 8 == 0 && (D / per) % 8 == 0) { /* per token: each 8-vector lies inside one group */
+            const int ng = D / group;
+            for (int k = 0; k < NV; k++) {
+                const int gi = ((k % (NV / per)) * 8) / run;
+                const float s = scale_at(scale, qi * ng + gi, sf32);
+                const float z = fmt == 1 ? scale_at(zero, qi * ng + gi, sf32) : 0.0f;
+                st(o + 8 * k, ld(o + 8 * k) * bcast(s) + bcast(z));
+            }
+        } else { /* per token, groups narrower than a vector of a plane */
+            const int ng = D / group;
+            for (int idx = 0; idx < D; idx++) {
+                const int gi = plane_channel(idx, per) / group;
+                const float s = scale_at(scale, qi * ng + gi, sf32);
+                const float z = fmt == 1 ? scale_at(zero, qi * ng + gi, sf32) : 0.0f;
+                o[idx] = o[idx] * s + z;
+            }
+        }
+    }
+}
+
+/* Full-precision rows (sink or ring slots) into out[nt][D], natural order. */
+static inline void gather_model(const void *base, const int64_t *rows, int nt, float *out) {
+    for (int t = 0; t < nt; t++) {
+#if MODEL_T == 0
+        memcpy(out + t * D, (const float *)base + rows[t] * D, D * 4);
+#else
+        for (int d = 0; d < D; d++) out[t * D + d] = model_at(base, rows[t] * D + d);
+#endif
+    }
+}
+
+#define K_PER (K_FMT == 0 || K_BITS == 8 ? 1 : (K_BITS == 3 ? 8 : 8 / K_BITS))
+#define V_PER (V_FMT == 0 || V_BITS == 8 ? 1 : (V_BITS == 3 ? 8 : 8 / V_BITS))
+#define K_ROW_BYTES (K_FMT == 0 ? D * (MODEL_T == 0 ? 4 : 2) : D * K_BITS / 8)
+#define V_ROW_BYTES (V_FMT == 0 ? D * (MODEL_T == 0 ? 4 : 2) : D * V_BITS / 8)
+#define K_NSCALE (K_FMT == 0 ? 0 : (K_AXIS == 1 ? (CQ / K_GROUP) * D : CQ * (D / K_GROUP)))
+#define V_NSCALE (V_FMT == 0 ? 0 : (V_AXIS == 1 ? (CQ / V_GROUP) * D : CQ * (D / V_GROUP)))
+#define K_SBYTES (K_SF32 ? 4 : 2)
+#define V_SBYTES (V_SF32 ? 4 : 2)
+
+typedef struct {
+    float m[ROWS_MAX], l[ROWS_MAX];
+    float acc_plane[ROWS_MAX][D]; /* packed tiles, values' plane order */
+    float acc_nat[ROWS_MAX][D];   /* sink and residual tiles, natural order */
+} partial_t;
+
+static inline int64_t n_tiles(int64_t a, int64_t b) { return b > a ? (b - a + TILE - 1) / TILE : 0; }
+
+/* Scores of one tile for every query row, softmax update, value accumulation. */
+static inline __attribute__((always_inline)) void attend_tile(
+        partial_t *P, float qv[][D], float *acc_base, float *other_acc, float *kt, const float *vt,
+        int nt, int64_t p0, int64_t GN, int64_t n, int64_t L, int64_t b, int64_t h, float sm_scale, const float *mask,
+        int64_t mask_sb, int64_t mask_sh, int64_t mask_si, int64_t mask_w) {
+    float sc[TILE] __attribute__((aligned(32)));
+    if (nt % 8) memset((float *)kt + nt * D, 0, sizeof(float) * D * (8 - nt % 8));
+    const int causal_tail = !mask && p0 + nt - 1 > L - n; /* only the newest tile can hide future keys */
+    for (int64_t r = 0; r < GN; r++) {
+        const int64_t i = r % n, hq = h * G + r / n;
+        v8f qr[NV];
+        for (int k = 0; k < NV; k++) qr[k] = ld(qv[r] + 8 * k);
+        for (int t0 = 0; t0 < nt; t0 += 8) { /* eight tokens' dot products, reduced together */
+            v8f a[8];
+            for (int u = 0; u < 8; u++) {
+                const float *kr = kt + (t0 + u) * D;
+                a[u] = qr[0] * ld(kr);
+                for (int k = 1; k < NV; k++) a[u] += qr[k] * ld(kr + 8 * k);
+            }
+            st(sc + t0, reduce8(a) * bcast(sm_scale));
+        }
+        if (mask) {
+            const float *mr = mask + b * mask_sb + hq * mask_sh + i * mask_si;
+            for (int t = 0; t < nt; t++) sc[t] += mr[p0 + t < mask_w ? p0 + t : mask_w - 1];
+        } else if (causal_tail) {
+            for (int t = 0; t < nt; t++)
+                if (p0 + t > L - n + i) sc[t] = -INFINITY;
+        }
+        float mx = P->m[r];
+        for (int t = 0; t < nt; t++) mx = sc[t] > mx ? sc[t] : mx;
+        if (mx == -INFINITY) continue; /* nothing visible yet: the running state is unchanged */
+        const float corr = kexp(P->m[r] - mx);
+        P->m[r] = mx;
+        float lsum = 0.0f;
+#pragma omp simd reduction(+ : lsum)
+        for (int t = 0; t < nt; t++) {
+            const float e = kexp(sc[t] - mx);
+            sc[t] = e;
+            lsum += e;
+        }
+        P->l[r] = P->l[r] * corr + lsum;
+        v8f acc[NV];
+        float *ar = acc_base + r * D;
+        const v8f c = bcast(corr);
+        for (int k = 0; k < NV; k++) acc[k] = ld(ar + 8 * k) * c;
+        if (corr != 1.0f) {
+            float *orow = other_acc + r * D;
+            for (int k = 0; k < NV; k++) st(orow + 8 * k, ld(orow + 8 * k) * c);
+        }
+        for (int t = 0; t < nt; t++) {
+            const v8f e = bcast(sc[t]);
+            const float *vr = vt + t * D;
+            for (int k = 0; k < NV; k++) acc[k] += e * ld(vr + 8 * k);
+        }
+        for (int k = 0; k < NV; k++) st(ar + 8 * k, acc[k]);
+    }
+}
+
+void kvc_attention(
+        const float *q,              /* [B, H*G, n, D] fp32, rotated when the policy rotates */
+        const uint8_t *k_codes, const void *k_scale, const void *k_zero,
+        const uint8_t *v_codes, const void *v_scale, const void *v_zero,
+        const void *k_res, const void *v_res, const void *k_sink, const void *v_sink,
+        const int32_t *lengths,
+        const float *mask,           /* additive, or NULL for causal; indexed [b, hq, i, min(p, mask_w - 1)] */
+        int64_t mask_sb, int64_t mask_sh, int64_t mask_si, int64_t mask_w,
+        float *out,                  /* [B, H*G, n, D] fp32 */
+        int64_t B, int64_t n, float sm_scale, int64_t ns, int64_t nthreads) {
+    /* ns: splits of each (sequence, kv head)'s positions, merged at the end (templates/cpu.py chooses) */
+    const int64_t GN = G * n;
+    const int64_t ntask = B * H * ns;
+    partial_t *part = (partial_t *)aligned_alloc(64, ((sizeof(partial_t) * ntask + 63) / 64) * 64);
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t task = 0; task < ntask; task++) {
+        const int64_t b = task / (H * ns), h = (task / ns) % H, split = task % ns;
+        partial_t *P = part + task;
+        const int64_t L = lengths[b];
+        int64_t qb = L - S - R;
+        qb = S + (qb > 0 ? qb / FL : 0) * FL;
+        const int64_t s_end = L < S ? L : S;   /* sink [0, s_end) */
+        const int64_t p_end = qb < L ? qb : L;  /* packed [S, p_end) */
+        const int64_t r_beg = qb > S ? qb : S;  /* residual [r_beg, L) */
+        const int64_t t_sink = n_tiles(0, s_end), t_pack = n_tiles(S, p_end), t_res = n_tiles(r_beg, L);
+        const int64_t nt_all = t_sink + t_pack + t_res;
+        const int64_t tile0 = nt_all * split / ns, tile1 = nt_all * (split + 1) / ns;
+
+        float q_nat[ROWS_MAX][D], q_plane[ROWS_MAX][D]; /* queries, natural and keys' plane order */
+        for (int64_t r = 0; r < GN; r++) {
+            const float *src = q + (((b * H + h) * G + r / n) * n + r % n) * D;
+            for (int idx = 0; idx < D; idx++) {
+                q_nat[r][idx] = src[idx];
+                q_plane[r][idx] = src[plane_channel(idx, K_PER)];
+            }
+            P->m[r] = -INFINITY;
+            P->l[r] = 0.0f;
+            memset(P->acc_plane[r], 0, sizeof(float) * D);
+            memset(P->acc_nat[r], 0, sizeof(float) * D);
+        }
+        float kt[TILE * D] __attribute__((aligned(64))), vt[TILE * D] __attribute__((aligned(64)));
+        int64_t rows[TILE];
+        const int64_t bh = b * H + h;
+        for (int64_t tile = tile0; tile < tile1; tile++) {
+            int64_t p0;
+            int nt;
+            if (tile < t_sink) {
+                p0 = tile * TILE;
+                nt = s_end - p0 < TILE ? s_end - p0 : TILE;
+                for (int t = 0; t < nt; t++) rows[t] = bh * S + p0 + t;
+                gather_model(k_sink, rows, nt, kt);
+                gather_model(v_sink, rows, nt, vt);
+                attend_tile(P, q_nat, &P->acc_nat[0][0], &P->acc_plane[0][0], kt, vt, nt, p0, GN, n, L, b, h, sm_scale,
+                            mask, mask_sb, mask_sh, mask_si, mask_w);
+            } else if (tile < t_sink + t_pack) {
+                p0 = S + (tile - t_sink) * TILE;
+                nt = p_end - p0 < TILE ? p_end - p0 : TILE;
+                dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, k_codes + bh * (int64_t)CQ * K_ROW_BYTES,
+                               (const char *)k_scale + bh * (int64_t)K_NSCALE * K_SBYTES,
+                               (const char *)k_zero + (K_FMT == 1 ? bh * (int64_t)K_NSCALE * K_SBYTES : 0),
+                               p0 - S, nt, kt);
+                dequant_packed(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SF32, v_codes + bh * (int64_t)CQ * V_ROW_BYTES,
+                               (const char *)v_scale + bh * (int64_t)V_NSCALE * V_SBYTES,
+                               (const char *)v_zero + (V_FMT == 1 ? bh * (int64_t)V_NSCALE * V_SBYTES : 0),
+                               p0 - S, nt, vt);
+                attend_tile(P, K_FMT == 0 ? q_nat : q_plane, &P->acc_plane[0][0], &P->acc_nat[0][0], kt, vt, nt,
+                            p0, GN, n, L, b, h, sm_scale, mask, mask_sb, mask_sh, mask_si, mask_w);
+            } else {
+                p0 = r_beg + (tile - t_sink - t_pack) * TILE;
+                nt = L - p0 < TILE ? L - p0 : TILE;
+                for (int t = 0; t < nt; t++) rows[t] = bh * W + (p0 + t) % W;
+                gather_model(k_res, rows, nt, kt);
+                gather_model(v_res, rows, nt, vt);
+                attend_tile(P, q_nat, &P->acc_nat[0][0], &P->acc_plane[0][0], kt, vt, nt, p0, GN, n, L, b, h, sm_scale,
+                            mask, mask_sb, mask_sh, mask_si, mask_w);
+            }
+        }
+    }
+
+    /* merge the splits; un-permute the values' plane order */
+#pragma omp parallel for num_threads(nthreads)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        for (int64_t r = 0; r < GN; r++) {
+            float mx = -INFINITY;
+            for (int64_t s = 0; s < ns; s++) {
+                const float m = part[bh * ns + s].m[r];
+                mx = m > mx ? m : mx;
+            }
+            float l = 0.0f, acc_p[D], acc_n[D];
+            for (int d = 0; d < D; d++) acc_p[d] = acc_n[d] = 0.0f;
+            for (int64_t s = 0; s < ns; s++) {
+                const partial_t *P = part + bh * ns + s;
+                const float w = mx == -INFINITY ? 0.0f : kexp(P->m[r] - mx);
+                l += w * P->l[r];
+                for (int d = 0; d < D; d++) {
+                    acc_p[d] += w * P->acc_plane[r][d];
+                    acc_n[d] += w * P->acc_nat[r][d];
+                }
+            }
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f; /* a query that sees no key gets zeros */
+            const int64_t b = bh / H, h = bh % H;
+            float *dst = out + (((b * H + h) * G + r / n) * n + r % n) * D;
+            for (int d = 0; d < D; d++) dst[d] = acc_n[d] * inv;
+            for (int idx = 0; idx < D; idx++) dst[plane_channel(idx, V_PER)] += acc_p[idx] * inv;
+        }
+    }
+    free(part);
+}

@@ -1,0 +1,208 @@
+"""The CPU kernels (``kvcompile.templates.cpu``): the generated C decode kernel and the SDPA prefill path,
+against float64 attention over the reference's dequantized store.
+
+The bound is the one derived for the Triton kernels (``kvcompile.templates.attention.reference_and_bound``;
+fp32 dot products, online softmax, split merge, rotation, output rounding): the C kernel is built with
+``-ffp-contract=off`` so it dequantizes with exactly the reference's fp32 operations, its exp is within
+2**-22 relative (the derivation allows 2**-21 on the exponent), and ``nsplit`` is the split count the
+launcher chose. The prefill path (PyTorch's SDPA) is checked with the same bound taking every key as its own
+block (``nsplit = C``), the loosest way SDPA can sum.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvcompile
+from kvcompile import Policy, Quant
+from kvcompile.store import LayerSpec, store_reference
+from kvcompile.templates import attention as kattn
+from kvcompile.templates import cpu
+
+pytestmark = pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler on this machine")
+
+
+def filled(policy, lengths, H, D, C, dtype="float32", seed=0, chunk=None):
+    g = torch.Generator().manual_seed(seed)
+    spec = LayerSpec(policy, len(lengths), H, C, D, dtype)
+    spec.register()
+    state = spec.allocate()
+    m = max(lengths)
+    k = torch.randn(len(lengths), H, m, D, generator=g)
+    k[..., 3] *= 8  # an outlier channel, as real keys have
+    v = torch.randn(len(lengths), H, m, D, generator=g)
+    chunk = chunk or m
+    for s in range(0, m, chunk):  # appended in chunks, rows ragged
+        n_new = torch.tensor([max(0, min(L - s, chunk)) for L in lengths])
+        store_reference(state, spec, k[:, :, s:s + chunk].to(spec.torch_dtype), v[:, :, s:s + chunk].to(spec.torch_dtype), n_new)
+    return spec, state
+
+
+def check(q, state, spec, mask=None, scale=None, prefill=False):
+    """Run the decode kernel (or the prefill path) and assert it is within the derived bound, elementwise."""
+    B, Hq, n, D = q.shape
+    if prefill:
+        got = cpu.prefill_attention(q, state, spec, mask, scale)
+        nsplit = spec.capacity
+    else:
+        assert cpu.check_decode(q, spec) is None
+        got = cpu.attention(q, state, spec, mask, scale)
+        nsplit = cpu.splits(state.lengths, spec.heads, torch.get_num_threads())
+    assert got.dtype == q.dtype and got.shape == q.shape
+    want, bound = kattn.reference_and_bound(q, state, spec, mask, scale, nsplit=nsplit)
+    err = (got.double() - want).abs()
+    bad = err > bound
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs outside the bound; worst error "
+                           f"{err[bad].max():.3g} vs bound {bound[bad][err[bad].argmax()]:.3g}; {spec.name}")
+    return got
+
+
+# Keys per channel in groups of 16, residual 8, two sinks: Q(L) moves at L = 2 + 8 + 16 j.
+MIXED = Policy(Quant("int4", "channel", 16), Quant("int2", "token", 32), residual=8, sink=2)
+ROTATED = Policy(Quant("fp8_e4m3", "token"), Quant("int3", "channel", 16), residual=8, sink=2, rotate=True)
+LENGTHS = [1, 15, 17, 25, 26, 27, 42, 43]  # 1, group +- 1, around the first and second flush
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 3, 4, 8])
+def test_cpu_attention_grid(gqa, D):
+    H, C = 2, 48
+    g = torch.Generator().manual_seed(gqa * D)
+    spec, state = filled(MIXED, LENGTHS, H, D, C, chunk=10)
+    B, Hq = len(LENGTHS), H * gqa
+    check(torch.randn(B, Hq, 1, D, generator=g), state, spec)  # decode
+    n = 16 // gqa  # as many query tokens as the decode kernel takes (row 0 holds fewer tokens than that)
+    check(torch.randn(B, Hq, n, D, generator=g), state, spec)
+    check(torch.randn(B, Hq, 20, D, generator=g), state, spec, prefill=True)
+    spec, state = filled(ROTATED, LENGTHS, H, D, C)
+    keep = torch.rand(B, 1, 1, C, generator=g) > 0.4
+    check(torch.randn(B, Hq, 1, D, generator=g), state, spec, mask=keep)
+    soft = torch.where(torch.rand(B, Hq, 2, C, generator=g) > 0.2, torch.randn(B, Hq, 2, C, generator=g), -torch.inf)
+    check(torch.randn(B, Hq, 2, D, generator=g), state, spec, mask=soft, scale=0.3)
+    check(torch.randn(B, Hq, 2, D, generator=g), state, spec, mask=soft, scale=0.3, prefill=True)
+
+
+@st.composite
+def quants(draw, D):
+    fmt = draw(st.sampled_from(["int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2", "none"]))
+    axis = draw(st.sampled_from(["token", "channel"]))
+    group = draw(st.sampled_from([None, 1, 2, 8, 16]) if axis == "token" else st.sampled_from([2, 4, 8]))
+    if axis == "token" and group is not None and D % group:
+        group = None
+    return Quant(fmt, axis, group, True if fmt.startswith("fp8") else draw(st.booleans()),
+                 draw(st.sampled_from(["float16", "float32"])))
+
+
+@st.composite
+def cases(draw):
+    D = draw(st.sampled_from([8, 24, 32, 40, 64]))  # vector and scalar unpack paths (D/per not a multiple of 8)
+    policy = Policy(draw(quants(D)), draw(quants(D)), residual=draw(st.sampled_from([0, 3, 16])),
+                    sink=draw(st.sampled_from([0, 2])), rotate=D in (8, 32, 64) and draw(st.booleans()))
+    B, H, G = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3, 4, 8]))
+    C = 80
+    lengths = [draw(st.integers(0, C)) for _ in range(B)]
+    n = draw(st.sampled_from([1, 1, 2])) if G <= 8 else 1
+    mask = draw(st.sampled_from([None, "bool", "float"]))
+    dtype = draw(st.sampled_from(["float32", "bfloat16", "float16"]))
+    chunk = draw(st.sampled_from([None, 1, 7, 32]))
+    return policy, B, H, G, D, C, lengths, n, mask, dtype, chunk, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=25, deadline=None)
+@given(cases())
+def test_cpu_attention_equals_float64_attention(case):
+    policy, B, H, G, D, C, lengths, n, mask_kind, dtype, chunk, seed = case
+    if max(lengths) == 0:
+        lengths[0] = 1
+    g = torch.Generator().manual_seed(seed)
+    spec, state = filled(policy, lengths, H, D, C, dtype, seed, chunk)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(B, 1, n, C, generator=g) > 0.3
+    elif mask_kind == "float":
+        mask = torch.where(torch.rand(1, H * G, 1, C + 5, generator=g) > 0.3, torch.randn(C + 5, generator=g), -torch.inf)
+    q = torch.randn(B, H * G, n, D, generator=g).to(spec.torch_dtype)
+    scale = float(torch.rand((), generator=g)) + 0.05
+    check(q, state, spec, mask, scale)
+    check(q, state, spec, mask, scale, prefill=True)
+
+
+def test_a_query_that_sees_nothing_returns_zeros():
+    spec, state = filled(MIXED, [3, 40], 1, 32, 48)
+    mask = torch.zeros(2, 1, 1, 48, dtype=torch.bool)
+    mask[1, ..., 5] = True
+    q = torch.randn(2, 2, 1, 32, generator=torch.Generator().manual_seed(0))
+    for got in (cpu.attention(q, state, spec, mask, None), cpu.prefill_attention(q, state, spec, mask, None)):
+        assert torch.equal(got[0], torch.zeros_like(got[0])) and got[1].abs().sum() > 0
+
+
+def test_the_bound_catches_one_wrong_code():
+    """The check is sharp enough to fail: one stored int8 key code off by one step must break it."""
+    spec, state = filled(Policy.kivi(8, group=8, residual=4), [40], 1, 16, 48)
+    q = torch.randn(1, 2, 1, 16, generator=torch.Generator().manual_seed(1))
+    q[..., 3] = 1.5  # the query must look at the corrupted channel
+    check(q, state, spec)
+    bad = type(state)(*[t.clone() for t in state])
+    bad.k_codes[0, 0, 5, 3] ^= 1
+    got = cpu.attention(q, bad, spec, None, None)
+    want, bound = kattn.reference_and_bound(q, state, spec, nsplit=cpu.splits(state.lengths, 1, torch.get_num_threads()))
+    assert ((got.double() - want).abs() > bound).any()
+
+
+def test_causal_mask_shortcut_is_exact():
+    """transformers passes an explicit causal mask at prefill; the path recognises it and lets SDPA skip the
+    upper triangle. A mask that differs anywhere is used as given."""
+    spec, state = filled(Policy.kivi(4, group=8, residual=4), [30, 30], 2, 32, 40)
+    q = torch.randn(2, 4, 30, 32, generator=torch.Generator().manual_seed(2))
+    tri = torch.ones(30, 40, dtype=torch.bool).tril().view(1, 1, 30, 40)
+    assert cpu._is_causal(tri, 30, 30)
+    check(q, state, spec, tri, prefill=True)
+    additive = torch.zeros(1, 1, 30, 40).masked_fill(~tri, float("-inf"))
+    assert cpu._is_causal(additive, 30, 30)
+    other = tri.clone()
+    other[0, 0, 7, 2] = False
+    assert not cpu._is_causal(other, 30, 30)
+    check(q, state, spec, other, prefill=True)
+
+
+def test_kernel_is_built_once_per_layout_and_named_by_it():
+    spec = LayerSpec(Policy.kivi(4), 1, 3, 256, 64)
+    key = tuple(sorted(cpu.defines(spec, 3).items()))
+    assert dict(key)["K_AXIS"] == 1 and dict(key)["V_AXIS"] == 0 and dict(key)["K_BITS"] == 4 and dict(key)["G"] == 3
+    assert cpu.build(key) is cpu.build(key)
+    assert "k_bits4" in cpu.build(key)._name and "g3" in cpu.build(key)._name
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(cpu, "compiler", lambda: None)
+    spec = LayerSpec(Policy.kivi(4, group=8), 1, 1, 64, 16)
+    key = tuple(sorted(cpu.defines(spec, 5).items()))  # a layout no other test builds (G=5)
+    cpu.build.cache_clear()
+    with pytest.raises(cpu.CompilerError, match=r"need a C compiler .*ops.set_kernels\('reference'\)"):
+        cpu.build(key)
+    cpu.build.cache_clear()
+
+
+def test_calls_the_kernel_cannot_take_are_said():
+    spec = LayerSpec(Policy.kivi(4, group=4), 1, 2, 16, 12)
+    assert "multiple of 8" in cpu.check_decode(torch.zeros(1, 2, 1, 12), spec)
+    assert "prefill" in cpu.check_decode(torch.zeros(1, 6, 6, 16), LayerSpec(Policy.kivi(4, group=4), 1, 2, 16, 16))
+    with pytest.raises(ValueError, match="decode kernel cannot take"):
+        cpu.attention(torch.zeros(1, 2, 1, 12), spec.allocate(), spec, None, None)
+
+
+def test_the_op_routes_decode_to_the_kernel_and_prefill_to_sdpa(monkeypatch):
+    calls = []
+    for name in ("attention", "prefill_attention"):
+        fn = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+    spec, state = filled(MIXED, [20, 30], 2, 32, 48)
+    kvcompile.ops.set_kernels("cpu")
+    try:
+        torch.ops.kvcompile.attention(torch.randn(2, 6, 1, 32), list(state), None, 0.2, spec.name)
+        torch.ops.kvcompile.attention(torch.randn(2, 6, 9, 32), list(state), None, 0.2, spec.name)
+    finally:
+        kvcompile.ops.set_kernels("auto")
+    assert calls == ["attention", "prefill_attention"]
