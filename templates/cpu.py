@@ -83,29 +83,37 @@ def _compiler_id(cc: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def build(key: tuple) -> ctypes.CDLL:
-    """Compile (or load from the disk cache) the kernel for one tuple of ``defines`` items."""
+def compile_template(source: str, key: tuple) -> ctypes.CDLL:
+    """Compile the C template ``templates/<source>`` (or load it from the disk cache) with ``-D`` definitions
+    from ``key`` (a tuple of ``(name, value)``); the library is named after the definitions it was built with."""
     cc = compiler()
     if cc is None:
         raise CompilerError(
             "kvcompile's CPU kernels need a C compiler (gcc or clang; set CC to choose one), and none was found "
             "on the PATH. Install one, or run the pure-torch reference instead: kvcompile.ops.set_kernels('reference')."
         )
-    src = SOURCE.read_text()
+    path_src = Path(__file__).with_name(source)
+    src = path_src.read_text()
     dflags = [f"-D{k}={v}" for k, v in key]
     digest = hashlib.sha256("\n".join([src, _compiler_id(cc), *FLAGS, *dflags]).encode()).hexdigest()[:24]
-    name = "kvc_attention_" + "_".join(f"{k}{v}" for k, v in key).lower() + "_" + digest[:8]
+    name = path_src.stem + "_" + "_".join(f"{k}{v}" for k, v in key).lower() + "_" + digest[:8]
     path = cache_dir() / f"{name}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             tmp_so = Path(tmp) / path.name
-            r = subprocess.run([cc, *FLAGS, *dflags, str(SOURCE), "-o", str(tmp_so), "-lm"],
+            r = subprocess.run([cc, *FLAGS, *dflags, str(path_src), "-o", str(tmp_so), "-lm"],
                                capture_output=True, text=True)
             if r.returncode:
                 raise CompilerError(f"building the CPU kernel {name} failed:\n{' '.join(r.args)}\n{r.stderr[-4000:]}")
             os.replace(tmp_so, path)  # atomic: a concurrent builder of the same kernel writes the same bytes
-    lib = ctypes.CDLL(str(path))
+    return ctypes.CDLL(str(path))
+
+
+@functools.lru_cache(maxsize=None)
+def build(key: tuple) -> ctypes.CDLL:
+    """The decode attention kernel for one tuple of ``defines`` items."""
+    lib = compile_template(SOURCE.name, key)
     fn = lib.kvc_attention
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     fn.argtypes = [P] * 12 + [P, I, I, I, I, P, I, I, F, I, I]

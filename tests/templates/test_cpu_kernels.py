@@ -180,9 +180,11 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
     spec = LayerSpec(Policy.kivi(4, group=8), 1, 1, 64, 16)
     key = tuple(sorted(cpu.defines(spec, 5).items()))  # a layout no other test builds (G=5)
     cpu.build.cache_clear()
+    cpu.compile_template.cache_clear()
     with pytest.raises(cpu.CompilerError, match=r"need a C compiler .*ops.set_kernels\('reference'\)"):
         cpu.build(key)
     cpu.build.cache_clear()
+    cpu.compile_template.cache_clear()
 
 
 def test_calls_the_kernel_cannot_take_are_said():
