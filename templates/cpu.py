@@ -121,6 +121,21 @@ def build(key: tuple) -> ctypes.CDLL:
     return lib
 
 
+_MEMO: list = []  # (tensor, its version, what, result): the few most recent masks
+
+
+def _memo(t: Tensor, what, fn):
+    """``fn()``, computed once per mask tensor (and version): every layer of a forward receives the same mask
+    object. Entries hold the tensor itself, so a freed mask's address can never be mistaken for a new one."""
+    for e in _MEMO:
+        if e[0] is t and e[1] == t._version and e[2] == what:
+            return e[3]
+    out = fn()
+    _MEMO.insert(0, (t, t._version, what, out))
+    del _MEMO[4:]
+    return out
+
+
 def _ptr(t: Tensor) -> int | None:
     return t.data_ptr() if t.numel() else None
 
@@ -168,10 +183,12 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     m = None
     msb = msh = msi = mw = 0
     if mask is not None:
-        mk = mask
-        if mk.dtype == torch.bool:
-            mk = torch.zeros(mk.shape, dtype=torch.float32).masked_fill_(~mk, float("-inf"))
-        mk = mk.float()
+        def additive():
+            mk = mask
+            if mk.dtype == torch.bool:
+                mk = torch.zeros(mk.shape, dtype=torch.float32).masked_fill_(~mk, float("-inf"))
+            return mk.float()
+        mk = _memo(mask, "additive", additive)
         while mk.dim() < 4:
             mk = mk.unsqueeze(0)
         if mk.shape[-2] not in (1, n):
@@ -195,27 +212,18 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     return out.to(q.dtype)
 
 
-_CAUSAL_SEEN: dict = {}
-
-
 def _is_causal(mask: Tensor, n: int, L: int) -> bool:
     """Whether ``mask[..., :L]`` is exactly the causal mask of ``n == L`` queries (bool, or additive 0/-inf),
-    the same for every batch row and head. Checked once per mask tensor and version: every layer of a
-    forward receives the same mask."""
-    key = (mask.data_ptr(), tuple(mask.shape), tuple(mask.stride()), mask._version, mask.dtype, n, L)
-    if key not in _CAUSAL_SEEN:
-        if len(_CAUSAL_SEEN) > 64:
-            _CAUSAL_SEEN.clear()
+    the same for every batch row and head."""
+    def check():
         m = mask[..., :L]
-        ok = m.shape[-2:] == (n, L)
-        if ok:
-            tri = torch.ones(n, L, dtype=torch.bool, device=mask.device).tril()
-            if m.dtype == torch.bool:
-                ok = bool((m == tri).all())
-            else:
-                ok = bool(((m == 0) == tri).all()) and bool((m[..., ~tri] == float("-inf")).all())
-        _CAUSAL_SEEN[key] = ok
-    return _CAUSAL_SEEN[key]
+        if m.shape[-2:] != (n, L):
+            return False
+        tri = torch.ones(n, L, dtype=torch.bool, device=mask.device).tril()
+        if m.dtype == torch.bool:
+            return bool((m == tri).all())
+        return bool(((m == 0) == tri).all()) and bool((m[..., ~tri] == float("-inf")).all())
+    return _memo(mask, ("causal", n, L), check)
 
 
 def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None,

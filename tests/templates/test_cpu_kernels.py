@@ -208,3 +208,14 @@ def test_the_op_routes_decode_to_the_kernel_and_prefill_to_sdpa(monkeypatch):
     finally:
         kvcompile.ops.set_kernels("auto")
     assert calls == ["attention", "prefill_attention"]
+
+
+def test_mask_conversions_are_reused_only_for_the_same_unchanged_mask():
+    """Every layer gets the same mask object, so its conversion is memoized -- but never across a change."""
+    spec, state = filled(MIXED, [30, 30], 2, 32, 48)
+    q = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 1, 1, 48, dtype=torch.bool)
+    check(q, state, spec, mask)
+    mask[:, :, :, 10:] = False  # in place: a new version of the same tensor
+    check(q, state, spec, mask)
+    check(q, state, spec, torch.rand(2, 1, 1, 48, generator=torch.Generator().manual_seed(4)) > 0.5)
