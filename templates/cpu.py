@@ -219,10 +219,15 @@ def _is_causal(mask: Tensor, n: int, L: int) -> bool:
         m = mask[..., :L]
         if m.shape[-2:] != (n, L):
             return False
-        tri = torch.ones(n, L, dtype=torch.bool, device=mask.device).tril()
-        if m.dtype == torch.bool:
-            return bool((m == tri).all())
-        return bool(((m == 0) == tri).all()) and bool((m[..., ~tri] == float("-inf")).all())
+        for r0 in range(0, n, 256):  # in row blocks: no temporary of the mask's full size
+            rows = m[..., r0:r0 + 256, :]
+            i = torch.arange(r0, r0 + rows.shape[-2], device=mask.device).view(-1, 1)
+            tri = torch.arange(L, device=mask.device).view(1, -1) <= i
+            ok = (rows == tri).all() if rows.dtype == torch.bool else \
+                ((rows == 0) == tri).all() & (rows.masked_fill(tri, float("-inf")) == float("-inf")).all()
+            if not bool(ok):
+                return False
+        return True
     return _memo(mask, ("causal", n, L), check)
 
 

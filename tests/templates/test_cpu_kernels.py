@@ -165,6 +165,11 @@ def test_causal_mask_shortcut_is_exact():
     other[0, 0, 7, 2] = False
     assert not cpu._is_causal(other, 30, 30)
     check(q, state, spec, other, prefill=True)
+    big = torch.ones(300, 310, dtype=torch.bool).tril().view(1, 1, 300, 310)  # checked in blocks of rows
+    assert cpu._is_causal(big, 300, 300)
+    big = big.clone()
+    big[..., 280, 290] = True
+    assert not cpu._is_causal(big, 300, 300)
 
 
 def test_kernel_is_built_once_per_layout_and_named_by_it():
