@@ -542,8 +542,11 @@ def format_table(res: dict) -> str:
                 pa = packed.get(L)
                 pcol = f"{pa * 100:.0f} ({n_packed.get(L)})" if pa is not None else "-"
                 b = f"{bpt[L]:,.0f}" if L in bpt else "-"
-                lines.append(f"{key:<28}{str(v.get('prefill_chunk', '?')):>6}{v.get('trials', '?'):>7}  {L:>6}"
+                lines.append(f"{key:<28}{str(v.get('prefill_chunk', 'split')):>6}{v.get('trials', '?'):>7}  {L:>6}"
                              f"{a * 100:>9.0f}%{pcol:>12}{b:>13}")
+        if any("prefill_chunk" not in v for v in pk.values()):
+            lines.append("chunk 'split': an earlier harness, which split the prefill at the needle (2,048-token "
+                         "chunks before it and from it)")
     return "\n".join(lines)
 
 
