@@ -156,7 +156,8 @@ def contenders(names):
 def run_once(c: Contender, model, ids, new_tokens: int):
     B, T = ids.shape
     capacity = T + new_tokens
-    fn, cache = c.make(model, B, capacity)
+    t_make = time.perf_counter()
+    fn, cache = c.make(model, B, capacity)  # kvcompile.apply runs here the first time
     # No attention_mask: the rows are unpadded, and a growing 2-D mask would change shape every step (a
     # recompile per step for the compiled contenders); the models build their causal masks from positions.
     with PeakRSS() as mem:
@@ -165,6 +166,7 @@ def run_once(c: Contender, model, ids, new_tokens: int):
         t1 = time.perf_counter()
         cache = out.past_key_values
         nxt = out.logits[:, -1:].argmax(-1)
+        first_token = time.perf_counter() - t_make
         step_times = []
         for i in range(new_tokens):
             s = time.perf_counter()
@@ -173,7 +175,7 @@ def run_once(c: Contender, model, ids, new_tokens: int):
             step_times.append(time.perf_counter() - s)
             nxt = out.logits[:, -1:].argmax(-1)
     held = cache.nbytes if hasattr(cache, "nbytes") else tensor_bytes(cache)
-    return dict(prefill_s=t1 - t0, decode_tok_s=B * new_tokens / sum(step_times),
+    return dict(prefill_s=t1 - t0, first_token_s=first_token, decode_tok_s=B * new_tokens / sum(step_times),
                 step_ms=[1e3 * s for s in step_times], cache_bytes=held, peak_added=mem.added)
 
 
@@ -190,6 +192,8 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks/cpu_decode.json")
     ap.add_argument("--compiler", default="inductor", choices=["inductor", "eager"],
                     help="what compiles the rest of kvcompile's graph")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--plot", default=None, help="PNG: decode tokens/s and step time against context")
     ap.add_argument("--smoke", action="store_true", help="tiny random Llama; checks the script runs")
     args = ap.parse_args(argv)
 
@@ -208,6 +212,9 @@ def main(argv=None):
         vocab = model.config.vocab_size
 
     COMPILER["name"] = args.compiler
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
     cs = contenders(args.contenders)
     rows = []
     g = torch.Generator().manual_seed(0)
@@ -220,9 +227,7 @@ def main(argv=None):
             first = {}
             for c in cs:  # an untimed first run per shape: compilation (and its recompiles) happen here
                 bar.set_postfix_str(f"T={T} B={B} {c.name} (first call)")
-                t0 = time.perf_counter()
-                run_once(c, model, ids, args.new)
-                first[c.name] = time.perf_counter() - t0
+                first[c.name] = run_once(c, model, ids, args.new)["first_token_s"]
             for r in range(args.repeats):
                 for c in cs:  # interleaved: A B C ... then again
                     bar.set_postfix_str(f"T={T} B={B} {c.name}")
@@ -234,27 +239,54 @@ def main(argv=None):
                 xs = per[c.name]
                 tps = statistics.median(x["decode_tok_s"] for x in xs)
                 rows.append(dict(
-                    contender=c.name, context=T, batch=B, first_call_s=first[c.name],
+                    contender=c.name, context=T, batch=B, first_token_s=first[c.name],
                     prefill_s=statistics.median(x["prefill_s"] for x in xs),
                     decode_tok_s=tps, speed_vs_first=tps / base_tps,
                     cache_bytes=xs[-1]["cache_bytes"],
                     cache_vs_first=xs[-1]["cache_bytes"] / max(1, base[-1]["cache_bytes"]),
                     peak_added_mib=statistics.median(x["peak_added"] for x in xs) / 2 ** 20,
+                    step_ms_median=statistics.median(s for x in xs for s in x["step_ms"]),
                     step_ms_first=xs[-1]["step_ms"][0], step_ms_last=xs[-1]["step_ms"][-1]))
     bar.close()
-    hdr = (f"{'contender':16} {'ctx':>6} {'B':>2} {'1st call s':>10} {'prefill s':>9} {'tok/s':>7} {'x first':>7} "
-           f"{'cache MiB':>9} {'x first':>7} {'peak+MiB':>8}")
+    print(f"{args.threads} threads, compiler={args.compiler}, {args.new} new tokens, median of {args.repeats}")
+    hdr = (f"{'contender':16} {'ctx':>6} {'B':>2} {'1st tok s':>9} {'prefill s':>9} {'tok/s':>7} {'x first':>7} "
+           f"{'cache MiB':>9} {'x first':>7} {'peak+MiB':>8} {'step ms':>8}")
     print(hdr)
     for r in rows:
-        print(f"{r['contender']:16} {r['context']:6d} {r['batch']:2d} {r['first_call_s']:10.1f} "
+        print(f"{r['contender']:16} {r['context']:6d} {r['batch']:2d} {r['first_token_s']:9.1f} "
               f"{r['prefill_s']:9.2f} {r['decode_tok_s']:7.2f} "
               f"{r['speed_vs_first']:7.2f} {r['cache_bytes'] / 2 ** 20:9.1f} {r['cache_vs_first']:7.2f} "
-              f"{r['peak_added_mib']:8.1f}")
+              f"{r['peak_added_mib']:8.1f} {r['step_ms_median']:8.1f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
     print(f"wrote {out}")
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"wrote {args.plot}")
     return rows
+
+
+def plot(rows, path):
+    """Decode tokens/s and per-step time against context, one line per contender, a panel per batch size."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(2, len(batches), figsize=(5.5 * len(batches), 8), squeeze=False)
+    for j, B in enumerate(batches):
+        for name in dict.fromkeys(r["contender"] for r in rows):
+            rs = sorted((r for r in rows if r["batch"] == B and r["contender"] == name), key=lambda r: r["context"])
+            if not rs:
+                continue
+            ctx = [r["context"] for r in rs]
+            axes[0][j].plot(ctx, [r["decode_tok_s"] for r in rs], "o-", label=name)
+            axes[1][j].plot(ctx, [r["step_ms_median"] for r in rs], "o-", label=name)
+        axes[0][j].set(title=f"batch {B}", ylabel="decode tokens/s", xscale="log", xlabel="context (tokens)")
+        axes[1][j].set(ylabel="decode step (ms)", xscale="log", xlabel="context (tokens)")
+        axes[0][j].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
