@@ -136,6 +136,11 @@ def _memo(t: Tensor, what, fn):
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_for(spec: LayerSpec, G: int) -> ctypes.CDLL:
+    return build(tuple(sorted(defines(spec, G).items())))
+
+
 def _ptr(t: Tensor) -> int | None:
     return t.data_ptr() if t.numel() else None
 
@@ -172,7 +177,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
         raise ValueError(f"the CPU decode kernel cannot take this call: {why}")
     B, Hq, n, D = q.shape
     G = Hq // spec.heads
-    lib = build(tuple(sorted(defines(spec, G).items())))
+    lib = _kernel_for(spec, G)
     qf = q.float()
     if spec.policy.rotate:
         qf = qf @ hadamard(D, q.device)
