@@ -89,6 +89,9 @@ def store(state: list[Tensor], k: Tensor, v: Tensor, pos: Tensor, spec: str) -> 
             )
     if kernels(k.device) == "triton":
         _triton().store(st, ls, k, v)
+    elif kernels(k.device) == "cpu" and k.device.type == "cpu":
+        from .templates import cpu_store
+        cpu_store.store(st, ls, k, v)
     else:
         store_reference(st, ls, k, v)
 

@@ -1,0 +1,96 @@
+"""The CPU store kernel: ``cpu_store.c`` specialized per store layout, compiled with the system C compiler.
+
+``store`` has exactly the contract and effects of ``kvcompile.store.store_reference`` -- the same codes,
+scales, zero points, sinks, ring slots and lengths, bit for bit, and the same ``CapacityError`` -- but does
+the whole append (every batch row, every head, keys and values) in one C call: no Python loop over rows, no
+small torch ops, no host synchronisation. Rotation (when the policy rotates) runs in torch first, as in the
+reference. The template is compiled once per layout by ``templates.cpu.compile_template`` (the ``-D``
+definitions are those of ``templates.cpu.defines``, without the attention's GQA ratio) and cached on disk.
+
+Large appends (a prefill) are shared among ``torch.get_num_threads()`` OpenMP threads, by (sequence, head,
+keys or values, block of 64 tokens); a decode step runs on the calling thread.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from kvcompile.store import KVState, LayerSpec, _check_append, rotate
+
+from .cpu import compile_template, defines
+
+SOURCE = "cpu_store.c"
+_BY_ID: dict[int, tuple] = {}  # id(spec) -> (spec, kernel); the spec is held, so its id is not reused
+
+
+def key(spec: LayerSpec) -> tuple:
+    """The ``-D`` definitions of ``spec``'s store kernel, as ``compile_template`` takes them."""
+    d = defines(spec, 1)
+    del d["G"]
+    return tuple(sorted(d.items()))
+
+
+def build(spec: LayerSpec):
+    """The compiled store kernel of ``spec``'s layout (a ctypes function)."""
+    hit = _BY_ID.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    lib = compile_template(SOURCE, key(spec))
+    fn = lib.kvc_store
+    P, I = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [P, P] + [I] * 6 + [P] * 12 + [I] * 4
+    fn.restype = I
+    for name, T in (("kvc_round_f16", ctypes.c_void_p), ("kvc_fp8_encode", ctypes.c_void_p)):
+        getattr(lib, name).argtypes = [P, P, I, I]
+        getattr(lib, name).restype = None
+    fn.lib = lib
+    _BY_ID[id(spec)] = (spec, fn)
+    return fn
+
+
+def _ptr(t: Tensor) -> int | None:
+    return t.data_ptr() if t.numel() else None
+
+
+def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor | None = None) -> None:
+    """Append ``k, v [B, H, n, D]`` (model space) to the store, in place: ``store_reference``'s contract.
+
+    ``n_new`` (int [B], optional): row ``b`` appends only its first ``n_new[b]`` tokens (ragged batches).
+    All tensors on the CPU; the store as ``LayerSpec.allocate`` makes it (contiguous).
+    """
+    B, H, n, D = k.shape
+    if (B, H, D) != (spec.batch, spec.heads, spec.head_dim) or v.shape != k.shape:
+        raise ValueError(f"store expects k, v of shape [{spec.batch}, {spec.heads}, n, {spec.head_dim}]; "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.device.type != "cpu" or v.device.type != "cpu" or state.lengths.device.type != "cpu":
+        raise ValueError("the CPU store kernel takes CPU tensors")
+    fn = build(spec)
+    if spec.policy.rotate:
+        k, v = rotate(k, spec), rotate(v, spec)
+    dt = spec.torch_dtype
+    if k.dtype != dt:
+        k = k.to(dt)
+    if v.dtype != dt:
+        v = v.to(dt)
+    if k.stride(3) != 1 and n:
+        k = k.contiguous()
+    if v.stride(3) != 1 and n:
+        v = v.contiguous()
+    for t in state:
+        if not t.is_contiguous():
+            raise ValueError("the CPU store kernel needs a contiguous store (allocate it with LayerSpec.allocate)")
+    nn = None
+    if n_new is not None:
+        nn = n_new.to(device="cpu", dtype=torch.int32).contiguous()
+    ks, vs = k.stride(), v.stride()
+    rc = fn(_ptr(k), _ptr(v), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+            *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(), None if nn is None else nn.data_ptr(),
+            B, n, spec.capacity, torch.get_num_threads())
+    if rc > 0:
+        _check_append(spec, state.lengths, nn if nn is not None else torch.full((B,), n, dtype=torch.int32))
+        raise AssertionError("the store kernel reported an overflow that the reference check does not see")
+    if rc < 0:
+        b = -1 - rc
+        raise ValueError(f"n_new[{b}]={int(nn[b])} is outside [0, {n}]: a row appends at most the chunk's {n} tokens")

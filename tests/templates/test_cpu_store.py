@@ -1,0 +1,254 @@
+"""The CPU store kernel (``kvcompile.templates.cpu_store``, the C template ``cpu_store.c``) equals the reference
+store bit for bit: codes, scales, zero points, sinks, live ring slots and lengths, for every format, axis,
+group, scale dtype, model dtype, chunk length and ragged batch; and it fails like the reference.
+
+One caveat is not tested because it is not a property of the reference: when a group's minimum (or maximum)
+is a zero that occurs with both signs, which sign torch's vectorized reduction returns depends on its
+reduction tree, so the sign bit of that zero point may differ (the codes and every dequantized value do not).
+The inputs here (randn, exact +0.0 rows, constants) never hold -0.0.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompile import Policy, Quant
+from kvcompile import quant as Q
+from kvcompile.store import CapacityError, LayerSpec, dequantize_reference, store_reference
+from kvcompile.templates import cpu, cpu_store
+
+
+pytestmark = pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler on this machine")
+
+# --------------------------------------------------------------------------- helpers (as in test_store_kernel.py)
+EXACT_FIELDS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_sink", "v_sink", "lengths")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit pattern of ``t`` (so -0.0 != 0.0 and NaN == NaN): exact equality means the same bytes."""
+    if t.dtype.is_floating_point:
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def assert_same_store(ref, got, spec):
+    """Everything the layout specifies is equal bit for bit: codes, scales, zeros, sinks, lengths, and the live
+    ring slots (dead slots are unspecified); and so is what the store reads back."""
+    for name in EXACT_FIELDS:
+        a, b = getattr(ref, name), getattr(got, name)
+        assert torch.equal(bits(a), bits(b.to(a.device))), (name, spec.name, (bits(a) != bits(b.cpu())).sum())
+    W, S = spec.ring, spec.sink
+    for row, L in enumerate(ref.lengths.tolist()):
+        live = [p % W for p in range(max(spec.boundary(L), S), L)]
+        for res in ("k_res", "v_res"):
+            a, b = getattr(ref, res)[row, :, live], getattr(got, res)[row, :, live].cpu()
+            assert torch.equal(bits(a), bits(b)), (res, row, L, spec.name)
+    for a, b in zip(dequantize_reference(ref, spec), dequantize_reference(got.__class__(*[t.cpu() for t in got]), spec)):
+        assert torch.equal(bits(a), bits(b))
+
+
+@st.composite
+def quants(draw, D):
+    fmt = draw(st.sampled_from(["int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2", "none"]))
+    axis = draw(st.sampled_from(["token", "channel"]))
+    if axis == "token":
+        group = draw(st.sampled_from([None] + [g for g in (1, 2, 8, 16, 32) if D % g == 0]))
+    else:
+        group = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    sym = True if fmt.startswith("fp8") else draw(st.booleans())
+    return Quant(fmt, axis, group, sym, draw(st.sampled_from(["float16", "float16", "float32"])))
+
+
+def _tie_rows(fmt: str, sym: bool, D: int) -> torch.Tensor:
+    """One row of D values whose quantization scale is exactly 1, so that most values are ties: half-integers
+    for integers, midpoints between neighbouring fp8 values for fp8 (round half to even decides them)."""
+    q = Quant(fmt, "token", None, sym)
+    if q.is_fp8:
+        vals = torch.arange(256, dtype=torch.uint8).view(Q.FP8_DTYPES[fmt]).float()
+        vals = vals[vals.isfinite() & (vals > 0) & (vals < Q.FP8_MAX[fmt])].sort().values
+        mids = ((vals[1:] + vals[:-1]) / 2)[:: max(1, len(vals) // (D - 1))]
+        row = torch.cat([torch.tensor([Q.FP8_MAX[fmt]]), mids, -mids])
+    elif sym:
+        qs = 2 ** (q.bits - 1) - 1
+        half = torch.arange(-qs, qs) + 0.5
+        row = torch.cat([torch.tensor([float(qs), -float(qs)]), half.repeat(D)])
+    else:
+        qa = 2 ** q.bits - 1
+        row = torch.cat([torch.tensor([0.0, float(qa)]), (torch.arange(qa) + 0.5).repeat(D)])
+    return row[:D]
+
+
+def _around(values: torch.Tensor) -> torch.Tensor:
+    """Each fp32 value, its midpoints with its neighbours in the list, and one fp32 ulp either side of all."""
+    v = values.float().unique().sort().values
+    mids = (v[1:].double() + v[:-1].double()) / 2
+    pts = torch.cat([v, mids.float()])
+    pts = torch.cat([pts, torch.nextafter(pts, torch.full_like(pts, float("inf"))),
+                     torch.nextafter(pts, torch.full_like(pts, float("-inf")))])
+    return torch.cat([pts, -pts]).unique()
+
+
+# --------------------------------------------------------------------------- the store
+
+
+@st.composite
+def store_cases(draw):
+    D = draw(st.sampled_from([16, 32, 48, 64, 128]))  # 48: a head that is not a power of two
+    policy = Policy(draw(quants(D)), draw(quants(D)), residual=draw(st.sampled_from([0, 1, 5, 16, 128])),
+                    sink=draw(st.sampled_from([0, 0, 3])), rotate=D != 48 and draw(st.booleans()))
+    B, H = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    history = [draw(st.integers(0, 40)) for _ in range(B)]  # ragged prefix, appended by the reference
+    chunks = draw(st.lists(st.sampled_from([1, 1, 1, 2, 7, 16, 33, 70]), min_size=1, max_size=4))
+    ragged = draw(st.booleans())  # appends of per-row lengths (n_new)
+    dtype = draw(st.sampled_from(["float32", "float16", "bfloat16"]))
+    in_model_dtype = draw(st.booleans())  # k, v given in the model dtype, or fp32 (converted on the way in)
+    threads = draw(st.sampled_from([1, 2]))
+    return policy, B, H, D, dtype, history, chunks, ragged, in_model_dtype, threads, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=20)
+@given(store_cases())
+def test_cpu_store_equals_reference(case):
+    policy, B, H, D, dtype, history, chunks, ragged, in_model_dtype, threads, seed = case
+    g = torch.Generator().manual_seed(seed)
+    C = max(history) + sum(chunks) + 1
+    spec = LayerSpec(policy, B, H, C, D, dtype)
+    ref = spec.allocate()
+    m = max(history)
+    scale = float(torch.rand((), generator=g) * 20 + 0.01)  # magnitudes over several binades
+    store_reference(ref, spec, torch.randn(B, H, m, D, generator=g) * scale, torch.randn(B, H, m, D, generator=g),
+                    torch.tensor(history))
+    got = spec.allocate()
+    for a, b in zip(got, ref):
+        a.copy_(b)
+    in_dt = spec.torch_dtype if in_model_dtype else torch.float32
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # 2: long appends are shared among OpenMP threads
+    try:
+        for n in chunks:
+            k = torch.randn(B, H, n, D, generator=g) * scale
+            v = torch.randn(B, H, n, D, generator=g) + torch.randn(B, H, 1, D, generator=g) * 4  # offset: asym zeros
+            if n > 2:
+                v[:, :, 1] = 3.25  # a constant token: scale 0, codes exact
+                k[:, :, 2] = 0.0   # all-zero token
+            k, v = k.to(in_dt), v.to(in_dt)
+            n_new = torch.randint(0, n + 1, (B,), generator=g, dtype=torch.int32) if ragged else None
+            store_reference(ref, spec, k, v, n_new)
+            cpu_store.store(got, spec, k, v, n_new)
+            assert_same_store(ref, got, spec)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("policy", [Policy.kivi(2, group=4, residual=3, sink=2), Policy.fp8(residual=0),
+                                    Policy(Quant("int3", "channel", 8, True, "float32"), Quant("none"), residual=2)])
+def test_cpu_store_decode_steps_cross_every_boundary(policy):
+    """Token by token through sinks, the residual, several flushes and the ring's wrap-around."""
+    B, H, D, C = 2, 2, 16, 40
+    spec = LayerSpec(policy, B, H, C, D)
+    ref, got = spec.allocate(), spec.allocate()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(C):
+        k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
+        store_reference(ref, spec, k, v)
+        cpu_store.store(got, spec, k, v)
+        assert_same_store(ref, got, spec)
+
+
+@pytest.mark.parametrize("fmt,sym", [("int8", False), ("int4", False), ("int3", True), ("int2", False),
+                                     ("int2", True), ("fp8_e4m3", True), ("fp8_e5m2", True)])
+def test_cpu_store_rounds_ties_to_even(fmt, sym):
+    """Rows and columns that hold the group's extremes (scale 1) and ties: per-token keys and per-channel values
+    both round half to even, as torch.round and torch's fp8 cast do."""
+    D = 16
+    row = _tie_rows(fmt, sym, D)
+    x = torch.stack([row.roll(t) for t in range(D)])[None, None]  # [1, 1, 16 tokens, 16 channels]
+    policy = Policy(Quant(fmt, "token", None, sym), Quant(fmt, "channel", D, sym), residual=0)
+    spec = LayerSpec(policy, 1, 1, D, D)
+    ref, got = spec.allocate(), spec.allocate()
+    store_reference(ref, spec, x, x)
+    cpu_store.store(got, spec, x, x)
+    assert_same_store(ref, got, spec)
+
+
+def test_cpu_store_takes_strided_chunks():
+    """k, v as the model hands them (a transposed [B, n, H, D] view): no copy needed, same bytes."""
+    spec = LayerSpec(Policy.kivi(4, group=8, residual=4), 2, 3, 64, 32)
+    ref, got = spec.allocate(), spec.allocate()
+    g = torch.Generator().manual_seed(1)
+    for n in (20, 1, 9):
+        k = torch.randn(2, n, 3, 32, generator=g).transpose(1, 2)
+        v = torch.randn(2, n, 3, 32, generator=g).transpose(1, 2)
+        store_reference(ref, spec, k, v)
+        cpu_store.store(got, spec, k, v)
+        assert_same_store(ref, got, spec)
+
+
+def test_cpu_store_overflow_raises_like_the_reference_and_writes_nothing():
+    spec = LayerSpec(Policy.kivi(4, group=4, residual=2), 2, 1, 8, 16)
+    state = spec.allocate()
+    cpu_store.store(state, spec, torch.randn(2, 1, 6, 16), torch.randn(2, 1, 6, 16), torch.tensor([6, 4]))
+    before = [t.clone() for t in state]
+    ref = spec.allocate()
+    for a, b in zip(ref, state):
+        a.copy_(b)
+    k, v = torch.randn(2, 1, 5, 16), torch.randn(2, 1, 5, 16)
+    with pytest.raises(CapacityError) as want:
+        store_reference(ref, spec, k, v, torch.tensor([1, 5]))
+    with pytest.raises(CapacityError) as got:
+        cpu_store.store(state, spec, k, v, torch.tensor([1, 5]))
+    assert str(got.value) == str(want.value) and "sequence 1 holds 4 tokens and appends 5" in str(got.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, state))
+    with pytest.raises(ValueError, match=r"n_new\[0\]=6 is outside \[0, 5\]"):
+        cpu_store.store(state, spec, k, v, torch.tensor([6, 0]))
+    with pytest.raises(ValueError, match=r"store expects k, v of shape \[2, 1, n, 16\]"):
+        cpu_store.store(state, spec, k[:1], v[:1])
+
+
+def test_the_store_op_runs_the_cpu_kernel(monkeypatch):
+    """``torch.ops.kvcompile.store`` on the CPU (kernels "cpu", the default there) calls this kernel."""
+    from kvcompile import ops
+    spec = LayerSpec(Policy.int8(), 1, 1, 8, 16)
+    name = spec.register()
+    calls = []
+    real = cpu_store.store
+    monkeypatch.setattr(cpu_store, "store", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(ops, "_KERNELS", "cpu")
+    state, ref = spec.allocate(), spec.allocate()
+    k, v = torch.randn(1, 1, 3, 16), torch.randn(1, 1, 3, 16)
+    torch.ops.kvcompile.store(list(state), k, v, torch.arange(3), name)
+    store_reference(ref, spec, k, v)
+    assert calls == [1]
+    assert_same_store(ref, state, spec)
+
+
+# --------------------------------------------------------------------------- the numeric helpers, exhaustively
+def _helpers():
+    return cpu_store.build(LayerSpec(Policy.int8(), 1, 1, 8, 16)).lib
+
+
+def test_fp16_directed_rounding_matches_the_reference():
+    f16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    x = _around(f16[f16.isfinite()])
+    x = torch.cat([x, torch.tensor([1e6, -1e6, 65504.5, -65504.5, 1e-10, -1e-10, 0.0, -0.0, float("inf"),
+                                    float("-inf")])]).contiguous()
+    lib = _helpers()
+    for up, direction in ((1, "up"), (0, "down")):
+        out = torch.empty(x.numel(), dtype=torch.int16)
+        lib.kvc_round_f16(x.data_ptr(), out.data_ptr(), x.numel(), up)
+        want = Q.round_to_dtype(x, torch.float16, direction).view(torch.int16)
+        assert torch.equal(out, want), (direction, x[out != want][:8])
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_encoding_matches_torch(fmt):
+    vals = torch.arange(256, dtype=torch.uint8).view(Q.FP8_DTYPES[fmt]).float()
+    x = _around(vals[vals.isfinite()])
+    x = torch.cat([x, torch.tensor([1e9, -1e9, 480.0, 464.0, 65536.0, 61440.0, 1e-30, float("inf"),
+                                    float("nan")])]).contiguous()
+    out = torch.empty(x.numel(), dtype=torch.uint8)
+    _helpers().kvc_fp8_encode(x.data_ptr(), out.data_ptr(), x.numel(), int(fmt == "fp8_e4m3"))
+    want = x.to(Q.FP8_DTYPES[fmt]).view(torch.uint8)
+    assert torch.equal(out, want), x[out != want][:8]
