@@ -42,7 +42,7 @@ def build(spec: LayerSpec):
     P, I = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [P, P] + [I] * 6 + [P] * 12 + [I] * 4
     fn.restype = I
-    for name, T in (("kvc_round_f16", ctypes.c_void_p), ("kvc_fp8_encode", ctypes.c_void_p)):
+    for name in ("kvc_round_f16", "kvc_fp8_encode"):  # the numerics helpers (tests)
         getattr(lib, name).argtypes = [P, P, I, I]
         getattr(lib, name).restype = None
     fn.lib = lib
