@@ -15,7 +15,7 @@ from kvcompile.hf import KVCompileCache
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default=None)
-ap.add_argument("--compiler", default="inductor", choices=["inductor", "eager"])
+ap.add_argument("--compiler", default="auto", choices=["auto", "inductor", "eager"])
 ap.add_argument("--max-new-tokens", type=int, default=24)
 args = ap.parse_args()
 

@@ -14,8 +14,10 @@ How the pieces fit:
   ``kvcompile.store`` and each SDPA read ``kvcompile.attention``, over new graph inputs that carry the
   packed state. At every call a thin wrapper maps the stand-ins Dynamo passes in (by identity) to their
   states, so a fresh cache of the same shapes reuses the compiled code and never reads a stale store.
-- The rewritten graph goes to Inductor (``compiler="inductor"``, the default) or runs as is
-  (``compiler="eager"``: no code generation, seconds to compile; what the tests use).
+- The rewritten graph goes to Inductor (``compiler="inductor"``) or runs as is (``compiler="eager"``: no code
+  generation, seconds to compile). ``apply``'s default, ``"auto"``, is Inductor for a model on a GPU and eager
+  on the CPU: there kvcompile's own kernels already do the cache work, and Inductor's code generation for a
+  whole decoder takes minutes on a small CPU for little gain. The backend's default is Inductor.
 - A cache the user allocated in full precision (an HF ``StaticCache`` under
   ``torch.compile(..., backend="kvcompile")``) gets a packed store keyed by that tensor: the results are the
   quantized ones, but the full tensor's memory is still held by its owner; ``explain`` says so.
@@ -329,7 +331,7 @@ def _check_applicable(model, policy) -> None:
                           f"kvcompile.Policy (e.g. Policy.kivi(4))")
 
 
-def apply(model: nn.Module, policy: Policy, *, max_cache_len: int | None = None, compiler: str = "inductor",
+def apply(model: nn.Module, policy: Policy, *, max_cache_len: int | None = None, compiler: str = "auto",
           dynamic: bool | None = None) -> nn.Module:
     """Quantize ``model``'s KV cache per ``policy`` and route its attention through kvcompile's ops.
 
@@ -342,11 +344,15 @@ def apply(model: nn.Module, policy: Policy, *, max_cache_len: int | None = None,
     (``k_cache``/``v_cache``, ``cache_k``/``cache_v``, ``key_cache``/``value_cache``) gets stand-ins and packed
     stores now; returns ``torch.compile(model, backend=<kvcompile>, fullgraph=True)``.
 
-    compiler: "inductor" compiles the rest of the graph with Inductor; "eager" runs it as traced.
+    compiler: "inductor" compiles the rest of the graph with Inductor; "eager" runs it as traced; "auto" (the
+    default) is "inductor" when the model's parameters are on a GPU, "eager" on the CPU.
     """
     _check_applicable(model, policy)
+    if compiler == "auto":
+        p = next(iter(model.parameters()), None)
+        compiler = "inductor" if p is not None and p.device.type == "cuda" else "eager"
     if compiler not in COMPILERS:
-        raise KVCompileError(f"compiler={compiler!r} is not valid: expected one of {COMPILERS}")
+        raise KVCompileError(f"compiler={compiler!r} is not valid: expected 'auto' or one of {COMPILERS}")
     if _is_hf(model):
         return _apply_hf(model, policy, max_cache_len, compiler, dynamic)
     return _apply_module(model, policy, compiler, dynamic)

@@ -306,6 +306,14 @@ def test_error_apply_twice_and_to_a_compiled_model():
         kvcompile.apply(torch.compile(tiny()), Policy.int8())
 
 
+def test_compiler_auto_is_eager_on_the_cpu():
+    """apply's default: kvcompile's own kernels do the cache work on the CPU; Inductor codegen is opt-in there."""
+    assert kvcompile.apply(tiny(), Policy.int8())._kvcompile.compiler == "eager"
+    assert kvcompile.apply(tiny(), Policy.int8(), compiler="inductor")._kvcompile.compiler == "inductor"
+    with pytest.raises(KVCompileError, match="expected 'auto' or one of"):
+        kvcompile.apply(tiny(), Policy.int8(), compiler="jit")
+
+
 def test_error_sequence_longer_than_capacity():
     applied = kvcompile.apply(tiny(), Policy.int8(), max_cache_len=8, compiler="eager")
     with torch.no_grad():
