@@ -11,7 +11,8 @@ Which implementation runs (``kernels()``):
 - "cpu": on the CPU, decode attention (up to 16 query rows per kv head) runs the C kernel generated from
   ``kvcompile/templates/cpu_attention.c`` per store layout (compiled with the system C compiler, cached on
   disk); longer query blocks (prefill) dequantize the layer transiently and run PyTorch's fused SDPA; the
-  store runs the reference -- the default on the CPU;
+  store runs the C kernel generated from ``kvcompile/templates/cpu_store.c`` (bit-exact with the reference)
+  -- the default on the CPU;
 - "inductor": on the CPU, attention runs ``kvcompile.templates.inductor`` compiled by Inductor once per
   store layout (one fused C++ kernel that unpacks inside its reductions);
 - "reference": the pure-torch specification in ``kvcompile.store`` (dequantizes the whole cache per read);

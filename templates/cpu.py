@@ -145,6 +145,17 @@ def _ptr(t: Tensor) -> int | None:
     return t.data_ptr() if t.numel() else None
 
 
+MIN_TILES_PER_THREAD = 32  # ~1K positions of one kv head: less than that is not worth waking a thread for
+
+
+def threads_for(lengths: Tensor, heads: int) -> int:
+    """Threads for one decode call: torch's count, but no more than the work keeps busy. On a loaded machine
+    a parallel region waits for its slowest thread's next time slice (milliseconds), so short contexts run
+    on one thread."""
+    tiles = lengths.numel() * heads * -(-int(lengths.max()) // TILE) if lengths.numel() else 0
+    return max(1, min(torch.get_num_threads(), tiles // MIN_TILES_PER_THREAD))
+
+
 def splits(lengths: Tensor, heads: int, threads: int) -> int:
     """How many pieces each (sequence, kv head)'s positions are cut into (flash-decoding): enough tasks for
     every thread, in a multiple of the threads, but at least 4 tiles per piece."""
@@ -170,8 +181,11 @@ def check_decode(q: Tensor, spec: LayerSpec) -> str | None:
     return None
 
 
-def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float | None) -> Tensor:
-    """Same contract as ``kvcompile.store.attention_reference``, for at most ``ROWS_MAX`` query rows per kv head."""
+def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float | None,
+              nsplit: int | None = None) -> Tensor:
+    """Same contract as ``kvcompile.store.attention_reference``, for at most ``ROWS_MAX`` query rows per kv head.
+
+    nsplit: pieces each (sequence, kv head)'s positions are cut into (default: ``splits``; tests vary it)."""
     why = check_decode(q, spec)
     if why:
         raise ValueError(f"the CPU decode kernel cannot take this call: {why}")
@@ -205,13 +219,13 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
             msb, msh, msi = m.stride(0), m.stride(1), m.stride(2)
         mw = m.shape[-1]
     out = torch.empty(B, Hq, n, D, dtype=torch.float32)
-    threads = torch.get_num_threads()
+    threads = threads_for(state.lengths, spec.heads)
     pol = spec.policy
     lib.kvc_attention(
         qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(),
         None if m is None else m.data_ptr(), msb, msh, msi, mw,
         out.data_ptr(), B, n, float(scale if scale is not None else D ** -0.5),
-        splits(state.lengths, spec.heads, threads), threads)
+        nsplit or splits(state.lengths, spec.heads, threads), threads)
     if pol.rotate:
         out = out @ hadamard(D, q.device)
     return out.to(q.dtype)

@@ -401,7 +401,7 @@ void kvc_attention(
     }
 
     /* merge the splits; un-permute the values' plane order */
-#pragma omp parallel for num_threads(nthreads)
+    /* serial: B*H*rows*D numbers, less work than waking a thread */
     for (int64_t bh = 0; bh < B * H; bh++) {
         for (int64_t r = 0; r < GN; r++) {
             float mx = -INFINITY;

@@ -40,7 +40,7 @@ def filled(policy, lengths, H, D, C, dtype="float32", seed=0, chunk=None):
     return spec, state
 
 
-def check(q, state, spec, mask=None, scale=None, prefill=False):
+def check(q, state, spec, mask=None, scale=None, prefill=False, nsplit=None):
     """Run the decode kernel (or the prefill path) and assert it is within the derived bound, elementwise."""
     B, Hq, n, D = q.shape
     if prefill:
@@ -48,8 +48,8 @@ def check(q, state, spec, mask=None, scale=None, prefill=False):
         nsplit = spec.capacity
     else:
         assert cpu.check_decode(q, spec) is None
-        got = cpu.attention(q, state, spec, mask, scale)
-        nsplit = cpu.splits(state.lengths, spec.heads, torch.get_num_threads())
+        got = cpu.attention(q, state, spec, mask, scale, nsplit=nsplit)
+        nsplit = nsplit or cpu.splits(state.lengths, spec.heads, cpu.threads_for(state.lengths, spec.heads))
     assert got.dtype == q.dtype and got.shape == q.shape
     want, bound = kattn.reference_and_bound(q, state, spec, mask, scale, nsplit=nsplit)
     err = (got.double() - want).abs()
@@ -73,6 +73,7 @@ def test_cpu_attention_grid(gqa, D):
     spec, state = filled(MIXED, LENGTHS, H, D, C, chunk=10)
     B, Hq = len(LENGTHS), H * gqa
     check(torch.randn(B, Hq, 1, D, generator=g), state, spec)  # decode
+    check(torch.randn(B, Hq, 1, D, generator=g), state, spec, nsplit=4)  # split in four, merged
     n = 16 // gqa  # as many query tokens as the decode kernel takes (row 0 holds fewer tokens than that)
     check(torch.randn(B, Hq, n, D, generator=g), state, spec)
     check(torch.randn(B, Hq, 20, D, generator=g), state, spec, prefill=True)
@@ -107,13 +108,14 @@ def cases(draw):
     mask = draw(st.sampled_from([None, "bool", "float"]))
     dtype = draw(st.sampled_from(["float32", "bfloat16", "float16"]))
     chunk = draw(st.sampled_from([None, 1, 7, 32]))
-    return policy, B, H, G, D, C, lengths, n, mask, dtype, chunk, draw(st.integers(0, 2**31 - 1))
+    nsplit = draw(st.sampled_from([None, 1, 2, 3, 5]))  # flash-decoding pieces, merged at the end
+    return policy, B, H, G, D, C, lengths, n, mask, dtype, chunk, nsplit, draw(st.integers(0, 2**31 - 1))
 
 
 @settings(max_examples=25, deadline=None)
 @given(cases())
 def test_cpu_attention_equals_float64_attention(case):
-    policy, B, H, G, D, C, lengths, n, mask_kind, dtype, chunk, seed = case
+    policy, B, H, G, D, C, lengths, n, mask_kind, dtype, chunk, nsplit, seed = case
     if max(lengths) == 0:
         lengths[0] = 1
     g = torch.Generator().manual_seed(seed)
@@ -125,7 +127,7 @@ def test_cpu_attention_equals_float64_attention(case):
         mask = torch.where(torch.rand(1, H * G, 1, C + 5, generator=g) > 0.3, torch.randn(C + 5, generator=g), -torch.inf)
     q = torch.randn(B, H * G, n, D, generator=g).to(spec.torch_dtype)
     scale = float(torch.rand((), generator=g)) + 0.05
-    check(q, state, spec, mask, scale)
+    check(q, state, spec, mask, scale, nsplit=nsplit)
     check(q, state, spec, mask, scale, prefill=True)
 
 
@@ -147,7 +149,7 @@ def test_the_bound_catches_one_wrong_code():
     bad = type(state)(*[t.clone() for t in state])
     bad.k_codes[0, 0, 5, 3] ^= 1
     got = cpu.attention(q, bad, spec, None, None)
-    want, bound = kattn.reference_and_bound(q, state, spec, nsplit=cpu.splits(state.lengths, 1, torch.get_num_threads()))
+    want, bound = kattn.reference_and_bound(q, state, spec, nsplit=cpu.splits(state.lengths, 1, cpu.threads_for(state.lengths, 1)))
     assert ((got.double() - want).abs() > bound).any()
 
 
@@ -224,3 +226,14 @@ def test_mask_conversions_are_reused_only_for_the_same_unchanged_mask():
     mask[:, :, :, 10:] = False  # in place: a new version of the same tensor
     check(q, state, spec, mask)
     check(q, state, spec, torch.rand(2, 1, 1, 48, generator=torch.Generator().manual_seed(4)) > 0.5)
+
+
+def test_short_contexts_run_on_one_thread():
+    """A parallel region costs a time slice on a loaded machine: it is only opened when every thread gets
+    at least MIN_TILES_PER_THREAD tiles."""
+    n_threads = torch.get_num_threads()
+    assert cpu.threads_for(torch.tensor([160], dtype=torch.int32), 2) == 1
+    long = torch.tensor([8192] * 4, dtype=torch.int32)
+    assert cpu.threads_for(long, 3) == n_threads
+    assert cpu.splits(long, 3, 2) == 1  # 12 (sequence, head) pairs already keep two threads busy
+    assert cpu.splits(torch.tensor([8192], dtype=torch.int32), 1, 2) == 4
