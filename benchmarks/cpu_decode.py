@@ -118,7 +118,7 @@ def quanto(nbits):
     return make
 
 
-COMPILER = {"name": "inductor"}
+COMPILER = {"name": "auto"}
 
 
 def kv(policy):
@@ -190,7 +190,7 @@ def main(argv=None):
                     default=["dynamic", "static+compile", "quanto-int4", "quanto-int2",
                              "kvc-int8", "kvc-fp8", "kvc-int4", "kvc-int2"])
     ap.add_argument("--out", default="benchmarks/cpu_decode.json")
-    ap.add_argument("--compiler", default="inductor", choices=["inductor", "eager"],
+    ap.add_argument("--compiler", default="auto", choices=["auto", "inductor", "eager"],
                     help="what compiles the rest of kvcompile's graph")
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip the untimed first run per shape (long contexts): the first timed run then compiles, "
