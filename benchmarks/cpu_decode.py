@@ -5,6 +5,10 @@
     python benchmarks/cpu_decode.py --contexts 2048 --batches 1 --new 32 --repeats 2
     python benchmarks/cpu_decode.py --smoke               # a tiny random Llama, seconds (run by the tests)
 
+    # the GPU end-to-end variant (issue 6): a Llama-shaped 1B model with random weights, bf16, one call
+    python benchmarks/cpu_decode.py --device cuda --random-llama 1b --dtype bfloat16 --batches 8 32 \
+        --contexts 8192 32768 --contenders static+compile quanto-int4 kvc-int4 --record
+
 Contenders run interleaved (A B C ... A B C ...) so machine drift hits all of them alike. For each one:
 prefill time, decode tokens/s (median over repeats), the bytes the KV cache holds at the end (summed from
 its tensors), peak process memory (RSS high-water mark sampled during the run, minus the baseline before
@@ -13,9 +17,11 @@ it), and ratios to the full-precision DynamicCache. Writes JSON next to the prin
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +29,7 @@ from pathlib import Path
 
 import psutil
 import torch
+import transformers
 from tqdm import tqdm
 from transformers import DynamicCache, QuantizedCache, StaticCache
 
@@ -94,6 +101,30 @@ class PeakRSS:
         return self.peak - self.base
 
 
+class PeakCUDA:
+    """GPU memory: the allocator's high-water mark during the run, minus what was allocated before it."""
+
+    def __enter__(self):
+        gc.collect()
+        torch.cuda.synchronize()
+        self.base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize()
+        self.added = torch.cuda.max_memory_allocated() - self.base
+
+
+# Llama-shaped configs with random weights, for the GPU variant (no weights are downloaded)
+RANDOM_LLAMAS = {
+    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072),
+    "tiny": dict(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
+}
+
+
 # --------------------------------------------------------------------------- contenders
 @dataclass
 class Contender:
@@ -160,9 +191,12 @@ def run_once(c: Contender, model, ids, new_tokens: int):
     fn, cache = c.make(model, B, capacity)  # kvcompile.apply runs here the first time
     # No attention_mask: the rows are unpadded, and a growing 2-D mask would change shape every step (a
     # recompile per step for the compiled contenders); the models build their causal masks from positions.
-    with PeakRSS() as mem:
+    cuda = ids.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with (PeakCUDA() if cuda else PeakRSS()) as mem:
         t0 = time.perf_counter()
         out = fn(input_ids=ids, past_key_values=cache, use_cache=True)
+        sync()
         t1 = time.perf_counter()
         cache = out.past_key_values
         nxt = out.logits[:, -1:].argmax(-1)
@@ -171,7 +205,8 @@ def run_once(c: Contender, model, ids, new_tokens: int):
         for i in range(new_tokens):
             s = time.perf_counter()
             out = fn(input_ids=nxt, past_key_values=cache, use_cache=True,
-                     cache_position=torch.tensor([T + i]))
+                     cache_position=torch.tensor([T + i], device=ids.device))
+            sync()
             step_times.append(time.perf_counter() - s)
             nxt = out.logits[:, -1:].argmax(-1)
     held = cache.nbytes if hasattr(cache, "nbytes") else tensor_bytes(cache)
@@ -197,23 +232,30 @@ def main(argv=None):
                          "which its prefill time includes; decode step medians are unaffected")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--plot", default=None, help="PNG: decode tokens/s and step time against context")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda for the GPU end-to-end variant")
+    ap.add_argument("--random-llama", choices=sorted(RANDOM_LLAMAS), default=None,
+                    help="a Llama-shaped model with random weights instead of SmolLM2")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
     ap.add_argument("--smoke", action="store_true", help="tiny random Llama; checks the script runs")
     args = ap.parse_args(argv)
+    started = time.time()
 
-    if args.smoke:
+    if args.smoke or args.random_llama:
         from transformers import LlamaConfig, LlamaForCausalLM
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+        cfg = LlamaConfig(**RANDOM_LLAMAS["tiny" if args.smoke else args.random_llama])
         model = LlamaForCausalLM(cfg).eval()
-        args.contexts, args.batches, args.new, args.repeats, args.compiler = [160], [1], 4, 1, "eager"
-        args.contenders = [c for c in args.contenders if c in ("dynamic", "kvc-int4", "kvc-int8")]
+        if args.smoke:
+            args.contexts, args.batches, args.new, args.repeats, args.compiler = [160], [1], 4, 1, "eager"
+            args.contenders = [c for c in args.contenders if c in ("dynamic", "kvc-int4", "kvc-int8")]
         vocab = cfg.vocab_size
     else:
         from kvcompile.models import load
         model, tok = load(args.model)
         vocab = model.config.vocab_size
 
+    model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
     COMPILER["name"] = args.compiler
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -225,7 +267,7 @@ def main(argv=None):
     bar = tqdm(total=total, desc="decode benchmark")
     for T in args.contexts:
         for B in args.batches:
-            ids = torch.randint(0, vocab, (B, T), generator=g)
+            ids = torch.randint(0, vocab, (B, T), generator=g).to(args.device)
             per = {c.name: [] for c in cs}
             first = {}
             for c in cs:  # an untimed first run per shape: compilation (and its recompiles) happen here
@@ -254,15 +296,8 @@ def main(argv=None):
                     step_ms_median=statistics.median(s for x in xs for s in x["step_ms"]),
                     step_ms_first=xs[-1]["step_ms"][0], step_ms_last=xs[-1]["step_ms"][-1]))
     bar.close()
-    print(f"{args.threads} threads, compiler={args.compiler}, {args.new} new tokens, median of {args.repeats}")
-    hdr = (f"{'contender':16} {'ctx':>6} {'B':>2} {'1st tok s':>9} {'prefill s':>9} {'tok/s':>7} {'x first':>7} "
-           f"{'cache MiB':>9} {'x first':>7} {'peak+MiB':>8} {'step ms':>8}")
-    print(hdr)
-    for r in rows:
-        print(f"{r['contender']:16} {r['context']:6d} {r['batch']:2d} {r['first_token_s']:9.1f} "
-              f"{r['prefill_s']:9.2f} {r['decode_tok_s']:7.2f} "
-              f"{r['speed_vs_first']:7.2f} {r['cache_bytes'] / 2 ** 20:9.1f} {r['cache_vs_first']:7.2f} "
-              f"{r['peak_added_mib']:8.1f} {r['step_ms_median']:8.1f}")
+    table = render(rows, args)
+    print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
@@ -270,7 +305,27 @@ def main(argv=None):
     if args.plot:
         plot(rows, args.plot)
         print(f"wrote {args.plot}")
+    if args.record:
+        dev = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+        cmd = "python benchmarks/cpu_decode.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        with open(Path(__file__).with_name("RESULTS.md"), "a") as f:
+            f.write(f"\n## {datetime.date.today().isoformat()} -- end to end, {dev}\n\n`{cmd}` (torch "
+                    f"{torch.__version__}, transformers {transformers.__version__}, {time.time() - started:.0f} s)"
+                    f"\n\n```\n{table}\n```\n")
     return rows
+
+
+def render(rows, args) -> str:
+    lines = [f"{args.threads} threads, {args.device}, {args.dtype}, compiler={args.compiler}, {args.new} new tokens, "
+             f"median of {args.repeats}",
+             f"{'contender':16} {'ctx':>6} {'B':>2} {'1st tok s':>9} {'prefill s':>9} {'tok/s':>7} {'x first':>7} "
+             f"{'cache MiB':>9} {'x first':>7} {'peak+MiB':>8} {'step ms':>8}"]
+    for r in rows:
+        lines.append(f"{r['contender']:16} {r['context']:6d} {r['batch']:2d} {r['first_token_s']:9.1f} "
+                     f"{r['prefill_s']:9.2f} {r['decode_tok_s']:7.2f} "
+                     f"{r['speed_vs_first']:7.2f} {r['cache_bytes'] / 2 ** 20:9.1f} {r['cache_vs_first']:7.2f} "
+                     f"{r['peak_added_mib']:8.1f} {r['step_ms_median']:8.1f}")
+    return "\n".join(lines)
 
 
 def plot(rows, path):
