@@ -17,6 +17,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -79,7 +80,16 @@ def cache_dir() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def _compiler_id(cc: str) -> str:
-    return subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    """The compiler's version and the CPU's features: -march=native code must never be loaded on another CPU
+    (a cache directory shared between machines), so both key the disk cache."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    features = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            features += next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        features += platform.processor()
+    return version + "\n" + features
 
 
 @functools.lru_cache(maxsize=None)
