@@ -150,6 +150,7 @@ def quanto(nbits):
 
 
 COMPILER = {"name": "auto"}
+PREFILL_CHUNK = {"n": None}
 
 
 def kv(policy):
@@ -195,7 +196,11 @@ def run_once(c: Contender, model, ids, new_tokens: int):
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with (PeakCUDA() if cuda else PeakRSS()) as mem:
         t0 = time.perf_counter()
-        out = fn(input_ids=ids, past_key_values=cache, use_cache=True)
+        step = PREFILL_CHUNK["n"] or T
+        for a in range(0, T, step):  # chunked prefill bounds the [B, 1, n, C] masks at long context
+            out = fn(input_ids=ids[:, a:a + step], past_key_values=cache, use_cache=True,
+                     **({"cache_position": torch.arange(a, min(T, a + step), device=ids.device)} if a else {}))
+            cache = out.past_key_values
         sync()
         t1 = time.perf_counter()
         cache = out.past_key_values
@@ -236,6 +241,8 @@ def main(argv=None):
     ap.add_argument("--random-llama", choices=sorted(RANDOM_LLAMAS), default=None,
                     help="a Llama-shaped model with random weights instead of SmolLM2")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prefill the prompt in chunks of this many tokens (default: all at once)")
     ap.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
     ap.add_argument("--smoke", action="store_true", help="tiny random Llama; checks the script runs")
     args = ap.parse_args(argv)
@@ -257,6 +264,7 @@ def main(argv=None):
 
     model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
     COMPILER["name"] = args.compiler
+    PREFILL_CHUNK["n"] = args.prefill_chunk
     if args.threads:
         torch.set_num_threads(args.threads)
     args.threads = torch.get_num_threads()
