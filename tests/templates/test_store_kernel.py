@@ -11,47 +11,12 @@ from hypothesis import strategies as st
 
 from kvcompile import Policy, Quant
 from kvcompile import quant as Q
-from kvcompile.store import CapacityError, LayerSpec, dequantize_reference, store_reference
+from kvcompile.store import CapacityError, LayerSpec, store_reference
 from kvcompile.templates import launch
 from kvcompile.templates import store as kstore
+from store_checks import assert_same_store, bits, quants
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-EXACT_FIELDS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_sink", "v_sink", "lengths")
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The bit pattern of ``t`` (so -0.0 != 0.0 and NaN == NaN): exact equality means the same bytes."""
-    if t.dtype.is_floating_point:
-        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-    return t
-
-
-def assert_same_store(ref, got, spec):
-    """Everything the layout specifies is equal bit for bit: codes, scales, zeros, sinks, lengths, and the live
-    ring slots (dead slots are unspecified); and so is what the store reads back."""
-    for name in EXACT_FIELDS:
-        a, b = getattr(ref, name), getattr(got, name)
-        assert torch.equal(bits(a), bits(b.to(a.device))), (name, spec.name, (bits(a) != bits(b.cpu())).sum())
-    W, S = spec.ring, spec.sink
-    for row, L in enumerate(ref.lengths.tolist()):
-        live = [p % W for p in range(max(spec.boundary(L), S), L)]
-        for res in ("k_res", "v_res"):
-            a, b = getattr(ref, res)[row, :, live], getattr(got, res)[row, :, live].cpu()
-            assert torch.equal(bits(a), bits(b)), (res, row, L, spec.name)
-    for a, b in zip(dequantize_reference(ref, spec), dequantize_reference(got.__class__(*[t.cpu() for t in got]), spec)):
-        assert torch.equal(bits(a), bits(b))
-
-
-@st.composite
-def quants(draw, D):
-    fmt = draw(st.sampled_from(["int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2", "none"]))
-    axis = draw(st.sampled_from(["token", "channel"]))
-    if axis == "token":
-        group = draw(st.sampled_from([None] + [g for g in (1, 2, 8, 16, 32) if D % g == 0]))
-    else:
-        group = draw(st.sampled_from([1, 2, 4, 8, 16]))
-    sym = True if fmt.startswith("fp8") else draw(st.booleans())
-    return Quant(fmt, axis, group, sym, draw(st.sampled_from(["float16", "float16", "float32"])))
 
 
 @st.composite
