@@ -17,6 +17,7 @@ it), and ratios to the full-precision DynamicCache. Writes JSON next to the prin
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import gc
 import json
@@ -73,14 +74,32 @@ def tensor_bytes(obj, seen=None) -> int:
     return total
 
 
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: RSS still works, only less tightly
+        return None
+
+
+LIBC = _libc()
+if LIBC is not None:
+    # A fixed mmap threshold (1 MiB): every larger block is its own mapping, returned to the OS when freed.
+    # glibc's default raises the threshold after the first large free, after which freed tensors stay in the
+    # heap, the next contender reuses those pages without raising RSS, and its peak reads as nearly zero.
+    LIBC.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+
 class PeakRSS:
-    """Samples the process RSS in a thread; ``peak - base`` is what the run added at its worst."""
+    """Samples the process RSS in a thread; ``peak - base`` is what the run added at its worst (the cache,
+    which some contenders allocate up front, included: the run starts before the cache is made)."""
 
     def __init__(self, interval=0.002):
         self.proc, self.interval = psutil.Process(), interval
 
     def __enter__(self):
         gc.collect()
+        if LIBC is not None:
+            LIBC.malloc_trim(0)  # hand freed heap pages back, so they cannot hide this run's growth
         self.base = self.peak = self.proc.memory_info().rss
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
@@ -159,9 +178,16 @@ def kv(policy):
 
     def make(model, batch, capacity):
         if "model" not in applied:
-            applied["model"] = kvcompile.apply(_clone(model), policy, max_cache_len=capacity,
+            applied["model"] = kvcompile.apply(applied.pop("copy"), policy, max_cache_len=capacity,
                                                compiler=COMPILER["name"])
         return applied["model"], KVCompileCache(model.config, policy, capacity)
+
+    def prepare(model):
+        # apply changes the model it is given, so each kvcompile contender gets its own copy of the weights,
+        # made here, outside the timed and measured run (a user applies kvcompile to the one model they have)
+        if "model" not in applied and "copy" not in applied:
+            applied["copy"] = _clone(model)
+    make.prepare = prepare
     return make
 
 
@@ -189,15 +215,17 @@ def contenders(names):
 def run_once(c: Contender, model, ids, new_tokens: int):
     B, T = ids.shape
     capacity = T + new_tokens
-    t_make = time.perf_counter()
-    fn, cache = c.make(model, B, capacity)  # kvcompile.apply runs here the first time
     # logits_to_keep=1: only the last position's logits are needed (a full [B, T, vocab] fp32 logits tensor is
     # 6 GiB at 8K x 4 and would dominate every contender's peak). No attention_mask: the rows are unpadded,
     # and a growing 2-D mask would change shape every step (a recompile per step for the compiled
     # contenders); the models build their causal masks from positions.
+    if hasattr(c.make, "prepare"):
+        c.make.prepare(model)
     cuda = ids.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    with (PeakCUDA() if cuda else PeakRSS()) as mem:
+    with (PeakCUDA() if cuda else PeakRSS()) as mem:  # from before the cache exists: its bytes count
+        t_make = time.perf_counter()
+        fn, cache = c.make(model, B, capacity)  # kvcompile.apply runs here the first time
         t0 = time.perf_counter()
         step = PREFILL_CHUNK["n"] or T
         for a in range(0, T, step):  # chunked prefill bounds the [B, 1, n, C] masks at long context
