@@ -507,7 +507,8 @@ def merge(results: list[dict]) -> dict:
                 both = {**old.get(f, {}), **v.get(f, {})}
                 if both:
                     new[f] = {k: both[k] for k in sorted(both, key=int)}
-            new["seconds"] = old.get("seconds", 0) + v.get("seconds", 0)
+            if not set(old.get("accuracy", {})) & set(v.get("accuracy", {})):  # a re-merged run is not counted twice
+                new["seconds"] = old.get("seconds", 0) + v.get("seconds", 0)
             pk[key] = new
     # full precision first, then by width (widest first) and by loss delta within a width
     out["rows"] = sorted(rows.values(), key=lambda r: (r["scheme"] != "full", -r["bits"], r["loss_delta"]))
