@@ -367,7 +367,23 @@ def render(rows, args) -> str:
                      f"{r['prefill_s']:9.2f} {r['decode_tok_s']:7.2f} "
                      f"{r['speed_vs_first']:7.2f} {r['cache_bytes'] / 2 ** 20:9.1f} {r['cache_vs_first']:7.2f} "
                      f"{r['peak_added_mib']:8.1f} {r['step_ms_median']:8.1f}")
+    for (name, B), v in slopes(rows).items():
+        lines.append(f"decode step growth, {name}, batch {B}: {v:.1f} ms per 1K tokens of context (least squares)")
     return "\n".join(lines)
+
+
+def slopes(rows) -> dict:
+    """Least-squares decode-step growth, ms per 1K tokens of context, per (contender, batch) with 2+ contexts."""
+    out = {}
+    for key in dict.fromkeys((r["contender"], r["batch"]) for r in rows):
+        rs = [r for r in rows if (r["contender"], r["batch"]) == key]
+        if len({r["context"] for r in rs}) < 2:
+            continue
+        x = [r["context"] / 1024 for r in rs]
+        y = [r["step_ms_median"] for r in rs]
+        mx, my = sum(x) / len(x), sum(y) / len(y)
+        out[key] = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sum((a - mx) ** 2 for a in x)
+    return out
 
 
 def plot(rows, path):
@@ -376,7 +392,8 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(2, len(batches), figsize=(5.5 * len(batches), 8), squeeze=False)
+    slope = slopes(rows)
+    fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 8), squeeze=False)
     for j, B in enumerate(batches):
         for name in dict.fromkeys(r["contender"] for r in rows):
             rs = sorted((r for r in rows if r["batch"] == B and r["contender"] == name), key=lambda r: r["context"])
@@ -384,10 +401,12 @@ def plot(rows, path):
                 continue
             ctx = [r["context"] for r in rs]
             axes[0][j].plot(ctx, [r["decode_tok_s"] for r in rs], "o-", label=name)
-            axes[1][j].plot(ctx, [r["step_ms_median"] for r in rs], "o-", label=name)
-        axes[0][j].set(title=f"batch {B}", ylabel="decode tokens/s", xscale="log", xlabel="context (tokens)")
-        axes[1][j].set(ylabel="decode step (ms)", xscale="log", xlabel="context (tokens)")
+            extra = f" ({slope[name, B]:.1f} ms per 1K tokens)" if (name, B) in slope else ""
+            axes[1][j].plot(ctx, [r["step_ms_median"] for r in rs], "o-", label=name + extra)
+        axes[0][j].set(title=f"batch {B}", ylabel="decode tokens/s", xlabel="context (tokens)")
+        axes[1][j].set(ylabel="decode step, median (ms)", xlabel="context (tokens)")
         axes[0][j].legend(fontsize=8)
+        axes[1][j].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
