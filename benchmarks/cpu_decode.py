@@ -81,12 +81,10 @@ def _libc():
         return None
 
 
+# glibc keeps freed blocks below its (adaptive) mmap threshold in the heap: without a trim, the next contender
+# reuses those pages without raising RSS and its peak reads as nearly zero. (Fixing the threshold low instead
+# would distort the timings: DynamicCache's per-step torch.cat would page-fault fresh mappings every step.)
 LIBC = _libc()
-if LIBC is not None:
-    # A fixed mmap threshold (1 MiB): every larger block is its own mapping, returned to the OS when freed.
-    # glibc's default raises the threshold after the first large free, after which freed tensors stay in the
-    # heap, the next contender reuses those pages without raising RSS, and its peak reads as nearly zero.
-    LIBC.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
 
 
 class PeakRSS:
