@@ -80,7 +80,7 @@ SCHEMES: dict[str, Callable[[int], Policy | None]] = {
     "int8+rot": _only(8, lambda: Policy.int8(rotate=True)),
     "fp8+rot+sink": _only(8, lambda: Policy.fp8("fp8_e4m3", residual=128, sink=4, rotate=True)),
 }
-DEFAULT_SCHEMES = ("naive", "kivi", "kivi+rot", "kivi+sink", "kivi-g16", "kivi+rot+sink", "kivi+sink+l0",
+DEFAULT_SCHEMES = ("naive", "kivi", "kivi+rot", "kivi+sink", "kivi-g16", "kivi+rot+sink", "kivi+sink+l0", "kivi-k3v2",
                    "fp8", "fp8-r0", "int8")
 DEFAULT_BITS = (2, 3, 4, 8)
 
