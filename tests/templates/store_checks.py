@@ -4,6 +4,7 @@ import torch
 from hypothesis import strategies as st
 
 from kvcompile import Quant
+from kvcompile import quant as Q
 from kvcompile.store import dequantize_reference
 
 EXACT_FIELDS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_sink", "v_sink", "lengths")
@@ -42,3 +43,22 @@ def quants(draw, D):
         group = draw(st.sampled_from([1, 2, 4, 8, 16]))
     sym = True if fmt.startswith("fp8") else draw(st.booleans())
     return Quant(fmt, axis, group, sym, draw(st.sampled_from(["float16", "float16", "float32"])))
+
+
+def tie_rows(fmt: str, sym: bool, D: int) -> torch.Tensor:
+    """One row of D values whose quantization scale is exactly 1, so that most values are ties: half-integers
+    for integers, midpoints between neighbouring fp8 values for fp8 (round half to even decides them)."""
+    q = Quant(fmt, "token", None, sym)
+    if q.is_fp8:
+        vals = torch.arange(256, dtype=torch.uint8).view(Q.FP8_DTYPES[fmt]).float()
+        vals = vals[vals.isfinite() & (vals > 0) & (vals < Q.FP8_MAX[fmt])].sort().values
+        mids = ((vals[1:] + vals[:-1]) / 2)[:: max(1, len(vals) // (D - 1))]
+        row = torch.cat([torch.tensor([Q.FP8_MAX[fmt]]), mids, -mids])
+    elif sym:
+        qs = 2 ** (q.bits - 1) - 1
+        half = torch.arange(-qs, qs) + 0.5
+        row = torch.cat([torch.tensor([float(qs), -float(qs)]), half.repeat(D)])
+    else:
+        qa = 2 ** q.bits - 1
+        row = torch.cat([torch.tensor([0.0, float(qa)]), (torch.arange(qa) + 0.5).repeat(D)])
+    return row[:D]

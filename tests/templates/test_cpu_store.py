@@ -18,29 +18,10 @@ from kvcompile import Policy, Quant
 from kvcompile import quant as Q
 from kvcompile.store import CapacityError, LayerSpec, store_reference
 from kvcompile.templates import cpu, cpu_store
-from store_checks import assert_same_store, quants
+from store_checks import assert_same_store, quants, tie_rows
 
 
 pytestmark = pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler on this machine")
-
-
-def _tie_rows(fmt: str, sym: bool, D: int) -> torch.Tensor:
-    """One row of D values whose quantization scale is exactly 1, so that most values are ties: half-integers
-    for integers, midpoints between neighbouring fp8 values for fp8 (round half to even decides them)."""
-    q = Quant(fmt, "token", None, sym)
-    if q.is_fp8:
-        vals = torch.arange(256, dtype=torch.uint8).view(Q.FP8_DTYPES[fmt]).float()
-        vals = vals[vals.isfinite() & (vals > 0) & (vals < Q.FP8_MAX[fmt])].sort().values
-        mids = ((vals[1:] + vals[:-1]) / 2)[:: max(1, len(vals) // (D - 1))]
-        row = torch.cat([torch.tensor([Q.FP8_MAX[fmt]]), mids, -mids])
-    elif sym:
-        qs = 2 ** (q.bits - 1) - 1
-        half = torch.arange(-qs, qs) + 0.5
-        row = torch.cat([torch.tensor([float(qs), -float(qs)]), half.repeat(D)])
-    else:
-        qa = 2 ** q.bits - 1
-        row = torch.cat([torch.tensor([0.0, float(qa)]), (torch.arange(qa) + 0.5).repeat(D)])
-    return row[:D]
 
 
 def _around(values: torch.Tensor) -> torch.Tensor:
@@ -126,7 +107,7 @@ def test_cpu_store_rounds_ties_to_even(fmt, sym):
     """Rows and columns that hold the group's extremes (scale 1) and ties: per-token keys and per-channel values
     both round half to even, as torch.round and torch's fp8 cast do."""
     D = 16
-    row = _tie_rows(fmt, sym, D)
+    row = tie_rows(fmt, sym, D)
     x = torch.stack([row.roll(t) for t in range(D)])[None, None]  # [1, 1, 16 tokens, 16 channels]
     policy = Policy(Quant(fmt, "token", None, sym), Quant(fmt, "channel", D, sym), residual=0)
     spec = LayerSpec(policy, 1, 1, D, D)

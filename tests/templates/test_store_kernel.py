@@ -14,7 +14,7 @@ from kvcompile import quant as Q
 from kvcompile.store import CapacityError, LayerSpec, store_reference
 from kvcompile.templates import launch
 from kvcompile.templates import store as kstore
-from store_checks import assert_same_store, bits, quants
+from store_checks import assert_same_store, bits, quants, tie_rows
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -73,32 +73,13 @@ def test_store_kernel_decode_steps_cross_every_boundary(policy):
         assert_same_store(ref, got, spec)
 
 
-def _tie_rows(fmt: str, sym: bool, D: int) -> torch.Tensor:
-    """One row of D values whose quantization scale is exactly 1, so that most values are ties: half-integers
-    for integers, midpoints between neighbouring fp8 values for fp8 (round half to even decides them)."""
-    q = Quant(fmt, "token", None, sym)
-    if q.is_fp8:
-        vals = torch.arange(256, dtype=torch.uint8).view(Q.FP8_DTYPES[fmt]).float()
-        vals = vals[vals.isfinite() & (vals > 0) & (vals < Q.FP8_MAX[fmt])].sort().values
-        mids = ((vals[1:] + vals[:-1]) / 2)[:: max(1, len(vals) // (D - 1))]
-        row = torch.cat([torch.tensor([Q.FP8_MAX[fmt]]), mids, -mids])
-    elif sym:
-        qs = 2 ** (q.bits - 1) - 1
-        half = torch.arange(-qs, qs) + 0.5
-        row = torch.cat([torch.tensor([float(qs), -float(qs)]), half.repeat(D)])
-    else:
-        qa = 2 ** q.bits - 1
-        row = torch.cat([torch.tensor([0.0, float(qa)]), (torch.arange(qa) + 0.5).repeat(D)])
-    return row[:D]
-
-
 @pytest.mark.parametrize("fmt,sym", [("int8", False), ("int4", False), ("int3", True), ("int2", False),
                                      ("int2", True), ("fp8_e4m3", True), ("fp8_e5m2", True)])
 def test_store_kernel_rounds_ties_to_even(fmt, sym):
     """Every row and every column of x holds the group's extremes (scale 1) and ties: per-token keys and
     per-channel values both round half to even, as torch.round and torch's fp8 cast do."""
     D = 16
-    row = _tie_rows(fmt, sym, D)
+    row = tie_rows(fmt, sym, D)
     x = torch.stack([row.roll(t) for t in range(D)])[None, None]  # [1, 1, 16 tokens, 16 channels]
     policy = Policy(Quant(fmt, "token", None, sym), Quant(fmt, "channel", D, sym), residual=0)
     spec = LayerSpec(policy, 1, 1, D, D)
