@@ -46,14 +46,6 @@ ZOO = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    dynamo_utils.counters.clear()
-    yield
-
-
 @pytest.mark.parametrize("write,gqa,mask,ratio", ZOO)
 def test_zoo_compiled_equals_reference(write, gqa, mask, ratio):
     torch.manual_seed(0)

@@ -27,14 +27,6 @@ FAMILIES = ["Mistral", "Qwen2", "Qwen3"]
 POLICY = Policy.full().override({0: Policy.kivi(4, group=4, residual=4)})
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    dynamo_utils.counters.clear()
-    yield
-
-
 def tiny(family):
     torch.manual_seed(0)
     cfg = getattr(transformers, f"{family}Config")(
