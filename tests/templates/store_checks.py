@@ -62,3 +62,13 @@ def tie_rows(fmt: str, sym: bool, D: int) -> torch.Tensor:
         qa = 2 ** q.bits - 1
         row = torch.cat([torch.tensor([0.0, float(qa)]), (torch.arange(qa) + 0.5).repeat(D)])
     return row[:D]
+
+
+def around(values: torch.Tensor) -> torch.Tensor:
+    """Each fp32 value, its midpoints with its neighbours in the list, and one fp32 ulp either side of all."""
+    v = values.float().unique().sort().values
+    mids = (v[1:].double() + v[:-1].double()) / 2
+    pts = torch.cat([v, mids.float()])
+    pts = torch.cat([pts, torch.nextafter(pts, torch.full_like(pts, float("inf"))),
+                     torch.nextafter(pts, torch.full_like(pts, float("-inf")))])
+    return torch.cat([pts, -pts]).unique()

@@ -18,20 +18,10 @@ from kvcompile import Policy, Quant
 from kvcompile import quant as Q
 from kvcompile.store import CapacityError, LayerSpec, store_reference
 from kvcompile.templates import cpu, cpu_store
-from store_checks import assert_same_store, quants, tie_rows
+from store_checks import around, assert_same_store, quants, tie_rows
 
 
 pytestmark = pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler on this machine")
-
-
-def _around(values: torch.Tensor) -> torch.Tensor:
-    """Each fp32 value, its midpoints with its neighbours in the list, and one fp32 ulp either side of all."""
-    v = values.float().unique().sort().values
-    mids = (v[1:].double() + v[:-1].double()) / 2
-    pts = torch.cat([v, mids.float()])
-    pts = torch.cat([pts, torch.nextafter(pts, torch.full_like(pts, float("inf"))),
-                     torch.nextafter(pts, torch.full_like(pts, float("-inf")))])
-    return torch.cat([pts, -pts]).unique()
 
 
 # --------------------------------------------------------------------------- the store
@@ -175,7 +165,7 @@ def _helpers():
 
 def test_fp16_directed_rounding_matches_the_reference():
     f16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
-    x = _around(f16[f16.isfinite()])
+    x = around(f16[f16.isfinite()])
     x = torch.cat([x, torch.tensor([1e6, -1e6, 65504.5, -65504.5, 1e-10, -1e-10, 0.0, -0.0, float("inf"),
                                     float("-inf")])]).contiguous()
     lib = _helpers()
@@ -189,7 +179,7 @@ def test_fp16_directed_rounding_matches_the_reference():
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_encoding_matches_torch(fmt):
     vals = torch.arange(256, dtype=torch.uint8).view(Q.FP8_DTYPES[fmt]).float()
-    x = _around(vals[vals.isfinite()])
+    x = around(vals[vals.isfinite()])
     x = torch.cat([x, torch.tensor([1e9, -1e9, 480.0, 464.0, 65536.0, 61440.0, 1e-30, float("inf"),
                                     float("nan")])]).contiguous()
     out = torch.empty(x.numel(), dtype=torch.uint8)

@@ -14,7 +14,7 @@ from kvcompile import quant as Q
 from kvcompile.store import CapacityError, LayerSpec, store_reference
 from kvcompile.templates import launch
 from kvcompile.templates import store as kstore
-from store_checks import assert_same_store, bits, quants, tie_rows
+from store_checks import around, assert_same_store, bits, quants, tie_rows
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -125,16 +125,6 @@ def _round_kernel(x_ptr, up_ptr, down_ptr, N: tl.constexpr):
     tl.store(down_ptr + i, kstore._round_scale(x, False, True))
 
 
-def _around(values: torch.Tensor) -> torch.Tensor:
-    """Each fp32 value, its midpoints with its neighbours in the list, and one fp32 ulp either side of all."""
-    v = values.float().unique().sort().values
-    mids = (v[1:].double() + v[:-1].double()) / 2
-    pts = torch.cat([v, mids.float()])
-    pts = torch.cat([pts, torch.nextafter(pts, torch.full_like(pts, float("inf"))),
-                     torch.nextafter(pts, torch.full_like(pts, float("-inf")))])
-    return torch.cat([pts, -pts]).unique()
-
-
 def _run_padded(kernel, x, outs, **kw):
     N = triton.next_power_of_2(x.numel())
     xp = torch.zeros(N, dtype=x.dtype)
@@ -152,7 +142,7 @@ def test_fp8_encode_equals_torch_cast_at_every_rounding_boundary(fmt):
     dt = Q.FP8_DTYPES[fmt]
     every = torch.arange(256, dtype=torch.uint8).view(dt).float()
     every = every[every.isfinite() & (every.abs() <= Q.FP8_MAX[fmt])]
-    x = _around(every)
+    x = around(every)
     x = x[x.abs() <= Q.FP8_MAX[fmt]]
     x = torch.cat([x, torch.randn(4000) * 100, torch.rand(2000) * 2.0 ** -8, torch.tensor([0.0, -0.0])])
     (got,) = _run_padded(_fp8_kernel, x, [torch.uint8], E4M3=fmt == "fp8_e4m3")
@@ -163,7 +153,7 @@ def test_fp8_encode_equals_torch_cast_at_every_rounding_boundary(fmt):
 def test_fp16_directed_rounding_equals_reference():
     halves = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
     halves = halves[halves.isfinite()]
-    x = torch.cat([_around(halves[::7]), torch.randn(3000) * 1e-6, torch.randn(3000) * 3e4,
+    x = torch.cat([around(halves[::7]), torch.randn(3000) * 1e-6, torch.randn(3000) * 3e4,
                    torch.tensor([65504.0, 65519.0, 65520.0, 70000.0, 2.0 ** -25, -2.0 ** -25, 0.0])])
     up, down = _run_padded(_round_kernel, x, [torch.float16, torch.float16])
     assert torch.equal(bits(up), bits(Q.round_to_dtype(x, torch.float16, "up")))
