@@ -3,8 +3,8 @@
 Triton's CPU path here is an interpreter, so on the CPU kvcompile generates C instead: the template is
 compiled once per layout (``-D`` definitions spell the layout out: formats, axes, groups, head_dim, GQA
 ratio, regions), with ``-O3 -march=native -fopenmp``, cached on disk under ``~/.cache/kvcompile/cpu``
-(``KVCOMPILE_CACHE_DIR`` moves it) keyed by the source, the flags and the compiler, and called through
-ctypes. Building one layout takes about a second.
+(``KVCOMPILE_CACHE_DIR`` moves it) keyed by the source, the flags, the compiler and the CPU's features, and
+called through ctypes. Building one layout takes about a second.
 
 ``attention`` is the decode path (a few query rows per kv head). ``prefill_attention`` is the path for
 many query rows: the layer's store is dequantized for positions ``[0, max length)`` (one layer at a time,
@@ -30,13 +30,12 @@ from torch import Tensor
 from kvcompile.store import KVState, LayerSpec, dequantize_reference, hadamard
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-ROWS_MAX = 16  # query rows per kv head the decode kernel takes (its ROWS_MAX)
+ROWS_MAX = 16  # query rows per kv head the decode kernel takes (passed to it as -DROWS_MAX)
 # -ffp-contract=off: every product and sum rounds as the reference's fp32 ops do (no fused multiply-add), so
 # the kernel dequantizes to exactly the reference's values and the error bound of the tests applies as derived.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared",
          "-std=gnu11"]
-TILE = 32  # positions per tile (the kernel's TILE)
-_FMT = {"none": 0}
+TILE = 32  # positions per tile (passed to the kernel as -DTILE)
 _MODEL_T = {"float32": 0, "bfloat16": 1, "float16": 2}
 
 
@@ -123,7 +122,7 @@ def compile_template(source: str, key: tuple) -> ctypes.CDLL:
 @functools.lru_cache(maxsize=None)
 def build(key: tuple) -> ctypes.CDLL:
     """The decode attention kernel for one tuple of ``defines`` items."""
-    lib = compile_template(SOURCE.name, key)
+    lib = compile_template(SOURCE.name, key + (("ROWS_MAX", ROWS_MAX), ("TILE", TILE)))
     fn = lib.kvc_attention
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     fn.argtypes = [P] * 12 + [P, I, I, I, I, P, I, I, F, I, I]

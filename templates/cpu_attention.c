@@ -36,23 +36,8 @@
 #include <math.h>
 #include <omp.h>
 
-#ifndef TILE
-#define TILE 32
-#endif
-#define ROWS_MAX 16 /* query rows per kv head (G * n); more goes to the prefill path */
-
-typedef _Float16 f16;
-
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <math.h>
-#include <omp.h>
-
-#ifndef TILE
-#define TILE 32
-#endif
-#define ROWS_MAX 16 /* query rows per kv head (G * n); more goes to the prefill path */
+/* TILE (positions per tile) and ROWS_MAX (query rows per kv head, G * n; more goes to the prefill path)
+ * come from templates/cpu.py, like the layout. */
 #define NV (D / 8)  /* 8-float vectors per row */
 
 #if D % 8
