@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from kvcompile import Quant
 from kvcompile import quant as Q
-from kvcompile.store import dequantize_reference
+from kvcompile.store import LayerSpec, dequantize_reference, store_reference
 
 EXACT_FIELDS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_sink", "v_sink", "lengths")
 
@@ -72,3 +72,21 @@ def around(values: torch.Tensor) -> torch.Tensor:
     pts = torch.cat([pts, torch.nextafter(pts, torch.full_like(pts, float("inf"))),
                      torch.nextafter(pts, torch.full_like(pts, float("-inf")))])
     return torch.cat([pts, -pts]).unique()
+
+
+def with_history(policy, B, H, D, dtype, history, chunks, seed, device="cpu"):
+    """A store of capacity for ``history`` + ``chunks`` tokens, prefilled per row (ragged ``history``) by the
+    reference, and an identical copy on ``device`` for the kernel. Returns (spec, ref, got, generator, scale),
+    the generator and key scale to draw the chunks with."""
+    g = torch.Generator().manual_seed(seed)
+    C = max(history) + sum(chunks) + 1
+    spec = LayerSpec(policy, B, H, C, D, dtype)
+    ref = spec.allocate()
+    m = max(history)
+    scale = float(torch.rand((), generator=g) * 20 + 0.01)  # magnitudes over several binades
+    store_reference(ref, spec, torch.randn(B, H, m, D, generator=g) * scale, torch.randn(B, H, m, D, generator=g),
+                    torch.tensor(history))
+    got = spec.allocate(device)
+    for a, b in zip(got, ref):
+        a.copy_(b)
+    return spec, ref, got, g, scale

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from kvcompile import Policy, Quant
 from kvcompile import quant as Q
-from kvcompile.store import LayerSpec, store_reference
 from kvcompile.templates import attention as kattn
 from kvcompile.templates import launch
+from attention_checks import LENGTHS, MIXED, ROTATED, filled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -35,25 +35,6 @@ def check(q, state, spec, mask=None, scale=None, tiles=None):
     assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs outside the bound; worst error "
                            f"{err[bad].max():.3g} vs bound {bound[bad][err[bad].argmax()]:.3g}; {spec.name}")
     return err, bound
-
-
-def filled(policy, lengths, H, D, C, dtype="float32", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    spec = LayerSpec(policy, len(lengths), H, C, D, dtype)
-    state = spec.allocate()
-    m = max(lengths)
-    k = torch.randn(len(lengths), H, m, D, generator=g)
-    k[..., 3] *= 8  # an outlier channel, as real keys have
-    v = torch.randn(len(lengths), H, m, D, generator=g)
-    store_reference(state, spec, k, v, torch.tensor(lengths))
-    return spec, state
-
-
-# Keys per channel in groups of 16, residual 8, two sinks: Q(L) moves at L = 2 + 8 + 16 j.
-MIXED = Policy(Quant("int4", "channel", 16), Quant("int2", "token", 32), residual=8, sink=2)
-ROTATED = Policy(Quant("fp8_e4m3", "token"), Quant("int3", "channel", 16), residual=8, sink=2, rotate=True)
-# lengths 1, group - 1, group + 1, around the first flush (25, 26, 27) and the second (42, 43): one batch
-LENGTHS = [1, 15, 17, 25, 26, 27, 42, 43]
 
 
 @pytest.mark.parametrize("D", [64, 128])

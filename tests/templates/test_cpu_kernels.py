@@ -17,27 +17,12 @@ from hypothesis import strategies as st
 
 import kvcompile
 from kvcompile import Policy, Quant
-from kvcompile.store import LayerSpec, store_reference
+from kvcompile.store import LayerSpec
 from kvcompile.templates import attention as kattn
 from kvcompile.templates import cpu
+from attention_checks import LENGTHS, MIXED, ROTATED, filled
 
 pytestmark = pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler on this machine")
-
-
-def filled(policy, lengths, H, D, C, dtype="float32", seed=0, chunk=None):
-    g = torch.Generator().manual_seed(seed)
-    spec = LayerSpec(policy, len(lengths), H, C, D, dtype)
-    spec.register()
-    state = spec.allocate()
-    m = max(lengths)
-    k = torch.randn(len(lengths), H, m, D, generator=g)
-    k[..., 3] *= 8  # an outlier channel, as real keys have
-    v = torch.randn(len(lengths), H, m, D, generator=g)
-    chunk = chunk or m
-    for s in range(0, m, chunk):  # appended in chunks, rows ragged
-        n_new = torch.tensor([max(0, min(L - s, chunk)) for L in lengths])
-        store_reference(state, spec, k[:, :, s:s + chunk].to(spec.torch_dtype), v[:, :, s:s + chunk].to(spec.torch_dtype), n_new)
-    return spec, state
 
 
 def check(q, state, spec, mask=None, scale=None, prefill=False, nsplit=None):
@@ -57,12 +42,6 @@ def check(q, state, spec, mask=None, scale=None, prefill=False, nsplit=None):
     assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs outside the bound; worst error "
                            f"{err[bad].max():.3g} vs bound {bound[bad][err[bad].argmax()]:.3g}; {spec.name}")
     return got
-
-
-# Keys per channel in groups of 16, residual 8, two sinks: Q(L) moves at L = 2 + 8 + 16 j.
-MIXED = Policy(Quant("int4", "channel", 16), Quant("int2", "token", 32), residual=8, sink=2)
-ROTATED = Policy(Quant("fp8_e4m3", "token"), Quant("int3", "channel", 16), residual=8, sink=2, rotate=True)
-LENGTHS = [1, 15, 17, 25, 26, 27, 42, 43]  # 1, group +- 1, around the first and second flush
 
 
 @pytest.mark.parametrize("D", [64, 128])

@@ -18,7 +18,7 @@ from kvcompile import Policy, Quant
 from kvcompile import quant as Q
 from kvcompile.store import CapacityError, LayerSpec, store_reference
 from kvcompile.templates import cpu, cpu_store
-from store_checks import around, assert_same_store, quants, tie_rows
+from store_checks import around, assert_same_store, quants, tie_rows, with_history
 
 
 pytestmark = pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler on this machine")
@@ -46,17 +46,7 @@ def store_cases(draw):
 @given(store_cases())
 def test_cpu_store_equals_reference(case):
     policy, B, H, D, dtype, history, chunks, ragged, in_model_dtype, threads, seed = case
-    g = torch.Generator().manual_seed(seed)
-    C = max(history) + sum(chunks) + 1
-    spec = LayerSpec(policy, B, H, C, D, dtype)
-    ref = spec.allocate()
-    m = max(history)
-    scale = float(torch.rand((), generator=g) * 20 + 0.01)  # magnitudes over several binades
-    store_reference(ref, spec, torch.randn(B, H, m, D, generator=g) * scale, torch.randn(B, H, m, D, generator=g),
-                    torch.tensor(history))
-    got = spec.allocate()
-    for a, b in zip(got, ref):
-        a.copy_(b)
+    spec, ref, got, g, scale = with_history(policy, B, H, D, dtype, history, chunks, seed)
     in_dt = spec.torch_dtype if in_model_dtype else torch.float32
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # 2: long appends are shared among OpenMP threads

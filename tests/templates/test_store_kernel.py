@@ -14,7 +14,7 @@ from kvcompile import quant as Q
 from kvcompile.store import CapacityError, LayerSpec, store_reference
 from kvcompile.templates import launch
 from kvcompile.templates import store as kstore
-from store_checks import around, assert_same_store, bits, quants, tie_rows
+from store_checks import around, assert_same_store, bits, quants, tie_rows, with_history
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -36,17 +36,7 @@ def store_cases(draw):
 @given(store_cases())
 def test_store_kernel_equals_reference(case):
     policy, B, H, D, dtype, history, chunks, ragged, seed = case
-    g = torch.Generator().manual_seed(seed)
-    C = max(history) + sum(chunks) + 1
-    spec = LayerSpec(policy, B, H, C, D, dtype)
-    ref = spec.allocate()
-    m = max(history)
-    scale = float(torch.rand((), generator=g) * 20 + 0.01)  # magnitudes over several binades
-    store_reference(ref, spec, torch.randn(B, H, m, D, generator=g) * scale, torch.randn(B, H, m, D, generator=g),
-                    torch.tensor(history))
-    got = spec.allocate(DEV)
-    for a, b in zip(got, ref):
-        a.copy_(b)
+    spec, ref, got, g, scale = with_history(policy, B, H, D, dtype, history, chunks, seed, DEV)
     for n in chunks:
         k = torch.randn(B, H, n, D, generator=g) * scale
         v = torch.randn(B, H, n, D, generator=g) + torch.randn(B, H, 1, D, generator=g) * 4  # offset: asym zeros

@@ -1,0 +1,31 @@
+"""Stores and layouts shared by the attention kernels' tests (Triton: test_attention_kernel.py, C:
+test_cpu_kernels.py)."""
+import torch
+
+from kvcompile import Policy, Quant
+from kvcompile.store import LayerSpec, store_reference
+
+
+def filled(policy, lengths, H, D, C, dtype="float32", seed=0, chunk=None):
+    """A registered store of ``len(lengths)`` ragged rows filled by the reference with random keys (channel 3
+    an outlier, as real keys have) and values, appended in chunks of ``chunk`` tokens (default: one)."""
+    g = torch.Generator().manual_seed(seed)
+    spec = LayerSpec(policy, len(lengths), H, C, D, dtype)
+    spec.register()
+    state = spec.allocate()
+    m = max(lengths)
+    k = torch.randn(len(lengths), H, m, D, generator=g)
+    k[..., 3] *= 8
+    v = torch.randn(len(lengths), H, m, D, generator=g)
+    chunk = chunk or m
+    for s in range(0, m, chunk):
+        n_new = torch.tensor([max(0, min(L - s, chunk)) for L in lengths])
+        store_reference(state, spec, k[:, :, s:s + chunk], v[:, :, s:s + chunk], n_new)
+    return spec, state
+
+
+# Keys per channel in groups of 16, residual 8, two sinks: Q(L) moves at L = 2 + 8 + 16 j.
+MIXED = Policy(Quant("int4", "channel", 16), Quant("int2", "token", 32), residual=8, sink=2)
+ROTATED = Policy(Quant("fp8_e4m3", "token"), Quant("int3", "channel", 16), residual=8, sink=2, rotate=True)
+# lengths 1, group - 1, group + 1, around the first flush (25, 26, 27) and the second (42, 43): one batch
+LENGTHS = [1, 15, 17, 25, 26, 27, 42, 43]
