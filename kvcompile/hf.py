@@ -4,9 +4,10 @@
 holds a packed ``KVState``; no full-precision tensor of full capacity is allocated.
 
 Eager mode (no torch.compile), ``update`` appends through ``torch.ops.kvcompile.store`` and returns the
-dequantized cache (``torch.ops.kvcompile.dequantize``) for the model's own attention to read: the exact
-numerics of the policy, at the cost of materializing the full-precision view every step (this is what the
-reference path and the quality evaluation use).
+dequantized cache (``torch.ops.kvcompile.dequantize``) with the chunk just appended in full precision, for
+the model's own attention to read: the exact numerics of the policy (``attention_reference`` with the
+chunk), at the cost of materializing the full-precision view every step (this is what the reference path
+and the quality evaluation use).
 
 Under Dynamo tracing (``torch.compiler.is_compiling()``) ``update`` does what a StaticLayer does --
 ``keys.index_copy_(2, pos, k)`` and returns ``keys, values`` -- on *stand-ins* (``kvcompile.standin``):
@@ -92,7 +93,10 @@ class KVCompileLayer(StaticLayer):
             self.values.index_copy_(2, pos, value_states)
             return self.keys, self.values
         torch.ops.kvcompile.store(list(self.state), key_states, value_states, pos, self.spec_name)
-        return torch.ops.kvcompile.dequantize(list(self.state), self.spec_name)
+        k, v = torch.ops.kvcompile.dequantize(list(self.state), self.spec_name)
+        # The chunk attends to itself in full precision (``attention_reference`` with k_new, v_new): the
+        # compiled path reads the same positions from the chunk's own keys and values.
+        return k.index_copy_(2, pos, key_states.to(k.dtype)), v.index_copy_(2, pos, value_states.to(v.dtype))
 
     def reset(self) -> None:
         if self.is_initialized:

@@ -1,7 +1,7 @@
 """kvcompile's operators, registered with ``torch.library`` so ``torch.compile(fullgraph=True)`` traces them.
 
     torch.ops.kvcompile.store(state, k, v, pos, spec)            -> None   (mutates ``state``)
-    torch.ops.kvcompile.attention(q, state, mask, scale, spec)    -> out    [B, Hq, n, D]
+    torch.ops.kvcompile.attention(q, state, mask, scale, spec, k_new, v_new)  -> out [B, Hq, n, D]
     torch.ops.kvcompile.dequantize(state, spec)                   -> (k, v) [B, H, C, D]
 
 ``state`` is a layer's ``KVState`` as a list, ``spec`` the name of its registered ``LayerSpec``.
@@ -28,7 +28,7 @@ import os
 import torch
 from torch import Tensor
 
-from .store import KVState, LayerSpec, attention_reference, dequantize_reference, store_reference
+from .store import KVState, LayerSpec, attention_reference, check_chunk, dequantize_reference, store_reference
 
 _KERNELS = os.environ.get("KVCOMPILE_KERNELS", "auto")
 
@@ -52,9 +52,9 @@ def kernels(device: torch.device) -> str:
     return _KERNELS
 
 
-def _fused_attention(q, state, mask, scale, spec_name):
+def _fused_attention(q, state, mask, scale, spec_name, k_new=None, v_new=None):
     from .templates import inductor
-    return inductor.attention(q, KVState(*state), LayerSpec.from_name(spec_name), mask, scale)
+    return inductor.attention(q, KVState(*state), LayerSpec.from_name(spec_name), mask, scale, k_new, v_new)
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,26 +103,29 @@ def _(state, k, v, pos, spec):
 
 
 @torch.library.custom_op("kvcompile::attention", mutates_args=())
-def attention(q: Tensor, state: list[Tensor], mask: Tensor | None, scale: float, spec: str) -> Tensor:
-    """Attention of the last ``n`` tokens' queries ``q [B, Hq, n, D]`` over the store (see
-    ``attention_reference`` for the exact semantics of ``mask``)."""
+def attention(q: Tensor, state: list[Tensor], mask: Tensor | None, scale: float, spec: str,
+              k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
+    """Attention of the last ``n`` tokens' queries ``q [B, Hq, n, D]`` over the store; ``k_new, v_new
+    [B, H, n, D]``, the chunk just stored, are read in full precision at its own positions (see
+    ``attention_reference`` for the exact semantics of ``mask`` and the chunk)."""
     ls = LayerSpec.from_name(spec)
     st = KVState(*state)
+    check_chunk(q, k_new, v_new, ls)
     which = kernels(q.device)
     if which == "triton":
-        return _triton().attention(q, st, ls, mask, scale)
+        return _triton().attention(q, st, ls, mask, scale, k_new=k_new, v_new=v_new)
     if which == "cpu" and q.device.type == "cpu":
         from .templates import cpu
         if cpu.check_decode(q, ls) is None:
-            return cpu.attention(q, st, ls, mask, scale)
-        return cpu.prefill_attention(q, st, ls, mask, scale)
+            return cpu.attention(q, st, ls, mask, scale, k_new=k_new, v_new=v_new)
+        return cpu.prefill_attention(q, st, ls, mask, scale, k_new=k_new, v_new=v_new)
     if which == "inductor" and q.device.type == "cpu":
-        return _compiled_attention(spec)(q, state, mask, scale, spec)
-    return attention_reference(q, st, ls, mask, scale)
+        return _compiled_attention(spec)(q, state, mask, scale, spec, k_new, v_new)
+    return attention_reference(q, st, ls, mask, scale, k_new=k_new, v_new=v_new)
 
 
 @attention.register_fake
-def _(q, state, mask, scale, spec):
+def _(q, state, mask, scale, spec, k_new=None, v_new=None):
     return q.new_empty(q.shape)  # contiguous, like every implementation's output (not q's strides)
 
 

@@ -335,8 +335,50 @@ def dequantize_reference(state: KVState, spec: LayerSpec, dtype=torch.float32, r
     return out[0], out[1]
 
 
+def chunk_needed(spec: LayerSpec, n: int) -> bool:
+    """Whether the ``n`` newest tokens can be in packed storage right after they were appended.
+
+    They cannot when ``n <= residual`` (``Q(L) <= max(S, L - R)``: the newest ``R`` tokens are always in the
+    ring or the sinks, which hold exactly ``rotate(k).to(dtype)``, the chunk's own full-precision values), or
+    when nothing is quantized. Kernels use it to skip reading the chunk; the result is the same either way.
+    """
+    quantized = spec.policy.key.quantized or spec.policy.value.quantized
+    return quantized and n > spec.policy.residual
+
+
+def check_chunk(q: Tensor, k_new: Tensor | None, v_new: Tensor | None, spec: LayerSpec) -> None:
+    if (k_new is None) != (v_new is None):
+        raise ValueError("attention takes the chunk's keys and values together (k_new and v_new), or neither")
+    if k_new is None:
+        return
+    B, _, n, D = q.shape
+    want = (B, spec.heads, n, spec.head_dim)
+    if tuple(k_new.shape) != want or tuple(v_new.shape) != want:
+        raise ValueError(f"k_new and v_new must be the {n} queries' own keys and values, of shape {list(want)}; "
+                         f"got {list(k_new.shape)} and {list(v_new.shape)}")
+
+
+def with_chunk(k: Tensor, v: Tensor, state: KVState, spec: LayerSpec, k_new: Tensor, v_new: Tensor,
+               start: int = 0) -> tuple[Tensor, Tensor]:
+    """``k, v [B, H, P, D]`` (the store's rotated space, positions ``start ..``) with each row's newest ``n``
+    positions ``[L - n, L)`` replaced by the chunk ``k_new, v_new [B, H, n, D]`` (model space) exactly as the
+    store keeps full precision: ``rotate(x).to(dtype)``. Returns new tensors."""
+    B, H, n, D = k_new.shape
+    P = k.shape[2]
+    first = state.lengths.to(k.device).long().view(B, 1, 1, 1) - n  # the chunk's first position
+    j = torch.arange(start, start + P, device=k.device).view(1, 1, P, 1) - first  # index into the chunk
+    inside = (j >= 0) & (j < n)
+    idx = j.clamp(0, n - 1).expand(B, H, P, D)
+    out = []
+    for full, new in ((k, k_new), (v, v_new)):
+        x = rotate(new, spec).to(spec.torch_dtype).to(full.dtype)
+        out.append(torch.where(inside, x.gather(2, idx), full))
+    return out[0], out[1]
+
+
 def attention_reference(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = None,
-                        scale: float | None = None, compute_dtype=torch.float32) -> Tensor:
+                        scale: float | None = None, compute_dtype=torch.float32,
+                        k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
     """Attention of ``q [B, Hq, n, D]`` over the store; returns ``[B, Hq, n, D]`` in q's dtype.
 
     The ``n`` queries are the sequence's last ``n`` tokens (positions ``L-n .. L-1``, already stored).
@@ -345,12 +387,20 @@ def attention_reference(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
       - with a mask (bool, or float added to the scores; broadcastable to ``[B, Hq, n, C]`` over
         absolute positions): as the mask says.
     A query that sees no key returns zeros. ``Hq`` must be a multiple of the store's heads (GQA).
+
+    ``k_new, v_new [B, H, n, D]``: the chunk just appended (the queries' own keys and values). Given, the
+    chunk's positions ``[L-n, L)`` are read from them in full precision, not from the store: a prefill
+    attends to its own tokens unquantized, as KIVI does, and only later calls see them quantized (the
+    kv-cache pass always passes them). Without them every position is read from the store.
     """
     B, Hq, n, D = q.shape
     H, C = spec.heads, spec.capacity
     if Hq % H:
         raise ValueError(f"query heads {Hq} are not a multiple of the cache's kv heads {H}")
+    check_chunk(q, k_new, v_new, spec)
     k, v = dequantize_reference(state, spec, compute_dtype, rotated=True)
+    if k_new is not None:
+        k, v = with_chunk(k, v, state, spec, k_new, v_new)
     qr = q.to(compute_dtype)
     if spec.policy.rotate:
         qr = qr @ hadamard(D, q.device).to(compute_dtype)
@@ -403,8 +453,9 @@ class QuantizedKV:
     def dequantized(self, dtype=torch.float32):
         return dequantize_reference(self.state, self.spec, dtype)
 
-    def attention(self, q: Tensor, mask: Tensor | None = None, scale: float | None = None) -> Tensor:
-        return attention_reference(q, self.state, self.spec, mask, scale)
+    def attention(self, q: Tensor, mask: Tensor | None = None, scale: float | None = None,
+                  k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
+        return attention_reference(q, self.state, self.spec, mask, scale, k_new=k_new, v_new=v_new)
 
     def reset(self) -> None:
         for t in self.state:

@@ -296,6 +296,14 @@ def _match_read(gm: GraphModule, read: Node, order: dict) -> Site | Skipped:
     is_causal = bool(a.get("is_causal", False))
     B, H, C, D = (int(s) for s in kval.shape)
     qv = _val(q)
+    for name, w in (("keys", wk[0]), ("values", wv[0])):
+        sv = _val(w.src)
+        ok = sv is not None and sv.dim() == 4 and _same_size(sv.shape[0], B) and _same_size(sv.shape[1], H)
+        if not (ok and _same_size(sv.shape[2], qv.shape[-2]) and _same_size(sv.shape[3], D)):
+            got = list(sv.shape) if sv is not None else "an unknown shape"
+            return Skipped(layer, read.name, f"the {name} written ({got}) are not the {qv.shape[-2]} queries' own "
+                                             f"[{B}, {H}, n, {D}] chunk; kvcompile's attention reads each "
+                                             f"query's chunk from what the layer writes")
     causal_prefix = False
     if mask is None:
         n = qv.shape[-2]
@@ -451,18 +459,19 @@ def causal_prefix_mask(q, capacity: int):
     return p <= i
 
 
-def fused_cpu_attention(q, state, mask, scale, spec_name):
+def fused_cpu_attention(q, state, mask, scale, spec_name, k_new=None, v_new=None):
     """The attention read as plain torch ops (``kvcompile.templates.inductor``), for Inductor to fuse.
 
     The custom op is opaque to Inductor. Traced through this function instead, the read becomes part of the
     graph Inductor compiles: one generated C++ kernel that unpacks and dequantizes inside its reductions.
     Same semantics; tested against the reference.
     """
-    return _ops._fused_attention(q, state, mask, scale, spec_name)
+    return _ops._fused_attention(q, state, mask, scale, spec_name, k_new, v_new)
 
 
 def replace_read(gm: GraphModule, site: Site, state: list[Node], fused_cpu: bool = False) -> Node:
-    """SDPA over the (replicated) cache -> ``kvcompile.attention(q, state, mask, scale, spec)``.
+    """SDPA over the (replicated) cache -> ``kvcompile.attention(q, state, mask, scale, spec, k, v)``, where
+    ``k, v`` are what the layer's writes stored (the queries' own chunk, read in full precision).
 
     fused_cpu: for a CPU cache compiled by Inductor, call ``fused_cpu_attention`` instead of the op.
     """
@@ -483,7 +492,8 @@ def replace_read(gm: GraphModule, site: Site, state: list[Node], fused_cpu: bool
         q = g.call_method("contiguous", (site.query,))
         on_cpu = _val(site.query).device.type == "cpu" and _ops.kernels(torch.device("cpu")) == "inductor"
         target = fused_cpu_attention if (fused_cpu and on_cpu) else torch.ops.kvcompile.attention.default
-        att = g.call_function(target, (q, list(state), mask, site.scale, site.spec_name))
+        att = g.call_function(target, (q, list(state), mask, site.scale, site.spec_name, site.k_write.src,
+                                       site.v_write.src))
         counters["attention_fused_cpu" if target is fused_cpu_attention else "attention_op"] += 1
     _copy_meta(att, site.read)
     if "example_value" in site.read.meta:

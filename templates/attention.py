@@ -18,7 +18,8 @@ One kernel serves both shapes of the problem, specialised by its constexprs:
 A tile of keys/values comes from one of three regions, walked in order by three loops: sinks (``p < S``,
 full precision), packed codes (``S <= p < Q(L)``, dequantized in registers: unpack the little-endian bit
 stream, gather the scale/zero of each element's group), and the residual ring (``Q(L) <= p < L``, slot
-``p % W``). Scores and softmax are fp32 (online softmax); the two matrix products accumulate in fp32 with
+``p % W``). With ``CHUNK`` the queries' own chunk (positions ``[L - n, L)``, given in full precision) replaces
+what the packed codes hold there: a prefill attends to itself unquantized. Scores and softmax are fp32 (online softmax); the two matrix products accumulate in fp32 with
 operands in fp32 (``DOT="ieee"``) or rounded to tf32 on the tensor cores (``DOT="tf32"``).
 """
 import functools
@@ -138,18 +139,19 @@ def _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c
 @triton.jit
 def _attn_kernel(
     q_ptr, out_ptr, ws_acc, ws_ml,
-    kc, ks, kz, vc, vs, vz, kr, vr, ksk, vsk, len_ptr, mask_ptr,
+    kc, ks, kz, vc, vs, vz, kr, vr, ksk, vsk, len_ptr, mask_ptr, kn, vn,
     sq_b, sq_h, sq_t,  # q [B, Hq, n, D] fp32, unit stride along D
     skc_b, skc_h, skc_t, sks_b, sks_h, sks_t,  # key codes, key scale/zero
     svc_b, svc_h, svc_t, svs_b, svs_h, svs_t,  # value codes, value scale/zero
     sr_b, sr_h, sr_t, ssk_b, ssk_h, ssk_t,  # rings, sinks (keys and values share strides)
     sm_b, sm_h, sm_t, sm_c,  # mask, broadcast to [B, Hq, n, C]
+    # kn, vn: the chunk [B, H, n, D] fp32, contiguous (used with CHUNK)
     H, Hq, n, sm_scale, nsplit,
     D: tl.constexpr, DB: tl.constexpr, S: tl.constexpr, R: tl.constexpr, F: tl.constexpr, W: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_E4M3: tl.constexpr, K_CHANNEL: tl.constexpr, K_G: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_E4M3: tl.constexpr, V_CHANNEL: tl.constexpr, V_G: tl.constexpr,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
+    SPLIT: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Program (b*H + h, query block, split): rows = BLOCK_Q queries x G heads sharing KV head h.
 
@@ -210,6 +212,12 @@ def _attn_kernel(
                          K_KIND, K_BITS, K_E4M3, K_CHANNEL, K_G)
         v = _packed_tile(vcb, vs + vsb, vz + vsb, p - S, kv_ok, svc_t, svs_t, D, DB, BLOCK_N,
                          V_KIND, V_BITS, V_E4M3, V_CHANNEL, V_G)
+        if CHUNK:  # the queries' own tokens: from the chunk, in full precision (loads only where p >= L - n)
+            j = p - (L - n)
+            mine = kv_ok & (j >= 0)
+            cb = (b.to(tl.int64) * H + h) * n * D
+            k = tl.where(mine[:, None], _full_tile(kn + cb, j, mine, D, D, DB), k)
+            v = tl.where(mine[:, None], _full_tile(vn + cb, j, mine, D, D, DB), v)
         acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c,
                                      sm_scale, MASK_KIND, DOT)
     if W > 0:
@@ -257,7 +265,7 @@ def _merge_kernel(out_ptr, ws_acc, ws_ml, nsplit, NSPLIT_B: tl.constexpr, DB: tl
 # --------------------------------------------------------------------------- launcher
 @functools.lru_cache(maxsize=None)
 def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, gqa: int, block_q: int,
-                     block_n: int, split: bool, mask_kind: int, dot: str) -> tuple[str, dict]:
+                     block_n: int, split: bool, mask_kind: int, dot: str, chunk: bool = False) -> tuple[str, dict]:
     """The constexprs of one ``_attn_kernel`` specialization, and the key that spells it out (memoised)."""
     D = head_dim
     kw = dict(D=D, DB=max(16, triton.next_power_of_2(D)), S=sink, R=policy.residual, F=flush, W=ring)
@@ -267,9 +275,10 @@ def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, gq
                    pre + "G": q.group_for(D) if q.quantized else 1})
     gp = triton.next_power_of_2(gqa)
     kw.update(G=gqa, GP=gp, BLOCK_Q=block_q, BLOCK_M=max(16, gp * block_q), BLOCK_N=block_n, SPLIT=split,
-              MASK_KIND=mask_kind, DOT=dot)
+              MASK_KIND=mask_kind, DOT=dot, CHUNK=chunk)
     key = (f"attention[k={policy.key.key()};v={policy.value.key()};S={sink};R={policy.residual};F={flush};"
-           f"W={ring};D={D};gqa={gqa};bq={block_q};bn={block_n};split={int(split)};mask={mask_kind};dot={dot}]")
+           f"W={ring};D={D};gqa={gqa};bq={block_q};bn={block_n};split={int(split)};mask={mask_kind};dot={dot};"
+           f"chunk={int(chunk)}]")
     return key, kw
 
 
@@ -300,8 +309,12 @@ def num_warps(block_m: int, block_n: int, db: int) -> int:
 
 
 def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float,
-                     dot: str, tiles: tuple[int, int, int] | None = None) -> Tensor:
+                     dot: str, tiles: tuple[int, int, int] | None = None,
+                     chunk: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Attention of ``q [B, Hq, n, D]`` (fp32, already rotated) over ``state``; returns fp32 [B, Hq, n, D].
+
+    ``chunk``: the queries' own keys and values, fp32 [B, H, n, D] contiguous, as stored (rotated, rounded to
+    the model dtype), read instead of the packed codes at positions ``[L - n, L)``.
 
     ``mask``: None, or bool / float already broadcast (``expand``) to ``[B, Hq, n, C]``.
     """
@@ -311,7 +324,7 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
     block_q, block_n, nsplit = tiles or default_tiles(spec, n, G, q.device)
     mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
     _, kw = attention_config(spec.policy, D, spec.sink, spec.flush, spec.ring, G, block_q, block_n, nsplit > 1,
-                             mask_kind, dot)
+                             mask_kind, dot, chunk is not None)
     DB = kw["DB"]
     q = q.contiguous()
     dev = q.device
@@ -338,6 +351,7 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
         vc=nonempty(state.v_codes), vs=nonempty(state.v_scale), vz=nonempty(state.v_zero),
         kr=nonempty(state.k_res), vr=nonempty(state.v_res), ksk=nonempty(state.k_sink), vsk=nonempty(state.v_sink),
         len_ptr=state.lengths, mask_ptr=nonempty(mask_t),
+        kn=state.lengths if chunk is None else chunk[0], vn=state.lengths if chunk is None else chunk[1],
         sq_b=q.stride(0), sq_h=q.stride(1), sq_t=q.stride(2),
         skc_b=skc[0], skc_h=skc[1], skc_t=skc[2], sks_b=sks[0], sks_h=sks[1], sks_t=sks[2],
         svc_b=svc[0], svc_h=svc[1], svc_t=svc[2], svs_b=svs[0], svs_h=svs[1], svs_t=svs[2],
@@ -355,7 +369,8 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
 
 # --------------------------------------------------------------------------- what the kernel must equal
 def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = None,
-                        scale: float | None = None, *, nsplit: int, dot: str = "ieee") -> tuple[Tensor, Tensor]:
+                        scale: float | None = None, *, nsplit: int, dot: str = "ieee",
+                        k_new: Tensor | None = None, v_new: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """float64 attention over the reference's dequantized store (``attention_reference`` in float64), and an
     elementwise bound on ``|launch.attention(...) - it|`` derived from the kernel's fp32 arithmetic.
 
@@ -363,7 +378,7 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     gamma_k = k u / (1 - k u), u_op = 2**-11 for tf32 operands (0 for "ieee"), N = keys a query sees:
 
     1. The kernel reads exactly the reference's fp32 dequantized keys/values (same fp32 operations,
-       contraction off) and exactly its query (with rotation: ``q.float() @ H`` in fp32, the reference's own
+       contraction off; the chunk, when given, exactly as stored) and exactly its query (with rotation: ``q.float() @ H`` in fp32, the reference's own
        step; the float64 attention starts from that query). Each score q.k_j * scale (+ mask) is within
        scale (gamma_D + 2 u_op) sum_i |q_i k_ji| + 2u|s_j| of the exact one; exp(s_j - m) adds 2u(|s_j| + |m|) through the subtraction and log2(e)
        scaling and 2**-22 relative (ex2.approx), i.e. 2**-21 on the exponent. So every weight's exponent is
@@ -379,7 +394,7 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
        subnormal spacing (2**-25 for fp16) where the output is subnormal.
     A query that sees no key must return exactly 0.
     """
-    from kvcompile.store import dequantize_reference, hadamard
+    from kvcompile.store import dequantize_reference, hadamard, with_chunk
 
     B, Hq, n, D = q.shape
     H, C = spec.heads, spec.capacity
@@ -390,6 +405,8 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
 
     scale = 1.0 / D ** 0.5 if scale is None else float(scale)
     k, v = dequantize_reference(state, spec, torch.float64, rotated=True)
+    if k_new is not None:  # the chunk exactly as the kernels read it (rotated in fp32, model dtype)
+        k, v = with_chunk(k, v, state, spec, k_new, v_new)
     k = k.repeat_interleave(Hq // H, dim=1).to(q.device)
     v = v.repeat_interleave(Hq // H, dim=1).to(q.device)
     q64 = q.float().double()

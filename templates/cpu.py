@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvcompile.store import KVState, LayerSpec, dequantize_reference, hadamard
+from kvcompile.store import KVState, LayerSpec, chunk_needed, dequantize_reference, hadamard, rotate, with_chunk
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 ROWS_MAX = 16  # query rows per kv head the decode kernel takes (passed to it as -DROWS_MAX)
@@ -125,7 +125,7 @@ def build(key: tuple) -> ctypes.CDLL:
     lib = compile_template(SOURCE.name, key + (("ROWS_MAX", ROWS_MAX), ("TILE", TILE)))
     fn = lib.kvc_attention
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    fn.argtypes = [P] * 12 + [P, I, I, I, I, P, I, I, F, I, I]
+    fn.argtypes = [P] * 12 + [P, I, I, I, I, P, I, I, F, I, I, P, P]
     fn.restype = None
     return lib
 
@@ -190,8 +190,16 @@ def check_decode(q: Tensor, spec: LayerSpec) -> str | None:
     return None
 
 
+def _chunk_rows(spec: LayerSpec, k_new: Tensor | None, v_new: Tensor | None, n: int):
+    """The chunk as the store keeps it (``rotate(x).to(dtype)``), in fp32 [B, H, n, D], or (None, None) when
+    no chunk is given or none of its positions can be in packed storage (``chunk_needed``)."""
+    if k_new is None or not chunk_needed(spec, n):
+        return None, None
+    return [rotate(x, spec).to(spec.torch_dtype).float().contiguous() for x in (k_new, v_new)]
+
+
 def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float | None,
-              nsplit: int | None = None) -> Tensor:
+              nsplit: int | None = None, k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
     """Same contract as ``kvcompile.store.attention_reference``, for at most ``ROWS_MAX`` query rows per kv head.
 
     nsplit: pieces each (sequence, kv head)'s positions are cut into (default: ``splits``; tests vary it)."""
@@ -228,13 +236,15 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
             msb, msh, msi = m.stride(0), m.stride(1), m.stride(2)
         mw = m.shape[-1]
     out = torch.empty(B, Hq, n, D, dtype=torch.float32)
+    kn, vn = _chunk_rows(spec, k_new, v_new, n)
     threads = threads_for(state.lengths, spec.heads)
     pol = spec.policy
     lib.kvc_attention(
         qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(),
         None if m is None else m.data_ptr(), msb, msh, msi, mw,
         out.data_ptr(), B, n, float(scale if scale is not None else D ** -0.5),
-        nsplit or splits(state.lengths, spec.heads, threads), threads)
+        nsplit or splits(state.lengths, spec.heads, threads), threads,
+        None if kn is None else kn.data_ptr(), None if vn is None else vn.data_ptr())
     if pol.rotate:
         out = out @ hadamard(D, q.device)
     return out.to(q.dtype)
@@ -260,7 +270,7 @@ def _is_causal(mask: Tensor, n: int, L: int) -> bool:
 
 
 def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None,
-                      scale: float | None) -> Tensor:
+                      scale: float | None, k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
     """Same contract as ``attention_reference``, for many query rows (prefill and chunked prefill).
 
     The store is dequantized for positions ``[0, longest length)`` only (this layer, transiently, in the
@@ -280,6 +290,8 @@ def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor |
     if Lmax == 0:
         return torch.zeros_like(q)
     k, v = dequantize_reference(state, spec, torch.float32, rotated=True, start=0, end=Lmax)
+    if k_new is not None and chunk_needed(spec, n):  # the chunk's own positions in full precision
+        k, v = with_chunk(k, v, state, spec, k_new, v_new)
     sm = scale if scale is not None else D ** -0.5
     pos = torch.arange(Lmax, device=q.device).view(1, 1, 1, Lmax)
     Lb = lengths.view(B, 1, 1, 1)

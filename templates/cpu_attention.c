@@ -3,7 +3,8 @@
  * templates/cpu.py compiles this file once per layout with -D definitions (below) and calls
  * kvc_attention through ctypes. The semantics are exactly those of kvcompile.store.attention_reference:
  * the n newest tokens' queries (already rotated when the policy rotates) attend to positions [0, L) of
- * their sequence, causally (or as an additive mask says), over three regions found from L alone:
+ * their sequence, causally (or as an additive mask says), over three regions found from L alone (the
+ * chunk of the n queries' own tokens, positions [L - n, L), is read from k_new/v_new when given):
  *
  *     p < S            sink      model dtype   k_sink[b, h, p]
  *     S <= p < Q(L)    packed    codes         k_codes[b, h, p - S] with scales by group
@@ -314,7 +315,8 @@ void kvc_attention(
         const float *mask,           /* additive, or NULL for causal; indexed [b, hq, i, min(p, mask_w - 1)] */
         int64_t mask_sb, int64_t mask_sh, int64_t mask_si, int64_t mask_w,
         float *out,                  /* [B, H*G, n, D] fp32 */
-        int64_t B, int64_t n, float sm_scale, int64_t ns, int64_t nthreads) {
+        int64_t B, int64_t n, float sm_scale, int64_t ns, int64_t nthreads,
+        const float *k_new, const float *v_new) { /* [B, H, n, D] fp32 as stored (rotated, model dtype), or NULL */
     /* ns: splits of each (sequence, kv head)'s positions, merged at the end (templates/cpu.py chooses) */
     const int64_t GN = G * n;
     const int64_t ntask = B * H * ns;
@@ -371,6 +373,16 @@ void kvc_attention(
                                (const char *)v_scale + bh * (int64_t)V_NSCALE * V_SBYTES,
                                (const char *)v_zero + (V_FMT == 1 ? bh * (int64_t)V_NSCALE * V_SBYTES : 0),
                                p0 - S, nt, vt);
+                if (k_new) /* the queries' own chunk, in full precision where it is already packed */
+                    for (int t = 0; t < nt; t++) {
+                        const int64_t j = p0 + t - (L - n);
+                        if (j < 0) continue;
+                        const float *kx = k_new + (bh * n + j) * D, *vx = v_new + (bh * n + j) * D;
+                        for (int idx = 0; idx < D; idx++) {
+                            kt[t * D + idx] = kx[plane_channel(idx, K_PER)];
+                            vt[t * D + idx] = vx[plane_channel(idx, V_PER)];
+                        }
+                    }
                 attend_tile(P, K_FMT == 0 ? q_nat : q_plane, &P->acc_plane[0][0], &P->acc_nat[0][0], kt, vt, nt,
                             p0, GN, n, L, b, h, sm_scale, mask, mask_sb, mask_sh, mask_si, mask_w);
             } else {

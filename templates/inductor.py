@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from kvcompile import quant as Q
-from kvcompile.store import KVState, LayerSpec, hadamard
+from kvcompile.store import KVState, LayerSpec, chunk_needed, hadamard, rotate
 
 
 def _planes(codes: Tensor, bits: int, D: int) -> list[Tensor]:
@@ -67,11 +67,13 @@ def _dequantized_planes(codes, scale, zero, q, D: int) -> tuple[list[Tensor], in
 UNROLL_ROWS = 16  # up to this many query rows per KV head, one fused reduction each (decode under GQA)
 
 
-def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float | None) -> Tensor:
+def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float | None,
+              k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
     """Same contract as ``kvcompile.store.attention_reference`` (q: [B, Hq, n, D] -> [B, Hq, n, D]).
 
-    Scores are computed per region (sink, packed, residual ring), each with the absolute position of its
-    entries, then one softmax runs over all of them; the regions are never copied into one sequence.
+    Scores are computed per region (sink, packed, residual ring, and the queries' own chunk where it is
+    already packed), each with the absolute position of its entries, then one softmax runs over all of them;
+    the regions are never copied into one sequence.
     """
     B, Hq, n, D = q.shape
     H, S, W, Cq = spec.heads, spec.sink, spec.ring, spec.quantized_capacity
@@ -90,10 +92,16 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     if S:
         p = torch.arange(S, device=dev).view(1, S).expand(B, S)
         regions.append((([state.k_sink.float()], 1), ([state.v_sink.float()], 1), p, p < L))
+    chunk = k_new is not None and chunk_needed(spec, n) and Cq > 0
     if Cq:
         p = (torch.arange(Cq, device=dev) + S).view(1, Cq).expand(B, Cq)
+        held = (p < qb) & (p < L - n) if chunk else p < qb
         regions.append((_dequantized_planes(state.k_codes, state.k_scale, state.k_zero, pol.key, D),
-                        _dequantized_planes(state.v_codes, state.v_scale, state.v_zero, pol.value, D), p, p < qb))
+                        _dequantized_planes(state.v_codes, state.v_scale, state.v_zero, pol.value, D), p, held))
+    if chunk:  # the chunk's packed positions, in full precision as stored (sinks and ring hold it already)
+        p = L - n + torch.arange(n, device=dev).view(1, n)
+        kn, vn = (rotate(x, spec).to(spec.torch_dtype).float() for x in (k_new, v_new))
+        regions.append((([kn], 1), ([vn], 1), p, (p >= S) & (p < qb)))
     if W:
         w = torch.arange(W, device=dev).view(1, W)
         p = w + W * torch.div(L - 1 - w, W, rounding_mode="floor")  # the newest position in slot w

@@ -18,7 +18,7 @@ import os
 import torch
 from torch import Tensor
 
-from kvcompile.store import KVState, LayerSpec, _check_append, hadamard, rotate
+from kvcompile.store import KVState, LayerSpec, _check_append, check_chunk, chunk_needed, hadamard, rotate
 
 from . import attention as _attention
 from . import store as _store
@@ -80,12 +80,14 @@ def dot_precision(device: torch.device) -> str:
 
 
 def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = None,
-              scale: float | None = None, *, tiles: tuple[int, int, int] | None = None) -> Tensor:
+              scale: float | None = None, *, tiles: tuple[int, int, int] | None = None,
+              k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
     """``kvcompile.store.attention_reference`` with Triton kernels.
 
     q: [B, Hq, n, D], the last n tokens' queries (already stored); Hq a multiple of the store's heads.
     mask: None (causal), or bool / float broadcastable to [B, Hq, n, C] over absolute key positions.
     Returns [B, Hq, n, D] in q's dtype. ``tiles`` = (BLOCK_Q, BLOCK_N, NSPLIT) overrides the tiling.
+    k_new, v_new: [B, H, n, D], the queries' own chunk, read in full precision at positions [L - n, L).
     """
     check_supported(spec)
     _check_state(state, spec)
@@ -97,11 +99,15 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
         if not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
             raise TypeError(f"attention mask must be bool or floating point; got {mask.dtype}")
         mask = mask[..., :C].expand(B, Hq, n, C)
+    check_chunk(q, k_new, v_new, spec)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     qr = q.float()
     if spec.policy.rotate:  # as the reference: the query rotated in fp32, the output un-rotated in fp32
         qr = qr @ hadamard(D, q.device)
-    out = _attention.launch_attention(qr, state, spec, mask, scale, dot_precision(q.device), tiles)
+    chunk = None
+    if k_new is not None and chunk_needed(spec, n):  # as stored: rotated, in the model dtype
+        chunk = tuple(rotate(x, spec).to(spec.torch_dtype).float().contiguous() for x in (k_new, v_new))
+    out = _attention.launch_attention(qr, state, spec, mask, scale, dot_precision(q.device), tiles, chunk)
     if spec.policy.rotate:
         out = out @ hadamard(D, q.device)
     return out.to(q.dtype)

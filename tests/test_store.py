@@ -240,3 +240,60 @@ def test_dequantize_reference_range_equals_slice_of_whole(policy, data):
     part = dequantize_reference(kv.state, kv.spec, start=start, end=end)
     for w, p in zip(whole, part):
         assert torch.equal(w[:, :, start:end], p)
+
+
+# --------------------------------------------------------------------------- the queries' own chunk
+def test_a_prefill_attends_to_its_own_chunk_in_full_precision():
+    # An empty store, one call of 40 tokens at 2 bits: with the chunk given, attention is the full-precision
+    # causal attention of those tokens (KIVI's prefill); without it, the 2-bit copies (residual 4) are read.
+    B, Hq, H, D, n = 2, 4, 2, 16, 40
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(B, Hq, n, D, generator=g), *torch.randn(2, B, H, n, D, generator=g)
+    kv = QuantizedKV(Policy.kivi(2, group=8, residual=4), B, H, 64, D)
+    kv.append(k, v)
+    exact = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(2, 1),
+                                           v.double().repeat_interleave(2, 1), is_causal=True)
+    own = kc.store.attention_reference(q.double(), kv.state, kv.spec, None, None, torch.float64, k_new=k, v_new=v)
+    assert (own - exact).abs().max() < 1e-12
+    assert (kv.attention(q).double() - exact).abs().max() > 1e-2  # the store alone holds 2-bit copies
+    # a later call of 3 queries sees the first 40 quantized and its own 3 exactly
+    k2, v2 = torch.randn(2, B, H, 3, D, generator=g)
+    kv.append(k2, v2)
+    q2 = torch.randn(B, Hq, 3, D, generator=g)
+    k_hat, v_hat = kv.dequantized(torch.float64)
+    k_hat[:, :, 40:43], v_hat[:, :, 40:43] = k2.double(), v2.double()
+    mask = torch.ones(3, 43, dtype=torch.bool).tril(40)
+    want = F.scaled_dot_product_attention(q2.double(), k_hat[:, :, :43].repeat_interleave(2, 1),
+                                          v_hat[:, :, :43].repeat_interleave(2, 1), attn_mask=mask)
+    got = kc.store.attention_reference(q2.double(), kv.state, kv.spec, None, None, torch.float64, k_new=k2,
+                                       v_new=v2)
+    assert (got - want).abs().max() < 1e-12
+
+
+@given(policies(), st.data())
+def test_chunk_needed_is_exact(policy, data):
+    # Kernels skip the chunk when chunk_needed() says none of its positions can be packed: then the chunk and
+    # the store must give bit-identical attention, after any sequence of appends.
+    B, H, D, C = 2, 1, 16, 48
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31 - 1)))
+    kv = QuantizedKV(policy, B, H, C, D)
+    L = data.draw(st.integers(1, C))
+    k, v = torch.randn(2, B, H, L, D, generator=g)
+    at = 0
+    for n in _chunks(data.draw, L):
+        kv.append(k[:, :, at:at + n], v[:, :, at:at + n])
+        at += n
+    q = torch.randn(B, 2 * H, n, D, generator=g)
+    mine = kc.store.attention_reference(q, kv.state, kv.spec, k_new=k[:, :, L - n:], v_new=v[:, :, L - n:])
+    if not kc.store.chunk_needed(kv.spec, n):
+        assert torch.equal(mine, kv.attention(q))
+
+
+def test_chunk_of_the_wrong_shape_is_a_clear_error():
+    kv = QuantizedKV(Policy.kivi(4, group=8), 1, 2, 64, 16)
+    k = torch.randn(1, 2, 5, 16)
+    kv.append(k, k)
+    with pytest.raises(ValueError, match=r"own keys and values, of shape \[1, 2, 3, 16\]"):
+        kv.attention(torch.randn(1, 2, 3, 16), k_new=k, v_new=k)
+    with pytest.raises(ValueError, match="together"):
+        kv.attention(torch.randn(1, 2, 5, 16), k_new=k)

@@ -6,9 +6,13 @@ from kvcompile import Policy, Quant
 from kvcompile.store import LayerSpec, store_reference
 
 
-def filled(policy, lengths, H, D, C, dtype="float32", seed=0, chunk=None):
+def filled(policy, lengths, H, D, C, dtype="float32", seed=0, chunk=None, own=0):
     """A registered store of ``len(lengths)`` ragged rows filled by the reference with random keys (channel 3
-    an outlier, as real keys have) and values, appended in chunks of ``chunk`` tokens (default: one)."""
+    an outlier, as real keys have) and values, appended in chunks of ``chunk`` tokens (default: one).
+
+    ``own > 0``: also return each row's last ``own`` tokens as ``k_new, v_new [B, H, own, D]`` (what an
+    attention call of ``own`` queries passes as its chunk; zeros before a row's first token), so the call is
+    ``(spec, state, k_new, v_new)``."""
     g = torch.Generator().manual_seed(seed)
     spec = LayerSpec(policy, len(lengths), H, C, D, dtype)
     spec.register()
@@ -17,11 +21,18 @@ def filled(policy, lengths, H, D, C, dtype="float32", seed=0, chunk=None):
     k = torch.randn(len(lengths), H, m, D, generator=g)
     k[..., 3] *= 8
     v = torch.randn(len(lengths), H, m, D, generator=g)
+    k, v = k.to(spec.torch_dtype), v.to(spec.torch_dtype)  # what a model in that dtype stores
     chunk = chunk or m
     for s in range(0, m, chunk):
         n_new = torch.tensor([max(0, min(L - s, chunk)) for L in lengths])
         store_reference(state, spec, k[:, :, s:s + chunk], v[:, :, s:s + chunk], n_new)
-    return spec, state
+    if not own:
+        return spec, state
+    k_new, v_new = (torch.zeros(len(lengths), H, own, D, dtype=spec.torch_dtype) for _ in range(2))
+    for b, L in enumerate(lengths):
+        t = min(L, own)
+        k_new[b, :, own - t:], v_new[b, :, own - t:] = k[b, :, L - t:L], v[b, :, L - t:L]
+    return spec, state, k_new, v_new
 
 
 # Keys per channel in groups of 16, residual 8, two sinks: Q(L) moves at L = 2 + 8 + 16 j.

@@ -21,15 +21,18 @@ from attention_checks import LENGTHS, MIXED, ROTATED, filled
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def check(q, state, spec, mask=None, scale=None, tiles=None):
-    """Run the kernel and assert it is within the derived bound of float64 attention, elementwise."""
+def check(q, state, spec, mask=None, scale=None, tiles=None, chunk=(None, None)):
+    """Run the kernel and assert it is within the derived bound of float64 attention, elementwise.
+    ``chunk``: the queries' own (k_new, v_new), read in full precision."""
     B, Hq, n, D = q.shape
     nsplit = (tiles or kattn.default_tiles(spec, n, Hq // spec.heads, torch.device(DEV)))[2]
+    k_new, v_new = (None if x is None else x.to(DEV) for x in chunk)
     got = launch.attention(q.to(DEV), type(state)(*[t.to(DEV) for t in state]), spec,
-                           None if mask is None else mask.to(DEV), scale, tiles=tiles)
+                           None if mask is None else mask.to(DEV), scale, tiles=tiles, k_new=k_new, v_new=v_new)
     assert got.dtype == q.dtype and got.shape == q.shape
     want, bound = kattn.reference_and_bound(q, state, spec, mask, scale, nsplit=nsplit,
-                                            dot=launch.dot_precision(torch.device(DEV)))
+                                            dot=launch.dot_precision(torch.device(DEV)), k_new=chunk[0],
+                                            v_new=chunk[1])
     err = (got.cpu().double() - want).abs()
     bad = err > bound
     assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs outside the bound; worst error "
@@ -51,6 +54,11 @@ def test_attention_kernel_grid(gqa, D):
     check(torch.randn(B, Hq, 1, D, generator=g), state, spec, mask=keep)
     soft = torch.where(torch.rand(B, Hq, 3, C, generator=g) > 0.2, torch.randn(B, Hq, 3, C, generator=g), -torch.inf)
     check(torch.randn(B, Hq, 3, D, generator=g), state, spec, mask=soft, scale=0.3)
+    # the queries' own chunk in full precision: 12 > residual 8 (prefill), and decode with no residual
+    spec, state, *chunk = filled(MIXED, LENGTHS, H, D, C, own=12)
+    check(torch.randn(B, Hq, 12, D, generator=g), state, spec, chunk=chunk)
+    spec, state, *chunk = filled(Policy(MIXED.key, MIXED.value, residual=0, sink=2), LENGTHS, H, D, C, own=1)
+    check(torch.randn(B, Hq, 1, D, generator=g), state, spec, chunk=chunk)
 
 
 @st.composite
@@ -75,22 +83,24 @@ def attention_cases(draw):
     tiles = (block_q, draw(st.sampled_from([16, 32])), draw(st.sampled_from([1, 2, 3, 5])))
     mask = draw(st.sampled_from([None, "bool", "float"]))
     dtype = draw(st.sampled_from(["float32", "bfloat16"]))
-    return policy, B, H, G, D, C, lengths, n, tiles, mask, dtype, draw(st.integers(0, 2**31 - 1))
+    own = draw(st.booleans())  # pass the queries' own chunk (read in full precision)
+    return policy, B, H, G, D, C, lengths, n, tiles, mask, dtype, own, draw(st.integers(0, 2**31 - 1))
 
 
 @settings(max_examples=25)
 @given(attention_cases())
 def test_attention_kernel_equals_float64_attention(case):
-    policy, B, H, G, D, C, lengths, n, tiles, mask_kind, dtype, seed = case
+    policy, B, H, G, D, C, lengths, n, tiles, mask_kind, dtype, own, seed = case
     g = torch.Generator().manual_seed(seed)
-    spec, state = filled(policy, lengths, H, D, C, dtype, seed)
+    spec, state, *chunk = filled(policy, lengths, H, D, C, dtype, seed, own=n)
     mask = None
     if mask_kind == "bool":
         mask = torch.rand(B, 1, n, C, generator=g) > 0.3
     elif mask_kind == "float":
         mask = torch.where(torch.rand(1, H * G, 1, C + 5, generator=g) > 0.3, torch.randn(C + 5, generator=g), -torch.inf)
     q = torch.randn(B, H * G, n, D, generator=g).to(spec.torch_dtype)
-    check(q, state, spec, mask, scale=float(torch.rand((), generator=g)) + 0.05, tiles=tiles)
+    check(q, state, spec, mask, scale=float(torch.rand((), generator=g)) + 0.05, tiles=tiles,
+          chunk=chunk if own else (None, None))
 
 
 def test_a_query_that_sees_nothing_returns_zeros():
@@ -122,9 +132,10 @@ def test_the_bound_catches_one_wrong_code():
 def test_attention_keys_spell_out_the_specialization():
     key, kw = kattn.attention_config(MIXED, 128, 2, 16, 23, 4, 1, 64, True, 0, "tf32")
     assert key == ("attention[k=int4.channel.16.asym.f16;v=int2.token.32.asym.f16;S=2;R=8;F=16;W=23;D=128;"
-                   "gqa=4;bq=1;bn=64;split=1;mask=0;dot=tf32]")
-    assert kw["GP"] == 4 and kw["BLOCK_M"] == 16 and kw["K_CHANNEL"] and not kw["V_CHANNEL"]
+                   "gqa=4;bq=1;bn=64;split=1;mask=0;dot=tf32;chunk=0]")
+    assert kw["GP"] == 4 and kw["BLOCK_M"] == 16 and kw["K_CHANNEL"] and not kw["V_CHANNEL"] and not kw["CHUNK"]
     assert kattn.attention_config(MIXED, 128, 2, 16, 23, 4, 1, 64, True, 0, "tf32")[1] is kw
+    assert kattn.attention_config(MIXED, 128, 2, 16, 23, 4, 8, 64, False, 0, "tf32", True)[0].endswith("chunk=1]")
 
 
 @triton.jit

@@ -25,18 +25,20 @@ from attention_checks import LENGTHS, MIXED, ROTATED, filled
 pytestmark = pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler on this machine")
 
 
-def check(q, state, spec, mask=None, scale=None, prefill=False, nsplit=None):
-    """Run the decode kernel (or the prefill path) and assert it is within the derived bound, elementwise."""
+def check(q, state, spec, mask=None, scale=None, prefill=False, nsplit=None, chunk=(None, None)):
+    """Run the decode kernel (or the prefill path) and assert it is within the derived bound, elementwise.
+    ``chunk``: the queries' own (k_new, v_new), read in full precision."""
     B, Hq, n, D = q.shape
+    k_new, v_new = chunk
     if prefill:
-        got = cpu.prefill_attention(q, state, spec, mask, scale)
+        got = cpu.prefill_attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new)
         nsplit = spec.capacity
     else:
         assert cpu.check_decode(q, spec) is None
-        got = cpu.attention(q, state, spec, mask, scale, nsplit=nsplit)
+        got = cpu.attention(q, state, spec, mask, scale, nsplit=nsplit, k_new=k_new, v_new=v_new)
         nsplit = nsplit or cpu.splits(state.lengths, spec.heads, cpu.threads_for(state.lengths, spec.heads))
     assert got.dtype == q.dtype and got.shape == q.shape
-    want, bound = kattn.reference_and_bound(q, state, spec, mask, scale, nsplit=nsplit)
+    want, bound = kattn.reference_and_bound(q, state, spec, mask, scale, nsplit=nsplit, k_new=k_new, v_new=v_new)
     err = (got.double() - want).abs()
     bad = err > bound
     assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs outside the bound; worst error "
@@ -62,6 +64,12 @@ def test_cpu_attention_grid(gqa, D):
     soft = torch.where(torch.rand(B, Hq, 2, C, generator=g) > 0.2, torch.randn(B, Hq, 2, C, generator=g), -torch.inf)
     check(torch.randn(B, Hq, 2, D, generator=g), state, spec, mask=soft, scale=0.3)
     check(torch.randn(B, Hq, 2, D, generator=g), state, spec, mask=soft, scale=0.3, prefill=True)
+    # the queries' own chunk in full precision: 20 > residual 8 (prefill), and decode with no residual
+    spec, state, *chunk = filled(MIXED, LENGTHS, H, D, C, chunk=10, own=20)
+    check(torch.randn(B, Hq, 20, D, generator=g), state, spec, prefill=True, chunk=chunk)
+    no_ring = Policy(MIXED.key, MIXED.value, residual=0, sink=2)
+    spec, state, *chunk = filled(no_ring, LENGTHS, H, D, C, own=16 // gqa)
+    check(torch.randn(B, Hq, 16 // gqa, D, generator=g), state, spec, chunk=chunk, nsplit=3)
 
 
 @st.composite
@@ -88,17 +96,19 @@ def cases(draw):
     dtype = draw(st.sampled_from(["float32", "bfloat16", "float16"]))
     chunk = draw(st.sampled_from([None, 1, 7, 32]))
     nsplit = draw(st.sampled_from([None, 1, 2, 3, 5]))  # flash-decoding pieces, merged at the end
-    return policy, B, H, G, D, C, lengths, n, mask, dtype, chunk, nsplit, draw(st.integers(0, 2**31 - 1))
+    own = draw(st.booleans())  # pass the queries' own chunk (read in full precision)
+    return policy, B, H, G, D, C, lengths, n, mask, dtype, chunk, nsplit, own, draw(st.integers(0, 2**31 - 1))
 
 
 @settings(max_examples=25, deadline=None)
 @given(cases())
 def test_cpu_attention_equals_float64_attention(case):
-    policy, B, H, G, D, C, lengths, n, mask_kind, dtype, chunk, nsplit, seed = case
+    policy, B, H, G, D, C, lengths, n, mask_kind, dtype, chunk, nsplit, own, seed = case
     if max(lengths) == 0:
         lengths[0] = 1
     g = torch.Generator().manual_seed(seed)
-    spec, state = filled(policy, lengths, H, D, C, dtype, seed, chunk)
+    spec, state, *mine = filled(policy, lengths, H, D, C, dtype, seed, chunk, own=n)
+    mine = mine if own else (None, None)
     mask = None
     if mask_kind == "bool":
         mask = torch.rand(B, 1, n, C, generator=g) > 0.3
@@ -106,8 +116,8 @@ def test_cpu_attention_equals_float64_attention(case):
         mask = torch.where(torch.rand(1, H * G, 1, C + 5, generator=g) > 0.3, torch.randn(C + 5, generator=g), -torch.inf)
     q = torch.randn(B, H * G, n, D, generator=g).to(spec.torch_dtype)
     scale = float(torch.rand((), generator=g)) + 0.05
-    check(q, state, spec, mask, scale, nsplit=nsplit)
-    check(q, state, spec, mask, scale, prefill=True)
+    check(q, state, spec, mask, scale, nsplit=nsplit, chunk=mine)
+    check(q, state, spec, mask, scale, prefill=True, chunk=mine)
 
 
 def test_a_query_that_sees_nothing_returns_zeros():
@@ -185,7 +195,7 @@ def test_the_op_routes_decode_to_the_kernel_and_prefill_to_sdpa(monkeypatch):
     calls = []
     for name in ("attention", "prefill_attention"):
         fn = getattr(cpu, name)
-        monkeypatch.setattr(cpu, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+        monkeypatch.setattr(cpu, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
     spec, state = filled(MIXED, [20, 30], 2, 32, 48)
     kvcompile.ops.set_kernels("cpu")
     try:

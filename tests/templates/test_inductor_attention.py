@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from kvcompile import Policy, Quant
 from kvcompile.store import LayerSpec, attention_reference, store_reference
 from kvcompile.templates import inductor
+from attention_checks import filled
 
 # Both sides accumulate in fp32 over at most C=96 positions of O(1) values; a few fp32 ulps of the output.
 TOL = 2e-6
@@ -24,25 +25,24 @@ def cases(draw):
     B, H, G, D, C = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 3])), 32, 96
     lengths = [draw(st.integers(1, C)) for _ in range(B)]
     n = draw(st.integers(1, min(lengths)))
-    return pol, B, H, G, D, C, lengths, n, draw(st.sampled_from([None, "bool", "float"])), draw(st.integers(0, 999))
+    own = draw(st.booleans())  # pass the queries' own chunk (read in full precision)
+    return pol, B, H, G, D, C, lengths, n, draw(st.sampled_from([None, "bool", "float"])), own, draw(st.integers(0, 999))
 
 
 @given(cases())
 def test_inductor_attention_equals_reference(case):
-    pol, B, H, G, D, C, lengths, n, mask_kind, seed = case
+    pol, B, H, G, D, C, lengths, n, mask_kind, own, seed = case
     g = torch.Generator().manual_seed(seed)
-    spec = LayerSpec(pol, B, H, C, D)
-    state = spec.allocate()
-    L = max(lengths)
-    store_reference(state, spec, torch.randn(B, H, L, D, generator=g), torch.randn(B, H, L, D, generator=g),
-                    torch.tensor(lengths))
+    spec, state, k_new, v_new = filled(pol, lengths, H, D, C, seed=seed, own=n)
+    if not own:
+        k_new = v_new = None
     q = torch.randn(B, H * G, n, D, generator=g)
     mask = None
     if mask_kind is not None:
         keep = torch.rand(B, 1, n, C, generator=g) > 0.3
         mask = keep if mask_kind == "bool" else torch.where(keep, torch.randn(B, 1, n, C, generator=g), -torch.inf)
-    expect = attention_reference(q, state, spec, mask, 0.3, torch.float64)
-    got = inductor.attention(q, state, spec, mask, 0.3)
+    expect = attention_reference(q, state, spec, mask, 0.3, torch.float64, k_new=k_new, v_new=v_new)
+    got = inductor.attention(q, state, spec, mask, 0.3, k_new, v_new)
     assert (got.double() - expect).abs().max() <= TOL * (1 + expect.abs().max())
 
 
