@@ -34,14 +34,26 @@ POLICIES = [
 
 @pytest.mark.parametrize("policy", POLICIES, ids=str)
 def test_incremental_view_is_the_reference_view(tiny, policy):
+    # The view is the store's contents (dequantize_reference), except the chunk just appended: that is the
+    # chunk's own keys and values, as the model computed them (it attends to itself in full precision).
     ids = torch.randint(0, 512, (2, 150))
     cache = E.make_cache(tiny, policy, 160)
+    seen = {}  # layer index -> the keys and values of its last update
+    for i, layer in enumerate(cache.layers):
+        update = layer.update
+
+        def spy(k, v, *a, _update=update, _i=i, **kw):
+            seen[_i] = (k.clone(), v.clone())
+            return _update(k, v, *a, **kw)
+        layer.update = spy
     with torch.no_grad():
         tiny(input_ids=ids[:, :37], use_cache=True, **{E.cache_kwarg(tiny): cache})
         for s in range(37, 150, 11):  # odd chunks: flushes land mid-chunk and across chunks
             tiny(input_ids=ids[:, s:s + 11], use_cache=True, **{E.cache_kwarg(tiny): cache})
-            for layer in cache.layers:
+            for i, layer in enumerate(cache.layers):
                 k, v = dequantize_reference(layer.state, layer.spec, torch.float32)
+                n, c = int(layer.cumulative_length), seen[i][0].shape[2]
+                k[:, :, n - c:n], v[:, :, n - c:n] = seen[i]
                 assert torch.equal(k, layer._k) and torch.equal(v, layer._v)
                 assert layer.get_mask_sizes(5) == (int(layer.cumulative_length) + 5, 0)
 
@@ -101,13 +113,16 @@ class _CharTok:
     def __call__(self, s, add_special_tokens=False):
         return {"input_ids": [min(ord(c), 511) for c in s]}
 
+    def decode(self, ids):
+        return "".join(chr(c) for c in ids)
+
 
 @pytest.mark.parametrize("depth", [0.0, 0.37, 0.999])
 def test_passkey_prompt_has_the_length_and_the_needle(depth):
     tok = _CharTok()
     t = E.PasskeyTrial(1024, depth, 48213)
     prompt, answer = E.passkey_prompt(tok, t)
-    assert len(prompt) == 1024
+    assert len(prompt) == 1024 - E.PASSKEY_NEW_TOKENS  # room for the answer inside the 1024 positions
     text = "".join(chr(c) for c in prompt[1:])
     at = text.index("The pass key is 48213")
     before, units = text[:at].count("The grass is green"), text.count("The grass is green")
@@ -120,20 +135,20 @@ def test_passkey_scoring_matches_greedy_generation(tiny):
     ts = E.passkey_trials([400], 2, seed=1)
     got = E.passkey_retrieved(tiny, tok, ts, Policy.full(), chunk=64)
     for t, hit in zip(ts, got):
-        prompt, answer = E.passkey_prompt(tok, t)
-        out = tiny.generate(torch.tensor([prompt]), max_new_tokens=len(answer), do_sample=False)
-        assert hit == (out[0, len(prompt):].tolist() == answer)
-    # And a model that must answer: make the answer's tokens the argmax everywhere they are asked for.
+        prompt, _ = E.passkey_prompt(tok, t)
+        out = tiny.generate(torch.tensor([prompt]), max_new_tokens=E.PASSKEY_NEW_TOKENS, do_sample=False)
+        assert hit == (str(t.key) in tok.decode(out[0, len(prompt):].tolist()))
+    # A model that answers "7777..." whatever it is asked: it retrieves the key 77777 and no other one.
+    sevens, other = E.PasskeyTrial(400, 0.5, 77777), E.PasskeyTrial(400, 0.5, 77771)
     with torch.no_grad():
-        prompt, answer = E.passkey_prompt(tok, ts[0])
         bias = torch.full((512,), -1e4)
-        bias[answer[0]] = 1e4
+        bias[ord("7")] = 1e4
         tiny.lm_head.bias = torch.nn.Parameter(bias)
         try:
-            if len(set(answer)) == 1:
-                assert E.passkey_retrieved(tiny, tok, ts[:1], Policy.full(), chunk=64) == [True]
-            else:
-                assert E.passkey_retrieved(tiny, tok, ts[:1], Policy.full(), chunk=64) == [False]
+            assert E.passkey_retrieved(tiny, tok, [sevens, other], Policy.full(), chunk=64) == [True, False]
+            det = {}
+            E.passkey_retrieved_shared(tiny, tok, [sevens], Policy.kivi(2, residual=16), chunk=64, details=det)
+            assert det[0]["hit"] and det[0]["answer"] == "77777"  # generation stops once the key is out
         finally:
             tiny.lm_head.bias = None
 
@@ -153,8 +168,8 @@ def test_write_json_and_plot(tmp_path):
 
 
 def test_shared_prefix_passkey_feeds_each_prompt(tiny, monkeypatch):
-    # Record what each branch's cache ends up holding: exactly the prompt and the answer but its last token
-    # (decoded one at a time; the last one is only predicted), token for token.
+    # Record what each branch's cache ends up holding: exactly the prompt, token for token, then the
+    # generated tokens one at a time (the last one is only predicted).
     tok = _CharTok()
     ts = E.passkey_trials([400], 3, seed=2)
     seen = []
@@ -172,12 +187,12 @@ def test_shared_prefix_passkey_feeds_each_prompt(tiny, monkeypatch):
     shared = E.passkey_retrieved_shared(tiny, tok, ts, Policy.kivi(2, residual=16), chunk=64)
     trunk = [ids for c, ids in fed if c not in {id(s) for s in seen}]
     for t, branch in zip(sorted(ts, key=lambda t: t.depth), seen):
-        prompt, answer = E.passkey_prompt(tok, t)
+        prompt, _ = E.passkey_prompt(tok, t)
         mine = [ids for c, ids in fed if c == id(branch)]
         n = int(branch.layers[0].cumulative_length)
-        assert n == len(prompt) + len(answer) - 1
         head = sum(trunk, [])[:n - sum(map(len, mine))]
-        assert head + sum(mine, []) == (prompt + answer)[:-1]
+        assert (head + sum(mine, []))[:len(prompt)] == prompt  # the prompt, then the generated tokens
+        assert n == len(prompt) + sum(len(ids) == 1 for ids in mine)
     monkeypatch.undo()
     assert E.passkey_retrieved_shared(tiny, tok, ts, Policy.full()) == E.passkey_retrieved(tiny, tok, ts,
                                                                                           Policy.full())
@@ -187,10 +202,9 @@ def _fresh_logprobs(model, tok, trials, policy, chunk):
     """Each trial alone, from an empty cache: the protocol without any sharing."""
     out = []
     for t in trials:
-        prompt, answer = E.passkey_prompt(tok, t)
-        ids = torch.tensor([prompt + answer])
-        cache = E.make_cache(model, policy, ids.shape[1])
-        out.append(E._answer(model, ids, cache, len(prompt), answer, chunk)[1][0])
+        prompt, _ = E.passkey_prompt(tok, t)
+        cache = E.make_cache(model, policy, t.length)
+        out.append(E._answer(model, tok, torch.tensor([prompt]), cache, t.key, chunk)[2])
     return out
 
 
@@ -214,7 +228,7 @@ def test_passkey_layout_and_needle_region(tiny):
         prompt, answer, a, b = E.passkey_layout(tok, t)
         assert "".join(chr(c) for c in prompt[a:b]).strip().startswith(f"The pass key is {t.key}.")
     pol = Policy.kivi(2, residual=64, sink=4)
-    cache = E.make_cache(tiny, pol, 606)
+    cache = E.make_cache(tiny, pol, 610)
     a, b = E.passkey_layout(tok, shallow)[2:]
     assert E.needle_region(cache, a, b, 600) == "packed"
     a, b = E.passkey_layout(tok, deep)[2:]
@@ -232,7 +246,7 @@ def test_passkey_details_are_recorded(tiny):
     acc = E.passkey_accuracy(tiny, tok, Policy.kivi(2, residual=16), lengths=[400], trials=3, chunk=64, details=det)
     assert list(det) == [400] and len(det[400]) == 3
     assert acc[400] == sum(d["hit"] for d in det[400]) / 3
-    assert all(d["region"] in ("packed", "residual") and d["logprob"] <= 0 for d in det[400])
+    assert all(d["region"] in ("packed", "residual") and d["logprob"] <= 0 and d["answer"] for d in det[400])
     assert E.packed_accuracy(det[400])[1] == sum(d["region"] == "packed" for d in det[400])
 
 
