@@ -18,8 +18,9 @@ One kernel serves both shapes of the problem, specialised by its constexprs:
 A tile of keys/values comes from one of three regions, walked in order by three loops: sinks (``p < S``,
 full precision), packed codes (``S <= p < Q(L)``, dequantized in registers: unpack the little-endian bit
 stream, gather the scale/zero of each element's group), and the residual ring (``Q(L) <= p < L``, slot
-``p % W``). With ``CHUNK`` the queries' own chunk (positions ``[L - n, L)``, given in full precision) replaces
-what the packed codes hold there: a prefill attends to itself unquantized. Scores and softmax are fp32 (online softmax); the two matrix products accumulate in fp32 with
+``p % W``). With ``CHUNK`` a fourth loop reads the packed positions of the queries' own chunk (``[L - n, L)``,
+given in full precision) from the chunk instead of the codes: a prefill attends to itself unquantized, and
+the codes it has just written are not read back. Scores and softmax are fp32 (online softmax); the two matrix products accumulate in fp32 with
 operands in fp32 (``DOT="ieee"``) or rounded to tf32 on the tensor cores (``DOT="tf32"``).
 """
 import functools
@@ -205,21 +206,29 @@ def _attn_kernel(
     vcb = vc + b.to(tl.int64) * svc_b + h.to(tl.int64) * svc_h
     vsb = b.to(tl.int64) * svs_b + h.to(tl.int64) * svs_h
     stop = tl.minimum(hi, QL)
-    for start in range(tl.maximum(lo, S), stop, BLOCK_N):
+    if CHUNK:  # packed positions of the queries' own chunk come from the chunk (full precision), below
+        stop_codes = tl.minimum(stop, tl.maximum(L - n, S))
+    else:
+        stop_codes = stop
+    for start in range(tl.maximum(lo, S), stop_codes, BLOCK_N):
         p = start + offs
-        kv_ok = p < stop
+        kv_ok = p < stop_codes
         k = _packed_tile(kcb, ks + ksb, kz + ksb, p - S, kv_ok, skc_t, sks_t, D, DB, BLOCK_N,
                          K_KIND, K_BITS, K_E4M3, K_CHANNEL, K_G)
         v = _packed_tile(vcb, vs + vsb, vz + vsb, p - S, kv_ok, svc_t, svs_t, D, DB, BLOCK_N,
                          V_KIND, V_BITS, V_E4M3, V_CHANNEL, V_G)
-        if CHUNK:  # the queries' own tokens: from the chunk, in full precision (loads only where p >= L - n)
-            j = p - (L - n)
-            mine = kv_ok & (j >= 0)
-            cb = (b.to(tl.int64) * H + h) * n * D
-            k = tl.where(mine[:, None], _full_tile(kn + cb, j, mine, D, D, DB), k)
-            v = tl.where(mine[:, None], _full_tile(vn + cb, j, mine, D, D, DB), v)
         acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c,
                                      sm_scale, MASK_KIND, DOT)
+    if CHUNK:
+        kcn = kn + (b.to(tl.int64) * H + h) * n * D
+        vcn = vn + (b.to(tl.int64) * H + h) * n * D
+        for start in range(tl.maximum(lo, stop_codes), stop, BLOCK_N):
+            p = start + offs
+            kv_ok = p < stop
+            k = _full_tile(kcn, p - (L - n), kv_ok, D, D, DB)
+            v = _full_tile(vcn, p - (L - n), kv_ok, D, D, DB)
+            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c,
+                                         sm_scale, MASK_KIND, DOT)
     if W > 0:
         rk = kr + b.to(tl.int64) * sr_b + h.to(tl.int64) * sr_h
         rv = vr + b.to(tl.int64) * sr_b + h.to(tl.int64) * sr_h

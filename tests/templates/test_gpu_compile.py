@@ -20,6 +20,7 @@ SCRIPT = textwrap.dedent("""
     log = []
     cases = [  # (policy, head_dim, dtype, gqa, n, mask)
         (Policy.fp8(residual=0), 128, "bfloat16", 4, 1, None),
+        (Policy.kivi(4, group=32, residual=16, sink=4), 128, "bfloat16", 4, 64, None),  # reads its own chunk
         (Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0), 128, "bfloat16", 4, 1, None),
         (Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0), 128, "bfloat16", 4, 1, None),
         (Policy(Quant("int2", "token"), Quant("int2", "token"), residual=0), 128, "bfloat16", 4, 1, None),
@@ -31,10 +32,11 @@ SCRIPT = textwrap.dedent("""
         for policy, D, dt, G, n, mask in cases:
             spec = LayerSpec(policy, 2, 2, 4096, D, dt)
             state = spec.allocate()
-            launch.store(state, spec, torch.randn(2, 2, n, D), torch.randn(2, 2, n, D))
-            launch.attention(torch.randn(2, 2 * G, n, D), state, spec, mask)
+            k, v = torch.randn(2, 2, 2, n, D)
+            launch.store(state, spec, k, v)
+            launch.attention(torch.randn(2, 2 * G, n, D), state, spec, mask, k_new=k, v_new=v)
     names = sorted({name for name, _ in log})
-    print("compiled", len(log), names)
+    print("compiled", len(log), names, "chunk:", sum(bool(c.get("CHUNK")) for _, c in log))
 """)
 
 
@@ -49,3 +51,4 @@ def test_kernels_compile_for_sm90():
     assert r.returncode == 0, r.stderr[-4000:]
     assert "compiled" in r.stdout and "_attn_kernel" in r.stdout and "_merge_kernel" in r.stdout, r.stdout
     assert "_flush_kernel" in r.stdout and "_copy_kernel" in r.stdout, r.stdout
+    assert "chunk: 0" not in r.stdout, r.stdout  # the loop over the queries' own chunk compiles too
