@@ -51,11 +51,45 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint8_t v8b __attribute__((vector_size(8)));
 typedef _Float16 f16;
 
+/* The products of attention (scores q.k and the p.v accumulation) run on the widest vectors the CPU has,
+ * with fused multiply-adds where it has them: 16 floats on AVX-512, 8 otherwise. The dequantization keeps
+ * separate multiplies and adds (the file is compiled with -ffp-contract=off, so nothing is fused unless
+ * written as fmaw), which is what makes its values equal the reference's bit for bit. An FMA rounds once
+ * where a multiply and an add round twice, so the error bound of the dot products only tightens. */
+#if defined(__AVX512F__) && D % 16 == 0
+#include <immintrin.h>
+#define WV 16
+typedef float vw __attribute__((vector_size(64)));
+static inline vw fmaw(vw a, vw b, vw c) { return (vw)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#elif defined(__FMA__)
+#include <immintrin.h>
+#define WV 8
+typedef float vw __attribute__((vector_size(32)));
+static inline vw fmaw(vw a, vw b, vw c) { return (vw)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#else
+#define WV 8
+typedef float vw __attribute__((vector_size(32)));
+static inline vw fmaw(vw a, vw b, vw c) { return a * b + c; }
+#endif
+#define NW (D / WV)  /* wide vectors per row */
+static inline vw ldw(const float *p) { vw v; memcpy(&v, p, sizeof v); return v; }
+static inline void stw(float *p, vw v) { memcpy(p, &v, sizeof v); }
+
 static inline v8f ld(const float *p) { v8f v; memcpy(&v, p, 32); return v; }
 static inline void st(float *p, v8f v) { memcpy(p, &v, 32); }
 static inline v8f bcast(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 static inline v8u ldb(const uint8_t *p) { v8b b; memcpy(&b, p, 8); return __builtin_convertvector(b, v8u); }
 static inline v8f to_f(v8u x) { return __builtin_convertvector((v8i)x, v8f); }
+
+/* A wide vector's lanes summed down to 8 (lane i + lane i+8 on AVX-512). */
+static inline v8f fold8(vw a) {
+#if WV == 16
+    return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    return a;
+#endif
+}
 
 /* Eight vectors -> one vector of their eight horizontal sums (a transpose folded into the additions). */
 static inline v8f reduce8(const v8f a[8]) {
@@ -113,6 +147,26 @@ static inline float kexp(float x) {
     float two_k;
     memcpy(&two_k, &e, 4);
     return hidden ? 0.0f : p * two_k;
+}
+
+/* kexp on eight lanes, with the same operations (so the same results): round-to-nearest-even of x*log2(e)
+ * by adding and subtracting 1.5 * 2**23 (exact for |x*log2(e)| < 2**22), and the hidden lanes cleared. */
+static inline v8f kexp8(v8f x) {
+    const v8i hidden = x < bcast(-87.0f);
+    x = (v8f)(((v8i)x & ~hidden) | ((v8i)bcast(-87.0f) & hidden));
+    const v8f k = (x * bcast(1.44269504088896341f) + bcast(12582912.0f)) - bcast(12582912.0f);
+    v8f r = x - k * bcast(0.693145751953125f);
+    r = r - k * bcast(1.428606765330187045e-06f);
+    v8f p = bcast(1.0f / 5040.0f);
+    p = p * r + bcast(1.0f / 720.0f);
+    p = p * r + bcast(1.0f / 120.0f);
+    p = p * r + bcast(1.0f / 24.0f);
+    p = p * r + bcast(1.0f / 6.0f);
+    p = p * r + bcast(0.5f);
+    p = p * r + bcast(1.0f);
+    p = p * r + bcast(1.0f);
+    const v8i e = (__builtin_convertvector(k, v8i) + 127) << 23;
+    return (v8f)((v8i)(p * (v8f)e) & ~hidden);
 }
 
 static inline int plane_channel(int idx, int per) { /* the channel sitting at plane-order index idx */
@@ -201,12 +255,15 @@ static inline __attribute__((always_inline)) void dequant_packed(
             }
             for (int k = 0; k < NV; k++) st(o + 8 * k, ld(o + 8 * k) * ld(sv + 8 * k) + ld(zv + 8 * k));
         } else if (run >= 8 && run % 8 == 0 && (D / per) % 8 == 0) { /* per token: each 8-vector lies inside one group */
-            const int ng = D / group;
+            const int ng = D / group; /* at most D / 8 groups: each scale and zero point is converted once */
+            float sg[D / 8], zg[D / 8];
+            for (int gi = 0; gi < ng; gi++) {
+                sg[gi] = scale_at(scale, qi * ng + gi, sf32);
+                zg[gi] = fmt == 1 ? scale_at(zero, qi * ng + gi, sf32) : 0.0f;
+            }
             for (int k = 0; k < NV; k++) {
                 const int gi = ((k % (NV / per)) * 8) / run;
-                const float s = scale_at(scale, qi * ng + gi, sf32);
-                const float z = fmt == 1 ? scale_at(zero, qi * ng + gi, sf32) : 0.0f;
-                st(o + 8 * k, ld(o + 8 * k) * bcast(s) + bcast(z));
+                st(o + 8 * k, ld(o + 8 * k) * bcast(sg[gi]) + bcast(zg[gi]));
             }
         } else { /* per token, groups narrower than a vector of a plane */
             const int ng = D / group;
@@ -258,14 +315,15 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int causal_tail = !mask && p0 + nt - 1 > L - n; /* only the newest tile can hide future keys */
     for (int64_t r = 0; r < GN; r++) {
         const int64_t i = r % n, hq = h * G + r / n;
-        v8f qr[NV];
-        for (int k = 0; k < NV; k++) qr[k] = ld(qv[r] + 8 * k);
+        vw qr[NW];
+        for (int k = 0; k < NW; k++) qr[k] = ldw(qv[r] + WV * k);
         for (int t0 = 0; t0 < nt; t0 += 8) { /* eight tokens' dot products, reduced together */
             v8f a[8];
             for (int u = 0; u < 8; u++) {
                 const float *kr = kt + (t0 + u) * D;
-                a[u] = qr[0] * ld(kr);
-                for (int k = 1; k < NV; k++) a[u] += qr[k] * ld(kr + 8 * k);
+                vw w = qr[0] * ldw(kr);
+                for (int k = 1; k < NW; k++) w = fmaw(qr[k], ldw(kr + WV * k), w);
+                a[u] = fold8(w);
             }
             st(sc + t0, reduce8(a) * bcast(sm_scale));
         }
@@ -281,28 +339,30 @@ static inline __attribute__((always_inline)) void attend_tile(
         if (mx == -INFINITY) continue; /* nothing visible yet: the running state is unchanged */
         const float corr = kexp(P->m[r] - mx);
         P->m[r] = mx;
-        float lsum = 0.0f;
-#pragma omp simd reduction(+ : lsum)
-        for (int t = 0; t < nt; t++) {
-            const float e = kexp(sc[t] - mx);
-            sc[t] = e;
-            lsum += e;
+        const int nt8 = (nt + 7) & ~7;
+        for (int t = nt; t < nt8; t++) sc[t] = -INFINITY; /* lanes past the tile weigh nothing */
+        v8f ls = bcast(0.0f);
+        for (int t = 0; t < nt8; t += 8) {
+            const v8f e = kexp8(ld(sc + t) - bcast(mx));
+            st(sc + t, e);
+            ls += e;
         }
+        const float lsum = ((ls[0] + ls[1]) + (ls[2] + ls[3])) + ((ls[4] + ls[5]) + (ls[6] + ls[7]));
         P->l[r] = P->l[r] * corr + lsum;
-        v8f acc[NV];
+        vw acc[NW];
         float *ar = acc_base + r * D;
-        const v8f c = bcast(corr);
-        for (int k = 0; k < NV; k++) acc[k] = ld(ar + 8 * k) * c;
+        const vw c = (vw){} + corr;
+        for (int k = 0; k < NW; k++) acc[k] = ldw(ar + WV * k) * c;
         if (corr != 1.0f) {
             float *orow = other_acc + r * D;
-            for (int k = 0; k < NV; k++) st(orow + 8 * k, ld(orow + 8 * k) * c);
+            for (int k = 0; k < NW; k++) stw(orow + WV * k, ldw(orow + WV * k) * c);
         }
         for (int t = 0; t < nt; t++) {
-            const v8f e = bcast(sc[t]);
+            const vw e = (vw){} + sc[t];
             const float *vr = vt + t * D;
-            for (int k = 0; k < NV; k++) acc[k] += e * ld(vr + 8 * k);
+            for (int k = 0; k < NW; k++) acc[k] = fmaw(e, ldw(vr + WV * k), acc[k]);
         }
-        for (int k = 0; k < NV; k++) st(ar + 8 * k, acc[k]);
+        for (int k = 0; k < NW; k++) stw(ar + WV * k, acc[k]);
     }
 }
 
