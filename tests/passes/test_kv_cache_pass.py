@@ -184,6 +184,27 @@ def test_causal_prefix_read_is_rewritten_with_the_mask_it_stands_for():
     assert counters["mask_causal_prefix"] == 1 and counters["graphs_rewritten"] == 1
 
 
+def test_analyze_pairs_a_read_only_with_its_queries_own_chunk():
+    """kvcompile's attention reads the queries' own tokens from what the layer writes, so the write must be
+    the chunk of those queries; a read by the last query only, after writing three tokens, is left alone."""
+    for last_only in (False, True):
+        kc, vc = _cache()
+        mask = torch.ones(1, 1, 3, 16, dtype=torch.bool)
+
+        def f(q, k, v, pos):
+            kc.index_copy_(2, pos, k)
+            vc.index_copy_(2, pos, v)
+            qq = q[:, :, -1:] if last_only else q
+            return F.scaled_dot_product_attention(qq, kc, vc, attn_mask=mask[:, :, -qq.shape[2]:])
+
+        x = torch.randn(1, 2, 3, 8)
+        a = analyze(_dynamo_graph(f, x, x, x, torch.arange(3)))
+        if last_only:
+            assert not a.sites and "are not the 1 queries' own [1, 2, n, 8] chunk" in a.skipped[0].reason
+        else:
+            assert len(a.sites) == 1
+
+
 def test_analyze_skips_a_tiled_gqa_layout():
     kc, vc = _cache()
     mask = torch.ones(1, 1, 3, 16, dtype=torch.bool)
