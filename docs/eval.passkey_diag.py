@@ -6,6 +6,11 @@ Runs ``kvcompile.evaluate.passkey_accuracy`` (20 random keys and stratified dept
 ``kvcompile eval``) for each named policy below at one prompt length, the prompt prefilled in aligned chunks of
 CHUNK tokens, and adds to OUT.json: accuracy, accuracy over the trials whose needle is in packed storage, exact
 bytes/token at that length (bf16), the mean log-probability of the answer, and every trial.
+
+docs/eval.passkey_diag.json holds the runs made before attention read the queries' own chunk in full
+precision, with the harness of that time (a 1,024-token prompt, the five digits teacher-forced, "logprob"
+the answer's log-probability): the evidence that led to that change. Run today, the same command measures
+the current semantics and scoring ("logprob" is then that of the greedily generated tokens).
 """
 import json, sys, time, torch
 torch.set_num_threads(1)
