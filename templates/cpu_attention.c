@@ -78,7 +78,14 @@ static inline void stw(float *p, vw v) { memcpy(p, &v, sizeof v); }
 static inline v8f ld(const float *p) { v8f v; memcpy(&v, p, 32); return v; }
 static inline void st(float *p, v8f v) { memcpy(p, &v, 32); }
 static inline v8f bcast(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+#ifdef __AVX2__
+#include <immintrin.h>
+/* eight bytes widened to eight 32-bit lanes: one vpmovzxbd (GCC 12 turns the generic form below into
+ * scalar byte extracts and inserts, which made int8 unpacking slower than int4's) */
+static inline v8u ldb(const uint8_t *p) { return (v8u)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+#else
 static inline v8u ldb(const uint8_t *p) { v8b b; memcpy(&b, p, 8); return __builtin_convertvector(b, v8u); }
+#endif
 static inline v8f to_f(v8u x) { return __builtin_convertvector((v8i)x, v8f); }
 
 /* A wide vector's lanes summed down to 8 (lane i + lane i+8 on AVX-512). */
