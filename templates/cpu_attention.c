@@ -221,6 +221,17 @@ static inline __attribute__((always_inline)) void unpack_row(int fmt, int bits, 
             const v8u b = ldb(row + 8 * k);
             for (int i = 0; i < 4; i++) st(out + i * (D / 4) + 8 * k, to_f((b >> (2 * i)) & 3u) - off);
         }
+    } else if (bits == 3 && D % 64 == 0) { /* eight 3-byte units at a time, one plane per shift */
+        for (int j0 = 0; j0 < D / 8; j0 += 8) {
+            uint32_t w[8];
+            for (int l = 0; l < 8; l++) {
+                const uint8_t *u = row + 3 * (j0 + l);
+                w[l] = (uint32_t)u[0] | (uint32_t)u[1] << 8 | (uint32_t)u[2] << 16;
+            }
+            v8u words;
+            memcpy(&words, w, 32);
+            for (int i = 0; i < 8; i++) st(out + i * (D / 8) + j0, to_f((words >> (3 * i)) & 7u) - off);
+        }
     } else { /* any width: unit j holds codes j*per .. j*per + per - 1 in per*bits/8 little-endian bytes */
         const int nb = per * bits / 8;
         for (int j = 0; j < D / per; j++) {
@@ -246,6 +257,8 @@ static inline __attribute__((always_inline)) void dequant_packed(
     const int run = axis == 0 ? group / per : 0; /* plane-order run of channels sharing a per-token scale */
     float sv[D], zv[D];
     int64_t cur = -1;
+    int lane_group[D]; /* per token: the group of the channel at each plane-order index */
+    for (int idx = 0; idx < D; idx++) lane_group[idx] = axis == 0 ? plane_channel(idx, per) / group : 0;
     for (int t = 0; t < nt; t++) {
         const int64_t qi = q0 + t;
         float *o = out + t * D;
@@ -272,6 +285,21 @@ static inline __attribute__((always_inline)) void dequant_packed(
                 const int gi = ((k % (NV / per)) * 8) / run;
                 st(o + 8 * k, ld(o + 8 * k) * bcast(sg[gi]) + bcast(zg[gi]));
             }
+#ifdef __AVX2__
+        } else if (D / group <= 8) { /* per token, several groups per vector: each lane picks its group's scale */
+            const int ng = D / group;
+            float sg[8] = {0}, zg[8] = {0};
+            for (int gi = 0; gi < ng; gi++) {
+                sg[gi] = scale_at(scale, qi * ng + gi, sf32);
+                zg[gi] = fmt == 1 ? scale_at(zero, qi * ng + gi, sf32) : 0.0f;
+            }
+            const __m256 sgv = _mm256_loadu_ps(sg), zgv = _mm256_loadu_ps(zg);
+            for (int k = 0; k < NV; k++) {
+                const __m256i gidx = _mm256_loadu_si256((const __m256i *)(lane_group + 8 * k));
+                const v8f sk = (v8f)_mm256_permutevar8x32_ps(sgv, gidx), zk = (v8f)_mm256_permutevar8x32_ps(zgv, gidx);
+                st(o + 8 * k, ld(o + 8 * k) * sk + zk);
+            }
+#endif
         } else { /* per token, groups narrower than a vector of a plane */
             const int ng = D / group;
             for (int idx = 0; idx < D; idx++) {

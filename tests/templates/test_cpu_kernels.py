@@ -64,6 +64,10 @@ def test_cpu_attention_grid(gqa, D):
     soft = torch.where(torch.rand(B, Hq, 2, C, generator=g) > 0.2, torch.randn(B, Hq, 2, C, generator=g), -torch.inf)
     check(torch.randn(B, Hq, 2, D, generator=g), state, spec, mask=soft, scale=0.3)
     check(torch.randn(B, Hq, 2, D, generator=g), state, spec, mask=soft, scale=0.3, prefill=True)
+    # 3-bit KIVI: eight-code units, and per-token groups narrower than an 8-lane vector of a plane
+    kivi3 = Policy(Quant("int3", "channel", 16), Quant("int3", "token", 32), residual=8, sink=2)
+    spec, state = filled(kivi3, LENGTHS, H, D, C, chunk=10)
+    check(torch.randn(B, Hq, 1, D, generator=g), state, spec, nsplit=2)
     # the queries' own chunk in full precision: 20 > residual 8 (prefill), and decode with no residual
     spec, state, *chunk = filled(MIXED, LENGTHS, H, D, C, chunk=10, own=20)
     check(torch.randn(B, Hq, 20, D, generator=g), state, spec, prefill=True, chunk=chunk)
