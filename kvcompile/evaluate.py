@@ -579,10 +579,11 @@ def write(res: dict, out_dir) -> tuple[Path, Path]:
     for r in res["rows"]:
         if r["scheme"] != "full":
             by.setdefault(r["scheme"], []).append((r["bits"], max(r["loss_delta"], 1e-5)))
-    for name, pts in by.items():
+    colors, markers = plt.get_cmap("tab20").colors, "osD^vPX*<>ph"
+    for i, (name, pts) in enumerate(by.items()):  # a colour and a marker each: 13+ schemes stay apart
         pts.sort()
-        a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name,
-               ls="-" if len(by) <= 10 or list(by).index(name) < 10 else "--")
+        a.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], label=name,
+               color=colors[(2 * i) % 20 + (2 * i // 20) % 2], ls="-" if i < 10 else "--")
     a.set_yscale("log")
     a.set_xticks([2, 3, 4, 8])
     a.set_xlabel("bits per stored element (codes)")
@@ -591,9 +592,10 @@ def write(res: dict, out_dir) -> tuple[Path, Path]:
     a.set_title(f"held-out loss, {res['windows']} x {res['window']} tokens")
     a.grid(alpha=0.3, which="both")
     a.legend(fontsize=7)
-    for name, v in res.get("passkey", {}).items():
+    for i, (name, v) in enumerate(res.get("passkey", {}).items()):
         xs = [int(k) for k in v["accuracy"]]
-        b.plot(xs, [100 * x for x in v["accuracy"].values()], marker="o", label=name)
+        b.plot(xs, [100 * x for x in v["accuracy"].values()], marker=markers[i % len(markers)], label=name,
+               alpha=0.8, ms=9 - 1.5 * (i % 4))  # shrinking markers: curves that coincide stay visible
     b.set_xscale("log", base=2)
     b.set_ylim(-5, 105)
     b.set_xlabel("context length (tokens)")
