@@ -591,7 +591,8 @@ def write(res: dict, out_dir) -> tuple[Path, Path]:
                  fontsize=8)
     a.set_title(f"held-out loss, {res['windows']} x {res['window']} tokens")
     a.grid(alpha=0.3, which="both")
-    a.legend(fontsize=7)
+    if by:
+        a.legend(fontsize=7)
     for i, (name, v) in enumerate(res.get("passkey", {}).items()):
         xs = [int(k) for k in v["accuracy"]]
         b.plot(xs, [100 * x for x in v["accuracy"].values()], marker=markers[i % len(markers)], label=name,
