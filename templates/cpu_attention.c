@@ -15,8 +15,10 @@
  * in L1) and used by every query row that shares the kv head (GQA ratio x query tokens), with an online
  * softmax; the splits are merged at the end. No full-precision copy of the cache is ever made.
  *
- * Vector code is written with GCC/Clang vector extensions (8 floats), which compile to AVX2/AVX-512 on
- * x86 and NEON on ARM without intrinsics. Packed tiles are unpacked in "plane" order, the order the bytes
+ * Vector code is written with GCC/Clang vector extensions (8 floats; 16 for the products on AVX-512),
+ * which compile to AVX2/AVX-512 on x86 and NEON on ARM. Three x86 intrinsics stand where GCC's generic
+ * code is poor, each with a generic fallback: FMA for the products, vpmovzxbd to widen code bytes, and
+ * vpermps to give each lane its group's scale. Packed tiles are unpacked in "plane" order, the order the bytes
  * unpack in without shuffles: with `per` codes per packed unit (int4: 2, int2: 4, int3: 8 per 3 bytes),
  * channel d = j*per + i sits at i*(D/per) + j. Queries are permuted into the keys' plane order and values
  * accumulate in their own plane order (un-permuted once, at the end); full-precision tiles (sinks and the
