@@ -17,3 +17,12 @@ def test_cpu_decode_smoke(tmp_path):
     # 164 tokens of a 2-layer, 2-kv-head, head_dim-32 fp32 model: the int8 store holds codes + fp16 scales,
     # the DynamicCache fp32 tensors; measured from the tensors on both sides.
     assert by["kvc-int8"]["cache_bytes"] < 0.35 * by["dynamic"]["cache_bytes"]
+
+
+def test_cpu_kernels_smoke():
+    from benchmarks import cpu_kernels
+    rows = cpu_kernels.main(["--smoke"])
+    assert {r["contender"] for r in rows} >= {"fp32 SDPA", "KIVI int4", "KIVI int2", "int8 (Policy.int8)"}
+    by = {r["contender"]: r for r in rows}
+    assert all(r["us"] > 0 for r in rows)
+    assert by["KIVI int2"]["bytes_per_position_head"] < by["fp32 SDPA"]["bytes_per_position_head"] == 512

@@ -1,0 +1,93 @@
+"""CPU decode-attention kernel, one layer, side by side: kvcompile's generated C kernel per policy against
+PyTorch's fp32 SDPA over the same positions.
+
+    python benchmarks/cpu_kernels.py                          # SmolLM2's layer shape, 2K and 8K positions
+    python benchmarks/cpu_kernels.py --contexts 1024 4096 --batch 4 --threads 2
+    python benchmarks/cpu_kernels.py --smoke                  # tiny, seconds (run by the tests)
+
+For each context: a store filled by the C store kernel with random keys (one outlier channel, as real keys
+have) and values, one query token per sequence, ``--heads`` kv heads and ``--gqa`` query heads per kv head.
+Times are medians over ``--repeats`` calls, taken round-robin across contenders (A B C ... A B C ...) so
+machine drift hits all alike; each kernel's output is first checked against the reference. Columns: microseconds per call, nanoseconds per (position, kv head), the
+bytes the store holds per (position, kv head) (what the kernel reads; fp32 model), and the ratio to fp32 SDPA.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvcompile import Policy
+from kvcompile import evaluate as E
+from kvcompile.accounting import bytes_per_token
+from kvcompile.store import LayerSpec, attention_reference
+from kvcompile.templates import cpu, cpu_store
+
+POLICIES = {
+    "int8 (Policy.int8)": lambda: Policy.int8(),
+    "fp8 (Policy.fp8)": lambda: Policy.fp8(),
+    "KIVI int4": lambda: Policy.kivi(4),
+    "KIVI int3": lambda: Policy.kivi(3),
+    "kivi-k3v2:2": lambda: E.scheme_policy("kivi-k3v2", 2),
+    "KIVI int2": lambda: Policy.kivi(2),
+}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=3)
+    ap.add_argument("--gqa", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.contexts, a.repeats = [256], 3
+    torch.set_num_threads(a.threads)
+    B, H, G, D = a.batch, a.heads, a.gqa, a.head_dim
+    g = torch.Generator().manual_seed(0)
+    print(f"{B=} kv heads={H} gqa={G} head_dim={D} threads={a.threads}, median of {a.repeats}")
+    print(f"{'contender':<20}{'ctx':>7}{'us/call':>10}{'ns/pos-head':>13}{'B/pos-head':>12}{'x SDPA':>8}")
+    rows = []
+    for L in a.contexts:
+        k, v = torch.randn(2, B, H, L, D, generator=g)
+        k[..., 3] *= 8
+        q = torch.randn(B, H * G, 1, D, generator=g)
+        calls = {"fp32 SDPA": (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=G > 1), 2 * 4 * D)}
+        for name, make in POLICIES.items():
+            pol = make()
+            spec = LayerSpec(pol, B, H, L, D)
+            spec.register()
+            st = spec.allocate()
+            cpu_store.store(st, spec, k, v)
+            read = bytes_per_token(pol, 1, H, D, L, dtype=torch.float32) / H  # what one position of one head holds
+            got = cpu.attention(q, st, spec, None, None)
+            want = attention_reference(q, st, spec)
+            if not torch.allclose(got, want, atol=1e-4, rtol=1e-4):  # a fast wrong kernel measures nothing
+                raise AssertionError(f"{name}: the kernel disagrees with the reference at {L} positions")
+            calls[name] = (lambda st=st, spec=spec: cpu.attention(q, st, spec, None, None), read)
+        times = {name: [] for name in calls}
+        for fn, _ in calls.values():
+            fn()  # builds the kernel once, warms the caches
+        for _ in range(a.repeats):
+            for name, (fn, _) in calls.items():
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+        base = statistics.median(times["fp32 SDPA"])
+        for name, (_, read) in calls.items():
+            t = statistics.median(times[name])
+            print(f"{name:<20}{L:>7}{t * 1e6:>10.1f}{t / (L * H * B) * 1e9:>13.1f}{read:>12.1f}{t / base:>8.2f}")
+            rows.append({"contender": name, "context": L, "us": t * 1e6, "bytes_per_position_head": read,
+                         "ratio_to_sdpa": t / base})
+    return rows
+
+
+if __name__ == "__main__":
+    main()
