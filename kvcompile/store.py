@@ -346,6 +346,21 @@ def chunk_needed(spec: LayerSpec, n: int) -> bool:
     return quantized and n > spec.policy.residual
 
 
+def as_stored(x: Tensor, spec: LayerSpec, dtype=torch.float32) -> Tensor:
+    """Keys or values exactly as the store keeps them in full precision (``rotate(x).to(model dtype)``), in
+    ``dtype``: what the sinks and the ring hold, and what attention reads for the queries' own chunk."""
+    return rotate(x, spec).to(spec.torch_dtype).to(dtype)
+
+
+def stored_chunk(spec: LayerSpec, k_new: Tensor | None, v_new: Tensor | None, n: int,
+                 dtype=torch.float32) -> tuple[Tensor, Tensor] | None:
+    """The chunk ``as_stored`` (contiguous) for a kernel to read, or None when none was given or none of its
+    positions can be in packed storage (``chunk_needed``: the kernel's store reads give the same values)."""
+    if k_new is None or not chunk_needed(spec, n):
+        return None
+    return as_stored(k_new, spec, dtype).contiguous(), as_stored(v_new, spec, dtype).contiguous()
+
+
 def check_chunk(q: Tensor, k_new: Tensor | None, v_new: Tensor | None, spec: LayerSpec) -> None:
     if (k_new is None) != (v_new is None):
         raise ValueError("attention takes the chunk's keys and values together (k_new and v_new), or neither")
@@ -361,8 +376,8 @@ def check_chunk(q: Tensor, k_new: Tensor | None, v_new: Tensor | None, spec: Lay
 def with_chunk(k: Tensor, v: Tensor, state: KVState, spec: LayerSpec, k_new: Tensor, v_new: Tensor,
                start: int = 0) -> tuple[Tensor, Tensor]:
     """``k, v [B, H, P, D]`` (the store's rotated space, positions ``start ..``) with each row's newest ``n``
-    positions ``[L - n, L)`` replaced by the chunk ``k_new, v_new [B, H, n, D]`` (model space) exactly as the
-    store keeps full precision: ``rotate(x).to(dtype)``. Returns new tensors."""
+    positions ``[L - n, L)`` replaced by the chunk ``k_new, v_new [B, H, n, D]`` (model space) ``as_stored``.
+    Returns new tensors."""
     B, H, n, D = k_new.shape
     P = k.shape[2]
     first = state.lengths.to(k.device).long().view(B, 1, 1, 1) - n  # the chunk's first position
@@ -371,8 +386,7 @@ def with_chunk(k: Tensor, v: Tensor, state: KVState, spec: LayerSpec, k_new: Ten
     idx = j.clamp(0, n - 1).expand(B, H, P, D)
     out = []
     for full, new in ((k, k_new), (v, v_new)):
-        x = rotate(new, spec).to(spec.torch_dtype).to(full.dtype)
-        out.append(torch.where(inside, x.gather(2, idx), full))
+        out.append(torch.where(inside, as_stored(new, spec, full.dtype).gather(2, idx), full))
     return out[0], out[1]
 
 

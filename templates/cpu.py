@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvcompile.store import KVState, LayerSpec, chunk_needed, dequantize_reference, hadamard, rotate, with_chunk
+from kvcompile.store import KVState, LayerSpec, chunk_needed, dequantize_reference, hadamard, stored_chunk, with_chunk
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 ROWS_MAX = 16  # query rows per kv head the decode kernel takes (passed to it as -DROWS_MAX)
@@ -190,14 +190,6 @@ def check_decode(q: Tensor, spec: LayerSpec) -> str | None:
     return None
 
 
-def _chunk_rows(spec: LayerSpec, k_new: Tensor | None, v_new: Tensor | None, n: int):
-    """The chunk as the store keeps it (``rotate(x).to(dtype)``), in fp32 [B, H, n, D], or (None, None) when
-    no chunk is given or none of its positions can be in packed storage (``chunk_needed``)."""
-    if k_new is None or not chunk_needed(spec, n):
-        return None, None
-    return [rotate(x, spec).to(spec.torch_dtype).float().contiguous() for x in (k_new, v_new)]
-
-
 def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float | None,
               nsplit: int | None = None, k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
     """Same contract as ``kvcompile.store.attention_reference``, for at most ``ROWS_MAX`` query rows per kv head.
@@ -236,7 +228,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
             msb, msh, msi = m.stride(0), m.stride(1), m.stride(2)
         mw = m.shape[-1]
     out = torch.empty(B, Hq, n, D, dtype=torch.float32)
-    kn, vn = _chunk_rows(spec, k_new, v_new, n)
+    kn, vn = stored_chunk(spec, k_new, v_new, n) or (None, None)
     threads = threads_for(state.lengths, spec.heads)
     pol = spec.policy
     lib.kvc_attention(

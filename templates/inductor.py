@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from kvcompile import quant as Q
-from kvcompile.store import KVState, LayerSpec, chunk_needed, hadamard, rotate
+from kvcompile.store import KVState, LayerSpec, hadamard, stored_chunk
 
 
 def _planes(codes: Tensor, bits: int, D: int) -> list[Tensor]:
@@ -92,16 +92,15 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     if S:
         p = torch.arange(S, device=dev).view(1, S).expand(B, S)
         regions.append((([state.k_sink.float()], 1), ([state.v_sink.float()], 1), p, p < L))
-    chunk = k_new is not None and chunk_needed(spec, n) and Cq > 0
+    chunk = stored_chunk(spec, k_new, v_new, n) if Cq else None
     if Cq:
         p = (torch.arange(Cq, device=dev) + S).view(1, Cq).expand(B, Cq)
-        held = (p < qb) & (p < L - n) if chunk else p < qb
+        held = (p < qb) & (p < L - n) if chunk is not None else p < qb
         regions.append((_dequantized_planes(state.k_codes, state.k_scale, state.k_zero, pol.key, D),
                         _dequantized_planes(state.v_codes, state.v_scale, state.v_zero, pol.value, D), p, held))
-    if chunk:  # the chunk's packed positions, in full precision as stored (sinks and ring hold it already)
+    if chunk is not None:  # the chunk's packed positions, as stored (sinks and ring hold it already)
         p = L - n + torch.arange(n, device=dev).view(1, n)
-        kn, vn = (rotate(x, spec).to(spec.torch_dtype).float() for x in (k_new, v_new))
-        regions.append((([kn], 1), ([vn], 1), p, (p >= S) & (p < qb)))
+        regions.append((([chunk[0]], 1), ([chunk[1]], 1), p, (p >= S) & (p < qb)))
     if W:
         w = torch.arange(W, device=dev).view(1, W)
         p = w + W * torch.div(L - 1 - w, W, rounding_mode="floor")  # the newest position in slot w

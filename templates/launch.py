@@ -18,7 +18,7 @@ import os
 import torch
 from torch import Tensor
 
-from kvcompile.store import KVState, LayerSpec, _check_append, check_chunk, chunk_needed, hadamard, rotate
+from kvcompile.store import KVState, LayerSpec, _check_append, check_chunk, hadamard, rotate, stored_chunk
 
 from . import attention as _attention
 from . import store as _store
@@ -104,9 +104,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     qr = q.float()
     if spec.policy.rotate:  # as the reference: the query rotated in fp32, the output un-rotated in fp32
         qr = qr @ hadamard(D, q.device)
-    chunk = None
-    if k_new is not None and chunk_needed(spec, n):  # as stored: rotated, in the model dtype
-        chunk = tuple(rotate(x, spec).to(spec.torch_dtype).float().contiguous() for x in (k_new, v_new))
+    chunk = stored_chunk(spec, k_new, v_new, n)
     out = _attention.launch_attention(qr, state, spec, mask, scale, dot_precision(q.device), tiles, chunk)
     if spec.policy.rotate:
         out = out @ hadamard(D, q.device)
