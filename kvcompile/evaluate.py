@@ -111,11 +111,12 @@ class _EvalLayer(KVCompileLayer):
         self.cumulative_length.add_(n)
         torch.ops.kvcompile.store(list(self.state), key_states, value_states, pos, self.spec_name)
         # tokens in [boundary(L), L) may have moved ring -> packed; [_chunk, L) holds the last chunk's own
-        # full-precision values, written below
+        # full-precision values, written below (so the new chunk's positions need no dequantizing now)
         a = min(L, self.spec.boundary(L), self._chunk)
-        k, v = dequantize_reference(self.state, self.spec, key_states.dtype, start=a, end=L + n)
-        self._k[:, :, a:L + n] = k
-        self._v[:, :, a:L + n] = v
+        if a < L:
+            k, v = dequantize_reference(self.state, self.spec, key_states.dtype, start=a, end=L)
+            self._k[:, :, a:L] = k
+            self._v[:, :, a:L] = v
         # the chunk attends to itself in full precision (as KVCompileLayer.update and the compiled path)
         self._k[:, :, L:L + n] = key_states
         self._v[:, :, L:L + n] = value_states
@@ -351,7 +352,7 @@ def passkey_retrieved_shared(model, tok, trials: list[PasskeyTrial], policy: Pol
     out = [False] * len(trials)
     trunk, fed = None, 0
     for i in order:
-        prompt, answer, n0, n1 = layouts[i]
+        prompt, _, n0, n1 = layouts[i]
         ids = torch.tensor([prompt])
         capacity = trials[i].length
         if trunk is None:

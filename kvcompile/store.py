@@ -373,15 +373,15 @@ def check_chunk(q: Tensor, k_new: Tensor | None, v_new: Tensor | None, spec: Lay
                          f"got {list(k_new.shape)} and {list(v_new.shape)}")
 
 
-def with_chunk(k: Tensor, v: Tensor, state: KVState, spec: LayerSpec, k_new: Tensor, v_new: Tensor,
-               start: int = 0) -> tuple[Tensor, Tensor]:
-    """``k, v [B, H, P, D]`` (the store's rotated space, positions ``start ..``) with each row's newest ``n``
+def with_chunk(k: Tensor, v: Tensor, state: KVState, spec: LayerSpec, k_new: Tensor,
+               v_new: Tensor) -> tuple[Tensor, Tensor]:
+    """``k, v [B, H, P, D]`` (the store's rotated space, positions ``0 .. P``) with each row's newest ``n``
     positions ``[L - n, L)`` replaced by the chunk ``k_new, v_new [B, H, n, D]`` (model space) ``as_stored``.
     Returns new tensors."""
     B, H, n, D = k_new.shape
     P = k.shape[2]
     first = state.lengths.to(k.device).long().view(B, 1, 1, 1) - n  # the chunk's first position
-    j = torch.arange(start, start + P, device=k.device).view(1, 1, P, 1) - first  # index into the chunk
+    j = torch.arange(P, device=k.device).view(1, 1, P, 1) - first  # index into the chunk
     inside = (j >= 0) & (j < n)
     idx = j.clamp(0, n - 1).expand(B, H, P, D)
     out = []
