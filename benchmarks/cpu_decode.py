@@ -302,6 +302,8 @@ def main(argv=None):
     args.threads = torch.get_num_threads()
     cs = contenders(args.contenders)
     rows = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     total = len(args.contexts) * len(args.batches) * args.repeats * len(cs)
     bar = tqdm(total=total, desc="decode benchmark")
@@ -335,12 +337,12 @@ def main(argv=None):
                     peak_added_mib=statistics.median(x["peak_added"] for x in xs) / 2 ** 20,
                     step_ms_median=statistics.median(s for x in xs for s in x["step_ms"]),
                     step_ms_first=xs[-1]["step_ms"][0], step_ms_last=xs[-1]["step_ms"][-1]))
+            # every finished shape is saved at once: a long grid stopped part-way keeps what it measured
+            out.write_text(json.dumps(dict(args=vars(args), rows=rows, complete=False), indent=1))
     bar.close()
     table = render(rows, args)
     print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
+    out.write_text(json.dumps(dict(args=vars(args), rows=rows, complete=True), indent=1))
     print(f"wrote {out}")
     if args.plot:
         plot(rows, args.plot)
