@@ -7,6 +7,7 @@ specialization they exercise in the interpreter also lowers to a GPU binary (the
 accepts code the compiler rejects).
 """
 import contextlib
+import functools
 import os
 
 import torch
@@ -24,6 +25,29 @@ _TRITON_TYPES = {
 
 _compiler = None  # set by compile_only(): called instead of launching
 
+# The first Triton whose interpreter runs these kernels: up to 3.6 it hands a scalar loaded from memory to
+# Python as a one-element array, and the kernels' loops, bounded by per-sequence lengths, then fail inside the
+# interpreter. Compiled kernels are not affected (3.6 builds them for sm_90).
+INTERPRETER_MIN = (3, 7)
+
+
+@functools.lru_cache(maxsize=None)
+def check_interpreter(version: str | None = None) -> None:
+    """Raise a clear error when Triton's interpreter (``version``, default the installed one) is too old to run
+    kvcompile's kernels."""
+    if version is None:
+        import triton
+        version = triton.__version__
+    found = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    if found < INTERPRETER_MIN:
+        want = ".".join(map(str, INTERPRETER_MIN))
+        raise RuntimeError(
+            f"TRITON_INTERPRET=1 with Triton {version}: its interpreter cannot run kvcompile's kernels (a scalar "
+            f"loaded from memory arrives as a one-element array, which loop bounds reject); Triton >= {want} is "
+            f"needed to run them on the CPU. Upgrade Triton (pip install 'triton>={want}'), use kvcompile's C "
+            "kernels on the CPU (kvcompile.ops.set_kernels('cpu'), the default there), or run on a GPU, where "
+            f"Triton {version} compiles them.")
+
 
 def run(kernel, grid, args: dict, **options) -> None:
     """Launch ``kernel[grid](**args, **options)`` (or compile it, inside ``compile_only``)."""
@@ -32,6 +56,7 @@ def run(kernel, grid, args: dict, **options) -> None:
         _compiler(kernel, args, options)
         return
     if INTERPRET:  # the interpreter takes no compile options
+        check_interpreter()
         options = {}
     kernel[grid](**args, **options)
 

@@ -52,3 +52,14 @@ def test_compiled_ops_with_triton_kernels_equal_reference(policy, triton_kernels
                                                 dot=launch.dot_precision(torch.device(DEV)))
         assert ((out.cpu().double() - want).abs() <= bound).all()
     assert calls == ["store", "attention"] * 4
+
+
+def test_too_old_interpreter_is_refused_with_a_clear_error():
+    """Triton 3.6's interpreter hands loaded scalars to Python as one-element arrays, which the kernels' loop
+    bounds reject deep inside the interpreter (seen here with triton 3.6.0); the launcher says so up front."""
+    from kvcompile.templates.common import check_interpreter
+
+    with pytest.raises(RuntimeError, match=r"Triton 3\.6\.0.*Triton >= 3\.7"):
+        check_interpreter("3.6.0")
+    for ok in ("3.7.0", "3.9.0", "3.10.1+git1234", "4.0.0"):
+        check_interpreter(ok)
