@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import torch
 import transformers
 from tqdm import tqdm
@@ -92,6 +91,8 @@ class PeakRSS:
     which some contenders allocate up front, included: the run starts before the cache is made)."""
 
     def __init__(self, interval=0.002):
+        import psutil  # here, not at the top: the GPU variant measures with CUDA's allocator and needs none
+
         self.proc, self.interval = psutil.Process(), interval
 
     def __enter__(self):
