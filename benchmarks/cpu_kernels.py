@@ -8,8 +8,11 @@ PyTorch's fp32 SDPA over the same positions.
 For each context: a store filled by the C store kernel with random keys (one outlier channel, as real keys
 have) and values, one query token per sequence, ``--heads`` kv heads and ``--gqa`` query heads per kv head.
 Times are medians over ``--repeats`` calls, taken round-robin across contenders (A B C ... A B C ...) so
-machine drift hits all alike; each kernel's output is first checked against the reference. Columns: microseconds per call, nanoseconds per (position, kv head), the
-bytes the store holds per (position, kv head) (what the kernel reads; fp32 model), and the ratio to fp32 SDPA.
+machine drift hits all alike; each kernel's output is first checked against the reference. Columns:
+microseconds per call, nanoseconds per (position, kv head), the bytes the store holds per (position, kv head)
+(what the kernel reads; fp32 model), the ratio to fp32 SDPA, and "x floor": the time over the time a plain
+pass over the same bytes takes (the read bandwidth is measured first) -- near 1 the kernel is bound by
+memory, far above 1 by arithmetic.
 """
 from __future__ import annotations
 
@@ -53,7 +56,8 @@ def main(argv=None):
     B, H, G, D = a.batch, a.heads, a.gqa, a.head_dim
     g = torch.Generator().manual_seed(0)
     print(f"{B=} kv heads={H} gqa={G} head_dim={D} threads={a.threads}, median of {a.repeats}")
-    print(f"{'contender':<20}{'ctx':>7}{'us/call':>10}{'ns/pos-head':>13}{'B/pos-head':>12}{'x SDPA':>8}")
+    bw = read_bandwidth(4 << 20 if a.smoke else BW_BYTES, 3 if a.smoke else 7)
+    print(f"{'contender':<20}{'ctx':>7}{'us/call':>10}{'ns/pos-head':>13}{'B/pos-head':>12}{'x SDPA':>8}{'x floor':>10}")
     rows = []
     for L in a.contexts:
         k, v = torch.randn(2, B, H, L, D, generator=g)
@@ -83,10 +87,29 @@ def main(argv=None):
         base = statistics.median(times["fp32 SDPA"])
         for name, (_, read) in calls.items():
             t = statistics.median(times[name])
-            print(f"{name:<20}{L:>7}{t * 1e6:>10.1f}{t / (L * H * B) * 1e9:>13.1f}{read:>12.1f}{t / base:>8.2f}")
+            floor = read / bw  # seconds per position-head if the call only had to stream its bytes
+            ns = t / (L * H * B)
+            print(f"{name:<20}{L:>7}{t * 1e6:>10.1f}{ns * 1e9:>13.1f}{read:>12.1f}{t / base:>8.2f}{ns / floor:>10.1f}")
             rows.append({"contender": name, "context": L, "us": t * 1e6, "bytes_per_position_head": read,
-                         "ratio_to_sdpa": t / base})
+                         "ratio_to_sdpa": t / base, "x_read_floor": ns / floor})
+    print(f"x floor: time over the time to stream the same bytes at {bw / 1e9:.1f} GB/s (a {a.threads}-thread read of "
+          f"{BW_BYTES >> 20} MiB, measured first); near 1 means bound by memory, far above it by arithmetic")
     return rows
+
+
+BW_BYTES = 256 << 20  # far beyond the caches
+
+
+def read_bandwidth(nbytes: int, repeats: int) -> float:
+    """Bytes per second one pass over a large fp32 buffer streams (``sum``: one add per four bytes read)."""
+    x = torch.ones(nbytes // 4)
+    x.sum()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        ts.append(time.perf_counter() - t)
+    return nbytes / statistics.median(ts)
 
 
 if __name__ == "__main__":
