@@ -40,3 +40,14 @@ MIXED = Policy(Quant("int4", "channel", 16), Quant("int2", "token", 32), residua
 ROTATED = Policy(Quant("fp8_e4m3", "token"), Quant("int3", "channel", 16), residual=8, sink=2, rotate=True)
 # lengths 1, group - 1, group + 1, around the first flush (25, 26, 27) and the second (42, 43): one batch
 LENGTHS = [1, 15, 17, 25, 26, 27, 42, 43]
+
+
+def one_wrong_code(flip: int = 1):
+    """A store with one int8 key code off by ``flip`` steps, for showing that a kernel check is sharp enough to
+    fail. Returns (spec, good state, bad state, query); the query looks at the corrupted channel."""
+    spec, state = filled(Policy.kivi(8, group=8, residual=4), [40], 1, 16, 48)
+    q = torch.randn(1, 2, 1, 16, generator=torch.Generator().manual_seed(1))
+    q[..., 3] = 1.5
+    bad = type(state)(*[t.clone() for t in state])
+    bad.k_codes[0, 0, 5, 3] ^= flip
+    return spec, state, bad, q

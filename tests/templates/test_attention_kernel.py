@@ -16,7 +16,7 @@ from kvcompile import Policy, Quant
 from kvcompile import quant as Q
 from kvcompile.templates import attention as kattn
 from kvcompile.templates import launch
-from attention_checks import LENGTHS, MIXED, ROTATED, filled
+from attention_checks import LENGTHS, MIXED, ROTATED, filled, one_wrong_code
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -114,15 +114,11 @@ def test_a_query_that_sees_nothing_returns_zeros():
 
 def test_the_bound_catches_one_wrong_code():
     """The check is sharp enough to fail: flip one stored key code of one position and it must fire."""
-    spec, state = filled(Policy.kivi(8, group=8, residual=4), [40], 1, 16, 48)
-    q = torch.randn(1, 2, 1, 16, generator=torch.Generator().manual_seed(1))
-    q[..., 3] = 1.5  # the query must look at the corrupted channel
-    check(q, state, spec)
-    bad = type(state)(*[t.clone() for t in state])
     dot = launch.dot_precision(torch.device(DEV))
     # one int8 code off by one step (fp32 operands); tf32 operands (CUDA) loosen the bound ~2**13-fold, so
     # there the code is off by 64 steps
-    bad.k_codes[0, 0, 5, 3] ^= 1 if dot == "ieee" else 64
+    spec, state, bad, q = one_wrong_code(1 if dot == "ieee" else 64)
+    check(q, state, spec)
     got = launch.attention(q.to(DEV), type(bad)(*[t.to(DEV) for t in bad]), spec).cpu()
     nsplit = kattn.default_tiles(spec, 1, 2, torch.device(DEV))[2]
     want, bound = kattn.reference_and_bound(q, state, spec, nsplit=nsplit, dot=dot)

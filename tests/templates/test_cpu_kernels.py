@@ -20,7 +20,7 @@ from kvcompile import Policy, Quant
 from kvcompile.store import LayerSpec
 from kvcompile.templates import attention as kattn
 from kvcompile.templates import cpu
-from attention_checks import LENGTHS, MIXED, ROTATED, filled
+from attention_checks import LENGTHS, MIXED, ROTATED, filled, one_wrong_code
 
 pytestmark = pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler on this machine")
 
@@ -135,14 +135,11 @@ def test_a_query_that_sees_nothing_returns_zeros():
 
 def test_the_bound_catches_one_wrong_code():
     """The check is sharp enough to fail: one stored int8 key code off by one step must break it."""
-    spec, state = filled(Policy.kivi(8, group=8, residual=4), [40], 1, 16, 48)
-    q = torch.randn(1, 2, 1, 16, generator=torch.Generator().manual_seed(1))
-    q[..., 3] = 1.5  # the query must look at the corrupted channel
+    spec, state, bad, q = one_wrong_code()
     check(q, state, spec)
-    bad = type(state)(*[t.clone() for t in state])
-    bad.k_codes[0, 0, 5, 3] ^= 1
     got = cpu.attention(q, bad, spec, None, None)
-    want, bound = kattn.reference_and_bound(q, state, spec, nsplit=cpu.splits(state.lengths, 1, cpu.threads_for(state.lengths, 1)))
+    nsplit = cpu.splits(state.lengths, 1, cpu.threads_for(state.lengths, 1))
+    want, bound = kattn.reference_and_bound(q, state, spec, nsplit=nsplit)
     assert ((got.double() - want).abs() > bound).any()
 
 
