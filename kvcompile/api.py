@@ -441,17 +441,41 @@ def _cache_kwarg(model) -> str:
 
 
 CAPACITY_BUCKET = 256  # generate() sizes caches in multiples of this many tokens
-RECOMPILE_LIMIT = 64
+# Graphs Dynamo may keep per code object, and in all. Every applied model of one class shares its forward's
+# code object, and each (batch size, cache capacity) is a prefill graph and a decode graph of its own: four
+# policies over eight shapes in one process (benchmarks/cpu_decode.py) went past 64, and with fullgraph=True
+# that is a hard failure. Each graph costs a compile, not memory to speak of.
+RECOMPILE_LIMIT = 1024
+ACCUMULATED_RECOMPILE_LIMIT = 8192
 
 
 def _raise_recompile_limit() -> None:
-    """Every applied model of one class shares its forward's code object, and each prompt length or cache
-    capacity is a graph of its own: Dynamo's default limit (8 graphs per code object) is reached by a few
-    generate calls, and with fullgraph=True that is a hard failure. Raised once, process-wide."""
+    """Raise Dynamo's recompile limits to kvcompile's (never lower them). Process-wide, once per apply."""
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name) and getattr(cfg, name) < RECOMPILE_LIMIT:
             setattr(cfg, name, RECOMPILE_LIMIT)
+    if getattr(cfg, "accumulated_recompile_limit", ACCUMULATED_RECOMPILE_LIMIT) < ACCUMULATED_RECOMPILE_LIMIT:
+        cfg.accumulated_recompile_limit = ACCUMULATED_RECOMPILE_LIMIT
+
+
+def _call_compiled(compiled, what: str, *args, **kwargs):
+    """``compiled(*args, **kwargs)``, with Dynamo's recompile-limit failure turned into an error that says
+    what happened and what to do."""
+    limit_hit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None) or getattr(
+        torch._dynamo.exc, "FailOnCacheLimitHit", ())
+    try:
+        return compiled(*args, **kwargs)
+    except limit_hit as e:
+        cfg = torch._dynamo.config
+        limit = getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", "?"))
+        raise KVCompileError(
+            f"{what}: this process has compiled as many graphs of it as Dynamo allows (recompile_limit={limit}; "
+            "kvcompile compiles one prefill and one decode graph per batch size and cache capacity, shared by "
+            "every model of the class), and fullgraph=True makes one more a hard failure. Use fewer distinct "
+            "shapes (pad batches to a few sizes; give generate() or KVCompileCache one max_cache_len), raise "
+            "torch._dynamo.config.recompile_limit, or call torch._dynamo.reset() to drop the compiled graphs."
+        ) from e
 
 
 def _apply_hf(model, policy, max_cache_len, compiler, dynamic):
@@ -508,7 +532,7 @@ def _apply_hf(model, policy, max_cache_len, compiler, dynamic):
                 "this model was prepared by kvcompile.apply but was given a DynamicCache, which grows by "
                 "concatenation and cannot be quantized in place. Pass no cache (one is created), a "
                 "kvcompile.hf.KVCompileCache, or a StaticCache.")
-        out = compiled(*args, **kwargs)
+        out = _call_compiled(compiled, f"{type(model).__name__}.forward under kvcompile", *args, **kwargs)
         if isinstance(cache, KVCompileCache):
             cache.tokens += n
         return out
