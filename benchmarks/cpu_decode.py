@@ -35,6 +35,7 @@ from transformers import DynamicCache, QuantizedCache, StaticCache
 
 import kvcompile
 from kvcompile import Policy
+from kvcompile.api import _raise_recompile_limit
 from kvcompile.hf import KVCompileCache
 
 # --------------------------------------------------------------------------- memory measurement
@@ -299,13 +300,9 @@ def main(argv=None):
 
     model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
     COMPILER["name"] = args.compiler
-    # every shape of a grid compiles its own graphs (prefill and decode, per contender): Dynamo's default of 8
-    # per code object would turn the compiled contenders eager part-way through
-    dc = torch._dynamo.config
-    limit = "recompile_limit" if hasattr(dc, "recompile_limit") else "cache_size_limit"
-    setattr(dc, limit, max(getattr(dc, limit), 256))
-    if hasattr(dc, "accumulated_recompile_limit"):
-        dc.accumulated_recompile_limit = max(dc.accumulated_recompile_limit, 4096)
+    # every shape of a grid compiles its own graphs (prefill and decode, per contender): the limits kvcompile's
+    # apply sets, set before the first contender (StaticCache + compile may run before any apply)
+    _raise_recompile_limit()
     PREFILL_CHUNK["n"] = args.prefill_chunk
     SKIP_FIRST_STEP["on"] = args.no_warmup
     if args.threads:

@@ -56,7 +56,8 @@ def main(argv=None):
     B, H, G, D = a.batch, a.heads, a.gqa, a.head_dim
     g = torch.Generator().manual_seed(0)
     print(f"{B=} kv heads={H} gqa={G} head_dim={D} threads={a.threads}, median of {a.repeats}")
-    bw = read_bandwidth(4 << 20 if a.smoke else BW_BYTES, 3 if a.smoke else 7)
+    bw_bytes = 4 << 20 if a.smoke else BW_BYTES
+    bw = read_bandwidth(bw_bytes, 3 if a.smoke else 7)
     print(f"{'contender':<20}{'ctx':>7}{'us/call':>10}{'ns/pos-head':>13}{'B/pos-head':>12}{'x SDPA':>8}{'x floor':>10}")
     rows = []
     for L in a.contexts:
@@ -93,7 +94,7 @@ def main(argv=None):
             rows.append({"contender": name, "context": L, "us": t * 1e6, "bytes_per_position_head": read,
                          "ratio_to_sdpa": t / base, "x_read_floor": ns / floor})
     print(f"x floor: time over the time to stream the same bytes at {bw / 1e9:.1f} GB/s (a {a.threads}-thread read of "
-          f"{BW_BYTES >> 20} MiB, measured first); near 1 means bound by memory, far above it by arithmetic")
+          f"{bw_bytes >> 20} MiB, measured first); near 1 means bound by memory, far above it by arithmetic")
     return rows
 
 
