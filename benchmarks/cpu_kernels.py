@@ -29,6 +29,7 @@ from kvcompile.accounting import bytes_per_token
 from kvcompile.store import LayerSpec, attention_reference
 from kvcompile.templates import cpu, cpu_store
 
+BW_BYTES = 256 << 20  # the buffer the read bandwidth is measured on: far beyond the caches
 POLICIES = {
     "int8 (Policy.int8)": lambda: Policy.int8(),
     "fp8 (Policy.fp8)": lambda: Policy.fp8(),
@@ -96,9 +97,6 @@ def main(argv=None):
     print(f"x floor: time over the time to stream the same bytes at {bw / 1e9:.1f} GB/s (a {a.threads}-thread read of "
           f"{bw_bytes >> 20} MiB, measured first); near 1 means bound by memory, far above it by arithmetic")
     return rows
-
-
-BW_BYTES = 256 << 20  # far beyond the caches
 
 
 def read_bandwidth(nbytes: int, repeats: int) -> float:

@@ -459,14 +459,17 @@ def _raise_recompile_limit() -> None:
         cfg.accumulated_recompile_limit = ACCUMULATED_RECOMPILE_LIMIT
 
 
+# what Dynamo raises when fullgraph=True meets the recompile limit (the older name before torch 2.6)
+_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None) or getattr(
+    torch._dynamo.exc, "FailOnCacheLimitHit", ())
+
+
 def _call_compiled(compiled, what: str, *args, **kwargs):
     """``compiled(*args, **kwargs)``, with Dynamo's recompile-limit failure turned into an error that says
     what happened and what to do."""
-    limit_hit = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None) or getattr(
-        torch._dynamo.exc, "FailOnCacheLimitHit", ())
     try:
         return compiled(*args, **kwargs)
-    except limit_hit as e:
+    except _LIMIT_HIT as e:
         cfg = torch._dynamo.config
         limit = getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", "?"))
         raise KVCompileError(
