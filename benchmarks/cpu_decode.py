@@ -12,7 +12,9 @@
 Contenders run interleaved (A B C ... A B C ...) so machine drift hits all of them alike. For each one:
 prefill time, decode tokens/s (median over repeats), the bytes the KV cache holds at the end (summed from
 its tensors), peak process memory (RSS high-water mark sampled during the run, minus the baseline before
-it), and ratios to the full-precision DynamicCache. Writes JSON next to the printed table.
+it; the prefill's activations usually set it), the decode peak (the high-water mark during the decode steps
+above the memory held once the prompt is in the cache: what attending to the cache materializes per step),
+and ratios to the full-precision DynamicCache. Writes JSON next to the printed table.
 """
 from __future__ import annotations
 
@@ -89,17 +91,25 @@ LIBC = _libc()
 
 class PeakRSS:
     """Samples the process RSS in a thread; ``peak - base`` is what the run added at its worst (the cache,
-    which some contenders allocate up front, included: the run starts before the cache is made)."""
+    which some contenders allocate up front, included: the run starts before the cache is made).
+
+    ``mark()`` (called once the prompt is in the cache) opens a second window: ``decode_added`` is the
+    high-water mark after it above the RSS at it, i.e. what the decode steps materialize on top of the
+    filled cache (a full-precision copy of the cache per step shows here; the prefill's activations do not)."""
 
     def __init__(self, interval=0.002):
         import psutil  # here, not at the top: the GPU variant measures with CUDA's allocator and needs none
 
         self.proc, self.interval = psutil.Process(), interval
+        self.mark_base = self.mark_peak = None
 
-    def __enter__(self):
+    def _trim(self):
         gc.collect()
         if LIBC is not None:
             LIBC.malloc_trim(0)  # hand freed heap pages back, so they cannot hide this run's growth
+
+    def __enter__(self):
+        self._trim()
         self.base = self.peak = self.proc.memory_info().rss
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
@@ -108,31 +118,56 @@ class PeakRSS:
 
     def _run(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
+            rss = self.proc.memory_info().rss
+            self.peak = max(self.peak, rss)
+            if self.mark_peak is not None:
+                self.mark_peak = max(self.mark_peak, rss)
             time.sleep(self.interval)
+
+    def mark(self):
+        self._trim()  # the prefill's freed activations go back first: decode growth cannot hide in them
+        self.mark_base = self.mark_peak = self.proc.memory_info().rss
 
     def __exit__(self, *exc):
         self._stop.set()
         self._t.join()
+        rss = self.proc.memory_info().rss
+        self.peak = max(self.peak, rss)
+        if self.mark_peak is not None:
+            self.mark_peak = max(self.mark_peak, rss)
 
     @property
     def added(self) -> int:
         return self.peak - self.base
 
+    @property
+    def decode_added(self) -> int:
+        return self.mark_peak - self.mark_base
+
 
 class PeakCUDA:
-    """GPU memory: the allocator's high-water mark during the run, minus what was allocated before it."""
+    """GPU memory: the allocator's high-water mark during the run, minus what was allocated before it
+    (``mark()``/``decode_added`` as for ``PeakRSS``)."""
 
     def __enter__(self):
         gc.collect()
         torch.cuda.synchronize()
         self.base = torch.cuda.memory_allocated()
+        self.before_mark = 0
         torch.cuda.reset_peak_memory_stats()
         return self
 
+    def mark(self):
+        torch.cuda.synchronize()
+        self.before_mark = torch.cuda.max_memory_allocated()
+        self.mark_base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+
     def __exit__(self, *exc):
         torch.cuda.synchronize()
-        self.added = torch.cuda.max_memory_allocated() - self.base
+        peak = torch.cuda.max_memory_allocated()
+        self.added = max(peak, self.before_mark) - self.base
+        self.decode_added = peak - self.mark_base
 
 
 # Llama-shaped configs with random weights, for the GPU variant (no weights are downloaded)
@@ -241,7 +276,12 @@ def run_once(c: Contender, model, ids, new_tokens: int):
         nxt = out.logits[:, -1:].argmax(-1)
         first_token = time.perf_counter() - t_make
         step_times = []
+        skip = SKIP_FIRST_STEP["on"] and new_tokens > 1  # its first step compiles the decode graph: not counted
+        if not skip:
+            mem.mark()
         for i in range(new_tokens):
+            if skip and i == 1:
+                mem.mark()
             s = time.perf_counter()
             out = fn(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1,
                      cache_position=torch.tensor([T + i], device=ids.device))
@@ -249,9 +289,10 @@ def run_once(c: Contender, model, ids, new_tokens: int):
             step_times.append(time.perf_counter() - s)
             nxt = out.logits[:, -1:].argmax(-1)
     held = cache.nbytes if hasattr(cache, "nbytes") else tensor_bytes(cache)
-    timed = step_times[1:] if SKIP_FIRST_STEP["on"] and len(step_times) > 1 else step_times
+    timed = step_times[1:] if skip else step_times
     return dict(prefill_s=t1 - t0, first_token_s=first_token, decode_tok_s=B * len(timed) / sum(timed),
-                step_ms=[1e3 * s for s in step_times], cache_bytes=held, peak_added=mem.added)
+                step_ms=[1e3 * s for s in step_times], cache_bytes=held, peak_added=mem.added,
+                decode_added=mem.decode_added)
 
 
 def main(argv=None):
@@ -314,6 +355,10 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     total = len(args.contexts) * len(args.batches) * args.repeats * len(cs)
+    with torch.no_grad():  # once per process, untimed: one-time allocations (thread pools, lazily built library
+        # state) would otherwise land in the first contender's peak (the first grid's 1K x 1 full-precision run
+        # read 600 MiB against 236 at 2K x 1)
+        model(input_ids=torch.zeros(1, 16, dtype=torch.long, device=args.device), use_cache=True, logits_to_keep=1)
     bar = tqdm(total=total, desc="decode benchmark")
     for T in args.contexts:
         for B in args.batches:
@@ -343,6 +388,7 @@ def main(argv=None):
                     cache_bytes=xs[-1]["cache_bytes"],
                     cache_vs_first=xs[-1]["cache_bytes"] / max(1, base[-1]["cache_bytes"]),
                     peak_added_mib=statistics.median(x["peak_added"] for x in xs) / 2 ** 20,
+                    decode_added_mib=statistics.median(x["decode_added"] for x in xs) / 2 ** 20,
                     step_ms_median=statistics.median(s for x in xs for s in x["step_ms"]),
                     step_ms_first=xs[-1]["step_ms"][0], step_ms_last=xs[-1]["step_ms"][-1]))
             # every finished shape is saved at once: a long grid stopped part-way keeps what it measured
@@ -369,12 +415,13 @@ def render(rows, args) -> str:
     lines = [f"{args.threads} threads, {args.device}, {args.dtype}, compiler={args.compiler}, {args.new} new tokens, "
              f"median of {args.repeats}",
              f"{'contender':16} {'ctx':>6} {'B':>2} {'1st tok s':>9} {'prefill s':>9} {'tok/s':>7} {'x first':>7} "
-             f"{'cache MiB':>9} {'x first':>7} {'peak+MiB':>8} {'step ms':>8}"]
+             f"{'cache MiB':>9} {'x first':>7} {'peak+MiB':>8} {'decode+MiB':>10} {'step ms':>8}"]
     for r in rows:
         lines.append(f"{r['contender']:16} {r['context']:6d} {r['batch']:2d} {r['first_token_s']:9.1f} "
                      f"{r['prefill_s']:9.2f} {r['decode_tok_s']:7.2f} "
                      f"{r['speed_vs_first']:7.2f} {r['cache_bytes'] / 2 ** 20:9.1f} {r['cache_vs_first']:7.2f} "
-                     f"{r['peak_added_mib']:8.1f} {r['step_ms_median']:8.1f}")
+                     f"{r['peak_added_mib']:8.1f} {r.get('decode_added_mib', float('nan')):10.1f} "
+                     f"{r['step_ms_median']:8.1f}")
     for (name, B), v in slopes(rows).items():
         lines.append(f"decode step growth, {name}, batch {B}: {v:.1f} ms per 1K tokens of context (least squares)")
     return "\n".join(lines)

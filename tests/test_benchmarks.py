@@ -1,5 +1,6 @@
 """The CPU decode benchmark runs end to end (tiny random Llama), and reports what it measured."""
 import json
+import time
 
 from benchmarks import cpu_decode
 
@@ -47,3 +48,16 @@ def test_gpu_session_script_runs_its_steps_from_a_package_dir(tmp_path):
         assert f"end {step}: exit 0" in log, log
     assert "store exact, attention within bound" in (tmp_path / "kernels.txt").read_text()
     assert (tmp_path / "RESULTS.md").exists()
+
+
+def test_peak_rss_sees_what_the_decode_window_adds():
+    import torch
+    mib = 2 ** 20
+    with cpu_decode.PeakRSS(interval=0.001) as mem:
+        prompt = torch.ones(48 * mib // 4)  # held from before the mark (the filled cache): the decode window's base
+        mem.mark()
+        step = torch.ones(64 * mib // 4)  # touched pages: RSS really grows
+        time.sleep(0.05)
+        del step, prompt
+    assert 60 * mib <= mem.decode_added < 100 * mib, mem.decode_added / mib
+    assert mem.added >= 108 * mib, mem.added / mib
