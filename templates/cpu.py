@@ -92,16 +92,17 @@ def _compiler_id(cc: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def compile_template(source: str, key: tuple) -> ctypes.CDLL:
-    """Compile the C template ``templates/<source>`` (or load it from the disk cache) with ``-D`` definitions
-    from ``key`` (a tuple of ``(name, value)``); the library is named after the definitions it was built with."""
+def compile_template(source: str | Path, key: tuple) -> ctypes.CDLL:
+    """Compile the C template ``templates/<source>`` (a file name; a ``Path`` is taken as it is: the benchmarks
+    build modified copies) or load it from the disk cache, with ``-D`` definitions from ``key`` (a tuple of
+    ``(name, value)``); the library is named after the definitions it was built with."""
     cc = compiler()
     if cc is None:
         raise CompilerError(
             "kvcompile's CPU kernels need a C compiler (gcc or clang; set CC to choose one), and none was found "
             "on the PATH. Install one, or run the pure-torch reference instead: kvcompile.ops.set_kernels('reference')."
         )
-    path_src = Path(__file__).with_name(source)
+    path_src = source if isinstance(source, Path) else Path(__file__).with_name(source)
     src = path_src.read_text()
     dflags = [f"-D{k}={v}" for k, v in key]
     digest = hashlib.sha256("\n".join([src, _compiler_id(cc), *FLAGS, *dflags]).encode()).hexdigest()[:24]
@@ -120,9 +121,10 @@ def compile_template(source: str, key: tuple) -> ctypes.CDLL:
 
 
 @functools.lru_cache(maxsize=None)
-def build(key: tuple) -> ctypes.CDLL:
-    """The decode attention kernel for one tuple of ``defines`` items."""
-    lib = compile_template(SOURCE.name, key + (("ROWS_MAX", ROWS_MAX), ("TILE", TILE)))
+def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
+    """The decode attention kernel for one tuple of ``defines`` items (from ``source``: the template, unless a
+    benchmark passes a modified copy)."""
+    lib = compile_template(source, key + (("ROWS_MAX", ROWS_MAX), ("TILE", TILE)))
     fn = lib.kvc_attention
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     fn.argtypes = [P] * 12 + [P, I, I, I, I, P, I, I, F, I, I, P, P]

@@ -61,3 +61,12 @@ def test_peak_rss_sees_what_the_decode_window_adds():
         del step, prompt
     assert 60 * mib <= mem.decode_added < 100 * mib, mem.decode_added / mib
     assert mem.added >= 108 * mib, mem.added / mib
+
+
+def test_cpu_kernel_parts_smoke():
+    from benchmarks import cpu_kernel_parts
+    rows = cpu_kernel_parts.main(["--smoke"])
+    assert [r["contender"] for r in rows] == list(cpu_kernel_parts.POLICIES)
+    for r in rows:
+        assert r["whole"] > 0 and r["dequant_only"] > 0 and r["attention_only"] > 0
+        assert r["memory_floor_ns"] > 0 and r["bytes_per_position_head"] < 512
