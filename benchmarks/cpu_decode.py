@@ -442,13 +442,16 @@ def slopes(rows) -> dict:
 
 
 def plot(rows, path):
-    """Decode tokens/s and per-step time against context, one line per contender, a panel per batch size."""
+    """Decode tokens/s, per-step time and the memory the decode steps add, against context, one line per
+    contender, a column per batch size."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     batches = sorted({r["batch"] for r in rows})
     slope = slopes(rows)
-    fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 8), squeeze=False)
+    decode_mem = all("decode_added_mib" in r for r in rows)  # files from before the decode peak have none
+    nrows = 3 if decode_mem else 2
+    fig, axes = plt.subplots(nrows, len(batches), figsize=(6 * len(batches), 4 * nrows), squeeze=False)
     for j, B in enumerate(batches):
         for name in dict.fromkeys(r["contender"] for r in rows):
             rs = sorted((r for r in rows if r["batch"] == B and r["contender"] == name), key=lambda r: r["context"])
@@ -458,10 +461,16 @@ def plot(rows, path):
             axes[0][j].plot(ctx, [r["decode_tok_s"] for r in rs], "o-", label=name)
             extra = f" ({slope[name, B]:.1f} ms per 1K tokens)" if (name, B) in slope else ""
             axes[1][j].plot(ctx, [r["step_ms_median"] for r in rs], "o-", label=name + extra)
+            if decode_mem:  # floored at 0.1 MiB for the log scale
+                axes[2][j].plot(ctx, [max(r["decode_added_mib"], 0.1) for r in rs], "o-", label=name)
         axes[0][j].set(title=f"batch {B}", ylabel="decode tokens/s", xlabel="context (tokens)")
         axes[1][j].set(ylabel="decode step, median (ms)", xlabel="context (tokens)")
         axes[0][j].legend(fontsize=8)
         axes[1][j].legend(fontsize=8)
+        if decode_mem:
+            axes[2][j].set(yscale="log", xlabel="context (tokens)",
+                           ylabel="memory the decode steps add (MiB)")
+            axes[2][j].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
