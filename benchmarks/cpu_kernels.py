@@ -43,10 +43,7 @@ POLICIES = {
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=3)
-    ap.add_argument("--gqa", type=int, default=3)
-    ap.add_argument("--head-dim", type=int, default=64)
+    layer_args(ap, batch=1)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--smoke", action="store_true")
@@ -62,21 +59,10 @@ def main(argv=None):
     print(f"{'contender':<20}{'ctx':>7}{'us/call':>10}{'ns/pos-head':>13}{'B/pos-head':>12}{'x SDPA':>8}{'x floor':>10}")
     rows = []
     for L in a.contexts:
-        k, v = torch.randn(2, B, H, L, D, generator=g)
-        k[..., 3] *= 8
-        q = torch.randn(B, H * G, 1, D, generator=g)
+        q, k, v = random_layer(B, H, G, D, L, g)
         calls = {"fp32 SDPA": (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=G > 1), 2 * 4 * D)}
         for name, make in POLICIES.items():
-            pol = make()
-            spec = LayerSpec(pol, B, H, L, D)
-            spec.register()
-            st = spec.allocate()
-            cpu_store.store(st, spec, k, v)
-            read = bytes_per_token(pol, 1, H, D, L, dtype=torch.float32) / H  # what one position of one head holds
-            got = cpu.attention(q, st, spec, None, None)
-            want = attention_reference(q, st, spec)
-            if not torch.allclose(got, want, atol=1e-4, rtol=1e-4):  # a fast wrong kernel measures nothing
-                raise AssertionError(f"{name}: the kernel disagrees with the reference at {L} positions")
+            spec, st, read = checked_store(name, make(), q, k, v)
             calls[name] = (lambda st=st, spec=spec: cpu.attention(q, st, spec, None, None), read)
         times = {name: [] for name in calls}
         for fn, _ in calls.values():
@@ -97,6 +83,38 @@ def main(argv=None):
     print(f"x floor: time over the time to stream the same bytes at {bw / 1e9:.1f} GB/s (a {a.threads}-thread read of "
           f"{bw_bytes >> 20} MiB, measured first); near 1 means bound by memory, far above it by arithmetic")
     return rows
+
+
+def layer_args(ap, batch: int):
+    """The layer-shape options of the kernel benchmarks (SmolLM2's layer by default)."""
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--heads", type=int, default=3)
+    ap.add_argument("--gqa", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+
+
+def random_layer(B, H, G, D, L, g):
+    """One decode query per sequence and L positions of random keys (channel 3 an outlier, as real keys
+    have) and values: (q [B, H*G, 1, D], k, v [B, H, L, D])."""
+    k, v = torch.randn(2, B, H, L, D, generator=g)
+    k[..., 3] *= 8
+    q = torch.randn(B, H * G, 1, D, generator=g)
+    return q, k, v
+
+
+def checked_store(name, pol, q, k, v):
+    """``pol``'s store filled with k, v by the C store kernel, once the decode kernel is checked against the
+    reference on it (a fast wrong kernel measures nothing). Returns (spec, state, the bytes one position of
+    one kv head holds)."""
+    B, H, L, D = k.shape
+    spec = LayerSpec(pol, B, H, L, D)
+    spec.register()
+    st = spec.allocate()
+    cpu_store.store(st, spec, k, v)
+    if not torch.allclose(cpu.attention(q, st, spec, None, None), attention_reference(q, st, spec),
+                          atol=1e-4, rtol=1e-4):
+        raise AssertionError(f"{name}: the kernel disagrees with the reference at {L} positions")
+    return spec, st, bytes_per_token(pol, 1, H, D, L, dtype=torch.float32) / H
 
 
 def read_bandwidth(nbytes: int, repeats: int) -> float:
