@@ -85,7 +85,7 @@ def main(argv=None):
     B, H, G, D, L = a.batch, a.heads, a.gqa, a.head_dim, a.context
     g = torch.Generator().manual_seed(0)
     q, k, v = ck.random_layer(B, H, G, D, L, g)
-    bw = ck.read_bandwidth(4 << 20 if a.smoke else 256 << 20, 3 if a.smoke else 7)
+    bw, _ = ck.measured_bandwidth(a.smoke)
     ghz = cpu_ghz()
     fma_ns = 2 * G * D / a.fma_per_cycle / ghz if ghz else float("nan")
     print(f"{B=} kv heads={H} gqa={G} head_dim={D} positions={L}, 1 thread, median of {a.repeats}; "
@@ -96,20 +96,14 @@ def main(argv=None):
         paths = variants(Path(tmp))
         for name, make in POLICIES.items():
             spec, st, read = ck.checked_store(name, make(), q, k, v)
-            key = tuple(sorted(cpu.defines(spec, G).items()))
-            libs = {"whole": cpu.build(key)} | {n: cpu.build(key, p) for n, p in paths.items()}
-            out = torch.empty(B, H * G, 1, D)
-
-            def call(lib):
-                lib.kvc_attention(q.data_ptr(), *[cpu._ptr(t) for t in st[:10]], st.lengths.data_ptr(), None, 0, 0,
-                                  0, 0, out.data_ptr(), B, 1, D ** -0.5, 1, 1, None, None)
-            for lib in libs.values():
-                call(lib)  # warms the caches
-            times = {n: [] for n in libs}
+            sources = {"whole": cpu.SOURCE} | paths
+            for src in sources.values():
+                cpu.attention(q, st, spec, None, None, source=src)  # builds each copy once, warms the caches
+            times = {n: [] for n in sources}
             for _ in range(a.repeats):
-                for n, lib in libs.items():
+                for n, src in sources.items():
                     t = time.perf_counter()
-                    call(lib)
+                    cpu.attention(q, st, spec, None, None, source=src)
                     times[n].append(time.perf_counter() - t)
             ns = {n: statistics.median(ts) * 1e9 / (B * H * L) for n, ts in times.items()}
             rows.append(dict(contender=name, **{n.replace(" ", "_"): x for n, x in ns.items()},

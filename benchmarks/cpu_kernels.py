@@ -54,8 +54,7 @@ def main(argv=None):
     B, H, G, D = a.batch, a.heads, a.gqa, a.head_dim
     g = torch.Generator().manual_seed(0)
     print(f"{B=} kv heads={H} gqa={G} head_dim={D} threads={a.threads}, median of {a.repeats}")
-    bw_bytes = 4 << 20 if a.smoke else BW_BYTES
-    bw = read_bandwidth(bw_bytes, 3 if a.smoke else 7)
+    bw, bw_bytes = measured_bandwidth(a.smoke)
     print(f"{'contender':<20}{'ctx':>7}{'us/call':>10}{'ns/pos-head':>13}{'B/pos-head':>12}{'x SDPA':>8}{'x floor':>10}")
     rows = []
     for L in a.contexts:
@@ -115,6 +114,12 @@ def checked_store(name, pol, q, k, v):
                           atol=1e-4, rtol=1e-4):
         raise AssertionError(f"{name}: the kernel disagrees with the reference at {L} positions")
     return spec, st, bytes_per_token(pol, 1, H, D, L, dtype=torch.float32) / H
+
+
+def measured_bandwidth(smoke: bool) -> tuple[float, int]:
+    """(bytes per second, buffer bytes): ``read_bandwidth`` over ``BW_BYTES`` (a small buffer when smoke)."""
+    nbytes = 4 << 20 if smoke else BW_BYTES
+    return read_bandwidth(nbytes, 3 if smoke else 7), nbytes
 
 
 def read_bandwidth(nbytes: int, repeats: int) -> float:

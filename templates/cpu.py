@@ -148,8 +148,8 @@ def _memo(t: Tensor, what, fn):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_for(spec: LayerSpec, G: int) -> ctypes.CDLL:
-    return build(tuple(sorted(defines(spec, G).items())))
+def _kernel_for(spec: LayerSpec, G: int, source: Path = SOURCE) -> ctypes.CDLL:
+    return build(tuple(sorted(defines(spec, G).items())), source)
 
 
 def _ptr(t: Tensor) -> int | None:
@@ -193,16 +193,18 @@ def check_decode(q: Tensor, spec: LayerSpec) -> str | None:
 
 
 def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float | None,
-              nsplit: int | None = None, k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
+              nsplit: int | None = None, k_new: Tensor | None = None, v_new: Tensor | None = None,
+              source: Path = SOURCE) -> Tensor:
     """Same contract as ``kvcompile.store.attention_reference``, for at most ``ROWS_MAX`` query rows per kv head.
 
-    nsplit: pieces each (sequence, kv head)'s positions are cut into (default: ``splits``; tests vary it)."""
+    nsplit: pieces each (sequence, kv head)'s positions are cut into (default: ``splits``; tests vary it).
+    source: the C template (a benchmark passes edited copies of it)."""
     why = check_decode(q, spec)
     if why:
         raise ValueError(f"the CPU decode kernel cannot take this call: {why}")
     B, Hq, n, D = q.shape
     G = Hq // spec.heads
-    lib = _kernel_for(spec, G)
+    lib = _kernel_for(spec, G, source)
     qf = q.float()
     if spec.policy.rotate:
         qf = qf @ hadamard(D, q.device)
