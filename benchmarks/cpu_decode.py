@@ -116,12 +116,15 @@ class PeakRSS:
         self._t.start()
         return self
 
+    def _sample(self):
+        rss = self.proc.memory_info().rss
+        self.peak = max(self.peak, rss)
+        if self.mark_peak is not None:
+            self.mark_peak = max(self.mark_peak, rss)
+
     def _run(self):
         while not self._stop.is_set():
-            rss = self.proc.memory_info().rss
-            self.peak = max(self.peak, rss)
-            if self.mark_peak is not None:
-                self.mark_peak = max(self.mark_peak, rss)
+            self._sample()
             time.sleep(self.interval)
 
     def mark(self):
@@ -131,10 +134,7 @@ class PeakRSS:
     def __exit__(self, *exc):
         self._stop.set()
         self._t.join()
-        rss = self.proc.memory_info().rss
-        self.peak = max(self.peak, rss)
-        if self.mark_peak is not None:
-            self.mark_peak = max(self.mark_peak, rss)
+        self._sample()  # the last moments, which the sampling thread may have slept through
 
     @property
     def added(self) -> int:
