@@ -143,6 +143,32 @@ def test_the_bound_catches_one_wrong_code():
     assert ((got.double() - want).abs() > bound).any()
 
 
+@pytest.mark.parametrize("D", [64, 8])  # sixteen codes at a time, and eight
+@pytest.mark.parametrize("flush", [False, True])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_decode_equals_torch_for_every_finite_code(fmt, flush, D):
+    """The kernel's fp8 decode (through the CPU's fp16 conversion where it has one) gives torch's value for
+    every finite code, subnormals included, also with denormals flushed (DAZ/FTZ, as
+    torch.set_flush_denormal(True) sets them on the calling thread, where this helper runs)."""
+    from kvcompile import quant as Q
+    lib = cpu._kernel_for(LayerSpec(Policy.fp8(fmt), batch=1, heads=1, capacity=16, head_dim=D), 1)
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = codes.view(Q.FP8_DTYPES[fmt]).float()
+    got = torch.empty(256)
+    if flush and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no denormal flushing to set")
+    try:
+        assert ((torch.tensor([1e-40]) * 1.0).item() == 0.0) == flush  # the mode is what the test says
+        lib.kvc_fp8_decode(codes.data_ptr(), got.data_ptr(), 256, int(fmt == "fp8_e5m2"))
+    finally:
+        torch.set_flush_denormal(False)
+    fin = want.isfinite()
+    tiny = torch.finfo(Q.FP8_DTYPES[fmt]).smallest_normal
+    assert ((want[fin] != 0) & (want[fin].abs() < tiny)).sum() >= 6  # fp8 subnormals are among the codes checked
+    wrong = got[fin] != want[fin]
+    assert not wrong.any(), (codes[fin][wrong][:8], got[fin][wrong][:8], want[fin][wrong][:8])
+
+
 def test_causal_mask_shortcut_is_exact():
     """transformers passes an explicit causal mask at prefill; the path recognises it and lets SDPA skip the
     upper triangle. A mask that differs anywhere is used as given."""
