@@ -101,16 +101,16 @@ def random_layer(B, H, G, D, L, g):
     return q, k, v
 
 
-def checked_store(name, pol, q, k, v):
-    """``pol``'s store filled with k, v by the C store kernel, once the decode kernel is checked against the
-    reference on it (a fast wrong kernel measures nothing). Returns (spec, state, the bytes one position of
-    one kv head holds)."""
+def checked_store(name, pol, q, k, v, source=cpu.SOURCE):
+    """``pol``'s store filled with k, v by the C store kernel, once the decode kernel (built from ``source``)
+    is checked against the reference on it (a fast wrong kernel measures nothing). Returns (spec, state, the
+    bytes one position of one kv head holds)."""
     B, H, L, D = k.shape
     spec = LayerSpec(pol, B, H, L, D)
     spec.register()
     st = spec.allocate()
     cpu_store.store(st, spec, k, v)
-    if not torch.allclose(cpu.attention(q, st, spec, None, None), attention_reference(q, st, spec),
+    if not torch.allclose(cpu.attention(q, st, spec, None, None, source=source), attention_reference(q, st, spec),
                           atol=1e-4, rtol=1e-4):
         raise AssertionError(f"{name}: the kernel disagrees with the reference at {L} positions")
     return spec, st, bytes_per_token(pol, 1, H, D, L, dtype=torch.float32) / H

@@ -63,6 +63,17 @@ def test_peak_rss_sees_what_the_decode_window_adds():
     assert mem.added >= 108 * mib, mem.added / mib
 
 
+def test_cpu_kernel_ab_smoke():
+    """The A/B script builds both versions, checks the new one and times both; a template against itself
+    differs by nothing."""
+    from benchmarks import cpu_kernel_ab
+    from kvcompile.templates import cpu
+    rows = cpu_kernel_ab.main(["--smoke", "--base-file", str(cpu.SOURCE),
+                               "--policies", "KIVI int4", "fp8 (Policy.fp8)"])
+    assert [r["policy"] for r in rows] == ["KIVI int4", "fp8 (Policy.fp8)"]
+    assert all(r["max_diff"] == 0.0 and r["min_ns"]["base"] > 0 and r["min_ns"]["new"] > 0 for r in rows)
+
+
 def test_cpu_kernel_parts_smoke():
     from benchmarks import cpu_kernel_parts
     rows = cpu_kernel_parts.main(["--smoke"])
