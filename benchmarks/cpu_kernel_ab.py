@@ -55,16 +55,9 @@ def main(argv=None):
     ap.add_argument("--new-file", type=Path, default=cpu.SOURCE, help="the new template (default: the working tree's)")
     ap.add_argument("--policies", nargs="+", default=["int8 (Policy.int8)", "fp8 (Policy.fp8)", "KIVI int4",
                                                       "KIVI int2"], choices=list(ck.POLICIES))
-    ap.add_argument("--context", type=int, default=8192)
-    ck.layer_args(ap, batch=4)
-    ap.add_argument("--repeats", type=int, default=41)
-    ap.add_argument("--smoke", action="store_true")
+    ck.single_layer_args(ap, repeats=41)
     a = ap.parse_args(argv)
-    if a.smoke:
-        a.context, a.batch, a.repeats = 256, 1, 3
-    torch.set_num_threads(1)
-    B, H, G, D, L = a.batch, a.heads, a.gqa, a.head_dim, a.context
-    q, k, v = ck.random_layer(B, H, G, D, L, torch.Generator().manual_seed(0))
+    B, H, G, D, L, q, k, v = ck.single_layer(a)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         base = a.base_file or template_at(a.base, Path(tmp))

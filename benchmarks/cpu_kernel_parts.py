@@ -73,18 +73,10 @@ def cpu_ghz() -> float | None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--context", type=int, default=8192)
-    ck.layer_args(ap, batch=4)
-    ap.add_argument("--repeats", type=int, default=15)
+    ck.single_layer_args(ap, repeats=15)
     ap.add_argument("--fma-per-cycle", type=int, default=16, help="fp32 multiply-adds per cycle per core")
-    ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args(argv)
-    if a.smoke:
-        a.context, a.batch, a.repeats = 256, 1, 3
-    torch.set_num_threads(1)
-    B, H, G, D, L = a.batch, a.heads, a.gqa, a.head_dim, a.context
-    g = torch.Generator().manual_seed(0)
-    q, k, v = ck.random_layer(B, H, G, D, L, g)
+    B, H, G, D, L, q, k, v = ck.single_layer(a)
     bw, _ = ck.measured_bandwidth(a.smoke)
     ghz = cpu_ghz()
     fma_ns = 2 * G * D / a.fma_per_cycle / ghz if ghz else float("nan")

@@ -92,6 +92,24 @@ def layer_args(ap, batch: int):
     ap.add_argument("--head-dim", type=int, default=64)
 
 
+def single_layer_args(ap, repeats: int):
+    """The options of the one-layer benchmarks (cpu_kernel_parts, cpu_kernel_ab): SmolLM2's layer at 8K x 4."""
+    ap.add_argument("--context", type=int, default=8192)
+    layer_args(ap, batch=4)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--smoke", action="store_true")
+
+
+def single_layer(a):
+    """One thread, and the random layer the options ``a`` ask for (tiny under --smoke, which also cuts the
+    repeats): (B, H, G, D, L, q, k, v)."""
+    if a.smoke:
+        a.context, a.batch, a.repeats = 256, 1, 3
+    torch.set_num_threads(1)
+    B, H, G, D, L = a.batch, a.heads, a.gqa, a.head_dim, a.context
+    return (B, H, G, D, L, *random_layer(B, H, G, D, L, torch.Generator().manual_seed(0)))
+
+
 def random_layer(B, H, G, D, L, g):
     """One decode query per sequence and L positions of random keys (channel 3 an outlier, as real keys
     have) and values: (q [B, H*G, 1, D], k, v [B, H, L, D])."""
