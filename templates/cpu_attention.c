@@ -281,6 +281,9 @@ static inline __attribute__((always_inline)) void unpack_row(int fmt, int bits, 
     }
 }
 
+/* codes * scale (+ zero point: asymmetric codes only, as in the reference) */
+static inline v8f affine(int fmt, v8f x, v8f s, v8f z) { return fmt == 1 ? x * s + z : x * s; }
+
 /* Dequantize tokens [q0, q0 + nt) of the packed region of one (sequence, head) into out[nt][D], plane
  * order. codes/scale/zero point at that (sequence, head)'s first packed token. */
 static inline __attribute__((always_inline)) void dequant_packed(
@@ -294,7 +297,7 @@ static inline __attribute__((always_inline)) void dequant_packed(
     const int per = bits == 8 ? 1 : (bits == 3 ? 8 : 8 / bits);
     const int row_bytes = D * bits / 8;
     const int run = axis == 0 ? group / per : 0; /* plane-order run of channels sharing a per-token scale */
-    const float unit = fmt >= 3 ? FP8_UNIT(fmt) : 1.0f; /* folded into the scale; zero points: asymmetric only */
+    const float unit = FP8_UNIT(fmt); /* fp8's decode factor, folded into the scale */
     float sv[D], zv[D];
     int64_t cur = -1;
     int lane_group[D]; /* per token: the group of the channel at each plane-order index */
@@ -313,9 +316,7 @@ static inline __attribute__((always_inline)) void dequant_packed(
                     zv[idx] = fmt == 1 ? scale_at(zero, g * D + c, sf32) : 0.0f;
                 }
             }
-            for (int k = 0; k < NV; k++)
-                st(o + 8 * k, fmt == 1 ? ld(o + 8 * k) * ld(sv + 8 * k) + ld(zv + 8 * k)
-                                       : ld(o + 8 * k) * ld(sv + 8 * k));
+            for (int k = 0; k < NV; k++) st(o + 8 * k, affine(fmt, ld(o + 8 * k), ld(sv + 8 * k), ld(zv + 8 * k)));
         } else if (run >= 8 && run % 8 == 0 && (D / per) % 8 == 0) { /* per token: each 8-vector lies inside one group */
             const int ng = D / group; /* at most D / 8 groups: each scale and zero point is converted once */
             float sg[D / 8], zg[D / 8];
@@ -325,7 +326,7 @@ static inline __attribute__((always_inline)) void dequant_packed(
             }
             for (int k = 0; k < NV; k++) {
                 const int gi = ((k % (NV / per)) * 8) / run;
-                st(o + 8 * k, fmt == 1 ? ld(o + 8 * k) * bcast(sg[gi]) + bcast(zg[gi]) : ld(o + 8 * k) * bcast(sg[gi]));
+                st(o + 8 * k, affine(fmt, ld(o + 8 * k), bcast(sg[gi]), bcast(zg[gi])));
             }
 #ifdef __AVX2__
         } else if (D / group <= 8) { /* per token, several groups per vector: each lane picks its group's scale */
@@ -339,7 +340,7 @@ static inline __attribute__((always_inline)) void dequant_packed(
             for (int k = 0; k < NV; k++) {
                 const __m256i gidx = _mm256_loadu_si256((const __m256i *)(lane_group + 8 * k));
                 const v8f sk = (v8f)_mm256_permutevar8x32_ps(sgv, gidx), zk = (v8f)_mm256_permutevar8x32_ps(zgv, gidx);
-                st(o + 8 * k, fmt == 1 ? ld(o + 8 * k) * sk + zk : ld(o + 8 * k) * sk);
+                st(o + 8 * k, affine(fmt, ld(o + 8 * k), sk, zk));
             }
 #endif
         } else { /* per token, groups narrower than a vector of a plane */
