@@ -7,7 +7,8 @@
 
 How a change to ``templates/cpu_attention.c`` is judged before it is kept. The base is the template at a git
 revision (``--base``, default HEAD) or a file; the new one is the working tree's or a file. Per policy both
-are built, the new one is checked against the reference (a fast wrong kernel measures nothing), and both run
+are built, the new one is checked against the reference (a fast wrong kernel measures nothing; ``--no-check``
+skips that for a variant that changes the numerics on purpose, whose distance the table shows), and both run
 on the same store, alternating (A B B A A B ...) for ``--repeats`` calls, one thread. Printed: the largest
 difference between the two outputs (0 when the change is bit-identical), each version's median and minimum
 time per (position, kv head), and new over base for both. On a shared machine the minimum is the steadier
@@ -56,6 +57,9 @@ def main(argv=None):
     ap.add_argument("--policies", nargs="+", default=["int8 (Policy.int8)", "fp8 (Policy.fp8)", "KIVI int4",
                                                       "KIVI int2"], choices=list(ck.POLICIES))
     ck.single_layer_args(ap, repeats=41)
+    ap.add_argument("--no-check", action="store_true",
+                    help="time a new kernel that changes the numerics without the reference check (the max "
+                         "difference column says how far it moved)")
     a = ap.parse_args(argv)
     B, H, G, D, L, q, k, v = ck.single_layer(a)
     rows = []
@@ -67,7 +71,8 @@ def main(argv=None):
         print(f"{'policy':<20}{'max |new-base|':>16}{'median base':>13}{'new':>7}{'ratio':>7}"
               f"{'min base':>10}{'new':>7}{'ratio':>7}   (ns per position-head)")
         for name in a.policies:
-            spec, st, _ = ck.checked_store(name, ck.POLICIES[name](), q, k, v, source=a.new_file)
+            spec, st, _ = ck.checked_store(name, ck.POLICIES[name](), q, k, v,
+                                           source=cpu.SOURCE if a.no_check else a.new_file)
             outs = {n: cpu.attention(q, st, spec, None, None, source=s) for n, s in sources.items()}
             diff = (outs["new"] - outs["base"]).abs().max().item()
             times = {n: [] for n in sources}
