@@ -20,10 +20,7 @@ import argparse
 import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
-
-import torch
 
 from kvcompile.templates import cpu
 
@@ -54,8 +51,7 @@ def main(argv=None):
     ap.add_argument("--base", default="HEAD", help="git revision whose template is the base")
     ap.add_argument("--base-file", type=Path, help="a template file as the base instead")
     ap.add_argument("--new-file", type=Path, default=cpu.SOURCE, help="the new template (default: the working tree's)")
-    ap.add_argument("--policies", nargs="+", default=["int8 (Policy.int8)", "fp8 (Policy.fp8)", "KIVI int4",
-                                                      "KIVI int2"], choices=list(ck.POLICIES))
+    ap.add_argument("--policies", nargs="+", default=list(ck.SINGLE_LAYER_POLICIES), choices=list(ck.POLICIES))
     ck.single_layer_args(ap, repeats=41)
     ap.add_argument("--no-check", action="store_true",
                     help="time a new kernel that changes the numerics without the reference check (the max "
@@ -75,12 +71,7 @@ def main(argv=None):
                                            source=cpu.SOURCE if a.no_check else a.new_file)
             outs = {n: cpu.attention(q, st, spec, None, None, source=s) for n, s in sources.items()}
             diff = (outs["new"] - outs["base"]).abs().max().item()
-            times = {n: [] for n in sources}
-            for i in range(a.repeats):
-                for n, s in list(sources.items())[::1 if i % 2 else -1]:  # each goes first half the time
-                    t = time.perf_counter()
-                    cpu.attention(q, st, spec, None, None, source=s)
-                    times[n].append(time.perf_counter() - t)
+            times = ck.time_sources(q, st, spec, sources, a.repeats)
             per = B * H * L / 1e9
             med = {n: statistics.median(ts) / per for n, ts in times.items()}
             low = {n: min(ts) / per for n, ts in times.items()}

@@ -24,10 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
-
-import torch
 
 from kvcompile.templates import cpu
 
@@ -36,7 +33,7 @@ try:
 except ImportError:  # run as a script: benchmarks/ is on the path
     import cpu_kernels as ck
 
-POLICIES = {n: ck.POLICIES[n] for n in ("int8 (Policy.int8)", "fp8 (Policy.fp8)", "KIVI int4", "KIVI int2")}
+POLICIES = {n: ck.POLICIES[n] for n in ck.SINGLE_LAYER_POLICIES}
 
 # the edits that make the cut-down copies (each must match the template exactly once)
 _DEQUANT = ("                dequant_packed(K_FMT", "                dequant_packed(V_FMT")
@@ -91,12 +88,7 @@ def main(argv=None):
             sources = {"whole": cpu.SOURCE} | paths
             for src in sources.values():
                 cpu.attention(q, st, spec, None, None, source=src)  # builds each copy once, warms the caches
-            times = {n: [] for n in sources}
-            for _ in range(a.repeats):
-                for n, src in sources.items():
-                    t = time.perf_counter()
-                    cpu.attention(q, st, spec, None, None, source=src)
-                    times[n].append(time.perf_counter() - t)
+            times = ck.time_sources(q, st, spec, sources, a.repeats)
             ns = {n: statistics.median(ts) * 1e9 / (B * H * L) for n, ts in times.items()}
             rows.append(dict(contender=name, **{n.replace(" ", "_"): x for n, x in ns.items()},
                              memory_floor_ns=read / bw * 1e9, product_floor_ns=fma_ns, bytes_per_position_head=read))

@@ -92,6 +92,21 @@ def layer_args(ap, batch: int):
     ap.add_argument("--head-dim", type=int, default=64)
 
 
+SINGLE_LAYER_POLICIES = ("int8 (Policy.int8)", "fp8 (Policy.fp8)", "KIVI int4", "KIVI int2")
+
+
+def time_sources(q, st, spec, sources: dict, repeats: int) -> dict:
+    """Seconds per call of the decode kernel built from each of ``sources`` (name -> template path) on one
+    store, ``repeats`` rounds, the order reversed every other round so that none always goes first."""
+    times = {n: [] for n in sources}
+    for i in range(repeats):
+        for n, src in list(sources.items())[::1 if i % 2 else -1]:
+            t = time.perf_counter()
+            cpu.attention(q, st, spec, None, None, source=src)
+            times[n].append(time.perf_counter() - t)
+    return times
+
+
 def single_layer_args(ap, repeats: int):
     """The options of the one-layer benchmarks (cpu_kernel_parts, cpu_kernel_ab): SmolLM2's layer at 8K x 4."""
     ap.add_argument("--context", type=int, default=8192)
