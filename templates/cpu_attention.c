@@ -237,13 +237,13 @@ static inline __attribute__((always_inline)) void unpack_row(int fmt, int bits, 
     const float off = fmt == 2 ? (float)(1 << (bits - 1)) : 0.0f;
     const int per = bits == 8 ? 1 : (bits == 3 ? 8 : 8 / bits);
     if (fmt >= 3) {
-#if defined(__F16C__) && defined(__AVX2__)
+#ifdef __F16C__
+#ifdef __AVX2__
         if (D % 16 == 0)
             for (int k = 0; k < D; k += 16) fp8_decode_h16(row + k, fmt == 4, out + k);
         else
+#endif
             for (int k = 0; k < NV; k++) st(out + 8 * k, fp8_decode_h(row + 8 * k, fmt == 4));
-#elif defined(__F16C__)
-        for (int k = 0; k < NV; k++) st(out + 8 * k, fp8_decode_h(row + 8 * k, fmt == 4));
 #else
         for (int k = 0; k < NV; k++) st(out + 8 * k, fp8_decode(ldb(row + 8 * k), fmt == 4));
 #endif
