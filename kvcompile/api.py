@@ -486,6 +486,12 @@ def _apply_hf(model, policy, max_cache_len, compiler, dynamic):
 
     cfg = model.config
     impl = getattr(cfg, "_attn_implementation", None)
+    if impl not in (None, "sdpa") and not getattr(model, "_supports_sdpa", True):
+        raise KVCompileError(
+            f"unsupported model: {type(model).__name__} uses attn_implementation={impl!r} and transformers offers "
+            f"no scaled_dot_product_attention path for it (its attention is not plain softmax(QK^T)V; Gemma 2, "
+            f"for one, soft-caps its attention logits). kvcompile rewrites SDPA reads, so it cannot quantize this "
+            f"model's cache; setting attn_implementation='sdpa' would fail in transformers or change the model.")
     if impl not in (None, "sdpa"):
         raise KVCompileError(
             f"no scaled_dot_product_attention read: this model uses attn_implementation={impl!r}, and kvcompile "

@@ -15,6 +15,7 @@ import torch._dynamo.utils as dynamo_utils
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensor
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, StaticCache
 
@@ -319,6 +320,17 @@ def test_error_model_without_sdpa():
     model.config._attn_implementation = "eager"
     with pytest.raises(KVCompileError, match="no scaled_dot_product_attention read"):
         kvcompile.apply(model, Policy.int8())
+
+
+def test_error_model_class_without_sdpa():
+    """Gemma 2 soft-caps its attention logits: transformers has no SDPA path for it, so "load it with sdpa"
+    would be wrong advice; the error says the model is not supported and why."""
+    cfg = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                    max_position_embeddings=64, attn_implementation="eager")
+    with pytest.raises(KVCompileError, match=r"unsupported model: Gemma2ForCausalLM .*no scaled_dot_product_attention "
+                                             r"path for it"):
+        kvcompile.apply(transformers.Gemma2ForCausalLM(cfg).eval(), Policy.int8())
 
 
 def test_error_apply_twice_and_to_a_compiled_model():
