@@ -3,7 +3,7 @@ from .policy import Policy, PolicyError, Quant
 from .store import CapacityError, QuantizedKV
 from .accounting import bytes_per_token, cache_bytes
 from .passes import KVCompileError
-from .api import apply, explain  # also registers the torch.compile backend "kvcompile"
+from .api import KVCompileWarning, apply, explain  # also registers the torch.compile backend "kvcompile"
 
-__all__ = ["apply", "explain", "KVCompileError", "Quant", "Policy", "PolicyError", "CapacityError", "QuantizedKV", "bytes_per_token", "cache_bytes"]
+__all__ = ["apply", "explain", "KVCompileError", "KVCompileWarning", "Quant", "Policy", "PolicyError", "CapacityError", "QuantizedKV", "bytes_per_token", "cache_bytes"]
 __version__ = "0.1.0"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -481,17 +482,64 @@ def _call_compiled(compiled, what: str, *args, **kwargs):
         ) from e
 
 
+class KVCompileWarning(UserWarning):
+    """kvcompile works on this model, but not as a user would assume; the message says where and why."""
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:,.1f} KiB"
+
+
+def _warn_windowed(model, policies, names, capacity, dtype) -> None:
+    """Warn when the model attends over a sliding (or chunked) window in some layers: transformers' cache keeps
+    only the window for them, kvcompile's stores keep every token, so past some context length its cache of
+    those layers is the larger one. Silent when that length is beyond ``capacity``."""
+    from .hf import model_shape, windowed_layers
+
+    win = {i: w for i, w in windowed_layers(model.config).items() if i < len(names) and w < capacity}
+    if not win:
+        return
+    _, kv, hd = model_shape(model.config)
+    dt, elsize = DTYPE_NAMES[dtype], torch.empty((), dtype=dtype).element_size()
+    native = sum(2 * kv * hd * elsize * w for w in win.values())  # bytes per sequence, the window's tokens only
+
+    def ours(c):
+        return sum(LayerSpec(policies[i], 1, kv, c, hd, dt).nbytes() for i in win)
+
+    if ours(capacity) <= native:
+        return
+    lo, hi = 1, capacity  # the shortest context at which the stores outgrow the windowed cache
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ours(mid) > native else (mid + 1, hi)
+    sizes = sorted(set(win.values()))
+    window = f"{sizes[0]:,}" if len(sizes) == 1 else f"{sizes[0]:,} to {sizes[-1]:,}"
+    warnings.warn(
+        f"{len(win)} of {len(names)} attention layers of {type(model).__name__} (the first: {names[min(win)]}) "
+        f"attend only to the last {window} tokens (sliding or chunked attention), but kvcompile stores every "
+        f"token of a sequence for them, up to max_cache_len={capacity:,}, and its attention reads them all under "
+        f"the model's mask. transformers' own cache keeps only the window for these layers, so from about {lo:,} "
+        f"tokens of context on, kvcompile's cache of them holds more bytes than the model's full-precision one "
+        f"({_size(ours(capacity))} against {_size(native)} per sequence at {capacity:,} tokens), "
+        f"and reading them costs time in proportion to the whole context. The other layers are not affected. "
+        f"kvcompile has no ring store for windowed layers yet: use it with this model for contexts below that "
+        f"length.", KVCompileWarning, stacklevel=4)
+
+
 def _apply_hf(model, policy, max_cache_len, compiler, dynamic):
-    from .hf import KVCompileCache, model_shape
+    from .hf import KVCompileCache, _text_config, model_shape
 
     cfg = model.config
     impl = getattr(cfg, "_attn_implementation", None)
-    if impl not in (None, "sdpa") and not getattr(model, "_supports_sdpa", True):
+    cap = getattr(_text_config(cfg), "attn_logit_softcapping", None)
+    if cap is not None or (impl not in (None, "sdpa") and not getattr(model, "_supports_sdpa", True)):
+        why = (f"it soft-caps its attention logits (attn_logit_softcapping={cap}), which "
+               f"scaled_dot_product_attention cannot express" if cap is not None else
+               f"transformers offers no scaled_dot_product_attention path for it (it uses attn_implementation="
+               f"{impl!r})")
         raise KVCompileError(
-            f"unsupported model: {type(model).__name__} uses attn_implementation={impl!r} and transformers offers "
-            f"no scaled_dot_product_attention path for it (its attention is not plain softmax(QK^T)V; Gemma 2, "
-            f"for one, soft-caps its attention logits). kvcompile rewrites SDPA reads, so it cannot quantize this "
-            f"model's cache; setting attn_implementation='sdpa' would fail in transformers or change the model.")
+            f"unsupported model: {type(model).__name__}: {why}. kvcompile rewrites SDPA reads, so it cannot "
+            f"quantize this model's cache without changing what the model computes.")
     if impl not in (None, "sdpa"):
         raise KVCompileError(
             f"no scaled_dot_product_attention read: this model uses attn_implementation={impl!r}, and kvcompile "
@@ -504,7 +552,8 @@ def _apply_hf(model, policy, max_cache_len, compiler, dynamic):
     dtype = next(model.parameters()).dtype
     _dtype_name(dtype, names[0])
     if max_cache_len is None:
-        max_cache_len = getattr(model_shape.__globals__["_text_config"](cfg), "max_position_embeddings", 2048)
+        max_cache_len = getattr(_text_config(cfg), "max_position_embeddings", 2048)
+    _warn_windowed(model, policy.resolve(names), names, max_cache_len, dtype)
     applied = Applied(policy, compiler, max_cache_len, names)
     cache_kw = _cache_kwarg(model)
     _raise_recompile_limit()

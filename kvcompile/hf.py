@@ -41,6 +41,21 @@ def model_shape(config) -> tuple[int, int, int]:
     return c.num_hidden_layers, kv, hd
 
 
+def windowed_layers(config) -> dict[int, int]:
+    """Layer index -> window, for the layers that attend only to the last ``window`` tokens (sliding or
+    chunked attention), read from the config the way transformers' own caches read it: ``layer_types`` if
+    the config has it, else every layer sliding when ``sliding_window`` is set (Mistral), else chunked when
+    ``attention_chunk_size`` is."""
+    c = _text_config(config)
+    sliding, chunk = getattr(c, "sliding_window", None), getattr(c, "attention_chunk_size", None)
+    types = getattr(c, "layer_types", None)
+    if types is None:
+        kind = "sliding_attention" if sliding else "chunked_attention" if chunk else "full_attention"
+        types = [kind] * c.num_hidden_layers
+    window = {"sliding_attention": sliding, "chunked_attention": chunk}
+    return {i: window[t] for i, t in enumerate(types) if window.get(t)}
+
+
 class KVCompileLayer(StaticLayer):
     """One decoder layer's quantized cache, with StaticLayer's interface (``max_cache_len`` slots).
 

@@ -8,6 +8,8 @@ see tests/passes/test_kv_cache_pass.py for why layers after the first one are ke
 from __future__ import annotations
 
 import gc
+import re
+import warnings
 
 import pytest
 import torch
@@ -323,14 +325,56 @@ def test_error_model_without_sdpa():
 
 
 def test_error_model_class_without_sdpa():
-    """Gemma 2 soft-caps its attention logits: transformers has no SDPA path for it, so "load it with sdpa"
-    would be wrong advice; the error says the model is not supported and why."""
+    """Gemma 2 soft-caps its attention logits, which SDPA cannot do (recent transformers refuse SDPA for it), so
+    "load it with sdpa" would be wrong advice; the error says the model is not supported and why, whichever
+    attention implementation it was loaded with."""
     cfg = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                     max_position_embeddings=64, attn_implementation="eager")
-    with pytest.raises(KVCompileError, match=r"unsupported model: Gemma2ForCausalLM .*no scaled_dot_product_attention "
-                                             r"path for it"):
-        kvcompile.apply(transformers.Gemma2ForCausalLM(cfg).eval(), Policy.int8())
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    with pytest.raises(KVCompileError, match=r"unsupported model: Gemma2ForCausalLM: it soft-caps its attention "
+                                             r"logits \(attn_logit_softcapping=50\.0\)"):
+        kvcompile.apply(model, Policy.int8())
+    model.config._attn_implementation = "sdpa"  # what older transformers allowed, silently without the cap
+    with pytest.raises(KVCompileError, match=r"unsupported model: Gemma2ForCausalLM: it soft-caps"):
+        kvcompile.apply(model, Policy.int8())
+
+
+def windowed(window, layer_types=None):
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, sliding_window=window,
+        layer_types=layer_types, attn_implementation="sdpa")
+    return transformers.Gemma3ForCausalLM(cfg).eval()
+
+
+def test_warning_when_windowed_layers_outgrow_the_models_own_cache():
+    """Gemma 3 attends over a sliding window in most layers; transformers keeps only the window for them and
+    kvcompile keeps every token, so past some context its store is the larger: apply says so, and from which
+    context length (checked here against the accounting module's bytes)."""
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    policy = Policy.kivi(4, group=4, residual=4)
+    with pytest.warns(kvcompile.KVCompileWarning, match=r"2 of 3 attention layers of Gemma3ForCausalLM \(the first: "
+                                                        r"model\.layers\.0\.self_attn\) attend only to the last 16 "
+                                                        r"tokens.*max_cache_len=512") as rec:
+        kvcompile.apply(windowed(16, types), policy, compiler="eager")
+    n = int(re.search(r"from about ([\d,]+) tokens", str(rec[0].message)).group(1).replace(",", ""))
+    window_cache = 2 * kvcompile.accounting.full_precision_bytes_per_token(1, 2, 8, torch.float32) * 16  # 2 layers
+
+    def stores(capacity):  # the two windowed layers' stores for one sequence of `capacity` tokens
+        return kvcompile.cache_bytes(policy, 2, 2, 8, capacity, dtype=torch.float32)
+
+    assert stores(n) > window_cache >= stores(n - 1)
+    assert 16 < n < 512
+
+
+def test_no_window_warning_below_the_crossover_or_without_windows():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kvcompile.KVCompileWarning)
+        kvcompile.apply(windowed(16), Policy.int8(), max_cache_len=20, compiler="eager")  # below the crossover
+        kvcompile.apply(windowed(600), Policy.int8(), compiler="eager")  # window longer than the cache
+        kvcompile.apply(tiny(), Policy.int8(), compiler="eager")  # no windowed layers
 
 
 def test_error_apply_twice_and_to_a_compiled_model():

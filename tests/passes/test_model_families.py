@@ -1,6 +1,7 @@
-"""The pass on the Llama family's other members (random tiny weights): Mistral, Qwen2 (q/k/v biases),
-Qwen3 (q/k RMS norms). Same contract as for Llama: compiled equals the eager reference cache, every
-layer's write and read rewritten, no graph break (``fullgraph=True``).
+"""The pass on other decoder families than Llama (random tiny weights): Mistral, Qwen2 (q/k/v biases),
+Qwen3 (q/k RMS norms), and the further families in ``FAMILIES`` (fused projections, parallel blocks, no GQA,
+multi-query, learned positions, sliding-window layers). Same contract as for Llama: compiled equals the
+eager reference cache, every layer's write and read rewritten, no graph break (``fullgraph=True``).
 
 Qwen2/Qwen3 differ from Llama/Mistral in one way that matters to the pass: their configs have
 ``layer_types``, so ``generate`` builds their masks eagerly, outside the compiled forward, and for a prefill
@@ -21,19 +22,38 @@ from kvcompile.api import _cache_kwarg
 from kvcompile.hf import KVCompileCache
 from kvcompile.passes import counters
 
-FAMILIES = ["Mistral", "Qwen2", "Qwen3"]
+FAMILIES = ["Mistral", "Qwen2", "Qwen3",
+            # further decoders as transformers ships them, each with what sets it apart for the pass:
+            "Phi3",        # fused qkv projection
+            "Gemma3Text",  # q/k norms, sliding and full layers (layer_types)
+            "Cohere",      # parallel attention and MLP
+            "Olmo2",       # q/k norms over all heads
+            "Granite",     # attention multiplier as the SDPA scale
+            "Starcoder2",  # biases, GELU MLP
+            "GPTNeoX",     # no GQA, fused qkv, partial rotary
+            "GPT2",        # no GQA, Conv1D, learned positions, no rotary
+            "GPTBigCode",  # multi-query: one kv head
+            ]
+# transformers' names where they are not "<family>ForCausalLM", and the configs that spell sizes their own way
+MODEL_CLASS = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
+NO_KV_HEADS = {"GPTNeoX", "GPT2", "GPTBigCode"}
+CONFIG = {"GPT2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=64),
+          "GPTBigCode": dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=True),
+          "GPTNeoX": dict(rotary_pct=0.5)}
 # Only layer 0 quantized: later layers would see last-bit differences from layer 0's attention sums
 # and could flip a code (see tests/passes/test_kv_cache_pass.py); they are still rewritten.
 POLICY = Policy.full().override({0: Policy.kivi(4, group=4, residual=4)})
 
 
-def tiny(family):
+def tiny(family, **config):
     torch.manual_seed(0)
-    cfg = getattr(transformers, f"{family}Config")(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, attn_implementation="sdpa")
-    return getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2, attn_implementation="sdpa")
+    if family in NO_KV_HEADS:
+        del kw["num_key_value_heads"]
+    cfg = getattr(transformers, f"{family}Config")(**kw, **{**CONFIG.get(family, {}), **config})
+    return getattr(transformers, MODEL_CLASS.get(family, f"{family}ForCausalLM"))(cfg).eval()
 
 
 def twin(model):
@@ -111,3 +131,23 @@ def test_backend_with_a_static_cache_under_generate(family):
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits))
     assert counters["attention_rewritten"] == 4 and counters["mask_causal_prefix"] == 2
     assert not dynamo_utils.counters["graph_break"]
+
+
+@pytest.mark.parametrize("family", ["Mistral", "Gemma3Text"])
+def test_sliding_window_layers_equal_the_models_own_cache(family):
+    """With a window shorter than the sequence (every Mistral layer; Gemma 3's sliding layers beside a full
+    one), a full-precision kvcompile cache generates what the model's own cache does (transformers keeps only
+    the window there; kvcompile keeps every token and relies on the model's sliding mask), and apply warns
+    that its stores outgrow the window."""
+    layers = dict(layer_types=["sliding_attention", "full_attention"]) if family == "Gemma3Text" else {}
+    model = tiny(family, sliding_window=4, **layers)
+    ref = twin(model)
+    ids = torch.randint(3, 64, (1, 12))
+    gen = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = ref.generate(ids, **gen)
+        with pytest.warns(kvcompile.KVCompileWarning, match="attend only to the last 4 tokens"):
+            applied = kvcompile.apply(model, Policy.full(), compiler="eager")
+        got = applied.generate(ids, **gen)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits))
