@@ -81,3 +81,26 @@ def test_cpu_kernel_parts_smoke():
     for r in rows:
         assert r["whole"] > 0 and r["dequant_only"] > 0 and r["attention_only"] > 0
         assert r["memory_floor_ns"] > 0 and r["bytes_per_position_head"] < 512
+
+
+def test_gpu_sass_smoke():
+    """The static SASS count of the decode kernel (benchmarks/gpu_sass.py) compiles and reads back one
+    specialization; in a subprocess, since it must define the kernels without TRITON_INTERPRET."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except Exception as e:  # pragma: no cover - a Triton build without the NVIDIA backend
+        pytest.skip(f"Triton's NVIDIA backend is not available: {e}")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_sass.py"), "--smoke"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = next(ln.split() for ln in r.stdout.splitlines() if ln.startswith("fp8 e4m3"))
+    instructions, ffma, alu = map(int, row[2:5])
+    assert instructions > ffma > 0 and alu > 0, r.stdout
