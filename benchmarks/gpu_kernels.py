@@ -14,6 +14,8 @@
    overhead). GB/s is over the bytes the call actually moves: every byte of the store (all positions live at
    length = capacity: codes, scales, zero points, ring, sinks), the query, the output and the split-K workspace
    (written, then read). Speedup is bf16 SDPA time / kernel time.
+3. Tile length: at batch 8, 32K, the decode time of KIVI int4/int2, int4 and fp8 at BLOCK_N 16, 32 and 64
+   against the launcher's default (static SASS says the default KIVI tile spills registers under Triton 3.6).
 """
 import argparse
 import datetime
@@ -160,6 +162,31 @@ def time_table(device: str, batches, contexts, Hq: int, H: int, D: int, formats,
     return rows
 
 
+def tile_sweep(device: str, B: int, ctx: int, Hq: int, H: int, D: int, formats, blocks, smoke: bool):
+    """Decode time per tile length (BLOCK_N) against the launcher's default, same shape and splits. Static
+    SASS (benchmarks/gpu_sass.py) says the KIVI decode tile of 32 x 128 needs 255 registers and spills 72 B
+    per thread under Triton 3.6 (none with 16 rows, none under 3.9): this measures what that costs."""
+    rows = []
+    q = torch.randn(B, Hq, 1, D, dtype=torch.bfloat16, device=device)
+    for name in formats:
+        spec = LayerSpec(FORMATS[name], B, H, ctx, D, "bfloat16")
+        state = filled_state(spec, device, ctx)
+        bq, default_n, nsplit = kattn.default_tiles(spec, 1, Hq // H, torch.device(device))
+        t_default = bench(lambda: launch.attention(q, state, spec), smoke)
+        for bn in blocks:
+            t = bench(lambda: launch.attention(q, state, spec, tiles=(bq, bn, nsplit)), smoke)
+            rows.append((name, bn, bn == default_n, t, t_default / t))
+        del state
+    return rows
+
+
+def render_sweep(rows, B: int, ctx: int) -> str:
+    out = (f"Tile length (BLOCK_N) check, batch {B}, context {f'{ctx // 1024}K' if ctx >= 1024 else ctx}:\n\n"
+           "| kernel | BLOCK_N | time (ms) | default's time / this |\n|---|---:|---:|---:|\n")
+    return out + "\n".join(f"| {name} | {bn}{' (default)' if d else ''} | {t:.4f} | {r:.2f}x |"
+                            for name, bn, d, t, r in rows)
+
+
 def render(rows, card: str, peak_tbps: float | None) -> str:
     head = "| batch | context | kernel | time (ms) | GB moved | GB/s | % of peak | speedup vs bf16 |\n"
     head += "|---:|---:|---|---:|---:|---:|---:|---:|\n"
@@ -188,6 +215,8 @@ def main(argv=None) -> str:
         checks = check_correctness(device, B=2, H=2, G=2, D=32, C=40,
                                    names=["int2", "int4-kivi", "kivi4+res+sink+rot"])
         rows = time_table(device, [1], [256], Hq=8, H=2, D=128, formats=["fp8", "int4-kivi"], smoke=True)
+        sweep_at = (1, 256)
+        sweep = tile_sweep(device, *sweep_at, Hq=8, H=2, D=128, formats=["int4-kivi"], blocks=[16], smoke=True)
         card, peak = ("cpu (Triton interpreter)" if not cuda else torch.cuda.get_device_name()), None
     else:
         checks = check_correctness(device, B=3, H=8, G=4, D=128, C=300)
@@ -195,7 +224,10 @@ def main(argv=None) -> str:
         peak = next((v for k, v in NOMINAL_TBPS.items() if k in card), None)
         rows = time_table(device, [1, 8, 32], [4096, 32768, 131072], Hq=32, H=8, D=128, formats=list(FORMATS),
                           smoke=False)
-    table = render(rows, card, peak)
+        sweep_at = (8, 32768)
+        sweep = tile_sweep(device, *sweep_at, Hq=32, H=8, D=128, formats=["int4-kivi", "int2-kivi", "int4", "fp8"],
+                           blocks=[16, 32, 64], smoke=False)
+    table = render(rows, card, peak) + "\n\n" + render_sweep(sweep, *sweep_at)
     report = (f"## {datetime.date.today().isoformat()} -- {card}\n\n"
               f"`python benchmarks/gpu_kernels.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
               f" (torch {torch.__version__}, triton {__import__('triton').__version__}, "

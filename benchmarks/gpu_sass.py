@@ -41,8 +41,11 @@ def tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def decode_kernel(policy: Policy, head_dim: int, gqa: int, arch: int):
-    """The compiled ``_attn_kernel`` of one decode call (B=2, 2 kv heads, capacity 4096)."""
+def decode_kernel(policy: Policy, head_dim: int, gqa: int, arch: int, block_n: int | None = None,
+                  warps: int | None = None):
+    """The compiled ``_attn_kernel`` of one decode call (B=2, 2 kv heads, capacity 4096); ``block_n`` and
+    ``warps`` override the launcher's choice of tile length and warps."""
+    from kvcompile.templates import attention as kattn
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -55,14 +58,21 @@ def decode_kernel(policy: Policy, head_dim: int, gqa: int, arch: int):
         got.append((kernel.__name__, compiled))
 
     previous, common._compiler = common._compiler, compiler
+    previous_warps = kattn.num_warps
+    if warps:
+        kattn.num_warps = lambda *a: warps
     try:
         spec = LayerSpec(policy, 2, 2, 4096, head_dim, "bfloat16")
         state = spec.allocate()
         k, v = torch.randn(2, 2, 2, 1, head_dim)
         launch.store(state, spec, k, v)
-        launch.attention(torch.randn(2, 2 * gqa, 1, head_dim), state, spec, None, k_new=k, v_new=v)
+        tiles = None
+        if block_n:
+            tiles = kattn.default_tiles(spec, 1, gqa, torch.device("cpu"))
+            tiles = (tiles[0], block_n, tiles[2])
+        launch.attention(torch.randn(2, 2 * gqa, 1, head_dim), state, spec, None, k_new=k, v_new=v, tiles=tiles)
     finally:
-        common._compiler = previous
+        common._compiler, kattn.num_warps = previous, previous_warps
     return next(c for name, c in got if name == "_attn_kernel")
 
 
@@ -85,14 +95,17 @@ def main(argv=None) -> None:
     ap.add_argument("--gqa", type=int, default=4)
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--policies", nargs="+", choices=sorted(POLICIES), default=list(POLICIES))
+    ap.add_argument("--block-n", type=int, help="tile length (default: the launcher's)")
+    ap.add_argument("--warps", type=int, help="warps per program (default: the launcher's)")
     ap.add_argument("--smoke", action="store_true", help="one policy, to check the script runs")
     args = ap.parse_args(argv)
     names = args.policies[:1] if args.smoke else args.policies
     print(f"_attn_kernel, decode (n=1), head_dim={args.head_dim}, gqa={args.gqa}, sm_{args.arch}, "
-          f"triton {triton.__version__}: SASS per thread (static, not timed)")
+          f"triton {triton.__version__}, block_n {args.block_n or 'default'}, warps {args.warps or 'default'}: "
+          f"SASS per thread (static, not timed)")
     print(f"{'policy':16} {'instructions':>12} {'FFMA':>6} {'int ALU':>8} {'registers':>9} {'stack B':>7}")
     for name in names:
-        st = sass_stats(decode_kernel(POLICIES[name], args.head_dim, args.gqa, args.arch))
+        st = sass_stats(decode_kernel(POLICIES[name], args.head_dim, args.gqa, args.arch, args.block_n, args.warps))
         alu = sum(st["ops"][o] for o in ("IADD3", "LOP3", "IMAD", "SHF", "ISETP", "SEL", "PRMT", "LEA", "VIADD"))
         print(f"{name:16} {st['instructions']:>12} {st['ops']['FFMA']:>6} {alu:>8} {st['registers'] or '?':>9} "
               f"{st['stack'] if st['stack'] is not None else '?':>7}")

@@ -18,10 +18,11 @@
  *   - torch.round is round half to even (__builtin_roundevenf);
  *   - fp16 scales and zero points: round to nearest even (the _Float16 conversion), then one step up or
  *     down through the int16 bit pattern when that went the wrong way (quant.round_to_dtype);
- *   - fp8 codes: integer arithmetic that gives torch's cast (torch 2.13, checked exhaustively by the tests):
- *     round half to even; e4m3fn saturates to +-448 from 464 up (infinities included), e5m2 to inf from
- *     65536 up; NaN stays NaN. (In the store |x / scale| <= the format's maximum, so saturation never
- *     decides a code there unless the input holds inf or NaN.)
+ *   - fp8 codes: integer arithmetic that gives torch 2.13's cast (checked exhaustively by the tests):
+ *     round half to even; e4m3fn saturates to +-448 from 464 up (infinities included; torch 2.11 gives NaN
+ *     beyond 464), e5m2 goes to inf from 61440 up (halfway, even); NaN stays NaN. (In the store
+ *     |x / scale| <= the format's maximum, so saturation never decides a code there unless the input holds
+ *     inf or NaN.)
  * Min and max are taken with ordered comparisons (x < m), so a group holding both +0.0 and -0.0 as its
  * extreme keeps the first one met; the reference's reduction order decides that case (it never arises from
  * model activations that are not exactly zero).

@@ -170,9 +170,23 @@ def test_fp16_directed_rounding_matches_the_reference():
 def test_fp8_encoding_matches_torch(fmt):
     vals = torch.arange(256, dtype=torch.uint8).view(Q.FP8_DTYPES[fmt]).float()
     x = around(vals[vals.isfinite()])
-    x = torch.cat([x, torch.tensor([1e9, -1e9, 480.0, 464.0, 65536.0, 61440.0, 1e-30, float("inf"),
-                                    float("nan")])]).contiguous()
+    edge = 464.0 if fmt == "fp8_e4m3" else 61440.0  # halfway above the largest value (e4m3fn: 448; e5m2: even = inf)
+    x = torch.cat([x, torch.tensor([edge, -edge, 1e-30])]).contiguous()
     out = torch.empty(x.numel(), dtype=torch.uint8)
     _helpers().kvc_fp8_encode(x.data_ptr(), out.data_ptr(), x.numel(), int(fmt == "fp8_e4m3"))
     want = x.to(Q.FP8_DTYPES[fmt]).view(torch.uint8)
     assert torch.equal(out, want), x[out != want][:8]
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_encoding_beyond_the_range(fmt):
+    """What cpu_store.c's header specifies for values the store never encodes (|x / scale| <= the maximum by
+    construction; only inf or NaN inputs get here): e4m3fn saturates to +-448 from 464 up, infinities
+    included, e5m2 goes to +-inf from 61440 up (round half to even), NaN stays NaN. Written out rather than taken from torch, whose
+    cast beyond e4m3fn's range changed between releases (2.13 saturates, 2.11 gives NaN)."""
+    x = torch.tensor([1e9, -1e9, 480.0, 65536.0, float("inf"), -float("inf"), float("nan")])
+    out = torch.empty(x.numel(), dtype=torch.uint8)
+    _helpers().kvc_fp8_encode(x.data_ptr(), out.data_ptr(), x.numel(), int(fmt == "fp8_e4m3"))
+    top = 0x7E if fmt == "fp8_e4m3" else 0x7C  # 448, or inf
+    big = 0x7E if fmt == "fp8_e4m3" else 0x60  # 480 is representable in e5m2
+    assert out.tolist() == [top, top | 0x80, big, top, top, top | 0x80, 0x7F]
