@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -147,7 +146,7 @@ def _bind(gm, sites: list[Site], analysis, opts: Options, allocate: bool):
     index = {n: i for i, n in enumerate(placeholders)}
     policies = None
     specs, owned, k_index, v_index = [], [], [], []
-    for i, s in enumerate(sites):
+    for s in sites:
         kt, vt = _example(s.k_cache), _example(s.v_cache)
         slot = standin.lookup(kt)
         if slot is None:
@@ -160,9 +159,14 @@ def _bind(gm, sites: list[Site], analysis, opts: Options, allocate: bool):
                     f"options={{'policy': kvcompile.Policy.kivi(4)}} (or any kvcompile.Policy)")
             if policies is None:
                 opts.policy.check(s.shape[3])
-                policies = opts.policy.resolve([x.layer for x in sites])
+                # resolved over every attention layer the graph reads, rewritten or not, so that an override by
+                # index means the model's layer (sliding-window rings left to transformers are not sites)
+                layers = analysis.layers
+                if not set(layers) >= {x.layer for x in sites}:
+                    layers = [x.layer for x in sites]
+                policies = dict(zip(layers, opts.policy.resolve(layers)))
             B, H, C, D = s.shape
-            spec = LayerSpec(policies[i], B, H, C, D, _dtype_name(s.dtype, s.layer))
+            spec = LayerSpec(policies[s.layer], B, H, C, D, _dtype_name(s.dtype, s.layer))
             if allocate:
                 standin.register(kt, vt, spec, s.layer, owned=False)
             specs.append(spec)
@@ -238,7 +242,7 @@ def compile_graph(gm, example_inputs, options=None, *, report=None, analyze_only
     """
     opts = options if isinstance(options, Options) else Options.parse(options)
     gm = _own_copy(gm)  # Dynamo still reads its graph (placeholders, graphargs) after the backend returns
-    analysis = analyze(gm)
+    analysis = analyze(gm, left=lambda ph: standin.left(_example(ph)))
     _check_analysis(gm, analysis, example_inputs)
     sites = analysis.sites
     specs, owned, k_index, v_index = _bind(gm, sites, analysis, opts, allocate=not analyze_only)
@@ -482,50 +486,6 @@ def _call_compiled(compiled, what: str, *args, **kwargs):
         ) from e
 
 
-class KVCompileWarning(UserWarning):
-    """kvcompile works on this model, but not as a user would assume; the message says where and why."""
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:,.1f} KiB"
-
-
-def _warn_windowed(model, policies, names, capacity, dtype) -> None:
-    """Warn when the model attends over a sliding (or chunked) window in some layers: transformers' cache keeps
-    only the window for them, kvcompile's stores keep every token, so past some context length its cache of
-    those layers is the larger one. Silent when that length is beyond ``capacity``."""
-    from .hf import model_shape, windowed_layers
-
-    win = {i: w for i, w in windowed_layers(model.config).items() if i < len(names) and w < capacity}
-    if not win:
-        return
-    _, kv, hd = model_shape(model.config)
-    dt, elsize = DTYPE_NAMES[dtype], torch.empty((), dtype=dtype).element_size()
-    native = sum(2 * kv * hd * elsize * w for w in win.values())  # bytes per sequence, the window's tokens only
-
-    def ours(c):
-        return sum(LayerSpec(policies[i], 1, kv, c, hd, dt).nbytes() for i in win)
-
-    if ours(capacity) <= native:
-        return
-    lo, hi = 1, capacity  # the shortest context at which the stores outgrow the windowed cache
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if ours(mid) > native else (mid + 1, hi)
-    sizes = sorted(set(win.values()))
-    window = f"{sizes[0]:,}" if len(sizes) == 1 else f"{sizes[0]:,} to {sizes[-1]:,}"
-    warnings.warn(
-        f"{len(win)} of {len(names)} attention layers of {type(model).__name__} (the first: {names[min(win)]}) "
-        f"attend only to the last {window} tokens (sliding or chunked attention), but kvcompile stores every "
-        f"token of a sequence for them, up to max_cache_len={capacity:,}, and its attention reads them all under "
-        f"the model's mask. transformers' own cache keeps only the window for these layers, so from about {lo:,} "
-        f"tokens of context on, kvcompile's cache of them holds more bytes than the model's full-precision one "
-        f"({_size(ours(capacity))} against {_size(native)} per sequence at {capacity:,} tokens), "
-        f"and reading them costs time in proportion to the whole context. The other layers are not affected. "
-        f"kvcompile has no ring store for windowed layers yet: use it with this model for contexts below that "
-        f"length.", KVCompileWarning, stacklevel=4)
-
-
 def _apply_hf(model, policy, max_cache_len, compiler, dynamic):
     from .hf import KVCompileCache, _text_config, model_shape
 
@@ -553,7 +513,6 @@ def _apply_hf(model, policy, max_cache_len, compiler, dynamic):
     _dtype_name(dtype, names[0])
     if max_cache_len is None:
         max_cache_len = getattr(_text_config(cfg), "max_position_embeddings", 2048)
-    _warn_windowed(model, policy.resolve(names), names, max_cache_len, dtype)
     applied = Applied(policy, compiler, max_cache_len, names)
     cache_kw = _cache_kwarg(model)
     _raise_recompile_limit()

@@ -19,8 +19,10 @@ the cache is ever built. The stand-ins and the packed state are created together
 """
 from __future__ import annotations
 
+import functools
+
 import torch
-from transformers.cache_utils import Cache, StaticLayer
+from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer
 
 from . import ops  # noqa: F401  (registers torch.ops.kvcompile)
 from . import standin
@@ -54,6 +56,34 @@ def windowed_layers(config) -> dict[int, int]:
         types = [kind] * c.num_hidden_layers
     window = {"sliding_attention": sliding, "chunked_attention": chunk}
     return {i: window[t] for i, t in enumerate(types) if window.get(t)}
+
+
+RING_REASON = ("sliding window of {w} tokens: left to transformers' ring (StaticSlidingWindowLayer), which keeps "
+               "only the window, in full precision")
+
+
+def _leave_rings_alone(init):
+    """transformers' sliding-window layer rolls its window in place with its own writes: kvcompile must not
+    route them to a packed store (the pass would shadow the ring until the window fills, then find the roll).
+    Every such layer's tensors are registered as the model's own as they are allocated."""
+    @functools.wraps(init)
+    def lazy_initialization(self, key_states, value_states):
+        init(self, key_states, value_states)
+        standin.leave(self.keys, self.values, RING_REASON.format(w=self.max_cache_len))
+    lazy_initialization._kvcompile = True
+    return lazy_initialization
+
+
+if not getattr(StaticSlidingWindowLayer.lazy_initialization, "_kvcompile", False):
+    StaticSlidingWindowLayer.lazy_initialization = _leave_rings_alone(StaticSlidingWindowLayer.lazy_initialization)
+
+
+def _ring_is_smaller(policy: Policy, window: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> bool:
+    """Whether a full-precision ring of ``window`` tokens holds fewer bytes than ``policy``'s store of
+    ``capacity`` tokens (per sequence, everything included)."""
+    dt = dtype if isinstance(dtype, torch.dtype) else torch.float32
+    ring = 2 * kv_heads * head_dim * min(window, capacity) * torch.empty((), dtype=dt).element_size()
+    return ring <= LayerSpec(policy, 1, kv_heads, capacity, head_dim, DTYPE_NAMES[dt]).nbytes()
 
 
 class KVCompileLayer(StaticLayer):
@@ -154,15 +184,23 @@ class KVCompileCache(Cache):
         names = layer_names or [f"model.layers.{i}.self_attn" for i in range(n_layers)]
         policy.check(head_dim)
         self.policies = policy.resolve(names)
-        layers = [KVCompileLayer(max_cache_len, p, n) for p, n in zip(self.policies, names)]
+        if dtype is None:
+            dtype = getattr(_text_config(config), "torch_dtype", None) or torch.float32
+            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        windows = windowed_layers(config)
+        layers = []
+        for i, (p, n) in enumerate(zip(self.policies, names)):
+            w = windows.get(i)
+            if w is not None and w < max_cache_len and _ring_is_smaller(p, w, max_cache_len, kv_heads, head_dim,
+                                                                         dtype):
+                layers.append(StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=w))
+            else:
+                layers.append(KVCompileLayer(max_cache_len, p, n))
         super().__init__(layers=layers)
         self.policy = policy
         self.capacity = max_cache_len
         self.tokens = 0  # tokens appended so far (host-side count: the capacity check needs no device sync)
         if batch_size is not None:
-            if dtype is None:
-                dtype = getattr(_text_config(config), "torch_dtype", None) or torch.float32
-                dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
             self.early_initialization(batch_size, kv_heads, head_dim, dtype, device or "cpu")
 
     @property
@@ -173,8 +211,13 @@ class KVCompileCache(Cache):
 
     def early_initialization(self, batch_size, num_heads, head_dim, dtype, device):
         for layer in self.layers:
-            if not layer.is_initialized:
+            if layer.is_initialized:
+                continue
+            if isinstance(layer, KVCompileLayer):
                 layer.initialize(batch_size, num_heads, head_dim, dtype, device)
+            else:  # a sliding-window ring: allocated by its own code, from an empty chunk of the right shape
+                empty = torch.zeros(batch_size, num_heads, 0, head_dim, dtype=dtype, device=device)
+                layer.lazy_initialization(empty, empty)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == 0 and not torch.compiler.is_compiling():
@@ -199,5 +242,13 @@ class KVCompileCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by every layer's store (codes, scales, zero points, residual, sinks, lengths)."""
-        return sum(layer.nbytes for layer in self.layers)
+        """Bytes held by every layer's store (codes, scales, zero points, residual, sinks, lengths), and by
+        the full-precision rings of sliding-window layers left to transformers."""
+        return sum(layer.nbytes if isinstance(layer, KVCompileLayer) else
+                   (layer.keys.nbytes + layer.values.nbytes if layer.is_initialized else 0) for layer in self.layers)
+
+    @property
+    def rings(self) -> dict[int, int]:
+        """Layer index -> window, for the sliding-window layers kept as transformers' full-precision ring
+        (chosen where that ring holds fewer bytes than the policy's store of the whole capacity)."""
+        return {i: layer.max_cache_len for i, layer in enumerate(self.layers) if not isinstance(layer, KVCompileLayer)}

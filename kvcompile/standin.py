@@ -15,6 +15,10 @@ Each stand-in is registered here with the layer's packed ``KVState``. The regist
 identity and holds its keys weakly, so a cache that goes away takes its store with it. The compiled graph
 looks the state up at every call from the stand-in it receives (``kvcompile.api``), so a fresh cache of the
 same shape reuses the compiled code and never reads a stale store.
+
+A second registry holds the cache tensors kvcompile must *leave alone*: a transformers sliding-window layer's
+ring (``StaticSlidingWindowLayer``), which rolls its window in full precision with its own writes; the pass
+reports reads and writes of those tensors as left to the model instead of routing them to a packed store.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ class Slot:
 
 
 _SLOTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_LEFT: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> why kvcompile leaves it to the model
 
 
 def make_standin(shape, dtype: torch.dtype, device) -> Tensor:
@@ -75,5 +80,19 @@ def register(k: Tensor, v: Tensor, spec: LayerSpec, layer: str, owned: bool, sta
 def lookup(t: Tensor) -> Slot | None:
     try:
         return _SLOTS.get(t)
+    except TypeError:  # not a tensor
+        return None
+
+
+def leave(k: Tensor, v: Tensor, why: str) -> None:
+    """Mark the cache tensors ``k, v`` as the model's own: the pass does not rewrite what writes or reads them."""
+    _LEFT[k] = why
+    _LEFT[v] = why
+
+
+def left(t) -> str | None:
+    """Why ``t`` is left to the model, or None."""
+    try:
+        return _LEFT.get(t)
     except TypeError:  # not a tensor
         return None

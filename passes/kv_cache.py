@@ -88,6 +88,7 @@ class Analysis:
     skipped: list[Skipped] = field(default_factory=list)
     unpaired_writes: list[Skipped] = field(default_factory=list)
     reads_found: int = 0
+    layers: list[str] = field(default_factory=list)  # every layer with an SDPA read, in graph order
 
 
 def _val(n):
@@ -259,12 +260,15 @@ ALLOCATED_IN_GRAPH = (
     "dtype, device), or use kvcompile.apply, which creates its caches itself")
 
 
-def _match_read(gm: GraphModule, read: Node, order: dict) -> Site | Skipped:
+def _match_read(gm: GraphModule, read: Node, order: dict, left=None) -> Site | Skipped:
     a = sdpa_args(read)
     layer = layer_name(read)
     roots = []
     for which in ("key", "value"):
         ph, repeat, read_len, chain = _walk_to_cache(a[which])
+        why = left(ph) if left is not None and ph is not None else None
+        if why:
+            return Skipped(layer, read.name, why)
         if ph is None:
             if any(f in repeat for f in _FACTORIES):
                 return Skipped(layer, read.name, ALLOCATED_IN_GRAPH + f" (SDPA's {which} comes from {repeat})")
@@ -351,16 +355,20 @@ def _src(ph: Node) -> str:
     return ga.source.name if ga is not None and hasattr(ga, "source") else ph.name
 
 
-def analyze(gm: GraphModule) -> Analysis:
-    """Every (write, read) site in the graph, what was skipped and why, and cache writes no read pairs with."""
+def analyze(gm: GraphModule, left=None) -> Analysis:
+    """Every (write, read) site in the graph, what was skipped and why, and cache writes no read pairs with.
+
+    ``left(placeholder)``: why a cache placeholder is the model's own business (a reason string), or None;
+    reads of such caches are reported as skipped with that reason, and writes into them are not reported."""
     order = _order(gm)
     out = Analysis()
     reads = find_reads(gm)
     out.reads_found = len(reads)
+    out.layers = list(dict.fromkeys(layer_name(r) for r in reads))
     counters["reads_found"] += len(reads)
     paired = set()
     for r in reads:
-        m = _match_read(gm, r, order)
+        m = _match_read(gm, r, order, left)
         if isinstance(m, Site):
             out.sites.append(m)
             paired |= {m.k_cache, m.v_cache}
@@ -370,7 +378,7 @@ def analyze(gm: GraphModule) -> Analysis:
             counters["reads_skipped"] += 1
     for n in gm.graph.nodes:
         tgt = _looks_like_cache_write(n)
-        if tgt is not None and tgt not in paired:
+        if tgt is not None and tgt not in paired and not (left is not None and left(tgt)):
             users = sorted({_op_name(u) for u in tgt.users if u is not n})
             out.unpaired_writes.append(Skipped(layer_name(n), n.name, (
                 f"{_src(tgt)} is written by {_op_name(n)} but no scaled_dot_product_attention reads it "

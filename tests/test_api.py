@@ -8,8 +8,6 @@ see tests/passes/test_kv_cache_pass.py for why layers after the first one are ke
 from __future__ import annotations
 
 import gc
-import re
-import warnings
 
 import pytest
 import torch
@@ -349,32 +347,53 @@ def windowed(window, layer_types=None):
     return transformers.Gemma3ForCausalLM(cfg).eval()
 
 
-def test_warning_when_windowed_layers_outgrow_the_models_own_cache():
-    """Gemma 3 attends over a sliding window in most layers; transformers keeps only the window for them and
-    kvcompile keeps every token, so past some context its store is the larger: apply says so, and from which
-    context length (checked here against the accounting module's bytes)."""
+def test_windowed_layers_keep_transformers_ring_where_it_holds_fewer_bytes():
+    """Gemma 3 attends over a sliding window in most layers. For those, transformers keeps a full-precision
+    ring of the window; kvcompile's store would keep every token. The cache takes, per windowed layer, whichever
+    holds fewer bytes at its capacity (checked against the accounting module's bytes)."""
     types = ["sliding_attention", "full_attention", "sliding_attention"]
     policy = Policy.kivi(4, group=4, residual=4)
-    with pytest.warns(kvcompile.KVCompileWarning, match=r"2 of 3 attention layers of Gemma3ForCausalLM \(the first: "
-                                                        r"model\.layers\.0\.self_attn\) attend only to the last 16 "
-                                                        r"tokens.*max_cache_len=512") as rec:
-        kvcompile.apply(windowed(16, types), policy, compiler="eager")
-    n = int(re.search(r"from about ([\d,]+) tokens", str(rec[0].message)).group(1).replace(",", ""))
-    window_cache = 2 * kvcompile.accounting.full_precision_bytes_per_token(1, 2, 8, torch.float32) * 16  # 2 layers
+    model = windowed(16, types)
+    ring = 2 * 2 * 8 * 16 * 4  # keys and values, 2 kv heads x head_dim 8 x 16 tokens, fp32
 
-    def stores(capacity):  # the two windowed layers' stores for one sequence of `capacity` tokens
-        return kvcompile.cache_bytes(policy, 2, 2, 8, capacity, dtype=torch.float32)
+    def store(capacity):  # one layer's store for one sequence of `capacity` tokens
+        return kvcompile.cache_bytes(policy, 1, 2, 8, capacity, dtype=torch.float32)
 
-    assert stores(n) > window_cache >= stores(n - 1)
-    assert 16 < n < 512
+    long = KVCompileCache(model.config, policy, 512, batch_size=1, dtype=torch.float32)
+    assert long.rings == {0: 16, 2: 16} and store(512) > ring
+    standins = 2 * 4 * (1 + 2 + 512 + 8 - 3)  # the quantized layer's two stand-ins (kvcompile.standin)
+    assert long.nbytes == 2 * ring + store(512) + standins
+    short = KVCompileCache(model.config, policy, 20, batch_size=1, dtype=torch.float32)
+    assert short.rings == {} and store(20) < ring  # the window never slides far in 20 tokens: quantize
+    edge = next(c for c in range(17, 512) if store(c) > ring)  # the first capacity at which the ring wins
+    assert KVCompileCache(model.config, policy, edge - 1).rings == {}
+    assert KVCompileCache(model.config, policy, edge).rings == {0: 16, 2: 16}
 
 
-def test_no_window_warning_below_the_crossover_or_without_windows():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", kvcompile.KVCompileWarning)
-        kvcompile.apply(windowed(16), Policy.int8(), max_cache_len=20, compiler="eager")  # below the crossover
-        kvcompile.apply(windowed(600), Policy.int8(), compiler="eager")  # window longer than the cache
-        kvcompile.apply(tiny(), Policy.int8(), compiler="eager")  # no windowed layers
+def test_windowed_model_compiled_equals_the_reference_cache():
+    """apply on a model with sliding layers: the rings are the model's own (the pass leaves their reads and
+    writes alone and says so), the full layer is quantized, and generate equals the eager reference cache,
+    with a prompt shorter than the window (it slides during decode) and longer (the ring fills at prefill)."""
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    policy = Policy.kivi(4, group=4, residual=4)
+    for prompt in (5, 24):
+        model = windowed(8, types)
+        ref = type(model)(model.config).eval()
+        ref.load_state_dict(model.state_dict())
+        ids = torch.randint(3, 64, (1, prompt))
+        gen = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
+                   return_dict_in_generate=True)
+        with torch.no_grad():
+            cache = KVCompileCache(ref.config, policy, 256)
+            want = ref.generate(ids, **gen, **{_cache_kwarg(ref): cache})
+            assert cache.rings == {0: 8, 2: 8}
+            applied = kvcompile.apply(model, policy, compiler="eager")
+            got = applied.generate(ids, **gen)
+        assert torch.equal(got.sequences, want.sequences)
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits))
+        ex = kvcompile.explain(applied)
+        assert {s.layer for s in ex.sites} == {"model.layers.1.self_attn"}
+        assert any("sliding window of 8 tokens: left to transformers' ring" in k.reason for k in ex.skipped)
 
 
 def test_error_apply_twice_and_to_a_compiled_model():

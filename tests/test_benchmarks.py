@@ -104,3 +104,14 @@ def test_gpu_sass_smoke():
     row = next(ln.split() for ln in r.stdout.splitlines() if ln.startswith("fp8 e4m3"))
     instructions, ffma, alu = map(int, row[2:5])
     assert instructions > ffma > 0 and alu > 0, r.stdout
+
+
+def test_windowed_cache_bytes_smoke():
+    """At 1K tokens, twice Gemma 3's window: the rings' bytes are transformers' own, the few full layers
+    quantized, so kvcompile's cache is smaller than the StaticCache for every policy."""
+    from benchmarks import windowed_cache_bytes
+    rows = windowed_cache_bytes.main(["--contexts", "1024"])
+    assert {r["policy"] for r in rows} == set(windowed_cache_bytes.POLICIES)
+    for r in rows:
+        assert r["kvcompile"] < r["static"] and r["rings"] in (0, 22)
+        assert r["kvcompile"] <= 1.01 * r["all_stores"]  # a ring only where it is smaller (stand-ins aside)

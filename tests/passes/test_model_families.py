@@ -133,21 +133,47 @@ def test_backend_with_a_static_cache_under_generate(family):
     assert not dynamo_utils.counters["graph_break"]
 
 
+@pytest.mark.parametrize("prompt", [3, 12])
 @pytest.mark.parametrize("family", ["Mistral", "Gemma3Text"])
-def test_sliding_window_layers_equal_the_models_own_cache(family):
+def test_sliding_window_layers_equal_the_models_own_cache(family, prompt):
     """With a window shorter than the sequence (every Mistral layer; Gemma 3's sliding layers beside a full
-    one), a full-precision kvcompile cache generates what the model's own cache does (transformers keeps only
-    the window there; kvcompile keeps every token and relies on the model's sliding mask), and apply warns
-    that its stores outgrow the window."""
+    one) and a prompt shorter than the window (it slides during decode) or longer (it is full after the
+    prefill), a full-precision kvcompile cache generates what the model's own cache does: the windowed layers
+    are transformers' own rings (smaller than a store of the whole capacity), left alone by the pass."""
     layers = dict(layer_types=["sliding_attention", "full_attention"]) if family == "Gemma3Text" else {}
     model = tiny(family, sliding_window=4, **layers)
     ref = twin(model)
-    ids = torch.randint(3, 64, (1, 12))
+    ids = torch.randint(3, 64, (1, prompt))
     gen = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         want = ref.generate(ids, **gen)
-        with pytest.warns(kvcompile.KVCompileWarning, match="attend only to the last 4 tokens"):
-            applied = kvcompile.apply(model, Policy.full(), compiler="eager")
+        applied = kvcompile.apply(model, Policy.full(), compiler="eager")
         got = applied.generate(ids, **gen)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits))
+    rewritten = {s.layer for s in kvcompile.explain(applied).sites}
+    assert rewritten == ({"model.layers.1.self_attn"} if family == "Gemma3Text" else set())
+
+
+@pytest.mark.parametrize("prompt", [3, 12])
+def test_backend_with_a_static_cache_of_sliding_layers(prompt):
+    """The backend over a transformers StaticCache whose sliding layers are StaticSlidingWindowLayer rings:
+    the pass quantizes the full layer and leaves the rings to transformers. (Before the rings were registered
+    as the model's own, a prompt shorter than the window had the ring shadowed by a packed store until the
+    window filled, and the roll that follows then failed to compile.)"""
+    model = tiny("Gemma3Text", sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    ref = twin(model)
+    ids = torch.randint(3, 64, (1, prompt))
+    gen = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = ref.generate(ids, **gen, **{_cache_kwarg(ref): KVCompileCache(ref.config, POLICY, 32)})
+        static = StaticCache(config=model.config, max_cache_len=32)
+        static.early_initialization(1, 2, 8, torch.float32, "cpu")
+        model.forward = torch.compile(model.forward, backend="kvcompile", fullgraph=True,
+                                      options={"policy": POLICY, "compiler": "eager"})
+        model.generation_config.disable_compile = True
+        got = model.generate(ids, **gen, **{_cache_kwarg(model): static})
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits))
+    assert counters["attention_rewritten"] == counters["graphs_rewritten"] >= 2  # layer 1, every graph
+    assert counters["reads_skipped"] >= counters["graphs_rewritten"] and counters["unpaired_writes"] == 0
