@@ -114,4 +114,5 @@ def test_windowed_cache_bytes_smoke():
     assert {r["policy"] for r in rows} == set(windowed_cache_bytes.POLICIES)
     for r in rows:
         assert r["kvcompile"] < r["static"] and r["rings"] in (0, 22)
-        assert r["kvcompile"] <= 1.01 * r["all_stores"]  # a ring only where it is smaller (stand-ins aside)
+        standins = 26 * 2 * (1 + 1 + 1024 + 256 - 3) * 2  # every layer's two bf16 stand-ins, at most
+        assert r["kvcompile"] <= r["all_stores"] + standins  # a ring only where it is smaller
