@@ -491,7 +491,20 @@ def _apply_hf(model, policy, max_cache_len, compiler, dynamic):
 
     cfg = model.config
     impl = getattr(cfg, "_attn_implementation", None)
-    cap = getattr(_text_config(cfg), "attn_logit_softcapping", None)
+    text = _text_config(cfg)
+    kinds = sorted(set(getattr(text, "layer_types", None) or []) - {"full_attention", "sliding_attention",
+                                                                      "chunked_attention"})
+    if getattr(model, "_is_stateful", False) or kinds:
+        raise KVCompileError(
+            f"unsupported model: {type(model).__name__} is a hybrid: besides attention it has "
+            f"{', '.join(repr(k) for k in kinds) or 'recurrent'} layers, which keep a recurrent state (and a cache "
+            f"class of their own) instead of keys and values. kvcompile quantizes attention KV caches and does "
+            f"not support hybrid models yet.")
+    if "reuse" in (getattr(text, "kv_sharing_modes", None) or []) or (getattr(text, "num_kv_shared_layers", 0) or 0):
+        raise KVCompileError(
+            f"unsupported model: {type(model).__name__} shares KV caches between layers (later layers reuse an "
+            f"earlier layer's keys and values), which kvcompile's per-layer stores do not model yet.")
+    cap = getattr(text, "attn_logit_softcapping", None)
     if cap is not None or (impl not in (None, "sdpa") and not getattr(model, "_supports_sdpa", True)):
         why = (f"it soft-caps its attention logits (attn_logit_softcapping={cap}), which "
                f"scaled_dot_product_attention cannot express" if cap is not None else

@@ -338,6 +338,17 @@ def test_error_model_class_without_sdpa():
         kvcompile.apply(model, Policy.int8())
 
 
+def test_error_hybrid_model():
+    """Qwen3-Next mixes linear-attention layers (a recurrent state, its own cache class) with attention: refused
+    with what was found, instead of failing inside Dynamo."""
+    cfg = transformers.Qwen3NextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       max_position_embeddings=64, attn_implementation="sdpa")
+    with pytest.raises(KVCompileError, match=r"unsupported model: Qwen3NextForCausalLM is a hybrid: besides "
+                                             r"attention it has 'linear_attention' layers"):
+        kvcompile.apply(transformers.Qwen3NextForCausalLM(cfg).eval(), Policy.int8())
+
+
 def windowed(window, layer_types=None):
     torch.manual_seed(0)
     cfg = transformers.Gemma3TextConfig(
