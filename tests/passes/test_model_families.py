@@ -33,13 +33,16 @@ FAMILIES = ["Mistral", "Qwen2", "Qwen3",
             "GPTNeoX",     # no GQA, fused qkv, partial rotary
             "GPT2",        # no GQA, Conv1D, learned positions, no rotary
             "GPTBigCode",  # multi-query: one kv head
+            "Olmo3", "SmolLM3", "Exaone4", "Cohere2", "Qwen3Moe", "Mixtral",  # norms, NoPE layers, MoE blocks
+            "Llama4Text",  # chunked-attention layers (here the chunk is longer than the cache)
             ]
 # transformers' names where they are not "<family>ForCausalLM", and the configs that spell sizes their own way
-MODEL_CLASS = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
+MODEL_CLASS = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel", "Llama4Text": "Llama4ForCausalLM"}
 NO_KV_HEADS = {"GPTNeoX", "GPT2", "GPTBigCode"}
 CONFIG = {"GPT2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=64),
           "GPTBigCode": dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=True),
-          "GPTNeoX": dict(rotary_pct=0.5)}
+          "GPTNeoX": dict(rotary_pct=0.5), "Llama4Text": dict(intermediate_size_mlp=64),
+          "Mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
 # Only layer 0 quantized: later layers would see last-bit differences from layer 0's attention sums
 # and could flip a code (see tests/passes/test_kv_cache_pass.py); they are still rewritten.
 POLICY = Policy.full().override({0: Policy.kivi(4, group=4, residual=4)})
@@ -133,15 +136,20 @@ def test_backend_with_a_static_cache_under_generate(family):
     assert not dynamo_utils.counters["graph_break"]
 
 
+WINDOWED = {"Mistral": dict(sliding_window=4),
+            "Gemma3Text": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+            "Llama4Text": dict(attention_chunk_size=4, layer_types=["chunked_attention", "full_attention"])}
+
+
 @pytest.mark.parametrize("prompt", [3, 12])
-@pytest.mark.parametrize("family", ["Mistral", "Gemma3Text"])
+@pytest.mark.parametrize("family", list(WINDOWED))
 def test_sliding_window_layers_equal_the_models_own_cache(family, prompt):
-    """With a window shorter than the sequence (every Mistral layer; Gemma 3's sliding layers beside a full
-    one) and a prompt shorter than the window (it slides during decode) or longer (it is full after the
-    prefill), a full-precision kvcompile cache generates what the model's own cache does: the windowed layers
-    are transformers' own rings (smaller than a store of the whole capacity), left alone by the pass."""
-    layers = dict(layer_types=["sliding_attention", "full_attention"]) if family == "Gemma3Text" else {}
-    model = tiny(family, sliding_window=4, **layers)
+    """With a window shorter than the sequence (every Mistral layer; Gemma 3's sliding layers and Llama 4's
+    chunked ones beside a full one) and a prompt shorter than the window (it slides during decode) or longer
+    (it is full after the prefill), a full-precision kvcompile cache generates what the model's own cache does:
+    the windowed layers are transformers' own rings (smaller than a store of the whole capacity), left alone
+    by the pass."""
+    model = tiny(family, **WINDOWED[family])
     ref = twin(model)
     ids = torch.randint(3, 64, (1, prompt))
     gen = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -152,7 +160,7 @@ def test_sliding_window_layers_equal_the_models_own_cache(family, prompt):
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits))
     rewritten = {s.layer for s in kvcompile.explain(applied).sites}
-    assert rewritten == ({"model.layers.1.self_attn"} if family == "Gemma3Text" else set())
+    assert rewritten == (set() if family == "Mistral" else {"model.layers.1.self_attn"})
 
 
 @pytest.mark.parametrize("prompt", [3, 12])
