@@ -14,7 +14,9 @@
    overhead). GB/s is over the bytes the call actually moves: every byte of the store (all positions live at
    length = capacity: codes, scales, zero points, ring, sinks), the query, the output and the split-K workspace
    (written, then read). Speedup is bf16 SDPA time / kernel time.
-3. Tile length: at batch 8, 32K, the decode time of KIVI int4/int2, int4 and fp8 at BLOCK_N 16, 32 and 64
+3. Growth with context: each kernel's time per 1K tokens of context (4K to 128K) against bf16 SDPA's, beside
+   its bytes against bf16's (issue 6's "slope proportional to the cache's bytes", at the kernel).
+4. Tile length: at batch 8, 32K, the decode time of KIVI int4/int2, int4 and fp8 at BLOCK_N 16, 32 and 64
    against the launcher's default (static SASS says the default KIVI tile spills registers under Triton 3.6).
 """
 import argparse
@@ -187,6 +189,27 @@ def render_sweep(rows, B: int, ctx: int) -> str:
                             for name, bn, d, t, r in rows)
 
 
+def render_slopes(rows) -> str:
+    """Issue 6's "slope proportional to the cache's bytes", per batch: each kernel's time growth per 1K tokens
+    of context between the shortest and longest context, as a multiple of bf16 SDPA's, beside its bytes as a
+    multiple of bf16's (the bytes moved at the longest context)."""
+    by = {(B, ctx, name): (t, nbytes) for B, ctx, name, t, nbytes, _ in rows}
+    lines = ["| batch | kernel | growth (ms per 1K tokens) | x bf16's growth | bytes x bf16 |", "|---:|---|---:|---:|---:|"]
+    for B in sorted({r[0] for r in rows}):
+        ctxs = sorted({r[1] for r in rows if r[0] == B})
+        if len(ctxs) < 2:
+            continue
+        lo, hi = ctxs[0], ctxs[-1]
+        names = [r[2] for r in rows if r[0] == B and r[1] == hi]
+        ref = next(n for n in names if n.startswith("bf16"))
+        grow = {n: (by[(B, hi, n)][0] - by[(B, lo, n)][0]) / ((hi - lo) / 1024) for n in names if (B, lo, n) in by}
+        for n in names:
+            if n in grow:
+                lines.append(f"| {B} | {n} | {grow[n]:.5f} | {grow[n] / grow[ref]:.3f} | "
+                             f"{by[(B, hi, n)][1] / by[(B, hi, ref)][1]:.3f} |")
+    return "Growth with context (issue 6: slope proportional to the bytes):\n\n" + "\n".join(lines)
+
+
 def render(rows, card: str, peak_tbps: float | None) -> str:
     head = "| batch | context | kernel | time (ms) | GB moved | GB/s | % of peak | speedup vs bf16 |\n"
     head += "|---:|---:|---|---:|---:|---:|---:|---:|\n"
@@ -214,7 +237,7 @@ def main(argv=None) -> str:
     if smoke:
         checks = check_correctness(device, B=2, H=2, G=2, D=32, C=40,
                                    names=["int2", "int4-kivi", "kivi4+res+sink+rot"])
-        rows = time_table(device, [1], [256], Hq=8, H=2, D=128, formats=["fp8", "int4-kivi"], smoke=True)
+        rows = time_table(device, [1], [256, 512], Hq=8, H=2, D=128, formats=["fp8", "int4-kivi"], smoke=True)
         sweep_at = (1, 256)
         sweep = tile_sweep(device, *sweep_at, Hq=8, H=2, D=128, formats=["int4-kivi"], blocks=[16], smoke=True)
         card, peak = ("cpu (Triton interpreter)" if not cuda else torch.cuda.get_device_name()), None
@@ -227,7 +250,7 @@ def main(argv=None) -> str:
         sweep_at = (8, 32768)
         sweep = tile_sweep(device, *sweep_at, Hq=32, H=8, D=128, formats=["int4-kivi", "int2-kivi", "int4", "fp8"],
                            blocks=[16, 32, 64], smoke=False)
-    table = render(rows, card, peak) + "\n\n" + render_sweep(sweep, *sweep_at)
+    table = render(rows, card, peak) + "\n\n" + render_slopes(rows) + "\n\n" + render_sweep(sweep, *sweep_at)
     report = (f"## {datetime.date.today().isoformat()} -- {card}\n\n"
               f"`python benchmarks/gpu_kernels.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
               f" (torch {torch.__version__}, triton {__import__('triton').__version__}, "
