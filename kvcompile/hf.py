@@ -16,6 +16,10 @@ write/read pattern as a plain StaticCache, and the FX pass (``kvcompile.passes``
 ``kvcompile.store`` / ``kvcompile.attention`` over the layer's packed state, so no full-precision view of
 the cache is ever built. The stand-ins and the packed state are created together, outside the graph, by
 ``initialize`` (``early_initialization`` or the first eager ``update``).
+
+Importing this module registers every transformers sliding-window ring (``StaticSlidingWindowLayer``) as the
+model's own when it is allocated (``standin.leave``), in kvcompile's caches and in a user's ``StaticCache``
+alike: the pass must never route a ring's writes to a packed store.
 """
 from __future__ import annotations
 
@@ -176,6 +180,11 @@ class KVCompileCache(Cache):
 
     With ``batch_size`` (and optionally ``dtype``, ``device``) the packed stores are allocated at once, which
     ``torch.compile`` needs (nothing may be allocated inside the graph); otherwise on the first eager update.
+
+    Layers the model attends over a sliding (or chunked) window only (``windowed_layers``) get transformers'
+    own full-precision ring (``StaticSlidingWindowLayer``) instead of a store when that ring holds fewer bytes
+    than the policy's store of ``max_cache_len`` tokens; ``rings`` lists them. The pass leaves their reads and
+    writes to transformers.
     """
 
     def __init__(self, config, policy: Policy, max_cache_len: int, layer_names: list[str] | None = None,
