@@ -207,8 +207,11 @@ def _check_analysis(gm, analysis, example_inputs) -> None:
                    if n.name in k.reason or _src_name(n) in k.reason]
             if analysis.reads_found == 0:
                 raise KVCompileError(_no_read_message(gm, n))
+            hint = (" This looks like a transformers sliding-window ring (it rolls its window) allocated before "
+                    "kvcompile was imported, so kvcompile took it for a plain cache: import kvcompile before "
+                    "creating the cache." if why and "(roll)" in why[0] else "")
             raise KVCompileError(f"the kvcompile cache {_src_name(n)} is used in the graph, but the pass cannot pair "
-                                 f"its write with an attention read: {why[0] if why else 'no matching SDPA read'}")
+                                 f"its write with an attention read: {why[0] if why else 'no matching SDPA read'}.{hint}")
     if not analysis.sites and analysis.unpaired_writes:
         if analysis.reads_found == 0:
             raise KVCompileError(_no_read_message(gm, None, analysis.unpaired_writes))

@@ -185,3 +185,21 @@ def test_backend_with_a_static_cache_of_sliding_layers(prompt):
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits))
     assert counters["attention_rewritten"] == counters["graphs_rewritten"] >= 2  # layer 1, every graph
     assert counters["reads_skipped"] >= counters["graphs_rewritten"] and counters["unpaired_writes"] == 0
+
+
+def test_backend_with_a_ring_kvcompile_did_not_see_allocated():
+    """A ring allocated before kvcompile was imported is not registered as the model's own: the pass shadows
+    it until the window fills, then meets the roll and says what happened and what to do."""
+    from kvcompile import standin
+    model = tiny("Gemma3Text", sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    ids = torch.randint(3, 64, (1, 3))
+    static = StaticCache(config=model.config, max_cache_len=32)
+    static.early_initialization(1, 2, 8, torch.float32, "cpu")
+    ring = static.layers[0]
+    del standin._LEFT[ring.keys], standin._LEFT[ring.values]  # as if allocated before `import kvcompile`
+    model.forward = torch.compile(model.forward, backend="kvcompile", fullgraph=True,
+                                  options={"policy": POLICY, "compiler": "eager"})
+    model.generation_config.disable_compile = True
+    with torch.no_grad(), pytest.raises(Exception, match=r"sliding-window ring .* import kvcompile before creating "
+                                                          r"the cache"):
+        model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, **{_cache_kwarg(model): static})
