@@ -24,6 +24,7 @@ alike: the pass must never route a ring's writes to a packed store.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer
@@ -60,6 +61,10 @@ def windowed_layers(config) -> dict[int, int]:
         types = [kind] * c.num_hidden_layers
     window = {"sliding_attention": sliding, "chunked_attention": chunk}
     return {i: window[t] for i, t in enumerate(types) if window.get(t)}
+
+
+class KVCompileWarning(UserWarning):
+    """kvcompile runs, but does less than a user would assume; the message says what and why."""
 
 
 RING_REASON = ("sliding window of {w} tokens: left to transformers' ring (StaticSlidingWindowLayer), which keeps "
@@ -205,6 +210,14 @@ class KVCompileCache(Cache):
                 layers.append(StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=w))
             else:
                 layers.append(KVCompileLayer(max_cache_len, p, n))
+        if all(not isinstance(layer, KVCompileLayer) for layer in layers):
+            sizes = sorted({windows[i] for i in range(len(layers))})
+            warnings.warn(
+                f"every attention layer of this model attends over a window of {', '.join(map(str, sizes))} "
+                f"tokens, and at max_cache_len={max_cache_len} transformers' full-precision ring of the window holds "
+                f"fewer bytes than kvcompile's store of every token would: kvcompile quantizes nothing in this cache "
+                f"(it is the model's own). Quantized stores are used up to about 2x the window for 8-bit policies, "
+                f"2.5-5x for 4- and 2-bit KIVI.", KVCompileWarning, stacklevel=2)
         super().__init__(layers=layers)
         self.policy = policy
         self.capacity = max_cache_len

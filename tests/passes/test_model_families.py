@@ -156,7 +156,12 @@ def test_sliding_window_layers_equal_the_models_own_cache(family, prompt):
     with torch.no_grad():
         want = ref.generate(ids, **gen)
         applied = kvcompile.apply(model, Policy.full(), compiler="eager")
-        got = applied.generate(ids, **gen)
+        if family == "Mistral":  # every layer a ring: kvcompile says it quantizes nothing
+            with pytest.warns(kvcompile.KVCompileWarning, match=r"every attention layer .* window of 4 tokens.*"
+                                                                r"kvcompile quantizes nothing in this cache"):
+                got = applied.generate(ids, **gen)
+        else:
+            got = applied.generate(ids, **gen)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits))
     rewritten = {s.layer for s in kvcompile.explain(applied).sites}
