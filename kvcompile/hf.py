@@ -199,7 +199,8 @@ class KVCompileCache(Cache):
         policy.check(head_dim)
         self.policies = policy.resolve(names)
         if dtype is None:
-            dtype = getattr(_text_config(config), "torch_dtype", None) or torch.float32
+            c = _text_config(config)  # transformers 5.x has `dtype` (reading `torch_dtype` warns it is deprecated)
+            dtype = (c.dtype if hasattr(c, "dtype") else getattr(c, "torch_dtype", None)) or torch.float32
             dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         windows = windowed_layers(config)
         layers = []

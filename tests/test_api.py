@@ -148,6 +148,28 @@ def test_generate_greedy_and_sampling_batched_with_left_padding():
     assert not dynamo_utils.counters["graph_break"]
 
 
+def test_generate_continues_a_conversation_in_the_same_cache():
+    """Multi-turn use: a second generate over the first turn's output plus new tokens, with the same cache,
+    prefills only the new tokens and equals the reference cache used the same way."""
+    model = tiny()
+    ref = twin(model)
+    policy = Policy.full().override({0: Policy.kivi(4, group=4, residual=4)})
+    gen = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    first, more = torch.randint(3, 64, (1, 9)), torch.randint(3, 64, (1, 5))
+    kw = _cache_kwarg(model)
+    with torch.no_grad():
+        rc = KVCompileCache(ref.config, policy, 64)
+        w1 = ref.generate(first, **gen, **{kw: rc})
+        w2 = ref.generate(torch.cat([w1.sequences, more], 1), **gen, **{kw: rc})
+        applied = kvcompile.apply(model, policy, compiler="eager")
+        cache = KVCompileCache(model.config, policy, 64)
+        g1 = applied.generate(first, **gen, **{kw: cache})
+        g2 = applied.generate(torch.cat([g1.sequences, more], 1), **gen, **{kw: cache})
+    assert torch.equal(g1.sequences, w1.sequences) and torch.equal(g2.sequences, w2.sequences)
+    torch.testing.assert_close(torch.stack(g2.logits), torch.stack(w2.logits))
+    assert cache.tokens == rc.tokens == 9 + 6 + 5 + 6 - 1  # the last generated token is never fed back
+
+
 def test_forward_returns_a_cache_that_reports_its_bytes():
     applied = kvcompile.apply(tiny(), Policy.kivi(4, group=4, residual=4), max_cache_len=32, compiler="eager")
     with torch.no_grad():
