@@ -292,7 +292,12 @@ def _state_for(k, v, spec: LayerSpec, layer: str):
 
 
 def _finish(gm, example_inputs, opts: Options):
-    if opts.compiler == "eager":
+    if opts.compiler == "eager":  # the graph runs as Python: call kvcompile's functions, not through the dispatcher
+        plain = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops.PLAIN]
+        for n in plain:
+            n.target = ops.PLAIN[n.target]
+        if plain:
+            gm.recompile()
         return gm.forward
     from torch._inductor.compile_fx import compile_fx
 

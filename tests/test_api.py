@@ -23,6 +23,7 @@ import kvcompile
 from kvcompile import CapacityError, KVCompileError, Policy, PolicyError, Quant
 from kvcompile.api import _cache_kwarg
 from kvcompile.hf import KVCompileCache
+from kvcompile.store import LayerSpec
 from kvcompile.passes import counters
 
 
@@ -270,6 +271,26 @@ def test_backend_without_a_policy_says_how_to_pass_one():
 
 
 @pytest.mark.slow
+def test_eager_graphs_call_kvcompile_functions_without_the_dispatcher():
+    """With compiler="eager" the rewritten graph runs as Python and calls ops.PLAIN's functions: the profiler
+    sees no kvcompile operator (it does see one called through torch.ops), and the results are the reference's
+    (every other test of compiler="eager" checks that)."""
+    from torch.profiler import profile
+    model = kvcompile.apply(tiny(), Policy.int8(), compiler="eager")
+    ids = torch.randint(3, 64, (1, 6))
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        with profile() as prof:
+            model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        spec = LayerSpec(Policy.int8(), 1, 2, 16, 8, "float32")
+        state = spec.allocate()
+        with profile() as direct:
+            torch.ops.kvcompile.store(list(state), torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8), torch.tensor([0]),
+                                      spec.register())
+    assert not {e.name for e in prof.events() if e.name.startswith("kvcompile::")}
+    assert "kvcompile::store" in {e.name for e in direct.events()}
+
+
 def test_inductor_compiles_the_rest_of_the_graph():
     policy = Policy.full().override({0: Policy.kivi(4, group=4, residual=4)})
     model = tiny(layers=1)

@@ -116,3 +116,10 @@ def test_windowed_cache_bytes_smoke():
         assert r["kvcompile"] < r["static"] and r["rings"] in (0, 22)
         standins = 26 * 2 * (1 + 1 + 1024 + 256 - 3) * 2  # every layer's two bf16 stand-ins, at most
         assert r["kvcompile"] <= r["all_stores"] + standins  # a ring only where it is smaller
+
+
+def test_op_overhead_smoke():
+    from benchmarks import op_overhead
+    res = op_overhead.main(["--calls", "3", "--tokens", "64"])
+    for op in ("store", "attention"):
+        assert all(res[op][k] > 0 for k in ("dispatcher", "plain", "kernel wrapper"))
