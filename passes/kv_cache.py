@@ -367,8 +367,17 @@ def analyze(gm: GraphModule, left=None) -> Analysis:
     out.layers = list(dict.fromkeys(layer_name(r) for r in reads))
     counters["reads_found"] += len(reads)
     paired = set()
+    # layers whose cache the model keeps itself (a sliding-window ring): their reads are skipped for that reason
+    # even when SDPA reads the chunk rather than the ring (a prefill longer than the window)
+    left_layers = {}
+    if left is not None:
+        for n in gm.graph.nodes:
+            tgt = _looks_like_cache_write(n)
+            if tgt is not None and left(tgt):
+                left_layers.setdefault(layer_name(n), left(tgt))
     for r in reads:
-        m = _match_read(gm, r, order, left)
+        why = left_layers.get(layer_name(r))
+        m = Skipped(layer_name(r), r.name, why) if why else _match_read(gm, r, order, left)
         if isinstance(m, Site):
             out.sites.append(m)
             paired |= {m.k_cache, m.v_cache}
