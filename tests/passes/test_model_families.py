@@ -10,6 +10,8 @@ calls ``SDPA(q, key[:, :, :n], value[:, :, :n], attn_mask=None, is_causal=True)`
 read with the causal mask it stands for (``passes/kv_cache.py``, ``CAUSAL_PREFIX``); the counter
 ``mask_causal_prefix`` says it happened.
 """
+import functools
+
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
@@ -48,6 +50,20 @@ CONFIG = {"GPT2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=64),
 POLICY = Policy.full().override({0: Policy.kivi(4, group=4, residual=4)})
 
 
+@functools.lru_cache(maxsize=None)
+def own_static_cache_fails(family) -> str | None:
+    """Why the model's own StaticCache cannot generate in this transformers version, or None. (transformers
+    5.17's Llama 4 passes generate's block_sequence_ids to a chunked-mask function that takes none.)"""
+    try:
+        with torch.no_grad():
+            tiny(family).generate(torch.randint(3, 64, (1, 5)), max_new_tokens=2, do_sample=False,
+                                  cache_implementation="static")
+    except Exception as e:  # noqa: BLE001 - any failure of the unmodified model is the point
+        return f"transformers {transformers.__version__}: the unmodified model fails with its own StaticCache " \
+               f"({type(e).__name__}: {str(e)[:120]})"
+    return None
+
+
 def tiny(family, **config):
     torch.manual_seed(0)
     kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -57,6 +73,15 @@ def tiny(family, **config):
         del kw["num_key_value_heads"]
     cfg = getattr(transformers, f"{family}Config")(**kw, **{**CONFIG.get(family, {}), **config})
     return getattr(transformers, MODEL_CLASS.get(family, f"{family}ForCausalLM"))(cfg).eval()
+
+
+def tiny_or_skip(family, **config):
+    """``tiny``, skipping the test where transformers' own static cache fails for this family (see
+    ``own_static_cache_fails``): kvcompile's cache is a static cache and meets the same bug."""
+    why = own_static_cache_fails(family) if family == "Llama4Text" else None
+    if why:
+        pytest.skip(why)
+    return tiny(family, **config)
 
 
 def twin(model):
@@ -72,7 +97,7 @@ def prefill_mask_skipped(model) -> bool:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_compiles_and_equals_the_reference(family):
-    model = tiny(family)
+    model = tiny_or_skip(family)
     ref = twin(model)
     ids = torch.randint(3, 64, (1, 10))
     kw = _cache_kwarg(ref)
@@ -96,7 +121,7 @@ def test_family_compiles_and_equals_the_reference(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_generate_batched_with_left_padding(family):
     """With padding the prefill mask is materialized (no shortcut): the usual masked read, per row."""
-    model = tiny(family)
+    model = tiny_or_skip(family)
     ref = twin(model)
     ids = torch.randint(3, 64, (2, 7))
     mask = torch.ones_like(ids)
@@ -117,7 +142,7 @@ def test_family_generate_batched_with_left_padding(family):
 def test_backend_with_a_static_cache_under_generate(family):
     """The standard entry point: the model's forward compiled by the kvcompile backend, a transformers
     StaticCache (full precision, so the pass shadows it with a packed store), generate's eager masks."""
-    model = tiny(family)
+    model = tiny_or_skip(family)
     ref = twin(model)
     ids = torch.randint(3, 64, (1, 9))
     kw = _cache_kwarg(ref)
@@ -149,7 +174,7 @@ def test_sliding_window_layers_equal_the_models_own_cache(family, prompt):
     (it is full after the prefill), a full-precision kvcompile cache generates what the model's own cache does:
     the windowed layers are transformers' own rings (smaller than a store of the whole capacity), left alone
     by the pass."""
-    model = tiny(family, **WINDOWED[family])
+    model = tiny_or_skip(family, **WINDOWED[family])
     ref = twin(model)
     ids = torch.randint(3, 64, (1, prompt))
     gen = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
