@@ -40,6 +40,8 @@ class ModelShape:
     head_dim: int
     weight_bytes: float
     dtype_bytes: int = 2  # the cache's full-precision dtype (bf16)
+    # (layer index, window) of the layers attending over a sliding or chunked window only (kvcompile.hf)
+    windows: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         for f in ("layers", "kv_heads", "head_dim", "dtype_bytes"):
@@ -61,7 +63,7 @@ def shape_from_config(path_or_config, weight_bytes: float | None = None, name: s
 
     ``weight_bytes`` defaults to the size of the folder's ``*.safetensors`` / ``*.bin`` files.
     """
-    from .hf import model_shape
+    from .hf import model_shape, windowed_layers
 
     folder = None
     cfg = path_or_config
@@ -77,7 +79,8 @@ def shape_from_config(path_or_config, weight_bytes: float | None = None, name: s
             raise ValueError("the weights' size is unknown: pass weight_bytes (--weights-gb) or a model folder "
                              "that holds its *.safetensors files")
         weight_bytes = sum(f.stat().st_size for f in files)
-    return ModelShape(name or getattr(cfg, "name_or_path", "") or "model", layers, kv, hd, float(weight_bytes))
+    return ModelShape(name or getattr(cfg, "name_or_path", "") or "model", layers, kv, hd, float(weight_bytes),
+                      windows=tuple(sorted(windowed_layers(cfg).items())))
 
 
 # --------------------------------------------------------------------------- bytes per sequence
@@ -113,16 +116,33 @@ def layer_bytes_expr(policy: Policy, kv_heads: int, head_dim: int, dtype_bytes: 
     return total
 
 
+def ring_bytes_expr(shape: ModelShape, window: int, context=C):
+    """Bytes of transformers' full-precision ring for one windowed layer: the last ``min(window, C)`` tokens."""
+    return 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes * sp.Min(window, context)
+
+
 def sequence_bytes_expr(policy: Policy, shape: ModelShape, context=C):
-    """Exact bytes of one sequence's whole cache (every layer, per-layer overrides resolved)."""
+    """Exact bytes of one sequence's whole cache (every layer, per-layer overrides resolved). A windowed layer
+    holds its store or, where that is fewer bytes and the window is shorter than the context, transformers'
+    ring of the window (as ``KVCompileCache`` chooses)."""
     names = [f"model.layers.{i}.self_attn" for i in range(shape.layers)]
-    return sp.Add(*[layer_bytes_expr(p, shape.kv_heads, shape.head_dim, shape.dtype_bytes, context)
-                    for p in policy.resolve(names)])
+    windows = dict(shape.windows)
+    terms = []
+    for i, p in enumerate(policy.resolve(names)):
+        store = layer_bytes_expr(p, shape.kv_heads, shape.head_dim, shape.dtype_bytes, context)
+        if i in windows:
+            w = windows[i]
+            store = sp.Piecewise((store, context <= w), (sp.Min(store, ring_bytes_expr(shape, w, context)), True))
+        terms.append(store)
+    return sp.Add(*terms)
 
 
 def ideal_sequence_bytes_expr(bits: float, shape: ModelShape, context=C):
-    """The articles' count: ``bits / 8`` bytes per cached element, nothing else."""
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * sp.nsimplify(bits) / 8 * context
+    """The articles' count: ``bits / 8`` bytes per cached element, nothing else; a windowed layer caches at
+    most its window."""
+    windows = dict(shape.windows)
+    tokens = sp.Add(*[sp.Min(windows[i], context) if i in windows else context for i in range(shape.layers)])
+    return 2 * shape.kv_heads * shape.head_dim * sp.nsimplify(bits) / 8 * tokens
 
 
 def sequences_expr(seq_bytes, available):
@@ -186,7 +206,9 @@ def plan(shape: ModelShape, context: int, gpu_bytes: float = 80 * GB, utilizatio
 
 def format_table(rows: list[PlanRow], shape: ModelShape, context: int, available: float) -> str:
     base = next((r for r in rows if r.label.startswith("ideal 16")), rows[0])
-    lines = [f"{shape.name}: {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim}, "
+    windowed = (f" ({len(shape.windows)} attending over a window of "
+                f"{'/'.join(str(w) for w in sorted({w for _, w in shape.windows}))} tokens)" if shape.windows else "")
+    lines = [f"{shape.name}: {shape.layers} layers{windowed} x {shape.kv_heads} KV heads x {shape.head_dim}, "
              f"{context:,}-token sequences, {available / GB:.1f} GB ({available / GiB:.1f} GiB) for the cache",
              f"{'policy':<24}{'bytes/token':>13}{'GB/seq':>9}{'sequences':>11}{'vs 16-bit':>11}"]
     for r in rows:

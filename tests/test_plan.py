@@ -93,3 +93,26 @@ def test_plot_and_json(tmp_path):
     rows = P.plan(shape, 8192, available=avail)
     data = json.loads(P.to_json(rows, shape, 8192, avail))
     assert [r["sequences"] for r in data["rows"]][:3] == [52, 104, 208]
+
+
+@pytest.mark.parametrize("policy", [Policy.int8(), Policy.kivi(4, group=4, residual=4), Policy.full()])
+def test_windowed_layers_plan_what_the_cache_allocates(policy):
+    """A Gemma-3-like config (five of six layers over a 16-token window): the planner's bytes per sequence equal
+    what KVCompileCache allocates (rings where they are smaller, stores elsewhere; stand-ins aside), below, at
+    and past the window and the crossover; the ideal count caches at most the window in windowed layers."""
+    import torch
+    from transformers import Gemma3TextConfig
+    from kvcompile.hf import KVCompileCache, KVCompileLayer
+    from kvcompile.store import state_nbytes
+
+    cfg = Gemma3TextConfig(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           hidden_size=32, sliding_window=16, max_position_embeddings=512)
+    shape = P.shape_from_config(cfg, weight_bytes=0)
+    assert shape.windows == tuple((i, 16) for i in range(5))
+    expr = P.sequence_bytes_expr(policy, shape)
+    for cap in (8, 16, 17, 30, 64, 300):
+        cache = KVCompileCache(cfg, policy, cap, batch_size=1, dtype=torch.bfloat16)
+        allocated = sum(state_nbytes(layer.state) if isinstance(layer, KVCompileLayer)
+                        else layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        assert expr.subs(P.C, cap) == allocated, (cap, cache.rings)
+    assert P.ideal_sequence_bytes_expr(16, shape).subs(P.C, 300) == 2 * 2 * 8 * 2 * (5 * 16 + 300)
