@@ -367,14 +367,14 @@ def analyze(gm: GraphModule, left=None) -> Analysis:
     out.layers = list(dict.fromkeys(layer_name(r) for r in reads))
     counters["reads_found"] += len(reads)
     paired = set()
+    writes = [(n, tgt) for n in gm.graph.nodes if (tgt := _looks_like_cache_write(n)) is not None]
+    left_of = {tgt: left(tgt) for _, tgt in writes} if left is not None else {}
     # layers whose cache the model keeps itself (a sliding-window ring): their reads are skipped for that reason
     # even when SDPA reads the chunk rather than the ring (a prefill longer than the window)
     left_layers = {}
-    if left is not None:
-        for n in gm.graph.nodes:
-            tgt = _looks_like_cache_write(n)
-            if tgt is not None and left(tgt):
-                left_layers.setdefault(layer_name(n), left(tgt))
+    for n, tgt in writes:
+        if left_of.get(tgt):
+            left_layers.setdefault(layer_name(n), left_of[tgt])
     for r in reads:
         why = left_layers.get(layer_name(r))
         m = Skipped(layer_name(r), r.name, why) if why else _match_read(gm, r, order, left)
@@ -385,9 +385,8 @@ def analyze(gm: GraphModule, left=None) -> Analysis:
         else:
             out.skipped.append(m)
             counters["reads_skipped"] += 1
-    for n in gm.graph.nodes:
-        tgt = _looks_like_cache_write(n)
-        if tgt is not None and tgt not in paired and not (left is not None and left(tgt)):
+    for n, tgt in writes:
+        if tgt not in paired and not left_of.get(tgt):
             users = sorted({_op_name(u) for u in tgt.users if u is not n})
             out.unpaired_writes.append(Skipped(layer_name(n), n.name, (
                 f"{_src(tgt)} is written by {_op_name(n)} but no scaled_dot_product_attention reads it "
