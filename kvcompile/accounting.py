@@ -9,13 +9,14 @@ from .store import DTYPE_NAMES, LayerSpec
 
 def cache_bytes(policy: Policy, num_layers: int, kv_heads: int, head_dim: int, capacity: int,
                 batch: int = 1, dtype=torch.bfloat16, layer_names=None) -> int:
-    """Bytes the whole model's quantized cache holds: codes, scales, zero points, residual, sinks, lengths.
+    """Bytes the whole model's quantized cache holds when each of ``batch`` sequences holds ``capacity``
+    tokens: packed blocks (whole blocks), scales, zero points, residual, sinks, lengths, block tables.
 
     ``policy`` may carry per-layer overrides; layers are named ``layers.<i>`` unless ``layer_names`` is given.
     """
     names = layer_names or [f"layers.{i}" for i in range(num_layers)]
     dt = DTYPE_NAMES[dtype] if isinstance(dtype, torch.dtype) else dtype
-    return sum(LayerSpec(p, batch, kv_heads, capacity, head_dim, dt).nbytes() for p in policy.resolve(names))
+    return sum(LayerSpec(p, kv_heads, head_dim, dt).nbytes(batch, capacity) for p in policy.resolve(names))
 
 
 def bytes_per_token(policy: Policy, num_layers: int, kv_heads: int, head_dim: int, capacity: int = 8192,

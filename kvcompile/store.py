@@ -1,19 +1,32 @@
-"""The quantized KV store of one layer: its layout, and the reference append / read / attention.
+"""The quantized KV store of one layer: its paged layout, the block manager, and the reference append /
+crop / read / attention. This module is the specification every kernel follows bit for bit.
 
-A layer's store is a fixed tuple of tensors (``KVState``), preallocated for ``(batch, kv_heads, capacity,
-head_dim)``. Position ``p`` of sequence ``b`` lives in exactly one place, decided by that sequence's
-length ``L`` alone (so appending the same tokens in any chunking gives the same bytes)::
+Position ``p`` of sequence ``b`` lives in exactly one place, decided by that sequence's length ``L`` alone
+(so appending the same tokens in any chunking gives the same bytes)::
 
     p < S                          sink        full precision   k_sink[b, :, p]
-    S <= p < Q(L)                  quantized   packed codes     k_codes[b, :, p - S], scales by group
+    S <= p < Q(L)                  packed      codes, paged     block table[b, j // BS], row j % BS, j = p - S
     Q(L) <= p < L                  residual    full precision   k_res[b, :, p % W]   (a ring)
 
     Q(L) = S + floor(max(0, L - S - R) / F) * F        R = policy.residual, F = policy.flush
-    W    = min(R + F - 1, C - S)                       (the most tokens the residual can hold)
+    W    = R + F - 1                                   (the most tokens the residual can hold)
 
 ``F`` is the per-channel group size (1 if nothing is quantized per channel): a per-channel scale covers F
 tokens, so tokens enter packed storage only in whole groups (KIVI). The ring never needs data movement:
 each append first flushes ``[Q(L), Q(L'))`` into codes, then writes the newcomers at ``p % W``.
+
+**Pages.** Packed tokens live in a pool of blocks of ``BS`` tokens (``LayerSpec.block``: 64, or the group
+size ``F`` if larger, so a per-channel group never straddles two blocks), shared by every sequence of the
+store. Each sequence's block table lists the blocks of its packed tokens in order. A block holds, per kv
+head, ``BS`` packed rows and their scales and zero points: ``[BS, D/g]`` per token (axis="token") or
+``[BS/F, D]`` per channel group (axis="channel"). The sinks, the ring and the lengths are per sequence. So
+a sequence holds what it has written (its blocks, rounded up to a whole block), sequences of a batch need
+not have the same length, and forking or reordering sequences moves block ids, not blocks.
+
+``KVStore`` manages one layer's pool on the host: it reserves the blocks an append will write before the
+kernel runs (growing the pool when it is full), shares blocks between sequences forked from one another
+(``select``: beam search, parallel sampling), copies a shared block before anything writes into it, and
+crops (``crop``: speculative and assisted decoding). Kernels see only the ``KVState`` tensors.
 
 Rotation (``policy.rotate``) multiplies keys, values and queries by an orthonormal Hadamard matrix before
 anything else (``rotate``); everything in the store is in rotated space, and attention un-rotates its
@@ -24,7 +37,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -34,17 +47,18 @@ from .policy import Policy, PolicyError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+BLOCK_TOKENS = 64  # packed tokens per block, unless the policy's flush group is larger (then one group)
 
 
 class CapacityError(RuntimeError):
-    """An append that does not fit in the cache."""
+    """An append that does not fit in the cache (its token limit, or its block budget)."""
 
 
 class KVState(NamedTuple):
-    """The tensors of one layer's store, in the order every op takes them.
+    """The tensors of one layer's store, in the order every kernel takes them.
 
-    k_codes:  uint8 [B, H, Cq, D*bits/8] packed codes (model dtype [B, H, Cq, D] for format "none")
-    k_scale:  scale dtype [B, H, Cq, D/g] (axis="token") or [B, H, Cq/g, D] (axis="channel"); empty if none
+    k_codes:  uint8 [NB, H, BS, D*bits/8] the pool of packed blocks (model dtype [NB, H, BS, D] for "none")
+    k_scale:  scale dtype [NB, H, BS, D/g] (axis="token") or [NB, H, BS/g, D] (axis="channel"); empty if none
     k_zero:   same shape as k_scale for asymmetric integers, else empty
     v_*:      the same for values
     k_res:    model dtype [B, H, W, D] full-precision ring of the most recent tokens (slot p % W)
@@ -52,6 +66,7 @@ class KVState(NamedTuple):
     k_sink:   model dtype [B, H, S, D] the first S tokens
     v_sink:   same
     lengths:  int32 [B] tokens held per sequence
+    table:    int32 [B, MB] block ids of each sequence's packed tokens, in order; -1 where none is reserved
     """
 
     k_codes: Tensor
@@ -65,28 +80,44 @@ class KVState(NamedTuple):
     k_sink: Tensor
     v_sink: Tensor
     lengths: Tensor
+    table: Tensor
+
+
+POOL_FIELDS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+ROW_FIELDS = ("k_res", "v_res", "k_sink", "v_sink", "lengths", "table")
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """Everything that fixes a store's layout; its ``name`` keys compiled kernels and op calls."""
+    """Everything that fixes a store's layout; its ``name`` keys compiled kernels and op calls.
+
+    The layout does not depend on the batch or on how many tokens the store holds: one compiled kernel
+    serves every batch size and length.
+    """
 
     policy: Policy
-    batch: int
     heads: int
-    capacity: int
     head_dim: int
     dtype: str = "float32"
+    block_tokens: int | None = None  # packed tokens per block; None: BLOCK_TOKENS, or the flush group if larger
 
     def __post_init__(self):
+        if not isinstance(self.policy, Policy):
+            raise PolicyError(f"LayerSpec.policy={self.policy!r} is not valid: expected a kvcompile.Policy")
         if self.policy.overrides:
             raise PolicyError("LayerSpec needs a resolved per-layer policy (call policy.resolve first)")
         if self.dtype not in DTYPES:
             raise PolicyError(f"dtype={self.dtype!r} is not supported: expected one of {sorted(DTYPES)}")
-        for f in ("batch", "heads", "capacity", "head_dim"):
-            if getattr(self, f) < 1:
-                raise PolicyError(f"LayerSpec.{f}={getattr(self, f)} must be at least 1")
+        for f in ("heads", "head_dim"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PolicyError(f"LayerSpec.{f}={v!r} is not valid: expected a positive integer")
         self.policy.check(self.head_dim)
+        bt = self.block_tokens
+        if bt is not None and (not isinstance(bt, int) or isinstance(bt, bool) or bt < 16 or bt & (bt - 1)
+                               or bt % self.flush):
+            raise PolicyError(f"LayerSpec.block_tokens={bt!r} is not valid: expected a power of two >= 16 and a "
+                              f"multiple of the policy's flush group ({self.flush}), or None")
 
     # ---- geometry
     @property
@@ -95,7 +126,7 @@ class LayerSpec:
 
     @property
     def sink(self) -> int:
-        return min(self.policy.sink, self.capacity)
+        return self.policy.sink
 
     @property
     def flush(self) -> int:
@@ -103,21 +134,25 @@ class LayerSpec:
 
     @property
     def ring(self) -> int:
-        return min(self.policy.residual + self.flush - 1, self.capacity - self.sink)
+        return self.policy.residual + self.flush - 1
 
     @property
-    def quantized_capacity(self) -> int:
-        return self.boundary(self.capacity) - self.sink
+    def block(self) -> int:
+        """Packed tokens per block (a power of two >= 16, a multiple of the flush group)."""
+        return self.block_tokens or max(BLOCK_TOKENS, self.flush)
 
     def boundary(self, L: int) -> int:
         """Q(L): tokens at positions [sink, Q(L)) are in packed storage once the sequence holds L tokens."""
         S, R, F = self.sink, self.policy.residual, self.flush
         return S + (max(0, L - S - R) // F) * F
 
+    def blocks_for(self, L: int) -> int:
+        """Blocks a sequence of ``L`` tokens holds."""
+        return -(-(self.boundary(L) - self.sink) // self.block)
+
     @property
     def name(self) -> str:
-        return (f"{self.policy.key_str()};B={self.batch};H={self.heads};C={self.capacity};"
-                f"D={self.head_dim};dt={self.dtype}")
+        return f"{self.policy.key_str()};H={self.heads};D={self.head_dim};dt={self.dtype};BS={self.block}"
 
     @staticmethod
     def from_name(name: str) -> "LayerSpec":
@@ -132,48 +167,70 @@ class LayerSpec:
         return self.name
 
     # ---- allocation
-    def _tensor_shapes(self, which: str):
+    def _block_shapes(self, which: str):
+        """Per block: (codes shape, codes dtype, scale shape, zero shape); () where the tensor is empty."""
         q = self.policy.key if which == "k" else self.policy.value
-        B, H, D, Cq = self.batch, self.heads, self.head_dim, self.quantized_capacity
+        H, D, BS = self.heads, self.head_dim, self.block
         if not q.quantized:
-            return (B, H, Cq, D), self.torch_dtype, (0,), (0,)
-        ss = (B, H, *Q.scale_shape(q, Cq, D))
-        return (B, H, Cq, Q.packed_bytes(D, q.bits)), torch.uint8, ss, ss if q.has_zero else (0,)
+            return (H, BS, D), self.torch_dtype, None, None
+        ss = (H, *Q.scale_shape(q, BS, D))
+        return (H, BS, Q.packed_bytes(D, q.bits)), torch.uint8, ss, ss if q.has_zero else None
 
-    def allocate(self, device="cpu") -> KVState:
-        """Zero-filled store. Its memory is the packed size, never the full-precision one."""
-        B, H, D = self.batch, self.heads, self.head_dim
+    def pool(self, blocks: int, device="cpu") -> list[Tensor]:
+        """Zero-filled pool tensors of ``blocks`` blocks, in ``POOL_FIELDS`` order."""
         out = []
         for which in ("k", "v"):
             q = self.policy.key if which == "k" else self.policy.value
-            cshape, cdt, sshape, zshape = self._tensor_shapes(which)
+            cshape, cdt, sshape, zshape = self._block_shapes(which)
             sdt = Q.SCALE_TORCH_DTYPE[q.scale_dtype]
-            out += [torch.zeros(cshape, dtype=cdt, device=device), torch.zeros(sshape, dtype=sdt, device=device),
-                    torch.zeros(zshape, dtype=sdt, device=device)]
-        dt = self.torch_dtype
-        k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = out
-        return KVState(
-            k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-            torch.zeros(B, H, self.ring, D, dtype=dt, device=device),
-            torch.zeros(B, H, self.ring, D, dtype=dt, device=device),
-            torch.zeros(B, H, self.sink, D, dtype=dt, device=device),
-            torch.zeros(B, H, self.sink, D, dtype=dt, device=device),
-            torch.zeros(B, dtype=torch.int32, device=device),
-        )
+            out.append(torch.zeros((blocks, *cshape), dtype=cdt, device=device))
+            for shape in (sshape, zshape):
+                out.append(torch.zeros((blocks, *shape) if shape else (0,), dtype=sdt, device=device))
+        return out
 
-    def nbytes(self) -> int:
-        """Exact bytes ``allocate`` holds, computed from the layout alone."""
-        def size(shape, dt):
-            return math.prod(shape) * torch.empty((), dtype=dt).element_size()
+    def rows(self, batch: int, table_width: int = 0, device="cpu") -> list[Tensor]:
+        """Zero-filled per-sequence tensors (ring, sinks, lengths; the table filled with -1), ``ROW_FIELDS``."""
+        H, D, dt = self.heads, self.head_dim, self.torch_dtype
+        return [torch.zeros(batch, H, self.ring, D, dtype=dt, device=device),
+                torch.zeros(batch, H, self.ring, D, dtype=dt, device=device),
+                torch.zeros(batch, H, self.sink, D, dtype=dt, device=device),
+                torch.zeros(batch, H, self.sink, D, dtype=dt, device=device),
+                torch.zeros(batch, dtype=torch.int32, device=device),
+                torch.full((batch, table_width), -1, dtype=torch.int32, device=device)]
+
+    def allocate(self, batch: int, capacity: int, device="cpu") -> KVState:
+        """A zero-filled store of ``batch`` sequences with blocks for ``capacity`` tokens each, reserved in
+        order (sequence ``b`` owns blocks ``b*MB .. (b+1)*MB - 1``). For kernels and tests that want a plain
+        state; a cache that grows, forks and crops is a ``KVStore``."""
+        mb = self.blocks_for(capacity)
+        rows = self.rows(batch, mb, device)
+        rows[-1].copy_(torch.arange(batch * mb, dtype=torch.int32).view(batch, mb))
+        return KVState(*self.pool(batch * mb, device), *rows)
+
+    def block_nbytes(self) -> int:
+        """Bytes of one block: packed codes, scales and zero points of keys and values, every kv head."""
         total = 0
         for which in ("k", "v"):
             q = self.policy.key if which == "k" else self.policy.value
-            cshape, cdt, sshape, zshape = self._tensor_shapes(which)
-            sdt = Q.SCALE_TORCH_DTYPE[q.scale_dtype]
-            total += size(cshape, cdt) + size(sshape, sdt) + size(zshape, sdt)
-        B, H, D = self.batch, self.heads, self.head_dim
-        total += 2 * size((B, H, self.ring + self.sink, D), self.torch_dtype)
-        return total + size((B,), torch.int32)
+            cshape, cdt, sshape, zshape = self._block_shapes(which)
+            total += math.prod(cshape) * _esize(cdt)
+            for shape in (sshape, zshape):
+                if shape:
+                    total += math.prod(shape) * _esize(Q.SCALE_TORCH_DTYPE[q.scale_dtype])
+        return total
+
+    def row_nbytes(self) -> int:
+        """Bytes each sequence holds besides its blocks: ring and sinks of keys and values, its length."""
+        return 2 * self.heads * self.head_dim * (self.ring + self.sink) * _esize(self.torch_dtype) + 4
+
+    def nbytes(self, batch: int, tokens: int) -> int:
+        """Exact bytes a store of ``batch`` sequences of ``tokens`` tokens each holds (``KVStore.nbytes``):
+        per sequence, its fixed part, its blocks, and one table entry (int32) per block."""
+        return batch * (self.row_nbytes() + self.blocks_for(tokens) * (self.block_nbytes() + 4))
+
+
+def _esize(dt: torch.dtype) -> int:
+    return torch.empty((), dtype=dt).element_size()
 
 
 _SPECS: dict[str, LayerSpec] = {}
@@ -181,6 +238,237 @@ _SPECS: dict[str, LayerSpec] = {}
 
 def state_nbytes(state) -> int:
     return sum(t.numel() * t.element_size() for t in state)
+
+
+# --------------------------------------------------------------------------- the block manager
+class KVStore:
+    """One layer's paged store and its host-side block manager.
+
+    >>> st = KVStore(spec, batch=2)
+    >>> st.append(k, v)            # reserves the blocks it writes, then stores (reference, or ``kernel``)
+    >>> st.select([0, 0, 1, 1])    # fork: four sequences, blocks shared until written
+    >>> st.crop(100)               # every sequence keeps its first 100 tokens (see ``crop``)
+
+    max_tokens: the most tokens a sequence may hold (``CapacityError`` beyond; None: no limit).
+    max_blocks: the most blocks the pool may hold (``CapacityError`` when an append needs more; None: the
+                pool grows, doubling, as long as memory lasts).
+    The state (``.state``) is replaced when the pool grows: read it at each use, never keep it.
+    """
+
+    def __init__(self, spec: LayerSpec, batch: int, device="cpu", max_tokens: int | None = None,
+                 max_blocks: int | None = None, blocks: int = 0):
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise ValueError(f"KVStore batch={batch!r} is not valid: expected a positive integer")
+        self.spec, self.device = spec, torch.device(device)
+        self.max_tokens, self.max_blocks = max_tokens, max_blocks
+        blocks = min(blocks, max_blocks) if max_blocks is not None else blocks
+        self.state = KVState(*spec.pool(blocks, self.device), *spec.rows(batch, 0, self.device))
+        self.refs = [0] * blocks
+        self.free = list(range(blocks - 1, -1, -1))  # a stack: the lowest ids are handed out first
+        self.lengths = [0] * batch                   # host mirror of state.lengths
+        self.tables: list[list[int]] = [[] for _ in range(batch)]  # host mirror of state.table
+
+    # ---- sizes
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def blocks(self) -> int:
+        """Blocks in the pool (used or free)."""
+        return len(self.refs)
+
+    @property
+    def used_blocks(self) -> int:
+        return len(self.refs) - len(self.free)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the sequences hold: their blocks (a shared block counted once), rings, sinks, lengths and
+        table entries. Within one block per sequence of ``LayerSpec.nbytes`` for their lengths."""
+        sp = self.spec
+        return (self.batch * sp.row_nbytes() + self.used_blocks * sp.block_nbytes()
+                + 4 * sum(len(t) for t in self.tables))
+
+    @property
+    def reserved_nbytes(self) -> int:
+        """Bytes allocated: the whole pool (free blocks included) and every per-sequence tensor."""
+        return state_nbytes(self.state)
+
+    # ---- blocks
+    def _grow(self, need: int) -> None:
+        """Make at least ``need`` free blocks: the pool doubles (or grows to what is needed)."""
+        if len(self.free) >= need:
+            return
+        old = self.blocks
+        want = old + need - len(self.free)
+        new = max(want, 2 * old, 16)
+        if self.max_blocks is not None:
+            if want > self.max_blocks:
+                raise CapacityError(
+                    f"KV cache out of blocks: an append needs {need} free blocks of {self.spec.block} tokens, "
+                    f"{len(self.free)} are free and the pool is limited to {self.max_blocks} blocks "
+                    f"({self.max_blocks * self.spec.block_nbytes()} bytes). Give the cache a larger budget, or "
+                    f"free sequences.")
+            new = min(new, self.max_blocks)
+        pool = self.spec.pool(new, self.device)
+        for dst, src in zip(pool, self.state[:6]):
+            if src.numel():
+                dst[:old].copy_(src)
+        self.state = KVState(*pool, *self.state[6:])
+        self.refs += [0] * (new - old)
+        self.free = list(range(new - 1, old - 1, -1)) + self.free
+
+    def _take(self) -> int:
+        blk = self.free.pop()
+        self.refs[blk] = 1
+        return blk
+
+    def _release(self, blk: int) -> None:
+        self.refs[blk] -= 1
+        if self.refs[blk] == 0:
+            self.free.append(blk)
+
+    def _sync_rows(self, rows: Sequence[int] | None = None) -> None:
+        """Write the host tables (and lengths) into ``state.table``/``state.lengths``."""
+        width = max((len(t) for t in self.tables), default=0)
+        table = self.state.table
+        if table.shape[1] < width:
+            table = torch.full((self.batch, max(width, 2 * table.shape[1])), -1, dtype=torch.int32,
+                               device=self.device)
+            rows = None
+        host = torch.full((self.batch if rows is None else len(rows), table.shape[1]), -1, dtype=torch.int32)
+        for i, b in enumerate(range(self.batch) if rows is None else rows):
+            host[i, :len(self.tables[b])] = torch.tensor(self.tables[b], dtype=torch.int32)
+        if rows is None:
+            table.copy_(host)
+        else:
+            table[list(rows)] = host.to(self.device)
+        if table is not self.state.table:
+            self.state = self.state._replace(table=table)
+
+    def reserve(self, n_new: int | Sequence[int]) -> None:
+        """Make room for each sequence to append ``n_new`` (one count, or one per sequence) tokens: reserve
+        the blocks the append will write, and copy any of them that is shared with another sequence."""
+        ns = [n_new] * self.batch if isinstance(n_new, int) else [int(x) for x in n_new]
+        if len(ns) != self.batch:
+            raise ValueError(f"reserve: {len(ns)} counts for a store of {self.batch} sequences")
+        sp = self.spec
+        if self.max_tokens is not None:
+            for b, (L, n) in enumerate(zip(self.lengths, ns)):
+                if L + n > self.max_tokens:
+                    raise CapacityError(
+                        f"KV cache overflow: sequence {b} holds {L} tokens and appends {n}, but the cache is "
+                        f"limited to {self.max_tokens} tokens. Allow a larger cache (max_cache_len) or shorten "
+                        f"the sequence.")
+        plans, need = [], 0
+        for b, (L, n) in enumerate(zip(self.lengths, ns)):
+            q0, q1 = sp.boundary(L) - sp.sink, sp.boundary(L + n) - sp.sink
+            if q1 <= q0:
+                continue
+            first, last = q0 // sp.block, -(-q1 // sp.block)
+            have = len(self.tables[b])
+            shared = [j for j in range(first, min(last, have)) if self.refs[self.tables[b][j]] > 1]
+            plans.append((b, shared, max(0, last - have)))
+            need += len(shared) + max(0, last - have)
+        if not plans:
+            return
+        self._grow(need)
+        for b, shared, extra in plans:
+            tbl = self.tables[b]
+            for j in shared:  # copy on write
+                old, new = tbl[j], self._take()
+                for t in self.state[:6]:
+                    if t.numel():
+                        t[new] = t[old]
+                self._release(old)
+                tbl[j] = new
+            tbl.extend(self._take() for _ in range(extra))
+        self._sync_rows([b for b, *_ in plans])
+
+    def append(self, k: Tensor, v: Tensor, n_new: Tensor | None = None, kernel=None) -> None:
+        """Append ``k, v [B, H, n, D]`` (row ``b``: its first ``n_new[b]`` tokens): reserve, then store with
+        ``kernel(state, spec, k, v, n_new)`` (default: ``store_reference``)."""
+        n = k.shape[2]
+        ns = [n] * self.batch if n_new is None else [int(x) for x in n_new.tolist()]
+        if any(x < 0 or x > n for x in ns):
+            raise ValueError(f"n_new={ns} must be within [0, {n}] for a chunk of {n} tokens")
+        self.reserve(ns)
+        (kernel or store_reference)(self.state, self.spec, k, v, n_new)
+        self.lengths = [L + x for L, x in zip(self.lengths, ns)]
+
+    def crop(self, length: int) -> None:
+        """Every sequence keeps its first ``length`` tokens (sequences shorter than that are unchanged).
+
+        What a cropped sequence reads afterwards, position by position:
+          - sinks and the positions still in the full-precision ring (``p >= Q(L)`` before the crop) are
+            exact: the values appended;
+          - positions that had been packed but belong to the ring at the new length (``Q(length) <= p <
+            Q(L)``) go back to the ring with the values the store held for them -- their dequantized values,
+            rounded to the model's dtype (for a float32 model exactly what attention read for them before the
+            crop; with format "none", such as ``Policy.full()``, exactly the values appended). When they leave
+            the ring again they are quantized from those values, so a crop that reaches into packed storage
+            can cost those tokens a second rounding;
+          - everything before ``Q(length)`` is untouched.
+        Blocks no longer needed are freed; a shared block is copied before it is written again.
+        """
+        crop_reference(self, length)
+
+    def select(self, index) -> None:
+        """Sequence ``i`` becomes what sequence ``index[i]`` was (reorder, fork, drop): beam search's
+        reorder, ``num_return_sequences`` and parallel sampling. Blocks are shared, not copied, until a
+        sequence writes into a shared one (``reserve`` copies it then). The batch becomes ``len(index)``."""
+        idx = torch.as_tensor(index, dtype=torch.long).reshape(-1)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.batch):
+            raise IndexError(f"select: index {idx.tolist()} outside the store's {self.batch} sequences")
+        ix = idx.tolist()
+        tables = [list(self.tables[i]) for i in ix]
+        for t in tables:
+            for blk in t:
+                self.refs[blk] += 1
+        for t in self.tables:
+            for blk in t:
+                self._release(blk)
+        self.tables = tables
+        self.lengths = [self.lengths[i] for i in ix]
+        dev = idx.to(self.device)
+        rows = [t.index_select(0, dev) for t in self.state[6:11]]
+        table = torch.full((len(ix), self.state.table.shape[1]), -1, dtype=torch.int32, device=self.device)
+        self.state = KVState(*self.state[:6], *rows, table)
+        self._sync_rows()
+
+    def copy(self, device=None) -> "KVStore":
+        """An independent copy (every tensor cloned, on ``device``; default: the same device)."""
+        out = KVStore.__new__(KVStore)
+        out.__dict__.update(self.__dict__)
+        out.device = torch.device(device) if device is not None else self.device
+        out.state = KVState(*[t.to(out.device, copy=True) for t in self.state])
+        out.refs, out.free, out.lengths = list(self.refs), list(self.free), list(self.lengths)
+        out.tables = [list(t) for t in self.tables]
+        return out
+
+    def reset(self) -> None:
+        """Empty every sequence (the pool is kept for reuse)."""
+        for t in self.tables:
+            for blk in t:
+                self._release(blk)
+        self.tables = [[] for _ in range(self.batch)]
+        self.lengths = [0] * self.batch
+        self.state.lengths.zero_()
+        self.state.table.fill_(-1)
+
+
+def _state_capacity_check(state: KVState, spec: LayerSpec, lengths: Tensor, n_new: Tensor) -> None:
+    """Every row's table must cover the blocks its append writes (``KVStore.reserve`` makes sure)."""
+    need = [spec.blocks_for(int(L) + int(n)) for L, n in zip(lengths.tolist(), n_new.tolist())]
+    tbl = state.table.cpu()
+    for b, nb in enumerate(need):
+        if nb > tbl.shape[1] or (nb and int(tbl[b, :nb].min()) < 0):
+            cap = int((tbl[b] >= 0).sum()) if tbl.shape[1] else 0
+            raise CapacityError(
+                f"KV cache overflow: sequence {b} holds {int(lengths[b])} tokens and appends {int(n_new[b])}, "
+                f"which needs {nb} blocks of {spec.block} packed tokens, but {cap} are reserved for it. Reserve "
+                f"them first (KVStore.reserve), or allocate a larger store.")
 
 
 # --------------------------------------------------------------------------- rotation
@@ -211,32 +499,30 @@ def unrotate(x: Tensor, spec: LayerSpec) -> Tensor:
 
 
 # --------------------------------------------------------------------------- reference append
-def _check_append(spec: LayerSpec, lengths: Tensor, n_new: Tensor) -> None:
-    new = lengths.long() + n_new.long()
-    if bool((new > spec.capacity).any()):
-        b = int(torch.argmax((new > spec.capacity).int()))
-        raise CapacityError(
-            f"KV cache overflow: sequence {b} holds {int(lengths[b])} tokens and appends {int(n_new[b])}, "
-            f"but the cache was allocated for {spec.capacity} tokens. Allocate a larger cache "
-            f"(max_cache_len / capacity) or shorten the sequence."
-        )
+def check_kv(spec: LayerSpec, k: Tensor, v: Tensor, batch: int) -> None:
+    """``k, v`` must be ``[batch, heads, n, head_dim]`` of one shape (the one check every store path makes)."""
+    B, H, n, D = k.shape if k.dim() == 4 else (None,) * 4
+    if (B, H, D) != (batch, spec.heads, spec.head_dim) or v.shape != k.shape:
+        raise ValueError(f"store expects k, v of shape [{batch}, {spec.heads}, n, {spec.head_dim}]; "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
 
 
 def store_reference(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor | None = None) -> None:
     """Append ``k, v [B, H, n, D]`` (model space) to the store, in place.
 
     ``n_new`` (int [B], optional): row ``b`` appends only its first ``n_new[b]`` tokens (ragged batches);
-    the default appends all ``n``. Tokens go at positions ``lengths[b] ...``; ``lengths`` advances.
+    the default appends all ``n``. Tokens go at positions ``lengths[b] ...``; ``lengths`` advances. Every
+    row's table must already hold the blocks the append writes (``KVStore.reserve``), else ``CapacityError``.
     """
+    check_kv(spec, k, v, state.lengths.shape[0])
     B, H, n, D = k.shape
-    if (B, H, D) != (spec.batch, spec.heads, spec.head_dim) or v.shape != k.shape:
-        raise ValueError(f"store expects k, v of shape [{spec.batch}, {spec.heads}, n, {spec.head_dim}]; "
-                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
     if n_new is None:
         n_new = torch.full((B,), n, dtype=torch.int32)
     n_new = n_new.to(torch.int32).cpu()
+    if bool(((n_new < 0) | (n_new > n)).any()):
+        raise ValueError(f"n_new={n_new.tolist()} must be within [0, {n}] for a chunk of {n} tokens")
     lengths_cpu = state.lengths.cpu()
-    _check_append(spec, lengths_cpu, n_new)
+    _state_capacity_check(state, spec, lengths_cpu, n_new)
     k, v = rotate(k, spec), rotate(v, spec)
     for b in range(B):
         L, nb = int(lengths_cpu[b]), int(n_new[b])
@@ -259,75 +545,139 @@ def _append_row(state: KVState, spec: LayerSpec, b: int, L: int, k: Tensor, v: T
         old = torch.arange(q0, max(q0, min(L, q1)), device=dev)
         def window(res, x):
             return torch.cat([res[b, :, old % max(W, 1)], x[:, max(L, q0) - L:max(L, q1) - L].to(dt)], dim=1)
+        table = state.table[b].tolist()
         _write_quantized(state.k_codes, state.k_scale, state.k_zero, spec.policy.key, window(state.k_res, k),
-                         b, q0 - S)
+                         table, q0 - S, spec.block)
         _write_quantized(state.v_codes, state.v_scale, state.v_zero, spec.policy.value, window(state.v_res, v),
-                         b, q0 - S)
+                         table, q0 - S, spec.block)
     # the newcomers that stay in full precision, at p % W in the ring
     new = torch.arange(max(L, S, q1), max(L, S, q1, L2), device=dev)
     state.k_res[b, :, new % max(W, 1)] = k[:, new - L].to(dt)
     state.v_res[b, :, new % max(W, 1)] = v[:, new - L].to(dt)
 
 
-def _write_quantized(codes, scale, zero, q, x: Tensor, b: int, start: int) -> None:
-    """Quantize ``x [H, T, D]`` (tokens start..start+T of the packed region) into row ``b``."""
+def _segments(start: int, T: int, BS: int):
+    """The packed index range ``[start, start + T)`` cut at block boundaries: (block slot j, row in the
+    block, offset in the range, count) for each piece."""
+    j = start
+    while j < start + T:
+        cnt = min(BS - j % BS, start + T - j)
+        yield j // BS, j % BS, j - start, cnt
+        j += cnt
+
+
+def _write_quantized(codes, scale, zero, q, x: Tensor, table: list[int], start: int, BS: int) -> None:
+    """Quantize ``x [H, T, D]`` (packed indices start..start+T of one sequence) into its blocks."""
     T = x.shape[1]
     if not q.quantized:
-        codes[b, :, start:start + T] = x
+        for j, r, o, c in _segments(start, T, BS):
+            codes[table[j], :, r:r + c] = x[:, o:o + c]
         return
-    c, s, z = Q.quantize(x, q)
-    codes[b, :, start:start + T] = Q.pack(c, q.bits)
-    if q.axis == "token":
-        scale[b, :, start:start + T] = s
+    cd, s, z = Q.quantize(x, q)
+    packed = Q.pack(cd, q.bits)
+    per = 1 if q.axis == "token" else q.group  # tokens per scale row
+    for j, r, o, c in _segments(start, T, BS):
+        blk = table[j]
+        codes[blk, :, r:r + c] = packed[:, o:o + c]
+        scale[blk, :, r // per:(r + c) // per] = s[:, o // per:(o + c) // per]
         if z is not None:
-            zero[b, :, start:start + T] = z
-    else:
-        g0 = start // q.group
-        scale[b, :, g0:g0 + T // q.group] = s
-        if z is not None:
-            zero[b, :, g0:g0 + T // q.group] = z
+            zero[blk, :, r // per:(r + c) // per] = z[:, o // per:(o + c) // per]
+
+
+def crop_reference(store: "KVStore", length: int) -> None:
+    """``KVStore.crop``'s specification (see its docstring): every sequence keeps ``min(L, length)`` tokens."""
+    if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+        raise ValueError(f"crop(length={length!r}): expected a number of tokens >= 0")
+    sp, st = store.spec, store.state
+    S, W = sp.sink, max(sp.ring, 1)
+    rows = []
+    for b, L in enumerate(store.lengths):
+        if L <= length:
+            continue
+        q_old, q_new = sp.boundary(L), sp.boundary(length)
+        lo, hi = max(q_new, S), min(length, q_old)  # packed positions that return to the ring
+        if hi > lo:
+            k, v = _dequantize_row(st, sp, b, lo, hi, torch.float32)
+            pos = torch.arange(lo, hi, device=st.k_res.device) % W
+            st.k_res[b, :, pos] = k.to(sp.torch_dtype)
+            st.v_res[b, :, pos] = v.to(sp.torch_dtype)
+        keep = sp.blocks_for(length)
+        for blk in store.tables[b][keep:]:
+            store._release(blk)
+        del store.tables[b][keep:]
+        store.lengths[b] = length
+        st.lengths[b] = length
+        rows.append(b)
+    if rows:
+        store._sync_rows(rows)
 
 
 # --------------------------------------------------------------------------- reference read
+def _gather_packed(state: KVState, spec: LayerSpec, which: str, rows, j0: int, j1: int, dtype) -> Tensor:
+    """Dequantized packed indices ``[j0, j1)`` (multiples of the flush group, within reserved blocks) of the
+    sequences ``rows``: ``[len(rows), H, j1 - j0, D]`` in ``dtype``, the store's rotated space."""
+    q = spec.policy.key if which == "k" else spec.policy.value
+    codes, scale, zero = state[:3] if which == "k" else state[3:6]
+    BS, D, H = spec.block, spec.head_dim, spec.heads
+    b0, b1 = j0 // BS, -(-j1 // BS)
+    blk = state.table[rows][:, b0:b1].long().clamp(min=0)  # [R, nb]; unreserved slots are never read
+    R, nb = blk.shape
+
+    def paged(t):  # [NB, H, X, Y] -> [R, H, nb * X, Y]
+        g = t[blk]  # [R, nb, H, X, Y]
+        return g.permute(0, 2, 1, 3, 4).reshape(R, H, nb * t.shape[2], t.shape[3])
+
+    off = j0 - b0 * BS
+    c = paged(codes)[:, :, off:off + j1 - j0]
+    if not q.quantized:
+        return c.to(dtype)
+    per = 1 if q.axis == "token" else q.group
+    s = paged(scale)[:, :, off // per:(off + j1 - j0) // per]
+    z = paged(zero)[:, :, off // per:(off + j1 - j0) // per] if q.has_zero else None
+    return Q.dequantize(Q.unpack(c, q.bits, D), s, z, q, dtype)
+
+
+def _dequantize_row(state: KVState, spec: LayerSpec, b: int, lo: int, hi: int, dtype):
+    """Packed positions ``[lo, hi)`` of sequence ``b`` dequantized, rotated space: ``[H, hi - lo, D]`` each."""
+    S, F = spec.sink, spec.flush
+    j0, j1 = ((lo - S) // F) * F, -(-(hi - S) // F) * F
+    out = []
+    for which in ("k", "v"):
+        x = _gather_packed(state, spec, which, [b], j0, j1, dtype)[0]
+        out.append(x[:, lo - S - j0:hi - S - j0])
+    return out[0], out[1]
+
+
 def dequantize_reference(state: KVState, spec: LayerSpec, dtype=torch.float32, rotated: bool = False,
                          start: int = 0, end: int | None = None):
-    """What the store holds at positions ``[start, end)`` (default: all ``C``), as ``k^, v^ [B, H, end-start, D]``
-    in ``dtype``; positions >= a row's length are zero.
+    """What the store holds at positions ``[start, end)`` (default: up to the longest sequence), as
+    ``k^, v^ [B, H, end-start, D]`` in ``dtype``; positions >= a row's length are zero.
 
     In model space unless ``rotated=True`` (the store's own space, which attention works in). Only the packed
     rows inside the range are unpacked, so refreshing a few recent positions is cheap.
     """
-    B, H, C, D, S = spec.batch, spec.heads, spec.capacity, spec.head_dim, spec.sink
+    B, H, D, S = state.lengths.shape[0], spec.heads, spec.head_dim, spec.sink
     W, F = spec.ring, spec.flush
-    end = C if end is None else end
-    # packed rows to unpack: the range, widened to whole flush groups so per-channel scales line up
-    p0 = S + (max(start - S, 0) // F) * F
-    p1 = min(spec.boundary(C), S + -(-(max(end, S) - S) // F) * F)
+    lengths = state.lengths.tolist()
+    end = max(lengths, default=0) if end is None else end
+    # packed indices to unpack: the range, widened to whole flush groups so per-channel scales line up, and
+    # no further than the longest sequence's packed region
+    j0 = (max(start - S, 0) // F) * F
+    j1 = min(spec.boundary(max(lengths, default=0)) - S, -(-(max(end, S) - S) // F) * F)
     out = []
-    for codes, scale, zero, res, sink, q in (
-        (state.k_codes, state.k_scale, state.k_zero, state.k_res, state.k_sink, spec.policy.key),
-        (state.v_codes, state.v_scale, state.v_zero, state.v_res, state.v_sink, spec.policy.value),
-    ):
-        full = torch.zeros(B, H, end - start, D, dtype=dtype, device=codes.device)
-        deq = None
-        if p1 > p0:
-            rows = slice(p0 - S, p1 - S)
-            if q.quantized:
-                srows = rows if q.axis == "token" else slice((p0 - S) // q.group, -(-(p1 - S) // q.group))
-                z = zero[:, :, srows] if q.has_zero else None
-                deq = Q.dequantize(Q.unpack(codes[:, :, rows], q.bits, D), scale[:, :, srows], z, q, dtype)
-            else:
-                deq = codes[:, :, rows].to(dtype)
+    for which, res, sink in (("k", state.k_res, state.k_sink), ("v", state.v_res, state.v_sink)):
+        full = torch.zeros(B, H, max(end - start, 0), D, dtype=dtype, device=res.device)
+        deq = _gather_packed(state, spec, which, slice(None), j0, j1, dtype) if j1 > j0 else None
         for b in range(B):
-            L = min(int(state.lengths[b]), end)
-            qb = spec.boundary(int(state.lengths[b]))
+            L = min(lengths[b], end)
+            qb = spec.boundary(lengths[b])
             lo, hi = max(start, 0), min(L, S)  # sinks
             if hi > lo:
                 full[b, :, lo - start:hi - start] = sink[b, :, lo:hi].to(dtype)
             lo, hi = max(start, S), min(qb, L)  # packed
             if hi > lo:
-                full[b, :, lo - start:hi - start] = deq[b, :, lo - p0:hi - p0]
-            live = torch.arange(max(qb, S, start), max(qb, S, start, L), device=codes.device)  # residual ring
+                full[b, :, lo - start:hi - start] = deq[b, :, lo - S - j0:hi - S - j0]
+            live = torch.arange(max(qb, S, start), max(qb, S, start, L), device=res.device)  # residual ring
             full[b, :, live - start] = res[b, :, live % max(W, 1)].to(dtype)
         if not rotated and spec.policy.rotate:
             full = (full.double() @ hadamard(D, full.device, torch.float64)).to(dtype)
@@ -390,6 +740,18 @@ def with_chunk(k: Tensor, v: Tensor, state: KVState, spec: LayerSpec, k_new: Ten
     return out[0], out[1]
 
 
+def positions(state: KVState, mask: Tensor | None) -> int:
+    """How many absolute positions attention scores: the mask's width, or the longest sequence without one.
+    A mask narrower than a sequence cannot say whether its last positions are visible: an error."""
+    longest = int(state.lengths.max()) if state.lengths.numel() else 0
+    if mask is None:
+        return longest
+    if mask.shape[-1] < longest:
+        raise ValueError(f"the attention mask covers {mask.shape[-1]} positions, but a sequence holds {longest} "
+                         f"tokens: a mask must cover every cached position (its last dimension is the position)")
+    return mask.shape[-1]
+
+
 def attention_reference(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = None,
                         scale: float | None = None, compute_dtype=torch.float32,
                         k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
@@ -398,8 +760,8 @@ def attention_reference(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     The ``n`` queries are the sequence's last ``n`` tokens (positions ``L-n .. L-1``, already stored).
     Key ``p`` is visible to query ``i`` when ``p < L`` and
       - with no mask: ``p <= L - n + i`` (causal);
-      - with a mask (bool, or float added to the scores; broadcastable to ``[B, Hq, n, C]`` over
-        absolute positions): as the mask says.
+      - with a mask (bool, or float added to the scores; broadcastable to ``[B, Hq, n, P]`` over
+        absolute positions ``0 .. P-1``, ``P`` at least every row's length): as the mask says.
     A query that sees no key returns zeros. ``Hq`` must be a multiple of the store's heads (GQA).
 
     ``k_new, v_new [B, H, n, D]``: the chunk just appended (the queries' own keys and values). Given, the
@@ -408,11 +770,12 @@ def attention_reference(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     kv-cache pass always passes them). Without them every position is read from the store.
     """
     B, Hq, n, D = q.shape
-    H, C = spec.heads, spec.capacity
+    H = spec.heads
     if Hq % H:
         raise ValueError(f"query heads {Hq} are not a multiple of the cache's kv heads {H}")
     check_chunk(q, k_new, v_new, spec)
-    k, v = dequantize_reference(state, spec, compute_dtype, rotated=True)
+    C = positions(state, mask)
+    k, v = dequantize_reference(state, spec, compute_dtype, rotated=True, end=C)
     if k_new is not None:
         k, v = with_chunk(k, v, state, spec, k_new, v_new)
     qr = q.to(compute_dtype)
@@ -441,17 +804,27 @@ def attention_reference(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
 
 # --------------------------------------------------------------------------- the user-facing store
 class QuantizedKV:
-    """One layer's quantized KV store (reference implementation, any device).
+    """One layer's quantized KV store (reference implementation, any device): a ``KVStore`` with the
+    reference kernels.
 
-    >>> kv = QuantizedKV(Policy.kivi(4), batch=1, heads=3, capacity=2048, head_dim=64)
-    >>> kv.append(k, v)             # k, v: [1, 3, n, 64]
+    >>> kv = QuantizedKV(Policy.kivi(4), batch=1, heads=3, head_dim=64)
+    >>> kv.append(k, v)             # k, v: [1, 3, n, 64]; the store grows as tokens come
     >>> k_hat, v_hat = kv.dequantized()
+
+    capacity: the most tokens a sequence may hold (``CapacityError`` beyond); None: no limit.
     """
 
-    def __init__(self, policy: Policy, batch: int, heads: int, capacity: int, head_dim: int,
+    def __init__(self, policy: Policy, batch: int, heads: int, capacity: int | None = None, head_dim: int = 64,
                  dtype=torch.float32, device="cpu"):
-        self.spec = LayerSpec(policy, batch, heads, capacity, head_dim, DTYPE_NAMES[dtype])
-        self.state = self.spec.allocate(device)
+        if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
+            raise ValueError(f"QuantizedKV capacity={capacity!r} is not valid: expected a positive number of "
+                             f"tokens, or None for no limit")
+        self.spec = LayerSpec(policy, heads, head_dim, DTYPE_NAMES[dtype])
+        self.store = KVStore(self.spec, batch, device, max_tokens=capacity)
+
+    @property
+    def state(self) -> KVState:
+        return self.store.state
 
     @property
     def lengths(self) -> Tensor:
@@ -459,18 +832,23 @@ class QuantizedKV:
 
     @property
     def nbytes(self) -> int:
-        return state_nbytes(self.state)
+        return self.store.nbytes
 
     def append(self, k: Tensor, v: Tensor, n_new: Tensor | None = None) -> None:
-        store_reference(self.state, self.spec, k, v, n_new)
+        self.store.append(k, v, n_new)
 
-    def dequantized(self, dtype=torch.float32):
-        return dequantize_reference(self.state, self.spec, dtype)
+    def dequantized(self, dtype=torch.float32, end: int | None = None):
+        return dequantize_reference(self.state, self.spec, dtype, end=end)
 
     def attention(self, q: Tensor, mask: Tensor | None = None, scale: float | None = None,
                   k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
         return attention_reference(q, self.state, self.spec, mask, scale, k_new=k_new, v_new=v_new)
 
+    def crop(self, length: int) -> None:
+        self.store.crop(length)
+
+    def select(self, index) -> None:
+        self.store.select(index)
+
     def reset(self) -> None:
-        for t in self.state:
-            t.zero_()
+        self.store.reset()

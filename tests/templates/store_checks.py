@@ -5,9 +5,10 @@ from hypothesis import strategies as st
 
 from kvcompile import Quant
 from kvcompile import quant as Q
-from kvcompile.store import LayerSpec, dequantize_reference, store_reference
+from kvcompile.store import KVStore, LayerSpec, dequantize_reference
 
-EXACT_FIELDS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_sink", "v_sink", "lengths")
+EXACT_FIELDS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_sink", "v_sink", "lengths",
+                "table")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -74,19 +75,28 @@ def around(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([pts, -pts]).unique()
 
 
-def with_history(policy, B, H, D, dtype, history, chunks, seed, device="cpu"):
-    """A store of capacity for ``history`` + ``chunks`` tokens, prefilled per row (ragged ``history``) by the
-    reference, and an identical copy on ``device`` for the kernel. Returns (spec, ref, got, generator, scale),
-    the generator and key scale to draw the chunks with."""
+def scrambled(spec, batch, blocks, seed, device="cpu") -> KVStore:
+    """An empty ``KVStore`` whose pool of ``blocks`` blocks hands them out in a random order, so that a
+    sequence's blocks are neither contiguous nor in order: kernels must follow the block table."""
+    st = KVStore(spec, batch, device, blocks=blocks)
     g = torch.Generator().manual_seed(seed)
-    C = max(history) + sum(chunks) + 1
-    spec = LayerSpec(policy, B, H, C, D, dtype)
-    ref = spec.allocate()
+    st.free = [st.free[i] for i in torch.randperm(len(st.free), generator=g).tolist()]
+    return st
+
+
+def with_history(policy, B, H, D, dtype, history, chunks, seed, device="cpu", block=16):
+    """A store prefilled per row (ragged ``history``) by the reference, its blocks scrambled, and an identical
+    copy on ``device`` for the kernel. Returns (spec, ref, got, generator, scale): ``ref`` and ``got`` are
+    ``KVStore``s (append the chunks with ``ref.append(k, v, n)`` and ``got.append(k, v, n, kernel=...)``:
+    both reserve the same blocks), the generator and key scale draw the chunks. Blocks hold ``block``
+    packed tokens (or the policy's flush group): small, so that short histories span several."""
+    g = torch.Generator().manual_seed(seed)
+    spec = LayerSpec(policy, H, D, dtype, max(block, policy.flush))
+    spec.register()
+    total = max(history) + sum(chunks) + 1
+    ref = scrambled(spec, B, B * (spec.blocks_for(total) + 1), seed)
     m = max(history)
     scale = float(torch.rand((), generator=g) * 20 + 0.01)  # magnitudes over several binades
-    store_reference(ref, spec, torch.randn(B, H, m, D, generator=g) * scale, torch.randn(B, H, m, D, generator=g),
-                    torch.tensor(history))
-    got = spec.allocate(device)
-    for a, b in zip(got, ref):
-        a.copy_(b)
-    return spec, ref, got, g, scale
+    ref.append(torch.randn(B, H, m, D, generator=g) * scale, torch.randn(B, H, m, D, generator=g),
+               torch.tensor(history))
+    return spec, ref, ref.copy(device), g, scale
