@@ -57,16 +57,24 @@ class Quant:
     scale_dtype: str = "float16"
 
     def __post_init__(self):
-        if self.format not in FORMAT_BITS:
+        # isinstance first: an unhashable value (a list) must fail here with the field's name, not as a raw
+        # TypeError from the membership test
+        if not isinstance(self.format, str) or self.format not in FORMAT_BITS:
             _fail("Quant.format", self.format, f"expected one of {sorted(FORMAT_BITS)}")
-        if self.axis not in AXES:
+        if not isinstance(self.axis, str) or self.axis not in AXES:
             _fail("Quant.axis", self.axis, 'expected "token" (one scale per token) or "channel" (one per channel)')
         if self.group is not None and not _is_pow2(self.group):
-            _fail("Quant.group", self.group, "expected a positive power of two (or None for a whole head)")
+            _fail("Quant.group", self.group, "expected a positive power of two (an int, e.g. 32) or None for a "
+                                             "whole head")
         if self.axis == "channel" and self.group is None and self.format != "none":
             _fail("Quant.group", None, 'axis="channel" needs a token group size, e.g. group=32')
-        if self.scale_dtype not in SCALE_DTYPES:
+        if not isinstance(self.scale_dtype, str) or self.scale_dtype not in SCALE_DTYPES:
             _fail("Quant.scale_dtype", self.scale_dtype, f"expected one of {SCALE_DTYPES}")
+        # a real bool only: bool("no") and bool("false") are True, so a string here would silently mean the
+        # opposite of what it says
+        if self.symmetric is not None and not isinstance(self.symmetric, bool):
+            _fail("Quant.symmetric", self.symmetric, "expected True (absmax, no zero point), False (min/max with "
+                                                     "a zero point) or None (the format's natural choice)")
         sym = self.symmetric
         if sym is None:
             sym = self.is_fp8
@@ -159,12 +167,13 @@ class Policy:
                 _fail(f"Policy.{name}", v, "expected a non-negative number of tokens")
         if not isinstance(self.rotate, bool):
             _fail("Policy.rotate", self.rotate, "expected True or False")
+        _check_overrides(self.overrides)
 
     # ------------------------------------------------------------------ presets
     @classmethod
     def kivi(cls, bits: int = 4, group: int = 32, residual: int = 128, **kw) -> "Policy":
         """KIVI: keys per channel, values per token, asymmetric, recent tokens in full precision."""
-        if bits not in (2, 3, 4, 8):
+        if not isinstance(bits, int) or isinstance(bits, bool) or bits not in (2, 3, 4, 8):
             _fail("Policy.kivi(bits)", bits, "expected 2, 3, 4 or 8")
         fmt = f"int{bits}"
         return cls(Quant(fmt, "channel", group), Quant(fmt, "token", group), residual=residual, **kw)
@@ -194,8 +203,18 @@ class Policy:
         (``"model.layers.3"`` or any dotted prefix of the attention module's path), or ``"re:<regex>"``
         searched in the module path. A value of ``None`` keeps that layer in full precision.
         """
+        if isinstance(choices, Mapping):
+            pairs = dict(choices)
+        else:
+            try:  # (selector, policy) pairs are accepted too, as dict() reads them
+                pairs = dict(choices)
+            except (TypeError, ValueError):
+                pairs = None
+        if pairs is None or isinstance(choices, (str, bytes)):
+            _fail("Policy.override(choices)", choices, "expected a dict {layer selector: Policy or None}, e.g. "
+                                                        "policy.override({0: Policy.int8(), -1: None})")
         items = []
-        for sel, pol in dict(choices).items():
+        for sel, pol in pairs.items():
             items.append((_normalize_selector(sel), Policy.full() if pol is None else _check_leaf(pol, sel)))
         return replace(self, overrides=self.overrides + tuple(items))
 
@@ -219,6 +238,8 @@ class Policy:
         return out
 
     def check(self, head_dim: int) -> None:
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1:
+            _fail("Policy.check(head_dim)", head_dim, "expected the model's head dimension, a positive int")
         self.key.check(head_dim, "Policy.key")
         self.value.check(head_dim, "Policy.value")
         if self.rotate and not _is_pow2(head_dim):
@@ -246,6 +267,50 @@ class Policy:
 
     def __str__(self) -> str:
         return self.key_str() + (f" (+{len(self.overrides)} overrides)" if self.overrides else "")
+
+
+_OVERRIDES_HOWTO = "build per-layer choices with policy.override({layer: Policy or None})"
+
+
+def _check_overrides(overrides: Any) -> None:
+    """``Policy.overrides`` as ``override`` builds it: a tuple of (normalized selector, leaf Policy) pairs."""
+    if not isinstance(overrides, tuple):
+        _fail("Policy.overrides", overrides, f"expected a tuple of (selector, Policy) pairs; {_OVERRIDES_HOWTO}")
+    for entry in overrides:
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            _fail("Policy.overrides entry", entry, f"expected a (selector, Policy) pair; {_OVERRIDES_HOWTO}")
+        sel, pol = entry
+        if not _is_normalized_selector(sel):
+            _fail("Policy.overrides selector", sel, "expected a normalized selector such as ('index', 3), "
+                                                    f"('range', 0, 4, 1), ('name', 'model.layers.0') or "
+                                                    f"('re', 'layers\\.[0-3]\\.'); {_OVERRIDES_HOWTO}")
+        if not isinstance(pol, Policy) or pol.overrides:
+            _fail(f"Policy.overrides value for {_show_selector(sel)}", pol,
+                  f"expected a kvcompile.Policy without overrides of its own; {_OVERRIDES_HOWTO}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_normalized_selector(sel: Any) -> bool:
+    if not isinstance(sel, tuple) or not sel:
+        return False
+    kind, args = sel[0], sel[1:]
+    if kind == "index":
+        return len(args) == 1 and _is_int(args[0])
+    if kind == "range":
+        return len(args) == 3 and all(_is_int(a) for a in args) and args[2] != 0
+    if kind in ("name", "re"):
+        if len(args) != 1 or not isinstance(args[0], str):
+            return False
+        if kind == "re":
+            try:
+                re.compile(args[0])
+            except re.error:
+                return False
+        return True
+    return False
 
 
 def _check_leaf(pol: Any, sel: Any) -> Policy:

@@ -1,4 +1,6 @@
 """The policy objects: validation at construction, presets, per-layer resolution."""
+import re
+
 import pytest
 
 from kvcompile import Policy, PolicyError, Quant
@@ -108,3 +110,62 @@ def test_flush_granularity():
 def test_key_str_spells_out_the_specialization():
     s = Policy.kivi(3, group=16, residual=64, sink=4, rotate=True).key_str()
     assert s == "k=int3.channel.16.asym.f16;v=int3.token.16.asym.f16;r=64;s=4;rot=1"
+
+
+# --------------------------------------------------------------------------- wrong types fail where written
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(symmetric="no"), "Quant.symmetric"),      # bool("no") is True: it would silently mean symmetric
+    (dict(symmetric="false"), "Quant.symmetric"),
+    (dict(symmetric=0), "Quant.symmetric"),
+    (dict(format="int4", axis="channel", group=32, symmetric="float16"), "Quant.symmetric"),  # a shifted positional
+    (dict(format=["int4"]), "Quant.format"),        # unhashable: a raw TypeError before
+])
+def test_quant_rejects_wrong_types(kwargs, field):
+    with pytest.raises(PolicyError, match=field.replace(".", r"\.") + "=.* is not valid: expected"):
+        Quant(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(overrides=123), "Policy.overrides"),
+    (dict(overrides=[]), "Policy.overrides"),       # a list would make the frozen policy unhashable
+    (dict(overrides=((("index", 0), "x"),)), "Policy.overrides value"),
+    (dict(overrides=((0, Policy.int8()),)), "Policy.overrides selector"),  # not normalized
+    (dict(overrides=((("index", 0), Policy.int8(), 1),)), "Policy.overrides entry"),
+    (dict(overrides=((("index", True), Policy.int8()),)), "Policy.overrides selector"),
+    (dict(overrides=((("range", 0, 4, 0), Policy.int8()),)), "Policy.overrides selector"),
+    (dict(overrides=((("re", "("), Policy.int8()),)), "Policy.overrides selector"),
+    (dict(overrides=((("layer", 0), Policy.int8()),)), "Policy.overrides selector"),
+    (dict(overrides=((("index", 0), Policy.int8().override({1: None})),)), "Policy.overrides value"),
+])
+def test_policy_rejects_wrong_types_and_malformed_overrides(kwargs, field):
+    with pytest.raises(PolicyError, match=field.replace(".", r"\.") + ".* is not valid: expected"):
+        Policy(**kwargs)
+
+
+def test_overrides_built_by_override_round_trip_through_the_constructor():
+    pol = Policy.kivi(4).override({0: None, range(1, 3): Policy.int8(), "model.layers.3": Policy.kivi(2),
+                                   "re:layers\\.[45]\\.": Policy.fp8()})
+    again = Policy(pol.key, pol.value, pol.residual, pol.sink, pol.rotate, pol.overrides)
+    assert again == pol and again.resolve(NAMES) == pol.resolve(NAMES)
+
+
+@pytest.mark.parametrize("choices", [None, 123, [1], "ab", [(0, Policy.int8(), 1)]])
+def test_override_rejects_what_is_not_a_mapping(choices):
+    with pytest.raises(PolicyError, match=r"Policy\.override\(choices\)=.* is not valid: expected a dict"):
+        Policy.kivi(4).override(choices)
+
+
+def test_override_still_takes_pairs():
+    assert Policy.kivi(4).override([(0, Policy.int8())]) == Policy.kivi(4).override({0: Policy.int8()})
+
+
+@pytest.mark.parametrize("bits", [4.0, 2.0])  # 4.0 == 4: it reached Quant as format "int4.0"
+def test_kivi_bits_must_be_an_int(bits):
+    with pytest.raises(PolicyError, match=r"Policy\.kivi\(bits\)=.* is not valid: expected 2, 3, 4 or 8"):
+        Policy.kivi(bits)
+
+
+@pytest.mark.parametrize("head_dim", ["128", 0, -64, 64.0])
+def test_check_rejects_a_bad_head_dim(head_dim):
+    with pytest.raises(PolicyError, match=r"Policy\.check\(head_dim\)=.* is not valid"):
+        Policy.kivi(4).check(head_dim)
