@@ -260,6 +260,61 @@ class Policy:
         gs = [q.group for q in (self.key, self.value) if q.quantized and q.axis == "channel"]
         return max(gs) if gs else 1  # groups are powers of two, so the largest is their lcm
 
+    def packed_tokens(self, tokens: int) -> int:
+        """How many of a ``tokens``-token sequence's positions this (base) policy stores quantized: the store's
+        ``Q(L) - S = floor(max(0, L - sink - residual) / flush) * flush``; the rest stay in full precision
+        (sinks and the residual ring). 0 when neither keys nor values are quantized."""
+        _check_tokens("Policy.packed_tokens(tokens)", tokens)
+        if not (self.key.quantized or self.value.quantized):
+            return 0
+        return max(0, tokens - self.sink - self.residual) // self.flush * self.flush
+
+    def noop_reason(self, max_tokens: int, layer_names: Iterable[str] | None = None) -> str | None:
+        """Why this policy quantizes nothing for sequences of up to ``max_tokens`` tokens, or None if it does.
+
+        A reason when every layer that asks for quantization (base and overrides; only the layers'
+        resolved policies when ``layer_names`` is given) keeps every token of a ``max_tokens``-token sequence in
+        full precision: the sinks and the residual cover it (``sink + residual >= max_tokens``), or fewer
+        tokens than one per-channel group can ever leave the residual (``max_tokens - sink - residual <
+        group``), so no group is ever flushed. Layers whose formats are all "none" (``Policy.full()``) quantize
+        nothing by request, and are not a reason; a policy with no quantized layer at all gives None.
+        ``max_tokens``: e.g. the model's ``max_position_embeddings``, or the cache's capacity.
+        """
+        _check_tokens("Policy.noop_reason(max_tokens)", max_tokens)
+        if layer_names is None:
+            where = [("the base policy", self.base())] + [
+                (f"the override for {_show_selector(sel)}", pol) for sel, pol in self.overrides]
+        else:
+            names = list(layer_names)
+            where = [(f"layer {n}", pol) for n, pol in zip(names, self.resolve(names))]
+        asking = [(w, p) for w, p in where if p.key.quantized or p.value.quantized]
+        if not asking or any(p.packed_tokens(max_tokens) for _, p in asking):
+            return None
+        reasons = {}  # one line per distinct policy, naming where it is used
+        for w, p in asking:
+            reasons.setdefault(p, []).append(w)
+        lines = []
+        for p, ws in reasons.items():
+            S, R, F = p.sink, p.residual, p.flush
+            left = max_tokens - S - R
+            if left <= 0:
+                why = (f"sink={S} + residual={R} >= {max_tokens:,}, so every token stays in full precision "
+                       f"(sinks and residual ring)")
+            else:
+                why = (f"only {left:,} tokens ever leave the residual ({max_tokens:,} - sink {S} - residual {R}), "
+                       f"fewer than one per-channel group of {F} tokens, so no group is ever quantized")
+            if max_tokens - S - F >= 0:
+                fix = f"residual <= {max_tokens - S - F:,} would quantize the older tokens"
+            elif F == 1:
+                fix = f"even residual=0 leaves no token after the {S} sinks: use sink < {max_tokens:,}"
+            else:
+                fix = (f"even residual=0 leaves fewer than one group of {F} tokens after the {S} sinks: use fewer "
+                       f"sinks or a smaller per-channel group")
+            shown = " and ".join(ws) if len(ws) <= 3 else f"{ws[0]}, {ws[1]} and {len(ws) - 2} more"
+            lines.append(f"{shown} ({p.key_str()}): {why}; {fix}")
+        return (f"this policy quantizes nothing for sequences of up to {max_tokens:,} tokens: "
+                + "; ".join(lines) + ".")
+
     def key_str(self) -> str:
         """A name that spells out this (base) policy, used for op and kernel specialization."""
         return (f"k={self.key.key()};v={self.value.key()};r={self.residual};s={self.sink};"
@@ -267,6 +322,11 @@ class Policy:
 
     def __str__(self) -> str:
         return self.key_str() + (f" (+{len(self.overrides)} overrides)" if self.overrides else "")
+
+
+def _check_tokens(what: str, n: Any) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        _fail(what, n, "expected a positive number of tokens (an int)")
 
 
 _OVERRIDES_HOWTO = "build per-layer choices with policy.override({layer: Policy or None})"

@@ -169,3 +169,57 @@ def test_kivi_bits_must_be_an_int(bits):
 def test_check_rejects_a_bad_head_dim(head_dim):
     with pytest.raises(PolicyError, match=r"Policy\.check\(head_dim\)=.* is not valid"):
         Policy.kivi(4).check(head_dim)
+
+
+# --------------------------------------------------------------------------- policies that quantize nothing
+def test_packed_tokens_follows_the_store_boundary():
+    from kvcompile.store import LayerSpec
+    for pol in (Policy.kivi(4), Policy.kivi(2, group=64, residual=16, sink=4), Policy.fp8(), Policy.int8(sink=3)):
+        spec = LayerSpec(pol, heads=1, head_dim=64)
+        for n in (1, 3, 4, 20, 31, 127, 128, 129, 159, 160, 161, 200, 1000):
+            assert pol.packed_tokens(n) == spec.boundary(n) - spec.sink, (pol, n)
+    assert Policy.full().packed_tokens(1000) == 0
+
+
+@pytest.mark.parametrize("policy, max_tokens, gist", [
+    (Policy.kivi(4), 128, r"sink=0 \+ residual=128 >= 128"),                       # residual covers it all
+    (Policy.fp8(residual=100, sink=28), 128, r"sink=28 \+ residual=100 >= 128"),  # sinks and residual together
+    (Policy.int8(sink=8), 8, "use sink < 8"),
+    (Policy.kivi(4), 159, "only 31 tokens ever leave the residual .* group of 32 tokens"),  # flush never happens
+    (Policy.kivi(4, group=64, residual=0, sink=4), 60, "use fewer sinks or a smaller per-channel group"),
+    (Policy.full().override({0: Policy.fp8()}), 100, "the override for 0"),       # the only quantizing layer
+    (Policy.fp8().override({range(0, 2): Policy.int8(residual=200)}), 100, "the base policy .* range"),
+])
+def test_noop_reason_names_why_nothing_is_quantized(policy, max_tokens, gist):
+    reason = policy.noop_reason(max_tokens)
+    assert reason is not None and reason.startswith(f"this policy quantizes nothing for sequences of up to {max_tokens}")
+    assert re.search(gist, reason), reason
+
+
+@pytest.mark.parametrize("policy, max_tokens", [
+    (Policy.kivi(4), 160),                           # exactly one group leaves the residual
+    (Policy.fp8(), 129),
+    (Policy.int8(), 1),
+    (Policy.full(), 8),                              # full precision by request is not a no-op
+    (Policy.full().override({0: None}), 8),
+    (Policy.fp8().override({0: Policy.int8()}), 100),  # one layer still quantizes
+    (Policy.kivi(4, sink=4, rotate=True), 8192),
+])
+def test_noop_reason_is_none_when_something_is_quantized(policy, max_tokens):
+    assert policy.noop_reason(max_tokens) is None
+
+
+def test_noop_reason_over_named_layers_reads_only_the_resolved_policies():
+    # the quantizing base is used by no layer: unknown without the names, so no reason then (no false alarm)
+    bad = Policy.int8().override({range(0, 6): Policy.fp8()})
+    assert bad.noop_reason(100) is None
+    reason = bad.noop_reason(100, NAMES)
+    assert "layer model.layers.0.self_attn, layer model.layers.1.self_attn and 4 more" in reason
+    assert "base policy" not in reason
+    assert Policy.int8().override({range(0, 5): Policy.fp8()}).noop_reason(100, NAMES) is None  # layer 5 int8
+
+
+@pytest.mark.parametrize("max_tokens", [0, -1, 8.0, "8192", None, True])
+def test_noop_reason_rejects_a_bad_length(max_tokens):
+    with pytest.raises(PolicyError, match=r"Policy\.noop_reason\(max_tokens\)=.* is not valid"):
+        Policy.kivi(4).noop_reason(max_tokens)
