@@ -30,19 +30,33 @@ from torch import Tensor
 
 from .store import KVState, LayerSpec, attention_reference, check_chunk, dequantize_reference, store_reference
 
-_KERNELS = os.environ.get("KVCOMPILE_KERNELS", "auto")
-
-
 KERNELS = ("auto", "triton", "cpu", "inductor", "reference")
+
+
+def _check_kernels(name, what: str, fix: str = "") -> None:
+    """Refuse a kernel family that does not exist, or Triton where it cannot run; ``what`` names the setting."""
+    if not isinstance(name, str) or name not in KERNELS:
+        raise ValueError(f"{what}={name!r} is not valid: expected one of {', '.join(KERNELS)} "
+                         f"(auto: Triton on CUDA, the C kernels on the CPU){fix}")
+    if name == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{what}='triton' needs CUDA, or TRITON_INTERPRET=1 set before kvcompile is imported "
+                           f"(Triton's interpreter, slow: for tests); no GPU is visible here. Use 'cpu' or 'auto'.")
+
+
+def _kernels_from_env() -> str:
+    # read once, at import: an unknown value used to run the slow reference silently. Empty counts as unset.
+    value = os.environ.get("KVCOMPILE_KERNELS", "") or "auto"
+    _check_kernels(value, "the environment variable KVCOMPILE_KERNELS", "; set it to one of these, or unset it")
+    return value
+
+
+_KERNELS = _kernels_from_env()
 
 
 def set_kernels(name: str) -> None:
     """Choose "auto" (Triton on CUDA, the C kernels on the CPU), "triton", "cpu", "inductor" or "reference"."""
     global _KERNELS
-    if name not in KERNELS:
-        raise ValueError(f"kernels={name!r}: expected one of {KERNELS}")
-    if name == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("Triton kernels on the CPU need TRITON_INTERPRET=1 set before kvcompile is imported")
+    _check_kernels(name, "kvcompile.ops.set_kernels(name)")
     _KERNELS = name
 
 
