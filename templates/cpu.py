@@ -19,6 +19,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -73,29 +74,127 @@ def defines(spec: LayerSpec, group_heads: int) -> dict[str, int]:
     return out
 
 
+class CacheDirError(RuntimeError):
+    """The kernel cache directory cannot be created, written, or trusted."""
+
+
 def cache_dir() -> Path:
+    """Where compiled kernels are kept: ``$KVCOMPILE_CACHE_DIR/cpu``, else ``~/.cache/kvcompile/cpu``."""
     return Path(os.environ.get("KVCOMPILE_CACHE_DIR", Path.home() / ".cache" / "kvcompile")) / "cpu"
+
+
+def _named() -> str:
+    env = os.environ.get("KVCOMPILE_CACHE_DIR")
+    return f"KVCOMPILE_CACHE_DIR={env}" if env else "the default: KVCOMPILE_CACHE_DIR is not set"
+
+
+def private_cache_dir() -> Path:
+    """``cache_dir()``, created private to this user (mode 0700, with any missing parent) and checked before
+    anything in it is loaded: it must be a directory owned by this user and writable by no one else.
+
+    Whoever can write into the directory can plant a library there that kvcompile would load, which runs its
+    code in this process: that is what the ownership and mode checks refuse. (The digests ``compile_template``
+    records beside each library live in the same directory, so a planter could write those too; they defend
+    against corruption and truncation, not against planting.) Raises ``CacheDirError`` saying what was found
+    and what to do."""
+    d = cache_dir()
+    named = _named()
+    redirect = "set KVCOMPILE_CACHE_DIR to a directory of your own (it is created, private to you, if missing)"
+    try:
+        for p in reversed([d, *d.parents]):
+            if not os.path.isdir(p):
+                try:
+                    p.mkdir(mode=0o700)
+                except FileExistsError:  # a concurrent process created it (or a file is there: stat says)
+                    pass
+        st = d.stat()
+    except OSError as e:
+        found = next((p for p in reversed([d, *d.parents]) if os.path.lexists(p) and not os.path.isdir(p)), None)
+        what = (f"{found} is a {'regular file' if os.path.isfile(found) else 'non-directory'}, not a directory"
+                if found is not None else f"{e.strerror or e} ({e.filename})")
+        raise CacheDirError(f"kvcompile cannot create its kernel cache directory {d} ({named}): {what}. "
+                            f"Remove what is in the way, or {redirect}.") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise CacheDirError(f"kvcompile's kernel cache path {d} ({named}) is not a directory. Remove it, "
+                            f"or {redirect}.")
+    if st.st_uid != os.geteuid():
+        raise CacheDirError(
+            f"kvcompile's kernel cache directory {d} ({named}) belongs to user id {st.st_uid}, not to you "
+            f"(user id {os.geteuid()}): its owner could place code there that kvcompile would load and run. "
+            f"kvcompile refuses to load from it: {redirect}, or remove {d} (kvcompile rebuilds its kernels, "
+            f"about a second each).")
+    if st.st_mode & 0o022:
+        who = " and ".join(w for w, bit in (("its group", 0o020), ("all users", 0o002)) if st.st_mode & bit)
+        raise CacheDirError(
+            f"kvcompile's kernel cache directory {d} ({named}) is writable by {who} (mode "
+            f"{stat.S_IMODE(st.st_mode):o}): anyone who can write there could plant code that kvcompile would "
+            f"load and run, so it refuses to load from it. Remove {d} (kvcompile rebuilds its kernels in a new "
+            f"private directory, about a second each), or {redirect}; `chmod 700 {d}` keeps the kernels, but "
+            f"only if you are sure no one else has written there.")
+    return d
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def digest_path(path: Path) -> Path:
+    """Where the sha256 of the library ``path``, recorded when it was built, is kept: ``<name>.so.sha256``."""
+    return path.with_name(path.name + ".sha256")
+
+
+def _verified(path: Path) -> bool:
+    """Whether ``path`` holds exactly the bytes its build recorded (False when either file is missing)."""
+    try:
+        want = digest_path(path).read_text().strip()
+        return bool(want) and _sha256(path) == want
+    except OSError:  # missing, unreadable, not a file: rebuilt (os.replace puts a new file in its place)
+        return False
 
 
 @functools.lru_cache(maxsize=None)
 def _compiler_id(cc: str) -> str:
     """The compiler's version and the CPU's features: -march=native code must never be loaded on another CPU
     (a cache directory shared between machines), so both key the disk cache."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    try:
+        r = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise CompilerError(f"the C compiler {cc} could not be run ({e}); set CC to a working gcc or clang") from None
+    lines = r.stdout.splitlines()
+    if r.returncode or not lines:
+        raise CompilerError(f"`{cc} --version` failed (exit status {r.returncode}, output {r.stdout[-300:]!r}, "
+                            f"{r.stderr[-300:]!r}); set CC to a working gcc or clang")
     features = platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             features += next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
     except OSError:
         features += platform.processor()
-    return version + "\n" + features
+    return lines[0] + "\n" + features
+
+
+BUILD_ATTEMPTS = 3  # builds of one kernel before its digest is declared unreachable
 
 
 @functools.lru_cache(maxsize=None)
 def compile_template(source: str | Path, key: tuple) -> ctypes.CDLL:
     """Compile the C template ``templates/<source>`` (a file name; a ``Path`` is taken as it is: the benchmarks
     build modified copies) or load it from the disk cache, with ``-D`` definitions from ``key`` (a tuple of
-    ``(name, value)``); the library is named after the definitions it was built with."""
+    ``(name, value)``); the library is named after the definitions it was built with.
+
+    The cache is not trusted blindly. Its directory is ``private_cache_dir()``: created 0700, and refused
+    when it belongs to someone else or others can write to it (the defence against planted code). Each build
+    records the sha256 of the library in ``<name>.so.sha256`` beside it, and a library is loaded only when
+    its bytes match that record; anything else -- a missing or different digest, a zero-byte or truncated
+    file, another kernel copied over it -- is rebuilt, never loaded. (The record sits in the same directory,
+    so it defends against corruption and truncation, not against someone who can write there.) Builds write
+    into a temporary directory and ``os.replace`` the library, then its digest, into place, so processes
+    building the same kernel at once never see a partial file: at worst one sees a library beside another
+    build's digest, and builds again."""
     cc = compiler()
     if cc is None:
         raise CompilerError(
@@ -107,17 +206,39 @@ def compile_template(source: str | Path, key: tuple) -> ctypes.CDLL:
     dflags = [f"-D{k}={v}" for k, v in key]
     digest = hashlib.sha256("\n".join([src, _compiler_id(cc), *FLAGS, *dflags]).encode()).hexdigest()[:24]
     name = path_src.stem + "_" + "_".join(f"{k}{v}" for k, v in key).lower() + "_" + digest[:8]
-    path = cache_dir() / f"{name}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            tmp_so = Path(tmp) / path.name
-            r = subprocess.run([cc, *FLAGS, *dflags, str(path_src), "-o", str(tmp_so), "-lm"],
-                               capture_output=True, text=True)
-            if r.returncode:
-                raise CompilerError(f"building the CPU kernel {name} failed:\n{' '.join(r.args)}\n{r.stderr[-4000:]}")
-            os.replace(tmp_so, path)  # atomic: a concurrent builder of the same kernel writes the same bytes
-    return ctypes.CDLL(str(path))
+    path = private_cache_dir() / f"{name}.so"
+    for _ in range(BUILD_ATTEMPTS):
+        if _verified(path):
+            try:
+                return ctypes.CDLL(str(path))
+            except OSError as e:
+                raise CompilerError(
+                    f"loading the CPU kernel {path} failed although it matches the digest recorded when it was "
+                    f"built: {e}. Delete it and {digest_path(path).name} to have it rebuilt.") from None
+        _build(cc, path_src, dflags, path)
+    raise CompilerError(f"the CPU kernel {path} was built {BUILD_ATTEMPTS} times and never matched its recorded "
+                        f"digest afterwards: another process keeps replacing it. Set KVCOMPILE_CACHE_DIR to a "
+                        f"directory of this process's own.")
+
+
+def _build(cc: str, path_src: Path, dflags: list, path: Path) -> None:
+    """Build the library ``path`` and record its digest, both through ``os.replace`` (atomic)."""
+    try:
+        tmp_dir = tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-")
+    except OSError as e:
+        raise CacheDirError(f"kvcompile cannot write to its kernel cache directory {path.parent} ({_named()}): "
+                            f"{e.strerror or e}. Make it writable, or set KVCOMPILE_CACHE_DIR to a directory of "
+                            f"your own.") from None
+    with tmp_dir as tmp:
+        tmp_so = Path(tmp) / path.name
+        r = subprocess.run([cc, *FLAGS, *dflags, str(path_src), "-o", str(tmp_so), "-lm"],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise CompilerError(f"building the CPU kernel {path.stem} failed:\n{' '.join(r.args)}\n{r.stderr[-4000:]}")
+        tmp_digest = digest_path(tmp_so)
+        tmp_digest.write_text(_sha256(tmp_so) + "\n")
+        os.replace(tmp_so, path)  # the library first: a reader between the two sees a stale digest, and rebuilds
+        os.replace(tmp_digest, digest_path(path))
 
 
 @functools.lru_cache(maxsize=None)
