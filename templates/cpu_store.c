@@ -6,11 +6,14 @@
  *
  *   1. writes the chunk's sinks (positions p < S) to k_sink / v_sink;
  *   2. flushes positions [Q(L), Q(L')) (L' = L + n_new[b]) into packed storage -- read from the residual
- *      ring (p < L, slot p % W) or from the chunk (p >= L) -- quantized as kvcompile.quant.quantize does;
+ *      ring (p < L, slot p % W) or from the chunk (p >= L) -- quantized as kvcompile.quant.quantize does,
+ *      into the sequence's blocks: packed index j = p - S is row j % BS of block table[b][j / BS];
  *   3. writes the newcomers that stay in full precision, p in [max(L, S, Q(L')), L'), to ring slot p % W;
  *   4. advances lengths[b].
  * Step 2 reads ring slots that step 3 may overwrite, so every flush of the call finishes before any ring
- * write (two phases, a barrier between them).
+ * write (two phases, a barrier between them). Before anything is written, every block step 2 writes must be
+ * reserved (a table entry >= 0, in the table's MB columns, naming one of the pool's NB blocks), else the call
+ * writes nothing and says which row failed.
  *
  * Numerics, bit for bit as quant.quantize (this file is built with -ffp-contract=off and without fast-math:
  * every fp32 operation below is the reference's, in its order):
@@ -28,7 +31,8 @@
  * model activations that are not exactly zero).
  *
  * Specialization (all compile-time):
- *   D, H (kv heads), S (sinks), W (ring slots, at least 1), CQ (packed capacity), R (residual), FL (flush)
+ *   D, H (kv heads), S (sinks), W (ring slots, at least 1), R (residual), FL (flush), BS (packed tokens per
+ *   block: a power of two, a multiple of FL)
  *   MODEL_T  dtype of the chunk, ring, sinks and unquantized codes: 0 fp32, 1 bf16, 2 fp16
  *   K_FMT / V_FMT     0 none (model dtype), 1 int asymmetric, 2 int symmetric, 3 fp8 e4m3, 4 fp8 e5m2
  *   K_BITS / V_BITS   8, 4, 3, 2 (ignored for none)
@@ -45,7 +49,7 @@ typedef _Float16 f16;
 
 #define ESZ (MODEL_T == 0 ? 4 : 2) /* bytes per model-dtype element */
 #define ROW (D * ESZ)              /* bytes per full-precision row */
-#define BLK 64                     /* flush tokens per task (rounded up to whole flush groups) */
+#define BLK 64                     /* flush tokens per task (at most a block, at least a flush group) */
 
 /* --------------------------------------------------------------------------- numerics */
 static inline float model_to_f32(const void *row, int d) {
@@ -240,13 +244,13 @@ static inline const void *src_row(const src_t *src, int64_t p) {
     return p < src->L ? src->res + (p % W) * ROW : src->x + (p - src->L) * src->sx_t;
 }
 
-/* Quantize positions [p0, p1) of one (sequence, head) into its packed storage (codes/scale/zero at that
- * (sequence, head)'s first packed token / group). For axis=channel, p0 - S and p1 - p0 are whole groups. */
+/* Quantize positions [p0, p1) of one (sequence, head) into one of its blocks: codes/scale/zero at that
+ * (block, head), whose row 0 holds position pb. For axis=channel, p0 - pb and p1 - p0 are whole groups. */
 static inline __attribute__((always_inline)) void flush_range(
-        int fmt, int bits, int axis, int group, int sf32, const src_t *src, int64_t p0, int64_t p1,
+        int fmt, int bits, int axis, int group, int sf32, const src_t *src, int64_t p0, int64_t p1, int64_t pb,
         uint8_t *codes, void *scale, void *zero) {
     if (fmt == 0) {
-        for (int64_t p = p0; p < p1; p++) memcpy(codes + (p - S) * ROW, src_row(src, p), ROW);
+        for (int64_t p = p0; p < p1; p++) memcpy(codes + (p - pb) * ROW, src_row(src, p), ROW);
         return;
     }
     const int64_t rb = D * bits / 8;
@@ -261,14 +265,14 @@ static inline __attribute__((always_inline)) void flush_range(
                 float mn, mx, amax;
                 minmax(xg, group, &mn, &mx, &amax);
                 float s, z;
-                group_params(fmt, bits, sf32, mn, mx, amax, scale, zero, (p - S) * ng + gi, &s, &z);
+                group_params(fmt, bits, sf32, mn, mx, amax, scale, zero, (p - pb) * ng + gi, &s, &z);
                 for (int e = 0; e < group; e++) {
                     sv[gi * group + e] = s;
                     zv[gi * group + e] = z;
                 }
             }
             encode(fmt, bits, x, sv, zv, c, D);
-            pack_row(bits, c, codes + (p - S) * rb);
+            pack_row(bits, c, codes + (p - pb) * rb);
         }
     } else {
         float *x = (float *)malloc(sizeof(float) * group * D);
@@ -287,12 +291,12 @@ static inline __attribute__((always_inline)) void flush_range(
                     mx[d] = xe > mx[d] ? xe : mx[d];
                     amax[d] = ae > amax[d] ? ae : amax[d];
                 }
-            const int64_t g = (pg - S) / group;
+            const int64_t g = (pg - pb) / group;
             for (int d = 0; d < D; d++)
                 group_params(fmt, bits, sf32, mn[d], mx[d], amax[d], scale, zero, g * D + d, sv + d, zv + d);
             for (int t = 0; t < group; t++) {
                 encode(fmt, bits, x + t * D, sv, zv, c + t * D, D);
-                pack_row(bits, c + t * D, codes + (pg + t - S) * rb);
+                pack_row(bits, c + t * D, codes + (pg + t - pb) * rb);
             }
         }
         free(x);
@@ -302,8 +306,12 @@ static inline __attribute__((always_inline)) void flush_range(
 
 #define K_RB (K_FMT == 0 ? ROW : D * K_BITS / 8)
 #define V_RB (V_FMT == 0 ? ROW : D * V_BITS / 8)
-#define K_NSCALE (K_FMT == 0 ? 0 : (K_AXIS == 1 ? (CQ / K_GROUP) * D : CQ * (D / K_GROUP)))
-#define V_NSCALE (V_FMT == 0 ? 0 : (V_AXIS == 1 ? (CQ / V_GROUP) * D : CQ * (D / V_GROUP)))
+/* scales (and zero points) per (block, head) */
+#define K_NSCALE (K_FMT == 0 ? 0 : (K_AXIS == 1 ? (BS / K_GROUP) * D : BS * (D / K_GROUP)))
+#define V_NSCALE (V_FMT == 0 ? 0 : (V_AXIS == 1 ? (BS / V_GROUP) * D : BS * (D / V_GROUP)))
+#if BS % FL || BS & (BS - 1)
+#error "BS must be a power of two and a multiple of the flush group FL"
+#endif
 #define K_SBYTES (K_SF32 ? 4 : 2)
 #define V_SBYTES (V_SF32 ? 4 : 2)
 
@@ -319,26 +327,34 @@ typedef struct {
     uint8_t *k_codes, *v_codes;
     char *k_scale, *k_zero, *v_scale, *v_zero, *k_res, *v_res, *k_sink, *v_sink;
     const int64_t *Ls, *ns;
-    int64_t blk, nblk;
+    const int32_t *table; /* [B, mb] block ids */
+    int64_t mb, nblk;
 } call_t;
 
-/* Flush task: (sequence, head, k or v, block of blk tokens counted from Q(L)). */
+/* Flush tokens per task: BLK, but at most a block (so a task never straddles two) and at least a flush group
+ * (so a per-channel group is never split). Powers of two, so TB divides BS and tasks align with blocks. */
+#define TB (BLK < BS ? (BLK > FL ? BLK : FL) : BS)
+
+/* Flush task: (sequence, head, k or v, ib-th piece of TB packed indices, aligned to TB, from Q(L)'s). */
 static void flush_task(const call_t *a, int64_t task) {
     const int64_t bh = task / (2 * a->nblk), which = (task / a->nblk) % 2, ib = task % a->nblk;
     const int64_t b = bh / H, h = bh % H, L = a->Ls[b];
-    const int64_t q0 = boundary(L), q1 = boundary(L + a->ns[b]);
-    const int64_t p0 = q0 + ib * a->blk, p1 = p0 + a->blk < q1 ? p0 + a->blk : q1;
-    if (p0 >= p1) return;
+    const int64_t j0 = boundary(L) - S, j1 = boundary(L + a->ns[b]) - S; /* packed indices flushed */
+    const int64_t t = j0 / TB + ib;
+    const int64_t lo = t * TB > j0 ? t * TB : j0, hi = (t + 1) * TB < j1 ? (t + 1) * TB : j1;
+    if (lo >= hi) return;
+    const int64_t slot = t * TB / BS, pb = S + slot * BS;         /* the block, and the position of its row 0 */
+    const int64_t kb = (int64_t)a->table[b * a->mb + slot] * H + h; /* (block, head) */
     if (which == 0) {
         const src_t src = {a->k + b * a->ks_b + h * a->ks_h, a->ks_t, a->k_res + bh * (int64_t)W * ROW, L};
-        flush_range(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, &src, p0, p1, a->k_codes + bh * (int64_t)CQ * K_RB,
-                    a->k_scale + bh * (int64_t)K_NSCALE * K_SBYTES,
-                    a->k_zero + (K_FMT == 1 ? bh * (int64_t)K_NSCALE * K_SBYTES : 0));
+        flush_range(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, &src, S + lo, S + hi, pb,
+                    a->k_codes + kb * BS * K_RB, a->k_scale + kb * K_NSCALE * K_SBYTES,
+                    a->k_zero + (K_FMT == 1 ? kb * K_NSCALE * K_SBYTES : 0));
     } else {
         const src_t src = {a->v + b * a->vs_b + h * a->vs_h, a->vs_t, a->v_res + bh * (int64_t)W * ROW, L};
-        flush_range(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SF32, &src, p0, p1, a->v_codes + bh * (int64_t)CQ * V_RB,
-                    a->v_scale + bh * (int64_t)V_NSCALE * V_SBYTES,
-                    a->v_zero + (V_FMT == 1 ? bh * (int64_t)V_NSCALE * V_SBYTES : 0));
+        flush_range(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SF32, &src, S + lo, S + hi, pb,
+                    a->v_codes + kb * BS * V_RB, a->v_scale + kb * V_NSCALE * V_SBYTES,
+                    a->v_zero + (V_FMT == 1 ? kb * V_NSCALE * V_SBYTES : 0));
     }
 }
 
@@ -361,14 +377,16 @@ static void copy_task(const call_t *a, int64_t bh) {
 #define B_STACK 64
 
 /* Append k, v [B, H, n, D] (model dtype, unit stride along D; strides in elements) to the store.
- * n_new: int32 [B] tokens each row appends, or NULL for n. Returns 0; or 1 + b when row b would overflow
- * the capacity C (nothing is written); or -1 - b when n_new[b] is not in [0, n] (nothing is written). */
+ * n_new: int32 [B] tokens each row appends, or NULL for n. table: int32 [B, mb] each row's block ids (-1:
+ * none), naming blocks of a pool of nb. Returns 0; or -1 - b when n_new[b] is not in [0, n]; or 1 + b when
+ * a block row b would write is not reserved (a table entry < 0, or past the table's mb columns); or
+ * 1 + B + b when one names no block of the pool (>= nb). Nothing is written unless it returns 0. */
 int64_t kvc_store(
         const void *k, const void *v, int64_t ks_b, int64_t ks_h, int64_t ks_t, int64_t vs_b, int64_t vs_h,
         int64_t vs_t,
         uint8_t *k_codes, void *k_scale, void *k_zero, uint8_t *v_codes, void *v_scale, void *v_zero,
-        void *k_res, void *v_res, void *k_sink, void *v_sink, int32_t *lengths, const int32_t *n_new,
-        int64_t B, int64_t n, int64_t C, int64_t nthreads) {
+        void *k_res, void *v_res, void *k_sink, void *v_sink, int32_t *lengths, const int32_t *table,
+        const int32_t *n_new, int64_t B, int64_t n, int64_t mb, int64_t nb, int64_t nthreads) {
     int64_t stack[2 * B_STACK];
     int64_t *Ls = B <= B_STACK ? stack : (int64_t *)malloc(sizeof(int64_t) * 2 * B), *ns = Ls + B;
     int64_t rc = 0;
@@ -377,20 +395,25 @@ int64_t kvc_store(
         ns[b] = n_new ? n_new[b] : n;
         if (ns[b] < 0 || ns[b] > n) rc = -1 - b;
     }
-    for (int64_t b = 0; b < B && !rc; b++)
-        if (Ls[b] + ns[b] > C) rc = 1 + b;
+    for (int64_t b = 0; b < B && !rc; b++) { /* the blocks the flush writes: slots [j0 / BS, ceil(j1 / BS)) */
+        const int64_t j0 = boundary(Ls[b]) - S, j1 = boundary(Ls[b] + ns[b]) - S;
+        for (int64_t slot = j0 / BS; j1 > j0 && slot < (j1 + BS - 1) / BS && !rc; slot++) {
+            if (slot >= mb || table[b * mb + slot] < 0) rc = 1 + b;
+            else if (table[b * mb + slot] >= nb) rc = 1 + B + b;
+        }
+    }
     if (!rc) {
-        const int64_t blk = ((BLK + FL - 1) / FL) * FL;
         int64_t nblk = 0, work = 0;
         for (int64_t b = 0; b < B; b++) {
-            const int64_t T = boundary(Ls[b] + ns[b]) - boundary(Ls[b]), nb = (T + blk - 1) / blk;
-            nblk = nb > nblk ? nb : nblk;
-            work += T + ns[b];
+            const int64_t j0 = boundary(Ls[b]) - S, j1 = boundary(Ls[b] + ns[b]) - S;
+            const int64_t pieces = j1 > j0 ? (j1 + TB - 1) / TB - j0 / TB : 0;
+            nblk = pieces > nblk ? pieces : nblk;
+            work += (j1 - j0) + ns[b];
         }
         const call_t a = {(const char *)k, (const char *)v, ks_b * ESZ, ks_h * ESZ, ks_t * ESZ, vs_b * ESZ,
                           vs_h * ESZ, vs_t * ESZ, k_codes, v_codes, (char *)k_scale, (char *)k_zero,
                           (char *)v_scale, (char *)v_zero, (char *)k_res, (char *)v_res, (char *)k_sink,
-                          (char *)v_sink, Ls, ns, blk, nblk};
+                          (char *)v_sink, Ls, ns, table, mb, nblk};
         const int64_t ntask = B * H * 2 * nblk;
         if (nthreads > 1 && work * H * D >= 16384) {
 #pragma omp parallel num_threads(nthreads)

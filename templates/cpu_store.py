@@ -1,14 +1,16 @@
 """The CPU store kernel: ``cpu_store.c`` specialized per store layout, compiled with the system C compiler.
 
 ``store`` has exactly the contract and effects of ``kvcompile.store.store_reference`` -- the same codes,
-scales, zero points, sinks, ring slots and lengths, bit for bit, and the same ``CapacityError`` -- but does
+scales, zero points, sinks, ring slots and lengths, bit for bit, written into the blocks the state's block
+table names, and the same ``CapacityError`` when a block it would write is not reserved -- but does
 the whole append (every batch row, every head, keys and values) in one C call: no Python loop over rows, no
 small torch ops, no host synchronisation. Rotation (when the policy rotates) runs in torch first, as in the
 reference. The template is compiled once per layout by ``templates.cpu.compile_template`` (the ``-D``
 definitions are those of ``templates.cpu.defines``, without the attention's GQA ratio) and cached on disk.
 
 Large appends (a prefill) are shared among ``torch.get_num_threads()`` OpenMP threads, by (sequence, head,
-keys or values, block of 64 tokens); a decode step runs on the calling thread.
+keys or values, piece of 64 packed tokens, never straddling two blocks); a decode step runs on the calling
+thread.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from kvcompile.store import KVState, LayerSpec, _check_append, rotate
+from kvcompile.store import KVState, LayerSpec, _state_capacity_check, check_kv, rotate
 
 from .cpu import compile_template, defines
 
@@ -40,7 +42,7 @@ def build(spec: LayerSpec):
     lib = compile_template(SOURCE, key(spec))
     fn = lib.kvc_store
     P, I = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [P, P] + [I] * 6 + [P] * 12 + [I] * 4
+    fn.argtypes = [P, P] + [I] * 6 + [P] * 13 + [I] * 5
     fn.restype = I
     for name in ("kvc_round_f16", "kvc_fp8_encode"):  # the numerics helpers (tests)
         getattr(lib, name).argtypes = [P, P, I, I]
@@ -58,12 +60,12 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
     """Append ``k, v [B, H, n, D]`` (model space) to the store, in place: ``store_reference``'s contract.
 
     ``n_new`` (int [B], optional): row ``b`` appends only its first ``n_new[b]`` tokens (ragged batches).
-    All tensors on the CPU; the store as ``LayerSpec.allocate`` makes it (contiguous).
+    Every block the append writes must be reserved in ``state.table`` (``KVStore.reserve``), else
+    ``CapacityError`` and nothing is written. All tensors on the CPU and contiguous (as ``KVStore`` and
+    ``LayerSpec.allocate`` make them).
     """
+    check_kv(spec, k, v, state.lengths.shape[0])
     B, H, n, D = k.shape
-    if (B, H, D) != (spec.batch, spec.heads, spec.head_dim) or v.shape != k.shape:
-        raise ValueError(f"store expects k, v of shape [{spec.batch}, {spec.heads}, n, {spec.head_dim}]; "
-                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.device.type != "cpu" or v.device.type != "cpu" or state.lengths.device.type != "cpu":
         raise ValueError("the CPU store kernel takes CPU tensors")
     fn = build(spec)
@@ -80,17 +82,30 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
         v = v.contiguous()
     for t in state:
         if not t.is_contiguous():
-            raise ValueError("the CPU store kernel needs a contiguous store (allocate it with LayerSpec.allocate)")
+            raise ValueError("the CPU store kernel needs a contiguous store (as KVStore or LayerSpec.allocate "
+                             "makes it)")
+    table = state.table
+    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != B:
+        raise ValueError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} "
+                         f"{list(table.shape)}")
     nn = None
     if n_new is not None:
         nn = n_new.to(device="cpu", dtype=torch.int32).contiguous()
     ks, vs = k.stride(), v.stride()
     rc = fn(_ptr(k), _ptr(v), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-            *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(), None if nn is None else nn.data_ptr(),
-            B, n, spec.capacity, torch.get_num_threads())
+            *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(), _ptr(table),
+            None if nn is None else nn.data_ptr(), B, n, table.shape[1], state.k_codes.shape[0],
+            torch.get_num_threads())
+    if rc > B:
+        b = rc - 1 - B
+        bad = [x for x in table[b].tolist() if x >= state.k_codes.shape[0]]
+        raise IndexError(f"the block table of sequence {b} names block {bad[0]}, but the pool holds "
+                         f"{state.k_codes.shape[0]} blocks")
     if rc > 0:
-        _check_append(spec, state.lengths, nn if nn is not None else torch.full((B,), n, dtype=torch.int32))
-        raise AssertionError("the store kernel reported an overflow that the reference check does not see")
+        _state_capacity_check(state, spec, state.lengths,
+                              nn if nn is not None else torch.full((B,), n, dtype=torch.int32))
+        raise AssertionError(f"the store kernel found a block of sequence {rc - 1} unreserved that the "
+                             f"reference check does not see")
     if rc < 0:
         b = -1 - rc
         raise ValueError(f"n_new[{b}]={int(nn[b])} is outside [0, {n}]: a row appends at most the chunk's {n} tokens")

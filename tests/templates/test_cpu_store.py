@@ -1,6 +1,8 @@
 """The CPU store kernel (``kvcompile.templates.cpu_store``, the C template ``cpu_store.c``) equals the reference
-store bit for bit: codes, scales, zero points, sinks, live ring slots and lengths, for every format, axis,
-group, scale dtype, model dtype, chunk length and ragged batch; and it fails like the reference.
+store bit for bit: codes, scales, zero points, sinks, live ring slots, lengths and block tables, for every
+format, axis, group, scale dtype, model dtype, chunk length, ragged batch and block size, into blocks handed
+out in a scrambled order (shared between rows after ``select``, freed and reserved again after ``crop``); and
+it fails like the reference.
 
 One caveat is not tested because it is not a property of the reference: when a group's minimum (or maximum)
 is a zero that occurs with both signs, which sign torch's vectorized reduction returns depends on its
@@ -16,15 +18,41 @@ from hypothesis import strategies as st
 
 from kvcompile import Policy, Quant
 from kvcompile import quant as Q
-from kvcompile.store import CapacityError, LayerSpec, store_reference
+from kvcompile.store import CapacityError, KVState, KVStore, LayerSpec, store_reference
 from kvcompile.templates import cpu, cpu_store
-from store_checks import around, assert_same_store, quants, tie_rows, with_history
+from store_checks import around, assert_same_store, quants, scrambled, tie_rows, with_history
 
 
 pytestmark = pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler on this machine")
 
 
 # --------------------------------------------------------------------------- the store
+
+
+def contiguous_elsewhere(store) -> bool:
+    """Whether some row's blocks are not where a kernel ignoring the block table would look for them
+    (``LayerSpec.allocate``'s layout: row ``b``'s block ``j`` is ``b * MB + j``): a test on such a store fails
+    for a kernel that assumes contiguous blocks."""
+    mb = store.state.table.shape[1]
+    return any(blk != b * mb + j for b, t in enumerate(store.tables) for j, blk in enumerate(t))
+
+
+def chunk(g, B, H, n, D, scale, dtype=torch.float32):
+    """Keys and values of ``n`` new tokens: randn keys at ``scale``, values with a per-row offset (asymmetric
+    zero points); for n > 2 a constant value token (scale 0, codes exact) and an all-zero key token."""
+    k = torch.randn(B, H, n, D, generator=g) * scale
+    v = torch.randn(B, H, n, D, generator=g) + torch.randn(B, H, 1, D, generator=g) * 4
+    if n > 2:
+        v[:, :, 1] = 3.25
+        k[:, :, 2] = 0.0
+    return k.to(dtype), v.to(dtype)
+
+
+def append_both(ref, got, k, v, n_new=None):
+    """The same append through the reference and through the kernel (both stores reserve the same blocks)."""
+    ref.append(k, v, n_new)
+    got.append(k, v, n_new, kernel=cpu_store.store)
+    assert_same_store(ref.state, got.state, ref.spec)
 
 
 @st.composite
@@ -39,29 +67,24 @@ def store_cases(draw):
     dtype = draw(st.sampled_from(["float32", "float16", "bfloat16"]))
     in_model_dtype = draw(st.booleans())  # k, v given in the model dtype, or fp32 (converted on the way in)
     threads = draw(st.sampled_from([1, 2]))
-    return policy, B, H, D, dtype, history, chunks, ragged, in_model_dtype, threads, draw(st.integers(0, 2**31 - 1))
+    block = draw(st.sampled_from([16, 16, 32, 64]))  # packed tokens per block (the flush group if larger)
+    return (policy, B, H, D, dtype, history, chunks, ragged, in_model_dtype, threads, block,
+            draw(st.integers(0, 2**31 - 1)))
 
 
 @settings(max_examples=20)
 @given(store_cases())
 def test_cpu_store_equals_reference(case):
-    policy, B, H, D, dtype, history, chunks, ragged, in_model_dtype, threads, seed = case
-    spec, ref, got, g, scale = with_history(policy, B, H, D, dtype, history, chunks, seed)
+    policy, B, H, D, dtype, history, chunks, ragged, in_model_dtype, threads, block, seed = case
+    spec, ref, got, g, scale = with_history(policy, B, H, D, dtype, history, chunks, seed, block=block)
     in_dt = spec.torch_dtype if in_model_dtype else torch.float32
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # 2: long appends are shared among OpenMP threads
     try:
         for n in chunks:
-            k = torch.randn(B, H, n, D, generator=g) * scale
-            v = torch.randn(B, H, n, D, generator=g) + torch.randn(B, H, 1, D, generator=g) * 4  # offset: asym zeros
-            if n > 2:
-                v[:, :, 1] = 3.25  # a constant token: scale 0, codes exact
-                k[:, :, 2] = 0.0   # all-zero token
-            k, v = k.to(in_dt), v.to(in_dt)
+            k, v = chunk(g, B, H, n, D, scale, in_dt)
             n_new = torch.randint(0, n + 1, (B,), generator=g, dtype=torch.int32) if ragged else None
-            store_reference(ref, spec, k, v, n_new)
-            cpu_store.store(got, spec, k, v, n_new)
-            assert_same_store(ref, got, spec)
+            append_both(ref, got, k, v, n_new)
     finally:
         torch.set_num_threads(before)
 
@@ -69,16 +92,73 @@ def test_cpu_store_equals_reference(case):
 @pytest.mark.parametrize("policy", [Policy.kivi(2, group=4, residual=3, sink=2), Policy.fp8(residual=0),
                                     Policy(Quant("int3", "channel", 8, True, "float32"), Quant("none"), residual=2)])
 def test_cpu_store_decode_steps_cross_every_boundary(policy):
-    """Token by token through sinks, the residual, several flushes and the ring's wrap-around."""
-    B, H, D, C = 2, 2, 16, 40
-    spec = LayerSpec(policy, B, H, C, D)
-    ref, got = spec.allocate(), spec.allocate()
+    """Token by token through sinks, the residual, several flushes, block boundaries and the ring's
+    wrap-around, into scrambled blocks of 16 packed tokens."""
+    B, H, D, steps = 2, 2, 16, 70
+    spec = LayerSpec(policy, H, D, block_tokens=16)
+    ref = scrambled(spec, B, 2 * spec.blocks_for(steps), seed=0)
+    got = ref.copy()
     g = torch.Generator().manual_seed(0)
-    for _ in range(C):
-        k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
-        store_reference(ref, spec, k, v)
-        cpu_store.store(got, spec, k, v)
-        assert_same_store(ref, got, spec)
+    for _ in range(steps):
+        append_both(ref, got, torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g))
+    assert len(got.tables[0]) >= 3 and contiguous_elsewhere(got)
+
+
+@pytest.mark.parametrize("block", [16, 32, 64, 128])
+@pytest.mark.parametrize("B", [1, 3])
+def test_cpu_store_paged_layouts(block, B):
+    """Each block size, one sequence and a ragged batch: a prefill spanning several blocks (appended in one call
+    on two threads, the OpenMP path, and decode steps on one), then steps that cross block boundaries; the
+    blocks handed out in a scrambled order, so each row's are neither contiguous nor in order."""
+    policy = Policy(Quant("int4", "channel", 16), Quant("int8", "token", 32), residual=8, sink=2)
+    H, D = 2, 32
+    spec = LayerSpec(policy, H, D, block_tokens=block)
+    history = [3 * block + 21, block + 5, 2][:B]
+    ref = scrambled(spec, B, B * (spec.blocks_for(max(history) + 2 * block) + 1), seed=block + B)
+    got = ref.copy()
+    g = torch.Generator().manual_seed(block)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        append_both(ref, got, *chunk(g, B, H, max(history), D, 3.0), torch.tensor(history, dtype=torch.int32))
+    finally:
+        torch.set_num_threads(before)
+    for n in (1, 7, block + 3, 1):
+        n_new = torch.tensor([n, max(0, n - 2), n][:B], dtype=torch.int32)
+        append_both(ref, got, *chunk(g, B, H, n, D, 3.0), n_new)
+    assert len(got.tables[0]) >= 4 and contiguous_elsewhere(got)
+
+
+def test_cpu_store_writes_shared_blocks_like_the_reference():
+    """After ``select([0, 0, 1])`` two rows share their blocks, the last one half full (flush groups of 8 in
+    blocks of 16); appending to each copies the shared block it writes (``KVStore.reserve``), and the kernel
+    must write the copy, never the block the other row still reads."""
+    policy = Policy.kivi(4, group=8, residual=4)
+    spec, ref, got, g, scale = with_history(policy, 2, 2, 32, "float32", [45, 70], [40, 40], seed=3)
+    for st_ in (ref, got):
+        st_.select([0, 0, 1])
+    assert got.tables[0] == got.tables[1] and len(got.tables[0]) == 3  # packed [0, 40): the third block half full
+    half = got.tables[0][2]
+    for n, n_new in ((1, [1, 0, 1]), (20, [20, 13, 20]), (1, [0, 1, 1]), (16, None)):
+        k, v = chunk(g, 3, 2, n, 32, scale)
+        append_both(ref, got, k, v, None if n_new is None else torch.tensor(n_new, dtype=torch.int32))
+    assert got.tables[0][:2] == got.tables[1][:2]  # never written: still shared
+    assert half not in (got.tables[0][2], got.tables[1][2]) and got.tables[0][2] != got.tables[1][2]  # copied
+    assert contiguous_elsewhere(got)
+
+
+@pytest.mark.parametrize("crop", [0, 3, 30, 41, 60])
+def test_cpu_store_appends_after_a_crop(crop):
+    """``KVStore.crop`` frees blocks and returns packed positions to the ring; the kernel's appends after it
+    (which flush those positions again, into freshly reserved blocks) equal the reference's."""
+    policy = Policy(Quant("int4", "channel", 8), Quant("fp8_e4m3", "token"), residual=6, sink=2)
+    spec, ref, got, g, scale = with_history(policy, 3, 2, 16, "bfloat16", [70, 33, 5], [40, 40], seed=crop)
+    for st_ in (ref, got):
+        st_.crop(crop)
+    assert got.lengths == [min(L, crop) for L in (70, 33, 5)]
+    for n in (1, 25, 1, 40):
+        append_both(ref, got, *chunk(g, 3, 2, n, 16, scale))
+    assert contiguous_elsewhere(got)
 
 
 @pytest.mark.parametrize("fmt,sym", [("int8", False), ("int4", False), ("int3", True), ("int2", False),
@@ -90,57 +170,77 @@ def test_cpu_store_rounds_ties_to_even(fmt, sym):
     row = tie_rows(fmt, sym, D)
     x = torch.stack([row.roll(t) for t in range(D)])[None, None]  # [1, 1, 16 tokens, 16 channels]
     policy = Policy(Quant(fmt, "token", None, sym), Quant(fmt, "channel", D, sym), residual=0)
-    spec = LayerSpec(policy, 1, 1, D, D)
-    ref, got = spec.allocate(), spec.allocate()
-    store_reference(ref, spec, x, x)
-    cpu_store.store(got, spec, x, x)
-    assert_same_store(ref, got, spec)
+    ref = KVStore(LayerSpec(policy, 1, D), 1)
+    append_both(ref, ref.copy(), x, x)
 
 
 def test_cpu_store_takes_strided_chunks():
     """k, v as the model hands them (a transposed [B, n, H, D] view): no copy needed, same bytes."""
-    spec = LayerSpec(Policy.kivi(4, group=8, residual=4), 2, 3, 64, 32)
-    ref, got = spec.allocate(), spec.allocate()
+    spec = LayerSpec(Policy.kivi(4, group=8, residual=4), 3, 32, block_tokens=16)
+    ref = scrambled(spec, 2, 8, seed=1)
+    got = ref.copy()
     g = torch.Generator().manual_seed(1)
     for n in (20, 1, 9):
         k = torch.randn(2, n, 3, 32, generator=g).transpose(1, 2)
         v = torch.randn(2, n, 3, 32, generator=g).transpose(1, 2)
-        store_reference(ref, spec, k, v)
-        cpu_store.store(got, spec, k, v)
-        assert_same_store(ref, got, spec)
+        append_both(ref, got, k, v)
 
 
-def test_cpu_store_overflow_raises_like_the_reference_and_writes_nothing():
-    spec = LayerSpec(Policy.kivi(4, group=4, residual=2), 2, 1, 8, 16)
-    state = spec.allocate()
-    cpu_store.store(state, spec, torch.randn(2, 1, 6, 16), torch.randn(2, 1, 6, 16), torch.tensor([6, 4]))
-    before = [t.clone() for t in state]
-    ref = spec.allocate()
-    for a, b in zip(ref, state):
-        a.copy_(b)
+def test_cpu_store_unreserved_write_raises_like_the_reference_and_writes_nothing():
+    """A store call whose blocks were not reserved (the caller skipped ``KVStore.reserve``) fails with the
+    reference's ``CapacityError`` and writes nothing -- not even the rows that had room: a row whose next
+    block is missing (-1), or whose table has no column for it."""
+    spec = LayerSpec(Policy.kivi(4, group=4, residual=2), 1, 16, block_tokens=16)
+    store = scrambled(spec, 2, 8, seed=2)
+    store.append(torch.randn(2, 1, 20, 16), torch.randn(2, 1, 20, 16), torch.tensor([20, 17]),
+                 kernel=cpu_store.store)
+    narrow = store.state  # one block per row (16 packed tokens each), a table of one column
+    assert narrow.table.shape[1] == 1 and (narrow.table >= 0).all()
+    wide = narrow._replace(table=torch.cat([narrow.table, torch.full((2, 3), -1, dtype=torch.int32)], 1))
     k, v = torch.randn(2, 1, 5, 16), torch.randn(2, 1, 5, 16)
-    with pytest.raises(CapacityError) as want:
-        store_reference(ref, spec, k, v, torch.tensor([1, 5]))
-    with pytest.raises(CapacityError) as got:
-        cpu_store.store(state, spec, k, v, torch.tensor([1, 5]))
-    assert str(got.value) == str(want.value) and "sequence 1 holds 4 tokens and appends 5" in str(got.value)
-    assert all(torch.equal(a, b) for a, b in zip(before, state))
+    # 17 -> 22 and 20 -> 24 tokens flush packed positions [16, 20): the second block
+    for state, n_new, row in ((wide, [1, 5], 1), (wide, [4, 5], 0), (narrow, [1, 5], 1), (narrow, [4, 0], 0)):
+        before = [t.clone() for t in state]
+        with pytest.raises(CapacityError) as want:
+            store_reference(KVState(*[t.clone() for t in state]), spec, k, v, torch.tensor(n_new))
+        with pytest.raises(CapacityError) as got:
+            cpu_store.store(state, spec, k, v, torch.tensor(n_new))
+        assert str(got.value) == str(want.value) and f"sequence {row} holds" in str(got.value)
+        assert all(torch.equal(a, b) for a, b in zip(before, state))
+    # reserved, the same appends go through
+    store.append(k, v, torch.tensor([4, 5]), kernel=cpu_store.store)
+    assert store.lengths == [24, 22] and store.state.lengths.tolist() == [24, 22]
+
+
+def test_cpu_store_rejects_bad_calls_like_the_reference():
+    spec = LayerSpec(Policy.kivi(4, group=4, residual=2), 1, 16, block_tokens=16)
+    state = spec.allocate(2, 40)
+    k, v = torch.randn(2, 1, 5, 16), torch.randn(2, 1, 5, 16)
     with pytest.raises(ValueError, match=r"n_new\[0\]=6 is outside \[0, 5\]"):
         cpu_store.store(state, spec, k, v, torch.tensor([6, 0]))
     with pytest.raises(ValueError, match=r"store expects k, v of shape \[2, 1, n, 16\]"):
         cpu_store.store(state, spec, k[:1], v[:1])
+    bad = state.table.clone()
+    bad[1, 0] = 99  # names no block of the pool: torch's indexing fails in the reference
+    with pytest.raises(IndexError):
+        store_reference(KVState(*[t.clone() for t in state._replace(table=bad)]), spec, torch.randn(2, 1, 30, 16),
+                        torch.randn(2, 1, 30, 16))
+    before = [t.clone() for t in state]
+    with pytest.raises(IndexError, match="sequence 1 names block 99, but the pool holds 6 blocks"):
+        cpu_store.store(state._replace(table=bad), spec, torch.randn(2, 1, 30, 16), torch.randn(2, 1, 30, 16))
+    assert all(torch.equal(a, b) for a, b in zip(before, state))
 
 
 def test_the_store_op_runs_the_cpu_kernel(monkeypatch):
     """``torch.ops.kvcompile.store`` on the CPU (kernels "cpu", the default there) calls this kernel."""
     from kvcompile import ops
-    spec = LayerSpec(Policy.int8(), 1, 1, 8, 16)
+    spec = LayerSpec(Policy.int8(), 1, 16)
     name = spec.register()
     calls = []
     real = cpu_store.store
     monkeypatch.setattr(cpu_store, "store", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(ops, "_KERNELS", "cpu")
-    state, ref = spec.allocate(), spec.allocate()
+    state, ref = spec.allocate(1, 8), spec.allocate(1, 8)
     k, v = torch.randn(1, 1, 3, 16), torch.randn(1, 1, 3, 16)
     torch.ops.kvcompile.store(list(state), k, v, torch.arange(3), name)
     store_reference(ref, spec, k, v)
@@ -150,7 +250,7 @@ def test_the_store_op_runs_the_cpu_kernel(monkeypatch):
 
 # --------------------------------------------------------------------------- the numeric helpers, exhaustively
 def _helpers():
-    return cpu_store.build(LayerSpec(Policy.int8(), 1, 1, 8, 16)).lib
+    return cpu_store.build(LayerSpec(Policy.int8(), 1, 16)).lib
 
 
 def test_fp16_directed_rounding_matches_the_reference():
