@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvcompile.store import KVState, LayerSpec, chunk_needed, dequantize_reference, hadamard, stored_chunk, with_chunk
+from kvcompile.store import (KVState, LayerSpec, chunk_needed, dequantize_reference, hadamard, positions, stored_chunk,
+                             with_chunk)
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 ROWS_MAX = 16  # query rows per kv head the decode kernel takes (passed to it as -DROWS_MAX)
@@ -61,10 +62,11 @@ def _fmt(q) -> int:
 
 
 def defines(spec: LayerSpec, group_heads: int) -> dict[str, int]:
-    """The compile-time constants of one specialization (the kernel's name spells them out)."""
+    """The compile-time constants of one specialization (the kernel's name spells them out): the layout
+    alone, never the batch or a length, so one build serves every store of the layout."""
     pol = spec.policy
     out = dict(D=spec.head_dim, G=group_heads, H=spec.heads, S=spec.sink, W=max(spec.ring, 1),
-               CQ=spec.quantized_capacity, R=pol.residual, FL=spec.flush, MODEL_T=_MODEL_T[spec.dtype])
+               R=pol.residual, FL=spec.flush, BS=spec.block, MODEL_T=_MODEL_T[spec.dtype])
     for p, q in (("K", pol.key), ("V", pol.value)):
         out[f"{p}_FMT"] = _fmt(q)
         out[f"{p}_BITS"] = q.bits if q.quantized else 8
@@ -248,8 +250,8 @@ def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
     lib = compile_template(source, key + (("ROWS_MAX", ROWS_MAX), ("TILE", TILE)))
     fn = lib.kvc_attention
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    fn.argtypes = [P] * 12 + [P, I, I, I, I, P, I, I, F, I, I, P, P]
-    fn.restype = None
+    fn.argtypes = [P] * 12 + [P, I, I] + [P, I, I, I, I, P, I, I, F, I, I, P, P]
+    fn.restype = I
     if hasattr(lib, "kvc_fp8_decode"):  # the decode the kernel uses (tests); older copies lack it
         lib.kvc_fp8_decode.argtypes = [P, P, I, I]
         lib.kvc_fp8_decode.restype = None
@@ -326,6 +328,8 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     why = check_decode(q, spec)
     if why:
         raise ValueError(f"the CPU decode kernel cannot take this call: {why}")
+    if mask is not None:
+        positions(state, mask)  # the reference's check of the mask's width (the kernel hides positions past it)
     B, Hq, n, D = q.shape
     G = Hq // spec.heads
     lib = _kernel_for(spec, G, source)
@@ -335,7 +339,10 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     qf = qf.contiguous()
     for t in state:
         if not t.is_contiguous():
-            raise ValueError("the CPU kernels need a contiguous store (allocate it with LayerSpec.allocate)")
+            raise ValueError("the CPU kernels need a contiguous store (as KVStore or LayerSpec.allocate makes it)")
+    table = state.table
+    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != B:
+        raise ValueError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} {list(table.shape)}")
     m = None
     msb = msh = msi = mw = 0
     if mask is not None:
@@ -359,12 +366,18 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     kn, vn = stored_chunk(spec, k_new, v_new, n) or (None, None)
     threads = threads_for(state.lengths, spec.heads)
     pol = spec.policy
-    lib.kvc_attention(
+    bad = lib.kvc_attention(
         qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(),
+        _ptr(table), table.shape[1], state.k_codes.shape[0],
         None if m is None else m.data_ptr(), msb, msh, msi, mw,
         out.data_ptr(), B, n, float(scale if scale is not None else D ** -0.5),
         nsplit or splits(state.lengths, spec.heads, threads), threads,
         None if kn is None else kn.data_ptr(), None if vn is None else vn.data_ptr())
+    if bad:
+        b = bad - 1
+        raise ValueError(f"the block table of sequence {b} ({int(state.lengths[b])} tokens) does not name a block of "
+                         f"the pool ({state.k_codes.shape[0]} blocks) for each of its "
+                         f"{spec.blocks_for(int(state.lengths[b]))} packed blocks: {table[b].tolist()}")
     if pol.rotate:
         out = out @ hadamard(D, q.device)
     return out.to(q.dtype)
@@ -393,15 +406,18 @@ def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor |
                       scale: float | None, k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
     """Same contract as ``attention_reference``, for many query rows (prefill and chunked prefill).
 
-    The store is dequantized for positions ``[0, longest length)`` only (this layer, transiently, in the
-    store's rotated space), then PyTorch's fused SDPA attends with a mask over absolute positions: causal
-    from each row's length, or the caller's mask. No ``[n, C]`` score matrix is materialized (with no mask
-    and a fresh, equal-length batch it is SDPA's own causal kernel, with no mask tensor at all).
+    The reference scores ``positions(state, mask)`` positions (the mask's width, or the longest length);
+    those past the longest length (or the mask's width) are visible to no query, so the store is dequantized
+    for positions ``[0, longest length)`` only (this layer, transiently, in the store's rotated space), then
+    PyTorch's fused SDPA attends with a mask over absolute positions: causal from each row's length, or the
+    caller's mask. No ``[n, C]`` score matrix is materialized (with no mask and a fresh, equal-length batch it
+    is SDPA's own causal kernel, with no mask tensor at all).
     """
     B, Hq, n, D = q.shape
     H = spec.heads
     if Hq % H:
         raise ValueError(f"query heads {Hq} are not a multiple of the cache's kv heads {H}")
+    positions(state, mask)  # the reference's check of the mask's width
     lengths = state.lengths.to(torch.int64)
     Lmax = int(lengths.max()) if B else 0
     qf = q.float()
@@ -426,6 +442,8 @@ def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor |
             vis = pos <= L - n + torch.arange(n, device=q.device).view(1, 1, n, 1)
         else:
             mk = mask[..., :Lmax]
+            if mk.shape[-1] < Lmax:  # positions past the mask's width are visible to no query
+                mk = F.pad(mk, (0, Lmax - mk.shape[-1]), value=False if mk.dtype == torch.bool else float("-inf"))
             inside = pos < Lb
             vis = (inside & mk) if mk.dtype == torch.bool else mk.float().masked_fill(~inside, float("-inf"))
         out = F.scaled_dot_product_attention(qf, k, v, attn_mask=vis, scale=sm, enable_gqa=Hq != H)

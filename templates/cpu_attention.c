@@ -7,11 +7,12 @@
  * chunk of the n queries' own tokens, positions [L - n, L), is read from k_new/v_new when given):
  *
  *     p < S            sink      model dtype   k_sink[b, h, p]
- *     S <= p < Q(L)    packed    codes         k_codes[b, h, p - S] with scales by group
+ *     S <= p < Q(L)    packed    codes         k_codes[table[b, j / BS], h, j % BS] (j = p - S), scales by group
  *     Q(L) <= p < L    residual  model dtype   k_res[b, h, p % W]
  *
  * Work is split flash-decoding style: each (sequence, kv head, split of positions) is one task that walks
- * its positions in tiles of TILE tokens. A tile is dequantized once into two small fp32 buffers (they stay
+ * its positions in tiles of TILE tokens (packed tiles: PT = min(TILE, BS), so that one never straddles two
+ * blocks; with BS >= TILE, TILE divides BS). A tile is dequantized once into two small fp32 buffers (they stay
  * in L1) and used by every query row that shares the kv head (GQA ratio x query tokens), with an online
  * softmax; the splits are merged at the end. No full-precision copy of the cache is ever made.
  *
@@ -25,7 +26,8 @@
  * residual ring) use the natural order with their own accumulator, so they are read without shuffles too.
  *
  * Specialization (all compile-time):
- *   D, G (query heads per kv head), H (kv heads), S, W, CQ (packed capacity), R (residual), FL (flush)
+ *   D, G (query heads per kv head), H (kv heads), S, W, R (residual), FL (flush), BS (packed tokens per block)
+ * Nothing depends on the batch or on how many tokens a sequence holds: one build serves every store of a layout.
  *   MODEL_T  dtype of residual/sink/unquantized codes: 0 fp32, 1 bf16, 2 fp16
  *   K_FMT / V_FMT     0 none (model dtype), 1 int asymmetric, 2 int symmetric, 3 fp8 e4m3, 4 fp8 e5m2
  *   K_BITS / V_BITS   8, 4, 3, 2 (ignored for none)
@@ -284,12 +286,12 @@ static inline __attribute__((always_inline)) void unpack_row(int fmt, int bits, 
 /* codes * scale (+ zero point: asymmetric codes only, as in the reference) */
 static inline v8f affine(int fmt, v8f x, v8f s, v8f z) { return fmt == 1 ? x * s + z : x * s; }
 
-/* Dequantize tokens [q0, q0 + nt) of the packed region of one (sequence, head) into out[nt][D], plane
- * order. codes/scale/zero point at that (sequence, head)'s first packed token. */
+/* Dequantize rows [q0, q0 + nt) of one block of one head into out[nt][D], plane order. codes/scale/zero
+ * point at that (block, head)'s first row. */
 static inline __attribute__((always_inline)) void dequant_packed(
         int fmt, int bits, int axis, int group, int sf32,
         const uint8_t *codes, const void *scale, const void *zero, int64_t q0, int nt, float *out) {
-    if (fmt == 0) { /* unquantized: model dtype [CQ, D], natural order */
+    if (fmt == 0) { /* unquantized: model dtype [BS, D], natural order */
         for (int t = 0; t < nt; t++)
             for (int d = 0; d < D; d++) out[t * D + d] = model_at(codes, (q0 + t) * D + d);
         return;
@@ -370,8 +372,13 @@ static inline void gather_model(const void *base, const int64_t *rows, int nt, f
 #define V_PER (V_FMT == 0 || V_BITS == 8 ? 1 : (V_BITS == 3 ? 8 : 8 / V_BITS))
 #define K_ROW_BYTES (K_FMT == 0 ? D * (MODEL_T == 0 ? 4 : 2) : D * K_BITS / 8)
 #define V_ROW_BYTES (V_FMT == 0 ? D * (MODEL_T == 0 ? 4 : 2) : D * V_BITS / 8)
-#define K_NSCALE (K_FMT == 0 ? 0 : (K_AXIS == 1 ? (CQ / K_GROUP) * D : CQ * (D / K_GROUP)))
-#define V_NSCALE (V_FMT == 0 ? 0 : (V_AXIS == 1 ? (CQ / V_GROUP) * D : CQ * (D / V_GROUP)))
+/* scales (and zero points) per (block, head) */
+#define K_NSCALE (K_FMT == 0 ? 0 : (K_AXIS == 1 ? (BS / K_GROUP) * D : BS * (D / K_GROUP)))
+#define V_NSCALE (V_FMT == 0 ? 0 : (V_AXIS == 1 ? (BS / V_GROUP) * D : BS * (D / V_GROUP)))
+#define PT (TILE < BS ? TILE : BS) /* positions per packed tile: a tile never straddles two blocks */
+#if BS % FL || BS & (BS - 1) || TILE & (TILE - 1) || TILE % 8
+#error "BS and TILE must be powers of two (TILE at least 8), BS a multiple of the flush group FL"
+#endif
 #define K_SBYTES (K_SF32 ? 4 : 2)
 #define V_SBYTES (V_SF32 ? 4 : 2)
 
@@ -381,7 +388,7 @@ typedef struct {
     float acc_nat[ROWS_MAX][D];   /* sink and residual tiles, natural order */
 } partial_t;
 
-static inline int64_t n_tiles(int64_t a, int64_t b) { return b > a ? (b - a + TILE - 1) / TILE : 0; }
+static inline int64_t n_tiles(int64_t a, int64_t b, int64_t t) { return b > a ? (b - a + t - 1) / t : 0; }
 
 /* Scores of one tile for every query row, softmax update, value accumulation. */
 static inline __attribute__((always_inline)) void attend_tile(
@@ -407,7 +414,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         }
         if (mask) {
             const float *mr = mask + b * mask_sb + hq * mask_sh + i * mask_si;
-            for (int t = 0; t < nt; t++) sc[t] += mr[p0 + t < mask_w ? p0 + t : mask_w - 1];
+            for (int t = 0; t < nt; t++) sc[t] = p0 + t < mask_w ? sc[t] + mr[p0 + t] : -INFINITY;
         } else if (causal_tail) {
             for (int t = 0; t < nt; t++)
                 if (p0 + t > L - n + i) sc[t] = -INFINITY;
@@ -444,13 +451,17 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 }
 
-void kvc_attention(
+/* Returns 0; or 1 + b when the block table of sequence b does not name a block of the pool (nb blocks) for
+ * each of its packed positions (those tiles are skipped: the output is then meaningless). */
+int64_t kvc_attention(
         const float *q,              /* [B, H*G, n, D] fp32, rotated when the policy rotates */
         const uint8_t *k_codes, const void *k_scale, const void *k_zero,
         const uint8_t *v_codes, const void *v_scale, const void *v_zero,
         const void *k_res, const void *v_res, const void *k_sink, const void *v_sink,
         const int32_t *lengths,
-        const float *mask,           /* additive, or NULL for causal; indexed [b, hq, i, min(p, mask_w - 1)] */
+        const int32_t *table,        /* [B, mb] block ids of each sequence's packed tokens */
+        int64_t mb, int64_t nb,
+        const float *mask,           /* additive, or NULL for causal; indexed [b, hq, i, p]; p >= mask_w: hidden */
         int64_t mask_sb, int64_t mask_sh, int64_t mask_si, int64_t mask_w,
         float *out,                  /* [B, H*G, n, D] fp32 */
         int64_t B, int64_t n, float sm_scale, int64_t ns, int64_t nthreads,
@@ -459,6 +470,7 @@ void kvc_attention(
     const int64_t GN = G * n;
     const int64_t ntask = B * H * ns;
     partial_t *part = (partial_t *)aligned_alloc(64, ((sizeof(partial_t) * ntask + 63) / 64) * 64);
+    int64_t bad = 0;
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t task = 0; task < ntask; task++) {
@@ -470,7 +482,8 @@ void kvc_attention(
         const int64_t s_end = L < S ? L : S;   /* sink [0, s_end) */
         const int64_t p_end = qb < L ? qb : L;  /* packed [S, p_end) */
         const int64_t r_beg = qb > S ? qb : S;  /* residual [r_beg, L) */
-        const int64_t t_sink = n_tiles(0, s_end), t_pack = n_tiles(S, p_end), t_res = n_tiles(r_beg, L);
+        const int64_t t_sink = n_tiles(0, s_end, TILE), t_pack = n_tiles(S, p_end, PT);
+        const int64_t t_res = n_tiles(r_beg, L, TILE);
         const int64_t nt_all = t_sink + t_pack + t_res;
         const int64_t tile0 = nt_all * split / ns, tile1 = nt_all * (split + 1) / ns;
 
@@ -501,16 +514,22 @@ void kvc_attention(
                 attend_tile(P, q_nat, &P->acc_nat[0][0], &P->acc_plane[0][0], kt, vt, nt, p0, GN, n, L, b, h, sm_scale,
                             mask, mask_sb, mask_sh, mask_si, mask_w);
             } else if (tile < t_sink + t_pack) {
-                p0 = S + (tile - t_sink) * TILE;
-                nt = p_end - p0 < TILE ? p_end - p0 : TILE;
-                dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, k_codes + bh * (int64_t)CQ * K_ROW_BYTES,
-                               (const char *)k_scale + bh * (int64_t)K_NSCALE * K_SBYTES,
-                               (const char *)k_zero + (K_FMT == 1 ? bh * (int64_t)K_NSCALE * K_SBYTES : 0),
-                               p0 - S, nt, kt);
-                dequant_packed(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SF32, v_codes + bh * (int64_t)CQ * V_ROW_BYTES,
-                               (const char *)v_scale + bh * (int64_t)V_NSCALE * V_SBYTES,
-                               (const char *)v_zero + (V_FMT == 1 ? bh * (int64_t)V_NSCALE * V_SBYTES : 0),
-                               p0 - S, nt, vt);
+                p0 = S + (tile - t_sink) * PT;
+                nt = p_end - p0 < PT ? p_end - p0 : PT;
+                const int64_t slot = (p0 - S) / BS, r0 = (p0 - S) % BS; /* block slot, row in it */
+                const int64_t blk = slot < mb ? table[b * mb + slot] : -1;
+                if (blk < 0 || blk >= nb) {
+#pragma omp atomic write
+                    bad = 1 + b;
+                    continue;
+                }
+                const int64_t kb = blk * H + h; /* (block, head) */
+                dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, k_codes + kb * BS * K_ROW_BYTES,
+                               (const char *)k_scale + kb * K_NSCALE * K_SBYTES,
+                               (const char *)k_zero + (K_FMT == 1 ? kb * K_NSCALE * K_SBYTES : 0), r0, nt, kt);
+                dequant_packed(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SF32, v_codes + kb * BS * V_ROW_BYTES,
+                               (const char *)v_scale + kb * V_NSCALE * V_SBYTES,
+                               (const char *)v_zero + (V_FMT == 1 ? kb * V_NSCALE * V_SBYTES : 0), r0, nt, vt);
                 if (k_new) /* the queries' own chunk, in full precision where it is already packed */
                     for (int t = 0; t < nt; t++) {
                         const int64_t j = p0 + t - (L - n);
@@ -563,6 +582,7 @@ void kvc_attention(
         }
     }
     free(part);
+    return bad;
 }
 
 /* The fp8 decode the kernel uses (unpack_row, then the factor it folds into the scale), over N codes, N a

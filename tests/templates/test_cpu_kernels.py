@@ -6,7 +6,11 @@ fp32 dot products, online softmax, split merge, rotation, output rounding): the 
 ``-ffp-contract=off`` so it dequantizes with exactly the reference's fp32 operations, its exp is within
 2**-22 relative (the derivation allows 2**-21 on the exponent), and ``nsplit`` is the split count the
 launcher chose. The prefill path (PyTorch's SDPA) is checked with the same bound taking every key as its own
-block (``nsplit = C``), the loosest way SDPA can sum.
+block (``nsplit`` = the positions scored), the loosest way SDPA can sum.
+
+Stores are paged in blocks of 16 packed tokens (``attention_checks.filled``; 32, 64 where drawn) handed out
+in a scrambled order, so a row's packed positions span several blocks that are neither contiguous nor in
+order, and a 16-token block is shorter than the kernel's tile of 32 positions.
 """
 from __future__ import annotations
 
@@ -17,12 +21,30 @@ from hypothesis import strategies as st
 
 import kvcompile
 from kvcompile import Policy, Quant
-from kvcompile.store import LayerSpec
+from kvcompile.store import KVStore, LayerSpec, attention_reference
 from kvcompile.templates import attention as kattn
-from kvcompile.templates import cpu
+from kvcompile.templates import cpu, cpu_store
 from attention_checks import LENGTHS, MIXED, ROTATED, filled, one_wrong_code
+from store_checks import scrambled
 
 pytestmark = pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler on this machine")
+
+
+class _Scored:
+    """``spec`` with the ``capacity`` ``kattn.reference_and_bound`` still reads: the positions it scores, the
+    longest row's (those past it are visible to no query)."""
+
+    def __init__(self, spec, state):
+        self._spec, self.capacity = spec, int(state.lengths.max())
+
+    def __getattr__(self, name):
+        return getattr(self._spec, name)
+
+
+def bound(q, state, spec, mask=None, scale=None, nsplit=None, k_new=None, v_new=None):
+    """``kattn.reference_and_bound`` for this store: (float64 attention, elementwise bound)."""
+    return kattn.reference_and_bound(q, state, _Scored(spec, state), mask, scale, nsplit=nsplit, k_new=k_new,
+                                     v_new=v_new)
 
 
 def check(q, state, spec, mask=None, scale=None, prefill=False, nsplit=None, chunk=(None, None)):
@@ -32,33 +54,33 @@ def check(q, state, spec, mask=None, scale=None, prefill=False, nsplit=None, chu
     k_new, v_new = chunk
     if prefill:
         got = cpu.prefill_attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new)
-        nsplit = spec.capacity
+        nsplit = max(int(state.lengths.max()), 1)
     else:
         assert cpu.check_decode(q, spec) is None
         got = cpu.attention(q, state, spec, mask, scale, nsplit=nsplit, k_new=k_new, v_new=v_new)
         nsplit = nsplit or cpu.splits(state.lengths, spec.heads, cpu.threads_for(state.lengths, spec.heads))
     assert got.dtype == q.dtype and got.shape == q.shape
-    want, bound = kattn.reference_and_bound(q, state, spec, mask, scale, nsplit=nsplit, k_new=k_new, v_new=v_new)
+    want, tol = bound(q, state, spec, mask, scale, nsplit=nsplit, k_new=k_new, v_new=v_new)
     err = (got.double() - want).abs()
-    bad = err > bound
+    bad = err > tol
     assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs outside the bound; worst error "
-                           f"{err[bad].max():.3g} vs bound {bound[bad][err[bad].argmax()]:.3g}; {spec.name}")
+                           f"{err[bad].max():.3g} vs bound {tol[bad][err[bad].argmax()]:.3g}; {spec.name}")
     return got
 
 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("gqa", [1, 3, 4, 8])
 def test_cpu_attention_grid(gqa, D):
-    H, C = 2, 48
+    H, C = 2, 48  # C: the masks' width (every row holds fewer tokens)
     g = torch.Generator().manual_seed(gqa * D)
-    spec, state = filled(MIXED, LENGTHS, H, D, C, chunk=10)
+    spec, state = filled(MIXED, LENGTHS, H, D, chunk=10)
     B, Hq = len(LENGTHS), H * gqa
     check(torch.randn(B, Hq, 1, D, generator=g), state, spec)  # decode
     check(torch.randn(B, Hq, 1, D, generator=g), state, spec, nsplit=4)  # split in four, merged
     n = 16 // gqa  # as many query tokens as the decode kernel takes (row 0 holds fewer tokens than that)
     check(torch.randn(B, Hq, n, D, generator=g), state, spec)
     check(torch.randn(B, Hq, 20, D, generator=g), state, spec, prefill=True)
-    spec, state = filled(ROTATED, LENGTHS, H, D, C)
+    spec, state = filled(ROTATED, LENGTHS, H, D)
     keep = torch.rand(B, 1, 1, C, generator=g) > 0.4
     check(torch.randn(B, Hq, 1, D, generator=g), state, spec, mask=keep)
     soft = torch.where(torch.rand(B, Hq, 2, C, generator=g) > 0.2, torch.randn(B, Hq, 2, C, generator=g), -torch.inf)
@@ -66,13 +88,13 @@ def test_cpu_attention_grid(gqa, D):
     check(torch.randn(B, Hq, 2, D, generator=g), state, spec, mask=soft, scale=0.3, prefill=True)
     # 3-bit KIVI: eight-code units, and per-token groups narrower than an 8-lane vector of a plane
     kivi3 = Policy(Quant("int3", "channel", 16), Quant("int3", "token", 32), residual=8, sink=2)
-    spec, state = filled(kivi3, LENGTHS, H, D, C, chunk=10)
+    spec, state = filled(kivi3, LENGTHS, H, D, chunk=10)
     check(torch.randn(B, Hq, 1, D, generator=g), state, spec, nsplit=2)
     # the queries' own chunk in full precision: 20 > residual 8 (prefill), and decode with no residual
-    spec, state, *chunk = filled(MIXED, LENGTHS, H, D, C, chunk=10, own=20)
+    spec, state, *chunk = filled(MIXED, LENGTHS, H, D, chunk=10, own=20)
     check(torch.randn(B, Hq, 20, D, generator=g), state, spec, prefill=True, chunk=chunk)
     no_ring = Policy(MIXED.key, MIXED.value, residual=0, sink=2)
-    spec, state, *chunk = filled(no_ring, LENGTHS, H, D, C, own=16 // gqa)
+    spec, state, *chunk = filled(no_ring, LENGTHS, H, D, own=16 // gqa)
     check(torch.randn(B, Hq, 16 // gqa, D, generator=g), state, spec, chunk=chunk, nsplit=3)
 
 
@@ -101,17 +123,18 @@ def cases(draw):
     chunk = draw(st.sampled_from([None, 1, 7, 32]))
     nsplit = draw(st.sampled_from([None, 1, 2, 3, 5]))  # flash-decoding pieces, merged at the end
     own = draw(st.booleans())  # pass the queries' own chunk (read in full precision)
-    return policy, B, H, G, D, C, lengths, n, mask, dtype, chunk, nsplit, own, draw(st.integers(0, 2**31 - 1))
+    block = draw(st.sampled_from([16, 16, 32, 64]))  # packed tokens per block (the flush group if larger)
+    return policy, B, H, G, D, C, lengths, n, mask, dtype, chunk, nsplit, own, block, draw(st.integers(0, 2**31 - 1))
 
 
 @settings(max_examples=25, deadline=None)
 @given(cases())
 def test_cpu_attention_equals_float64_attention(case):
-    policy, B, H, G, D, C, lengths, n, mask_kind, dtype, chunk, nsplit, own, seed = case
+    policy, B, H, G, D, C, lengths, n, mask_kind, dtype, chunk, nsplit, own, block, seed = case
     if max(lengths) == 0:
         lengths[0] = 1
     g = torch.Generator().manual_seed(seed)
-    spec, state, *mine = filled(policy, lengths, H, D, C, dtype, seed, chunk, own=n)
+    spec, state, *mine = filled(policy, lengths, H, D, dtype, seed, chunk, own=n, block=block)
     mine = mine if own else (None, None)
     mask = None
     if mask_kind == "bool":
@@ -124,8 +147,107 @@ def test_cpu_attention_equals_float64_attention(case):
     check(q, state, spec, mask, scale, prefill=True, chunk=mine)
 
 
+def scattered(state, spec) -> bool:
+    """Whether some row's packed blocks are not where a kernel ignoring the block table would look for them
+    (``LayerSpec.allocate``'s layout: row ``b``'s block ``j`` is ``b * MB + j``)."""
+    mb = state.table.shape[1]
+    return any(int(state.table[b, j]) != b * mb + j
+               for b, L in enumerate(state.lengths.tolist()) for j in range(spec.blocks_for(L)))
+
+
+@pytest.mark.parametrize("block", [16, 32, 64, 128])
+@pytest.mark.parametrize("B", [1, 3])
+def test_cpu_attention_paged_layouts(block, B):
+    """Each block size (16: shorter than the kernel's tile of 32, which must stop at the block's end), one
+    sequence and a ragged batch, rows spanning several scrambled blocks: decode (one split and three),
+    several query tokens, and the prefill path."""
+    H, G, D = 2, 3, 32
+    lengths = [3 * block + 21, block + 5, 2][:B]
+    spec, state = filled(MIXED, lengths, H, D, seed=block, chunk=block + 3, block=block)
+    assert spec.block == block and state.table.shape[1] >= 3 and scattered(state, spec)
+    g = torch.Generator().manual_seed(block + B)
+    check(torch.randn(B, H * G, 1, D, generator=g), state, spec)
+    check(torch.randn(B, H * G, 1, D, generator=g), state, spec, nsplit=3)
+    check(torch.randn(B, H * G, 4, D, generator=g), state, spec)
+    check(torch.randn(B, H * G, 9, D, generator=g), state, spec, prefill=True)
+
+
+def test_cpu_attention_after_select_and_crop():
+    """Rows that share blocks (``select([0, 0, 1])``), then diverge (the shared block they write is copied),
+    then are cropped and grow again: the kernel reads each row's own blocks through its table."""
+    policy = Policy(Quant("int4", "channel", 8), Quant("int2", "token", 16), residual=4, sink=1)
+    H, G, D = 2, 2, 32
+    spec = LayerSpec(policy, H, D, block_tokens=16)
+    store = scrambled(spec, 2, 24, seed=5)
+    g = torch.Generator().manual_seed(5)
+    store.append(torch.randn(2, H, 60, D, generator=g), torch.randn(2, H, 60, D, generator=g), torch.tensor([45, 60]))
+    store.select([0, 0, 1])
+    q = torch.randn(1, H * G, 1, D, generator=g).expand(3, -1, -1, -1).contiguous()
+    same = check(q, store.state, spec)
+    assert torch.equal(same[0], same[1]) and scattered(store.state, spec)  # one sequence, read twice
+    store.append(torch.randn(3, H, 20, D, generator=g), torch.randn(3, H, 20, D, generator=g), torch.tensor([20, 9, 3]))
+    assert store.tables[0][:2] == store.tables[1][:2] and store.tables[0][2] != store.tables[1][2]
+    diverged = check(q, store.state, spec)
+    assert not torch.equal(diverged[0], diverged[1])
+    check(torch.randn(3, H * G, 3, D, generator=g), store.state, spec, nsplit=2)
+    store.crop(37)  # packed positions return to the ring; blocks past the new length are freed
+    check(q, store.state, spec)
+    store.append(torch.randn(3, H, 30, D, generator=g), torch.randn(3, H, 30, D, generator=g))
+    check(q, store.state, spec)
+    check(torch.randn(3, H * G, 20, D, generator=g), store.state, spec, prefill=True)
+    assert scattered(store.state, spec)
+
+
+def test_a_table_that_names_no_block_is_an_error():
+    """A table entry that is unreserved (-1) or names no block of the pool, where a row's packed positions lie,
+    or a table too narrow for them, is a clear error rather than a read out of bounds."""
+    spec, state = filled(MIXED, [50, 30], 1, 32)
+    q = torch.randn(2, 2, 1, 32)
+    cpu.attention(q, state, spec, None, None)
+    for b, j, blk in ((0, 1, -1), (1, 0, state.k_codes.shape[0]), (0, 0, 10 ** 6)):
+        bad = state.table.clone()
+        bad[b, j] = blk
+        with pytest.raises(ValueError, match=f"block table of sequence {b} .* does not name a block of the pool"):
+            cpu.attention(q, state._replace(table=bad), spec, None, None)
+    narrow = state._replace(table=state.table[:, :1].contiguous())  # row 0 has packed positions in two blocks
+    with pytest.raises(ValueError, match="block table of sequence 0"):
+        cpu.attention(q, narrow, spec, None, None)
+    past = state.table.clone()
+    past[1, spec.blocks_for(30):] = -1  # entries past a row's packed positions are never read
+    cpu.attention(q, state._replace(table=past), spec, None, None)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_a_mask_narrower_than_a_sequence_does_what_the_reference_does(kind):
+    """A mask narrower than the longest row: the kernels raise the reference's error if it raises one, and
+    otherwise hide the positions past the mask's width, as the reference then does (checked against the
+    bound computed with the mask widened by invisible positions, which the reference's own output equals)."""
+    spec, state = filled(MIXED, [20, 40], 1, 32)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 2, 2, 32, generator=g)
+    mask = torch.rand(2, 1, 2, 33, generator=g) > 0.3
+    hidden = False
+    if kind == "float":
+        mask, hidden = torch.where(mask, torch.randn(2, 1, 2, 33, generator=g), -torch.inf), float("-inf")
+    try:
+        want = attention_reference(q, state, spec, mask)
+    except ValueError as e:
+        for fn in (cpu.attention, cpu.prefill_attention):
+            with pytest.raises(ValueError) as got:
+                fn(q, state, spec, mask, None)
+            assert str(got.value) == str(e)
+        return
+    wide = torch.nn.functional.pad(mask, (0, 7), value=hidden)  # positions 33 .. 39 visible to no query
+    assert torch.allclose(want, attention_reference(q, state, spec, wide), atol=1e-6, rtol=0)
+    for prefill in (False, True):
+        got = cpu.prefill_attention(q, state, spec, mask, None) if prefill else cpu.attention(q, state, spec, mask, None)
+        ref, tol = bound(q, state, spec, wide, nsplit=40 if prefill else
+                         cpu.splits(state.lengths, 1, cpu.threads_for(state.lengths, 1)))
+        assert ((got.double() - ref).abs() <= tol).all()
+
+
 def test_a_query_that_sees_nothing_returns_zeros():
-    spec, state = filled(MIXED, [3, 40], 1, 32, 48)
+    spec, state = filled(MIXED, [3, 40], 1, 32)
     mask = torch.zeros(2, 1, 1, 48, dtype=torch.bool)
     mask[1, ..., 5] = True
     q = torch.randn(2, 2, 1, 32, generator=torch.Generator().manual_seed(0))
@@ -139,8 +261,8 @@ def test_the_bound_catches_one_wrong_code():
     check(q, state, spec)
     got = cpu.attention(q, bad, spec, None, None)
     nsplit = cpu.splits(state.lengths, 1, cpu.threads_for(state.lengths, 1))
-    want, bound = kattn.reference_and_bound(q, state, spec, nsplit=nsplit)
-    assert ((got.double() - want).abs() > bound).any()
+    want, tol = bound(q, state, spec, nsplit=nsplit)
+    assert ((got.double() - want).abs() > tol).any()
 
 
 @pytest.mark.parametrize("D", [64, 8])  # sixteen codes at a time, and eight
@@ -151,7 +273,7 @@ def test_fp8_decode_equals_torch_for_every_finite_code(fmt, flush, D):
     every finite code, subnormals included, also with denormals flushed (DAZ/FTZ, as
     torch.set_flush_denormal(True) sets them on the calling thread, where this helper runs)."""
     from kvcompile import quant as Q
-    lib = cpu._kernel_for(LayerSpec(Policy.fp8(fmt), batch=1, heads=1, capacity=16, head_dim=D), 1)
+    lib = cpu._kernel_for(LayerSpec(Policy.fp8(fmt), heads=1, head_dim=D), 1)
     codes = torch.arange(256, dtype=torch.uint8)
     want = codes.view(Q.FP8_DTYPES[fmt]).float()
     got = torch.empty(256)
@@ -172,7 +294,7 @@ def test_fp8_decode_equals_torch_for_every_finite_code(fmt, flush, D):
 def test_causal_mask_shortcut_is_exact():
     """transformers passes an explicit causal mask at prefill; the path recognises it and lets SDPA skip the
     upper triangle. A mask that differs anywhere is used as given."""
-    spec, state = filled(Policy.kivi(4, group=8, residual=4), [30, 30], 2, 32, 40)
+    spec, state = filled(Policy.kivi(4, group=8, residual=4), [30, 30], 2, 32)
     q = torch.randn(2, 4, 30, 32, generator=torch.Generator().manual_seed(2))
     tri = torch.ones(30, 40, dtype=torch.bool).tril().view(1, 1, 30, 40)
     assert cpu._is_causal(tri, 30, 30)
@@ -191,16 +313,20 @@ def test_causal_mask_shortcut_is_exact():
 
 
 def test_kernel_is_built_once_per_layout_and_named_by_it():
-    spec = LayerSpec(Policy.kivi(4), 1, 3, 256, 64)
+    spec = LayerSpec(Policy.kivi(4), 3, 64)
     key = tuple(sorted(cpu.defines(spec, 3).items()))
     assert dict(key)["K_AXIS"] == 1 and dict(key)["V_AXIS"] == 0 and dict(key)["K_BITS"] == 4 and dict(key)["G"] == 3
+    assert dict(key)["BS"] == spec.block == 64 and "CQ" not in dict(key)  # the layout, no capacity, no batch
     assert cpu.build(key) is cpu.build(key)
-    assert "k_bits4" in cpu.build(key)._name and "g3" in cpu.build(key)._name
+    assert "k_bits4" in cpu.build(key)._name and "g3" in cpu.build(key)._name and "bs64" in cpu.build(key)._name
+    # one build serves stores of any batch and length of the layout
+    assert cpu.defines(spec, 3) == cpu.defines(LayerSpec(Policy.kivi(4), 3, 64), 3)
+    assert cpu.defines(LayerSpec(Policy.kivi(4), 3, 64, block_tokens=128), 3)["BS"] == 128
 
 
 def test_missing_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(cpu, "compiler", lambda: None)
-    spec = LayerSpec(Policy.kivi(4, group=8), 1, 1, 64, 16)
+    spec = LayerSpec(Policy.kivi(4, group=8), 1, 16)
     key = tuple(sorted(cpu.defines(spec, 5).items()))  # a layout no other test builds (G=5)
     cpu.build.cache_clear()
     cpu.compile_template.cache_clear()
@@ -211,11 +337,11 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
 
 
 def test_calls_the_kernel_cannot_take_are_said():
-    spec = LayerSpec(Policy.kivi(4, group=4), 1, 2, 16, 12)
+    spec = LayerSpec(Policy.kivi(4, group=4), 2, 12)
     assert "multiple of 8" in cpu.check_decode(torch.zeros(1, 2, 1, 12), spec)
-    assert "prefill" in cpu.check_decode(torch.zeros(1, 6, 6, 16), LayerSpec(Policy.kivi(4, group=4), 1, 2, 16, 16))
+    assert "prefill" in cpu.check_decode(torch.zeros(1, 6, 6, 16), LayerSpec(Policy.kivi(4, group=4), 2, 16))
     with pytest.raises(ValueError, match="decode kernel cannot take"):
-        cpu.attention(torch.zeros(1, 2, 1, 12), spec.allocate(), spec, None, None)
+        cpu.attention(torch.zeros(1, 2, 1, 12), spec.allocate(1, 16), spec, None, None)
 
 
 def test_the_op_routes_decode_to_the_kernel_and_prefill_to_sdpa(monkeypatch):
@@ -223,7 +349,7 @@ def test_the_op_routes_decode_to_the_kernel_and_prefill_to_sdpa(monkeypatch):
     for name in ("attention", "prefill_attention"):
         fn = getattr(cpu, name)
         monkeypatch.setattr(cpu, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
-    spec, state = filled(MIXED, [20, 30], 2, 32, 48)
+    spec, state = filled(MIXED, [20, 30], 2, 32)
     kvcompile.ops.set_kernels("cpu")
     try:
         torch.ops.kvcompile.attention(torch.randn(2, 6, 1, 32), list(state), None, 0.2, spec.name)
@@ -235,7 +361,7 @@ def test_the_op_routes_decode_to_the_kernel_and_prefill_to_sdpa(monkeypatch):
 
 def test_mask_conversions_are_reused_only_for_the_same_unchanged_mask():
     """Every layer gets the same mask object, so its conversion is memoized -- but never across a change."""
-    spec, state = filled(MIXED, [30, 30], 2, 32, 48)
+    spec, state = filled(MIXED, [30, 30], 2, 32)
     q = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(3))
     mask = torch.ones(2, 1, 1, 48, dtype=torch.bool)
     check(q, state, spec, mask)
