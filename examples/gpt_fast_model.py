@@ -159,14 +159,10 @@ def main():
     prompt = torch.randint(0, 256, (1, 12))
     print(generate(model, prompt, 8).tolist())
     print(kvcompile.explain(model))
-    packed = sum(sum(t.nbytes for t in s.state) for s in _slots(model))
-    print(f"cache bytes: full precision {full}, kvcompile {packed} ({packed / full:.2f}x)")
-
-
-def _slots(model):
-    from kvcompile import standin
-
-    return [standin.lookup(m.k_cache) for m in model.modules() if isinstance(m, KVCache)]
+    packed = kvcompile.nbytes(model)
+    print(f"cache bytes after {prompt.shape[1] + 8} tokens: full-precision buffers {full:,}, "
+          f"kvcompile {packed:,} ({packed / full:.2f}x; kvcompile holds the blocks written, not the buffers' "
+          f"whole length)")
 
 
 if __name__ == "__main__":

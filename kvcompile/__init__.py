@@ -3,8 +3,10 @@ from .policy import Policy, PolicyError, Quant
 from .store import CapacityError, QuantizedKV
 from .accounting import bytes_per_token, cache_bytes
 from .passes import KVCompileError
-from .api import apply, explain  # also registers the torch.compile backend "kvcompile"
+from .api import apply, nbytes
+from .backend import kvcompile_backend  # noqa: F401  (registers the torch.compile backend "kvcompile")
+from .explain import explain
 from .hf import KVCompileWarning  # also registers transformers' sliding-window rings as the model's own
 
-__all__ = ["apply", "explain", "KVCompileError", "KVCompileWarning", "Quant", "Policy", "PolicyError", "CapacityError", "QuantizedKV", "bytes_per_token", "cache_bytes"]
+__all__ = ["apply", "explain", "nbytes", "KVCompileError", "KVCompileWarning", "Quant", "Policy", "PolicyError", "CapacityError", "QuantizedKV", "bytes_per_token", "cache_bytes"]
 __version__ = "0.1.0"

@@ -1,21 +1,24 @@
 """Hugging Face transformers integration: a Cache whose layers are kvcompile stores.
 
-``KVCompileCache`` is a drop-in ``transformers.Cache`` (static: preallocated to ``max_cache_len``). Each layer
-holds a packed ``KVState``; no full-precision tensor of full capacity is allocated.
+``KVCompileCache`` is a drop-in ``transformers.Cache``. Each layer holds a packed, paged store
+(``kvcompile.store.KVStore``): it grows as tokens come (no full-precision tensor of full capacity is ever
+allocated, and a sequence holds the blocks it has written), and it is cropped (assisted and prompt-lookup
+decoding), forked and reordered (beam search, ``num_return_sequences``) in place.
 
-Eager mode (no torch.compile), ``update`` appends through ``torch.ops.kvcompile.store`` and returns the
-dequantized cache (``torch.ops.kvcompile.dequantize``) with the chunk just appended in full precision, for
-the model's own attention to read: the exact numerics of the policy (``attention_reference`` with the
-chunk), at the cost of materializing the full-precision view every step (this is what the reference path
-and the quality evaluation use).
+Under Dynamo tracing (``torch.compiler.is_dynamo_compiling()``, a constant of the trace, so another thread's
+compilation never changes what an eager call does) ``update`` does what a StaticLayer does --
+``keys.index_copy_(2, pos, k)`` and returns ``keys, values`` -- on *stand-ins* (``kvcompile.standin``): tensors
+of the cache's shape ``[B, H, C, D]`` over ``B + H + C + D`` elements (unit strides). The graph therefore shows
+the write/read pattern of a plain StaticCache, and the FX pass (``kvcompile.passes``) rewrites it into
+``kvcompile.store`` / ``kvcompile.attention`` over the layer's packed store, so no full-precision view of the
+cache is ever built. ``C`` is only the width of the attention mask: it grows in steps of ``CAPACITY_STEP``
+tokens (new stand-ins over the same store) and is a dynamic dimension of the graph, so one compiled graph
+serves every length.
 
-Under Dynamo tracing (``torch.compiler.is_compiling()``) ``update`` does what a StaticLayer does --
-``keys.index_copy_(2, pos, k)`` and returns ``keys, values`` -- on *stand-ins* (``kvcompile.standin``):
-tensors of the full cache shape over ``B + H + C + D`` elements (unit strides). The graph therefore shows the same
-write/read pattern as a plain StaticCache, and the FX pass (``kvcompile.passes``) rewrites it into
-``kvcompile.store`` / ``kvcompile.attention`` over the layer's packed state, so no full-precision view of
-the cache is ever built. The stand-ins and the packed state are created together, outside the graph, by
-``initialize`` (``early_initialization`` or the first eager ``update``).
+Eager mode (no torch.compile: the unmodified model given a ``KVCompileCache``), ``update`` appends through the
+store and returns the dequantized cache with the chunk just appended in full precision, for the model's own
+attention to read: the exact numerics of the policy (``attention_reference`` with the chunk), at the cost of
+a full-precision view every step (the reference path, and the quality evaluation's).
 
 Importing this module registers every transformers sliding-window ring (``StaticSlidingWindowLayer``) as the
 model's own when it is allocated (``standin.leave``), in kvcompile's caches and in a user's ``StaticCache``
@@ -29,10 +32,9 @@ import warnings
 import torch
 from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer
 
-from . import ops  # noqa: F401  (registers torch.ops.kvcompile)
-from . import standin
+from . import ops, standin
 from .policy import Policy
-from .store import DTYPE_NAMES, CapacityError, KVState, LayerSpec, state_nbytes
+from .store import DTYPE_NAMES, KVStore, LayerSpec
 
 
 def _text_config(config):
@@ -78,7 +80,8 @@ def _leave_rings_alone(init):
     @functools.wraps(init)
     def lazy_initialization(self, key_states, value_states):
         init(self, key_states, value_states)
-        standin.leave(self.keys, self.values, RING_REASON.format(w=self.max_cache_len))
+        if not torch.compiler.is_dynamo_compiling():  # (allocated inside a graph: the pass sees the ring's roll)
+            standin.leave(self.keys, self.values, RING_REASON.format(w=self.max_cache_len))
     lazy_initialization._kvcompile = True
     return lazy_initialization
 
@@ -92,40 +95,73 @@ def _ring_is_smaller(policy: Policy, window: int, capacity: int, kv_heads: int, 
     ``capacity`` tokens (per sequence, everything included)."""
     dt = dtype if isinstance(dtype, torch.dtype) else torch.float32
     ring = 2 * kv_heads * head_dim * min(window, capacity) * torch.empty((), dtype=dt).element_size()
-    return ring <= LayerSpec(policy, 1, kv_heads, capacity, head_dim, DTYPE_NAMES[dt]).nbytes()
+    return ring <= LayerSpec(policy, kv_heads, head_dim, DTYPE_NAMES[dt]).nbytes(1, capacity)
+
+
+CAPACITY_STEP = 256  # the stand-ins' width (the attention mask's) grows in steps of this many tokens
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_dynamo_compiling()
+
+
+def _width(tokens: int) -> int:
+    """The stand-ins' width (the attention mask's) for ``tokens`` tokens: whole steps, at least one."""
+    return max(1, -(-tokens // CAPACITY_STEP)) * CAPACITY_STEP
+
+
+def _query_length(x) -> int:
+    """``get_mask_sizes``' argument: the query length (transformers 5.2x) or the cache positions (5.1x)."""
+    return x.shape[-1] if isinstance(x, torch.Tensor) else int(x)
 
 
 class KVCompileLayer(StaticLayer):
-    """One decoder layer's quantized cache, with StaticLayer's interface (``max_cache_len`` slots).
+    """One decoder layer's quantized cache, with StaticLayer's interface.
 
-    keys, values: stand-ins ``[B, H, max_cache_len, D]`` (B + H + C + D elements each); the data lives in
-    ``state`` (a packed ``KVState``), registered with ``kvcompile.standin`` under the stand-ins.
+    keys, values: stand-ins ``[B, H, C, D]`` (B + H + C + D elements each) over the layer's packed ``store``
+    (a ``KVStore``); ``C`` is the attention mask's width, at least the tokens held plus the next call's.
+    max_cache_len: the most tokens a sequence may hold (``CapacityError`` beyond), or None for no limit.
     """
 
-    def __init__(self, max_cache_len: int, policy: Policy, name: str = ""):
-        super().__init__(max_cache_len=max_cache_len)
+    def __init__(self, policy: Policy, name: str = "", max_cache_len: int | None = None):
+        super().__init__(max_cache_len=max_cache_len or 0)
         self.policy = policy
         self.name = name
+        self.limit = max_cache_len
         self.spec: LayerSpec | None = None
-        self.state: KVState | None = None
+        self.store: KVStore | None = None
 
+    # ---- allocation (always outside any compiled region)
     def initialize(self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
-        """Allocate the packed store and the stand-ins (outside any compiled region)."""
-        if torch.compiler.is_compiling():
+        """Create the (empty) packed store and the stand-ins."""
+        if _tracing():
             raise RuntimeError(
                 f"KVCompileCache layer {self.name!r} is first used inside torch.compile: its packed store must be "
-                f"allocated outside the graph. Create the cache with batch_size=... (or call "
+                f"created outside the graph. Create the cache with batch_size=... (or call "
                 f"cache.early_initialization(...)) before the compiled call, or use kvcompile.apply, which does it.")
+        if dtype not in DTYPE_NAMES:
+            raise TypeError(f"KVCompileCache: the model's dtype {dtype} has no kvcompile store; supported: "
+                            f"{sorted(DTYPE_NAMES.values(), key=str)}")
         self.device = torch.device(device)
         self.batch_size, self.num_heads, self.k_head_dim, self.v_head_dim = batch_size, num_heads, head_dim, head_dim
-        self.spec = LayerSpec(self.policy, batch_size, num_heads, self.max_cache_len, head_dim, DTYPE_NAMES[dtype])
-        shape = (batch_size, num_heads, self.max_cache_len, head_dim)
-        self.keys = standin.make_standin(shape, dtype, self.device)
-        self.values = standin.make_standin(shape, dtype, self.device)
-        self.state = standin.register(self.keys, self.values, self.spec, self.name, owned=True)
-        self.spec_name = self.spec.name
-        self.cumulative_length = self.cumulative_length.to(self.device)
+        self.dtype = dtype
+        self.spec = LayerSpec(self.policy, num_heads, head_dim, DTYPE_NAMES[dtype])
+        self.spec_name = self.spec.register()
+        self.store = KVStore(self.spec, batch_size, self.device, max_tokens=self.limit)
+        self.cumulative_length = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._standins(CAPACITY_STEP)
         self.is_initialized = True
+
+    def _standins(self, width: int) -> None:
+        """New stand-ins of ``width`` positions (and the store's batch) over the same store. Their width is a
+        dynamic dimension for Dynamo, so new widths reuse the compiled graph."""
+        shape = (self.store.batch, self.num_heads, width, self.k_head_dim)
+        self.keys = standin.make_standin(shape, self.dtype, self.device)
+        self.values = standin.make_standin(shape, self.dtype, self.device)
+        torch._dynamo.mark_dynamic(self.keys, 2)
+        torch._dynamo.mark_dynamic(self.values, 2)
+        standin.register(self.keys, self.values, self.store, self.name, owned=True)
+        self.batch_size = self.store.batch
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, Dk = key_states.shape
@@ -135,67 +171,156 @@ class KVCompileLayer(StaticLayer):
                 f"kvcompile needs keys and values of the same head_dim; layer {self.name!r} has {Dk} and {Dv}")
         self.initialize(B, H, Dk, key_states.dtype, key_states.device)
 
+    def ensure(self, n: int) -> None:
+        """Make the stand-ins wide enough for the tokens held plus ``n`` more (eagerly, before a call)."""
+        if not self.is_initialized or _tracing():
+            return
+        need = max(self.store.lengths, default=0) + n
+        if need > self.keys.shape[2]:
+            self._standins(_width(need))
+
+    # ---- what the model calls
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
-        pos = torch.arange(n, device=self.device) + self.cumulative_length
+        pos = torch.arange(n, device=self.cumulative_length.device) + self.cumulative_length
         self.cumulative_length.add_(n)
-        if torch.compiler.is_compiling():
+        if _tracing():
             # The pattern the FX pass rewrites into kvcompile.store / kvcompile.attention (a StaticLayer's).
             self.keys.index_copy_(2, pos, key_states)
             self.values.index_copy_(2, pos, value_states)
             return self.keys, self.values
-        torch.ops.kvcompile.store(list(self.state), key_states, value_states, pos, self.spec_name)
-        k, v = torch.ops.kvcompile.dequantize(list(self.state), self.spec_name)
+        self.ensure(n)
+        ops._store(self.keys, self.values, key_states, value_states, pos.cpu(), self.spec_name)
+        k, v = ops.dequantized(self.keys, self.values, self.spec_name, self.keys.shape[2])
         # The chunk attends to itself in full precision (``attention_reference`` with k_new, v_new): the
         # compiled path reads the same positions from the chunk's own keys and values.
+        pos = pos.to(k.device)
         return k.index_copy_(2, pos, key_states.to(k.dtype)), v.index_copy_(2, pos, value_states.to(v.dtype))
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        n = _query_length(query_length)
+        self.ensure(n)
+        return (self.keys.shape[2] if self.is_initialized else _width(n)), 0
+
+    def get_seq_length(self):
+        if not self.is_initialized:
+            return 0
+        return self.cumulative_length if _tracing() else self.store.lengths[0]
+
+    def get_max_length(self) -> int:
+        return self.limit if self.limit is not None else -1
+
+    # ---- cache operations (generate's)
+    def crop(self, tokens_to_remove: int) -> None:
+        """Negative (or 0): remove that many tokens from the end (transformers 5.2x); positive: keep that many
+        (the older convention). See ``KVStore.crop`` for what a crop into packed storage keeps."""
+        if not self.is_initialized:
+            return
+        L = self.store.lengths[0]
+        keep = L + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
+        keep = max(0, keep)
+        if keep >= L:
+            return
+        self.store.crop(keep)
+        self.cumulative_length.fill_(keep)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Sequence ``i`` becomes sequence ``indices[i]`` (reorder, fork or drop)."""
+        if not self.is_initialized:
+            return
+        self.store.select(torch.as_tensor(indices).reshape(-1).cpu())
+        if self.keys.shape[0] != self.store.batch:
+            self._standins(self.keys.shape[2])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.batch_select_indices(torch.arange(self.store.batch).repeat_interleave(repeats))
 
     def reset(self) -> None:
         if self.is_initialized:
-            for t in self.state:
-                t.zero_()
-        self.cumulative_length.zero_()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a kvcompile cache is append-only: it cannot be cropped (quantized tokens "
-                                  "cannot be un-quantized); reset() it and prefill again")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("a kvcompile cache is allocated for a fixed batch; beam search and "
-                                  "num_return_sequences > 1 need a cache created for the expanded batch")
-
-    batch_select_indices = reorder_cache = batch_repeat_interleave
+            self.store.reset()
+            self.cumulative_length.zero_()
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the packed store plus the two stand-ins (B + H + C + D elements each)."""
+        """Bytes the sequences hold (``KVStore.nbytes``: their blocks, rings, sinks, lengths, tables), plus the
+        two stand-ins (B + H + C + D elements each)."""
         if not self.is_initialized:
             return 0
-        return state_nbytes(self.state) + 2 * self.keys.untyped_storage().nbytes()
+        return self.store.nbytes + 2 * self.keys.untyped_storage().nbytes()
+
+    @property
+    def reserved_nbytes(self) -> int:
+        """Bytes allocated: ``nbytes``, plus the pool's free blocks (the pool grows by doubling)."""
+        if not self.is_initialized:
+            return 0
+        return self.store.reserved_nbytes + 2 * self.keys.untyped_storage().nbytes()
+
+
+class RingLayer(StaticSlidingWindowLayer):
+    """transformers' sliding-window ring, kept for a windowed layer where it is smaller than a store. Its
+    tensors are registered as the model's own (the pass leaves them alone) again whenever transformers
+    replaces them (beam search's reorder, forks)."""
+
+    def _leave(self):
+        if self.is_initialized:
+            standin.leave(self.keys, self.values, RING_REASON.format(w=self.max_cache_len))
+
+    def reorder_cache(self, beam_idx):
+        super().reorder_cache(beam_idx)
+        self._leave()
+
+    def batch_select_indices(self, indices):
+        if self.is_initialized:
+            self.keys, self.values = self.keys[indices, ...], self.values[indices, ...]
+        self._leave()
+
+    def batch_repeat_interleave(self, repeats):
+        if self.is_initialized:
+            self.keys = self.keys.repeat_interleave(repeats, dim=0)
+            self.values = self.values.repeat_interleave(repeats, dim=0)
+        self._leave()
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes if self.is_initialized else 0
+
+    reserved_nbytes = nbytes
 
 
 class KVCompileCache(Cache):
     """A transformers Cache storing every layer per ``policy`` (per-layer overrides resolved by layer name).
 
-    >>> cache = KVCompileCache(model.config, Policy.kivi(4), max_cache_len=4096)
-    >>> out = model(input_ids, past_key_values=cache, use_cache=True)   # ``cache=`` on transformers >= 5.2x
+    >>> cache = KVCompileCache(model.config, Policy.kivi(4))
+    >>> out = model(input_ids, cache=cache, use_cache=True)   # ``past_key_values=`` on transformers 5.1x
     >>> cache.nbytes        # bytes the cache really holds
 
-    With ``batch_size`` (and optionally ``dtype``, ``device``) the packed stores are allocated at once, which
-    ``torch.compile`` needs (nothing may be allocated inside the graph); otherwise on the first eager update.
+    max_cache_len: the most tokens a sequence may hold (``CapacityError`` beyond); None (the default): the
+    cache grows as long as memory lasts. With ``batch_size`` (and optionally ``dtype``, ``device``) the
+    stores are created at once, which ``torch.compile`` needs (nothing may be allocated inside the graph);
+    otherwise on the first eager update (``kvcompile.apply`` does it before each compiled call).
 
     Layers the model attends over a sliding (or chunked) window only (``windowed_layers``) get transformers'
-    own full-precision ring (``StaticSlidingWindowLayer``) instead of a store when that ring holds fewer bytes
-    than the policy's store of ``max_cache_len`` tokens; ``rings`` lists them. The pass leaves their reads and
-    writes to transformers.
+    own full-precision ring instead of a store when that ring holds fewer bytes than the policy's store of
+    ``max_cache_len`` tokens (without a limit: of the model's ``max_position_embeddings``); ``rings`` lists
+    them. The pass leaves their reads and writes to transformers.
     """
 
-    def __init__(self, config, policy: Policy, max_cache_len: int, layer_names: list[str] | None = None,
+    def __init__(self, config, policy: Policy, max_cache_len: int | None = None, layer_names: list[str] | None = None,
                  batch_size: int | None = None, dtype: torch.dtype | None = None, device=None):
+        if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
+                                          or max_cache_len < 1):
+            raise ValueError(f"KVCompileCache max_cache_len={max_cache_len!r} is not valid: expected a positive "
+                             f"number of tokens, or None for a cache that grows without limit")
         n_layers, kv_heads, head_dim = model_shape(config)
         names = layer_names or [f"model.layers.{i}.self_attn" for i in range(n_layers)]
+        if not isinstance(policy, Policy):
+            raise TypeError(f"KVCompileCache(config, policy): policy={policy!r} is not a kvcompile.Policy")
         policy.check(head_dim)
         self.policies = policy.resolve(names)
         if dtype is None:
@@ -203,34 +328,36 @@ class KVCompileCache(Cache):
             dtype = (c.dtype if hasattr(c, "dtype") else getattr(c, "torch_dtype", None)) or torch.float32
             dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         windows = windowed_layers(config)
+        horizon = max_cache_len or getattr(_text_config(config), "max_position_embeddings", None) or 2 ** 20
         layers = []
         for i, (p, n) in enumerate(zip(self.policies, names)):
             w = windows.get(i)
-            if w is not None and w < max_cache_len and _ring_is_smaller(p, w, max_cache_len, kv_heads, head_dim,
-                                                                         dtype):
-                layers.append(StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=w))
+            if w is not None and w < horizon and _ring_is_smaller(p, w, horizon, kv_heads, head_dim, dtype):
+                layers.append(RingLayer(max_cache_len=horizon, sliding_window=w))
             else:
-                layers.append(KVCompileLayer(max_cache_len, p, n))
+                layers.append(KVCompileLayer(p, n, max_cache_len))
         if all(not isinstance(layer, KVCompileLayer) for layer in layers):
             sizes = sorted({windows[i] for i in range(len(layers))})
             warnings.warn(
                 f"every attention layer of this model attends over a window of {', '.join(map(str, sizes))} "
-                f"tokens, and at max_cache_len={max_cache_len} transformers' full-precision ring of the window holds "
-                f"fewer bytes than kvcompile's store of every token would: kvcompile quantizes nothing in this cache "
-                f"(it is the model's own). Quantized stores are used up to about 2x the window for 8-bit policies, "
-                f"2.5-5x for 4- and 2-bit KIVI.", KVCompileWarning, stacklevel=2)
+                f"tokens, and at {horizon} tokens transformers' full-precision ring of the window holds fewer bytes "
+                f"than kvcompile's store of every token would: kvcompile quantizes nothing in this cache (it is the "
+                f"model's own). Quantized stores are used up to about 2x the window for 8-bit policies, 2.5-5x for "
+                f"4- and 2-bit KIVI (pass a smaller max_cache_len to bound the cache).", KVCompileWarning,
+                stacklevel=2)
         super().__init__(layers=layers)
         self.policy = policy
-        self.capacity = max_cache_len
-        self.tokens = 0  # tokens appended so far (host-side count: the capacity check needs no device sync)
+        self.limit = max_cache_len
+        self.dtype = dtype
+        self.shape = (kv_heads, head_dim)
         if batch_size is not None:
             self.early_initialization(batch_size, kv_heads, head_dim, dtype, device or "cpu")
 
     @property
-    def max_cache_len(self) -> int:
-        """Tokens the cache holds at most (a property: transformers 5.1x's ``Cache`` defines it as a read-only
-        property, so it cannot be assigned)."""
-        return self.capacity
+    def max_cache_len(self) -> int | None:
+        """The most tokens a sequence may hold, or None (no limit). A property: transformers 5.1x's ``Cache``
+        defines it as a read-only property."""
+        return self.limit
 
     def early_initialization(self, batch_size, num_heads, head_dim, dtype, device):
         for layer in self.layers:
@@ -242,22 +369,46 @@ class KVCompileCache(Cache):
                 empty = torch.zeros(batch_size, num_heads, 0, head_dim, dtype=dtype, device=device)
                 layer.lazy_initialization(empty, empty)
 
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        if layer_idx == 0 and not torch.compiler.is_compiling():
-            self.check_capacity(key_states.shape[-2])
-            self.tokens += key_states.shape[-2]
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+    def prepare(self, batch: int, n: int, dtype: torch.dtype, device) -> None:
+        """Before a compiled call of ``n`` tokens for ``batch`` sequences: create the stores if needed, check
+        they match the call, and widen the stand-ins for the new tokens (all outside the graph)."""
+        if not self.is_initialized:
+            self.early_initialization(batch, *self.shape, dtype, device)
+        first = next((layer for layer in self.layers if isinstance(layer, KVCompileLayer)), None)
+        if first is not None:
+            if first.store.batch != batch:
+                raise ValueError(
+                    f"this KVCompileCache holds {first.store.batch} sequences but the call passes a batch of {batch}: "
+                    f"a cache belongs to one batch (create one per batch, or reorder it with "
+                    f"cache.batch_select_indices)")
+            if first.dtype != dtype or first.device != torch.device(device):
+                raise ValueError(
+                    f"this KVCompileCache stores {first.dtype} on {first.device}, but the model runs in {dtype} on "
+                    f"{torch.device(device)}: create the cache for the model as it is now (kvcompile.apply's "
+                    f"caches are created per call, so after model.to(...) pass no cache, or a new one)")
+        for layer in self.layers:
+            if isinstance(layer, KVCompileLayer):
+                layer.ensure(n)
 
-    def check_capacity(self, n: int) -> None:
-        if self.tokens + n > self.max_cache_len:
-            raise CapacityError(
-                f"KV cache overflow: the cache holds {self.tokens} tokens and {n} more were given, but it was "
-                f"allocated for {self.max_cache_len} (max_cache_len). Create a larger cache, or pass "
-                f"max_cache_len=... to kvcompile.apply.")
+    @property
+    def tokens(self) -> int:
+        """Tokens the first sequence holds (every sequence of a generate call holds as many)."""
+        for layer in self.layers:
+            if isinstance(layer, KVCompileLayer) and layer.is_initialized:
+                return layer.store.lengths[0]
+            if layer.is_initialized:
+                return int(layer.cumulative_length)
+        return 0
 
-    def reset(self) -> None:
-        super().reset()
-        self.tokens = 0
+    def get_seq_length(self, layer_idx: int = 0):
+        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        for layer in self.layers:
+            if isinstance(layer, KVCompileLayer):
+                layer.crop(tokens_to_remove)
+            elif layer.is_initialized:
+                layer.crop(tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove - self.tokens)
 
     @property
     def is_initialized(self) -> bool:
@@ -265,13 +416,17 @@ class KVCompileCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by every layer's store (codes, scales, zero points, residual, sinks, lengths), and by
-        the full-precision rings of sliding-window layers left to transformers."""
-        return sum(layer.nbytes if isinstance(layer, KVCompileLayer) else
-                   (layer.keys.nbytes + layer.values.nbytes if layer.is_initialized else 0) for layer in self.layers)
+        """Bytes the cache holds: every layer's store (blocks in use, rings, sinks, lengths, tables) and the
+        full-precision rings of sliding-window layers left to transformers."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def reserved_nbytes(self) -> int:
+        """Bytes allocated, the stores' free blocks included."""
+        return sum(layer.reserved_nbytes for layer in self.layers)
 
     @property
     def rings(self) -> dict[int, int]:
         """Layer index -> window, for the sliding-window layers kept as transformers' full-precision ring
-        (chosen where that ring holds fewer bytes than the policy's store of the whole capacity)."""
-        return {i: layer.max_cache_len for i, layer in enumerate(self.layers) if not isinstance(layer, KVCompileLayer)}
+        (chosen where that ring holds fewer bytes than the policy's store of the cache's horizon)."""
+        return {i: layer.max_cache_len for i, layer in enumerate(self.layers) if isinstance(layer, RingLayer)}

@@ -1,10 +1,16 @@
 """kvcompile's operators, registered with ``torch.library`` so ``torch.compile(fullgraph=True)`` traces them.
 
-    torch.ops.kvcompile.store(state, k, v, pos, spec)            -> None   (mutates ``state``)
-    torch.ops.kvcompile.attention(q, state, mask, scale, spec, k_new, v_new)  -> out [B, Hq, n, D]
-    torch.ops.kvcompile.dequantize(state, spec)                   -> (k, v) [B, H, C, D]
+    torch.ops.kvcompile.store(k_cache, v_cache, k, v, pos, spec)                        -> token
+    torch.ops.kvcompile.attention(q, k_cache, v_cache, token, mask, scale, spec, k_new, v_new)  -> [B, Hq, n, D]
+    torch.ops.kvcompile.standin(shape, dtype, device)                                   -> a stand-in
 
-``state`` is a layer's ``KVState`` as a list, ``spec`` the name of its registered ``LayerSpec``.
+``k_cache, v_cache`` are the layer's cache tensors as the model sees them -- kvcompile's stand-ins, or a
+cache the user allocated in full precision -- and ``spec`` the name of the store's ``LayerSpec``. The ops
+find the layer's packed store from the cache tensor at every call (``kvcompile.standin``), so the store
+lives outside the graph: it grows, is cropped and reordered between calls, and the graph never sees its
+tensors or their shapes (one compiled graph serves every length). ``store`` returns an empty token that
+``attention`` takes, which orders the two for any compiler (neither declares the store's mutation: the store
+is not a graph value).
 
 Which implementation runs (``kernels()``):
 - "triton": the generated Triton kernels in ``kvcompile.templates`` -- the default on CUDA;
@@ -24,11 +30,15 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-from .store import KVState, LayerSpec, attention_reference, check_chunk, dequantize_reference, store_reference
+from . import standin
+from .store import (KVState, KVStore, LayerSpec, attention_reference, check_chunk, cover, dequantize_reference,
+                    store_reference)
 
 KERNELS = ("auto", "triton", "cpu", "inductor", "reference")
 
@@ -66,6 +76,43 @@ def kernels(device: torch.device) -> str:
     return _KERNELS
 
 
+# --------------------------------------------------------------------------- kernel families
+@dataclass(frozen=True)
+class Backend:
+    """One family of kernels: ``store(state, spec, k, v, n_new)`` appends (blocks reserved by the caller),
+    ``attention(q, state, spec, mask, scale, k_new, v_new)`` reads; both with ``store_reference``'s and
+    ``attention_reference``'s contracts. ``devices``: the device types it runs on."""
+
+    store: Callable
+    attention: Callable
+    devices: tuple[str, ...]
+
+
+def _triton():
+    from .templates import launch  # imported lazily: Triton is only needed when its kernels run
+    return launch
+
+
+def _cpu_store(state, spec, k, v, n_new=None):
+    from .templates import cpu_store
+    cpu_store.store(state, spec, k, v, n_new)
+
+
+def _cpu_attention(q, state, spec, mask, scale, k_new=None, v_new=None):
+    from .templates import cpu
+    if cpu.check_decode(q, spec) is None:  # decode: the C kernel reads the packed bytes where they lie
+        return cpu.attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new)
+    return cpu.prefill_attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new)
+
+
+def _triton_store(state, spec, k, v, n_new=None):
+    _triton().store(state, spec, k, v, n_new)
+
+
+def _triton_attention(q, state, spec, mask, scale, k_new=None, v_new=None):
+    return _triton().attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new)
+
+
 def _fused_attention(q, state, mask, scale, spec_name, k_new=None, v_new=None):
     from .templates import inductor
     return inductor.attention(q, KVState(*state), LayerSpec.from_name(spec_name), mask, scale, k_new, v_new)
@@ -77,95 +124,140 @@ def _compiled_attention(spec_name: str):
     with that layout). Its own code object per layout, so Dynamo's per-code recompile limit is per layout."""
     code = _fused_attention.__code__.replace(co_name=f"kvcompile_attention_{abs(hash(spec_name)):x}")
     fn = type(_fused_attention)(code, _fused_attention.__globals__)
-    return torch.compile(fn, fullgraph=True, dynamic=False)
+    return torch.compile(fn, fullgraph=True)
 
 
-def _triton():
-    from .templates import launch  # imported lazily: Triton is only needed when its kernels run
-    return launch
+def _inductor_attention(q, state, spec, mask, scale, k_new=None, v_new=None):
+    return _compiled_attention(spec.name)(q, list(state), mask, scale, spec.name, k_new, v_new)
 
 
-def _store(state: list[Tensor], k: Tensor, v: Tensor, pos: Tensor, spec: str) -> None:
-    """Append ``k, v [B, H, n, D]`` at each sequence's current length.
+BACKENDS = {
+    "reference": Backend(store_reference, attention_reference, ("cpu", "cuda")),
+    "cpu": Backend(_cpu_store, _cpu_attention, ("cpu",)),
+    "inductor": Backend(_cpu_store, _inductor_attention, ("cpu",)),
+    "triton": Backend(_triton_store, _triton_attention, ("cuda", "cpu")),  # CPU: Triton's interpreter (tests)
+}
 
-    ``pos [n]`` are the positions the model meant to write (``cache_position`` / ``input_pos``); on the CPU
-    they are checked against the store's lengths, so a rewound or skipped position fails loudly.
+
+def backend(device: torch.device) -> Backend:
+    """The kernels that run for tensors on ``device`` (``kernels(device)``); an error, never a silent
+    substitute, when that family cannot run there."""
+    name = kernels(device)
+    b = BACKENDS[name]
+    if device.type not in b.devices:
+        raise RuntimeError(f"kvcompile kernels {name!r} run on {'/'.join(b.devices)} tensors, but this cache is on "
+                           f"{device}: choose kernels that run there (kvcompile.ops.set_kernels('auto'))")
+    return b
+
+
+# --------------------------------------------------------------------------- the store behind a cache tensor
+def store_for(k_cache: Tensor, v_cache: Tensor, spec_name: str) -> KVStore:
+    """The packed store behind the cache tensors, created on first use for a cache kvcompile did not allocate.
+
+    Not yet registered: a stand-in the compiled graph itself allocated (a transformers StaticCache that
+    initializes lazily inside the compiled region: its ``torch.zeros`` became ``kvcompile.standin``), or a
+    cache the user allocated in full precision (``torch.compile(..., backend="kvcompile")`` over a
+    StaticCache): it gets an empty store that shadows it, limited to the tensor's capacity, as the tensor is.
     """
-    ls = LayerSpec.from_name(spec)
-    st = KVState(*state)
-    if pos.device.type == "cpu" and st.lengths.device.type == "cpu" and pos.numel():
-        first = int(pos[0])
-        bad = st.lengths != first
-        if bool(bad.any()):
-            raise RuntimeError(
-                f"kvcompile cache write at position {first}, but the cache holds {st.lengths.tolist()} tokens: "
-                f"the quantized cache is append-only. Reset the cache (cache.reset()) before a new sequence."
-            )
-    if kernels(k.device) == "triton":
-        _triton().store(st, ls, k, v)
-    elif kernels(k.device) == "cpu" and k.device.type == "cpu":
-        from .templates import cpu_store
-        cpu_store.store(st, ls, k, v)
-    else:
-        store_reference(st, ls, k, v)
+    slot = standin.lookup(k_cache)
+    if slot is not None:
+        if slot.spec_name != spec_name:
+            from .passes import KVCompileError
+            raise KVCompileError(
+                f"layer {slot.layer}: this graph was compiled for the store layout {spec_name} but the cache passed "
+                f"in holds {slot.spec_name}. Use caches of the policy the model was compiled with (or "
+                f"torch._dynamo.reset() before compiling for another).")
+        return slot.store
+    spec = LayerSpec.from_name(spec_name)
+    st = KVStore(spec, k_cache.shape[0], k_cache.device, max_tokens=k_cache.shape[2])
+    return standin.register(k_cache, v_cache, st, "", owned=standin.is_standin(k_cache))
 
 
-store = torch.library.custom_op("kvcompile::store", mutates_args=("state",))(_store)
+def _positions_at(st: KVStore, pos: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+    """Bring the store to where the model writes: ``pos [n]`` are the positions the model meant to write
+    (``cache_position`` / ``input_pos``). Writing where the store ends appends; writing earlier rewinds (as a
+    static cache overwrites its slots: the store is cropped to ``pos[0]``, so position 0 starts a new
+    sequence); a gap is an error. A full-precision cache kvcompile shadows since after some tokens were
+    written into it (a prefill that ran eagerly) is taken over: those tokens are stored first."""
+    if not pos.numel():
+        return
+    first = int(pos.reshape(-1)[0])
+    L = st.lengths
+    if len(set(L)) != 1:
+        raise RuntimeError(f"kvcompile cache write at position {first} into sequences of different lengths {L}: "
+                           f"a write by position needs every sequence at the same length")
+    if first == L[0]:
+        return
+    if first < L[0]:
+        st.crop(first)
+        return
+    if L[0] == 0 and not standin.is_standin(k_cache) and first <= k_cache.shape[2]:
+        st.append(k_cache[:, :, :first], v_cache[:, :, :first], kernel=backend(k_cache.device).store)
+        return
+    raise RuntimeError(
+        f"kvcompile cache write at position {first}, but the cache holds {L[0]} tokens: positions must continue "
+        f"where the cache ends (or go back: the cache is cropped there). Reset the cache (cache.reset()) before "
+        f"a new sequence.")
+
+
+def _store(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, pos: Tensor, spec: str) -> Tensor:
+    """Append ``k, v [B, H, n, D]`` to the store behind ``k_cache``/``v_cache`` at positions ``pos [n]``."""
+    st = store_for(k_cache, v_cache, spec)
+    _positions_at(st, pos, k_cache, v_cache)
+    st.append(k, v, kernel=backend(k.device).store)
+    return k.new_empty(0)
+
+
+store = torch.library.custom_op("kvcompile::store", mutates_args=())(_store)
 
 
 @store.register_fake
-def _(state, k, v, pos, spec):
-    return None
+def _(k_cache, v_cache, k, v, pos, spec):
+    return k.new_empty(0)
 
 
-def _attention(q: Tensor, state: list[Tensor], mask: Tensor | None, scale: float, spec: str,
-               k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
-    """Attention of the last ``n`` tokens' queries ``q [B, Hq, n, D]`` over the store; ``k_new, v_new
-    [B, H, n, D]``, the chunk just stored, are read in full precision at its own positions (see
-    ``attention_reference`` for the exact semantics of ``mask`` and the chunk)."""
-    ls = LayerSpec.from_name(spec)
-    st = KVState(*state)
-    check_chunk(q, k_new, v_new, ls)
-    which = kernels(q.device)
-    if which == "triton":
-        return _triton().attention(q, st, ls, mask, scale, k_new=k_new, v_new=v_new)
-    if which == "cpu" and q.device.type == "cpu":
-        from .templates import cpu
-        if cpu.check_decode(q, ls) is None:
-            return cpu.attention(q, st, ls, mask, scale, k_new=k_new, v_new=v_new)
-        return cpu.prefill_attention(q, st, ls, mask, scale, k_new=k_new, v_new=v_new)
-    if which == "inductor" and q.device.type == "cpu":
-        return _compiled_attention(spec)(q, state, mask, scale, spec, k_new, v_new)
-    return attention_reference(q, st, ls, mask, scale, k_new=k_new, v_new=v_new)
+def _attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, token: Tensor, mask: Tensor | None, scale: float,
+               spec: str, k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
+    """Attention of the last ``n`` tokens' queries ``q [B, Hq, n, D]`` over the store behind ``k_cache``;
+    ``k_new, v_new [B, H, n, D]``, the chunk just stored, are read in full precision at its own positions (see
+    ``attention_reference`` for the exact semantics of ``mask`` and the chunk). ``token``: ``store``'s."""
+    st = store_for(k_cache, v_cache, spec)
+    check_chunk(q, k_new, v_new, st.spec)
+    mask = cover(mask, st.state)
+    return backend(q.device).attention(q, st.state, st.spec, mask, scale, k_new=k_new, v_new=v_new)
 
 
 attention = torch.library.custom_op("kvcompile::attention", mutates_args=())(_attention)
 
 
 @attention.register_fake
-def _(q, state, mask, scale, spec, k_new=None, v_new=None):
+def _(q, k_cache, v_cache, token, mask, scale, spec, k_new=None, v_new=None):
     return q.new_empty(q.shape)  # contiguous, like every implementation's output (not q's strides)
 
 
+def _new_standin(shape: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A cache tensor the graph allocates (a lazily initialized StaticCache), as a stand-in: no
+    full-precision memory; its store is created by the first ``store`` call that writes it."""
+    return standin.make_standin(shape, dtype, device)
+
+
+new_standin = torch.library.custom_op("kvcompile::standin", mutates_args=())(_new_standin)
+
+
+@new_standin.register_fake
+def _(shape, dtype, device):
+    return torch.empty_strided(shape, [1] * len(shape), dtype=dtype, device=device)
+
+
 # What a graph that runs as plain Python (the kvcompile backend's compiler="eager") may call instead of the
-# registered operators: the same functions without the dispatcher's per-call work (about 45 us for the store,
-# whose eleven mutated state tensors each get a version bump, and 25 us for attention, per layer and step on
-# this project's CPU). Inductor and AOTAutograd need the operators themselves.
-PLAIN = {torch.ops.kvcompile.store.default: _store, torch.ops.kvcompile.attention.default: _attention}
+# registered operators: the same functions without the dispatcher's per-call work. Inductor and AOTAutograd
+# need the operators themselves.
+PLAIN = {torch.ops.kvcompile.store.default: _store, torch.ops.kvcompile.attention.default: _attention,
+         torch.ops.kvcompile.standin.default: _new_standin}
 
 
-@torch.library.custom_op("kvcompile::dequantize", mutates_args=())
-def dequantize(state: list[Tensor], spec: str) -> tuple[Tensor, Tensor]:
-    """The store's contents in model space and dtype, ``[B, H, C, D]`` each; zeros past each length."""
-    ls = LayerSpec.from_name(spec)
-    k, v = dequantize_reference(KVState(*state), ls, ls.torch_dtype)
-    return k, v
-
-
-@dequantize.register_fake
-def _(state, spec):
-    ls = LayerSpec.from_name(spec)
-    shape = (ls.batch, ls.heads, ls.capacity, ls.head_dim)
-    dev = state[0].device
-    return (torch.empty(shape, dtype=ls.torch_dtype, device=dev),
-            torch.empty(shape, dtype=ls.torch_dtype, device=dev))
+def dequantized(k_cache: Tensor, v_cache: Tensor, spec: str, positions: int) -> tuple[Tensor, Tensor]:
+    """The store's contents in model space and dtype, ``[B, H, positions, D]`` each; zeros past each length
+    (the eager path of ``KVCompileCache``, which hands the model's own attention the dequantized cache)."""
+    st = store_for(k_cache, v_cache, spec)
+    return dequantize_reference(st.state, st.spec, st.spec.torch_dtype, end=positions)

@@ -11,10 +11,11 @@ so torchtune-style ``cache[:, :, a:b] = k`` would not trace. Unit strides overla
 flagged by the overlap check, and every write/read of a registered stand-in is rewritten by the pass (or the
 backend raises), so the overlapping memory is never used.
 
-Each stand-in is registered here with the layer's packed ``KVState``. The registry is keyed by tensor
-identity and holds its keys weakly, so a cache that goes away takes its store with it. The compiled graph
-looks the state up at every call from the stand-in it receives (``kvcompile.api``), so a fresh cache of the
-same shape reuses the compiled code and never reads a stale store.
+Each stand-in is registered here with the layer's packed store (a ``KVStore``). The registry is keyed by
+tensor identity and holds its keys weakly, so a cache that goes away takes its store with it. kvcompile's
+ops receive the stand-ins themselves (the graph's cache placeholders) and look their store up at every
+call (``kvcompile.ops``), so a fresh cache of the same shape reuses the compiled code and never reads a
+stale store, and a store can grow (its tensors replaced) without the compiled graph noticing.
 
 A second registry holds the cache tensors kvcompile must *leave alone*: a transformers sliding-window layer's
 ring (``StaticSlidingWindowLayer``), which rolls its window in full precision with its own writes; the pass
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .store import KVState, LayerSpec
+from .store import KVStore, LayerSpec
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Slot:
            reads to the store, but the full tensor's memory is still held by its owner).
     """
 
-    state: KVState
+    store: KVStore
     spec: LayerSpec
     spec_name: str
     role: str  # "k" or "v"
@@ -67,14 +68,13 @@ def is_standin(t: Tensor) -> bool:
             and t.untyped_storage().nbytes() < t.numel() * t.element_size())
 
 
-def register(k: Tensor, v: Tensor, spec: LayerSpec, layer: str, owned: bool, state: KVState | None = None) -> KVState:
-    """Give the cache tensors ``k, v [B, H, C, D]`` one packed store (allocated unless ``state`` is given)."""
-    name = spec.register()
-    if state is None:
-        state = spec.allocate(k.device)
-    _SLOTS[k] = Slot(state, spec, name, "k", layer, owned)
-    _SLOTS[v] = Slot(state, spec, name, "v", layer, owned)
-    return state
+def register(k: Tensor, v: Tensor, store: KVStore, layer: str, owned: bool) -> KVStore:
+    """Give the cache tensors ``k, v [B, H, C, D]`` the packed store ``store`` (a new stand-in pair of a growing
+    cache is registered to the store its predecessors had)."""
+    name = store.spec.register()
+    _SLOTS[k] = Slot(store, store.spec, name, "k", layer, owned)
+    _SLOTS[v] = Slot(store, store.spec, name, "v", layer, owned)
+    return store
 
 
 def lookup(t: Tensor) -> Slot | None:

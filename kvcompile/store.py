@@ -741,15 +741,20 @@ def with_chunk(k: Tensor, v: Tensor, state: KVState, spec: LayerSpec, k_new: Ten
 
 
 def positions(state: KVState, mask: Tensor | None) -> int:
-    """How many absolute positions attention scores: the mask's width, or the longest sequence without one.
-    A mask narrower than a sequence cannot say whether its last positions are visible: an error."""
+    """How many absolute positions attention scores: the mask's width, or the longest sequence without one."""
+    if mask is not None:
+        return mask.shape[-1]
+    return int(state.lengths.max()) if state.lengths.numel() else 0
+
+
+def cover(mask: Tensor | None, state: KVState) -> Tensor | None:
+    """``mask`` widened to every position a sequence holds: positions past its width are invisible (what SDPA
+    over ``cache[:, :, :width]`` computes). Kernels take masks at least as wide as the longest sequence."""
     longest = int(state.lengths.max()) if state.lengths.numel() else 0
-    if mask is None:
-        return longest
-    if mask.shape[-1] < longest:
-        raise ValueError(f"the attention mask covers {mask.shape[-1]} positions, but a sequence holds {longest} "
-                         f"tokens: a mask must cover every cached position (its last dimension is the position)")
-    return mask.shape[-1]
+    if mask is None or mask.shape[-1] >= longest:
+        return mask
+    fill = False if mask.dtype == torch.bool else float("-inf")
+    return torch.nn.functional.pad(mask, (0, longest - mask.shape[-1]), value=fill)
 
 
 def attention_reference(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = None,
@@ -761,7 +766,7 @@ def attention_reference(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     Key ``p`` is visible to query ``i`` when ``p < L`` and
       - with no mask: ``p <= L - n + i`` (causal);
       - with a mask (bool, or float added to the scores; broadcastable to ``[B, Hq, n, P]`` over
-        absolute positions ``0 .. P-1``, ``P`` at least every row's length): as the mask says.
+        absolute positions ``0 .. P-1``): as the mask says; positions ``p >= P`` are invisible (``cover``).
     A query that sees no key returns zeros. ``Hq`` must be a multiple of the store's heads (GQA).
 
     ``k_new, v_new [B, H, n, D]``: the chunk just appended (the queries' own keys and values). Given, the
@@ -774,6 +779,7 @@ def attention_reference(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     if Hq % H:
         raise ValueError(f"query heads {Hq} are not a multiple of the cache's kv heads {H}")
     check_chunk(q, k_new, v_new, spec)
+    mask = cover(mask, state)
     C = positions(state, mask)
     k, v = dequantize_reference(state, spec, compute_dtype, rotated=True, end=C)
     if k_new is not None:

@@ -37,7 +37,6 @@ counters: Counter = Counter()
 SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
         torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.scaled_dot_product_attention}
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-N_STATE = 11  # tensors in a KVState
 
 
 class KVCompileError(RuntimeError):
@@ -69,7 +68,7 @@ class Site:
     gqa: int            # query heads per kv head
     repeat: str         # how the heads were replicated: "none", "repeat_kv", "repeat_interleave", "enable_gqa"
     read_len: Any       # None when SDPA reads the whole cache, else the end of a [:, :, :end] slice
-    shape: tuple        # the cache's [B, H, C, D]
+    shape: tuple        # the cache's [B, H, C, D] (C may be symbolic: one graph serves every capacity)
     dtype: torch.dtype
     spec_name: str | None = None
     causal_prefix: bool = False  # no mask, is_causal=True over cache[:, :, :n], n queries (CAUSAL_PREFIX)
@@ -77,9 +76,13 @@ class Site:
 
 @dataclass
 class Skipped:
+    """A read (or write) the pass leaves as it is, and why. ``uses``: the ops that stood in the way, when the
+    reason is that the cache has other uses (a transformers ring's ``roll``, say), for callers to act on."""
+
     layer: str
     node: str
     reason: str
+    uses: tuple = ()
 
 
 @dataclass
@@ -150,17 +153,30 @@ def _is_full(s) -> bool:
     return s == _FULL or s is Ellipsis
 
 
-def _walk_to_cache(x: Node):
-    """Follow SDPA's key/value argument back through head replication to the cache placeholder.
+_FACTORIES = {torch.zeros, torch.empty, torch.full, torch.ones}
 
-    Returns ``(placeholder, repeat, read_len, chain)`` or ``(None, reason, None, chain)``. Accepted on the way:
+
+def is_factory(n: Node) -> bool:
+    """A 4-D tensor the graph allocates (a transformers StaticCache initializing lazily inside the compiled
+    region): a cache root like a placeholder; the rewrite allocates it as a stand-in."""
+    if n.op != "call_function" or n.target not in _FACTORIES:
+        return False
+    v = _val(n)
+    return v is not None and v.dim() == 4
+
+
+def _walk_to_cache(x: Node):
+    """Follow SDPA's key/value argument back through head replication to the cache: a placeholder, or a
+    tensor the graph allocates (``is_factory``).
+
+    Returns ``(cache node, repeat, read_len, chain)`` or ``(None, reason, None, chain)``. Accepted on the way:
     ``repeat_kv`` (``[:, :, None]`` + expand + reshape), ``unsqueeze(2)``, ``repeat_interleave(n, dim=1)``,
     ``contiguous``, and one ``[:, :, :end]`` slice of the cache. These replicate each kv head over consecutive
     query heads, which is the GQA layout kvcompile's attention uses; anything else is reported.
     """
     repeat, read_len, chain = "none", None, []
     while True:
-        if x.op == "placeholder":
+        if x.op == "placeholder" or is_factory(x):
             return x, repeat, read_len, chain
         chain.append(x)
         name = _op_name(x)
@@ -228,8 +244,8 @@ def find_writes(cache: Node, reads: set[Node]) -> tuple[list[Write], list[Node]]
     """The writes into ``cache``, and its other uses that are neither a write, a read nor a shape query."""
     writes, other = [], []
     for u in cache.users:
-        if u in reads or is_shape_query(u):
-            continue
+        if u in reads or is_shape_query(u) or (u.op == "output" and is_factory(cache)):
+            continue  # (a tensor the graph allocates is returned to be kept: harmless, it becomes a stand-in)
         w = _as_write(u, cache)
         if w is not None:
             writes.append(w)
@@ -246,20 +262,13 @@ def _looks_like_cache_write(n: Node) -> Node | None:
         tgt = n.args[0]
     else:
         return None
-    if isinstance(tgt, Node) and tgt.op == "placeholder" and getattr(_val(tgt), "dim", lambda: 0)() == 4:
+    if isinstance(tgt, Node) and (tgt.op == "placeholder" or is_factory(tgt)) and \
+            getattr(_val(tgt), "dim", lambda: 0)() == 4:
         return tgt
     return None
 
 
 # --------------------------------------------------------------------------- matching
-_FACTORIES = ("zeros", "empty", "full", "ones")
-ALLOCATED_IN_GRAPH = (
-    "the KV cache is allocated inside the compiled region (a StaticCache initializing lazily on its first "
-    "update), so its writes would land in a full-precision tensor the next call never sees. Initialize the "
-    "cache before the first compiled call: cache.early_initialization(batch_size, num_kv_heads, head_dim, "
-    "dtype, device), or use kvcompile.apply, which creates its caches itself")
-
-
 def _match_read(gm: GraphModule, read: Node, order: dict, left=None) -> Site | Skipped:
     a = sdpa_args(read)
     layer = layer_name(read)
@@ -270,8 +279,6 @@ def _match_read(gm: GraphModule, read: Node, order: dict, left=None) -> Site | S
         if why:
             return Skipped(layer, read.name, why)
         if ph is None:
-            if any(f in repeat for f in _FACTORIES):
-                return Skipped(layer, read.name, ALLOCATED_IN_GRAPH + f" (SDPA's {which} comes from {repeat})")
             return Skipped(layer, read.name, f"SDPA's {which} does not come from a cache tensor (it is computed "
                                              f"by {repeat}); only a cache written in place can be rewritten")
         roots.append((ph, repeat, read_len, chain))
@@ -286,7 +293,8 @@ def _match_read(gm: GraphModule, read: Node, order: dict, left=None) -> Site | S
     for name, ws, other in (("keys", wk, other_k), ("values", wv, other_v)):
         if other:
             return Skipped(layer, read.name, f"the {name} cache {_src(kc if name == 'keys' else vc)} is also used "
-                                             f"by {', '.join(f'{u.name} ({_op_name(u)})' for u in other)}")
+                                             f"by {', '.join(f'{u.name} ({_op_name(u)})' for u in other)}",
+                           tuple(_op_name(u) for u in other))
         if len(ws) != 1:
             return Skipped(layer, read.name, f"the {name} cache {_src(kc if name == 'keys' else vc)} is written "
                                              f"{len(ws)} times before this read; the pass expects exactly one write")
@@ -298,7 +306,7 @@ def _match_read(gm: GraphModule, read: Node, order: dict, left=None) -> Site | S
     q = a["query"]
     mask = a.get("attn_mask")
     is_causal = bool(a.get("is_causal", False))
-    B, H, C, D = (int(s) for s in kval.shape)
+    B, H, C, D = int(kval.shape[0]), int(kval.shape[1]), kval.shape[2], int(kval.shape[3])
     qv = _val(q)
     for name, w in (("keys", wk[0]), ("values", wv[0])):
         sv = _val(w.src)
@@ -313,7 +321,7 @@ def _match_read(gm: GraphModule, read: Node, order: dict, left=None) -> Site | S
         n = qv.shape[-2]
         if is_causal and k_len is not None and _same_size(k_len, n) and _same_size(v_len, n):
             causal_prefix = True  # transformers' prefill shortcut over a static cache (see CAUSAL_PREFIX)
-        elif not (is_causal and k_len is None and isinstance(n, int) and n == C):
+        elif not (is_causal and k_len is None and _same_size(n, C)):
             return Skipped(layer, read.name, "SDPA reads the cache with no attn_mask"
                            + (" and is_causal=True over a cache longer than the query" if is_causal else "")
                            + ": unwritten slots would be attended. kvcompile rewrites reads that pass a mask "
@@ -396,20 +404,8 @@ def analyze(gm: GraphModule, left=None) -> Analysis:
 
 
 # --------------------------------------------------------------------------- rewriting
-def _restart_at_zero(lengths: torch.Tensor, pos: torch.Tensor) -> None:
-    """A write at position 0 starts a new sequence (gpt-fast reuses its cache across prompts this way).
-
-    The packed store is append-only, so it forgets what it holds; written with tensor ops so it neither
-    syncs with the device nor breaks the graph.
-    """
-    lengths.mul_(pos.reshape(-1)[:1].ne(0).to(lengths.dtype))
-
-
 def _slice_positions(start, stop, like: torch.Tensor) -> torch.Tensor:
     return torch.arange(start, stop, device=like.device)
-
-
-_IMPURE = {_restart_at_zero, operator.setitem}
 
 
 def _copy_meta(new: Node, old: Node) -> None:
@@ -418,22 +414,25 @@ def _copy_meta(new: Node, old: Node) -> None:
             new.meta[k] = old.meta[k]
 
 
-def add_state_inputs(gm: GraphModule, sites: list[Site]) -> list[list[Node]]:
-    """One group of ``N_STATE`` new placeholders per site, after the existing ones (the store's tensors)."""
-    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
-    groups = []
-    for i, s in enumerate(sites):
-        group = []
-        for j in range(N_STATE):
-            with gm.graph.inserting_after(last):
-                last = gm.graph.placeholder(f"kvstate_{i}_{j}")
-            group.append(last)
-        groups.append(group)
-    return groups
+def replace_allocation(gm: GraphModule, cache: Node) -> Node:
+    """A cache the graph allocates (``torch.zeros([B, H, C, D])``) -> ``kvcompile.standin(shape, dtype,
+    device)``: the tensor the model keeps (a lazily initialized StaticCache stores it) holds no full-precision
+    memory; its packed store is created by the first ``kvcompile.store`` that writes it."""
+    val = _val(cache)
+    with gm.graph.inserting_before(cache):
+        new = gm.graph.call_function(torch.ops.kvcompile.standin.default,
+                                     (list(val.shape), val.dtype, val.device))
+    _copy_meta(new, cache)
+    new.meta["example_value"] = val
+    cache.replace_all_uses_with(new)
+    gm.graph.erase_node(cache)
+    counters["allocation_standin"] += 1
+    return new
 
 
-def replace_writes(gm: GraphModule, site: Site, state: list[Node]) -> Node:
-    """The two cache writes -> ``restart`` + one ``kvcompile.store(state, k, v, pos, spec)``."""
+def replace_writes(gm: GraphModule, site: Site) -> Node:
+    """The two cache writes -> one ``kvcompile.store(k_cache, v_cache, k, v, pos, spec)``, whose token the
+    read takes."""
     g = gm.graph
     order = _order(gm)
     later = max(site.k_write.node, site.v_write.node, key=order.__getitem__)
@@ -441,11 +440,9 @@ def replace_writes(gm: GraphModule, site: Site, state: list[Node]) -> Node:
         pos = site.k_write.pos
         if isinstance(pos, tuple):
             pos = g.call_function(_slice_positions, (pos[1], pos[2], site.k_write.src))
-        restart = g.call_function(_restart_at_zero, (state[-1], pos))
         store = g.call_function(torch.ops.kvcompile.store.default,
-                                (list(state), site.k_write.src, site.v_write.src, pos, site.spec_name))
-    for new in (restart, store):
-        _copy_meta(new, later)
+                                (site.k_cache, site.v_cache, site.k_write.src, site.v_write.src, pos, site.spec_name))
+    _copy_meta(store, later)
     for w, cache in ((site.k_write, site.k_cache), (site.v_write, site.v_cache)):
         w.node.replace_all_uses_with(cache)  # index_copy_ returns the cache itself
         g.erase_node(w.node)
@@ -467,50 +464,34 @@ positions: query i sees slot p iff p <= i -- exactly what the SDPA over the slic
 store held before (on an empty store, the same as the op's own causal rule)."""
 
 
-def causal_prefix_mask(q, capacity: int):
-    """``[1, 1, n, capacity]`` bool: query ``i`` (of ``n``) sees slot ``p`` iff ``p <= i`` (see ``CAUSAL_PREFIX``)."""
+def causal_prefix_mask(q, width):
+    """``[1, 1, n, width]`` bool: query ``i`` (of ``n``) sees position ``p`` iff ``p <= i`` (see ``CAUSAL_PREFIX``)."""
     n = q.shape[-2]
     i = torch.arange(n, device=q.device).view(1, 1, n, 1)
-    p = torch.arange(capacity, device=q.device).view(1, 1, 1, capacity)
+    p = torch.arange(width, device=q.device).view(1, 1, 1, width)
     return p <= i
 
 
-def fused_cpu_attention(q, state, mask, scale, spec_name, k_new=None, v_new=None):
-    """The attention read as plain torch ops (``kvcompile.templates.inductor``), for Inductor to fuse.
+def replace_read(gm: GraphModule, site: Site, token: Node) -> Node:
+    """SDPA over the (replicated) cache -> ``kvcompile.attention(q, k_cache, v_cache, token, mask, scale, spec,
+    k, v)``, where ``k, v`` are what the layer's writes stored (the queries' own chunk, read in full precision).
 
-    The custom op is opaque to Inductor. Traced through this function instead, the read becomes part of the
-    graph Inductor compiles: one generated C++ kernel that unpacks and dequantizes inside its reductions.
-    Same semantics; tested against the reference.
-    """
-    return _ops._fused_attention(q, state, mask, scale, spec_name, k_new, v_new)
-
-
-def replace_read(gm: GraphModule, site: Site, state: list[Node], fused_cpu: bool = False) -> Node:
-    """SDPA over the (replicated) cache -> ``kvcompile.attention(q, state, mask, scale, spec, k, v)``, where
-    ``k, v`` are what the layer's writes stored (the queries' own chunk, read in full precision).
-
-    fused_cpu: for a CPU cache compiled by Inductor, call ``fused_cpu_attention`` instead of the op.
+    The mask covers absolute positions ``0 .. width-1``: SDPA's own mask does (a read of ``cache[:, :, :end]``
+    with a mask of width ``end`` scores exactly those positions, which hold every written token).
     """
     g = gm.graph
     with g.inserting_before(site.read):
         mask = site.mask
         if site.causal_prefix:
-            mask = g.call_function(causal_prefix_mask, (site.query, site.shape[2]))
+            mask = g.call_function(causal_prefix_mask, (site.query, site.read_len))
             counters["mask_causal_prefix"] += 1
-        elif mask is not None and site.read_len is not None:
-            # SDPA saw only [:, :, :end]; the op masks by absolute position over the whole capacity.
-            mval = _val(mask)
-            fill = False if mval.dtype == torch.bool else float("-inf")
-            width = g.call_function(operator.sub, (site.shape[2], site.read_len))
-            mask = g.call_function(F.pad, (mask, (0, width)), {"value": fill})
         # The op returns a contiguous [B, Hq, n, D]; its fake returns empty_like(q), so q must be contiguous
         # for the two to agree (q is usually a transposed view). A copy of the queries only: n tokens.
         q = g.call_method("contiguous", (site.query,))
-        on_cpu = _val(site.query).device.type == "cpu" and _ops.kernels(torch.device("cpu")) == "inductor"
-        target = fused_cpu_attention if (fused_cpu and on_cpu) else torch.ops.kvcompile.attention.default
-        att = g.call_function(target, (q, list(state), mask, site.scale, site.spec_name, site.k_write.src,
-                                       site.v_write.src))
-        counters["attention_fused_cpu" if target is fused_cpu_attention else "attention_op"] += 1
+        att = g.call_function(torch.ops.kvcompile.attention.default,
+                              (q, site.k_cache, site.v_cache, token, mask, site.scale, site.spec_name,
+                               site.k_write.src, site.v_write.src))
+        counters["attention_op"] += 1
     _copy_meta(att, site.read)
     if "example_value" in site.read.meta:
         att.meta["example_value"] = site.read.meta["example_value"]
@@ -527,18 +508,23 @@ def _impure(n: Node) -> bool:
     if n.op == "call_method" and n.target.endswith("_") and not n.target.startswith("__"):
         return True  # in-place tensor methods (cumulative_length.add_, ...) in a Dynamo graph
     if n.op == "call_function":
-        if n.target in _IMPURE:
+        if n.target is operator.setitem or n.target is torch.ops.kvcompile.store.default:
             return True
         name = getattr(n.target, "__name__", "")
         return name.endswith("_") and not name.startswith("__")
     return False
 
 
+_KVC_OPS = {torch.ops.kvcompile.store.default, torch.ops.kvcompile.attention.default}
+
+
 def check_fused(gm: GraphModule, sites: list[Site]) -> None:
-    """After rewriting: nothing may still read or write a rewritten cache tensor."""
+    """After rewriting: nothing but kvcompile's ops may still read or write a rewritten cache tensor."""
     for s in sites:
         for cache in (s.k_cache, s.v_cache):
-            left = [f"{u.name} ({_op_name(u)})" for u in cache.users if not is_shape_query(u)]
+            left = [f"{u.name} ({_op_name(u)})" for u in cache.users
+                    if not is_shape_query(u) and not (u.op == "call_function" and u.target in _KVC_OPS)
+                    and not (u.op == "output" and cache.op != "placeholder")]
             if left:
                 raise KVCompileError(
                     f"layer {s.layer}: the cache {_src(cache)} is still used by {', '.join(left)} after the rewrite; "
@@ -546,15 +532,18 @@ def check_fused(gm: GraphModule, sites: list[Site]) -> None:
     counters["checked_fused"] += len(sites)
 
 
-def rewrite(gm: GraphModule, sites: list[Site], fused_cpu: bool = False) -> GraphModule:
-    """Rewrite every site (each must have ``spec_name`` set); adds ``N_STATE`` inputs per site, in order.
-
-    fused_cpu: CPU reads become ``fused_cpu_attention`` (set when Inductor compiles the result).
-    """
-    groups = add_state_inputs(gm, sites)
-    for s, state in zip(sites, groups):
-        replace_writes(gm, s, state)
-        replace_read(gm, s, state, fused_cpu)
+def rewrite(gm: GraphModule, sites: list[Site]) -> GraphModule:
+    """Rewrite every site (each must have ``spec_name`` set): writes into a store, reads from it, and caches
+    the graph allocates into stand-ins."""
+    allocated = {c for s in sites for c in (s.k_cache, s.v_cache) if c.op != "placeholder"}
+    for s in sites:
+        token = replace_writes(gm, s)
+        replace_read(gm, s, token)
+    for c in allocated:
+        new = replace_allocation(gm, c)
+        for s in sites:  # the sites now name the stand-in
+            s.k_cache = new if s.k_cache is c else s.k_cache
+            s.v_cache = new if s.v_cache is c else s.v_cache
     gm.graph.eliminate_dead_code(is_impure_node=_impure)
     check_fused(gm, sites)
     gm.graph.lint()

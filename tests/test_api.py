@@ -21,9 +21,10 @@ from transformers.cache_utils import DynamicCache, StaticCache
 
 import kvcompile
 from kvcompile import CapacityError, KVCompileError, Policy, PolicyError, Quant
-from kvcompile.api import _cache_kwarg
+from kvcompile.hf_model import cache_kwarg as _cache_kwarg
 from kvcompile.hf import KVCompileCache
-from kvcompile.store import LayerSpec
+from kvcompile import standin
+from kvcompile.store import KVStore, LayerSpec
 from kvcompile.passes import counters
 
 
@@ -177,9 +178,12 @@ def test_forward_returns_a_cache_that_reports_its_bytes():
         out = applied(torch.randint(3, 64, (1, 5)), use_cache=True)
     cache = cache_of(out)
     assert isinstance(cache, KVCompileCache)
-    held = sum(t.untyped_storage().nbytes() for layer in cache.layers
-               for t in (*layer.state, layer.keys, layer.values))
-    assert cache.nbytes == held > 0
+    allocated = sum(t.untyped_storage().nbytes() for layer in cache.layers
+                    for t in (*layer.store.state, layer.keys, layer.values))
+    assert cache.reserved_nbytes == allocated > 0
+    standins = sum(2 * layer.keys.untyped_storage().nbytes() for layer in cache.layers)
+    spec = cache.layers[0].spec  # what the sequences hold: exactly the accounting for their 5 tokens
+    assert cache.nbytes == 2 * spec.nbytes(1, 5) + standins <= cache.reserved_nbytes
     with torch.no_grad():  # without a cache nothing is compiled or quantized
         applied(torch.randint(3, 64, (1, 5)), use_cache=False)
 
@@ -188,14 +192,15 @@ def test_forward_returns_a_cache_that_reports_its_bytes():
 def test_memory_4bit_cache_is_under_0_3x_of_bf16_and_no_full_cache_exists():
     B, H, D, C, L = 1, 2, 64, 1024, 2
     model = tiny(layers=L, heads=H, kv_heads=H, head_dim=D, dtype=torch.bfloat16)
+    model.config.max_position_embeddings = C
     policy = Policy(Quant("int4"), Quant("int4"))  # one fp16 scale + zero point per token-head
-    applied = kvcompile.apply(model, policy, max_cache_len=C, compiler="eager")
+    applied = kvcompile.apply(model, policy, compiler="eager")
     with torch.no_grad():
-        cache = cache_of(applied(torch.randint(3, 64, (B, 16)), use_cache=True))
+        cache = cache_of(applied(torch.randint(3, 64, (B, C)), use_cache=True))
     bf16 = 2 * L * B * H * C * D * 2
     storages = {}
     for layer in cache.layers:
-        for t in (*layer.state, layer.keys, layer.values):
+        for t in (*layer.store.state, layer.keys, layer.values):
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     held = sum(storages.values())
     assert held <= 0.3 * bf16, (held, bf16)
@@ -250,15 +255,22 @@ def test_backend_with_a_full_precision_static_cache_quantizes_but_says_memory_is
     assert any("still allocated" in n for n in ex.notes)
 
 
-def test_backend_with_a_lazily_initialized_static_cache_says_to_initialize_it():
-    """A StaticCache allocating on its first update does so inside the compiled graph: its prefill would go
-    to a full-precision tensor the decode graph never reads. Refused with what to do, not run wrongly."""
+def test_backend_with_a_lazily_initialized_static_cache_allocates_a_standin():
+    """A StaticCache allocating on its first update does so inside the compiled graph: the pass rewrites the
+    allocation into a stand-in (no full-precision tensor is created) whose store the first write creates, and the
+    next call's graph finds it there."""
+    policy = Policy.int8(residual=2)
     model = tiny()
+    ref = twin(model)
+    ids = torch.randint(3, 64, (1, 8))
+    want, _ = chunks(ref, ids, 5, KVCompileCache(ref.config, policy, 12))
     static = StaticCache(config=model.config, max_cache_len=12)  # no early_initialization
     compiled = torch.compile(model, backend="kvcompile", fullgraph=True,
-                             options={"policy": Policy.int8(), "compiler": "eager"})
-    with pytest.raises(Exception, match=r"allocated inside the compiled region.*early_initialization"):
-        compiled(torch.randint(3, 64, (1, 5)), use_cache=True, **{_cache_kwarg(model): static})
+                             options={"policy": policy, "compiler": "eager"})
+    got, _ = chunks(compiled, ids, 5, static)
+    torch.testing.assert_close(got, want)
+    assert counters["allocation_standin"] == 2 * 2  # the prefill graph's two layers, keys and values
+    assert all(standin.is_standin(layer.keys) and standin.lookup(layer.keys).owned for layer in static.layers)
 
 
 def test_backend_without_a_policy_says_how_to_pass_one():
@@ -282,10 +294,12 @@ def test_eager_graphs_call_kvcompile_functions_without_the_dispatcher():
         model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
         with profile() as prof:
             model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
-        spec = LayerSpec(Policy.int8(), 1, 2, 16, 8, "float32")
-        state = spec.allocate()
+        spec = LayerSpec(Policy.int8(), 2, 8, "float32")
+        kc = standin.make_standin((1, 2, 16, 8), torch.float32, "cpu")
+        vc = standin.make_standin((1, 2, 16, 8), torch.float32, "cpu")
+        standin.register(kc, vc, KVStore(spec, 1), "layer", owned=True)
         with profile() as direct:
-            torch.ops.kvcompile.store(list(state), torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8), torch.tensor([0]),
+            torch.ops.kvcompile.store(kc, vc, torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8), torch.tensor([0]),
                                       spec.register())
     assert not {e.name for e in prof.events() if e.name.startswith("kvcompile::")}
     assert "kvcompile::store" in {e.name for e in direct.events()}
@@ -298,10 +312,10 @@ def test_inductor_compiles_the_rest_of_the_graph():
     ids = torch.randint(3, 64, (1, 7))
     want, _ = chunks(ref, ids, 5, KVCompileCache(ref.config, policy, 12))
     counters.clear()
-    kvcompile.ops.set_kernels("inductor")  # the fixture chose the reference; the fused read is for "inductor"
     got, _ = chunks(kvcompile.apply(model, policy, max_cache_len=12, compiler="inductor"), ids, 5)
-    # On the CPU, Inductor gets the read as plain torch ops (templates/inductor.py), not the opaque op.
-    assert counters["attention_fused_cpu"] >= 1 and counters["attention_op"] == 0
+    # Inductor compiles the rest of the graph; kvcompile's ops are opaque calls in it (the store is not a
+    # graph value, so it grows between calls without a recompile).
+    assert counters["attention_op"] >= 1
     # Seen: 6e-8. Inductor fuses the projections, so keys could differ in the last bit and flip a code (see
     # tests/passes); with this seed they do not, and a flip here would be worth a look, not a wider bound.
     torch.testing.assert_close(got, want)
@@ -338,13 +352,15 @@ def test_many_shapes_in_one_process_compile_past_dynamos_default_limit():
 
 
 def test_error_recompile_limit_says_what_to_do():
+    """A user's own lower recompile limit, met by a new batch size (one prefill and one decode graph each;
+    new lengths compile nothing)."""
     applied = kvcompile.apply(tiny(layers=1), Policy.int8(), compiler="eager")
     with torch._dynamo.config.patch(recompile_limit=2):  # what a user's own setting may be
-        for b in (1, 2):
-            chunks(applied, torch.randint(3, 64, (b, 4)), 4, KVCompileCache(applied.config, Policy.int8(), 6))
+        chunks(applied, torch.randint(3, 64, (1, 4)), 3, KVCompileCache(applied.config, Policy.int8()))
+        chunks(applied, torch.randint(3, 64, (1, 9)), 5, KVCompileCache(applied.config, Policy.int8()))
         with pytest.raises(KVCompileError, match=r"LlamaForCausalLM\.forward under kvcompile.*recompile_limit=2.*"
-                                                 r"fewer distinct shapes"):
-            chunks(applied, torch.randint(3, 64, (3, 4)), 4, KVCompileCache(applied.config, Policy.int8(), 6))
+                                                 r"fewer distinct batch sizes"):
+            chunks(applied, torch.randint(3, 64, (3, 4)), 3, KVCompileCache(applied.config, Policy.int8()))
 
 
 # --------------------------------------------------------------------------- errors
@@ -404,24 +420,26 @@ def windowed(window, layer_types=None):
 def test_windowed_layers_keep_transformers_ring_where_it_holds_fewer_bytes():
     """Gemma 3 attends over a sliding window in most layers. For those, transformers keeps a full-precision
     ring of the window; kvcompile's store would keep every token. The cache takes, per windowed layer, whichever
-    holds fewer bytes at its capacity (checked against the accounting module's bytes)."""
+    holds fewer bytes at its horizon (max_cache_len, else max_position_embeddings), checked against the
+    accounting module's bytes."""
     types = ["sliding_attention", "full_attention", "sliding_attention"]
     policy = Policy.kivi(4, group=4, residual=4)
-    model = windowed(16, types)
-    ring = 2 * 2 * 8 * 16 * 4  # keys and values, 2 kv heads x head_dim 8 x 16 tokens, fp32
+    model = windowed(128, types)
+    ring = 2 * 2 * 8 * 128 * 4  # keys and values, 2 kv heads x head_dim 8 x 128 tokens, fp32
 
     def store(capacity):  # one layer's store for one sequence of `capacity` tokens
         return kvcompile.cache_bytes(policy, 1, 2, 8, capacity, dtype=torch.float32)
 
     long = KVCompileCache(model.config, policy, 512, batch_size=1, dtype=torch.float32)
-    assert long.rings == {0: 16, 2: 16} and store(512) > ring
-    standins = 2 * 4 * (1 + 2 + 512 + 8 - 3)  # the quantized layer's two stand-ins (kvcompile.standin)
-    assert long.nbytes == 2 * ring + store(512) + standins
-    short = KVCompileCache(model.config, policy, 20, batch_size=1, dtype=torch.float32)
-    assert short.rings == {} and store(20) < ring  # the window never slides far in 20 tokens: quantize
-    edge = next(c for c in range(17, 512) if store(c) > ring)  # the first capacity at which the ring wins
+    assert long.rings == {0: 128, 2: 128} and store(512) > ring
+    assert KVCompileCache(model.config, policy).rings == {0: 128, 2: 128}  # no limit: max_position_embeddings
+    standins = 2 * 4 * (1 + 2 + 256 + 8 - 3)  # the quantized layer's two stand-ins (kvcompile.standin)
+    assert long.nbytes == 2 * ring + store(0) + standins  # empty: the rings, and one sequence's window and sinks
+    short = KVCompileCache(model.config, policy, 150, batch_size=1, dtype=torch.float32)
+    assert short.rings == {} and store(150) < ring  # the window never slides far in 150 tokens: quantize
+    edge = next(c for c in range(129, 512) if store(c) > ring)  # the first capacity at which the ring wins
     assert KVCompileCache(model.config, policy, edge - 1).rings == {}
-    assert KVCompileCache(model.config, policy, edge).rings == {0: 16, 2: 16}
+    assert KVCompileCache(model.config, policy, edge).rings == {0: 128, 2: 128}
 
 
 def test_windowed_model_compiled_equals_the_reference_cache():
@@ -471,7 +489,7 @@ def test_error_sequence_longer_than_capacity():
     applied = kvcompile.apply(tiny(), Policy.int8(), max_cache_len=8, compiler="eager")
     with torch.no_grad():
         cache = cache_of(applied(torch.randint(3, 64, (1, 6)), use_cache=True))
-        with pytest.raises(CapacityError, match="allocated for 8"):
+        with pytest.raises(CapacityError, match="holds 6 tokens and appends 3, but the cache is limited to 8"):
             applied(torch.randint(3, 64, (1, 3)), use_cache=True, **{_cache_kwarg(applied): cache})
         with pytest.raises(CapacityError):
             applied(torch.randint(3, 64, (1, 9)), use_cache=True)
@@ -485,19 +503,9 @@ def test_error_dynamic_cache_given_to_an_applied_model():
 
 
 # --------------------------------------------------------------------------- the Triton kernels, end to end
-def _launch():
-    try:
-        from kvcompile.templates import launch
-    except ImportError as e:
-        pytest.skip(f"kvcompile.templates.launch cannot be imported ({e})")
-    if not (hasattr(launch, "store") and hasattr(launch, "attention")):
-        pytest.skip("kvcompile.templates.launch has no attention entry point yet (kernel issue in progress)")
-    return launch
-
-
 def test_tiny_llama_through_the_pass_runs_the_triton_kernels(monkeypatch):
-    launch = _launch()
     from kvcompile import ops
+    from kvcompile.templates import launch
 
     calls = {"store": 0, "attention": 0}
     for name in calls:

@@ -20,7 +20,7 @@ from transformers.cache_utils import StaticCache
 
 import kvcompile
 from kvcompile import Policy
-from kvcompile.api import _cache_kwarg
+from kvcompile.hf_model import cache_kwarg as _cache_kwarg
 from kvcompile.hf import KVCompileCache
 from kvcompile.passes import counters
 

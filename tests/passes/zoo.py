@@ -50,10 +50,11 @@ class RefCache(nn.Module):
     def __init__(self, policy, B, H, C, D, dtype=torch.float32):
         super().__init__()
         self.kv = QuantizedKV(policy, B, H, C, D, dtype)
+        self.C = C
 
     def update(self, input_pos, start, k, v):
         self.kv.append(k, v)
-        k_all, v_all = self.kv.dequantized(k.dtype)
+        k_all, v_all = self.kv.dequantized(k.dtype, end=self.C)
         return k_all, v_all
 
 

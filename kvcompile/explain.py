@@ -1,0 +1,130 @@
+"""``kvcompile.explain(model)``: every cache site the pass finds, its policy and bytes, and what it left alone.
+
+    print(kvcompile.explain(model))            # an applied model: the graphs compiled so far, or a short trace
+    print(kvcompile.explain(model, idx, pos))  # any model: traced with these inputs (nothing runs)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .passes import KVCompileError
+from .passes.kv_cache import Site, Skipped
+from .policy import Policy
+from .store import LayerSpec
+
+
+@dataclass
+class SiteReport:
+    layer: str
+    write: str
+    read: str
+    policy: str
+    bytes_per_token: float       # this layer's packed blocks per token (block table included), long-context rate
+    fixed_bytes: int             # what each sequence holds besides its blocks: ring, sinks, length
+    fp_bytes_per_token: int      # the same layer's full-precision cache
+    gqa: int
+    memory_saved: bool
+
+
+@dataclass
+class Explanation:
+    sites: list[SiteReport] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"kvcompile: {len(self.sites)} cache site(s) rewritten, {len(self.skipped)} not rewritten"]
+        if self.sites:
+            rows = [(s.layer, s.write, s.read, f"{s.bytes_per_token:.1f}", str(s.fp_bytes_per_token),
+                     str(s.fixed_bytes), s.policy + ("" if s.memory_saved else "  [!]")) for s in self.sites]
+            head = ("layer", "write", "read", "B/token", "fp B/token", "B/sequence", "policy")
+            w = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+            right = {3, 4, 5}
+
+            def fmt(r):
+                return "  " + "  ".join(c.rjust(w[i]) if i in right else c.ljust(w[i]) for i, c in enumerate(r))
+            lines += [fmt(head).rstrip()] + [fmt(r).rstrip() for r in rows]
+            lines.append("  B/token: packed bytes per cached token at long context (codes, scales, zero points, "
+                         "block table); B/sequence: what each sequence holds besides, its full-precision window "
+                         "and sinks (which dominate a short sequence)")
+        for k in self.skipped:
+            lines.append(f"  not rewritten: {k.layer} ({k.node}): {k.reason}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def site_reports(sites: list[Site], specs: list[LayerSpec], owned: list[bool], skipped) -> Explanation:
+    ex = Explanation(skipped=list(skipped))
+    for s, spec, own in zip(sites, specs, owned):
+        el = torch.empty((), dtype=spec.torch_dtype).element_size()
+        write = f"{s.k_write.node.name} ({s.k_write.idiom})"
+        ex.sites.append(SiteReport(s.layer, write, f"{s.read.name} (sdpa)", spec.policy.key_str(),
+                                   (spec.block_nbytes() + 4) / spec.block, spec.row_nbytes(),
+                                   2 * spec.heads * spec.head_dim * el, s.gqa, own))
+    if not all(owned):
+        ex.notes.append("[!] these caches were allocated in full precision by their owner (e.g. a transformers "
+                        "StaticCache): kvcompile stores and reads them packed, but their full-precision memory is "
+                        "still allocated. Use kvcompile.apply (or a KVCompileCache) to save it.")
+    return ex
+
+
+def explain(model, *args, policy: Policy | None = None, **kwargs) -> Explanation:
+    """Every cache site the pass finds in ``model`` -- layer, write node, read node, resolved policy, bytes
+    per token -- and what it could not rewrite, with the reason.
+
+    With example inputs (``explain(model, idx, input_pos)``) the model is traced for the purpose (nothing
+    runs); without, an applied model reports the graphs compiled so far, and an applied transformers model
+    is traced with a two-token prompt.
+    """
+    from .hf_model import is_hf, trace_inputs
+
+    applied = getattr(model, "_kvcompile", None)
+    pol = policy or (applied.policy if applied is not None else None)
+    if not args and not kwargs:
+        if applied is not None and applied.reports:
+            return _merge(applied.reports)
+        if applied is not None and is_hf(model):
+            fn, kwargs = trace_inputs(model, applied)
+            return _trace(fn, (), kwargs, pol)
+        raise TypeError("kvcompile.explain(model, *example_inputs): pass example inputs to trace this model")
+    fn = model._orig_mod if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else model
+    if is_hf(fn) and applied is not None:
+        fn = type(fn).forward.__get__(fn)
+    return _trace(fn, args, kwargs, pol)
+
+
+def _trace(fn, args, kwargs, policy) -> Explanation:
+    from .backend import Analyzed, Options, compile_graph
+
+    opts = Options(policy, "eager")
+
+    def backend(gm, example_inputs):
+        return compile_graph(gm, example_inputs, opts, analyze_only=True)
+
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    try:
+        with torch.no_grad():
+            compiled(*args, **kwargs)
+    except Exception as e:  # Dynamo wraps what the backend raises
+        cur = e
+        while cur is not None:
+            if isinstance(cur, Analyzed):
+                return cur.report
+            cur = cur.__cause__ or cur.__context__
+        raise
+    raise KVCompileError("explain: the traced call did not reach the kvcompile backend")
+
+
+def _merge(reports: list[Explanation]) -> Explanation:
+    out = Explanation()
+    seen = set()
+    for r in reports:
+        for s in r.sites:
+            if (s.layer, s.read) not in seen:
+                seen.add((s.layer, s.read))
+                out.sites.append(s)
+        out.skipped += [k for k in r.skipped if k not in out.skipped]
+        out.notes += [n for n in r.notes if n not in out.notes]
+    return out

@@ -1,0 +1,220 @@
+"""``kvcompile.apply`` on a Hugging Face transformers model: its forward compiled through the kvcompile backend,
+and every cache ``generate`` or ``forward`` would create a ``KVCompileCache`` instead.
+
+The model object is kept (``apply`` returns it): ``forward`` is wrapped, and ``generate`` is left as it is --
+only the two hooks it calls to create its cache and to decide on its own compilation are replaced. So every
+generation mode reaches kvcompile's cache the way it reaches transformers' own: greedy and sampling, beam
+search (the cache is reordered), ``num_return_sequences``, assisted and prompt-lookup decoding (the cache is
+cropped), ``inputs=``/``inputs_embeds=``, streamers, pipelines, a chat continued in the cache a previous call
+returned (the cache grows).
+
+Compilation: Dynamo traces the forward once per batch size for a prefill (many tokens) and once for a decode
+step (one token). The sequence dimensions of the inputs and the cache's width are marked dynamic, so no new
+prompt length and no larger cache compiles again.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from .hf import CAPACITY_STEP, KVCompileCache, _text_config, model_shape
+from .passes import KVCompileError
+from .policy import Policy
+
+
+def is_hf(model) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover  (transformers is a dependency; kept for vendored copies)
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def cache_kwarg(model) -> str:
+    """The name the model's forward takes its cache by: ``cache`` (transformers 5.2x) or ``past_key_values``."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def layer_names(model) -> list[str]:
+    """The attention modules' paths in layer order (``model.layers.<i>.self_attn`` for most families)."""
+    n_layers = model_shape(model.config)[0]
+    names = [(m.layer_idx, p) for p, m in model.named_modules()
+             if isinstance(getattr(m, "layer_idx", None), int) and "attention" in type(m).__name__.lower()]
+    names = [p for _, p in sorted(names)]
+    return names if len(names) == n_layers else [f"model.layers.{i}.self_attn" for i in range(n_layers)]
+
+
+def check_supported(model) -> None:
+    """Refuse, with the reason, models whose cache kvcompile cannot quantize without changing what they compute."""
+    cfg = model.config
+    impl = getattr(cfg, "_attn_implementation", None)
+    text = _text_config(cfg)
+    kinds = sorted(set(getattr(text, "layer_types", None) or []) - {"full_attention", "sliding_attention",
+                                                                      "chunked_attention"})
+    if getattr(model, "_is_stateful", False) or kinds:
+        raise KVCompileError(
+            f"unsupported model: {type(model).__name__} is a hybrid: besides attention it has "
+            f"{', '.join(repr(k) for k in kinds) or 'recurrent'} layers, which keep a recurrent state (and a cache "
+            f"class of their own) instead of keys and values. kvcompile quantizes attention KV caches and does "
+            f"not support hybrid models yet.")
+    if "reuse" in (getattr(text, "kv_sharing_modes", None) or []) or (getattr(text, "num_kv_shared_layers", 0) or 0):
+        raise KVCompileError(
+            f"unsupported model: {type(model).__name__} shares KV caches between layers (later layers reuse an "
+            f"earlier layer's keys and values), which kvcompile's per-layer stores do not model yet.")
+    cap = getattr(text, "attn_logit_softcapping", None)
+    if cap is not None or (impl not in (None, "sdpa") and not getattr(model, "_supports_sdpa", True)):
+        why = (f"it soft-caps its attention logits (attn_logit_softcapping={cap}), which "
+               f"scaled_dot_product_attention cannot express" if cap is not None else
+               f"transformers offers no scaled_dot_product_attention path for it (it uses attn_implementation="
+               f"{impl!r})")
+        raise KVCompileError(
+            f"unsupported model: {type(model).__name__}: {why}. kvcompile rewrites SDPA reads, so it cannot "
+            f"quantize this model's cache without changing what the model computes.")
+    if impl not in (None, "sdpa"):
+        raise KVCompileError(
+            f"no scaled_dot_product_attention read: this model uses attn_implementation={impl!r}, and kvcompile "
+            f"rewrites SDPA reads. Load it with attn_implementation='sdpa' (or set "
+            f"model.config._attn_implementation = 'sdpa').")
+    p = next(iter(model.parameters()), None)
+    if p is not None and p.device.type == "meta":
+        raise KVCompileError(
+            f"{type(model).__name__}'s weights are on the 'meta' device (not loaded): kvcompile.apply needs the "
+            f"model it will run. Load the weights first (e.g. from_pretrained without device_map='meta', or "
+            f"model.to_empty(...) and load_state_dict).")
+
+
+# --------------------------------------------------------------------------- dynamic dimensions
+def _mark(t, dim: int) -> None:
+    if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] >= 2:
+        torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def mark_dynamic(args, kwargs) -> None:
+    """The sequence dimensions of a forward's inputs, as Dynamo should see them: dynamic, so that a new prompt
+    length or a longer conversation reuses the compiled graph (sizes 0 and 1 stay static: a decode step of
+    one token is a graph of its own)."""
+    _mark(kwargs.get("input_ids", args[0] if args else None), 1)
+    _mark(kwargs.get("inputs_embeds"), 1)
+    _mark(kwargs.get("cache_position"), 0)
+    pos = kwargs.get("position_ids")
+    if isinstance(pos, torch.Tensor):
+        _mark(pos, pos.dim() - 1)
+    mask = kwargs.get("attention_mask")
+    for m in (mask.values() if isinstance(mask, dict) else [mask]):
+        if isinstance(m, torch.Tensor):
+            if m.dim() == 2:
+                _mark(m, 1)
+            elif m.dim() == 4:
+                _mark(m, 2)
+                _mark(m, 3)
+
+
+# --------------------------------------------------------------------------- apply
+_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None) or getattr(
+    torch._dynamo.exc, "FailOnCacheLimitHit", ())
+
+
+def call_compiled(compiled, what: str, *args, **kwargs):
+    """``compiled(*args, **kwargs)``, with Dynamo's recompile-limit failure turned into an error that says
+    what happened and what to do."""
+    try:
+        return compiled(*args, **kwargs)
+    except _LIMIT_HIT as e:
+        cfg = torch._dynamo.config
+        limit = getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", "?"))
+        raise KVCompileError(
+            f"{what}: this process has compiled as many graphs of it as Dynamo allows (recompile_limit={limit}; "
+            "kvcompile compiles one prefill and one decode graph per batch size and dtype, shared by every model "
+            "of the class), and fullgraph=True makes one more a hard failure. Use fewer distinct batch sizes, "
+            "raise torch._dynamo.config.recompile_limit, or call torch._dynamo.reset() to drop the compiled "
+            "graphs.") from e
+
+
+# cache_implementation values generate may be given for an applied model: all become its kvcompile cache
+_CACHES_REPLACED = {None, "dynamic", "static", "dynamic_full", "hybrid", "sliding_window", "hybrid_chunked"}
+
+
+def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dynamic, applied, backend):
+    """See ``kvcompile.apply``. ``applied`` is the model's ``Applied`` record, ``backend`` the Dynamo backend."""
+    check_supported(model)
+    cfg = model.config
+    n_layers, kv_heads, head_dim = model_shape(cfg)
+    names = applied.layer_names
+    policy.check(head_dim)
+    policy.resolve(names)  # a policy override that names no layer fails here, before anything is changed
+    cache_kw = cache_kwarg(model)
+    orig_forward = model.forward
+    compiled = torch.compile(orig_forward, backend=backend, fullgraph=True, dynamic=dynamic)
+
+    def new_cache():
+        return KVCompileCache(cfg, policy, max_cache_len, layer_names=names)
+
+    @functools.wraps(orig_forward)
+    def forward(*args, **kwargs):
+        if cache_kw != "past_key_values" and "past_key_values" in kwargs:
+            kwargs.setdefault(cache_kw, kwargs.pop("past_key_values"))
+        cache = kwargs.get(cache_kw)
+        use_cache = kwargs.get("use_cache")
+        if cache is None and (use_cache is False or (use_cache is None and not getattr(cfg, "use_cache", True))):
+            return orig_forward(*args, **kwargs)  # no cache to quantize: the unmodified model
+        if cache is None and use_cache is None and kwargs.get("labels") is not None:
+            # a loss, not a generation: the unmodified model, with no cache to fill (and nothing to compile)
+            kwargs["use_cache"] = False
+            return orig_forward(*args, **kwargs)
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is None:
+            raise ValueError(f"{type(model).__name__}.forward under kvcompile: pass input_ids or inputs_embeds")
+        if cache is None:
+            cache = new_cache()
+        kwargs[cache_kw] = cache
+        if isinstance(cache, KVCompileCache):
+            p = next(model.parameters())
+            cache.prepare(ids.shape[0], ids.shape[1], p.dtype, p.device)
+        elif type(cache).__name__ in ("DynamicCache", "QuantizedCache", "OffloadedCache"):
+            raise KVCompileError(
+                f"this model was prepared by kvcompile.apply but was given a {type(cache).__name__}, which grows by "
+                f"concatenation in full precision and cannot be quantized in place. Pass no cache (a kvcompile "
+                f"cache is created and returned, to pass back on the next call), or a kvcompile.hf.KVCompileCache.")
+        mark_dynamic(args, kwargs)
+        return call_compiled(compiled, f"{type(model).__name__}.forward under kvcompile", *args, **kwargs)
+
+    orig_prepare = model._prepare_cache_for_generation
+
+    @functools.wraps(orig_prepare)
+    def prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs):
+        """generate's cache, unless the caller passed one: an empty ``KVCompileCache`` (it takes the batch
+        generate expands to -- beams, return sequences -- at the first forward, and grows)."""
+        if model_kwargs.get(cache_kw) is not None or generation_config.use_cache is False:
+            return orig_prepare(generation_config, model_kwargs, *args, **kwargs)
+        impl = generation_config.cache_implementation
+        if impl not in _CACHES_REPLACED:
+            raise KVCompileError(
+                f"generate(cache_implementation={impl!r}) on a model prepared by kvcompile.apply: kvcompile gives the "
+                f"model its own quantized cache, which replaces {impl!r}. Drop cache_implementation (or use the "
+                f"unmodified model for {impl!r}).")
+        model_kwargs[cache_kw] = new_cache()
+
+    model.forward = forward
+    model._prepare_cache_for_generation = prepare_cache_for_generation
+    # generate must not compile the forward again (it is compiled already, by kvcompile)
+    model._valid_auto_compile_criteria = lambda *a, **k: False
+    if hasattr(model.generation_config, "disable_compile"):
+        model.generation_config.disable_compile = True
+    return model
+
+
+def trace_inputs(model, applied):
+    """What ``explain`` traces an applied model with: its original forward and a two-token prompt."""
+    p = next(model.parameters())
+    cache = KVCompileCache(model.config, applied.policy, applied.max_cache_len, applied.layer_names,
+                           batch_size=1, dtype=p.dtype, device=p.device)
+    ids = torch.zeros(1, 2, dtype=torch.long, device=p.device)
+    return type(model).forward.__get__(model), {"input_ids": ids, cache_kwarg(model): cache, "use_cache": True}
+
+
+__all__ = ["apply_hf", "cache_kwarg", "layer_names", "is_hf", "CAPACITY_STEP"]
