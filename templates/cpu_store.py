@@ -8,7 +8,7 @@ small torch ops, no host synchronisation. Rotation (when the policy rotates) run
 reference. The template is compiled once per layout by ``templates.cpu.compile_template`` (the ``-D``
 definitions are those of ``templates.cpu.defines``, without the attention's GQA ratio) and cached on disk.
 
-Large appends (a prefill) are shared among ``torch.get_num_threads()`` OpenMP threads, by (sequence, head,
+Large appends (a prefill) are shared among ``cpu.available_threads()`` OpenMP threads, by (sequence, head,
 keys or values, piece of 64 packed tokens, never straddling two blocks); a decode step runs on the calling
 thread.
 """
@@ -21,7 +21,7 @@ from torch import Tensor
 
 from kvcompile.store import KVState, LayerSpec, _state_capacity_check, check_kv, rotate
 
-from .cpu import compile_template, defines
+from .cpu import available_threads, compile_template, defines
 
 SOURCE = "cpu_store.c"
 _BY_ID: dict[int, tuple] = {}  # id(spec) -> (spec, kernel); the spec is held, so its id is not reused
@@ -95,7 +95,7 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
     rc = fn(_ptr(k), _ptr(v), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
             *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(), _ptr(table),
             None if nn is None else nn.data_ptr(), B, n, table.shape[1], state.k_codes.shape[0],
-            torch.get_num_threads())
+            available_threads())
     if rc > B:
         b = rc - 1 - B
         bad = [x for x in table[b].tolist() if x >= state.k_codes.shape[0]]

@@ -123,3 +123,30 @@ def test_op_overhead_smoke():
     res = op_overhead.main(["--calls", "3", "--tokens", "64"])
     for op in ("store", "attention"):
         assert all(res[op][k] > 0 for k in ("dispatcher", "plain", "kernel wrapper"))
+
+
+def test_contention_smoke(capsys):
+    """The contention benchmark runs both phases (a real competitor process in the second) and reports its
+    table and ratios; only the structure and finiteness are checked, never a timing."""
+    import math
+
+    from benchmarks import contention
+    res = contention.main(["--smoke", "--competitors", "1"])
+    names = ["fp32 SDPA", "kvcompile KIVI int4", "kvcompile, torch's threads"]
+    assert [(r["phase"], r["contender"]) for r in res["rows"]] == \
+        [(p, n) for p in ("uncontended", "contended") for n in names]
+    assert [r["competitors"] for r in res["rows"]] == [0] * 3 + [1] * 3
+    for r in res["rows"]:
+        assert r["tok_s"] > 0 and r["ms_per_token"] > 0 and r["cpu_cores"] >= 0
+    for name in names[1:]:
+        s = res["ratios"][name]
+        assert all(math.isfinite(s[k]) and s[k] > 0 for k in ("uncontended", "contended", "relative"))
+    assert res["relative"] == res["ratios"]["kvcompile KIVI int4"]["relative"]
+    out = capsys.readouterr().out.splitlines()
+    header = next(i for i, ln in enumerate(out) if ln.startswith("phase"))
+    assert out[header].split() == ["phase", "contender", "competitors", "background", "tok/s", "ms/token", "CPU"]
+    assert [ln.split()[0] for ln in out[header + 1:header + 7]] == ["uncontended"] * 3 + ["contended"] * 3
+    assert sum("contended / uncontended =" in ln for ln in out) == 2
+    assert set(res["slowdown"]) == set(names)
+    assert all(math.isfinite(s["rate"]) and math.isfinite(s["cpu"]) for s in res["slowdown"].values())
+    contention.projections(1, 3, 3, 64, 576, 1536)()  # --projections' per-layer matmuls run
