@@ -34,7 +34,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .accounting import bytes_per_token, full_precision_bytes_per_token
+from . import ops
 from .hf import KVCompileCache, KVCompileLayer, model_shape
+from .hf_model import cache_kwarg
 from .policy import Policy, Quant
 from .store import dequantize_reference
 
@@ -101,20 +103,20 @@ class _EvalLayer(KVCompileLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            B, H, D, C = self.spec.batch, self.spec.heads, self.spec.head_dim, self.max_cache_len
+            B, H, D, C = self.store.batch, self.spec.heads, self.spec.head_dim, self.limit
             self._k = torch.zeros(B, H, C, D, dtype=key_states.dtype, device=self.device)
             self._v = torch.zeros_like(self._k)
             self._chunk = 0
-        L = int(self.cumulative_length)
+        L = self.store.lengths[0]
         n = key_states.shape[-2]
-        pos = torch.arange(n, device=self.device) + L
+        pos = torch.arange(n) + L
         self.cumulative_length.add_(n)
-        torch.ops.kvcompile.store(list(self.state), key_states, value_states, pos, self.spec_name)
+        ops._store(self.keys, self.values, key_states, value_states, pos, self.spec_name)
         # tokens in [boundary(L), L) may have moved ring -> packed; [_chunk, L) holds the last chunk's own
         # full-precision values, written below (so the new chunk's positions need no dequantizing now)
         a = min(L, self.spec.boundary(L), self._chunk)
         if a < L:
-            k, v = dequantize_reference(self.state, self.spec, key_states.dtype, start=a, end=L)
+            k, v = dequantize_reference(self.store.state, self.spec, key_states.dtype, start=a, end=L)
             self._k[:, :, a:L] = k
             self._v[:, :, a:L] = v
         # the chunk attends to itself in full precision (as KVCompileLayer.update and the compiled path)
@@ -125,8 +127,9 @@ class _EvalLayer(KVCompileLayer):
         # masked slots (at 8K capacity, chunked prefill cost 4x the attention it needs).
         return self._k[:, :, :L + n], self._v[:, :, :L + n]
 
-    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        return int(self.cumulative_length) + query_length, 0  # the mask matches the views returned above
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        held = self.store.lengths[0] if self.is_initialized else 0
+        return held + query_length, 0  # the mask matches the views returned above
 
     def reset(self) -> None:
         super().reset()
@@ -139,19 +142,13 @@ class _EvalLayer(KVCompileLayer):
 class _EvalCache(KVCompileCache):
     def __init__(self, config, policy: Policy, max_cache_len: int):
         super().__init__(config, policy, max_cache_len)
-        self.layers = [_EvalLayer(max_cache_len, p, layer.name) for p, layer in zip(self.policies, self.layers)]
+        self.layers = [_EvalLayer(p, layer.name, max_cache_len) if isinstance(layer, KVCompileLayer) else layer
+                       for p, layer in zip(self.policies, self.layers)]
 
 
 def make_cache(model, policy: Policy, max_cache_len: int, fast: bool = True) -> KVCompileCache:
     """The cache the evaluation feeds: ``_EvalCache`` (same numerics, faster) or the plain reference one."""
     return (_EvalCache if fast else KVCompileCache)(model.config, policy, max_cache_len)
-
-
-def cache_kwarg(model) -> str:
-    """transformers >= 5.2x names the cache argument ``cache`` (``past_key_values`` is deprecated there)."""
-    import inspect
-    fwd = getattr(model, "_kvcompile", None) and type(model).forward or model.forward
-    return "cache" if "cache" in inspect.signature(fwd).parameters else "past_key_values"
 
 
 def _forward(model, ids, cache, keep: int = 0):
@@ -270,13 +267,10 @@ def needle_region(cache: KVCompileCache, start: int, end: int, length: int) -> s
     quantized codes of every quantized layer), ``"residual"`` or ``"sink"`` (partly in full precision in some
     quantized layer), or ``"full"`` (no layer quantizes anything)."""
     regions = set()
-    for layer, pol in zip(cache.layers, cache.policies):
+    for pol in cache.policies:
         if not (pol.key.quantized or pol.value.quantized):
             continue
-        S = min(pol.sink, layer.max_cache_len)
-        F = pol.flush
-        Q = S + (max(0, length - S - pol.residual) // F) * F  # LayerSpec.boundary
-        regions.add("sink" if start < S else "residual" if end > Q else "packed")
+        regions.add("sink" if start < pol.sink else "residual" if end > pol.boundary(length) else "packed")
     if not regions:
         return "full"
     return "sink" if "sink" in regions else "residual" if "residual" in regions else "packed"
@@ -322,15 +316,16 @@ def passkey_retrieved(model, tok, trials: list[PasskeyTrial], policy: Policy, ch
 
 
 def _fork(cache: "_EvalCache", model, policy: Policy) -> "_EvalCache":
-    """A copy of ``cache`` that can go on independently (same stores, views and counters)."""
+    """A copy of ``cache`` that can go on independently (copied stores, views and counters)."""
     new = make_cache(model, policy, cache.max_cache_len)
     for a, b in zip(cache.layers, new.layers):
-        b.initialize(a.spec.batch, a.spec.heads, a.spec.head_dim, a._k.dtype, a.device)
-        for x, y in zip(a.state, b.state):
-            y.copy_(x)
+        if not isinstance(a, _EvalLayer):
+            b.__dict__.update({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in a.__dict__.items()})
+            continue
+        b.initialize(a.store.batch, a.spec.heads, a.spec.head_dim, a._k.dtype, a.device)
+        b.store.__dict__.update(a.store.copy().__dict__)
         b._k, b._v, b._chunk = a._k.clone(), a._v.clone(), a._chunk
         b.cumulative_length.copy_(a.cumulative_length)
-    new.tokens = cache.tokens
     return new
 
 

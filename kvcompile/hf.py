@@ -323,6 +323,7 @@ class KVCompileCache(Cache):
             raise TypeError(f"KVCompileCache(config, policy): policy={policy!r} is not a kvcompile.Policy")
         policy.check(head_dim)
         self.policies = policy.resolve(names)
+        self.explicit_dtype = dtype is not None
         if dtype is None:
             c = _text_config(config)  # transformers 5.x has `dtype` (reading `torch_dtype` warns it is deprecated)
             dtype = (c.dtype if hasattr(c, "dtype") else getattr(c, "torch_dtype", None)) or torch.float32
@@ -373,6 +374,10 @@ class KVCompileCache(Cache):
         """Before a compiled call of ``n`` tokens for ``batch`` sequences: create the stores if needed, check
         they match the call, and widen the stand-ins for the new tokens (all outside the graph)."""
         if not self.is_initialized:
+            if self.explicit_dtype and self.dtype != dtype:
+                raise ValueError(
+                    f"this KVCompileCache stores {self.dtype}, but the model runs in {dtype}: create the cache for "
+                    f"the model as it is now (dtype={dtype}, or no dtype: the model's)")
             self.early_initialization(batch, *self.shape, dtype, device)
         first = next((layer for layer in self.layers if isinstance(layer, KVCompileLayer)), None)
         if first is not None:

@@ -267,7 +267,13 @@ class Policy:
         _check_tokens("Policy.packed_tokens(tokens)", tokens)
         if not (self.key.quantized or self.value.quantized):
             return 0
-        return max(0, tokens - self.sink - self.residual) // self.flush * self.flush
+        return self.boundary(tokens) - self.sink
+
+    def boundary(self, tokens: int) -> int:
+        """Q(L): once a sequence holds ``L = tokens`` tokens, its positions ``[sink, Q(L))`` are in packed
+        storage (the store's layout, ``kvcompile.store``): ``sink + floor(max(0, L - sink - residual) / flush) *
+        flush``. The one place this rule is written."""
+        return self.sink + (max(0, tokens - self.sink - self.residual) // self.flush) * self.flush
 
     def noop_reason(self, max_tokens: int, layer_names: Iterable[str] | None = None) -> str | None:
         """Why this policy quantizes nothing for sequences of up to ``max_tokens`` tokens, or None if it does.

@@ -143,8 +143,7 @@ class LayerSpec:
 
     def boundary(self, L: int) -> int:
         """Q(L): tokens at positions [sink, Q(L)) are in packed storage once the sequence holds L tokens."""
-        S, R, F = self.sink, self.policy.residual, self.flush
-        return S + (max(0, L - S - R) // F) * F
+        return self.policy.boundary(L)
 
     def blocks_for(self, L: int) -> int:
         """Blocks a sequence of ``L`` tokens holds."""
@@ -222,6 +221,13 @@ class LayerSpec:
     def row_nbytes(self) -> int:
         """Bytes each sequence holds besides its blocks: ring and sinks of keys and values, its length."""
         return 2 * self.heads * self.head_dim * (self.ring + self.sink) * _esize(self.torch_dtype) + 4
+
+    def exact_nbytes(self, batch: int, tokens: int) -> int:
+        """The bytes ``batch`` sequences of ``tokens`` tokens need, counted token by token (no whole blocks, no
+        table): what a store holding them cannot go below. ``nbytes`` is at most one block (and its table
+        entry) more per sequence."""
+        packed = self.boundary(tokens) - self.sink
+        return batch * (self.row_nbytes() + packed * self.block_nbytes() // self.block)
 
     def nbytes(self, batch: int, tokens: int) -> int:
         """Exact bytes a store of ``batch`` sequences of ``tokens`` tokens each holds (``KVStore.nbytes``):
@@ -302,7 +308,7 @@ class KVStore:
             return
         old = self.blocks
         want = old + need - len(self.free)
-        new = max(want, 2 * old, 16)
+        new = max(want, 2 * old)
         if self.max_blocks is not None:
             if want > self.max_blocks:
                 raise CapacityError(

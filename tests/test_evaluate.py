@@ -51,7 +51,7 @@ def test_incremental_view_is_the_reference_view(tiny, policy):
         for s in range(37, 150, 11):  # odd chunks: flushes land mid-chunk and across chunks
             tiny(input_ids=ids[:, s:s + 11], use_cache=True, **{E.cache_kwarg(tiny): cache})
             for i, layer in enumerate(cache.layers):
-                k, v = dequantize_reference(layer.state, layer.spec, torch.float32)
+                k, v = dequantize_reference(layer.store.state, layer.spec, torch.float32, end=160)
                 n, c = int(layer.cumulative_length), seen[i][0].shape[2]
                 k[:, :, n - c:n], v[:, :, n - c:n] = seen[i]
                 assert torch.equal(k, layer._k) and torch.equal(v, layer._v)

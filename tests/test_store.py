@@ -10,9 +10,19 @@ from hypothesis import strategies as st
 import kvcompile as kc
 from kvcompile import Policy, Quant
 from kvcompile import quant as Q
-from kvcompile.store import LayerSpec, QuantizedKV, dequantize_reference, hadamard
+from kvcompile.store import DTYPE_NAMES, KVStore, LayerSpec, QuantizedKV, dequantize_reference, hadamard
 
-PACKED_FIELDS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero", "k_sink", "v_sink", "lengths")
+PACKED_FIELDS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+ROW_FIELDS = ("k_sink", "v_sink", "lengths", "table")
+
+
+def used(kv, name):
+    """A pool tensor's blocks in use, in each sequence's order (pools of stores grown differently differ in
+    size and in their free blocks, not in what the sequences hold)."""
+    t = getattr(kv.state, name)
+    if not t.numel():
+        return t
+    return torch.cat([t[kv.store.tables[b]] for b in range(kv.store.batch)]) if kv.store.used_blocks else t[:0]
 
 
 @st.composite
@@ -49,6 +59,8 @@ def test_appending_in_any_chunks_equals_appending_at_once(policy, data):
         chunked.append(k[:, :, at:at + n], v[:, :, at:at + n])
         at += n
     for name in PACKED_FIELDS:
+        assert torch.equal(used(once, name), used(chunked, name)), name
+    for name in ROW_FIELDS:
         assert torch.equal(getattr(once.state, name), getattr(chunked.state, name)), name
     for a, b in zip(once.dequantized(), chunked.dequantized()):
         assert torch.equal(a, b)
@@ -59,13 +71,13 @@ def test_regions_at_boundary_lengths(L):
     """Sinks and the residual are exact; the packed region is within the format's bound; the rest is zero."""
     policy = Policy.kivi(4, group=32, residual=128, sink=4)
     B, H, D, C = 1, 2, 64, 256
-    spec = LayerSpec(policy, B, H, C, D)
+    spec = LayerSpec(policy, H, D)
     g = torch.Generator().manual_seed(L)
     k, v = torch.randn(2, B, H, L, D, generator=g) * 3
     kv = QuantizedKV(policy, B, H, C, D)
     if L:
         kv.append(k, v)
-    kh, vh = kv.dequantized()
+    kh, vh = kv.dequantized(end=C)
     q0 = spec.boundary(L)
     assert q0 == (4 + ((L - 4 - 128) // 32) * 32 if L >= 4 + 128 else 4)
     exact = list(range(min(L, 4))) + list(range(max(q0, 4), L))
@@ -102,20 +114,20 @@ def test_ragged_batch_rows_have_their_own_lengths():
     ragged.append(k[:, :, :20], v[:, :, :20], n_new=torch.tensor([20, 7, 0]))
     ragged.append(k[:, :, 20:40], v[:, :, 20:40], n_new=torch.tensor([3, 20, 1]))
     assert ragged.lengths.tolist() == [23, 27, 1]
-    kh, vh = ragged.dequantized()
+    kh, vh = ragged.dequantized(end=C)
     # each row equals a single-row store fed the same tokens of that row
     rows = {0: list(range(23)), 1: list(range(7)) + list(range(20, 40)), 2: [20]}
     for b, idx in rows.items():
         solo = QuantizedKV(policy, 1, H, C, D)
         solo.append(k[b:b + 1, :, idx], v[b:b + 1, :, idx])
-        sk, sv = solo.dequantized()
+        sk, sv = solo.dequantized(end=C)
         assert torch.equal(kh[b:b + 1], sk) and torch.equal(vh[b:b + 1], sv)
 
 
 def test_append_beyond_capacity_is_a_clear_error():
     kv = QuantizedKV(Policy.kivi(4, group=8, residual=8), 2, 1, 32, 16)
     kv.append(torch.randn(2, 1, 30, 16), torch.randn(2, 1, 30, 16))
-    with pytest.raises(kc.CapacityError, match="holds 30 tokens and appends 3.*allocated for 32 tokens"):
+    with pytest.raises(kc.CapacityError, match="holds 30 tokens and appends 3, but the cache is limited to 32 tokens"):
         kv.append(torch.randn(2, 1, 3, 16), torch.randn(2, 1, 3, 16))
     assert kv.lengths.tolist() == [30, 30]  # nothing was written
     kv.append(torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16))  # filling to capacity exactly is fine
@@ -183,40 +195,51 @@ def test_bytes_per_token_equals_measured_bytes(policy, D, batch, capacity, dtype
     if policy.rotate and D & (D - 1):
         return
     stores = [QuantizedKV(policy, batch, heads, capacity, D, dtype=dtype) for _ in range(layers)]
+    for s in stores:  # sequences of `capacity` tokens, appended in two calls
+        x = torch.randn(batch, heads, capacity, D).to(dtype)
+        s.append(x[:, :, :capacity // 3], x[:, :, :capacity // 3])
+        s.append(x[:, :, capacity // 3:], x[:, :, capacity // 3:])
     measured = sum(s.nbytes for s in stores)
     assert kc.cache_bytes(policy, layers, heads, D, capacity, batch, dtype) == measured
     assert kc.bytes_per_token(policy, layers, heads, D, capacity, batch, dtype) == measured / (batch * capacity)
-    assert LayerSpec(policy, batch, heads, capacity, D).nbytes() == QuantizedKV(policy, batch, heads, capacity, D).nbytes
+    spec = LayerSpec(policy, heads, D, kvcompile_dtype(dtype))
+    assert spec.nbytes(batch, capacity) == stores[0].nbytes
+    assert spec.exact_nbytes(batch, capacity) <= stores[0].nbytes <= spec.exact_nbytes(batch, capacity) + batch * (
+        spec.block_nbytes() + 4)  # within one block (and its table entry) per sequence of the exact count
 
 
 def test_packed_layout_memory_is_the_packed_size():
     """A 4-bit KIVI store at long context is ~0.28x the bf16 cache: codes + fp16 scales + residual."""
     D, H, C = 128, 8, 32768
     bf16 = 2 * H * C * D * 2
-    got = LayerSpec(Policy.kivi(4, group=64), 1, H, C, D, "bfloat16").nbytes()
+    got = LayerSpec(Policy.kivi(4, group=64), H, D, "bfloat16").nbytes(1, C)
     expected_bits = 4 + 2 * 16 / 64  # codes + fp16 scale and zero per 64 elements
     assert got == pytest.approx(bf16 * expected_bits / 16, rel=0.02)
     assert got / bf16 < 0.3
-    two = LayerSpec(Policy.kivi(2, group=64), 1, H, C, D, "bfloat16").nbytes()
+    two = LayerSpec(Policy.kivi(2, group=64), H, D, "bfloat16").nbytes(1, C)
     assert two / bf16 < 0.17
     # the residual ring is the only full-precision part: R + F - 1 tokens
-    spec = LayerSpec(Policy.kivi(4, group=64, residual=128), 1, H, C, D, "bfloat16")
-    assert spec.ring == 128 + 64 - 1 and spec.quantized_capacity == ((C - 128) // 64) * 64
+    spec = LayerSpec(Policy.kivi(4, group=64, residual=128), H, D, "bfloat16")
+    assert spec.ring == 128 + 64 - 1 and spec.boundary(C) - spec.sink == ((C - 128) // 64) * 64
 
 
 def test_layer_spec_validation():
     with pytest.raises(kc.PolicyError, match="head_dim=48"):
-        LayerSpec(Policy(Quant("int4", "token", 32), Quant("int4")), 1, 1, 16, 48)
+        LayerSpec(Policy(Quant("int4", "token", 32), Quant("int4")), 1, 48)
     with pytest.raises(kc.PolicyError, match="resolved per-layer policy"):
-        LayerSpec(Policy.kivi(4).override({0: None}), 1, 1, 16, 64)
-    with pytest.raises(kc.PolicyError, match="capacity=0"):
-        LayerSpec(Policy.kivi(4), 1, 1, 0, 64)
-    assert math.isfinite(LayerSpec(Policy.kivi(4), 1, 1, 16, 64).nbytes())
+        LayerSpec(Policy.kivi(4).override({0: None}), 1, 64)
+    with pytest.raises(kc.PolicyError, match="heads=0"):
+        LayerSpec(Policy.kivi(4), 0, 64)
+    with pytest.raises(kc.PolicyError, match="block_tokens=24"):
+        LayerSpec(Policy.kivi(4), 1, 64, "float32", 24)
+    with pytest.raises(kc.PolicyError, match=r"block_tokens=16 .*flush group \(32\)"):
+        LayerSpec(Policy.kivi(4, group=32), 1, 64, "float32", 16)
+    assert math.isfinite(LayerSpec(Policy.kivi(4), 1, 64).nbytes(1, 16))
 
 
 def test_dequantize_reference_model_space_and_rotated_space():
-    spec = LayerSpec(Policy(Quant("none"), Quant("none"), rotate=True), 1, 1, 8, 16)
-    state = spec.allocate()
+    spec = LayerSpec(Policy(Quant("none"), Quant("none"), rotate=True), 1, 16)
+    state = spec.allocate(1, 8)
     kv = QuantizedKV(spec.policy, 1, 1, 8, 16)
     x = torch.randn(1, 1, 5, 16)
     kv.append(x, x)
@@ -236,7 +259,7 @@ def test_dequantize_reference_range_equals_slice_of_whole(policy, data):
     kv.append(*torch.randn(2, B, H, n, D, generator=g), n_new=torch.tensor([n, data.draw(st.integers(0, n))]))
     start = data.draw(st.integers(0, C - 1))
     end = data.draw(st.integers(start + 1, C))
-    whole = dequantize_reference(kv.state, kv.spec)
+    whole = dequantize_reference(kv.state, kv.spec, end=C)
     part = dequantize_reference(kv.state, kv.spec, start=start, end=end)
     for w, p in zip(whole, part):
         assert torch.equal(w[:, :, start:end], p)
@@ -297,3 +320,139 @@ def test_chunk_of_the_wrong_shape_is_a_clear_error():
         kv.attention(torch.randn(1, 2, 3, 16), k_new=k, v_new=k)
     with pytest.raises(ValueError, match="together"):
         kv.attention(torch.randn(1, 2, 5, 16), k_new=k)
+
+
+def kvcompile_dtype(dtype):
+    return DTYPE_NAMES[dtype]
+
+
+# --------------------------------------------------------------------------- the block manager: crop, fork, grow
+def _filled(policy, B, L, seed, block=16, dtype=torch.float32):
+    spec = LayerSpec(policy, 2, 16, DTYPE_NAMES[dtype], max(block, policy.flush))
+    st = KVStore(spec, B)
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(B, 2, L, 16, generator=g) * 3).to(dtype), torch.randn(B, 2, L, 16, generator=g).to(dtype)
+    at = 0
+    while at < L:  # uneven appends, as a decode would make them
+        n = min(L - at, 1 + (at * 7) % 23)
+        st.append(k[:, :, at:at + n], v[:, :, at:at + n])
+        at += n
+    return st, k, v
+
+
+@given(policies(), st.data())
+def test_crop_keeps_what_the_store_held(policy, data):
+    """After crop(L'), every sequence reads its first L' positions exactly as the store held them before (the
+    positions that go back to the ring keep their dequantized values: exact in float32), and holds only the
+    blocks its new length needs."""
+    L = data.draw(st.integers(1, 90))
+    keep = data.draw(st.integers(0, L))
+    kv, _, _ = _filled(policy, 2, L, data.draw(st.integers(0, 999)))
+    before = dequantize_reference(kv.state, kv.spec, end=L)
+    kv.crop(keep)
+    after = dequantize_reference(kv.state, kv.spec, end=L)
+    for b, a in zip(before, after):
+        assert torch.equal(a[:, :, :keep], b[:, :, :keep]) and not a[:, :, keep:].any()
+    assert kv.lengths == [keep, keep] and kv.state.lengths.tolist() == [keep, keep]
+    assert all(len(t) == kv.spec.blocks_for(keep) for t in kv.tables)
+    assert kv.used_blocks == 2 * kv.spec.blocks_for(keep)
+
+
+@given(policies(), st.data())
+def test_crop_within_the_full_precision_window_is_exact(policy, data):
+    """A crop that leaves the packed region where it is (Q(L') == Q(L): only full-precision positions are
+    dropped, as in a speculative-decoding rollback within the window's slack) leaves the store exactly as if
+    the dropped tokens had never been appended; so does any crop of a store that quantizes nothing
+    (Policy.full())."""
+    L = data.draw(st.integers(1, 90))
+    seed = data.draw(st.integers(0, 999))
+    kv, k, v = _filled(policy, 1, L, seed)
+    keep = data.draw(st.sampled_from([c for c in range(L + 1) if kv.spec.boundary(c) == kv.spec.boundary(L)]))
+    kv.crop(keep)
+    more = torch.randn(2, 1, 2, 7, 16)
+    kv.append(more[0], more[1])
+    fresh = KVStore(kv.spec, 1)
+    fresh.append(k[:, :, :keep], v[:, :, :keep])
+    fresh.append(more[0], more[1])
+    for a, b in zip(dequantize_reference(kv.state, kv.spec), dequantize_reference(fresh.state, fresh.spec)):
+        assert torch.equal(a, b)
+    full, fk, fv = _filled(Policy.full(), 1, L, seed)
+    cut = data.draw(st.integers(0, L))
+    full.crop(cut)
+    assert torch.equal(dequantize_reference(full.state, full.spec)[0], fk[:, :, :cut])
+
+
+def test_crop_into_packed_storage_requantizes_from_what_was_held():
+    """Crop back past Q(L): the positions that return to the ring hold their dequantized values, and are
+    quantized again from those values when they leave it (the cost of a crop into packed storage)."""
+    policy = Policy(Quant("int4", "token", 8), Quant("int4", "token", 8))  # no residual: everything is packed
+    kv, k, v = _filled(policy, 1, 40, 3)
+    held = dequantize_reference(kv.state, kv.spec, end=40)
+    kv.crop(30)
+    assert kv.spec.boundary(30) == 30  # nothing goes back to a ring here: the packed rows are simply kept
+    assert torch.equal(dequantize_reference(kv.state, kv.spec)[0], held[0][:, :, :30])
+    kivi = Policy.kivi(4, group=8, residual=8)
+    kv, k, v = _filled(kivi, 1, 40, 3)
+    held = dequantize_reference(kv.state, kv.spec, end=40)
+    kv.crop(30)  # Q(40) = 32 > 30: positions 16..29 go back to the ring, as held
+    assert kv.spec.boundary(30) == 16
+    assert torch.equal(dequantize_reference(kv.state, kv.spec)[0], held[0][:, :, :30])
+    kv.append(k[:, :, 30:40], v[:, :, 30:40])  # the same tokens again: 16..31 quantized from the held values
+    again = dequantize_reference(kv.state, kv.spec)[0]
+    assert torch.equal(again[:, :, :16], held[0][:, :, :16])
+    assert (again[:, :, 16:32] - held[0][:, :, 16:32]).abs().max() < 0.5  # a second rounding, within a step
+
+
+def test_select_forks_and_reorders_sharing_blocks_until_written():
+    """select([1, 0, 0]): three sequences from two, the forked ones sharing blocks; appending different tokens
+    to each then gives each exactly what a store of its own history would hold (a shared block is copied
+    before it is written), and the blocks of a dropped sequence are freed."""
+    policy = Policy.kivi(4, group=8, residual=8)
+    kv, k, v = _filled(policy, 2, 70, 5)
+    shared_before = kv.used_blocks
+    kv.select([1, 0, 0])
+    assert kv.batch == 3 and kv.used_blocks == shared_before  # forks share every block
+    assert kv.tables[1] == kv.tables[2]
+    new = torch.randn(2, 3, 2, 40, 16)
+    kv.append(new[0], new[1])
+    assert kv.tables[1] != kv.tables[2]  # written: the shared tail was copied
+    for row, src in ((0, 1), (1, 0), (2, 0)):
+        solo = KVStore(kv.spec, 1)
+        solo.append(k[src:src + 1], v[src:src + 1])
+        solo.append(new[0][row:row + 1], new[1][row:row + 1])
+        for a, b in zip(dequantize_reference(kv.state, kv.spec), dequantize_reference(solo.state, solo.spec)):
+            assert torch.equal(a[row:row + 1], b)
+    kv.select([2])  # keep one: the others' blocks return to the pool
+    assert kv.batch == 1 and kv.used_blocks == len(kv.tables[0]) == kv.spec.blocks_for(110)
+    with pytest.raises(IndexError, match="outside the store's 1 sequences"):
+        kv.select([1])
+
+
+def test_the_pool_grows_and_a_block_budget_is_a_clear_error():
+    spec = LayerSpec(Policy.int8(), 2, 16, "float32", 16)
+    kv = KVStore(spec, 2)
+    x = torch.randn(2, 2, 100, 16)
+    kv.append(x, x)
+    assert kv.used_blocks == 2 * 7 and kv.blocks >= kv.used_blocks
+    assert kv.reserved_nbytes == sum(t.numel() * t.element_size() for t in kv.state)
+    for _ in range(30):  # decode steps: the pool doubles, never grows per step
+        kv.append(x[:, :, :1], x[:, :, :1])
+    assert kv.blocks in (16, 28) and kv.lengths == [130, 130]
+    budget = KVStore(spec, 1, max_blocks=3)
+    budget.append(x[:1, :, :48], x[:1, :, :48])
+    with pytest.raises(kc.CapacityError, match=r"out of blocks: an append needs 1 free blocks .* limited to 3 blocks"):
+        budget.append(x[:1, :, :1], x[:1, :, :1])
+    assert budget.lengths == [48] and budget.state.lengths.tolist() == [48]  # nothing was written
+    budget.reset()
+    assert budget.used_blocks == 0 and budget.lengths == [0]
+    budget.append(x[:1, :, :48], x[:1, :, :48])  # the freed blocks are reused
+
+
+def test_an_unreserved_append_is_a_clear_error_not_a_wild_write():
+    spec = LayerSpec(Policy.int8(), 2, 16, "float32", 16)
+    state = spec.allocate(1, 16)
+    from kvcompile.store import store_reference
+    x = torch.randn(1, 2, 17, 16)
+    with pytest.raises(kc.CapacityError, match="needs 2 blocks of 16 packed tokens, but 1 are reserved"):
+        store_reference(state, spec, x, x)
+    assert state.lengths.tolist() == [0]
