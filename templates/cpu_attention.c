@@ -14,7 +14,9 @@
  * its positions in tiles of TILE tokens (packed tiles: PT = min(TILE, BS), so that one never straddles two
  * blocks; with BS >= TILE, TILE divides BS). A tile is dequantized once into two small fp32 buffers (they stay
  * in L1) and used by every query row that shares the kv head (GQA ratio x query tokens), with an online
- * softmax; the splits are merged at the end. No full-precision copy of the cache is ever made.
+ * softmax; the splits are merged at the end. No full-precision copy of the cache is ever made. A sequence's
+ * blocks lie anywhere in the pool, so no hardware prefetcher follows a walk from one block to the next: each
+ * packed tile prefetches the same rows of the sequence's next block (one block ahead).
  *
  * Vector code is written with GCC/Clang vector extensions (8 floats; 16 for the products on AVX-512),
  * which compile to AVX2/AVX-512 on x86 and NEON on ARM. Three x86 intrinsics stand where GCC's generic
@@ -382,6 +384,23 @@ static inline void gather_model(const void *base, const int64_t *rows, int nt, f
 #define K_SBYTES (K_SF32 ? 4 : 2)
 #define V_SBYTES (V_SF32 ? 4 : 2)
 
+/* Prefetch the bytes one tile of rows [r0, r0 + nt) of (block, head) kb reads: codes, scales, zero points. */
+static inline __attribute__((always_inline)) void prefetch_tile(
+        int fmt, int bits, int axis, int group, int sbytes, const uint8_t *codes, const void *scale,
+        const void *zero, int64_t kb, int64_t r0, int nt) {
+    const int64_t rb = fmt == 0 ? D * (MODEL_T == 0 ? 4 : 2) : D * bits / 8;
+    const char *c = (const char *)codes + (kb * BS + r0) * rb;
+    for (int64_t o = 0; o < nt * rb; o += 64) __builtin_prefetch(c + o, 0, 3);
+    if (fmt == 0) return;
+    const int64_t per_row = axis == 1 ? D : D / group;             /* scales per scale row */
+    const int64_t rows = axis == 1 ? BS / group : BS;               /* scale rows per (block, head) */
+    const int64_t s0 = axis == 1 ? r0 / group : r0, ns = axis == 1 ? (nt + group - 1) / group : nt;
+    const int64_t off = (kb * rows + s0) * per_row * sbytes, len = ns * per_row * sbytes;
+    for (int64_t o = 0; o < len; o += 64) __builtin_prefetch((const char *)scale + off + o, 0, 3);
+    if (fmt == 1)
+        for (int64_t o = 0; o < len; o += 64) __builtin_prefetch((const char *)zero + off + o, 0, 3);
+}
+
 typedef struct {
     float m[ROWS_MAX], l[ROWS_MAX];
     float acc_plane[ROWS_MAX][D]; /* packed tiles, values' plane order */
@@ -524,6 +543,15 @@ int64_t kvc_attention(
                     continue;
                 }
                 const int64_t kb = blk * H + h; /* (block, head) */
+                /* the same rows of the next block, one block ahead: no hardware prefetcher follows the jump */
+                const int64_t nxt = p0 + BS < p_end && slot + 1 < mb ? table[b * mb + slot + 1] : -1;
+                if (nxt >= 0 && nxt < nb) {
+                    const int nn = p_end - (p0 + BS) < PT ? p_end - (p0 + BS) : PT;
+                    prefetch_tile(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SBYTES, k_codes, k_scale, k_zero, nxt * H + h,
+                                  r0, nn);
+                    prefetch_tile(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SBYTES, v_codes, v_scale, v_zero, nxt * H + h,
+                                  r0, nn);
+                }
                 dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, k_codes + kb * BS * K_ROW_BYTES,
                                (const char *)k_scale + kb * K_NSCALE * K_SBYTES,
                                (const char *)k_zero + (K_FMT == 1 ? kb * K_NSCALE * K_SBYTES : 0), r0, nt, kt);
