@@ -218,10 +218,10 @@ def test_a_table_that_names_no_block_is_an_error():
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])
-def test_a_mask_narrower_than_a_sequence_does_what_the_reference_does(kind):
-    """A mask narrower than the longest row: the kernels raise the reference's error if it raises one, and
-    otherwise hide the positions past the mask's width, as the reference then does (checked against the
-    bound computed with the mask widened by invisible positions, which the reference's own output equals)."""
+def test_a_mask_narrower_than_a_sequence_hides_the_positions_past_it(kind):
+    """A mask narrower than the longest row: positions past its width are visible to no query, as in the
+    reference (``store.cover``). Checked against the bound computed with the mask widened by invisible
+    positions, which the reference's own output equals."""
     spec, state = filled(MIXED, [20, 40], 1, 32)
     g = torch.Generator().manual_seed(6)
     q = torch.randn(2, 2, 2, 32, generator=g)
@@ -229,21 +229,17 @@ def test_a_mask_narrower_than_a_sequence_does_what_the_reference_does(kind):
     hidden = False
     if kind == "float":
         mask, hidden = torch.where(mask, torch.randn(2, 1, 2, 33, generator=g), -torch.inf), float("-inf")
-    try:
-        want = attention_reference(q, state, spec, mask)
-    except ValueError as e:
-        for fn in (cpu.attention, cpu.prefill_attention):
-            with pytest.raises(ValueError) as got:
-                fn(q, state, spec, mask, None)
-            assert str(got.value) == str(e)
-        return
     wide = torch.nn.functional.pad(mask, (0, 7), value=hidden)  # positions 33 .. 39 visible to no query
-    assert torch.allclose(want, attention_reference(q, state, spec, wide), atol=1e-6, rtol=0)
+    assert torch.equal(attention_reference(q, state, spec, mask), attention_reference(q, state, spec, wide))
     for prefill in (False, True):
-        got = cpu.prefill_attention(q, state, spec, mask, None) if prefill else cpu.attention(q, state, spec, mask, None)
+        fn = cpu.prefill_attention if prefill else cpu.attention
+        got = fn(q, state, spec, mask, None)
         ref, tol = bound(q, state, spec, wide, nsplit=40 if prefill else
                          cpu.splits(state.lengths, 1, cpu.threads_for(state.lengths, 1)))
         assert ((got.double() - ref).abs() <= tol).all()
+        # the hidden positions matter: visible, they would change the output beyond the bound
+        seen = torch.nn.functional.pad(mask, (0, 7), value=True if kind == "bool" else 0.0)
+        assert not ((fn(q, state, spec, seen, None).double() - ref).abs() <= tol).all()
 
 
 def test_a_query_that_sees_nothing_returns_zeros():
@@ -349,11 +345,15 @@ def test_the_op_routes_decode_to_the_kernel_and_prefill_to_sdpa(monkeypatch):
     for name in ("attention", "prefill_attention"):
         fn = getattr(cpu, name)
         monkeypatch.setattr(cpu, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
-    spec, state = filled(MIXED, [20, 30], 2, 32)
+    spec = LayerSpec(MIXED, 2, 32, block_tokens=16)
+    spec.register()
+    k_cache, v_cache = torch.zeros(2, 2, 64, 32), torch.zeros(2, 2, 64, 32)  # a cache the store shadows
     kvcompile.ops.set_kernels("cpu")
     try:
-        torch.ops.kvcompile.attention(torch.randn(2, 6, 1, 32), list(state), None, 0.2, spec.name)
-        torch.ops.kvcompile.attention(torch.randn(2, 6, 9, 32), list(state), None, 0.2, spec.name)
+        token = torch.ops.kvcompile.store(k_cache, v_cache, torch.randn(2, 2, 30, 32), torch.randn(2, 2, 30, 32),
+                                          torch.arange(30), spec.name)
+        torch.ops.kvcompile.attention(torch.randn(2, 6, 1, 32), k_cache, v_cache, token, None, 0.2, spec.name)
+        torch.ops.kvcompile.attention(torch.randn(2, 6, 9, 32), k_cache, v_cache, token, None, 0.2, spec.name)
     finally:
         kvcompile.ops.set_kernels("auto")
     assert calls == ["attention", "prefill_attention"]

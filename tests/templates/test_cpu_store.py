@@ -232,20 +232,26 @@ def test_cpu_store_rejects_bad_calls_like_the_reference():
 
 
 def test_the_store_op_runs_the_cpu_kernel(monkeypatch):
-    """``torch.ops.kvcompile.store`` on the CPU (kernels "cpu", the default there) calls this kernel."""
+    """``torch.ops.kvcompile.store`` on the CPU (kernels "cpu", the default there) calls this kernel, into the
+    paged store behind the cache tensors."""
     from kvcompile import ops
-    spec = LayerSpec(Policy.int8(), 1, 16)
+    spec = LayerSpec(Policy.int8(), 1, 16, block_tokens=16)
     name = spec.register()
     calls = []
     real = cpu_store.store
     monkeypatch.setattr(cpu_store, "store", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(ops, "_KERNELS", "cpu")
-    state, ref = spec.allocate(1, 8), spec.allocate(1, 8)
-    k, v = torch.randn(1, 1, 3, 16), torch.randn(1, 1, 3, 16)
-    torch.ops.kvcompile.store(list(state), k, v, torch.arange(3), name)
-    store_reference(ref, spec, k, v)
-    assert calls == [1]
-    assert_same_store(ref, state, spec)
+    k_cache, v_cache = torch.zeros(1, 1, 64, 16), torch.zeros(1, 1, 64, 16)  # a cache the store shadows
+    ref = KVStore(spec, 1)
+    g = torch.Generator().manual_seed(4)
+    for pos in (torch.arange(40), torch.tensor([40])):
+        k, v = torch.randn(1, 1, len(pos), 16, generator=g), torch.randn(1, 1, len(pos), 16, generator=g)
+        torch.ops.kvcompile.store(k_cache, v_cache, k, v, pos, name)
+        ref.append(k, v)
+    assert calls == [1, 1]
+    got = ops.store_for(k_cache, v_cache, name)
+    assert got.lengths == [41] and len(got.tables[0]) == spec.blocks_for(41) >= 2
+    assert_same_store(ref.state, got.state, spec)
 
 
 # --------------------------------------------------------------------------- the numeric helpers, exhaustively
