@@ -22,6 +22,8 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -281,15 +283,120 @@ def _ptr(t: Tensor) -> int | None:
     return t.data_ptr() if t.numel() else None
 
 
+# ---- how many threads the kernels may use now
+#
+# A kernel's OpenMP team finishes when its slowest thread does. When other processes keep the cores busy, a
+# thread of the team waits for its next time slice (milliseconds) while the others spin at the barrier
+# (libgomp's default wait policy, fixed when torch loads it), so a decode made of hundreds of short parallel
+# regions per token collapses instead of slowing down in proportion to the CPU it gets (docs/contention.md).
+# So the kernels use no more threads than the cores this process may run on (its affinity) that other
+# processes leave free.
+
+LOAD_WINDOW_S = 0.25  # other processes' CPU use is averaged over at least this long (/proc/stat counts 10 ms ticks)
+PROC_STAT = "/proc/stat"
+
+
+def _threads_from_env() -> int | None:
+    env = os.environ.get("KVCOMPILE_THREADS", "auto").strip()
+    if env in ("", "auto"):
+        return None
+    if not env.isdigit() or int(env) < 1:
+        raise ValueError(f"KVCOMPILE_THREADS={env!r}: expected a whole number of threads >= 1, or 'auto' (the "
+                         f"default: as many as the cores other processes leave free); unset it or set one of those")
+    return int(env)
+
+
+FIXED_THREADS = _threads_from_env()  # KVCOMPILE_THREADS=<n> (read at import); tests may set it directly
+_load_lock = threading.Lock()
+_load: dict = {"t": None, "busy": 0.0, "own": 0.0, "cpus": (), "free": None, "cap": None}
+
+
+def cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, cpusets), else ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def busy_seconds(cpus) -> float | None:
+    """CPU time the cores ``cpus`` spent busy since boot, summed, from /proc/stat (None without it): user +
+    system + irq + softirq + steal (a hypervisor's steal is time the core was not ours). Idle and iowait are
+    free, and so is "nice": time of processes at a positive nice value, which yield the core to ours."""
+    try:
+        with open(PROC_STAT) as f:
+            text = f.read()
+    except OSError:
+        return None
+    want = {f"cpu{c}" for c in cpus}
+    ticks = 0
+    for ln in text.splitlines():
+        parts = ln.split()
+        if parts and parts[0] in want:
+            v = [int(x) for x in parts[1:9]] + [0] * (9 - len(parts))
+            ticks += v[0] + v[2] + v[5] + v[6] + v[7]  # user, system, irq, softirq, steal
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def free_cores() -> float | None:
+    """Cores of this process's affinity that other processes left free, averaged over the last
+    ``LOAD_WINDOW_S`` or more: the cores, less the busy time /proc/stat counts on them, less this process's
+    own CPU time (its threads, spinning ones included), over the wall time. None until two samples exist
+    (the first call takes one) or where /proc/stat is missing.
+
+    Why /proc/stat: ``os.getloadavg`` averages over a minute (a competitor is seen a minute late and
+    forgotten a minute after it stops), counts this process's own threads, and covers every core of the
+    machine rather than the ones this process may use; /proc/stat's per-core counters give the others' use
+    of our cores over a window of our choosing, for one small read every ``LOAD_WINDOW_S``."""
+    _refresh()
+    return _load["free"]
+
+
+def _refresh() -> None:
+    now = time.monotonic()
+    if _load["t"] is not None and now - _load["t"] < LOAD_WINDOW_S:
+        return
+    with _load_lock:
+        if _load["t"] is not None and now - _load["t"] < LOAD_WINDOW_S:
+            return
+        try:
+            cpus = tuple(sorted(os.sched_getaffinity(0)))
+        except (AttributeError, OSError):
+            cpus = tuple(range(os.cpu_count() or 1))
+        busy, own = busy_seconds(cpus), time.process_time()
+        free = _load["free"]
+        if busy is None:
+            free = None
+        elif _load["t"] is not None and cpus == _load["cpus"]:
+            others = max(0.0, (busy - _load["busy"]) - (own - _load["own"])) / (now - _load["t"])
+            free = max(0.0, len(cpus) - others)
+        cap = len(cpus) if free is None else max(1, min(len(cpus), int(free + 0.5)))
+        _load.update(busy=busy or 0.0, own=own, cpus=cpus, free=free, cap=cap)
+        _load["t"] = now  # last: the unlocked check above reads it
+
+
+def available_threads() -> int:
+    """Threads the CPU kernels may use now: ``torch.get_num_threads()``, at most ``cores()``, and at most the
+    cores other processes leave free (``free_cores()`` rounded to the nearest whole core; at least one).
+    About half a microsecond (the free cores are measured at most every ``LOAD_WINDOW_S``).
+
+    ``FIXED_THREADS`` (``KVCOMPILE_THREADS=<n>`` in the environment at import) fixes it to ``n`` whatever the
+    load and torch's count: tests of the parallel paths, benchmarks."""
+    if FIXED_THREADS is not None:
+        return FIXED_THREADS
+    _refresh()
+    return max(1, min(torch.get_num_threads(), _load["cap"]))
+
+
 MIN_TILES_PER_THREAD = 32  # ~1K positions of one kv head: less than that is not worth waking a thread for
 
 
 def threads_for(lengths: Tensor, heads: int) -> int:
-    """Threads for one decode call: torch's count, but no more than the work keeps busy. On a loaded machine
-    a parallel region waits for its slowest thread's next time slice (milliseconds), so short contexts run
-    on one thread."""
+    """Threads for one decode call: ``available_threads()``, but no more than the work keeps busy. On a loaded
+    machine a parallel region waits for its slowest thread's next time slice (milliseconds), so short contexts
+    run on one thread."""
     tiles = lengths.numel() * heads * -(-int(lengths.max()) // TILE) if lengths.numel() else 0
-    return max(1, min(torch.get_num_threads(), tiles // MIN_TILES_PER_THREAD))
+    return max(1, min(available_threads(), tiles // MIN_TILES_PER_THREAD))
 
 
 def splits(lengths: Tensor, heads: int, threads: int) -> int:
