@@ -6,7 +6,8 @@
     python benchmarks/cpu_kernel_ab.py --smoke                # tiny, seconds (run by the tests)
 
 How a change to ``templates/cpu_attention.c`` is judged before it is kept. The base is the template at a git
-revision (``--base``, default HEAD) or a file; the new one is the working tree's or a file. Per policy both
+revision (``--base``, default HEAD) or a file; the new one is the working tree's or a file. Both must read the
+paged store (a revision before 8903349 reads the old capacity layout, with another signature: refused). Per policy both
 are built, the new one is checked against the reference (a fast wrong kernel measures nothing; ``--no-check``
 skips that for a variant that changes the numerics on purpose, whose distance the table shows), and both run
 on the same store, alternating (A B B A A B ...) for ``--repeats`` calls, one thread. Printed: the largest
@@ -41,6 +42,9 @@ def template_at(rev: str, dest: Path) -> Path:
         err = getattr(e, "stderr", "") or str(e)
         raise SystemExit(f"cannot read templates/cpu_attention.c at revision {rev!r}: {err.strip()} "
                          f"(pass a revision of this repository, or --base-file)")
+    if "kvc_attention" in text and "const int32_t *table" not in text:
+        raise SystemExit(f"templates/cpu_attention.c at {rev!r} predates the paged store (it reads a capacity "
+                         f"layout through another signature): pass a revision at or after 8903349")
     path = dest / f"cpu_attention_{rev.replace('/', '_')}.c"
     path.write_text(text)
     return path

@@ -8,9 +8,9 @@ The template (``templates/cpu_attention.c``) is compiled three ways per policy, 
 
 - ``whole``: the kernel as shipped (checked against the reference first);
 - ``dequant only``: each packed tile is unpacked and dequantized into the tile buffers, but not attended to;
-- ``attention only``: the packed tiles are not dequantized; the products, softmax and accumulation run over
-  tile buffers that stay in L1 (zero-filled once, so no NaN or subnormal slows them). Its output is garbage;
-  only its time counts.
+- ``attention only``: the packed tiles are not dequantized (nor their next block prefetched); the products,
+  softmax and accumulation run over tile buffers that stay in L1 (zero-filled once, so no NaN or subnormal
+  slows them). Its output is garbage; only its time counts.
 
 Times are medians over ``--repeats`` round-robin calls, in nanoseconds per (position, kv head). Beside them:
 the time to read the bytes the store holds at the measured read bandwidth (the memory floor), and the time
@@ -36,7 +36,8 @@ except ImportError:  # run as a script: benchmarks/ is on the path
 POLICIES = {n: ck.POLICIES[n] for n in ck.SINGLE_LAYER_POLICIES}
 
 # the edits that make the cut-down copies (each must match the template exactly once)
-_DEQUANT = ("                dequant_packed(K_FMT", "                dequant_packed(V_FMT")
+_DEQUANT = ("                dequant_packed(K_FMT", "                dequant_packed(V_FMT",
+            "                    prefetch_tile(K_FMT", "                    prefetch_tile(V_FMT")
 _ATTEND = "                attend_tile(P, K_FMT == 0 ? q_nat"
 _BUFFERS = "float kt[TILE * D] __attribute__((aligned(64))), vt[TILE * D] __attribute__((aligned(64)));"
 
@@ -49,7 +50,7 @@ def variants(dest: Path) -> dict[str, Path]:
                                f"update benchmarks/cpu_kernel_parts.py's edits")
     att = src.replace(_BUFFERS, _BUFFERS + " memset(kt, 0, sizeof kt); memset(vt, 0, sizeof vt);")
     for s in _DEQUANT:
-        att = att.replace(s, "                if (0) " + s.strip())
+        att = att.replace(s, s[:len(s) - len(s.lstrip())] + "if (0) " + s.strip())
     deq = src.replace(_ATTEND, "                if (0) " + _ATTEND.strip())
     out = {}
     for name, text in (("dequant only", deq), ("attention only", att)):

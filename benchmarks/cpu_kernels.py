@@ -5,8 +5,8 @@ PyTorch's fp32 SDPA over the same positions.
     python benchmarks/cpu_kernels.py --contexts 1024 4096 --batch 4 --threads 2
     python benchmarks/cpu_kernels.py --smoke                  # tiny, seconds (run by the tests)
 
-For each context: a store filled by the C store kernel with random keys (one outlier channel, as real keys
-have) and values, one query token per sequence, ``--heads`` kv heads and ``--gqa`` query heads per kv head.
+For each context: a store (paged, blocks of the layout's default size reserved in order) filled by the C
+store kernel with random keys (one outlier channel, as real keys have) and values, one query token per sequence, ``--heads`` kv heads and ``--gqa`` query heads per kv head.
 Times are medians over ``--repeats`` calls, taken round-robin across contenders (A B C ... A B C ...) so
 machine drift hits all alike; each kernel's output is first checked against the reference. Columns:
 microseconds per call, nanoseconds per (position, kv head), the bytes the store holds per (position, kv head)
@@ -139,9 +139,9 @@ def checked_store(name, pol, q, k, v, source=cpu.SOURCE):
     is checked against the reference on it (a fast wrong kernel measures nothing). Returns (spec, state, the
     bytes one position of one kv head holds)."""
     B, H, L, D = k.shape
-    spec = LayerSpec(pol, B, H, L, D)
+    spec = LayerSpec(pol, H, D)
     spec.register()
-    st = spec.allocate()
+    st = spec.allocate(B, L)
     cpu_store.store(st, spec, k, v)
     if not torch.allclose(cpu.attention(q, st, spec, None, None, source=source), attention_reference(q, st, spec),
                           atol=1e-4, rtol=1e-4):

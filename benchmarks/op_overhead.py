@@ -1,7 +1,9 @@
 """Per-call cost of kvcompile's operators on the CPU, one decode step of one layer (SmolLM2's shape: 3 kv heads,
 9 query heads, head_dim 64, 1,000 cached tokens): through the torch.library dispatcher (what Inductor-compiled
 graphs call), as the plain Python function (what kvcompile's eager graphs call since ops.PLAIN), and the C
-kernel's Python wrapper alone. Best of 5 rounds of ``--calls`` calls, microseconds.
+kernel's Python wrapper alone. Best of 5 rounds of ``--calls`` calls, microseconds. The op calls are decode
+steps (each stores one more token into the paged store behind the cache tensors, ``KVStore.append``: block
+reservation included); the kernel wrapper's store calls append at one position again and again.
 
     python benchmarks/op_overhead.py
 """
@@ -34,29 +36,40 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=1000)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    spec = LayerSpec(Policy.kivi(4), 1, 3, args.tokens + 280, 64, "float32")
+    spec = LayerSpec(Policy.kivi(4), 3, 64, "float32")
     name = spec.register()
-    st = spec.allocate()
-    cpu_store.store(st, spec, torch.randn(1, 3, args.tokens, 64), torch.randn(1, 3, args.tokens, 64))
-    state, length = list(st), int(st.lengths[0])
+    T = args.tokens
+    prefill = torch.randn(1, 3, T, 64), torch.randn(1, 3, T, 64)
+    # the ops find the paged store behind the cache tensors: here a full-precision cache they shadow, as long
+    # as every call below needs (each op call is a decode step, one more token)
+    k_cache, v_cache = (torch.zeros(1, 3, T + 12 * (args.calls + 1), 64) for _ in range(2))
+    token = torch.ops.kvcompile.store(k_cache, v_cache, *prefill, torch.arange(T), name)
+    st = spec.allocate(1, T + 1)  # the kernel wrapper's own store, every call appending at the same position
+    cpu_store.store(st, spec, *prefill)
     q, k, v = torch.randn(1, 9, 1, 64), torch.randn(1, 3, 1, 64), torch.randn(1, 3, 1, 64)
-    pos = torch.tensor([length])
     plain_store, plain_attention = ops.PLAIN[torch.ops.kvcompile.store.default], \
         ops.PLAIN[torch.ops.kvcompile.attention.default]
+    pos = [T]
 
-    def again(fn):  # every store call appends at the same position
+    def step(fn):  # a decode step: the next position
         def call():
-            st.lengths.fill_(length)
-            fn()
+            fn(k_cache, v_cache, k, v, torch.tensor(pos), name)
+            pos[0] += 1
         return call
 
-    res = {
-        "store": {"dispatcher": best_us(again(lambda: torch.ops.kvcompile.store(state, k, v, pos, name)), args.calls),
-                  "plain": best_us(again(lambda: plain_store(state, k, v, pos, name)), args.calls),
-                  "kernel wrapper": best_us(again(lambda: cpu_store.store(st, spec, k, v)), args.calls)},
-        "attention": {"dispatcher": best_us(lambda: torch.ops.kvcompile.attention(q, state, None, 0.125, name, k, v),
-                                            args.calls),
-                      "plain": best_us(lambda: plain_attention(q, state, None, 0.125, name, k, v), args.calls),
+    def again():
+        st.lengths.fill_(T)
+        cpu_store.store(st, spec, k, v)
+
+    res = {"store": {"dispatcher": best_us(step(torch.ops.kvcompile.store), args.calls),
+                     "plain": best_us(step(plain_store), args.calls),
+                     "kernel wrapper": best_us(again, args.calls)}}
+    ops.store_for(k_cache, v_cache, name).crop(T + 1)  # attention over as many tokens as the wrapper's store
+    res |= {
+        "attention": {"dispatcher": best_us(lambda: torch.ops.kvcompile.attention(q, k_cache, v_cache, token, None,
+                                                                                    0.125, name, k, v), args.calls),
+                      "plain": best_us(lambda: plain_attention(q, k_cache, v_cache, token, None, 0.125, name, k, v),
+                                       args.calls),
                       "kernel wrapper": best_us(lambda: cpu.attention(q, st, spec, None, 0.125, k_new=k, v_new=v),
                                                 args.calls)},
     }
