@@ -329,3 +329,41 @@ def test_an_eager_cache_while_another_thread_compiles():
     finally:
         stop.set()
         t.join()
+
+
+# --------------------------------------------------------------------------- the backend in transformers' recipes
+def test_backend_on_a_compiled_forward_with_generates_static_cache():
+    """transformers' recipe: the forward compiled by the backend, generate(cache_implementation="static"). The
+    StaticCache initializes inside the compiled prefill: its allocation becomes a stand-in, and every token is
+    the unmodified model's."""
+    ref = tiny()
+    model = tiny()
+    model.forward = torch.compile(model.forward, backend="kvcompile",
+                                  options={"policy": Policy.full(), "compiler": "eager"})
+    with torch.no_grad():
+        want = ref.generate(PROMPT, max_new_tokens=10, do_sample=False)
+        got = model.generate(PROMPT, max_new_tokens=10, do_sample=False, cache_implementation="static")
+    assert torch.equal(got, want)
+    assert counters["allocation_standin"] > 0 and counters["attention_rewritten"] > 0
+
+
+def test_backend_through_generates_own_auto_compile():
+    """generate's auto-compile (a CompileConfig naming the backend, a static cache): the prefill runs eagerly into
+    the StaticCache's full-precision tensors, then the compiled decode takes them over (the prefill's tokens are
+    stored first) -- the unmodified model's tokens under Policy.full(), close under a quantized policy."""
+    from transformers import CompileConfig
+
+    for policy in (Policy.full(), KIVI):
+        ref, model = tiny(), tiny()
+        cc = CompileConfig(backend="kvcompile", mode=None, options={"policy": policy, "compiler": "eager"})
+        cc._compile_all_devices = True  # transformers compiles only on accelerators unless told to (tests)
+        with torch.no_grad():
+            want = ref.generate(PROMPT, max_new_tokens=10, do_sample=False, output_logits=True,
+                                return_dict_in_generate=True)
+            got = model.generate(PROMPT, max_new_tokens=10, do_sample=False, cache_implementation="static",
+                                 compile_config=cc, output_logits=True, return_dict_in_generate=True)
+        if policy == Policy.full():
+            assert torch.equal(got.sequences, want.sequences)
+        err = (torch.stack(got.logits) - torch.stack(want.logits)).abs().max()
+        assert err < 0.1 * torch.stack(want.logits).abs().max(), err
+        assert counters["attention_rewritten"] > 0
