@@ -8,12 +8,56 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence, then name one famous landmark there."
+
+# A bare `kvcompile eval` (every default scheme x width, then passkey for full, best:4 and best:2 at 1K-8K): the
+# sum of the per-entry times measured for docs/eval.json on this project's 2-core CPU (loss rows 22 minutes,
+# passkey full 29, kivi+rot+sink:4 31, kivi-k3v2:2 32; one thread per run).
+EVAL_BARE_MINUTES = 115
+
+
+class UsageError(Exception):
+    """Something the user asked for cannot be done; ``main`` prints it as one line and exits with status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors on one line (no usage block), pointing at --help; exit status 2 as argparse's."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+def _one_line(text) -> str:
+    return " ".join(str(text).split())
+
+
+def _number(kind, what: str, low=None, low_open=False, high=None):
+    """An argparse type: ``kind`` (int or float), finite, within [low, high] (low excluded if ``low_open``)."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if kind is float and not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        if low is not None and (v < low or (low_open and v == low)) or high is not None and v > high:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return v
+    parse.__name__ = what
+    return parse
+
+
+_POSITIVE_INT = _number(int, "a positive whole number", 1)
+_NONNEG_INT = _number(int, "a whole number >= 0", 0)
+_POSITIVE_GB = _number(float, "a positive number of gigabytes", 0, low_open=True)
+_NONNEG_GB = _number(float, "a number of gigabytes >= 0", 0)
+_FRACTION = _number(float, "a fraction in (0, 1]", 0, low_open=True, high=1)
 
 
 def default_policy():
@@ -26,15 +70,79 @@ def default_policy():
     return Policy.kivi(4, sink=4, rotate=True)
 
 
+def _entry_policy(text: str):
+    """``SCHEME:BITS`` -> its policy; a ``UsageError`` that lists the choices for anything else."""
+    from .evaluate import SCHEMES, parse_entry, scheme_policy
+    try:
+        name, bits = parse_entry(text)
+        pol = scheme_policy(name, bits)
+    except ValueError as e:
+        raise UsageError(f"{e}") from None
+    if pol is None:
+        widths = [b for b in (2, 3, 4, 8) if SCHEMES[name](b) is not None]
+        raise UsageError(f"scheme {name!r} has no {bits}-bit policy: use {name}:{' or '.join(map(str, widths))}")
+    return pol
+
+
 def _policy_arg(text: str):
-    from .evaluate import parse_entry, scheme_policy
     if text == "default":
         return default_policy()
-    name, bits = parse_entry(text)
-    pol = scheme_policy(name, bits)
-    if pol is None:
-        raise argparse.ArgumentTypeError(f"scheme {name!r} has no {bits}-bit policy")
-    return pol
+    try:
+        return _entry_policy(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _load_model(name):
+    """``(tokenizer, load_model)`` as ``models.load`` reads them, the user's mistakes (no such model, a folder
+    transformers cannot load) as ``UsageError``s; the tokenizer comes first, so the checks that need it run
+    before the weights are read."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import torch
+
+    from . import models
+    path = models.resolve(name, log=lambda m: print(m, file=sys.stderr))  # ModelNotFound: a user error
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"--model {str(name)!r}: no tokenizer could be loaded from {path} ({_one_line(e)}); "
+                         f"save the tokenizer next to the model (tokenizer.save_pretrained)") from None
+
+    def model():
+        try:
+            m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        except (OSError, ValueError, KeyError) as e:
+            raise UsageError(f"--model {str(name)!r}: the model in {path} could not be loaded "
+                             f"({_one_line(e)}); pass a folder saved with save_pretrained") from None
+        m.eval()
+        return m
+    return tok, model
+
+
+def _warn(cmd: str, message: str) -> None:
+    print(f"kvcompile {cmd}: warning: {_one_line(message)}", file=sys.stderr, flush=True)
+
+
+def _check_heldout(tok, window: int, option: str) -> None:
+    from .evaluate import heldout_text
+    n = len(tok(heldout_text(), add_special_tokens=False)["input_ids"])
+    if window > n:
+        raise UsageError(f"{option} {window} is longer than the held-out text ({n:,} tokens with this "
+                         f"tokenizer); use {option} {n} or less")
+
+
+def _check_writable_file(path: str, option: str) -> None:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise UsageError(f"{option} {path!r} is a directory: give a file name, e.g. {p / 'out'}")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{option} {path!r}: {str(parent)!r} is a file, not a directory")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"{option} {path!r}: {str(parent)!r} is not writable")
 
 
 def _chat_ids(tok, prompt: str):
@@ -70,18 +178,25 @@ def cmd_demo(args) -> int:
     from transformers import DynamicCache
 
     import kvcompile
-    from . import models
     from .evaluate import cache_kwarg, heldout_loss, heldout_windows
     from .hf import KVCompileCache
     from .policy import Policy
 
     t_start = time.perf_counter()
     torch.manual_seed(0)
-    model, tok = models.load(args.model, log=lambda m: print(m, file=sys.stderr))
+    tok, load_model = _load_model(args.model)
     policy = args.policy or default_policy()
-    print(f"model: {args.model or 'SmolLM2-135M-Instruct (embedded)'}\npolicy: {policy}")
     ids = _chat_ids(tok, args.prompt)
     n_new = args.max_new_tokens
+    if ids.shape[1] + n_new > args.capacity:
+        raise UsageError(f"--capacity {args.capacity} is too small: the prompt is {ids.shape[1]} tokens and "
+                         f"--max-new-tokens {n_new} more; use --capacity {ids.shape[1] + n_new} or more")
+    _check_heldout(tok, args.loss_window, "--loss-window")
+    reason = policy.noop_reason(args.capacity)
+    if reason:
+        _warn("demo", f"with --capacity {args.capacity}, {reason}")
+    model = load_model()
+    print(f"model: {args.model or 'SmolLM2-135M-Instruct (embedded)'}\npolicy: {policy}")
 
     ckw = cache_kwarg(model)
 
@@ -137,47 +252,198 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def cmd_eval(args) -> int:
-    from . import models
-    from .evaluate import format_table, merge, run, write
+EVAL_DEFAULTS = dict(model=None, schemes=None, bits=None, entries=None, window=2048, windows=4, chunk=64,
+                     passkey=["full", "best:4", "best:2"], passkey_lengths=[1024, 2048, 4096, 8192],
+                     passkey_chunk=2048, trials=20, seed=0)
+_ROW_KEYS = ("scheme", "bits", "bytes_per_token_bf16", "ratio_to_bf16", "loss", "loss_delta")
 
+
+def _read_eval_json(path: str) -> dict:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UsageError(f"--merge {path!r}: no such file; give the eval.json files of earlier runs")
+    try:
+        res = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"--merge {path!r} is not readable JSON ({_one_line(e)})") from None
+    ok = (isinstance(res, dict) and isinstance(res.get("rows"), list) and "window" in res and "windows" in res
+          and all(isinstance(r, dict) and all(k in r for k in _ROW_KEYS) for r in res["rows"])
+          and isinstance(res.get("passkey", {}), dict))
+    if not ok:
+        raise UsageError(f"--merge {path!r} is not an eval.json written by kvcompile eval (it needs 'window', "
+                         f"'windows' and 'rows' with {', '.join(_ROW_KEYS)})")
+    return res
+
+
+def _eval_pairs(args) -> list[tuple[str, int, object]]:
+    """The (scheme, bits, policy) rows a run evaluates, checked before the model is loaded."""
+    from .evaluate import DEFAULT_BITS, DEFAULT_SCHEMES, parse_entry, scheme_policy
+    if args.entries is not None:
+        if args.schemes is not None or args.bits is not None:
+            raise UsageError("--entries replaces --schemes and --bits: pass SCHEME:BITS entries, or --schemes "
+                             "and --bits, not both")
+        out = []
+        for e in args.entries:
+            if e != "none":
+                pol = _entry_policy(e)
+                out.append((*parse_entry(e), pol))
+        return out
+    schemes = args.schemes or list(DEFAULT_SCHEMES)
+    bits = args.bits or list(DEFAULT_BITS)
+    out = [(n, b, scheme_policy(n, b)) for b in bits for n in schemes]
+    out = [t for t in out if t[2] is not None]
+    if not out:
+        raise UsageError(f"--schemes {' '.join(schemes)} at --bits {' '.join(map(str, bits))} gives no policy to "
+                         f"evaluate (fp8, fp8-r0, int8, int8+rot and fp8+rot+sink are 8-bit only, kivi-k3v2 "
+                         f"2-bit only); add a width they have, or use --entries")
+    return out
+
+
+def _check_passkey(entries, pairs) -> None:
+    for e in entries:
+        if e == "full":
+            continue
+        name, sep, bits = e.rpartition(":")
+        if name == "best" and bits.isdigit():
+            if not any(b == int(bits) for _, b, _ in pairs):
+                evaluated = sorted({b for _, b, _ in pairs})
+                raise UsageError(f"--passkey {e}: best:BITS picks the lowest loss delta among the evaluated "
+                                 f"{bits}-bit schemes, and none is evaluated (widths evaluated: "
+                                 f"{', '.join(map(str, evaluated)) or 'none'}); add one, or name SCHEME:BITS")
+            continue
+        try:
+            _entry_policy(e)
+        except UsageError as err:
+            raise UsageError(f"--passkey {e}: {err} (or 'full', or best:BITS)") from None
+
+
+def cmd_eval(args) -> int:
+    from .evaluate import DEFAULT_BITS, DEFAULT_SCHEMES, PasskeyTrial, format_table, merge, passkey_layout, run, write
+
+    given = [k for k, v in EVAL_DEFAULTS.items() if getattr(args, k) != v]
     if args.merge:
-        res = merge([json.loads(Path(p).read_text()) for p in args.merge])
+        if given:
+            raise UsageError(f"--merge re-renders earlier runs and runs no model: "
+                             f"{', '.join('--' + k.replace('_', '-') for k in given)} would have no effect; "
+                             f"drop {'it' if len(given) == 1 else 'them'}, or run without --merge")
+        results = [_read_eval_json(p) for p in args.merge]
+        _check_out(args.out)
+        res = merge(results)
     else:
-        model, tok = models.load(args.model, log=lambda m: print(m, file=sys.stderr))
+        pairs = _eval_pairs(args)
+        if not pairs and not args.passkey:
+            raise UsageError("--entries none with no --passkey entries evaluates nothing: add SCHEME:BITS entries "
+                             "or passkey entries (e.g. --passkey full kivi:4)")
+        if args.passkey:
+            _check_passkey(args.passkey, pairs)
+        _check_out(args.out)
+        tok, load_model = _load_model(args.model)
+        if pairs:
+            _check_heldout(tok, args.window, "--window")
+        for L in args.passkey_lengths if args.passkey else ():
+            try:
+                passkey_layout(tok, PasskeyTrial(L, 0.5, 10000))
+            except ValueError:
+                raise UsageError(f"--passkey-lengths {L} is too short for the passkey prompt (intro, needle, "
+                                 f"question and one filler sentence); use 256 or more") from None
+        for name, b, pol in pairs:
+            reason = pol.noop_reason(args.window)
+            if reason:
+                _warn("eval", f"{name}:{b} in a {args.window}-token --window: {reason}")
+        model = load_model()
         entries = None if args.entries is None else [e for e in args.entries if e != "none"]
-        res = run(model, tok, args.schemes, args.bits, args.window, args.windows, args.chunk, args.passkey,
-                  args.passkey_lengths, args.trials, args.seed, progress=not args.no_progress,
-                  log=lambda m: print(m, file=sys.stderr, flush=True), out_dir=args.out, entries=entries,
-                  passkey_chunk=args.passkey_chunk)
+        res = run(model, tok, args.schemes or list(DEFAULT_SCHEMES), args.bits or list(DEFAULT_BITS), args.window,
+                  args.windows, args.chunk, args.passkey, args.passkey_lengths, args.trials, args.seed,
+                  progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr, flush=True),
+                  out_dir=args.out, entries=entries, passkey_chunk=args.passkey_chunk)
         res["command"] = "kvcompile " + " ".join(args.argv)
     print(format_table(res))
-    js, png = write(res, args.out)
+    try:
+        js, png = write(res, args.out)
+    except OSError as e:
+        raise UsageError(f"--out {args.out!r}: could not write the results ({_one_line(e)})") from None
     print(f"wrote {js} and {png}")
     return 0
+
+
+def _check_out(out: str) -> None:
+    p = Path(out).expanduser()
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"--out {out!r} is a file: give a directory for eval.json and eval.png")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {out!r}: the directory could not be created ({_one_line(e)})") from None
+    if not os.access(p, os.W_OK):
+        raise UsageError(f"--out {out!r} is not writable")
+
+
+PLAN_GPU_GB, PLAN_UTILIZATION, PLAN_PRESET = 80.0, 0.9, "llama3-8b"
 
 
 def cmd_plan(args) -> int:
     from . import plan as P
 
-    if args.config:
-        shape = P.shape_from_config(args.config, None if args.weights_gb is None else args.weights_gb * P.GB)
-    else:
-        shape = P.PRESETS[args.preset]
-        if args.weights_gb is not None:
-            shape = P.ModelShape(shape.name, shape.layers, shape.kv_heads, shape.head_dim, args.weights_gb * P.GB)
+    if args.config and args.preset:
+        raise UsageError("--config and --preset both name the model: pass one of them")
+    if args.available_gb is not None:
+        extra = [o for o, v in (("--gpu-gb", args.gpu_gb), ("--utilization", args.utilization),
+                                ("--weights-gb", args.weights_gb)) if v is not None]
+        if extra:
+            raise UsageError(f"--available-gb is the memory left for the cache, so {' and '.join(extra)} would "
+                             f"have no effect; pass --available-gb alone, or --gpu-gb/--utilization/--weights-gb")
+    for opt, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            _check_writable_file(path, opt)
+    if args.plot and Path(args.plot).suffix:
+        from matplotlib.backend_bases import FigureCanvasBase
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        if Path(args.plot).suffix[1:].lower() not in kinds:
+            raise UsageError(f"--plot {args.plot!r}: matplotlib cannot write {Path(args.plot).suffix!r} files; "
+                             f"use .png (or {', '.join('.' + k for k in sorted(kinds) if k != 'png')})")
+    weights = None if args.weights_gb is None else args.weights_gb * P.GB
+    try:
+        if args.config:
+            try:
+                shape = P.shape_from_config(args.config, weights)
+            except P.WeightsUnknown:
+                if args.available_gb is None:
+                    raise UsageError(f"--config {args.config!r}: no *.safetensors or *.bin files next to the config, "
+                                     f"so the weights' size is unknown; pass --weights-gb, or --available-gb "
+                                     f"(the memory left for the cache)") from None
+                shape = P.shape_from_config(args.config, 0.0)  # the weights play no part with --available-gb
+        else:
+            shape = P.PRESETS[args.preset or PLAN_PRESET]
+            if weights is not None:
+                shape = P.ModelShape(shape.name, shape.layers, shape.kv_heads, shape.head_dim, weights,
+                                     shape.dtype_bytes, shape.windows)
+    except P.PlanError as e:
+        raise UsageError(f"--config {args.config!r}: {e}" if args.config else str(e)) from None
     unit = P.GiB if args.gib else P.GB
     if args.available_gb is not None:
         avail = args.available_gb * unit
     else:
-        avail = P.available_bytes(args.gpu_gb * unit, args.utilization, shape.weight_bytes)
+        gpu = (args.gpu_gb if args.gpu_gb is not None else PLAN_GPU_GB) * unit
+        if not math.isfinite(gpu):
+            raise UsageError(f"--gpu-gb {args.gpu_gb} is too large to be a GPU's memory")
+        util = args.utilization if args.utilization is not None else PLAN_UTILIZATION
+        try:
+            avail = P.available_bytes(gpu, util, shape.weight_bytes)
+        except P.PlanError as e:
+            raise UsageError(f"{e} (see --gpu-gb, --utilization, --weights-gb, or give --available-gb)") from None
+    if not math.isfinite(avail):
+        raise UsageError(f"--available-gb {args.available_gb} is too large to be a GPU's memory")
     rows = P.plan(shape, args.context, available=avail)
     print(P.format_table(rows, shape, args.context, avail))
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(P.to_json(rows, shape, args.context, avail))
-    if args.plot:
-        print(f"wrote {P.plot(shape, avail, args.plot)}")
+    try:
+        if args.json:
+            Path(args.json).expanduser().parent.mkdir(parents=True, exist_ok=True)  # as --plot does
+            with open(Path(args.json).expanduser(), "w") as f:
+                f.write(P.to_json(rows, shape, args.context, avail))
+        if args.plot:
+            print(f"wrote {P.plot(shape, avail, Path(args.plot).expanduser())}")
+    except OSError as e:
+        raise UsageError(f"could not write {e.filename or 'the output'}: {e.strerror or _one_line(e)}") from None
     return 0
 
 
@@ -185,66 +451,121 @@ def build_parser() -> argparse.ArgumentParser:
     from .evaluate import DEFAULT_BITS, DEFAULT_SCHEMES, SCHEMES
     from .plan import PRESETS
 
-    p = argparse.ArgumentParser(prog="kvcompile", description="Quantized KV caches: demo, quality, capacity.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    D = EVAL_DEFAULTS
+    from . import __version__
 
-    d = sub.add_parser("demo", help="generate with a quantized cache; print bytes, loss delta, tokens/s")
-    d.add_argument("--model", default=None, help="a local Hugging Face model directory (default: SmolLM2)")
-    d.add_argument("--policy", type=_policy_arg, default=None, help="SCHEME:BITS, e.g. kivi:4 (default: kivi+rot+sink:4)")
-    d.add_argument("--prompt", default=DEMO_PROMPT)
-    d.add_argument("--max-new-tokens", type=int, default=40)
-    d.add_argument("--capacity", type=int, default=4096, help="tokens the cache is allocated for")
-    d.add_argument("--loss-window", type=int, default=1024, help="held-out window for the loss delta")
+    p = _Parser(prog="kvcompile", description="Quantized KV caches: demo, quality, capacity.")
+    p.add_argument("--version", action="version", version=f"kvcompile {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,eval,plan}")
+
+    d = sub.add_parser("demo", help="generate with a quantized cache; print bytes, loss delta, tokens/s",
+                       description="Generate a reply with the full-precision cache and with a quantized one; print "
+                                   "the cache's bytes, the held-out loss delta and the decode speed.")
+    d.add_argument("--model", default=None,
+                   help="a local Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
+    d.add_argument("--policy", type=_policy_arg, default=None,
+                   help="SCHEME:BITS, e.g. kivi:4; schemes: " + ", ".join(SCHEMES) + " (default: kivi+rot+sink:4, "
+                        "4-bit KIVI with 4 sink tokens and a Hadamard rotation)")
+    d.add_argument("--prompt", default=DEMO_PROMPT, help="the user message (default: %(default)r)")
+    d.add_argument("--max-new-tokens", type=_POSITIVE_INT, default=40,
+                   help="tokens generated per reply (default: %(default)s)")
+    d.add_argument("--capacity", type=_POSITIVE_INT, default=4096,
+                   help="tokens the cache is allocated for; at least the prompt plus --max-new-tokens "
+                        "(default: %(default)s)")
+    d.add_argument("--loss-window", type=_number(int, "a whole number of tokens >= 2", 2), default=1024,
+                   help="held-out window for the loss delta, in tokens (default: %(default)s)")
     # eager by default: Inductor's compile of SmolLM2 through the CPU attention template took over 3 minutes on
     # this (shared) 2-core machine, beyond the demo's budget; the FX pass and kvcompile's ops run either way.
     d.add_argument("--compiler", default="eager", choices=["inductor", "eager"],
-                   help="what kvcompile.apply compiles the rest of the graph with (default: eager)")
+                   help="what kvcompile.apply compiles the rest of the graph with (default: %(default)s)")
     d.set_defaults(func=cmd_demo)
 
-    e = sub.add_parser("eval", help="loss delta and passkey retrieval per scheme and bit width")
-    e.add_argument("--model", default=None)
-    e.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES), choices=sorted(SCHEMES))
-    e.add_argument("--bits", nargs="+", type=int, default=list(DEFAULT_BITS))
-    e.add_argument("--entries", nargs="+", default=None,
-                   help="SCHEME:BITS pairs to evaluate instead of --schemes x --bits ('none': passkey only)")
+    e = sub.add_parser(
+        "eval", help="loss delta and passkey retrieval per scheme and bit width",
+        description=f"Held-out loss delta of each scheme and width over full precision, and passkey retrieval. A bare "
+                    f"`kvcompile eval` (every default scheme x width, then passkey for full, best:4 and best:2 at "
+                    f"1K-8K, 20 trials each) takes about {EVAL_BARE_MINUTES} minutes on a 2-core CPU (the times "
+                    f"measured for docs/eval.json); --entries, --passkey and --passkey-lengths choose less.")
+    e.add_argument("--model", default=D["model"],
+                   help="a local Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
+    e.add_argument("--schemes", nargs="+", default=D["schemes"], choices=sorted(SCHEMES), metavar="SCHEME",
+                   help=f"schemes to evaluate at each of --bits; one of {', '.join(sorted(SCHEMES))} "
+                        f"(default: {' '.join(DEFAULT_SCHEMES)})")
+    e.add_argument("--bits", nargs="+", type=int, default=D["bits"], choices=[2, 3, 4, 8], metavar="BITS",
+                   help=f"widths to evaluate: 2, 3, 4 or 8 (default: {' '.join(map(str, DEFAULT_BITS))})")
+    e.add_argument("--entries", nargs="+", default=D["entries"], metavar="SCHEME:BITS",
+                   help="SCHEME:BITS pairs to evaluate instead of --schemes x --bits ('none': passkey only) "
+                        "(default: none given, --schemes x --bits)")
     e.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                   help="merge the eval.json files of earlier runs (no model is run) and write table + plot")
-    e.add_argument("--window", type=int, default=2048)
-    e.add_argument("--windows", type=int, default=4)
-    e.add_argument("--chunk", type=int, default=64)
-    e.add_argument("--passkey", nargs="*", default=["full", "best:4", "best:2"],
-                   help='passkey entries: "full", SCHEME:BITS, or best:BITS (lowest loss delta of that width)')
-    e.add_argument("--passkey-lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192])
-    e.add_argument("--passkey-chunk", type=int, default=2048,
+                   help="merge the eval.json files of earlier runs (no model is run) and write table + plot "
+                        "(default: off, run the model)")
+    e.add_argument("--window", type=_number(int, "a whole number of tokens >= 2", 2), default=D["window"],
+                   help="tokens per held-out window; the second half is scored (default: %(default)s)")
+    e.add_argument("--windows", type=_POSITIVE_INT, default=D["windows"],
+                   help="held-out windows, evenly spaced over the text (default: %(default)s)")
+    e.add_argument("--chunk", type=_POSITIVE_INT, default=D["chunk"],
+                   help="tokens fed through the cache per call in the scored half (default: %(default)s)")
+    e.add_argument("--passkey", nargs="*", default=D["passkey"], metavar="ENTRY",
+                   help='passkey entries: "full", SCHEME:BITS, or best:BITS (lowest loss delta of that width); '
+                        'none after --passkey: no passkey (default: full best:4 best:2)')
+    e.add_argument("--passkey-lengths", nargs="+", type=_POSITIVE_INT, default=D["passkey_lengths"], metavar="N",
+                   help="passkey context lengths in tokens (default: 1024 2048 4096 8192)")
+    e.add_argument("--passkey-chunk", type=_POSITIVE_INT, default=D["passkey_chunk"],
                    help="passkey prompts are prefilled through the cache in aligned chunks of this many tokens "
-                        "(default 2048: one call up to 2K, like generate); the answer is then decoded token by token")
-    e.add_argument("--trials", type=int, default=20, help="random passkeys and depths per length")
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--out", default="results")
-    e.add_argument("--no-progress", action="store_true")
+                        "(one call up to 2K, like generate); the answer is then decoded token by token "
+                        "(default: %(default)s)")
+    e.add_argument("--trials", type=_POSITIVE_INT, default=D["trials"],
+                   help="random passkeys and depths per length (default: %(default)s)")
+    e.add_argument("--seed", type=_NONNEG_INT, default=D["seed"], help="passkey trials' seed (default: %(default)s)")
+    e.add_argument("--out", default="results", help="directory for eval.json and eval.png (default: %(default)s)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bars (default: shown)")
     e.set_defaults(func=cmd_eval)
 
-    pl = sub.add_parser("plan", help="concurrent sequences per GPU for each policy")
-    pl.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
-    pl.add_argument("--config", default=None, help="a Hugging Face config.json or model folder instead")
-    pl.add_argument("--weights-gb", type=float, default=None)
-    pl.add_argument("--gpu-gb", type=float, default=80.0)
-    pl.add_argument("--utilization", type=float, default=0.9)
-    pl.add_argument("--available-gb", type=float, default=None, help="memory for the cache, instead of gpu")
-    pl.add_argument("--gib", action="store_true", help="read --gpu-gb/--available-gb as GiB (2**30)")
-    pl.add_argument("--context", type=int, default=8192)
-    pl.add_argument("--plot", default=None, help="write a PNG here")
-    pl.add_argument("--json", default=None, help="write the table as JSON here")
+    pl = sub.add_parser("plan", help="concurrent sequences per GPU for each policy",
+                        description="Concurrent sequences per GPU for each policy, from the exact cache layout.")
+    pl.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                    help=f"the model: {', '.join(sorted(PRESETS))} (default: {PLAN_PRESET})")
+    pl.add_argument("--config", default=None,
+                    help="a local Hugging Face config.json or model folder instead of --preset; nothing is "
+                         "downloaded (default: none, use --preset)")
+    pl.add_argument("--weights-gb", type=_NONNEG_GB, default=None,
+                    help="the weights' size in GB (default: the preset's, or the size of the --config folder's "
+                         "*.safetensors / *.bin files)")
+    pl.add_argument("--gpu-gb", type=_POSITIVE_GB, default=None,
+                    help=f"the GPU's memory in GB (default: {PLAN_GPU_GB:g})")
+    pl.add_argument("--utilization", type=_FRACTION, default=None,
+                    help=f"the fraction of the GPU's memory used (default: {PLAN_UTILIZATION})")
+    pl.add_argument("--available-gb", type=_POSITIVE_GB, default=None,
+                    help="memory for the cache in GB, instead of --gpu-gb x --utilization - weights "
+                         "(default: none, computed)")
+    pl.add_argument("--gib", action="store_true",
+                    help="read --gpu-gb/--available-gb as GiB (2**30) (default: GB, 10**9)")
+    pl.add_argument("--context", type=_POSITIVE_INT, default=8192,
+                    help="tokens per sequence (default: %(default)s)")
+    pl.add_argument("--plot", default=None, help="write a PNG of sequences vs context here (default: none)")
+    pl.add_argument("--json", default=None, help="write the table as JSON here (default: none)")
     pl.set_defaults(func=cmd_plan)
     return p
 
 
 def main(argv=None) -> int:
+    """Run a subcommand. A user's mistake is one line on stderr and exit status 2; a bug keeps its traceback."""
+    from .models import ModelNotFound
+    from .passes import KVCompileError
+    from .plan import PlanError
+    from .policy import PolicyError
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
-    return args.func(args)
+    try:
+        return args.func(args)
+    # what the user gave cannot be done: a missing model, a policy or plan that does not fit, a model the pass
+    # cannot rewrite (each message says what was found and what to do)
+    except (UsageError, ModelNotFound, PlanError, PolicyError, KVCompileError) as e:
+        print(f"kvcompile {args.cmd}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

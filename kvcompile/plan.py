@@ -18,6 +18,7 @@ functions take bytes; the presets say which unit their source meant.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,14 @@ from .policy import Policy
 GB = 10 ** 9
 GiB = 2 ** 30
 C = sp.Symbol("C", integer=True, nonnegative=True)  # context length (tokens per sequence)
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made from what was given; the message says what was found and what to do."""
+
+
+class WeightsUnknown(PlanError):
+    """The weights' size is needed and could not be read from the model folder."""
 
 
 @dataclass(frozen=True)
@@ -45,10 +54,12 @@ class ModelShape:
 
     def __post_init__(self):
         for f in ("layers", "kv_heads", "head_dim", "dtype_bytes"):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
-                raise ValueError(f"ModelShape.{f}={getattr(self, f)!r}: expected a positive integer")
-        if self.weight_bytes < 0:
-            raise ValueError(f"ModelShape.weight_bytes={self.weight_bytes!r}: expected >= 0")
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PlanError(f"ModelShape.{f}={v!r}: expected a positive integer")
+        w = self.weight_bytes
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w) or w < 0:
+            raise PlanError(f"ModelShape.weight_bytes={w!r}: expected a finite number of bytes >= 0")
 
 
 PRESETS = {
@@ -61,26 +72,46 @@ PRESETS = {
 def shape_from_config(path_or_config, weight_bytes: float | None = None, name: str | None = None) -> ModelShape:
     """A ``ModelShape`` from a Hugging Face config (a ``PretrainedConfig``, a ``config.json`` or its folder).
 
-    ``weight_bytes`` defaults to the size of the folder's ``*.safetensors`` / ``*.bin`` files.
+    ``weight_bytes`` defaults to the size of the folder's ``*.safetensors`` / ``*.bin`` files. A path is read
+    from the local disk only (nothing is downloaded); a path that is not a readable config is a ``PlanError``.
     """
     from .hf import model_shape, windowed_layers
 
     folder = None
     cfg = path_or_config
     if isinstance(cfg, (str, Path)):
-        p = Path(cfg)
-        folder = p if p.is_dir() else p.parent
-        from transformers import AutoConfig
-        cfg = AutoConfig.from_pretrained(folder)
-    layers, kv, hd = model_shape(cfg)
+        cfg = _read_config(Path(cfg).expanduser())
+        folder = Path(path_or_config).expanduser()
+        folder = folder if folder.is_dir() else folder.parent
+    try:
+        layers, kv, hd = model_shape(cfg)
+    except AttributeError as e:  # a config without the decoder fields (an encoder, a vision model ...)
+        raise PlanError(f"the config of {getattr(cfg, 'model_type', None) or 'this model'!r} has no decoder "
+                        f"attention shape ({e}); plan a decoder-only language model") from None
     if weight_bytes is None:
         files = list(folder.glob("*.safetensors")) + list(folder.glob("*.bin")) if folder else []
         if not files:
-            raise ValueError("the weights' size is unknown: pass weight_bytes (--weights-gb) or a model folder "
-                             "that holds its *.safetensors files")
+            raise WeightsUnknown("the weights' size is unknown: pass weight_bytes (--weights-gb) or a model "
+                                 "folder that holds its *.safetensors files")
         weight_bytes = sum(f.stat().st_size for f in files)
     return ModelShape(name or getattr(cfg, "name_or_path", "") or "model", layers, kv, hd, float(weight_bytes),
                       windows=tuple(sorted(windowed_layers(cfg).items())))
+
+
+def _read_config(p: Path):
+    """A transformers config from a local ``config.json`` (any name) or a folder holding one; never a hub id."""
+    if not p.exists():
+        raise PlanError(f"{str(p)!r} does not exist: expected a local config.json or a model folder holding one "
+                        f"(a model hub id is not looked up: nothing is downloaded)")
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise PlanError(f"{str(p)!r} is a folder without a config.json: expected a Hugging Face model folder "
+                        f"(saved with save_pretrained) or the path of its config.json")
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(str(p), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:  # not JSON, no/unknown model_type, unreadable
+        msg = " ".join(str(e).split())
+        raise PlanError(f"{str(p)!r} is not a readable Hugging Face config ({msg})") from None
 
 
 # --------------------------------------------------------------------------- bytes per sequence
@@ -152,10 +183,12 @@ def sequences_expr(seq_bytes, available):
 
 def available_bytes(gpu_bytes: float, utilization: float, weight_bytes: float) -> float:
     if not 0 < utilization <= 1:
-        raise ValueError(f"utilization={utilization}: expected a fraction in (0, 1]")
+        raise PlanError(f"utilization={utilization}: expected a fraction in (0, 1]")
+    if not (math.isfinite(gpu_bytes) and gpu_bytes > 0):
+        raise PlanError(f"gpu_bytes={gpu_bytes}: expected a finite number of bytes > 0")
     avail = gpu_bytes * utilization - weight_bytes
     if avail <= 0:
-        raise ValueError(f"nothing is left for the cache: {gpu_bytes * utilization / GB:.1f} GB usable, "
+        raise PlanError(f"nothing is left for the cache: {gpu_bytes * utilization / GB:.1f} GB usable, "
                          f"{weight_bytes / GB:.1f} GB of weights; use a larger GPU or a smaller model")
     return avail
 
@@ -200,7 +233,11 @@ def default_policies() -> dict[str, object]:
 def plan(shape: ModelShape, context: int, gpu_bytes: float = 80 * GB, utilization: float = 0.9,
          available: float | None = None, policies: dict | None = None) -> list[PlanRow]:
     """Sequences per GPU for each policy (``available`` overrides gpu * utilization - weights)."""
+    if not isinstance(context, int) or isinstance(context, bool) or context < 1:
+        raise PlanError(f"context={context!r}: expected a positive number of tokens per sequence")
     avail = available if available is not None else available_bytes(gpu_bytes, utilization, shape.weight_bytes)
+    if not (math.isfinite(avail) and avail > 0):
+        raise PlanError(f"available={avail}: expected a finite number of bytes > 0 for the cache")
     return [plan_policy(k, v, shape, context, avail) for k, v in (policies or default_policies()).items()]
 
 

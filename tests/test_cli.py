@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,3 +95,158 @@ def test_bad_policy_argument_is_refused(capsys):
 def test_python_dash_m_runs():
     r = subprocess.run([sys.executable, "-m", "kvcompile", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "demo" in r.stdout and "plan" in r.stdout
+
+
+# --------------------------------------------------------------------------- user errors: one line, exit status 2
+# Each case is what a user might type; each must end in exit status 2 with one line on stderr that says what was
+# wrong (the gist checked here) -- no traceback, nothing on stdout, nothing downloaded. Each runs
+# `python -m kvcompile` in its own process; they run a few at a time (each pays the ~5 s import).
+BAD_INPUTS = {
+    # plan
+    "plan_config_missing_file": ("plan --config /nonexistent/config.json", r"does not exist.*nothing is downloaded"),
+    "plan_config_hub_id": ("plan --config some-org/some-model", r"'some-org/some-model' does not exist.*nothing is down"),
+    "plan_config_folder_without_config": ("plan --config {tmp}/notmodel", "is a folder without a config.json"),
+    "plan_config_not_json": ("plan --config {tmp}/bad.json", "is not a readable Hugging Face config .*not a valid JSON"),
+    "plan_config_without_model_type": ("plan --config {tmp}/notype.json", "not a readable Hugging Face config.*model_type"),
+    "plan_config_without_weights": ("plan --config {tmp}/noweights", r"weights' size is unknown; pass --weights-gb"),
+    "plan_weights_exceed_gpu": ("plan --preset llama3-70b --gpu-gb 80", r"nothing is left for the cache: 72\.0 GB usable, "
+                                r"141\.0 GB of weights.*--gpu-gb"),
+    "plan_unknown_preset": ("plan --preset llama3-7b", r"argument --preset: invalid choice: 'llama3-7b'"),
+    "plan_gpu_negative": ("plan --gpu-gb -1", r"argument --gpu-gb: '-1' is not a positive number of gigabytes"),
+    "plan_gpu_nan": ("plan --gpu-gb nan", r"argument --gpu-gb: 'nan' is not a positive number"),
+    "plan_gpu_overflow": ("plan --gpu-gb 1e300", r"--gpu-gb 1e\+300 is too large"),
+    "plan_utilization_zero": ("plan --utilization 0", r"argument --utilization: '0' is not a fraction in \(0, 1\]"),
+    "plan_utilization_above_one": ("plan --utilization 1.5", r"'1\.5' is not a fraction in \(0, 1\]"),
+    "plan_available_zero": ("plan --available-gb 0", r"argument --available-gb: '0' is not a positive number"),
+    "plan_weights_negative": ("plan --weights-gb -1", r"argument --weights-gb: '-1' is not a number of gigabytes >= 0"),
+    "plan_context_zero": ("plan --context 0", r"argument --context: '0' is not a positive whole number"),
+    "plan_context_negative": ("plan --context -5", r"argument --context: '-5' is not a positive whole number"),
+    "plan_context_not_a_number": ("plan --context 8k", r"argument --context: '8k' is not a positive whole number"),
+    "plan_json_is_a_directory": ("plan --json {tmp}", r"--json '.*' is a directory: give a file name"),
+    "plan_plot_under_a_file": ("plan --plot {tmp}/afile/p.png", r"--plot '.*afile/p\.png': '.*afile' is a file"),
+    "plan_plot_unknown_format": ("plan --plot {tmp}/p.xyz", r"matplotlib cannot write '\.xyz' files; use \.png"),
+    "plan_available_and_gpu": ("plan --available-gb 45 --gpu-gb 40", r"so --gpu-gb would have no effect"),
+    "plan_config_and_preset": ("plan --preset llama3-70b --config {tiny}", "--config and --preset both name the model"),
+    # eval
+    "eval_model_missing": ("eval --model /nonexistent/model", r"'/nonexistent/model' is not a local Hugging Face model"),
+    "eval_model_without_weights": ("eval --model {tmp}/noweights --entries kivi:4 --window 256 --passkey",
+                                   r"--model '.*noweights': the model in .* could not be loaded"),
+    "eval_entry_without_bits": ("eval --entries kivi", r"'kivi': expected SCHEME:BITS, e\.g\. kivi:4"),
+    "eval_entry_unknown_scheme": ("eval --entries foo:4", r"unknown scheme 'foo': expected one of"),
+    "eval_entry_width_missing": ("eval --entries fp8:4", r"scheme 'fp8' has no 4-bit policy: use fp8:8"),
+    "eval_schemes_bits_give_nothing": ("eval --schemes fp8 --bits 4", r"--schemes fp8 at --bits 4 gives no policy"),
+    "eval_unknown_scheme": ("eval --schemes foo", r"argument --schemes: invalid choice: 'foo'"),
+    "eval_unknown_width": ("eval --bits 5", r"argument --bits: invalid choice: 5 \(choose from 2, 3, 4, 8\)"),
+    "eval_entries_and_bits": ("eval --entries kivi:4 --bits 4", r"--entries replaces --schemes and --bits"),
+    "eval_window_one": ("eval --window 1", r"argument --window: '1' is not a whole number of tokens >= 2"),
+    "eval_window_longer_than_text": ("eval --model {tiny} --entries kivi:4 --window 1000000 --passkey",
+                                     r"--window 1000000 is longer than the held-out text \([\d,]+ tokens"),
+    "eval_windows_zero": ("eval --windows 0", r"argument --windows: '0' is not a positive whole number"),
+    "eval_trials_zero": ("eval --trials 0", r"argument --trials: '0' is not a positive whole number"),
+    "eval_passkey_best_not_evaluated": ("eval --entries kivi:4 --passkey best:2",
+                                        r"--passkey best:2: .* none is evaluated \(widths evaluated: 4\)"),
+    "eval_passkey_unknown_scheme": ("eval --passkey foo:2", r"--passkey foo:2: unknown scheme 'foo'"),
+    "eval_passkey_length_too_short": ("eval --model {tiny} --entries none --passkey full --passkey-lengths 10",
+                                      r"--passkey-lengths 10 is too short for the passkey prompt"),
+    "eval_passkey_chunk_zero": ("eval --passkey-chunk 0", r"argument --passkey-chunk: '0' is not a positive whole"),
+    "eval_nothing_to_evaluate": ("eval --entries none --passkey", r"evaluates nothing"),
+    "eval_out_is_a_file": ("eval --out {tmp}/afile", r"--out '.*afile' is a file: give a directory"),
+    "eval_merge_missing": ("eval --merge /nonexistent/eval.json", r"--merge '/nonexistent/eval\.json': no such file"),
+    "eval_merge_not_json": ("eval --merge {tmp}/bad.json", r"--merge '.*bad\.json' is not readable JSON"),
+    "eval_merge_not_an_eval": ("eval --merge {tmp}/norows.json", r"is not an eval\.json written by kvcompile eval"),
+    "eval_merge_with_run_options": ("eval --merge {tmp}/norows.json --window 128",
+                                    r"--merge re-renders earlier runs .*: --window would have no effect"),
+    # demo
+    "demo_model_not_a_model": ("demo --model {tmp}/notmodel", r"is not a local Hugging Face model directory"),
+    "demo_policy_without_bits": ("demo --policy kivi", r"argument --policy: 'kivi': expected SCHEME:BITS"),
+    "demo_policy_width_missing": ("demo --policy fp8:4", r"argument --policy: scheme 'fp8' has no 4-bit policy"),
+    "demo_max_new_tokens_zero": ("demo --max-new-tokens 0", r"argument --max-new-tokens: '0' is not a positive"),
+    "demo_capacity_below_prompt": ("demo --model {tiny} --capacity 16",
+                                   r"--capacity 16 is too small: the prompt is \d+ tokens and --max-new-tokens 40 more"),
+    "demo_loss_window_longer_than_text": ("demo --model {tiny} --capacity 512 --loss-window 1000000",
+                                          r"--loss-window 1000000 is longer than the held-out text"),
+    "demo_unknown_compiler": ("demo --compiler foo", r"argument --compiler: invalid choice: 'foo'"),
+    # the command itself
+    "unknown_subcommand": ("frobnicate", r"invalid choice: 'frobnicate' \(choose from 'demo', 'eval', 'plan'\)"),
+    "no_subcommand": ("", r"the following arguments are required"),
+}
+
+
+@pytest.fixture(scope="session")
+def bad_files(tmp_path_factory, tiny_dir):
+    """Things that are not what an option wants: a folder with no model, broken JSON, a config without a
+    model_type, a model folder without weights (config and tokenizer only), a plain file."""
+    import shutil
+    d = tmp_path_factory.mktemp("bad")
+    (d / "notmodel").mkdir()
+    (d / "notmodel" / "notes.txt").write_text("not a model")
+    (d / "bad.json").write_text("{not json")
+    (d / "norows.json").write_text(json.dumps({"a": 1}))
+    (d / "notype.json").write_text(json.dumps({"hidden_size": 8}))
+    (d / "afile").write_text("a file")
+    (d / "noweights").mkdir()
+    for f in tiny_dir.iterdir():
+        if not f.name.endswith((".safetensors", ".bin")):
+            shutil.copy(f, d / "noweights" / f.name)
+    return d
+
+
+@pytest.fixture(scope="session")
+def bad_input_runs(bad_files, tiny_dir, tmp_path_factory):
+    """Every BAD_INPUTS case run once, a few processes at a time (the cwd is an empty folder: nothing a case
+    might write lands in the checkout)."""
+    import os
+    import shlex
+    from concurrent.futures import ThreadPoolExecutor
+
+    cwd = tmp_path_factory.mktemp("cwd")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    root = str(Path(cli.__file__).resolve().parents[1])  # the checkout under test, not another install
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+
+    def one(item):
+        name, (cmd, _) = item
+        argv = shlex.split(cmd.format(tmp=bad_files, tiny=tiny_dir))
+        return name, subprocess.run([sys.executable, "-m", "kvcompile", *argv], capture_output=True, text=True,
+                                    timeout=600, cwd=cwd, env=env)
+    with ThreadPoolExecutor(max(2, min(4, os.cpu_count() or 2))) as ex:
+        return dict(ex.map(one, BAD_INPUTS.items()))
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_user_error_is_one_line_and_exit_status_2(case, bad_input_runs):
+    import re
+    r = bad_input_runs[case]
+    cmd, gist = BAD_INPUTS[case]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr[-3000:]
+    assert r.returncode == 2, (r.returncode, lines)
+    sub = cmd.split()[0] if cmd.split() and cmd.split()[0] in ("demo", "eval", "plan") else None
+    assert lines[0].startswith(f"kvcompile {sub}: error: " if sub else "kvcompile: error: ")
+    assert re.search(gist, lines[0]), lines[0]
+    assert r.stdout == ""
+
+
+def test_every_option_has_help_that_shows_its_default():
+    parser = cli.build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction)).choices
+    assert set(subs) == {"demo", "eval", "plan"}
+    missing = [f"{name} {a.option_strings[0]}" for name, sp in subs.items() for a in sp._actions
+               if a.option_strings and a.dest != "help" and "(default: " not in (a.help or "")]
+    assert missing == []
+
+
+def test_eval_help_says_how_long_a_bare_run_takes():
+    r = subprocess.run([sys.executable, "-m", "kvcompile", "eval", "--help"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0
+    assert "takes about 115 minutes on a 2-core CPU" in " ".join(r.stdout.split())
+
+
+def test_a_programming_error_keeps_its_traceback(monkeypatch):
+    # only the user's mistakes become one line; anything else propagates (python -m prints its traceback)
+    from kvcompile import plan as P
+    monkeypatch.setattr(P, "plan", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["plan"])
