@@ -9,19 +9,25 @@ One kernel serves both shapes of the problem, specialised by its constexprs:
 - **decode** (``n == 1``): a program owns one (sequence, KV head) and one slice of the sequence (split-K).
   Its query rows are the ``G = Hq / H`` query heads that share the KV head (grouped-query attention), so each
   KV tile is loaded and dequantized once for all of them. ``nsplit`` programs per (sequence, head) each
-  cover ``ceil(L / nsplit)`` positions -- split by the sequence's length on the device, so a batch of one at
-  128K context still fills the GPU without a host sync -- and ``_merge_kernel`` combines their partial
-  (max, sum, accumulator) triples with the online-softmax rule.
+  cover ``ceil((L - S) / nsplit)`` positions past the sinks (the first also takes the sinks) -- split by the
+  sequence's length on the device, so a batch of one at 128K context still fills the GPU without a host sync
+  -- and ``_merge_kernel`` combines their partial (max, sum, accumulator) triples with the online-softmax
+  rule. The host picks only how many splits, from the batch and the positions the call can score (the mask's
+  width, or the block table's reach: ``position_bound``), never from a capacity.
 - **chunked prefill** (``n > 1``): rows are ``BLOCK_Q`` query tokens x ``G`` heads; the key range stops at
   the block's last query (causal), and the same split-K applies when the grid is small.
 
 A tile of keys/values comes from one of three regions, walked in order by three loops: sinks (``p < S``,
 full precision), packed codes (``S <= p < Q(L)``, dequantized in registers: unpack the little-endian bit
 stream, gather the scale/zero of each element's group), and the residual ring (``Q(L) <= p < L``, slot
-``p % W``). With ``CHUNK`` a fourth loop reads the packed positions of the queries' own chunk (``[L - n, L)``,
-given in full precision) from the chunk instead of the codes: a prefill attends to itself unquantized, and
-the codes it has just written are not read back. Scores and softmax are fp32 (online softmax); the two matrix products accumulate in fp32 with
-operands in fp32 (``DOT="ieee"``) or rounded to tf32 on the tensor cores (``DOT="tf32"``).
+``p % W``). Packed codes are paged: position ``p`` is row ``(p - S) % BS`` of block
+``table[b, (p - S) // BS]``. Packed tiles start at multiples of ``BLOCK_N`` past the sinks and ``BLOCK_N``
+divides ``BS`` (the launcher cuts a longer tile to the block), so a tile lies in one block: one table entry
+per tile, and its rows are contiguous there, as they were without pages. With ``CHUNK`` a fourth loop reads
+the packed positions of the queries' own chunk (``[L - n, L)``, given in full precision) from the chunk
+instead of the codes: a prefill attends to itself unquantized, and the codes it has just written are not read
+back. Scores and softmax are fp32 (online softmax); the two matrix products accumulate in fp32 with operands
+in fp32 (``DOT="ieee"``) or rounded to tf32 on the tensor cores (``DOT="tf32"``).
 """
 import functools
 
@@ -56,11 +62,12 @@ def _fp8_decode(code, E4M3: tl.constexpr):
 def _packed_tile(codes_ptr, scale_ptr, zero_ptr, idx, tok_ok, sc_t, ss_t,
                  D: tl.constexpr, DB: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr,
                  BITS: tl.constexpr, E4M3: tl.constexpr, CHANNEL: tl.constexpr, G: tl.constexpr):
-    """Dequantized fp32 ``[BLOCK_N, DB]`` tile of packed-region rows ``idx`` (position - S); as
-    ``quant.dequantize(quant.unpack(...))``. ``codes_ptr``/``scale_ptr``/``zero_ptr`` point at (b, h)."""
+    """Dequantized fp32 ``[BLOCK_N, DB]`` tile of rows ``idx`` of one block; as
+    ``quant.dequantize(quant.unpack(...))``. ``codes_ptr``/``scale_ptr``/``zero_ptr`` point at (block, h), so
+    offsets within it fit 32 bits (the launcher keeps blocks small enough)."""
     c = tl.arange(0, DB)
     ok = tok_ok[:, None] & (c < D)[None, :]
-    row = idx.to(tl.int64)[:, None] * sc_t
+    row = idx[:, None] * sc_t  # within one block: int32
     if KIND == 3:
         x = tl.load(codes_ptr + row + c[None, :], mask=ok, other=0.0).to(tl.float32)
     else:
@@ -83,13 +90,13 @@ def _packed_tile(codes_ptr, scale_ptr, zero_ptr, idx, tok_ok, sc_t, ss_t,
             shifts = (tl.arange(0, PER) * BITS)[None, None, :]
             code = tl.reshape((word[:, :, None] >> shifts) & ((1 << BITS) - 1), (BLOCK_N, DB))
         if CHANNEL:
-            s_off = (idx // G).to(tl.int64)[:, None] * ss_t + c[None, :]
+            s_off = (idx // G)[:, None] * ss_t + c[None, :]
             s_ok = ok
         elif G == D:  # one scale per token-head: load a column and broadcast it (saves registers)
-            s_off = idx.to(tl.int64)[:, None] * ss_t
+            s_off = idx[:, None] * ss_t
             s_ok = tok_ok[:, None]
         else:
-            s_off = idx.to(tl.int64)[:, None] * ss_t + (c // G)[None, :]
+            s_off = idx[:, None] * ss_t + (c // G)[None, :]
             s_ok = ok
         s = tl.load(scale_ptr + s_off, mask=s_ok, other=0.0).to(tl.float32)
         if KIND == 0:
@@ -140,15 +147,17 @@ def _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c
 @triton.jit
 def _attn_kernel(
     q_ptr, out_ptr, ws_acc, ws_ml,
-    kc, ks, kz, vc, vs, vz, kr, vr, ksk, vsk, len_ptr, mask_ptr, kn, vn,
+    kc, ks, kz, vc, vs, vz, kr, vr, ksk, vsk, len_ptr, tbl_ptr, mask_ptr, kn, vn,
     sq_b, sq_h, sq_t,  # q [B, Hq, n, D] fp32, unit stride along D
-    skc_b, skc_h, skc_t, sks_b, sks_h, sks_t,  # key codes, key scale/zero
-    svc_b, svc_h, svc_t, svs_b, svs_h, svs_t,  # value codes, value scale/zero
+    skc_nb, skc_h, skc_t, sks_nb, sks_h, sks_t,  # key codes, key scale/zero: per block [NB, H, ...]
+    svc_nb, svc_h, svc_t, svs_nb, svs_h, svs_t,  # value codes, value scale/zero
     sr_b, sr_h, sr_t, ssk_b, ssk_h, ssk_t,  # rings, sinks (keys and values share strides)
-    sm_b, sm_h, sm_t, sm_c,  # mask, broadcast to [B, Hq, n, C]
+    st_b,  # block table [B, MB]
+    sm_b, sm_h, sm_t, sm_c, P,  # mask, broadcast to [B, Hq, n, P]
     # kn, vn: the chunk [B, H, n, D] fp32, contiguous (used with CHUNK)
     H, Hq, n, sm_scale, nsplit,
     D: tl.constexpr, DB: tl.constexpr, S: tl.constexpr, R: tl.constexpr, F: tl.constexpr, W: tl.constexpr,
+    BS: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_E4M3: tl.constexpr, K_CHANNEL: tl.constexpr, K_G: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_E4M3: tl.constexpr, V_CHANNEL: tl.constexpr, V_G: tl.constexpr,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -159,7 +168,13 @@ def _attn_kernel(
     Without SPLIT (nsplit == 1) it writes the normalised output ``out [B, Hq, n, DB]``; with SPLIT the partial
     results go to ``ws_acc [B, Hq, n, nsplit, DB]`` and ``ws_ml [B, Hq, n, nsplit, 2]`` (running max, sum).
     ``nsplit`` is a runtime argument, so batch sizes and contexts that split differently share one binary.
+
+    Paging: split boundaries fall at ``S + k * per`` (``per`` whole tiles), so every packed tile starts at a
+    multiple of BLOCK_N counted from S; with BLOCK_N dividing BS it lies in one block, read through one table
+    entry, ``table[b, (p - S) // BS]``.
     """
+    tl.static_assert(BLOCK_N <= BS, "a packed tile must not straddle two blocks")
+    tl.static_assert(BS <= 1 << 22, "offsets within a block (BS rows of at most 256 elements) must fit int32")
     bh = tl.program_id(0)
     qblk = tl.program_id(1)
     split = tl.program_id(2)
@@ -176,14 +191,15 @@ def _attn_kernel(
                 mask=row_ok[:, None] & (c < D)[None, :], other=0.0)
     qpos = L - n + qi  # each query's own absolute position
     mask_rows = mask_ptr + b.to(tl.int64) * sm_b + hq.to(tl.int64)[:, None] * sm_h + qi[:, None] * sm_t
-    # the positions this block may see, split evenly (in whole tiles) across nsplit programs
+    # the positions this block may see, split evenly (in whole tiles, counted from S) across nsplit programs;
+    # split 0 also takes the sinks
     if MASK_KIND == 0:
         end = tl.maximum(L - n + tl.minimum(qblk * BLOCK_Q + BLOCK_Q, n), 0)
     else:
-        end = L
-    per = tl.cdiv(tl.cdiv(end, nsplit), BLOCK_N) * BLOCK_N
-    lo = split * per
-    hi = tl.minimum(lo + per, end)
+        end = tl.minimum(L, P)  # positions past the mask's width are invisible
+    per = tl.cdiv(tl.cdiv(tl.maximum(end - S, 0), nsplit), BLOCK_N) * BLOCK_N
+    lo = tl.where(split == 0, 0, S + split * per)
+    hi = tl.minimum(S + (split + 1) * per, end)
     QL = _boundary(L, S, R, F)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -201,10 +217,11 @@ def _attn_kernel(
             v = _full_tile(sv, p, kv_ok, ssk_t, D, DB)
             acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c,
                                          sm_scale, MASK_KIND, DOT)
-    kcb = kc + b.to(tl.int64) * skc_b + h.to(tl.int64) * skc_h
-    ksb = b.to(tl.int64) * sks_b + h.to(tl.int64) * sks_h
-    vcb = vc + b.to(tl.int64) * svc_b + h.to(tl.int64) * svc_h
-    vsb = b.to(tl.int64) * svs_b + h.to(tl.int64) * svs_h
+    tbl = tbl_ptr + b.to(tl.int64) * st_b
+    kch = kc + h.to(tl.int64) * skc_h
+    ksh = h.to(tl.int64) * sks_h
+    vch = vc + h.to(tl.int64) * svc_h
+    vsh = h.to(tl.int64) * svs_h
     stop = tl.minimum(hi, QL)
     if CHUNK:  # packed positions of the queries' own chunk come from the chunk (full precision), below
         stop_codes = tl.minimum(stop, tl.maximum(L - n, S))
@@ -213,10 +230,16 @@ def _attn_kernel(
     for start in range(tl.maximum(lo, S), stop_codes, BLOCK_N):
         p = start + offs
         kv_ok = p < stop_codes
-        k = _packed_tile(kcb, ks + ksb, kz + ksb, p - S, kv_ok, skc_t, sks_t, D, DB, BLOCK_N,
-                         K_KIND, K_BITS, K_E4M3, K_CHANNEL, K_G)
-        v = _packed_tile(vcb, vs + vsb, vz + vsb, p - S, kv_ok, svc_t, svs_t, D, DB, BLOCK_N,
-                         V_KIND, V_BITS, V_E4M3, V_CHANNEL, V_G)
+        # j = p - S is a multiple of BLOCK_N: the tile is rows j % BS .. + BLOCK_N of block table[b, j // BS]
+        j = start - S
+        blk = tl.load(tbl + j // BS).to(tl.int64)
+        idx = j % BS + offs
+        ks0 = blk * sks_nb + ksh
+        vs0 = blk * svs_nb + vsh
+        k = _packed_tile(kch + blk * skc_nb, ks + ks0, kz + ks0, idx, kv_ok, skc_t, sks_t,
+                         D, DB, BLOCK_N, K_KIND, K_BITS, K_E4M3, K_CHANNEL, K_G)
+        v = _packed_tile(vch + blk * svc_nb, vs + vs0, vz + vs0, idx, kv_ok, svc_t, svs_t,
+                         D, DB, BLOCK_N, V_KIND, V_BITS, V_E4M3, V_CHANNEL, V_G)
         acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c,
                                      sm_scale, MASK_KIND, DOT)
     if CHUNK:
@@ -273,11 +296,14 @@ def _merge_kernel(out_ptr, ws_acc, ws_ml, nsplit, NSPLIT_B: tl.constexpr, DB: tl
 
 # --------------------------------------------------------------------------- launcher
 @functools.lru_cache(maxsize=None)
-def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, gqa: int, block_q: int,
+def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, block: int, gqa: int, block_q: int,
                      block_n: int, split: bool, mask_kind: int, dot: str, chunk: bool = False) -> tuple[str, dict]:
-    """The constexprs of one ``_attn_kernel`` specialization, and the key that spells it out (memoised)."""
+    """The constexprs of one ``_attn_kernel`` specialization, and the key that spells it out (memoised).
+    ``block``: packed tokens per block (``LayerSpec.block``), a multiple of ``block_n``."""
+    if block % block_n:
+        raise ValueError(f"attention tile of {block_n} tokens does not divide the store's blocks of {block}")
     D = head_dim
-    kw = dict(D=D, DB=max(16, triton.next_power_of_2(D)), S=sink, R=policy.residual, F=flush, W=ring)
+    kw = dict(D=D, DB=max(16, triton.next_power_of_2(D)), S=sink, R=policy.residual, F=flush, W=ring, BS=block)
     for pre, q in (("K_", policy.key), ("V_", policy.value)):
         kw.update({pre + "KIND": _kind(q), pre + "BITS": q.bits, pre + "E4M3": q.format == "fp8_e4m3",
                    pre + "CHANNEL": q.quantized and q.axis == "channel",
@@ -286,8 +312,8 @@ def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, gq
     kw.update(G=gqa, GP=gp, BLOCK_Q=block_q, BLOCK_M=max(16, gp * block_q), BLOCK_N=block_n, SPLIT=split,
               MASK_KIND=mask_kind, DOT=dot, CHUNK=chunk)
     key = (f"attention[k={policy.key.key()};v={policy.value.key()};S={sink};R={policy.residual};F={flush};"
-           f"W={ring};D={D};gqa={gqa};bq={block_q};bn={block_n};split={int(split)};mask={mask_kind};dot={dot};"
-           f"chunk={int(chunk)}]")
+           f"W={ring};BS={block};D={D};gqa={gqa};bq={block_q};bn={block_n};split={int(split)};mask={mask_kind};"
+           f"dot={dot};chunk={int(chunk)}]")
     return key, kw
 
 
@@ -296,20 +322,33 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def default_tiles(spec: LayerSpec, n: int, gqa: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_Q, BLOCK_N, NSPLIT) from static shapes only. The interpreter gets small tiles (each op costs
-    Python time; small tiles also make short test sequences cross tile and split boundaries)."""
+def position_bound(state: KVState, spec: LayerSpec, mask: Tensor | None) -> int:
+    """The most positions an attention call can score, from host-known shapes only (no device read): the
+    mask's width, or without a mask the reach of the block table (sinks, every table entry's block, a full
+    ring), which bounds every row's length. It sizes the number of splits; each split's range comes from the
+    row's own length on the device."""
+    if mask is not None:
+        return mask.shape[-1]
+    return spec.sink + state.table.shape[1] * spec.block + spec.ring
+
+
+def default_tiles(spec: LayerSpec, n: int, gqa: int, device: torch.device, batch: int,
+                  positions: int) -> tuple[int, int, int]:
+    """(BLOCK_Q, BLOCK_N, NSPLIT) from host-known sizes only: ``batch`` sequences, at most ``positions``
+    positions scored (``position_bound``). BLOCK_N never exceeds the store's block (a packed tile lies in one
+    block). The interpreter gets small tiles (each op costs Python time; small tiles also make short test
+    sequences cross tile and split boundaries)."""
     gp = triton.next_power_of_2(gqa)
     rows = 16 if INTERPRET else (32 if spec.head_dim > 64 else 64)
     block_q = 1 if n == 1 else min(triton.next_power_of_2(n), max(1, rows // gp))
     # GPU: 32 x 128 tiles with 8 warps compile without register spills on sm_90 (ptxas -v: 80-165 registers
     # for fp8/int8/int4/int2); 64 x 128 with 4 warps spilled 36 B - 2.3 KB per thread.
-    block_n = 16 if INTERPRET else (64 if spec.head_dim <= 64 else 32)
-    programs = spec.batch * spec.heads * triton.cdiv(n, block_q)
+    block_n = min(16 if INTERPRET else (64 if spec.head_dim <= 64 else 32), spec.block)
+    programs = batch * spec.heads * triton.cdiv(n, block_q)
     if INTERPRET:
         nsplit = 3 if n == 1 else 1
-    else:  # about two programs per SM, but never slices shorter than 4 tiles of the capacity
-        nsplit = max(1, min(triton.cdiv(2 * _sm_count(device), programs), triton.cdiv(spec.capacity, 4 * block_n)))
+    else:  # about two programs per SM, but never slices shorter than 4 tiles of the positions
+        nsplit = max(1, min(triton.cdiv(2 * _sm_count(device), programs), triton.cdiv(positions, 4 * block_n)))
     return block_q, block_n, nsplit
 
 
@@ -325,15 +364,20 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
     ``chunk``: the queries' own keys and values, fp32 [B, H, n, D] contiguous, as stored (rotated, rounded to
     the model dtype), read instead of the packed codes at positions ``[L - n, L)``.
 
-    ``mask``: None, or bool / float already broadcast (``expand``) to ``[B, Hq, n, C]``.
+    ``mask``: None, or bool / float already broadcast (``expand``) to ``[B, Hq, n, P]``; positions ``>= P``
+    are invisible.
+
+    ``tiles`` = (BLOCK_Q, BLOCK_N, NSPLIT); a BLOCK_N longer than the store's block is cut to the block (a
+    packed tile lies in one block, read through one table entry).
     """
     B, Hq, n, D = q.shape
     H = spec.heads
     G = Hq // H
-    block_q, block_n, nsplit = tiles or default_tiles(spec, n, G, q.device)
+    block_q, block_n, nsplit = tiles or default_tiles(spec, n, G, q.device, B, position_bound(state, spec, mask))
+    block_n = min(block_n, spec.block)
     mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
-    _, kw = attention_config(spec.policy, D, spec.sink, spec.flush, spec.ring, G, block_q, block_n, nsplit > 1,
-                             mask_kind, dot, chunk is not None)
+    _, kw = attention_config(spec.policy, D, spec.sink, spec.flush, spec.ring, spec.block, G, block_q, block_n,
+                             nsplit > 1, mask_kind, dot, chunk is not None)
     DB = kw["DB"]
     q = q.contiguous()
     dev = q.device
@@ -344,28 +388,29 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
     else:
         ws_acc = ws_ml = out
     if mask is None:
-        mask_t, mstr = state.lengths, (0, 0, 0, 0)
+        mask_t, mstr, P = state.lengths, (0, 0, 0, 0), 0
     else:
         mask_t = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-        mstr = mask_t.stride()
+        mstr, P = mask_t.stride(), mask_t.shape[-1]
 
     def strides(t):
         return t.stride()[:3] if t.numel() else (0, 0, 0)
 
     skc, sks, svc, svs = strides(state.k_codes), strides(state.k_scale), strides(state.v_codes), strides(state.v_scale)
+    table = state.table
     sr, ssk = strides(state.k_res), strides(state.k_sink)
     args = dict(
         q_ptr=q, out_ptr=out, ws_acc=ws_acc, ws_ml=ws_ml,
         kc=nonempty(state.k_codes), ks=nonempty(state.k_scale), kz=nonempty(state.k_zero),
         vc=nonempty(state.v_codes), vs=nonempty(state.v_scale), vz=nonempty(state.v_zero),
         kr=nonempty(state.k_res), vr=nonempty(state.v_res), ksk=nonempty(state.k_sink), vsk=nonempty(state.v_sink),
-        len_ptr=state.lengths, mask_ptr=nonempty(mask_t),
+        len_ptr=state.lengths, tbl_ptr=nonempty(table), mask_ptr=nonempty(mask_t),
         kn=state.lengths if chunk is None else chunk[0], vn=state.lengths if chunk is None else chunk[1],
         sq_b=q.stride(0), sq_h=q.stride(1), sq_t=q.stride(2),
-        skc_b=skc[0], skc_h=skc[1], skc_t=skc[2], sks_b=sks[0], sks_h=sks[1], sks_t=sks[2],
-        svc_b=svc[0], svc_h=svc[1], svc_t=svc[2], svs_b=svs[0], svs_h=svs[1], svs_t=svs[2],
-        sr_b=sr[0], sr_h=sr[1], sr_t=sr[2], ssk_b=ssk[0], ssk_h=ssk[1], ssk_t=ssk[2],
-        sm_b=mstr[0], sm_h=mstr[1], sm_t=mstr[2], sm_c=mstr[3],
+        skc_nb=skc[0], skc_h=skc[1], skc_t=skc[2], sks_nb=sks[0], sks_h=sks[1], sks_t=sks[2],
+        svc_nb=svc[0], svc_h=svc[1], svc_t=svc[2], svs_nb=svs[0], svs_h=svs[1], svs_t=svs[2],
+        sr_b=sr[0], sr_h=sr[1], sr_t=sr[2], ssk_b=ssk[0], ssk_h=ssk[1], ssk_t=ssk[2], st_b=table.stride(0),
+        sm_b=mstr[0], sm_h=mstr[1], sm_t=mstr[2], sm_c=mstr[3], P=P,
         H=H, Hq=Hq, n=n, sm_scale=float(scale), nsplit=nsplit, **kw,
     )
     run(_attn_kernel, (B * H, triton.cdiv(n, block_q), nsplit), args,
@@ -403,17 +448,17 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
        subnormal spacing (2**-25 for fp16) where the output is subnormal.
     A query that sees no key must return exactly 0.
     """
-    from kvcompile.store import dequantize_reference, hadamard, with_chunk
+    from kvcompile.store import dequantize_reference, hadamard, positions, with_chunk
 
     B, Hq, n, D = q.shape
-    H, C = spec.heads, spec.capacity
+    H, C = spec.heads, positions(state, mask)
     u, uop = 2.0 ** -24, (2.0 ** -11 if dot == "tf32" else 0.0)
 
     def gamma(k):
         return k * u / (1 - k * u)
 
     scale = 1.0 / D ** 0.5 if scale is None else float(scale)
-    k, v = dequantize_reference(state, spec, torch.float64, rotated=True)
+    k, v = dequantize_reference(state, spec, torch.float64, rotated=True, end=C)
     if k_new is not None:  # the chunk exactly as the kernels read it (rotated in fp32, model dtype)
         k, v = with_chunk(k, v, state, spec, k_new, v_new)
     k = k.repeat_interleave(Hq // H, dim=1).to(q.device)

@@ -7,8 +7,10 @@ They check shapes, apply the policy's rotation in torch -- keys and values with 
 as ``store_reference`` does; the query in and the output back out as fp32 products with the same Hadamard
 matrix, as ``attention_reference`` does -- and launch the kernels of ``templates.store`` /
 ``templates.attention``. Kernels never rotate, so kernel and reference see identical inputs.
+Packed tokens live in blocks named by the state's block table (``kvcompile.store``): the kernels follow it.
 Nothing here reads a device tensor on the host when the state is on CUDA, so a decode step can be captured in
-a CUDA graph; on the CPU (Triton's interpreter) the capacity check reads ``lengths`` like the reference does.
+a CUDA graph (an append into an unreserved block fails on the device instead); on the CPU (Triton's
+interpreter) the checks read ``lengths`` and the table like the reference does.
 """
 from __future__ import annotations
 
@@ -18,12 +20,16 @@ import os
 import torch
 from torch import Tensor
 
-from kvcompile.store import KVState, LayerSpec, _check_append, check_chunk, hadamard, rotate, stored_chunk
+from kvcompile.store import (CapacityError, KVState, LayerSpec, _state_capacity_check, check_chunk, check_kv, hadamard,
+                             rotate, stored_chunk)
 
 from . import attention as _attention
 from . import store as _store
 
 MAX_HEAD_DIM = 256  # one head is a single tile in registers
+UNRESERVED = ("kvcompile KV cache overflow: an append writes packed tokens into a block that is not reserved in "
+              "its sequence's block table (state.table: -1, past the table, or not in the pool). Reserve the "
+              "blocks first (KVStore.reserve; KVStore.append does), or allocate a larger store.")
 
 
 def check_supported(spec: LayerSpec) -> None:
@@ -42,6 +48,10 @@ def _check_state(state: KVState, spec: LayerSpec) -> None:
         if t.numel() and t.dim() > 1 and t.stride(-1) != 1:
             raise ValueError(f"kvcompile store tensor {name} of layout {spec.name} has stride {t.stride()}: the "
                              f"Triton kernels need a unit stride along the last dimension (use spec.allocate()).")
+    B, table = state.lengths.shape[0], state.table
+    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != B:
+        raise ValueError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} "
+                         f"{list(table.shape)}")
 
 
 def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor | None = None) -> None:
@@ -51,26 +61,28 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
     """
     check_supported(spec)
     _check_state(state, spec)
+    check_kv(spec, k, v, state.lengths.shape[0])
     B, H, n, D = k.shape
-    if (B, H, D) != (spec.batch, spec.heads, spec.head_dim) or v.shape != k.shape:
-        raise ValueError(f"store expects k, v of shape [{spec.batch}, {spec.heads}, n, {spec.head_dim}]; "
-                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
     dev = state.lengths.device
     if n_new is None:
         n_new = torch.full((B,), n, dtype=torch.int32, device=dev)
     else:
         n_new = n_new.to(device=dev, dtype=torch.int32)
-    if dev.type == "cpu":
-        _check_append(spec, state.lengths, n_new)
-    else:  # no host sync on CUDA: an overflow fails on the device instead of corrupting memory
-        torch._assert_async((state.lengths + n_new <= spec.capacity).all(),
-                            f"kvcompile KV cache overflow: capacity is {spec.capacity} tokens")
+    host = dev.type == "cpu" and state.table.device.type == "cpu"
+    if host:  # the reference's checks, where reading lengths and the table costs no device sync
+        if bool(((n_new < 0) | (n_new > n)).any()):
+            raise ValueError(f"n_new={n_new.tolist()} must be within [0, {n}] for a chunk of {n} tokens")
+        _state_capacity_check(state, spec, state.lengths, n_new)
     if n == 0:
         return
     dt = spec.torch_dtype
     k = rotate(k, spec).to(dt).contiguous()
     v = rotate(v, spec).to(dt).contiguous()
-    _store.launch_store(state, spec, k, v, n_new)
+    err = _store.launch_store(state, spec, k, v, n_new)
+    if not host:  # no host sync on CUDA: an unreserved block is not written, and the device raises
+        torch._assert_async(err == 0, UNRESERVED)
+    elif int(err):  # a table entry outside the pool (the reference check passed)
+        raise CapacityError(UNRESERVED)
 
 
 def dot_precision(device: torch.device) -> str:
@@ -85,20 +97,22 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     """``kvcompile.store.attention_reference`` with Triton kernels.
 
     q: [B, Hq, n, D], the last n tokens' queries (already stored); Hq a multiple of the store's heads.
-    mask: None (causal), or bool / float broadcastable to [B, Hq, n, C] over absolute key positions.
+    mask: None (causal), or bool / float broadcastable to [B, Hq, n, P] over absolute key positions 0 .. P-1;
+    positions past P are invisible (``kvcompile.store.cover``).
     Returns [B, Hq, n, D] in q's dtype. ``tiles`` = (BLOCK_Q, BLOCK_N, NSPLIT) overrides the tiling.
     k_new, v_new: [B, H, n, D], the queries' own chunk, read in full precision at positions [L - n, L).
     """
     check_supported(spec)
     _check_state(state, spec)
     B, Hq, n, D = q.shape
-    H, C = spec.heads, spec.capacity
-    if B != spec.batch or D != spec.head_dim or Hq % H:
-        raise ValueError(f"attention expects q of shape [{spec.batch}, k*{H}, n, {spec.head_dim}]; got {tuple(q.shape)}")
+    H = spec.heads
+    batch = state.lengths.shape[0]
+    if B != batch or D != spec.head_dim or Hq % H:
+        raise ValueError(f"attention expects q of shape [{batch}, k*{H}, n, {spec.head_dim}]; got {tuple(q.shape)}")
     if mask is not None:
         if not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
             raise TypeError(f"attention mask must be bool or floating point; got {mask.dtype}")
-        mask = mask[..., :C].expand(B, Hq, n, C)
+        mask = mask.expand(B, Hq, n, mask.shape[-1])  # positions past its width are invisible (the kernel)
     check_chunk(q, k_new, v_new, spec)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     qr = q.float()

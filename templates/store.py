@@ -7,10 +7,14 @@ codes, scales, zero points, sinks, lengths and the live ring slots.
 An append of ``n`` tokens to a sequence holding ``L`` runs three launches plus one torch op:
 
 1. ``_flush_kernel`` (keys), 2. ``_flush_kernel`` (values): quantize positions ``[Q(L), Q(L+n))`` -- read from
-   the residual ring (``p < L``) or the chunk (``p >= L``) -- into packed codes and scales;
+   the residual ring (``p < L``) or the chunk (``p >= L``) -- into packed codes and scales, in the blocks the
+   sequence's block table names (packed index ``j = p - S``: block ``table[b, j // BS]``, row ``j % BS``);
 3. ``_copy_kernel``: write the chunk's sinks (``p < S``) and the newcomers that stay in full precision into
    the ring at ``p % W``;
 4. ``lengths += n`` (a device op: no host synchronisation).
+
+A token whose block is not reserved is never written: the flush kernels raise a device flag instead, which
+the launcher checks (``launch.store``).
 
 The flush must finish before the ring is overwritten -- a long chunk's newcomers land on the ring slots the
 flush reads -- which launch order on one stream guarantees. Grids come from static shapes only (the most
@@ -193,33 +197,37 @@ def _boundary(L, S: tl.constexpr, R: tl.constexpr, F: tl.constexpr):
 
 @triton.jit
 def _flush_kernel(
-    x_ptr, res_ptr, codes_ptr, scale_ptr, zero_ptr, len_ptr, nnew_ptr,
+    x_ptr, res_ptr, codes_ptr, scale_ptr, zero_ptr, len_ptr, nnew_ptr, tbl_ptr, err_ptr,
     sx_b, sx_h, sx_t,  # chunk [B, H, n, D] (unit stride along D)
     sr_b, sr_h, sr_t,  # ring [B, H, W, D]
-    sc_b, sc_h, sc_t,  # codes [B, H, Cq, PB] (or [B, H, Cq, D] for "none")
-    ss_b, ss_h, ss_t,  # scale / zero [B, H, Cq, D/g] (token) or [B, H, Cq/g, D] (channel)
+    sc_nb, sc_h, sc_t,  # codes [NB, H, BS, PB] (or [NB, H, BS, D] for "none")
+    ss_nb, ss_h, ss_t,  # scale / zero [NB, H, BS, D/g] (token) or [NB, H, BS/g, D] (channel)
+    st_b, MB, NB,  # block table [B, MB]; blocks in the pool
     H,
     D: tl.constexpr, DB: tl.constexpr, S: tl.constexpr, R: tl.constexpr, F: tl.constexpr, W: tl.constexpr,
     KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr, F16: tl.constexpr, HAS_ZERO: tl.constexpr,
-    CHANNEL: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, BLOCK_T: tl.constexpr,
+    CHANNEL: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr,
 ):
     """Quantize positions [Q(L), Q(L+n)) of one (sequence, head) into packed storage.
 
-    Program (b*H + h, blk) handles flush tokens [blk*BLOCK_T, (blk+1)*BLOCK_T) counted from Q(L); for
-    axis="channel" BLOCK_T == G, one token group. KIND 3 is format "none": the tokens are copied.
+    Program (b*H + h, tile) handles flush tokens [tile*BLOCK_T, (tile+1)*BLOCK_T) counted from Q(L); for
+    axis="channel" BLOCK_T == G, one token group (never split across two blocks: BS is a multiple of G). KIND
+    3 is format "none": the tokens are copied. Packed index j = p - S goes to block ``table[b, j // BS]``, row
+    ``j % BS``; a token whose block is not reserved (-1, past the table, or outside the pool) is not written
+    and sets ``err_ptr[0] = 1`` (the launcher turns that into an error).
     """
     bh = tl.program_id(0)
-    blk = tl.program_id(1)
+    tile = tl.program_id(1)
     b = bh // H
     h = bh % H
     L = tl.load(len_ptr + b)
     L2 = L + tl.load(nnew_ptr + b)
     q0 = _boundary(L, S, R, F)
     q1 = _boundary(L2, S, R, F)
-    if q0 + blk * BLOCK_T >= q1:
+    if q0 + tile * BLOCK_T >= q1:
         return
     t = tl.arange(0, BLOCK_T)
-    p = q0 + blk * BLOCK_T + t  # absolute positions
+    p = q0 + tile * BLOCK_T + t  # absolute positions
     c = tl.arange(0, DB)
     tok_ok = p < q1
     ok = tok_ok[:, None] & (c < D)[None, :]
@@ -230,12 +238,22 @@ def _flush_kernel(
     x_new = tl.load(xb + (p - L)[:, None] * sx_t + c[None, :], mask=ok & ~from_ring[:, None], other=0.0)
     x_old = tl.load(rb + (p % WS)[:, None] * sr_t + c[None, :], mask=ok & from_ring[:, None], other=0.0)
     x = tl.where(from_ring[:, None], x_old, x_new)  # both already in the model dtype
-    cb = codes_ptr + b.to(tl.int64) * sc_b + h.to(tl.int64) * sc_h + (p - S)[:, None].to(tl.int64) * sc_t
+    # paging: each token's block from the table (a tile may cross a block boundary; a channel group cannot)
+    j = p - S
+    jb = j // BS
+    blk = tl.load(tbl_ptr + b.to(tl.int64) * st_b + jb, mask=tok_ok & (jb < MB), other=-1)
+    blk = tl.where(blk < NB, blk, -1)  # a table entry outside the pool is as good as none
+    unreserved = tok_ok & (blk < 0)
+    if tl.max(unreserved.to(tl.int32), 0) > 0:
+        tl.store(err_ptr, 1)
+    tok_ok = tok_ok & (blk >= 0)
+    ok = ok & (blk >= 0)[:, None]
+    jr = j % BS  # row in the block
+    cb = codes_ptr + blk.to(tl.int64)[:, None] * sc_nb + h.to(tl.int64) * sc_h + jr[:, None].to(tl.int64) * sc_t
     if KIND == 3:
         tl.store(cb + c[None, :], x, mask=ok)
     else:
         xf = x.to(tl.float32)
-        sb = b.to(tl.int64) * ss_b + h.to(tl.int64) * ss_h
         if BITS == 3:
             PER: tl.constexpr = 8
         else:
@@ -243,10 +261,15 @@ def _flush_kernel(
         unit_ok = tok_ok[:, None] & (tl.arange(0, DB // PER) * PER < D)[None, :]
         if CHANNEL:
             codes, scale, zero = _quantize(xf, ok, 0, KIND, BITS, E4M3, F16)
-            grp = (q0 - S) // G + blk
-            tl.store(scale_ptr + sb + grp * ss_t + c, scale, mask=c < D)
-            if HAS_ZERO:
-                tl.store(zero_ptr + sb + grp * ss_t + c, zero, mask=c < D)
+            # the group's block (the whole group is in one) and its row of scales there
+            jg = q0 - S + tile * G
+            gblk = tl.load(tbl_ptr + b.to(tl.int64) * st_b + jg // BS, mask=jg // BS < MB, other=-1)
+            gblk = tl.where(gblk < NB, gblk, -1)
+            if gblk >= 0:
+                s_off = gblk.to(tl.int64) * ss_nb + h.to(tl.int64) * ss_h + ((jg % BS) // G) * ss_t
+                tl.store(scale_ptr + s_off + c, scale, mask=c < D)
+                if HAS_ZERO:
+                    tl.store(zero_ptr + s_off + c, zero, mask=c < D)
         else:
             NG: tl.constexpr = DB // GB
             x3 = tl.reshape(xf, (BLOCK_T, NG, GB))
@@ -255,7 +278,7 @@ def _flush_kernel(
             codes = tl.reshape(codes3, (BLOCK_T, DB))
             gi = tl.arange(0, NG)
             s_ok = tok_ok[:, None] & (gi * G < D)[None, :]
-            s_off = sb + (p - S)[:, None] * ss_t + gi[None, :]
+            s_off = blk.to(tl.int64)[:, None] * ss_nb + h.to(tl.int64) * ss_h + jr[:, None] * ss_t + gi[None, :]
             tl.store(scale_ptr + s_off, scale, mask=s_ok)
             if HAS_ZERO:
                 tl.store(zero_ptr + s_off, zero, mask=s_ok)
@@ -341,13 +364,19 @@ def nonempty(t: Tensor) -> Tensor:
     return _PLACEHOLDERS[key]
 
 
-def launch_store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor) -> None:
+def launch_store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor) -> Tensor:
     """Append ``k, v [B, H, n, D]`` (already rotated and in the model dtype, unit stride along D) to
-    ``state``; row ``b`` appends its first ``n_new[b]`` tokens (int32 [B], on the state's device)."""
+    ``state``; row ``b`` appends its first ``n_new[b]`` tokens (int32 [B], on the state's device).
+
+    Packed tokens go where ``state.table`` says. Returns an int32 [1] device flag, 1 where a token's block
+    was not reserved (that token was not written): checked by the caller without a host sync.
+    """
     B, H, n, D = k.shape
-    S, R, F, W = spec.sink, spec.policy.residual, spec.flush, spec.ring
+    S, R, F, W, BS = spec.sink, spec.policy.residual, spec.flush, spec.ring, spec.block
+    err = torch.zeros(1, dtype=torch.int32, device=k.device)
     t_max = -(-n // F) * F  # the most positions an n-token append can flush
-    if spec.quantized_capacity > 0 and t_max > 0:
+    table = state.table
+    if t_max > 0:
         for x, res, codes, scale, zero, q in (
             (k, state.k_res, state.k_codes, state.k_scale, state.k_zero, spec.policy.key),
             (v, state.v_res, state.v_codes, state.v_scale, state.v_zero, spec.policy.value),
@@ -357,12 +386,14 @@ def launch_store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: T
             grid = (B * H, triton.cdiv(t_max, block_t))
             sstr = scale.stride() if scale.dim() == 4 and scale.numel() else (0, 0, 0)
             rstr = res.stride() if res.numel() else (0, 0, 0)
+            cstr = codes.stride() if codes.numel() else (0, 0, 0)
             run(_flush_kernel, grid, dict(
-                x_ptr=x, res_ptr=nonempty(res), codes_ptr=codes, scale_ptr=nonempty(scale),
-                zero_ptr=nonempty(zero), len_ptr=state.lengths, nnew_ptr=n_new,
+                x_ptr=x, res_ptr=nonempty(res), codes_ptr=nonempty(codes), scale_ptr=nonempty(scale),
+                zero_ptr=nonempty(zero), len_ptr=state.lengths, nnew_ptr=n_new, tbl_ptr=nonempty(table),
+                err_ptr=err,
                 sx_b=x.stride(0), sx_h=x.stride(1), sx_t=x.stride(2), sr_b=rstr[0], sr_h=rstr[1], sr_t=rstr[2],
-                sc_b=codes.stride(0), sc_h=codes.stride(1), sc_t=codes.stride(2),
-                ss_b=sstr[0], ss_h=sstr[1], ss_t=sstr[2], H=H, BLOCK_T=block_t, **kw,
+                sc_nb=cstr[0], sc_h=cstr[1], sc_t=cstr[2], ss_nb=sstr[0], ss_h=sstr[1], ss_t=sstr[2],
+                st_b=table.stride(0), MB=table.shape[1], NB=codes.shape[0], H=H, BLOCK_T=block_t, BS=BS, **kw,
             ), num_warps=8 if block_t * kw["DB"] >= 8192 else 4)
     if S > 0 or W > 0:
         block_t = min(16, triton.next_power_of_2(n))
@@ -376,3 +407,4 @@ def launch_store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: T
             BLOCK_T=block_t,
         ))
     state.lengths.add_(n_new)
+    return err
