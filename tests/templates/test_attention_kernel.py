@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 
 from kvcompile import Policy, Quant
 from kvcompile import quant as Q
+from kvcompile.store import LayerSpec
 from kvcompile.templates import attention as kattn
 from kvcompile.templates import launch
 from attention_checks import LENGTHS, MIXED, ROTATED, filled, one_wrong_code
+from store_checks import scrambled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -25,7 +27,8 @@ def check(q, state, spec, mask=None, scale=None, tiles=None, chunk=(None, None))
     """Run the kernel and assert it is within the derived bound of float64 attention, elementwise.
     ``chunk``: the queries' own (k_new, v_new), read in full precision."""
     B, Hq, n, D = q.shape
-    nsplit = (tiles or kattn.default_tiles(spec, n, Hq // spec.heads, torch.device(DEV)))[2]
+    nsplit = (tiles or kattn.default_tiles(spec, n, Hq // spec.heads, torch.device(DEV), B,
+                                           kattn.position_bound(state, spec, mask)))[2]
     k_new, v_new = (None if x is None else x.to(DEV) for x in chunk)
     got = launch.attention(q.to(DEV), type(state)(*[t.to(DEV) for t in state]), spec,
                            None if mask is None else mask.to(DEV), scale, tiles=tiles, k_new=k_new, v_new=v_new)
@@ -43,21 +46,21 @@ def check(q, state, spec, mask=None, scale=None, tiles=None, chunk=(None, None))
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("gqa", [1, 3, 4, 8])
 def test_attention_kernel_grid(gqa, D):
-    H, C = 2, 48
+    H, C = 2, 48  # C: the masks' width
     g = torch.Generator().manual_seed(gqa * D)
-    spec, state = filled(MIXED, LENGTHS, H, D, C)
+    spec, state = filled(MIXED, LENGTHS, H, D)
     B, Hq = len(LENGTHS), H * gqa
     check(torch.randn(B, Hq, 1, D, generator=g), state, spec)  # decode, split-K
     check(torch.randn(B, Hq, 5, D, generator=g), state, spec)  # chunked prefill (row 0 has 1 < 5 tokens)
-    spec, state = filled(ROTATED, LENGTHS, H, D, C)
+    spec, state = filled(ROTATED, LENGTHS, H, D)
     keep = torch.rand(B, 1, 1, C, generator=g) > 0.4
     check(torch.randn(B, Hq, 1, D, generator=g), state, spec, mask=keep)
     soft = torch.where(torch.rand(B, Hq, 3, C, generator=g) > 0.2, torch.randn(B, Hq, 3, C, generator=g), -torch.inf)
     check(torch.randn(B, Hq, 3, D, generator=g), state, spec, mask=soft, scale=0.3)
     # the queries' own chunk in full precision: 12 > residual 8 (prefill), and decode with no residual
-    spec, state, *chunk = filled(MIXED, LENGTHS, H, D, C, own=12)
+    spec, state, *chunk = filled(MIXED, LENGTHS, H, D, own=12)
     check(torch.randn(B, Hq, 12, D, generator=g), state, spec, chunk=chunk)
-    spec, state, *chunk = filled(Policy(MIXED.key, MIXED.value, residual=0, sink=2), LENGTHS, H, D, C, own=1)
+    spec, state, *chunk = filled(Policy(MIXED.key, MIXED.value, residual=0, sink=2), LENGTHS, H, D, own=1)
     check(torch.randn(B, Hq, 1, D, generator=g), state, spec, chunk=chunk)
 
 
@@ -76,7 +79,7 @@ def attention_cases(draw):
     policy = Policy(draw(quants(D)), draw(quants(D)), residual=draw(st.sampled_from([0, 3, 16])),
                     sink=draw(st.sampled_from([0, 2])), rotate=D != 48 and draw(st.booleans()))
     B, H, G = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3, 4]))
-    C = 80
+    C = 80  # the longest row, and the masks' width
     lengths = [draw(st.integers(1, C)) for _ in range(B)]
     n = draw(st.sampled_from([1, 1, 2, 6]))
     block_q = 1 if n == 1 else draw(st.sampled_from([1, 2, 4]))
@@ -84,15 +87,16 @@ def attention_cases(draw):
     mask = draw(st.sampled_from([None, "bool", "float"]))
     dtype = draw(st.sampled_from(["float32", "bfloat16"]))
     own = draw(st.booleans())  # pass the queries' own chunk (read in full precision)
-    return policy, B, H, G, D, C, lengths, n, tiles, mask, dtype, own, draw(st.integers(0, 2**31 - 1))
+    block = draw(st.sampled_from([16, 16, 32, 64]))  # packed tokens per block; tiles longer are cut to it
+    return policy, B, H, G, D, C, lengths, n, tiles, mask, dtype, own, block, draw(st.integers(0, 2**31 - 1))
 
 
 @settings(max_examples=25)
 @given(attention_cases())
 def test_attention_kernel_equals_float64_attention(case):
-    policy, B, H, G, D, C, lengths, n, tiles, mask_kind, dtype, own, seed = case
+    policy, B, H, G, D, C, lengths, n, tiles, mask_kind, dtype, own, block, seed = case
     g = torch.Generator().manual_seed(seed)
-    spec, state, *chunk = filled(policy, lengths, H, D, C, dtype, seed, own=n)
+    spec, state, *chunk = filled(policy, lengths, H, D, dtype, seed, own=n, block=block)
     mask = None
     if mask_kind == "bool":
         mask = torch.rand(B, 1, n, C, generator=g) > 0.3
@@ -103,8 +107,70 @@ def test_attention_kernel_equals_float64_attention(case):
           chunk=chunk if own else (None, None))
 
 
+@pytest.mark.parametrize("block", [16, 32, 64])
+def test_attention_kernel_reads_forked_cropped_stores(block):
+    """Attention over a KVStore that forked (``select([0, 0, 1])``: rows 0 and 1 share blocks, then each copies
+    the block it writes), was cropped into packed storage and appended to again, its blocks handed out in a
+    scrambled order: decode (split-K), a masked decode and a prefill reading its own chunk."""
+    H, G, D = 1, 2, 32
+    spec = LayerSpec(MIXED, H, D, block_tokens=block)
+    spec.register()
+    store = scrambled(spec, 2, 16, block)
+    g = torch.Generator().manual_seed(block)
+
+    def append(n, n_new=None):
+        k, v = torch.randn(store.batch, H, n, D, generator=g), torch.randn(store.batch, H, n, D, generator=g)
+        k[..., 3] *= 8
+        store.append(k, v, n_new)
+        return k, v
+
+    append(2 * block + 30, torch.tensor([2 * block + 30, block + 11]))
+    store.select([0, 0, 1])
+    append(block + 5, torch.tensor([block + 5, 17, 3]))
+    store.crop(2 * block + 20)
+    append(1)
+    assert store.tables[0][0] == store.tables[1][0] and len({len(t) for t in store.tables}) > 1
+    state = store.state
+    B, n = 3, 5
+    check(torch.randn(B, H * G, 1, D, generator=g), state, spec)
+    P = max(store.lengths) + 3
+    check(torch.randn(B, H * G, 1, D, generator=g), state, spec, mask=torch.rand(B, 1, 1, P, generator=g) > 0.3)
+    chunk = append(n)
+    check(torch.randn(B, H * G, n, D, generator=g), store.state, spec, chunk=chunk)
+
+
+def test_attention_tiles_fit_the_blocks_and_splits_follow_the_positions(monkeypatch):
+    """A packed tile lies in one block: BLOCK_N never exceeds the store's block, also when asked for (the
+    result stays within the bound). On a GPU the number of splits follows the positions scored -- the mask's
+    width, or the block table's reach -- and the batch, never a capacity."""
+    spec, state = filled(MIXED, [40, 9], 1, 32, block=16)
+    q = torch.randn(2, 2, 1, 32, generator=torch.Generator().manual_seed(0))
+    check(q, state, spec, tiles=(1, 64, 2))
+    assert kattn.default_tiles(spec, 1, 2, torch.device("cpu"), 2, 1000)[1] == 16
+    assert kattn.position_bound(state, spec, None) == 2 + state.table.shape[1] * 16 + spec.ring
+    assert kattn.position_bound(state, spec, torch.ones(1, 1, 1, 77, dtype=torch.bool)) == 77
+    monkeypatch.setattr(kattn, "INTERPRET", False)  # the GPU's choice (4 SMs counted off CUDA)
+    big = LayerSpec(MIXED, 2, 128)
+    assert kattn.default_tiles(big, 1, 4, torch.device("cpu"), 1, 4096) == (1, 32, 4)  # 2 programs, 8 wanted
+    assert kattn.default_tiles(big, 1, 4, torch.device("cpu"), 1, 200) == (1, 32, 2)  # 4 tiles per split
+    assert kattn.default_tiles(big, 1, 4, torch.device("cpu"), 8, 1 << 20)[2] == 1  # the batch fills the GPU
+
+
+def test_positions_past_a_narrow_mask_are_invisible():
+    """A mask narrower than a sequence (``kvcompile.store.cover``): the positions past its width are not seen,
+    and the mask is never read there."""
+    spec, state = filled(MIXED, [30, 60], 1, 32)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 1, 32, generator=g)
+    check(q, state, spec, mask=torch.ones(2, 1, 1, 37, dtype=torch.bool))
+    check(q, state, spec, mask=torch.randn(1, 2, 1, 21, generator=g))
+    full = launch.attention(q, state, spec)  # sees all 60 positions: a different answer for row 1
+    narrow = launch.attention(q, state, spec, mask=torch.zeros(1, 1, 1, 37))
+    assert torch.equal(full[0], narrow[0]) and not torch.allclose(full[1], narrow[1])
+
+
 def test_a_query_that_sees_nothing_returns_zeros():
-    spec, state = filled(MIXED, [3, 40], 1, 32, 48)
+    spec, state = filled(MIXED, [3, 40], 1, 32)
     mask = torch.zeros(2, 1, 1, 48, dtype=torch.bool)
     mask[1, ..., 5] = True
     got = launch.attention(torch.randn(2, 2, 1, 32, generator=torch.Generator().manual_seed(0)).to(DEV), type(state)(*[t.to(DEV) for t in state]), spec,
@@ -120,18 +186,21 @@ def test_the_bound_catches_one_wrong_code():
     spec, state, bad, q = one_wrong_code(1 if dot == "ieee" else 64)
     check(q, state, spec)
     got = launch.attention(q.to(DEV), type(bad)(*[t.to(DEV) for t in bad]), spec).cpu()
-    nsplit = kattn.default_tiles(spec, 1, 2, torch.device(DEV))[2]
+    nsplit = kattn.default_tiles(spec, 1, 2, torch.device(DEV), 1, kattn.position_bound(state, spec, None))[2]
     want, bound = kattn.reference_and_bound(q, state, spec, nsplit=nsplit, dot=dot)
     assert ((got.double() - want).abs() > bound).any()
 
 
 def test_attention_keys_spell_out_the_specialization():
-    key, kw = kattn.attention_config(MIXED, 128, 2, 16, 23, 4, 1, 64, True, 0, "tf32")
-    assert key == ("attention[k=int4.channel.16.asym.f16;v=int2.token.32.asym.f16;S=2;R=8;F=16;W=23;D=128;"
+    key, kw = kattn.attention_config(MIXED, 128, 2, 16, 23, 64, 4, 1, 64, True, 0, "tf32")
+    assert key == ("attention[k=int4.channel.16.asym.f16;v=int2.token.32.asym.f16;S=2;R=8;F=16;W=23;BS=64;D=128;"
                    "gqa=4;bq=1;bn=64;split=1;mask=0;dot=tf32;chunk=0]")
     assert kw["GP"] == 4 and kw["BLOCK_M"] == 16 and kw["K_CHANNEL"] and not kw["V_CHANNEL"] and not kw["CHUNK"]
-    assert kattn.attention_config(MIXED, 128, 2, 16, 23, 4, 1, 64, True, 0, "tf32")[1] is kw
-    assert kattn.attention_config(MIXED, 128, 2, 16, 23, 4, 8, 64, False, 0, "tf32", True)[0].endswith("chunk=1]")
+    assert kw["BS"] == 64 and kw["BLOCK_N"] == 64
+    assert kattn.attention_config(MIXED, 128, 2, 16, 23, 64, 4, 1, 64, True, 0, "tf32")[1] is kw
+    assert kattn.attention_config(MIXED, 128, 2, 16, 23, 64, 4, 8, 64, False, 0, "tf32", True)[0].endswith("chunk=1]")
+    with pytest.raises(ValueError, match="tile of 64 tokens does not divide the store's blocks of 32"):
+        kattn.attention_config(MIXED, 128, 2, 16, 23, 32, 4, 1, 64, True, 0, "tf32")
 
 
 @triton.jit

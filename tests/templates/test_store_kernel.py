@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from kvcompile import Policy, Quant
 from kvcompile import quant as Q
-from kvcompile.store import CapacityError, LayerSpec, store_reference
+from kvcompile.store import CapacityError, KVStore, LayerSpec, store_reference
 from kvcompile.templates import launch
 from kvcompile.templates import store as kstore
-from store_checks import around, assert_same_store, bits, quants, tie_rows, with_history
+from store_checks import around, assert_same_store, bits, quants, scrambled, tie_rows, with_history
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -29,14 +29,17 @@ def store_cases(draw):
     chunks = draw(st.lists(st.sampled_from([1, 1, 2, 7, 16, 33]), min_size=1, max_size=3))
     ragged = draw(st.booleans())  # kernel appends of per-row lengths (n_new)
     dtype = draw(st.sampled_from(["float32", "float16", "bfloat16"]))
-    return policy, B, H, D, dtype, history, chunks, ragged, draw(st.integers(0, 2**31 - 1))
+    block = draw(st.sampled_from([16, 16, 32, 64]))  # packed tokens per block (or the flush group if larger)
+    return policy, B, H, D, dtype, history, chunks, ragged, block, draw(st.integers(0, 2**31 - 1))
 
 
 @settings(max_examples=30)
 @given(store_cases())
 def test_store_kernel_equals_reference(case):
-    policy, B, H, D, dtype, history, chunks, ragged, seed = case
-    spec, ref, got, g, scale = with_history(policy, B, H, D, dtype, history, chunks, seed, DEV)
+    """Ragged histories and chunks over scrambled block tables: every row spans several blocks, handed out in
+    random order, so a kernel that did not follow the table would write the wrong block."""
+    policy, B, H, D, dtype, history, chunks, ragged, block, seed = case
+    spec, ref, got, g, scale = with_history(policy, B, H, D, dtype, history, chunks, seed, DEV, block)
     for n in chunks:
         k = torch.randn(B, H, n, D, generator=g) * scale
         v = torch.randn(B, H, n, D, generator=g) + torch.randn(B, H, 1, D, generator=g) * 4  # offset: asym zeros
@@ -44,17 +47,17 @@ def test_store_kernel_equals_reference(case):
             v[:, :, 1] = 3.25  # a constant token: scale 0, codes exact
             k[:, :, 2] = 0.0   # all-zero token
         n_new = torch.randint(0, n + 1, (B,), generator=g, dtype=torch.int32) if ragged else None
-        store_reference(ref, spec, k, v, n_new)
-        launch.store(got, spec, k.to(DEV), v.to(DEV), None if n_new is None else n_new.to(DEV))
-        assert_same_store(ref, got, spec)
+        ref.append(k, v, n_new)
+        got.append(k.to(DEV), v.to(DEV), None if n_new is None else n_new.to(DEV), kernel=launch.store)
+        assert_same_store(ref.state, got.state, spec)
 
 
 @pytest.mark.parametrize("policy", [Policy.kivi(2, group=4, residual=3, sink=2), Policy.fp8(residual=0)])
 def test_store_kernel_decode_steps_cross_every_boundary(policy):
-    """Token by token through sinks, the residual, several flushes and the ring's wrap-around."""
+    """Token by token through sinks, the residual, several flushes, block ends and the ring's wrap-around."""
     B, H, D, C = 2, 1, 16, 40
-    spec = LayerSpec(policy, B, H, C, D)
-    ref, got = spec.allocate(), spec.allocate(DEV)
+    spec = LayerSpec(policy, H, D, block_tokens=16)
+    ref, got = spec.allocate(B, C), spec.allocate(B, C, DEV)
     g = torch.Generator().manual_seed(0)
     for _ in range(C):
         k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
@@ -72,25 +75,93 @@ def test_store_kernel_rounds_ties_to_even(fmt, sym):
     row = tie_rows(fmt, sym, D)
     x = torch.stack([row.roll(t) for t in range(D)])[None, None]  # [1, 1, 16 tokens, 16 channels]
     policy = Policy(Quant(fmt, "token", None, sym), Quant(fmt, "channel", D, sym), residual=0)
-    spec = LayerSpec(policy, 1, 1, D, D)
-    ref, got = spec.allocate(), spec.allocate(DEV)
+    spec = LayerSpec(policy, 1, D)
+    ref, got = spec.allocate(1, D), spec.allocate(1, D, DEV)
     store_reference(ref, spec, x, x)
     launch.store(got, spec, x.to(DEV), x.to(DEV))
     assert_same_store(ref, got, spec)
 
 
-def test_store_kernel_overflow_raises_like_the_reference():
-    spec = LayerSpec(Policy.kivi(4, group=4, residual=2), 1, 1, 8, 16)
-    state = spec.allocate()
-    launch.store(state, spec, torch.randn(1, 1, 6, 16), torch.randn(1, 1, 6, 16))
-    with pytest.raises(CapacityError, match="holds 6 tokens and appends 3"):
-        launch.store(state, spec, torch.randn(1, 1, 3, 16), torch.randn(1, 1, 3, 16))
+def test_store_kernel_unreserved_block_raises_like_the_reference():
+    """An append whose packed tokens need a block the table does not hold fails before anything is written,
+    with the reference's message; appends within the reserved (scrambled) blocks equal the reference."""
+    spec, ref, got, g, _ = with_history(Policy.kivi(4, group=4, residual=2), 1, 1, 16, "float32", [6], [12], 5)
+    k, v = torch.randn(1, 1, 12, 16, generator=g), torch.randn(1, 1, 12, 16, generator=g)
+    ref.append(k, v)
+    got.append(k.to(DEV), v.to(DEV), kernel=launch.store)
+    assert_same_store(ref.state, got.state, spec)
+    assert len(got.tables[0]) == 1  # 18 tokens: packed 0..15, one block
+    # on the host (a CUDA state fails on the device instead, which would end this process's CUDA context)
+    state = got.copy("cpu").state
+    before = [t.clone() for t in state]
+    with pytest.raises(CapacityError, match="holds 18 tokens and appends 4, which needs 2 blocks of 16 packed "
+                                            "tokens, but 1 are reserved"):  # not reserved: KVStore.reserve skipped
+        launch.store(state, spec, torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16))
+    assert all(torch.equal(a, b) for a, b in zip(before, state))
+
+
+def test_store_kernel_never_writes_an_unreserved_block():
+    """The kernel itself (as on CUDA, where the launcher does not read the table on the host) leaves tokens
+    whose block is -1, past the table or outside the pool unwritten, and raises its error flag."""
+    policy = Policy(Quant("int8", "token"), Quant("int4", "channel", 16), residual=0)
+    spec = LayerSpec(policy, 1, 16, block_tokens=16)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 1, 48, 16, generator=g), torch.randn(1, 1, 48, 16, generator=g)
+    n = torch.tensor([48], dtype=torch.int32)  # three blocks of 16 packed tokens (no residual, no sinks)
+    # the second block: -1 / past the table / not one of the pool's 3 blocks; the others name blocks 2 and 0
+    k, v, n = k.to(DEV), v.to(DEV), n.to(DEV)
+    for table in ([[2, -1, 0]], [[2, 0]], [[2, 3, 0]]):
+        state = spec.allocate(1, 48, DEV)._replace(table=torch.tensor(table, dtype=torch.int32, device=DEV))
+        for t in state[:6]:
+            t.fill_(7) if t.dtype == torch.uint8 else t.fill_(0.5)
+        assert int(kstore.launch_store(state, spec, k, v, n)) == 1, table
+        codes, scale = state.k_codes.cpu(), state.v_scale.cpu()
+        assert (codes[1] == 7).all() and (scale[1] == 0.5).all(), table  # untouched
+        for blk in (0, 2):  # written
+            assert (codes[blk] != 7).any() and (scale[blk] != 0.5).all(), (table, blk)
+    assert int(kstore.launch_store(spec.allocate(1, 48, DEV), spec, k, v, n)) == 0
+    if DEV == "cpu":  # the launcher raises on the host; on CUDA the device asserts (ending the CUDA context)
+        bad = spec.allocate(1, 48)._replace(table=torch.tensor([[0, 5, 1]], dtype=torch.int32))
+        with pytest.raises(CapacityError, match="not in the pool"):
+            launch.store(bad, spec, k, v)
+
+
+@pytest.mark.parametrize("block", [16, 32, 64])
+def test_store_kernel_follows_forks_crops_and_reorders(block):
+    """KVStore's life on the kernel, against the reference store: a ragged history over scrambled blocks,
+    ``select([0, 0, 1])`` (two rows share every block until one is written: the append copies the shared last
+    block and must write the copy), appends across block ends, ``crop`` back into packed storage, appends
+    after it, and a reorder that drops a row."""
+    policy = Policy(Quant("int4", "channel", 8), Quant("int2", "token", 8), residual=5, sink=2)
+    chunks = [block + 3, 7, 1, block + 1]
+    spec, ref, got, g, scale = with_history(policy, 2, 1, 16, "float32", [block + 17, 21], chunks, 3, DEV, block)
+
+    def append(n, n_new=None):
+        k = torch.randn(ref.batch, 1, n, 16, generator=g) * scale
+        v = torch.randn(ref.batch, 1, n, 16, generator=g)
+        ref.append(k, v, n_new)
+        got.append(k.to(DEV), v.to(DEV), n_new, kernel=launch.store)
+        assert ref.tables == got.tables
+        assert_same_store(ref.state, got.state, spec)
+
+    for st_ in (ref, got):
+        st_.select([0, 0, 1])
+    # row 0 held one full block and 8 rows of a second; rows 0 and 1 both write into that second one
+    append(block + 3, torch.tensor([block + 3, 9, 1]))
+    assert ref.tables[0][0] == ref.tables[1][0] and ref.tables[0][1] != ref.tables[1][1]  # still shared; copied
+    for st_ in (ref, got):
+        st_.crop(block - 3)
+    append(7)
+    append(1)
+    for st_ in (ref, got):
+        st_.select([2, 0])
+    append(block + 1, torch.tensor([block + 1, 4]))
 
 
 def test_unsupported_head_dim_names_the_policy():
-    spec = LayerSpec(Policy.kivi(4), 1, 1, 64, 512)
+    spec = LayerSpec(Policy.kivi(4), 1, 512)
     with pytest.raises(NotImplementedError, match=r"head_dim <= 256.*k=int4\.channel\.32"):
-        launch.store(spec.allocate(), spec, torch.zeros(1, 1, 1, 512), torch.zeros(1, 1, 1, 512))
+        launch.store(spec.allocate(1, 64), spec, torch.zeros(1, 1, 1, 512), torch.zeros(1, 1, 1, 512))
 
 
 def test_specialization_keys_spell_out_the_format():
