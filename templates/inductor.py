@@ -2,10 +2,13 @@
 
 On the CPU there are no Triton kernels (Triton's CPU path here is an interpreter), so the fast CPU path is
 Inductor's generated C++: this function has the exact semantics of ``store.attention_reference`` but every
-shape is static (the cache's capacity ``C``, not its current length) and every step is an elementwise op,
-an indexing op with constant indices, or a reduction. Traced inside a compiled graph, Inductor fuses the bit
-unpacking, the dequantization and the region selection (sink / packed / residual ring) into the loads of the
-score and output reductions, so a decode step materializes no full-precision copy of the cache. With more
+shape is static (the packed region spans the block table's reach, ``MB * BS`` tokens, not the current
+lengths) and every step is an elementwise op, an indexing op (constant indices, or the block table's), or a
+reduction. Packed rows are gathered through the block table (row ``r`` of sequence ``b``: block
+``table[b, r // BS]``, row ``r % BS``), an indirect load Inductor folds into the loads that read it. Traced
+inside a compiled graph, Inductor fuses the gather, the bit unpacking, the dequantization and the region
+selection (sink / packed / residual ring) into the loads of the score and output reductions, so a decode
+step materializes no full-precision copy of the cache, nor a gathered copy of its codes. With more
 than ``UNROLL_ROWS`` query rows per KV head (prefill chunks) the planes are dequantized once per layer,
 transiently, and multiplied as matrices: enough queries share them that this is the faster form.
 
@@ -37,13 +40,26 @@ def _planes(codes: Tensor, bits: int, D: int) -> list[Tensor]:
     return [(word >> (bits * i)) & ((1 << bits) - 1) for i in range(per)]
 
 
+def _paged(t: Tensor, table: Tensor, BS: int, per: int = 1) -> Tensor:
+    """Pool tensor ``t [NB, H, BS / per, Y]`` (one row per ``per`` tokens) -> the row of each of a
+    sequence's packed tokens, in order, through the block table ``[B, MB]``: ``[B, H, MB * BS, Y]``. Token
+    ``r`` reads row ``(r % BS) // per`` of block ``table[b, r // BS]``; unreserved entries (-1) read block 0,
+    at positions the caller masks out (past every ``Q(L)``). Per token even for per-channel scales (``per`` =
+    the group): one indirect load Inductor folds into its consumer, where a per-group gather then expanded
+    to tokens would be materialized."""
+    B, MB = table.shape
+    H = t.shape[1]
+    r = torch.arange(MB * BS, device=t.device)
+    blk = table.long().clamp(min=0)[:, r // BS]  # [B, MB*BS]
+    return t[blk.view(B, 1, -1), torch.arange(H, device=t.device).view(1, H, 1), ((r % BS) // per).view(1, 1, -1)]
+
+
 def _plane_params(t: Tensor, q, D: int, per: int) -> list[Tensor]:
-    """Per-group scale/zero [B, H, *scale_shape] -> per plane, broadcastable to [B, H, Cq, D/per]."""
+    """Per-token scale/zero rows [B, H, Cq, D/g] (axis token) or [B, H, Cq, D] (axis channel: each token's
+    group's row, ``_paged``) -> per plane, broadcastable to [B, H, Cq, D/per]."""
     t = t.float()
-    if q.axis == "channel":  # [B, H, Cq/g, D]: channel j*per+i of plane i, contiguous copies (small)
-        full = t.unflatten(-1, (D // per, per))
-        return [full[..., i].contiguous().unsqueeze(-2).expand(*t.shape[:-1], q.group, D // per).flatten(-3, -2)
-                for i in range(per)]
+    if q.axis == "channel":  # channel j*per+i of plane i
+        return [t[..., i::per] for i in range(per)]
     g = q.group_for(D)  # [B, H, Cq, D/g]; channel j*per+i lies in group (j*per+i)//g
     idx = [(torch.arange(D // per) * per + i) // g for i in range(per)]
     return [t[..., ix.to(t.device)] for ix in idx]
@@ -76,7 +92,8 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     the regions are never copied into one sequence.
     """
     B, Hq, n, D = q.shape
-    H, S, W, Cq = spec.heads, spec.sink, spec.ring, spec.quantized_capacity
+    H, S, W, BS = spec.heads, spec.sink, spec.ring, spec.block
+    Cq = state.table.shape[1] * BS if state.k_codes.shape[0] else 0  # the packed positions the table reaches
     G = Hq // H
     pol = spec.policy
     dev = q.device
@@ -96,8 +113,16 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     if Cq:
         p = (torch.arange(Cq, device=dev) + S).view(1, Cq).expand(B, Cq)
         held = (p < qb) & (p < L - n) if chunk is not None else p < qb
-        regions.append((_dequantized_planes(state.k_codes, state.k_scale, state.k_zero, pol.key, D),
-                        _dequantized_planes(state.v_codes, state.v_scale, state.v_zero, pol.value, D), p, held))
+        planes = []
+        for codes, scale, zero, qz in ((state.k_codes, state.k_scale, state.k_zero, pol.key),
+                                       (state.v_codes, state.v_scale, state.v_zero, pol.value)):
+            per_row = qz.group if qz.quantized and qz.axis == "channel" else 1  # tokens per scale row
+            codes = _paged(codes, state.table, BS)
+            if qz.quantized:
+                scale = _paged(scale, state.table, BS, per_row)
+                zero = _paged(zero, state.table, BS, per_row) if qz.has_zero else zero
+            planes.append(_dequantized_planes(codes, scale, zero, qz, D))
+        regions.append((planes[0], planes[1], p, held))
     if chunk is not None:  # the chunk's packed positions, as stored (sinks and ring hold it already)
         p = L - n + torch.arange(n, device=dev).view(1, n)
         regions.append((([chunk[0]], 1), ([chunk[1]], 1), p, (p >= S) & (p < qb)))
@@ -126,6 +151,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
             qpos = L.view(B, 1, 1, 1) - n + torch.arange(n, device=dev).view(1, 1, n, 1)
             vis = vis & (p.view(B, 1, 1, -1) <= qpos)
         else:
+            vis = vis & (p < mask.shape[-1]).view(p.shape[0], 1, 1, -1)  # past the mask's width: invisible
             mk = mask.expand(mask.shape[0], mask.shape[1], n, mask.shape[-1])
             idx = p.clamp(0, mask.shape[-1] - 1).view(p.shape[0], 1, 1, -1)
             idx = idx.expand(mk.shape[0] if mk.shape[0] == B else B, mk.shape[1], n, idx.shape[-1])

@@ -1,13 +1,16 @@
 """The Inductor (CPU) attention template equals the reference attention, eagerly and compiled."""
+import re
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcompile import Policy, Quant
-from kvcompile.store import LayerSpec, attention_reference, store_reference
+from kvcompile.store import LayerSpec, attention_reference
 from kvcompile.templates import inductor
 from attention_checks import filled
+from store_checks import scrambled
 
 # Both sides accumulate in fp32 over at most C=96 positions of O(1) values; a few fp32 ulps of the output.
 TOL = 2e-6
@@ -26,14 +29,17 @@ def cases(draw):
     lengths = [draw(st.integers(1, C)) for _ in range(B)]
     n = draw(st.integers(1, min(lengths)))
     own = draw(st.booleans())  # pass the queries' own chunk (read in full precision)
-    return pol, B, H, G, D, C, lengths, n, draw(st.sampled_from([None, "bool", "float"])), own, draw(st.integers(0, 999))
+    block = draw(st.sampled_from([16, 32, 64]))  # packed tokens per block (scrambled blocks, see filled)
+    width = draw(st.sampled_from([C, max(lengths) // 2 + 1]))  # a mask's width (narrower: the rest unseen)
+    return (pol, B, H, G, D, width, lengths, n, draw(st.sampled_from([None, "bool", "float"])), own, block,
+            draw(st.integers(0, 999)))
 
 
 @given(cases())
 def test_inductor_attention_equals_reference(case):
-    pol, B, H, G, D, C, lengths, n, mask_kind, own, seed = case
+    pol, B, H, G, D, C, lengths, n, mask_kind, own, block, seed = case
     g = torch.Generator().manual_seed(seed)
-    spec, state, k_new, v_new = filled(pol, lengths, H, D, C, seed=seed, own=n)
+    spec, state, k_new, v_new = filled(pol, lengths, H, D, seed=seed, own=n, block=block)
     if not own:
         k_new = v_new = None
     q = torch.randn(B, H * G, n, D, generator=g)
@@ -49,31 +55,47 @@ def test_inductor_attention_equals_reference(case):
 @pytest.mark.parametrize("policy", [Policy.kivi(4, group=8, residual=8), Policy.fp8(residual=4),
                                     Policy.kivi(3, group=8, residual=0, sink=2, rotate=True)])
 def test_compiled_inductor_attention_equals_reference(policy):
-    B, H, D, C = 2, 2, 32, 64
-    spec = LayerSpec(policy, B, H, C, D)
-    state = spec.allocate()
-    store_reference(state, spec, torch.randn(B, H, 50, D), torch.randn(B, H, 50, D), torch.tensor([50, 37]))
+    """Compiled decode over a forked store with scrambled blocks of 16 equals the reference, and the gather
+    through the table, the unpacking and the dequantization stay folded into the reductions' loads: no
+    intermediate buffer holds an eighth of the packed region in full precision (int3's eight planes of D/8
+    channels, materialized as before paging, are each exactly that)."""
+    from torch._inductor.utils import run_and_get_code
+
+    B, H, D = 2, 2, 32
+    spec = LayerSpec(policy, H, D, block_tokens=16)
+    store = scrambled(spec, B, 12, 0)
+    store.append(torch.randn(B, H, 50, D), torch.randn(B, H, 50, D), torch.tensor([50, 37]))
+    store.select([1, 0, 0])
+    store.append(torch.randn(3, H, 3, D), torch.randn(3, H, 3, D), torch.tensor([3, 0, 2]))
+    state = store.state
     fn = torch.compile(lambda q, st: inductor.attention(q, st, spec, None, None), fullgraph=True)
-    q = torch.randn(B, 2 * H, 1, D)
+    q = torch.randn(3, 2 * H, 1, D)
     expect = attention_reference(q, state, spec, None, None, torch.float64)
-    assert (fn(q, state).double() - expect).abs().max() <= TOL * (1 + expect.abs().max())
+    got, (code,) = run_and_get_code(fn, q, state)
+    assert (got.double() - expect).abs().max() <= TOL * (1 + expect.abs().max())
+    sizes = [[int(x) for x in s.split(",") if x.strip()] for s in re.findall(r"empty_strided_cpu\(\(([^)]*)\)", code)]
+    region = 3 * H * state.table.shape[1] * 16 * D  # the packed region the table reaches, in full precision
+    # int4/fp8 planes fuse into the reductions; int3's eight planes of D/8 channels are materialized (as they
+    # were before paging): then no buffer holds more than one plane
+    limit = region // 8 + 1 if 3 in (policy.key.bits, policy.value.bits) else region // 8
+    assert sizes and max(torch.Size(s).numel() for s in sizes) < limit, sizes
 
 
 def test_op_dispatches_to_the_compiled_template_on_cpu():
-    """kernels "inductor" (the CPU default): the op runs the template compiled once per store layout."""
+    """kernels "inductor": attention runs the template compiled once per store layout."""
     from kvcompile import ops
 
-    spec = LayerSpec(Policy.kivi(4, group=8, residual=8), 1, 2, 64, 32)
-    name = spec.register()
-    state = spec.allocate()
-    store_reference(state, spec, torch.randn(1, 2, 40, 32), torch.randn(1, 2, 40, 32))
+    spec = LayerSpec(Policy.kivi(4, group=8, residual=8), 2, 32, block_tokens=16)
+    spec.register()
+    store = scrambled(spec, 1, 4, 1)
+    store.append(torch.randn(1, 2, 40, 32), torch.randn(1, 2, 40, 32))
     q = torch.randn(1, 4, 1, 32)
-    expect = attention_reference(q, state, spec, None, 0.2, torch.float64)
+    expect = attention_reference(q, store.state, spec, None, 0.2, torch.float64)
     before = ops._compiled_attention.cache_info().misses
     try:
         ops.set_kernels("inductor")
         for _ in range(2):
-            got = torch.ops.kvcompile.attention(q, list(state), None, 0.2, name)
+            got = ops.backend(q.device).attention(q, store.state, spec, None, 0.2)
             assert (got.double() - expect).abs().max() <= TOL * (1 + expect.abs().max())
     finally:
         ops.set_kernels("auto")
