@@ -2,8 +2,9 @@
 
 Not a speed measurement: instruction counts are a proxy for the work a kernel does per tile (the loop body is
 unrolled over a tile), useful to judge a change to the dequantization while no GPU is at hand. Each policy's
-decode specialization (``n=1``, the benchmark's head_dim and GQA) is compiled by Triton's own ptxas and read
-back with the cuobjdump Triton ships.
+decode specialization (``n=1``, the benchmark's head_dim and GQA), specialized as Triton's JIT specializes a
+launch with these arguments (16-byte-divisible pointers and strides: vectorized loads), is compiled by Triton's
+own ptxas and read back with the cuobjdump Triton ships.
 
     python benchmarks/gpu_sass.py                 # every policy below, D=128, GQA 4, bf16
     python benchmarks/gpu_sass.py --smoke         # one policy (the test suite runs this)
@@ -43,8 +44,8 @@ def tool(name: str) -> str:
 
 def decode_kernel(policy: Policy, head_dim: int, gqa: int, arch: int, block_n: int | None = None,
                   warps: int | None = None):
-    """The compiled ``_attn_kernel`` of one decode call (B=2, 2 kv heads, capacity 4096); ``block_n`` and
-    ``warps`` override the launcher's choice of tile length and warps."""
+    """The compiled ``_attn_kernel`` of one decode call (B=2, 2 kv heads, 4096 tokens, the default block);
+    ``block_n`` and ``warps`` override the launcher's choice of tile length and warps."""
     from kvcompile.templates import attention as kattn
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -52,9 +53,9 @@ def decode_kernel(policy: Policy, head_dim: int, gqa: int, arch: int, block_n: i
     target, got = GPUTarget("cuda", arch, 32), []
 
     def compiler(kernel, args, options):
-        sig, constexprs = common._signature(kernel, args)
-        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs), target=target,
-                                  options=dict(options))
+        sig, constexprs, attrs = common._signature(kernel, args)
+        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
+                                  target=target, options=dict(options))
         got.append((kernel.__name__, compiled))
 
     previous, common._compiler = common._compiler, compiler
@@ -62,13 +63,13 @@ def decode_kernel(policy: Policy, head_dim: int, gqa: int, arch: int, block_n: i
     if warps:
         kattn.num_warps = lambda *a: warps
     try:
-        spec = LayerSpec(policy, 2, 2, 4096, head_dim, "bfloat16")
-        state = spec.allocate()
+        spec = LayerSpec(policy, 2, head_dim, "bfloat16")
+        state = spec.allocate(2, 4096)
         k, v = torch.randn(2, 2, 2, 1, head_dim)
         launch.store(state, spec, k, v)
         tiles = None
         if block_n:
-            tiles = kattn.default_tiles(spec, 1, gqa, torch.device("cpu"))
+            tiles = kattn.default_tiles(spec, 1, gqa, torch.device("cpu"), 2, kattn.position_bound(state, spec, None))
             tiles = (tiles[0], block_n, tiles[2])
         launch.attention(torch.randn(2, 2 * gqa, 1, head_dim), state, spec, None, k_new=k, v_new=v, tiles=tiles)
     finally:

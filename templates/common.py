@@ -62,13 +62,31 @@ def run(kernel, grid, args: dict, **options) -> None:
 
 
 def _signature(kernel, args: dict):
-    sig, constexprs = {}, {}
+    """(signature, constexprs, attrs) of a launch, specialized as Triton's JIT specializes a real launch: an
+    integer argument equal to 1 becomes a constant, and pointers and integers divisible by 16 are marked so
+    (``tt.divisibility``), which lets the compiler vectorize loads. Without that a compile-only build is a
+    different, slower binary than the one a GPU runs."""
+    sig, constexprs, attrs = {}, {}, {}
     params = {p.name: p for p in kernel.params}
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:  # pragma: no cover - another Triton: typed by hand, unspecialized
+        native_specialize_impl = None
     for i, name in enumerate(kernel.arg_names):
         value = args[name]
-        if params[name].is_constexpr:
+        p = params[name]
+        if p.is_constexpr:
             sig[name] = "constexpr"
             constexprs[(i,)] = value
+        elif native_specialize_impl is not None and isinstance(value, (torch.Tensor, int, float)):
+            ty, key = native_specialize_impl(BaseBackend, value, False, not p.do_not_specialize,
+                                             not p.do_not_specialize_on_alignment)
+            sig[name] = ty
+            if ty == "constexpr":
+                constexprs[(i,)] = value
+            elif isinstance(key, str) and BaseBackend.parse_attr(key):
+                attrs[(i,)] = BaseBackend.parse_attr(key)
         elif isinstance(value, torch.Tensor):
             sig[name] = "*" + _TRITON_TYPES[value.dtype]
         elif isinstance(value, bool):
@@ -79,7 +97,7 @@ def _signature(kernel, args: dict):
             sig[name] = "fp32"
         else:
             raise TypeError(f"{kernel.__name__}: cannot type argument {name}={value!r}")
-    return sig, constexprs
+    return sig, constexprs, attrs
 
 
 @contextlib.contextmanager
@@ -87,6 +105,7 @@ def compile_only(arch: int = 90, log: list | None = None):
     """Within this block, ``run`` compiles each kernel for ``cuda:sm_{arch}`` instead of launching it.
 
     Needs TRITON_INTERPRET unset when the kernels were defined. ``log`` collects (kernel name, constexprs).
+    Launches are specialized as the JIT would specialize them with these arguments (``_signature``).
     """
     global _compiler
     import triton
@@ -94,11 +113,16 @@ def compile_only(arch: int = 90, log: list | None = None):
     from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", arch, 32)
+    built = set()  # a specialization launched again (another batch, length or store) is built once
 
     def compiler(kernel, args, options):
-        sig, constexprs = _signature(kernel, args)
-        triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs), target=target,
-                       options={k: v for k, v in options.items()})
+        sig, constexprs, attrs = _signature(kernel, args)
+        key = (kernel.__name__, tuple(sig.items()), tuple(sorted(constexprs.items())), tuple(sorted(attrs)),
+               tuple(sorted(options.items())))
+        if key not in built:
+            triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs), target=target,
+                           options={k: v for k, v in options.items()})
+            built.add(key)
         if log is not None:
             log.append((kernel.__name__, {kernel.arg_names[i[0]]: v for i, v in constexprs.items()}))
 

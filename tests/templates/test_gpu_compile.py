@@ -18,25 +18,29 @@ SCRIPT = textwrap.dedent("""
     from kvcompile.templates import common, launch
 
     log = []
-    cases = [  # (policy, head_dim, dtype, gqa, n, mask)
-        (Policy.fp8(residual=0), 128, "bfloat16", 4, 1, None),
-        (Policy.kivi(4, group=32, residual=16, sink=4), 128, "bfloat16", 4, 64, None),  # reads its own chunk
-        (Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0), 128, "bfloat16", 4, 1, None),
-        (Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0), 128, "bfloat16", 4, 1, None),
-        (Policy(Quant("int2", "token"), Quant("int2", "token"), residual=0), 128, "bfloat16", 4, 1, None),
-        (Policy.kivi(4, group=32, residual=128, sink=4), 128, "bfloat16", 8, 17, torch.ones(1, dtype=torch.bool)),
+    cases = [  # (policy, head_dim, dtype, gqa, n, mask, packed tokens per block, tiles)
+        (Policy.fp8(residual=0), 128, "bfloat16", 4, 1, None, None, None),
+        (Policy.kivi(4, group=32, residual=16, sink=4), 128, "bfloat16", 4, 64, None, None, None),  # own chunk
+        (Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0), 128, "bfloat16", 4, 1, None, 16, None),
+        (Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0), 128, "bfloat16", 4, 1, None, None, None),
+        (Policy(Quant("int2", "token"), Quant("int2", "token"), residual=0), 128, "bfloat16", 4, 1, None, None, None),
+        (Policy.kivi(4, group=32, residual=128, sink=4), 128, "bfloat16", 8, 17, torch.ones(1, dtype=torch.bool),
+         None, None),
         (Policy(Quant("int3", "token", 16, True), Quant("fp8_e5m2", "channel", 16), residual=5, rotate=True),
-         64, "float16", 3, 1, torch.zeros(1)),
+         64, "float16", 3, 1, torch.zeros(1), 16, None),
+        (Policy.kivi(2, group=16, residual=8, sink=2), 64, "float32", 2, 1, None, 32, (1, 64, 3)),  # tile cut to 32
     ]
     with common.compile_only(90, log):
-        for policy, D, dt, G, n, mask in cases:
-            spec = LayerSpec(policy, 2, 2, 4096, D, dt)
-            state = spec.allocate()
+        for policy, D, dt, G, n, mask, block, tiles in cases:
+            spec = LayerSpec(policy, 2, D, dt, block)
+            state = spec.allocate(2, 4096)
             k, v = torch.randn(2, 2, 2, n, D)
             launch.store(state, spec, k, v)
-            launch.attention(torch.randn(2, 2 * G, n, D), state, spec, mask, k_new=k, v_new=v)
+            launch.attention(torch.randn(2, 2 * G, n, D), state, spec, mask, k_new=k, v_new=v, tiles=tiles)
     names = sorted({name for name, _ in log})
-    print("compiled", len(log), names, "chunk:", sum(bool(c.get("CHUNK")) for _, c in log))
+    print("compiled", len(log), names, "chunk:", sum(bool(c.get("CHUNK")) for _, c in log),
+          "blocks:", sorted({c["BS"] for _, c in log if "BS" in c}),
+          "tiles:", sorted({(c["BS"], c["BLOCK_N"]) for n, c in log if n == "_attn_kernel"}))
 """)
 
 
@@ -52,3 +56,5 @@ def test_kernels_compile_for_sm90():
     assert "compiled" in r.stdout and "_attn_kernel" in r.stdout and "_merge_kernel" in r.stdout, r.stdout
     assert "_flush_kernel" in r.stdout and "_copy_kernel" in r.stdout, r.stdout
     assert "chunk: 0" not in r.stdout, r.stdout  # the loop over the queries' own chunk compiles too
+    assert "blocks: [16, 32, 64]" in r.stdout, r.stdout  # paged layouts with 16, 32 and 64 tokens per block
+    assert "(32, 32)" in r.stdout and "(16, 16)" in r.stdout, r.stdout  # tiles cut to the block
