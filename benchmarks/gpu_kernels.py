@@ -4,15 +4,17 @@
     python benchmarks/gpu_kernels.py --record   # ... and append the run to benchmarks/RESULTS.md
     python benchmarks/gpu_kernels.py --smoke    # tiny sizes; on a machine without CUDA through TRITON_INTERPRET=1
 
-1. Correctness on the device: for every benchmarked format (and a few more layouts) the store kernels must
-   equal ``store_reference`` bit for bit and the attention kernel must be within the derived bound of float64
-   attention (``templates.attention.reference_and_bound``, with tf32 operands). Any failure stops the run.
+1. Correctness on the device: for every benchmarked format (and a few more layouts), over blocks of 16 tokens
+   handed out in a scrambled order, the store kernels must equal ``store_reference`` bit for bit and the
+   attention kernel must be within the derived bound of float64 attention
+   (``templates.attention.reference_and_bound``, with tf32 operands). Any failure stops the run.
 2. Timing: decode attention (one query token, 32 query heads over 8 KV heads, head_dim 128) at batch 1/8/32 and
    context 4K/32K/128K for fp8, int8, int4, int2 and bf16 ``F.scaled_dot_product_attention`` (the first of the
    flash / efficient / cuDNN / math backends that accepts GQA) on the same lengths. Times are triton's
    ``do_bench_cudagraph`` medians (a CUDA graph per call, so the numbers are the GPU's, not Python's launch
-   overhead). GB/s is over the bytes the call actually moves: every byte of the store (all positions live at
-   length = capacity: codes, scales, zero points, ring, sinks), the query, the output and the split-K workspace
+   overhead). GB/s is over the bytes the call actually moves: every byte of the store (every sequence holds the
+   context in whole blocks, its block table a random permutation of the pool: codes, scales, zero points, block
+   table, ring, sinks), the query, the output and the split-K workspace
    (written, then read). Speedup is bf16 SDPA time / kernel time.
 3. Growth with context: each kernel's time per 1K tokens of context (4K to 128K) against bf16 SDPA's, beside
    its bytes against bf16's (issue 6's "slope proportional to the cache's bytes", at the kernel).
@@ -33,7 +35,7 @@ if not torch.cuda.is_available():  # the kernels run through Triton's interprete
 import torch.nn.functional as F  # noqa: E402
 
 from kvcompile import Policy, Quant  # noqa: E402
-from kvcompile.store import LayerSpec, state_nbytes, store_reference  # noqa: E402
+from kvcompile.store import KVStore, LayerSpec, state_nbytes  # noqa: E402
 from kvcompile.templates import attention as kattn  # noqa: E402
 from kvcompile.templates import launch  # noqa: E402
 
@@ -63,25 +65,29 @@ def check_correctness(device: str, B: int, H: int, G: int, D: int, C: int, names
     for name, policy in {**FORMATS, **extra}.items():
         if names is not None and name not in names:
             continue
-        spec = LayerSpec(policy, B, H, C, D, "bfloat16")
-        ref, got = spec.allocate(), spec.allocate(device)
+        # blocks of 16 packed tokens handed out in a scrambled order: the kernels must follow the block table
+        spec = LayerSpec(policy, H, D, "bfloat16", max(16, policy.flush))
+        ref = KVStore(spec, B, blocks=B * (spec.blocks_for(C) + 1))
+        ref.free = [ref.free[i] for i in torch.randperm(len(ref.free), generator=g).tolist()]
+        got = ref.copy(device)
         L = 0
         for n in (C // 2, 1, 1, C - C // 2 - 2):  # prefill, decode, decode, chunk
             k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
             n_new = torch.tensor([max(0, min(n, x - L)) for x in lengths], dtype=torch.int32)
-            store_reference(ref, spec, k, v, n_new)
-            launch.store(got, spec, k.to(device), v.to(device), n_new.to(device))
+            ref.append(k, v, n_new)
+            got.append(k.to(device), v.to(device), n_new, kernel=launch.store)
             L += n
-            for field, a, b in zip(ref._fields, ref, got):
+            for field, a, b in zip(ref.state._fields, ref.state, got.state):
                 if field in ("k_res", "v_res"):
                     continue  # dead ring slots are unspecified; they are read back through attention below
                 if not torch.equal(a, b.cpu()):
                     raise SystemExit(f"FAIL store {name}: {field} differs from the reference after {L} tokens")
             for nq in (1, 4):
                 q = torch.randn(B, H * G, nq, D, generator=g).to(torch.bfloat16)
-                out = launch.attention(q.to(device), got, spec).cpu()
-                nsplit = kattn.default_tiles(spec, nq, G, torch.device(device))[2]
-                want, bound = kattn.reference_and_bound(q, ref, spec, nsplit=nsplit, dot=dot)
+                out = launch.attention(q.to(device), got.state, spec).cpu()
+                nsplit = kattn.default_tiles(spec, nq, G, torch.device(device), B,
+                                             kattn.position_bound(got.state, spec, None))[2]
+                want, bound = kattn.reference_and_bound(q, ref.state, spec, nsplit=nsplit, dot=dot)
                 err = (out.double() - want).abs()
                 if (err > bound).any():
                     raise SystemExit(f"FAIL attention {name} n={nq} after {L} tokens: max error {err.max():.3g}, "
@@ -91,9 +97,12 @@ def check_correctness(device: str, B: int, H: int, G: int, D: int, C: int, names
 
 
 # --------------------------------------------------------------------------- 2. timing
-def filled_state(spec: LayerSpec, device: str, L: int):
-    """A store holding L tokens of random (finite) codes: timing does not depend on the values."""
-    state = spec.allocate(device)
+def filled_state(spec: LayerSpec, device: str, B: int, L: int):
+    """A store of ``B`` sequences holding L tokens each, of random (finite) codes: timing does not depend on
+    the values. Each sequence's blocks are a random permutation of the pool's (as a serving pool's would be
+    after many requests), so the timing includes following the block table."""
+    state = spec.allocate(B, L, device)
+    state.table.copy_(torch.randperm(state.table.numel(), device=device).view_as(state.table).to(torch.int32))
     for t in state[:6]:
         if t.numel() == 0:
             continue
@@ -152,9 +161,10 @@ def time_table(device: str, batches, contexts, Hq: int, H: int, D: int, formats,
             rows.append((B, ctx, f"bf16 sdpa ({backend})", t_ref, bytes_ref, 1.0))
             del k, v
             for name in formats:
-                spec = LayerSpec(FORMATS[name], B, H, ctx, D, "bfloat16")
-                state = filled_state(spec, device, ctx)
-                nsplit = kattn.default_tiles(spec, 1, Hq // H, torch.device(device))[2]
+                spec = LayerSpec(FORMATS[name], H, D, "bfloat16")
+                state = filled_state(spec, device, B, ctx)
+                nsplit = kattn.default_tiles(spec, 1, Hq // H, torch.device(device), B,
+                                             kattn.position_bound(state, spec, None))[2]
                 moved = state_nbytes(state) + 2 * q.numel() * 2 + (2 * B * Hq * nsplit * (128 + 2) * 4 if nsplit > 1 else 0)
                 t = bench(lambda: launch.attention(q, state, spec), smoke)
                 rows.append((B, ctx, name, t, moved, t_ref / t))
@@ -171,9 +181,10 @@ def tile_sweep(device: str, B: int, ctx: int, Hq: int, H: int, D: int, formats, 
     rows = []
     q = torch.randn(B, Hq, 1, D, dtype=torch.bfloat16, device=device)
     for name in formats:
-        spec = LayerSpec(FORMATS[name], B, H, ctx, D, "bfloat16")
-        state = filled_state(spec, device, ctx)
-        bq, default_n, nsplit = kattn.default_tiles(spec, 1, Hq // H, torch.device(device))
+        spec = LayerSpec(FORMATS[name], H, D, "bfloat16")
+        state = filled_state(spec, device, B, ctx)
+        bq, default_n, nsplit = kattn.default_tiles(spec, 1, Hq // H, torch.device(device), B,
+                                                    kattn.position_bound(state, spec, None))
         times = {bn: bench(lambda: launch.attention(q, state, spec, tiles=(bq, bn, nsplit)), smoke) for bn in blocks}
         if default_n not in times:  # the default is timed once, among the others when it is one of them
             times[default_n] = bench(lambda: launch.attention(q, state, spec), smoke)
