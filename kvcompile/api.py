@@ -24,6 +24,7 @@ from torch import nn
 from .backend import COMPILERS, Options, compile_graph
 from .passes import KVCompileError
 from .policy import Policy, PolicyError
+from .tp import agreed
 
 # Graphs Dynamo may keep per code object, and in all. Every applied model of one class shares its forward's
 # code object; each batch size and dtype is a prefill graph and a decode graph of its own (new lengths are
@@ -43,6 +44,7 @@ class Applied:
     max_cache_len: int | None
     layer_names: list[str]
     reports: list = field(default_factory=list)
+    sharding: object = None  # kvcompile.tp.Sharding of a tensor-parallel model (this rank's group and KV heads)
 
 
 def _raise_recompile_limit() -> None:
@@ -55,7 +57,7 @@ def _raise_recompile_limit() -> None:
         cfg.accumulated_recompile_limit = ACCUMULATED_RECOMPILE_LIMIT
 
 
-def _check_applicable(model, policy, max_cache_len, compiler) -> None:
+def _check_applicable(model, policy, max_cache_len, compiler, prefill="auto") -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"kvcompile.apply(model, policy): model={type(model).__name__} is not a torch.nn.Module")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or getattr(model, "_compiled_call_impl", None):
@@ -76,10 +78,16 @@ def _check_applicable(model, policy, max_cache_len, compiler) -> None:
                          f"(the most a sequence may hold), or None (the default) for caches that grow without limit")
     if compiler != "auto" and compiler not in COMPILERS:
         raise KVCompileError(f"compiler={compiler!r} is not valid: expected 'auto' or one of {COMPILERS}")
+    if prefill not in PREFILLS:
+        raise KVCompileError(f"prefill={prefill!r} is not valid: expected one of {PREFILLS}")
 
 
+PREFILLS = ("auto", "eager", "compiled")
+
+
+@agreed  # under tensor parallelism, an error on one rank is raised on every rank (kvcompile.tp)
 def apply(model: nn.Module, policy: Policy, *, max_cache_len: int | None = None, compiler: str = "auto",
-          dynamic: bool | None = None) -> nn.Module:
+          dynamic: bool | None = None, prefill: str = "auto") -> nn.Module:
     """Quantize ``model``'s KV cache per ``policy`` and route its attention through kvcompile's ops.
 
     Hugging Face transformers models (``PreTrainedModel``, loaded with ``attn_implementation="sdpa"``): returns
@@ -96,11 +104,16 @@ def apply(model: nn.Module, policy: Policy, *, max_cache_len: int | None = None,
     default) is "inductor" when the model's parameters are on a GPU, "eager" on the CPU, where kvcompile's
     own kernels do the cache work and Inductor's code generation for a whole decoder takes minutes.
     dynamic: passed to ``torch.compile`` (None: kvcompile marks the sequence dimensions dynamic itself).
+    prefill (transformers models): how a first prefill into an empty cache runs. It reads only its own tokens,
+    in full precision, and stores them, so the cache's eager path computes the same thing: "eager" runs it
+    without Dynamo (no trace to wait for before the first token); "compiled" through the compiled graph;
+    "auto" (the default) is "eager" with compiler="eager" (whose graphs run as Python anyway) and "compiled"
+    with Inductor. Decode steps and later chunks always run compiled: they read what the store holds.
     """
     from .hf_model import apply_hf, is_hf, layer_names
     from .modules import apply_module
 
-    _check_applicable(model, policy, max_cache_len, compiler)
+    _check_applicable(model, policy, max_cache_len, compiler, prefill)
     if compiler == "auto":
         p = next(iter(model.parameters()), None)
         compiler = "inductor" if p is not None and p.device.type == "cuda" else "eager"
@@ -109,7 +122,7 @@ def apply(model: nn.Module, policy: Policy, *, max_cache_len: int | None = None,
         applied = Applied(policy, compiler, max_cache_len, layer_names(model))
         model._kvcompile = applied
         try:
-            return apply_hf(model, policy, max_cache_len, compiler, dynamic, applied, _backend_for(applied))
+            return apply_hf(model, policy, max_cache_len, compiler, dynamic, applied, _backend_for(applied), prefill)
         except Exception:
             del model._kvcompile
             raise

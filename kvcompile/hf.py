@@ -30,6 +30,7 @@ import functools
 import warnings
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer
 
 from . import ops, standin
@@ -192,8 +193,13 @@ class KVCompileLayer(StaticLayer):
             self.values.index_copy_(2, pos, value_states)
             return self.keys, self.values
         self.ensure(n)
+        held = self.store.lengths[0]
         ops._store(self.keys, self.values, key_states, value_states, pos.cpu(), self.spec_name)
-        k, v = ops.dequantized(self.keys, self.values, self.spec_name, self.keys.shape[2])
+        width = self.keys.shape[2]
+        if held == 0:  # a first prefill reads only its own chunk, in full precision: no view to dequantize
+            pad = (0, 0, 0, width - n)
+            return F.pad(key_states, pad), F.pad(value_states, pad)
+        k, v = ops.dequantized(self.keys, self.values, self.spec_name, width)
         # The chunk attends to itself in full precision (``attention_reference`` with k_new, v_new): the
         # compiled path reads the same positions from the chunk's own keys and values.
         pos = pos.to(k.device)
@@ -312,12 +318,19 @@ class KVCompileCache(Cache):
     """
 
     def __init__(self, config, policy: Policy, max_cache_len: int | None = None, layer_names: list[str] | None = None,
-                 batch_size: int | None = None, dtype: torch.dtype | None = None, device=None):
+                 batch_size: int | None = None, dtype: torch.dtype | None = None, device=None,
+                 kv_heads: int | None = None):
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
                                           or max_cache_len < 1):
             raise ValueError(f"KVCompileCache max_cache_len={max_cache_len!r} is not valid: expected a positive "
                              f"number of tokens, or None for a cache that grows without limit")
-        n_layers, kv_heads, head_dim = model_shape(config)
+        n_layers, model_kv_heads, head_dim = model_shape(config)
+        # kv_heads: the KV heads this process's attention computes -- under tensor parallelism its share of the
+        # model's (kvcompile.tp); default: the config's
+        if kv_heads is not None and (not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads < 1):
+            raise ValueError(f"KVCompileCache kv_heads={kv_heads!r} is not valid: expected a positive number of KV "
+                             f"heads (this rank's share under tensor parallelism), or None for the config's")
+        kv_heads = kv_heads or model_kv_heads
         names = layer_names or [f"model.layers.{i}.self_attn" for i in range(n_layers)]
         if not isinstance(policy, Policy):
             raise TypeError(f"KVCompileCache(config, policy): policy={policy!r} is not a kvcompile.Policy")
@@ -370,9 +383,17 @@ class KVCompileCache(Cache):
                 empty = torch.zeros(batch_size, num_heads, 0, head_dim, dtype=dtype, device=device)
                 layer.lazy_initialization(empty, empty)
 
-    def prepare(self, batch: int, n: int, dtype: torch.dtype, device) -> None:
+    def prepare(self, batch: int, n: int, dtype: torch.dtype, device, heads: int | None = None) -> None:
         """Before a compiled call of ``n`` tokens for ``batch`` sequences: create the stores if needed, check
-        they match the call, and widen the stand-ins for the new tokens (all outside the graph)."""
+        they match the call, and widen the stand-ins for the new tokens (all outside the graph). ``heads``:
+        the KV heads the model's attention computes here (under tensor parallelism, this rank's share)."""
+        if heads is not None and heads != self.shape[0]:
+            if any(layer.is_initialized for layer in self.layers):
+                raise ValueError(
+                    f"this KVCompileCache holds {self.shape[0]} KV heads per layer, but the model's attention "
+                    f"computes {heads} here (under tensor parallelism: this rank's share of the model's heads): "
+                    f"create the cache with kv_heads={heads}, or pass no cache (kvcompile.apply creates one per rank)")
+            self.shape = (heads, self.shape[1])
         if not self.is_initialized:
             if self.explicit_dtype and self.dtype != dtype:
                 raise ValueError(

@@ -19,6 +19,7 @@ import inspect
 
 import torch
 
+from . import tp
 from .hf import CAPACITY_STEP, KVCompileCache, _text_config, model_shape
 from .passes import KVCompileError
 from .policy import Policy
@@ -137,7 +138,8 @@ def call_compiled(compiled, what: str, *args, **kwargs):
 _CACHES_REPLACED = {None, "dynamic", "static", "dynamic_full", "hybrid", "sliding_window", "hybrid_chunked"}
 
 
-def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dynamic, applied, backend):
+def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dynamic, applied, backend,
+             prefill: str = "auto"):
     """See ``kvcompile.apply``. ``applied`` is the model's ``Applied`` record, ``backend`` the Dynamo backend."""
     check_supported(model)
     cfg = model.config
@@ -146,11 +148,18 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
     policy.check(head_dim)
     policy.resolve(names)  # a policy override that names no layer fails here, before anything is changed
     cache_kw = cache_kwarg(model)
+    # tensor parallelism (kvcompile.tp): each rank caches the KV heads its attention computes
+    modules = dict(model.named_modules())
+    shard = applied.sharding = tp.sharding(model, [(n, modules[n]) for n in names if n in modules], kv_heads,
+                                           head_dim)
+    heads = shard.heads if shard is not None else kv_heads
+    # with compiler="eager" the compiled graph runs as Python anyway: a first prefill gains nothing from tracing
+    eager_prefill = prefill == "eager" or (prefill == "auto" and compiler == "eager")
     orig_forward = model.forward
     compiled = torch.compile(orig_forward, backend=backend, fullgraph=True, dynamic=dynamic)
 
     def new_cache():
-        return KVCompileCache(cfg, policy, max_cache_len, layer_names=names)
+        return KVCompileCache(cfg, policy, max_cache_len, layer_names=names, kv_heads=heads)
 
     @functools.wraps(orig_forward)
     def forward(*args, **kwargs):
@@ -174,7 +183,13 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
         kwargs[cache_kw] = cache
         if isinstance(cache, KVCompileCache):
             p = next(model.parameters())
-            cache.prepare(ids.shape[0], ids.shape[1], p.dtype, p.device)
+            cache.prepare(ids.shape[0], ids.shape[1], p.dtype, p.device, heads)
+            if eager_prefill and ids.shape[1] > 1 and cache.tokens == 0:
+                # A first prefill into an empty cache attends only to its own tokens, in full precision, and
+                # stores them: the cache's eager path does exactly that (the same kernels store), so it runs
+                # without Dynamo tracing the model (tens of seconds on a small CPU). Compiled graphs serve the
+                # decode steps and later chunks, which read what the store holds.
+                return orig_forward(*args, **kwargs)
         elif type(cache).__name__ in ("DynamicCache", "QuantizedCache", "OffloadedCache"):
             raise KVCompileError(
                 f"this model was prepared by kvcompile.apply but was given a {type(cache).__name__}, which grows by "
@@ -199,6 +214,9 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
                 f"unmodified model for {impl!r}).")
         model_kwargs[cache_kw] = new_cache()
 
+    if shard is not None:  # every rank agrees before each run, so an error on one rank stops all (kvcompile.tp)
+        guard = tp.Guard(shard, cache_kw, f"{type(model).__name__}.forward under kvcompile")
+        orig_forward, compiled, forward = guard.run(orig_forward), guard.run(compiled), guard.call(forward)
     model.forward = forward
     model._prepare_cache_for_generation = prepare_cache_for_generation
     # generate must not compile the forward again (it is compiled already, by kvcompile)
@@ -211,8 +229,9 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
 def trace_inputs(model, applied):
     """What ``explain`` traces an applied model with: its original forward and a two-token prompt."""
     p = next(model.parameters())
+    shard = getattr(applied, "sharding", None)
     cache = KVCompileCache(model.config, applied.policy, applied.max_cache_len, applied.layer_names,
-                           batch_size=1, dtype=p.dtype, device=p.device)
+                           batch_size=1, dtype=p.dtype, device=p.device, kv_heads=shard.heads if shard else None)
     ids = torch.zeros(1, 2, dtype=torch.long, device=p.device)
     return type(model).forward.__get__(model), {"input_ids": ids, cache_kwarg(model): cache, "use_cache": True}
 

@@ -107,7 +107,7 @@ def test_compiled_equals_eager_reference(policy, layers, kv_heads, ratio, head_d
     ids = torch.randint(3, 64, (batch, prefill + steps))
     C = prefill + steps + 4
     want, _ = chunks(ref, ids, prefill, KVCompileCache(ref.config, policy, C))
-    applied = kvcompile.apply(model, policy, max_cache_len=C, compiler="eager")
+    applied = kvcompile.apply(model, policy, max_cache_len=C, compiler="eager", prefill="compiled")
     got, cache = chunks(applied, ids, prefill)
     torch.testing.assert_close(got, want)
     assert isinstance(cache, KVCompileCache) and cache.tokens == prefill + steps
@@ -119,7 +119,7 @@ def test_policy_full_equals_the_unmodified_model():
     plain = twin(model)
     ids = torch.randint(3, 64, (2, 9))
     want, _ = chunks(plain, ids, 5, DynamicCache(config=plain.config))
-    got, _ = chunks(kvcompile.apply(model, Policy.full(), max_cache_len=16, compiler="eager"), ids, 5)
+    got, _ = chunks(kvcompile.apply(model, Policy.full(), max_cache_len=16, compiler="eager", prefill="compiled"), ids, 5)
     torch.testing.assert_close(got, want)
 
 
@@ -138,7 +138,7 @@ def test_generate_greedy_and_sampling_batched_with_left_padding():
         want = ref.generate(ids, do_sample=False, **gen, **{kw: KVCompileCache(ref.config, policy, 15)})
         torch.manual_seed(7)
         want_s = ref.generate(ids, do_sample=True, top_k=8, **gen, **{kw: KVCompileCache(ref.config, policy, 15)})
-        applied = kvcompile.apply(model, policy, compiler="eager")
+        applied = kvcompile.apply(model, policy, compiler="eager", prefill="compiled")
         got = applied.generate(ids, do_sample=False, **gen)
         torch.manual_seed(7)
         got_s = applied.generate(ids, do_sample=True, top_k=8, **gen)
@@ -163,7 +163,7 @@ def test_generate_continues_a_conversation_in_the_same_cache():
         rc = KVCompileCache(ref.config, policy, 64)
         w1 = ref.generate(first, **gen, **{kw: rc})
         w2 = ref.generate(torch.cat([w1.sequences, more], 1), **gen, **{kw: rc})
-        applied = kvcompile.apply(model, policy, compiler="eager")
+        applied = kvcompile.apply(model, policy, compiler="eager", prefill="compiled")
         cache = KVCompileCache(model.config, policy, 64)
         g1 = applied.generate(first, **gen, **{kw: cache})
         g2 = applied.generate(torch.cat([g1.sequences, more], 1), **gen, **{kw: cache})
@@ -173,7 +173,7 @@ def test_generate_continues_a_conversation_in_the_same_cache():
 
 
 def test_forward_returns_a_cache_that_reports_its_bytes():
-    applied = kvcompile.apply(tiny(), Policy.kivi(4, group=4, residual=4), max_cache_len=32, compiler="eager")
+    applied = kvcompile.apply(tiny(), Policy.kivi(4, group=4, residual=4), max_cache_len=32, compiler="eager", prefill="compiled")
     with torch.no_grad():
         out = applied(torch.randint(3, 64, (1, 5)), use_cache=True)
     cache = cache_of(out)
@@ -194,7 +194,7 @@ def test_memory_4bit_cache_is_under_0_3x_of_bf16_and_no_full_cache_exists():
     model = tiny(layers=L, heads=H, kv_heads=H, head_dim=D, dtype=torch.bfloat16)
     model.config.max_position_embeddings = C
     policy = Policy(Quant("int4"), Quant("int4"))  # one fp16 scale + zero point per token-head
-    applied = kvcompile.apply(model, policy, compiler="eager")
+    applied = kvcompile.apply(model, policy, compiler="eager", prefill="compiled")
     with torch.no_grad():
         cache = cache_of(applied(torch.randint(3, 64, (B, C)), use_cache=True))
     bf16 = 2 * L * B * H * C * D * 2
@@ -288,7 +288,7 @@ def test_eager_graphs_call_kvcompile_functions_without_the_dispatcher():
     sees no kvcompile operator (it does see one called through torch.ops), and the results are the reference's
     (every other test of compiler="eager" checks that)."""
     from torch.profiler import profile
-    model = kvcompile.apply(tiny(), Policy.int8(), compiler="eager")
+    model = kvcompile.apply(tiny(), Policy.int8(), compiler="eager", prefill="compiled")
     ids = torch.randint(3, 64, (1, 6))
     with torch.no_grad():
         model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
@@ -331,7 +331,7 @@ def test_shapes_changing_in_one_process_still_rewrite():
     for head_dim, cap in ((8, 12), (16, 16), (32, 20), (8, 24)):
         model = tiny(head_dim=head_dim)
         ref = twin(model)
-        applied = kvcompile.apply(model, policy, compiler="eager")
+        applied = kvcompile.apply(model, policy, compiler="eager", prefill="compiled")
         want, _ = chunks(ref, ids, 6, KVCompileCache(ref.config, policy, cap))
         got, _ = chunks(applied, ids, 6, KVCompileCache(model.config, policy, cap))
         torch.testing.assert_close(got, want)
@@ -344,7 +344,7 @@ def test_many_shapes_in_one_process_compile_past_dynamos_default_limit():
     graphs each, go past Dynamo's default of 8 here, with the limit apply sets. (torch's own config.patch,
     not pytest's monkeypatch, which hides the entry for good when undoing it on pytest 9.2.)"""
     with torch._dynamo.config.patch(recompile_limit=8):  # Dynamo's default, as in a fresh process
-        applied = kvcompile.apply(tiny(layers=1), Policy.int8(), compiler="eager")
+        applied = kvcompile.apply(tiny(layers=1), Policy.int8(), compiler="eager", prefill="compiled")
         assert torch._dynamo.config.recompile_limit >= 20
         for b in range(1, 11):
             chunks(applied, torch.randint(3, 64, (b, 4)), 3, KVCompileCache(applied.config, Policy.int8(), 4 + b))
@@ -354,7 +354,7 @@ def test_many_shapes_in_one_process_compile_past_dynamos_default_limit():
 def test_error_recompile_limit_says_what_to_do():
     """A user's own lower recompile limit, met by a new batch size (one prefill and one decode graph each;
     new lengths compile nothing)."""
-    applied = kvcompile.apply(tiny(layers=1), Policy.int8(), compiler="eager")
+    applied = kvcompile.apply(tiny(layers=1), Policy.int8(), compiler="eager", prefill="compiled")
     with torch._dynamo.config.patch(recompile_limit=2):  # what a user's own setting may be
         chunks(applied, torch.randint(3, 64, (1, 4)), 3, KVCompileCache(applied.config, Policy.int8()))
         chunks(applied, torch.randint(3, 64, (1, 9)), 5, KVCompileCache(applied.config, Policy.int8()))
@@ -459,7 +459,7 @@ def test_windowed_model_compiled_equals_the_reference_cache():
             cache = KVCompileCache(ref.config, policy, 256)
             want = ref.generate(ids, **gen, **{_cache_kwarg(ref): cache})
             assert cache.rings == {0: 8, 2: 8}
-            applied = kvcompile.apply(model, policy, compiler="eager")
+            applied = kvcompile.apply(model, policy, compiler="eager", prefill="compiled")
             got = applied.generate(ids, **gen)
         assert torch.equal(got.sequences, want.sequences)
         torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits))
@@ -470,7 +470,7 @@ def test_windowed_model_compiled_equals_the_reference_cache():
 
 
 def test_error_apply_twice_and_to_a_compiled_model():
-    model = kvcompile.apply(tiny(), Policy.int8(), compiler="eager")
+    model = kvcompile.apply(tiny(), Policy.int8(), compiler="eager", prefill="compiled")
     with pytest.raises(KVCompileError, match="already applied"):
         kvcompile.apply(model, Policy.int8())
     with pytest.raises(KVCompileError, match="already compiled"):
@@ -486,7 +486,7 @@ def test_compiler_auto_is_eager_on_the_cpu():
 
 
 def test_error_sequence_longer_than_capacity():
-    applied = kvcompile.apply(tiny(), Policy.int8(), max_cache_len=8, compiler="eager")
+    applied = kvcompile.apply(tiny(), Policy.int8(), max_cache_len=8, compiler="eager", prefill="compiled")
     with torch.no_grad():
         cache = cache_of(applied(torch.randint(3, 64, (1, 6)), use_cache=True))
         with pytest.raises(CapacityError, match="holds 6 tokens and appends 3, but the cache is limited to 8"):
@@ -496,7 +496,7 @@ def test_error_sequence_longer_than_capacity():
 
 
 def test_error_dynamic_cache_given_to_an_applied_model():
-    applied = kvcompile.apply(tiny(), Policy.int8(), compiler="eager")
+    applied = kvcompile.apply(tiny(), Policy.int8(), compiler="eager", prefill="compiled")
     with pytest.raises(KVCompileError, match="DynamicCache"):
         applied(torch.randint(3, 64, (1, 3)), use_cache=True,
                 **{_cache_kwarg(applied): DynamicCache(config=applied.config)})
@@ -522,6 +522,6 @@ def test_tiny_llama_through_the_pass_runs_the_triton_kernels(monkeypatch):
     ids = torch.randint(3, 64, (1, 7))
     want, _ = chunks(ref, ids, 5, KVCompileCache(ref.config, policy, 12))  # reference kernels, eager
     monkeypatch.setattr(ops, "_KERNELS", "triton")
-    got, _ = chunks(kvcompile.apply(model, policy, max_cache_len=12, compiler="eager"), ids, 5)
+    got, _ = chunks(kvcompile.apply(model, policy, max_cache_len=12, compiler="eager", prefill="compiled"), ids, 5)
     assert calls["store"] == 3 and calls["attention"] == 3  # prefill + two decode steps, all through the kernels
     torch.testing.assert_close(got, want)

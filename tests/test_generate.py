@@ -176,17 +176,21 @@ def test_a_conversation_grows_past_the_first_allocation_without_recompiling():
 
 
 def test_one_prefill_and_one_decode_graph_serve_every_length():
-    """Five prompt lengths over several thousand tokens, each in a fresh cache: two graphs in all. A new
-    batch size adds its own prefill and decode graphs, once."""
-    ref, model = pair(Policy.kivi(4, group=4, residual=8))
-    with torch.no_grad():
-        for n in (5, 300, 1100, 2500, 4100):
-            ids = torch.randint(3, 64, (1, n), generator=torch.Generator().manual_seed(n))
-            model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
-        assert graphs() == 2 and len(model._kvcompile.reports) == 2
-        for n in (7, 600):
-            model.generate(torch.randint(3, 64, (2, n)), max_new_tokens=3, min_new_tokens=3, do_sample=False)
-        assert graphs() == 4
+    """Five prompt lengths over several thousand tokens, each in a fresh cache: one prefill and one decode graph
+    in all (prefill="compiled"; by default on the CPU a first prefill runs eagerly, and only the decode graph is
+    compiled). A new batch size adds its own graphs, once."""
+    for prefill, per_batch in (("compiled", 2), ("auto", 1)):
+        torch._dynamo.reset()
+        dynamo_utils.counters.clear()
+        model = kvcompile.apply(tiny(), Policy.kivi(4, group=4, residual=8), prefill=prefill)
+        with torch.no_grad():
+            for n in (5, 300, 1100, 2500, 4100):
+                ids = torch.randint(3, 64, (1, n), generator=torch.Generator().manual_seed(n))
+                model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+            assert graphs() == per_batch and len(model._kvcompile.reports) == per_batch
+            for n in (7, 600):
+                model.generate(torch.randint(3, 64, (2, n)), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+            assert graphs() == 2 * per_batch
     assert not dynamo_utils.counters["graph_break"]
 
 

@@ -104,7 +104,7 @@ def test_family_compiles_and_equals_the_reference(family):
     with torch.no_grad():
         want = ref.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
                             return_dict_in_generate=True, **{kw: KVCompileCache(ref.config, POLICY, 16)})
-        applied = kvcompile.apply(model, POLICY, compiler="eager")
+        applied = kvcompile.apply(model, POLICY, compiler="eager", prefill="compiled")
         got = applied.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
                                return_dict_in_generate=True)
     assert torch.equal(got.sequences, want.sequences)
@@ -131,7 +131,7 @@ def test_family_generate_batched_with_left_padding(family):
                return_dict_in_generate=True)
     with torch.no_grad():
         want = ref.generate(ids, **gen, **{kw: KVCompileCache(ref.config, POLICY, 12)})
-        got = kvcompile.apply(model, POLICY, compiler="eager").generate(ids, **gen)
+        got = kvcompile.apply(model, POLICY, compiler="eager", prefill="compiled").generate(ids, **gen)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits))
     assert counters["reads_skipped"] == 0 and counters["mask_causal_prefix"] == 0
@@ -180,7 +180,7 @@ def test_sliding_window_layers_equal_the_models_own_cache(family, prompt):
     gen = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         want = ref.generate(ids, **gen)
-        applied = kvcompile.apply(model, Policy.full(), compiler="eager")
+        applied = kvcompile.apply(model, Policy.full(), compiler="eager", prefill="compiled")
         if family == "Mistral":  # every layer a ring: kvcompile says it quantizes nothing
             with pytest.warns(kvcompile.KVCompileWarning, match=r"every attention layer .* window of 4 tokens.*"
                                                                 r"kvcompile quantizes nothing in this cache"):
