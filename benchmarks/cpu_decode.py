@@ -305,7 +305,7 @@ def main(argv=None):
     ap.add_argument("--contenders", nargs="+",
                     default=["dynamic", "static+compile", "quanto-int4", "quanto-int2",
                              "kvc-int8", "kvc-fp8", "kvc-int4", "kvc-int2"])
-    ap.add_argument("--out", default="benchmarks/cpu_decode.json")
+    ap.add_argument("--out", default="benchmarks/results/cpu_decode.json")
     ap.add_argument("--compiler", default="auto", choices=["auto", "inductor", "eager"],
                     help="what compiles the rest of kvcompile's graph")
     ap.add_argument("--no-warmup", action="store_true",

@@ -269,83 +269,120 @@ def _looks_like_cache_write(n: Node) -> Node | None:
 
 
 # --------------------------------------------------------------------------- matching
-def _match_read(gm: GraphModule, read: Node, order: dict, left=None) -> Site | Skipped:
-    a = sdpa_args(read)
-    layer = layer_name(read)
+class _Reject(Exception):
+    """A check's verdict that a read cannot be rewritten: the reason, and the ops that stood in the way."""
+
+    def __init__(self, reason: str, uses: tuple = ()):
+        super().__init__(reason)
+        self.reason, self.uses = reason, uses
+
+
+def _cache_roots(a: dict, left):
+    """The cache tensor behind SDPA's key and value (through head replication and one prefix slice)."""
     roots = []
     for which in ("key", "value"):
-        ph, repeat, read_len, chain = _walk_to_cache(a[which])
-        why = left(ph) if left is not None and ph is not None else None
+        root, repeat, read_len, chain = _walk_to_cache(a[which])
+        why = left(root) if left is not None and root is not None else None
         if why:
-            return Skipped(layer, read.name, why)
-        if ph is None:
-            return Skipped(layer, read.name, f"SDPA's {which} does not come from a cache tensor (it is computed "
-                                             f"by {repeat}); only a cache written in place can be rewritten")
-        roots.append((ph, repeat, read_len, chain))
-    (kc, k_rep, k_len, k_chain), (vc, _, v_len, v_chain) = roots
-    if kc is vc:
-        return Skipped(layer, read.name, "keys and values are read from the same tensor")
-    if a.get("dropout_p", 0.0) not in (0, 0.0):
-        return Skipped(layer, read.name, f"SDPA with dropout_p={a['dropout_p']} (training) is not rewritten")
-    chains = set(k_chain) | set(v_chain) | {read}
-    wk, other_k = find_writes(kc, chains)
-    wv, other_v = find_writes(vc, chains)
-    for name, ws, other in (("keys", wk, other_k), ("values", wv, other_v)):
+            raise _Reject(why)
+        if root is None:
+            raise _Reject(f"SDPA's {which} does not come from a cache tensor (it is computed by {repeat}); only a "
+                          f"cache written in place can be rewritten")
+        roots.append((root, repeat, read_len, chain))
+    if roots[0][0] is roots[1][0]:
+        raise _Reject("keys and values are read from the same tensor")
+    return roots
+
+
+def _check_writes(kc: Node, vc: Node, chains: set, read: Node, order: dict) -> tuple[Write, Write]:
+    """Each cache is written exactly once, before the read, and used by nothing else."""
+    out = []
+    for name, cache in (("keys", kc), ("values", vc)):
+        ws, other = find_writes(cache, chains)
         if other:
-            return Skipped(layer, read.name, f"the {name} cache {_src(kc if name == 'keys' else vc)} is also used "
-                                             f"by {', '.join(f'{u.name} ({_op_name(u)})' for u in other)}",
-                           tuple(_op_name(u) for u in other))
+            raise _Reject(f"the {name} cache {_src(cache)} is also used by "
+                          f"{', '.join(f'{u.name} ({_op_name(u)})' for u in other)}", tuple(_op_name(u) for u in other))
         if len(ws) != 1:
-            return Skipped(layer, read.name, f"the {name} cache {_src(kc if name == 'keys' else vc)} is written "
-                                             f"{len(ws)} times before this read; the pass expects exactly one write")
+            raise _Reject(f"the {name} cache {_src(cache)} is written {len(ws)} times before this read; the pass "
+                          f"expects exactly one write")
         if order[ws[0].node] > order[read]:
-            return Skipped(layer, read.name, f"the {name} cache is written after it is read")
-    kval = _val(kc)
-    if kval is None or kval.dim() != 4 or tuple(_val(vc).shape) != tuple(kval.shape):
-        return Skipped(layer, read.name, "the key and value caches are not two [B, H, C, D] tensors of one shape")
-    q = a["query"]
-    mask = a.get("attn_mask")
-    is_causal = bool(a.get("is_causal", False))
-    B, H, C, D = int(kval.shape[0]), int(kval.shape[1]), kval.shape[2], int(kval.shape[3])
-    qv = _val(q)
-    for name, w in (("keys", wk[0]), ("values", wv[0])):
+            raise _Reject(f"the {name} cache is written after it is read")
+        out.append(ws[0])
+    return out[0], out[1]
+
+
+def _check_chunk(shape, writes, qv) -> None:
+    """What the layer writes is the queries' own chunk, ``[B, H, n, D]`` (attention reads it from there)."""
+    B, H, _, D = shape
+    for name, w in zip(("keys", "values"), writes):
         sv = _val(w.src)
         ok = sv is not None and sv.dim() == 4 and _same_size(sv.shape[0], B) and _same_size(sv.shape[1], H)
         if not (ok and _same_size(sv.shape[2], qv.shape[-2]) and _same_size(sv.shape[3], D)):
             got = list(sv.shape) if sv is not None else "an unknown shape"
-            return Skipped(layer, read.name, f"the {name} written ({got}) are not the {qv.shape[-2]} queries' own "
-                                             f"[{B}, {H}, n, {D}] chunk; kvcompile's attention reads each "
-                                             f"query's chunk from what the layer writes")
+            raise _Reject(f"the {name} written ({got}) are not the {qv.shape[-2]} queries' own [{B}, {H}, n, {D}] "
+                          f"chunk; kvcompile's attention reads each query's chunk from what the layer writes")
+
+
+def _check_mask(mask, is_causal: bool, k_len, v_len, n, C) -> bool:
+    """Which positions the read may see is known: a mask over the positions, is_causal over the whole cache,
+    or is_causal over ``cache[:, :, :n]`` (transformers' prefill shortcut: returns True, ``CAUSAL_PREFIX``)."""
     causal_prefix = False
     if mask is None:
-        n = qv.shape[-2]
         if is_causal and k_len is not None and _same_size(k_len, n) and _same_size(v_len, n):
-            causal_prefix = True  # transformers' prefill shortcut over a static cache (see CAUSAL_PREFIX)
+            causal_prefix = True
         elif not (is_causal and k_len is None and _same_size(n, C)):
-            return Skipped(layer, read.name, "SDPA reads the cache with no attn_mask"
-                           + (" and is_causal=True over a cache longer than the query" if is_causal else "")
-                           + ": unwritten slots would be attended. kvcompile rewrites reads that pass a mask "
-                             "(bool or additive) over the cache positions, is_causal=True over the whole "
-                             "cache, or is_causal=True over cache[:, :, :n] for n queries")
+            raise _Reject("SDPA reads the cache with no attn_mask"
+                          + (" and is_causal=True over a cache longer than the query" if is_causal else "")
+                          + ": unwritten slots would be attended. kvcompile rewrites reads that pass a mask (bool or "
+                            "additive) over the cache positions, is_causal=True over the whole cache, or "
+                            "is_causal=True over cache[:, :, :n] for n queries")
     elif is_causal:
-        return Skipped(layer, read.name, "SDPA with both attn_mask and is_causal=True")
-    if k_len != v_len and not causal_prefix:  # (a causal prefix has both equal to n, checked above)
-        return Skipped(layer, read.name, "keys and values are read over different lengths")
-    enable_gqa = bool(a.get("enable_gqa", False))
-    hq = qv.shape[1]
+        raise _Reject("SDPA with both attn_mask and is_causal=True")
+    if k_len != v_len and not causal_prefix:  # (a causal prefix has both equal to n)
+        raise _Reject("keys and values are read over different lengths")
+    return causal_prefix
+
+
+def _check_gqa(hq, H: int, enable_gqa: bool, replicated: str) -> str:
+    """Query heads are a whole multiple of the cache's, replicated in the layout kvcompile's attention uses."""
     if hq % H:
-        return Skipped(layer, read.name, f"{hq} query heads are not a multiple of the cache's {H} kv heads")
-    repeat = "enable_gqa" if enable_gqa else (k_rep if hq != H else "none")
+        raise _Reject(f"{hq} query heads are not a multiple of the cache's {H} kv heads")
+    return "enable_gqa" if enable_gqa else (replicated if hq != H else "none")
+
+
+def _scale(a: dict, qv):
+    """SDPA's scale: given, or 1/sqrt(D); a symbolic one (dynamic shapes) stays a graph value unless known."""
     scale = a.get("scale")
     if scale is None:
-        scale = 1.0 / math.sqrt(qv.shape[-1])
-    if isinstance(scale, Node):  # a symbolic scale (dynamic shapes): concrete if Dynamo knows it, else wired through
+        return 1.0 / math.sqrt(qv.shape[-1])
+    if isinstance(scale, Node):
         ex = _val(scale)
-        scale = float(ex) if isinstance(ex, (int, float)) else scale
-    else:
-        scale = float(scale)
-    return Site(layer, read, kc, vc, wk[0], wv[0], q, mask, scale, hq // H, repeat, k_len,
-                (B, H, C, D), kval.dtype, causal_prefix=causal_prefix)
+        return float(ex) if isinstance(ex, (int, float)) else scale
+    return float(scale)
+
+
+def _match_read(gm: GraphModule, read: Node, order: dict, left=None) -> Site | Skipped:
+    """The read as a ``Site``, or why it cannot be rewritten: each condition is one small check above."""
+    a = sdpa_args(read)
+    layer = layer_name(read)
+    try:
+        (kc, k_rep, k_len, k_chain), (vc, _, v_len, v_chain) = _cache_roots(a, left)
+        if a.get("dropout_p", 0.0) not in (0, 0.0):
+            raise _Reject(f"SDPA with dropout_p={a['dropout_p']} (training) is not rewritten")
+        wk, wv = _check_writes(kc, vc, set(k_chain) | set(v_chain) | {read}, read, order)
+        kval = _val(kc)
+        if kval is None or kval.dim() != 4 or tuple(_val(vc).shape) != tuple(kval.shape):
+            raise _Reject("the key and value caches are not two [B, H, C, D] tensors of one shape")
+        shape = (int(kval.shape[0]), int(kval.shape[1]), kval.shape[2], int(kval.shape[3]))
+        qv = _val(a["query"])
+        _check_chunk(shape, (wk, wv), qv)
+        causal_prefix = _check_mask(a.get("attn_mask"), bool(a.get("is_causal", False)), k_len, v_len,
+                                    qv.shape[-2], shape[2])
+        repeat = _check_gqa(qv.shape[1], shape[1], bool(a.get("enable_gqa", False)), k_rep)
+    except _Reject as r:
+        return Skipped(layer, read.name, r.reason, r.uses)
+    return Site(layer, read, kc, vc, wk, wv, a["query"], a.get("attn_mask"), _scale(a, qv), qv.shape[1] // shape[1],
+                repeat, k_len, shape, kval.dtype, causal_prefix=causal_prefix)
 
 
 def _same_size(a, b) -> bool:
