@@ -3,8 +3,8 @@ equal the reference dispatch (store: bit for bit; attention: within the derived 
 import pytest
 import torch
 
-from kvcompile import Policy, Quant, ops
-from kvcompile.store import KVState, LayerSpec, store_reference
+from kvcompile import Policy, Quant, ops, standin
+from kvcompile.store import KVStore, LayerSpec
 from kvcompile.templates import attention as kattn
 from kvcompile.templates import launch
 
@@ -18,9 +18,9 @@ def triton_kernels():
     ops.set_kernels("auto")
 
 
-def step(state, k, v, q, pos, name: str):
-    torch.ops.kvcompile.store(state, k, v, pos, name)
-    return torch.ops.kvcompile.attention(q, state, None, 0.125, name)
+def step(k_cache, v_cache, k, v, q, pos, name: str):
+    tok = torch.ops.kvcompile.store(k_cache, v_cache, k, v, pos, name)
+    return torch.ops.kvcompile.attention(q, k_cache, v_cache, tok, None, 0.125, name)
 
 
 @pytest.mark.parametrize("policy", [
@@ -33,9 +33,11 @@ def test_compiled_ops_with_triton_kernels_equal_reference(policy, triton_kernels
         real = getattr(launch, fn)
         monkeypatch.setattr(launch, fn, lambda *a, _real=real, _fn=fn, **kw: calls.append(_fn) or _real(*a, **kw))
     B, H, G, D, C = 2, 2, 2, 32, 40
-    spec = LayerSpec(policy, B, H, C, D)
+    spec = LayerSpec(policy, H, D, block_tokens=16)  # several blocks for 22 tokens
     name = spec.register()
-    ref, got = spec.allocate(), spec.allocate(DEV)
+    ref, got = KVStore(spec, B), KVStore(spec, B, DEV)
+    k_cache, v_cache = (standin.make_standin((B, H, C, D), torch.float32, DEV) for _ in range(2))
+    standin.register(k_cache, v_cache, got, "layer", owned=True)
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
     g = torch.Generator().manual_seed(0)
     L = 0
@@ -43,12 +45,12 @@ def test_compiled_ops_with_triton_kernels_equal_reference(policy, triton_kernels
         k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
         q = torch.randn(B, H * G, n, D, generator=g)
         pos = torch.arange(L, L + n)
-        out = compiled(list(got), k.to(DEV), v.to(DEV), q.to(DEV), pos.to(DEV), name)
-        store_reference(ref, spec, k, v)
+        out = compiled(k_cache, v_cache, k.to(DEV), v.to(DEV), q.to(DEV), pos.to(DEV), name)
+        ref.append(k, v)
         L += n
-        for a, b in zip(ref, got):
+        for a, b in zip(ref.state, got.state):
             assert torch.equal(a, b.cpu())
-        want, bound = kattn.reference_and_bound(q, ref, spec, None, 0.125, nsplit=3 if n == 1 else 1,
+        want, bound = kattn.reference_and_bound(q, ref.state, spec, None, 0.125, nsplit=3 if n == 1 else 1,
                                                 dot=launch.dot_precision(torch.device(DEV)))
         assert ((out.cpu().double() - want).abs() <= bound).all()
     assert calls == ["store", "attention"] * 4
