@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 import torch
 
 from . import tp
-from .hf import CAPACITY_STEP, KVCompileCache, _text_config, model_shape
+from .hf import CAPACITY_STEP, KVCompileCache, KVCompileWarning, _text_config, model_shape
 from .passes import KVCompileError
 from .policy import Policy
 
@@ -147,6 +148,11 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
     names = applied.layer_names
     policy.check(head_dim)
     policy.resolve(names)  # a policy override that names no layer fails here, before anything is changed
+    horizon = max_cache_len or getattr(_text_config(cfg), "max_position_embeddings", None)
+    reason = policy.noop_reason(horizon, names) if horizon else None
+    if reason:
+        limit = f"max_cache_len={max_cache_len}" if max_cache_len else f"max_position_embeddings={horizon}"
+        warnings.warn(f"kvcompile.apply ({limit}): {reason}", KVCompileWarning, stacklevel=3)
     cache_kw = cache_kwarg(model)
     # tensor parallelism (kvcompile.tp): each rank caches the KV heads its attention computes
     modules = dict(model.named_modules())

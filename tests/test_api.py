@@ -525,3 +525,32 @@ def test_tiny_llama_through_the_pass_runs_the_triton_kernels(monkeypatch):
     got, _ = chunks(kvcompile.apply(model, policy, max_cache_len=12, compiler="eager", prefill="compiled"), ids, 5)
     assert calls["store"] == 3 and calls["attention"] == 3  # prefill + two decode steps, all through the kernels
     torch.testing.assert_close(got, want)
+
+
+# --------------------------------------------------------------------------- bad input at apply
+def test_a_policy_that_quantizes_nothing_is_said_at_apply():
+    with pytest.warns(kvcompile.KVCompileWarning, match=r"max_position_embeddings=64\): .*residual=1000000 >= 64"):
+        kvcompile.apply(tiny(), Policy.kivi(4, group=4, residual=10 ** 6))
+    with pytest.warns(kvcompile.KVCompileWarning, match=r"fewer than one per-channel group of 128"):
+        kvcompile.apply(tiny(), Policy(Quant("int4", "channel", 128), Quant("int4")))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kvcompile.apply(tiny(), Policy.kivi(4, group=4, residual=8))  # quantizes: no word
+        kvcompile.apply(tiny(), Policy.full())  # nothing by request: no word
+
+
+@pytest.mark.parametrize("bad", [3.5, "64", True, 0, -8])
+def test_error_max_cache_len_of_the_wrong_kind_at_apply(bad):
+    with pytest.raises(ValueError, match=rf"max_cache_len={bad!r}\): expected a positive number of tokens"):
+        kvcompile.apply(tiny(), Policy.int8(), max_cache_len=bad)
+
+
+def test_error_model_on_the_meta_device():
+    with pytest.raises(KVCompileError, match=r"weights are on the 'meta' device \(not loaded\)"):
+        kvcompile.apply(tiny().to("meta"), Policy.int8())
+
+
+def test_error_unknown_prefill_and_a_module_limit():
+    with pytest.raises(KVCompileError, match=r"prefill='lazy' is not valid"):
+        kvcompile.apply(tiny(), Policy.int8(), prefill="lazy")
