@@ -419,6 +419,11 @@ def cmd_plan(args) -> int:
                                      shape.dtype_bytes, shape.windows)
     except P.PlanError as e:
         raise UsageError(f"--config {args.config!r}: {e}" if args.config else str(e)) from None
+    if args.tp != 1:  # one GPU's share of the KV heads and of the weights
+        try:
+            shape = P.shard(shape, args.tp)
+        except P.PlanError as e:
+            raise UsageError(f"--tp {args.tp}: {e}") from None
     unit = P.GiB if args.gib else P.GB
     if args.available_gb is not None:
         avail = args.available_gb * unit
@@ -540,6 +545,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: none, computed)")
     pl.add_argument("--gib", action="store_true",
                     help="read --gpu-gb/--available-gb as GiB (2**30) (default: GB, 10**9)")
+    pl.add_argument("--tp", type=_POSITIVE_INT, default=1,
+                    help="GPUs the model is sharded over by tensor parallelism (torchrun, tp_plan='auto'): plan "
+                         "one GPU, with its share of the KV heads and of the weights; --gpu-gb and --available-gb "
+                         "are per GPU (default: %(default)s)")
     pl.add_argument("--context", type=_POSITIVE_INT, default=8192,
                     help="tokens per sequence (default: %(default)s)")
     pl.add_argument("--plot", default=None, help="write a PNG of sequences vs context here (default: none)")

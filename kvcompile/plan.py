@@ -51,9 +51,10 @@ class ModelShape:
     dtype_bytes: int = 2  # the cache's full-precision dtype (bf16)
     # (layer index, window) of the layers attending over a sliding or chunked window only (kvcompile.hf)
     windows: tuple[tuple[int, int], ...] = ()
+    tp: int = 1  # GPUs the model is sharded over (tensor parallelism): kv_heads and weight_bytes are one GPU's
 
     def __post_init__(self):
-        for f in ("layers", "kv_heads", "head_dim", "dtype_bytes"):
+        for f in ("layers", "kv_heads", "head_dim", "dtype_bytes", "tp"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise PlanError(f"ModelShape.{f}={v!r}: expected a positive integer")
@@ -67,6 +68,28 @@ PRESETS = {
     "llama3-8b": ModelShape("Llama 3 8B", 32, 8, 128, 16.1 * GB),
     "llama3-70b": ModelShape("Llama 3 70B", 80, 8, 128, 141.0 * GB),
 }
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def shard(shape: ModelShape, tp: int) -> ModelShape:
+    """One GPU's share of ``shape`` under tensor parallelism over ``tp`` GPUs: its KV heads (each rank caches
+    the heads its attention computes, ``kvcompile.tp``) and ``weight_bytes / tp`` (weights a plan keeps whole
+    on every GPU, such as transformers' Llama embedding, are not counted: pass the weights' size if it
+    matters). A sequence's cache is spread over all ``tp`` GPUs, so a GPU's sequences are the group's."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise PlanError(f"tp={tp!r}: expected a positive number of GPUs")
+    if shape.tp != 1:
+        raise PlanError(f"{shape.name} is already one GPU's share of {shape.tp}: shard the whole model's shape")
+    if shape.kv_heads % tp:
+        raise PlanError(
+            f"tensor parallelism over {tp} GPUs: {shape.name} has {shape.kv_heads} KV heads, which {tp} GPUs cannot "
+            f"split into whole heads (transformers shards the key projection by rows; kvcompile.apply refuses "
+            f"such a model). Use a tensor-parallel size that divides {shape.kv_heads} ({_divisors(shape.kv_heads)})")
+    return ModelShape(shape.name, shape.layers, shape.kv_heads // tp, shape.head_dim, shape.weight_bytes / tp,
+                      shape.dtype_bytes, shape.windows, tp)
 
 
 def shape_from_config(path_or_config, weight_bytes: float | None = None, name: str | None = None) -> ModelShape:
@@ -231,10 +254,12 @@ def default_policies() -> dict[str, object]:
 
 
 def plan(shape: ModelShape, context: int, gpu_bytes: float = 80 * GB, utilization: float = 0.9,
-         available: float | None = None, policies: dict | None = None) -> list[PlanRow]:
-    """Sequences per GPU for each policy (``available`` overrides gpu * utilization - weights)."""
+         available: float | None = None, policies: dict | None = None, tp: int = 1) -> list[PlanRow]:
+    """Sequences per GPU for each policy (``available`` overrides gpu * utilization - weights). ``tp``: plan
+    one GPU of ``tp`` under tensor parallelism (``shard``; gpu_bytes and available are per GPU)."""
     if not isinstance(context, int) or isinstance(context, bool) or context < 1:
         raise PlanError(f"context={context!r}: expected a positive number of tokens per sequence")
+    shape = shard(shape, tp) if tp != 1 else shape
     avail = available if available is not None else available_bytes(gpu_bytes, utilization, shape.weight_bytes)
     if not (math.isfinite(avail) and avail > 0):
         raise PlanError(f"available={avail}: expected a finite number of bytes > 0 for the cache")
@@ -245,7 +270,10 @@ def format_table(rows: list[PlanRow], shape: ModelShape, context: int, available
     base = next((r for r in rows if r.label.startswith("ideal 16")), rows[0])
     windowed = (f" ({len(shape.windows)} attending over a window of "
                 f"{'/'.join(str(w) for w in sorted({w for _, w in shape.windows}))} tokens)" if shape.windows else "")
-    lines = [f"{shape.name}: {shape.layers} layers{windowed} x {shape.kv_heads} KV heads x {shape.head_dim}, "
+    heads = f"{shape.kv_heads} of {shape.kv_heads * shape.tp}" if shape.tp > 1 else f"{shape.kv_heads}"
+    gpu = (f", per GPU of {shape.tp} (tensor parallel: a sequence's cache is split across all {shape.tp})"
+           if shape.tp > 1 else "")
+    lines = [f"{shape.name}{gpu}: {shape.layers} layers{windowed} x {heads} KV heads x {shape.head_dim}, "
              f"{context:,}-token sequences, {available / GB:.1f} GB ({available / GiB:.1f} GiB) for the cache",
              f"{'policy':<24}{'bytes/token':>13}{'GB/seq':>9}{'sequences':>11}{'vs 16-bit':>11}"]
     for r in rows:
