@@ -7,6 +7,7 @@
 #   2. e2e      python benchmarks/cpu_decode.py --device cuda ...   end to end: bf16 StaticCache + compile,
 #               QuantizedCache quanto int4 (when optimum-quanto is importable) and kvcompile int4, 1B random Llama
 #   3. tests    python -m pytest -q tests/templates              the kernel tests, compiled for the GPU
+#   4. tp       python benchmarks/tp_bytes.py --device cuda      tensor parallelism over NCCL (2+ GPUs only)
 #
 # Outputs land in $OUT (the device tool brings them back): session.log, one <step>.txt per step, and
 # RESULTS.md with the steps' appended entries (copy its new sections into benchmarks/RESULTS.md here).
@@ -86,5 +87,12 @@ else
         --contenders $contenders --record --out "$OUT/e2e.json"
     step tests 200 python -m pytest -q -x -p no:cacheprovider -c "$ROOT/pyproject.toml" --rootdir "$ROOT" \
         "$ROOT/tests/templates"
+    # tensor parallelism over NCCL (per-rank cache bytes, kvcompile.apply on a tp_plan="auto" model): one GPU per rank
+    gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+    if [ "${gpus:-0}" -ge 2 ]; then
+        step tp 150 python $ROOT/benchmarks/tp_bytes.py --device cuda --world 2 --out "$OUT/tp_bytes.json"
+    else
+        log "skip tp: NCCL tensor parallelism needs 2 GPUs, this machine has ${gpus:-0}"
+    fi
 fi
 log "done; $(left) s of the budget left"

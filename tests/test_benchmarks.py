@@ -150,3 +150,19 @@ def test_contention_smoke(capsys):
     assert set(res["slowdown"]) == set(names)
     assert all(math.isfinite(s["rate"]) and math.isfinite(s["cpu"]) for s in res["slowdown"].values())
     contention.projections(1, 3, 3, 64, 576, 1536)()  # --projections' per-layer matmuls run
+
+
+def test_tp_bytes_smoke(capsys):
+    """The tensor-parallel bytes benchmark runs 2 gloo ranks under torchrun and reports, per policy, the
+    unsharded cache, each rank's, and the planner's per-GPU bytes (structure only: tests/test_tp.py checks
+    the numbers)."""
+    from benchmarks import tp_bytes
+    rows = tp_bytes.main(["--smoke"])
+    assert [r["policy"] for r in rows] == tp_bytes.SMOKE["policies"]
+    for r in rows:
+        assert r["world"] == 2 and len(r["per_rank"]) == len(r["rank_stores"]) == 2 and r["heads"] == [1, 1]
+        assert 0 < min(r["rank_stores"]) <= max(r["per_rank"]) < r["unsharded"] and r["planned_per_gpu"] > 0
+    out = capsys.readouterr().out.splitlines()
+    header = next(i for i, ln in enumerate(out) if ln.startswith("policy"))
+    assert out[header].split() == ["policy", "unsharded", "per", "rank", "unsharded/N", "+", "const",
+                                   "planned/GPU", "rank", "stores"]
