@@ -24,12 +24,44 @@ fp8 (``F`` = 448 for e4m3, 57344 for e5m2; always symmetric)::
     x^    = float(code) * scale
 
 Rounding the zero point down and the scale up (to the scale dtype) guarantees ``x`` lies inside the
-representable range, so codes never clip and every element comes back within half a step of the stored
-scale (fp8: within the format's relative error). All-zero groups come back exactly in every format, never
-NaN or Inf (a zero scale divides by 1). Constant groups come back exactly with a zero point (asymmetric
-integers store scale 0 and zero = c), when ``c`` is representable in the scale dtype: every fp16 value,
-every bf16 value of normal fp16 magnitude; ``scale_dtype="float32"`` makes every fp32 constant exact. A
-symmetric grid has no point exactly at an arbitrary ``c``, so there a constant is within the format's bound.
+representable range whenever the group fits the scale dtype (below), so codes never clip and every element
+comes back within half a step of the stored scale (fp8: within the format's relative error). All-zero groups
+come back exactly in every format, never NaN or Inf (a zero scale divides by 1). Constant groups come back
+exactly with a zero point (asymmetric integers store scale 0 and zero = c), when ``c`` is representable in
+the scale dtype: every fp16 value, every bf16 value of normal fp16 magnitude; ``scale_dtype="float32"``
+makes every fp32 constant up to 2**127 exact. A symmetric grid has no point exactly at an arbitrary ``c``, so
+there a constant is within the format's bound.
+
+**Saturation (finite in, finite out).** Zero points and scales are clamped before they are rounded::
+
+    zero  = round_down(clamp(min(x), -ZMAX, ZMAX))
+    scale = round_up(clamp((max(x) - zero) / Q, 0, SMAX))      (symmetric / fp8: clamp(absmax(x) / q, 0, SMAX))
+    fp8:  code = bits of fp8_round_half_even(clamp(x / scale', -F, F))
+
+with ``limits(q) = (ZMAX, SMAX)``: 65504 and 65504 for fp16 scales (the largest fp16); for fp32 scales
+``ZMAX = 2**127`` and ``SMAX = 2**(127 - k)``, ``k`` = the integer bits, 9 for e4m3 (448 < 2**9), 16 for e5m2
+(57344 < 2**16), so that ``code * scale + zero`` can never overflow fp32. A group *fits* when the clamps
+change nothing: ``|min| <= ZMAX`` and ``(max - min) / Q <= SMAX`` (asymmetric), ``absmax / q <= SMAX``
+(symmetric), ``absmax / F <= SMAX`` (fp8) -- with fp16 scales e.g. int8 asymmetric holds any group within
+[-65504, 65504] of range at most 255 * 65504, int4 symmetric any with ``absmax <= 7 * 65504``, fp8 e4m3 any with
+``absmax <= 448 * 65504``; with fp32 scales every group within +-2**125 (4.2e37) fits. A group that fits gets
+exactly the codes it got before saturation existed (ordinary inputs do not move). Beyond, the group's grid is the widest the scale dtype holds and elements outside it
+clip to its nearest end: every finite element ``x`` comes back within half a step (fp8: the format's relative
+error) of ``clip(x, lo, hi)``, where ``[lo, hi]`` is ``[zero, zero + Q*scale]`` (asymmetric), ``[-q*scale,
+q*scale]`` (symmetric) or ``[-F*scale, F*scale]`` (fp8) -- e.g. an int8 asymmetric group with fp16 scales and
+minimum -1e6 stores zero = -65504 and clips its elements below that to -65504. ``clipped(x, q)`` says which elements clip. Every stored scale, zero point
+and dequantized value of a finite input is finite; ``dequantize`` to a narrower dtype saturates the same way
+(``saturate``: a finite value beyond the dtype's range becomes its largest finite value, never inf).
+
+**Non-finite input (NaN, +-inf).** It is never hidden, and it spreads no further than the format forces:
+  - integer formats: a group holding any NaN or +-inf is *poisoned*: its scale (and zero point) is NaN and
+    all its codes are 0, so every element of the group dequantizes to NaN (an integer grid has no code for
+    NaN or infinity). Per token (axis="token") that is the token's ``group`` channels (the whole head for
+    ``group=None``); per channel (axis="channel", KIVI keys) one channel of ``group`` consecutive tokens;
+  - fp8: only the element itself: its code is 0x7F (NaN in both formats; +-inf too, which e4m3fn cannot
+    hold), and the group's scale comes from its finite elements alone, so the rest of the group is exactly
+    what it would be without it.
+A finite input never produces a NaN code, scale or zero point.
 
 Packing: the codes of one row (one token of one head) form a little-endian bit stream: code ``i`` occupies
 bits ``[i*b, (i+1)*b)``. So int8 is one code per byte, int4 two per byte (low nibble first), int2 four per
@@ -45,6 +77,29 @@ from .policy import Quant
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 SCALE_TORCH_DTYPE = {"float16": torch.float16, "float32": torch.float32}
+F16_MAX = 65504.0
+FP8_CODE_NAN = 0x7F  # the code of a non-finite element, both fp8 formats (e4m3fn and e5m2 read it as NaN)
+
+
+def limits(q: Quant) -> tuple[float, float]:
+    """``(ZMAX, SMAX)``: the largest zero point magnitude and the largest scale ``quantize`` stores (see the
+    module docstring). fp16 scales: the largest fp16 for both. fp32 scales: powers of two such that ``|code *
+    scale + zero| < 2**128`` for every code, so dequantization never overflows fp32."""
+    if q.scale_dtype == "float16":
+        return F16_MAX, F16_MAX
+    k = {"fp8_e4m3": 9, "fp8_e5m2": 16}.get(q.format, q.bits)
+    return 2.0 ** 127, 2.0 ** (127 - k)
+
+
+def saturate(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x.to(dtype)``, with finite values beyond ``dtype``'s range clamped to its largest finite value (a plain
+    cast rounds them to inf); NaN and +-inf pass through unchanged."""
+    if x.dtype == dtype or not dtype.is_floating_point:
+        return x.to(dtype)
+    hi = torch.finfo(dtype).max
+    if x.dtype.is_floating_point and torch.finfo(x.dtype).max <= hi:
+        return x.to(dtype)
+    return torch.where(torch.isfinite(x), x.clamp(-hi, hi), x).to(dtype)
 
 
 # --------------------------------------------------------------------------- directed rounding
@@ -98,35 +153,64 @@ def quantize(x: Tensor, q: Quant) -> tuple[Tensor, Tensor, Tensor | None]:
     codes: uint8 [..., T, D] (one unpacked code per element; ``pack`` makes the stored layout)
     scale: q.scale_dtype [..., *scale_shape]
     zero:  q.scale_dtype [..., *scale_shape] for asymmetric integers, else None
+    Saturating, and poisoning groups (integers) or elements (fp8) that hold NaN or +-inf: module docstring.
     """
     if not q.quantized:
         raise ValueError("quantize() called with format 'none'")
     T, D = x.shape[-2:]
     xg, _ = _to_groups(x.float(), q)
     sdt = SCALE_TORCH_DTYPE[q.scale_dtype]
+    zmax, smax = limits(q)
+    finite = torch.isfinite(xg)
     if q.is_fp8:
         fmax = FP8_MAX[q.format]
-        scale = round_to_dtype(xg.abs().amax(-1) / fmax, sdt, "up")
+        amax = torch.where(finite, xg.abs(), 0.0).amax(-1)  # the finite elements' absmax
+        scale = round_to_dtype((amax / fmax).clamp(max=smax), sdt, "up")
         s = scale.float().unsqueeze(-1)
-        y = xg / torch.where(s == 0, torch.ones_like(s), s)
+        y = (xg / torch.where(s == 0, torch.ones_like(s), s)).clamp(-fmax, fmax)
         codes = y.to(FP8_DTYPES[q.format]).view(torch.uint8)
-        zero = None
-    elif q.symmetric:
+        codes = torch.where(finite, codes, torch.full_like(codes, FP8_CODE_NAN))
+        return _from_groups(codes, q, T, D), scale, None
+    poisoned = ~finite.all(-1)  # groups holding NaN or +-inf
+    nan = torch.full((), float("nan"), dtype=sdt)
+    if q.symmetric:
         qmax = 2 ** (q.bits - 1) - 1
-        scale = round_to_dtype(xg.abs().amax(-1) / qmax, sdt, "up")
+        scale = round_to_dtype((xg.abs().amax(-1) / qmax).clamp(max=smax), sdt, "up")
         s = scale.float().unsqueeze(-1)
-        y = torch.round(xg / torch.where(s == 0, torch.ones_like(s), s))
-        codes = (y.clamp(-qmax, qmax) + 2 ** (q.bits - 1)).to(torch.uint8)
+        y = torch.round(xg / torch.where(s == 0, torch.ones_like(s), s)).clamp(-qmax, qmax) + 2 ** (q.bits - 1)
         zero = None
     else:
         Q = 2 ** q.bits - 1
-        zero = round_to_dtype(xg.amin(-1), sdt, "down")
+        zero = round_to_dtype(xg.amin(-1).clamp(-zmax, zmax), sdt, "down")
         z = zero.float().unsqueeze(-1)
-        scale = round_to_dtype((xg.amax(-1) - zero.float()) / Q, sdt, "up")
+        scale = round_to_dtype(((xg.amax(-1) - zero.float()) / Q).clamp(0, smax), sdt, "up")
         s = scale.float().unsqueeze(-1)
-        y = torch.round((xg - z) / torch.where(s == 0, torch.ones_like(s), s))
-        codes = y.clamp(0, Q).to(torch.uint8)
+        y = torch.round((xg - z) / torch.where(s == 0, torch.ones_like(s), s)).clamp(0, Q)
+        zero = torch.where(poisoned, nan, zero)
+    codes = torch.where(poisoned.unsqueeze(-1), 0.0, y).to(torch.uint8)
+    scale = torch.where(poisoned, nan, scale)
     return _from_groups(codes, q, T, D), scale, zero
+
+
+def clipped(x: Tensor, q: Quant) -> Tensor:
+    """bool [..., T, D]: the finite elements ``quantize`` clips -- those outside their group's grid because
+    the group does not fit the scale dtype (module docstring, "Saturation"). All False for a group that
+    fits; this is how many inputs saturation changed, for diagnostics (``int(clipped(x, q).sum())``)."""
+    T, D = x.shape[-2:]
+    _, scale, zero = quantize(x, q)
+    xg, _ = _to_groups(x.float(), q)
+    s = scale.float().unsqueeze(-1)
+    s1 = torch.where(s == 0, torch.ones_like(s), s)
+    if q.is_fp8:  # beyond F plus half the top spacing (16 for e4m3, 4096 for e5m2): F would not be nearest
+        out = (xg / s1).abs() > FP8_MAX[q.format] + {"fp8_e4m3": 16.0, "fp8_e5m2": 4096.0}[q.format]
+    elif q.symmetric:
+        qmax = 2 ** (q.bits - 1) - 1
+        out = torch.round(xg / s1).abs() > qmax
+    else:
+        y = torch.round((xg - zero.float().unsqueeze(-1)) / s1)
+        out = (y < 0) | (y > 2 ** q.bits - 1)
+    out = out & torch.isfinite(xg) & torch.isfinite(s)
+    return _from_groups(out, q, T, D)
 
 
 def dequantize(codes: Tensor, scale: Tensor, zero: Tensor | None, q: Quant, dtype=torch.float32) -> Tensor:
@@ -140,7 +224,7 @@ def dequantize(codes: Tensor, scale: Tensor, zero: Tensor | None, q: Quant, dtyp
         y = (cg.float() - 2 ** (q.bits - 1)) * s
     else:
         y = cg.float() * s + zero.float().unsqueeze(-1)
-    return _from_groups(y, q, T, D).to(dtype)
+    return saturate(_from_groups(y, q, T, D), dtype)
 
 
 def step_size(scale: Tensor, q: Quant) -> Tensor:

@@ -31,6 +31,15 @@ crops (``crop``: speculative and assisted decoding). Kernels see only the ``KVSt
 Rotation (``policy.rotate``) multiplies keys, values and queries by an orthonormal Hadamard matrix before
 anything else (``rotate``); everything in the store is in rotated space, and attention un-rotates its
 output. Rotation runs in torch (not in the kernels), so kernel and reference see identical inputs.
+
+**Finite in, finite out; NaN where it belongs.** Every conversion to a narrower dtype on the way in and out
+(the chunk to the model dtype, the rotation's result, a crop's dequantized values, ``dequantize_reference``
+to ``dtype``, attention's output) saturates a finite value to the dtype's largest (``quant.saturate``), and
+packed groups saturate their scales (``quant``, "Saturation"): a finite input never becomes inf or NaN in
+the store or in what it reads back. A NaN or inf input is kept where the store keeps full precision (sinks,
+ring, format "none"), becomes NaN for its element (fp8) or its group (integer formats, ``quant``) in packed
+storage, and attention makes exactly the outputs NaN that see it (``attention_reference``); with rotation
+an element first spreads to its token's whole head (the Hadamard mixes channels).
 """
 from __future__ import annotations
 
@@ -507,7 +516,7 @@ def _rotate(x: Tensor) -> Tensor:
     Cost: 2x the fp32 matmul for a decode token (14 -> 28 us for 8 heads x 128 on one core), 4x for a
     2,048-token prefill chunk (9 -> 39 ms); rotating policies only."""
     D = x.shape[-1]
-    return ((x.double() @ _signs_cpu(D).to(x.device)) * (1 / math.sqrt(D))).to(x.dtype)
+    return Q.saturate((x.double() @ _signs_cpu(D).to(x.device)) * (1 / math.sqrt(D)), x.dtype)
 
 
 def rotate(x: Tensor, spec: LayerSpec) -> Tensor:
@@ -563,13 +572,13 @@ def _append_row(state: KVState, spec: LayerSpec, b: int, L: int, k: Tensor, v: T
     dev = k.device
     # sinks
     if L < S:
-        state.k_sink[b, :, L:min(L2, S)] = k[:, :min(L2, S) - L].to(dt)
-        state.v_sink[b, :, L:min(L2, S)] = v[:, :min(L2, S) - L].to(dt)
+        state.k_sink[b, :, L:min(L2, S)] = Q.saturate(k[:, :min(L2, S) - L], dt)
+        state.v_sink[b, :, L:min(L2, S)] = Q.saturate(v[:, :min(L2, S) - L], dt)
     # flush [q0, q1) into packed storage, from the ring (p < L) or from the chunk (p >= L)
     if q1 > q0:
         old = torch.arange(q0, max(q0, min(L, q1)), device=dev)
         def window(res, x):
-            return torch.cat([res[b, :, old % max(W, 1)], x[:, max(L, q0) - L:max(L, q1) - L].to(dt)], dim=1)
+            return torch.cat([res[b, :, old % max(W, 1)], Q.saturate(x[:, max(L, q0) - L:max(L, q1) - L], dt)], dim=1)
         table = state.table[b].tolist()
         _write_quantized(state.k_codes, state.k_scale, state.k_zero, spec.policy.key, window(state.k_res, k),
                          table, q0 - S, spec.block)
@@ -577,8 +586,8 @@ def _append_row(state: KVState, spec: LayerSpec, b: int, L: int, k: Tensor, v: T
                          table, q0 - S, spec.block)
     # the newcomers that stay in full precision, at p % W in the ring
     new = torch.arange(max(L, S, q1), max(L, S, q1, L2), device=dev)
-    state.k_res[b, :, new % max(W, 1)] = k[:, new - L].to(dt)
-    state.v_res[b, :, new % max(W, 1)] = v[:, new - L].to(dt)
+    state.k_res[b, :, new % max(W, 1)] = Q.saturate(k[:, new - L], dt)
+    state.v_res[b, :, new % max(W, 1)] = Q.saturate(v[:, new - L], dt)
 
 
 def _segments(start: int, T: int, BS: int):
@@ -624,8 +633,8 @@ def crop_reference(store: "KVStore", length: int) -> None:
         if hi > lo:
             k, v = _dequantize_row(st, sp, b, lo, hi, torch.float32)
             pos = torch.arange(lo, hi, device=st.k_res.device) % W
-            st.k_res[b, :, pos] = k.to(sp.torch_dtype)
-            st.v_res[b, :, pos] = v.to(sp.torch_dtype)
+            st.k_res[b, :, pos] = Q.saturate(k, sp.torch_dtype)
+            st.v_res[b, :, pos] = Q.saturate(v, sp.torch_dtype)
         keep = sp.blocks_for(length)
         for blk in store.tables[b][keep:]:
             store._release(blk)
@@ -655,7 +664,7 @@ def _gather_packed(state: KVState, spec: LayerSpec, which: str, rows, j0: int, j
     off = j0 - b0 * BS
     c = paged(codes)[:, :, off:off + j1 - j0]
     if not q.quantized:
-        return c.to(dtype)
+        return Q.saturate(c, dtype)
     per = 1 if q.axis == "token" else q.group
     s = paged(scale)[:, :, off // per:(off + j1 - j0) // per]
     z = paged(zero)[:, :, off // per:(off + j1 - j0) // per] if q.has_zero else None
@@ -698,14 +707,14 @@ def dequantize_reference(state: KVState, spec: LayerSpec, dtype=torch.float32, r
             qb = spec.boundary(lengths[b])
             lo, hi = max(start, 0), min(L, S)  # sinks
             if hi > lo:
-                full[b, :, lo - start:hi - start] = sink[b, :, lo:hi].to(dtype)
+                full[b, :, lo - start:hi - start] = Q.saturate(sink[b, :, lo:hi], dtype)
             lo, hi = max(start, S), min(qb, L)  # packed
             if hi > lo:
                 full[b, :, lo - start:hi - start] = deq[b, :, lo - S - j0:hi - S - j0]
             live = torch.arange(max(qb, S, start), max(qb, S, start, L), device=res.device)  # residual ring
-            full[b, :, live - start] = res[b, :, live % max(W, 1)].to(dtype)
+            full[b, :, live - start] = Q.saturate(res[b, :, live % max(W, 1)], dtype)
         if not rotated and spec.policy.rotate:
-            full = (full.double() @ hadamard(D, full.device, torch.float64)).to(dtype)
+            full = Q.saturate(full.double() @ hadamard(D, full.device, torch.float64), dtype)
         out.append(full)
     return out[0], out[1]
 
@@ -724,7 +733,7 @@ def chunk_needed(spec: LayerSpec, n: int) -> bool:
 def as_stored(x: Tensor, spec: LayerSpec, dtype=torch.float32) -> Tensor:
     """Keys or values exactly as the store keeps them in full precision (``rotate(x).to(model dtype)``), in
     ``dtype``: what the sinks and the ring hold, and what attention reads for the queries' own chunk."""
-    return rotate(x, spec).to(spec.torch_dtype).to(dtype)
+    return Q.saturate(rotate(x, spec), spec.torch_dtype).to(dtype)
 
 
 def stored_chunk(spec: LayerSpec, k_new: Tensor | None, v_new: Tensor | None, n: int,
@@ -798,6 +807,21 @@ def attention_reference(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     chunk's positions ``[L-n, L)`` are read from them in full precision, not from the store: a prefill
     attends to its own tokens unquantized, as KIVI does, and only later calls see them quantized (the
     kv-cache pass always passes them). Without them every position is read from the store.
+
+    **Non-finite values** (what the store holds, ``dequantize_reference``: see ``quant`` for how a NaN or inf
+    input is stored). Visibility is as above, and with an additive mask a position whose mask value is
+    -inf is not visible either (so a masked position never reads its key or value). For each query row:
+      - if any visible position's score ``q.k * scale (+ mask)`` is not finite (NaN or +-inf: a non-finite
+        key or query element, or a score beyond fp32), the whole row is NaN;
+      - otherwise the softmax runs over the visible positions, and output channel ``d`` is NaN if any
+        visible position holds a non-finite value in channel ``d`` (whatever its weight);
+      - every other output is the softmax-weighted sum, and is finite unless the fp32 arithmetic overflows;
+        any non-finite output is returned as NaN (never +-inf). Rows that see nothing return zeros.
+    Positions a row does not see never affect it. Full-precision SDPA (torch 2.13, CPU) spreads further: a
+    NaN or inf value at a masked position reaches every row (its weight 0 times NaN), and a NaN key under a
+    boolean mask poisons every row; it spreads less in one case: a visible key whose score is -inf gets
+    weight 0, where this rule makes the row NaN. With ``rotate=True`` the output is un-rotated, so a NaN
+    channel spreads to the row's every channel. Every kernel family returns NaN at exactly these outputs.
     """
     B, Hq, n, D = q.shape
     H = spec.heads
@@ -824,13 +848,25 @@ def attention_reference(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     elif mask.dtype == torch.bool:
         visible = visible & mask[..., :C]
     else:
-        sc = sc + mask[..., :C].to(compute_dtype)
-    sc = sc.masked_fill(~visible, float("-inf"))
-    p = torch.softmax(sc, dim=-1).nan_to_num(0.0)  # a query that sees nothing gets zeros, not NaN
-    out = p @ v
+        m = mask[..., :C].to(compute_dtype)
+        visible = visible & (m != float("-inf"))
+        sc = sc + m
+    # a row that sees a non-finite score is NaN (a non-finite key or query element always gives one)
+    poisoned = ~torch.isfinite(sc) | ~torch.isfinite(k).all(-1).unsqueeze(-2) | ~torch.isfinite(qr).all(-1, True)
+    row_nan = (visible & poisoned).any(-1, keepdim=True)
+    sc = sc.masked_fill(~visible | poisoned, float("-inf"))
+    p = torch.softmax(sc, dim=-1).nan_to_num(0.0)  # a query that sees nothing (finite) gets zeros, not NaN
+    finite_v = torch.isfinite(v)
+    if bool(finite_v.all()):
+        out = p @ v
+    else:  # invisible positions' values must not reach the row (0 * NaN); visible ones poison their channel
+        out = p @ torch.where(finite_v, v, 0.0)
+        out = out.masked_fill((visible.to(v.dtype) @ (~finite_v).to(v.dtype)) > 0, float("nan"))
+    out = out.masked_fill(row_nan, float("nan"))
     if spec.policy.rotate:
         out = out @ hadamard(D, q.device).to(compute_dtype)
-    return out.to(q.dtype)
+    out = torch.where(torch.isfinite(out), out, float("nan"))
+    return Q.saturate(out, q.dtype)
 
 
 # --------------------------------------------------------------------------- the user-facing store

@@ -1,7 +1,10 @@
-"""Reference quantization: round-trip bounds derived from each format, code ranges, packing, edge inputs."""
+"""Reference quantization: round-trip bounds derived from each format, code ranges, packing, edge inputs,
+saturation up to each input dtype's largest value, and non-finite inputs."""
+import math
+
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompile import Quant
@@ -176,3 +179,154 @@ def test_directed_rounding_to_fp16():
     down = Q.round_to_dtype(x, torch.float16, "down").float()
     assert (up >= x).all() and (down <= x).all()
     assert up[2] == 1.0 and down[2] == 1.0 and up[3] == 0 and down[3] == 0
+
+
+# --------------------------------------------------------------------------- saturation and non-finite input
+MAX = {torch.float32: torch.finfo(torch.float32).max, torch.bfloat16: torch.finfo(torch.bfloat16).max,
+       torch.float16: 65504.0}
+
+
+@st.composite
+def huge_cases(draw):
+    """Any format, axis, group, scale dtype and input dtype, at magnitudes up to the input dtype's largest
+    value: a random group-structured scale per row, outliers and exact +-max elements."""
+    q, x = draw(quant_and_tensor())
+    dtype = x.dtype
+    top = math.log10(MAX[dtype])
+    e = draw(st.floats(0.0, top))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31 - 1)))
+    y = torch.randn(x.shape, generator=g, dtype=torch.float64) * 10.0 ** e
+    y = y * 10.0 ** (torch.rand(x.shape[:-1] + (1,), generator=g, dtype=torch.float64) * -4)  # rows differ
+    flat = y.view(-1)
+    for _ in range(draw(st.integers(0, 3))):
+        flat[draw(st.integers(0, flat.numel() - 1))] = draw(st.sampled_from([1.0, -1.0])) * MAX[dtype]
+    if draw(st.booleans()):  # an offset: asymmetric zero points far from 0
+        y = y + draw(st.sampled_from([1.0, -1.0])) * 10.0 ** draw(st.floats(0.0, top))
+    return q, y.clamp(-MAX[dtype], MAX[dtype]).to(dtype)
+
+
+def _grid(x, scale, zero, q):
+    """Each element's representable interval [lo, hi] (module docstring, "Saturation"), fp64, [.., T, D]."""
+    T, D = x.shape[-2:]
+    s = _expand(scale, q, T, D).double()
+    if q.is_fp8:
+        return -Q.FP8_MAX[q.format] * s, Q.FP8_MAX[q.format] * s
+    if q.symmetric:
+        qs = 2 ** (q.bits - 1) - 1
+        return -qs * s, qs * s
+    z = _expand(zero, q, T, D).double()
+    return z, z + (2 ** q.bits - 1) * s
+
+
+@settings(max_examples=60)
+@given(huge_cases())
+def test_finite_in_finite_out_up_to_the_dtype_max(case):
+    """Issue item 1: fp16 scales (and fp32 ones near 3e38) overflowed to inf and the group came back NaN or 0.
+    Now scales and zero points saturate (quant.limits): everything stored and dequantized is finite, in fp32
+    and in the input dtype, and each element comes back within half a step (fp8: its relative error) of its
+    value clipped to the group's grid; elements inside the grid are exactly those ``clipped`` does not flag."""
+    q, x = case
+    codes, scale, zero = Q.quantize(x, q)
+    assert torch.isfinite(scale).all() and (zero is None or torch.isfinite(zero).all())
+    zmax, smax = Q.limits(q)
+    assert scale.float().max() <= smax and (zero is None or zero.float().abs().max() <= zmax)
+    xh = Q.dequantize(codes, scale, zero, q)
+    assert torch.isfinite(xh).all()
+    assert torch.isfinite(Q.dequantize(codes, scale, zero, q, x.dtype)).all()
+    lo, hi = _grid(x, scale, zero, q)
+    xd = x.double()
+    target = torch.minimum(torch.maximum(xd, lo), hi)
+    err = (xh.double() - target).abs()
+    T, D = x.shape[-2:]
+    s = _expand(scale, q, T, D).double()
+    if q.is_fp8:
+        m = FP8_MANTISSA[q.format]
+        bound = 2.0 ** -(m + 1) * target.abs() + FP8_SUBNORMAL[q.format] / 2 * s
+    else:
+        bound = s / 2
+    bound = bound + EPS32 * (hi.abs() + lo.abs() + target.abs())  # fp32 rounding of the code and of x^
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item()} for {q}"
+    clipped = Q.clipped(x, q)
+    half = {"fp8_e4m3": 16.0, "fp8_e5m2": 4096.0}.get(q.format, 0.5) * s  # half the grid's last step
+    outside = (xd < lo - half * (1 + 1e-6)) | (xd > hi + half * (1 + 1e-6))
+    assert not (outside & ~clipped).any()  # every element saturation moved is counted
+
+
+@given(quant_and_tensor())
+def test_groups_that_fit_are_never_clipped(case):
+    """Ordinary magnitudes: saturation changes nothing (no element clipped, the same grid as before)."""
+    q, x = case
+    assert not Q.clipped(x, q).any()
+
+
+@pytest.mark.parametrize("fmt", INT_FORMATS + FP8_FORMATS)
+@pytest.mark.parametrize("sdt", ["float16", "float32"])
+def test_clipped_counts_the_saturated_elements(fmt, sdt):
+    """A key of 1e10 (beyond every fp16-scaled grid) or 3e38 (beyond every fp32-scaled one) does not fit: its
+    group saturates, its reconstruction is finite, ``clipped`` counts what moved, and the next group (which
+    fits) is untouched."""
+    q = Quant(fmt, "token", 8, True if fmt.startswith("fp8") else False, sdt)
+    big = 1e10 if sdt == "float16" else 3e38
+    x = torch.zeros(1, 2, 8)
+    x[0, 0, :4] = torch.tensor([-big, big, 1.0, 2.0])
+    x[0, 1] = torch.linspace(-1, 1, 8)
+    xh = Q.dequantize(*Q.quantize(x, q), q)
+    assert torch.isfinite(xh).all()
+    n = Q.clipped(x, q)
+    assert n[0, 1].sum() == 0 and n[0, 0].sum() >= 1
+
+
+@pytest.mark.parametrize("fmt", INT_FORMATS)
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("axis,group", [("token", None), ("token", 4), ("channel", 4)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_poisons_exactly_its_integer_group(fmt, sym, axis, group, bad):
+    """Issue item 2: an integer group holding NaN or +-inf stores NaN scale (and zero point) and codes 0, so
+    the whole group -- and nothing else -- dequantizes to NaN. Placed at a group's first and last element."""
+    q = Quant(fmt, axis, group, sym)
+    T, D = 8, 16
+    for t, d in ((0, 0), (T - 1, D - 1), (3, 4)):
+        x = torch.randn(1, T, D, generator=torch.Generator().manual_seed(t))
+        x[0, t, d] = bad
+        codes, scale, zero = Q.quantize(x, q)
+        xh = Q.dequantize(codes, scale, zero, q)
+        grp = torch.zeros(1, T, D, dtype=torch.bool)
+        if axis == "token":
+            g = q.group_for(D)
+            grp[0, t, (d // g) * g:(d // g + 1) * g] = True
+        else:
+            grp[0, (t // group) * group:(t // group + 1) * group, d] = True
+        assert torch.equal(xh.isnan(), grp)
+        assert (codes[grp] == 0).all() and scale.isnan().sum() == 1
+        assert zero is None or zero.isnan().sum() == 1
+        clean = x.clone()
+        clean[grp] = 0.0  # the other groups are exactly what they are without the bad one
+        c2, s2, z2 = Q.quantize(clean, q)
+        assert torch.equal(xh[~grp], Q.dequantize(c2, s2, z2, q)[~grp])
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_fp8_element_stays_alone(fmt, bad):
+    """fp8: a NaN or inf element gets the NaN code 0x7F; its group's scale comes from the finite elements, so
+    everything else is exactly what it would be without it (the whole group came back NaN before)."""
+    q = Quant(fmt, "token")
+    x = torch.randn(1, 3, 16, generator=torch.Generator().manual_seed(0))
+    x[0, 1, 5] = bad
+    codes, scale, _ = Q.quantize(x, q)
+    xh = Q.dequantize(codes, scale, None, q)
+    want = torch.zeros_like(x, dtype=torch.bool)
+    want[0, 1, 5] = True
+    assert torch.equal(xh.isnan(), want)
+    assert codes[0, 1, 5] == Q.FP8_CODE_NAN and torch.isfinite(scale).all()
+    clean = x.clone()
+    clean[0, 1, 5] = 0.0
+    c2, s2, _ = Q.quantize(clean, q)
+    assert torch.equal(scale, s2) and torch.equal(xh[~want], Q.dequantize(c2, s2, None, q)[~want])
+
+
+def test_saturate_clamps_finite_values_only():
+    x = torch.tensor([1e6, -1e6, 65520.0, 1.5, float("inf"), -float("inf"), float("nan")])
+    y = Q.saturate(x, torch.float16)
+    assert y[:4].tolist() == [65504.0, -65504.0, 65504.0, 1.5]
+    assert y[4] == float("inf") and y[5] == -float("inf") and y[6].isnan()

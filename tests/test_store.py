@@ -456,3 +456,103 @@ def test_an_unreserved_append_is_a_clear_error_not_a_wild_write():
     with pytest.raises(kc.CapacityError, match="needs 2 blocks of 16 packed tokens, but 1 are reserved"):
         store_reference(state, spec, x, x)
     assert state.lengths.tolist() == [0]
+
+
+# --------------------------------------------------------------------------- non-finite values and saturation
+from kvcompile.store import attention_reference  # noqa: E402
+from nonfinite_checks import BAD, assert_close, assert_nan_pattern, oracle, placements  # noqa: E402
+
+# keys per channel in groups of 4 (KIVI), values per token in groups of 8, two sinks, a residual of 3
+NF_POLICY = Policy(Quant("int4", "channel", 4), Quant("int8", "token", 8), residual=3, sink=2)
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("bad", BAD)
+@pytest.mark.parametrize("region", ["sink", "packed", "residual"])
+def test_reference_attention_follows_its_non_finite_rule(which, bad, region):
+    """Issue item 2: one NaN or +-inf key or value, in a sink, a packed group (its first or last token and
+    channel) or the residual window. A causal prefill over all 24 tokens and a decode with a mask that hides
+    the bad position: attention_reference is NaN exactly where its rule says (``nonfinite_checks.oracle``,
+    written row by row), rows that do not see the position stay finite, and the rest matches float64
+    attention. Before, a NaN key's rows came back as zeros and a NaN value poisoned rows that do not see it."""
+    H, D, L = 1, 16, 24
+    spec = LayerSpec(NF_POLICY, H, D, block_tokens=16)
+    g = torch.Generator().manual_seed(0)
+    for p, c in placements(spec, L)[region]:
+        k, v = torch.randn(2, 1, H, L, D, generator=g)
+        (k if which == "k" else v)[0, 0, p, c] = bad
+        st = KVStore(spec, 1)
+        st.append(k, v)
+        q = torch.randn(1, 2, L, D, generator=g)
+        got = attention_reference(q, st.state, spec, None, None, torch.float64)
+        assert_close(got, oracle(q, st.state, spec), what=f"{which} {bad} at {p, c}")
+        held = dequantize_reference(st.state, spec, rotated=True)[0 if which == "k" else 1][0, 0]
+        bad_at = (~held.isfinite()).any(-1).nonzero().flatten().tolist()  # p, or its packed group
+        assert p in bad_at and (region == "packed" or bad_at == [p])
+        assert torch.isfinite(got[:, :, :bad_at[0]]).all()  # the rows before it do not see it
+        assert got[:, :, bad_at[0]:].isnan().any(-1).all()  # every row that sees it is poisoned
+        hide = torch.ones(1, 1, 1, L, dtype=torch.bool)
+        hide[..., bad_at] = False
+        for mask in (hide, torch.zeros(1, 1, 1, L).masked_fill(~hide, float("-inf"))):
+            got = attention_reference(q[:, :, -1:], st.state, spec, mask, None, torch.float64)
+            assert_close(got, oracle(q[:, :, -1:], st.state, spec, mask), what=f"hidden {which} {bad} at {p, c}")
+            assert torch.isfinite(got).all()  # every bad position is hidden: nothing leaks
+
+
+def test_reference_nan_spread_against_full_precision():
+    """How far one NaN spreads compared with full precision (format "none" stores exactly, so the reference
+    there is SDPA restricted to what each row sees): a NaN value poisons its channel of the rows that see it,
+    a NaN key those rows entirely; with an integer format a key's NaN spreads to its per-channel group (4
+    tokens), which the causal rows past the group see anyway."""
+    H, D, L = 1, 16, 20
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 1, H, L, D, generator=g)
+    q = torch.randn(1, 1, L, D, generator=g)
+    for which, p in (("k", 9), ("v", 9)):
+        kk, vv = k.clone(), v.clone()
+        (kk if which == "k" else vv)[0, 0, p, 5] = float("nan")
+        full = LayerSpec(Policy.full(), H, D)
+        st = KVStore(full, 1)
+        st.append(kk, vv)
+        got = attention_reference(q, st.state, full, None, None, torch.float64)
+        want = torch.zeros(1, 1, L, D, dtype=torch.bool)
+        if which == "k":
+            want[0, 0, p:] = True
+        else:
+            want[0, 0, p:, 5] = True
+        assert torch.equal(got.isnan(), want)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q.double()[:, :, :p], kk.double()[:, :, :p],
+                                                                vv.double()[:, :, :p], is_causal=True)
+        assert torch.allclose(got[:, :, :p].double(), sdpa)  # rows that never see it: full precision, untouched
+        st = KVStore(LayerSpec(NF_POLICY, H, D, block_tokens=16), 1)
+        st.append(kk, vv)
+        got = attention_reference(q, st.state, st.spec, None, None, torch.float64)
+        first = p if which == "v" or p >= st.spec.boundary(L) else 2 + ((p - 2) // 4) * 4  # the key's group
+        assert not got[:, :, :first].isnan().any() and got[:, :, p:].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("policy", [Policy.int8(), Policy.kivi(2, group=4, residual=2), Policy.fp8("fp8_e5m2"),
+                                    Policy(Quant("int4", symmetric=True), Quant("fp8_e4m3"), sink=1, rotate=True)])
+def test_finite_keys_near_the_dtype_max_give_finite_attention(policy, dtype):
+    """Issue item 1: a key or value beyond fp16 scales' reach (6.5e4 for int8 asymmetric, ~1e6 int4
+    symmetric, ~3e7 fp8 e4m3) made a scale inf and attention NaN or 0. Up to the model dtype's largest value
+    the store, what it reads back (in fp32 and in the model dtype) and attention are finite."""
+    H, D, L = 2, 16, 24
+    spec = LayerSpec(policy, H, D, DTYPE_NAMES[dtype], block_tokens=16)
+    g = torch.Generator().manual_seed(2)
+    top = torch.finfo(dtype).max
+    k = (torch.randn(1, H, L, D, generator=g) * 10).to(dtype)
+    v = (torch.randn(1, H, L, D, generator=g) * 10).to(dtype)
+    k[0, 0, 5, 3], v[0, 1, 7, 2], k[0, 1, 6, 0] = top, -top, min(top, 1e6)
+    st = KVStore(spec, 1)
+    st.append(k, v)
+    for t in st.state[:6]:
+        assert torch.isfinite(t.float()).all()
+    for dt in (torch.float32, dtype):
+        for x in dequantize_reference(st.state, spec, dt):
+            assert torch.isfinite(x).all()
+    q = torch.randn(1, 2 * H, 1, D, generator=g) / top  # scores stay O(1)
+    out = attention_reference(q.to(dtype), st.state, spec)
+    assert torch.isfinite(out).all()
+    assert_nan_pattern(out, oracle(q.to(dtype), st.state, spec))
