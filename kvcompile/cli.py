@@ -179,7 +179,7 @@ def cmd_demo(args) -> int:
 
     import kvcompile
     from .evaluate import cache_kwarg, heldout_loss, heldout_windows
-    from .hf import KVCompileCache
+    from .hf import KVCompileCache, model_shape
     from .policy import Policy
 
     t_start = time.perf_counter()
@@ -214,36 +214,39 @@ def cmd_demo(args) -> int:
     W = heldout_windows(tok, args.loss_window, 1)
     base, q = heldout_loss(model, W, Policy.full())[0], heldout_loss(model, W, policy)[0]
 
-    step(f"kvcompile.apply (compiler={args.compiler!r}), first call compiles")
+    step(f"kvcompile.apply (compiler={args.compiler!r}), then the first token")
     # 3. The same model after kvcompile.apply: compiled, the cache stored per the policy.
     compiler = args.compiler
     kvcompile.apply(model, policy, compiler=compiler)
     cap = args.capacity
-    n_layers = len(model._kvcompile.layer_names)
+    names = model._kvcompile.layer_names
+    n_layers, kv_heads, head_dim = model_shape(model.config)
     dtype = next(model.parameters()).dtype
 
     def new_cache():
-        return KVCompileCache(model.config, policy, cap, layer_names=model._kvcompile.layer_names, batch_size=1,
-                              dtype=dtype)
-    t0 = time.perf_counter()
-    _timed_generate(model, tok, ids, 2, **{ckw: new_cache()})  # compiles prefill and decode graphs
-    first = time.perf_counter() - t0
+        return KVCompileCache(model.config, policy, cap, layer_names=names)
+    _, _, first = _timed_generate(model, tok, ids, 1, **{ckw: new_cache()})  # the prefill, and the first token
+    step("the decode graph compiles at the second token")
+    _, _, warm = _timed_generate(model, tok, ids, 2, **{ckw: new_cache()})
     step("generating with the quantized cache")
     qcache = new_cache()
     qreply, qn, qdt = _timed_generate(model, tok, ids, n_new, **{ckw: qcache})
-    qbytes = qcache.nbytes
-    fcap = KVCompileCache(model.config, Policy.full(), cap, layer_names=model._kvcompile.layer_names, batch_size=1,
-                          dtype=dtype)
-    fbytes = fcap.nbytes  # the same static layout holding full precision, allocated for comparison
+    # A whole conversation of `cap` tokens, by the stores' exact accounting (tested equal to what a store holds)
+    full_cap = kvcompile.cache_bytes(Policy.full(), n_layers, kv_heads, head_dim, cap, dtype=dtype, layer_names=names)
+    q_cap = kvcompile.cache_bytes(policy, n_layers, kv_heads, head_dim, cap, dtype=dtype, layer_names=names)
 
-    print(f"\nKV cache allocated for {cap:,} tokens, {n_layers} layers (bytes measured from the cache objects):")
-    print(f"  full precision  {fbytes:>13,} B")
-    print(f"  quantized       {qbytes:>13,} B   {fbytes / qbytes:.2f}x smaller")
-    print(f"  (this reply used {tokens} tokens: a full-precision DynamicCache held {fbytes_used:,} B for them)")
+    print(f"\nKV cache of one {cap:,}-token conversation, {n_layers} layers (exact bytes, as the stores hold them):")
+    print(f"  full precision  {full_cap:>13,} B")
+    print(f"  quantized       {q_cap:>13,} B   {full_cap / q_cap:.2f}x smaller")
+    print(f"  (this reply's {tokens} tokens: the quantized cache holds {qcache.nbytes:,} B -- its newest "
+          f"{policy.residual} tokens stay in full precision -- and a full-precision DynamicCache held "
+          f"{fbytes_used:,} B)")
     print(f"held-out loss, pydoc_data.topics, {args.loss_window}-token window, second half through the cache "
           f"(eager reference path): {base:.4f} -> {q:.4f} nats/token, delta {q - base:+.4f}")
+    print(f"first token after kvcompile.apply: {first:.1f} s (the prefill runs without compiling); the second "
+          f"call, which compiles the decode graph, took {warm:.0f} s")
     print(f"decode speed, greedy, {n_new} new tokens: full precision (HF DynamicCache, eager) {fn / fdt:.1f} tok/s; "
-          f"kvcompile.apply(compiler={compiler!r}) {qn / qdt:.1f} tok/s (first call incl. compile {first:.0f} s)")
+          f"kvcompile.apply(compiler={compiler!r}) {qn / qdt:.1f} tok/s")
     print(f"\nprompt: {args.prompt}")
     print(f"reply (quantized cache): {qreply}")
     if qreply != freply:

@@ -1,10 +1,10 @@
 """How many concurrent sequences fit on a GPU: a symbolic planner over the exact cache layout.
 
-The bytes one sequence's cache holds are written as a sympy expression of the context length ``C``,
-term by term from the store's layout (``kvcompile.store``): packed codes, scales and zero points of the
-quantized region, the full-precision residual ring and sinks, and the per-sequence length counter. Tests
-check the expression against ``LayerSpec.nbytes`` of the allocated layout, so the planner and the cache
-cannot disagree. Then::
+The bytes one sequence's cache holds are written as a sympy expression of the context length ``C`` from
+the store's layout (``kvcompile.store``): whole blocks of packed codes, scales and zero points, their block
+table entries, the full-precision residual ring and sinks, and the per-sequence length counter. The
+constants come from ``LayerSpec`` itself; tests check the expression against what a store holds after
+``C`` tokens, so the planner and the cache cannot disagree. Then::
 
     sequences = floor((gpu_bytes * utilization - weight_bytes) / bytes_per_sequence(C))
 
@@ -25,6 +25,7 @@ from pathlib import Path
 import sympy as sp
 
 from .policy import Policy
+from .store import LayerSpec
 
 GB = 10 ** 9
 GiB = 2 ** 30
@@ -138,36 +139,17 @@ def _read_config(p: Path):
 
 
 # --------------------------------------------------------------------------- bytes per sequence
-def _quant_bytes(q, D: int, tokens, scale_bytes: int, dtype_bytes: int):
-    """Bytes one head's keys (or values) take over ``tokens`` packed positions (a sympy expression)."""
-    if not q.quantized:
-        return tokens * D * dtype_bytes
-    codes = tokens * D * q.bits / sp.Integer(8)
-    per_scale = scale_bytes * (2 if q.has_zero else 1)  # a zero point has the scale's dtype
-    if q.axis == "token":
-        scales = tokens * (D // q.group_for(D))
-    else:
-        scales = tokens / q.group * D  # tokens is a whole number of groups by construction
-    return codes + scales * per_scale
-
-
 def layer_bytes_expr(policy: Policy, kv_heads: int, head_dim: int, dtype_bytes: int = 2, context=C):
-    """Exact bytes of one layer's store for one sequence of ``context`` tokens (capacity), as sympy.
+    """Exact bytes of one layer's store for one sequence of ``context`` tokens, as sympy.
 
-    Mirrors ``LayerSpec``: sinks ``S = min(sink, C)``; packed ``Cq = floor(max(0, C - S - R) / F) * F``;
-    residual ring ``min(R + F - 1, C - S)``; an int32 length per sequence.
+    The store's own numbers (``LayerSpec``: bytes of a block, of a sequence's window and sinks, tokens per
+    block) times the symbolic count of blocks: ``ceil(packed / BS)`` with ``packed = Q(C) - S =
+    floor(max(0, C - S - R) / F) * F``, plus one int32 block-table entry per block.
     """
-    H, D = kv_heads, head_dim
-    S = sp.Min(policy.sink, context)
-    F, R = policy.flush, policy.residual
-    Cq = sp.floor(sp.Max(0, context - S - R) / F) * F
-    ring = sp.Min(R + F - 1, context - S)
-    total = 0
-    for q in (policy.key, policy.value):
-        scale_bytes = 2 if q.scale_dtype == "float16" else 4
-        total += H * _quant_bytes(q, D, Cq, scale_bytes, dtype_bytes)
-    total += 2 * H * (ring + S) * D * dtype_bytes + 4
-    return total
+    spec = LayerSpec(policy, kv_heads, head_dim, {2: "bfloat16", 4: "float32"}[dtype_bytes])
+    S, R, F = spec.sink, policy.residual, spec.flush
+    packed = sp.floor(sp.Max(0, context - S - R) / F) * F
+    return spec.row_nbytes() + sp.ceiling(packed / spec.block) * (spec.block_nbytes() + 4)
 
 
 def ring_bytes_expr(shape: ModelShape, window: int, context=C):

@@ -83,7 +83,7 @@ def test_demo_prints_bytes_loss_speed_and_reply(capsys, tiny_dir):
     full = int(out.split("full precision")[1].split("B")[0].replace(",", ""))
     quant = int(out.split("quantized")[1].split("B")[0].replace(",", ""))
     assert quant < full / 2
-    assert "delta" in out and "tok/s" in out and "reply (quantized cache):" in out
+    assert "delta" in out and "tok/s" in out and "reply (quantized cache):" in out and "first token" in out
 
 
 def test_bad_policy_argument_is_refused(capsys):
@@ -99,8 +99,8 @@ def test_python_dash_m_runs():
 
 # --------------------------------------------------------------------------- user errors: one line, exit status 2
 # Each case is what a user might type; each must end in exit status 2 with one line on stderr that says what was
-# wrong (the gist checked here) -- no traceback, nothing on stdout, nothing downloaded. Each runs
-# `python -m kvcompile` in its own process; they run a few at a time (each pays the ~5 s import).
+# wrong (the gist checked here) -- no traceback, nothing on stdout, nothing downloaded. Each runs the command's
+# main() in this process (a process each would pay the ~5 s import 55 times); three also run as the command.
 BAD_INPUTS = {
     # plan
     "plan_config_missing_file": ("plan --config /nonexistent/config.json", r"does not exist.*nothing is downloaded"),
@@ -191,44 +191,57 @@ def bad_files(tmp_path_factory, tiny_dir):
     return d
 
 
-@pytest.fixture(scope="session")
-def bad_input_runs(bad_files, tiny_dir, tmp_path_factory):
-    """Every BAD_INPUTS case run once, a few processes at a time (the cwd is an empty folder: nothing a case
-    might write lands in the checkout)."""
-    import os
+def _run_case(case, bad_files, tiny_dir):
+    """One BAD_INPUTS case through ``kvcompile.cli.main``, as the command runs it: (exit status, stdout,
+    stderr). argparse's own refusals exit through SystemExit."""
+    import contextlib
+    import io
     import shlex
-    from concurrent.futures import ThreadPoolExecutor
 
-    cwd = tmp_path_factory.mktemp("cwd")
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    root = str(Path(cli.__file__).resolve().parents[1])  # the checkout under test, not another install
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-
-    def one(item):
-        name, (cmd, _) = item
-        argv = shlex.split(cmd.format(tmp=bad_files, tiny=tiny_dir))
+    cmd, _ = BAD_INPUTS[case]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            return name, subprocess.run([sys.executable, "-m", "kvcompile", *argv], capture_output=True, text=True,
-                                        timeout=300, cwd=cwd, env=env)
-        except subprocess.TimeoutExpired as e:  # a case that starts real work instead of refusing: that case fails
-            return name, subprocess.CompletedProcess(e.cmd, None, "", f"timed out after {e.timeout} s (no error)")
-    with ThreadPoolExecutor(max(2, min(4, os.cpu_count() or 2))) as ex:
-        return dict(ex.map(one, BAD_INPUTS.items()))
+            code = cli.main(shlex.split(cmd.format(tmp=bad_files, tiny=tiny_dir)))
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
 
 
-@pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_user_error_is_one_line_and_exit_status_2(case, bad_input_runs):
+def _check_one_line(case, code, stdout, stderr):
     import re
-    r = bad_input_runs[case]
     cmd, gist = BAD_INPUTS[case]
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr[-3000:]
-    assert r.returncode == 2, (r.returncode, lines)
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr[-3000:]
+    assert code == 2, (code, lines)
     sub = cmd.split()[0] if cmd.split() and cmd.split()[0] in ("demo", "eval", "plan") else None
     assert lines[0].startswith(f"kvcompile {sub}: error: " if sub else "kvcompile: error: ")
     assert re.search(gist, lines[0]), lines[0]
-    assert r.stdout == ""
+    assert stdout == ""
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_user_error_is_one_line_and_exit_status_2(case, bad_files, tiny_dir, monkeypatch, tmp_path):
+    """In this process (the cwd an empty folder: nothing a case might write lands in the checkout); the
+    command's own process is checked below for a few cases."""
+    monkeypatch.chdir(tmp_path)
+    _check_one_line(case, *_run_case(case, bad_files, tiny_dir))
+
+
+def test_user_errors_through_the_command_itself(bad_files, tiny_dir, tmp_path):
+    """``python -m kvcompile`` in its own process, offline variables unset (nothing may be downloaded): the same
+    one line and exit status 2, for a parser error, a config that is a hub id, and a bad policy."""
+    import os
+    import shlex
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    root = str(Path(cli.__file__).resolve().parents[1])  # the checkout under test, not another install
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    for case in ("plan_context_not_a_number", "plan_config_hub_id", "demo_policy_width_missing"):
+        argv = shlex.split(BAD_INPUTS[case][0].format(tmp=bad_files, tiny=tiny_dir))
+        r = subprocess.run([sys.executable, "-m", "kvcompile", *argv], capture_output=True, text=True,
+                           timeout=300, cwd=tmp_path, env=env)
+        _check_one_line(case, r.returncode, r.stdout, r.stderr)
 
 
 def test_every_option_has_help_that_shows_its_default():

@@ -53,13 +53,13 @@ def test_expression_equals_allocated_layout(k, v, residual, sink, context, heads
     pol = Policy(k, v, residual=residual, sink=sink)
     el = 2 if dtype == "bfloat16" else 4
     expr = P.layer_bytes_expr(pol, heads, head_dim, el)
-    assert expr.subs(P.C, context) == LayerSpec(pol, 1, heads, context, head_dim, dtype).nbytes()
+    assert expr.subs(P.C, context) == LayerSpec(pol, heads, head_dim, dtype).nbytes(1, context)
 
 
 def test_overrides_are_summed_per_layer():
     shape = P.ModelShape("tiny", 4, 2, 64, 0)
     pol = Policy.kivi(2).override({0: Policy.int8(), -1: None})
-    want = sum(LayerSpec(p, 1, 2, 4096, 64, "bfloat16").nbytes()
+    want = sum(LayerSpec(p, 2, 64, "bfloat16").nbytes(1, 4096)
                for p in pol.resolve([f"model.layers.{i}.self_attn" for i in range(4)]))
     assert P.sequence_bytes_expr(pol, shape).subs(P.C, 4096) == want
 
@@ -98,12 +98,12 @@ def test_plot_and_json(tmp_path):
 @pytest.mark.parametrize("policy", [Policy.int8(), Policy.kivi(4, group=4, residual=4), Policy.full()])
 def test_windowed_layers_plan_what_the_cache_allocates(policy):
     """A Gemma-3-like config (five of six layers over a 16-token window): the planner's bytes per sequence equal
-    what KVCompileCache allocates (rings where they are smaller, stores elsewhere; stand-ins aside), below, at
-    and past the window and the crossover; the ideal count caches at most the window in windowed layers."""
+    what KVCompileCache holds once a sequence has that many tokens (rings where they are smaller, stores
+    elsewhere; stand-ins aside), below, at and past the window and the crossover; the ideal count caches at
+    most the window in windowed layers."""
     import torch
     from transformers import Gemma3TextConfig
     from kvcompile.hf import KVCompileCache, KVCompileLayer
-    from kvcompile.store import state_nbytes
 
     cfg = Gemma3TextConfig(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                            hidden_size=32, sliding_window=16, max_position_embeddings=512)
@@ -112,7 +112,10 @@ def test_windowed_layers_plan_what_the_cache_allocates(policy):
     expr = P.sequence_bytes_expr(policy, shape)
     for cap in (8, 16, 17, 30, 64, 300):
         cache = KVCompileCache(cfg, policy, cap, batch_size=1, dtype=torch.bfloat16)
-        allocated = sum(state_nbytes(layer.state) if isinstance(layer, KVCompileLayer)
-                        else layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-        assert expr.subs(P.C, cap) == allocated, (cap, cache.rings)
+        x = torch.randn(1, 2, cap, 8, dtype=torch.bfloat16)
+        for i, layer in enumerate(cache.layers):  # every layer holds a sequence of `cap` tokens
+            layer.update(x, x) if isinstance(layer, KVCompileLayer) else None
+        held = sum(layer.store.nbytes if isinstance(layer, KVCompileLayer)
+                   else layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        assert expr.subs(P.C, cap) == held, (cap, cache.rings)
     assert P.ideal_sequence_bytes_expr(16, shape).subs(P.C, 300) == 2 * 2 * 8 * 2 * (5 * 16 + 300)
