@@ -24,8 +24,14 @@
  *   - fp8 codes: integer arithmetic that gives torch 2.13's cast (checked exhaustively by the tests):
  *     round half to even; e4m3fn saturates to +-448 from 464 up (infinities included; torch 2.11 gives NaN
  *     beyond 464), e5m2 goes to inf from 61440 up (halfway, even); NaN stays NaN. (In the store
- *     |x / scale| <= the format's maximum, so saturation never decides a code there unless the input holds
- *     inf or NaN.)
+ *     x / scale is clamped to the format's maximum and a non-finite element gets 0x7F, so saturation never
+ *     decides a code there.)
+ *   - saturation (quant.limits): the zero point is clamped to [-ZMAX, ZMAX] and the scale to [0, SMAX] before
+ *     they are rounded, and an fp8 value x / scale to [-F, F] before it is encoded, with ternaries that keep
+ *     -0.0 as torch.clamp does (a no-op for every group that fits the scale dtype);
+ *   - non-finite input: an integer group holding NaN or +-inf stores NaN as its scale (and zero point) and
+ *     0 as each of its codes; an fp8 element that is NaN or +-inf gets code 0x7F, and its group's scale
+ *     comes from the finite elements (quant.quantize).
  * Min and max are taken with ordered comparisons (x < m), so a group holding both +0.0 and -0.0 as its
  * extreme keeps the first one met; the reference's reduction order decides that case (it never arises from
  * model activations that are not exactly zero).
@@ -40,6 +46,7 @@
  *   K_GROUP / V_GROUP
  *   K_SF32 / V_SF32   scales (and zero points) stored as fp32 (1) or fp16 (0)
  */
+#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -132,24 +139,59 @@ static inline uint8_t fp8_encode(float y, int e4m3) {
     return (uint8_t)fp8_encode_bits(u, e4m3);
 }
 
-/* Group statistics -> (scale, zero) stored at slot i, returned as fp32 (scale 0 -> 1 for dividing). */
+/* quant.limits: the largest zero point magnitude and scale stored. fp16 scales: the largest fp16; fp32:
+ * 2**127 and 2**(127 - k), k = the integer bits, 9 (e4m3), 16 (e5m2). */
+static inline float zero_cap(int sf32) { return sf32 ? 0x1p127f : 65504.0f; }
+static inline float scale_cap(int fmt, int bits, int sf32) {
+    const int k = fmt == 3 ? 9 : (fmt == 4 ? 16 : bits);
+    return sf32 ? __builtin_ldexpf(1.0f, 127 - k) : 65504.0f;
+}
+
+#define F32_NAN_BITS 0x7FC00000u /* torch's NaN (float('nan')) as fp32 and as fp16 */
+#define F16_NAN_BITS 0x7E00u
+
+/* Group statistics -> (scale, zero) stored at slot i, returned as fp32 (scale 0 -> 1 for dividing). A
+ * poisoned group (bad: it holds NaN or +-inf; integer formats) stores NaN for both and returns NaN. */
 static inline __attribute__((always_inline)) void group_params(
-        int fmt, int bits, int sf32, float mn, float mx, float amax, void *scale, void *zero, int64_t i,
+        int fmt, int bits, int sf32, float mn, float mx, float amax, int bad, void *scale, void *zero, int64_t i,
         float *s_out, float *z_out) {
     float s, z = 0.0f;
+    const float smax = scale_cap(fmt, bits, sf32), zmax = zero_cap(sf32);
+    if (fmt <= 2 && bad) {
+        if (sf32) {
+            const uint32_t nan = F32_NAN_BITS;
+            memcpy((float *)scale + i, &nan, 4);
+            if (fmt == 1) memcpy((float *)zero + i, &nan, 4);
+        } else {
+            ((uint16_t *)scale)[i] = F16_NAN_BITS;
+            if (fmt == 1) ((uint16_t *)zero)[i] = F16_NAN_BITS;
+        }
+        *s_out = *z_out = __builtin_nanf("");
+        return;
+    }
     if (fmt == 1) {
-        z = put_scale(zero, i, mn, 0, sf32);
-        s = put_scale(scale, i, (mx - z) / (float)((1 << bits) - 1), 1, sf32);
+        float zc = mn < -zmax ? -zmax : mn;
+        zc = zc > zmax ? zmax : zc;
+        z = put_scale(zero, i, zc, 0, sf32);
+        float r = (mx - z) / (float)((1 << bits) - 1);
+        r = r < 0.0f ? 0.0f : r; /* torch.clamp(r, 0, SMAX), -0.0 kept */
+        r = r > smax ? smax : r;
+        s = put_scale(scale, i, r, 1, sf32);
     } else if (fmt == 2) {
-        s = put_scale(scale, i, amax / (float)((1 << (bits - 1)) - 1), 1, sf32);
+        float r = amax / (float)((1 << (bits - 1)) - 1);
+        r = r > smax ? smax : r;
+        s = put_scale(scale, i, r, 1, sf32);
     } else {
-        s = put_scale(scale, i, amax / (fmt == 3 ? 448.0f : 57344.0f), 1, sf32);
+        float r = amax / (fmt == 3 ? 448.0f : 57344.0f);
+        r = r > smax ? smax : r;
+        s = put_scale(scale, i, r, 1, sf32);
     }
     *s_out = s == 0.0f ? 1.0f : s;
     *z_out = z;
 }
 
-/* Codes of x[0, n) with per-element scale s (0 already replaced by 1) and zero point z (quant.quantize). */
+/* Codes of x[0, n) with per-element scale s (0 already replaced by 1) and zero point z (quant.quantize). An
+ * integer element of a poisoned group (s NaN) gets code 0; a non-finite fp8 element 0x7F. */
 static inline __attribute__((always_inline)) void encode(
         int fmt, int bits, const float *x, const float *s, const float *z, uint8_t *c, int n) {
     if (fmt == 1) {
@@ -158,6 +200,7 @@ static inline __attribute__((always_inline)) void encode(
             float y = __builtin_rintf((x[d] - z[d]) / s[d]); /* round half to even (the default mode) */
             y = y < 0.0f ? 0.0f : y;
             y = y > Q ? Q : y;
+            y = s[d] == s[d] ? y : 0.0f; /* poisoned group: code 0 */
             c[d] = (uint8_t)(int32_t)y;
         }
     } else if (fmt == 2) {
@@ -166,14 +209,22 @@ static inline __attribute__((always_inline)) void encode(
             float y = __builtin_rintf(x[d] / s[d]);
             y = y < -q ? -q : y;
             y = y > q ? q : y;
-            c[d] = (uint8_t)(int32_t)(y + off);
+            y = s[d] == s[d] ? y + off : 0.0f; /* poisoned group: code 0 */
+            c[d] = (uint8_t)(int32_t)y;
         }
     } else {
         /* three loops over buffers (no type punning or narrowing inside a loop): each one vectorizes */
-        union { float f[D]; int32_t i[D]; } y;
+        const float F = fmt == 3 ? 448.0f : 57344.0f;
+        union { float f[D]; int32_t i[D]; } y, xb;
         int32_t w[D];
-        for (int d = 0; d < n; d++) y.f[d] = x[d] / s[d];
-        for (int d = 0; d < n; d++) w[d] = fp8_encode_bits(y.i[d], fmt == 3);
+        for (int d = 0; d < n; d++) {
+            float v = x[d] / s[d];
+            v = v < -F ? -F : v;
+            y.f[d] = v > F ? F : v;
+            xb.f[d] = x[d];
+        }
+        for (int d = 0; d < n; d++) /* x NaN or +-inf: 0x7F (the clamp above made +-inf finite) */
+            w[d] = (xb.i[d] & 0x7FFFFFFF) < 0x7F800000 ? fp8_encode_bits(y.i[d], fmt == 3) : 0x7F;
         for (int d = 0; d < n; d++) c[d] = (uint8_t)w[d];
     }
 }
@@ -200,36 +251,53 @@ static inline __attribute__((always_inline)) void pack_row(int bits, const uint8
     }
 }
 
-/* min, max and max |x| of xg[0, n), in lanes of 8 when n allows (min and max are exact in any order). */
-static inline __attribute__((always_inline)) void minmax(const float *xg, int n, float *mn_, float *mx_, float *am_) {
+/* min, max and max |x| of the finite elements of xg[0, n), in lanes of 8 when n allows (min and max are exact
+ * in any order), and whether any element is NaN or +-inf. min and max are those of every element: they only
+ * matter for a group with no non-finite element. */
+static inline __attribute__((always_inline)) void minmax(const float *xg, int n, float *mn_, float *mx_, float *am_,
+                                                         int *bad_) {
     float mn = xg[0], mx = xg[0], am = __builtin_fabsf(xg[0]);
+    int bad = !(am <= FLT_MAX);
+    am = bad ? 0.0f : am;
     if (n % 8 == 0 && n >= 16) {
         float lmn[8], lmx[8], lam[8];
-        for (int l = 0; l < 8; l++) lmn[l] = lmx[l] = xg[l], lam[l] = __builtin_fabsf(xg[l]);
+        int32_t lbad[8];
+        for (int l = 0; l < 8; l++) {
+            const float ae = __builtin_fabsf(xg[l]);
+            lmn[l] = lmx[l] = xg[l];
+            lbad[l] = !(ae <= FLT_MAX);
+            lam[l] = lbad[l] ? 0.0f : ae;
+        }
         for (int e = 8; e < n; e += 8)
             for (int l = 0; l < 8; l++) {
                 const float xe = xg[e + l], ae = __builtin_fabsf(xe);
+                const int32_t nf = !(ae <= FLT_MAX);
                 lmn[l] = xe < lmn[l] ? xe : lmn[l];
                 lmx[l] = xe > lmx[l] ? xe : lmx[l];
-                lam[l] = ae > lam[l] ? ae : lam[l];
+                lam[l] = !nf && ae > lam[l] ? ae : lam[l];
+                lbad[l] |= nf;
             }
-        mn = lmn[0], mx = lmx[0], am = lam[0];
+        mn = lmn[0], mx = lmx[0], am = lam[0], bad = lbad[0];
         for (int l = 1; l < 8; l++) {
             mn = lmn[l] < mn ? lmn[l] : mn;
             mx = lmx[l] > mx ? lmx[l] : mx;
             am = lam[l] > am ? lam[l] : am;
+            bad |= lbad[l];
         }
     } else {
         for (int e = 1; e < n; e++) {
             const float xe = xg[e], ae = __builtin_fabsf(xe);
+            const int nf = !(ae <= FLT_MAX);
             mn = xe < mn ? xe : mn;
             mx = xe > mx ? xe : mx;
-            am = ae > am ? ae : am;
+            am = !nf && ae > am ? ae : am;
+            bad |= nf;
         }
     }
     *mn_ = mn;
     *mx_ = mx;
     *am_ = am;
+    *bad_ = bad;
 }
 
 /* --------------------------------------------------------------------------- flush */
@@ -263,9 +331,10 @@ static inline __attribute__((always_inline)) void flush_range(
             for (int gi = 0; gi < ng; gi++) {
                 const float *xg = x + gi * group;
                 float mn, mx, amax;
-                minmax(xg, group, &mn, &mx, &amax);
+                int bad;
+                minmax(xg, group, &mn, &mx, &amax, &bad);
                 float s, z;
-                group_params(fmt, bits, sf32, mn, mx, amax, scale, zero, (p - pb) * ng + gi, &s, &z);
+                group_params(fmt, bits, sf32, mn, mx, amax, bad, scale, zero, (p - pb) * ng + gi, &s, &z);
                 for (int e = 0; e < group; e++) {
                     sv[gi * group + e] = s;
                     zv[gi * group + e] = z;
@@ -280,20 +349,25 @@ static inline __attribute__((always_inline)) void flush_range(
         for (int64_t pg = p0; pg < p1; pg += group) {
             for (int t = 0; t < group; t++) row_to_f32(src_row(src, pg + t), x + t * D);
             float mn[D], mx[D], amax[D], sv[D], zv[D];
+            int32_t bad[D];
             for (int d = 0; d < D; d++) {
+                const float ae = __builtin_fabsf(x[d]);
                 mn[d] = mx[d] = x[d];
-                amax[d] = __builtin_fabsf(x[d]);
+                bad[d] = !(ae <= FLT_MAX);
+                amax[d] = bad[d] ? 0.0f : ae;
             }
             for (int t = 1; t < group; t++)
                 for (int d = 0; d < D; d++) {
                     const float xe = x[t * D + d], ae = __builtin_fabsf(xe);
+                    const int32_t nf = !(ae <= FLT_MAX);
                     mn[d] = xe < mn[d] ? xe : mn[d];
                     mx[d] = xe > mx[d] ? xe : mx[d];
-                    amax[d] = ae > amax[d] ? ae : amax[d];
+                    amax[d] = !nf && ae > amax[d] ? ae : amax[d];
+                    bad[d] |= nf;
                 }
             const int64_t g = (pg - pb) / group;
             for (int d = 0; d < D; d++)
-                group_params(fmt, bits, sf32, mn[d], mx[d], amax[d], scale, zero, g * D + d, sv + d, zv + d);
+                group_params(fmt, bits, sf32, mn[d], mx[d], amax[d], bad[d], scale, zero, g * D + d, sv + d, zv + d);
             for (int t = 0; t < group; t++) {
                 encode(fmt, bits, x + t * D, sv, zv, c + t * D, D);
                 pack_row(bits, c + t * D, codes + (pg + t - pb) * rb);

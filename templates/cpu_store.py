@@ -19,6 +19,7 @@ import ctypes
 import torch
 from torch import Tensor
 
+from kvcompile import quant as Q
 from kvcompile.store import KVState, LayerSpec, _state_capacity_check, check_kv, rotate
 
 from .cpu import available_threads, compile_template, defines
@@ -73,9 +74,9 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
         k, v = rotate(k, spec), rotate(v, spec)
     dt = spec.torch_dtype
     if k.dtype != dt:
-        k = k.to(dt)
+        k = Q.saturate(k, dt)  # as store_reference: a finite value beyond the model dtype clamps, never inf
     if v.dtype != dt:
-        v = v.to(dt)
+        v = Q.saturate(v, dt)
     if k.stride(3) != 1 and n:
         k = k.contiguous()
     if v.stride(3) != 1 and n:

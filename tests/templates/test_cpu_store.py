@@ -296,3 +296,37 @@ def test_fp8_encoding_beyond_the_range(fmt):
     top = 0x7E if fmt == "fp8_e4m3" else 0x7C  # 448, or inf
     big = 0x7E if fmt == "fp8_e4m3" else 0x60  # 480 is representable in e5m2
     assert out.tolist() == [top, top | 0x80, big, top, top, top | 0x80, 0x7F]
+
+
+# --------------------------------------------------------------------------- non-finite and huge inputs
+from nonfinite_checks import BAD, bad_inputs  # noqa: E402
+
+NONFINITE_POLICIES = [  # every format, both axes, both scale dtypes, sinks and residuals
+    Policy(Quant("int4", "channel", 4), Quant("int8", "token", 8), residual=3, sink=2),
+    Policy(Quant("int3", "token", None, True, "float32"), Quant("int2", "channel", 4, True), residual=0, sink=1),
+    Policy(Quant("fp8_e4m3", "channel", 4, scale_dtype="float32"), Quant("fp8_e5m2", "token", 8), residual=2,
+           rotate=True),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("policy", NONFINITE_POLICIES)
+def test_cpu_store_non_finite_and_huge_inputs_equal_reference(policy, dtype):
+    """Issue items 1 and 2: NaN, +inf and -inf in sinks, on packed groups' first and last tokens and
+    channels, and in the residual window, among values up to the model dtype's largest -- appended as a
+    prefill, decode steps and a chunk -- are stored bit for bit as the reference stores them (before, the C
+    store wrote finite codes for a NaN and the reference inf scales for a large key). Without the bad values,
+    everything stored is finite."""
+    B, H, D, L = 2, 2, 16, 40
+    spec = LayerSpec(policy, H, D, dtype, block_tokens=16)
+    top = torch.finfo(spec.torch_dtype).max
+    for magnitude, bad in ((1.0, True), (1e5, True), (top, True), (top / 4, False)):
+        k, v = bad_inputs(spec, B, L, int(magnitude) % 1000, magnitude, bad=BAD if bad else ())
+        ref = scrambled(spec, B, 2 * B * spec.blocks_for(L), seed=1)
+        got = ref.copy()
+        at = 0
+        for n in (7, 1, 1, 20, 11):
+            append_both(ref, got, k[:, :, at:at + n], v[:, :, at:at + n])
+            at += n
+        if not bad:
+            assert all(torch.isfinite(t.float()).all() for t in got.state[:10])
