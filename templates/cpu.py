@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvcompile import quant as Q
 from kvcompile.store import KVState, LayerSpec, chunk_needed, dequantize_reference, hadamard, stored_chunk, with_chunk
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -484,7 +485,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
                          f"{spec.blocks_for(int(state.lengths[b]))} packed blocks: {table[b].tolist()}")
     if pol.rotate:
         out = out @ hadamard(D, q.device)
-    return out.to(q.dtype)
+    return Q.saturate(torch.where(torch.isfinite(out), out, float("nan")), q.dtype)  # as the reference
 
 
 def _is_causal(mask: Tensor, n: int, L: int) -> bool:
@@ -535,22 +536,50 @@ def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor |
     pos = torch.arange(Lmax, device=q.device).view(1, 1, 1, Lmax)
     Lb = lengths.view(B, 1, 1, 1)
     same = bool((lengths == Lmax).all())
+    # non-finite values anywhere (rare): SDPA runs on finite copies, and the reference's NaN rule is applied
+    # from where the NaN and inf are (SDPA would spread a masked position's NaN value to rows that do not see
+    # it, and a NaN score to the whole row of every kernel block that holds it)
+    qfin, kfin, vfin = torch.isfinite(qf).all(-1, keepdim=True), torch.isfinite(k), torch.isfinite(v)
+    clean = bool(qfin.all()) and bool(kfin.all()) and bool(vfin.all())
     if mask is not None and same and n == Lmax and _is_causal(mask, n, Lmax):
         mask = None  # the model's own causal mask (transformers passes one): SDPA's causal kernel skips half
-    if mask is None and same and n == Lmax:
+    if mask is None and same and n == Lmax and clean:
         out = F.scaled_dot_product_attention(qf, k, v, is_causal=True, scale=sm, enable_gqa=Hq != H)
     else:
+        mbad = None
         if mask is None:
             L = Lb[:1] if same else Lb
-            vis = pos <= L - n + torch.arange(n, device=q.device).view(1, 1, n, 1)
+            vis = visible = pos <= L - n + torch.arange(n, device=q.device).view(1, 1, n, 1)
         else:
             mk = mask[..., :Lmax]
             if mk.shape[-1] < Lmax:  # positions past the mask's width are visible to no query
                 mk = F.pad(mk, (0, Lmax - mk.shape[-1]), value=False if mk.dtype == torch.bool else float("-inf"))
             inside = pos < Lb
-            vis = (inside & mk) if mk.dtype == torch.bool else mk.float().masked_fill(~inside, float("-inf"))
-        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=vis, scale=sm, enable_gqa=Hq != H)
-        out = out.nan_to_num(0.0)  # a query row that sees no key gets zeros (the reference's rule)
+            if mk.dtype == torch.bool:
+                vis = visible = inside & mk
+            else:
+                mk = mk.float()
+                visible = inside & (mk != float("-inf"))  # -inf hides a position (the reference's rule)
+                vis = mk.masked_fill(~inside, float("-inf"))
+                mbad = _memo(mask, ("nonfinite", Lmax), lambda: bool((mk.isnan() | (mk == float("inf"))).any()))
+                mbad = (visible & ~torch.isfinite(mk)) if mbad else None
+        if clean and mbad is None:
+            out = F.scaled_dot_product_attention(qf, k, v, attn_mask=vis, scale=sm, enable_gqa=Hq != H)
+        else:
+            if mbad is not None:  # a NaN or +inf mask value makes the score non-finite: its row is NaN below
+                vis = vis.masked_fill(mbad, 0.0)
+            out = F.scaled_dot_product_attention(torch.where(torch.isfinite(qf), qf, 0.0), torch.where(kfin, k, 0.0),
+                                                 torch.where(vfin, v, 0.0), attn_mask=vis, scale=sm,
+                                                 enable_gqa=Hq != H)
+            G = Hq // H
+            seen = visible.expand(B, Hq, n, Lmax).float()
+            kbad = (~kfin.all(-1)).repeat_interleave(G, 1).float().unsqueeze(-1)  # [B, Hq, Lmax, 1]
+            row = ((seen @ kbad) > 0) | (~qfin & visible.any(-1, keepdim=True))
+            if mbad is not None:
+                row = row | mbad.any(-1, keepdim=True)
+            chan = (seen @ (~vfin).repeat_interleave(G, 1).float()) > 0  # a visible NaN/inf value, per channel
+            out = out.masked_fill(row | chan, float("nan"))
+        out = out.masked_fill(~visible.any(-1, keepdim=True), 0.0)  # a query row that sees no key gets zeros
     if spec.policy.rotate:
         out = out @ hadamard(D, q.device)
-    return out.to(q.dtype)
+    return Q.saturate(torch.where(torch.isfinite(out), out, float("nan")), q.dtype)  # inf -> NaN, as the reference

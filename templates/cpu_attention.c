@@ -3,7 +3,10 @@
  * templates/cpu.py compiles this file once per layout with -D definitions (below) and calls
  * kvc_attention through ctypes. The semantics are exactly those of kvcompile.store.attention_reference:
  * the n newest tokens' queries (already rotated when the policy rotates) attend to positions [0, L) of
- * their sequence, causally (or as an additive mask says), over three regions found from L alone (the
+ * their sequence, causally (or as an additive mask says: -inf hides a position), with the reference's rule
+ * for non-finite values (a visible non-finite score makes the row NaN; a visible non-finite value makes its
+ * channel NaN; hidden positions are never read; any non-finite output is NaN), over three regions found
+ * from L alone (the
  * chunk of the n queries' own tokens, positions [L - n, L), is read from k_new/v_new when given):
  *
  *     p < S            sink      model dtype   k_sink[b, h, p]
@@ -37,6 +40,7 @@
  *   K_GROUP / V_GROUP
  *   K_SF32 / V_SF32   scales (and zero points) stored as fp32 (1) or fp16 (0)
  */
+#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -139,7 +143,9 @@ static inline float scale_at(const void *base, int64_t i, int f32) {
 }
 
 /* exp(x) for x <= 0 (scores minus their running max), vectorizable; exactly 0 below -87 (and for -inf),
- * so a masked position contributes nothing (x is never NaN: a row with nothing visible skips the tile).
+ * so a masked position weighs nothing. x is never NaN or +inf: scores are finite or -inf (a non-finite
+ * visible score is replaced by -inf after it has made the row NaN), and a row with nothing visible skips
+ * the tile.
  * Relative error below 2e-7 (2**-22): range reduction by ln 2 with a two-part constant, then the degree-7
  * Taylor polynomial of e^r for |r| <= ln2/2 (truncation below 1e-8). */
 static inline float kexp(float x) {
@@ -204,6 +210,10 @@ static inline v8f fp8_decode(v8u w, int e5m2) {
     }
     const v8i is_sub = (v8i)(e == 0u);
     v8u bits = (v8u)((is_sub & (v8i)sub) | (~is_sub & (v8i)mag));
+    /* the codes that are not numbers: e4m3fn's S.1111.111 (NaN), e5m2's exponent 31 (inf, NaN) */
+    const v8i special = e5m2 ? (v8i)(e == 31u) : (v8i)((w & 0x7Fu) == 0x7Fu);
+    const v8u top = e5m2 ? (0x7F800000u | (m << 21)) : (v8u){} + 0x7FC00000u;
+    bits = (v8u)((special & (v8i)top) | (~special & (v8i)bits));
     return (v8f)(bits | sign);
 }
 
@@ -213,11 +223,17 @@ static inline v8f fp8_decode(v8u w, int e5m2) {
  * magnitude bits placed where an fp16 has them give its value over FP8_UNIT(3) = 2**8 (bias 7 against 15).
  * The kernel multiplies that factor back into the scale instead of into each value: s * 2**8 is exact for any
  * fp8 scale (at most 2**120: the largest float over 448), so x * (s * 2**8) is the reference's single rounding
- * of (x * 2**8) * s. Seven vector operations per sixteen codes where the integer decode above takes thirty. */
+ * of (x * 2**8) * s. Seven vector operations per sixteen codes where the integer decode above takes thirty,
+ * plus two for e4m3fn's NaN code (0x7F, the store's code for a NaN or inf input), which the placement would
+ * turn into 480. e5m2's NaN and inf codes are fp16 NaN and inf as they are. */
 typedef uint16_t v8h __attribute__((vector_size(16)));
 static inline v8f fp8_decode_h(const uint8_t *p, int e5m2) {
     const v8h w = (v8h)_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    const v8h h = e5m2 ? w << 8 : ((w << 7) & 0x3F80) | ((w << 8) & 0x8000);
+    v8h h = e5m2 ? w << 8 : ((w << 7) & 0x3F80) | ((w << 8) & 0x8000);
+    if (!e5m2) { /* e4m3fn's NaN code S.1111.111 would land on a finite fp16: make it an fp16 NaN */
+        const v8h nan = (v8h)((w & 0x7F) == 0x7F);
+        h = (h & ~nan) | (0x7E00 & nan);
+    }
     return (v8f)_mm256_cvtph_ps((__m128i)h);
 }
 #ifdef __AVX2__
@@ -225,7 +241,11 @@ static inline v8f fp8_decode_h(const uint8_t *p, int e5m2) {
 typedef uint16_t v16h __attribute__((vector_size(32)));
 static inline void fp8_decode_h16(const uint8_t *p, int e5m2, float *out) {
     const v16h w = (v16h)_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    const v16h h = e5m2 ? w << 8 : ((w << 7) & 0x3F80) | ((w << 8) & 0x8000);
+    v16h h = e5m2 ? w << 8 : ((w << 7) & 0x3F80) | ((w << 8) & 0x8000);
+    if (!e5m2) {
+        const v16h nan = (v16h)((w & 0x7F) == 0x7F);
+        h = (h & ~nan) | (0x7E00 & nan);
+    }
     st(out, (v8f)_mm256_cvtph_ps(_mm256_castsi256_si128((__m256i)h)));
     st(out + 8, (v8f)_mm256_cvtph_ps(_mm256_extracti128_si256((__m256i)h, 1)));
 }
@@ -431,13 +451,30 @@ static inline __attribute__((always_inline)) void attend_tile(
             }
             st(sc + t0, reduce8(a) * bcast(sm_scale));
         }
+        /* visibility (attention_reference): causal, or the mask's (-inf and past its width: hidden). A visible
+         * score that is not finite makes the row NaN (its running sum becomes NaN, which nothing undoes) and
+         * takes no part in the softmax; hidden positions are never read again. */
+        int32_t vis[TILE];
         if (mask) {
             const float *mr = mask + b * mask_sb + hq * mask_sh + i * mask_si;
-            for (int t = 0; t < nt; t++) sc[t] = p0 + t < mask_w ? sc[t] + mr[p0 + t] : -INFINITY;
+            for (int t = 0; t < nt; t++) {
+                const float mv = p0 + t < mask_w ? mr[p0 + t] : -INFINITY;
+                vis[t] = mv != -INFINITY;
+                sc[t] += mv;
+            }
         } else if (causal_tail) {
-            for (int t = 0; t < nt; t++)
-                if (p0 + t > L - n + i) sc[t] = -INFINITY;
+            for (int t = 0; t < nt; t++) vis[t] = p0 + t <= L - n + i;
+        } else {
+            for (int t = 0; t < nt; t++) vis[t] = 1;
         }
+        int32_t bad = 0, hidden = 0;
+        for (int t = 0; t < nt; t++) {
+            const int32_t ok = vis[t] & (__builtin_fabsf(sc[t]) <= FLT_MAX);
+            bad |= vis[t] & !ok;
+            hidden |= !vis[t];
+            sc[t] = ok ? sc[t] : -INFINITY;
+        }
+        if (bad) P->l[r] = NAN;
         float mx = P->m[r];
         for (int t = 0; t < nt; t++) mx = sc[t] > mx ? sc[t] : mx;
         if (mx == -INFINITY) continue; /* nothing visible yet: the running state is unchanged */
@@ -461,7 +498,10 @@ static inline __attribute__((always_inline)) void attend_tile(
             float *orow = other_acc + r * D;
             for (int k = 0; k < NW; k++) stw(orow + WV * k, ldw(orow + WV * k) * c);
         }
+        /* values: every visible position (a NaN or inf there poisons its channel even at weight 0, as in the
+         * reference); a hidden one is skipped, since 0 * NaN would poison a row that does not see it */
         for (int t = 0; t < nt; t++) {
+            if (hidden && !vis[t]) continue;
             const vw e = (vw){} + sc[t];
             const float *vr = vt + t * D;
             for (int k = 0; k < NW; k++) acc[k] = fmaw(e, ldw(vr + WV * k), acc[k]);
@@ -602,11 +642,13 @@ int64_t kvc_attention(
                     acc_n[d] += w * P->acc_nat[r][d];
                 }
             }
-            const float inv = l > 0.0f ? 1.0f / l : 0.0f; /* a query that sees no key gets zeros */
+            /* a query that sees no key gets zeros; a NaN sum (a non-finite score) makes the row NaN */
+            const float inv = l == 0.0f ? 0.0f : 1.0f / l;
             const int64_t b = bh / H, h = bh % H;
             float *dst = out + (((b * H + h) * G + r / n) * n + r % n) * D;
             for (int d = 0; d < D; d++) dst[d] = acc_n[d] * inv;
             for (int idx = 0; idx < D; idx++) dst[plane_channel(idx, V_PER)] += acc_p[idx] * inv;
+            for (int d = 0; d < D; d++) dst[d] = __builtin_fabsf(dst[d]) <= FLT_MAX ? dst[d] : NAN; /* inf: NaN */
         }
     }
     free(part);

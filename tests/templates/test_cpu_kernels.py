@@ -379,3 +379,98 @@ def test_short_contexts_run_on_one_thread():
     assert cpu.threads_for(long, 3) == n_threads
     assert cpu.splits(long, 3, 2) == 1  # 12 (sequence, head) pairs already keep two threads busy
     assert cpu.splits(torch.tensor([8192], dtype=torch.int32), 1, 2) == 4
+
+
+# --------------------------------------------------------------------------- non-finite and huge values
+from nonfinite_checks import BAD, assert_nan_pattern, bad_inputs  # noqa: E402
+
+NONFINITE_POLICIES = [  # every format, both axes, both scale dtypes, sinks, residuals, rotation
+    Policy(Quant("int4", "channel", 4), Quant("int8", "token", 8), residual=3, sink=2),
+    Policy(Quant("int3", "token", None, True, "float32"), Quant("int2", "channel", 4, True), residual=0, sink=1),
+    Policy(Quant("fp8_e4m3", "channel", 4, scale_dtype="float32"), Quant("fp8_e5m2", "token", 8), residual=2,
+           rotate=True),
+    Policy(Quant("fp8_e5m2", "token", 8), Quant("none"), residual=4, sink=2),
+]
+
+
+def check_pattern(q, state, spec, mask=None, prefill=False, nsplit=None, chunk=(None, None)):
+    """The kernel is NaN exactly where ``attention_reference`` is (its rule for non-finite values), never inf,
+    and every other output is within the derived bound of float64 attention."""
+    k_new, v_new = chunk
+    if prefill:
+        got = cpu.prefill_attention(q, state, spec, mask, None, k_new=k_new, v_new=v_new)
+        nsplit = max(int(state.lengths.max()), 1)
+    else:
+        got = cpu.attention(q, state, spec, mask, None, nsplit=nsplit, k_new=k_new, v_new=v_new)
+        nsplit = nsplit or cpu.splits(state.lengths, spec.heads, cpu.threads_for(state.lengths, spec.heads))
+    ref = attention_reference(q, state, spec, mask, None, torch.float64, k_new=k_new, v_new=v_new)
+    assert_nan_pattern(got, ref, f"{'prefill' if prefill else 'decode'} {spec.name}")
+    want, tol = bound(q, state, spec, mask, None, nsplit=nsplit, k_new=k_new, v_new=v_new)
+    assert torch.equal(want.isnan(), ref.isnan())
+    ok = ~want.isnan()
+    assert ((got.double() - want).abs()[ok] <= tol[ok]).all(), spec.name
+    return got
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("policy", NONFINITE_POLICIES)
+def test_cpu_attention_non_finite_values_poison_what_the_reference_says(policy, dtype):
+    """Issue item 2: NaN, +inf and -inf keys and values in sinks, on packed groups' first and last tokens and
+    channels and in the residual window. Decode (one split and three), several query rows (a causal tail),
+    the prefill path, masks that hide some of the bad positions, the queries' own chunk: the C kernel is NaN
+    exactly where the reference is. Before, a NaN score in a tile with nothing else visible was skipped, a
+    hidden NaN value poisoned its rows (0 * NaN), e4m3's NaN code decoded as 480, and the reference turned a
+    NaN key's rows into zeros."""
+    B, H, G, D, L = 2, 2, 2, 16, 40
+    spec = LayerSpec(policy, H, D, dtype, block_tokens=16)
+    spec.register()
+    k, v = bad_inputs(spec, B, L, 3, 1.0, extremes=False)
+    store = scrambled(spec, B, 2 * B * spec.blocks_for(L), seed=3)
+    lengths = torch.tensor([L, L - 13])
+    store.append(k, v, lengths, kernel=cpu_store.store)
+    state = store.state
+    g = torch.Generator().manual_seed(4)
+    for n in (1, 4, 20):
+        q = torch.randn(B, H * G, n, D, generator=g)
+        keep = torch.rand(B, 1, n, L + 2, generator=g) > 0.5
+        for mask in (None, keep, torch.where(keep, torch.randn(B, 1, n, L + 2, generator=g), -torch.inf)):
+            if n * G <= cpu.ROWS_MAX:
+                for nsplit in (1, 3):
+                    check_pattern(q, state, spec, mask, nsplit=nsplit)
+            check_pattern(q, state, spec, mask, prefill=True)
+    own = torch.stack([k[b, :, int(lengths[b]) - 4:int(lengths[b])] for b in range(B)])
+    own_v = torch.stack([v[b, :, int(lengths[b]) - 4:int(lengths[b])] for b in range(B)])
+    q = torch.randn(B, H * G, 4, D, generator=g)
+    check_pattern(q, state, spec, nsplit=2, chunk=(own, own_v))
+    check_pattern(q, state, spec, prefill=True, chunk=(own, own_v))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_cpu_attention_is_finite_for_keys_beyond_fp16_scales(dtype):
+    """Issue item 1: int8 keys and values with fp16 scales (Policy.int8()) beyond 65,504 -- here up to the
+    model dtype's largest value -- made a scale inf and the C kernel's output NaN. Now every output is finite
+    and within the bound of float64 attention over what the store holds."""
+    B, H, G, D, L = 1, 2, 2, 16, 40
+    spec = LayerSpec(Policy.int8(residual=4), H, D, dtype, block_tokens=16)
+    spec.register()
+    top = torch.finfo(spec.torch_dtype).max
+    k, v = bad_inputs(spec, B, L, 5, min(top, 1e6), bad=())
+    store = scrambled(spec, B, 8, seed=5)
+    store.append(k, v, kernel=cpu_store.store)
+    q = torch.randn(B, H * G, 1, D, generator=torch.Generator().manual_seed(5)) / top  # O(1) scores
+    for got in (check_pattern(q, store.state, spec, nsplit=2), check_pattern(q, store.state, spec, prefill=True)):
+        assert torch.isfinite(got).all()
+
+
+def test_cpu_fp8_decode_reads_the_nan_code_as_nan():
+    """0x7F and 0xFF, the codes of a non-finite input, decode to NaN in both fp8 formats (e4m3fn's would be 480
+    by the fp16 placement); e5m2's inf codes stay inf."""
+    from kvcompile import quant as Q
+    for fmt, D in (("fp8_e4m3", 64), ("fp8_e4m3", 8), ("fp8_e5m2", 64)):
+        lib = cpu._kernel_for(LayerSpec(Policy.fp8(fmt), heads=1, head_dim=D), 1)
+        codes = torch.arange(256, dtype=torch.uint8)
+        got = torch.empty(256)
+        lib.kvc_fp8_decode(codes.data_ptr(), got.data_ptr(), 256, int(fmt == "fp8_e5m2"))
+        want = codes.view(Q.FP8_DTYPES[fmt]).float()
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), fmt
+        assert got[Q.FP8_CODE_NAN].isnan() and got[Q.FP8_CODE_NAN | 0x80].isnan()
