@@ -157,7 +157,8 @@ def main():
     full = sum(b.nbytes for _, b in model.named_buffers() if b.dim() == 4)
     model = kvcompile.apply(model, Policy.kivi(bits=4, group=16, residual=16), compiler="eager")
     prompt = torch.randint(0, 256, (1, 12))
-    print(generate(model, prompt, 8).tolist())
+    out = generate(model, prompt, 8)
+    print(f"prompt token ids:    {prompt[0].tolist()}\ngenerated token ids: {out[0, prompt.shape[1]:].tolist()}")
     print(kvcompile.explain(model))
     packed = kvcompile.nbytes(model)
     print(f"cache bytes after {prompt.shape[1] + 8} tokens: full-precision buffers {full:,}, "
