@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .policy import Policy
-from .store import DTYPE_NAMES, LayerSpec
+from .store import DTYPE_NAMES, DTYPES, LayerSpec
 
 
 def cache_bytes(policy: Policy, num_layers: int, kv_heads: int, head_dim: int, capacity: int,
@@ -31,5 +31,7 @@ def bytes_per_token(policy: Policy, num_layers: int, kv_heads: int, head_dim: in
 
 
 def full_precision_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype=torch.bfloat16) -> int:
-    """Bytes per token of a plain full-precision cache (keys and values)."""
-    return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    """Bytes per token of a plain full-precision cache (keys and values); ``dtype`` a torch dtype or its name.
+    The one place this is written."""
+    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dt).element_size()

@@ -57,12 +57,13 @@ class Explanation:
 
 def site_reports(sites: list[Site], specs: list[LayerSpec], owned: list[bool], skipped) -> Explanation:
     ex = Explanation(skipped=list(skipped))
+    from .accounting import full_precision_bytes_per_token
     for s, spec, own in zip(sites, specs, owned):
-        el = torch.empty((), dtype=spec.torch_dtype).element_size()
         write = f"{s.k_write.node.name} ({s.k_write.idiom})"
         ex.sites.append(SiteReport(s.layer, write, f"{s.read.name} (sdpa)", spec.policy.key_str(),
                                    (spec.block_nbytes() + 4) / spec.block, spec.row_nbytes(),
-                                   2 * spec.heads * spec.head_dim * el, s.gqa, own))
+                                   full_precision_bytes_per_token(1, spec.heads, spec.head_dim, spec.torch_dtype),
+                                   s.gqa, own))
     if not all(owned):
         ex.notes.append("[!] these caches were allocated in full precision by their owner (e.g. a transformers "
                         "StaticCache): kvcompile stores and reads them packed, but their full-precision memory is "

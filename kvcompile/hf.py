@@ -94,8 +94,9 @@ if not getattr(StaticSlidingWindowLayer.lazy_initialization, "_kvcompile", False
 def _ring_is_smaller(policy: Policy, window: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> bool:
     """Whether a full-precision ring of ``window`` tokens holds fewer bytes than ``policy``'s store of
     ``capacity`` tokens (per sequence, everything included)."""
+    from .accounting import full_precision_bytes_per_token
     dt = dtype if isinstance(dtype, torch.dtype) else torch.float32
-    ring = 2 * kv_heads * head_dim * min(window, capacity) * torch.empty((), dtype=dt).element_size()
+    ring = min(window, capacity) * full_precision_bytes_per_token(1, kv_heads, head_dim, dt)
     return ring <= LayerSpec(policy, kv_heads, head_dim, DTYPE_NAMES[dt]).nbytes(1, capacity)
 
 

@@ -27,10 +27,7 @@ from .policy import Policy
 
 
 def is_hf(model) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover  (transformers is a dependency; kept for vendored copies)
-        return False
+    from transformers import PreTrainedModel
     return isinstance(model, PreTrainedModel)
 
 

@@ -154,7 +154,9 @@ def layer_bytes_expr(policy: Policy, kv_heads: int, head_dim: int, dtype_bytes: 
 
 def ring_bytes_expr(shape: ModelShape, window: int, context=C):
     """Bytes of transformers' full-precision ring for one windowed layer: the last ``min(window, C)`` tokens."""
-    return 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes * sp.Min(window, context)
+    from .accounting import full_precision_bytes_per_token
+    dtype = {2: "bfloat16", 4: "float32"}[shape.dtype_bytes]
+    return full_precision_bytes_per_token(1, shape.kv_heads, shape.head_dim, dtype) * sp.Min(window, context)
 
 
 def sequence_bytes_expr(policy: Policy, shape: ModelShape, context=C):
@@ -257,9 +259,11 @@ def format_table(rows: list[PlanRow], shape: ModelShape, context: int, available
            if shape.tp > 1 else "")
     lines = [f"{shape.name}{gpu}: {shape.layers} layers{windowed} x {heads} KV heads x {shape.head_dim}, "
              f"{context:,}-token sequences, {available / GB:.1f} GB ({available / GiB:.1f} GiB) for the cache",
-             f"{'policy':<24}{'bytes/token':>13}{'GB/seq':>9}{'sequences':>11}{'vs 16-bit':>11}"]
+             ]
+    w = max([len("policy")] + [len(r.label) for r in rows]) + 2  # the longest label sets the first column
+    lines.append(f"{'policy':<{w}}{'bytes/token':>13}{'GB/seq':>9}{'sequences':>11}{'vs 16-bit':>11}")
     for r in rows:
-        lines.append(f"{r.label:<24}{r.bytes_per_token:>13,.0f}{r.sequence_bytes / GB:>9.3f}{r.sequences:>11}"
+        lines.append(f"{r.label:<{w}}{r.bytes_per_token:>13,.0f}{r.sequence_bytes / GB:>9.3f}{r.sequences:>11}"
                      f"{r.sequences / max(base.sequences, 1):>10.2f}x")
     return "\n".join(lines)
 

@@ -9,7 +9,7 @@ from kvcompile import Policy, Quant
 from kvcompile import evaluate as E
 from kvcompile.store import dequantize_reference
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -26,14 +26,12 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 
 
 def test_the_wheel_holds_a_gguf():
-    pytest.importorskip("gguf")
     g = models.find_gguf()
     assert g.suffix == ".gguf" and g.stat().st_size > 50_000_000
 
 
 @pytest.mark.slow
 def test_smollm2_loads_from_the_converted_copy_and_answers():
-    pytest.importorskip("gguf")
     path = models.convert_default(log=lambda *a: None)  # converts on the first run only
     t0 = time.perf_counter()
     model, tok = models.load()

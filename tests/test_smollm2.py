@@ -17,7 +17,6 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2():
-    pytest.importorskip("gguf")  # the embedded model's loader (a test dependency: a missing one is reported)
     torch._dynamo.reset()
     ref, tok = models.load()
     model, _ = models.load()
@@ -78,7 +77,6 @@ def test_pipeline_and_text_streamer(smollm2):
 
 
 def test_four_bit_kivi_still_answers():
-    pytest.importorskip("gguf")
     model, tok = models.load()
     kvcompile.apply(model, Policy.kivi(4, group=16, residual=4))  # a short window: the prompt is really packed
     enc = chat(tok, "What is the capital of France?")
