@@ -50,11 +50,13 @@ def _fp8_decode(code, E4M3: tl.constexpr):
 
     An e5m2 byte is the high byte of the fp16 of the same value. e4m3's sign, exponent and mantissa moved
     into an fp16's places (exponent bias 15 against 7) make an fp16 of the value times 2**-8, subnormals
-    included. Both are exact; three integer operations and one conversion per code."""
+    included. Both are exact; three integer operations and one conversion per code, and a select for
+    e4m3fn's NaN code 0x7F (the store's code for a NaN or inf input)."""
     if E4M3:
         h = ((code << 7) & 0x3F80) | ((code << 8) & 0x8000)
+        h = tl.where((code & 0x7F) == 0x7F, 0x7E00, h)  # e4m3fn's NaN code would land on a finite fp16
     else:
-        h = code << 8
+        h = code << 8  # e5m2's NaN and inf codes are fp16 NaN and inf
     return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
@@ -123,7 +125,12 @@ def _full_tile(ptr, pos, tok_ok, s_t, D: tl.constexpr, DB: tl.constexpr):
 def _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c, sm_scale,
                  MASK_KIND: tl.constexpr, DOT: tl.constexpr):
     """One tile of online softmax: scores ``q k^T * scale`` (+ mask), running max ``m_i``, running sum
-    ``l_i`` and unnormalised output ``acc``, all fp32."""
+    ``l_i`` and unnormalised output ``acc``, all fp32.
+
+    Non-finite values, as ``attention_reference``: an additive mask's -inf hides a position; a visible score
+    that is not finite makes its row's ``l_i`` NaN (nothing undoes it) and takes no part in the softmax; a
+    visible non-finite value makes its channel of ``acc`` NaN; hidden positions never reach ``acc`` (their
+    values are zeroed before the product, as 0 * NaN would poison the row)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT) * sm_scale
     vis = row_ok[:, None] & kv_ok[None, :]
     if MASK_KIND == 0:
@@ -132,14 +139,25 @@ def _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c
         mv = tl.load(mask_rows + p.to(tl.int64)[None, :] * sm_c, mask=vis, other=0)
         vis = vis & (mv != 0)
     else:
-        s = s + tl.load(mask_rows + p.to(tl.int64)[None, :] * sm_c, mask=vis, other=0.0).to(tl.float32)
-    s = tl.where(vis, s, float("-inf"))
+        mv = tl.load(mask_rows + p.to(tl.int64)[None, :] * sm_c, mask=vis, other=0.0).to(tl.float32)
+        vis = vis & (mv != float("-inf"))
+        s = s + mv
+    fin = tl.abs(s) < float("inf")
+    bad = tl.max(tl.where(vis & ~fin, 1, 0), 1) > 0  # a visible NaN or inf score: the row is NaN
+    s = tl.where(vis & fin, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp() away from NaN
     alpha = tl.exp(m_i - m_use)
     pr = tl.exp(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(pr, 1)
-    acc = acc * alpha[:, None] + tl.dot(pr, v, input_precision=DOT)
+    l_i = tl.where(bad, float("nan"), l_i)
+    vfin = tl.abs(v) < float("inf")
+    if tl.max(tl.max(tl.where(vfin, 0, 1), 1), 0) > 0:  # a NaN or inf value in the tile (rare)
+        hit = tl.dot(vis.to(tl.float32), tl.where(vfin, 0.0, 1.0), input_precision=DOT)  # visible ones, per channel
+        acc = acc * alpha[:, None] + tl.dot(pr, tl.where(vfin, v, 0.0), input_precision=DOT)
+        acc = tl.where(hit > 0, float("nan"), acc)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(pr, v, input_precision=DOT)
     return acc, m_new, l_i
 
 
@@ -265,9 +283,10 @@ def _attn_kernel(
 
     r = (b.to(tl.int64) * Hq + hq) * n + qi  # [BLOCK_M] row of [B, Hq, n]
     if not SPLIT:
-        lsafe = tl.where(l_i > 0, l_i, 1.0)
-        out = tl.math.div_rn(acc, lsafe[:, None])
-        out = tl.where((l_i > 0)[:, None], out, 0.0)  # a query that sees nothing returns zeros
+        empty = l_i == 0.0  # a query that sees nothing returns zeros; a NaN sum gives a NaN row
+        out = tl.math.div_rn(acc, tl.where(empty, 1.0, l_i)[:, None])
+        out = tl.where(empty[:, None], 0.0, out)
+        out = tl.where(tl.abs(out) < float("inf"), out, float("nan"))  # any non-finite output is NaN
         tl.store(out_ptr + r[:, None] * DB + c[None, :], out, mask=row_ok[:, None])
     else:
         w = r * nsplit + split
@@ -278,7 +297,8 @@ def _attn_kernel(
 
 @triton.jit
 def _merge_kernel(out_ptr, ws_acc, ws_ml, nsplit, NSPLIT_B: tl.constexpr, DB: tl.constexpr):
-    """out[r] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the splits of row r (zeros if empty)."""
+    """out[r] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the splits of row r (zeros if empty;
+    NaN where a split's sum or accumulator is, and wherever the result is not finite)."""
     r = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, NSPLIT_B)
     c = tl.arange(0, DB)
@@ -288,10 +308,11 @@ def _merge_kernel(out_ptr, ws_acc, ws_ml, nsplit, NSPLIT_B: tl.constexpr, DB: tl
     l = tl.load(ws_ml + w * 2 + 1, mask=ok, other=0.0)
     M = tl.max(m, 0)
     scale = tl.exp(m - tl.where(M == float("-inf"), 0.0, M))
-    lsum = tl.sum(scale * l, 0)
+    lsum = tl.sum(scale * l, 0)  # NaN when a split's sum is (a NaN row), whatever its weight
     acc = tl.sum(scale[:, None] * tl.load(ws_acc + w[:, None] * DB + c[None, :], mask=ok[:, None], other=0.0), 0)
-    out = tl.math.div_rn(acc, tl.where(lsum > 0, lsum, 1.0))
-    tl.store(out_ptr + r * DB + c, tl.where(lsum > 0, out, 0.0))
+    out = tl.math.div_rn(acc, tl.where(lsum == 0.0, 1.0, lsum))
+    out = tl.where(lsum == 0.0, 0.0, out)
+    tl.store(out_ptr + r * DB + c, tl.where(tl.abs(out) < float("inf"), out, float("nan")))
 
 
 # --------------------------------------------------------------------------- launcher
@@ -446,7 +467,8 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     4. Rotation back (fp32 ``out @ H``): sum_i e_i / sqrt(D) + gamma_D sum_i (|o_i| + e_i) / sqrt(D).
     5. Rounding to q's dtype: + u_t (|o| + e) with u_t = 2**-8 (bf16) or 2**-11 (fp16), plus half the
        subnormal spacing (2**-25 for fp16) where the output is subnormal.
-    A query that sees no key must return exactly 0.
+    A query that sees no key must return exactly 0. Where ``attention_reference``'s rule for non-finite values
+    makes an output NaN, both the expected value and the bound are NaN (callers compare that pattern).
     """
     from kvcompile.store import dequantize_reference, hadamard, positions, with_chunk
 
@@ -476,7 +498,16 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     elif mask.dtype == torch.bool:
         vis = vis & mask[..., :C].to(q.device)
     else:
-        sc = sc + mask[..., :C].to(q.device).double()
+        m = mask[..., :C].to(q.device).double()
+        vis = vis & (m != float("-inf"))
+        sc = sc + m
+    # attention_reference's rule for non-finite values: NaN rows (a visible non-finite score) and NaN
+    # channels (a visible non-finite value); the rest is bounded as usual over the finite values
+    seen = vis.expand(B, Hq, n, C)
+    row_nan = (seen & ~torch.isfinite(sc)).any(-1, keepdim=True)
+    vfin = torch.isfinite(v)
+    nan_at = row_nan | ((seen.double() @ (~vfin).double()) > 0)
+    v = torch.where(vfin, v, 0.0)
     vis = vis & torch.isfinite(sc)
     sc = sc.masked_fill(~vis, float("-inf"))
     w = torch.softmax(sc, dim=-1).nan_to_num(0.0)
@@ -495,4 +526,7 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
         # relative below the smallest normal; absolute (half the subnormal spacing) under it
         e = e + ut * (o.abs() + e) + fi.smallest_normal * fi.eps / 2
     empty = (N == 0).unsqueeze(-1)
-    return o.masked_fill(empty, 0.0), e.masked_fill(empty, 0.0)
+    if spec.policy.rotate:  # un-rotating spreads a NaN channel over the row
+        nan_at = nan_at.any(-1, keepdim=True).expand_as(nan_at)
+    return (o.masked_fill(empty, 0.0).masked_fill(nan_at, float("nan")),
+            e.masked_fill(empty, 0.0).masked_fill(nan_at, float("nan")))

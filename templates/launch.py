@@ -20,6 +20,7 @@ import os
 import torch
 from torch import Tensor
 
+from kvcompile import quant as Q
 from kvcompile.store import (CapacityError, KVState, LayerSpec, _state_capacity_check, check_chunk, check_kv, hadamard,
                              rotate, stored_chunk)
 
@@ -76,8 +77,8 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
     if n == 0:
         return
     dt = spec.torch_dtype
-    k = rotate(k, spec).to(dt).contiguous()
-    v = rotate(v, spec).to(dt).contiguous()
+    k = Q.saturate(rotate(k, spec), dt).contiguous()  # as store_reference: finite values clamp, never inf
+    v = Q.saturate(rotate(v, spec), dt).contiguous()
     err = _store.launch_store(state, spec, k, v, n_new)
     if not host:  # no host sync on CUDA: an unreserved block is not written, and the device raises
         torch._assert_async(err == 0, UNRESERVED)
@@ -122,4 +123,5 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     out = _attention.launch_attention(qr, state, spec, mask, scale, dot_precision(q.device), tiles, chunk)
     if spec.policy.rotate:
         out = out @ hadamard(D, q.device)
-    return out.to(q.dtype)
+        out = torch.where(torch.isfinite(out), out, float("nan"))  # as the reference: inf -> NaN
+    return Q.saturate(out, q.dtype)

@@ -21,7 +21,8 @@ flush reads -- which launch order on one stream guarantees. Grids come from stat
 tokens an ``n``-token append can flush is ``ceil(n/F)*F``); each program reads ``lengths`` on the device and
 exits early when it has nothing to do, so a decode step is CUDA-graph capturable.
 
-Numerics, step for step as ``quant.quantize`` (all fp32, IEEE-exact on GPU and in the interpreter):
+Numerics, step for step as ``quant.quantize`` (all fp32, IEEE-exact on GPU and in the interpreter; saturating
+at ``quant.limits``; an integer group holding NaN or inf poisoned, a non-finite fp8 element coded 0x7F):
 division by ``tl.math.div_rn`` (correctly rounded; plain ``/`` is approximate on NVIDIA GPUs); round half to
 even by adding and subtracting 1.5 * 2**23; fp16 directed rounding by correcting the round-to-nearest result one
 step through its int16 bit pattern; fp8 codes by integer arithmetic that replicates c10's
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvcompile import quant as Q
 from kvcompile.policy import Quant
 from kvcompile.store import KVState, LayerSpec
 
@@ -121,47 +123,80 @@ def _fp8_encode(y, E4M3: tl.constexpr):
 
 
 @triton.jit
+def _nan_scale(like, F16: tl.constexpr):
+    """torch's NaN (``float('nan')``) in the scale dtype, shaped like ``like``: fixed bits (0x7E00 as fp16,
+    0x7FC00000 as fp32), not whatever NaN a conversion on the device would produce."""
+    if F16:
+        return tl.full(like.shape, 0x7E00, tl.int16).to(tl.float16, bitcast=True)
+    else:
+        return tl.full(like.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _quantize(x, valid, AXIS: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr,
-              F16: tl.constexpr):
+              F16: tl.constexpr, ZMAX: tl.constexpr, SMAX: tl.constexpr):
     """Quantize fp32 ``x`` in groups reduced over ``AXIS``; ``quant.quantize`` for one tile.
 
     KIND: 0 asymmetric integer, 1 symmetric integer, 2 fp8. ``valid`` masks padding out of the reductions.
+    ZMAX, SMAX: ``quant.limits`` (the zero point and the scale saturate there). Statistics are taken over the
+    finite elements only (min/max never see a NaN); an integer group holding a NaN or +-inf is poisoned (NaN
+    scale and zero point, codes 0), a non-finite fp8 element gets code 0x7F. Clamps are written as selects
+    that keep -0.0, as torch.clamp does.
     Returns (codes int32 like ``x``, scale [reduced] in the scale dtype, zero [reduced] or the scale again).
     """
+    fin = tl.abs(x) < float("inf")  # False for NaN
+    xs = tl.where(fin, x, 0.0)
     if KIND == 0:
         QMAX: tl.constexpr = (1 << BITS) - 1
-        mn = tl.min(tl.where(valid, x, float("inf")), axis=AXIS)
-        mx = tl.max(tl.where(valid, x, float("-inf")), axis=AXIS)
+        bad = tl.max(tl.where(valid & ~fin, 1, 0), axis=AXIS) > 0
+        mn = tl.min(tl.where(valid, xs, float("inf")), axis=AXIS)
+        mx = tl.max(tl.where(valid, xs, float("-inf")), axis=AXIS)
         mn = tl.where(mn == float("inf"), 0.0, mn)  # a group that is all padding
         mx = tl.where(mx == float("-inf"), 0.0, mx)
+        mn = tl.where(mn < -ZMAX, -ZMAX, mn)
+        mn = tl.where(mn > ZMAX, ZMAX, mn)
         zero = _round_scale(mn, False, F16)
         zf = zero.to(tl.float32)
-        scale = _round_scale(tl.math.div_rn(mx - zf, float(QMAX)), True, F16)
+        r = tl.math.div_rn(mx - zf, float(QMAX))
+        r = tl.where(r < 0.0, 0.0, r)
+        r = tl.where(r > SMAX, SMAX, r)
+        scale = _round_scale(r, True, F16)
         sf = scale.to(tl.float32)
         sf = tl.where(sf == 0.0, 1.0, sf)
         y = _rne(tl.math.div_rn(x - tl.expand_dims(zf, AXIS), tl.expand_dims(sf, AXIS)))
         y = tl.minimum(tl.maximum(y, 0.0), float(QMAX))
-        return y.to(tl.int32), scale, zero
+        y = tl.where(tl.expand_dims(bad, AXIS), 0.0, y)  # a poisoned group's codes are 0
+        nan = _nan_scale(scale, F16)
+        return y.to(tl.int32), tl.where(bad, nan, scale), tl.where(bad, nan, zero)
     elif KIND == 1:
         QS: tl.constexpr = (1 << (BITS - 1)) - 1
-        amax = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=AXIS)
-        scale = _round_scale(tl.math.div_rn(amax, float(QS)), True, F16)
+        bad = tl.max(tl.where(valid & ~fin, 1, 0), axis=AXIS) > 0
+        amax = tl.max(tl.where(valid, tl.abs(xs), 0.0), axis=AXIS)
+        r = tl.math.div_rn(amax, float(QS))
+        r = tl.where(r > SMAX, SMAX, r)
+        scale = _round_scale(r, True, F16)
         sf = scale.to(tl.float32)
         sf = tl.where(sf == 0.0, 1.0, sf)
         y = _rne(tl.math.div_rn(x, tl.expand_dims(sf, AXIS)))
-        y = tl.minimum(tl.maximum(y, float(-QS)), float(QS))
-        return y.to(tl.int32) + (1 << (BITS - 1)), scale, scale
+        y = tl.minimum(tl.maximum(y, float(-QS)), float(QS)) + (1 << (BITS - 1))
+        y = tl.where(tl.expand_dims(bad, AXIS), 0.0, y)  # a poisoned group's codes are 0
+        scale = tl.where(bad, _nan_scale(scale, F16), scale)
+        return y.to(tl.int32), scale, scale
     else:
         if E4M3:
             FMAX: tl.constexpr = 448.0
         else:
             FMAX: tl.constexpr = 57344.0
-        amax = tl.max(tl.where(valid, tl.abs(x), 0.0), axis=AXIS)
-        scale = _round_scale(tl.math.div_rn(amax, FMAX), True, F16)
+        amax = tl.max(tl.where(valid, tl.abs(xs), 0.0), axis=AXIS)  # the finite elements' absmax
+        r = tl.math.div_rn(amax, FMAX)
+        r = tl.where(r > SMAX, SMAX, r)
+        scale = _round_scale(r, True, F16)
         sf = scale.to(tl.float32)
         sf = tl.where(sf == 0.0, 1.0, sf)
-        y = tl.math.div_rn(x, tl.expand_dims(sf, AXIS))
-        return _fp8_encode(y, E4M3), scale, scale
+        y = tl.math.div_rn(xs, tl.expand_dims(sf, AXIS))
+        y = tl.where(y < -FMAX, -FMAX, y)
+        y = tl.where(y > FMAX, FMAX, y)
+        return tl.where(fin, _fp8_encode(y, E4M3), 0x7F), scale, scale
 
 
 @triton.jit
@@ -207,6 +242,7 @@ def _flush_kernel(
     D: tl.constexpr, DB: tl.constexpr, S: tl.constexpr, R: tl.constexpr, F: tl.constexpr, W: tl.constexpr,
     KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr, F16: tl.constexpr, HAS_ZERO: tl.constexpr,
     CHANNEL: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr,
+    ZMAX: tl.constexpr, SMAX: tl.constexpr,
 ):
     """Quantize positions [Q(L), Q(L+n)) of one (sequence, head) into packed storage.
 
@@ -260,7 +296,7 @@ def _flush_kernel(
             PER: tl.constexpr = 8 // BITS
         unit_ok = tok_ok[:, None] & (tl.arange(0, DB // PER) * PER < D)[None, :]
         if CHANNEL:
-            codes, scale, zero = _quantize(xf, ok, 0, KIND, BITS, E4M3, F16)
+            codes, scale, zero = _quantize(xf, ok, 0, KIND, BITS, E4M3, F16, ZMAX, SMAX)
             # the group's block (the whole group is in one) and its row of scales there
             jg = q0 - S + tile * G
             gblk = tl.load(tbl_ptr + b.to(tl.int64) * st_b + jg // BS, mask=jg // BS < MB, other=-1)
@@ -274,7 +310,7 @@ def _flush_kernel(
             NG: tl.constexpr = DB // GB
             x3 = tl.reshape(xf, (BLOCK_T, NG, GB))
             ok3 = tl.reshape(ok, (BLOCK_T, NG, GB))
-            codes3, scale, zero = _quantize(x3, ok3, 2, KIND, BITS, E4M3, F16)
+            codes3, scale, zero = _quantize(x3, ok3, 2, KIND, BITS, E4M3, F16, ZMAX, SMAX)
             codes = tl.reshape(codes3, (BLOCK_T, DB))
             gi = tl.arange(0, NG)
             s_ok = tok_ok[:, None] & (gi * G < D)[None, :]
@@ -345,7 +381,8 @@ def flush_config(q: Quant, head_dim: int, sink: int, residual: int, flush: int, 
     channel = q.quantized and q.axis == "channel"
     kw = dict(D=D, DB=DB, S=sink, R=residual, F=flush, W=ring, KIND=_kind(q), BITS=q.bits,
               E4M3=q.format == "fp8_e4m3", F16=q.scale_dtype == "float16", HAS_ZERO=q.has_zero,
-              CHANNEL=channel, G=g, GB=triton.next_power_of_2(g) if not channel else g)
+              CHANNEL=channel, G=g, GB=triton.next_power_of_2(g) if not channel else g,
+              ZMAX=Q.limits(q)[0] if q.quantized else 0.0, SMAX=Q.limits(q)[1] if q.quantized else 0.0)
     key = f"store.flush[{q.key()};D={D};S={sink};R={residual};F={flush};W={ring}]"
     return key, kw
 

@@ -221,3 +221,66 @@ def test_fp8_decode_equals_torch_for_every_finite_code(fmt):
     assert torch.equal(out.cpu()[finite].view(torch.int32), want[finite].view(torch.int32))
     # the codes include fp8 subnormals, which become fp16 subnormals (below fp16's smallest normal) on the way
     assert ((want[finite] != 0) & (want[finite].abs() < torch.finfo(torch.float16).tiny)).sum() >= 6
+
+
+# --------------------------------------------------------------------------- non-finite and huge values
+from kvcompile.store import attention_reference  # noqa: E402
+from nonfinite_checks import assert_nan_pattern, bad_inputs  # noqa: E402
+
+
+@pytest.mark.parametrize("policy,dtype", [
+    (Policy(Quant("int4", "channel", 4), Quant("int8", "token", 8), residual=3, sink=2), "float32"),
+    (Policy(Quant("fp8_e4m3", "channel", 4, scale_dtype="float32"), Quant("fp8_e5m2", "token", 8), residual=2,
+            sink=1, rotate=True), "bfloat16"),
+])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on NaN operands
+def test_attention_kernel_non_finite_values_poison_what_the_reference_says(policy, dtype):
+    """Issue item 2 for the Triton kernel: NaN, +inf and -inf keys and values in sinks, packed groups' edges
+    and the residual window; split-K decode, a chunked prefill, masks hiding some bad positions, the queries'
+    own chunk: NaN exactly where ``attention_reference`` is, never inf, the rest within the derived bound."""
+    B, H, G, D, L = 2, 1, 2, 16, 40
+    spec = LayerSpec(policy, H, D, dtype, block_tokens=16)
+    spec.register()
+    k, v = bad_inputs(spec, B, L, 3, 1.0, extremes=False)
+    store = scrambled(spec, B, 2 * B * spec.blocks_for(L), seed=3)
+    lengths = torch.tensor([L, L - 13])
+    store.append(k, v, lengths)
+    state = store.state
+    g = torch.Generator().manual_seed(4)
+
+    def one(q, mask=None, chunk=(None, None)):
+        nsplit = kattn.default_tiles(spec, q.shape[2], G, torch.device(DEV), B,
+                                     kattn.position_bound(state, spec, mask))[2]
+        got = launch.attention(q.to(DEV), type(state)(*[t.to(DEV) for t in state]), spec,
+                               None if mask is None else mask.to(DEV), None,
+                               k_new=None if chunk[0] is None else chunk[0].to(DEV),
+                               v_new=None if chunk[1] is None else chunk[1].to(DEV)).cpu()
+        ref = attention_reference(q, state, spec, mask, None, torch.float64, k_new=chunk[0], v_new=chunk[1])
+        assert_nan_pattern(got, ref, spec.name)
+        want, tol = kattn.reference_and_bound(q, state, spec, mask, None, nsplit=nsplit,
+                                              dot=launch.dot_precision(torch.device(DEV)), k_new=chunk[0],
+                                              v_new=chunk[1])
+        assert torch.equal(want.isnan(), ref.isnan())
+        ok = ~want.isnan()
+        assert ((got.double() - want).abs()[ok] <= tol[ok]).all(), spec.name
+
+    for n in (1, 5):
+        q = torch.randn(B, H * G, n, D, generator=g)
+        keep = torch.rand(B, 1, n, L + 2, generator=g) > 0.5
+        for mask in (None, keep, torch.where(keep, torch.randn(B, 1, n, L + 2, generator=g), -torch.inf)):
+            one(q, mask)
+    own = torch.stack([k[b, :, int(lengths[b]) - 5:int(lengths[b])] for b in range(B)])
+    own_v = torch.stack([v[b, :, int(lengths[b]) - 5:int(lengths[b])] for b in range(B)])
+    one(torch.randn(B, H * G, 5, D, generator=g), chunk=(own, own_v))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_decode_reads_the_nan_code_as_nan(fmt):
+    """0x7F and 0xFF, the store's codes for a non-finite input, decode to NaN (e4m3fn's would land on 480 by
+    the fp16 placement); e5m2's inf codes stay inf."""
+    codes = torch.arange(256, dtype=torch.int32)
+    out = torch.empty(256, device=DEV)
+    _decode_kernel[(1,)](codes.to(DEV), out, E4M3=fmt == "fp8_e4m3")
+    want = codes.to(torch.uint8).view(Q.FP8_DTYPES[fmt]).float()
+    assert torch.equal(out.cpu().isnan(), want.isnan()) and torch.equal(out.cpu().isinf(), want.isinf())
+    assert out[Q.FP8_CODE_NAN].isnan() and out[Q.FP8_CODE_NAN | 0x80].isnan()

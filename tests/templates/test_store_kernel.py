@@ -219,3 +219,36 @@ def test_fp16_directed_rounding_equals_reference():
     up, down = _run_padded(_round_kernel, x, [torch.float16, torch.float16])
     assert torch.equal(bits(up), bits(Q.round_to_dtype(x, torch.float16, "up")))
     assert torch.equal(bits(down), bits(Q.round_to_dtype(x, torch.float16, "down")))
+
+
+# --------------------------------------------------------------------------- non-finite and huge inputs
+from nonfinite_checks import BAD, bad_inputs  # noqa: E402
+
+
+@pytest.mark.parametrize("policy,dtype", [
+    (Policy(Quant("int4", "channel", 4), Quant("int8", "token", 8), residual=3, sink=2), "float16"),
+    (Policy(Quant("int3", "token", None, True, "float32"), Quant("int2", "channel", 4, True), residual=0, sink=1),
+     "bfloat16"),
+    (Policy(Quant("fp8_e4m3", "channel", 4, scale_dtype="float32"), Quant("fp8_e5m2", "token", 8), residual=2),
+     "float32"),
+])
+def test_store_kernel_non_finite_and_huge_inputs_equal_reference(policy, dtype):
+    """Issue items 1 and 2 for the Triton store: NaN, +inf and -inf in sinks, on packed groups' first and
+    last tokens and channels and in the residual window, among values up to the model dtype's largest, are
+    stored bit for bit as the reference stores them (saturated scales, poisoned integer groups, fp8's NaN
+    code); without the bad values everything stored is finite."""
+    B, H, D, L = 2, 1, 16, 40
+    spec = LayerSpec(policy, H, D, dtype, block_tokens=16)
+    top = torch.finfo(spec.torch_dtype).max
+    for magnitude, bad in ((1.0, BAD), (top, BAD), (top / 4, ())):
+        k, v = bad_inputs(spec, B, L, 7, magnitude, bad=bad)
+        ref = scrambled(spec, B, 2 * B * spec.blocks_for(L), seed=2)
+        got = ref.copy(DEV)
+        at = 0
+        for n in (7, 1, 20, 12):
+            ref.append(k[:, :, at:at + n], v[:, :, at:at + n])
+            got.append(k[:, :, at:at + n].to(DEV), v[:, :, at:at + n].to(DEV), kernel=launch.store)
+            assert_same_store(ref.state, got.state, spec)
+            at += n
+        if not bad:
+            assert all(torch.isfinite(t.float()).all() for t in got.state[:10])
