@@ -131,7 +131,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
         p = w + W * torch.div(L - 1 - w, W, rounding_mode="floor")  # the newest position in slot w
         regions.append((([state.k_res.float()], 1), ([state.v_res.float()], 1), p, (p >= qb) & (p >= S) & (p >= 0)))
 
-    scores, values = [], []
+    scores, values, row_nan = [], [], []
     for k, v, p, valid in regions:
         kp, per = k
         # mul + sum per plane (not a matmul) so the unpacking, dequantizing loads fuse into the reduction
@@ -159,25 +159,38 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
             if mk.dtype == torch.bool:
                 vis = vis & mk
             else:
-                sc = sc + mk.float()
-        scores.append(sc.masked_fill(~vis, float("-inf")))
+                mk = mk.float()
+                vis = vis & (mk != float("-inf"))  # -inf hides a position (attention_reference)
+                sc = sc + mk
+        # non-finite values (attention_reference): a visible non-finite score makes the row NaN and takes no
+        # part in the softmax; a visible non-finite value makes its channel NaN; hidden positions are never read
+        ok = torch.isfinite(sc)
+        row_nan.append((vis & ~ok).any(-1, keepdim=True))
+        scores.append(sc.masked_fill(~(vis & ok), float("-inf")))
         values.append(v)
     sc = torch.cat(scores, dim=-1)
     m = sc.amax(-1, keepdim=True)
     e = torch.exp(sc - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
     den = e.sum(-1, keepdim=True)
     prob = e / torch.where(den > 0, den, torch.ones_like(den))  # a query that sees nothing gets zeros
+    # a position takes part in the values when its masked score is > -inf: it is visible and its score finite
+    # (a visible position with a non-finite score has made the row NaN already). Reading the scores, not the
+    # visibility again, keeps the unpacking loads fused into the value reduction.
+    live = sc > float("-inf")
     out, at = 0, 0
     for vp, per in values:
         R = vp[0].shape[2]
         pr = prob[..., at:at + R].reshape(B, H, G * n, R).unsqueeze(-1)
-        if pr.shape[2] <= UNROLL_ROWS:  # per query row, sharing the value loads
-            planes = [torch.stack([(pr[:, :, r] * v).sum(-2) for r in range(pr.shape[2])], dim=2) for v in vp]
-        else:
-            planes = [pr.squeeze(-1) @ v for v in vp]  # [B, H, G*n, D/per] each
+        lv = live[..., at:at + R].reshape(B, H, G * n, R).unsqueeze(-1)
+        if pr.shape[2] <= UNROLL_ROWS:  # per query row, sharing the value loads; hidden positions dropped
+            planes = [torch.stack([torch.where(lv[:, :, r], pr[:, :, r] * v, 0.0).sum(-2)
+                                   for r in range(pr.shape[2])], dim=2) for v in vp]
+        else:  # [B, H, G*n, D/per] each; a visible NaN/inf value makes its channel NaN
+            planes = [(pr.squeeze(-1) @ torch.where(torch.isfinite(v), v, 0.0)).masked_fill(
+                (lv.squeeze(-1).float() @ (~torch.isfinite(v)).float()) > 0, float("nan")) for v in vp]
         out = out + torch.stack(planes, dim=-1).flatten(-2)  # re-interleave: channel j*per + i
         at += R
-    out = out.view(B, Hq, n, D)
+    out = out.view(B, Hq, n, D).masked_fill(torch.stack(row_nan).any(0), float("nan"))
     if pol.rotate:
         out = out @ hadamard(D, dev)
-    return out.to(q.dtype)
+    return Q.saturate(torch.where(torch.isfinite(out), out, float("nan")), q.dtype)  # inf -> NaN

@@ -100,3 +100,50 @@ def test_op_dispatches_to_the_compiled_template_on_cpu():
     finally:
         ops.set_kernels("auto")
     assert ops._compiled_attention.cache_info().misses == before + 1  # built once for this layout
+
+
+# --------------------------------------------------------------------------- non-finite values
+from nonfinite_checks import assert_close, bad_inputs  # noqa: E402
+
+NONFINITE_POLICIES = [
+    Policy(Quant("int4", "channel", 4), Quant("int8", "token", 8), residual=3, sink=2),
+    Policy(Quant("int3", "token", None, True, "float32"), Quant("int2", "channel", 4, True), residual=0, sink=1),
+    Policy(Quant("fp8_e4m3", "channel", 4, scale_dtype="float32"), Quant("fp8_e5m2", "token", 8), residual=2,
+           rotate=True),
+]
+
+
+@pytest.mark.parametrize("policy", NONFINITE_POLICIES)
+def test_inductor_attention_non_finite_values_poison_what_the_reference_says(policy):
+    """Issue item 2 for the Inductor template (eager): NaN, +inf and -inf keys and values in sinks, packed
+    groups' edges and the residual window; decode, several rows (unrolled) and a prefill (> 16 rows: the
+    matrix path), masks hiding some bad positions: NaN exactly where attention_reference is, never inf."""
+    B, H, G, D, L = 2, 1, 2, 16, 40
+    spec = LayerSpec(policy, H, D, block_tokens=16)
+    k, v = bad_inputs(spec, B, L, 3, 1.0, extremes=False)
+    store = scrambled(spec, B, 2 * B * spec.blocks_for(L), 3)
+    store.append(k, v, torch.tensor([L, L - 13]))
+    g = torch.Generator().manual_seed(4)
+    for n in (1, 4, 20):
+        q = torch.randn(B, H * G, n, D, generator=g)
+        keep = torch.rand(B, 1, n, L + 2, generator=g) > 0.5
+        for mask in (None, keep, torch.where(keep, torch.randn(B, 1, n, L + 2, generator=g), -torch.inf)):
+            want = attention_reference(q, store.state, spec, mask, 0.3, torch.float64)
+            assert_close(inductor.attention(q, store.state, spec, mask, 0.3), want, TOL, spec.name)
+
+
+def test_compiled_inductor_attention_non_finite_values():
+    """The same rule compiled: decode over a store holding NaN and inf values in every region (keys finite, so
+    that only the channels they poison are NaN)."""
+    policy = NONFINITE_POLICIES[0]
+    B, H, D, L = 2, 1, 16, 40
+    spec = LayerSpec(policy, H, D, block_tokens=16)
+    k, v = bad_inputs(spec, B, L, 5, 1.0, extremes=False)
+    k = torch.where(k.isfinite(), k, 0.0)
+    store = scrambled(spec, B, 2 * B * spec.blocks_for(L), 5)
+    store.append(k, v, torch.tensor([L, L - 7]))
+    fn = torch.compile(lambda q, st: inductor.attention(q, st, spec, None, None), fullgraph=True)
+    q = torch.randn(B, 2 * H, 1, D, generator=torch.Generator().manual_seed(5))
+    want = attention_reference(q, store.state, spec, None, None, torch.float64)
+    assert want.isnan().any() and (~want.isnan()).any()
+    assert_close(fn(q, store.state), want, TOL, spec.name)
