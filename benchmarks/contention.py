@@ -187,11 +187,12 @@ def kvcompile_stack(layers, policy, B, H, G, D, L, S, proj=None):
         for s in states:
             s.lengths.fill_(L)
         for _ in range(S):
-            for s in states:
-                if proj:
-                    proj()
-                cpu_store.store(s, spec, k1, v1)
-                cpu.attention(q, s, spec, None, None)
+            with cpu.capped_torch_threads():  # as kvcompile's forward runs a step: torch's threads capped too
+                for s in states:
+                    if proj:
+                        proj()
+                    cpu_store.store(s, spec, k1, v1)
+                    cpu.attention(q, s, spec, None, None)
     return block
 
 

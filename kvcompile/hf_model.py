@@ -14,6 +14,7 @@ prompt length and no larger cache compiles again.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -132,6 +133,15 @@ def call_compiled(compiled, what: str, *args, **kwargs):
             "graphs.") from e
 
 
+def _threads(x):
+    """On the CPU, torch's threads follow the cores other processes leave free for the call
+    (``templates.cpu.capped_torch_threads``); elsewhere nothing."""
+    if x.device.type != "cpu":
+        return contextlib.nullcontext()
+    from .templates.cpu import capped_torch_threads
+    return capped_torch_threads()
+
+
 # cache_implementation values generate may be given for an applied model: all become its kvcompile cache
 _CACHES_REPLACED = {None, "dynamic", "static", "dynamic_full", "hybrid", "sliding_window", "hybrid_chunked"}
 
@@ -192,14 +202,16 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
                 # stores them: the cache's eager path does exactly that (the same kernels store), so it runs
                 # without Dynamo tracing the model (tens of seconds on a small CPU). Compiled graphs serve the
                 # decode steps and later chunks, which read what the store holds.
-                return orig_forward(*args, **kwargs)
+                with _threads(ids):
+                    return orig_forward(*args, **kwargs)
         elif type(cache).__name__ in ("DynamicCache", "QuantizedCache", "OffloadedCache"):
             raise KVCompileError(
                 f"this model was prepared by kvcompile.apply but was given a {type(cache).__name__}, which grows by "
                 f"concatenation in full precision and cannot be quantized in place. Pass no cache (a kvcompile "
                 f"cache is created and returned, to pass back on the next call), or a kvcompile.hf.KVCompileCache.")
         mark_dynamic(args, kwargs)
-        return call_compiled(compiled, f"{type(model).__name__}.forward under kvcompile", *args, **kwargs)
+        with _threads(ids):
+            return call_compiled(compiled, f"{type(model).__name__}.forward under kvcompile", *args, **kwargs)
 
     orig_prepare = model._prepare_cache_for_generation
 

@@ -13,6 +13,7 @@ materialized either.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -583,3 +584,21 @@ def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor |
     if spec.policy.rotate:
         out = out @ hadamard(D, q.device)
     return Q.saturate(torch.where(torch.isfinite(out), out, float("nan")), q.dtype)  # inf -> NaN, as the reference
+
+
+@contextlib.contextmanager
+def capped_torch_threads():
+    """Within the block, torch's own thread count (its intra-op pool: the model's matmuls, SDPA) is at most
+    ``available_threads()``, and is put back after; never raised. torch's OpenMP workers spin while they wait,
+    so on a loaded machine a team larger than the free cores stalls every parallel region for a time slice
+    (docs/contention.md: a SmolLM2 decode step 10x slower beside two busy processes). kvcompile's forward runs
+    under it on the CPU; on an idle machine nothing changes."""
+    before = torch.get_num_threads()
+    n = available_threads()
+    if n < before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n < before:
+            torch.set_num_threads(before)

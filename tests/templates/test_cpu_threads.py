@@ -147,3 +147,39 @@ def test_real_competitors_take_the_kernels_down_to_one_thread(monkeypatch):
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_torch_threads_are_capped_for_a_call_and_put_back(monkeypatch):
+    """kvcompile's forward runs torch's own ops (the model's matmuls) with at most the free cores' threads,
+    never more than the user set, and puts the user's count back."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import kvcompile
+    from kvcompile import Policy
+    from kvcompile.templates import cpu
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(cpu, "available_threads", lambda: 1)
+        with cpu.capped_torch_threads():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        monkeypatch.setattr(cpu, "available_threads", lambda: 8)
+        with cpu.capped_torch_threads():
+            assert torch.get_num_threads() == 2  # never raised above the user's count
+        monkeypatch.setattr(cpu, "available_threads", lambda: 1)
+        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, attn_implementation="sdpa")
+        model = LlamaForCausalLM(cfg).eval()
+        seen = []  # torch's thread count whenever the store kernel runs: in the prefill (eager) and each decode step
+        from kvcompile.templates import cpu_store
+        real = cpu_store.store
+        monkeypatch.setattr(cpu_store, "store", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k))
+        kvcompile.apply(model, Policy.int8())
+        with torch.no_grad():
+            model.generate(torch.randint(3, 64, (1, 5)), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        assert len(seen) == 3 and set(seen) == {1} and torch.get_num_threads() == 2  # prefill + 2 decode steps
+    finally:
+        torch.set_num_threads(before)
