@@ -1,6 +1,8 @@
 """Cache bytes of a model with sliding-window layers: transformers' StaticCache, kvcompile's cache, and what
 kvcompile's cache would hold with every layer as a packed store (the behaviour before sliding-window layers
-kept transformers' ring). Bytes are summed from the allocated tensors (one sequence), no weights are loaded.
+kept transformers' ring). Bytes are what the caches hold once one sequence has ``context`` tokens: the
+StaticCache's allocated tensors, kvcompile's stores filled with that many tokens (its rings are allocated
+whole); no weights are loaded.
 
     python benchmarks/windowed_cache_bytes.py                    # Gemma-3-1B-shaped: 26 layers, 22 sliding (512)
     python benchmarks/windowed_cache_bytes.py --contexts 1024    # the test suite runs this
@@ -14,7 +16,7 @@ import transformers
 from transformers.cache_utils import StaticCache
 
 from kvcompile import Policy, cache_bytes
-from kvcompile.hf import KVCompileCache
+from kvcompile.hf import KVCompileCache, KVCompileLayer
 
 POLICIES = {"int8": Policy.int8(), "fp8": Policy.fp8(), "KIVI int4": Policy.kivi(4), "KIVI int2": Policy.kivi(2)}
 
@@ -45,6 +47,10 @@ def main(argv=None) -> list[dict]:
         del static
         for name, policy in POLICIES.items():
             ours = KVCompileCache(cfg, policy, C, batch_size=1, dtype=torch.bfloat16)
+            x = torch.randn(1, 1, C, 256, dtype=torch.bfloat16)
+            for layer in ours.layers:
+                if isinstance(layer, KVCompileLayer):  # a store holds what it was given: a whole sequence
+                    layer.update(x, x)
             stores = cache_bytes(policy, n, 1, 256, C, dtype=torch.bfloat16)
             rows.append(dict(context=C, policy=name, static=native, kvcompile=ours.nbytes, all_stores=stores,
                              rings=len(ours.rings)))
