@@ -6,6 +6,7 @@ fails where it is written and compile caches can key on them.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
@@ -22,6 +23,11 @@ FORMAT_BITS = {
 }
 AXES = ("token", "channel")
 SCALE_DTYPES = ("float16", "float32")
+
+
+# The version field of a policy file (``Policy.save``); a later format bumps it and keeps reading this one.
+POLICY_FILE_FIELD = "kvcompile_policy"
+POLICY_FILE_VERSION = 1
 
 
 class PolicyError(ValueError):
@@ -329,6 +335,73 @@ class Policy:
     def __str__(self) -> str:
         return self.key_str() + (f" (+{len(self.overrides)} overrides)" if self.overrides else "")
 
+    # ------------------------------------------------------------------ files
+    def to_dict(self) -> dict:
+        """A JSON-ready dict of this policy and its overrides, in the form ``Policy.save`` writes."""
+        d = {POLICY_FILE_FIELD: POLICY_FILE_VERSION, **_leaf_to_dict(self)}
+        d["overrides"] = [{"layers": _selector_to_json(sel), "policy": _leaf_to_dict(pol)}
+                          for sel, pol in self.overrides]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "policy") -> "Policy":
+        """The policy ``to_dict`` wrote; a ``PolicyError`` naming ``where`` and the field for anything else."""
+        at = lambda path: f"{where}, at {path}"  # noqa: E731
+        if not isinstance(d, dict):
+            raise PolicyError(f"{where}: found {_json_kind(d)}, expected a JSON object written by Policy.save "
+                              f"(with {POLICY_FILE_FIELD!r}, 'key', 'value', 'residual', 'sink', 'rotate', "
+                              f"'overrides')")
+        version = d.get(POLICY_FILE_FIELD)
+        if version != POLICY_FILE_VERSION:
+            found = "no such field" if POLICY_FILE_FIELD not in d else f"{version!r}"
+            todo = ("upgrade kvcompile to read it" if _is_int(version) and version > POLICY_FILE_VERSION else
+                    "write the file with Policy.save or `kvcompile calibrate`")
+            raise PolicyError(f"{where}: {POLICY_FILE_FIELD!r} (the file format version) is {found}, expected "
+                              f"{POLICY_FILE_VERSION}; {todo}")
+        body = {k: v for k, v in d.items() if k != POLICY_FILE_FIELD}
+        overrides = body.pop("overrides", [])
+        base = _leaf_from_dict(body, where, "")
+        if not isinstance(overrides, list):
+            raise PolicyError(f"{at('overrides')}: found {_json_kind(overrides)}, expected a list of "
+                              f'{{"layers": selector, "policy": {{...}}}} objects')
+        items = []
+        for i, o in enumerate(overrides):
+            here = f"overrides[{i}]"
+            if not isinstance(o, dict) or set(o) != {"layers", "policy"}:
+                raise PolicyError(f"{at(here)}: found {_json_kind(o)}, expected an object with exactly the fields "
+                                  f'"layers" (a selector) and "policy"')
+            if isinstance(o["policy"], dict) and "overrides" in o["policy"]:
+                raise PolicyError(f"{at(here + '.policy')}: an override's policy has no overrides of its own; move "
+                                  f"them to the top-level 'overrides' list")
+            items.append((_selector_from_json(o["layers"], at(here + ".layers")),
+                          _leaf_from_dict(o["policy"], where, here + ".policy")))
+        return replace(base, overrides=tuple(items))
+
+    def save(self, path) -> "Path":
+        """Write this policy (overrides included) as JSON to ``path``; returns the path, for ``Policy.load``."""
+        from pathlib import Path
+        p = Path(path).expanduser()
+        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return p
+
+    @classmethod
+    def load(cls, path) -> "Policy":
+        """The policy in a JSON file written by ``save`` (or ``kvcompile calibrate``)."""
+        from pathlib import Path
+        p = Path(path).expanduser()
+        where = f"policy file {str(path)!r}"
+        if not p.is_file():
+            raise PolicyError(f"{where}: {'a directory' if p.is_dir() else 'no such file'}; expected a JSON file "
+                              f"written by Policy.save or `kvcompile calibrate --out`")
+        try:
+            d = json.loads(p.read_text())
+        except UnicodeDecodeError:
+            raise PolicyError(f"{where}: not text (not UTF-8); expected a JSON file written by Policy.save") from None
+        except json.JSONDecodeError as e:
+            raise PolicyError(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); expected a "
+                              f"file written by Policy.save") from None
+        return cls.from_dict(d, where)
+
 
 def _check_tokens(what: str, n: Any) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -423,3 +496,85 @@ def _show_selector(sel) -> str:
     if kind == "re":
         return repr("re:" + sel[1])
     return repr(sel[1])
+
+
+# --------------------------------------------------------------------------- policy files
+_QUANT_FIELDS = ("format", "axis", "group", "symmetric", "scale_dtype")
+_LEAF_FIELDS = ("key", "value", "residual", "sink", "rotate")
+
+
+def _json_kind(x: Any) -> str:
+    kinds = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return f"{kinds.get(type(x), type(x).__name__)} {json.dumps(x)[:60] if _jsonable(x) else repr(x)[:60]}"
+
+
+def _jsonable(x: Any) -> bool:
+    try:
+        json.dumps(x)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _leaf_to_dict(pol: "Policy") -> dict:
+    return {"key": {f: getattr(pol.key, f) for f in _QUANT_FIELDS},
+            "value": {f: getattr(pol.value, f) for f in _QUANT_FIELDS},
+            "residual": pol.residual, "sink": pol.sink, "rotate": pol.rotate}
+
+
+def _check_fields(d: dict, allowed, where: str) -> None:
+    extra = [k for k in d if k not in allowed]
+    if extra:
+        raise PolicyError(f"{where}: unknown field {extra[0]!r}; expected only {', '.join(map(repr, allowed))}")
+
+
+def _leaf_from_dict(d: Any, where: str, path: str) -> "Policy":
+    def at(sub: str) -> str:
+        full = f"{path}.{sub}" if path and sub else path or sub
+        return f"{where}, at {full}" if full else where
+    if not isinstance(d, dict):
+        raise PolicyError(f"{at('')}: found {_json_kind(d)}, expected an object with {', '.join(_LEAF_FIELDS)}")
+    _check_fields(d, _LEAF_FIELDS, at(""))
+    kw = {k: d[k] for k in ("residual", "sink", "rotate") if k in d}
+    for side in ("key", "value"):
+        q = d.get(side, {"format": "none"})
+        if not isinstance(q, dict):
+            raise PolicyError(f"{at(side)}: found {_json_kind(q)}, expected an object with "
+                              f"{', '.join(_QUANT_FIELDS)}")
+        _check_fields(q, _QUANT_FIELDS, at(side))
+        if "format" not in q:
+            raise PolicyError(f"{at(side)}: no 'format' field; expected one of {sorted(FORMAT_BITS)}")
+        try:
+            kw[side] = Quant(**q)
+        except PolicyError as e:
+            raise PolicyError(f"{at(side)}: {e}") from None
+    try:
+        return Policy(**kw)
+    except PolicyError as e:
+        raise PolicyError(f"{at('')}: {e}") from None
+
+
+def _selector_to_json(sel) -> dict:
+    kind = sel[0]
+    return {kind: list(sel[1:]) if kind == "range" else sel[1]}
+
+
+def _selector_from_json(x: Any, where: str):
+    """``{"index": 3}``, ``{"range": [0, 4, 1]}``, ``{"name": "model.layers.0"}`` or ``{"re": "..."}`` (what
+    ``save`` writes), or the keys ``override`` takes: an int, ``"re:<regex>"`` or a module name."""
+    if isinstance(x, dict) and len(x) == 1:
+        kind, arg = next(iter(x.items()))
+        sel = (kind, *arg) if kind == "range" and isinstance(arg, list) else (kind, arg)
+    elif isinstance(x, (int, str)) and not isinstance(x, bool):
+        try:
+            sel = _normalize_selector(x)
+        except PolicyError as e:
+            raise PolicyError(f"{where}: {e}") from None
+    else:
+        sel = None
+    if sel is None or not _is_normalized_selector(sel):
+        raise PolicyError(f"{where}: found {_json_kind(x)}, expected a layer selector: {{\"index\": 3}}, "
+                          f"{{\"range\": [start, stop, step]}} (step not 0), {{\"name\": \"model.layers.0\"}} or "
+                          f"{{\"re\": \"<regex>\"}}")
+    return sel
