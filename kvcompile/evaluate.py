@@ -165,9 +165,14 @@ def heldout_text() -> str:
 
 def heldout_windows(tok, n: int = 2048, count: int = 4) -> torch.Tensor:
     """``count`` windows of ``n`` tokens, evenly spaced over the held-out text: int64 ``[count, n]``."""
-    ids = torch.tensor(tok(heldout_text(), add_special_tokens=False)["input_ids"], dtype=torch.long)
+    return text_windows(tok, heldout_text(), n, count, "the held-out text")
+
+
+def text_windows(tok, text: str, n: int, count: int, what: str = "the text") -> torch.Tensor:
+    """``count`` windows of ``n`` tokens, evenly spaced over ``text``: int64 ``[count, n]``."""
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     if len(ids) < n:
-        raise ValueError(f"the held-out text has {len(ids)} tokens, fewer than one window of {n}")
+        raise ValueError(f"{what} has {len(ids)} tokens, fewer than one window of {n}")
     last = len(ids) - n
     starts = [round(i * last / max(count - 1, 1)) for i in range(count)] if count > 1 else [0]
     return torch.stack([ids[s:s + n] for s in starts])
@@ -182,28 +187,40 @@ def heldout_loss(model, windows: torch.Tensor, policy: Policy, chunk: int = 64, 
     the cache ``chunk`` tokens at a time. Returns one number per window.
     """
     W, N = windows.shape
-    half = N // 2
-    losses = []
-    bar = tqdm(total=W * (1 + math.ceil((N - half) / chunk)), disable=not progress, leave=False,
+    nll = torch.zeros(W, dtype=torch.float64)
+    bar = tqdm(total=W * (1 + math.ceil((N - N // 2) / chunk)), disable=not progress, leave=False,
                desc=f"loss {policy}"[:60])
+    for rows, s, pred in scored_logits(model, windows, policy, chunk, batch, fast, on_call=bar.update):
+        nll[rows] += F.cross_entropy(pred.reshape(-1, pred.shape[-1]), windows[rows, s:s + pred.shape[1]].reshape(-1),
+                                     reduction="none").view(len(pred), -1).double().sum(1)
+    bar.close()
+    return (nll / (N - N // 2)).tolist()
+
+
+def scored_logits(model, windows: torch.Tensor, policy: Policy, chunk: int = 64, batch: int = 4, fast: bool = True,
+                  on_call=None):
+    """The held-out protocol's predictions: yields ``(rows, s, pred)`` where ``pred``, float32 ``[b, c, V]``,
+    predicts tokens ``windows[rows, s:s + c]`` of the second half, fed through a cache with ``policy``.
+
+    The first ``N/2`` tokens of each window are prefilled in one call, the rest go through the cache ``chunk``
+    tokens at a time; ``on_call(rows)`` after each model call (progress)."""
+    W, N = windows.shape
+    half = N // 2
     for w0 in range(0, W, batch):
-        ids = windows[w0:w0 + batch]
+        rows = slice(w0, min(w0 + batch, W))
+        ids = windows[rows]
         cache = make_cache(model, policy, N, fast)
         # Position p's logits predict token p + 1: the prefill's last one predicts the first target.
         prev = _forward(model, ids[:, :half], cache, keep=1)
-        bar.update(len(ids))
-        nll = torch.zeros(len(ids), dtype=torch.float64)
+        if on_call:
+            on_call(len(ids))
         for s in range(half, N, chunk):
             lg = _forward(model, ids[:, s:s + chunk], cache)
             pred = torch.cat([prev, lg[:, :-1]], 1).float()  # predicts tokens s .. s + chunk - 1
             prev = lg[:, -1:]
-            nll += F.cross_entropy(pred.reshape(-1, pred.shape[-1]), ids[:, s:s + chunk].reshape(-1),
-                                   reduction="none").view(len(ids), -1).double().sum(1)
-            bar.update(len(ids))
-        ce = nll / (N - half)
-        losses += ce.tolist()
-    bar.close()
-    return losses
+            if on_call:
+                on_call(len(ids))
+            yield rows, s, pred
 
 
 # --------------------------------------------------------------------------- passkey retrieval
@@ -411,6 +428,28 @@ def parse_entry(entry: str) -> tuple[str, int]:
     return name, int(bits)
 
 
+def is_policy_file(entry: str) -> bool:
+    """An entry that names a policy file (``Policy.save``, ``kvcompile calibrate``), not ``SCHEME:BITS``."""
+    return entry.endswith(".json")
+
+
+def entry_policy(entry: str, config) -> tuple[str, float, Policy | None]:
+    """``(scheme, bits, policy)`` of an entry: ``"kivi:4"`` -> ``("kivi", 4, its policy or None)``; a policy file
+    -> ``(its file name, the mean stored bits per element over the model's layers, the policy)``."""
+    if not is_policy_file(entry):
+        name, b = parse_entry(entry)
+        return name, b, scheme_policy(name, b)
+    pol = Policy.load(entry)
+    return Path(entry).name, code_bits(pol, config), pol
+
+
+def code_bits(policy: Policy, config) -> float:
+    """Mean bits of a stored code over every layer's keys and values (full precision counted as 16), rounded
+    to 0.01: the x-axis of the eval's plot for a per-layer policy (scales and residual not counted)."""
+    per = [q.bits or 16 for p in KVCompileCache(config, policy, 1).policies for q in (p.key, p.value)]
+    return round(sum(per) / len(per), 2)
+
+
 def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int] = DEFAULT_BITS,
         window: int = 2048, windows: int = 4, chunk: int = 64, passkey: Iterable[str] = (),
         passkey_lengths=(1024, 2048, 4096, 8192), passkey_trials_n: int = 20, seed: int = 0,
@@ -418,21 +457,19 @@ def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int
         entries: Iterable[str] | None = None, passkey_chunk: int = 2048) -> dict:
     """Loss delta of every ``scheme x bits`` over full precision, and passkey accuracy of the ``passkey``
     entries: ``"full"``, ``"scheme:bits"`` or ``"best:bits"`` (the lowest loss delta of that width).
-    ``entries``: ``"scheme:bits"`` strings to evaluate instead of ``schemes x bits`` (``[]``: passkey only).
+    ``entries``: ``"scheme:bits"`` strings or policy files (``*.json``, ``Policy.save``) to evaluate instead of
+    ``schemes x bits`` (``[]``: passkey only); ``passkey`` entries may be policy files too.
     ``out_dir``: write ``eval.partial.json`` there after every row. ``passkey_chunk``: the prompt is prefilled
     through the cache in aligned chunks of this many tokens (see ``passkey_retrieved``).
     Returns a JSON-ready dict (see ``write``)."""
     layers, kv_heads, head_dim = model_shape(model.config)
     W = heldout_windows(tok, window, windows)
-    if entries is not None:  # explicit "scheme:bits" list instead of the product
-        pairs = [parse_entry(e) for e in entries]
+    if entries is not None:  # explicit "scheme:bits" list (or policy files) instead of the product
+        pairs = [entry_policy(e, model.config) for e in entries]
     else:
-        pairs = [(name, b) for b in bits for name in schemes]
+        pairs = [(name, b, scheme_policy(name, b)) for b in bits for name in schemes]
     todo = [("full", 16, Policy.full())] if pairs else []
-    for name, b in pairs:
-        pol = scheme_policy(name, b)
-        if pol is not None:
-            todo.append((name, b, pol))
+    todo += [t for t in pairs if t[2] is not None]
     fp_bpt = full_precision_bytes_per_token(layers, kv_heads, head_dim)
     res = {"model": getattr(model.config, "_name_or_path", "") or "model",
            "window": window, "windows": windows, "chunk": chunk, "seed": seed,
@@ -459,6 +496,8 @@ def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int
     for entry in passkey:
         if entry == "full":
             name, b, pol = "full", 16, Policy.full()
+        elif is_policy_file(entry):
+            name, b, pol = entry_policy(entry, model.config)
         else:
             name, b = parse_entry(entry)
             if name == "best":  # the measured best scheme of that width, by loss delta
