@@ -6,7 +6,8 @@ from .passes import KVCompileError
 from .api import apply, nbytes
 from .backend import kvcompile_backend  # noqa: F401  (registers the torch.compile backend "kvcompile")
 from .explain import explain
+from .calibrate import calibrate
 from .hf import KVCompileWarning  # also registers transformers' sliding-window rings as the model's own
 
-__all__ = ["apply", "explain", "nbytes", "KVCompileError", "KVCompileWarning", "Quant", "Policy", "PolicyError", "CapacityError", "QuantizedKV", "bytes_per_token", "cache_bytes"]
+__all__ = ["apply", "calibrate", "explain", "nbytes", "KVCompileError", "KVCompileWarning", "Quant", "Policy", "PolicyError", "CapacityError", "QuantizedKV", "bytes_per_token", "cache_bytes"]
 __version__ = "0.1.0"

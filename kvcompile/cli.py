@@ -1,8 +1,9 @@
-"""The ``kvcompile`` command: ``demo``, ``eval`` and ``plan``.
+"""The ``kvcompile`` command: ``demo``, ``eval``, ``plan`` and ``calibrate``.
 
     kvcompile demo                      # SmolLM2, default policy: bytes saved, loss delta, tokens/s, a reply
     kvcompile eval --out results/       # the quality table: loss delta per scheme and width, passkey
     kvcompile plan --preset llama3-8b   # concurrent sequences per GPU, exact bytes per token
+    kvcompile calibrate --budget 5 --out policy.json   # per-layer bits for a byte budget, as a policy file
 """
 from __future__ import annotations
 
@@ -85,12 +86,15 @@ def _entry_policy(text: str):
 
 
 def _policy_arg(text: str):
+    """``default``, ``SCHEME:BITS`` or a policy file (``*.json``, written by ``Policy.save`` or ``calibrate``)."""
+    from .evaluate import is_policy_file
+    from .policy import Policy, PolicyError
     if text == "default":
         return default_policy()
     try:
-        return _entry_policy(text)
-    except UsageError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        return Policy.load(text) if is_policy_file(text) else _entry_policy(text)
+    except (UsageError, PolicyError) as e:
+        raise argparse.ArgumentTypeError(_one_line(e)) from None
 
 
 def _load_model(name):
@@ -280,7 +284,7 @@ def _read_eval_json(path: str) -> dict:
 
 def _eval_pairs(args) -> list[tuple[str, int, object]]:
     """The (scheme, bits, policy) rows a run evaluates, checked before the model is loaded."""
-    from .evaluate import DEFAULT_BITS, DEFAULT_SCHEMES, parse_entry, scheme_policy
+    from .evaluate import DEFAULT_BITS, DEFAULT_SCHEMES, is_policy_file, parse_entry, scheme_policy
     if args.entries is not None:
         if args.schemes is not None or args.bits is not None:
             raise UsageError("--entries replaces --schemes and --bits: pass SCHEME:BITS entries, or --schemes "
@@ -288,8 +292,8 @@ def _eval_pairs(args) -> list[tuple[str, int, object]]:
         out = []
         for e in args.entries:
             if e != "none":
-                pol = _entry_policy(e)
-                out.append((*parse_entry(e), pol))
+                pol = _policy_arg_usage(e, "--entries")
+                out.append((e, 0, pol) if is_policy_file(e) else (*parse_entry(e), pol))
         return out
     schemes = args.schemes or list(DEFAULT_SCHEMES)
     bits = args.bits or list(DEFAULT_BITS)
@@ -302,9 +306,21 @@ def _eval_pairs(args) -> list[tuple[str, int, object]]:
     return out
 
 
+def _policy_arg_usage(text: str, option: str):
+    """``_policy_arg`` for options read after parsing: a ``UsageError`` naming ``option``."""
+    try:
+        return _policy_arg(text)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"{option} {text}: {e}") from None
+
+
 def _check_passkey(entries, pairs) -> None:
+    from .evaluate import is_policy_file
     for e in entries:
         if e == "full":
+            continue
+        if is_policy_file(e):
+            _policy_arg_usage(e, "--passkey")
             continue
         name, sep, bits = e.rpartition(":")
         if name == "best" and bits.isdigit():
@@ -352,7 +368,8 @@ def cmd_eval(args) -> int:
         for name, b, pol in pairs:
             reason = pol.noop_reason(args.window)
             if reason:
-                _warn("eval", f"{name}:{b} in a {args.window}-token --window: {reason}")
+                label = name if name.endswith(".json") else f"{name}:{b}"  # a policy file, or SCHEME:BITS
+                _warn("eval", f"{label} in a {args.window}-token --window: {reason}")
         model = load_model()
         entries = None if args.entries is None else [e for e in args.entries if e != "none"]
         res = run(model, tok, args.schemes or list(DEFAULT_SCHEMES), args.bits or list(DEFAULT_BITS), args.window,
@@ -441,7 +458,8 @@ def cmd_plan(args) -> int:
             raise UsageError(f"{e} (see --gpu-gb, --utilization, --weights-gb, or give --available-gb)") from None
     if not math.isfinite(avail):
         raise UsageError(f"--available-gb {args.available_gb} is too large to be a GPU's memory")
-    rows = P.plan(shape, args.context, available=avail)
+    policies = {**P.default_policies(), **{text: pol for text, pol in args.policy or ()}}
+    rows = P.plan(shape, args.context, available=avail, policies=policies)
     print(P.format_table(rows, shape, args.context, avail))
     try:
         if args.json:
@@ -449,9 +467,60 @@ def cmd_plan(args) -> int:
             with open(Path(args.json).expanduser(), "w") as f:
                 f.write(P.to_json(rows, shape, args.context, avail))
         if args.plot:
-            print(f"wrote {P.plot(shape, avail, Path(args.plot).expanduser())}")
+            print(f"wrote {P.plot(shape, avail, Path(args.plot).expanduser(), policies)}")
     except OSError as e:
         raise UsageError(f"could not write {e.filename or 'the output'}: {e.strerror or _one_line(e)}") from None
+    return 0
+
+
+def _labelled_policy(text: str):
+    return text, _policy_arg(text)
+
+
+def _budget_of(text: str):
+    from .evaluate import is_policy_file
+    if text == "default" or is_policy_file(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected SCHEME:BITS, a uniform policy, e.g. kivi+rot+sink:3")
+    return text, _policy_arg(text)
+
+
+def cmd_calibrate(args) -> int:
+    # kvcompile.calibrate is also the function's name (kvcompile/__init__), so the module is imported by its path
+    import kvcompile.calibrate  # noqa: F401
+    C = sys.modules["kvcompile.calibrate"]
+    from fractions import Fraction
+
+    from .accounting import cache_bytes
+    from .hf import model_shape
+
+    _check_writable_file(args.out, "--out")
+    given = [o for o, v in (("--budget", args.budget), ("--bytes-per-token", args.bytes_per_token),
+                            ("--bytes-of", args.bytes_of)) if v is not None]
+    if len(given) != 1:
+        raise UsageError(f"{' and '.join(given) or 'no budget'} given: pass exactly one of --budget BITS (average "
+                         f"bits per cached element, scales and residual counted), --bytes-per-token N, or --bytes-of "
+                         f"SCHEME:BITS")
+    cands = tuple(p for _, p in args.candidates) if args.candidates else C.default_candidates()
+    tok, load_model = _load_model(args.model)
+    model = load_model()
+    shape = model_shape(model.config)
+    bpt = args.bytes_per_token
+    if args.bytes_of is not None:  # exact: a float quotient could fall a hair below the policy's own bytes
+        bpt = Fraction(cache_bytes(args.bytes_of[1], *shape, args.context), args.context)
+    cap = C.check_budget(shape, cands, args.budget, bpt, args.context)  # before the measurement
+    try:
+        windows = C.calibration_windows(tok, args.tokens, args.window)
+    except ValueError as e:
+        raise UsageError(f"--tokens/--window: {e}") from None
+    t0 = time.perf_counter()
+    sens = C.measure(model, windows, cands, progress=not args.no_progress)
+    alloc = C.allocate(sens, shape, bytes_per_token=cap, context=args.context)
+    alloc.policy.save(args.out)
+    print(C.format_allocation(alloc, sens, shape))
+    print(f"\nmeasured on {sens.tokens:,} scored tokens of {windows.shape[0]} x {windows.shape[1]}-token windows of "
+          f"standard-library docstrings in {time.perf_counter() - t0:.0f} s")
+    print(f"wrote {args.out}: use it with kvcompile eval --entries {args.out}, kvcompile plan --policy {args.out}, "
+          f"or kvcompile.Policy.load")
     return 0
 
 
@@ -464,7 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _Parser(prog="kvcompile", description="Quantized KV caches: demo, quality, capacity.")
     p.add_argument("--version", action="version", version=f"kvcompile {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,eval,plan}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,eval,plan,calibrate}")
 
     d = sub.add_parser("demo", help="generate with a quantized cache; print bytes, loss delta, tokens/s",
                        description="Generate a reply with the full-precision cache and with a quantized one; print "
@@ -556,7 +625,41 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens per sequence (default: %(default)s)")
     pl.add_argument("--plot", default=None, help="write a PNG of sequences vs context here (default: none)")
     pl.add_argument("--json", default=None, help="write the table as JSON here (default: none)")
+    pl.add_argument("--policy", nargs="+", type=_labelled_policy, default=None, metavar="POLICY",
+                    help="more rows: SCHEME:BITS (e.g. kivi+rot+sink:3) or a policy file (*.json, from kvcompile "
+                         "calibrate or Policy.save) (default: none, the standard rows only)")
     pl.set_defaults(func=cmd_plan)
+
+    c = sub.add_parser(
+        "calibrate", help="per-layer bits for a byte budget, saved as a policy file",
+        description="Measure each layer's sensitivity (keys and values apart) to each candidate format on "
+                    "calibration text, then choose per layer the formats that lose the least within a byte budget "
+                    "(a knapsack over exact bytes). SmolLM2 with the default candidates: 241 passes over the "
+                    "calibration windows, about 30 minutes on one CPU thread at --tokens 2048.")
+    c.add_argument("--budget", type=_number(float, "a positive number of bits", 0, low_open=True), default=None,
+                   help="average bits per cached element, everything the store holds counted (codes, scales, zero "
+                        "points, residual and sinks) at --context tokens (default: none; give one budget)")
+    c.add_argument("--bytes-per-token", type=_number(float, "a positive number of bytes", 0, low_open=True),
+                   default=None, help="the budget in exact bytes per cached token at --context (default: none)")
+    c.add_argument("--bytes-of", type=_budget_of, default=None, metavar="SCHEME:BITS",
+                   help="the budget: the exact bytes per token of this uniform policy, e.g. kivi+rot+sink:3 "
+                        "(default: none)")
+    c.add_argument("--model", default=None,
+                   help="a local Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
+    c.add_argument("--tokens", type=_number(int, "a whole number of tokens >= 2", 2), default=2048,
+                   help="calibration tokens (standard-library docstrings, not the eval's held-out text), in "
+                        "windows of --window; the second half of each is scored (default: %(default)s)")
+    c.add_argument("--window", type=_number(int, "a whole number of tokens >= 2", 2), default=1024,
+                   help="tokens per calibration window (default: %(default)s)")
+    c.add_argument("--context", type=_POSITIVE_INT, default=2048,
+                   help="tokens per sequence at which the budget's bytes are counted (the residual and sinks are "
+                        "spread over them) (default: %(default)s, the eval's window)")
+    c.add_argument("--candidates", nargs="+", type=_labelled_policy, default=None, metavar="SCHEME:BITS",
+                   help="per-layer candidates from the least to the most accurate, sharing residual, sinks and "
+                        "rotation (default: kivi+rot+sink:2 kivi+rot+sink:3 kivi+rot+sink:4 kivi+rot+sink:8)")
+    c.add_argument("--out", required=True, help="the policy file to write (JSON, read by Policy.load)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
+    c.set_defaults(func=cmd_calibrate)
     return p
 
 

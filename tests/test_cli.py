@@ -166,7 +166,7 @@ BAD_INPUTS = {
                                           r"--loss-window 1000000 is longer than the held-out text"),
     "demo_unknown_compiler": ("demo --compiler foo", r"argument --compiler: invalid choice: 'foo'"),
     # the command itself
-    "unknown_subcommand": ("frobnicate", r"invalid choice: 'frobnicate' \(choose from 'demo', 'eval', 'plan'\)"),
+    "unknown_subcommand": ("frobnicate", r"invalid choice: 'frobnicate' \(choose from 'demo', 'eval', 'plan', 'calibrate'\)"),
     "no_subcommand": ("", r"the following arguments are required"),
 }
 
