@@ -42,26 +42,27 @@ with ``limits(q) = (ZMAX, SMAX)``: 65504 and 65504 for fp16 scales (the largest 
 ``ZMAX = 2**127`` and ``SMAX = 2**(127 - k)``, ``k`` = the integer bits, 9 for e4m3 (448 < 2**9), 16 for e5m2
 (57344 < 2**16), so that ``code * scale + zero`` can never overflow fp32. A group *fits* when the clamps
 change nothing: ``|min| <= ZMAX`` and ``(max - min) / Q <= SMAX`` (asymmetric), ``absmax / q <= SMAX``
-(symmetric), ``absmax / F <= SMAX`` (fp8) -- with fp16 scales e.g. int8 asymmetric holds any group within
-[-65504, 65504] of range at most 255 * 65504, int4 symmetric any with ``absmax <= 7 * 65504``, fp8 e4m3 any with
-``absmax <= 448 * 65504``; with fp32 scales every group within +-2**125 (4.2e37) fits. A group that fits gets
-exactly the codes it got before saturation existed (ordinary inputs do not move). Beyond, the group's grid is the widest the scale dtype holds and elements outside it
-clip to its nearest end: every finite element ``x`` comes back within half a step (fp8: the format's relative
-error) of ``clip(x, lo, hi)``, where ``[lo, hi]`` is ``[zero, zero + Q*scale]`` (asymmetric), ``[-q*scale,
-q*scale]`` (symmetric) or ``[-F*scale, F*scale]`` (fp8) -- e.g. an int8 asymmetric group with fp16 scales and
-minimum -1e6 stores zero = -65504 and clips its elements below that to -65504. ``clipped(x, q)`` says which elements clip. Every stored scale, zero point
-and dequantized value of a finite input is finite; ``dequantize`` to a narrower dtype saturates the same way
-(``saturate``: a finite value beyond the dtype's range becomes its largest finite value, never inf).
+(symmetric), ``absmax / F <= SMAX`` (fp8) -- with fp16 scales e.g. int8 asymmetric holds any group whose
+minimum is within +-65504 and range at most 255 * 65504, int4 symmetric any with ``absmax <= 7 * 65504``, fp8
+e4m3 any with ``absmax <= 448 * 65504``; with fp32 scales every group within +-2**125 (4.2e37) fits. A group that fits
+gets exactly the codes it got before saturation existed (ordinary inputs do not move). Beyond, the group's
+grid is the widest the scale dtype holds and elements outside it clip to its nearest end: every finite element
+``x`` comes back within half a step (fp8: the format's relative error) of ``clip(x, lo, hi)``, where
+``[lo, hi]`` is ``[zero, zero + Q*scale]`` (asymmetric), ``[-q*scale, q*scale]`` (symmetric) or
+``[-F*scale, F*scale]`` (fp8) -- e.g. an int8 asymmetric group with fp16 scales and minimum -1e6 stores zero =
+-65504 and clips its elements below that to -65504. ``clipped(x, q)`` says which elements clip. Every stored
+scale, zero point and dequantized value of a finite input is finite; ``dequantize`` to a narrower dtype
+saturates the same way (``saturate``: a finite value beyond the dtype's range becomes its largest finite
+value, never inf).
 
-**Non-finite input (NaN, +-inf).** It is never hidden, and it spreads no further than the format forces:
-  - integer formats: a group holding any NaN or +-inf is *poisoned*: its scale (and zero point) is NaN and
-    all its codes are 0, so every element of the group dequantizes to NaN (an integer grid has no code for
-    NaN or infinity). Per token (axis="token") that is the token's ``group`` channels (the whole head for
-    ``group=None``); per channel (axis="channel", KIVI keys) one channel of ``group`` consecutive tokens;
-  - fp8: only the element itself: its code is 0x7F (NaN in both formats; +-inf too, which e4m3fn cannot
-    hold), and the group's scale comes from its finite elements alone, so the rest of the group is exactly
-    what it would be without it.
-A finite input never produces a NaN code, scale or zero point.
+**Non-finite input (NaN, +-inf).** It is never hidden, and it spreads to its group and no further: a group
+holding any NaN or +-inf is *poisoned* -- its scale (and zero point) is NaN and all its codes are 0, so
+every element of the group dequantizes to NaN, in every format. Per token (axis="token") that is the
+token's ``group`` channels (the whole head for ``group=None``); per channel (axis="channel", KIVI keys) one
+channel of ``group`` consecutive tokens. Every other group is exactly what it would be without it. (fp8
+could mark the element alone with its NaN code, but e4m3fn's NaN code needs a select in every kernel's
+decode -- 7% of the CPU decode kernel's time -- where a NaN scale costs nothing.) A finite input never
+produces a NaN scale or zero point.
 
 Packing: the codes of one row (one token of one head) form a little-endian bit stream: code ``i`` occupies
 bits ``[i*b, (i+1)*b)``. So int8 is one code per byte, int4 two per byte (low nibble first), int2 four per
@@ -78,7 +79,6 @@ FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 SCALE_TORCH_DTYPE = {"float16": torch.float16, "float32": torch.float32}
 F16_MAX = 65504.0
-FP8_CODE_NAN = 0x7F  # the code of a non-finite element, both fp8 formats (e4m3fn and e5m2 read it as NaN)
 
 
 def limits(q: Quant) -> tuple[float, float]:
@@ -153,7 +153,7 @@ def quantize(x: Tensor, q: Quant) -> tuple[Tensor, Tensor, Tensor | None]:
     codes: uint8 [..., T, D] (one unpacked code per element; ``pack`` makes the stored layout)
     scale: q.scale_dtype [..., *scale_shape]
     zero:  q.scale_dtype [..., *scale_shape] for asymmetric integers, else None
-    Saturating, and poisoning groups (integers) or elements (fp8) that hold NaN or +-inf: module docstring.
+    Saturating, and poisoning groups that hold NaN or +-inf: module docstring.
     """
     if not q.quantized:
         raise ValueError("quantize() called with format 'none'")
@@ -161,18 +161,16 @@ def quantize(x: Tensor, q: Quant) -> tuple[Tensor, Tensor, Tensor | None]:
     xg, _ = _to_groups(x.float(), q)
     sdt = SCALE_TORCH_DTYPE[q.scale_dtype]
     zmax, smax = limits(q)
-    finite = torch.isfinite(xg)
+    poisoned = ~torch.isfinite(xg).all(-1)  # groups holding NaN or +-inf
+    nan = torch.full((), float("nan"), dtype=sdt)
     if q.is_fp8:
         fmax = FP8_MAX[q.format]
-        amax = torch.where(finite, xg.abs(), 0.0).amax(-1)  # the finite elements' absmax
-        scale = round_to_dtype((amax / fmax).clamp(max=smax), sdt, "up")
+        scale = round_to_dtype((xg.abs().amax(-1) / fmax).clamp(max=smax), sdt, "up")
         s = scale.float().unsqueeze(-1)
         y = (xg / torch.where(s == 0, torch.ones_like(s), s)).clamp(-fmax, fmax)
+        y = torch.where(poisoned.unsqueeze(-1), 0.0, y)  # a poisoned group's codes are 0
         codes = y.to(FP8_DTYPES[q.format]).view(torch.uint8)
-        codes = torch.where(finite, codes, torch.full_like(codes, FP8_CODE_NAN))
-        return _from_groups(codes, q, T, D), scale, None
-    poisoned = ~finite.all(-1)  # groups holding NaN or +-inf
-    nan = torch.full((), float("nan"), dtype=sdt)
+        return _from_groups(codes, q, T, D), torch.where(poisoned, nan, scale), None
     if q.symmetric:
         qmax = 2 ** (q.bits - 1) - 1
         scale = round_to_dtype((xg.abs().amax(-1) / qmax).clamp(max=smax), sdt, "up")

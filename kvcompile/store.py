@@ -37,9 +37,10 @@ output. Rotation runs in torch (not in the kernels), so kernel and reference see
 to ``dtype``, attention's output) saturates a finite value to the dtype's largest (``quant.saturate``), and
 packed groups saturate their scales (``quant``, "Saturation"): a finite input never becomes inf or NaN in
 the store or in what it reads back. A NaN or inf input is kept where the store keeps full precision (sinks,
-ring, format "none"), becomes NaN for its element (fp8) or its group (integer formats, ``quant``) in packed
-storage, and attention makes exactly the outputs NaN that see it (``attention_reference``); with rotation
-an element first spreads to its token's whole head (the Hadamard mixes channels).
+ring, format "none"), makes its whole group NaN in packed storage (``quant``: a token's channel group, or
+for per-channel keys one channel of ``group`` tokens), and attention makes exactly the outputs NaN that see
+it (``attention_reference``); with rotation an element first spreads to its token's whole head (the
+Hadamard mixes channels).
 """
 from __future__ import annotations
 

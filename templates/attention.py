@@ -50,13 +50,12 @@ def _fp8_decode(code, E4M3: tl.constexpr):
 
     An e5m2 byte is the high byte of the fp16 of the same value. e4m3's sign, exponent and mantissa moved
     into an fp16's places (exponent bias 15 against 7) make an fp16 of the value times 2**-8, subnormals
-    included. Both are exact; three integer operations and one conversion per code, and a select for
-    e4m3fn's NaN code 0x7F (the store's code for a NaN or inf input)."""
+    included. Both are exact; three integer operations and one conversion per code. (Only finite codes are
+    stored: a group holding NaN or inf has a NaN scale instead.)"""
     if E4M3:
         h = ((code << 7) & 0x3F80) | ((code << 8) & 0x8000)
-        h = tl.where((code & 0x7F) == 0x7F, 0x7E00, h)  # e4m3fn's NaN code would land on a finite fp16
     else:
-        h = code << 8  # e5m2's NaN and inf codes are fp16 NaN and inf
+        h = code << 8
     return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 

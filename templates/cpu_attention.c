@@ -210,10 +210,6 @@ static inline v8f fp8_decode(v8u w, int e5m2) {
     }
     const v8i is_sub = (v8i)(e == 0u);
     v8u bits = (v8u)((is_sub & (v8i)sub) | (~is_sub & (v8i)mag));
-    /* the codes that are not numbers: e4m3fn's S.1111.111 (NaN), e5m2's exponent 31 (inf, NaN) */
-    const v8i special = e5m2 ? (v8i)(e == 31u) : (v8i)((w & 0x7Fu) == 0x7Fu);
-    const v8u top = e5m2 ? (0x7F800000u | (m << 21)) : (v8u){} + 0x7FC00000u;
-    bits = (v8u)((special & (v8i)top) | (~special & (v8i)bits));
     return (v8f)(bits | sign);
 }
 
@@ -223,17 +219,13 @@ static inline v8f fp8_decode(v8u w, int e5m2) {
  * magnitude bits placed where an fp16 has them give its value over FP8_UNIT(3) = 2**8 (bias 7 against 15).
  * The kernel multiplies that factor back into the scale instead of into each value: s * 2**8 is exact for any
  * fp8 scale (at most 2**120: the largest float over 448), so x * (s * 2**8) is the reference's single rounding
- * of (x * 2**8) * s. Seven vector operations per sixteen codes where the integer decode above takes thirty,
- * plus two for e4m3fn's NaN code (0x7F, the store's code for a NaN or inf input), which the placement would
- * turn into 480. e5m2's NaN and inf codes are fp16 NaN and inf as they are. */
+ * of (x * 2**8) * s. Seven vector operations per sixteen codes where the integer decode above takes thirty.
+ * (Only finite codes are ever stored: a group holding NaN or inf stores a NaN scale, which makes every
+ * element NaN in the product, and codes 0.) */
 typedef uint16_t v8h __attribute__((vector_size(16)));
 static inline v8f fp8_decode_h(const uint8_t *p, int e5m2) {
     const v8h w = (v8h)_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    v8h h = e5m2 ? w << 8 : ((w << 7) & 0x3F80) | ((w << 8) & 0x8000);
-    if (!e5m2) { /* e4m3fn's NaN code S.1111.111 would land on a finite fp16: make it an fp16 NaN */
-        const v8h nan = (v8h)((w & 0x7F) == 0x7F);
-        h = (h & ~nan) | (0x7E00 & nan);
-    }
+    const v8h h = e5m2 ? w << 8 : ((w << 7) & 0x3F80) | ((w << 8) & 0x8000);
     return (v8f)_mm256_cvtph_ps((__m128i)h);
 }
 #ifdef __AVX2__
@@ -241,11 +233,7 @@ static inline v8f fp8_decode_h(const uint8_t *p, int e5m2) {
 typedef uint16_t v16h __attribute__((vector_size(32)));
 static inline void fp8_decode_h16(const uint8_t *p, int e5m2, float *out) {
     const v16h w = (v16h)_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    v16h h = e5m2 ? w << 8 : ((w << 7) & 0x3F80) | ((w << 8) & 0x8000);
-    if (!e5m2) {
-        const v16h nan = (v16h)((w & 0x7F) == 0x7F);
-        h = (h & ~nan) | (0x7E00 & nan);
-    }
+    const v16h h = e5m2 ? w << 8 : ((w << 7) & 0x3F80) | ((w << 8) & 0x8000);
     st(out, (v8f)_mm256_cvtph_ps(_mm256_castsi256_si128((__m256i)h)));
     st(out + 8, (v8f)_mm256_cvtph_ps(_mm256_extracti128_si256((__m256i)h, 1)));
 }
@@ -451,37 +439,56 @@ static inline __attribute__((always_inline)) void attend_tile(
             }
             st(sc + t0, reduce8(a) * bcast(sm_scale));
         }
-        /* visibility (attention_reference): causal, or the mask's (-inf and past its width: hidden). A visible
-         * score that is not finite makes the row NaN (its running sum becomes NaN, which nothing undoes) and
-         * takes no part in the softmax; hidden positions are never read again. */
-        int32_t vis[TILE];
+        /* visibility (attention_reference): causal, or the mask's (-inf and past its width: hidden); lanes
+         * past the tile are hidden. A visible score that is not finite makes the row NaN (its running sum
+         * becomes NaN, which nothing undoes) and takes no part in the softmax (-inf); so do hidden ones, whose
+         * values are never read. Eight lanes at a time; the common decode tile (no mask, no causal tail)
+         * needs no per-position visibility at all. */
+        const int nt8 = (nt + 7) & ~7;
+        const int masked = mask || causal_tail;
+        int32_t vis[TILE] __attribute__((aligned(32)));
         if (mask) {
             const float *mr = mask + b * mask_sb + hq * mask_sh + i * mask_si;
             for (int t = 0; t < nt; t++) {
                 const float mv = p0 + t < mask_w ? mr[p0 + t] : -INFINITY;
-                vis[t] = mv != -INFINITY;
+                vis[t] = mv != -INFINITY ? -1 : 0;
                 sc[t] += mv;
             }
         } else if (causal_tail) {
-            for (int t = 0; t < nt; t++) vis[t] = p0 + t <= L - n + i;
-        } else {
-            for (int t = 0; t < nt; t++) vis[t] = 1;
+            for (int t = 0; t < nt; t++) vis[t] = p0 + t <= L - n + i ? -1 : 0;
+        }
+        if (masked)
+            for (int t = nt; t < nt8; t++) vis[t] = 0;
+        const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
+        v8i badv = {}, hidv = {};
+        v8f mxv = bcast(P->m[r]);
+        for (int t = 0; t < nt8; t += 8) {
+            v8i vv;
+            if (masked)
+                memcpy(&vv, vis + t, 32);
+            else
+                vv = (lane + t) < nt;
+            const v8f sv = ld(sc + t);
+            const v8i fin = (v8i)((v8f)((v8i)sv & 0x7FFFFFFF) <= bcast(FLT_MAX)); /* false for NaN */
+            const v8i ok = vv & fin;
+            badv |= vv & ~fin;
+            hidv |= ~vv;
+            const v8f s2 = (v8f)((ok & (v8i)sv) | (~ok & (v8i)bcast(-INFINITY)));
+            st(sc + t, s2);
+            const v8i gt = s2 > mxv;
+            mxv = (v8f)((gt & (v8i)s2) | (~gt & (v8i)mxv));
         }
         int32_t bad = 0, hidden = 0;
-        for (int t = 0; t < nt; t++) {
-            const int32_t ok = vis[t] & (__builtin_fabsf(sc[t]) <= FLT_MAX);
-            bad |= vis[t] & !ok;
-            hidden |= !vis[t];
-            sc[t] = ok ? sc[t] : -INFINITY;
+        float mx = mxv[0];
+        for (int l = 0; l < 8; l++) {
+            bad |= badv[l];
+            mx = mxv[l] > mx ? mxv[l] : mx;
         }
+        hidden = masked && (hidv[0] | hidv[1] | hidv[2] | hidv[3] | hidv[4] | hidv[5] | hidv[6] | hidv[7]);
         if (bad) P->l[r] = NAN;
-        float mx = P->m[r];
-        for (int t = 0; t < nt; t++) mx = sc[t] > mx ? sc[t] : mx;
         if (mx == -INFINITY) continue; /* nothing visible yet: the running state is unchanged */
         const float corr = kexp(P->m[r] - mx);
         P->m[r] = mx;
-        const int nt8 = (nt + 7) & ~7;
-        for (int t = nt; t < nt8; t++) sc[t] = -INFINITY; /* lanes past the tile weigh nothing */
         v8f ls = bcast(0.0f);
         for (int t = 0; t < nt8; t += 8) {
             const v8f e = kexp8(ld(sc + t) - bcast(mx));
@@ -500,11 +507,19 @@ static inline __attribute__((always_inline)) void attend_tile(
         }
         /* values: every visible position (a NaN or inf there poisons its channel even at weight 0, as in the
          * reference); a hidden one is skipped, since 0 * NaN would poison a row that does not see it */
-        for (int t = 0; t < nt; t++) {
-            if (hidden && !vis[t]) continue;
-            const vw e = (vw){} + sc[t];
-            const float *vr = vt + t * D;
-            for (int k = 0; k < NW; k++) acc[k] = fmaw(e, ldw(vr + WV * k), acc[k]);
+        if (!hidden) {
+            for (int t = 0; t < nt; t++) {
+                const vw e = (vw){} + sc[t];
+                const float *vr = vt + t * D;
+                for (int k = 0; k < NW; k++) acc[k] = fmaw(e, ldw(vr + WV * k), acc[k]);
+            }
+        } else {
+            for (int t = 0; t < nt; t++) {
+                if (!vis[t]) continue;
+                const vw e = (vw){} + sc[t];
+                const float *vr = vt + t * D;
+                for (int k = 0; k < NW; k++) acc[k] = fmaw(e, ldw(vr + WV * k), acc[k]);
+            }
         }
         for (int k = 0; k < NW; k++) stw(ar + WV * k, acc[k]);
     }

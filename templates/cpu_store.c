@@ -24,14 +24,13 @@
  *   - fp8 codes: integer arithmetic that gives torch 2.13's cast (checked exhaustively by the tests):
  *     round half to even; e4m3fn saturates to +-448 from 464 up (infinities included; torch 2.11 gives NaN
  *     beyond 464), e5m2 goes to inf from 61440 up (halfway, even); NaN stays NaN. (In the store
- *     x / scale is clamped to the format's maximum and a non-finite element gets 0x7F, so saturation never
- *     decides a code there.)
+ *     x / scale is clamped to the format's maximum and a group holding NaN or inf gets codes 0, so
+ *     saturation never decides a code there.)
  *   - saturation (quant.limits): the zero point is clamped to [-ZMAX, ZMAX] and the scale to [0, SMAX] before
  *     they are rounded, and an fp8 value x / scale to [-F, F] before it is encoded, with ternaries that keep
  *     -0.0 as torch.clamp does (a no-op for every group that fits the scale dtype);
- *   - non-finite input: an integer group holding NaN or +-inf stores NaN as its scale (and zero point) and
- *     0 as each of its codes; an fp8 element that is NaN or +-inf gets code 0x7F, and its group's scale
- *     comes from the finite elements (quant.quantize).
+ *   - non-finite input: a group holding NaN or +-inf stores NaN as its scale (and zero point) and 0 as each
+ *     of its codes, in every format (quant.quantize).
  * Min and max are taken with ordered comparisons (x < m), so a group holding both +0.0 and -0.0 as its
  * extreme keeps the first one met; the reference's reduction order decides that case (it never arises from
  * model activations that are not exactly zero).
@@ -46,7 +45,6 @@
  *   K_GROUP / V_GROUP
  *   K_SF32 / V_SF32   scales (and zero points) stored as fp32 (1) or fp16 (0)
  */
-#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,11 +70,34 @@ static inline float model_to_f32(const void *row, int d) {
 #endif
 }
 
-static inline void row_to_f32(const void *row, float *out) {
+/* Whether x[0, n) holds a NaN or +-inf: an integer max over the magnitude bits, which
+ * reach the all-ones exponent exactly then. */
+static inline __attribute__((always_inline)) int nonfinite(const float *x, int n) {
+    int32_t m = 0;
+    for (int d = 0; d < n; d++) {
+        int32_t u;
+        memcpy(&u, x + d, 4);
+        u &= 0x7FFFFFFF;
+        m = u > m ? u : m;
+    }
+    return m >= 0x7F800000;
+}
+
+/* One row into fp32; returns whether it holds a NaN or +-inf (bf16/fp16: checked in the conversion's own loop,
+ * on 16-bit words). */
+static inline int row_to_f32(const void *row, float *out) {
 #if MODEL_T == 0
     memcpy(out, row, D * 4);
+    return nonfinite(out, D);
 #else
-    for (int d = 0; d < D; d++) out[d] = model_to_f32(row, d);
+    const uint16_t *h = (const uint16_t *)row;
+    int32_t m = 0;
+    for (int d = 0; d < D; d++) {
+        out[d] = model_to_f32(row, d);
+        const int32_t u = h[d] & 0x7FFF;
+        m = u > m ? u : m;
+    }
+    return m >= (MODEL_T == 1 ? 0x7F80 : 0x7C00);
 #endif
 }
 
@@ -151,13 +172,13 @@ static inline float scale_cap(int fmt, int bits, int sf32) {
 #define F16_NAN_BITS 0x7E00u
 
 /* Group statistics -> (scale, zero) stored at slot i, returned as fp32 (scale 0 -> 1 for dividing). A
- * poisoned group (bad: it holds NaN or +-inf; integer formats) stores NaN for both and returns NaN. */
+ * poisoned group (bad: it holds NaN or +-inf) stores NaN for both and returns NaN. */
 static inline __attribute__((always_inline)) void group_params(
         int fmt, int bits, int sf32, float mn, float mx, float amax, int bad, void *scale, void *zero, int64_t i,
         float *s_out, float *z_out) {
     float s, z = 0.0f;
     const float smax = scale_cap(fmt, bits, sf32), zmax = zero_cap(sf32);
-    if (fmt <= 2 && bad) {
+    if (bad) {
         if (sf32) {
             const uint32_t nan = F32_NAN_BITS;
             memcpy((float *)scale + i, &nan, 4);
@@ -191,40 +212,40 @@ static inline __attribute__((always_inline)) void group_params(
 }
 
 /* Codes of x[0, n) with per-element scale s (0 already replaced by 1) and zero point z (quant.quantize). An
- * integer element of a poisoned group (s NaN) gets code 0; a non-finite fp8 element 0x7F. */
+ * element of a poisoned group (s NaN) gets some code here, without undefined behaviour (the clamps send NaN
+ * to a bound before the cast); flush_range then zeroes the codes of poisoned groups. */
 static inline __attribute__((always_inline)) void encode(
         int fmt, int bits, const float *x, const float *s, const float *z, uint8_t *c, int n) {
     if (fmt == 1) {
         const float Q = (float)((1 << bits) - 1);
         for (int d = 0; d < n; d++) {
             float y = __builtin_rintf((x[d] - z[d]) / s[d]); /* round half to even (the default mode) */
-            y = y < 0.0f ? 0.0f : y;
+            y = y >= 0.0f ? y : 0.0f; /* NaN (a poisoned group) -> 0: the cast below stays defined */
             y = y > Q ? Q : y;
-            y = s[d] == s[d] ? y : 0.0f; /* poisoned group: code 0 */
             c[d] = (uint8_t)(int32_t)y;
         }
     } else if (fmt == 2) {
         const float q = (float)((1 << (bits - 1)) - 1), off = (float)(1 << (bits - 1));
         for (int d = 0; d < n; d++) {
             float y = __builtin_rintf(x[d] / s[d]);
-            y = y < -q ? -q : y;
+            y = y >= -q ? y : -q; /* NaN -> -q */
             y = y > q ? q : y;
-            y = s[d] == s[d] ? y + off : 0.0f; /* poisoned group: code 0 */
-            c[d] = (uint8_t)(int32_t)y;
+            c[d] = (uint8_t)(int32_t)(y + off);
         }
     } else {
-        /* three loops over buffers (no type punning or narrowing inside a loop): each one vectorizes */
-        const float F = fmt == 3 ? 448.0f : 57344.0f;
-        union { float f[D]; int32_t i[D]; } y, xb;
+        /* three loops over buffers (no type punning or narrowing inside a loop): each one vectorizes. e4m3 needs
+         * no clamp to [-448, 448]: its encoding saturates to 448 from 464 up, the code the clamp gives; e5m2
+         * goes to inf from 61440 up, so a saturated group's x / scale is clamped first */
+        union { float f[D]; int32_t i[D]; } y;
         int32_t w[D];
-        for (int d = 0; d < n; d++) {
-            float v = x[d] / s[d];
-            v = v < -F ? -F : v;
-            y.f[d] = v > F ? F : v;
-            xb.f[d] = x[d];
-        }
-        for (int d = 0; d < n; d++) /* x NaN or +-inf: 0x7F (the clamp above made +-inf finite) */
-            w[d] = (xb.i[d] & 0x7FFFFFFF) < 0x7F800000 ? fp8_encode_bits(y.i[d], fmt == 3) : 0x7F;
+        if (fmt == 4)
+            for (int d = 0; d < n; d++) {
+                const float v = x[d] / s[d];
+                y.f[d] = v < -57344.0f ? -57344.0f : (v > 57344.0f ? 57344.0f : v);
+            }
+        else
+            for (int d = 0; d < n; d++) y.f[d] = x[d] / s[d];
+        for (int d = 0; d < n; d++) w[d] = fp8_encode_bits(y.i[d], fmt == 3);
         for (int d = 0; d < n; d++) c[d] = (uint8_t)w[d];
     }
 }
@@ -251,53 +272,36 @@ static inline __attribute__((always_inline)) void pack_row(int bits, const uint8
     }
 }
 
-/* min, max and max |x| of the finite elements of xg[0, n), in lanes of 8 when n allows (min and max are exact
- * in any order), and whether any element is NaN or +-inf. min and max are those of every element: they only
- * matter for a group with no non-finite element. */
-static inline __attribute__((always_inline)) void minmax(const float *xg, int n, float *mn_, float *mx_, float *am_,
-                                                         int *bad_) {
+/* min, max and max |x| of xg[0, n), in lanes of 8 when n allows (min and max are exact in any order). */
+static inline __attribute__((always_inline)) void minmax(const float *xg, int n, float *mn_, float *mx_, float *am_) {
     float mn = xg[0], mx = xg[0], am = __builtin_fabsf(xg[0]);
-    int bad = !(am <= FLT_MAX);
-    am = bad ? 0.0f : am;
     if (n % 8 == 0 && n >= 16) {
         float lmn[8], lmx[8], lam[8];
-        int32_t lbad[8];
-        for (int l = 0; l < 8; l++) {
-            const float ae = __builtin_fabsf(xg[l]);
-            lmn[l] = lmx[l] = xg[l];
-            lbad[l] = !(ae <= FLT_MAX);
-            lam[l] = lbad[l] ? 0.0f : ae;
-        }
+        for (int l = 0; l < 8; l++) lmn[l] = lmx[l] = xg[l], lam[l] = __builtin_fabsf(xg[l]);
         for (int e = 8; e < n; e += 8)
             for (int l = 0; l < 8; l++) {
                 const float xe = xg[e + l], ae = __builtin_fabsf(xe);
-                const int32_t nf = !(ae <= FLT_MAX);
                 lmn[l] = xe < lmn[l] ? xe : lmn[l];
                 lmx[l] = xe > lmx[l] ? xe : lmx[l];
-                lam[l] = !nf && ae > lam[l] ? ae : lam[l];
-                lbad[l] |= nf;
+                lam[l] = ae > lam[l] ? ae : lam[l];
             }
-        mn = lmn[0], mx = lmx[0], am = lam[0], bad = lbad[0];
+        mn = lmn[0], mx = lmx[0], am = lam[0];
         for (int l = 1; l < 8; l++) {
             mn = lmn[l] < mn ? lmn[l] : mn;
             mx = lmx[l] > mx ? lmx[l] : mx;
             am = lam[l] > am ? lam[l] : am;
-            bad |= lbad[l];
         }
     } else {
         for (int e = 1; e < n; e++) {
             const float xe = xg[e], ae = __builtin_fabsf(xe);
-            const int nf = !(ae <= FLT_MAX);
             mn = xe < mn ? xe : mn;
             mx = xe > mx ? xe : mx;
-            am = !nf && ae > am ? ae : am;
-            bad |= nf;
+            am = ae > am ? ae : am;
         }
     }
     *mn_ = mn;
     *mx_ = mx;
     *am_ = am;
-    *bad_ = bad;
 }
 
 /* --------------------------------------------------------------------------- flush */
@@ -327,12 +331,12 @@ static inline __attribute__((always_inline)) void flush_range(
         for (int64_t p = p0; p < p1; p++) {
             float x[D], sv[D], zv[D];
             uint8_t c[D];
-            row_to_f32(src_row(src, p), x);
+            const int anybad = row_to_f32(src_row(src, p), x); /* then each group's own check (rare) */
             for (int gi = 0; gi < ng; gi++) {
                 const float *xg = x + gi * group;
                 float mn, mx, amax;
-                int bad;
-                minmax(xg, group, &mn, &mx, &amax, &bad);
+                minmax(xg, group, &mn, &mx, &amax);
+                const int bad = anybad && nonfinite(xg, group);
                 float s, z;
                 group_params(fmt, bits, sf32, mn, mx, amax, bad, scale, zero, (p - pb) * ng + gi, &s, &z);
                 for (int e = 0; e < group; e++) {
@@ -341,35 +345,38 @@ static inline __attribute__((always_inline)) void flush_range(
                 }
             }
             encode(fmt, bits, x, sv, zv, c, D);
+            if (anybad) /* a poisoned group's codes are 0 (its scale is NaN) */
+                for (int d = 0; d < D; d++) c[d] = sv[d] == sv[d] ? c[d] : 0;
             pack_row(bits, c, codes + (p - pb) * rb);
         }
     } else {
         float *x = (float *)malloc(sizeof(float) * group * D);
         uint8_t *c = (uint8_t *)malloc((size_t)group * D);
         for (int64_t pg = p0; pg < p1; pg += group) {
-            for (int t = 0; t < group; t++) row_to_f32(src_row(src, pg + t), x + t * D);
+            int anybad = 0;
+            for (int t = 0; t < group; t++) anybad |= row_to_f32(src_row(src, pg + t), x + t * D);
             float mn[D], mx[D], amax[D], sv[D], zv[D];
-            int32_t bad[D];
             for (int d = 0; d < D; d++) {
-                const float ae = __builtin_fabsf(x[d]);
                 mn[d] = mx[d] = x[d];
-                bad[d] = !(ae <= FLT_MAX);
-                amax[d] = bad[d] ? 0.0f : ae;
+                amax[d] = __builtin_fabsf(x[d]);
             }
             for (int t = 1; t < group; t++)
                 for (int d = 0; d < D; d++) {
                     const float xe = x[t * D + d], ae = __builtin_fabsf(xe);
-                    const int32_t nf = !(ae <= FLT_MAX);
                     mn[d] = xe < mn[d] ? xe : mn[d];
                     mx[d] = xe > mx[d] ? xe : mx[d];
-                    amax[d] = !nf && ae > amax[d] ? ae : amax[d];
-                    bad[d] |= nf;
+                    amax[d] = ae > amax[d] ? ae : amax[d];
                 }
             const int64_t g = (pg - pb) / group;
-            for (int d = 0; d < D; d++)
-                group_params(fmt, bits, sf32, mn[d], mx[d], amax[d], bad[d], scale, zero, g * D + d, sv + d, zv + d);
+            for (int d = 0; d < D; d++) {
+                int bad = 0;
+                for (int t = 0; t < group && anybad; t++) bad |= nonfinite(x + t * D + d, 1); /* rare */
+                group_params(fmt, bits, sf32, mn[d], mx[d], amax[d], bad, scale, zero, g * D + d, sv + d, zv + d);
+            }
             for (int t = 0; t < group; t++) {
                 encode(fmt, bits, x + t * D, sv, zv, c + t * D, D);
+                if (anybad) /* a poisoned group's codes are 0 (its scale is NaN) */
+                    for (int d = 0; d < D; d++) c[t * D + d] = sv[d] == sv[d] ? c[t * D + d] : 0;
                 pack_row(bits, c + t * D, codes + (pg + t - pb) * rb);
             }
         }

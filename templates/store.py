@@ -22,7 +22,7 @@ tokens an ``n``-token append can flush is ``ceil(n/F)*F``); each program reads `
 exits early when it has nothing to do, so a decode step is CUDA-graph capturable.
 
 Numerics, step for step as ``quant.quantize`` (all fp32, IEEE-exact on GPU and in the interpreter; saturating
-at ``quant.limits``; an integer group holding NaN or inf poisoned, a non-finite fp8 element coded 0x7F):
+at ``quant.limits``; a group holding NaN or inf poisoned: NaN scale, codes 0):
 division by ``tl.math.div_rn`` (correctly rounded; plain ``/`` is approximate on NVIDIA GPUs); round half to
 even by adding and subtracting 1.5 * 2**23; fp16 directed rounding by correcting the round-to-nearest result one
 step through its int16 bit pattern; fp8 codes by integer arithmetic that replicates c10's
@@ -139,9 +139,8 @@ def _quantize(x, valid, AXIS: tl.constexpr, KIND: tl.constexpr, BITS: tl.constex
 
     KIND: 0 asymmetric integer, 1 symmetric integer, 2 fp8. ``valid`` masks padding out of the reductions.
     ZMAX, SMAX: ``quant.limits`` (the zero point and the scale saturate there). Statistics are taken over the
-    finite elements only (min/max never see a NaN); an integer group holding a NaN or +-inf is poisoned (NaN
-    scale and zero point, codes 0), a non-finite fp8 element gets code 0x7F. Clamps are written as selects
-    that keep -0.0, as torch.clamp does.
+    finite elements only (min/max never see a NaN); a group holding a NaN or +-inf is poisoned (NaN scale and
+    zero point, codes 0). Clamps are written as selects that keep -0.0, as torch.clamp does.
     Returns (codes int32 like ``x``, scale [reduced] in the scale dtype, zero [reduced] or the scale again).
     """
     fin = tl.abs(x) < float("inf")  # False for NaN
@@ -187,7 +186,8 @@ def _quantize(x, valid, AXIS: tl.constexpr, KIND: tl.constexpr, BITS: tl.constex
             FMAX: tl.constexpr = 448.0
         else:
             FMAX: tl.constexpr = 57344.0
-        amax = tl.max(tl.where(valid, tl.abs(xs), 0.0), axis=AXIS)  # the finite elements' absmax
+        bad = tl.max(tl.where(valid & ~fin, 1, 0), axis=AXIS) > 0
+        amax = tl.max(tl.where(valid, tl.abs(xs), 0.0), axis=AXIS)
         r = tl.math.div_rn(amax, FMAX)
         r = tl.where(r > SMAX, SMAX, r)
         scale = _round_scale(r, True, F16)
@@ -196,7 +196,9 @@ def _quantize(x, valid, AXIS: tl.constexpr, KIND: tl.constexpr, BITS: tl.constex
         y = tl.math.div_rn(xs, tl.expand_dims(sf, AXIS))
         y = tl.where(y < -FMAX, -FMAX, y)
         y = tl.where(y > FMAX, FMAX, y)
-        return tl.where(fin, _fp8_encode(y, E4M3), 0x7F), scale, scale
+        y = tl.where(tl.expand_dims(bad, AXIS), 0.0, y)  # a poisoned group's codes are 0
+        scale = tl.where(bad, _nan_scale(scale, F16), scale)
+        return _fp8_encode(y, E4M3), scale, scale
 
 
 @triton.jit
