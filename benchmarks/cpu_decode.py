@@ -5,7 +5,7 @@
     python benchmarks/cpu_decode.py --contexts 2048 --batches 1 --new 32 --repeats 2
     python benchmarks/cpu_decode.py --smoke               # a tiny random Llama, seconds (run by the tests)
 
-    # the GPU end-to-end variant (issue 6): a Llama-shaped 1B model with random weights, bf16, one call
+    # the GPU end-to-end variant: a Llama-shaped 1B model with random weights, bf16, one call
     python benchmarks/cpu_decode.py --device cuda --random-llama 1b --dtype bfloat16 --batches 8 32 \
         --contexts 8192 32768 --contenders static+compile quanto-int4 kvc-int4 --record
 

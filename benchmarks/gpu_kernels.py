@@ -17,7 +17,7 @@
    table, ring, sinks), the query, the output and the split-K workspace
    (written, then read). Speedup is bf16 SDPA time / kernel time.
 3. Growth with context: each kernel's time per 1K tokens of context (4K to 128K) against bf16 SDPA's, beside
-   its bytes against bf16's (issue 6's "slope proportional to the cache's bytes", at the kernel).
+   its bytes against bf16's (the target: a slope proportional to the cache's bytes).
 4. Tile length: at batch 8, 32K, the decode time of KIVI int4/int2, int4 and fp8 at BLOCK_N 16, 32 and 64
    against the launcher's default (static SASS says the default KIVI tile spills registers under Triton 3.6).
 """
@@ -218,7 +218,7 @@ def render_slopes(rows) -> str:
             if n in grow:
                 lines.append(f"| {B} | {n} | {grow[n]:.5f} | {grow[n] / grow[ref]:.3f} | "
                              f"{by[(B, hi, n)][1] / by[(B, hi, ref)][1]:.3f} |")
-    return "Growth with context (issue 6: slope proportional to the bytes):\n\n" + "\n".join(lines)
+    return "Growth with context (target: a slope proportional to the bytes):\n\n" + "\n".join(lines)
 
 
 def render(rows, card: str, peak_tbps: float | None) -> str:

@@ -18,7 +18,7 @@ args = ap.parse_args()
 shape = P.PRESETS[args.preset]
 avail = P.available_bytes(args.gpu_gb * P.GB, 0.9, shape.weight_bytes)
 policies = {
-    "ideal 16-bit": 16,                                   # the articles' count: bits/8 bytes, nothing else
+    "ideal 16-bit": 16,                                   # the textbook count: bits/8 bytes, nothing else
     "ideal 4-bit": 4,
     "KIVI 4-bit": Policy.kivi(4),                         # the exact layout: scales, zero points, residual
     "KIVI 2-bit, first layer 8-bit": Policy.kivi(2).override({0: Policy.kivi(8)}),

@@ -45,7 +45,7 @@ from .store import dequantize_reference
 
 
 def naive(bits: int) -> Policy:
-    """The plate's scheme: symmetric round-to-nearest of each head's key and value at every token."""
+    """The naive scheme: symmetric round-to-nearest of each head's key and value at every token."""
     q = Quant(f"int{bits}", "token", None, symmetric=True)
     return Policy(q, q)
 

@@ -8,11 +8,11 @@ constants come from ``LayerSpec`` itself; tests check the expression against wha
 
     sequences = floor((gpu_bytes * utilization - weight_bytes) / bytes_per_sequence(C))
 
-``ideal(bits)`` is the textbook count the two source articles use: ``bits / 8`` bytes per element, scales
-and residual ignored. Comparing the two shows what a real policy's overhead costs.
+``ideal(bits)`` is the textbook count published capacity estimates use: ``bits / 8`` bytes per element,
+scales and residual ignored. Comparing the two shows what a real policy's overhead costs.
 
-Units: the Llama 3 8B article writes decimal gigabytes (16.1 GB of weights on an 80 GB GPU); the 70B one
-writes binary units (320 KB per token is 327,680 bytes, 1.25 GB per 4K conversation is 1.25 GiB). The
+Units: the usual Llama 3 8B estimate is in decimal gigabytes (16.1 GB of weights on an 80 GB GPU); the usual
+70B one in binary units (320 KB per token is 327,680 bytes, 1.25 GB per 4K conversation is 1.25 GiB). The
 functions take bytes; the presets say which unit their source meant.
 """
 from __future__ import annotations
@@ -176,7 +176,7 @@ def sequence_bytes_expr(policy: Policy, shape: ModelShape, context=C):
 
 
 def ideal_sequence_bytes_expr(bits: float, shape: ModelShape, context=C):
-    """The articles' count: ``bits / 8`` bytes per cached element, nothing else; a windowed layer caches at
+    """The textbook count: ``bits / 8`` bytes per cached element, nothing else; a windowed layer caches at
     most its window."""
     windows = dict(shape.windows)
     tokens = sp.Add(*[sp.Min(windows[i], context) if i in windows else context for i in range(shape.layers)])
@@ -224,7 +224,7 @@ def plan_policy(label: str, policy_or_bits, shape: ModelShape, context: int, ava
 
 
 def default_policies() -> dict[str, object]:
-    """The rows ``kvcompile plan`` shows: the articles' ideal widths, then real policies."""
+    """The rows ``kvcompile plan`` shows: the ideal widths, then real policies."""
     return {
         "ideal 16-bit": 16, "ideal 8-bit": 8, "ideal 4-bit": 4, "ideal 2-bit": 2,
         "bf16 (kvcompile full)": Policy.full(),

@@ -27,7 +27,7 @@ division by ``tl.math.div_rn`` (correctly rounded; plain ``/`` is approximate on
 even by adding and subtracting 1.5 * 2**23; fp16 directed rounding by correcting the round-to-nearest result one
 step through its int16 bit pattern; fp8 codes by integer arithmetic that replicates c10's
 ``fp8e4m3fn_from_fp32_value`` / ``fp8e5m2_from_fp32_value`` (the interpreter's fp8 cast is wrong near binade
-boundaries, see shared/NOTES.md).
+boundaries).
 """
 # No `from __future__ import annotations`: Triton reads `tl.constexpr` annotations as objects, not strings.
 import functools

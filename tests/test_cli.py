@@ -1,4 +1,4 @@
-"""The kvcompile command: plan (the articles' numbers), eval and demo on a tiny random model."""
+"""The kvcompile command: plan (published capacity figures), eval and demo on a tiny random model."""
 import json
 import subprocess
 import sys

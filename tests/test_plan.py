@@ -1,4 +1,4 @@
-"""The planner: the source articles' numbers, and the symbolic layout against the allocated one."""
+"""The planner: published capacity figures, and the symbolic layout against the allocated one."""
 import json
 
 import pytest

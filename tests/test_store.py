@@ -470,7 +470,7 @@ NF_POLICY = Policy(Quant("int4", "channel", 4), Quant("int8", "token", 8), resid
 @pytest.mark.parametrize("bad", BAD)
 @pytest.mark.parametrize("region", ["sink", "packed", "residual"])
 def test_reference_attention_follows_its_non_finite_rule(which, bad, region):
-    """Issue item 2: one NaN or +-inf key or value, in a sink, a packed group (its first or last token and
+    one NaN or +-inf key or value, in a sink, a packed group (its first or last token and
     channel) or the residual window. A causal prefill over all 24 tokens and a decode with a mask that hides
     the bad position: attention_reference is NaN exactly where its rule says (``nonfinite_checks.oracle``,
     written row by row), rows that do not see the position stay finite, and the rest matches float64
@@ -535,7 +535,7 @@ def test_reference_nan_spread_against_full_precision():
 @pytest.mark.parametrize("policy", [Policy.int8(), Policy.kivi(2, group=4, residual=2), Policy.fp8("fp8_e5m2"),
                                     Policy(Quant("int4", symmetric=True), Quant("fp8_e4m3"), sink=1, rotate=True)])
 def test_finite_keys_near_the_dtype_max_give_finite_attention(policy, dtype):
-    """Issue item 1: a key or value beyond fp16 scales' reach (6.5e4 for int8 asymmetric, ~1e6 int4
+    a key or value beyond fp16 scales' reach (6.5e4 for int8 asymmetric, ~1e6 int4
     symmetric, ~3e7 fp8 e4m3) made a scale inf and attention NaN or 0. Up to the model dtype's largest value
     the store, what it reads back (in fp32 and in the model dtype) and attention are finite."""
     H, D, L = 2, 16, 24

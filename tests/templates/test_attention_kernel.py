@@ -235,7 +235,7 @@ from nonfinite_checks import assert_nan_pattern, bad_inputs  # noqa: E402
 ])
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on NaN operands
 def test_attention_kernel_non_finite_values_poison_what_the_reference_says(policy, dtype):
-    """Issue item 2 for the Triton kernel: NaN, +inf and -inf keys and values in sinks, packed groups' edges
+    """The Triton kernel: NaN, +inf and -inf keys and values in sinks, packed groups' edges
     and the residual window; split-K decode, a chunked prefill, masks hiding some bad positions, the queries'
     own chunk: NaN exactly where ``attention_reference`` is, never inf, the rest within the derived bound."""
     B, H, G, D, L = 2, 1, 2, 16, 40

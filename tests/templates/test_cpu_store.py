@@ -312,7 +312,7 @@ NONFINITE_POLICIES = [  # every format, both axes, both scale dtypes, sinks and 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("policy", NONFINITE_POLICIES)
 def test_cpu_store_non_finite_and_huge_inputs_equal_reference(policy, dtype):
-    """Issue items 1 and 2: NaN, +inf and -inf in sinks, on packed groups' first and last tokens and
+    """NaN, +inf and -inf in sinks, on packed groups' first and last tokens and
     channels, and in the residual window, among values up to the model dtype's largest -- appended as a
     prefill, decode steps and a chunk -- are stored bit for bit as the reference stores them (before, the C
     store wrote finite codes for a NaN and the reference inf scales for a large key). Without the bad values,

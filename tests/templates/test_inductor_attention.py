@@ -115,7 +115,7 @@ NONFINITE_POLICIES = [
 
 @pytest.mark.parametrize("policy", NONFINITE_POLICIES)
 def test_inductor_attention_non_finite_values_poison_what_the_reference_says(policy):
-    """Issue item 2 for the Inductor template (eager): NaN, +inf and -inf keys and values in sinks, packed
+    """The Inductor template (eager): NaN, +inf and -inf keys and values in sinks, packed
     groups' edges and the residual window; decode, several rows (unrolled) and a prefill (> 16 rows: the
     matrix path), masks hiding some bad positions: NaN exactly where attention_reference is, never inf."""
     B, H, G, D, L = 2, 1, 2, 16, 40

@@ -233,7 +233,7 @@ from nonfinite_checks import BAD, bad_inputs  # noqa: E402
      "float32"),
 ])
 def test_store_kernel_non_finite_and_huge_inputs_equal_reference(policy, dtype):
-    """Issue items 1 and 2 for the Triton store: NaN, +inf and -inf in sinks, on packed groups' first and
+    """The Triton store: NaN, +inf and -inf in sinks, on packed groups' first and
     last tokens and channels and in the residual window, among values up to the model dtype's largest, are
     stored bit for bit as the reference stores them (saturated scales, poisoned groups); without the bad values
     everything stored is finite."""
