@@ -463,6 +463,32 @@ class KVStore:
         out.tables = [list(t) for t in self.tables]
         return out
 
+    def clear(self, rows: Sequence[int]) -> None:
+        """Empty the sequences ``rows`` (their blocks return to the pool); the others are untouched. A serving
+        engine's slot is cleared when its request finishes, and reused by the next one."""
+        rows = [int(b) for b in rows]
+        for b in rows:
+            for blk in self.tables[b]:
+                self._release(blk)
+            self.tables[b] = []
+            self.lengths[b] = 0
+        if rows:
+            self.state.lengths[rows] = 0
+            self._sync_rows(rows)
+
+    def fork(self, src: int, dst: int) -> None:
+        """Sequence ``dst`` becomes a copy of sequence ``src`` (parallel sampling): blocks are shared, as by
+        ``select``, and copied before either writes into a shared one; ring and sinks are copied. Whatever
+        ``dst`` held is released first."""
+        self.clear([dst])
+        self.tables[dst] = list(self.tables[src])
+        for blk in self.tables[dst]:
+            self.refs[blk] += 1
+        self.lengths[dst] = self.lengths[src]
+        for t in self.state[6:11]:
+            t[dst] = t[src]
+        self._sync_rows([dst])
+
     def reset(self) -> None:
         """Empty every sequence (the pool is kept for reuse)."""
         for t in self.tables:
