@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from . import tp
+from . import serving, tp
 from .hf import CAPACITY_STEP, KVCompileCache, KVCompileWarning, _text_config, model_shape
 from .passes import KVCompileError
 from .policy import Policy
@@ -179,6 +179,9 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
         if cache_kw != "past_key_values" and "past_key_values" in kwargs:
             kwargs.setdefault(cache_kw, kwargs.pop("past_key_values"))
         cache = kwargs.get(cache_kw)
+        if cache is not None and serving.is_paged(cache):  # transformers' continuous batching (kvcompile.serving)
+            with _threads(next(model.parameters())):
+                return serving.paged_forward(orig_forward, cache, *args, **kwargs)
         use_cache = kwargs.get("use_cache")
         if cache is None and (use_cache is False or (use_cache is None and not getattr(cfg, "use_cache", True))):
             return orig_forward(*args, **kwargs)  # no cache to quantize: the unmodified model
@@ -233,6 +236,7 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
         guard = tp.Guard(shard, cache_kw, f"{type(model).__name__}.forward under kvcompile")
         orig_forward, compiled, forward = guard.run(orig_forward), guard.run(compiled), guard.call(forward)
     model.forward = forward
+    serving.install(model, policy, names, heads, sharded=shard is not None)  # generate_batch, transformers serve
     model._prepare_cache_for_generation = prepare_cache_for_generation
     # generate must not compile the forward again (it is compiled already, by kvcompile)
     model._valid_auto_compile_criteria = lambda *a, **k: False

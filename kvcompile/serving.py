@@ -1,0 +1,536 @@
+"""Serving: transformers' own continuous batching over kvcompile's packed store.
+
+    model = kvcompile.apply(model, Policy.kivi(4))
+    out = model.generate_batch(prompts, generation_config)        # transformers' engine, kvcompile's cache
+    manager = model.init_continuous_batching(...)                  # or the manager API; `transformers serve`
+
+transformers' continuous batching (``transformers.generation.continuous_batching``) schedules requests over a
+``PagedAttentionCache``: pages of ``page_size`` tokens, handed to requests as they grow, a ragged batch of
+prefill chunks and decode tokens per forward, keys and values written through write indices and read back
+in full precision through read indices before SDPA. Here that engine runs unchanged -- its scheduler, its
+request states, its page accounting, its HTTP server -- with two things replaced:
+
+- the cache (``PagedKVCompileCache``, a ``PagedAttentionCache``): its pages are *virtual*, only counted by
+  transformers' allocators (its full-precision tensor is never allocated: it lives on the ``meta`` device);
+  the keys and values go to one ``KVStore`` per layer whose pool holds as many blocks as transformers has
+  pages, ``page_size`` = the store's block. Each request gets a row (a *slot*) of every layer's store while
+  it holds pages; finishing, cancelling or being evicted (soft reset) clears the row and its blocks return
+  to the pool. A request of ``L`` tokens holds ``blocks_for(L) <= ceil(L / page_size)`` blocks, so whatever
+  transformers admits fits in the pool.
+- the attention (``kvcompile_paged``, registered with transformers' ``AttentionInterface`` and switched on
+  while the manager runs, as transformers switches to its own paged implementations): each request's
+  queries attend to its row of the store through kvcompile's kernels (the C decode kernel reads the packed
+  blocks where they lie; prefill chunks dequantize transiently, as ``generate`` does), with the chunk's own
+  keys and values in full precision. No read index, no full-precision copy of the cache.
+
+The byte budget: the pool, the slots' rings and sinks, and the block tables are sized from one number of
+bytes (``configure(model, budget=...)``; by default the bytes transformers' own cache would take for the
+``ContinuousBatchingConfig``'s ``num_blocks`` x ``page_size`` tokens, else ``DEFAULT_BUDGET``), and
+transformers is told the number of pages that budget buys.
+
+What this is not yet: the FX pass does not rewrite the paged reads and writes (the model runs eagerly, its
+attention dispatched to kvcompile's); prefix sharing (``allow_block_sharing``), asynchronous batching, CUDA
+graphs / compiled CB forwards, the block-table decode fast path, CPU offloading of evicted requests
+(evicted requests are re-prefilled), tensor parallelism and sliding-window layers are refused or turned off,
+each with a message.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from . import ops
+from .passes import KVCompileError
+from .policy import Policy
+from .store import DTYPE_NAMES, KVState, KVStore, LayerSpec, state_nbytes
+
+ATTN = "kvcompile_paged"
+DEFAULT_BUDGET = 256 * 2**20  # bytes, when neither configure(budget=) nor the CB config's num_blocks says
+DEFAULT_SLOTS = 32            # concurrent requests, when configure(max_requests=) does not say
+
+
+@dataclass
+class ServingOptions:
+    """What ``apply`` records for serving: the policy per layer, the kv heads, and the sizing knobs."""
+
+    policy: Policy
+    layer_names: list
+    kv_heads: int
+    budget: int | None = None        # bytes for the whole cache; None: see the module docstring
+    max_requests: int | None = None  # slots (requests holding cache at once); None: DEFAULT_SLOTS
+
+
+def configure(model, *, budget: int | None = None, max_requests: int | None = None) -> None:
+    """Size the continuous-batching cache of an applied model: ``budget`` bytes in all (pool, slots, tables),
+    ``max_requests`` requests holding cache at once."""
+    opts = getattr(model, "_kvcompile_serving", None)
+    if opts is None:
+        raise KVCompileError("kvcompile.serving.configure: this model was not prepared by kvcompile.apply")
+    for name, v in (("budget", budget), ("max_requests", max_requests)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"kvcompile.serving.configure({name}={v!r}): expected a positive integer")
+    opts.budget, opts.max_requests = budget, max_requests
+
+
+# --------------------------------------------------------------------------- sizing
+def layer_specs(model_config, opts: ServingOptions, dtype: torch.dtype) -> list[LayerSpec]:
+    """One spec per layer, every one with the same block (the largest any layer's policy needs): transformers
+    counts pages of one size for all layers."""
+    from .hf import model_shape
+
+    _, _, head_dim = model_shape(model_config)
+    policies = opts.policy.resolve(opts.layer_names)
+    block = max(LayerSpec(p, opts.kv_heads, head_dim, DTYPE_NAMES[dtype]).block for p in policies)
+    return [LayerSpec(p, opts.kv_heads, head_dim, DTYPE_NAMES[dtype], block_tokens=block) for p in policies]
+
+
+def full_precision_bytes_per_token(model_config, dtype: torch.dtype) -> int:
+    """What transformers' paged cache allocates per token, every layer: keys and values in the model dtype."""
+    from .hf import model_shape
+
+    layers, kv, hd = model_shape(model_config)
+    return layers * 2 * kv * hd * torch.empty((), dtype=dtype).element_size()
+
+
+def pool_blocks(specs: list[LayerSpec], budget: int, slots: int) -> int:
+    """Blocks per layer that ``budget`` bytes buy once ``slots`` rows (ring, sinks, length) are paid for; each
+    block also costs, in every layer, a column of the block table (an int32 per slot: the table is allocated
+    at full width, ``slots x blocks``, so it never grows)."""
+    fixed = slots * sum(s.row_nbytes() for s in specs)
+    per_block = sum(s.block_nbytes() + 4 * slots for s in specs)
+    blocks = (budget - fixed) // per_block
+    if blocks < 1:
+        raise KVCompileError(
+            f"kvcompile serving: a budget of {budget} bytes does not hold one block after {slots} request slots "
+            f"({fixed} bytes of full-precision rings and sinks); raise the budget or lower max_requests.")
+    return int(blocks)
+
+
+def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = torch.bfloat16,
+             request_tokens: int = 1024, page_size: int = 256, layer_names=None) -> dict:
+    """For one byte ``budget``: what kvcompile's serving cache and transformers' own paged cache hold, counted
+    from the tensors each allocates (both are allocated here, on the CPU).
+
+    - ``tokens``: the pages each engine's scheduler may hand out, in tokens (kvcompile: pool blocks x block,
+      with ``requests`` slots paid for first; transformers: its pages x ``page_size``);
+    - ``requests``: concurrent requests of ``request_tokens`` tokens each the budget holds (kvcompile sizes
+      its slots to that number: each slot's full-precision ring and sinks are part of the budget);
+    - ``allocated``: bytes of the tensors allocated (kvcompile: pools, rings, sinks, lengths and block
+      tables at full width).
+    """
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.distributed import DistributedHelper
+
+    from .hf import model_shape
+
+    layers, kv, _ = model_shape(model_config)
+    names = layer_names or [f"model.layers.{i}.self_attn" for i in range(layers)]
+    specs = layer_specs(model_config, ServingOptions(policy, names, kv), dtype)
+    need = max(1, specs[0].blocks_for(request_tokens))  # blocks per request (every layer the same)
+    slots = budget // sum(s.row_nbytes() + need * s.block_nbytes() for s in specs)  # an upper bound
+    while slots >= 1 and (budget - slots * sum(s.row_nbytes() for s in specs)) // sum(
+            s.block_nbytes() + 4 * slots for s in specs) < slots * need:
+        slots -= 1  # the most slots whose requests' blocks (and table columns) the rest of the budget holds
+    if slots < 1:
+        raise KVCompileError(f"a budget of {budget} bytes holds no request of {request_tokens} tokens")
+    blocks = pool_blocks(specs, budget, slots)
+    stores = make_stores(specs, slots, blocks)
+    ours = dict(allocated=sum(state_nbytes(st.state) for st in stores), budgeted=budget, blocks=blocks,
+                tokens=blocks * specs[0].block, requests=min(slots, blocks // need), slots=slots)
+    del stores
+    per_page = page_size * full_precision_bytes_per_token(model_config, dtype)
+    cbc = ContinuousBatchingConfig(num_blocks=budget // per_page, page_size=page_size, max_batch_tokens=256,
+                                   max_blocks_per_request=0, max_memory_percent=1.0)
+    theirs_cache = _transformers().PagedAttentionCache(model_config, cbc, "cpu", DistributedHelper(None, None, {}),
+                                                       dtype)
+    data = theirs_cache.num_sectors * theirs_cache.bytes_per_sector  # without the two trash sectors
+    theirs = dict(allocated=theirs_cache.cache_tensor.numel(), data=data, blocks=theirs_cache.num_blocks,
+                  tokens=theirs_cache.num_blocks * page_size,
+                  requests=theirs_cache.num_blocks // -(-request_tokens // page_size))
+    return dict(kvcompile=ours, transformers=theirs, token_ratio=ours["tokens"] / theirs["tokens"],
+                request_ratio=ours["requests"] / max(1, theirs["requests"]))
+
+
+def make_stores(specs: list[LayerSpec], slots: int, blocks: int, device="cpu") -> list[KVStore]:
+    """One store per layer: ``slots`` rows, a pool of ``blocks`` blocks allocated now (it never grows), and
+    the block table at full width. Its tensors are exactly what ``pool_blocks`` budgets."""
+    out = []
+    for s in specs:
+        st = KVStore(s, slots, device, max_blocks=blocks, blocks=blocks)
+        st.state = st.state._replace(table=torch.full((slots, blocks), -1, dtype=torch.int32, device=device))
+        out.append(st)
+    return out
+
+
+# --------------------------------------------------------------------------- the cache
+def _transformers():
+    from transformers.generation.continuous_batching import cache as tcache
+    return tcache
+
+
+class _Plan:
+    """One forward's ragged batch: requests in order, grouped by query length (one kernel call per group)."""
+
+    def __init__(self, entries, slots, device):
+        self.entries = entries  # (request_id, slot, past, n)
+        self.total = sum(n for *_, n in entries)
+        groups, start = {}, 0
+        for _, slot, _, n in entries:
+            g = groups.setdefault(n, ([], []))
+            g[0].append(slot)
+            g[1].extend(range(start, start + n))
+            start += n
+        self.groups = [(n, torch.tensor(rows, dtype=torch.long, device=device),
+                        torch.tensor(idx, dtype=torch.long, device=device)) for n, (rows, idx) in groups.items()]
+        self.counts = [0] * slots
+        for _, slot, _, n in entries:
+            self.counts[slot] = n
+
+
+def _gather(x: torch.Tensor, idx: torch.Tensor, rows: int, n: int) -> torch.Tensor:
+    """``x [1, H, T, D]`` -> ``[rows, H, n, D]``: the tokens ``idx`` (rows x n, request by request)."""
+    H, D = x.shape[1], x.shape[3]
+    return x[0].index_select(1, idx).view(H, rows, n, D).transpose(0, 1).contiguous()
+
+
+def _make_cache_class():
+    base = _transformers().PagedAttentionCache
+
+    class PagedKVCompileCache(base):
+        """transformers' ``PagedAttentionCache`` whose pages are kvcompile blocks: see ``kvcompile.serving``."""
+
+        def __init__(self, config, continuous_batching_config, device, distributed_helper, dtype=torch.float16,
+                     model_supports_logits_to_keep=False, *, specs: list[LayerSpec], slots: int, blocks: int):
+            if distributed_helper.tp_size > 1:
+                raise KVCompileError("kvcompile serving does not support tensor parallelism yet")
+            # transformers' own tensor is only counted, never used: it lives on the meta device
+            super().__init__(config, continuous_batching_config, "meta", distributed_helper, dtype,
+                             model_supports_logits_to_keep)
+            self.device = torch.device(device)
+            if set(self.cache_allocators) != {_transformers().FULL_ATTENTION}:
+                raise KVCompileError("kvcompile serving supports full-attention layers only (this model has "
+                                     f"{sorted(self.cache_allocators)})")
+            if self.num_blocks != blocks:
+                raise KVCompileError(f"kvcompile serving: transformers made {self.num_blocks} pages where the pool "
+                                     f"has {blocks} blocks")
+            self.max_decode_fast_path_length = 0  # no block tables: attention reads kvcompile's own
+            self.specs, self.slots = specs, slots
+            self.stores = make_stores(specs, slots, blocks, self.device)
+            self.slot_of: dict[str, int] = {}
+            self.free_slots = list(range(slots - 1, -1, -1))
+            self._pending: list = []
+            self._plan: _Plan | None = None
+            self._work: dict = {}
+
+        # ---- sizes
+        @property
+        def allocated_nbytes(self) -> int:
+            """Bytes of every tensor the stores allocated (pools, rings, sinks, lengths, tables)."""
+            return sum(state_nbytes(st.state) for st in self.stores)
+
+        @property
+        def free_blocks_count(self) -> int:
+            """Free blocks of the pool (every layer has the same count)."""
+            return len(self.stores[0].free)
+
+        # ---- slots
+        def _take_slot(self, request_id: str) -> int:
+            slot = self.free_slots.pop()
+            self.slot_of[request_id] = slot
+            return slot
+
+        def _drop(self, request_id: str) -> None:
+            slot = self.slot_of.pop(request_id, None)
+            if slot is not None:
+                for st in self.stores:
+                    st.clear([slot])
+                self.free_slots.append(slot)
+
+        def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
+            new = state.request_id not in self.slot_of
+            if new and not self.free_slots and state.request_id != "":
+                return False  # every slot is held: the request waits, as for pages
+            ok = super().can_store_request_tokens(state, request_len, dry_run)
+            if ok and new and not dry_run and state.request_id != "":
+                self._take_slot(state.request_id)
+            return ok
+
+        def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
+            super().free_blocks(request_id, no_cache)
+            self._drop(request_id)
+
+        def free_all_requests(self, clear_ledgers: bool = False) -> None:
+            super().free_all_requests(clear_ledgers)
+            for rid in list(self.slot_of):
+                self._drop(rid)
+            self._pending, self._plan, self._work = [], None, {}
+
+        def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst):
+            src = self.slot_of[src_state.request_id]
+            forked = super().prepare_fork_request(src_state, list(dst_req_ids)[:len(self.free_slots)],
+                                                  copy_src_and_dst)
+            for rid in forked:
+                dst = self._take_slot(rid)
+                for st in self.stores:
+                    st.fork(src, dst)
+            return forked
+
+        def perform_cache_copy(self, copy_src_and_dst) -> None:
+            return None  # forks share kvcompile blocks (copied on write by the store)
+
+        # ---- the batch
+        def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index):
+            # no indices: kvcompile's attention reads each request's row of the store. Record the batch.
+            self._pending.append((request_id, past_length, query_length))
+
+        def fill_block_table(self, *a, **k):
+            raise KVCompileError("kvcompile serving has no block-table decode path (max_blocks_per_request=0)")
+
+        def _plan_for(self, total: int) -> _Plan:
+            if self._pending:
+                entries = []
+                for rid, past, n in self._pending:
+                    slot = self.slot_of.get(rid)
+                    if slot is None:
+                        raise KVCompileError(f"kvcompile serving: request {rid} has no slot")
+                    have = self.stores[0].lengths[slot]
+                    if have != past:
+                        raise KVCompileError(
+                            f"kvcompile serving: request {rid} continues at position {past} but its store holds "
+                            f"{have} tokens")
+                    entries.append((rid, slot, past, n))
+                self._plan, self._pending = _Plan(entries, self.slots, self.device), []
+            if self._plan is None or self._plan.total != total:
+                raise KVCompileError(
+                    f"kvcompile serving: the forward has {total} tokens but the batch scheduled "
+                    f"{None if self._plan is None else self._plan.total} (padded inputs are not supported)")
+            return self._plan
+
+        @torch.compiler.disable
+        def update(self, key_states, value_states, layer_idx, kwargs):
+            """Store the batch's new keys and values ``[1, H, T, D]`` in each request's row; returns them as
+            they came (the attention reads the chunk in full precision, the rest from the store)."""
+            plan = self._plan_for(key_states.shape[2])
+            st = self.stores[layer_idx]
+            spec = st.spec
+            st.reserve(plan.counts)
+            state = st.state
+            be = ops.backend(key_states.device)
+            work = []
+            for n, rows, idx in plan.groups:
+                R = rows.numel()
+                k, v = _gather(key_states, idx, R, n), _gather(value_states, idx, R, n)
+                sub = KVState(*state[:6], *(t.index_select(0, rows) for t in state[6:]))
+                be.store(sub, spec, k, v, None)
+                for i in range(6, 11):  # rings, sinks, lengths back into the slots
+                    state[i].index_copy_(0, rows, sub[i])
+                work.append((n, rows, idx, sub, k, v))
+            for slot, n in enumerate(plan.counts):
+                st.lengths[slot] += n
+            self._work[layer_idx] = work
+            return key_states, value_states
+
+        def attend(self, layer_idx: int, query: torch.Tensor, scaling) -> torch.Tensor:
+            """Attention of the batch's queries ``[1, Hq, T, D]`` over their requests' rows: ``[1, T, Hq, D]``."""
+            work = self._work.pop(layer_idx, None)
+            if work is None:
+                raise KVCompileError(f"kvcompile serving: layer {layer_idx} attends before it stored its keys")
+            spec = self.specs[layer_idx]
+            be = ops.backend(query.device)
+            _, Hq, T, D = query.shape
+            out = query.new_empty(T, Hq, D)
+            for n, rows, idx, sub, k, v in work:
+                R = rows.numel()
+                q = _gather(query, idx, R, n)
+                o = be.attention(q, sub, spec, None, scaling, k_new=k, v_new=v)  # [R, Hq, n, D]
+                out.index_copy_(0, idx, o.permute(0, 2, 1, 3).reshape(R * n, Hq, D).to(out.dtype))
+            return out.unsqueeze(0)
+
+    return PagedKVCompileCache
+
+
+_CLASSES: dict = {}
+
+
+def cache_class():
+    """The ``PagedAttentionCache`` subclass (built on first use: transformers' CB is imported lazily)."""
+    if "cache" not in _CLASSES:
+        _CLASSES["cache"] = _make_cache_class()
+    return _CLASSES["cache"]
+
+
+def is_paged(cache) -> bool:
+    """Whether ``cache`` is a transformers paged (continuous-batching) cache, ours or its own."""
+    t = type(cache)
+    return any(c.__name__ == "PagedAttentionCache" for c in t.__mro__)
+
+
+# --------------------------------------------------------------------------- the attention
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    ref = getattr(module, "_kvcompile_paged", None)
+    cache = ref() if ref is not None else None
+    if cache is None:
+        raise KVCompileError(f"attn_implementation={ATTN!r} runs only inside kvcompile's continuous batching "
+                             f"(model.generate_batch / init_continuous_batching on a model kvcompile.apply prepared)")
+    return cache.attend(module.layer_idx, query, scaling), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTN, _attention)
+
+
+# --------------------------------------------------------------------------- the manager
+_SWAP = threading.Lock()
+
+
+@contextlib.contextmanager
+def _cache_factory(factory):
+    """transformers' manager builds ``PagedAttentionCache`` by name: for the one call that builds ours."""
+    from transformers.generation.continuous_batching import continuous_api as api
+    with _SWAP:
+        orig = api.PagedAttentionCache
+        api.PagedAttentionCache = factory
+        try:
+            yield
+        finally:
+            api.PagedAttentionCache = orig
+
+
+def _refuse(asked) -> None:
+    """What kvcompile's cache does not serve yet, where the user asked for it."""
+    def refuse(what):
+        raise KVCompileError(f"kvcompile serving does not support {what} yet")
+
+    if asked.use_async_batching:
+        refuse("use_async_batching=True")
+    if asked.varlen_compile_config is not None or asked.decode_compile_config is not None:
+        refuse("compiled continuous-batching forwards (varlen/decode_compile_config)")
+    graphs = asked.use_cuda_graph
+    if any(graphs) if isinstance(graphs, (tuple, list)) else graphs:
+        refuse("CUDA graphs (use_cuda_graph)")
+    if asked.cpu_offload_space:
+        refuse("CPU offloading of evicted requests (cpu_offload_space); evicted requests are re-prefilled")
+
+
+def _restrict(cb) -> None:
+    """The resolved config, with what kvcompile's cache does not serve yet turned off."""
+    cb.use_async_batching = False
+    cb.varlen_compile_config = cb.decode_compile_config = None
+    cb.use_cuda_graph = (False, False)
+    cb.cpu_offload_space = 0.0
+    cb.max_blocks_per_request = 0
+    cb.allow_block_sharing = False
+
+
+def _make_manager_class():
+    from transformers.generation.continuous_batching.continuous_api import (ContinuousBatchingManager,
+                                                                             ContinuousBatchProcessor)
+
+    class KVCompileBatchingManager(ContinuousBatchingManager):
+        """transformers' ``ContinuousBatchingManager`` over ``PagedKVCompileCache`` and ``kvcompile_paged``."""
+
+        def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None):
+            # everything that can refuse runs before transformers' manager switches the model's attention
+            asked = continuous_batching_config
+            _refuse(asked)
+            opts: ServingOptions = model._kvcompile_serving
+            text = model.config.get_text_config()
+            self._specs = layer_specs(text, opts, model.dtype)
+            self._slots = opts.max_requests or DEFAULT_SLOTS
+            budget = opts.budget
+            if budget is None:
+                budget = (asked.num_blocks * asked.page_size * full_precision_bytes_per_token(text, model.dtype)
+                          if asked.num_blocks else DEFAULT_BUDGET)
+            self.budget = budget
+            self._blocks = pool_blocks(self._specs, budget, self._slots)
+            if model.config._attn_implementation not in ("sdpa", ATTN):
+                raise KVCompileError(f"kvcompile serving needs a model loaded with attn_implementation='sdpa' "
+                                     f"(this one uses {model.config._attn_implementation!r})")
+            super().__init__(model, generation_config, continuous_batching_config, workload_hints)
+            cb = self.continuous_batching_config
+            _restrict(cb)
+            cb.page_size = self._specs[0].block
+            cb.num_blocks = self._blocks
+            self._use_prefix_sharing = False
+
+        def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
+            impl = model.config._attn_implementation
+            if impl == ATTN:
+                return
+            if impl != "sdpa":
+                raise KVCompileError(f"kvcompile serving needs a model loaded with attn_implementation='sdpa' "
+                                     f"(this one uses {impl!r})")
+            _register_attention()
+            model.set_attn_implementation(ATTN)
+            self._original_attn_impl = impl
+
+        def _create_batch_processor(self):
+            bp = getattr(self, "batch_processor", None)
+            if isinstance(bp, ContinuousBatchProcessor):
+                bp.reset()
+                return bp
+            cls = cache_class()
+
+            def factory(*args, **kwargs):
+                return cls(*args, specs=self._specs, slots=self._slots, blocks=self._blocks, **kwargs)
+
+            with _cache_factory(factory):
+                bp = super()._create_batch_processor()
+            ref = weakref.ref(bp.cache)
+            for m in self.model.modules():
+                if isinstance(getattr(m, "layer_idx", None), int):
+                    m._kvcompile_paged = ref
+            self.cache = bp.cache
+            return bp
+
+    return KVCompileBatchingManager
+
+
+def manager_class():
+    if "manager" not in _CLASSES:
+        _CLASSES["manager"] = _make_manager_class()
+    return _CLASSES["manager"]
+
+
+def install(model, policy: Policy, layer_names, kv_heads: int, sharded: bool = False) -> None:
+    """Route ``model.init_continuous_batching`` (and so ``generate_batch``, the context manager and
+    ``transformers serve``) through kvcompile's manager. Called by ``kvcompile.apply``."""
+    model._kvcompile_serving = ServingOptions(policy, list(layer_names), kv_heads)
+    if not hasattr(type(model), "init_continuous_batching"):
+        return
+
+    def init_continuous_batching(generation_config=None, continuous_batching_config=None, workload_hints=None):
+        if sharded:
+            raise KVCompileError("kvcompile serving does not support tensor-parallel models yet")
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        cls = manager_class()
+        cached = getattr(model, "_cached_continuous_batching_manager", None)
+        if isinstance(cached, cls):
+            cached.switch_to_cb_friendly_attn(model)
+            return cached
+        gen = generation_config if generation_config is not None else model.generation_config
+        if gen is None:
+            raise ValueError("A GenerationConfig must be provided or set in the model.")
+        if gen.eos_token_id is None:
+            gen.eos_token_id = -1
+        cbc = continuous_batching_config if continuous_batching_config is not None else ContinuousBatchingConfig()
+        return cls(model, gen, cbc, workload_hints)
+
+    model.init_continuous_batching = init_continuous_batching
+
+
+def paged_forward(orig_forward, paged_cache, /, *args, **kwargs):
+    """The applied model's forward when transformers' continuous batching calls it: eager (the cache's
+    ``update`` and the ``kvcompile_paged`` attention do the work), and only over kvcompile's paged cache."""
+    if not isinstance(paged_cache, cache_class()):
+        raise KVCompileError(
+            f"this model was prepared by kvcompile.apply but was given transformers' own {type(paged_cache).__name__}, "
+            f"which stores keys and values in full precision. Use model.generate_batch / "
+            f"model.init_continuous_batching on the applied model (they build kvcompile's paged cache).")
+    return orig_forward(*args, **kwargs)

@@ -1,0 +1,264 @@
+"""transformers' own continuous batching over kvcompile's packed store (``kvcompile.serving``).
+
+The contract: on a model ``kvcompile.apply`` prepared, ``generate_batch`` and the manager API run
+transformers' engine (its scheduler, its page accounting) with kvcompile's cache and attention. Under
+``Policy.full()`` the tokens are exactly transformers' own continuous batching's (and plain ``generate``'s);
+under a quantized policy they are exactly what kvcompile's ``generate`` gives for the same policy (the same
+stored bytes, read by the same kernels), so the quantization is kvcompile's and nothing falls back to full
+precision. Requests of mixed lengths, prefills split across forwards, finished requests freeing their
+blocks, requests waiting for a slot. Tiny random Llamas, as in ``test_generate``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+import kvcompile
+from kvcompile import KVCompileError, Policy
+from kvcompile import serving
+from test_generate import tiny
+
+torch.set_num_threads(1)
+
+KIVI = Policy.kivi(4, group=4, residual=8)
+KIVI2 = Policy.kivi(2, group=4, residual=4)
+NEW = 12
+GEN = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+def prompts():
+    g = torch.Generator().manual_seed(3)
+    # mixed lengths: one token, short, several pages (64-token blocks), and two longer than a forward's token
+    # budget (max_batch_tokens=64 below): their prefills are split across forwards, beside other requests' decodes
+    return [torch.randint(3, 64, (n,), generator=g).tolist() for n in (1, 5, 19, 70, 150, 33)]
+
+
+def cb_config(**kw):
+    return ContinuousBatchingConfig(**{"num_blocks": 8, "max_batch_tokens": 64, **kw})
+
+
+def tokens(out) -> list[list[int]]:
+    for r in out.values():
+        assert r.error is None, r.error
+    return [r.generated_tokens for r in out.values()]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' own continuous batching, and plain generate, on the unmodified model."""
+    ref = tiny()
+    with torch.no_grad():
+        cb = tokens(ref.generate_batch(prompts(), GEN, continuous_batching_config=cb_config(), progress_bar=False))
+        gen = [ref.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist() for p in prompts()]
+    return ref, cb, gen
+
+
+def applied(policy, **configure):
+    model = kvcompile.apply(tiny(), policy)
+    if configure:
+        serving.configure(model, **configure)
+    return model
+
+
+def run_manager(model, inputs, cbc=None):
+    """The manager API: start, add requests, collect every result; returns (tokens in order, the cache, what
+    the cache looked like while the requests ran)."""
+    manager = model.init_continuous_batching(GEN, cbc or cb_config())
+    seen = {}
+    manager.start()
+    try:
+        ids = manager.add_requests(inputs=inputs, max_new_tokens=NEW)
+        results = {}
+        while len(results) < len(ids):
+            r = manager.get_result(timeout=30)
+            assert r is not None, "no result within 30 s"
+            if r.is_finished():
+                results[r.request_id] = r
+                if "impl" not in seen:  # while the manager runs, attention is kvcompile's
+                    seen["impl"] = model.config._attn_implementation
+        cache = manager.batch_processor.cache
+        seen["free_after"] = cache.free_blocks_count
+        seen["slots_after"] = dict(cache.slot_of)
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert model.config._attn_implementation == "sdpa"  # restored
+    out = [results[i] for i in ids]
+    assert all(r.error is None for r in out), [r.error for r in out]
+    return [r.generated_tokens for r in out], cache, seen
+
+
+# --------------------------------------------------------------------------- Policy.full(): exactly transformers'
+def test_full_policy_gives_transformers_own_continuous_batching_tokens(reference):
+    _, want_cb, want_gen = reference
+    assert want_cb == want_gen  # transformers' CB and its generate agree on this model (the premise)
+    model = applied(Policy.full())
+    with torch.no_grad():
+        got = tokens(model.generate_batch(prompts(), GEN, continuous_batching_config=cb_config(), progress_bar=False))
+    assert got == want_cb
+    # and plain generate on the applied model still works afterwards (attention implementation restored)
+    p = prompts()[2]
+    assert model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist() == want_gen[2]
+
+
+def test_the_manager_runs_on_kvcompiles_store_and_finished_requests_free_their_blocks(reference):
+    _, want, _ = reference
+    model = applied(Policy.full())
+    got, cache, seen = run_manager(model, prompts())
+    assert got == want
+    assert isinstance(cache, serving.cache_class()) and seen["impl"] == serving.ATTN
+    blocks = cache.stores[0].blocks
+    assert blocks == cache.num_blocks  # one kvcompile block per transformers page
+    assert seen["free_after"] == blocks and seen["slots_after"] == {}  # every block and slot back
+    assert all(st.used_blocks == 0 and st.lengths == [0] * cache.slots for st in cache.stores)
+    # the keys went through the store: the 150-token prompt filled packed blocks of the pool
+    assert cache.stores[1].state.k_codes.abs().sum() > 0
+    # transformers' own full-precision cache tensor was never allocated
+    assert cache.cache_tensor.device.type == "meta"
+
+
+# --------------------------------------------------------------------------- quantized policies
+@pytest.mark.parametrize("policy", [KIVI, KIVI2], ids=["kivi4", "kivi2"])
+def test_quantized_policy_gives_kvcompiles_own_generate_tokens(reference, policy):
+    """The same stored bytes as kvcompile's generate under the policy, so the same tokens; and not the
+    unquantized model's everywhere at 2 bits (the cache really is quantized), while close at 4 bits."""
+    _, want_full, _ = reference
+    model = applied(policy)
+    with torch.no_grad():
+        got = tokens(model.generate_batch(prompts(), GEN, continuous_batching_config=cb_config(), progress_bar=False))
+        gen = [model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist() for p in prompts()]
+    assert got == gen
+    same = sum(a == b for g, w in zip(got, want_full) for a, b in zip(g, w)) / sum(len(w) for w in want_full)
+    if policy is KIVI:
+        assert same >= 0.75, same
+    else:
+        assert got != want_full
+
+
+def test_requests_wait_for_a_slot_and_all_complete(reference):
+    """Two slots for six requests: the others wait (as for pages), every request completes with the tokens
+    transformers' own engine gives, and every slot and block is free at the end."""
+    _, want, _ = reference
+    model = applied(Policy.full(), max_requests=2)
+    got, cache, seen = run_manager(model, prompts())
+    assert cache.slots == 2
+    assert got == want
+    assert seen["free_after"] == cache.stores[0].blocks and seen["slots_after"] == {}
+
+
+def test_requests_wait_for_pages_in_a_tight_budget(reference):
+    """A budget of three slots and four 64-token blocks (256 tokens: the 150-token prompt and its 12 new tokens
+    need three): transformers' scheduler holds requests back by the pages kvcompile's pool has, the pool never
+    overflows, and every request completes with transformers' own tokens."""
+    _, want, _ = reference
+    model = applied(Policy.full())
+    specs = serving.layer_specs(model.config, model._kvcompile_serving, torch.float32)
+    budget = 3 * sum(s.row_nbytes() for s in specs) + 4 * sum(s.block_nbytes() + 4 * 3 for s in specs)
+    serving.configure(model, budget=budget, max_requests=3)
+    got, cache, seen = run_manager(model, prompts())
+    assert cache.stores[0].blocks == 4 and cache.allocated_nbytes <= budget
+    assert got == want
+    assert seen["free_after"] == 4 and seen["slots_after"] == {}
+
+
+def test_parallel_sampling_forks_rows(reference):
+    """num_return_sequences: transformers forks a request after its prefill; kvcompile shares the parent's
+    blocks with the children, and each child's writes copy the block it writes into. Sampling from one seed:
+    the same draws as transformers' own engine, so the same tokens, and children that differ."""
+    ref, _, _ = reference
+    gen = GenerationConfig(max_new_tokens=NEW, do_sample=True, eos_token_id=-1, pad_token_id=0,
+                           num_return_sequences=3)
+    p = prompts()[3:5]
+    with torch.no_grad():
+        want = tokens(ref.generate_batch(p, gen, continuous_batching_config=cb_config(seed=7), progress_bar=False))
+        model = applied(Policy.full())
+        got = tokens(model.generate_batch(p, gen, continuous_batching_config=cb_config(seed=7), progress_bar=False))
+    assert len(got) == 6 and got == want
+    assert len({tuple(t) for t in got[:3]}) > 1  # the children of one prompt went their own ways
+
+
+# --------------------------------------------------------------------------- refusals
+def test_unsupported_configurations_are_refused_at_the_call():
+    model = applied(KIVI)
+    with pytest.raises(KVCompileError, match="use_async_batching"):
+        model.init_continuous_batching(GEN, cb_config(use_async_batching=True))
+    serving.configure(model, budget=1000)
+    with pytest.raises(KVCompileError, match="budget"):
+        model.init_continuous_batching(GEN, cb_config())
+    assert model.config._attn_implementation == "sdpa"  # a refusal leaves the model as it was
+    model.set_attn_implementation("eager")
+    serving.configure(model)
+    with pytest.raises(KVCompileError, match="sdpa"):
+        model.init_continuous_batching(GEN, cb_config())
+
+
+def test_transformers_own_paged_cache_is_refused_by_an_applied_model():
+    """Never a silent full-precision fallback: transformers' own paged cache reaching the applied forward."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    model = applied(KIVI)
+    fake = PagedAttentionCache.__new__(PagedAttentionCache)
+    with pytest.raises(KVCompileError, match="full precision"):
+        model(input_ids=torch.tensor([[5, 6]]), cache=fake, use_cache=False)
+
+
+# --------------------------------------------------------------------------- the pool sized in bytes
+SMOL = dict(vocab_size=64, hidden_size=576, intermediate_size=64, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, head_dim=64)  # SmolLM2-135M's cache geometry (no weights needed)
+
+
+@pytest.mark.parametrize("name,policy,packed_ratio,request_ratio", [
+    ("int8", Policy.int8(), 1.85, 1.9),     # 8-bit codes + a 2-byte scale per 32 channels: 768 / 408 bytes
+    ("kivi4", Policy.kivi(4), 3.0, 2.0),    # 4-bit codes + scales and zeros per 32 (tokens or channels)
+    ("kivi2", Policy.kivi(2), 5.0, 2.8),    # 2-bit codes, same scales; KIVI's 128-token ring is full precision
+], ids=["int8", "kivi4", "kivi2"])
+def test_one_byte_budget_holds_more_tokens_than_transformers_own_cache(name, policy, packed_ratio, request_ratio):
+    """Both caches allocated for the same 64 MiB on a SmolLM2-shaped bf16 model: kvcompile's allocation stays
+    within the budget and is exactly its layout's arithmetic (slots' rings and sinks + pool blocks); the
+    pool's packed tokens cost 1/packed_ratio of transformers' bytes per token; and concurrent 1K-token requests
+    (each kvcompile request also holds its full-precision ring) are at least request_ratio times more."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**SMOL)
+    budget = 64 * 2**20
+    r = serving.capacity(cfg, policy, budget, torch.bfloat16, request_tokens=1024)
+    ours, theirs = r["kvcompile"], r["transformers"]
+    specs = serving.layer_specs(cfg, serving.ServingOptions(policy, [str(i) for i in range(30)], 3), torch.bfloat16)
+    assert ours["allocated"] == (ours["slots"] * sum(s.row_nbytes() for s in specs)
+                                 + ours["blocks"] * sum(s.block_nbytes() for s in specs)
+                                 + 30 * 4 * ours["slots"] * ours["blocks"])  # tables: slots x blocks int32
+    assert ours["allocated"] <= budget
+    fp_token = 30 * 2 * 3 * 64 * 2
+    assert theirs["data"] == theirs["tokens"] * fp_token <= budget
+    packed_token = sum(s.block_nbytes() for s in specs) / specs[0].block
+    assert fp_token / packed_token >= packed_ratio
+    assert r["request_ratio"] >= request_ratio and ours["requests"] >= 1
+
+
+def test_fork_and_clear_rows_of_a_store():
+    """KVStore.fork shares blocks, copies on write; clear returns a row's blocks (what serving relies on)."""
+    from kvcompile.store import KVStore, LayerSpec, dequantize_reference
+
+    spec = LayerSpec(KIVI, 2, 8, block_tokens=16)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g)
+    st = KVStore(spec, 3)
+    st.append(torch.cat([k, torch.zeros_like(k), torch.zeros_like(k)]),
+              torch.cat([v, torch.zeros_like(v), torch.zeros_like(v)]), n_new=torch.tensor([40, 0, 0]))
+    used = st.used_blocks
+    st.fork(0, 2)
+    assert st.used_blocks == used and st.lengths == [40, 0, 40]  # shared, not copied
+    k2, v2 = torch.randn(3, 2, 9, 8, generator=g), torch.randn(3, 2, 9, 8, generator=g)
+    st.append(k2, v2, n_new=torch.tensor([0, 0, 9]))  # the child writes: its shared last block is copied
+    alone = KVStore(spec, 1)
+    alone.append(torch.cat([k, k2[2:]], 2), torch.cat([v, v2[2:]], 2))
+    got = dequantize_reference(st.state, spec)
+    want = dequantize_reference(alone.state, spec)
+    assert torch.equal(got[0][2], want[0][0]) and torch.equal(got[1][2], want[1][0])
+    parent = dequantize_reference(st.state, spec, end=40)
+    solo = KVStore(spec, 1)
+    solo.append(k, v)
+    assert torch.equal(parent[0][0], dequantize_reference(solo.state, spec)[0][0])  # the parent is untouched
+    st.clear([0, 2])
+    assert st.used_blocks == 0 and st.lengths == [0, 0, 0] and len(st.free) == st.blocks
