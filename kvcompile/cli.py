@@ -533,7 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _Parser(prog="kvcompile", description="Quantized KV caches: demo, quality, capacity.")
     p.add_argument("--version", action="version", version=f"kvcompile {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,eval,plan,calibrate}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,eval,plan,calibrate,serve}")
 
     d = sub.add_parser("demo", help="generate with a quantized cache; print bytes, loss delta, tokens/s",
                        description="Generate a reply with the full-precision cache and with a quantized one; print "
@@ -660,7 +660,32 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="the policy file to write (JSON, read by Policy.load)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
     c.set_defaults(func=cmd_calibrate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server: continuous batching over the quantized cache",
+                       description="transformers' OpenAI-compatible server (chat completions and completions, "
+                                   "streaming and not) with its continuous batching over kvcompile's cache.")
+    s.add_argument("--model", default=None,
+                   help="a local Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--policy", type=_policy_arg, default=None,
+                   help="SCHEME:BITS, e.g. kivi:4, or a policy file (default: kivi+rot+sink:4)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    s.add_argument("--port", type=_POSITIVE_INT, default=8000, help="port (default: %(default)s)")
+    s.add_argument("--budget-mib", type=_POSITIVE_INT, default=256,
+                   help="bytes of the whole KV cache, in MiB: pool, rings, tables (default: %(default)s)")
+    s.add_argument("--max-requests", type=_POSITIVE_INT, default=None,
+                   help="requests holding cache at once (default: 32)")
+    s.set_defaults(func=cmd_serve)
     return p
+
+
+def cmd_serve(args) -> int:
+    from .models import resolve
+    from .serve import run
+
+    policy = args.policy or default_policy()
+    run(str(resolve(args.model)), policy, host=args.host, port=args.port, budget=args.budget_mib * 2**20,
+        max_requests=args.max_requests)
+    return 0
 
 
 def main(argv=None) -> int:
