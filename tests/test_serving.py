@@ -162,6 +162,35 @@ def test_requests_wait_for_pages_in_a_tight_budget(reference):
     assert seen["free_after"] == 4 and seen["slots_after"] == {}
 
 
+def test_a_request_cancelled_mid_stream_frees_its_blocks():
+    """A streaming request cancelled after a few tokens (a client that went away): its slot and blocks return
+    to the pool while another request keeps running to completion."""
+    import time
+
+    model = applied(KIVI)
+    manager = model.init_continuous_batching(GEN, cb_config())
+    manager.start()
+    try:
+        long = manager.add_request(input_ids=prompts()[4], max_new_tokens=400, streaming=True)
+        other = manager.add_request(input_ids=prompts()[3], max_new_tokens=NEW)
+        for i, out in enumerate(manager.request_id_iter(long)):
+            if len(out.generated_tokens) >= 3:
+                break
+        cache = manager.batch_processor.cache
+        assert long in cache.slot_of and cache.free_blocks_count < cache.stores[0].blocks
+        manager.cancel_request(long)
+        deadline, done = time.time() + 60, None
+        while (done is None or not done.is_finished()) and time.time() < deadline:
+            done = manager.get_result(other, timeout=0.5)  # None when another request's output came first
+        assert done is not None and done.error is None and len(done.generated_tokens) == NEW
+        deadline = time.time() + 30
+        while cache.slot_of and time.time() < deadline:
+            time.sleep(0.05)
+        assert cache.slot_of == {} and cache.free_blocks_count == cache.stores[0].blocks
+    finally:
+        manager.stop(block=True, timeout=30)
+
+
 def test_parallel_sampling_forks_rows(reference):
     """num_return_sequences: transformers forks a request after its prefill; kvcompile shares the parent's
     blocks with the children, and each child's writes copy the block it writes into. Sampling from one seed:
