@@ -673,7 +673,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--budget-mib", type=_POSITIVE_INT, default=256,
                    help="bytes of the whole KV cache, in MiB: pool, rings, tables (default: %(default)s)")
     s.add_argument("--max-requests", type=_POSITIVE_INT, default=None,
-                   help="requests holding cache at once (default: 32)")
+                   help="requests holding cache at once (default: 32, fewer where their full-precision "
+                        "windows would take over a quarter of the budget)")
     s.set_defaults(func=cmd_serve)
     return p
 

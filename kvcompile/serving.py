@@ -50,7 +50,7 @@ from .store import DTYPE_NAMES, KVState, KVStore, LayerSpec, state_nbytes
 
 ATTN = "kvcompile_paged"
 DEFAULT_BUDGET = 256 * 2**20  # bytes, when neither configure(budget=) nor the CB config's num_blocks says
-DEFAULT_SLOTS = 32            # concurrent requests, when configure(max_requests=) does not say
+DEFAULT_SLOTS = 32            # at most this many concurrent requests by default (see default_slots)
 
 
 @dataclass
@@ -61,7 +61,7 @@ class ServingOptions:
     layer_names: list
     kv_heads: int
     budget: int | None = None        # bytes for the whole cache; None: see the module docstring
-    max_requests: int | None = None  # slots (requests holding cache at once); None: DEFAULT_SLOTS
+    max_requests: int | None = None  # slots (requests holding cache at once); None: default_slots
 
 
 def configure(model, *, budget: int | None = None, max_requests: int | None = None) -> None:
@@ -94,6 +94,13 @@ def full_precision_bytes_per_token(model_config, dtype: torch.dtype) -> int:
 
     layers, kv, hd = model_shape(model_config)
     return layers * 2 * kv * hd * torch.empty((), dtype=dtype).element_size()
+
+
+def default_slots(specs: list[LayerSpec], budget: int) -> int:
+    """Slots when ``configure(max_requests=)`` does not say: ``DEFAULT_SLOTS``, fewer where the slots' full-
+    precision rings and sinks (KIVI's residual window: 159 tokens a layer at residual 128) would take more
+    than a quarter of the budget -- the rest is for the packed pool."""
+    return max(1, min(DEFAULT_SLOTS, budget // (4 * sum(s.row_nbytes() for s in specs))))
 
 
 def pool_blocks(specs: list[LayerSpec], budget: int, slots: int) -> int:
@@ -441,11 +448,11 @@ def _make_manager_class():
             opts: ServingOptions = model._kvcompile_serving
             text = model.config.get_text_config()
             self._specs = layer_specs(text, opts, model.dtype)
-            self._slots = opts.max_requests or DEFAULT_SLOTS
             budget = opts.budget
             if budget is None:
                 budget = (asked.num_blocks * asked.page_size * full_precision_bytes_per_token(text, model.dtype)
                           if asked.num_blocks else DEFAULT_BUDGET)
+            self._slots = opts.max_requests or default_slots(self._specs, budget)
             self.budget = budget
             self._blocks = pool_blocks(self._specs, budget, self._slots)
             if model.config._attn_implementation not in ("sdpa", ATTN):

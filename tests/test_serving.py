@@ -291,3 +291,22 @@ def test_fork_and_clear_rows_of_a_store():
     assert torch.equal(parent[0][0], dequantize_reference(solo.state, spec)[0][0])  # the parent is untouched
     st.clear([0, 2])
     assert st.used_blocks == 0 and st.lengths == [0, 0, 0] and len(st.free) == st.blocks
+
+
+def test_default_slots_leave_most_of_the_budget_to_the_pool():
+    """By default at most 32 slots, and never so many that their full-precision rings (KIVI's residual window)
+    take over a quarter of the budget: on SmolLM2 in float32 a KIVI slot holds 30 x 159-token rings."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**SMOL)
+    budget = 256 * 2**20
+    for policy in (Policy.kivi(4), Policy.int8()):
+        specs = serving.layer_specs(cfg, serving.ServingOptions(policy, [str(i) for i in range(30)], 3),
+                                    torch.float32)
+        slots = serving.default_slots(specs, budget)
+        rows = slots * sum(s.row_nbytes() for s in specs)
+        assert 1 <= slots <= serving.DEFAULT_SLOTS and rows <= budget // 4
+        if policy.residual == 0:
+            assert slots == serving.DEFAULT_SLOTS  # no ring: the slots cost a length each
+        else:
+            assert (slots + 1) * sum(s.row_nbytes() for s in specs) > budget // 4  # as many as fit
