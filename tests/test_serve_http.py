@@ -91,3 +91,17 @@ def test_malformed_json_is_a_4xx_and_the_server_stays_up(server):
                    json={"model": model_name(base), "messages": [{"role": "user", "content": "Hi"}],
                          "max_tokens": 4})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+
+
+def test_completions_and_an_unknown_model(server):
+    from openai import BadRequestError, OpenAI
+
+    base, _ = server
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120)
+    out = client.completions.create(model=model_name(base), prompt="The capital of France is", max_tokens=6)
+    assert out.choices[0].text.strip() and out.usage.completion_tokens == 6
+    with pytest.raises(BadRequestError):
+        client.chat.completions.create(model="no/such-model", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=4)
+    stats = httpx.get(f"{base}/kvcompile/stats", timeout=10).json()
+    assert stats["free_blocks"] == stats["blocks"] and stats["requests"] == 0
