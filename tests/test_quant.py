@@ -219,7 +219,7 @@ def _grid(x, scale, zero, q):
 @settings(max_examples=60)
 @given(huge_cases())
 def test_finite_in_finite_out_up_to_the_dtype_max(case):
-    fp16 scales (and fp32 ones near 3e38) overflowed to inf and the group came back NaN or 0.
+    """fp16 scales (and fp32 ones near 3e38) overflowed to inf and the group came back NaN or 0.
     Now scales and zero points saturate (quant.limits): everything stored and dequantized is finite, in fp32
     and in the input dtype, and each element comes back within half a step (fp8: its relative error) of its
     value clipped to the group's grid; elements inside the grid are exactly those ``clipped`` does not flag."""
@@ -278,7 +278,7 @@ def test_clipped_counts_the_saturated_elements(fmt, sdt):
 @pytest.mark.parametrize("axis,group", [("token", None), ("token", 4), ("channel", 4)])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_poisons_exactly_its_group(fmt, sym, axis, group, bad):
-    a group holding NaN or +-inf stores NaN scale (and zero point) and codes 0, so the whole
+    """A group holding NaN or +-inf stores NaN scale (and zero point) and codes 0, so the whole
     group -- and nothing else -- dequantizes to NaN; every other group is exactly what it is without it.
     Placed at a group's first and last element and inside. (Before, fp8's amax over a NaN made the scale NaN
     or ignored it depending on the kernel, and an inf made int scales inf.)"""

@@ -417,7 +417,7 @@ def check_pattern(q, state, spec, mask=None, prefill=False, nsplit=None, chunk=(
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("policy", NONFINITE_POLICIES)
 def test_cpu_attention_non_finite_values_poison_what_the_reference_says(policy, dtype):
-    NaN, +inf and -inf keys and values in sinks, on packed groups' first and last tokens and
+    """NaN, +inf and -inf keys and values in sinks, on packed groups' first and last tokens and
     channels and in the residual window. Decode (one split and three), several query rows (a causal tail),
     the prefill path, masks that hide some of the bad positions, the queries' own chunk: the C kernel is NaN
     exactly where the reference is. Before, the C store wrote finite codes for a NaN, a NaN score in a tile
@@ -449,7 +449,7 @@ def test_cpu_attention_non_finite_values_poison_what_the_reference_says(policy, 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_cpu_attention_is_finite_for_keys_beyond_fp16_scales(dtype):
-    int8 keys and values with fp16 scales (Policy.int8()) beyond 65,504 -- here up to the
+    """int8 keys and values with fp16 scales (Policy.int8()) beyond 65,504 -- here up to the
     model dtype's largest value -- made a scale inf and the C kernel's output NaN. Now every output is finite
     and within the bound of float64 attention over what the store holds."""
     B, H, G, D, L = 1, 2, 2, 16, 40
