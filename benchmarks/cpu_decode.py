@@ -218,7 +218,9 @@ def kv(policy):
         if "model" not in applied:
             applied["model"] = kvcompile.apply(applied.pop("copy"), policy, max_cache_len=capacity,
                                                compiler=COMPILER["name"])
-        return applied["model"], KVCompileCache(model.config, policy, capacity)
+        cache = KVCompileCache(model.config, policy, capacity)
+        cache.expect(capacity)  # as generate does with its max_length: each pool is allocated once, not grown
+        return applied["model"], cache
 
     def prepare(model):
         # apply changes the model it is given, so each kvcompile contender gets its own copy of the weights,

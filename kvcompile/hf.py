@@ -132,6 +132,12 @@ class KVCompileLayer(StaticLayer):
         self.limit = max_cache_len
         self.spec: LayerSpec | None = None
         self.store: KVStore | None = None
+        self.expected = 0  # tokens each sequence is expected to reach (KVCompileCache.expect)
+
+    def expect(self, tokens: int) -> None:
+        self.expected = max(self.expected, tokens)
+        if self.store is not None:
+            self.store.expect(self.expected)
 
     # ---- allocation (always outside any compiled region)
     def initialize(self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
@@ -150,6 +156,8 @@ class KVCompileLayer(StaticLayer):
         self.spec = LayerSpec(self.policy, num_heads, head_dim, DTYPE_NAMES[dtype])
         self.spec_name = self.spec.register()
         self.store = KVStore(self.spec, batch_size, self.device, max_tokens=self.limit)
+        if self.expected:
+            self.store.expect(self.expected)
         self.cumulative_length = torch.zeros((), dtype=torch.int64, device=self.device)
         self._standins(CAPACITY_STEP)
         self.is_initialized = True
@@ -416,6 +424,17 @@ class KVCompileCache(Cache):
         for layer in self.layers:
             if isinstance(layer, KVCompileLayer):
                 layer.ensure(n)
+
+    def expect(self, tokens: int) -> None:
+        """Allocate, now or when the stores are created, room for every sequence to reach ``tokens`` tokens,
+        so that the stores' pools do not grow (each growth copies a pool) while decoding. ``generate`` on an
+        applied model calls it with its ``max_length``. Only the allocation changes: ``nbytes`` still counts
+        what the sequences hold, ``reserved_nbytes`` what is allocated."""
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise ValueError(f"KVCompileCache.expect(tokens={tokens!r}): expected a whole number of tokens >= 0")
+        for layer in self.layers:
+            if isinstance(layer, KVCompileLayer):
+                layer.expect(tokens)
 
     @property
     def tokens(self) -> int:

@@ -221,8 +221,14 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
     @functools.wraps(orig_prepare)
     def prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs):
         """generate's cache, unless the caller passed one: an empty ``KVCompileCache`` (it takes the batch
-        generate expands to -- beams, return sequences -- at the first forward, and grows)."""
-        if model_kwargs.get(cache_kw) is not None or generation_config.use_cache is False:
+        generate expands to -- beams, return sequences -- at the first forward, and grows). Either way a
+        kvcompile cache is told how far generate goes (``expect``), so it allocates once, not while decoding."""
+        # (generation_mode, batch_size, max_cache_length): the tokens a sequence may reach in this call
+        horizon = kwargs.get("max_cache_length", args[2] if len(args) > 2 else generation_config.max_length)
+        given = model_kwargs.get(cache_kw)
+        if given is not None or generation_config.use_cache is False:
+            if isinstance(given, KVCompileCache) and isinstance(horizon, int):
+                given.expect(horizon)
             return orig_prepare(generation_config, model_kwargs, *args, **kwargs)
         impl = generation_config.cache_implementation
         if impl not in _CACHES_REPLACED:
@@ -231,6 +237,8 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
                 f"model its own quantized cache, which replaces {impl!r}. Drop cache_implementation (or use the "
                 f"unmodified model for {impl!r}).")
         model_kwargs[cache_kw] = new_cache()
+        if isinstance(horizon, int):
+            model_kwargs[cache_kw].expect(horizon)
 
     if shard is not None:  # every rank agrees before each run, so an error on one rank stops all (kvcompile.tp)
         guard = tp.Guard(shard, cache_kw, f"{type(model).__name__}.forward under kvcompile")

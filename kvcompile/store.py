@@ -312,13 +312,14 @@ class KVStore:
         return state_nbytes(self.state)
 
     # ---- blocks
-    def _grow(self, need: int) -> None:
-        """Make at least ``need`` free blocks: the pool doubles (or grows to what is needed)."""
+    def _grow(self, need: int, exact: bool = False) -> None:
+        """Make at least ``need`` free blocks: the pool doubles (or grows to what is needed; ``exact``: to just
+        what is needed)."""
         if len(self.free) >= need:
             return
         old = self.blocks
         want = old + need - len(self.free)
-        new = max(want, 2 * old)
+        new = want if exact else max(want, 2 * old)
         if self.max_blocks is not None:
             if want > self.max_blocks:
                 raise CapacityError(
@@ -362,6 +363,21 @@ class KVStore:
             table[list(rows)] = host.to(self.device)
         if table is not self.state.table:
             self.state = self.state._replace(table=table)
+
+    def expect(self, tokens: int) -> None:
+        """Size the pool, once, for every sequence to reach ``tokens`` tokens (at most ``max_tokens``) without
+        growing again: a caller that knows how far its sequences go (``generate``: its ``max_length``) avoids
+        the pool's doublings, each a copy of the pool beside the old one, while it decodes. The blocks stay
+        free until written: ``nbytes`` counts what the sequences hold, ``reserved_nbytes`` the allocation.
+        A store limited to ``max_blocks`` takes no more than that."""
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise ValueError(f"KVStore.expect tokens={tokens!r} is not valid: expected a whole number of tokens >= 0")
+        if self.max_tokens is not None:
+            tokens = min(tokens, self.max_tokens)
+        need = sum(max(0, self.spec.blocks_for(tokens) - len(t)) for t in self.tables)
+        if self.max_blocks is not None:
+            need = min(need, self.max_blocks - self.used_blocks)
+        self._grow(need, exact=True)
 
     def reserve(self, n_new: int | Sequence[int]) -> None:
         """Make room for each sequence to append ``n_new`` (one count, or one per sequence) tokens: reserve

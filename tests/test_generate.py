@@ -212,6 +212,24 @@ def test_cache_bytes_grow_with_the_tokens_written():
     assert held < 0.5 * fp32 * 714 and held < fp32 * 8192 / 20
 
 
+def test_generate_allocates_its_pool_once():
+    """generate tells the cache how far it goes (max_length): each layer's pool is allocated once, for every
+    sequence to reach it, instead of doubling (a copy of the pool each time) while decoding; a chat continued in
+    the returned cache sizes it again, once, for the longer conversation."""
+    _, model = pair(KIVI)
+    with torch.no_grad():
+        ids = torch.randint(3, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+        out = model.generate(ids, max_new_tokens=90, min_new_tokens=90, do_sample=False, return_dict_in_generate=True)
+        cache = out.past_key_values
+        spec = cache.layers[0].spec
+        assert cache.tokens == 20 + 90 - 1  # the last token is returned, not cached
+        assert all(x.store.blocks == 2 * spec.blocks_for(20 + 90 - 1) for x in cache.layers)
+        more = torch.cat([out.sequences, torch.randint(3, 64, (2, 30))], 1)
+        model.generate(more, max_new_tokens=60, min_new_tokens=60, do_sample=False,
+                       **{cache_kwarg(model): cache})
+        assert all(x.store.blocks == 2 * spec.blocks_for(more.shape[1] + 60 - 1) for x in cache.layers)
+
+
 def test_quantized_policies_stay_close_on_a_forced_sequence():
     """Teacher-forced logits of the quantized cache against the unmodified model: bounded, in every mode
     of cache use (a prefill, decode steps, a crop and a re-append, a fork)."""

@@ -448,6 +448,37 @@ def test_the_pool_grows_and_a_block_budget_is_a_clear_error():
     budget.append(x[:1, :, :48], x[:1, :, :48])  # the freed blocks are reused
 
 
+def test_expect_allocates_once_for_the_tokens_to_come():
+    """expect(N): the pool is sized, exactly, for every sequence to reach N tokens; appends up to N then never
+    grow (or copy) it; what the sequences hold is unchanged. Clamped to max_tokens and to a block budget."""
+    spec = LayerSpec(Policy.kivi(4, group=4, residual=8), 2, 16, "float32", 16)
+    x = torch.randn(2, 2, 100, 16)
+    kv = KVStore(spec, 2)
+    kv.append(x[:, :, :30], x[:, :, :30])
+    held = kv.nbytes
+    kv.expect(100)
+    assert kv.blocks == 2 * spec.blocks_for(100) and kv.nbytes == held
+    pool = kv.state.k_codes
+    for t in range(30, 100):
+        kv.append(x[:, :, t:t + 1], x[:, :, t:t + 1])
+    assert kv.state.k_codes is pool and kv.blocks == 2 * spec.blocks_for(100)
+    ref = KVStore(spec, 2)
+    ref.append(x, x)  # the same tokens, no expectation: the same bytes held, bit for bit
+    assert kv.nbytes == ref.nbytes
+    for a, b in zip(dequantize_reference(kv.state, spec), dequantize_reference(ref.state, spec)):
+        assert torch.equal(a, b)
+    kv.expect(50)  # never shrinks
+    assert kv.blocks == 2 * spec.blocks_for(100)
+    capped = KVStore(spec, 1, max_tokens=40)
+    capped.expect(10 ** 6)
+    assert capped.blocks == spec.blocks_for(40)
+    budget = KVStore(spec, 3, max_blocks=4)
+    budget.expect(10 ** 6)
+    assert budget.blocks == 4
+    with pytest.raises(ValueError, match=r"expect tokens=-1 is not valid: expected a whole number of tokens"):
+        kv.expect(-1)
+
+
 def test_an_unreserved_append_is_a_clear_error_not_a_wild_write():
     spec = LayerSpec(Policy.int8(), 2, 16, "float32", 16)
     state = spec.allocate(1, 16)
@@ -470,7 +501,7 @@ NF_POLICY = Policy(Quant("int4", "channel", 4), Quant("int8", "token", 8), resid
 @pytest.mark.parametrize("bad", BAD)
 @pytest.mark.parametrize("region", ["sink", "packed", "residual"])
 def test_reference_attention_follows_its_non_finite_rule(which, bad, region):
-    one NaN or +-inf key or value, in a sink, a packed group (its first or last token and
+    """One NaN or +-inf key or value, in a sink, a packed group (its first or last token and
     channel) or the residual window. A causal prefill over all 24 tokens and a decode with a mask that hides
     the bad position: attention_reference is NaN exactly where its rule says (``nonfinite_checks.oracle``,
     written row by row), rows that do not see the position stay finite, and the rest matches float64
@@ -535,7 +566,7 @@ def test_reference_nan_spread_against_full_precision():
 @pytest.mark.parametrize("policy", [Policy.int8(), Policy.kivi(2, group=4, residual=2), Policy.fp8("fp8_e5m2"),
                                     Policy(Quant("int4", symmetric=True), Quant("fp8_e4m3"), sink=1, rotate=True)])
 def test_finite_keys_near_the_dtype_max_give_finite_attention(policy, dtype):
-    a key or value beyond fp16 scales' reach (6.5e4 for int8 asymmetric, ~1e6 int4
+    """A key or value beyond fp16 scales' reach (6.5e4 for int8 asymmetric, ~1e6 int4
     symmetric, ~3e7 fp8 e4m3) made a scale inf and attention NaN or 0. Up to the model dtype's largest value
     the store, what it reads back (in fp32 and in the model dtype) and attention are finite."""
     H, D, L = 2, 16, 24
