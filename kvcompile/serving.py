@@ -187,12 +187,16 @@ class _Plan:
         self.total = sum(n for *_, n in entries)
         groups, start = {}, 0
         for _, slot, _, n in entries:
-            g = groups.setdefault(n, ([], []))
-            g[0].append(slot)
-            g[1].extend(range(start, start + n))
+            groups.setdefault(n, []).append((slot, start))
             start += n
-        self.groups = [(n, torch.tensor(rows, dtype=torch.long, device=device),
-                        torch.tensor(idx, dtype=torch.long, device=device)) for n, (rows, idx) in groups.items()]
+        self.groups = []
+        for n, members in groups.items():
+            members.sort()  # by slot: rows that are a contiguous range of slots are read and written in place
+            rows = [slot for slot, _ in members]
+            idx = [t for _, s0 in members for t in range(s0, s0 + n)]
+            span = rows[0] if rows == list(range(rows[0], rows[0] + len(rows))) else None
+            self.groups.append((n, torch.tensor(rows, dtype=torch.long, device=device),
+                                torch.tensor(idx, dtype=torch.long, device=device), span))
         self.counts = [0] * slots
         for _, slot, _, n in entries:
             self.counts[slot] = n
@@ -251,11 +255,25 @@ def _make_cache_class():
             return slot
 
         def _drop(self, request_id: str) -> None:
+            """Clear the request's row. The request in the highest held slot moves into it (its blocks are
+            shared, then released: only its ring and sinks are copied), so held slots stay 0..n-1 and a
+            batch of every running request reads the stores' rows in place."""
             slot = self.slot_of.pop(request_id, None)
-            if slot is not None:
+            if slot is None:
+                return
+            last = max(self.slot_of.values(), default=-1)
+            if last > slot:
+                mover = next(r for r, s in self.slot_of.items() if s == last)
+                for st in self.stores:
+                    st.fork(last, slot)
+                    st.clear([last])
+                self.slot_of[mover] = slot
+                slot = last
+            else:
                 for st in self.stores:
                     st.clear([slot])
-                self.free_slots.append(slot)
+            self.free_slots.append(slot)
+            self.free_slots.sort(reverse=True)  # the lowest free slot is taken next
 
         def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
             new = state.request_id not in self.slot_of
@@ -328,13 +346,17 @@ def _make_cache_class():
             state = st.state
             be = ops.backend(key_states.device)
             work = []
-            for n, rows, idx in plan.groups:
+            for n, rows, idx, span in plan.groups:
                 R = rows.numel()
                 k, v = _gather(key_states, idx, R, n), _gather(value_states, idx, R, n)
-                sub = KVState(*state[:6], *(t.index_select(0, rows) for t in state[6:]))
-                be.store(sub, spec, k, v, None)
-                for i in range(6, 11):  # rings, sinks, lengths back into the slots
-                    state[i].index_copy_(0, rows, sub[i])
+                if span is not None:  # slots span..span+R-1: the kernels work on views of the store's rows
+                    sub = KVState(*state[:6], *(t[span:span + R] for t in state[6:]))
+                    be.store(sub, spec, k, v, None)
+                else:  # scattered slots: their rows gathered, and the written rings, sinks, lengths put back
+                    sub = KVState(*state[:6], *(t.index_select(0, rows) for t in state[6:]))
+                    be.store(sub, spec, k, v, None)
+                    for i in range(6, 11):
+                        state[i].index_copy_(0, rows, sub[i])
                 work.append((n, rows, idx, sub, k, v))
             for slot, n in enumerate(plan.counts):
                 st.lengths[slot] += n

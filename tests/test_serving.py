@@ -206,7 +206,12 @@ def test_a_request_cancelled_mid_stream_frees_its_blocks():
                 break
         cache = manager.batch_processor.cache
         assert long in cache.slot_of and cache.free_blocks_count < cache.stores[0].blocks
+        assert cache.slot_of == {long: 0, other: 1}
         manager.cancel_request(long)
+        deadline, moved = time.time() + 30, []
+        while long in cache.slot_of and time.time() < deadline:
+            time.sleep(0.01)
+        moved.append(cache.slot_of.get(other))
         deadline, done = time.time() + 60, None
         while (done is None or not done.is_finished()) and time.time() < deadline:
             done = manager.get_result(other, timeout=0.5)  # None when another request's output came first
@@ -217,6 +222,10 @@ def test_a_request_cancelled_mid_stream_frees_its_blocks():
         assert cache.slot_of == {} and cache.free_blocks_count == cache.stores[0].blocks
     finally:
         manager.stop(block=True, timeout=30)
+    assert moved == [0]  # the running request moved into the cancelled one's slot (held slots stay 0..n-1) ...
+    with torch.no_grad():  # ... mid-generation, and still gives kvcompile's generate tokens
+        p = prompts()[3]
+        assert done.generated_tokens == model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist()
 
 
 def test_parallel_sampling_forks_rows(reference):
