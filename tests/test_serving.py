@@ -136,6 +136,21 @@ def test_quantized_policy_gives_kvcompiles_own_generate_tokens(reference, policy
         assert got != want_full
 
 
+@pytest.mark.parametrize("policy", [
+    Policy.int8(), Policy.fp8(residual=8), Policy.kivi(3, group=4, residual=8),
+    Policy.kivi(4, group=4, residual=8, sink=4, rotate=True),  # kvcompile serve's default, scaled to this model
+], ids=["int8", "fp8", "kivi3", "kivi4-rot-sink"])
+def test_every_format_serves_kvcompiles_own_generate_tokens(policy):
+    """Integers per token, fp8, 3-bit codes, sinks and the Hadamard rotation: continuous batching gives what
+    kvcompile's generate gives under the same policy."""
+    model = applied(policy)
+    ps = [prompts()[i] for i in (0, 2, 3)]
+    with torch.no_grad():
+        got = tokens(model.generate_batch(ps, GEN, continuous_batching_config=cb_config(), progress_bar=False))
+        want = [model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist() for p in ps]
+    assert got == want
+
+
 def test_requests_wait_for_a_slot_and_all_complete(reference):
     """Two slots for six requests: the others wait (as for pages), every request completes with the tokens
     transformers' own engine gives, and every slot and block is free at the end."""
