@@ -28,11 +28,16 @@ bytes (``configure(model, budget=...)``; by default the bytes transformers' own 
 ``ContinuousBatchingConfig``'s ``num_blocks`` x ``page_size`` tokens, else ``DEFAULT_BUDGET``), and
 transformers is told the number of pages that budget buys.
 
+Slots: held slots stay ``0 .. n-1`` (a leaving request's slot is taken by the one in the highest slot), and
+requests of one query length are sorted by slot, so a batch of every running request works on views of
+the stores' rows; a group whose slots are not a range has its rows' rings and sinks gathered and put back.
+
 What this is not yet: the FX pass does not rewrite the paged reads and writes (the model runs eagerly, its
-attention dispatched to kvcompile's); prefix sharing (``allow_block_sharing``), asynchronous batching, CUDA
-graphs / compiled CB forwards, the block-table decode fast path, CPU offloading of evicted requests
-(evicted requests are re-prefilled), tensor parallelism and sliding-window layers are refused or turned off,
-each with a message.
+attention dispatched to kvcompile's). Refused with a message where the user asks for them: asynchronous
+batching, CUDA graphs / compiled CB forwards, CPU offloading of evicted requests (evicted requests are
+re-prefilled instead), tensor parallelism, sliding-window layers, other attention implementations than
+SDPA. Turned off without a word (optimizations, not numerics): prefix sharing (``allow_block_sharing``)
+and the block-table decode fast path.
 """
 from __future__ import annotations
 
