@@ -19,8 +19,9 @@
    mixed-precision allocation (HAWQ); the eval measures what it buys.
 
 Candidates are ``Policy`` objects listed from the least to the most accurate (default: KIVI with the Hadamard
-rotation and 4 sinks at 2, 3, 4 and 8 bits, the best scheme of each width in docs/results.md); a layer may take
-its keys from one candidate and its values from another, so all candidates share residual, sinks and rotation.
+rotation and 4 sinks at 2, 3, 4 and 8 bits, 3 and 4 bits also in groups of 64: ``default_candidates``); a layer
+may take its keys from one candidate and its values from another, so all candidates share residual, sinks and
+rotation.
 A candidate later in the list is never scored worse than an earlier one of the same side (a running minimum):
 at 8 bits the KL is near float32 rounding, and that noise must not make the knapsack leave budget unspent on
 fewer bits.
@@ -50,10 +51,25 @@ from .store import DTYPE_NAMES, LayerSpec
 _NONE = Quant("none")
 
 
-def default_candidates() -> tuple[Policy, ...]:
-    """KIVI + Hadamard rotation + 4 sinks at 2, 3, 4 and 8 bits (keys per channel, values per token, groups
-    of 32, a 128-token residual): the best scheme at every width on SmolLM2 (docs/results.md)."""
-    return tuple(Policy.kivi(b, sink=4, rotate=True) for b in (2, 3, 4, 8))
+def default_candidates(head_dim: int | None = None) -> tuple[Policy, ...]:
+    """KIVI + Hadamard rotation + 4 sinks (keys per channel, values per token, a 128-token residual), the best
+    scheme at every width on SmolLM2 (docs/results.md), from the least to the most accurate: int2 in groups
+    of 32; int3 and int4 each in groups of 64, then 32; int8 in groups of 32. The groups of 64 halve the
+    scales' bytes: at the bytes of uniform 3-bit they took SmolLM2's loss delta from +0.0036 (groups of 32
+    only) to +0.0009 (docs/results.md). ``head_dim``: only the candidates that fit it (a value group of 64
+    channels needs a head of a multiple of 64)."""
+    def kivi(bits, group=32):
+        return Policy.kivi(bits, group=group, sink=4, rotate=True)
+    cands = kivi(2), kivi(3, 64), kivi(3), kivi(4, 64), kivi(4), kivi(8)
+    return cands if head_dim is None else tuple(c for c in cands if _fits(c, head_dim))
+
+
+def _fits(policy: Policy, head_dim: int) -> bool:
+    try:
+        policy.check(head_dim)
+        return True
+    except PolicyError:
+        return False
 
 
 # --------------------------------------------------------------------------- calibration text
@@ -161,8 +177,8 @@ def measure(model, windows: torch.Tensor, candidates=None, chunk: int = 64, batc
     windows: int64 ``[W, N]`` token ids; the second half of each is scored. Costs ``1 + 2 * layers *
     len(candidates)`` passes of the protocol over the windows.
     """
-    cands = check_candidates(default_candidates() if candidates is None else candidates)
     layers, _, head_dim = model_shape(model.config)
+    cands = check_candidates(default_candidates(head_dim) if candidates is None else candidates)
     for c in cands:
         c.check(head_dim)
     ref = [torch.log_softmax(p, -1) for _, _, p in scored_logits(model, windows, Policy.full(), chunk, batch)]
@@ -302,7 +318,7 @@ def check_budget(shape, candidates=None, budget=None, bytes_per_token=None, cont
     if not isinstance(context, int) or isinstance(context, bool) or context < 1:
         raise PolicyError(f"context={context!r}: expected a positive number of tokens per sequence")
     cap = budget_bytes(shape, context, budget, bytes_per_token)
-    cands = check_candidates(default_candidates() if candidates is None else candidates)
+    cands = check_candidates(default_candidates(shape[2]) if candidates is None else candidates)
     pairs, leaves, cost = _pairs(cands, shape, context, dtype)
     low = Fraction(cost[pairs[0]] * shape[0], context)
     if _sequence_budget(cap, context) < cost[pairs[0]] * shape[0]:
@@ -403,13 +419,13 @@ def format_allocation(alloc: Allocation, sens: Sensitivity, shape) -> str:
     every uniform candidate's, each with its summed sensitivity (the knapsack's objective)."""
     layers, kv_heads, head_dim = shape
     cands = sens.candidates
-    lines = [f"{'layer':>5}  {'keys':<26}{'values':<26}{'KL keys':>10}{'KL values':>11}", "-" * 78]
+    lines = [f"{'layer':>5}  {'keys':<18}{'values':<18}{'KL keys':>10}{'KL values':>11}", "-" * 62]
     for i, (a, b) in enumerate(alloc.choice):
-        lines.append(f"{i:>5}  {cands[a].key.key():<26}{cands[b].value.key():<26}{sens.keys[i][a]:>10.2e}"
+        lines.append(f"{i:>5}  {_short(cands[a].key):<18}{_short(cands[b].value):<18}{sens.keys[i][a]:>10.2e}"
                      f"{sens.values[i][b]:>11.2e}")
     rows = [("calibrated (this policy)", alloc.bytes_per_token, alloc.predicted_kl)]
     for c, p in enumerate(cands):
-        rows.append((f"uniform: keys {p.key.format}, values {p.value.format}",
+        rows.append((f"uniform: keys {_short(p.key)}, values {_short(p.value)}",
                      _bytes_per_token(p, layers, kv_heads, head_dim, alloc.context),
                      sum(sens.keys[i][c] + sens.values[i][c] for i in range(layers))))
     w = max(len(r[0]) for r in rows) + 2
@@ -421,3 +437,8 @@ def format_allocation(alloc: Allocation, sens: Sensitivity, shape) -> str:
     for name, bpt, kl in rows:
         lines.append(f"{name:<{w}}{bpt:>13,.1f}{bits_per_element(bpt, shape):>11.3f}{kl:>11.2e}")
     return "\n".join(lines)
+
+
+def _short(q: Quant) -> str:
+    """``int4/channel/32``: the format, its scales' axis and group (the rest is in the policy file)."""
+    return f"{q.format}/{q.axis}/{q.group or 'head'}" if q.quantized else "none"

@@ -500,10 +500,10 @@ def cmd_calibrate(args) -> int:
         raise UsageError(f"{' and '.join(given) or 'no budget'} given: pass exactly one of --budget BITS (average "
                          f"bits per cached element, scales and residual counted), --bytes-per-token N, or --bytes-of "
                          f"SCHEME:BITS")
-    cands = tuple(p for _, p in args.candidates) if args.candidates else C.default_candidates()
     tok, load_model = _load_model(args.model)
     model = load_model()
     shape = model_shape(model.config)
+    cands = tuple(p for _, p in args.candidates) if args.candidates else C.default_candidates(shape[2])
     bpt = args.bytes_per_token
     if args.bytes_of is not None:  # exact: a float quotient could fall a hair below the policy's own bytes
         bpt = Fraction(cache_bytes(args.bytes_of[1], *shape, args.context), args.context)
@@ -634,8 +634,9 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate", help="per-layer bits for a byte budget, saved as a policy file",
         description="Measure each layer's sensitivity (keys and values apart) to each candidate format on "
                     "calibration text, then choose per layer the formats that lose the least within a byte budget "
-                    "(a knapsack over exact bytes). SmolLM2 with the default candidates: 241 passes over the "
-                    "calibration windows, about 30 minutes on one CPU thread at --tokens 2048.")
+                    "(a knapsack over exact bytes). SmolLM2 with the default candidates at --tokens 2048: 361 "
+                    "passes over the calibration windows, about an hour on one thread of this project's shared "
+                    "2-core CPU (measured: 59 minutes).")
     c.add_argument("--budget", type=_number(float, "a positive number of bits", 0, low_open=True), default=None,
                    help="average bits per cached element, everything the store holds counted (codes, scales, zero "
                         "points, residual and sinks) at --context tokens (default: none; give one budget)")
@@ -654,9 +655,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--context", type=_POSITIVE_INT, default=2048,
                    help="tokens per sequence at which the budget's bytes are counted (the residual and sinks are "
                         "spread over them) (default: %(default)s, the eval's window)")
-    c.add_argument("--candidates", nargs="+", type=_labelled_policy, default=None, metavar="SCHEME:BITS",
+    c.add_argument("--candidates", nargs="+", type=_labelled_policy, default=None, metavar="POLICY",
                    help="per-layer candidates from the least to the most accurate, sharing residual, sinks and "
-                        "rotation (default: kivi+rot+sink:2 kivi+rot+sink:3 kivi+rot+sink:4 kivi+rot+sink:8)")
+                        "rotation: SCHEME:BITS or policy files (*.json) (default: KIVI + rotation + 4 sinks at int2; "
+                        "int3 and int4 in groups of 64, then 32; int8)")
     c.add_argument("--out", required=True, help="the policy file to write (JSON, read by Policy.load)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
     c.set_defaults(func=cmd_calibrate)

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import kvcompile
 from kvcompile import Policy, PolicyError, Quant, cli, models
 from kvcompile import evaluate as E
-from kvcompile.calibrate import (BudgetError, allocate, calibration_text, check_candidates, measure, solve)
+from kvcompile.calibrate import (BudgetError, allocate, calibration_text, check_candidates, default_candidates,
+                                 measure, solve)
 
 import kvcompile.calibrate  # noqa: E402,F401  (kvcompile.calibrate the attribute is the function)
 
@@ -178,6 +179,15 @@ def test_bad_budgets_are_clear_errors(sens, kw, gist):
     kw.setdefault("context", CONTEXT)
     with pytest.raises(PolicyError, match=gist):
         allocate(sens, SHAPE, **kw)
+
+
+def test_default_candidates_fit_the_head():
+    assert default_candidates(64) == default_candidates() and len(default_candidates()) == 6
+    small = default_candidates(32)  # values in groups of 64 channels need a head of 64
+    for c in small:
+        c.check(32)
+    assert [c.key.format for c in small] == ["int2", "int3", "int4", "int8"]
+    check_candidates(default_candidates())
 
 
 def test_candidates_must_share_residual_sinks_and_rotation():
