@@ -5,6 +5,7 @@ defined, so it is set here, before the tests import kvcompile. On a machine with
 """
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -16,3 +17,21 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("kvcompile", deadline=None, max_examples=25, derandomize=False)
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True, print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "kvcompile")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A 2-layer random Llama saved with SmolLM2's tokenizer (the real tokenizer, a model that runs fast)."""
+    import transformers
+
+    from kvcompile import models
+    tok = transformers.AutoTokenizer.from_pretrained(models.convert_default(log=lambda *a: None))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=4096, bos_token_id=tok.bos_token_id,
+                                   eos_token_id=tok.eos_token_id)
+    d = tmp_path_factory.mktemp("tiny")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcompile
-from kvcompile import Policy, PolicyError, Quant, cli, models
+from kvcompile import Policy, PolicyError, Quant, cli
 from kvcompile import evaluate as E
 from kvcompile.calibrate import (BudgetError, allocate, calibration_text, check_candidates, default_candidates,
                                  measure, solve)
@@ -320,21 +320,6 @@ def test_load_of_no_file_or_a_directory(tmp_path):
 
 
 # --------------------------------------------------------------------------- the command
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A 2-layer random Llama saved with SmolLM2's tokenizer (as tests/test_cli.py builds it)."""
-    tok = transformers.AutoTokenizer.from_pretrained(models.convert_default(log=lambda *a: None))
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                   max_position_embeddings=4096, bos_token_id=tok.bos_token_id,
-                                   eos_token_id=tok.eos_token_id)
-    d = tmp_path_factory.mktemp("tiny")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
-
-
 def test_cli_calibrate_then_eval_and_plan_read_the_file(tiny_dir, tmp_path, capsys):
     out = tmp_path / "pol.json"
     assert cli.main(["calibrate", "--model", str(tiny_dir), "--bytes-of", "kivi+rot+sink:3", "--tokens", "512",

@@ -5,28 +5,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from kvcompile import cli, models
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    """A 2-layer random Llama saved with SmolLM2's tokenizer (the real tokenizer, a model that runs fast)."""
-    import transformers
-    tok = transformers.AutoTokenizer.from_pretrained(models.convert_default(log=lambda *a: None))
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                   max_position_embeddings=4096, bos_token_id=tok.bos_token_id,
-                                   eos_token_id=tok.eos_token_id)
-    d = tmp_path_factory.mktemp("tiny")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+from kvcompile import cli
 
 
-def test_plan_reproduces_the_plate(capsys):
+def test_plan_reproduces_the_textbook_counts(capsys):
     assert cli.main(["plan"]) == 0
     out = capsys.readouterr().out
     seqs = {line.split()[1]: int(line.split()[-2]) for line in out.splitlines() if line.startswith("ideal")}

@@ -10,7 +10,7 @@ from kvcompile import plan as P
 from kvcompile.store import LayerSpec
 
 
-def test_llama3_8b_reproduces_the_plate():
+def test_llama3_8b_reproduces_the_published_counts():
     # Plate: 16.1 GB of BF16 weights, 80 GB at 90 %, 8,192-token conversations, scales ignored.
     shape = P.PRESETS["llama3-8b"]
     avail = P.available_bytes(80 * P.GB, 0.9, shape.weight_bytes)
@@ -18,7 +18,7 @@ def test_llama3_8b_reproduces_the_plate():
     assert got == {16: 52, 8: 104, 4: 208}
 
 
-def test_llama3_70b_reproduces_the_article():
+def test_llama3_70b_reproduces_the_published_counts():
     shape = P.PRESETS["llama3-70b"]
     row = P.plan_policy("bf16", 16, shape, 4096, 45 * P.GiB)
     assert row.bytes_per_token == 320 * 1024            # "320 KB per token"
