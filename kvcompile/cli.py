@@ -54,6 +54,7 @@ def _number(kind, what: str, low=None, low_open=False, high=None):
     return parse
 
 
+MODEL_HELP = "a local Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)"
 _POSITIVE_INT = _number(int, "a positive whole number", 1)
 _NONNEG_INT = _number(int, "a whole number >= 0", 0)
 _POSITIVE_GB = _number(float, "a positive number of gigabytes", 0, low_open=True)
@@ -538,8 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="generate with a quantized cache; print bytes, loss delta, tokens/s",
                        description="Generate a reply with the full-precision cache and with a quantized one; print "
                                    "the cache's bytes, the held-out loss delta and the decode speed.")
-    d.add_argument("--model", default=None,
-                   help="a local Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
+    d.add_argument("--model", default=None, help=MODEL_HELP)
     d.add_argument("--policy", type=_policy_arg, default=None,
                    help="SCHEME:BITS, e.g. kivi:4; schemes: " + ", ".join(SCHEMES) + " (default: kivi+rot+sink:4, "
                         "4-bit KIVI with 4 sink tokens and a Hadamard rotation)")
@@ -563,8 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
                     f"`kvcompile eval` (every default scheme x width, then passkey for full, best:4 and best:2 at "
                     f"1K-8K, 20 trials each) takes about {EVAL_BARE_MINUTES} minutes on a 2-core CPU (the times "
                     f"measured for docs/eval.json); --entries, --passkey and --passkey-lengths choose less.")
-    e.add_argument("--model", default=D["model"],
-                   help="a local Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
+    e.add_argument("--model", default=D["model"], help=MODEL_HELP)
     e.add_argument("--schemes", nargs="+", default=D["schemes"], choices=sorted(SCHEMES), metavar="SCHEME",
                    help=f"schemes to evaluate at each of --bits; one of {', '.join(sorted(SCHEMES))} "
                         f"(default: {' '.join(DEFAULT_SCHEMES)})")
@@ -645,8 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--bytes-of", type=_budget_of, default=None, metavar="SCHEME:BITS",
                    help="the budget: the exact bytes per token of this uniform policy, e.g. kivi+rot+sink:3 "
                         "(default: none)")
-    c.add_argument("--model", default=None,
-                   help="a local Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
+    c.add_argument("--model", default=None, help=MODEL_HELP)
     c.add_argument("--tokens", type=_number(int, "a whole number of tokens >= 2", 2), default=2048,
                    help="calibration tokens (standard-library docstrings, not the eval's held-out text), in "
                         "windows of --window; the second half of each is scored (default: %(default)s)")
@@ -666,8 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible server: continuous batching over the quantized cache",
                        description="transformers' OpenAI-compatible server (chat completions and completions, "
                                    "streaming and not) with its continuous batching over kvcompile's cache.")
-    s.add_argument("--model", default=None,
-                   help="a local Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--model", default=None, help=MODEL_HELP)
     s.add_argument("--policy", type=_policy_arg, default=None,
                    help="SCHEME:BITS, e.g. kivi:4, or a policy file (default: kivi+rot+sink:4)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
