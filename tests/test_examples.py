@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 
-from test_cli import tiny_dir  # noqa: F401  (the session fixture)
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -21,13 +20,13 @@ def test_plan_concurrency(monkeypatch, capsys, tmp_path):
     assert "ideal 16-bit" in out and " 52 " in out and (tmp_path / "p.png").exists()
 
 
-def test_per_layer_policy(monkeypatch, capsys, tiny_dir):  # noqa: F811
+def test_per_layer_policy(monkeypatch, capsys, tiny_dir):
     _run(monkeypatch, "per_layer_policy.py", "--model", str(tiny_dir), "--window", "256")
     out = capsys.readouterr().out
     assert "model.layers.0.self_attn" in out and "per-layer mix" in out
 
 
-def test_hf_generate(monkeypatch, capsys, tiny_dir):  # noqa: F811
+def test_hf_generate(monkeypatch, capsys, tiny_dir):
     _run(monkeypatch, "hf_generate.py", "--model", str(tiny_dir), "--compiler", "eager", "--max-new-tokens", "3")
     out = capsys.readouterr().out
     assert out.count("assistant:") == 2 and "the cache holds" in out and "2 cache site(s) rewritten" in out
