@@ -78,6 +78,8 @@ def configure(model, *, budget: int | None = None, max_requests: int | None = No
     for name, v in (("budget", budget), ("max_requests", max_requests)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"kvcompile.serving.configure({name}={v!r}): expected a positive integer")
+    if budget is not None and max_requests is not None:  # both given: they must fit now, not at the first request
+        pool_blocks(layer_specs(model.config, opts, next(model.parameters()).dtype), budget, max_requests)
     opts.budget, opts.max_requests = budget, max_requests
 
 

@@ -267,6 +267,10 @@ def test_unsupported_configurations_are_refused_at_the_call():
     serving.configure(model, budget=1000)
     with pytest.raises(KVCompileError, match="budget"):
         model.init_continuous_batching(GEN, cb_config())
+    # a budget and a slot count that cannot go together are refused when they are given, not at the first
+    # request (kvcompile serve exits at start with the message instead of answering 500 to every request)
+    with pytest.raises(KVCompileError, match=r"does not hold one block after 64 request slots"):
+        serving.configure(model, budget=20_000, max_requests=64)
     assert model.config._attn_implementation == "sdpa"  # a refusal leaves the model as it was
     model.set_attn_implementation("eager")
     serving.configure(model)
