@@ -1,0 +1,239 @@
+"""HTTP load: ``kvcompile serve`` against transformers' own continuous-batching server, one byte budget, real
+streaming clients.
+
+    python benchmarks/serve_load.py --smoke                  # tiny: a few short requests per server (the tests)
+    python benchmarks/serve_load.py --budget-mib 48 --concurrency 2 4 8 --new 32 \\
+        --out benchmarks/results/serve_load.json
+
+Each contender is a server subprocess on a free 127.0.0.1 port: kvcompile's (``kvcompile serve --policy P
+--budget-mib B``) and transformers' own (its model manager, handlers and continuous batching, its paged cache
+given as many pages as the same budget holds in full precision). For each concurrency level ``c`` the client
+opens ``c`` streaming chat completions at once (httpx, one connection each) with prompts of mixed lengths and
+reads them to the end. Reported per contender and level: requests completed and failed, generated tokens/s
+(all requests' content chunks over the level's wall time), time to first token (median, p95), and the
+server's peak RSS (``VmHWM``) after the level; for kvcompile also the most requests its cache held at once
+(sampled from ``/kvcompile/stats`` every 50 ms).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from tqdm.auto import tqdm
+
+STARTUP_S = 300
+WORDS = ("the printing press carried movable type across the cities of europe and every page that followed "
+         "bore the marks of the people who set it by hand in the workshops of the old town").split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- the servers
+def serve_transformers(model_dir: str, port: int, budget: int, max_batch_tokens: int = 256) -> None:
+    """transformers' own OpenAI-compatible server with continuous batching, its paged cache holding as many
+    pages as ``budget`` bytes hold in full precision (fp32, the model's dtype here)."""
+    import torch
+    import uvicorn
+    from transformers import AutoConfig, ContinuousBatchingConfig
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.response import ResponseHandler
+    from transformers.cli.serving.server import build_server
+    from transformers.cli.serving.systemone import SystemOneHandler
+    from transformers.cli.serving.transcription import TranscriptionHandler
+    from transformers.cli.serving.utils import GenerationState
+
+    from kvcompile.serving import full_precision_bytes_per_token
+
+    page = 256
+    per_page = page * full_precision_bytes_per_token(AutoConfig.from_pretrained(model_dir), torch.float32)
+    manager = ModelManager(device="cpu", dtype="float32", attn_implementation="sdpa", continuous_batching=True,
+                           model_timeout=-1, force_model=model_dir)
+    cbc = ContinuousBatchingConfig(num_blocks=budget // per_page, page_size=page, max_batch_tokens=max_batch_tokens,
+                                   max_memory_percent=1.0)
+    state = GenerationState(continuous_batching=True, compile=False, cb_config=cbc)
+    app = build_server(
+        manager, ChatCompletionHandler(model_manager=manager, generation_state=state),
+        completion_handler=CompletionHandler(model_manager=manager, generation_state=state),
+        response_handler=ResponseHandler(model_manager=manager, generation_state=state),
+        transcription_handler=TranscriptionHandler(manager, state),
+        systemone_handler=SystemOneHandler(model_manager=manager, generation_state=state),
+        generation_state=state)
+    print(f"transformers serve: {model_dir} on 127.0.0.1:{port}, {budget // per_page} pages of {page}", flush=True)
+    try:
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    finally:
+        state.shutdown()
+        manager.shutdown()
+
+
+class Server:
+    """A server subprocess on a free loopback port; always stopped on exit."""
+
+    def __init__(self, kind: str, model_dir: str, budget_mib: int, policy: str, max_requests: int):
+        self.kind, self.port = kind, free_port()
+        if kind == "kvcompile":
+            cmd = [sys.executable, "-m", "kvcompile", "serve", "--model", model_dir, "--policy", policy,
+                   "--port", str(self.port), "--budget-mib", str(budget_mib)]
+            cmd += ["--max-requests", str(max_requests)] if max_requests else []
+        else:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-transformers", model_dir,
+                   "--port", str(self.port), "--budget-mib", str(budget_mib)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        self.log = open(os.devnull, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        deadline = time.time() + STARTUP_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the {self.kind} server exited with status {self.proc.returncode} before answering")
+            try:
+                if httpx.get(f"{self.base}/v1/models", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"the {self.kind} server did not answer within {STARTUP_S} s")
+            time.sleep(1)
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.log.close()
+
+    def peak_rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+
+# --------------------------------------------------------------------------- the clients
+def prompt(i: int, words: int) -> str:
+    return " ".join(WORDS[(i + j) % len(WORDS)] for j in range(words)) + ". Continue the story."
+
+
+async def one_request(client: httpx.AsyncClient, base: str, model: str, text: str, new: int, timeout: float) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": new, "stream": True}
+    t0 = time.perf_counter()
+    first, chunks = None, 0
+    try:
+        async with client.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                return dict(ok=False, error=f"HTTP {r.status_code}", ttft=None, tokens=0)
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                delta = json.loads(line[6:]).get("choices", [{}])
+                if delta and (delta[0].get("delta") or {}).get("content"):
+                    chunks += 1
+                    if first is None:
+                        first = time.perf_counter() - t0
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        return dict(ok=False, error=type(e).__name__, ttft=first, tokens=chunks)
+    return dict(ok=chunks > 0, error=None if chunks else "no content", ttft=first, tokens=chunks)
+
+
+async def level(server: Server, model: str, c: int, new: int, lengths: list[int], timeout: float) -> dict:
+    most = 0
+
+    async def watch(client):
+        nonlocal most
+        while True:
+            try:
+                s = (await client.get(f"{server.base}/kvcompile/stats", timeout=5)).json()
+                most = max(most, s.get("requests") or 0)
+            except (httpx.HTTPError, ValueError):
+                pass
+            await asyncio.sleep(0.05)
+
+    limits = httpx.Limits(max_connections=c + 2)
+    async with httpx.AsyncClient(limits=limits) as client:
+        watcher = asyncio.create_task(watch(client)) if server.kind == "kvcompile" else None
+        t0 = time.perf_counter()
+        rs = await asyncio.gather(*(one_request(client, server.base, model, prompt(i, lengths[i % len(lengths)]),
+                                                new, timeout) for i in range(c)))
+        wall = time.perf_counter() - t0
+        if watcher:
+            watcher.cancel()
+    ttfts = sorted(r["ttft"] for r in rs if r["ttft"] is not None)
+    p95 = ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))] if ttfts else None
+    return dict(contender=server.kind, concurrency=c, completed=sum(r["ok"] for r in rs),
+                failed=sum(not r["ok"] for r in rs), errors=sorted({r["error"] for r in rs if r["error"]}),
+                tokens=sum(r["tokens"] for r in rs), wall_s=wall, tok_s=sum(r["tokens"] for r in rs) / wall,
+                ttft_median_s=statistics.median(ttfts) if ttfts else None, ttft_p95_s=p95,
+                peak_rss_mib=server.peak_rss_mib(), most_requests_held=most if server.kind == "kvcompile" else None)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="a local Hugging Face model directory (default: the embedded SmolLM2)")
+    ap.add_argument("--policy", default="kivi:4", help="kvcompile's policy, as kvcompile serve takes it (default: %(default)s)")
+    ap.add_argument("--budget-mib", type=int, default=48, help="the cache budget of both servers, MiB (default: %(default)s)")
+    ap.add_argument("--max-requests", type=int, default=None,
+                    help="kvcompile serve --max-requests (default: kvcompile serve's own, sized to the budget)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[2, 4, 8], help="clients at once, per level")
+    ap.add_argument("--new", type=int, default=32, help="tokens per reply (default: %(default)s)")
+    ap.add_argument("--words", type=int, nargs="+", default=[40, 200, 600], help="prompt lengths in words (mixed)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds a request may take (default: %(default)s)")
+    ap.add_argument("--contenders", nargs="+", default=["transformers", "kvcompile"],
+                    choices=["transformers", "kvcompile"])
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--smoke", action="store_true", help="two short requests per server (seconds once loaded)")
+    ap.add_argument("--serve-transformers", default=None, metavar="MODEL_DIR", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve_transformers:
+        serve_transformers(args.serve_transformers, args.port, args.budget_mib * 2 ** 20)
+        return []
+    from kvcompile.models import resolve
+    model_dir = str(args.model or resolve(None))
+    if args.smoke:
+        args.concurrency, args.new, args.words, args.budget_mib, args.max_requests = [2], 4, [8, 30], 64, 4
+    rows = []
+    bar = tqdm(total=len(args.contenders) * len(args.concurrency), desc="serve load")
+    for kind in args.contenders:
+        bar.set_postfix_str(f"{kind}: starting")
+        with Server(kind, model_dir, args.budget_mib, args.policy, args.max_requests) as server:
+            for c in args.concurrency:
+                bar.set_postfix_str(f"{kind}: {c} clients")
+                rows.append(asyncio.run(level(server, model_dir, c, args.new, args.words, args.timeout)))
+                bar.update()
+    bar.close()
+    print(f"budget {args.budget_mib} MiB, kvcompile {args.policy}, {args.new} new tokens, prompts {args.words} words")
+    print(f"{'contender':<13}{'clients':>8}{'done':>6}{'failed':>7}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p95':>10}"
+          f"{'RSS MiB':>9}{'held':>6}")
+    for r in rows:
+        f = lambda x: f"{x:10.2f}" if x is not None else f"{'-':>10}"  # noqa: E731
+        print(f"{r['contender']:<13}{r['concurrency']:>8}{r['completed']:>6}{r['failed']:>7}{r['tok_s']:>8.2f}"
+              f"{f(r['ttft_median_s'])}{f(r['ttft_p95_s'])}{r['peak_rss_mib']:>9.0f}"
+              f"{r['most_requests_held'] if r['most_requests_held'] is not None else '-':>6}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
+        print(f"wrote {args.out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
