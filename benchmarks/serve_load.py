@@ -48,15 +48,10 @@ def serve_transformers(model_dir: str, port: int, budget: int, max_batch_tokens:
     import torch
     import uvicorn
     from transformers import AutoConfig, ContinuousBatchingConfig
-    from transformers.cli.serving.chat_completion import ChatCompletionHandler
-    from transformers.cli.serving.completion import CompletionHandler
     from transformers.cli.serving.model_manager import ModelManager
-    from transformers.cli.serving.response import ResponseHandler
-    from transformers.cli.serving.server import build_server
-    from transformers.cli.serving.systemone import SystemOneHandler
-    from transformers.cli.serving.transcription import TranscriptionHandler
     from transformers.cli.serving.utils import GenerationState
 
+    from kvcompile.serve import openai_app
     from kvcompile.serving import full_precision_bytes_per_token
 
     page = 256
@@ -66,13 +61,7 @@ def serve_transformers(model_dir: str, port: int, budget: int, max_batch_tokens:
     cbc = ContinuousBatchingConfig(num_blocks=budget // per_page, page_size=page, max_batch_tokens=max_batch_tokens,
                                    max_memory_percent=1.0)
     state = GenerationState(continuous_batching=True, compile=False, cb_config=cbc)
-    app = build_server(
-        manager, ChatCompletionHandler(model_manager=manager, generation_state=state),
-        completion_handler=CompletionHandler(model_manager=manager, generation_state=state),
-        response_handler=ResponseHandler(model_manager=manager, generation_state=state),
-        transcription_handler=TranscriptionHandler(manager, state),
-        systemone_handler=SystemOneHandler(model_manager=manager, generation_state=state),
-        generation_state=state)
+    app = openai_app(manager, state)
     print(f"transformers serve: {model_dir} on 127.0.0.1:{port}, {budget // per_page} pages of {page}", flush=True)
     try:
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")

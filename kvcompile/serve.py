@@ -16,18 +16,31 @@ from __future__ import annotations
 import torch
 
 
+def openai_app(manager, state):
+    """transformers' OpenAI-compatible FastAPI app (its handlers, as ``transformers serve`` builds them) over a
+    model manager and a generation state."""
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+    from transformers.cli.serving.response import ResponseHandler
+    from transformers.cli.serving.server import build_server
+    from transformers.cli.serving.systemone import SystemOneHandler
+    from transformers.cli.serving.transcription import TranscriptionHandler
+
+    return build_server(
+        manager, ChatCompletionHandler(model_manager=manager, generation_state=state),
+        completion_handler=CompletionHandler(model_manager=manager, generation_state=state),
+        response_handler=ResponseHandler(model_manager=manager, generation_state=state),
+        transcription_handler=TranscriptionHandler(manager, state),
+        systemone_handler=SystemOneHandler(model_manager=manager, generation_state=state),
+        generation_state=state)
+
+
 def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests: int | None = None,
               max_batch_tokens: int = 256, dtype: torch.dtype = torch.float32):
     """The FastAPI app (and its model manager) serving ``model_dir`` (a local Hugging Face directory) with
     continuous batching over kvcompile's cache under ``policy``."""
     from transformers import ContinuousBatchingConfig
-    from transformers.cli.serving.chat_completion import ChatCompletionHandler
-    from transformers.cli.serving.completion import CompletionHandler
     from transformers.cli.serving.model_manager import ModelManager
-    from transformers.cli.serving.response import ResponseHandler
-    from transformers.cli.serving.server import build_server
-    from transformers.cli.serving.systemone import SystemOneHandler
-    from transformers.cli.serving.transcription import TranscriptionHandler
     from transformers.cli.serving.utils import GenerationState
 
     from . import serving
@@ -47,13 +60,7 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
                                     force_model=model_dir)
     state = GenerationState(continuous_batching=True, compile=False,
                             cb_config=ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens))
-    app = build_server(
-        manager, ChatCompletionHandler(model_manager=manager, generation_state=state),
-        completion_handler=CompletionHandler(model_manager=manager, generation_state=state),
-        response_handler=ResponseHandler(model_manager=manager, generation_state=state),
-        transcription_handler=TranscriptionHandler(manager, state),
-        systemone_handler=SystemOneHandler(model_manager=manager, generation_state=state),
-        generation_state=state)
+    app = openai_app(manager, state)
 
     @app.get("/kvcompile/stats")
     def stats():
