@@ -100,3 +100,17 @@ def with_history(policy, B, H, D, dtype, history, chunks, seed, device="cpu", bl
     ref.append(torch.randn(B, H, m, D, generator=g) * scale, torch.randn(B, H, m, D, generator=g),
                torch.tensor(history))
     return spec, ref, ref.copy(device), g, scale
+
+
+def bad_store(policy, dtype, B: int, H: int, D: int, L: int, kernel=None):
+    """A scrambled-pool store of 16-token blocks holding NaN, +inf and -inf keys and values at every placement
+    (``nonfinite_checks.bad_inputs``) for two sequences of ``L`` and ``L - 13`` tokens, written by ``kernel``
+    (default: the reference). Returns (spec, store, k, v)."""
+    from nonfinite_checks import bad_inputs
+
+    spec = LayerSpec(policy, H, D, dtype, block_tokens=16)
+    spec.register()
+    k, v = bad_inputs(spec, B, L, 3, 1.0, extremes=False)
+    store = scrambled(spec, B, 2 * B * spec.blocks_for(L), seed=3)
+    store.append(k, v, torch.tensor([L, L - 13]), **({"kernel": kernel} if kernel else {}))
+    return spec, store, k, v

@@ -18,7 +18,7 @@ from kvcompile.store import LayerSpec
 from kvcompile.templates import attention as kattn
 from kvcompile.templates import launch
 from attention_checks import LENGTHS, MIXED, ROTATED, filled, one_wrong_code
-from store_checks import scrambled
+from store_checks import bad_store, scrambled
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -225,7 +225,7 @@ def test_fp8_decode_equals_torch_for_every_finite_code(fmt):
 
 # --------------------------------------------------------------------------- non-finite and huge values
 from kvcompile.store import attention_reference  # noqa: E402
-from nonfinite_checks import assert_nan_pattern, bad_inputs  # noqa: E402
+from nonfinite_checks import assert_nan_pattern  # noqa: E402
 
 
 @pytest.mark.parametrize("policy,dtype", [
@@ -239,12 +239,8 @@ def test_attention_kernel_non_finite_values_poison_what_the_reference_says(polic
     and the residual window; split-K decode, a chunked prefill, masks hiding some bad positions, the queries'
     own chunk: NaN exactly where ``attention_reference`` is, never inf, the rest within the derived bound."""
     B, H, G, D, L = 2, 1, 2, 16, 40
-    spec = LayerSpec(policy, H, D, dtype, block_tokens=16)
-    spec.register()
-    k, v = bad_inputs(spec, B, L, 3, 1.0, extremes=False)
-    store = scrambled(spec, B, 2 * B * spec.blocks_for(L), seed=3)
-    lengths = torch.tensor([L, L - 13])
-    store.append(k, v, lengths)
+    spec, store, k, v = bad_store(policy, dtype, B, H, D, L)
+    lengths = store.state.lengths
     state = store.state
     g = torch.Generator().manual_seed(4)
 

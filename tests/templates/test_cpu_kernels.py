@@ -25,7 +25,7 @@ from kvcompile.store import KVStore, LayerSpec, attention_reference
 from kvcompile.templates import attention as kattn
 from kvcompile.templates import cpu, cpu_store
 from attention_checks import LENGTHS, MIXED, ROTATED, filled, one_wrong_code
-from store_checks import scrambled
+from store_checks import bad_store, scrambled
 
 pytestmark = pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler on this machine")
 
@@ -424,12 +424,8 @@ def test_cpu_attention_non_finite_values_poison_what_the_reference_says(policy, 
     with nothing else visible was skipped, a hidden NaN value poisoned its rows (0 * NaN), and the reference
     turned a NaN key's rows into zeros."""
     B, H, G, D, L = 2, 2, 2, 16, 40
-    spec = LayerSpec(policy, H, D, dtype, block_tokens=16)
-    spec.register()
-    k, v = bad_inputs(spec, B, L, 3, 1.0, extremes=False)
-    store = scrambled(spec, B, 2 * B * spec.blocks_for(L), seed=3)
-    lengths = torch.tensor([L, L - 13])
-    store.append(k, v, lengths, kernel=cpu_store.store)
+    spec, store, k, v = bad_store(policy, dtype, B, H, D, L, kernel=cpu_store.store)
+    lengths = store.state.lengths
     state = store.state
     g = torch.Generator().manual_seed(4)
     for n in (1, 4, 20):
