@@ -26,6 +26,7 @@ class SiteReport:
     fp_bytes_per_token: int      # the same layer's full-precision cache
     gqa: int
     memory_saved: bool
+    keys: str = "post-RoPE"      # how keys are stored: "pre-RoPE (half:64)", or post-RoPE (the keys written)
 
 
 @dataclass
@@ -38,7 +39,8 @@ class Explanation:
         lines = [f"kvcompile: {len(self.sites)} cache site(s) rewritten, {len(self.skipped)} not rewritten"]
         if self.sites:
             rows = [(s.layer, s.write, s.read, f"{s.bytes_per_token:.1f}", str(s.fp_bytes_per_token),
-                     str(s.fixed_bytes), s.policy + ("" if s.memory_saved else "  [!]")) for s in self.sites]
+                     str(s.fixed_bytes), s.policy + ("" if s.memory_saved else "  [!]")
+                     + (f"  keys {s.keys}" if ";pre=1" in s.policy else "")) for s in self.sites]
             head = ("layer", "write", "read", "B/token", "fp B/token", "B/sequence", "policy")
             w = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
             right = {3, 4, 5}
@@ -60,10 +62,16 @@ def site_reports(sites: list[Site], specs: list[LayerSpec], owned: list[bool], s
     from .accounting import full_precision_bytes_per_token
     for s, spec, own in zip(sites, specs, owned):
         write = f"{s.k_write.node.name} ({s.k_write.idiom})"
+        keys = "post-RoPE"
+        if spec.policy.pre_rope:
+            if s.rope is not None:
+                keys = f"pre-RoPE ({s.rope.name})"
+            else:
+                ex.notes.append(f"{s.layer}: keys stored post-RoPE although the policy asks for pre_rope: {s.rope_why}")
         ex.sites.append(SiteReport(s.layer, write, f"{s.read.name} (sdpa)", spec.policy.key_str(),
                                    (spec.block_nbytes() + 4) / spec.block, spec.row_nbytes(),
                                    full_precision_bytes_per_token(1, spec.heads, spec.head_dim, spec.torch_dtype),
-                                   s.gqa, own))
+                                   s.gqa, own, keys))
     if not all(owned):
         ex.notes.append("[!] these caches were allocated in full precision by their owner (e.g. a transformers "
                         "StaticCache): kvcompile stores and reads them packed, but their full-precision memory is "

@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLaye
 
 from . import ops, standin
 from .policy import Policy
-from .store import DTYPE_NAMES, KVStore, LayerSpec
+from .store import RopeError, RopeTable, DTYPE_NAMES, KVStore, LayerSpec
 
 
 def _text_config(config):
@@ -133,6 +133,7 @@ class KVCompileLayer(StaticLayer):
         self.spec: LayerSpec | None = None
         self.store: KVStore | None = None
         self.expected = 0  # tokens each sequence is expected to reach (KVCompileCache.expect)
+        self.rope_table = None  # pre_rope: the cos/sin per position, shared by the cache's layers
 
     def expect(self, tokens: int) -> None:
         self.expected = max(self.expected, tokens)
@@ -156,6 +157,7 @@ class KVCompileLayer(StaticLayer):
         self.spec = LayerSpec(self.policy, num_heads, head_dim, DTYPE_NAMES[dtype])
         self.spec_name = self.spec.register()
         self.store = KVStore(self.spec, batch_size, self.device, max_tokens=self.limit)
+        self.store.rope_table = self.rope_table
         if self.expected:
             self.store.expect(self.expected)
         self.cumulative_length = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -201,6 +203,12 @@ class KVCompileLayer(StaticLayer):
             self.keys.index_copy_(2, pos, key_states)
             self.values.index_copy_(2, pos, value_states)
             return self.keys, self.values
+        if self.policy.pre_rope:
+            raise RopeError(
+                f"KVCompileCache layer {self.name!r}: its policy stores keys before the rotary embedding "
+                f"(pre_rope=True), which only the compiled model can do (the FX pass finds the embedding); this "
+                f"update runs eagerly and receives rotated keys. Use kvcompile.apply (which compiles every call of a "
+                f"pre_rope policy), or a policy without pre_rope for an eager cache.")
         self.ensure(n)
         held = self.store.lengths[0]
         ops._store(self.keys, self.values, key_states, value_states, pos.cpu(), self.spec_name)
@@ -370,6 +378,10 @@ class KVCompileCache(Cache):
                 stacklevel=2)
         super().__init__(layers=layers)
         self.policy = policy
+        table = RopeTable() if any(p.pre_rope for p in self.policies) else None
+        for layer in layers:
+            if isinstance(layer, KVCompileLayer):
+                layer.rope_table = table
         self.limit = max_cache_len
         self.dtype = dtype
         self.shape = (kv_heads, head_dim)
@@ -424,6 +436,34 @@ class KVCompileCache(Cache):
         for layer in self.layers:
             if isinstance(layer, KVCompileLayer):
                 layer.ensure(n)
+
+    def set_positions(self, position_ids: torch.Tensor | None, n: int) -> None:
+        """Before a call of ``n`` tokens: each sequence's rotary positions, for layers storing pre-RoPE keys.
+        Token ``t`` of a call is at cache index ``held + t``; its rotary position is ``position_ids[b, t]``
+        (left padding: ``cumsum(mask) - 1``). The store keeps one offset per sequence (position minus index,
+        from the call's last token), set by the first call into an empty cache and checked by the later ones."""
+        stores = [layer.store for layer in self.layers
+                  if isinstance(layer, KVCompileLayer) and layer.policy.pre_rope and layer.store is not None]
+        if not stores:
+            return
+        B, held = stores[0].batch, stores[0].lengths
+        if position_ids is None:
+            offsets = [0] * B
+        else:
+            last = position_ids.reshape(-1, position_ids.shape[-1])[:, -1].tolist()
+            if len(last) == 1 and B > 1:
+                last = last * B
+            offsets = [int(p) - (L + n - 1) for p, L in zip(last, held)]
+        if any(held):
+            if offsets != stores[0].rope_offset:
+                raise RopeError(
+                    f"pre-RoPE keys: this call's position_ids put its tokens at rotary positions "
+                    f"{[o + L for o, L in zip(offsets, held)]} (per sequence, its first), but the cache holds "
+                    f"{held} tokens at offsets {stores[0].rope_offset}: positions must continue where each sequence "
+                    f"ends. Reset the cache for a new sequence, or use a policy without pre_rope.")
+            return
+        for st in stores:
+            st.set_rope_offsets(offsets)
 
     def expect(self, tokens: int) -> None:
         """Allocate, now or when the stores are created, room for every sequence to reach ``tokens`` tokens,

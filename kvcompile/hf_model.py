@@ -24,7 +24,7 @@ import torch
 from . import serving, tp
 from .hf import CAPACITY_STEP, KVCompileCache, KVCompileWarning, _text_config, model_shape
 from .passes import KVCompileError
-from .policy import Policy
+from .policy import Policy, PolicyError
 
 
 def is_hf(model) -> bool:
@@ -166,8 +166,12 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
     shard = applied.sharding = tp.sharding(model, [(n, modules[n]) for n in names if n in modules], kv_heads,
                                            head_dim)
     heads = shard.heads if shard is not None else kv_heads
-    # with compiler="eager" the compiled graph runs as Python anyway: a first prefill gains nothing from tracing
-    eager_prefill = prefill == "eager" or (prefill == "auto" and compiler == "eager")
+    pre_rope = any(p.pre_rope for p in policy.resolve(names))
+    if pre_rope:
+        check_pre_rope(model)
+    # with compiler="eager" the compiled graph runs as Python anyway: a first prefill gains nothing from tracing.
+    # Pre-RoPE keys only exist in the compiled graph (the pass finds the rotary embedding): every call compiles.
+    eager_prefill = not pre_rope and (prefill == "eager" or (prefill == "auto" and compiler == "eager"))
     orig_forward = model.forward
     compiled = torch.compile(orig_forward, backend=backend, fullgraph=True, dynamic=dynamic)
 
@@ -180,6 +184,11 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
             kwargs.setdefault(cache_kw, kwargs.pop("past_key_values"))
         cache = kwargs.get(cache_kw)
         if cache is not None and serving.is_paged(cache):  # transformers' continuous batching (kvcompile.serving)
+            if pre_rope:
+                raise KVCompileError(
+                    "continuous batching (generate_batch, transformers serve) on a model applied with a pre_rope "
+                    "policy: its attention receives keys after their rotary embedding, so it cannot store them "
+                    "pre-RoPE. Apply a policy without pre_rope for serving.")
             with _threads(next(model.parameters())):
                 return serving.paged_forward(orig_forward, cache, *args, **kwargs)
         use_cache = kwargs.get("use_cache")
@@ -200,6 +209,8 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
         if isinstance(cache, KVCompileCache):
             p = next(model.parameters())
             cache.prepare(ids.shape[0], ids.shape[1], p.dtype, p.device, heads)
+            if pre_rope:
+                cache.set_positions(kwargs.get("position_ids"), ids.shape[1])
             if eager_prefill and ids.shape[1] > 1 and cache.tokens == 0:
                 # A first prefill into an empty cache attends only to its own tokens, in full precision, and
                 # stores them: the cache's eager path does exactly that (the same kernels store), so it runs
@@ -251,6 +262,22 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
     if hasattr(model.generation_config, "disable_compile"):
         model.generation_config.disable_compile = True
     return model
+
+
+def check_pre_rope(model) -> None:
+    """Refuse pre-RoPE keys where the rotary embedding of a position changes with the sequence's length (the
+    cos/sin captured when a key was written would not be those of a later call)."""
+    cfg = _text_config(model.config)
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kinds = {params.get("rope_type"), params.get("type")} if isinstance(params, dict) else set()
+    if isinstance(params, dict) and not kinds - {None}:  # per layer type (Gemma 3): {"full_attention": {...}}
+        kinds = {v.get("rope_type") for v in params.values() if isinstance(v, dict)}
+    varying = kinds & {"dynamic", "longrope"}
+    if varying:
+        raise PolicyError(
+            f"Policy.pre_rope=True on a model whose rotary embedding changes with the sequence length "
+            f"(rope_type {sorted(varying)[0]!r}): the cos/sin of a stored key's position would differ between calls. "
+            f"Use a policy without pre_rope for this model.")
 
 
 def trace_inputs(model, applied):

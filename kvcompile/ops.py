@@ -1,6 +1,6 @@
 """kvcompile's operators, registered with ``torch.library`` so ``torch.compile(fullgraph=True)`` traces them.
 
-    torch.ops.kvcompile.store(k_cache, v_cache, k, v, pos, spec)                        -> token
+    torch.ops.kvcompile.store(k_cache, v_cache, k, v, pos, spec, cos, sin, rope)        -> token
     torch.ops.kvcompile.attention(q, k_cache, v_cache, token, mask, scale, spec, k_new, v_new)  -> [B, Hq, n, D]
     torch.ops.kvcompile.standin(shape, dtype, device)                                   -> a stand-in
 
@@ -80,7 +80,7 @@ def kernels(device: torch.device) -> str:
 @dataclass(frozen=True)
 class Backend:
     """One family of kernels: ``store(state, spec, k, v, n_new)`` appends (blocks reserved by the caller),
-    ``attention(q, state, spec, mask, scale, k_new, v_new)`` reads; both with ``store_reference``'s and
+    ``attention(q, state, spec, mask, scale, k_new, v_new, rope)`` reads; both with ``store_reference``'s and
     ``attention_reference``'s contracts. ``devices``: the device types it runs on."""
 
     store: Callable
@@ -98,24 +98,29 @@ def _cpu_store(state, spec, k, v, n_new=None):
     cpu_store.store(state, spec, k, v, n_new)
 
 
-def _cpu_attention(q, state, spec, mask, scale, k_new=None, v_new=None):
+def _cpu_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None):
     from .templates import cpu
     if cpu.check_decode(q, spec) is None:  # decode: the C kernel reads the packed bytes where they lie
-        return cpu.attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new)
-    return cpu.prefill_attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new)
+        return cpu.attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope)
+    return cpu.prefill_attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope)
 
 
 def _triton_store(state, spec, k, v, n_new=None):
     _triton().store(state, spec, k, v, n_new)
 
 
-def _triton_attention(q, state, spec, mask, scale, k_new=None, v_new=None):
+def _triton_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None):
+    if rope is not None:
+        raise NotImplementedError("the Triton kernels do not read pre-RoPE keys (Policy.pre_rope) yet: use a "
+                                  "policy without pre_rope on CUDA, or the CPU kernels")
     return _triton().attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new)
 
 
-def _fused_attention(q, state, mask, scale, spec_name, k_new=None, v_new=None):
+def _fused_attention(q, state, mask, scale, spec_name, k_new=None, v_new=None, rope=None):
     from .templates import inductor
-    return inductor.attention(q, KVState(*state), LayerSpec.from_name(spec_name), mask, scale, k_new, v_new)
+    from .store import Rope
+    return inductor.attention(q, KVState(*state), LayerSpec.from_name(spec_name), mask, scale, k_new, v_new,
+                              rope=Rope(*rope) if rope is not None else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,8 +132,9 @@ def _compiled_attention(spec_name: str):
     return torch.compile(fn, fullgraph=True)
 
 
-def _inductor_attention(q, state, spec, mask, scale, k_new=None, v_new=None):
-    return _compiled_attention(spec.name)(q, list(state), mask, scale, spec.name, k_new, v_new)
+def _inductor_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None):
+    return _compiled_attention(spec.name)(q, list(state), mask, scale, spec.name, k_new, v_new,
+                                          list(rope) if rope is not None else None)
 
 
 BACKENDS = {
@@ -192,6 +198,13 @@ def _positions_at(st: KVStore, pos: Tensor, k_cache: Tensor, v_cache: Tensor) ->
         st.crop(first)
         return
     if L[0] == 0 and not standin.is_standin(k_cache) and first <= k_cache.shape[2]:
+        if st.spec.policy.pre_rope:
+            from .store import RopeError
+            raise RopeError(
+                f"kvcompile cache write at position {first} into a cache whose first {first} tokens were written "
+                f"outside the compiled graph, after their rotary embedding: a pre_rope policy cannot take them "
+                f"over. Run the whole generation through the compiled model (kvcompile.apply), or use a policy "
+                f"without pre_rope.")
         st.append(k_cache[:, :, :first], v_cache[:, :, :first], kernel=backend(k_cache.device).store)
         return
     raise RuntimeError(
@@ -200,10 +213,23 @@ def _positions_at(st: KVStore, pos: Tensor, k_cache: Tensor, v_cache: Tensor) ->
         f"a new sequence.")
 
 
-def _store(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, pos: Tensor, spec: str) -> Tensor:
-    """Append ``k, v [B, H, n, D]`` to the store behind ``k_cache``/``v_cache`` at positions ``pos [n]``."""
+def _store(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, pos: Tensor, spec: str,
+           cos: Tensor | None = None, sin: Tensor | None = None, rope: str = "") -> Tensor:
+    """Append ``k, v [B, H, n, D]`` to the store behind ``k_cache``/``v_cache`` at positions ``pos [n]``.
+
+    ``rope`` ("half:<rotary_dim>" or "pairs:<rotary_dim>", ``kvcompile.store.rope_pairing``), with the chunk's
+    ``cos, sin`` as the model computed them: ``k`` is the keys before their rotary embedding (a pre_rope
+    policy, the pass found the embedding); the store keeps them so and captures cos/sin per position."""
     st = store_for(k_cache, v_cache, spec)
     _positions_at(st, pos, k_cache, v_cache)
+    if st.spec.policy.pre_rope:
+        st.write_keys(bool(rope))
+    elif rope:
+        raise ValueError(f"kvcompile.store got pre-RoPE keys ({rope}) for the layout {spec}, which stores "
+                         f"post-RoPE keys")
+    if rope:
+        form, rd = rope.split(":")
+        st.capture_rope(cos, sin, form, k.shape[2])
     st.append(k, v, kernel=backend(k.device).store)
     return k.new_empty(0)
 
@@ -212,7 +238,7 @@ store = torch.library.custom_op("kvcompile::store", mutates_args=())(_store)
 
 
 @store.register_fake
-def _(k_cache, v_cache, k, v, pos, spec):
+def _(k_cache, v_cache, k, v, pos, spec, cos=None, sin=None, rope=""):
     return k.new_empty(0)
 
 
@@ -224,7 +250,9 @@ def _attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, token: Tensor, mask:
     st = store_for(k_cache, v_cache, spec)
     check_chunk(q, k_new, v_new, st.spec)
     mask = cover(mask, st.state)
-    return backend(q.device).attention(q, st.state, st.spec, mask, scale, k_new=k_new, v_new=v_new)
+    rope = st.rope()  # pre-RoPE keys: attention rotates them (None otherwise, and no argument is passed)
+    kw = {"rope": rope} if rope is not None else {}
+    return backend(q.device).attention(q, st.state, st.spec, mask, scale, k_new=k_new, v_new=v_new, **kw)
 
 
 attention = torch.library.custom_op("kvcompile::attention", mutates_args=())(_attention)

@@ -152,7 +152,12 @@ class Policy:
     residual:   the most recent tokens kept in full precision (KIVI's streaming window).
     sink:       the first tokens kept in full precision (attention sinks).
     rotate:     apply an orthonormal Hadamard rotation over head_dim to keys, values and queries before
-                quantization (exact in full precision; it spreads outlier channels).
+                quantization (exact in full precision; it spreads outlier channels). With ``pre_rope`` it
+                applies to values only (docs/design.md, "Pre-RoPE keys").
+    pre_rope:   store keys before the rotary embedding (KVQuant): per-channel key scales fit the sharp outlier
+                channels there; attention rotates each dequantized key by its position. Only the compiled path
+                can (the FX pass finds the rotary embedding on the key write); a layer whose rotary embedding
+                the pass does not recognise stores post-RoPE keys, and ``kvcompile.explain`` says so.
     overrides:  per-layer choices added with ``override``; read them through ``resolve``.
     """
 
@@ -162,6 +167,7 @@ class Policy:
     sink: int = 0
     rotate: bool = False
     overrides: tuple = field(default=(), compare=True)
+    pre_rope: bool = False
 
     def __post_init__(self):
         for name in ("key", "value"):
@@ -173,6 +179,9 @@ class Policy:
                 _fail(f"Policy.{name}", v, "expected a non-negative number of tokens")
         if not isinstance(self.rotate, bool):
             _fail("Policy.rotate", self.rotate, "expected True or False")
+        if not isinstance(self.pre_rope, bool):
+            _fail("Policy.pre_rope", self.pre_rope, "expected True (keys stored before the rotary embedding) or "
+                                                    "False")
         _check_overrides(self.overrides)
 
     # ------------------------------------------------------------------ presets
@@ -330,7 +339,13 @@ class Policy:
     def key_str(self) -> str:
         """A name that spells out this (base) policy, used for op and kernel specialization."""
         return (f"k={self.key.key()};v={self.value.key()};r={self.residual};s={self.sink};"
-                f"rot={int(self.rotate)}")
+                f"rot={int(self.rotate)}" + (";pre=1" if self.pre_rope else ""))
+
+    @property
+    def rotates_keys(self) -> bool:
+        """Whether keys (and queries) are Hadamard-rotated: ``rotate``, unless keys are stored pre-RoPE (the
+        rotary embedding is applied to stored keys per position, so they stay in model space)."""
+        return self.rotate and not self.pre_rope
 
     def __str__(self) -> str:
         return self.key_str() + (f" (+{len(self.overrides)} overrides)" if self.overrides else "")
@@ -500,7 +515,7 @@ def _show_selector(sel) -> str:
 
 # --------------------------------------------------------------------------- policy files
 _QUANT_FIELDS = ("format", "axis", "group", "symmetric", "scale_dtype")
-_LEAF_FIELDS = ("key", "value", "residual", "sink", "rotate")
+_LEAF_FIELDS = ("key", "value", "residual", "sink", "rotate", "pre_rope")
 
 
 def _json_kind(x: Any) -> str:
@@ -520,7 +535,8 @@ def _jsonable(x: Any) -> bool:
 def _leaf_to_dict(pol: "Policy") -> dict:
     return {"key": {f: getattr(pol.key, f) for f in _QUANT_FIELDS},
             "value": {f: getattr(pol.value, f) for f in _QUANT_FIELDS},
-            "residual": pol.residual, "sink": pol.sink, "rotate": pol.rotate}
+            "residual": pol.residual, "sink": pol.sink, "rotate": pol.rotate,
+            **({"pre_rope": True} if pol.pre_rope else {})}  # (absent: False, as files before it was added)
 
 
 def _check_fields(d: dict, allowed, where: str) -> None:
@@ -536,7 +552,7 @@ def _leaf_from_dict(d: Any, where: str, path: str) -> "Policy":
     if not isinstance(d, dict):
         raise PolicyError(f"{at('')}: found {_json_kind(d)}, expected an object with {', '.join(_LEAF_FIELDS)}")
     _check_fields(d, _LEAF_FIELDS, at(""))
-    kw = {k: d[k] for k in ("residual", "sink", "rotate") if k in d}
+    kw = {k: d[k] for k in ("residual", "sink", "rotate", "pre_rope") if k in d}
     for side in ("key", "value"):
         q = d.get(side, {"format": "none"})
         if not isinstance(q, dict):

@@ -30,7 +30,17 @@ crops (``crop``: speculative and assisted decoding). Kernels see only the ``KVSt
 
 Rotation (``policy.rotate``) multiplies keys, values and queries by an orthonormal Hadamard matrix before
 anything else (``rotate``); everything in the store is in rotated space, and attention un-rotates its
-output. Rotation runs in torch (not in the kernels), so kernel and reference see identical inputs.
+output. Rotation runs in torch (not in the kernels), so kernel and reference see identical inputs. With
+``policy.pre_rope`` only values are rotated (``Policy.rotates_keys``): keys stay in model space.
+
+**Pre-RoPE keys** (``policy.pre_rope``, KVQuant). The store then holds keys as the layer computed them before
+its rotary embedding, when the FX pass found that embedding on the key write (``KVStore.rope_keys``; else the
+keys written, post-RoPE). Attention rotates each key, after dequantization, by its position:
+``key' = key * cos[r] + key[..., perm] * sin[r]`` (``apply_rope``), ``r = p + offset[b]`` the rotary
+position of index ``p`` of sequence ``b`` (clamped to the table: a left-padded row's pads, ``r < 0``, are
+never visible). ``cos``/``sin`` are what the model computed for each position, captured at write time
+(``RopeTable``, shared by a cache's layers); ``sin`` carries the sign of the rotate-half (or pair) formula
+and ``perm`` names each channel's partner, so one formula serves every recognised form.
 
 **Finite in, finite out; NaN where it belongs.** Every conversion to a narrower dtype on the way in and out
 (the chunk to the model dtype, the rotation's result, a crop's dequantized values, ``dequantize_reference``
@@ -256,6 +266,140 @@ def state_nbytes(state) -> int:
     return sum(t.numel() * t.element_size() for t in state)
 
 
+# --------------------------------------------------------------------------- pre-RoPE keys
+class Rope(NamedTuple):
+    """What attention needs to rotate pre-RoPE keys (``apply_rope``), in the order kernels take it.
+
+    cos:    fp32 [T, D] per rotary position, as the model computed it (1 past the rotary dims)
+    sin:    fp32 [T, D] signed for the form: ``key' = key * cos[r] + key[..., perm] * sin[r]`` (0 past them)
+    perm:   int32 [D] the channel each channel is paired with
+    offset: int32 [B] rotary position minus cache index, per sequence (left padding: minus the pads)
+    """
+
+    cos: Tensor
+    sin: Tensor
+    perm: Tensor
+    offset: Tensor
+
+
+ROPE_FORMS = ("half", "pairs")  # rotate_half (transformers), adjacent pairs (gpt-fast's complex multiply)
+
+
+def rope_pairing(form: str, rotary_dim: int, D: int) -> tuple[list[int], list[float]]:
+    """Each channel's partner and the sign its partner's sine takes, for ``form`` over the first
+    ``rotary_dim`` channels (the rest pass through: partner itself, sine 0).
+
+    "half": ``cat(-x2, x1)`` over halves of the rotary dims (transformers' ``rotate_half``);
+    "pairs": ``(x0, x1) -> (x0 c - x1 s, x1 c + x0 s)`` over adjacent pairs (gpt-fast)."""
+    if form not in ROPE_FORMS or not (0 < rotary_dim <= D) or rotary_dim % 2:
+        raise ValueError(f"rope form {form!r} over {rotary_dim} of {D} channels is not valid: expected one of "
+                         f"{ROPE_FORMS} over an even number of channels <= {D}")
+    perm, sign = list(range(D)), [0.0] * D
+    h = rotary_dim // 2
+    for d in range(rotary_dim):
+        if form == "half":
+            perm[d], sign[d] = (d + h, -1.0) if d < h else (d - h, 1.0)
+        else:
+            perm[d], sign[d] = (d ^ 1, -1.0 if d % 2 == 0 else 1.0)
+    return perm, sign
+
+
+def apply_rope(k: Tensor, rope: Rope, positions: Tensor) -> Tensor:
+    """Keys ``k [B, H, P, D]`` (fp32, pre-RoPE) at cache indices ``positions [B, P]`` (or ``[P]``) rotated:
+    ``k * cos[r] + k[..., perm] * sin[r]``, ``r = positions + offset[b]`` clamped to the table. The one
+    statement of the formula; every kernel computes these products and this sum in fp32, in this order."""
+    B = k.shape[0]
+    T = rope.cos.shape[0]
+    pos = positions.to(k.device).long()
+    if pos.dim() == 1:
+        pos = pos.view(1, -1)
+    r = (pos + rope.offset.to(k.device).long().view(-1, 1)).clamp(0, max(T - 1, 0))  # [B, P]
+    r = r.expand(B, r.shape[-1])
+    c = rope.cos.to(k.device)[r].unsqueeze(1)  # [B, 1, P, D]
+    s_ = rope.sin.to(k.device)[r].unsqueeze(1)
+    return k * c + k[..., rope.perm.to(k.device).long()] * s_
+
+
+class RopeError(RuntimeError):
+    """Pre-RoPE keys cannot be stored exactly for this model or call; the message says why and what to do."""
+
+
+class RopeTable:
+    """The rotary embedding's cos and sin per rotary position, as the model computed them: captured from each
+    write of pre-RoPE keys (``capture``) and read by attention for every stored key. Shared by the layers of
+    a cache (one row per position, whatever the batch); grows by doubling."""
+
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+        self.form: tuple | None = None  # (form, rotary_dim, D)
+        self.cos = torch.empty(0, 0)
+        self.sin = torch.empty(0, 0)
+        self.filled = torch.zeros(0, dtype=torch.bool)
+        self.perm: Tensor | None = None
+        self.sign: Tensor | None = None
+
+    def _setup(self, form: str, rotary_dim: int, D: int) -> None:
+        key = (form, rotary_dim, D)
+        if self.form is None:
+            perm, sign = rope_pairing(form, rotary_dim, D)
+            self.form = key
+            self.perm = torch.tensor(perm, dtype=torch.int32, device=self.device)
+            self.sign = torch.tensor(sign, dtype=torch.float32, device=self.device)
+            self.cos = torch.ones(0, D, device=self.device)
+            self.sin = torch.zeros(0, D, device=self.device)
+        elif self.form != key:
+            raise RopeError(f"one cache's layers apply different rotary embeddings ({self.form} and {key}); pre-RoPE "
+                            f"keys need one form per cache. Use a policy without pre_rope for this model.")
+
+    def _grow(self, T: int) -> None:
+        old = self.cos.shape[0]
+        if T <= old:
+            return
+        new = max(T, 2 * old, 64)
+        D = self.cos.shape[1]
+        cos = torch.ones(new, D, device=self.device)
+        sin = torch.zeros(new, D, device=self.device)
+        filled = torch.zeros(new, dtype=torch.bool, device=self.device)
+        cos[:old], sin[:old], filled[:old] = self.cos, self.sin, self.filled
+        self.cos, self.sin, self.filled = cos, sin, filled
+
+    def capture(self, cos: Tensor, sin: Tensor, form: str, r: Tensor, valid: Tensor, D: int) -> None:
+        """Record ``cos, sin`` (broadcastable to ``[B, n, rotary_dim]``; "pairs": ``[..., n, rotary_dim/2]``)
+        for the rotary positions ``r [B, n]`` where ``valid``. A position captured before must get the same
+        values (else ``RopeError``: the positions are not what the store assumes, or the embedding changed)."""
+        rd = cos.shape[-1] * (2 if form == "pairs" else 1)
+        self._setup(form, rd, D)
+        B, n = r.shape
+        c, s = cos.float(), sin.float()
+        if form == "pairs":
+            c, s = c.repeat_interleave(2, -1), s.repeat_interleave(2, -1)
+        c = c.reshape(-1, *c.shape[-2:]).expand(B, n, rd) if c.dim() >= 2 else c.expand(B, n, rd)
+        s = s.reshape(-1, *s.shape[-2:]).expand(B, n, rd) if s.dim() >= 2 else s.expand(B, n, rd)
+        if not bool(valid.any()):
+            return
+        rv = r[valid].to(self.device)
+        cv = c.to(self.device)[valid.to(c.device)]
+        sv = s.to(self.device)[valid.to(s.device)] * self.sign[:rd]
+        self._grow(int(rv.max()) + 1)
+        old = self.filled[rv]
+        if bool(old.any()):
+            ro = rv[old]
+            same = torch.equal(self.cos[ro, :rd], cv[old]) and torch.equal(self.sin[ro, :rd], sv[old])
+            if not same:
+                raise RopeError(
+                    "pre-RoPE keys: the rotary embedding's cos/sin for a position differ from those captured for it "
+                    "earlier, so the model's positions are not the cache index plus a per-sequence offset (left "
+                    "padding outside kvcompile.apply's forward, or position_ids that jump), or its rotary embedding "
+                    "depends on the sequence length (dynamic NTK scaling). Use a policy without pre_rope here.")
+        self.cos[rv, :rd] = cv
+        self.sin[rv, :rd] = sv
+        if not (torch.equal(self.cos[rv, :rd], cv) and torch.equal(self.sin[rv, :rd], sv)):
+            raise RopeError("pre-RoPE keys: two sequences of one write give one rotary position different cos/sin "
+                            "(position_ids that are not the cache index plus a per-sequence offset). Use a policy "
+                            "without pre_rope here.")
+        self.filled[rv] = True
+
+
 # --------------------------------------------------------------------------- the block manager
 class KVStore:
     """One layer's paged store and its host-side block manager.
@@ -283,6 +427,12 @@ class KVStore:
         self.free = list(range(blocks - 1, -1, -1))  # a stack: the lowest ids are handed out first
         self.lengths = [0] * batch                   # host mirror of state.lengths
         self.tables: list[list[int]] = [[] for _ in range(batch)]  # host mirror of state.table
+        # pre-RoPE keys (policy.pre_rope): whether the keys written are pre-RoPE (None until the first write
+        # says), the cos/sin per rotary position (shared by a cache's layers), and each sequence's offset
+        self.rope_keys: bool | None = None
+        self.rope_table: RopeTable | None = None
+        self.rope_offset: list[int] = [0] * batch
+        self._rope_offset_t: Tensor | None = None
 
     # ---- sizes
     @property
@@ -429,6 +579,47 @@ class KVStore:
         (kernel or store_reference)(self.state, self.spec, k, v, n_new)
         self.lengths = [L + x for L, x in zip(self.lengths, ns)]
 
+    # ---- pre-RoPE keys
+    def set_rope_offsets(self, offsets: Sequence[int]) -> None:
+        """Each sequence's rotary position minus its cache index (``-pads`` for a left-padded row), kept through
+        ``select``, ``fork`` and ``crop``; 0 after ``reset``. Set before its first write."""
+        offsets = [int(x) for x in offsets]
+        if len(offsets) != self.batch:
+            raise ValueError(f"set_rope_offsets: {len(offsets)} offsets for a store of {self.batch} sequences")
+        if offsets != self.rope_offset:
+            self.rope_offset, self._rope_offset_t = offsets, None
+
+    def write_keys(self, pre_rope: bool) -> None:
+        """A write says whether its keys are pre-RoPE; every write into a store must say the same (a
+        pre_rope policy whose graph had no recognised rotary embedding stores post-RoPE keys throughout)."""
+        if self.rope_keys is None or not any(self.lengths):
+            self.rope_keys = pre_rope
+        elif self.rope_keys != pre_rope:
+            raise RopeError(f"this store holds {'pre' if self.rope_keys else 'post'}-RoPE keys, but a write brings "
+                            f"{'pre' if pre_rope else 'post'}-RoPE keys (one graph of the model had its rotary "
+                            f"embedding recognised by the pass, another not). Use a policy without pre_rope here.")
+
+    def capture_rope(self, cos: Tensor, sin: Tensor, form: str, n: int, n_new: Tensor | None = None) -> None:
+        """Record the cos/sin of the ``n``-token chunk about to be appended (before ``append``): token ``t`` of
+        sequence ``b`` is at rotary position ``lengths[b] + t + offset[b]``."""
+        if self.rope_table is None:
+            self.rope_table = RopeTable(self.device)
+        L = torch.tensor(self.lengths, dtype=torch.int64).view(-1, 1)
+        off = torch.tensor(self.rope_offset, dtype=torch.int64).view(-1, 1)
+        t = torch.arange(n, dtype=torch.int64).view(1, -1)
+        r = L + t + off
+        ns = torch.full((self.batch, 1), n) if n_new is None else n_new.cpu().long().view(-1, 1)
+        self.rope_table.capture(cos, sin, form, r, (r >= 0) & (t < ns), self.spec.head_dim)
+
+    def rope(self) -> Rope | None:
+        """The kernels' ``rope`` argument: None unless the store holds pre-RoPE keys."""
+        if not self.rope_keys or self.rope_table is None or self.rope_table.form is None:
+            return None
+        if self._rope_offset_t is None:
+            self._rope_offset_t = torch.tensor(self.rope_offset, dtype=torch.int32, device=self.device)
+        tb = self.rope_table
+        return Rope(tb.cos, tb.sin, tb.perm, self._rope_offset_t)
+
     def crop(self, length: int) -> None:
         """Every sequence keeps its first ``length`` tokens (sequences shorter than that are unchanged).
 
@@ -463,6 +654,8 @@ class KVStore:
                 self._release(blk)
         self.tables = tables
         self.lengths = [self.lengths[i] for i in ix]
+        self.rope_offset = [self.rope_offset[i] for i in ix]
+        self._rope_offset_t = None
         dev = idx.to(self.device)
         rows = [t.index_select(0, dev) for t in self.state[6:11]]
         table = torch.full((len(ix), self.state.table.shape[1]), -1, dtype=torch.int32, device=self.device)
@@ -477,6 +670,7 @@ class KVStore:
         out.state = KVState(*[t.to(out.device, copy=True) for t in self.state])
         out.refs, out.free, out.lengths = list(self.refs), list(self.free), list(self.lengths)
         out.tables = [list(t) for t in self.tables]
+        out.rope_offset, out._rope_offset_t = list(self.rope_offset), None
         return out
 
     def clear(self, rows: Sequence[int]) -> None:
@@ -488,6 +682,8 @@ class KVStore:
                 self._release(blk)
             self.tables[b] = []
             self.lengths[b] = 0
+            self.rope_offset[b] = 0
+        self._rope_offset_t = None
         if rows:
             self.state.lengths[rows] = 0
             self._sync_rows(rows)
@@ -501,6 +697,7 @@ class KVStore:
         for blk in self.tables[dst]:
             self.refs[blk] += 1
         self.lengths[dst] = self.lengths[src]
+        self.rope_offset[dst], self._rope_offset_t = self.rope_offset[src], None
         for t in self.state[6:11]:
             t[dst] = t[src]
         self._sync_rows([dst])
@@ -512,6 +709,8 @@ class KVStore:
                 self._release(blk)
         self.tables = [[] for _ in range(self.batch)]
         self.lengths = [0] * self.batch
+        self.rope_offset, self._rope_offset_t = [0] * self.batch, None
+        self.rope_keys = None
         self.state.lengths.zero_()
         self.state.table.fill_(-1)
 
@@ -562,9 +761,10 @@ def _rotate(x: Tensor) -> Tensor:
     return Q.saturate((x.double() @ _signs_cpu(D).to(x.device)) * (1 / math.sqrt(D)), x.dtype)
 
 
-def rotate(x: Tensor, spec: LayerSpec) -> Tensor:
-    """Keys and values into the store's space: ``x @ H`` (``_rotate``), in ``x``'s dtype."""
-    if not spec.policy.rotate:
+def rotate(x: Tensor, spec: LayerSpec, keys: bool = False) -> Tensor:
+    """Values (and keys: ``keys=True``) into the store's space: ``x @ H`` (``_rotate``), in ``x``'s dtype.
+    Keys only when the policy rotates them (``Policy.rotates_keys``: not when they are stored pre-RoPE)."""
+    if not (spec.policy.rotates_keys if keys else spec.policy.rotate):
         return x
     return _rotate(x)
 
@@ -600,7 +800,7 @@ def store_reference(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new
         raise ValueError(f"n_new={n_new.tolist()} must be within [0, {n}] for a chunk of {n} tokens")
     lengths_cpu = state.lengths.cpu()
     _state_capacity_check(state, spec, lengths_cpu, n_new)
-    k, v = rotate(k, spec), rotate(v, spec)
+    k, v = rotate(k, spec, keys=True), rotate(v, spec)
     for b in range(B):
         L, nb = int(lengths_cpu[b]), int(n_new[b])
         _append_row(state, spec, b, L, k[b, :, :nb], v[b, :, :nb])
@@ -756,7 +956,7 @@ def dequantize_reference(state: KVState, spec: LayerSpec, dtype=torch.float32, r
                 full[b, :, lo - start:hi - start] = deq[b, :, lo - S - j0:hi - S - j0]
             live = torch.arange(max(qb, S, start), max(qb, S, start, L), device=res.device)  # residual ring
             full[b, :, live - start] = Q.saturate(res[b, :, live % max(W, 1)], dtype)
-        if not rotated and spec.policy.rotate:
+        if not rotated and (spec.policy.rotates_keys if which == "k" else spec.policy.rotate):
             full = Q.saturate(full.double() @ hadamard(D, full.device, torch.float64), dtype)
         out.append(full)
     return out[0], out[1]
@@ -773,10 +973,11 @@ def chunk_needed(spec: LayerSpec, n: int) -> bool:
     return quantized and n > spec.policy.residual
 
 
-def as_stored(x: Tensor, spec: LayerSpec, dtype=torch.float32) -> Tensor:
-    """Keys or values exactly as the store keeps them in full precision (``rotate(x).to(model dtype)``), in
-    ``dtype``: what the sinks and the ring hold, and what attention reads for the queries' own chunk."""
-    return Q.saturate(rotate(x, spec), spec.torch_dtype).to(dtype)
+def as_stored(x: Tensor, spec: LayerSpec, dtype=torch.float32, keys: bool = False) -> Tensor:
+    """Keys (``keys=True``) or values exactly as the store keeps them in full precision (``rotate(x).to(model
+    dtype)``), in ``dtype``: what the sinks and the ring hold, and what attention reads for the queries' own
+    chunk."""
+    return Q.saturate(rotate(x, spec, keys), spec.torch_dtype).to(dtype)
 
 
 def stored_chunk(spec: LayerSpec, k_new: Tensor | None, v_new: Tensor | None, n: int,
@@ -785,7 +986,7 @@ def stored_chunk(spec: LayerSpec, k_new: Tensor | None, v_new: Tensor | None, n:
     positions can be in packed storage (``chunk_needed``: the kernel's store reads give the same values)."""
     if k_new is None or not chunk_needed(spec, n):
         return None
-    return as_stored(k_new, spec, dtype).contiguous(), as_stored(v_new, spec, dtype).contiguous()
+    return as_stored(k_new, spec, dtype, keys=True).contiguous(), as_stored(v_new, spec, dtype).contiguous()
 
 
 def check_chunk(q: Tensor, k_new: Tensor | None, v_new: Tensor | None, spec: LayerSpec) -> None:
@@ -812,8 +1013,8 @@ def with_chunk(k: Tensor, v: Tensor, state: KVState, spec: LayerSpec, k_new: Ten
     inside = (j >= 0) & (j < n)
     idx = j.clamp(0, n - 1).expand(B, H, P, D)
     out = []
-    for full, new in ((k, k_new), (v, v_new)):
-        out.append(torch.where(inside, as_stored(new, spec, full.dtype).gather(2, idx), full))
+    for full, new, keys in ((k, k_new, True), (v, v_new, False)):
+        out.append(torch.where(inside, as_stored(new, spec, full.dtype, keys).gather(2, idx), full))
     return out[0], out[1]
 
 
@@ -836,8 +1037,11 @@ def cover(mask: Tensor | None, state: KVState) -> Tensor | None:
 
 def attention_reference(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = None,
                         scale: float | None = None, compute_dtype=torch.float32,
-                        k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
+                        k_new: Tensor | None = None, v_new: Tensor | None = None, rope: Rope | None = None) -> Tensor:
     """Attention of ``q [B, Hq, n, D]`` over the store; returns ``[B, Hq, n, D]`` in q's dtype.
+
+    ``rope`` (``KVStore.rope``): the store holds pre-RoPE keys; each key (the chunk's too) is rotated by its
+    position after dequantization (``apply_rope``), before the scores.
 
     The ``n`` queries are the sequence's last ``n`` tokens (positions ``L-n .. L-1``, already stored).
     Key ``p`` is visible to query ``i`` when ``p < L`` and
@@ -876,8 +1080,10 @@ def attention_reference(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     k, v = dequantize_reference(state, spec, compute_dtype, rotated=True, end=C)
     if k_new is not None:
         k, v = with_chunk(k, v, state, spec, k_new, v_new)
+    if rope is not None:
+        k = apply_rope(k, rope, torch.arange(C, device=q.device))
     qr = q.to(compute_dtype)
-    if spec.policy.rotate:
+    if spec.policy.rotates_keys:
         qr = qr @ hadamard(D, q.device).to(compute_dtype)
     k = k.repeat_interleave(Hq // H, dim=1)
     v = v.repeat_interleave(Hq // H, dim=1)

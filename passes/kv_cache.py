@@ -53,6 +53,23 @@ class Write:
 
 
 @dataclass
+class RopeMatch:
+    """The rotary embedding applied to a layer's keys just before their cache write: ``key`` (the keys before
+    it, ``[B, H, n, D]``), the ``cos``/``sin`` it multiplies by, its form ("half": transformers'
+    ``rotate_half``) and how many leading channels it rotates (the rest pass through: partial rotary)."""
+
+    key: Node
+    cos: Node
+    sin: Node
+    form: str
+    rotary_dim: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.form}:{self.rotary_dim}"
+
+
+@dataclass
 class Site:
     """One layer: a cache written once for keys and once for values, then read by one SDPA."""
 
@@ -72,6 +89,8 @@ class Site:
     dtype: torch.dtype
     spec_name: str | None = None
     causal_prefix: bool = False  # no mask, is_causal=True over cache[:, :, :n], n queries (CAUSAL_PREFIX)
+    rope: RopeMatch | None = None  # the rotary embedding on the key write (match_rope), if recognised
+    rope_why: str = ""             # else why not
 
 
 @dataclass
@@ -268,6 +287,136 @@ def _looks_like_cache_write(n: Node) -> Node | None:
     return None
 
 
+# --------------------------------------------------------------------------- the rotary embedding on the keys
+_MUL = {operator.mul, torch.mul, "mul"}
+_ADD = {operator.add, torch.add, "add"}
+_NEG = {operator.neg, torch.neg, "neg"}
+_CAT = {torch.cat, "cat"}
+
+
+def _is(n, kinds) -> bool:
+    if not isinstance(n, Node):
+        return False
+    if n.op == "call_function":
+        return n.target in kinds
+    return n.op == "call_method" and n.target in kinds
+
+
+def _two(n: Node):
+    """The two operands of a binary op node (positional), or None."""
+    if len(n.args) == 2 and not n.kwargs:
+        return n.args
+    return None
+
+
+def _last_dim_slice(n, D):
+    """``x[..., a:b]`` (or ``x[:, :, :, a:b]``) of a 4-D ``x`` as ``(x, a, b)``, or None."""
+    if not (_is(n, {operator.getitem}) and isinstance(n.args[1], tuple)):
+        return None
+    x, idx = n.args
+    if not isinstance(x, Node):
+        return None
+    xv = _val(x)
+    if xv is None or xv.dim() != 4:
+        return None
+    if len(idx) == 2 and idx[0] is Ellipsis:
+        sl = idx[1]
+    elif len(idx) == 4 and all(_is_full(i) for i in idx[:3]):
+        sl = idx[3]
+    else:
+        return None
+    if not isinstance(sl, slice) or sl.step not in (None, 1):
+        return None
+    w = int(xv.shape[-1])
+    a = 0 if sl.start is None else sl.start
+    b = w if sl.stop is None else sl.stop
+    if not (isinstance(a, int) and isinstance(b, int)):
+        return None
+    return x, (a + w if a < 0 else a), min(b + w if b < 0 else b, w)
+
+
+def _rotate_half_of(n) -> Node | None:
+    """``x`` when ``n`` is transformers' ``rotate_half(x)``: ``cat((-x[..., h:], x[..., :h]), dim=-1)``."""
+    if not _is(n, _CAT):
+        return None
+    parts = _arg(n, 0, "tensors")
+    dim = _arg(n, 1, "dim", 0)
+    if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and dim in (-1, 3)):
+        return None
+    neg, x1 = parts
+    if not _is(neg, _NEG):
+        return None
+    s2, s1 = _last_dim_slice(neg.args[0], 0), _last_dim_slice(x1, 0)
+    if s2 is None or s1 is None or s2[0] is not s1[0]:
+        return None
+    x, w = s1[0], int(_val(s1[0]).shape[-1])
+    if w % 2 or (s1[1], s1[2]) != (0, w // 2) or (s2[1], s2[2]) != (w // 2, w):
+        return None
+    return x
+
+
+def _rope_full(n) -> tuple | None:
+    """``(x, cos, sin)`` when ``n`` is ``x * cos + rotate_half(x) * sin`` (operands in either order)."""
+    if not _is(n, _ADD) or _two(n) is None:
+        return None
+    for a, b in (_two(n), _two(n)[::-1]):
+        if not (_is(a, _MUL) and _is(b, _MUL) and _two(a) and _two(b)):
+            continue
+        for rh, sin in (_two(b), _two(b)[::-1]):
+            x = _rotate_half_of(rh)
+            if x is None:
+                continue
+            for xx, cos in (_two(a), _two(a)[::-1]):
+                if xx is x and isinstance(cos, Node) and isinstance(sin, Node):
+                    return x, cos, sin
+    return None
+
+
+def _broadcast_ok(t, key, rd: int) -> bool:
+    """cos/sin of shape ``[B or 1, 1, n, rd]``: one row per (sequence, token), shared by the heads."""
+    tv, kv = _val(t), _val(key)
+    if tv is None or kv is None or tv.dim() != 4:
+        return False
+    return (_same_size(tv.shape[0], kv.shape[0]) or tv.shape[0] == 1) and tv.shape[1] == 1 \
+        and _same_size(tv.shape[2], kv.shape[2]) and tv.shape[3] == rd
+
+
+def match_rope(src) -> tuple[RopeMatch | None, str]:
+    """The rotary embedding that computes the keys a layer writes, or ``(None, why not)``. Recognised (as
+    Dynamo traces them): transformers' ``apply_rotary_pos_emb``, ``k * cos + rotate_half(k) * sin``, over the
+    whole head, or over its first ``rotary_dim`` channels with the rest concatenated after (partial rotary:
+    ``cat((rope(k[..., :rd]), k[..., rd:]), dim=-1)``, GPT-NeoX, Phi)."""
+    sv = _val(src)
+    if not isinstance(src, Node) or sv is None or sv.dim() != 4:
+        return None, "the keys written are not a traced [B, H, n, D] tensor"
+    D = int(sv.shape[-1])
+    full = _rope_full(src)
+    if full is not None:
+        x, cos, sin = full
+        xv = _val(x)
+        if xv is not None and tuple(xv.shape) == tuple(sv.shape) and _broadcast_ok(cos, x, D) \
+                and _broadcast_ok(sin, x, D):
+            return RopeMatch(x, cos, sin, "half", D), ""
+        return None, "a rotate_half rotary embedding with cos/sin of a shape kvcompile does not read"
+    if _is(src, _CAT):
+        parts, dim = _arg(src, 0, "tensors"), _arg(src, 1, "dim", 0)
+        if isinstance(parts, (list, tuple)) and len(parts) == 2 and dim in (-1, 3):
+            rot, rest = parts
+            full, tail = _rope_full(rot), _last_dim_slice(rest, 0)
+            if full is not None and tail is not None:
+                x, cos, sin = full
+                head = _last_dim_slice(x, 0)
+                rd = tail[1]
+                if head is not None and head[0] is tail[0] and (head[1], head[2]) == (0, rd) and tail[2] == D \
+                        and _broadcast_ok(cos, x, rd) and _broadcast_ok(sin, x, rd) \
+                        and tuple(_val(head[0]).shape) == tuple(sv.shape):
+                    return RopeMatch(head[0], cos, sin, "half", rd), ""
+    what = f"{src.op} {_op_name(src)}" if isinstance(src, Node) else repr(src)
+    return None, (f"the keys written are computed by {what} ({getattr(src, 'name', src)}), not a rotary embedding "
+                  f"the pass recognises (k * cos + rotate_half(k) * sin, on the whole head or on its first "
+                  f"rotary_dim channels)")
+
+
 # --------------------------------------------------------------------------- matching
 class _Reject(Exception):
     """A check's verdict that a read cannot be rewritten: the reason, and the ops that stood in the way."""
@@ -381,8 +530,9 @@ def _match_read(gm: GraphModule, read: Node, order: dict, left=None) -> Site | S
         repeat = _check_gqa(qv.shape[1], shape[1], bool(a.get("enable_gqa", False)), k_rep)
     except _Reject as r:
         return Skipped(layer, read.name, r.reason, r.uses)
+    rope, rope_why = match_rope(wk.src)
     return Site(layer, read, kc, vc, wk, wv, a["query"], a.get("attn_mask"), _scale(a, qv), qv.shape[1] // shape[1],
-                repeat, k_len, shape, kval.dtype, causal_prefix=causal_prefix)
+                repeat, k_len, shape, kval.dtype, causal_prefix=causal_prefix, rope=rope, rope_why=rope_why)
 
 
 def _same_size(a, b) -> bool:
@@ -467,18 +617,37 @@ def replace_allocation(gm: GraphModule, cache: Node) -> Node:
     return new
 
 
+def pre_rope(site: Site):
+    """The rotary embedding whose input the layer's store keeps (its policy asks for pre-RoPE keys and the pass
+    recognised it), or None: the keys written are stored."""
+    from kvcompile.store import LayerSpec
+    if site.rope is None or not LayerSpec.from_name(site.spec_name).policy.pre_rope:
+        return None
+    return site.rope
+
+
+def stored_keys(site: Site) -> Node:
+    """The keys the store receives and attention reads as the chunk: pre-RoPE ones when ``pre_rope``."""
+    rope = pre_rope(site)
+    return rope.key if rope is not None else site.k_write.src
+
+
 def replace_writes(gm: GraphModule, site: Site) -> Node:
-    """The two cache writes -> one ``kvcompile.store(k_cache, v_cache, k, v, pos, spec)``, whose token the
-    read takes."""
+    """The two cache writes -> one ``kvcompile.store(k_cache, v_cache, k, v, pos, spec[, cos, sin, rope])``,
+    whose token the read takes (with pre-RoPE keys: the keys before their rotary embedding, and its cos/sin)."""
     g = gm.graph
     order = _order(gm)
     later = max(site.k_write.node, site.v_write.node, key=order.__getitem__)
+    rope = pre_rope(site)
     with g.inserting_before(later):
         pos = site.k_write.pos
         if isinstance(pos, tuple):
             pos = g.call_function(_slice_positions, (pos[1], pos[2], site.k_write.src))
-        store = g.call_function(torch.ops.kvcompile.store.default,
-                                (site.k_cache, site.v_cache, site.k_write.src, site.v_write.src, pos, site.spec_name))
+        args = (site.k_cache, site.v_cache, stored_keys(site), site.v_write.src, pos, site.spec_name)
+        if rope is not None:
+            args += (rope.cos, rope.sin, rope.name)
+            counters["pre_rope_keys"] += 1
+        store = g.call_function(torch.ops.kvcompile.store.default, args)
     _copy_meta(store, later)
     for w, cache in ((site.k_write, site.k_cache), (site.v_write, site.v_cache)):
         w.node.replace_all_uses_with(cache)  # index_copy_ returns the cache itself
@@ -527,7 +696,7 @@ def replace_read(gm: GraphModule, site: Site, token: Node) -> Node:
         q = g.call_method("contiguous", (site.query,))
         att = g.call_function(torch.ops.kvcompile.attention.default,
                               (q, site.k_cache, site.v_cache, token, mask, site.scale, site.spec_name,
-                               site.k_write.src, site.v_write.src))
+                               stored_keys(site), site.v_write.src))
         counters["attention_op"] += 1
     _copy_meta(att, site.read)
     if "example_value" in site.read.meta:

@@ -487,7 +487,7 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     q64 = q.float().double()
     Hm = hadamard(D, q.device).double()
     # the query in the store's space exactly as the reference (and the launcher) compute it, in fp32
-    qr = (q.float() @ hadamard(D, q.device)).double() if spec.policy.rotate else q64
+    qr = (q.float() @ hadamard(D, q.device)).double() if spec.policy.rotates_keys else q64
     sc = (qr @ k.transpose(-1, -2)) * scale
     pos = torch.arange(C, device=q.device)
     L = state.lengths.to(q.device).long().view(B, 1, 1, 1)

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcompile import quant as Q
-from kvcompile.store import KVState, LayerSpec, chunk_needed, dequantize_reference, hadamard, stored_chunk, with_chunk
+from kvcompile.store import (KVState, LayerSpec, Rope, apply_rope, chunk_needed, dequantize_reference, hadamard,
+                             stored_chunk, with_chunk)
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 ROWS_MAX = 16  # query rows per kv head the decode kernel takes (passed to it as -DROWS_MAX)
@@ -253,7 +254,7 @@ def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
     lib = compile_template(source, key + (("ROWS_MAX", ROWS_MAX), ("TILE", TILE)))
     fn = lib.kvc_attention
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    fn.argtypes = [P] * 12 + [P, I, I] + [P, I, I, I, I, P, I, I, F, I, I, P, P]
+    fn.argtypes = [P] * 12 + [P, I, I] + [P, I, I, I, I, P, I, I, F, I, I, P, P] + [P, P, I, P, P]
     fn.restype = I
     if hasattr(lib, "kvc_fp8_decode"):  # the decode the kernel uses (tests); older copies lack it
         lib.kvc_fp8_decode.argtypes = [P, P, I, I]
@@ -428,7 +429,7 @@ def check_decode(q: Tensor, spec: LayerSpec) -> str | None:
 
 def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float | None,
               nsplit: int | None = None, k_new: Tensor | None = None, v_new: Tensor | None = None,
-              source: Path = SOURCE) -> Tensor:
+              source: Path = SOURCE, rope: Rope | None = None) -> Tensor:
     """Same contract as ``kvcompile.store.attention_reference``, for at most ``ROWS_MAX`` query rows per kv head.
 
     nsplit: pieces each (sequence, kv head)'s positions are cut into (default: ``splits``; tests vary it).
@@ -440,7 +441,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     G = Hq // spec.heads
     lib = _kernel_for(spec, G, source)
     qf = q.float()
-    if spec.policy.rotate:
+    if spec.policy.rotates_keys:
         qf = qf @ hadamard(D, q.device)
     qf = qf.contiguous()
     for t in state:
@@ -478,7 +479,8 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
         None if m is None else m.data_ptr(), msb, msh, msi, mw,
         out.data_ptr(), B, n, float(scale if scale is not None else D ** -0.5),
         nsplit or splits(state.lengths, spec.heads, threads), threads,
-        None if kn is None else kn.data_ptr(), None if vn is None else vn.data_ptr())
+        None if kn is None else kn.data_ptr(), None if vn is None else vn.data_ptr(),
+        *_rope_args(rope, B, D))
     if bad:
         b = bad - 1
         raise ValueError(f"the block table of sequence {b} ({int(state.lengths[b])} tokens) does not name a block of "
@@ -487,6 +489,21 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     if pol.rotate:
         out = out @ hadamard(D, q.device)
     return Q.saturate(torch.where(torch.isfinite(out), out, float("nan")), q.dtype)  # as the reference
+
+
+def _rope_args(rope: Rope | None, B: int, D: int) -> tuple:
+    """The C kernel's pre-RoPE arguments (``kvc_attention``): cos, sin [T, D] fp32, T, perm [D] and offsets [B]
+    int32, or NULLs."""
+    if rope is None:
+        return None, None, 0, None, None
+    cos, sin = rope.cos.float().contiguous(), rope.sin.float().contiguous()
+    perm, off = rope.perm.to(torch.int32).contiguous(), rope.offset.to(torch.int32).contiguous()
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or perm.shape != (D,) or off.shape != (B,):
+        raise ValueError(f"rope tables must be cos, sin [T, {D}], perm [{D}] and offsets [{B}]; got "
+                         f"{list(cos.shape)}, {list(sin.shape)}, {list(perm.shape)}, {list(off.shape)}")
+    if cos.shape[0] == 0 or int(perm.min()) < 0 or int(perm.max()) >= D:
+        raise ValueError("rope tables: an empty table, or a partner channel outside the head")
+    return cos.data_ptr(), sin.data_ptr(), cos.shape[0], perm.data_ptr(), off.data_ptr()
 
 
 def _is_causal(mask: Tensor, n: int, L: int) -> bool:
@@ -509,7 +526,8 @@ def _is_causal(mask: Tensor, n: int, L: int) -> bool:
 
 
 def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None,
-                      scale: float | None, k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
+                      scale: float | None, k_new: Tensor | None = None, v_new: Tensor | None = None,
+                      rope: Rope | None = None) -> Tensor:
     """Same contract as ``attention_reference``, for many query rows (prefill and chunked prefill).
 
     The reference scores ``positions(state, mask)`` positions (the mask's width, or the longest length);
@@ -526,13 +544,15 @@ def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor |
     lengths = state.lengths.to(torch.int64)
     Lmax = int(lengths.max()) if B else 0
     qf = q.float()
-    if spec.policy.rotate:
+    if spec.policy.rotates_keys:
         qf = qf @ hadamard(D, q.device)
     if Lmax == 0:
         return torch.zeros_like(q)
     k, v = dequantize_reference(state, spec, torch.float32, rotated=True, start=0, end=Lmax)
     if k_new is not None and chunk_needed(spec, n):  # the chunk's own positions in full precision
         k, v = with_chunk(k, v, state, spec, k_new, v_new)
+    if rope is not None:  # pre-RoPE keys: rotated by their positions (this layer, transiently, as the values)
+        k = apply_rope(k, rope, torch.arange(Lmax, device=q.device))
     sm = scale if scale is not None else D ** -0.5
     pos = torch.arange(Lmax, device=q.device).view(1, 1, 1, Lmax)
     Lb = lengths.view(B, 1, 1, 1)

@@ -409,6 +409,20 @@ static inline __attribute__((always_inline)) void prefetch_tile(
         for (int64_t o = 0; o < len; o += 64) __builtin_prefetch((const char *)zero + off + o, 0, 3);
 }
 
+/* Pre-RoPE keys (kvcompile.store.apply_rope): rows of kt, channel d at index ia[d], rotated by their positions'
+ * cos/sin into natural order: out[d] = k[ia[d]] * cos[r][d] + k[ib[d]] * sin[r][d] (ib: d's partner), with
+ * r = p + off clamped to [0, T): two roundings and a rounded sum (no fma: -ffp-contract=off), as torch. */
+static inline void rope_tile(const float *kt, const int *ia, const int *ib, float *out, int nt, int64_t p0,
+                             int64_t off, const float *cs, const float *sn, int64_t T) {
+    for (int t = 0; t < nt; t++) {
+        int64_t r = p0 + t + off;
+        r = r < 0 ? 0 : (r > T - 1 ? T - 1 : r);
+        const float *c = cs + r * D, *s = sn + r * D, *k = kt + t * D;
+        float *o = out + t * D;
+        for (int d = 0; d < D; d++) o[d] = k[ia[d]] * c[d] + k[ib[d]] * s[d];
+    }
+}
+
 typedef struct {
     float m[ROWS_MAX], l[ROWS_MAX];
     float acc_plane[ROWS_MAX][D]; /* packed tiles, values' plane order */
@@ -539,7 +553,9 @@ int64_t kvc_attention(
         int64_t mask_sb, int64_t mask_sh, int64_t mask_si, int64_t mask_w,
         float *out,                  /* [B, H*G, n, D] fp32 */
         int64_t B, int64_t n, float sm_scale, int64_t ns, int64_t nthreads,
-        const float *k_new, const float *v_new) { /* [B, H, n, D] fp32 as stored (rotated, model dtype), or NULL */
+        const float *k_new, const float *v_new, /* [B, H, n, D] fp32 as stored (rotated, model dtype), or NULL */
+        const float *rope_cos, const float *rope_sin, int64_t rope_T, /* pre-RoPE keys: [T, D] each, or NULL */
+        const int32_t *rope_perm, const int32_t *rope_off) {            /* [D] partner channels, [B] offsets */
     /* ns: splits of each (sequence, kv head)'s positions, merged at the end (templates/cpu.py chooses) */
     const int64_t GN = G * n;
     const int64_t ntask = B * H * ns;
@@ -574,6 +590,17 @@ int64_t kvc_attention(
             memset(P->acc_nat[r], 0, sizeof(float) * D);
         }
         float kt[TILE * D] __attribute__((aligned(64))), vt[TILE * D] __attribute__((aligned(64)));
+        float kr[TILE * D] __attribute__((aligned(64))); /* pre-RoPE keys rotated, natural order */
+        int ia_nat[D], ib_nat[D], ia_pk[D], ib_pk[D];    /* where channel d and its partner sit in kt */
+        const int64_t roff = rope_cos ? rope_off[b] : 0;
+        if (rope_cos)
+            for (int d = 0; d < D; d++) {
+                const int e = rope_perm[d];
+                ia_nat[d] = d;
+                ib_nat[d] = e;
+                ia_pk[d] = K_FMT == 0 ? d : (d % K_PER) * (D / K_PER) + d / K_PER;
+                ib_pk[d] = K_FMT == 0 ? e : (e % K_PER) * (D / K_PER) + e / K_PER;
+            }
         int64_t rows[TILE];
         const int64_t bh = b * H + h;
         for (int64_t tile = tile0; tile < tile1; tile++) {
@@ -585,8 +612,9 @@ int64_t kvc_attention(
                 for (int t = 0; t < nt; t++) rows[t] = bh * S + p0 + t;
                 gather_model(k_sink, rows, nt, kt);
                 gather_model(v_sink, rows, nt, vt);
-                attend_tile(P, q_nat, &P->acc_nat[0][0], &P->acc_plane[0][0], kt, vt, nt, p0, GN, n, L, b, h, sm_scale,
-                            mask, mask_sb, mask_sh, mask_si, mask_w);
+                if (rope_cos) rope_tile(kt, ia_nat, ib_nat, kr, nt, p0, roff, rope_cos, rope_sin, rope_T);
+                attend_tile(P, q_nat, &P->acc_nat[0][0], &P->acc_plane[0][0], rope_cos ? kr : kt, vt, nt, p0, GN, n, L,
+                            b, h, sm_scale, mask, mask_sb, mask_sh, mask_si, mask_w);
             } else if (tile < t_sink + t_pack) {
                 p0 = S + (tile - t_sink) * PT;
                 nt = p_end - p0 < PT ? p_end - p0 : PT;
@@ -623,16 +651,19 @@ int64_t kvc_attention(
                             vt[t * D + idx] = vx[plane_channel(idx, V_PER)];
                         }
                     }
-                attend_tile(P, K_FMT == 0 ? q_nat : q_plane, &P->acc_plane[0][0], &P->acc_nat[0][0], kt, vt, nt,
-                            p0, GN, n, L, b, h, sm_scale, mask, mask_sb, mask_sh, mask_si, mask_w);
+                if (rope_cos) rope_tile(kt, ia_pk, ib_pk, kr, nt, p0, roff, rope_cos, rope_sin, rope_T);
+                attend_tile(P, K_FMT == 0 || rope_cos ? q_nat : q_plane, &P->acc_plane[0][0], &P->acc_nat[0][0],
+                            rope_cos ? kr : kt, vt, nt, p0, GN, n, L, b, h, sm_scale, mask, mask_sb, mask_sh, mask_si,
+                            mask_w);
             } else {
                 p0 = r_beg + (tile - t_sink - t_pack) * TILE;
                 nt = L - p0 < TILE ? L - p0 : TILE;
                 for (int t = 0; t < nt; t++) rows[t] = bh * W + (p0 + t) % W;
                 gather_model(k_res, rows, nt, kt);
                 gather_model(v_res, rows, nt, vt);
-                attend_tile(P, q_nat, &P->acc_nat[0][0], &P->acc_plane[0][0], kt, vt, nt, p0, GN, n, L, b, h, sm_scale,
-                            mask, mask_sb, mask_sh, mask_si, mask_w);
+                if (rope_cos) rope_tile(kt, ia_nat, ib_nat, kr, nt, p0, roff, rope_cos, rope_sin, rope_T);
+                attend_tile(P, q_nat, &P->acc_nat[0][0], &P->acc_plane[0][0], rope_cos ? kr : kt, vt, nt, p0, GN, n, L,
+                            b, h, sm_scale, mask, mask_sb, mask_sh, mask_si, mask_w);
             }
         }
     }

@@ -71,7 +71,7 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
         raise ValueError("the CPU store kernel takes CPU tensors")
     fn = build(spec)
     if spec.policy.rotate:
-        k, v = rotate(k, spec), rotate(v, spec)
+        k, v = rotate(k, spec, keys=True), rotate(v, spec)
     dt = spec.torch_dtype
     if k.dtype != dt:
         k = Q.saturate(k, dt)  # as store_reference: a finite value beyond the model dtype clamps, never inf

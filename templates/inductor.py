@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from kvcompile import quant as Q
-from kvcompile.store import KVState, LayerSpec, hadamard, stored_chunk
+from kvcompile.store import KVState, LayerSpec, Rope, apply_rope, hadamard, stored_chunk
 
 
 def _planes(codes: Tensor, bits: int, D: int) -> list[Tensor]:
@@ -84,8 +84,10 @@ UNROLL_ROWS = 16  # up to this many query rows per KV head, one fused reduction 
 
 
 def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float | None,
-              k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
+              k_new: Tensor | None = None, v_new: Tensor | None = None, rope: Rope | None = None) -> Tensor:
     """Same contract as ``kvcompile.store.attention_reference`` (q: [B, Hq, n, D] -> [B, Hq, n, D]).
+
+    ``rope``: pre-RoPE keys, rotated by their positions (``apply_rope``) as each region's keys are read.
 
     Scores are computed per region (sink, packed, residual ring, and the queries' own chunk where it is
     already packed), each with the absolute position of its entries, then one softmax runs over all of them;
@@ -100,7 +102,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     L = state.lengths.to(torch.int64).view(B, 1)
     qb = S + torch.div(torch.clamp(L - S - pol.residual, min=0), spec.flush, rounding_mode="floor") * spec.flush
     qf = q.float()
-    if pol.rotate:
+    if pol.rotates_keys:
         qf = qf @ hadamard(D, dev)
     qg = qf.reshape(B, H, G * n, D)
     sc_scale = scale if scale is not None else 1.0 / math.sqrt(D)
@@ -134,6 +136,9 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     scores, values, row_nan = [], [], []
     for k, v, p, valid in regions:
         kp, per = k
+        if rope is not None:  # natural order (re-interleave the planes: channel j*per + i), rotated per position
+            kn = kp[0] if per == 1 else torch.stack(kp, dim=-1).flatten(-2)
+            kp, per = [apply_rope(kn, rope, p)], 1
         # mul + sum per plane (not a matmul) so the unpacking, dequantizing loads fuse into the reduction
         # One reduction per query row sharing a KV head (G*n of them), each a mul + sum over the planes: the
         # same loop nest computes them all, so each packed key is unpacked and dequantized once, not G times.

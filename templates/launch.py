@@ -35,6 +35,10 @@ UNRESERVED = ("kvcompile KV cache overflow: an append writes packed tokens into 
 
 def check_supported(spec: LayerSpec) -> None:
     """Raise for a layout the Triton kernels do not implement (never fall back silently)."""
+    if spec.policy.pre_rope:
+        raise NotImplementedError(
+            f"kvcompile's Triton kernels do not read pre-RoPE keys yet (policy {spec.policy.key_str()}, pre_rope=True): "
+            f"use a policy without pre_rope on the GPU, or the CPU kernels")
     if spec.head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(
             f"kvcompile's Triton kernels hold one head in registers and support head_dim <= {MAX_HEAD_DIM}; "
@@ -77,7 +81,7 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
     if n == 0:
         return
     dt = spec.torch_dtype
-    k = Q.saturate(rotate(k, spec), dt).contiguous()  # as store_reference: finite values clamp, never inf
+    k = Q.saturate(rotate(k, spec, keys=True), dt).contiguous()  # as store_reference: finite values clamp, never inf
     v = Q.saturate(rotate(v, spec), dt).contiguous()
     err = _store.launch_store(state, spec, k, v, n_new)
     if not host:  # no host sync on CUDA: an unreserved block is not written, and the device raises
@@ -117,7 +121,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     check_chunk(q, k_new, v_new, spec)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     qr = q.float()
-    if spec.policy.rotate:  # as the reference: the query rotated in fp32, the output un-rotated in fp32
+    if spec.policy.rotates_keys:  # as the reference: the query rotated in fp32, the output un-rotated in fp32
         qr = qr @ hadamard(D, q.device)
     chunk = stored_chunk(spec, k_new, v_new, n)
     out = _attention.launch_attention(qr, state, spec, mask, scale, dot_precision(q.device), tiles, chunk)

@@ -291,7 +291,7 @@ _BAD_LEAF = {"key": {"format": "int5"}, "value": {"format": "none"}}
     ("[1, 2]", r"found a list \[1, 2\], expected a JSON object written by Policy.save"),
     (_file(kvcompile_policy=_DEL), "'kvcompile_policy' .the file format version. is no such field, expected 1"),
     (_file(kvcompile_policy=2), "is 2, expected 1; upgrade kvcompile"),
-    (_file(residal=128), "unknown field 'residal'; expected only 'key', 'value', 'residual', 'sink', 'rotate'"),
+    (_file(residal=128), "unknown field 'residal'; expected only 'key', 'value', 'residual', 'sink', 'rotate', 'pre_rope'"),
     (_file(residual=1.5), "Policy.residual=1.5 is not valid"),
     (_file(rotate="yes"), "Policy.rotate='yes'"),
     (_file(key={"axis": "channel"}), r"bad\.json', at key: no 'format' field"),
