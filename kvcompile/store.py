@@ -369,6 +369,7 @@ class RopeTable:
         values (else ``RopeError``: the positions are not what the store assumes, or the embedding changed)."""
         rd = cos.shape[-1] * (2 if form == "pairs" else 1)
         self._setup(form, rd, D)
+        self._grow(1)  # never empty (a write of pads only captures nothing; their keys are never visible)
         B, n = r.shape
         c, s = cos.float(), sin.float()
         if form == "pairs":

@@ -1,0 +1,260 @@
+"""Pre-RoPE key storage (``Policy.pre_rope``): the policy field, the rotary formula the store applies, the
+kernels against the reference, and the compiled model against the unmodified one."""
+import copy
+import dataclasses
+import json
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvcompile
+from kvcompile import Policy, Quant
+from kvcompile.policy import PolicyError
+from kvcompile.store import (KVStore, LayerSpec, RopeError, RopeTable, apply_rope, attention_reference,
+                             dequantize_reference)
+from kvcompile.templates import cpu, inductor
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "passes"))
+sys.path.insert(0, os.path.dirname(__file__))
+import zoo  # noqa: E402
+from nonfinite_checks import assert_close  # noqa: E402
+
+TOL = 2e-6  # the Inductor and C kernels' tolerance against the reference (tests/templates)
+
+
+# --------------------------------------------------------------------------- the policy field
+def test_policy_field_is_validated_named_and_saved(tmp_path):
+    with pytest.raises(PolicyError, match="pre_rope"):
+        Policy(pre_rope="yes")
+    p = Policy.kivi(2, sink=4, rotate=True, pre_rope=True)
+    assert p.key_str().endswith(";pre=1") and ";pre" not in Policy.kivi(2).key_str()
+    assert LayerSpec(p, 2, 64).name != LayerSpec(Policy.kivi(2, sink=4, rotate=True), 2, 64).name
+    assert Policy.load(p.save(tmp_path / "p.json")) == p
+    assert "pre_rope" not in Policy.kivi(2).to_dict()  # files without it read as before
+    assert p.rotates_keys is False and p.rotate is True
+    d = json.loads((tmp_path / "p.json").read_text())
+    d["pre_rope"] = 1
+    with pytest.raises(PolicyError, match="pre_rope"):
+        Policy.from_dict(d)
+
+
+# --------------------------------------------------------------------------- the formula
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _cos_sin(positions, rd, base=10000.0):
+    inv = 1.0 / (base ** (torch.arange(0, rd, 2).float() / rd))
+    f = positions.float()[..., None] * inv
+    emb = torch.cat([f, f], -1)
+    return emb.cos(), emb.sin()
+
+
+@given(D=st.sampled_from([8, 16, 64]), frac=st.sampled_from([1.0, 0.5, 0.25]), n=st.integers(1, 9),
+       pads=st.lists(st.integers(0, 5), min_size=1, max_size=3), seed=st.integers(0, 2 ** 16))
+def test_apply_rope_is_the_models_formula_bit_for_bit(D, frac, n, pads, seed):
+    """Captured cos/sin rotate stored keys exactly as transformers' apply_rotary_pos_emb (whole head or partial
+    rotary), at rotary positions index - pads (left padding)."""
+    rd = max(2, int(D * frac)) // 2 * 2
+    B = len(pads)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, 2, n, D, generator=g)
+    r = torch.arange(n).view(1, n) - torch.tensor(pads).view(B, 1)
+    cos, sin = _cos_sin(r.clamp(min=0), rd)
+    cos, sin = cos[:, None], sin[:, None]
+    kr = k[..., :rd] * cos + _rotate_half(k[..., :rd]) * sin
+    want = torch.cat([kr, k[..., rd:]], -1)
+    spec = LayerSpec(Policy(pre_rope=True), 2, D)
+    store = KVStore(spec, B)
+    store.set_rope_offsets([-p for p in pads])
+    store.write_keys(True)
+    store.capture_rope(cos, sin, "half", n)
+    got = apply_rope(k, store.rope(), torch.arange(n))
+    real = r >= 0  # pads are never visible: their rotation is only required to be finite
+    assert torch.equal(got[real.view(B, 1, n, 1).expand_as(got)], want[real.view(B, 1, n, 1).expand_as(want)])
+    assert torch.isfinite(got).all()
+
+
+def test_a_position_seen_with_other_cos_sin_is_an_error():
+    t = RopeTable()
+    cos, sin = _cos_sin(torch.arange(4), 8)
+    t.capture(cos[None, None], sin[None, None], "half", torch.arange(4).view(1, 4), torch.ones(1, 4, dtype=bool), 8)
+    with pytest.raises(RopeError, match="differ"):
+        t.capture(cos[None, None] * 2, sin[None, None], "half", torch.arange(4).view(1, 4),
+                  torch.ones(1, 4, dtype=bool), 8)
+
+
+# --------------------------------------------------------------------------- kernels against the reference
+POLICIES = [Policy.kivi(2, group=16, residual=8, sink=2, pre_rope=True),
+            Policy.kivi(4, group=16, residual=4, rotate=True, pre_rope=True),
+            Policy(Quant("int3", "channel", 16), Quant("int8", "token"), residual=3, pre_rope=True),
+            Policy.fp8(residual=5, sink=1, pre_rope=True),
+            Policy(pre_rope=True)]
+
+
+def _pre_rope_store(policy, H=2, D=64, offsets=(0, -3), chunks=(37, 1, 20, 1), rd=None, seed=0):
+    """A store filled in ``chunks`` with keys (channel 3 an outlier) whose rotary cos/sin were captured at
+    positions index + offset; yields (store, k_new, v_new) after each chunk."""
+    g = torch.Generator().manual_seed(seed)
+    spec = LayerSpec(policy, H, D, block_tokens=max(16, policy.flush))
+    spec.register()
+    B = len(offsets)
+    store = KVStore(spec, B)
+    store.set_rope_offsets(list(offsets))
+    rd = rd or D
+    for n in chunks:
+        k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
+        k[..., 3] *= 8
+        r = torch.tensor(store.lengths).view(B, 1) + torch.arange(n) + torch.tensor(offsets).view(B, 1)
+        cos, sin = _cos_sin(r.clamp(min=0), rd)
+        store.write_keys(True)
+        store.capture_rope(cos[:, None], sin[:, None], "half", n)
+        store.append(k, v)
+        yield store, k, v
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.key_str())
+def test_cpu_and_inductor_kernels_equal_the_reference_on_pre_rope_keys(policy):
+    g = torch.Generator().manual_seed(1)
+    for store, k, v in _pre_rope_store(policy, rd=48 if policy.sink else None):
+        spec, rope = store.spec, store.rope()
+        assert rope is not None
+        B, H, n, D = k.shape
+        for G in (1, 3):
+            q = torch.randn(B, H * G, n, D, generator=g)
+            want = attention_reference(q, store.state, spec, None, None, k_new=k, v_new=v, rope=rope).double()
+            fam = cpu.attention if cpu.check_decode(q, spec) is None else cpu.prefill_attention
+            assert_close(fam(q, store.state, spec, None, None, k_new=k, v_new=v, rope=rope), want, TOL, spec.name)
+            assert_close(inductor.attention(q, store.state, spec, None, None, k_new=k, v_new=v, rope=rope), want, TOL,
+                         spec.name)
+        # the rotation matters: without it the reference differs
+        assert not torch.allclose(attention_reference(q, store.state, spec, None, None, k_new=k, v_new=v),
+                                  want.float(), atol=1e-3)
+
+
+def test_decode_kernel_splits_and_masks_on_pre_rope_keys():
+    policy = POLICIES[0]
+    *_, (store, k, v) = _pre_rope_store(policy, chunks=(70, 1))
+    spec, rope = store.spec, store.rope()
+    B, H, n, D = k.shape
+    q = torch.randn(B, 2 * H, n, D)
+    mask = torch.rand(B, 1, n, 75) > 0.3
+    want = attention_reference(q, store.state, spec, mask, 0.2, k_new=k, v_new=v, rope=rope).double()
+    for nsplit in (1, 3, 7):
+        assert_close(cpu.attention(q, store.state, spec, mask, 0.2, nsplit=nsplit, k_new=k, v_new=v, rope=rope),
+                     want, TOL, spec.name)
+
+
+def test_triton_refuses_pre_rope_layouts():
+    from kvcompile.templates import launch
+    with pytest.raises(NotImplementedError, match="pre-RoPE"):
+        launch.check_supported(LayerSpec(Policy.kivi(2, pre_rope=True), 2, 64))
+
+
+# --------------------------------------------------------------------------- the compiled model
+def tiny(layers=2, seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                      attn_implementation="sdpa", **kw)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _gen(model, ids, mask, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def applied_full():
+    ref = tiny()
+    m = copy.deepcopy(ref)
+    kvcompile.apply(m, Policy(pre_rope=True), compiler="eager")
+    return ref, m
+
+
+def test_full_precision_pre_rope_equals_the_unmodified_model_left_padded(applied_full):
+    ref, m = applied_full
+    ids = torch.randint(1, 64, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, :1] = 0
+    a, b = _gen(m, ids, mask, max_new_tokens=8), _gen(ref, ids, mask, max_new_tokens=8)
+    assert a.sequences.tolist() == b.sequences.tolist()
+    for x, y in zip(a.logits, b.logits):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    assert "keys pre-RoPE (half:16)" in str(kvcompile.explain(m))
+
+
+def test_full_precision_pre_rope_beam_search_and_crop(applied_full):
+    ref, m = applied_full
+    ids = torch.randint(1, 64, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    a = _gen(m, ids, mask, max_new_tokens=5, num_beams=3, num_return_sequences=2)
+    b = _gen(ref, ids, mask, max_new_tokens=5, num_beams=3, num_return_sequences=2)
+    assert a.sequences.tolist() == b.sequences.tolist()
+    # crop (speculative decoding's rewind): decode, drop two tokens, decode them again
+    seq = torch.randint(1, 64, (1, 12))
+    with torch.no_grad():
+        want = ref(seq).logits
+        out = m(seq[:, :8], use_cache=True)
+        cache = out.past_key_values
+        m(seq[:, 8:10], past_key_values=cache, use_cache=True)
+        cache.crop(8)
+        got = m(seq[:, 8:12], past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(got, want[:, 8:12], rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_pre_rope_compiled_equals_the_reference_kernels():
+    """The compiled model on the C kernels against the same model on the reference kernels (both pre-RoPE), and
+    both away from post-RoPE storage (the keys are stored otherwise)."""
+    pol = Policy.kivi(2, group=16, residual=4, sink=1, pre_rope=True)
+    ids = torch.randint(1, 64, (2, 40))
+    outs = {}
+    for kern, p in (("cpu", pol), ("reference", pol), ("cpu", Policy.kivi(2, group=16, residual=4, sink=1))):
+        m = tiny()
+        kvcompile.apply(m, p, compiler="eager")
+        kvcompile.ops.set_kernels(kern)
+        try:
+            with torch.no_grad():
+                cache = m(ids[:, :30], use_cache=True).past_key_values
+                outs[(kern, p.pre_rope)] = torch.cat([m(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
+                                                      for t in range(30, 40)], 1)
+        finally:
+            kvcompile.ops.set_kernels("auto")
+    torch.testing.assert_close(outs[("cpu", True)], outs[("reference", True)], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(outs[("cpu", True)], outs[("cpu", False)], atol=1e-4)
+
+
+def test_a_rotary_form_the_pass_does_not_know_keeps_post_rope_keys_and_explain_says_so():
+    """The zoo's decoder has no rotary embedding: a pre_rope policy stores the keys written, exactly the
+    post-RoPE store's results (no Hadamard on keys either way here), and explain names the layers."""
+    torch.manual_seed(0)
+    model = zoo.Decoder("index_copy_", "repeat_kv", "bool", layers=2, dim=32, heads=4, kv_heads=2).eval()
+    post = Policy(Quant("int4", "channel", 4), Quant("int4", "token"), residual=2)
+    pol = dataclasses.replace(post, pre_rope=True)
+    ref = zoo.reference(model, post)
+    tokens = torch.randint(0, 64, (1, 10))
+    compiled = kvcompile.apply(copy.deepcopy(model), pol, compiler="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(zoo.run(compiled, tokens, 5), zoo.run(ref, tokens, 5))
+    ex = kvcompile.explain(copy.deepcopy(model), tokens[:, :5], torch.arange(5), policy=pol)
+    assert len([n for n in ex.notes if "keys stored post-RoPE" in n]) == 2, str(ex)
+
+
+def test_paths_that_cannot_store_pre_rope_keys_refuse():
+    from kvcompile.hf import KVCompileCache
+    m = tiny()
+    cache = KVCompileCache(m.config, Policy(pre_rope=True))
+    with pytest.raises(RopeError, match="only the compiled model"):
+        m(torch.randint(1, 64, (1, 4)), past_key_values=cache, use_cache=True)
+    dyn = tiny(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(PolicyError, match="dynamic"):
+        kvcompile.apply(dyn, Policy(pre_rope=True), compiler="eager")
