@@ -79,6 +79,11 @@ SCHEMES: dict[str, Callable[[int], Policy | None]] = {
     # that 2-bit passkey retrieval is sensitive to (docs/eval.txt).
     "kivi-k3v2": _only(2, lambda: Policy(Quant("int3", "channel", 64), Quant("int2", "token", 64), residual=80,
                                          sink=4, rotate=True)),
+    # Pre-RoPE keys (KVQuant; Policy.pre_rope): per-channel key scales fit the outlier channels before the
+    # rotary embedding smears them over channel pairs. Only the compiled path stores them (the FX pass finds the
+    # embedding), so these need the compiled model; +rot rotates values only (keys cannot be Hadamard-rotated).
+    "kivi+pre+sink": lambda b: _kivi(b, sink=4, pre_rope=True) if b < 8 else None,
+    "kivi+pre+rot+sink": lambda b: _kivi(b, sink=4, rotate=True, pre_rope=True) if b < 8 else None,
     # 8-bit formats with the same tools: rotation spreads the keys' outlier channels over the head.
     "int8+rot": _only(8, lambda: Policy.int8(rotate=True)),
     "fp8+rot+sink": _only(8, lambda: Policy.fp8("fp8_e4m3", residual=128, sink=4, rotate=True)),
