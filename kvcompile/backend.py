@@ -25,6 +25,7 @@ import torch
 
 from . import ops, standin
 from .passes import KVCompileError, analyze, rewrite
+from .passes.paged import rewrite_paged
 from .passes.kv_cache import Site, _example
 from .policy import Policy, PolicyError
 from .store import DTYPE_NAMES, LayerSpec
@@ -177,6 +178,7 @@ def compile_graph(gm, example_inputs, options=None, *, report=None, analyze_only
 
     opts = Options.parse(options)
     gm = _own_copy(gm)  # Dynamo still reads its graph (placeholders, graphargs) after the backend returns
+    rewrite_paged(gm)  # a compiled continuous-batching forward over kvcompile's paged cache (passes/paged.py)
     analysis = analyze(gm, left=lambda ph: standin.left(_example(ph)))
     check_analysis(gm, analysis)
     sites = analysis.sites

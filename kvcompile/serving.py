@@ -32,12 +32,24 @@ Slots: held slots stay ``0 .. n-1`` (a leaving request's slot is taken by the on
 requests of one query length are sorted by slot, so a batch of every running request works on views of
 the stores' rows; a group whose slots are not a range has its rows' rings and sinks gathered and put back.
 
-What this is not yet: the FX pass does not rewrite the paged reads and writes (the model runs eagerly, its
-attention dispatched to kvcompile's). Refused with a message where the user asks for them: asynchronous
-batching, CUDA graphs / compiled CB forwards, CPU offloading of evicted requests (evicted requests are
-re-prefilled instead), tensor parallelism, sliding-window layers, other attention implementations than
-SDPA. Turned off without a word (optimizations, not numerics): prefix sharing (``allow_block_sharing``)
-and the block-table decode fast path.
+Compiled (``ContinuousBatchingConfig(varlen_compile_config=kvcompile.serving.compile_config())``, or any
+``CompileConfig(backend="kvcompile", ...)``): transformers compiles its CB forward, padded to static sizes,
+with the kvcompile backend. The attention stays transformers' own ``sdpa`` and the cache's ``update`` is
+transformers' own paged update, traced, over *stand-ins* of each layer's page-pool views (one token row,
+registered to this cache and layer: ``kvcompile.paged_ops``). The backend's paged pass
+(``kvcompile.passes.paged``) finds per layer the two ``index_copy_`` writes through ``write_index``, the two
+``index_select`` reads through ``read_index`` and the SDPA (with the ragged mask) that consumes them, and
+rewrites them into ``kvcompile.paged_store`` / ``paged_attention``, which do the same per-request store and
+attention as the eager path for the batch's host-side plan; padding rows are neither stored nor attended
+(zeros), transformers' warmup requests likewise. A graph the pass cannot match completely is refused, and a
+compiled cache's update refuses to run outside Dynamo (an eager fallback would read the stand-ins).
+
+What this is not yet. Refused with a message where the user asks for them: asynchronous batching, CUDA
+graphs, ``decode_compile_config`` (there is no block-table decode path: ``varlen_compile_config`` compiles
+every forward), compiling with another backend than kvcompile's, CPU offloading of evicted requests
+(evicted requests are re-prefilled instead), tensor parallelism, sliding-window layers, other attention
+implementations than SDPA. Turned off without a word (optimizations, not numerics): prefix sharing
+(``allow_block_sharing``) and the block-table decode fast path.
 """
 from __future__ import annotations
 
@@ -187,14 +199,17 @@ def _transformers():
 
 
 class _Plan:
-    """One forward's ragged batch: requests in order, grouped by query length (one kernel call per group)."""
+    """One forward's ragged batch: requests in order, grouped by query length (one kernel call per group).
+    ``entries``: (request_id, slot, past, n, skip); a skipped entry (a warmup request of a compiled forward)
+    takes its ``n`` rows of the batch but is neither stored nor attended (its rows stay zeros)."""
 
     def __init__(self, entries, slots, device):
-        self.entries = entries  # (request_id, slot, past, n)
-        self.total = sum(n for *_, n in entries)
+        self.entries = entries
+        self.total = sum(e[3] for e in entries)
         groups, start = {}, 0
-        for _, slot, _, n in entries:
-            groups.setdefault(n, []).append((slot, start))
+        for _, slot, _, n, skip in entries:
+            if not skip:
+                groups.setdefault(n, []).append((slot, start))
             start += n
         self.groups = []
         for n, members in groups.items():
@@ -205,8 +220,10 @@ class _Plan:
             self.groups.append((n, torch.tensor(rows, dtype=torch.long, device=device),
                                 torch.tensor(idx, dtype=torch.long, device=device), span))
         self.counts = [0] * slots
-        for _, slot, _, n in entries:
-            self.counts[slot] = n
+        for _, slot, _, n, skip in entries:
+            if not skip:
+                self.counts[slot] = n
+        self.complete = all(not e[4] for e in entries)
 
 
 def _gather(x: torch.Tensor, idx: torch.Tensor, rows: int, n: int) -> torch.Tensor:
@@ -215,14 +232,24 @@ def _gather(x: torch.Tensor, idx: torch.Tensor, rows: int, n: int) -> torch.Tens
     return x[0].index_select(1, idx).view(H, rows, n, D).transpose(0, 1).contiguous()
 
 
+_base_update = None  # transformers' PagedAttentionCache.update, unwrapped (set with the class)
+WARMUP_PREFIX = "__warmup_"  # transformers' warmup request ids (continuous_batching.requests)
+
+
 def _make_cache_class():
+    import inspect
+
     base = _transformers().PagedAttentionCache
+    # transformers' update is wrapped in torch.compiler.disable; the compiled path traces the function itself
+    global _base_update
+    _base_update = inspect.unwrap(base.update)
 
     class PagedKVCompileCache(base):
         """transformers' ``PagedAttentionCache`` whose pages are kvcompile blocks: see ``kvcompile.serving``."""
 
         def __init__(self, config, continuous_batching_config, device, distributed_helper, dtype=torch.float16,
-                     model_supports_logits_to_keep=False, *, specs: list[LayerSpec], slots: int, blocks: int):
+                     model_supports_logits_to_keep=False, *, specs: list[LayerSpec], slots: int, blocks: int,
+                     compiled: bool = False):
             if distributed_helper.tp_size > 1:
                 raise KVCompileError("kvcompile serving does not support tensor parallelism yet")
             # transformers' own tensor is only counted, never used: it lives on the meta device
@@ -243,6 +270,38 @@ def _make_cache_class():
             self._pending: list = []
             self._plan: _Plan | None = None
             self._work: dict = {}
+            # compiled: the forward is traced by Dynamo with transformers' own paged update and SDPA, over
+            # stand-ins of the page pool's views that kvcompile's pass rewrites (see _compiled_views)
+            self.compiled = compiled
+            if compiled:
+                self._compiled_views()
+
+        def _compiled_views(self) -> None:
+            """Replace each layer's page-pool views (``FullAttentionCacheAllocator._kv_token_views``, ``[N, H, D]``
+            on ``meta`` here) by stand-ins registered to this cache and layer: transformers' ``update`` then traces
+            into writes and reads of the stand-ins, which ``kvcompile.passes.paged`` rewrites into
+            ``kvcompile.paged_ops``. A stand-in is one token row ``[1, H, D]`` over ``H + D - 1`` elements: what
+            the graph does with the pool (``index_copy_``/``index_select`` along dim 0) does not depend on ``N``
+            when traced, every such use is rewritten (or the pass refuses the graph), and the rewritten ops never
+            touch the stand-in; a stand-in of ``N`` rows would cost ``N`` elements per layer, and ``N`` grows
+            with the pool and the number of layers."""
+            from . import paged_ops, standin
+
+            allocator = self.cache_allocators[_transformers().FULL_ATTENTION]
+            for layer_idx, (kv, vv) in list(allocator._kv_token_views.items()):
+                k = standin.make_standin((1, *kv.shape[1:]), kv.dtype, self.device)
+                v = standin.make_standin((1, *vv.shape[1:]), vv.dtype, self.device)
+                paged_ops.register(k, v, self, layer_idx)
+                allocator._kv_token_views[layer_idx] = (k, v)
+            allocator._kv_page_views = {}  # no block-table decode path (max_blocks_per_request=0)
+
+        @property
+        def standin_nbytes(self) -> int:
+            """Bytes of the compiled forward's stand-ins of transformers' page pool (0 when eager)."""
+            if not self.compiled:
+                return 0
+            views = self.cache_allocators[_transformers().FULL_ATTENTION]._kv_token_views.values()
+            return sum(t.untyped_storage().nbytes() for kv in views for t in kv)
 
         # ---- sizes
         @property
@@ -316,8 +375,12 @@ def _make_cache_class():
 
         # ---- the batch
         def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index):
-            # no indices: kvcompile's attention reads each request's row of the store. Record the batch.
+            # Record the batch: kvcompile's attention reads each request's row of the store. Eager: no indices.
+            # Compiled: transformers' own indices too, which the traced graph takes (the ops ignore their values)
             self._pending.append((request_id, past_length, query_length))
+            if self.compiled:
+                super().extend_read_and_write_indices(request_id, past_length, query_length, read_index,
+                                                      write_index)
 
         def fill_block_table(self, *a, **k):
             raise KVCompileError("kvcompile serving has no block-table decode path (max_blocks_per_request=0)")
@@ -329,23 +392,46 @@ def _make_cache_class():
                     slot = self.slot_of.get(rid)
                     if slot is None:
                         raise KVCompileError(f"kvcompile serving: request {rid} has no slot")
+                    # transformers' compile warmup runs fake requests that "continue" a past they never wrote:
+                    # their rows are computed as padding (zeros) and nothing is stored
+                    skip = self.compiled and rid.startswith(WARMUP_PREFIX)
                     have = self.stores[0].lengths[slot]
-                    if have != past:
+                    if have != past and not skip:
                         raise KVCompileError(
                             f"kvcompile serving: request {rid} continues at position {past} but its store holds "
                             f"{have} tokens")
-                    entries.append((rid, slot, past, n))
+                    entries.append((rid, slot, past, n, skip))
                 self._plan, self._pending = _Plan(entries, self.slots, self.device), []
-            if self._plan is None or self._plan.total != total:
+            plan = self._plan
+            # a compiled forward is padded to a static size: the tokens past the plan's are padding
+            if plan is None or (plan.total > total if self.compiled else plan.total != total):
                 raise KVCompileError(
                     f"kvcompile serving: the forward has {total} tokens but the batch scheduled "
-                    f"{None if self._plan is None else self._plan.total} (padded inputs are not supported)")
-            return self._plan
+                    f"{None if plan is None else plan.total}"
+                    + ("" if self.compiled else " (padded inputs need a compiled forward: varlen_compile_config)"))
+            return plan
+
+        def update(self, key_states, value_states, layer_idx, kwargs):
+            """Eager: store the batch's new keys and values ``[1, H, T, D]`` in each request's row and return them
+            as they came (``kvcompile_paged`` reads the chunk in full precision, the rest from the store).
+            Compiled: transformers' own paged update, traced over the stand-ins (kvcompile's pass rewrites it)."""
+            if not self.compiled:
+                return self._eager_update(key_states, value_states, layer_idx)
+            if not torch.compiler.is_compiling():
+                raise KVCompileError(
+                    "kvcompile serving: this continuous-batching cache serves a compiled forward, but the forward ran "
+                    "without Dynamo (an eager fallback: torch._dynamo.config.suppress_errors, a recompile limit, "
+                    "torch.compiler.disable); its attention would read the stand-ins, not the store. Refusing.")
+            return _base_update(self, key_states, value_states, layer_idx, kwargs)
 
         @torch.compiler.disable
-        def update(self, key_states, value_states, layer_idx, kwargs):
-            """Store the batch's new keys and values ``[1, H, T, D]`` in each request's row; returns them as
-            they came (the attention reads the chunk in full precision, the rest from the store)."""
+        def _eager_update(self, key_states, value_states, layer_idx):
+            self.store_layer(layer_idx, key_states, value_states)
+            return key_states, value_states
+
+        def store_layer(self, layer_idx: int, key_states, value_states) -> None:
+            """Store the forward's new keys and values ``[1, H, T, D]`` in their requests' rows of the layer's
+            store (per the batch's plan; a compiled forward's padding rows past it are not stored)."""
             plan = self._plan_for(key_states.shape[2])
             st = self.stores[layer_idx]
             spec = st.spec
@@ -368,7 +454,6 @@ def _make_cache_class():
             for slot, n in enumerate(plan.counts):
                 st.lengths[slot] += n
             self._work[layer_idx] = work
-            return key_states, value_states
 
         def attend(self, layer_idx: int, query: torch.Tensor, scaling) -> torch.Tensor:
             """Attention of the batch's queries ``[1, Hq, T, D]`` over their requests' rows: ``[1, T, Hq, D]``."""
@@ -378,7 +463,8 @@ def _make_cache_class():
             spec = self.specs[layer_idx]
             be = ops.backend(query.device)
             _, Hq, T, D = query.shape
-            out = query.new_empty(T, Hq, D)
+            padded = T != sum(n * rows.numel() for n, rows, *_ in work)  # padding or warmup rows: zeros
+            out = query.new_zeros(T, Hq, D) if padded else query.new_empty(T, Hq, D)
             for n, rows, idx, sub, k, v in work:
                 R = rows.numel()
                 q = _gather(query, idx, R, n)
@@ -437,6 +523,54 @@ def _cache_factory(factory):
             api.PagedAttentionCache = orig
 
 
+def compile_config(compiler: str | None = None, *, fullgraph: bool = False, dynamic: bool | None = None):
+    """The ``CompileConfig`` of a compiled continuous-batching forward over kvcompile's store:
+
+        ContinuousBatchingConfig(varlen_compile_config=kvcompile.serving.compile_config())
+
+    is ``CompileConfig(backend="kvcompile", mode=None, options={"compiler": compiler})``. ``compiler``:
+    "inductor" or "eager" (how the rest of the graph runs); None, the model's own (``kvcompile.apply``'s
+    ``compiler``: Inductor on a GPU, eager on the CPU)."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    options = None
+    if compiler is not None:
+        from .backend import Options
+        options = {"compiler": Options(compiler=compiler).compiler}  # validated here, at the call
+    return CompileConfig(fullgraph=fullgraph, dynamic=dynamic, backend="kvcompile", mode=None, options=options)
+
+
+def _is_kvcompile_backend(backend) -> bool:
+    from .backend import kvcompile_backend
+    return backend == "kvcompile" or backend is kvcompile_backend
+
+
+def _compiled_request(asked):
+    """The user's ``varlen_compile_config`` if it asks for kvcompile's backend, None if nothing is compiled;
+    anything else is refused (it would trace kvcompile's cache without rewriting it)."""
+    if asked.decode_compile_config is not None:
+        raise KVCompileError(
+            "kvcompile serving has no decode fast path (block tables), so decode_compile_config would never run: "
+            "pass varlen_compile_config=kvcompile.serving.compile_config() instead; it compiles every forward, "
+            "prefill chunks and decode steps alike")
+    cfg = asked.varlen_compile_config
+    if cfg is None:
+        if getattr(asked, "default_compile_level", 0):
+            raise KVCompileError(
+                f"kvcompile serving: default_compile_level={asked.default_compile_level} compiles the forward with "
+                f"Inductor over transformers' own cache; pass varlen_compile_config=kvcompile.serving."
+                f"compile_config() for a compiled forward over kvcompile's store")
+        return None
+    if not _is_kvcompile_backend(cfg.backend):
+        raise KVCompileError(
+            f"kvcompile serving compiles continuous-batching forwards with the 'kvcompile' backend only (got "
+            f"backend={cfg.backend!r}, which would trace the cache without kvcompile's pass): use "
+            f"varlen_compile_config=kvcompile.serving.compile_config() or CompileConfig(backend='kvcompile', ...)")
+    from .backend import Options
+    Options.parse(cfg.options)  # unknown options are refused now, not at the first forward
+    return cfg
+
+
 def _refuse(asked) -> None:
     """What kvcompile's cache does not serve yet, where the user asked for it."""
     def refuse(what):
@@ -444,8 +578,7 @@ def _refuse(asked) -> None:
 
     if asked.use_async_batching:
         refuse("use_async_batching=True")
-    if asked.varlen_compile_config is not None or asked.decode_compile_config is not None:
-        refuse("compiled continuous-batching forwards (varlen/decode_compile_config)")
+    _compiled_request(asked)
     graphs = asked.use_cuda_graph
     if any(graphs) if isinstance(graphs, (tuple, list)) else graphs:
         refuse("CUDA graphs (use_cuda_graph)")
@@ -453,10 +586,11 @@ def _refuse(asked) -> None:
         refuse("CPU offloading of evicted requests (cpu_offload_space); evicted requests are re-prefilled")
 
 
-def _restrict(cb) -> None:
-    """The resolved config, with what kvcompile's cache does not serve yet turned off."""
+def _restrict(cb, varlen=None) -> None:
+    """The resolved config, with what kvcompile's cache does not serve yet turned off; ``varlen``: the compile
+    config of a compiled forward (kvcompile's backend), or None."""
     cb.use_async_batching = False
-    cb.varlen_compile_config = cb.decode_compile_config = None
+    cb.varlen_compile_config, cb.decode_compile_config = varlen, None
     cb.use_cuda_graph = (False, False)
     cb.cpu_offload_space = 0.0
     cb.max_blocks_per_request = 0
@@ -474,6 +608,7 @@ def _make_manager_class():
             # everything that can refuse runs before transformers' manager switches the model's attention
             asked = continuous_batching_config
             _refuse(asked)
+            self._compiled = _compiled_request(asked)
             opts: ServingOptions = model._kvcompile_serving
             text = model.config.get_text_config()
             self._specs = layer_specs(text, opts, model.dtype)
@@ -489,10 +624,26 @@ def _make_manager_class():
                                      f"(this one uses {model.config._attn_implementation!r})")
             super().__init__(model, generation_config, continuous_batching_config, workload_hints)
             cb = self.continuous_batching_config
-            _restrict(cb)
+            _restrict(cb, self._varlen_config(model, self._compiled) if self._compiled is not None else None)
             cb.page_size = self._specs[0].block
             cb.num_blocks = self._blocks
             self._use_prefix_sharing = False
+
+        @staticmethod
+        def _varlen_config(model, asked):
+            """The compile config transformers' model runner gets: the user's, its backend the kvcompile backend
+            with the model's compiler unless ``options`` names one (and no report: the pass keeps its own)."""
+            from transformers.generation.configuration_utils import CompileConfig
+
+            from .backend import Options, compile_graph
+
+            opts = Options.parse({"compiler": model._kvcompile.compiler, **(asked.options or {})})
+
+            def kvcompile_paged_backend(gm, example_inputs, **_):
+                return compile_graph(gm, example_inputs, opts)
+
+            return CompileConfig(fullgraph=asked.fullgraph, dynamic=asked.dynamic, backend=kvcompile_paged_backend,
+                                 mode=None, options=None)
 
         def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
             impl = model.config._attn_implementation
@@ -501,6 +652,8 @@ def _make_manager_class():
             if impl != "sdpa":
                 raise KVCompileError(f"kvcompile serving needs a model loaded with attn_implementation='sdpa' "
                                      f"(this one uses {impl!r})")
+            if getattr(self, "_compiled", None) is not None:
+                return  # compiled: transformers' own SDPA is traced, and kvcompile's pass rewrites it
             _register_attention()
             model.set_attn_implementation(ATTN)
             self._original_attn_impl = impl
@@ -513,7 +666,8 @@ def _make_manager_class():
             cls = cache_class()
 
             def factory(*args, **kwargs):
-                return cls(*args, specs=self._specs, slots=self._slots, blocks=self._blocks, **kwargs)
+                return cls(*args, specs=self._specs, slots=self._slots, blocks=self._blocks,
+                           compiled=self._compiled is not None, **kwargs)
 
             with _cache_factory(factory):
                 bp = super()._create_batch_processor()
