@@ -7,18 +7,30 @@ ours: the model manager applies ``kvcompile.apply(model, policy)`` to each model
 continuous-batching manager the handlers start (``model.init_continuous_batching``) is kvcompile's
 (``kvcompile.serving``).
 
+What ``kvcompile serve`` adds in front of transformers' handlers (``build_app``): requests are checked before
+they reach them, so bad input is a 4xx in OpenAI's error shape (``{"error": {"message", "type", "param",
+"code"}}``) and never a 500 or a dead worker -- message lists and their roles and content, ``model``,
+``max_tokens``, sampling fields; and a request whose prompt (counted in the tokens the cache would hold) plus
+``max_tokens`` does not fit the cache for one request is refused with 400 (transformers' scheduler, given a
+request larger than the whole cache, stops its worker for good). Without ``max_tokens`` a reply is capped to
+what the cache holds. A streaming client that disconnects has its request cancelled by transformers' handler
+(its generator is closed), and the request's pages and slot come back.
+
     kvcompile serve --policy kivi:4 --port 8000
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "<the model path the server prints>", "messages": [{"role": "user", "content": "Hi"}]}'
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 
-def openai_app(manager, state):
+def openai_app(manager, state, *, checked: bool = False):
     """transformers' OpenAI-compatible FastAPI app (its handlers, as ``transformers serve`` builds them) over a
-    model manager and a generation state."""
+    model manager and a generation state. ``checked``: the chat and completion handlers check each request
+    first (``_checked_handlers``), and errors answer in OpenAI's shape."""
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
     from transformers.cli.serving.response import ResponseHandler
@@ -26,13 +38,288 @@ def openai_app(manager, state):
     from transformers.cli.serving.systemone import SystemOneHandler
     from transformers.cli.serving.transcription import TranscriptionHandler
 
-    return build_server(
+    if checked:
+        ChatCompletionHandler, CompletionHandler = _checked_handlers()
+    app = build_server(
         manager, ChatCompletionHandler(model_manager=manager, generation_state=state),
         completion_handler=CompletionHandler(model_manager=manager, generation_state=state),
         response_handler=ResponseHandler(model_manager=manager, generation_state=state),
         transcription_handler=TranscriptionHandler(manager, state),
         systemone_handler=SystemOneHandler(model_manager=manager, generation_state=state),
         generation_state=state)
+    if checked:
+        _openai_errors(app)
+    return app
+
+
+# --------------------------------------------------------------------------- checking requests
+class RequestError(Exception):
+    """A request the server will not run: answered ``status`` with OpenAI's error body."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status = message, param, code, status
+
+
+def error_body(message: str, param=None, code=None, type_: str = "invalid_request_error") -> dict:
+    """OpenAI's error shape, which its clients read (``openai.BadRequestError.message`` etc.)."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _openai_errors(app) -> None:
+    """Every error of the app in OpenAI's shape: ours, FastAPI's (a body that is not a JSON object), the
+    handlers' ``HTTPException`` (an unknown model, unexpected fields), and anything else (a 500 without a
+    traceback; the traceback goes to the server's log)."""
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(RequestError)
+    async def _ours(_request, exc: RequestError):
+        return JSONResponse(error_body(exc.message, exc.param, exc.code), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _body(_request, exc: RequestValidationError):
+        errs = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errs):
+            msg = "the request body is not valid JSON: " + "; ".join(
+                str(e.get("ctx", {}).get("error", e.get("msg"))) for e in errs)
+        else:
+            msg = "the request body must be a JSON object: " + "; ".join(str(e.get("msg")) for e in errs)
+        return JSONResponse(error_body(msg), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_request, exc: HTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), type_=kind), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _other(_request, exc: Exception):
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", type_="server_error"),
+                            status_code=500)
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_common(body: dict) -> None:
+    """The fields both endpoints share, checked where transformers' handlers would take them as they come
+    (``int(...)``, ``float(...)``: a 500 on a string, a negative ``max_tokens`` generating nothing)."""
+    import json
+
+    model = body.get("model")
+    if model is None:
+        raise RequestError("'model' is required (GET /v1/models lists the one this server serves)", "model")
+    if not isinstance(model, str):
+        raise RequestError(f"'model' must be a string, got {type(model).__name__}", "model")
+    for name in ("max_tokens", "max_completion_tokens"):
+        v = body.get(name)
+        if v is not None and not (_is_int(v) and v >= 1):
+            raise RequestError(f"'{name}' must be an integer >= 1, got {v!r}", name)
+    for name, lo, hi, lo_open in (("temperature", 0, 2, False), ("top_p", 0, 1, True),
+                                  ("frequency_penalty", -2, 2, False)):
+        v = body.get(name)
+        if v is not None and not (_is_number(v) and (lo < v if lo_open else lo <= v) and v <= hi):
+            side = "(" if lo_open else "["
+            raise RequestError(f"'{name}' must be a number in {side}{lo}, {hi}], got {v!r}", name)
+    if body.get("seed") is not None and not _is_int(body["seed"]):
+        raise RequestError(f"'seed' must be an integer, got {body['seed']!r}", "seed")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise RequestError(f"'stream' must be true or false, got {body['stream']!r}", "stream")
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and stop
+                                                             and all(isinstance(x, str) and x for x in stop))):
+        raise RequestError("'stop' must be a string or a list of non-empty strings", "stop")
+    bias = body.get("logit_bias")
+    if bias is not None and not (isinstance(bias, dict) and all(
+            isinstance(k, str) and k.lstrip("-").isdigit() and _is_number(v) for k, v in bias.items())):
+        raise RequestError("'logit_bias' must map token ids (as strings) to numbers", "logit_bias")
+    gc = body.get("generation_config")
+    if gc is not None:
+        try:
+            from transformers import GenerationConfig
+            GenerationConfig(**json.loads(gc))
+        except Exception as e:  # noqa: BLE001 -- whatever transformers refuses, the client is told why
+            raise RequestError(f"'generation_config' must be a JSON object of generation options: {e}",
+                               "generation_config") from None
+
+
+def check_chat(body: dict) -> None:
+    """A chat completion's messages: a non-empty list of objects with an OpenAI role and text content (a
+    string or text parts; this server's models are text-only)."""
+    messages = body.get("messages")
+    if messages is None:
+        raise RequestError("'messages' is required", "messages")
+    if not isinstance(messages, list):
+        raise RequestError(f"'messages' must be a list of message objects, got {type(messages).__name__}",
+                           "messages")
+    if not messages:
+        raise RequestError("'messages' must not be empty", "messages")
+    for i, m in enumerate(messages):
+        at = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(f"{at} must be an object with 'role' and 'content', got {type(m).__name__}", at)
+        if m.get("role") not in ROLES:
+            raise RequestError(f"{at}.role must be one of {', '.join(ROLES)}; got {m.get('role')!r}", f"{at}.role")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function", c), dict)
+                                                    and isinstance(c.get("function", c).get("name"), str)
+                                                    for c in calls)):
+                raise RequestError(f"{at}.tool_calls must be a list of {{'function': {{'name', 'arguments'}}}}",
+                                   f"{at}.tool_calls")
+            for c in calls:
+                args = c.get("function", c).get("arguments")
+                if isinstance(args, str):
+                    import json
+                    try:
+                        args = json.loads(args)
+                    except ValueError:
+                        args = None
+                if not isinstance(args, dict):
+                    raise RequestError(f"{at}.tool_calls: 'arguments' must be a JSON object", f"{at}.tool_calls")
+            continue  # transformers ignores the content of a message with tool calls
+        content = m.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise RequestError(f"{at}.content must be a string or a list of content parts, got "
+                               f"{type(content).__name__}", f"{at}.content")
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise RequestError(f"{at}.content[{j}] must be an object with a 'type'", f"{at}.content")
+            if part["type"] not in TEXT_PARTS:
+                raise RequestError(f"{at}.content[{j}]: content of type {part['type']!r} is not supported (this "
+                                   f"server's model reads text only)", f"{at}.content")
+            if not isinstance(part.get("text"), str):
+                raise RequestError(f"{at}.content[{j}].text must be a string", f"{at}.content")
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise RequestError("'tools' must be a list of tool objects", "tools")
+    kw = body.get("chat_template_kwargs")
+    if kw is not None and not isinstance(kw, dict):
+        raise RequestError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+
+
+def check_completion(body: dict) -> None:
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestError(f"'prompt' must be a non-empty string, got {prompt!r}"[:200], "prompt")
+    if body.get("suffix") is not None and not isinstance(body["suffix"], str):
+        raise RequestError("'suffix' must be a string", "suffix")
+
+
+def cache_token_limit(cb, model) -> int:
+    """Tokens one request may hold: every page of the cache (transformers' scheduler reads and allocates at
+    most that for one request), and no more than the model's positions."""
+    cfg = cb.continuous_batching_config
+    limit = cfg.num_blocks * cfg.page_size
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return min(limit, positions) if positions else limit
+
+
+def fit_to_cache(cb, model, inputs: dict, gen_config, param: str) -> None:
+    """Refuse (400) a request that the cache cannot hold whole; cap a reply whose length the client left open
+    (``gen_config._kvcompile_open``) to what the cache holds after its prompt."""
+    n = len(inputs["input_ids"])
+    limit = cache_token_limit(cb, model)
+    if n == 0:
+        raise RequestError("the prompt has no tokens", param)
+    if n >= limit:
+        raise RequestError(f"prompt of {n} tokens exceeds what this server's cache holds for one request "
+                           f"({limit} tokens, prompt and reply together); shorten it", param,
+                           code="context_length_exceeded")
+    if getattr(gen_config, "_kvcompile_open", False):
+        gen_config.max_new_tokens = min(gen_config.max_new_tokens, limit - n)
+    elif n + gen_config.max_new_tokens > limit:
+        raise RequestError(f"prompt of {n} tokens plus max_tokens={gen_config.max_new_tokens} exceeds what this "
+                           f"server's cache holds for one request ({limit} tokens); lower max_tokens to at most "
+                           f"{limit - n}", "max_tokens", code="context_length_exceeded")
+
+
+def _checked_handlers():
+    """transformers' chat-completion and completion handlers, checking each request first (``check_*``) and
+    marking its generation config for ``fit_to_cache``: which field holds the prompt, whether the client set
+    the reply's length."""
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+
+    def checked(handler_cls, check, prompt_field, max_fields):
+        class Checked(handler_cls):
+            async def handle_request(self, body: dict, request_id: str):
+                check_common(body)
+                check(body)
+                return await super().handle_request(body, request_id)
+
+            def _build_generation_config(self, body, model_generation_config, use_cb=False):
+                gen = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
+                gen._kvcompile_open = all(body.get(f) is None for f in max_fields)
+                gen._kvcompile_prompt = prompt_field
+                return gen
+
+        Checked.__name__ = Checked.__qualname__ = "Checked" + handler_cls.__name__
+        return Checked
+
+    return (checked(ChatCompletionHandler, check_chat, "messages", ("max_tokens", "max_completion_tokens")),
+            checked(CompletionHandler, check_completion, "prompt", ("max_tokens",)))
+
+
+def checked_state(**kw):
+    """transformers' ``GenerationState`` whose continuous-batching generation manager fits each request to the
+    cache (``fit_to_cache``) before it is queued."""
+    from transformers.cli.serving.utils import CBGenerateManager, GenerationState
+
+    class CheckedCBGenerateManager(CBGenerateManager):
+        def generate_streaming(self, model, processor, inputs, gen_config, request_id, **kw):
+            fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
+            return super().generate_streaming(model, processor, inputs, gen_config, request_id, **kw)
+
+        async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+            fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
+            return await super().generate_non_streaming(model, processor, inputs, gen_config, request_id)
+
+    class CheckedGenerationState(GenerationState):
+        def get_manager(self, model_id: str, use_cb: bool = False):
+            m = super().get_manager(model_id, use_cb=use_cb)
+            if type(m) is CBGenerateManager:  # made by transformers' get_manager: the same, checking requests
+                m.__class__ = CheckedCBGenerateManager
+            return m
+
+    return CheckedGenerationState(**kw)
+
+
+class EvictionCounter(logging.Handler):
+    """Requests transformers' continuous batching evicted to make room (soft reset: freed, re-queued, re-prefilled
+    later), counted from the one line its offloading manager logs for them at INFO
+    ("Offloaded N requests (...)") on its own ``ContinuousBatchingLogger``; that logger's other output is left
+    at the level it had."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.evicted = 0
+        cb_logger = logging.getLogger("ContinuousBatchingLogger")
+        before = cb_logger.getEffectiveLevel()
+        for h in cb_logger.handlers:
+            if h.level == logging.NOTSET:
+                h.setLevel(before)
+        if before > logging.INFO:
+            cb_logger.setLevel(logging.INFO)
+        cb_logger.addHandler(self)
+
+    def emit(self, record) -> None:
+        words = record.getMessage().split()
+        if len(words) > 1 and words[0] == "Offloaded" and words[1].isdigit():
+            self.evicted += int(words[1])
 
 
 def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests: int | None = None,
@@ -41,7 +328,6 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
     continuous batching over kvcompile's cache under ``policy``."""
     from transformers import ContinuousBatchingConfig
     from transformers.cli.serving.model_manager import ModelManager
-    from transformers.cli.serving.utils import GenerationState
 
     from . import serving
     from .api import apply
@@ -58,9 +344,10 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
     manager = KVCompileModelManager(device="cpu", dtype=str(dtype).removeprefix("torch."),
                                     attn_implementation="sdpa", continuous_batching=True, model_timeout=-1,
                                     force_model=model_dir)
-    state = GenerationState(continuous_batching=True, compile=False,
-                            cb_config=ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens))
-    app = openai_app(manager, state)
+    state = checked_state(continuous_batching=True, compile=False,
+                          cb_config=ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens))
+    app = openai_app(manager, state, checked=True)
+    evictions = EvictionCounter()
 
     @app.get("/kvcompile/stats")
     def stats():
@@ -70,9 +357,16 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
         cache = getattr(bp, "cache", None)
         if not isinstance(cache, serving.cache_class()):
             return {"manager": type(cb).__name__ if cb is not None else None, "cache": None}
+        sched = getattr(bp, "scheduler", None)
         return {"manager": type(cb).__name__, "cache": type(cache).__name__, "policy": str(policy),
                 "budget": cb.budget, "allocated": cache.allocated_nbytes, "blocks": cache.stores[0].blocks,
-                "free_blocks": cache.free_blocks_count, "slots": cache.slots, "requests": len(cache.slot_of)}
+                "free_blocks": cache.free_blocks_count, "slots": cache.slots, "requests": len(cache.slot_of),
+                # transformers' side: the pages its allocators hand out and hold, its scheduler's requests
+                "pages": cache.num_blocks, "pages_held": sum(len(t) for a in cache.cache_allocators.values()
+                                                             for t in a.block_table.values()),
+                "active": len(sched.active_requests) if sched is not None else None,
+                "waiting": len(sched.waiting_requests) if sched is not None else None,
+                "token_limit": cache_token_limit(cb, cb.model), "evicted": evictions.evicted}
 
     return app, manager, state
 

@@ -1,19 +1,24 @@
 """``kvcompile serve`` as a client sees it: a subprocess on a free loopback port, talked to over HTTP with the
-``openai`` client and httpx. One chat completion streaming and one not, malformed JSON answered 4xx, the
+``openai`` client and httpx.
+
+On the real SmolLM2 (slow): one chat completion streaming and one not, malformed JSON answered 4xx, the
 server up afterwards, and the requests served by kvcompile's continuous-batching cache (its stats endpoint),
-which has every block and slot back once they are done."""
+which has every block and slot back once they are done.
+
+On the tiny random model (fast; one server for the module): a streaming client that disconnects mid-reply has
+its request cancelled and its pages, blocks and slot back; bad input of every kind answered 4xx in OpenAI's
+error shape, never 500, and the server answering a good request afterwards."""
 from __future__ import annotations
 
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
 import pytest
-
-pytestmark = pytest.mark.slow  # loads the real SmolLM2
 
 STARTUP_S = 180
 
@@ -24,19 +29,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+def start_server(*args):
+    """``kvcompile serve *args`` on a free loopback port, once it answers: ``(proc, base url)``."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen([sys.executable, "-m", "kvcompile", "serve", "--policy", "kivi:4", "--port", str(port),
-                             "--budget-mib", "64", "--max-requests", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a server that logs much never blocks on it
+    proc = subprocess.Popen([sys.executable, "-m", "kvcompile", "serve", *map(str, args), "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    proc.log = log
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + STARTUP_S
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"kvcompile serve exited with {proc.returncode}:\n{proc.stdout.read()}")
+                pytest.fail(f"kvcompile serve exited with {proc.returncode}:\n{stop_server(proc)}")
             try:
                 if httpx.get(f"{base}/kvcompile/stats", timeout=2).status_code == 200:
                     break
@@ -45,15 +51,34 @@ def server():
             if time.time() > deadline:
                 pytest.fail(f"kvcompile serve did not answer within {STARTUP_S} s")
             time.sleep(1)
+    except BaseException:
+        stop_server(proc)
+        raise
+    return proc, base
+
+
+def stop_server(proc) -> str:
+    """Stop the server; its output."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+    proc.log.seek(0)
+    out = proc.log.read()
+    proc.log.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, base = start_server("--policy", "kivi:4", "--budget-mib", 64, "--max-requests", 4)
+    try:
         models = httpx.get(f"{base}/v1/models", timeout=10).json()
         yield base, models
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_server(proc)
 
 
 def model_name(base) -> str:
@@ -61,6 +86,7 @@ def model_name(base) -> str:
     return str(resolve(None))
 
 
+@pytest.mark.slow  # loads the real SmolLM2
 def test_chat_completions_streaming_and_not_over_kvcompiles_cache(server):
     from openai import OpenAI
 
@@ -81,6 +107,7 @@ def test_chat_completions_streaming_and_not_over_kvcompiles_cache(server):
     assert stats["free_blocks"] == stats["blocks"] and stats["requests"] == 0  # everything back
 
 
+@pytest.mark.slow
 def test_malformed_json_is_a_4xx_and_the_server_stays_up(server):
     base, _ = server
     r = httpx.post(f"{base}/v1/chat/completions", content=b'{"model": "x", "messages": [',
@@ -93,6 +120,7 @@ def test_malformed_json_is_a_4xx_and_the_server_stays_up(server):
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
 
 
+@pytest.mark.slow
 def test_completions_and_an_unknown_model(server):
     from openai import BadRequestError, OpenAI
 
@@ -105,3 +133,145 @@ def test_completions_and_an_unknown_model(server):
                                        max_tokens=4)
     stats = httpx.get(f"{base}/kvcompile/stats", timeout=10).json()
     assert stats["free_blocks"] == stats["blocks"] and stats["requests"] == 0
+
+
+# --------------------------------------------------------------------------- the tiny model: faults and bad input
+def stats(base) -> dict:
+    return httpx.get(f"{base}/kvcompile/stats", timeout=10).json()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_dir):
+    """The tiny random model under KIVI 4-bit, 2 MiB of cache, 4 request slots."""
+    proc, base = start_server("--model", tiny_dir, "--policy", "kivi:4", "--budget-mib", 2, "--max-requests", 4)
+    try:
+        yield base, str(tiny_dir)
+    finally:
+        stop_server(proc)
+
+
+def chat(base, name, content="Hi", max_tokens=4, **kw):
+    return httpx.post(f"{base}/v1/chat/completions", timeout=120,
+                      json={"model": name, "messages": [{"role": "user", "content": content}],
+                            "max_tokens": max_tokens, **kw})
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(tiny_server):
+    base, name = tiny_server
+    assert chat(base, name).status_code == 200  # the manager and its cache exist from here on
+    idle = stats(base)
+    assert idle["requests"] == 0 and idle["pages_held"] == 0 and idle["free_blocks"] == idle["blocks"]
+    prompt = " ".join(f"word{i % 97}" for i in range(500))  # ~1000 tokens: blocks of the pool, not only the ring
+    body = {"model": name, "messages": [{"role": "user", "content": prompt}], "stream": True}  # no max_tokens:
+    # the reply may take what the cache holds (thousands of tokens, tens of seconds on this model)
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: {")
+                if chunks >= 6:
+                    held = stats(base)  # while the stream is open (leaving the loop closes it: httpx)
+                    break
+        # the connection is closed here
+    assert chunks >= 6
+    assert held["requests"] == 1 and held["pages_held"] > 0 and held["free_blocks"] < held["blocks"], held
+    t0, deadline = time.time(), time.time() + 30
+    while True:  # transformers' handler cancels the request (its generator is closed), its cache comes back
+        now = stats(base)
+        if now["requests"] == 0 and now["pages_held"] == 0 and now["free_blocks"] == now["blocks"]:
+            break
+        assert time.time() < deadline, f"the disconnected request still holds cache after 30 s: {now}"
+        time.sleep(0.1)
+    # cancelled, not run to its end: the reply it was allowed (thousands of tokens) takes far longer than this
+    assert time.time() - t0 < 10
+    assert now["free_blocks"] == idle["free_blocks"] and now["active"] == now["waiting"] == 0
+    r = chat(base, name, max_tokens=5)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+GOOD = [{"role": "user", "content": "Hi"}]
+BAD_CHAT = {  # what is wrong -> (body, the field the error names)
+    "messages not a list": ({"messages": "notalist"}, "messages"),
+    "messages empty": ({"messages": []}, "messages"),
+    "message not an object": ({"messages": ["Hi"]}, "messages[0]"),
+    "unknown role": ({"messages": [{"role": "wizard", "content": "Hi"}]}, "messages[0].role"),
+    "no role": ({"messages": [{"content": "Hi"}]}, "messages[0].role"),
+    "content a number": ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    "content part without type": ({"messages": [{"role": "user", "content": [{"text": "Hi"}]}]},
+                                  "messages[0].content"),
+    "content part an image": ({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, "messages[0].content"),
+    "model missing": ({"model": None}, "model"),
+    "model not a string": ({"model": 3}, "model"),
+    "max_tokens negative": ({"max_tokens": -3}, "max_tokens"),
+    "max_tokens zero": ({"max_tokens": 0}, "max_tokens"),
+    "max_tokens not an integer": ({"max_tokens": 2.5}, "max_tokens"),
+    "max_tokens a string": ({"max_tokens": "ten"}, "max_tokens"),
+    "max_completion_tokens negative": ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    "temperature a string": ({"temperature": "hot"}, "temperature"),
+    "temperature out of range": ({"temperature": 7}, "temperature"),
+    "top_p a list": ({"top_p": [1]}, "top_p"),
+    "stream a string": ({"stream": "yes", "max_tokens": 4}, "stream"),
+    "stop a number": ({"stop": 3}, "stop"),
+    "prompt longer than the cache": ({"messages": [{"role": "user", "content": "hello " * 6000}]}, "messages"),
+    "prompt longer than the cache, streaming": (
+        {"messages": [{"role": "user", "content": "hello " * 6000}], "stream": True}, "messages"),
+    "max_tokens beyond the cache": ({"max_tokens": 100000}, "max_tokens"),
+}
+
+
+def assert_openai_error(r, param=None):
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    assert "Traceback" not in r.text and 'File "' not in r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error", err
+    assert isinstance(err["message"], str) and len(err["message"]) > 10
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def test_bad_input_is_a_4xx_in_openais_shape_and_the_server_stays_up(tiny_server):
+    from openai import BadRequestError, OpenAI
+
+    base, name = tiny_server
+    url = f"{base}/v1/chat/completions"
+    for what, (fields, param) in BAD_CHAT.items():
+        body = {"model": name, "messages": GOOD, "max_tokens": 4, **fields}
+        body = {k: v for k, v in body.items() if v is not None}
+        err = assert_openai_error(httpx.post(url, json=body, timeout=60), param)
+        if "cache" in what:
+            assert err["code"] == "context_length_exceeded" and "exceeds" in err["message"], err
+            assert str(stats(base)["token_limit"]) in err["message"]
+    for raw in (b'{"model": "x", "messages": [', b"[1, 2]", b"not json"):  # not JSON, not an object
+        assert_openai_error(httpx.post(url, content=raw, headers={"Content-Type": "application/json"}, timeout=30))
+    assert_openai_error(httpx.post(url, json={"model": "no/such-model", "messages": GOOD}, timeout=30))
+    # the completions endpoint: its prompt must be a non-empty string
+    for prompt in ([1, 2, 3], {"a": 1}, None, "", 7):
+        assert_openai_error(httpx.post(f"{base}/v1/completions", timeout=30,
+                                       json={"model": name, "prompt": prompt, "max_tokens": 4}), "prompt")
+    # the openai client sees the message
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=60, max_retries=0)
+    with pytest.raises(BadRequestError, match="exceeds"):
+        client.completions.create(model=name, prompt="hello " * 6000, max_tokens=4)
+    # ... and the server is up and serving, its cache whole
+    r = chat(base, name, max_tokens=6)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+    out = client.completions.create(model=name, prompt="The capital of France is", max_tokens=3)
+    assert out.usage.completion_tokens == 3
+    s = stats(base)
+    assert s["requests"] == 0 and s["pages_held"] == 0 and s["free_blocks"] == s["blocks"]
+    assert httpx.get(f"{base}/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_a_reply_without_max_tokens_is_capped_to_what_the_cache_holds(tiny_server):
+    base, name = tiny_server
+    assert chat(base, name).status_code == 200  # the cache exists from here on
+    limit = stats(base)["token_limit"]
+    r = httpx.post(f"{base}/v1/completions", timeout=120,  # ~limit - 200 tokens: " hello" is one token
+                   json={"model": name, "prompt": " hello" * (limit - 200)})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert limit - 1024 < usage["prompt_tokens"] < limit  # transformers' default reply (1024 tokens) would not fit
+    assert 0 < usage["completion_tokens"] <= limit - usage["prompt_tokens"]
