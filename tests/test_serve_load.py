@@ -1,14 +1,18 @@
-"""The HTTP load benchmark runs end to end: both servers as subprocesses on loopback ports, real streaming
-clients, every request completed, and the report says what it measured."""
+"""Load over HTTP. The benchmark runs end to end (slow: both servers on the real SmolLM2). And out of pages: more
+streaming clients than the cache holds, on the tiny model -- every request completes, with the text it gets
+alone, while the cache's pages run out and transformers' scheduler queues requests and evicts some
+(re-prefilled later)."""
+import asyncio
 import json
 
+import httpx
 import pytest
+from test_serve_http import start_server, stats, stop_server
 
 from benchmarks import serve_load
 
-pytestmark = pytest.mark.slow  # loads the real SmolLM2 in two servers
 
-
+@pytest.mark.slow  # loads the real SmolLM2 in two servers
 def test_serve_load_smoke(tmp_path):
     out = tmp_path / "load.json"
     rows = serve_load.main(["--smoke", "--out", str(out)])
@@ -20,3 +24,65 @@ def test_serve_load_smoke(tmp_path):
         assert 0 < r["ttft_median_s"] <= r["ttft_p95_s"] <= r["wall_s"]
     kv = rows[1]
     assert 1 <= kv["most_requests_held"] <= 2  # sampled from kvcompile's cache while the requests ran
+
+
+CLIENTS, NEW, WORDS = 4, 300, 40
+
+
+async def stream(client, base, name, i) -> tuple[str, int, str | None]:
+    """One greedy streaming chat completion read to its end: (text, completion tokens, error)."""
+    body = {"model": name, "stream": True, "max_tokens": NEW, "temperature": 0,
+            "messages": [{"role": "user", "content": f"story {i}: " + " ".join(f"w{(7 * i + k) % 50}"
+                                                                              for k in range(WORDS))}]}
+    text, tokens = [], None
+    async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return "", 0, f"{r.status_code}: {(await r.aread())[:300]!r}"
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            d = json.loads(line[6:])
+            if "error" in d:
+                return "".join(text), 0, str(d["error"])
+            tokens = (d.get("usage") or {}).get("completion_tokens", tokens)
+            text += [c["delta"].get("content") or "" for c in d.get("choices", [])]
+    return "".join(text), tokens, None
+
+
+def test_out_of_pages_every_request_completes_with_its_own_text(tiny_dir, tmp_path):
+    from kvcompile import Policy
+
+    # the full-precision store: a re-prefilled request computes exactly what it had (a quantized store would
+    # change it: the chunk's keys are exact in prefill, packed in decode), so the texts can be compared
+    Policy.full().save(tmp_path / "full.json")
+    proc, base = start_server("--model", tiny_dir, "--policy", tmp_path / "full.json", "--budget-mib", 1,
+                              "--max-requests", CLIENTS)
+    name = str(tiny_dir)
+    try:
+        async def run():
+            async with httpx.AsyncClient(timeout=httpx.Timeout(120)) as client:
+                alone = [await stream(client, base, name, i) for i in range(CLIENTS)]
+                seen = []
+
+                async def watch():
+                    while True:
+                        seen.append((await client.get(f"{base}/kvcompile/stats")).json())
+                        await asyncio.sleep(0.05)
+
+                w = asyncio.create_task(watch())
+                together = await asyncio.wait_for(
+                    asyncio.gather(*(stream(client, base, name, i) for i in range(CLIENTS))), 120)
+                w.cancel()
+                return alone, together, seen
+
+        alone, together, seen = asyncio.run(run())
+        end = stats(base)
+    finally:
+        log = stop_server(proc)
+    for i, ((a, na, ea), (t, nt, et)) in enumerate(zip(alone, together)):
+        assert ea is None and et is None, (i, ea, et, log[-3000:])
+        assert na == nt == NEW and a == t, (i, a, t)  # every request completes, its text as when alone ...
+    # ... though the pages ran out: requests waited for them, and some were evicted (and re-prefilled)
+    assert max(s["pages_held"] for s in seen) > 0.8 * end["pages"], end
+    assert max(s["waiting"] for s in seen) > 0 and end["evicted"] > 0, end
+    assert end["pages_held"] == end["requests"] == 0 and end["free_blocks"] == end["blocks"]  # all back
