@@ -123,6 +123,17 @@ def test_one_model_graph_for_a_run_of_mixed_batches(monkeypatch):
     assert breaks and all("get_num_threads" in b or "time.monotonic" in b for b in breaks), list(breaks)
 
 
+@pytest.mark.slow
+def test_inductor_compiles_the_rest_of_the_graph():
+    """compiler="inductor": the rewritten graph goes to Inductor (kvcompile's paged ops opaque to it): the same
+    tokens as the eager kvcompile path (about 30 s of code generation on a small CPU)."""
+    ps = prompts()[:3]
+    eager = run(kvcompile.apply(tiny(), KIVI), cb_config(), ps)
+    before = paged_ops.calls["paged_store"]
+    got = run(kvcompile.apply(tiny(), KIVI), cb_config(varlen_compile_config=serving.compile_config("inductor")), ps)
+    assert got == eager and paged_ops.calls["paged_store"] > before
+
+
 # --------------------------------------------------------------------------- refusals
 def test_compiled_forwards_with_another_backend_or_path_are_refused():
     model = kvcompile.apply(tiny(), KIVI)
