@@ -14,7 +14,10 @@ they reach them, so bad input is a 4xx in OpenAI's error shape (``{"error": {"me
 ``max_tokens`` does not fit the cache for one request is refused with 400 (transformers' scheduler, given a
 request larger than the whole cache, stops its worker for good). Without ``max_tokens`` a reply is capped to
 what the cache holds. A streaming client that disconnects has its request cancelled by transformers' handler
-(its generator is closed), and the request's pages and slot come back.
+(its generator is closed), and the request's pages and slot come back; a non-streaming client that disconnects
+(gives up waiting, times out) has its request cancelled here (``ClientConnection``, ``watch_client``): the
+handler polls the connection while it waits for the reply, and the request's pages and slot come back within a
+poll, not when the reply it will never read is done.
 
     kvcompile serve --policy kivi:4 --port 8000
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -22,6 +25,8 @@ what the cache holds. A streaming client that disconnects has its request cancel
 """
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 
 import torch
@@ -49,7 +54,62 @@ def openai_app(manager, state, *, checked: bool = False):
         generation_state=state)
     if checked:
         _openai_errors(app)
+        app.add_middleware(ClientConnection)
     return app
+
+
+# --------------------------------------------------------------------------- clients that go away
+DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is still connected
+
+_CLIENT: contextvars.ContextVar = contextvars.ContextVar("kvcompile_client", default=None)
+
+
+class ClientConnection:
+    """ASGI middleware (outermost): each HTTP request runs with its connection at hand (``_CLIENT``: a Starlette
+    ``Request`` over the server's own ``receive``), so that the generation manager, which transformers' handlers
+    call without the request, can tell whether the client is still there (``watch_client``)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from starlette.requests import Request
+
+        token = _CLIENT.set(Request(scope, receive))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _CLIENT.reset(token)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its reply was ready; the request was cancelled. Answered 499 (nobody reads it)."""
+
+
+async def watch_client(work: asyncio.Future, client, cancel, poll_s: float = DISCONNECT_POLL_S):
+    """``work``'s result, while checking every ``poll_s`` that ``client`` (a Starlette ``Request``) is still
+    connected. If it disconnects first, or this wait is itself cancelled (the server shutting down), ``cancel()``
+    runs (it cancels the generation request) and ``work`` is cancelled; a disconnect raises
+    ``ClientDisconnected``."""
+    try:
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=poll_s)
+            if done:
+                return work.result()
+            if await client.is_disconnected():
+                break
+    except BaseException:
+        if not work.done():
+            cancel()
+            work.cancel()
+        raise
+    if work.done():  # finished while we looked: nobody will read it, but it holds nothing any more
+        return work.result()
+    cancel()
+    work.cancel()
+    raise ClientDisconnected("the client disconnected before its reply was ready; the request was cancelled")
 
 
 # --------------------------------------------------------------------------- checking requests
@@ -87,6 +147,11 @@ def _openai_errors(app) -> None:
         else:
             msg = "the request body must be a JSON object: " + "; ".join(str(e.get("msg")) for e in errs)
         return JSONResponse(error_body(msg), status_code=400)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_request, exc: ClientDisconnected):
+        return JSONResponse(error_body(str(exc), code="client_disconnected", type_="client_disconnected"),
+                            status_code=499)  # nginx's "client closed request"; the client is gone, nobody reads it
 
     @app.exception_handler(HTTPException)
     async def _http(_request, exc: HTTPException):
@@ -285,8 +350,27 @@ def checked_state(**kw):
             return super().generate_streaming(model, processor, inputs, gen_config, request_id, **kw)
 
         async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+            """transformers' non-streaming generation (it waits on a future its result handler resolves), with the
+            client watched while it waits: a client that disconnects has its request cancelled (``watch_client``),
+            as transformers' streaming handler does for a streaming one."""
             fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
-            return await super().generate_non_streaming(model, processor, inputs, gen_config, request_id)
+            work = asyncio.ensure_future(
+                super().generate_non_streaming(model, processor, inputs, gen_config, request_id))
+            client = _CLIENT.get()
+            if client is None:  # not called from an HTTP request
+                return await work
+            return await watch_client(work, client, lambda: self.cancel_for_disconnect(request_id))
+
+        def cancel_for_disconnect(self, request_id: str) -> None:
+            """Cancel the request (the CB loop frees its pages and slot at its next step) and drop the result
+            handler transformers registered for it: a cancelled request delivers no result that would remove it."""
+            cb = self._cb
+            cb.cancel_request(request_id)
+            router = getattr(cb, "output_router", None)
+            if router is not None:
+                with router._lock:
+                    router.result_handlers.pop(request_id, None)
+            self.disconnected = getattr(self, "disconnected", 0) + 1
 
     class CheckedGenerationState(GenerationState):
         def get_manager(self, model_id: str, use_cb: bool = False):
@@ -366,7 +450,9 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
                                                              for t in a.block_table.values()),
                 "active": len(sched.active_requests) if sched is not None else None,
                 "waiting": len(sched.waiting_requests) if sched is not None else None,
-                "token_limit": cache_token_limit(cb, cb.model), "evicted": evictions.evicted}
+                "token_limit": cache_token_limit(cb, cb.model), "evicted": evictions.evicted,
+                # non-streaming requests cancelled because their client disconnected (watch_client)
+                "disconnected": getattr(state._cb_manager, "disconnected", 0)}
 
     return app, manager, state
 

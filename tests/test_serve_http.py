@@ -5,9 +5,10 @@ On the real SmolLM2 (slow): one chat completion streaming and one not, malformed
 server up afterwards, and the requests served by kvcompile's continuous-batching cache (its stats endpoint),
 which has every block and slot back once they are done.
 
-On the tiny random model (fast; one server for the module): a streaming client that disconnects mid-reply has
-its request cancelled and its pages, blocks and slot back; bad input of every kind answered 4xx in OpenAI's
-error shape, never 500, and the server answering a good request afterwards."""
+On the tiny random model (fast; one server for the module): a streaming client that disconnects mid-reply, and
+a non-streaming client that times out, have their requests cancelled and their pages, blocks and slots back;
+bad input of every kind answered 4xx in OpenAI's error shape, never 500, and the server answering a good
+request afterwards."""
 from __future__ import annotations
 
 import os
@@ -188,6 +189,70 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(tiny_server):
     assert now["free_blocks"] == idle["free_blocks"] and now["active"] == now["waiting"] == 0
     r = chat(base, name, max_tokens=5)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def wait_idle(base, idle, bound_s):
+    """Poll the stats until the cache is as ``idle`` (no request, no page, every block free): the seconds it
+    took; fails past ``bound_s``."""
+    t0 = time.time()
+    while True:
+        now = stats(base)
+        if (now["requests"] == 0 and now["pages_held"] == 0 and now["free_blocks"] == idle["free_blocks"]
+                and now["active"] == now["waiting"] == 0):
+            return time.time() - t0
+        assert time.time() - t0 < bound_s, f"the disconnected request still holds cache after {bound_s} s: {now}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_a_non_streaming_client_that_gives_up_has_its_request_cancelled(tiny_server, endpoint):
+    """A non-streaming client that times out (its connection closed) has its request cancelled: its pages and
+    slot come back long before the reply it was allowed would have been generated, and the server serves the
+    next request."""
+    import threading
+
+    base, name = tiny_server
+    assert chat(base, name).status_code == 200  # the manager and its cache exist from here on
+    idle = stats(base)
+    assert idle["requests"] == 0 and idle["pages_held"] == 0 and idle["free_blocks"] == idle["blocks"]
+    prompt = " ".join(f"word{i % 97}" for i in range(500))  # ~1500 tokens: blocks of the pool, not only the ring
+    # a reply of 2400 tokens (the cache holds 4096 for one request): ~25 s on this model, tens of ms a token
+    if endpoint == "chat":
+        url, body = f"{base}/v1/chat/completions", {"model": name, "messages": [{"role": "user", "content": prompt}],
+                                                     "max_tokens": 2400}
+    else:
+        url, body = f"{base}/v1/completions", {"model": name, "prompt": prompt, "max_tokens": 2400}
+    outcome = {}
+
+    def client():
+        try:
+            with httpx.Client(timeout=httpx.Timeout(1.5, connect=10)) as c:
+                outcome["response"] = c.post(url, json=body)
+        except httpx.TimeoutException as e:
+            outcome["timeout"] = e
+        outcome["closed"] = time.time()  # the client and its connection are closed here
+
+    t = threading.Thread(target=client, daemon=True)
+    t.start()
+    deadline, held = time.time() + 30, None
+    while held is None and t.is_alive():  # the request generating, before the client gives up
+        s = stats(base)
+        if s["requests"] == 1 and s["pages_held"] > 0 and s["free_blocks"] < s["blocks"]:
+            held = s
+        assert time.time() < deadline
+        time.sleep(0.05)
+    t.join(timeout=60)
+    assert not t.is_alive()
+    assert "timeout" in outcome, outcome  # the reply was far from done after 1.5 s
+    assert held is not None, "the request never held cache while its client waited"
+    # cancelled, not run to its end: the 2400 tokens take far longer than this (before the server watched
+    # non-streaming clients, such a request held its pages until its reply was done, nobody reading it)
+    wait_idle(base, idle, 5)
+    assert time.time() - outcome["closed"] < 5
+    assert stats(base)["disconnected"] == idle["disconnected"] + 1  # by the server's disconnect watch
+    r = chat(base, name, max_tokens=5)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    assert wait_idle(base, idle, 10) < 10
 
 
 GOOD = [{"role": "user", "content": "Hi"}]
