@@ -400,11 +400,27 @@ def _check_out(out: str) -> None:
 
 
 PLAN_GPU_GB, PLAN_UTILIZATION, PLAN_PRESET = 80.0, 0.9, "llama3-8b"
+# plan --serving: the model and budget kvcompile serve uses by default (its --budget-mib)
+PLAN_SERVING_PRESET, PLAN_SERVING_BUDGET_MIB = "smollm2-135m", 256
+PLAN_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}  # the model's dtype: bytes of a full-precision element
 
 
 def cmd_plan(args) -> int:
     from . import plan as P
 
+    if not args.serving:
+        given = [o for o, v in (("--budget-mib", args.budget_mib), ("--max-requests", args.max_requests),
+                                ("--dtype", args.dtype), ("--page-size", args.page_size)) if v is not None]
+        if given:
+            raise UsageError(f"{' and '.join(given)} {'sizes' if len(given) == 1 else 'size'} the serving pool "
+                             f"(kvcompile serve): add --serving")
+    elif args.plot:
+        raise UsageError("--plot draws sequences per GPU against the context; with --serving, use --json")
+    elif args.budget_mib is not None and args.available_gb is not None:
+        raise UsageError("--budget-mib and --available-gb both give the serving pool's bytes: pass one of them")
+    elif args.tp != 1:
+        raise UsageError(f"--tp {args.tp}: kvcompile serving does not support tensor parallelism yet; plan the serving "
+                         f"pool without --tp")
     if args.config and args.preset:
         raise UsageError("--config and --preset both name the model: pass one of them")
     if args.available_gb is not None:
@@ -434,7 +450,7 @@ def cmd_plan(args) -> int:
                                      f"(the memory left for the cache)") from None
                 shape = P.shape_from_config(args.config, 0.0)  # the weights play no part with --available-gb
         else:
-            shape = P.PRESETS[args.preset or PLAN_PRESET]
+            shape = P.PRESETS[args.preset or (PLAN_SERVING_PRESET if args.serving else PLAN_PRESET)]
             if weights is not None:
                 shape = P.ModelShape(shape.name, shape.layers, shape.kv_heads, shape.head_dim, weights,
                                      shape.dtype_bytes, shape.windows)
@@ -445,6 +461,8 @@ def cmd_plan(args) -> int:
             shape = P.shard(shape, args.tp)
         except P.PlanError as e:
             raise UsageError(f"--tp {args.tp}: {e}") from None
+    if args.serving:
+        return _plan_serving(args, shape)
     unit = P.GiB if args.gib else P.GB
     if args.available_gb is not None:
         avail = args.available_gb * unit
@@ -471,6 +489,53 @@ def cmd_plan(args) -> int:
             print(f"wrote {P.plot(shape, avail, Path(args.plot).expanduser(), policies)}")
     except OSError as e:
         raise UsageError(f"could not write {e.filename or 'the output'}: {e.strerror or _one_line(e)}") from None
+    return 0
+
+
+def _plan_serving(args, shape) -> int:
+    """``kvcompile plan --serving``: the pool ``kvcompile serve`` allocates for one budget, under each policy,
+    against transformers' own paged cache."""
+    from dataclasses import replace
+
+    from . import plan as P
+
+    if args.dtype is not None:
+        shape = replace(shape, dtype_bytes=PLAN_DTYPES[args.dtype])
+    if args.budget_mib is not None:
+        budget = args.budget_mib * 2**20
+    elif args.available_gb is not None or args.gpu_gb is not None or args.utilization is not None:
+        unit = P.GiB if args.gib else P.GB
+        if args.available_gb is not None:
+            avail = args.available_gb * unit
+        else:
+            gpu = (args.gpu_gb if args.gpu_gb is not None else PLAN_GPU_GB) * unit
+            util = args.utilization if args.utilization is not None else PLAN_UTILIZATION
+            try:
+                avail = P.available_bytes(gpu, util, shape.weight_bytes)
+            except P.PlanError as e:
+                raise UsageError(f"{e} (see --gpu-gb, --utilization, --weights-gb, or give --budget-mib)") from None
+        if not (math.isfinite(avail) and avail < 2**62):
+            raise UsageError(f"{avail:g} bytes is too large to be a GPU's memory")
+        budget = int(avail)
+    else:
+        budget = PLAN_SERVING_BUDGET_MIB * 2**20
+    if args.json:
+        _check_writable_file(args.json, "--json")
+    page = args.page_size if args.page_size is not None else P.PAGE_SIZE
+    policies = {**P.default_serving_policies(), **{text: pol for text, pol in args.policy or ()}}
+    try:
+        theirs, rows, left_out = P.plan_serving(shape, budget, args.context, policies, args.max_requests, page)
+    except P.PlanError as e:
+        raise UsageError(f"{e} (--budget-mib {budget / 2**20:g}, --request-tokens {args.context}"
+                         + (f", --max-requests {args.max_requests})" if args.max_requests else ")")) from None
+    print(P.format_serving_table(theirs, rows, shape, budget, args.context, args.max_requests, left_out))
+    if args.json:
+        try:
+            Path(args.json).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).expanduser().write_text(
+                P.serving_to_json(theirs, rows, shape, budget, args.context, args.max_requests, left_out))
+        except OSError as e:
+            raise UsageError(f"could not write {e.filename or args.json}: {e.strerror or _one_line(e)}") from None
     return 0
 
 
@@ -597,10 +662,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-progress", action="store_true", help="no progress bars (default: shown)")
     e.set_defaults(func=cmd_eval)
 
-    pl = sub.add_parser("plan", help="concurrent sequences per GPU for each policy",
-                        description="Concurrent sequences per GPU for each policy, from the exact cache layout.")
+    pl = sub.add_parser("plan", help="concurrent sequences per GPU, or the serving pool, for each policy",
+                        description="Concurrent sequences per GPU for each policy, from the exact cache layout; with "
+                                    "--serving, the pool kvcompile serve allocates for one byte budget against "
+                                    "transformers' own paged cache.")
     pl.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                    help=f"the model: {', '.join(sorted(PRESETS))} (default: {PLAN_PRESET})")
+                    help=f"the model: {', '.join(sorted(PRESETS))} (default: {PLAN_PRESET}; with --serving, "
+                         f"{PLAN_SERVING_PRESET})")
     pl.add_argument("--config", default=None,
                     help="a local Hugging Face config.json or model folder instead of --preset; nothing is "
                          "downloaded (default: none, use --preset)")
@@ -620,8 +688,27 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPUs the model is sharded over by tensor parallelism (torchrun, tp_plan='auto'): plan "
                          "one GPU, with its share of the KV heads and of the weights; --gpu-gb and --available-gb "
                          "are per GPU (default: %(default)s)")
-    pl.add_argument("--context", type=_POSITIVE_INT, default=8192,
-                    help="tokens per sequence (default: %(default)s)")
+    pl.add_argument("--context", "--request-tokens", dest="context", type=_POSITIVE_INT, default=8192,
+                    help="tokens per sequence (with --serving: per request) (default: %(default)s)")
+    pl.add_argument("--serving", action="store_true",
+                    help="plan the continuous-batching cache kvcompile serve allocates for one byte budget "
+                         "(--budget-mib): its pool blocks, tokens, request slots and concurrent requests of "
+                         "--request-tokens tokens under each policy, against transformers' own paged cache for the "
+                         f"same budget; the model defaults to --preset {PLAN_SERVING_PRESET} (default: off, plan "
+                         f"sequences per GPU)")
+    pl.add_argument("--budget-mib", type=_POSITIVE_INT, default=None,
+                    help="with --serving: bytes of the whole serving cache in MiB, as kvcompile serve --budget-mib "
+                         f"(default: {PLAN_SERVING_BUDGET_MIB}, or --available-gb / --gpu-gb x --utilization - "
+                         f"weights where given)")
+    pl.add_argument("--max-requests", type=_POSITIVE_INT, default=None,
+                    help="with --serving: request slots, as kvcompile serve --max-requests (default: the most "
+                         "requests of --request-tokens tokens the budget holds)")
+    pl.add_argument("--dtype", default=None, choices=sorted(PLAN_DTYPES),
+                    help="with --serving: the model's dtype, which full-precision pages, rings and sinks are "
+                         "stored in (default: bfloat16; kvcompile serve on the CPU loads float32)")
+    pl.add_argument("--page-size", type=_POSITIVE_INT, default=None,
+                    help="with --serving: tokens per page of transformers' own paged cache (kvcompile's pages are "
+                         "its blocks) (default: 256, transformers' default)")
     pl.add_argument("--plot", default=None, help="write a PNG of sequences vs context here (default: none)")
     pl.add_argument("--json", default=None, help="write the table as JSON here (default: none)")
     pl.add_argument("--policy", nargs="+", type=_labelled_policy, default=None, metavar="POLICY",

@@ -54,6 +54,11 @@ def _kivi(bits, **kw):
     return Policy.kivi(bits, **kw)
 
 
+def _tok(bits, symmetric=False, sink=0):
+    q = Quant(f"int{bits}", "token", None, symmetric=symmetric)
+    return Policy(q, q, residual=0, sink=sink, rotate=True)
+
+
 def _only(bits_wanted: int, make: Callable[[], Policy]) -> Callable[[int], Policy | None]:
     return lambda bits: make() if bits == bits_wanted else None
 
@@ -87,6 +92,15 @@ SCHEMES: dict[str, Callable[[int], Policy | None]] = {
     # 8-bit formats with the same tools: rotation spreads the keys' outlier channels over the head.
     "int8+rot": _only(8, lambda: Policy.int8(rotate=True)),
     "fp8+rot+sink": _only(8, lambda: Policy.fp8("fp8_e4m3", residual=128, sink=4, rotate=True)),
+    # Serving policies (kvcompile.serving): no full-precision window per request. Keys and values per token
+    # over the whole head (one scale, and a zero point unless +sym, per 64 channels) after the Hadamard
+    # rotation, which spreads the keys' outlier channels so that per-token keys quantize; residual 0 and a
+    # flush group of 1, so a request slot holds no ring. +sink keeps the first 4 tokens in full precision.
+    "tok+rot": lambda b: _tok(b),
+    "tok+rot+sym": lambda b: _tok(b, symmetric=True),
+    "tok+rot+sink": lambda b: _tok(b, sink=4),
+    "tok+rot+sym+sink": lambda b: _tok(b, symmetric=True, sink=4),
+    "fp8-r0+rot": _only(8, lambda: Policy.fp8("fp8_e4m3", residual=0, rotate=True)),
 }
 DEFAULT_SCHEMES = ("naive", "kivi", "kivi+rot", "kivi+sink", "kivi-g16", "kivi+rot+sink", "kivi+sink+l0", "kivi-k3v2",
                    "fp8", "fp8-r0", "int8")

@@ -68,6 +68,9 @@ PRESETS = {
     # Meta Llama 3: 8B has 32 layers, 8 KV heads of 128; 70B has 80 layers, same heads. BF16 weights.
     "llama3-8b": ModelShape("Llama 3 8B", 32, 8, 128, 16.1 * GB),
     "llama3-70b": ModelShape("Llama 3 70B", 80, 8, 128, 141.0 * GB),
+    # HuggingFaceTB SmolLM2-135M(-Instruct), the model kvcompile eval and kvcompile serve use by default: 30
+    # layers, 3 KV heads of 64; 134.5M parameters in BF16.
+    "smollm2-135m": ModelShape("SmolLM2-135M", 30, 3, 64, 0.269 * GB),
 }
 
 
@@ -298,3 +301,193 @@ def plot(shape: ModelShape, available: float, path, policies: dict | None = None
 def to_json(rows: list[PlanRow], shape: ModelShape, context: int, available: float) -> str:
     return json.dumps({"model": shape.__dict__, "context": context, "available_bytes": available,
                        "rows": [r.as_dict() for r in rows]}, indent=2)
+
+
+# --------------------------------------------------------------------------- the serving pool
+# ``kvcompile serve`` / ``kvcompile.serving``: one byte budget for the whole continuous-batching cache. The
+# sizes come from kvcompile.serving's own functions (``size_pool``, ``transformers_pages``), which are what
+# the server allocates; here they are fed a ``ModelShape`` instead of a loaded model.
+PAGE_SIZE = 256  # transformers' ContinuousBatchingConfig default page_size
+_DTYPE_NAMES = {2: "bfloat16", 4: "float32"}
+
+
+@dataclass(frozen=True)
+class TransformersPool:
+    """What transformers' own ``PagedAttentionCache`` holds for the budget: full-precision pages."""
+
+    page_size: int
+    pages: int
+    pages_per_request: int
+    nbytes: int  # its pages' bytes (its tensor also has two trash pages' worth of sectors)
+
+    @property
+    def tokens(self) -> int:
+        return self.pages * self.page_size
+
+    @property
+    def requests(self) -> int:
+        return self.pages // self.pages_per_request
+
+    def as_dict(self):
+        return dict(self.__dict__, tokens=self.tokens, requests=self.requests)
+
+
+@dataclass(frozen=True)
+class ServingRow:
+    """kvcompile's serving pool under one policy, for the budget (``kvcompile.serving.PoolSize``)."""
+
+    label: str
+    policy: str
+    block_tokens: int
+    slots: int
+    blocks: int
+    pages_per_request: int
+    requests: int
+    nbytes: int  # allocated: the slots' rows, the pool, the block tables
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_tokens
+
+    def as_dict(self):
+        return dict(self.__dict__, tokens=self.tokens)
+
+
+def default_serving_policies() -> dict[str, Policy]:
+    """The rows ``kvcompile plan --serving`` shows: the serving policies (no full-precision window per
+    request: ``kvcompile.evaluate``'s serving schemes) and the policies with one, for comparison."""
+    from .evaluate import scheme_policy
+    return {
+        "bf16 (kvcompile full)": Policy.full(),
+        "int8 per token": Policy.int8(),
+        "fp8 e4m3, R=0": Policy.fp8(residual=0),
+        "fp8 e4m3, R=128": Policy.fp8(),
+        "KIVI 4-bit G32 R128": Policy.kivi(4),
+        "KIVI 2-bit G32 R128": Policy.kivi(2),
+        **{f"{name}:{bits}": scheme_policy(name, bits) for name, bits in SERVING_SCHEMES},
+    }
+
+
+SERVING_SCHEMES = (("tok+rot+sym", 8), ("tok+rot", 4), ("tok+rot", 2))  # the serving policies, by width
+
+
+def _serving_shape(shape: ModelShape) -> str:
+    if shape.tp != 1:
+        raise PlanError(f"kvcompile serving does not support tensor parallelism yet ({shape.name} is planned over "
+                        f"{shape.tp} GPUs): plan the serving pool with tp=1")
+    if shape.windows:
+        raise PlanError(f"kvcompile serving supports full-attention layers only, and {shape.name} has "
+                        f"{len(shape.windows)} attending over a sliding or chunked window: plan its cache without "
+                        f"--serving")
+    return _DTYPE_NAMES[shape.dtype_bytes]
+
+
+def _check_count(name: str, v, allow_none: bool = False) -> None:
+    if v is None and allow_none:
+        return
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise PlanError(f"{name}={v!r}: expected a positive whole number")
+
+
+def transformers_pool(shape: ModelShape, budget: int, request_tokens: int,
+                      page_size: int = PAGE_SIZE) -> TransformersPool:
+    """transformers' own paged cache for ``budget`` bytes: its pages (``kvcompile.serving.transformers_pages``)
+    and the requests of ``request_tokens`` tokens they hold (``ceil(request_tokens / page_size)`` pages each)."""
+    from .accounting import full_precision_bytes_per_token
+    from .serving import pages_for, transformers_pages
+
+    for name, v in (("budget", budget), ("request_tokens", request_tokens), ("page_size", page_size)):
+        _check_count(name, v)
+    dtype = _serving_shape(shape)
+    bpt = full_precision_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, dtype)
+    pages = transformers_pages(budget, page_size, bpt)
+    return TransformersPool(page_size, pages, pages_for(request_tokens, page_size), pages * page_size * bpt)
+
+
+def serving_pool(label: str, policy: Policy, shape: ModelShape, budget: int, request_tokens: int,
+                 max_requests: int | None = None) -> ServingRow:
+    """kvcompile's serving pool for ``budget`` bytes under ``policy``: its slots (``max_requests``, as
+    ``kvcompile serve --max-requests``; None: the most requests of ``request_tokens`` tokens the budget
+    holds), pool blocks (= the pages transformers' scheduler hands out), tokens, and concurrent requests."""
+    from .passes import KVCompileError
+    from .serving import size_pool, specs_for
+
+    for name, v in (("budget", budget), ("request_tokens", request_tokens)):
+        _check_count(name, v)
+    _check_count("max_requests", max_requests, allow_none=True)
+    if not isinstance(policy, Policy):
+        raise PlanError(f"{label}: {policy!r} is not a kvcompile.Policy")
+    dtype = _serving_shape(shape)
+    names = [f"model.layers.{i}.self_attn" for i in range(shape.layers)]
+    specs = specs_for(policy.resolve(names), shape.kv_heads, shape.head_dim, dtype)
+    try:
+        size = size_pool(specs, budget, request_tokens, max_requests)
+    except KVCompileError as e:
+        raise PlanError(f"{label}: {str(e).removeprefix('kvcompile serving: ')}") from None
+    if size.requests < 1:
+        raise PlanError(f"{label}: with {size.slots} request slots the budget of {budget:,} bytes leaves "
+                        f"{size.blocks} pool blocks of {size.block_tokens} tokens, fewer than the "
+                        f"{size.pages_per_request} one request of {request_tokens:,} tokens takes; raise the budget, "
+                        f"lower max_requests or shorten the requests")
+    return ServingRow(label, str(policy), size.block_tokens, size.slots, size.blocks, size.pages_per_request,
+                      size.requests, size.nbytes)
+
+
+def plan_serving(shape: ModelShape, budget: int, request_tokens: int, policies: dict | None = None,
+                 max_requests: int | None = None, page_size: int = PAGE_SIZE):
+    """transformers' paged cache and kvcompile's serving pool under each policy, for one byte budget:
+    ``(TransformersPool, rows, left_out)``; ``left_out``: ``(label, why)`` of the policies whose pool holds no
+    request (a ``PlanError`` when that is every policy)."""
+    theirs = transformers_pool(shape, budget, request_tokens, page_size)
+    rows, left_out = [], []
+    for k, v in (policies or default_serving_policies()).items():
+        try:
+            rows.append(serving_pool(k, v, shape, budget, request_tokens, max_requests))
+        except PlanError as e:
+            left_out.append((k, str(e).removeprefix(f"{k}: ")))
+    if not rows:
+        raise PlanError(f"no policy's serving pool holds a request: {left_out[0][0]}: {left_out[0][1]}")
+    return theirs, rows, left_out
+
+
+def _n(n: int, what: str) -> str:
+    return f"{n:,} {what}{'' if n == 1 else 's'}"
+
+
+def _ratio(a: int, b: int) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def format_serving_table(theirs: TransformersPool, rows: list[ServingRow], shape: ModelShape, budget: int,
+                         request_tokens: int, max_requests: int | None = None, left_out=()) -> str:
+    dtype = _DTYPE_NAMES[shape.dtype_bytes]
+    lines = [f"{shape.name}: {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim}, {dtype} model; "
+             f"one budget of {budget:,} bytes ({budget / 2**20:,.1f} MiB) for the whole serving cache; "
+             f"requests of {request_tokens:,} tokens",
+             f"transformers' PagedAttentionCache: {_n(theirs.pages, 'page')} of {theirs.page_size} tokens "
+             f"({theirs.tokens:,} tokens), {_n(theirs.pages_per_request, 'page')} a request: "
+             f"{_n(theirs.requests, 'request')}"]
+    w = max([len("policy")] + [len(r.label) for r in rows]) + 2
+    lines.append(f"{'policy':<{w}}{'block':>6}{'slots':>7}{'blocks':>8}{'tokens':>10}{'requests':>10}"
+                 f"{'x tokens':>10}{'x requests':>12}{'allocated':>14}")
+    for r in rows:
+        lines.append(f"{r.label:<{w}}{r.block_tokens:>6}{r.slots:>7,}{r.blocks:>8,}{r.tokens:>10,}{r.requests:>10,}"
+                     f"{_ratio(r.tokens, theirs.tokens):>10}{_ratio(r.requests, theirs.requests):>12}"
+                     f"{r.nbytes:>14,}")
+    slots = (f"slots: {max_requests} (max_requests)" if max_requests else
+             f"slots: the most requests of {request_tokens:,} tokens the budget holds")
+    lines.append(f"{slots}; kvcompile's pages are its pool's blocks (a page per block, block tokens each), one "
+                 f"request takes ceil(tokens / block) of them. `kvcompile serve --budget-mib M --max-requests SLOTS` "
+                 f"(kvcompile.serving.configure(model, budget=, max_requests=)) allocates exactly this pool.")
+    lines += [f"not shown, {label}: {why}" for label, why in left_out]
+    return "\n".join(lines)
+
+
+def serving_to_json(theirs: TransformersPool, rows: list[ServingRow], shape: ModelShape, budget: int,
+                    request_tokens: int, max_requests: int | None = None, left_out=()) -> str:
+    return json.dumps({"model": shape.__dict__, "budget_bytes": budget, "request_tokens": request_tokens,
+                       "max_requests": max_requests, "transformers": theirs.as_dict(),
+                       "left_out": [{"label": k, "why": v} for k, v in left_out],
+                       "rows": [dict(r.as_dict(), token_ratio=r.tokens / theirs.tokens if theirs.tokens else None,
+                                     request_ratio=r.requests / theirs.requests if theirs.requests else None)
+                                for r in rows]}, indent=2)

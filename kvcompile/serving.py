@@ -96,23 +96,44 @@ def configure(model, *, budget: int | None = None, max_requests: int | None = No
 
 
 # --------------------------------------------------------------------------- sizing
+# The one place the serving pool's sizes are written; ``capacity`` allocates them and ``kvcompile.plan``
+# predicts them with the same functions (from a model's shape, nothing allocated).
+def specs_for(policies: list[Policy], kv_heads: int, head_dim: int, dtype: str) -> list[LayerSpec]:
+    """One spec per layer (resolved per-layer ``policies``), every one with the same block (the largest any
+    layer's policy needs): transformers counts pages of one size for all layers."""
+    block = max(LayerSpec(p, kv_heads, head_dim, dtype).block for p in policies)
+    return [LayerSpec(p, kv_heads, head_dim, dtype, block_tokens=block) for p in policies]
+
+
 def layer_specs(model_config, opts: ServingOptions, dtype: torch.dtype) -> list[LayerSpec]:
-    """One spec per layer, every one with the same block (the largest any layer's policy needs): transformers
-    counts pages of one size for all layers."""
+    """``specs_for`` an applied model's layers."""
     from .hf import model_shape
 
     _, _, head_dim = model_shape(model_config)
-    policies = opts.policy.resolve(opts.layer_names)
-    block = max(LayerSpec(p, opts.kv_heads, head_dim, DTYPE_NAMES[dtype]).block for p in policies)
-    return [LayerSpec(p, opts.kv_heads, head_dim, DTYPE_NAMES[dtype], block_tokens=block) for p in policies]
+    return specs_for(opts.policy.resolve(opts.layer_names), opts.kv_heads, head_dim, DTYPE_NAMES[dtype])
 
 
 def full_precision_bytes_per_token(model_config, dtype: torch.dtype) -> int:
     """What transformers' paged cache allocates per token, every layer: keys and values in the model dtype."""
+    from .accounting import full_precision_bytes_per_token as fp_bytes
     from .hf import model_shape
 
-    layers, kv, hd = model_shape(model_config)
-    return layers * 2 * kv * hd * torch.empty((), dtype=dtype).element_size()
+    return fp_bytes(*model_shape(model_config), dtype)
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages transformers' allocator hands a request of ``tokens`` tokens: ``ceil(tokens / page_size)``. Its
+    scheduler admits requests on this count, so it is what a request of kvcompile's pool takes too (page =
+    block), although the store holds only ``blocks_for(tokens)`` of them (the rest of its tokens are in its
+    slot's ring and sinks)."""
+    return -(-tokens // page_size)
+
+
+def transformers_pages(budget: int, page_size: int, bytes_per_token: int) -> int:
+    """Pages of ``page_size`` tokens a ``budget`` buys in transformers' own paged cache (what ``capacity`` and
+    ``benchmarks/serve_load.py`` give it as ``num_blocks``): its tensor holds every layer's keys and values
+    in full precision, ``bytes_per_token`` per token."""
+    return budget // (page_size * bytes_per_token)
 
 
 def default_slots(specs: list[LayerSpec], budget: int) -> int:
@@ -122,31 +143,98 @@ def default_slots(specs: list[LayerSpec], budget: int) -> int:
     return max(1, min(DEFAULT_SLOTS, budget // (4 * sum(s.row_nbytes() for s in specs))))
 
 
+def pool_nbytes(specs: list[LayerSpec], slots: int, blocks: int) -> int:
+    """Bytes the stores allocate for ``slots`` rows and a pool of ``blocks`` blocks per layer: each row's ring,
+    sinks and length; each block's codes, scales and zero points; and the block table at full width (an int32
+    per slot and block, allocated once so it never grows)."""
+    return sum(slots * s.row_nbytes() + blocks * s.block_nbytes() + 4 * slots * blocks for s in specs)
+
+
 def pool_blocks(specs: list[LayerSpec], budget: int, slots: int) -> int:
-    """Blocks per layer that ``budget`` bytes buy once ``slots`` rows (ring, sinks, length) are paid for; each
-    block also costs, in every layer, a column of the block table (an int32 per slot: the table is allocated
-    at full width, ``slots x blocks``, so it never grows)."""
-    fixed = slots * sum(s.row_nbytes() for s in specs)
-    per_block = sum(s.block_nbytes() + 4 * slots for s in specs)
-    blocks = (budget - fixed) // per_block
+    """Blocks per layer that ``budget`` bytes buy once ``slots`` rows (ring, sinks, length) are paid for: the
+    most ``blocks`` with ``pool_nbytes(specs, slots, blocks) <= budget``."""
+    fixed = pool_nbytes(specs, slots, 0)
+    blocks = (budget - fixed) // (pool_nbytes(specs, slots, 1) - fixed)
     if blocks < 1:
         raise KVCompileError(
-            f"kvcompile serving: a budget of {budget} bytes does not hold one block after {slots} request slots "
-            f"({fixed} bytes of full-precision rings and sinks); raise the budget or lower max_requests.")
+            f"kvcompile serving: a budget of {budget:,} bytes does not hold one block after {slots} request slots "
+            f"({fixed:,} bytes of full-precision rings, sinks and lengths); raise the budget or lower max_requests.")
     return int(blocks)
 
 
+def most_slots(specs: list[LayerSpec], budget: int, request_tokens: int) -> int:
+    """The most slots whose requests of ``request_tokens`` tokens the budget holds all at once: each slot's
+    row, and ``pages_for(request_tokens)`` pool blocks (and their table columns) per slot. 0 if not one."""
+    need = pages_for(request_tokens, specs[0].block)
+
+    def fits(n):
+        return pool_nbytes(specs, n, n * need) <= budget
+
+    lo, hi = 0, budget // pool_nbytes(specs, 1, need) + 1  # fits(lo); not fits(hi): a slot costs at least that
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """The serving pool one budget buys (``size_pool``): what ``configure(budget=, max_requests=slots)`` and
+    ``kvcompile serve --budget-mib --max-requests`` allocate."""
+
+    budget: int          # bytes
+    slots: int           # request rows (requests holding cache at once, at most)
+    blocks: int          # pool blocks per layer = transformers' pages
+    block_tokens: int    # tokens per block = transformers' page_size
+    request_tokens: int  # tokens per request, for ``requests``
+    nbytes: int          # bytes allocated: rows, pool, tables (``pool_nbytes``)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the pool's pages hold (what transformers' scheduler may hand out)."""
+        return self.blocks * self.block_tokens
+
+    @property
+    def pages_per_request(self) -> int:
+        return pages_for(self.request_tokens, self.block_tokens)
+
+    @property
+    def requests(self) -> int:
+        """Concurrent requests of ``request_tokens`` tokens: limited by the slots and by the pages."""
+        return min(self.slots, self.blocks // self.pages_per_request)
+
+
+def size_pool(specs: list[LayerSpec], budget: int, request_tokens: int, slots: int | None = None) -> PoolSize:
+    """The pool ``budget`` bytes buy with ``slots`` request rows; ``slots=None``: the most requests of
+    ``request_tokens`` tokens the budget holds (``most_slots``)."""
+    for name, v in (("budget", budget), ("request_tokens", request_tokens), ("slots", slots)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"kvcompile serving: {name}={v!r}: expected a positive integer")
+    if slots is None:
+        slots = most_slots(specs, budget, request_tokens)
+        if slots < 1:
+            one = pool_nbytes(specs, 1, pages_for(request_tokens, specs[0].block))
+            raise KVCompileError(f"kvcompile serving: a budget of {budget:,} bytes holds no request of "
+                                 f"{request_tokens:,} tokens (one takes {one:,} bytes: its slot and its pages); "
+                                 f"raise the budget or shorten the requests")
+    blocks = pool_blocks(specs, budget, slots)
+    return PoolSize(budget, slots, blocks, specs[0].block, request_tokens, pool_nbytes(specs, slots, blocks))
+
+
 def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = torch.bfloat16,
-             request_tokens: int = 1024, page_size: int = 256, layer_names=None) -> dict:
+             request_tokens: int = 1024, page_size: int = 256, layer_names=None,
+             max_requests: int | None = None) -> dict:
     """For one byte ``budget``: what kvcompile's serving cache and transformers' own paged cache hold, counted
     from the tensors each allocates (both are allocated here, on the CPU).
 
     - ``tokens``: the pages each engine's scheduler may hand out, in tokens (kvcompile: pool blocks x block,
-      with ``requests`` slots paid for first; transformers: its pages x ``page_size``);
-    - ``requests``: concurrent requests of ``request_tokens`` tokens each the budget holds (kvcompile sizes
-      its slots to that number: each slot's full-precision ring and sinks are part of the budget);
+      with ``slots`` rows paid for first; transformers: its pages x ``page_size``);
+    - ``requests``: concurrent requests of ``request_tokens`` tokens each the budget holds: each takes
+      ``ceil(request_tokens / page)`` pages (transformers' allocator, in both engines), and in kvcompile a
+      slot, whose full-precision ring and sinks are part of the budget. ``max_requests``: the slots (as
+      ``configure``); None: sized to the requests (``size_pool``);
     - ``allocated``: bytes of the tensors allocated (kvcompile: pools, rings, sinks, lengths and block
-      tables at full width).
+      tables at full width; transformers: its tensor, with its two trash sectors; ``data``: without them).
     """
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.distributed import DistributedHelper
@@ -156,34 +244,30 @@ def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = tor
     layers, kv, _ = model_shape(model_config)
     names = layer_names or [f"model.layers.{i}.self_attn" for i in range(layers)]
     specs = layer_specs(model_config, ServingOptions(policy, names, kv), dtype)
-    need = max(1, specs[0].blocks_for(request_tokens))  # blocks per request (every layer the same)
-    slots = budget // sum(s.row_nbytes() + need * s.block_nbytes() for s in specs)  # an upper bound
-    while slots >= 1 and (budget - slots * sum(s.row_nbytes() for s in specs)) // sum(
-            s.block_nbytes() + 4 * slots for s in specs) < slots * need:
-        slots -= 1  # the most slots whose requests' blocks (and table columns) the rest of the budget holds
-    if slots < 1:
-        raise KVCompileError(f"a budget of {budget} bytes holds no request of {request_tokens} tokens")
-    blocks = pool_blocks(specs, budget, slots)
-    stores = make_stores(specs, slots, blocks)
+    size = size_pool(specs, budget, request_tokens, max_requests)
+    stores = make_stores(specs, size.slots, size.blocks)
+    blocks, slots = stores[0].state.k_codes.shape[0], stores[0].state.lengths.numel()  # as allocated
     ours = dict(allocated=sum(state_nbytes(st.state) for st in stores), budgeted=budget, blocks=blocks,
-                tokens=blocks * specs[0].block, requests=min(slots, blocks // need), slots=slots)
+                block_tokens=specs[0].block, tokens=blocks * specs[0].block, slots=slots,
+                requests=min(slots, blocks // pages_for(request_tokens, specs[0].block)))
     del stores
-    per_page = page_size * full_precision_bytes_per_token(model_config, dtype)
-    cbc = ContinuousBatchingConfig(num_blocks=budget // per_page, page_size=page_size, max_batch_tokens=256,
-                                   max_blocks_per_request=0, max_memory_percent=1.0)
+    fp = full_precision_bytes_per_token(model_config, dtype)
+    cbc = ContinuousBatchingConfig(num_blocks=transformers_pages(budget, page_size, fp), page_size=page_size,
+                                   max_batch_tokens=256, max_blocks_per_request=0, max_memory_percent=1.0)
     theirs_cache = _transformers().PagedAttentionCache(model_config, cbc, "cpu", DistributedHelper(None, None, {}),
                                                        dtype)
     data = theirs_cache.num_sectors * theirs_cache.bytes_per_sector  # without the two trash sectors
-    theirs = dict(allocated=theirs_cache.cache_tensor.numel(), data=data, blocks=theirs_cache.num_blocks,
-                  tokens=theirs_cache.num_blocks * page_size,
-                  requests=theirs_cache.num_blocks // -(-request_tokens // page_size))
+    pages = data // (page_size * fp)  # counted from the tensor: pages of page_size tokens it holds
+    theirs = dict(allocated=theirs_cache.cache_tensor.numel(), data=data, blocks=pages, page_size=page_size,
+                  tokens=pages * page_size, requests=pages // pages_for(request_tokens, page_size))
+    del theirs_cache
     return dict(kvcompile=ours, transformers=theirs, token_ratio=ours["tokens"] / theirs["tokens"],
                 request_ratio=ours["requests"] / max(1, theirs["requests"]))
 
 
 def make_stores(specs: list[LayerSpec], slots: int, blocks: int, device="cpu") -> list[KVStore]:
     """One store per layer: ``slots`` rows, a pool of ``blocks`` blocks allocated now (it never grows), and
-    the block table at full width. Its tensors are exactly what ``pool_blocks`` budgets."""
+    the block table at full width. Its tensors are exactly what ``pool_nbytes`` counts."""
     out = []
     for s in specs:
         st = KVStore(s, slots, device, max_blocks=blocks, blocks=blocks)

@@ -24,6 +24,25 @@ def test_plan_70b_in_45_gib(capsys, tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_plan_serving_prints_both_caches_and_writes_json(capsys, tmp_path):
+    """plan --serving: transformers' pages and requests, then one row per policy (the defaults and --policy), and
+    the same numbers as JSON; the model is kvcompile serve's default (SmolLM2-135M's shape)."""
+    js = tmp_path / "s.json"
+    assert cli.main(["plan", "--serving", "--budget-mib", "16", "--request-tokens", "512", "--policy",
+                     "kivi+rot+sink:4", "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "SmolLM2-135M: 30 layers x 3 KV heads x 64, bfloat16" in out
+    # 16 MiB of bf16 pages of 256 tokens, 23,040 bytes a token: 2 pages, one 512-token request
+    assert "transformers' PagedAttentionCache: 2 pages of 256 tokens (512 tokens), 2 pages a request: 1 request" in out
+    data = json.loads(js.read_text())
+    rows = {r["label"]: r for r in data["rows"]}
+    assert {"tok+rot:4", "kivi+rot+sink:4", "KIVI 4-bit G32 R128"} <= set(rows)
+    r = rows["tok+rot:4"]
+    assert f"{r['slots']:>7,}{r['blocks']:>8,}{r['tokens']:>10,}{r['requests']:>10,}" in out
+    assert r["tokens"] == r["blocks"] * r["block_tokens"] and r["nbytes"] <= 16 * 2**20
+    assert data["transformers"]["requests"] == 1 and r["request_ratio"] == r["requests"]
+
+
 def test_plan_from_a_config(capsys, tiny_dir):
     cli.main(["plan", "--config", str(tiny_dir), "--gpu-gb", "1", "--context", "1024"])
     assert "2 layers x 2 KV heads x 32" in capsys.readouterr().out
@@ -101,12 +120,23 @@ BAD_INPUTS = {
     "plan_utilization_above_one": ("plan --utilization 1.5", r"'1\.5' is not a fraction in \(0, 1\]"),
     "plan_available_zero": ("plan --available-gb 0", r"argument --available-gb: '0' is not a positive number"),
     "plan_weights_negative": ("plan --weights-gb -1", r"argument --weights-gb: '-1' is not a number of gigabytes >= 0"),
-    "plan_context_zero": ("plan --context 0", r"argument --context: '0' is not a positive whole number"),
-    "plan_context_negative": ("plan --context -5", r"argument --context: '-5' is not a positive whole number"),
-    "plan_context_not_a_number": ("plan --context 8k", r"argument --context: '8k' is not a positive whole number"),
+    "plan_context_zero": ("plan --context 0", r"argument --context/--request-tokens: '0' is not a positive whole number"),
+    "plan_context_negative": ("plan --context -5", r"argument --context/--request-tokens: '-5' is not a positive whole number"),
+    "plan_context_not_a_number": ("plan --context 8k", r"argument --context/--request-tokens: '8k' is not a positive whole number"),
     "plan_json_is_a_directory": ("plan --json {tmp}", r"--json '.*' is a directory: give a file name"),
     "plan_plot_under_a_file": ("plan --plot {tmp}/afile/p.png", r"--plot '.*afile/p\.png': '.*afile' is a file"),
     "plan_plot_unknown_format": ("plan --plot {tmp}/p.xyz", r"matplotlib cannot write '\.xyz' files; use \.png"),
+    # plan --serving
+    "plan_budget_without_serving": ("plan --budget-mib 64", r"--budget-mib sizes the serving pool .*add --serving"),
+    "plan_serving_budget_too_small": ("plan --serving --budget-mib 1 --request-tokens 8192",
+                                      r"no policy's serving pool holds a request: .*holds no request of 8,192 tokens "
+                                      r"\(one takes [\d,]+ bytes.*raise the budget or shorten the requests"),
+    "plan_serving_slots_too_many": ("plan --serving --budget-mib 8 --request-tokens 64 --max-requests 100000",
+                                    r"does not hold one block after 100000 request slots .*lower max_requests"),
+    "plan_serving_two_budgets": ("plan --serving --budget-mib 64 --available-gb 1", r"pass one of them"),
+    "plan_serving_plot": ("plan --serving --plot {tmp}/p.png", r"--plot draws .*with --serving, use --json"),
+    "plan_serving_tp": ("plan --serving --tp 2", r"--tp 2: kvcompile serving does not support tensor parallelism"),
+    "plan_serving_budget_zero": ("plan --serving --budget-mib 0", r"argument --budget-mib: '0' is not a positive"),
     "plan_available_and_gpu": ("plan --available-gb 45 --gpu-gb 40", r"so --gpu-gb would have no effect"),
     "plan_config_and_preset": ("plan --preset llama3-70b --config {tiny}", "--config and --preset both name the model"),
     # eval

@@ -119,3 +119,102 @@ def test_windowed_layers_plan_what_the_cache_allocates(policy):
                    else layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
         assert expr.subs(P.C, cap) == held, (cap, cache.rings)
     assert P.ideal_sequence_bytes_expr(16, shape).subs(P.C, 300) == 2 * 2 * 8 * 2 * (5 * 16 + 300)
+
+
+# --------------------------------------------------------------------------- the serving pool (plan --serving)
+SERVING_POLICIES = {
+    "full": Policy.full(), "int8": Policy.int8(), "fp8-r0": Policy.fp8(residual=0), "fp8": Policy.fp8(),
+    "kivi4": Policy.kivi(4), "kivi2": Policy.kivi(2), "kivi4+rot+sink": Policy.kivi(4, sink=4, rotate=True),
+    "tok+rot:4": "tok+rot:4", "tok+rot:2": "tok+rot:2", "tok+rot+sym:8": "tok+rot+sym:8",
+    "tok+rot+sink:4": "tok+rot+sink:4",
+    "mixed": Policy.kivi(2).override({0: Policy.int8(), -1: None}),  # per-layer blocks differ: one block for all
+}
+
+
+def _policy(p):
+    from kvcompile.evaluate import scheme_policy
+    return scheme_policy(*p.split(":")[0:1], int(p.split(":")[1])) if isinstance(p, str) else p
+
+
+def _small_config(layers=4):
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=64, hidden_size=192, intermediate_size=64, num_hidden_layers=layers,
+                       num_attention_heads=3, num_key_value_heads=3, head_dim=64)
+
+
+def _check_planner_equals_allocation(cfg, policy, budget, tokens, dtype, max_requests=None, page_size=256):
+    import torch
+    from kvcompile import serving
+
+    shape = P.shape_from_config(cfg, weight_bytes=0)
+    if dtype == torch.float32:
+        shape = P.ModelShape(shape.name, shape.layers, shape.kv_heads, shape.head_dim, 0, dtype_bytes=4)
+    row = P.serving_pool("p", policy, shape, budget, tokens, max_requests)
+    theirs = P.transformers_pool(shape, budget, tokens, page_size)
+    got = serving.capacity(cfg, policy, budget, dtype, request_tokens=tokens, page_size=page_size,
+                           max_requests=max_requests)
+    ours, tf = got["kvcompile"], got["transformers"]
+    assert (row.slots, row.blocks, row.block_tokens, row.tokens, row.requests, row.nbytes) == (
+        ours["slots"], ours["blocks"], ours["block_tokens"], ours["tokens"], ours["requests"], ours["allocated"])
+    assert ours["allocated"] <= budget
+    assert (theirs.pages, theirs.tokens, theirs.requests, theirs.nbytes) == (
+        tf["blocks"], tf["tokens"], tf["requests"], tf["data"])
+    return row, theirs
+
+
+@pytest.mark.parametrize("name", list(SERVING_POLICIES))
+def test_serving_plan_equals_the_allocated_pool(name):
+    """kvcompile plan --serving predicts, from the layout formulas alone, what kvcompile.serving.capacity counts
+    in the tensors it allocates (both caches): pool blocks, tokens, slots, requests, bytes; and transformers'
+    pages, tokens and requests. Budgets and request lengths around page boundaries, bf16 and fp32, slots sized
+    to the requests or given."""
+    import torch
+
+    cfg, policy = _small_config(), _policy(SERVING_POLICIES[name])
+    for budget, tokens, dtype, slots in ((3 * 2**20, 256, torch.bfloat16, None), (5 * 2**20 + 7, 1000, torch.bfloat16, None),
+                                         (7 * 2**20, 64, torch.float32, None), (6 * 2**20, 257, torch.bfloat16, 3)):
+        _check_planner_equals_allocation(cfg, policy, budget, tokens, dtype, slots)
+
+
+@pytest.mark.parametrize("name", ["int8", "kivi2", "tok+rot:4", "tok+rot+sink:4"])
+def test_a_budget_of_exactly_n_requests(name):
+    """The budget that holds exactly N requests, from the store's layout (each request: its slot's ring, sinks
+    and length, ceil(T / block) blocks, and their table columns in every slot's row of the full-width table):
+    the planner and the allocation hold N there, allocating every byte, and N - 1 one byte below. The same for
+    transformers' pages."""
+    import torch
+    from kvcompile.serving import specs_for
+
+    cfg, policy = _small_config(), _policy(SERVING_POLICIES[name])
+    tokens, n = 300, 5
+    specs = specs_for(policy.resolve([f"model.layers.{i}.self_attn" for i in range(4)]), 3, 64, "bfloat16")
+    pages = -(-tokens // specs[0].block)
+    exact = sum(n * s.row_nbytes() + n * pages * s.block_nbytes() + 4 * n * (n * pages) for s in specs)
+    row, _ = _check_planner_equals_allocation(cfg, policy, exact, tokens, torch.bfloat16)
+    assert (row.requests, row.slots, row.blocks, row.nbytes) == (n, n, n * pages, exact)
+    row, _ = _check_planner_equals_allocation(cfg, policy, exact - 1, tokens, torch.bfloat16)
+    assert row.requests == n - 1
+    page = 4 * 2 * 3 * 64 * 2 * 256  # transformers: bytes of a 256-token page, every layer, bf16
+    _, theirs = _check_planner_equals_allocation(cfg, policy, 2 * 2 * page, tokens, torch.bfloat16)
+    assert (theirs.pages, theirs.requests) == (4, 2)  # 300 tokens take 2 pages
+    _, theirs = _check_planner_equals_allocation(cfg, policy, 2 * 2 * page - 1, tokens, torch.bfloat16)
+    assert (theirs.pages, theirs.requests) == (3, 1)
+
+
+def test_serving_plan_refuses_what_it_cannot_plan():
+    shape = P.shape_from_config(_small_config(), weight_bytes=0)
+    with pytest.raises(P.PlanError, match=r"holds no request of 4,096 tokens \(one takes [\d,]+ bytes"):
+        P.serving_pool("int8", Policy.int8(), shape, 2**20, 4096)
+    with pytest.raises(P.PlanError, match=r"does not hold one block after 400 request slots.*lower max_requests"):
+        P.serving_pool("kivi", Policy.kivi(4), shape, 2**20, 100, max_requests=400)
+    with pytest.raises(P.PlanError, match=r"with 30 request slots .* fewer than the 16 one request of 1,024"):
+        P.serving_pool("int8", Policy.int8(), shape, 2**20, 1024, max_requests=30)
+    with pytest.raises(P.PlanError, match="request_tokens=0: expected a positive whole number"):
+        P.serving_pool("int8", Policy.int8(), shape, 2**20, 0)
+    with pytest.raises(P.PlanError, match="tensor parallelism"):
+        P.serving_pool("int8", Policy.int8(), P.shard(P.PRESETS["llama3-8b"], 2), 2**30, 100)
+    # a row that holds no request is left out with its reason; none holding one is an error
+    theirs, rows, left = P.plan_serving(shape, 2**20, 1024, {"int8": Policy.int8(), "tok2": _policy("tok+rot:2")})
+    assert [r.label for r in rows] == ["tok2"] and left[0][0] == "int8" and "holds no request" in left[0][1]
+    with pytest.raises(P.PlanError, match="no policy's serving pool holds a request"):
+        P.plan_serving(shape, 2**16, 1024, {"int8": Policy.int8()})

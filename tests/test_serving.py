@@ -293,20 +293,31 @@ SMOL = dict(vocab_size=64, hidden_size=576, intermediate_size=64, num_hidden_lay
             num_key_value_heads=3, head_dim=64)  # SmolLM2-135M's cache geometry (no weights needed)
 
 
-@pytest.mark.parametrize("name,policy,packed_ratio,request_ratio", [
-    ("int8", Policy.int8(), 1.85, 1.9),     # 8-bit codes + a 2-byte scale per 32 channels: 768 / 408 bytes
-    ("kivi4", Policy.kivi(4), 3.0, 2.0),    # 4-bit codes + scales and zeros per 32 (tokens or channels)
-    ("kivi2", Policy.kivi(2), 5.0, 2.8),    # 2-bit codes, same scales; KIVI's 128-token ring is full precision
-], ids=["int8", "kivi4", "kivi2"])
-def test_one_byte_budget_holds_more_tokens_than_transformers_own_cache(name, policy, packed_ratio, request_ratio):
-    """Both caches allocated for the same 64 MiB on a SmolLM2-shaped bf16 model: kvcompile's allocation stays
-    within the budget and is exactly its layout's arithmetic (slots' rings and sinks + pool blocks); the
-    pool's packed tokens cost 1/packed_ratio of transformers' bytes per token; and concurrent 1K-token requests
-    (each kvcompile request also holds its full-precision ring) are at least request_ratio times more."""
+def _scheme(entry):
+    from kvcompile.evaluate import scheme_policy
+    name, bits = entry.split(":")
+    return scheme_policy(name, int(bits))
+
+
+# The serving issue's bars: for one byte budget (256 MiB, a SmolLM2-shaped bf16 model, 1K-token requests), the
+# tokens and the concurrent requests kvcompile's serving pool holds, over transformers' own paged cache's.
+BARS = {"tok+rot:4": 3.5, "tok+rot:2": 6.0, "tok+rot+sym:8": 1.9, "fp8-r0": 1.9}
+
+
+@pytest.mark.parametrize("name", ["tok+rot:4", "tok+rot:2", "tok+rot+sym:8", "fp8-r0", "int8", "kivi4", "kivi2"])
+def test_one_byte_budget_holds_more_tokens_than_transformers_own_cache(name):
+    """Both caches allocated for the same 256 MiB on a SmolLM2-shaped bf16 model (the tensors only: no weights):
+    kvcompile's allocation stays within the budget and is exactly its layout's arithmetic (slots' rings and sinks
+    + pool blocks + full-width tables); transformers' pages hold 23,040 bytes a token. The serving policies (no
+    full-precision window per request) reach the issue's bars in tokens and in concurrent 1K-token requests;
+    KIVI's and fp8's own windows (residual 128) are paid per slot, and Policy.int8's zero points cost 1/4 bit
+    more than the symmetric int8's, so those are only checked to beat transformers' cache."""
     from transformers import LlamaConfig
 
+    policy = {"fp8-r0": Policy.fp8(residual=0), "int8": Policy.int8(), "kivi4": Policy.kivi(4),
+              "kivi2": Policy.kivi(2)}.get(name) or _scheme(name)
     cfg = LlamaConfig(**SMOL)
-    budget = 64 * 2**20
+    budget = 256 * 2**20
     r = serving.capacity(cfg, policy, budget, torch.bfloat16, request_tokens=1024)
     ours, theirs = r["kvcompile"], r["transformers"]
     specs = serving.layer_specs(cfg, serving.ServingOptions(policy, [str(i) for i in range(30)], 3), torch.bfloat16)
@@ -316,9 +327,10 @@ def test_one_byte_budget_holds_more_tokens_than_transformers_own_cache(name, pol
     assert ours["allocated"] <= budget
     fp_token = 30 * 2 * 3 * 64 * 2
     assert theirs["data"] == theirs["tokens"] * fp_token <= budget
-    packed_token = sum(s.block_nbytes() for s in specs) / specs[0].block
-    assert fp_token / packed_token >= packed_ratio
-    assert r["request_ratio"] >= request_ratio and ours["requests"] >= 1
+    assert theirs["requests"] == theirs["blocks"] // 4  # 1,024 tokens: four 256-token pages
+    assert ours["requests"] == min(ours["slots"], ours["blocks"] // (1024 // specs[0].block))
+    bar = BARS.get(name, 1.0)
+    assert r["token_ratio"] >= bar and r["request_ratio"] >= bar, (r["token_ratio"], r["request_ratio"])
 
 
 def test_fork_and_clear_rows_of_a_store():
