@@ -35,7 +35,7 @@ def policies():
 
     return [
         ("tok+rot+sym:8 (int8 sym, per token-head)", scheme_policy("tok+rot+sym", 8), BARS[8]),
-        ("fp8 e4m3, R=0", Policy.fp8(residual=0), BARS[8]),
+        ("fp8 e4m3, R=0 (fp8-r0, fp8-r0+rot)", Policy.fp8(residual=0), BARS[8]),
         ("tok+rot:4 (int4 asym, per token-head)", scheme_policy("tok+rot", 4), BARS[4]),
         ("tok+rot+sym:4", scheme_policy("tok+rot+sym", 4), BARS[4]),
         ("tok+rot:3", scheme_policy("tok+rot", 3), None),

@@ -358,7 +358,7 @@ def default_serving_policies() -> dict[str, Policy]:
     request: ``kvcompile.evaluate``'s serving schemes) and the policies with one, for comparison."""
     from .evaluate import scheme_policy
     return {
-        "bf16 (kvcompile full)": Policy.full(),
+        "full precision (kvcompile)": Policy.full(),
         "int8 per token": Policy.int8(),
         "fp8 e4m3, R=0": Policy.fp8(residual=0),
         "fp8 e4m3, R=128": Policy.fp8(),
@@ -469,11 +469,11 @@ def format_serving_table(theirs: TransformersPool, rows: list[ServingRow], shape
              f"{_n(theirs.requests, 'request')}"]
     w = max([len("policy")] + [len(r.label) for r in rows]) + 2
     lines.append(f"{'policy':<{w}}{'block':>6}{'slots':>7}{'blocks':>8}{'tokens':>10}{'requests':>10}"
-                 f"{'x tokens':>10}{'x requests':>12}{'allocated':>14}")
+                 f"{'x tokens':>10}{'x requests':>12}{'bytes allocated':>18}")
     for r in rows:
         lines.append(f"{r.label:<{w}}{r.block_tokens:>6}{r.slots:>7,}{r.blocks:>8,}{r.tokens:>10,}{r.requests:>10,}"
                      f"{_ratio(r.tokens, theirs.tokens):>10}{_ratio(r.requests, theirs.requests):>12}"
-                     f"{r.nbytes:>14,}")
+                     f"{r.nbytes:>18,}")
     slots = (f"slots: {max_requests} (max_requests)" if max_requests else
              f"slots: the most requests of {request_tokens:,} tokens the budget holds")
     lines.append(f"{slots}; kvcompile's pages are its pool's blocks (a page per block, block tokens each), one "

@@ -43,6 +43,19 @@ def test_plan_serving_prints_both_caches_and_writes_json(capsys, tmp_path):
     assert data["transformers"]["requests"] == 1 and r["request_ratio"] == r["requests"]
 
 
+def test_plan_serving_from_a_config_without_weights(capsys, tmp_path):
+    """A given serving budget needs no weights' size: a bare config.json plans (in the dtype asked for)."""
+    from transformers import LlamaConfig
+    LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=256).save_pretrained(
+        tmp_path)
+    assert cli.main(["plan", "--serving", "--config", str(tmp_path), "--budget-mib", "8", "--request-tokens", "256",
+                     "--dtype", "float32", "--max-requests", "4"]) == 0
+    out = capsys.readouterr().out
+    # fp32 pages of 256 tokens: 4 layers x 2 x 2 heads x 64 x 4 bytes x 256 = 1 MiB each, 8 in 8 MiB
+    assert "4 layers x 2 KV heads x 64, float32 model" in out and "8 pages of 256 tokens" in out
+    assert "slots: 4 (max_requests)" in out
+
+
 def test_plan_from_a_config(capsys, tiny_dir):
     cli.main(["plan", "--config", str(tiny_dir), "--gpu-gb", "1", "--context", "1024"])
     assert "2 layers x 2 KV heads x 32" in capsys.readouterr().out
