@@ -378,3 +378,41 @@ def test_default_slots_leave_most_of_the_budget_to_the_pool():
             assert slots == serving.DEFAULT_SLOTS  # no ring: the slots cost a length each
         else:
             assert (slots + 1) * sum(s.row_nbytes() for s in specs) > budget // 4  # as many as fit
+
+
+# --------------------------------------------------------------------------- decode-step memory
+def _step_allocations(policy, context: int, batch: int = 2):
+    """What one decode step of ``batch`` requests of ``context`` tokens allocates through ATen ops
+    (``benchmarks.serve_memory.NewTensors``: every new tensor, views and in-place results excluded), on the
+    tiny model: kvcompile's cache under ``policy``, or transformers' own paged cache (``policy=None``)."""
+    from benchmarks.serve_memory import decode_step, engine, new_tokens, prefill, step_allocations
+
+    with torch.inference_mode():
+        model = tiny()
+        new = new_tokens(batch, context, 2, context + batch)
+        gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        manager, bp = engine(model, policy if policy is not None else "transformers", batch, context + new,
+                             context + batch, gen)
+        g = torch.Generator().manual_seed(5)
+        prefill(manager, bp, [torch.randint(3, 64, (context,), generator=g).tolist() for _ in range(batch)], new)
+        decode_step(manager, bp)  # one-time allocations of the decode path
+        return step_allocations(manager, bp)
+
+
+@pytest.mark.parametrize("policy", [Policy.full(), Policy.int8(), KIVI], ids=["full", "int8", "kivi4"])
+def test_a_decode_step_materialises_no_full_precision_copy_of_the_cache(policy):
+    """A decode step over kvcompile's paged store allocates the same tensors at 256 and at 2048 tokens of
+    context (the kernels read the packed blocks where they lie), where transformers' own paged path allocates
+    at least one full-precision copy of every layer's keys and values per step (its read through the read
+    indices) -- which is what this accounting sees, so it would see one on kvcompile's path too."""
+    short, long_ = 256, 2048
+    cfg = tiny().config
+    # one full-precision copy of every layer's keys and values of the batch's extra context: what a step that
+    # dequantizes or gathers the cache would allocate on top at the longer context
+    copy_growth = cfg.num_hidden_layers * 2 * 2 * (long_ - short) * cfg.num_key_value_heads * cfg.head_dim * 4
+    theirs = _step_allocations(None, long_).total - _step_allocations(None, short).total
+    assert theirs >= copy_growth, (theirs, copy_growth)  # the accounting sees transformers' copy
+    a, b = _step_allocations(policy, short), _step_allocations(policy, long_)
+    assert b.total - a.total < 0.05 * copy_growth, (a.total, b.total, b.largest_op, copy_growth)
+    one_layer = 2 * 2 * long_ * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert b.largest < one_layer / 8, (b.largest, b.largest_op, one_layer)
