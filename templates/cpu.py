@@ -259,6 +259,11 @@ def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
     if hasattr(lib, "kvc_fp8_decode"):  # the decode the kernel uses (tests); older copies lack it
         lib.kvc_fp8_decode.argtypes = [P, P, I, I]
         lib.kvc_fp8_decode.restype = None
+    if hasattr(lib, "kvc_rope_rows"):  # the kernel's rotation and dequantization of pre-RoPE keys (tests)
+        lib.kvc_rope_rows.argtypes = [P, P, I, I, I, P, P, I, P]
+        lib.kvc_rope_rows.restype = None
+        lib.kvc_dequant_keys.argtypes = [P, P, P, I, I, I, P]
+        lib.kvc_dequant_keys.restype = None
     return lib
 
 
@@ -404,7 +409,8 @@ def threads_for(lengths: Tensor, heads: int) -> int:
 
 def splits(lengths: Tensor, heads: int, threads: int) -> int:
     """How many pieces each (sequence, kv head)'s positions are cut into (flash-decoding): enough tasks for
-    every thread, in a multiple of the threads, but at least 4 tiles per piece."""
+    every thread, in a multiple of the threads, but at least 4 tiles per piece. ``heads``: kv heads that are
+    tasks of their own (1 for pre-RoPE keys, whose tasks take every kv head of a piece)."""
     B = lengths.numel()
     cap = max(1, -(-int(lengths.max()) // (4 * TILE))) if B else 1
     ns = 1
@@ -473,14 +479,15 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     kn, vn = stored_chunk(spec, k_new, v_new, n) or (None, None)
     threads = threads_for(state.lengths, spec.heads)
     pol = spec.policy
+    rt = _rope_tensors(rope, B, D)  # held until the call returns
     bad = lib.kvc_attention(
         qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(),
         _ptr(table), table.shape[1], state.k_codes.shape[0],
         None if m is None else m.data_ptr(), msb, msh, msi, mw,
         out.data_ptr(), B, n, float(scale if scale is not None else D ** -0.5),
-        nsplit or splits(state.lengths, spec.heads, threads), threads,
+        nsplit or splits(state.lengths, 1 if rope is not None else spec.heads, threads), threads,
         None if kn is None else kn.data_ptr(), None if vn is None else vn.data_ptr(),
-        *_rope_args(rope, B, D))
+        *_rope_ptrs(rt))
     if bad:
         b = bad - 1
         raise ValueError(f"the block table of sequence {b} ({int(state.lengths[b])} tokens) does not name a block of "
@@ -491,19 +498,67 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     return Q.saturate(torch.where(torch.isfinite(out), out, float("nan")), q.dtype)  # as the reference
 
 
-def _rope_args(rope: Rope | None, B: int, D: int) -> tuple:
-    """The C kernel's pre-RoPE arguments (``kvc_attention``): cos, sin [T, D] fp32, T, perm [D] and offsets [B]
-    int32, or NULLs."""
+def _rope_tensors(rope: Rope | None, B: int, D: int) -> tuple | None:
+    """The C kernel's pre-RoPE tables (``kvc_attention``), checked: cos, sin [T, D] fp32, perm [D] and offsets [B]
+    int32 (contiguous; a converted copy must outlive the call: pass what this returns to ``_rope_ptrs``)."""
     if rope is None:
-        return None, None, 0, None, None
+        return None
     cos, sin = rope.cos.float().contiguous(), rope.sin.float().contiguous()
     perm, off = rope.perm.to(torch.int32).contiguous(), rope.offset.to(torch.int32).contiguous()
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or perm.shape != (D,) or off.shape != (B,):
         raise ValueError(f"rope tables must be cos, sin [T, {D}], perm [{D}] and offsets [{B}]; got "
                          f"{list(cos.shape)}, {list(sin.shape)}, {list(perm.shape)}, {list(off.shape)}")
-    if cos.shape[0] == 0 or int(perm.min()) < 0 or int(perm.max()) >= D:
+    # the partners are checked once per perm tensor (every layer of every step passes the cache's one)
+    if cos.shape[0] == 0 or not _memo(perm, "rope perm", lambda: bool(((perm >= 0) & (perm < D)).all())):
         raise ValueError("rope tables: an empty table, or a partner channel outside the head")
+    return cos, sin, perm, off
+
+
+def _rope_ptrs(tables: tuple | None) -> tuple:
+    """``kvc_attention``'s pre-RoPE arguments from ``_rope_tensors``: cos, sin, T, perm, offsets (or NULLs)."""
+    if tables is None:
+        return None, None, 0, None, None
+    cos, sin, perm, off = tables
     return cos.data_ptr(), sin.data_ptr(), cos.shape[0], perm.data_ptr(), off.data_ptr()
+
+
+def rope_rows(k: Tensor, spec: LayerSpec, rope: Rope, p0: int = 0, b: int = 0, source: Path = SOURCE) -> Tensor:
+    """Key rows ``k [N, D]`` (fp32, natural order) of sequence ``b`` at cache positions ``p0 .. p0 + N - 1`` rotated
+    as the decode kernel rotates pre-RoPE keys (for the tests: ``store.apply_rope`` bit for bit)."""
+    D = spec.head_dim
+    lib = _kernel_for(spec, 1, source)
+    kf = k.float().contiguous()
+    if kf.dim() != 2 or kf.shape[1] != D:
+        raise ValueError(f"rope_rows: expected key rows [N, {D}], got {list(k.shape)}")
+    rt = _rope_tensors(rope, rope.offset.numel(), D)
+    cos, sin, T, perm, _ = _rope_ptrs(rt)
+    out = torch.empty_like(kf)
+    lib.kvc_rope_rows(kf.data_ptr(), out.data_ptr(), kf.shape[0], p0, int(rt[3][b]), cos, sin, T, perm)
+    return out
+
+
+def dequant_keys(state: KVState, spec: LayerSpec, block: int, head: int, natural: bool,
+                 source: Path = SOURCE) -> Tensor:
+    """The packed keys of one (block, head), all its rows, dequantized as the decode kernel does: ``[BS, D]`` fp32
+    in natural order (``natural``: what it rotates pre-RoPE keys in) or in its plane order (``plane_order``)."""
+    D, BS = spec.head_dim, spec.block
+    lib = _kernel_for(spec, 1, source)
+    pool = [t[block, head] if t.numel() else t for t in (state.k_codes, state.k_scale, state.k_zero)]
+    if not all(t.is_contiguous() for t in pool):
+        raise ValueError("dequant_keys: the store's keys must be contiguous")
+    out = torch.empty(BS, D)
+    lib.kvc_dequant_keys(*[_ptr(t) for t in pool], 0, BS, int(natural), out.data_ptr())
+    return out
+
+
+def plane_order(spec: LayerSpec) -> Tensor:
+    """The channel at each index of a packed key row as the decode kernel unpacks it (its "plane" order): with
+    ``per`` codes per packed unit, channel ``j * per + i`` sits at ``i * (D / per) + j`` (natural for 8-bit,
+    fp8 and unquantized keys)."""
+    D, q = spec.head_dim, spec.policy.key
+    per = 1 if q.format == "none" or q.bits == 8 else (8 if q.bits == 3 else 8 // q.bits)
+    idx = torch.arange(D)
+    return (idx % (D // per)) * per + idx // (D // per)
 
 
 def _is_causal(mask: Tensor, n: int, L: int) -> bool:

@@ -243,12 +243,24 @@ static inline void fp8_decode_h16(const uint8_t *p, int e5m2, float *out) {
 #define FP8_UNIT(fmt) 1.0f
 #endif
 
-/* One packed row (one token of one head) -> codes in plane order, as floats with the symmetric offset
- * removed (fp8: the decoded value over FP8_UNIT). */
-static inline __attribute__((always_inline)) void unpack_row(int fmt, int bits, const uint8_t *row, float *out) {
+/* One packed row (one token of one head) -> codes in plane order (nat: natural order), as floats with the
+ * symmetric offset removed (fp8: the decoded value over FP8_UNIT). */
+static inline __attribute__((always_inline)) void unpack_row(int fmt, int bits, const uint8_t *row, float *out,
+                                                             int nat) {
     const float off = fmt == 2 ? (float)(1 << (bits - 1)) : 0.0f;
     const int per = bits == 8 ? 1 : (bits == 3 ? 8 : 8 / bits);
-    if (fmt >= 3) {
+    if (nat && fmt < 3 && (bits == 2 || bits == 3 || bits == 4)) {
+        /* natural order (pre-RoPE keys, rotated in natural order): code d sits at bit bits*d of the row's
+         * little-endian bit stream (int3's 3-byte units too), so channels 8k .. 8k+7 are the `bits` bytes from
+         * row + k*bits, one word broadcast to eight lanes and shifted per lane */
+        const v8u sh = (v8u){0, 1, 2, 3, 4, 5, 6, 7} * (uint32_t)bits;
+        const uint32_t mask = (1u << bits) - 1;
+        for (int k = 0; k < NV; k++) {
+            uint32_t w = 0;
+            for (int y = 0; y < bits; y++) w |= (uint32_t)row[k * bits + y] << (8 * y);
+            st(out + 8 * k, to_f((((v8u){} + w) >> sh) & mask) - off);
+        }
+    } else if (fmt >= 3) {
 #ifdef __F16C__
 #ifdef __AVX2__
         if (D % 16 == 0)
@@ -288,7 +300,8 @@ static inline __attribute__((always_inline)) void unpack_row(int fmt, int bits, 
         for (int j = 0; j < D / per; j++) {
             uint32_t w = 0;
             for (int y = 0; y < nb; y++) w |= (uint32_t)row[nb * j + y] << (8 * y);
-            for (int i = 0; i < per; i++) out[i * (D / per) + j] = (float)((w >> (bits * i)) & ((1u << bits) - 1)) - off;
+            for (int i = 0; i < per; i++)
+                out[nat ? j * per + i : i * (D / per) + j] = (float)((w >> (bits * i)) & ((1u << bits) - 1)) - off;
         }
     }
 }
@@ -296,18 +309,18 @@ static inline __attribute__((always_inline)) void unpack_row(int fmt, int bits, 
 /* codes * scale (+ zero point: asymmetric codes only, as in the reference) */
 static inline v8f affine(int fmt, v8f x, v8f s, v8f z) { return fmt == 1 ? x * s + z : x * s; }
 
-/* Dequantize rows [q0, q0 + nt) of one block of one head into out[nt][D], plane order. codes/scale/zero
- * point at that (block, head)'s first row. */
+/* Dequantize rows [q0, q0 + nt) of one block of one head into out[nt][D], plane order (nat: natural order).
+ * codes/scale/zero point at that (block, head)'s first row. */
 static inline __attribute__((always_inline)) void dequant_packed(
         int fmt, int bits, int axis, int group, int sf32,
-        const uint8_t *codes, const void *scale, const void *zero, int64_t q0, int nt, float *out) {
+        const uint8_t *codes, const void *scale, const void *zero, int64_t q0, int nt, float *out, int nat) {
     if (fmt == 0) { /* unquantized: model dtype [BS, D], natural order */
         for (int t = 0; t < nt; t++)
             for (int d = 0; d < D; d++) out[t * D + d] = model_at(codes, (q0 + t) * D + d);
         return;
     }
-    const int per = bits == 8 ? 1 : (bits == 3 ? 8 : 8 / bits);
     const int row_bytes = D * bits / 8;
+    const int per = nat || bits == 8 ? 1 : (bits == 3 ? 8 : 8 / bits); /* the order's planes (1: natural) */
     const int run = axis == 0 ? group / per : 0; /* plane-order run of channels sharing a per-token scale */
     const float unit = FP8_UNIT(fmt); /* fp8's decode factor, folded into the scale */
     float sv[D], zv[D];
@@ -317,7 +330,7 @@ static inline __attribute__((always_inline)) void dequant_packed(
     for (int t = 0; t < nt; t++) {
         const int64_t qi = q0 + t;
         float *o = out + t * D;
-        unpack_row(fmt, bits, codes + qi * row_bytes, o);
+        unpack_row(fmt, bits, codes + qi * row_bytes, o, nat);
         if (axis == 1) { /* per channel: one scale vector per group of tokens */
             const int64_t g = qi / group;
             if (g != cur) {
@@ -409,17 +422,84 @@ static inline __attribute__((always_inline)) void prefetch_tile(
         for (int64_t o = 0; o < len; o += 64) __builtin_prefetch((const char *)zero + off + o, 0, 3);
 }
 
-/* Pre-RoPE keys (kvcompile.store.apply_rope): rows of kt, channel d at index ia[d], rotated by their positions'
- * cos/sin into natural order: out[d] = k[ia[d]] * cos[r][d] + k[ib[d]] * sin[r][d] (ib: d's partner), with
- * r = p + off clamped to [0, T): two roundings and a rounded sum (no fma: -ffp-contract=off), as torch. */
-static inline void rope_tile(const float *kt, const int *ia, const int *ib, float *out, int nt, int64_t p0,
-                             int64_t off, const float *cs, const float *sn, int64_t T) {
+/* Pre-RoPE keys (kvcompile.store.apply_rope): each dequantized key row is rotated by its position's cos/sin,
+ * out[d] = k[d] * cos[r][d] + k[perm[d]] * sin[r][d] in natural channel order (perm: d's partner; sin carries the
+ * form's sign), r = p + off clamped to [0, T): two roundings and a rounded sum (no fma: -ffp-contract=off), as
+ * torch. rope_form finds the two forms whose partners lie a fixed distance away, so that the rotation runs on
+ * contiguous vectors: "half" (transformers' rotate_half, over the first 2*hr channels: partner d +- hr) and
+ * "pairs" (gpt-fast, over the first rd channels: partner d ^ 1); past the rotary channels the partner is the
+ * channel itself (cos 1, sin 0: the same formula). Any other permutation takes the indexed loop. */
+enum { ROPE_ANY = 0, ROPE_HALF = 1, ROPE_PAIRS = 2 };
+
+/* The form of perm [D] (ROPE_*) and its span: hr for "half", rd for "pairs", 0 for any other. */
+static int rope_form(const int32_t *perm, int *span) {
+    int hr = perm[0], ok = hr > 0 && 2 * hr <= D;
+    for (int d = 0; ok && d < D; d++) ok = perm[d] == (d < hr ? d + hr : d < 2 * hr ? d - hr : d);
+    if (ok) {
+        *span = hr;
+        return ROPE_HALF;
+    }
+    int rd = 0;
+    while (rd + 1 < D && perm[rd] == rd + 1 && perm[rd + 1] == rd) rd += 2;
+    ok = rd > 0;
+    for (int d = rd; ok && d < D; d++) ok = perm[d] == d;
+    *span = ok ? rd : 0;
+    return ok ? ROPE_PAIRS : ROPE_ANY;
+}
+
+/* One key row k [D] (natural order) rotated into o [D] (o != k) with the cos/sin rows c, s. */
+static inline __attribute__((always_inline)) void rope_row(const float *k, const float *c, const float *s, float *o,
+                                                           int form, int span, const int32_t *perm) {
+    if (form == ROPE_HALF && span == D / 2 && (D / 2) % WV == 0) { /* the whole head: the widest vectors */
+        for (int d = 0; d < D / 2; d += WV) {
+            const vw a = ldw(k + d), b = ldw(k + d + D / 2);
+            stw(o + d, a * ldw(c + d) + b * ldw(s + d));
+            stw(o + d + D / 2, b * ldw(c + d + D / 2) + a * ldw(s + d + D / 2));
+        }
+    } else if (form == ROPE_HALF && span % 8 == 0) {
+        const int hr = span;
+        for (int d = 0; d < hr; d += 8) {
+            const v8f a = ld(k + d), b = ld(k + d + hr);
+            st(o + d, a * ld(c + d) + b * ld(s + d));
+            st(o + d + hr, b * ld(c + d + hr) + a * ld(s + d + hr));
+        }
+        for (int d = 2 * hr; d < D; d += 8) {
+            const v8f a = ld(k + d);
+            st(o + d, a * ld(c + d) + a * ld(s + d));
+        }
+    } else if (form == ROPE_PAIRS && span % 8 == 0) {
+        for (int d = 0; d < span; d += 8) {
+            const v8f a = ld(k + d), b = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6);
+            st(o + d, a * ld(c + d) + b * ld(s + d));
+        }
+        for (int d = span; d < D; d += 8) {
+            const v8f a = ld(k + d);
+            st(o + d, a * ld(c + d) + a * ld(s + d));
+        }
+    } else {
+        for (int d = 0; d < D; d++) o[d] = k[d] * c[d] + k[perm[d]] * s[d];
+    }
+}
+
+/* Prefetch the cos/sin rows of the TILE positions after the tile that starts at p0 (clamped like rope_tile). */
+static inline void prefetch_rope(int64_t p0, int64_t off, const float *cs, const float *sn, int64_t T) {
+    int64_t r0 = p0 + TILE + off, r1 = r0 + TILE;
+    r0 = r0 < 0 ? 0 : (r0 > T ? T : r0);
+    r1 = r1 < 0 ? 0 : (r1 > T ? T : r1);
+    for (int64_t o = r0 * D; o < r1 * D; o += 16) {
+        __builtin_prefetch(cs + o, 0, 3);
+        __builtin_prefetch(sn + o, 0, 3);
+    }
+}
+
+/* A tile of nt key rows kt (natural order) at positions p0 .. rotated into out (natural order). */
+static inline __attribute__((always_inline)) void rope_tile(const float *kt, float *out, int nt, int64_t p0,
+                                                            int64_t off, const float *cs, const float *sn, int64_t T,
+                                                            int form, int span, const int32_t *perm) {
     for (int t = 0; t < nt; t++) {
         int64_t r = p0 + t + off;
         r = r < 0 ? 0 : (r > T - 1 ? T - 1 : r);
-        const float *c = cs + r * D, *s = sn + r * D, *k = kt + t * D;
-        float *o = out + t * D;
-        for (int d = 0; d < D; d++) o[d] = k[ia[d]] * c[d] + k[ib[d]] * s[d];
+        rope_row(kt + t * D, cs + r * D, sn + r * D, out + t * D, form, span, perm);
     }
 }
 
@@ -556,16 +636,21 @@ int64_t kvc_attention(
         const float *k_new, const float *v_new, /* [B, H, n, D] fp32 as stored (rotated, model dtype), or NULL */
         const float *rope_cos, const float *rope_sin, int64_t rope_T, /* pre-RoPE keys: [T, D] each, or NULL */
         const int32_t *rope_perm, const int32_t *rope_off) {            /* [D] partner channels, [B] offsets */
-    /* ns: splits of each (sequence, kv head)'s positions, merged at the end (templates/cpu.py chooses) */
+    /* ns: splits of each (sequence, kv head)'s positions, merged at the end (templates/cpu.py chooses). A task
+     * is one split of one kv head; with pre-RoPE keys, one split of every kv head, walked tile by tile with the
+     * heads inside, so that a tile's cos/sin rows (shared by the heads, as many bytes per position as a whole
+     * fp32 key row) are read once and then from L1. */
     const int64_t GN = G * n;
-    const int64_t ntask = B * H * ns;
-    partial_t *part = (partial_t *)aligned_alloc(64, ((sizeof(partial_t) * ntask + 63) / 64) * 64);
+    const int64_t nparts = B * H * ns, ntask = rope_cos ? B * ns : nparts;
+    partial_t *part = (partial_t *)aligned_alloc(64, ((sizeof(partial_t) * nparts + 63) / 64) * 64);
     int64_t bad = 0;
+    int rspan = 0;
+    const int rform = rope_cos ? rope_form(rope_perm, &rspan) : ROPE_ANY;
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t task = 0; task < ntask; task++) {
-        const int64_t b = task / (H * ns), h = (task / ns) % H, split = task % ns;
-        partial_t *P = part + task;
+        const int64_t b = task / (ntask / B), split = task % ns;
+        const int64_t h0 = rope_cos ? 0 : (task / ns) % H, h1 = rope_cos ? H : h0 + 1; /* the task's kv heads */
         const int64_t L = lengths[b];
         int64_t qb = L - S - R;
         qb = S + (qb > 0 ? qb / FL : 0) * FL;
@@ -577,93 +662,104 @@ int64_t kvc_attention(
         const int64_t nt_all = t_sink + t_pack + t_res;
         const int64_t tile0 = nt_all * split / ns, tile1 = nt_all * (split + 1) / ns;
 
-        float q_nat[ROWS_MAX][D], q_plane[ROWS_MAX][D]; /* queries, natural and keys' plane order */
-        for (int64_t r = 0; r < GN; r++) {
-            const float *src = q + (((b * H + h) * G + r / n) * n + r % n) * D;
-            for (int idx = 0; idx < D; idx++) {
-                q_nat[r][idx] = src[idx];
-                q_plane[r][idx] = src[plane_channel(idx, K_PER)];
+        /* queries, natural and keys' plane order (one kv head; pre-RoPE keys read q itself: natural order) */
+        float q_nat[ROWS_MAX][D], q_plane[ROWS_MAX][D];
+        for (int64_t h = h0; h < h1; h++) {
+            partial_t *P = part + (b * H + h) * ns + split;
+            for (int64_t r = 0; r < GN; r++) {
+                const float *src = q + ((b * H + h) * GN + r) * D; /* [b, h * G + r / n, r % n] */
+                if (!rope_cos)
+                    for (int idx = 0; idx < D; idx++) {
+                        q_nat[r][idx] = src[idx];
+                        q_plane[r][idx] = src[plane_channel(idx, K_PER)];
+                    }
+                P->m[r] = -INFINITY;
+                P->l[r] = 0.0f;
+                memset(P->acc_plane[r], 0, sizeof(float) * D);
+                memset(P->acc_nat[r], 0, sizeof(float) * D);
             }
-            P->m[r] = -INFINITY;
-            P->l[r] = 0.0f;
-            memset(P->acc_plane[r], 0, sizeof(float) * D);
-            memset(P->acc_nat[r], 0, sizeof(float) * D);
         }
         float kt[TILE * D] __attribute__((aligned(64))), vt[TILE * D] __attribute__((aligned(64)));
         float kr[TILE * D] __attribute__((aligned(64))); /* pre-RoPE keys rotated, natural order */
-        int ia_nat[D], ib_nat[D], ia_pk[D], ib_pk[D];    /* where channel d and its partner sit in kt */
         const int64_t roff = rope_cos ? rope_off[b] : 0;
-        if (rope_cos)
-            for (int d = 0; d < D; d++) {
-                const int e = rope_perm[d];
-                ia_nat[d] = d;
-                ib_nat[d] = e;
-                ia_pk[d] = K_FMT == 0 ? d : (d % K_PER) * (D / K_PER) + d / K_PER;
-                ib_pk[d] = K_FMT == 0 ? e : (e % K_PER) * (D / K_PER) + e / K_PER;
-            }
         int64_t rows[TILE];
-        const int64_t bh = b * H + h;
         for (int64_t tile = tile0; tile < tile1; tile++) {
-            int64_t p0;
-            int nt;
-            if (tile < t_sink) {
-                p0 = tile * TILE;
-                nt = s_end - p0 < TILE ? s_end - p0 : TILE;
-                for (int t = 0; t < nt; t++) rows[t] = bh * S + p0 + t;
-                gather_model(k_sink, rows, nt, kt);
-                gather_model(v_sink, rows, nt, vt);
-                if (rope_cos) rope_tile(kt, ia_nat, ib_nat, kr, nt, p0, roff, rope_cos, rope_sin, rope_T);
-                attend_tile(P, q_nat, &P->acc_nat[0][0], &P->acc_plane[0][0], rope_cos ? kr : kt, vt, nt, p0, GN, n, L,
-                            b, h, sm_scale, mask, mask_sb, mask_sh, mask_si, mask_w);
-            } else if (tile < t_sink + t_pack) {
-                p0 = S + (tile - t_sink) * PT;
-                nt = p_end - p0 < PT ? p_end - p0 : PT;
-                const int64_t slot = (p0 - S) / BS, r0 = (p0 - S) % BS; /* block slot, row in it */
-                const int64_t blk = slot < mb ? table[b * mb + slot] : -1;
-                if (blk < 0 || blk >= nb) {
+            if (rope_cos && tile + 1 < tile1) { /* the next tile's cos/sin rows (TILE positions on from here) */
+                const int64_t pt = tile < t_sink ? tile * TILE
+                                   : tile < t_sink + t_pack ? S + (tile - t_sink) * PT
+                                                            : r_beg + (tile - t_sink - t_pack) * TILE;
+                prefetch_rope(pt, roff, rope_cos, rope_sin, rope_T);
+            }
+            for (int64_t h = h0; h < h1; h++) { /* pre-RoPE keys: every kv head; else the task's one */
+                const int64_t bh = b * H + h;
+                partial_t *P = part + bh * ns + split;
+                float(*qn)[D] = rope_cos ? (float(*)[D])(q + bh * GN * D) : q_nat;
+                int64_t p0;
+                int nt;
+                if (tile < t_sink) {
+                    p0 = tile * TILE;
+                    nt = s_end - p0 < TILE ? s_end - p0 : TILE;
+                    for (int t = 0; t < nt; t++) rows[t] = bh * S + p0 + t;
+                    gather_model(k_sink, rows, nt, kt);
+                    gather_model(v_sink, rows, nt, vt);
+                    if (rope_cos) rope_tile(kt, kr, nt, p0, roff, rope_cos, rope_sin, rope_T, rform, rspan, rope_perm);
+                    attend_tile(P, qn, &P->acc_nat[0][0], &P->acc_plane[0][0], rope_cos ? kr : kt, vt, nt, p0, GN, n, L,
+                                b, h, sm_scale, mask, mask_sb, mask_sh, mask_si, mask_w);
+                } else if (tile < t_sink + t_pack) {
+                    p0 = S + (tile - t_sink) * PT;
+                    nt = p_end - p0 < PT ? p_end - p0 : PT;
+                    const int64_t slot = (p0 - S) / BS, r0 = (p0 - S) % BS; /* block slot, row in it */
+                    const int64_t blk = slot < mb ? table[b * mb + slot] : -1;
+                    if (blk < 0 || blk >= nb) {
 #pragma omp atomic write
-                    bad = 1 + b;
-                    continue;
-                }
-                const int64_t kb = blk * H + h; /* (block, head) */
-                /* the same rows of the next block, one block ahead: no hardware prefetcher follows the jump */
-                const int64_t nxt = p0 + BS < p_end && slot + 1 < mb ? table[b * mb + slot + 1] : -1;
-                if (nxt >= 0 && nxt < nb) {
-                    const int nn = p_end - (p0 + BS) < PT ? p_end - (p0 + BS) : PT;
-                    prefetch_tile(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SBYTES, k_codes, k_scale, k_zero, nxt * H + h,
-                                  r0, nn);
-                    prefetch_tile(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SBYTES, v_codes, v_scale, v_zero, nxt * H + h,
-                                  r0, nn);
-                }
-                dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, k_codes + kb * BS * K_ROW_BYTES,
-                               (const char *)k_scale + kb * K_NSCALE * K_SBYTES,
-                               (const char *)k_zero + (K_FMT == 1 ? kb * K_NSCALE * K_SBYTES : 0), r0, nt, kt);
-                dequant_packed(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SF32, v_codes + kb * BS * V_ROW_BYTES,
-                               (const char *)v_scale + kb * V_NSCALE * V_SBYTES,
-                               (const char *)v_zero + (V_FMT == 1 ? kb * V_NSCALE * V_SBYTES : 0), r0, nt, vt);
-                if (k_new) /* the queries' own chunk, in full precision where it is already packed */
-                    for (int t = 0; t < nt; t++) {
-                        const int64_t j = p0 + t - (L - n);
-                        if (j < 0) continue;
-                        const float *kx = k_new + (bh * n + j) * D, *vx = v_new + (bh * n + j) * D;
-                        for (int idx = 0; idx < D; idx++) {
-                            kt[t * D + idx] = kx[plane_channel(idx, K_PER)];
-                            vt[t * D + idx] = vx[plane_channel(idx, V_PER)];
-                        }
+                        bad = 1 + b;
+                        continue;
                     }
-                if (rope_cos) rope_tile(kt, ia_pk, ib_pk, kr, nt, p0, roff, rope_cos, rope_sin, rope_T);
-                attend_tile(P, K_FMT == 0 || rope_cos ? q_nat : q_plane, &P->acc_plane[0][0], &P->acc_nat[0][0],
-                            rope_cos ? kr : kt, vt, nt, p0, GN, n, L, b, h, sm_scale, mask, mask_sb, mask_sh, mask_si,
-                            mask_w);
-            } else {
-                p0 = r_beg + (tile - t_sink - t_pack) * TILE;
-                nt = L - p0 < TILE ? L - p0 : TILE;
-                for (int t = 0; t < nt; t++) rows[t] = bh * W + (p0 + t) % W;
-                gather_model(k_res, rows, nt, kt);
-                gather_model(v_res, rows, nt, vt);
-                if (rope_cos) rope_tile(kt, ia_nat, ib_nat, kr, nt, p0, roff, rope_cos, rope_sin, rope_T);
-                attend_tile(P, q_nat, &P->acc_nat[0][0], &P->acc_plane[0][0], rope_cos ? kr : kt, vt, nt, p0, GN, n, L,
-                            b, h, sm_scale, mask, mask_sb, mask_sh, mask_si, mask_w);
+                    const int64_t kb = blk * H + h; /* (block, head) */
+                    /* the same rows of the next block, one block ahead: no hardware prefetcher follows the jump */
+                    const int64_t nxt = p0 + BS < p_end && slot + 1 < mb ? table[b * mb + slot + 1] : -1;
+                    if (nxt >= 0 && nxt < nb) {
+                        const int nn = p_end - (p0 + BS) < PT ? p_end - (p0 + BS) : PT;
+                        prefetch_tile(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SBYTES, k_codes, k_scale, k_zero, nxt * H + h,
+                                      r0, nn);
+                        prefetch_tile(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SBYTES, v_codes, v_scale, v_zero, nxt * H + h,
+                                      r0, nn);
+                    }
+                    /* pre-RoPE keys in natural order (rotated below), else in plane order */
+                    const uint8_t *kc = k_codes + kb * BS * K_ROW_BYTES;
+                    const char *ks = (const char *)k_scale + kb * K_NSCALE * K_SBYTES;
+                    const char *kz = (const char *)k_zero + (K_FMT == 1 ? kb * K_NSCALE * K_SBYTES : 0);
+                    if (rope_cos)
+                        dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, kc, ks, kz, r0, nt, kt, 1);
+                    else
+                        dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, kc, ks, kz, r0, nt, kt, 0);
+                    dequant_packed(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SF32, v_codes + kb * BS * V_ROW_BYTES,
+                                   (const char *)v_scale + kb * V_NSCALE * V_SBYTES,
+                                   (const char *)v_zero + (V_FMT == 1 ? kb * V_NSCALE * V_SBYTES : 0), r0, nt, vt, 0);
+                    if (k_new) /* the queries' own chunk, in full precision where it is already packed */
+                        for (int t = 0; t < nt; t++) {
+                            const int64_t j = p0 + t - (L - n);
+                            if (j < 0) continue;
+                            const float *kx = k_new + (bh * n + j) * D, *vx = v_new + (bh * n + j) * D;
+                            for (int idx = 0; idx < D; idx++) {
+                                kt[t * D + idx] = kx[rope_cos ? idx : plane_channel(idx, K_PER)];
+                                vt[t * D + idx] = vx[plane_channel(idx, V_PER)];
+                            }
+                        }
+                    if (rope_cos) rope_tile(kt, kr, nt, p0, roff, rope_cos, rope_sin, rope_T, rform, rspan, rope_perm);
+                    attend_tile(P, K_FMT == 0 || rope_cos ? qn : q_plane, &P->acc_plane[0][0], &P->acc_nat[0][0],
+                                rope_cos ? kr : kt, vt, nt, p0, GN, n, L, b, h, sm_scale, mask, mask_sb, mask_sh,
+                                mask_si, mask_w);
+                } else {
+                    p0 = r_beg + (tile - t_sink - t_pack) * TILE;
+                    nt = L - p0 < TILE ? L - p0 : TILE;
+                    for (int t = 0; t < nt; t++) rows[t] = bh * W + (p0 + t) % W;
+                    gather_model(k_res, rows, nt, kt);
+                    gather_model(v_res, rows, nt, vt);
+                    if (rope_cos) rope_tile(kt, kr, nt, p0, roff, rope_cos, rope_sin, rope_T, rform, rspan, rope_perm);
+                    attend_tile(P, qn, &P->acc_nat[0][0], &P->acc_plane[0][0], rope_cos ? kr : kt, vt, nt, p0, GN, n, L,
+                                b, h, sm_scale, mask, mask_sb, mask_sh, mask_si, mask_w);
+                }
             }
         }
     }
@@ -706,7 +802,26 @@ int64_t kvc_attention(
 void kvc_fp8_decode(const uint8_t *codes, float *out, int64_t N, int64_t e5m2) {
     const int fmt = e5m2 ? 4 : 3;
     for (int64_t i = 0; i < N; i += D) {
-        unpack_row(fmt, 8, codes + i, out + i);
+        unpack_row(fmt, 8, codes + i, out + i, 0);
         for (int k = 0; k < NV; k++) st(out + i + 8 * k, ld(out + i + 8 * k) * bcast(FP8_UNIT(fmt)));
     }
+}
+
+/* For the tests. kvc_rope_rows: key rows kt [N, D] (natural order) of one sequence (offset off) at positions
+ * p0 .. p0 + N - 1 rotated as the decode kernel rotates pre-RoPE keys (rope_tile) into out [N, D].
+ * kvc_dequant_keys: rows [q0, q0 + nt) of one (block, head) of packed keys (codes, scales and zero points at its
+ * first row) dequantized as the kernel does, in natural order (nat, pre-RoPE keys) or its plane order. */
+void kvc_rope_rows(const float *kt, float *out, int64_t N, int64_t p0, int64_t off, const float *cs,
+                   const float *sn, int64_t T, const int32_t *perm) {
+    int span = 0;
+    const int form = rope_form(perm, &span);
+    for (int64_t i = 0; i < N; i++) rope_tile(kt + i * D, out + i * D, 1, p0 + i, off, cs, sn, T, form, span, perm);
+}
+
+void kvc_dequant_keys(const uint8_t *codes, const void *scale, const void *zero, int64_t q0, int64_t nt, int64_t nat,
+                      float *out) {
+    if (nat)
+        dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, codes, scale, zero, q0, nt, out, 1);
+    else
+        dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, codes, scale, zero, q0, nt, out, 0);
 }

@@ -14,8 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import kvcompile
 from kvcompile import Policy, Quant
 from kvcompile.policy import PolicyError
-from kvcompile.store import (KVStore, LayerSpec, RopeError, RopeTable, apply_rope, attention_reference,
-                             dequantize_reference)
+from kvcompile.store import (KVStore, LayerSpec, Rope, RopeError, RopeTable, apply_rope, attention_reference,
+                             dequantize_reference, rope_pairing)
 from kvcompile.templates import cpu, inductor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "passes"))
@@ -148,6 +148,55 @@ def test_decode_kernel_splits_and_masks_on_pre_rope_keys():
     for nsplit in (1, 3, 7):
         assert_close(cpu.attention(q, store.state, spec, mask, 0.2, nsplit=nsplit, k_new=k, v_new=v, rope=rope),
                      want, TOL, spec.name)
+
+
+# The decode kernel rotates keys with contiguous vectors for the "half" and "pairs" forms (whole head, or rotary
+# dims a multiple of 8 channels per half / in all), an indexed loop for the rest: each equals apply_rope exactly.
+ROPE_FORMS = [("half", 64), ("half", 48), ("half", 20), ("pairs", 64), ("pairs", 40), ("pairs", 6), ("reversed", 64)]
+
+
+@pytest.mark.parametrize("form,rd", ROPE_FORMS)
+def test_decode_kernel_rotates_keys_as_apply_rope_bit_for_bit(form, rd):
+    D, T, N = 64, 40, 50
+    g = torch.Generator().manual_seed(rd)
+    if form == "reversed":  # no form the kernel knows: a partner permutation it takes as given
+        perm, sign = list(range(D - 1, -1, -1)), [1.0 if d % 3 else -1.0 for d in range(D)]
+    else:
+        perm, sign = rope_pairing(form, rd, D)
+    cos, sin = torch.ones(T, D), torch.zeros(T, D)
+    cos[:, :rd] = torch.randn(T, rd, generator=g)
+    sin[:, :rd] = torch.randn(T, rd, generator=g) * torch.tensor(sign[:rd])
+    rope = Rope(cos, sin, torch.tensor(perm, dtype=torch.int32), torch.tensor([0, -3], dtype=torch.int32))
+    k = torch.randn(N, D, generator=g) * torch.logspace(-3, 3, D)  # rows past the table and pads: clamped
+    spec = LayerSpec(Policy(pre_rope=True), 2, D)
+    spec.register()
+    for b, p0 in ((0, 5), (1, 0)):
+        want = apply_rope(k.expand(2, 1, N, D), rope, torch.arange(p0, p0 + N))[b, 0]
+        assert torch.equal(cpu.rope_rows(k, spec, rope, p0=p0, b=b), want)
+
+
+@pytest.mark.parametrize("policy", [Policy.kivi(2, group=16, residual=8, pre_rope=True),
+                                    Policy(Quant("int3", "channel", 16), Quant("int8", "token"), residual=3,
+                                           pre_rope=True),
+                                    Policy(Quant("int4", "token", 16), Quant("int4", "token", 32), pre_rope=True),
+                                    Policy(Quant("int2", "token", 8, symmetric=True), Quant("int8", "token"),
+                                           pre_rope=True)],
+                         ids=lambda p: p.key_str())
+def test_decode_kernel_dequantizes_pre_rope_keys_in_natural_order_bit_for_bit(policy):
+    """Pre-RoPE keys are unpacked in natural channel order (rotated in it): the same values as the plane order
+    the kernel reads post-RoPE keys in, and as the reference."""
+    *_, (store, k, v) = _pre_rope_store(policy, H=2, offsets=(0,), chunks=(150,))
+    spec, st_ = store.spec, store.state
+    ref, _ = dequantize_reference(st_, spec, torch.float32, rotated=True)
+    S, packed = spec.sink, spec.boundary(store.lengths[0]) - spec.sink
+    order = cpu.plane_order(spec)
+    assert packed > spec.block
+    for j in range(spec.blocks_for(store.lengths[0])):
+        blk, n = int(st_.table[0, j]), min(spec.block, packed - j * spec.block)
+        for h in range(2):
+            nat = cpu.dequant_keys(st_, spec, blk, h, natural=True)
+            assert torch.equal(nat[:, order], cpu.dequant_keys(st_, spec, blk, h, natural=False))
+            assert torch.equal(nat[:n], ref[0, h, S + j * spec.block:S + j * spec.block + n])
 
 
 def test_triton_refuses_pre_rope_layouts():
