@@ -23,7 +23,7 @@ import math
 import operator
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -56,13 +56,17 @@ class Write:
 class RopeMatch:
     """The rotary embedding applied to a layer's keys just before their cache write: ``key`` (the keys before
     it, ``[B, H, n, D]``), the ``cos``/``sin`` it multiplies by, its form ("half": transformers'
-    ``rotate_half``) and how many leading channels it rotates (the rest pass through: partial rotary)."""
+    ``rotate_half``, ``cos``/``sin`` ``[B or 1, 1, n, rotary_dim]``; "pairs": gpt-fast's complex multiply,
+    ``[B or 1, 1, n, rotary_dim / 2]``) and how many leading channels it rotates (the rest pass through:
+    partial rotary). ``tokens_first``: the embedding was applied before the transpose to ``[B, H, n, D]`` (gpt-fast),
+    so ``key`` is ``[B, n, H, D]`` and ``cos``/``sin`` ``[B or 1, n, 1, .]``; the rewrite transposes all three."""
 
     key: Node
     cos: Node
     sin: Node
     form: str
     rotary_dim: int
+    tokens_first: bool = False
 
     @property
     def name(self) -> str:
@@ -381,15 +385,141 @@ def _broadcast_ok(t, key, rd: int) -> bool:
         and _same_size(tv.shape[2], kv.shape[2]) and tv.shape[3] == rd
 
 
+_SUB = {operator.sub, torch.sub, "sub"}
+_STACK = {torch.stack, "stack"}
+
+
+def _same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(_same_size(x, y) for x, y in zip(a, b))
+
+
+def _is_transpose_12(n) -> bool:
+    """``x.transpose(1, 2)`` of a 4-D ``x`` (``[B, n, H, D]`` <-> ``[B, H, n, D]``)."""
+    if not (_is(n, {torch.transpose, "transpose"}) and len(n.args) == 3 and not n.kwargs):
+        return False
+    return {d % 4 for d in n.args[1:] if isinstance(d, int)} == {1, 2}
+
+
+def _pick(n):
+    """``(t, i)`` when ``n`` is ``t[..., i]`` of a 5-D ``t`` whose last dim is 2, ``i`` 0 or 1; else None."""
+    if not (_is(n, {operator.getitem}) and isinstance(n.args[0], Node) and isinstance(n.args[1], tuple)):
+        return None
+    t, idx = n.args
+    tv = _val(t)
+    if tv is None or tv.dim() != 5 or tv.shape[-1] != 2:
+        return None
+    if len(idx) == 2 and idx[0] is Ellipsis:
+        i = idx[1]
+    elif len(idx) == 5 and all(_is_full(j) for j in idx[:4]):
+        i = idx[4]
+    else:
+        return None
+    return (t, i) if isinstance(i, int) and not isinstance(i, bool) and i in (0, 1, -1, -2) else None
+
+
+def _pick_pair(m):
+    """The two ``(tensor, index)`` picks a ``mul`` node multiplies (``t[..., i] * u[..., j]``), or None."""
+    if not (_is(m, _MUL) and _two(m)):
+        return None
+    a, b = (_pick(x) for x in _two(m))
+    if a is None or b is None:
+        return None
+    return tuple((t, i % 2) for t, i in (a, b))
+
+
+def _pairs_input(xs, shape):
+    """The 4-D keys ``x`` (of ``shape``) when ``xs`` is ``x.float().reshape(*x.shape[:-1], -1, 2)``."""
+    if not (_is(xs, {"reshape", "view", torch.reshape}) and isinstance(xs.args[0], Node)):
+        return None
+    x = xs.args[0]
+    if _is(x, {"float"}) and len(x.args) == 1 and not x.kwargs:
+        x = x.args[0]
+    elif _is(x, {"to"}) and len(x.args) == 2 and x.args[1] is torch.float32 and not x.kwargs:
+        x = x.args[0]
+    xv, xsv = _val(x), _val(xs)
+    if not isinstance(x, Node) or xv is None or xsv is None or xv.dim() != 4 or not _same_shape(xv.shape, shape):
+        return None
+    D = int(xv.shape[-1])
+    if D % 2 or not _same_shape(xsv.shape, (*xv.shape[:-1], D // 2, 2)):
+        return None  # (a row-major reshape of the last dim into [D/2, 2]: adjacent channel pairs)
+    return x
+
+
+def _rope_pairs(src, sv):
+    """gpt-fast's ``apply_rotary_emb`` as Dynamo traces it, on the keys written ``src`` (value ``sv``):
+    ``stack([x0 * c - x1 * s, x1 * c + x0 * s], -1).flatten(3).type_as(x)``, ``x0, x1 = xs[..., 0], xs[..., 1]``
+    the adjacent channel pairs of ``xs = x.float().reshape(..., -1, 2)``, ``c, s = fc[..., 0], fc[..., 1]``,
+    applied on ``[B, n, H, D]`` and transposed after (gpt-fast) or on ``[B, H, n, D]``. Returns ``(RopeMatch,
+    "")``, ``(None, why)`` for a complex multiply the pass will not take, or None when ``src`` is not one."""
+    n = src
+    tokens_first = _is_transpose_12(n)
+    if tokens_first:
+        n = n.args[0]
+    if _is(n, {"type_as", "float"}) or (_is(n, {"to"}) and len(n.args) == 2 and isinstance(n.args[1], torch.dtype)):
+        n = n.args[0]  # gpt-fast's cast back to the keys' dtype (see docs/design.md: a no-op in fp32)
+    if not (isinstance(n, Node) and (_is(n, {"flatten", torch.flatten}) or _is(n, {"reshape", "view"}))):
+        return None
+    st = n.args[0]
+    if not (_is(st, _STACK) and isinstance(st, Node)):
+        return None
+    parts, dim = _arg(st, 0, "tensors"), _arg(st, 1, "dim", 0)
+    stv, nv = _val(st), _val(n)
+    if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and stv is not None and nv is not None
+            and stv.dim() == 5 and dim in (-1, 4)):
+        return None
+    B, A1, A2, D = (sv.shape[0], sv.shape[2], sv.shape[1], int(sv.shape[3])) if tokens_first else \
+        (*sv.shape[:3], int(sv.shape[3]))
+    if D % 2 or not (_same_shape(nv.shape, (B, A1, A2, D)) and _same_shape(stv.shape, (B, A1, A2, D // 2, 2))):
+        return None  # (flatten(3) of [.., D/2, 2] back to [.., D]: the pairs in place)
+    a, b = parts
+    if not (_is(a, _SUB) and _is(b, _ADD) and _two(a) and _two(b)):
+        return None
+    m1, m2 = (_pick_pair(m) for m in _two(a))
+    m3, m4 = (_pick_pair(m) for m in _two(b))
+    if None in (m1, m2, m3, m4):
+        return None
+    why = "a complex-multiply rotary embedding (gpt-fast's form) "
+    for (X, i), (Fc, j) in (m1, m1[::-1]):
+        if i or j or X is Fc:
+            continue
+        if set(m2) != {(X, 1), (Fc, 1)} or {frozenset(m3), frozenset(m4)} != {frozenset({(X, 1), (Fc, 0)}),
+                                                                                 frozenset({(X, 0), (Fc, 1)})}:
+            continue
+        x = _pairs_input(X, (B, A1, A2, D))
+        if x is None:
+            continue
+        fv = _val(Fc)
+        n_axis, h_axis = (1, 2) if tokens_first else (2, 1)
+        seq = sv.shape[2]
+        if not (fv is not None and (_same_size(fv.shape[0], 1) or _same_size(fv.shape[0], B))
+                and _same_size(fv.shape[h_axis], 1) and _same_size(fv.shape[n_axis], seq)
+                and _same_shape(fv.shape[3:], (D // 2, 2))):
+            return None, why + ("with cos/sin of a shape kvcompile does not read (one row per token, shared by "
+                                "the heads)")
+        mults = [a.args[0], a.args[1], b.args[0], b.args[1]]
+        if any(getattr(_val(t), "dtype", None) != torch.float32 for t in mults + [a, b, st, X]):
+            return None, why + "not computed in fp32 (the kernels rotate keys in fp32, as gpt-fast's x.float() does)"
+        if _val(x).dtype != sv.dtype:
+            return None, why + f"whose result is cast to {sv.dtype}, not back to the keys' own {_val(x).dtype}"
+        cos = next(t for t in _two(a.args[0]) if _pick(t)[0] is Fc)  # fc[..., 0] of x0 * c
+        sin = next(t for t in _two(a.args[1]) if _pick(t)[0] is Fc)  # fc[..., 1] of x1 * s
+        return RopeMatch(x, cos, sin, "pairs", int(D), tokens_first=tokens_first), ""
+    return None
+
+
 def match_rope(src) -> tuple[RopeMatch | None, str]:
     """The rotary embedding that computes the keys a layer writes, or ``(None, why not)``. Recognised (as
     Dynamo traces them): transformers' ``apply_rotary_pos_emb``, ``k * cos + rotate_half(k) * sin``, over the
     whole head, or over its first ``rotary_dim`` channels with the rest concatenated after (partial rotary:
-    ``cat((rope(k[..., :rd]), k[..., rd:]), dim=-1)``, GPT-NeoX, Phi)."""
+    ``cat((rope(k[..., :rd]), k[..., rd:]), dim=-1)``, GPT-NeoX, Phi); gpt-fast's ``apply_rotary_emb``, the
+    complex multiply of adjacent channel pairs in fp32 (``_rope_pairs``; "pairs", the whole head)."""
     sv = _val(src)
     if not isinstance(src, Node) or sv is None or sv.dim() != 4:
         return None, "the keys written are not a traced [B, H, n, D] tensor"
     D = int(sv.shape[-1])
+    pairs = _rope_pairs(src, sv)
+    if pairs is not None:
+        return pairs
     full = _rope_full(src)
     if full is not None:
         x, cos, sin = full
@@ -414,7 +544,7 @@ def match_rope(src) -> tuple[RopeMatch | None, str]:
     what = f"{src.op} {_op_name(src)}" if isinstance(src, Node) else repr(src)
     return None, (f"the keys written are computed by {what} ({getattr(src, 'name', src)}), not a rotary embedding "
                   f"the pass recognises (k * cos + rotate_half(k) * sin, on the whole head or on its first "
-                  f"rotary_dim channels)")
+                  f"rotary_dim channels; gpt-fast's apply_rotary_emb on the whole head)")
 
 
 # --------------------------------------------------------------------------- matching
@@ -639,6 +769,16 @@ def replace_writes(gm: GraphModule, site: Site) -> Node:
     order = _order(gm)
     later = max(site.k_write.node, site.v_write.node, key=order.__getitem__)
     rope = pre_rope(site)
+    if rope is not None and rope.tokens_first:  # [B, n, H, .] -> [B, H, n, .]: the store's and attention's layout
+        moved = {}
+        with g.inserting_before(later):
+            for f in ("key", "cos", "sin"):
+                t = getattr(rope, f)
+                moved[f] = g.call_method("transpose", (t, 1, 2))
+                _copy_meta(moved[f], later)
+                if _val(t) is not None:
+                    moved[f].meta["example_value"] = _val(t).transpose(1, 2)
+        rope = site.rope = replace(rope, tokens_first=False, **moved)
     with g.inserting_before(later):
         pos = site.k_write.pos
         if isinstance(pos, tuple):

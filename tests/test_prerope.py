@@ -307,3 +307,127 @@ def test_paths_that_cannot_store_pre_rope_keys_refuse():
     dyn = tiny(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(PolicyError, match="dynamic"):
         kvcompile.apply(dyn, Policy(pre_rope=True), compiler="eager")
+
+
+# --------------------------------------------------------------------------- gpt-fast's rotary form ("pairs")
+def _gpt_fast(complex_rope=False, heads_first=False):
+    """examples/gpt_fast_model.py loaded afresh (its apply_rotary_emb optionally replaced by Meta Llama's
+    view_as_complex form, which the pass does not match; or applied after the transpose to [B, H, n, D])."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "gpt_fast_model.py")
+    spec = importlib.util.spec_from_file_location("gpt_fast_model", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpt_fast_model"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    if complex_rope:
+        def apply_rotary_emb(x, freqs_cis):
+            xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+            fc = torch.view_as_complex(freqs_cis.contiguous()).view(1, xc.size(1), 1, xc.size(3))
+            return torch.view_as_real(xc * fc).flatten(3).type_as(x)
+        mod.apply_rotary_emb = apply_rotary_emb
+    if heads_first:
+        def rope_heads_first(x, freqs_cis):  # gpt-fast's formula on [B, H, n, D]
+            xs = x.float().reshape(*x.shape[:-1], -1, 2)
+            fc = freqs_cis.view(1, 1, xs.size(2), xs.size(3), 2)
+            out = torch.stack([xs[..., 0] * fc[..., 0] - xs[..., 1] * fc[..., 1],
+                               xs[..., 1] * fc[..., 0] + xs[..., 0] * fc[..., 1]], -1)
+            return out.flatten(3).type_as(x)
+
+        def forward(self, x, freqs_cis, mask, input_pos):
+            a, (B, S, _) = self.a, x.shape
+            kv = a.n_local_heads * a.head_dim
+            q, k, v = (t.view(B, S, -1, a.head_dim).transpose(1, 2)
+                       for t in self.wqkv(x).split([a.dim, kv, kv], dim=-1))
+            q, k = rope_heads_first(q, freqs_cis), rope_heads_first(k, freqs_cis)
+            k, v = self.kv_cache.update(input_pos, k, v)
+            g = a.n_head // a.n_local_heads
+            y = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(g, dim=1),
+                                                                 v.repeat_interleave(g, dim=1), attn_mask=mask)
+            return self.wo(y.transpose(1, 2).contiguous().view(B, S, a.dim))
+        mod.Attention.forward = forward
+    return mod
+
+
+def _gpt_fast_pair(gf, batch=2, seed=0):
+    torch.manual_seed(seed)
+    args = gf.ModelArgs(vocab_size=64, dim=64, n_head=4, n_local_heads=2, intermediate_size=64)  # head_dim 16
+    ref = gf.Transformer(args).eval()
+    ref.setup_caches(batch, 48)
+    return ref, copy.deepcopy(ref)
+
+
+def _gpt_fast_run(model, ids, steps, seed=1):
+    """Prefill ``ids`` at positions 0..T-1, then ``steps`` decode steps of fixed random tokens: the logits."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = ids.shape
+    with torch.no_grad():
+        out = [model(ids, torch.arange(T))]
+        for t in range(T, T + steps):
+            out.append(model(torch.randint(0, 64, (B, 1), generator=g), torch.tensor([t])))
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("heads_first", [False, True], ids=["gpt-fast", "heads-first"])
+def test_gpt_fast_full_precision_pre_rope_equals_the_unmodified_model(heads_first):
+    """gpt-fast's apply_rotary_emb (complex multiply of adjacent pairs, in fp32, before the transpose; or the
+    same after it) is recognised: keys are stored pre-RoPE ("pairs"), their rotation by the captured cos/sin
+    equals the model's rotated keys bit for bit, and the logits equal the unmodified model's within fp32
+    rounding (attention itself is computed by other kernels)."""
+    from kvcompile import standin
+    gf = _gpt_fast(heads_first=heads_first)
+    ref, m = _gpt_fast_pair(gf)
+    compiled = kvcompile.apply(m, Policy(pre_rope=True), compiler="eager")
+    ids = torch.randint(0, 64, (2, 11))
+    got, want = _gpt_fast_run(compiled, ids, 6), _gpt_fast_run(ref, ids, 6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    ex = kvcompile.explain(m)
+    assert [s.keys for s in ex.sites] == ["pre-RoPE (pairs:16)"] * 2, str(ex)
+    assert "keys pre-RoPE (pairs:16)" in str(ex) and not ex.notes
+    n = 11 + 6
+    for i, (layer, rl) in enumerate(zip(m.layers, ref.layers)):
+        st = standin.lookup(layer.attention.kv_cache.k_cache).store
+        assert st.rope_keys and st.lengths == [n, n]
+        k, _ = dequantize_reference(st.state, st.spec, torch.float32)  # full precision: the keys as written
+        rotated = apply_rope(k, st.rope(), torch.arange(n))
+        # gpt-fast's own rotation of these keys, on [B, n, H, D] as the model applies it
+        own = gf.apply_rotary_emb(k.transpose(1, 2), ref.freqs_cis[:n]).transpose(1, 2)
+        assert torch.equal(rotated, own) and not torch.equal(k, rotated)
+        if i == 0:  # the first layer's keys do not depend on attention: the unmodified model's cache itself
+            assert torch.equal(rotated, rl.attention.kv_cache.k_cache[:, :, :n])
+    # gpt-fast starts the next prompt at position 0 again over the same caches: the same answer
+    torch.testing.assert_close(_gpt_fast_run(compiled, ids, 6), got, rtol=0, atol=0)
+
+
+def test_gpt_fast_quantized_pre_rope_c_kernels_equal_the_reference_kernels():
+    """The compiled gpt-fast model with a quantized pre_rope policy on the C kernels against the same on the
+    reference kernels (both "pairs" pre-RoPE), and both away from post-RoPE storage."""
+    gf = _gpt_fast()
+    pol = Policy.kivi(2, group=16, residual=4, sink=1, pre_rope=True)
+    ids = torch.randint(0, 64, (2, 30))
+    outs = {}
+    for kern, p in (("cpu", pol), ("reference", pol), ("cpu", Policy.kivi(2, group=16, residual=4, sink=1))):
+        _, m = _gpt_fast_pair(gf)
+        compiled = kvcompile.apply(m, p, compiler="eager")
+        kvcompile.ops.set_kernels(kern)
+        try:
+            outs[(kern, p.pre_rope)] = _gpt_fast_run(compiled, ids, 10)[:, 30:]
+        finally:
+            kvcompile.ops.set_kernels("auto")
+        keys = [s.keys for s in kvcompile.explain(m).sites]
+        assert keys == (["pre-RoPE (pairs:16)"] * 2 if p.pre_rope else ["post-RoPE"] * 2)
+    torch.testing.assert_close(outs[("cpu", True)], outs[("reference", True)], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(outs[("cpu", True)], outs[("cpu", False)], atol=1e-4)
+
+
+def test_gpt_fast_view_as_complex_form_keeps_post_rope_keys_and_explain_says_so():
+    """Meta Llama's view_as_complex form (a complex product whose rounding the pass does not state) is not
+    matched: the pre_rope policy stores the keys written, with the post-RoPE store's results."""
+    gf = _gpt_fast(complex_rope=True)
+    ref, m = _gpt_fast_pair(gf)
+    compiled = kvcompile.apply(m, Policy(pre_rope=True), compiler="eager")
+    ids = torch.randint(0, 64, (2, 7))
+    torch.testing.assert_close(_gpt_fast_run(compiled, ids, 3), _gpt_fast_run(ref, ids, 3), rtol=1e-5, atol=1e-5)
+    ex = kvcompile.explain(m)
+    assert [s.keys for s in ex.sites] == ["post-RoPE"] * 2
+    notes = [n for n in ex.notes if "keys stored post-RoPE" in n]
+    assert len(notes) == 2 and all("not a rotary embedding the pass recognises" in n for n in notes), str(ex)
