@@ -37,7 +37,7 @@ from .accounting import bytes_per_token, full_precision_bytes_per_token
 from . import ops
 from .hf import KVCompileCache, KVCompileLayer, model_shape
 from .hf_model import cache_kwarg
-from .policy import Policy, Quant
+from .policy import Policy, PolicyError, Quant
 from .store import dequantize_reference
 
 # --------------------------------------------------------------------------- the policies compared
@@ -166,7 +166,14 @@ class _EvalCache(KVCompileCache):
 
 
 def make_cache(model, policy: Policy, max_cache_len: int, fast: bool = True) -> KVCompileCache:
-    """The cache the evaluation feeds: ``_EvalCache`` (same numerics, faster) or the plain reference one."""
+    """The cache the evaluation feeds: ``_EvalCache`` (same numerics, faster) or the plain reference one.
+    A pre_rope policy only goes through the plain one, inside the applied model (``compiled_copy``): the fast
+    cache's eager updates receive rotated keys, so it refuses rather than store them post-RoPE."""
+    if fast and stores_pre_rope(policy):
+        raise PolicyError(
+            f"the evaluation's fast eager cache cannot store keys before the rotary embedding (pre_rope=True in "
+            f"{policy}): only the compiled model can. Measure it through evaluate.compiled_copy(model, policy) "
+            f"with fast=False, as `kvcompile eval` does.")
     return (_EvalCache if fast else KVCompileCache)(model.config, policy, max_cache_len)
 
 

@@ -268,3 +268,23 @@ def test_merge_joins_passkey_lengths_of_one_protocol():
     assert list(m["passkey"]["kivi:2"]["trials_detail"]) == ["1024", "2048", "4096"]
     m = E.merge([run([1024]), run([2048], chunk=64)])  # another protocol replaces, never mixes
     assert m["passkey"]["kivi:2"]["accuracy"] == {"2048": 1.0}
+
+
+def test_pre_rope_rows_are_measured_through_the_applied_model(tiny):
+    """``kvcompile eval`` measures a pre_rope policy through ``compiled_copy`` (only the pass stores keys before
+    the rotary embedding): in full precision that is the model's own loss, quantized it is not post-RoPE's,
+    and the eager cache path refuses the policy instead of silently storing rotated keys."""
+    W = torch.randint(0, 512, (2, 96))
+    full = E.heldout_loss(tiny, W, Policy.full(), chunk=16)
+    pre_full = Policy(pre_rope=True)
+    got = E.heldout_loss(E.compiled_copy(tiny, pre_full), W, pre_full, chunk=16, fast=False)
+    assert got == pytest.approx(full, abs=1e-5)
+    post = Policy.kivi(2, group=16, residual=8)
+    pre = Policy.kivi(2, group=16, residual=8, pre_rope=True)
+    assert E.stores_pre_rope(pre) and not E.stores_pre_rope(post)
+    q_pre = E.heldout_loss(E.compiled_copy(tiny, pre), W, pre, chunk=16, fast=False)
+    q_post = E.heldout_loss(tiny, W, post, chunk=16)
+    assert all(math.isfinite(x) for x in q_pre) and q_pre != pytest.approx(q_post, abs=1e-6)
+    assert E.heldout_loss(tiny, W, Policy.full(), chunk=16) == full  # the copy left the model as it was
+    with pytest.raises(Exception, match="pre_rope"):
+        E.heldout_loss(tiny, W, pre, chunk=16)
