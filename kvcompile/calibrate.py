@@ -155,6 +155,9 @@ def check_candidates(candidates) -> tuple[Policy, ...]:
     for c in cands:
         if c.overrides:
             raise PolicyError(f"candidate {c} has per-layer overrides: a candidate is one layer's policy")
+        if c.pre_rope:
+            raise PolicyError(f"candidate {c} stores keys pre-RoPE: calibrate measures layers through the eager "
+                              f"cache, which receives rotated keys; use candidates without pre_rope")
         shared = [(f, getattr(c, f), getattr(cands[0], f)) for f in ("residual", "sink", "rotate")
                   if getattr(c, f) != getattr(cands[0], f)]
         if shared:

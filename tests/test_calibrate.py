@@ -197,6 +197,8 @@ def test_candidates_must_share_residual_sinks_and_rotation():
         check_candidates([])
     with pytest.raises(PolicyError, match="overrides"):
         check_candidates([Policy.kivi(2).override({0: None})])
+    with pytest.raises(PolicyError, match="pre-RoPE"):  # the eager measurement could not honour it
+        check_candidates([Policy.kivi(2), Policy.kivi(4, pre_rope=True)])
 
 
 def test_calibrate_returns_a_policy_the_cache_and_apply_take(tiny, windows, monkeypatch):
