@@ -503,13 +503,20 @@ class KVCompileCache(Cache):
     @property
     def nbytes(self) -> int:
         """Bytes the cache holds: every layer's store (blocks in use, rings, sinks, lengths, tables) and the
-        full-precision rings of sliding-window layers left to transformers."""
-        return sum(layer.nbytes for layer in self.layers)
+        full-precision rings of sliding-window layers left to transformers; with pre-RoPE keys, the cos/sin
+        table of the positions held (shared by the layers)."""
+        table = self._rope_table()
+        return sum(layer.nbytes for layer in self.layers) + (table.nbytes if table is not None else 0)
 
     @property
     def reserved_nbytes(self) -> int:
-        """Bytes allocated, the stores' free blocks included."""
-        return sum(layer.reserved_nbytes for layer in self.layers)
+        """Bytes allocated, the stores' free blocks (and the cos/sin table's spare rows) included."""
+        table = self._rope_table()
+        return sum(layer.reserved_nbytes for layer in self.layers) + (table.reserved_nbytes if table is not None else 0)
+
+    def _rope_table(self):
+        return next((layer.rope_table for layer in self.layers if getattr(layer, "rope_table", None) is not None),
+                    None)
 
     @property
     def rings(self) -> dict[int, int]:

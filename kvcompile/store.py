@@ -351,6 +351,17 @@ class RopeTable:
             raise RopeError(f"one cache's layers apply different rotary embeddings ({self.form} and {key}); pre-RoPE "
                             f"keys need one form per cache. Use a policy without pre_rope for this model.")
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the table holds for the positions captured so far (cos and sin rows, fp32, and their flag)."""
+        rows = int(self.filled.sum()) if self.filled.numel() else 0
+        return rows * (self.cos.shape[1] * 2 * self.cos.element_size() + 1) if self.cos.dim() == 2 else 0
+
+    @property
+    def reserved_nbytes(self) -> int:
+        """Bytes allocated (the table grows by doubling)."""
+        return sum(t.numel() * t.element_size() for t in (self.cos, self.sin, self.filled))
+
     def _grow(self, T: int) -> None:
         old = self.cos.shape[0]
         if T <= old:

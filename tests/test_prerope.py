@@ -259,6 +259,12 @@ def test_full_precision_pre_rope_beam_search_and_crop(applied_full):
         cache.crop(8)
         got = m(seq[:, 8:12], past_key_values=cache, use_cache=True).logits
     torch.testing.assert_close(got, want[:, 8:12], rtol=1e-5, atol=1e-5)
+    # the cache's bytes count its cos/sin table: one fp32 cos and sin row (and a flag) per position held
+    table = next(layer.rope_table for layer in cache.layers if getattr(layer, "rope_table", None) is not None)
+    D = table.cos.shape[1]
+    assert table.nbytes == 12 * (2 * 4 * D + 1)
+    assert cache.nbytes == sum(layer.nbytes for layer in cache.layers) + table.nbytes
+    assert cache.reserved_nbytes >= sum(layer.reserved_nbytes for layer in cache.layers) + table.nbytes
 
 
 def test_quantized_pre_rope_compiled_equals_the_reference_kernels():
