@@ -1,7 +1,7 @@
 """CPU decode attention over pre-RoPE keys (``Policy(pre_rope=True)``) against post-RoPE storage, one layer.
 
     python benchmarks/prerope_decode.py                              # KIVI int2, SmolLM2's layer, 1K and 4K
-    python benchmarks/prerope_decode.py --before 3eedf7f             # adds the kernel as of a git revision
+    python benchmarks/prerope_decode.py --before 6fee693             # adds the kernel as of a git revision
     python benchmarks/prerope_decode.py --bits 4 --contexts 2048 --threads 2
     python benchmarks/prerope_decode.py --smoke                      # tiny, seconds
 
