@@ -313,6 +313,16 @@ def _two(n: Node):
     return None
 
 
+def _last_index(idx: tuple, ndim: int):
+    """The last dimension's entry of an index tuple ``(..., i)`` or ``(:, ..., :, i)`` over ``ndim`` dims, else
+    None (a ``None`` entry -- a new axis -- is no last-dimension index either)."""
+    if len(idx) == 2 and idx[0] is Ellipsis:
+        return idx[1]
+    if len(idx) == ndim and all(_is_full(i) for i in idx[:-1]):
+        return idx[-1]
+    return None
+
+
 def _last_dim_slice(n, D):
     """``x[..., a:b]`` (or ``x[:, :, :, a:b]``) of a 4-D ``x`` as ``(x, a, b)``, or None."""
     if not (_is(n, {operator.getitem}) and isinstance(n.args[1], tuple)):
@@ -323,12 +333,7 @@ def _last_dim_slice(n, D):
     xv = _val(x)
     if xv is None or xv.dim() != 4:
         return None
-    if len(idx) == 2 and idx[0] is Ellipsis:
-        sl = idx[1]
-    elif len(idx) == 4 and all(_is_full(i) for i in idx[:3]):
-        sl = idx[3]
-    else:
-        return None
+    sl = _last_index(idx, 4)
     if not isinstance(sl, slice) or sl.step not in (None, 1):
         return None
     w = int(xv.shape[-1])
@@ -408,12 +413,7 @@ def _pick(n):
     tv = _val(t)
     if tv is None or tv.dim() != 5 or tv.shape[-1] != 2:
         return None
-    if len(idx) == 2 and idx[0] is Ellipsis:
-        i = idx[1]
-    elif len(idx) == 5 and all(_is_full(j) for j in idx[:4]):
-        i = idx[4]
-    else:
-        return None
+    i = _last_index(idx, 5)
     return (t, i) if isinstance(i, int) and not isinstance(i, bool) and i in (0, 1, -1, -2) else None
 
 
@@ -731,6 +731,15 @@ def _copy_meta(new: Node, old: Node) -> None:
             new.meta[k] = old.meta[k]
 
 
+def replace_node(g, old: Node, new: Node) -> None:
+    """``new`` takes ``old``'s place: its metadata (and traced value), then every use; ``old`` is erased."""
+    _copy_meta(new, old)
+    if "example_value" in old.meta:
+        new.meta["example_value"] = old.meta["example_value"]
+    old.replace_all_uses_with(new)
+    g.erase_node(old)
+
+
 def replace_allocation(gm: GraphModule, cache: Node) -> Node:
     """A cache the graph allocates (``torch.zeros([B, H, C, D])``) -> ``kvcompile.standin(shape, dtype,
     device)``: the tensor the model keeps (a lazily initialized StaticCache stores it) holds no full-precision
@@ -838,11 +847,7 @@ def replace_read(gm: GraphModule, site: Site, token: Node) -> Node:
                               (q, site.k_cache, site.v_cache, token, mask, site.scale, site.spec_name,
                                stored_keys(site), site.v_write.src))
         counters["attention_op"] += 1
-    _copy_meta(att, site.read)
-    if "example_value" in site.read.meta:
-        att.meta["example_value"] = site.read.meta["example_value"]
-    site.read.replace_all_uses_with(att)
-    g.erase_node(site.read)
+    replace_node(g, site.read, att)
     counters["attention_rewritten"] += 1
     counters[f"gqa_{site.repeat}"] += 1
     return att

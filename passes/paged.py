@@ -32,8 +32,8 @@ from torch.fx import GraphModule, Node
 
 from kvcompile import paged_ops
 
-from .kv_cache import (KVCompileError, _arg, _copy_meta, _example, _impure, _op_name, _src, _val, find_reads,
-                       is_shape_query, layer_name, sdpa_args)
+from .kv_cache import (KVCompileError, _arg, _copy_meta, _example, _impure, _op_name, _scale as sdpa_scale, _src,
+                       _val, find_reads, is_shape_query, layer_name, replace_node, sdpa_args)
 
 counters: Counter = Counter()
 reports: list = []  # one list per rewritten graph: a dict per layer (see PagedSite.report)
@@ -134,14 +134,11 @@ def _walk_back(x, stops: set[Node]) -> tuple[Node | None, list[str]]:
 
 
 def _scale(a: dict, q) -> float:
-    s = a.get("scale")
-    if s is None:
-        return 1.0 / float(_val(q).shape[-1]) ** 0.5
+    """SDPA's scale as the generate pass reads it (``kv_cache._scale``), which must be a number here."""
+    s = sdpa_scale(a, _val(q))
     if isinstance(s, Node):
-        s = _val(s)
-    if not isinstance(s, (int, float)):
-        raise KVCompileError(f"SDPA's scale {s!r} is not a number the paged pass can pass on")
-    return float(s)
+        raise KVCompileError(f"SDPA's scale {s.name} is not a number the paged pass can pass on")
+    return s
 
 
 def match_layer(layer: int, k_cache: Node, v_cache: Node, sdpas: list[Node]) -> PagedSite:
@@ -212,11 +209,7 @@ def rewrite_site(gm: GraphModule, s: PagedSite) -> None:
         q = g.call_method("contiguous", (s.query,))
         att = g.call_function(torch.ops.kvcompile.paged_attention.default,
                               (q, s.k_cache, s.v_cache, token, s.read_index, s.mask, s.scale))
-    _copy_meta(att, s.sdpa)
-    if "example_value" in s.sdpa.meta:
-        att.meta["example_value"] = s.sdpa.meta["example_value"]
-    s.sdpa.replace_all_uses_with(att)
-    g.erase_node(s.sdpa)
+    replace_node(g, s.sdpa, att)
     counters["sdpa_rewritten"] += 1
     counters["read_index_select"] += 0 if s.k_read is None else 2
     counters["layers_without_read"] += s.k_read is None
