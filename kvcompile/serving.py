@@ -56,7 +56,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -249,7 +249,7 @@ def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = tor
     blocks, slots = stores[0].state.k_codes.shape[0], stores[0].state.lengths.numel()  # as allocated
     ours = dict(allocated=sum(state_nbytes(st.state) for st in stores), budgeted=budget, blocks=blocks,
                 block_tokens=specs[0].block, tokens=blocks * specs[0].block, slots=slots,
-                requests=min(slots, blocks // pages_for(request_tokens, specs[0].block)))
+                requests=replace(size, blocks=blocks, slots=slots).requests)
     del stores
     fp = full_precision_bytes_per_token(model_config, dtype)
     cbc = ContinuousBatchingConfig(num_blocks=transformers_pages(budget, page_size, fp), page_size=page_size,
@@ -662,7 +662,6 @@ def _refuse(asked) -> None:
 
     if asked.use_async_batching:
         refuse("use_async_batching=True")
-    _compiled_request(asked)
     graphs = asked.use_cuda_graph
     if any(graphs) if isinstance(graphs, (tuple, list)) else graphs:
         refuse("CUDA graphs (use_cuda_graph)")
@@ -692,7 +691,7 @@ def _make_manager_class():
             # everything that can refuse runs before transformers' manager switches the model's attention
             asked = continuous_batching_config
             _refuse(asked)
-            self._compiled = _compiled_request(asked)
+            self._compiled = _compiled_request(asked)  # and refuses what compiles otherwise
             opts: ServingOptions = model._kvcompile_serving
             text = model.config.get_text_config()
             self._specs = layer_specs(text, opts, model.dtype)
