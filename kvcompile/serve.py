@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import logging
 
 import torch
@@ -180,8 +181,6 @@ def _is_number(v) -> bool:
 def check_common(body: dict) -> None:
     """The fields both endpoints share, checked where transformers' handlers would take them as they come
     (``int(...)``, ``float(...)``: a 500 on a string, a negative ``max_tokens`` generating nothing)."""
-    import json
-
     model = body.get("model")
     if model is None:
         raise RequestError("'model' is required (GET /v1/models lists the one this server serves)", "model")
@@ -246,7 +245,6 @@ def check_chat(body: dict) -> None:
             for c in calls:
                 args = c.get("function", c).get("arguments")
                 if isinstance(args, str):
-                    import json
                     try:
                         args = json.loads(args)
                     except ValueError:
