@@ -110,10 +110,10 @@ def _triton_store(state, spec, k, v, n_new=None):
 
 
 def _triton_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None):
-    if rope is not None:
-        raise NotImplementedError("the Triton kernels do not read pre-RoPE keys (Policy.pre_rope) yet: use a "
-                                  "policy without pre_rope on CUDA, or the CPU kernels")
-    return _triton().attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new)
+    from .store import Rope
+    if rope is not None and not isinstance(rope, Rope):
+        rope = Rope(*rope)
+    return _triton().attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope)
 
 
 def _fused_attention(q, state, mask, scale, spec_name, k_new=None, v_new=None, rope=None):

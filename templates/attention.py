@@ -28,6 +28,11 @@ the packed positions of the queries' own chunk (``[L - n, L)``, given in full pr
 instead of the codes: a prefill attends to itself unquantized, and the codes it has just written are not read
 back. Scores and softmax are fp32 (online softmax); the two matrix products accumulate in fp32 with operands
 in fp32 (``DOT="ieee"``) or rounded to tf32 on the tensor cores (``DOT="tf32"``).
+
+Pre-RoPE keys (``Policy.pre_rope``; ``ROPE``): each key tile, once formed in any of the four loops, is rotated
+by its positions as ``kvcompile.store.apply_rope`` states it (``_rope_tile``: the partner channels gathered
+within the tile, the cos/sin rows of the clamped rotary positions loaded), so the scores see exactly the
+reference's rotated fp32 keys.
 """
 import functools
 
@@ -36,7 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvcompile.store import KVState, LayerSpec
+from kvcompile.store import KVState, LayerSpec, Rope, apply_rope
 
 from .common import INTERPRET, run
 from .store import _boundary, _kind, nonempty
@@ -121,6 +126,28 @@ def _full_tile(ptr, pos, tok_ok, s_t, D: tl.constexpr, DB: tl.constexpr):
 
 
 @triton.jit
+def _rope_perm(rperm, D: tl.constexpr, DB: tl.constexpr):
+    """Each channel's partner ``[DB]`` from ``perm [D]``; padded channels (``>= D``) are their own."""
+    c = tl.arange(0, DB)
+    return tl.where(c < D, tl.load(rperm + c, mask=c < D, other=0), c)
+
+
+@triton.jit
+def _rope_tile(k, p, off_b, cos_ptr, sin_ptr, perm, T, D: tl.constexpr, DB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pre-RoPE keys ``k [BLOCK_N, DB]`` at positions ``p`` rotated as ``kvcompile.store.apply_rope``:
+    ``k * cos[r] + k[:, perm] * sin[r]``, ``r = clamp(p + off_b, 0, T - 1)``, in fp32, those two products and
+    that sum in that order (contraction off: each rounds as torch's does). ``perm [DB]``: each channel's
+    partner, padded channels (``>= D``) their own; the partners are gathered within the tile, in registers."""
+    c = tl.arange(0, DB)
+    kp = tl.gather(k, tl.broadcast_to(perm[None, :], (BLOCK_N, DB)), 1)
+    r = tl.minimum(tl.maximum(p + off_b, 0), T - 1).to(tl.int64)
+    ok = (c < D)[None, :]
+    cs = tl.load(cos_ptr + r[:, None] * D + c[None, :], mask=ok, other=1.0)
+    sn = tl.load(sin_ptr + r[:, None] * D + c[None, :], mask=ok, other=0.0)
+    return k * cs + kp * sn
+
+
+@triton.jit
 def _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c, sm_scale,
                  MASK_KIND: tl.constexpr, DOT: tl.constexpr):
     """One tile of online softmax: scores ``q k^T * scale`` (+ mask), running max ``m_i``, running sum
@@ -165,6 +192,7 @@ def _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c
 def _attn_kernel(
     q_ptr, out_ptr, ws_acc, ws_ml,
     kc, ks, kz, vc, vs, vz, kr, vr, ksk, vsk, len_ptr, tbl_ptr, mask_ptr, kn, vn,
+    rcos, rsin, rperm, roff, T,  # pre-RoPE keys (ROPE): cos, sin fp32 [T, D], perm int32 [D], offset int32 [B]
     sq_b, sq_h, sq_t,  # q [B, Hq, n, D] fp32, unit stride along D
     skc_nb, skc_h, skc_t, sks_nb, sks_h, sks_t,  # key codes, key scale/zero: per block [NB, H, ...]
     svc_nb, svc_h, svc_t, svs_nb, svs_h, svs_t,  # value codes, value scale/zero
@@ -178,13 +206,15 @@ def _attn_kernel(
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_E4M3: tl.constexpr, K_CHANNEL: tl.constexpr, K_G: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_E4M3: tl.constexpr, V_CHANNEL: tl.constexpr, V_G: tl.constexpr,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr, CHUNK: tl.constexpr,
+    SPLIT: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr, CHUNK: tl.constexpr, ROPE: tl.constexpr,
 ):
     """Program (b*H + h, query block, split): rows = BLOCK_Q queries x G heads sharing KV head h.
 
     Without SPLIT (nsplit == 1) it writes the normalised output ``out [B, Hq, n, DB]``; with SPLIT the partial
     results go to ``ws_acc [B, Hq, n, nsplit, DB]`` and ``ws_ml [B, Hq, n, nsplit, 2]`` (running max, sum).
     ``nsplit`` is a runtime argument, so batch sizes and contexts that split differently share one binary.
+    With ROPE the store holds pre-RoPE keys: every key tile (sinks, codes, chunk, ring) is rotated by its
+    positions once formed (``_rope_tile``), before the scores.
 
     Paging: split boundaries fall at ``S + k * per`` (``per`` whole tiles), so every packed tile starts at a
     multiple of BLOCK_N counted from S; with BLOCK_N dividing BS it lies in one block, read through one table
@@ -218,6 +248,9 @@ def _attn_kernel(
     lo = tl.where(split == 0, 0, S + split * per)
     hi = tl.minimum(S + (split + 1) * per, end)
     QL = _boundary(L, S, R, F)
+    if ROPE:
+        off_b = tl.load(roff + b)
+        perm = _rope_perm(rperm, D, DB)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -231,6 +264,8 @@ def _attn_kernel(
             p = start + offs
             kv_ok = p < stop
             k = _full_tile(sk, p, kv_ok, ssk_t, D, DB)
+            if ROPE:
+                k = _rope_tile(k, p, off_b, rcos, rsin, perm, T, D, DB, BLOCK_N)
             v = _full_tile(sv, p, kv_ok, ssk_t, D, DB)
             acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c,
                                          sm_scale, MASK_KIND, DOT)
@@ -255,6 +290,8 @@ def _attn_kernel(
         vs0 = blk * svs_nb + vsh
         k = _packed_tile(kch + blk * skc_nb, ks + ks0, kz + ks0, idx, kv_ok, skc_t, sks_t,
                          D, DB, BLOCK_N, K_KIND, K_BITS, K_E4M3, K_CHANNEL, K_G)
+        if ROPE:
+            k = _rope_tile(k, p, off_b, rcos, rsin, perm, T, D, DB, BLOCK_N)
         v = _packed_tile(vch + blk * svc_nb, vs + vs0, vz + vs0, idx, kv_ok, svc_t, svs_t,
                          D, DB, BLOCK_N, V_KIND, V_BITS, V_E4M3, V_CHANNEL, V_G)
         acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c,
@@ -266,6 +303,8 @@ def _attn_kernel(
             p = start + offs
             kv_ok = p < stop
             k = _full_tile(kcn, p - (L - n), kv_ok, D, D, DB)
+            if ROPE:
+                k = _rope_tile(k, p, off_b, rcos, rsin, perm, T, D, DB, BLOCK_N)
             v = _full_tile(vcn, p - (L - n), kv_ok, D, D, DB)
             acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c,
                                          sm_scale, MASK_KIND, DOT)
@@ -276,6 +315,8 @@ def _attn_kernel(
             p = start + offs
             kv_ok = p < hi
             k = _full_tile(rk, p % W, kv_ok, sr_t, D, DB)
+            if ROPE:
+                k = _rope_tile(k, p, off_b, rcos, rsin, perm, T, D, DB, BLOCK_N)
             v = _full_tile(rv, p % W, kv_ok, sr_t, D, DB)
             acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c,
                                          sm_scale, MASK_KIND, DOT)
@@ -317,9 +358,11 @@ def _merge_kernel(out_ptr, ws_acc, ws_ml, nsplit, NSPLIT_B: tl.constexpr, DB: tl
 # --------------------------------------------------------------------------- launcher
 @functools.lru_cache(maxsize=None)
 def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, block: int, gqa: int, block_q: int,
-                     block_n: int, split: bool, mask_kind: int, dot: str, chunk: bool = False) -> tuple[str, dict]:
+                     block_n: int, split: bool, mask_kind: int, dot: str, chunk: bool = False,
+                     rope: bool = False) -> tuple[str, dict]:
     """The constexprs of one ``_attn_kernel`` specialization, and the key that spells it out (memoised).
-    ``block``: packed tokens per block (``LayerSpec.block``), a multiple of ``block_n``."""
+    ``block``: packed tokens per block (``LayerSpec.block``), a multiple of ``block_n``. ``rope``: the keys are
+    pre-RoPE, rotated by their positions in the kernel."""
     if block % block_n:
         raise ValueError(f"attention tile of {block_n} tokens does not divide the store's blocks of {block}")
     D = head_dim
@@ -330,10 +373,10 @@ def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, bl
                    pre + "G": q.group_for(D) if q.quantized else 1})
     gp = triton.next_power_of_2(gqa)
     kw.update(G=gqa, GP=gp, BLOCK_Q=block_q, BLOCK_M=max(16, gp * block_q), BLOCK_N=block_n, SPLIT=split,
-              MASK_KIND=mask_kind, DOT=dot, CHUNK=chunk)
+              MASK_KIND=mask_kind, DOT=dot, CHUNK=chunk, ROPE=rope)
     key = (f"attention[k={policy.key.key()};v={policy.value.key()};S={sink};R={policy.residual};F={flush};"
            f"W={ring};BS={block};D={D};gqa={gqa};bq={block_q};bn={block_n};split={int(split)};mask={mask_kind};"
-           f"dot={dot};chunk={int(chunk)}]")
+           f"dot={dot};chunk={int(chunk)}{';rope=1' if rope else ''}]")  # keys without ROPE read as before
     return key, kw
 
 
@@ -376,9 +419,26 @@ def num_warps(block_m: int, block_n: int, db: int) -> int:
     return 8 if db >= 128 or block_m >= 64 or block_n * db >= 64 * 128 else 4
 
 
+def rope_tensors(rope: Rope | None, B: int, D: int, device: torch.device) -> tuple[Tensor, ...] | None:
+    """The kernel's pre-RoPE tables from ``rope`` (``kvcompile.store.Rope``), checked: cos, sin fp32 [T, D],
+    perm [D] and offset [B] int32, contiguous, on ``device``."""
+    if rope is None:
+        return None
+    cos, sin = (t.to(device=device, dtype=torch.float32).contiguous() for t in (rope.cos, rope.sin))
+    perm, off = (t.to(device=device, dtype=torch.int32).contiguous() for t in (rope.perm, rope.offset))
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or perm.shape != (D,) or off.shape != (B,):
+        raise ValueError(f"rope tables must be cos, sin [T, {D}], perm [{D}] and offsets [{B}]; got "
+                         f"{list(cos.shape)}, {list(sin.shape)}, {list(perm.shape)}, {list(off.shape)}")
+    if cos.shape[0] == 0:
+        raise ValueError("rope tables: the cos/sin table is empty (no rotary position was captured)")
+    if perm.device.type == "cpu" and not bool(((perm >= 0) & (perm < D)).all()):  # no host sync on CUDA
+        raise ValueError(f"rope tables: a partner channel outside the head [0, {D}): {perm.tolist()}")
+    return cos, sin, perm, off
+
+
 def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float,
                      dot: str, tiles: tuple[int, int, int] | None = None,
-                     chunk: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                     chunk: tuple[Tensor, Tensor] | None = None, rope: Rope | None = None) -> Tensor:
     """Attention of ``q [B, Hq, n, D]`` (fp32, already rotated) over ``state``; returns fp32 [B, Hq, n, D].
 
     ``chunk``: the queries' own keys and values, fp32 [B, H, n, D] contiguous, as stored (rotated, rounded to
@@ -389,6 +449,9 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
 
     ``tiles`` = (BLOCK_Q, BLOCK_N, NSPLIT); a BLOCK_N longer than the store's block is cut to the block (a
     packed tile lies in one block, read through one table entry).
+
+    ``rope`` (``kvcompile.store.Rope``): the store holds pre-RoPE keys; the kernel rotates every key it reads
+    (the chunk's too) by its position, as ``apply_rope`` (checked by ``rope_tensors``).
     """
     B, Hq, n, D = q.shape
     H = spec.heads
@@ -397,10 +460,11 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
     block_n = min(block_n, spec.block)
     mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
     _, kw = attention_config(spec.policy, D, spec.sink, spec.flush, spec.ring, spec.block, G, block_q, block_n,
-                             nsplit > 1, mask_kind, dot, chunk is not None)
+                             nsplit > 1, mask_kind, dot, chunk is not None, rope is not None)
     DB = kw["DB"]
     q = q.contiguous()
     dev = q.device
+    rt = rope_tensors(rope, B, D, dev)
     out = torch.empty(B, Hq, n, DB, dtype=torch.float32, device=dev)
     if nsplit > 1:
         ws_acc = torch.empty(B, Hq, n, nsplit, DB, dtype=torch.float32, device=dev)
@@ -426,6 +490,9 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
         kr=nonempty(state.k_res), vr=nonempty(state.v_res), ksk=nonempty(state.k_sink), vsk=nonempty(state.v_sink),
         len_ptr=state.lengths, tbl_ptr=nonempty(table), mask_ptr=nonempty(mask_t),
         kn=state.lengths if chunk is None else chunk[0], vn=state.lengths if chunk is None else chunk[1],
+        rcos=state.lengths if rt is None else rt[0], rsin=state.lengths if rt is None else rt[1],
+        rperm=state.lengths if rt is None else rt[2], roff=state.lengths if rt is None else rt[3],
+        T=1 if rt is None else rt[0].shape[0],
         sq_b=q.stride(0), sq_h=q.stride(1), sq_t=q.stride(2),
         skc_nb=skc[0], skc_h=skc[1], skc_t=skc[2], sks_nb=sks[0], sks_h=sks[1], sks_t=sks[2],
         svc_nb=svc[0], svc_h=svc[1], svc_t=svc[2], svs_nb=svs[0], svs_h=svs[1], svs_t=svs[2],
@@ -444,7 +511,8 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
 # --------------------------------------------------------------------------- what the kernel must equal
 def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = None,
                         scale: float | None = None, *, nsplit: int, dot: str = "ieee",
-                        k_new: Tensor | None = None, v_new: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                        k_new: Tensor | None = None, v_new: Tensor | None = None,
+                        rope: Rope | None = None) -> tuple[Tensor, Tensor]:
     """float64 attention over the reference's dequantized store (``attention_reference`` in float64), and an
     elementwise bound on ``|launch.attention(...) - it|`` derived from the kernel's fp32 arithmetic.
 
@@ -452,7 +520,8 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     gamma_k = k u / (1 - k u), u_op = 2**-11 for tf32 operands (0 for "ieee"), N = keys a query sees:
 
     1. The kernel reads exactly the reference's fp32 dequantized keys/values (same fp32 operations,
-       contraction off; the chunk, when given, exactly as stored) and exactly its query (with rotation: ``q.float() @ H`` in fp32, the reference's own
+       contraction off; the chunk, when given, exactly as stored; pre-RoPE keys, with ``rope``, rotated in fp32
+       exactly as ``apply_rope``) and exactly its query (with rotation: ``q.float() @ H`` in fp32, the reference's own
        step; the float64 attention starts from that query). Each score q.k_j * scale (+ mask) is within
        scale (gamma_D + 2 u_op) sum_i |q_i k_ji| + 2u|s_j| of the exact one; exp(s_j - m) adds 2u(|s_j| + |m|) through the subtraction and log2(e)
        scaling and 2**-22 relative (ex2.approx), i.e. 2**-21 on the exponent. So every weight's exponent is
@@ -482,6 +551,8 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     k, v = dequantize_reference(state, spec, torch.float64, rotated=True, end=C)
     if k_new is not None:  # the chunk exactly as the kernels read it (rotated in fp32, model dtype)
         k, v = with_chunk(k, v, state, spec, k_new, v_new)
+    if rope is not None:  # the fp32 keys are exact in float64: rotate them in fp32 as apply_rope (and the kernel)
+        k = apply_rope(k.float(), rope, torch.arange(C, device=k.device)).double()
     k = k.repeat_interleave(Hq // H, dim=1).to(q.device)
     v = v.repeat_interleave(Hq // H, dim=1).to(q.device)
     q64 = q.float().double()

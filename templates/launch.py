@@ -2,6 +2,7 @@
 
     store(state, spec, k, v)                 -> None            append k, v [B, H, n, D]
     attention(q, state, spec, mask, scale)   -> [B, Hq, n, D]   attention of the last n tokens' queries
+                                                                (``rope=``: pre-RoPE keys, rotated in the kernel)
 
 They check shapes, apply the policy's rotation in torch -- keys and values with ``kvcompile.store.rotate``
 as ``store_reference`` does; the query in and the output back out as fp32 products with the same Hadamard
@@ -21,8 +22,8 @@ import torch
 from torch import Tensor
 
 from kvcompile import quant as Q
-from kvcompile.store import (CapacityError, KVState, LayerSpec, _state_capacity_check, check_chunk, check_kv, hadamard,
-                             rotate, stored_chunk)
+from kvcompile.store import (CapacityError, KVState, LayerSpec, Rope, _state_capacity_check, check_chunk, check_kv,
+                             hadamard, rotate, stored_chunk)
 
 from . import attention as _attention
 from . import store as _store
@@ -35,10 +36,6 @@ UNRESERVED = ("kvcompile KV cache overflow: an append writes packed tokens into 
 
 def check_supported(spec: LayerSpec) -> None:
     """Raise for a layout the Triton kernels do not implement (never fall back silently)."""
-    if spec.policy.pre_rope:
-        raise NotImplementedError(
-            f"kvcompile's Triton kernels do not read pre-RoPE keys yet (policy {spec.policy.key_str()}, pre_rope=True): "
-            f"use a policy without pre_rope on the GPU, or the CPU kernels")
     if spec.head_dim > MAX_HEAD_DIM:
         raise NotImplementedError(
             f"kvcompile's Triton kernels hold one head in registers and support head_dim <= {MAX_HEAD_DIM}; "
@@ -98,7 +95,7 @@ def dot_precision(device: torch.device) -> str:
 
 def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = None,
               scale: float | None = None, *, tiles: tuple[int, int, int] | None = None,
-              k_new: Tensor | None = None, v_new: Tensor | None = None) -> Tensor:
+              k_new: Tensor | None = None, v_new: Tensor | None = None, rope: Rope | None = None) -> Tensor:
     """``kvcompile.store.attention_reference`` with Triton kernels.
 
     q: [B, Hq, n, D], the last n tokens' queries (already stored); Hq a multiple of the store's heads.
@@ -106,6 +103,8 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     positions past P are invisible (``kvcompile.store.cover``).
     Returns [B, Hq, n, D] in q's dtype. ``tiles`` = (BLOCK_Q, BLOCK_N, NSPLIT) overrides the tiling.
     k_new, v_new: [B, H, n, D], the queries' own chunk, read in full precision at positions [L - n, L).
+    rope (``KVStore.rope``): the store holds pre-RoPE keys; the kernel rotates each key it reads by its
+    position (``kvcompile.store.apply_rope``).
     """
     check_supported(spec)
     _check_state(state, spec)
@@ -124,7 +123,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     if spec.policy.rotates_keys:  # as the reference: the query rotated in fp32, the output un-rotated in fp32
         qr = qr @ hadamard(D, q.device)
     chunk = stored_chunk(spec, k_new, v_new, n)
-    out = _attention.launch_attention(qr, state, spec, mask, scale, dot_precision(q.device), tiles, chunk)
+    out = _attention.launch_attention(qr, state, spec, mask, scale, dot_precision(q.device), tiles, chunk, rope)
     if spec.policy.rotate:
         out = out @ hadamard(D, q.device)
         out = torch.where(torch.isfinite(out), out, float("nan"))  # as the reference: inf -> NaN

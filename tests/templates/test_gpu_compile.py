@@ -14,7 +14,7 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import torch
     from kvcompile import Policy, Quant
-    from kvcompile.store import LayerSpec
+    from kvcompile.store import LayerSpec, Rope, rope_pairing
     from kvcompile.templates import common, launch
 
     log = []
@@ -29,16 +29,27 @@ SCRIPT = textwrap.dedent("""
         (Policy(Quant("int3", "token", 16, True), Quant("fp8_e5m2", "channel", 16), residual=5, rotate=True),
          64, "float16", 3, 1, torch.zeros(1), 16, None),
         (Policy.kivi(2, group=16, residual=8, sink=2), 64, "float32", 2, 1, None, 32, (1, 64, 3)),  # tile cut to 32
+        # pre-RoPE keys, rotated in the kernel: decode (sinks, codes, ring) and a prefill reading its own chunk
+        (Policy.kivi(2, group=32, residual=16, sink=4, pre_rope=True), 128, "bfloat16", 4, 1, None, None, None),
+        (Policy(Quant("int4", "channel", 32), Quant("int4", "token"), residual=16, sink=4, rotate=True,
+                pre_rope=True), 128, "bfloat16", 4, 64, None, None, None),
+        (Policy.fp8(residual=0, pre_rope=True), 64, "float16", 2, 1, torch.ones(1, dtype=torch.bool), 16, None),
     ]
     with common.compile_only(90, log):
         for policy, D, dt, G, n, mask, block, tiles in cases:
             spec = LayerSpec(policy, 2, D, dt, block)
             state = spec.allocate(2, 4096)
             k, v = torch.randn(2, 2, 2, n, D)
+            rope = None
+            if policy.pre_rope:
+                perm, sign = rope_pairing("half", D, D)
+                rope = Rope(torch.ones(8, D), torch.zeros(8, D), torch.tensor(perm, dtype=torch.int32),
+                            torch.zeros(2, dtype=torch.int32))
             launch.store(state, spec, k, v)
-            launch.attention(torch.randn(2, 2 * G, n, D), state, spec, mask, k_new=k, v_new=v, tiles=tiles)
+            launch.attention(torch.randn(2, 2 * G, n, D), state, spec, mask, k_new=k, v_new=v, tiles=tiles, rope=rope)
     names = sorted({name for name, _ in log})
     print("compiled", len(log), names, "chunk:", sum(bool(c.get("CHUNK")) for _, c in log),
+          "rope:", sorted({(bool(c.get("CHUNK")), c["D"]) for n, c in log if n == "_attn_kernel" and c.get("ROPE")}),
           "blocks:", sorted({c["BS"] for _, c in log if "BS" in c}),
           "tiles:", sorted({(c["BS"], c["BLOCK_N"]) for n, c in log if n == "_attn_kernel"}))
 """)
@@ -58,3 +69,6 @@ def test_kernels_compile_for_sm90():
     assert "chunk: 0" not in r.stdout, r.stdout  # the loop over the queries' own chunk compiles too
     assert "blocks: [16, 32, 64]" in r.stdout, r.stdout  # paged layouts with 16, 32 and 64 tokens per block
     assert "(32, 32)" in r.stdout and "(16, 16)" in r.stdout, r.stdout  # tiles cut to the block
+    # pre-RoPE keys rotated in the kernel (tl.gather of the partner channels) lower, with and without the chunk's
+    # loop (a decode with no residual reads its own token from the chunk)
+    assert "rope: [(False, 128), (True, 64), (True, 128)]" in r.stdout, r.stdout
