@@ -199,12 +199,6 @@ def test_decode_kernel_dequantizes_pre_rope_keys_in_natural_order_bit_for_bit(po
             assert torch.equal(nat[:n], ref[0, h, S + j * spec.block:S + j * spec.block + n])
 
 
-def test_triton_refuses_pre_rope_layouts():
-    from kvcompile.templates import launch
-    with pytest.raises(NotImplementedError, match="pre-RoPE"):
-        launch.check_supported(LayerSpec(Policy.kivi(2, pre_rope=True), 2, 64))
-
-
 # --------------------------------------------------------------------------- the compiled model
 def tiny(layers=2, seed=0, **kw):
     torch.manual_seed(seed)
