@@ -19,7 +19,7 @@
    mixed-precision allocation (HAWQ); the eval measures what it buys.
 
 Candidates are ``Policy`` objects listed from the least to the most accurate (default: KIVI with the Hadamard
-rotation and 4 sinks at 2, 3, 4 and 8 bits, 3 and 4 bits also in groups of 64: ``default_candidates``); a layer
+rotation and 4 sinks at 2, 3, 4 and 8 bits, 2, 3 and 4 bits also in groups of 64: ``default_candidates``); a layer
 may take its keys from one candidate and its values from another, so all candidates share residual, sinks and
 rotation.
 A candidate later in the list is never scored worse than an earlier one of the same side (a running minimum):
@@ -53,14 +53,15 @@ _NONE = Quant("none")
 
 def default_candidates(head_dim: int | None = None) -> tuple[Policy, ...]:
     """KIVI + Hadamard rotation + 4 sinks (keys per channel, values per token, a 128-token residual), the best
-    scheme at every width on SmolLM2 (docs/results.md), from the least to the most accurate: int2 in groups
-    of 32; int3 and int4 each in groups of 64, then 32; int8 in groups of 32. The groups of 64 halve the
-    scales' bytes: at the bytes of uniform 3-bit they took SmolLM2's loss delta from +0.0036 (groups of 32
-    only) to +0.0009 (docs/results.md). ``head_dim``: only the candidates that fit it (a value group of 64
-    channels needs a head of a multiple of 64)."""
+    scheme at every width on SmolLM2 (docs/results.md), from the least to the most accurate: int2, int3 and
+    int4 each in groups of 64, then 32; int8 in groups of 32. The groups of 64 halve the scales' bytes: at the
+    bytes of uniform 3-bit they took SmolLM2's loss delta from +0.0036 (groups of 32 only) to +0.0009, and
+    int2 in groups of 64 is what leaves a choice at the bytes of uniform 2-bit (+0.058 uniform, +0.010
+    calibrated; docs/results.md). ``head_dim``: only the candidates that fit it (a value group of 64 channels
+    needs a head of a multiple of 64)."""
     def kivi(bits, group=32):
         return Policy.kivi(bits, group=group, sink=4, rotate=True)
-    cands = kivi(2), kivi(3, 64), kivi(3), kivi(4, 64), kivi(4), kivi(8)
+    cands = kivi(2, 64), kivi(2), kivi(3, 64), kivi(3), kivi(4, 64), kivi(4), kivi(8)
     return cands if head_dim is None else tuple(c for c in cands if _fits(c, head_dim))
 
 

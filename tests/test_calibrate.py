@@ -182,7 +182,9 @@ def test_bad_budgets_are_clear_errors(sens, kw, gist):
 
 
 def test_default_candidates_fit_the_head():
-    assert default_candidates(64) == default_candidates() and len(default_candidates()) == 6
+    assert default_candidates(64) == default_candidates() and len(default_candidates()) == 7
+    assert [(c.key.format, c.key.group) for c in default_candidates()] == [
+        ("int2", 64), ("int2", 32), ("int3", 64), ("int3", 32), ("int4", 64), ("int4", 32), ("int8", 32)]
     small = default_candidates(32)  # values in groups of 64 channels need a head of 64
     for c in small:
         c.check(32)
