@@ -254,16 +254,25 @@ def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
     lib = compile_template(source, key + (("ROWS_MAX", ROWS_MAX), ("TILE", TILE)))
     fn = lib.kvc_attention
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    fn.argtypes = [P] * 12 + [P, I, I] + [P, I, I, I, I, P, I, I, F, I, I, P, P] + [P, P, I, P, P]
+    compact = hasattr(lib, "kvc_rope_compact")  # older copies (benchmarks' "before") lack the compact table
+    fn.argtypes = [P] * 12 + [P, I, I] + [P, I, I, I, I, P, I, I, F, I, I, P, P] + [P, P, I, P, P] + [P, I] * compact
     fn.restype = I
+    if compact:
+        lib.kvc_rope_width.argtypes = [P]
+        lib.kvc_rope_width.restype = I
+        lib.kvc_rope_compact.argtypes = [P, P, I, P, P]
+        lib.kvc_rope_compact.restype = I
     if hasattr(lib, "kvc_fp8_decode"):  # the decode the kernel uses (tests); older copies lack it
         lib.kvc_fp8_decode.argtypes = [P, P, I, I]
         lib.kvc_fp8_decode.restype = None
     if hasattr(lib, "kvc_rope_rows"):  # the kernel's rotation and dequantization of pre-RoPE keys (tests)
-        lib.kvc_rope_rows.argtypes = [P, P, I, I, I, P, P, I, P]
+        lib.kvc_rope_rows.argtypes = [P, P, I, I, I, P, P, I, P] + [P, I] * compact
         lib.kvc_rope_rows.restype = None
         lib.kvc_dequant_keys.argtypes = [P, P, P, I, I, I, P]
         lib.kvc_dequant_keys.restype = None
+    if hasattr(lib, "kvc_rope_keys"):
+        lib.kvc_rope_keys.argtypes = [P, P, P, I, I, I, I, P, P, I, P, P, I, P]
+        lib.kvc_rope_keys.restype = I
     return lib
 
 
@@ -412,6 +421,8 @@ def splits(lengths: Tensor, heads: int, threads: int) -> int:
     every thread, in a multiple of the threads, but at least 4 tiles per piece. ``heads``: kv heads that are
     tasks of their own (1 for pre-RoPE keys, whose tasks take every kv head of a piece)."""
     B = lengths.numel()
+    if threads <= 1:  # one thread walks every task in turn: splitting only adds the merge
+        return 1
     cap = max(1, -(-int(lengths.max()) // (4 * TILE))) if B else 1
     ns = 1
     while ns < cap and (B * heads * ns < 2 * threads or (B * heads * ns) % threads):
@@ -479,7 +490,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     kn, vn = stored_chunk(spec, k_new, v_new, n) or (None, None)
     threads = threads_for(state.lengths, spec.heads)
     pol = spec.policy
-    rt = _rope_tensors(rope, B, D)  # held until the call returns
+    ra = None if rope is None else _rope_args(rope, B, D)
     bad = lib.kvc_attention(
         qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(),
         _ptr(table), table.shape[1], state.k_codes.shape[0],
@@ -487,7 +498,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
         out.data_ptr(), B, n, float(scale if scale is not None else D ** -0.5),
         nsplit or splits(state.lengths, 1 if rope is not None else spec.heads, threads), threads,
         None if kn is None else kn.data_ptr(), None if vn is None else vn.data_ptr(),
-        *_rope_ptrs(rt))
+        *_rope_ptrs(lib, ra))
     if bad:
         b = bad - 1
         raise ValueError(f"the block table of sequence {b} ({int(state.lengths[b])} tokens) does not name a block of "
@@ -498,42 +509,116 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     return Q.saturate(torch.where(torch.isfinite(out), out, float("nan")), q.dtype)  # as the reference
 
 
-def _rope_tensors(rope: Rope | None, B: int, D: int) -> tuple | None:
+class _RopeArgs:
+    """One rope's tables as the C kernel takes them, checked (``_rope_args``), and its compact table (``_compact``).
+    Holds the caller's tensors: a freed table's address is never taken for another's."""
+    __slots__ = ("src", "ver", "tables", "ptrs", "compact")
+
+    def __init__(self, src: tuple, ver: tuple, tables: tuple):
+        self.src, self.ver, self.tables = src, ver, tables
+        cos, sin, perm, off = tables
+        self.ptrs = (cos.data_ptr(), sin.data_ptr(), cos.shape[0], perm.data_ptr(), off.data_ptr())
+        self.compact: tuple | None = None  # (buffer [T, rd], Tc), made by the first kernel that reads it
+
+
+_ROPE_MEMO: list = []  # _RopeArgs of the few most recent ropes (a cache's layers pass one, every step)
+
+
+def _rope_args(rope: Rope, B: int, D: int) -> _RopeArgs:
     """The C kernel's pre-RoPE tables (``kvc_attention``), checked: cos, sin [T, D] fp32, perm [D] and offsets [B]
-    int32 (contiguous; a converted copy must outlive the call: pass what this returns to ``_rope_ptrs``)."""
-    if rope is None:
-        return None
-    cos, sin = rope.cos.float().contiguous(), rope.sin.float().contiguous()
-    perm, off = rope.perm.to(torch.int32).contiguous(), rope.offset.to(torch.int32).contiguous()
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or perm.shape != (D,) or off.shape != (B,):
+    int32, contiguous (converted copies where the caller's are not). Memoised per tensors and versions (every layer
+    of every step passes its cache's tables; a capture writes them in place, which bumps their versions): a call
+    that finds them costs a few attribute reads."""
+    src = (rope.cos, rope.sin, rope.perm, rope.offset)
+    ver = (src[0]._version, src[1]._version, src[2]._version, src[3]._version)
+    for e in _ROPE_MEMO:
+        s = e.src
+        if s[0] is src[0] and s[1] is src[1] and s[2] is src[2] and s[3] is src[3] and e.ver == ver:
+            break
+    else:  # new tensors, or written since (a decode step's capture): checked, and the compact table made again
+        i, prev = next(((i, o) for i, o in enumerate(_ROPE_MEMO)
+                        if o.src[0] is src[0] and o.src[1] is src[1] and o.src[2] is src[2]), (None, None))
+        cos, sin = rope.cos.float().contiguous(), rope.sin.float().contiguous()
+        perm, off = rope.perm.to(torch.int32).contiguous(), rope.offset.to(torch.int32).contiguous()
+        if cos.shape != sin.shape or cos.dim() != 2 or perm.shape != (cos.shape[-1],) or off.dim() != 1:
+            raise ValueError(f"rope tables must be cos, sin [T, {D}], perm [{D}] and offsets [{B}]; got "
+                             f"{list(cos.shape)}, {list(sin.shape)}, {list(perm.shape)}, {list(off.shape)}")
+        checked = prev is not None and prev.ver[2] == ver[2]  # these partners, unchanged since they were checked
+        if cos.shape[0] == 0 or not (checked or bool(((perm >= 0) & (perm < cos.shape[1])).all())):
+            raise ValueError("rope tables: an empty table, or a partner channel outside the head")
+        e = _RopeArgs(src, ver, (cos, sin, perm, off))
+        if prev is not None and prev.compact:
+            if prev.ver[:3] == ver[:3]:
+                e.compact = prev.compact  # only the offsets are new
+            else:  # the same tensors written since: checked again, into the same buffer
+                e.compact = (_ROPE_MEMO.pop(i).compact[0], None)
+        _ROPE_MEMO.insert(0, e)
+        del _ROPE_MEMO[4:]
+    cos, _, _, off = e.tables
+    if cos.shape[1] != D or off.shape != (B,):
         raise ValueError(f"rope tables must be cos, sin [T, {D}], perm [{D}] and offsets [{B}]; got "
-                         f"{list(cos.shape)}, {list(sin.shape)}, {list(perm.shape)}, {list(off.shape)}")
-    # the partners are checked once per perm tensor (every layer of every step passes the cache's one)
-    if cos.shape[0] == 0 or not _memo(perm, "rope perm", lambda: bool(((perm >= 0) & (perm < D)).all())):
-        raise ValueError("rope tables: an empty table, or a partner channel outside the head")
-    return cos, sin, perm, off
+                         f"{list(cos.shape)}, {list(e.tables[1].shape)}, {list(e.tables[2].shape)}, {list(off.shape)}")
+    return e
 
 
-def _rope_ptrs(tables: tuple | None) -> tuple:
-    """``kvc_attention``'s pre-RoPE arguments from ``_rope_tensors``: cos, sin, T, perm, offsets (or NULLs)."""
-    if tables is None:
-        return None, None, 0, None, None
-    cos, sin, perm, off = tables
-    return cos.data_ptr(), sin.data_ptr(), cos.shape[0], perm.data_ptr(), off.data_ptr()
+def _compact(lib: ctypes.CDLL, e: _RopeArgs) -> tuple:
+    """``e``'s compact table, made once (``rope_compact``): (buffer, Tc), (None, 0) for none."""
+    if e.compact is None or e.compact[1] is None:
+        buf = e.compact[0] if e.compact else None
+        cos, sin, perm, _ = e.tables
+        rd, tc = lib.kvc_rope_width(perm.data_ptr()), 0
+        if rd:
+            if buf is None or buf.shape != (cos.shape[0], rd):
+                buf = torch.empty(cos.shape[0], rd)
+            tc = lib.kvc_rope_compact(cos.data_ptr(), sin.data_ptr(), cos.shape[0], perm.data_ptr(), buf.data_ptr())
+        e.compact = (buf, tc) if tc else (None, 0)
+    return e.compact
 
 
-def rope_rows(k: Tensor, spec: LayerSpec, rope: Rope, p0: int = 0, b: int = 0, source: Path = SOURCE) -> Tensor:
+def _rope_ptrs(lib: ctypes.CDLL, e: _RopeArgs | None, compact: bool = True) -> tuple:
+    """``kvc_attention``'s pre-RoPE arguments: cos, sin, T, perm, offsets, then the compact table and its rows (NULLs
+    and zeros for none; no compact arguments to an older copy of the kernel that lacks them: a benchmark's
+    "before"). ``e`` (``_rope_args``, memoised) keeps the tensors alive past the call."""
+    new = hasattr(lib, "kvc_rope_compact")
+    if e is None:
+        return (None, None, 0, None, None) + (None, 0) * new
+    if not new:
+        return e.ptrs
+    cc, tc = _compact(lib, e) if compact else (None, 0)
+    return e.ptrs + ((None, 0) if cc is None else (cc.data_ptr(), tc))
+
+
+def rope_compact(rope: Rope, spec: LayerSpec, source: Path = SOURCE) -> tuple[Tensor | None, int]:
+    """The compact cos/sin table the decode kernel reads pre-RoPE rotations from, and how many of its rows hold
+    (``Tc``: rows from ``Tc`` on are read from the full table); ``(None, 0)`` when there is none.
+
+    For the "half" and "pairs" forms (rotary channels a multiple of 8 per half / in all) a model's table repeats
+    itself: each pair's second cos equals its first, and its second sine is its first negated; past the rotary
+    channels cos is 1 and sin +0. For the rows 0 .. ``Tc - 1`` that are so bit for bit (checked, not assumed) the
+    kernel reads a contiguous ``[T, rd]`` copy instead that holds only the first of each pair's cos and sin: half
+    the bytes, and the same products and sums (the second of a pair takes ``-sin``, exactly its table entry). The
+    check and the copy are one pass over the table in C, once per table and version of its tensors (memoised): a
+    store's table is written in place as positions are captured, which bumps the versions, and grows into new
+    tensors, so every layer of a decode step shares one copy and a changed table is never read stale."""
+    lib = _kernel_for(spec, 1, source)
+    cc, tc = _compact(lib, _rope_args(rope, rope.offset.numel(), spec.head_dim))
+    return (None, 0) if cc is None else (cc[:tc], tc)
+
+
+def rope_rows(k: Tensor, spec: LayerSpec, rope: Rope, p0: int = 0, b: int = 0, source: Path = SOURCE,
+              compact: bool = True) -> Tensor:
     """Key rows ``k [N, D]`` (fp32, natural order) of sequence ``b`` at cache positions ``p0 .. p0 + N - 1`` rotated
-    as the decode kernel rotates pre-RoPE keys (for the tests: ``store.apply_rope`` bit for bit)."""
+    as the decode kernel rotates pre-RoPE keys (for the tests: ``store.apply_rope`` bit for bit): from the compact
+    table where ``rope_compact`` makes one (``compact=False``: from the full table only)."""
     D = spec.head_dim
     lib = _kernel_for(spec, 1, source)
     kf = k.float().contiguous()
     if kf.dim() != 2 or kf.shape[1] != D:
         raise ValueError(f"rope_rows: expected key rows [N, {D}], got {list(k.shape)}")
-    rt = _rope_tensors(rope, rope.offset.numel(), D)
-    cos, sin, T, perm, _ = _rope_ptrs(rt)
+    ra = _rope_args(rope, rope.offset.numel(), D)
+    cos, sin, T, perm, _, *cc = _rope_ptrs(lib, ra, compact)
     out = torch.empty_like(kf)
-    lib.kvc_rope_rows(kf.data_ptr(), out.data_ptr(), kf.shape[0], p0, int(rt[3][b]), cos, sin, T, perm)
+    lib.kvc_rope_rows(kf.data_ptr(), out.data_ptr(), kf.shape[0], p0, int(ra.tables[3][b]), cos, sin, T, perm, *cc)
     return out
 
 
@@ -549,6 +634,25 @@ def dequant_keys(state: KVState, spec: LayerSpec, block: int, head: int, natural
     out = torch.empty(BS, D)
     lib.kvc_dequant_keys(*[_ptr(t) for t in pool], 0, BS, int(natural), out.data_ptr())
     return out
+
+
+def rope_keys(state: KVState, spec: LayerSpec, block: int, head: int, rope: Rope, p0: int, b: int = 0,
+              compact: bool = True, source: Path = SOURCE) -> tuple[Tensor, bool]:
+    """The packed pre-RoPE keys of one (block, head), all its rows, taken as sequence ``b``'s positions ``p0 ..``:
+    dequantized and rotated as the decode kernel does a packed tile (for the tests: ``apply_rope`` of the reference's
+    dequantized keys, bit for bit). Returns them ``[BS, D]`` and whether the kernel rotated each row as it
+    dequantized it (int2/int4 keys of a "half" or "pairs" form) rather than in a pass of its own."""
+    D, BS = spec.head_dim, spec.block
+    lib = _kernel_for(spec, 1, source)
+    pool = [t[block, head] if t.numel() else t for t in (state.k_codes, state.k_scale, state.k_zero)]
+    if not all(t.is_contiguous() for t in pool):
+        raise ValueError("rope_keys: the store's keys must be contiguous")
+    ra = _rope_args(rope, rope.offset.numel(), D)
+    cos, sin, T, perm, _, *cc = _rope_ptrs(lib, ra, compact)
+    out = torch.empty(BS, D)
+    fused = lib.kvc_rope_keys(*[_ptr(t) for t in pool], 0, BS, p0, int(ra.tables[3][b]), cos, sin, T, perm, *cc,
+                              out.data_ptr())
+    return out, bool(fused)
 
 
 def plane_order(spec: LayerSpec) -> Tensor:

@@ -309,6 +309,228 @@ static inline __attribute__((always_inline)) void unpack_row(int fmt, int bits, 
 /* codes * scale (+ zero point: asymmetric codes only, as in the reference) */
 static inline v8f affine(int fmt, v8f x, v8f s, v8f z) { return fmt == 1 ? x * s + z : x * s; }
 
+/* Pre-RoPE keys (kvcompile.store.apply_rope): each dequantized key row is rotated by its position's cos/sin,
+ * out[d] = k[d] * cos[r][d] + k[perm[d]] * sin[r][d] in natural channel order (perm: d's partner; sin carries the
+ * form's sign), r = p + off clamped to [0, T): two roundings and a rounded sum (no fma: -ffp-contract=off), as
+ * torch. rope_form finds the two forms whose partners lie a fixed distance away, so that the rotation runs on
+ * contiguous vectors: "half" (transformers' rotate_half, over the first 2*hr channels: partner d +- hr) and
+ * "pairs" (gpt-fast, over the first rd channels: partner d ^ 1); past the rotary channels the partner is the
+ * channel itself (cos 1, sin 0: the same formula). Any other permutation takes the indexed loop. */
+enum { ROPE_ANY = 0, ROPE_HALF = 1, ROPE_PAIRS = 2 };
+
+/* The form of perm [D] (ROPE_*) and its span: hr for "half", rd for "pairs", 0 for any other. */
+static int rope_form(const int32_t *perm, int *span) {
+    int hr = perm[0], ok = hr > 0 && 2 * hr <= D;
+    for (int d = 0; ok && d < D; d++) ok = perm[d] == (d < hr ? d + hr : d < 2 * hr ? d - hr : d);
+    if (ok) {
+        *span = hr;
+        return ROPE_HALF;
+    }
+    int rd = 0;
+    while (rd + 1 < D && perm[rd] == rd + 1 && perm[rd + 1] == rd) rd += 2;
+    ok = rd > 0;
+    for (int d = rd; ok && d < D; d++) ok = perm[d] == d;
+    *span = ok ? rd : 0;
+    return ok ? ROPE_PAIRS : ROPE_ANY;
+}
+
+/* One key row k [D] (natural order) rotated into o [D] with the cos/sin rows c, s: in place (o == k) for the two
+ * forms' vector paths (each step reads both channels of its pairs before it writes them), not the indexed loop. */
+static inline __attribute__((always_inline)) void rope_row(const float *k, const float *c, const float *s, float *o,
+                                                           int form, int span, const int32_t *perm) {
+    if (form == ROPE_HALF && span == D / 2 && (D / 2) % WV == 0) { /* the whole head: the widest vectors */
+        for (int d = 0; d < D / 2; d += WV) {
+            const vw a = ldw(k + d), b = ldw(k + d + D / 2);
+            stw(o + d, a * ldw(c + d) + b * ldw(s + d));
+            stw(o + d + D / 2, b * ldw(c + d + D / 2) + a * ldw(s + d + D / 2));
+        }
+    } else if (form == ROPE_HALF && span % 8 == 0) {
+        const int hr = span;
+        for (int d = 0; d < hr; d += 8) {
+            const v8f a = ld(k + d), b = ld(k + d + hr);
+            st(o + d, a * ld(c + d) + b * ld(s + d));
+            st(o + d + hr, b * ld(c + d + hr) + a * ld(s + d + hr));
+        }
+        for (int d = 2 * hr; d < D; d += 8) {
+            const v8f a = ld(k + d);
+            st(o + d, a * ld(c + d) + a * ld(s + d));
+        }
+    } else if (form == ROPE_PAIRS && span % 8 == 0) {
+        for (int d = 0; d < span; d += 8) {
+            const v8f a = ld(k + d), b = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6);
+            st(o + d, a * ld(c + d) + b * ld(s + d));
+        }
+        for (int d = span; d < D; d += 8) {
+            const v8f a = ld(k + d);
+            st(o + d, a * ld(c + d) + a * ld(s + d));
+        }
+    } else {
+        for (int d = 0; d < D; d++) o[d] = k[d] * c[d] + k[perm[d]] * s[d];
+    }
+}
+
+/* The compact table (kvc_rope_compact). Where a table's rows repeat themselves as the two forms' do, bit for bit --
+ * "half": cos[r][d + hr] == cos[r][d] and sin[r][d + hr] == -sin[r][d], d < hr; "pairs": the same for d + 1, d
+ * even; past the rotary channels cos 1 and sin +0 -- row r is all in cc[r * rd .. (r + 1) * rd): cos, then sin, of
+ * the first channel of each pair (rd: the rotary channels), half the bytes of its cos and sin rows, contiguous. The
+ * kernel reads the rows r < Tc there (Tc: the rows checked so, from row 0), the others in the full table. The second
+ * channel of a pair gets k * c + k' * (-s), -s being exactly its table entry: the same products and sum. */
+static int rope_compact_width(int form, int span) { /* rd, or 0 when the form has no compact rotation */
+    if (form == ROPE_HALF && span % 8 == 0) return 2 * span;
+    if (form == ROPE_PAIRS && span % 8 == 0) return span;
+    return 0;
+}
+
+typedef float v4f __attribute__((vector_size(16)));
+static inline v4f ld4(const float *p) { v4f v; memcpy(&v, p, 16); return v; }
+
+/* One key row k [D] (natural order) rotated into o [D] (o == k allowed) with the compact row cc (rd =
+ * rope_compact_width). */
+static inline __attribute__((always_inline)) void rope_row_compact(const float *k, const float *cc, float *o,
+                                                                   int form, int span) {
+    int rd;
+    if (form == ROPE_HALF && span == D / 2 && (D / 2) % WV == 0) { /* the whole head: the widest vectors */
+        for (int d = 0; d < D / 2; d += WV) {
+            const vw a = ldw(k + d), b = ldw(k + d + D / 2), c = ldw(cc + d), s = ldw(cc + D / 2 + d);
+            stw(o + d, a * c + b * s);
+            stw(o + d + D / 2, b * c + a * (-s));
+        }
+        return;
+    } else if (form == ROPE_HALF) {
+        const int hr = span;
+        rd = 2 * hr;
+        for (int d = 0; d < hr; d += 8) {
+            const v8f a = ld(k + d), b = ld(k + d + hr), c = ld(cc + d), s = ld(cc + hr + d);
+            st(o + d, a * c + b * s);
+            st(o + d + hr, b * c + a * (-s));
+        }
+    } else {
+        rd = span;
+        const v8u odd = {0, 0x80000000u, 0, 0x80000000u, 0, 0x80000000u, 0, 0x80000000u};
+        for (int d = 0; d < rd; d += 8) {
+            const v4f c4 = ld4(cc + d / 2), s4 = ld4(cc + rd / 2 + d / 2);
+            const v8f c = __builtin_shufflevector(c4, c4, 0, 0, 1, 1, 2, 2, 3, 3);
+            const v8f s = (v8f)((v8u)__builtin_shufflevector(s4, s4, 0, 0, 1, 1, 2, 2, 3, 3) ^ odd);
+            const v8f a = ld(k + d), b = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6);
+            st(o + d, a * c + b * s);
+        }
+    }
+    for (int d = rd; d < D; d += 8) { /* past the rotary channels: cos 1, sin +0, as in the table */
+        const v8f a = ld(k + d);
+        st(o + d, a * bcast(1.0f) + a * bcast(0.0f));
+    }
+}
+
+/* One sequence's rotation, as kvc_attention receives it: the full table cs, sn [T, D] with the partners perm, their
+ * form and span, the compact table cc of the rows below Tc (rd floats a row; Tc 0: none), the sequence's offset. */
+typedef struct {
+    const float *cs, *sn, *cc;
+    const int32_t *perm;
+    int64_t T, Tc, off;
+    int form, span, rd;
+} rope_t;
+
+/* The key row k of position p rotated into o (o == k: in place, for the forms with a compact width rd) from its
+ * table row r = p + off clamped to [0, T): the compact row below Tc, else the full one. */
+static inline __attribute__((always_inline)) void rope_at(const rope_t *rp, int64_t p, const float *k, float *o) {
+    int64_t r = p + rp->off;
+    r = r < 0 ? 0 : (r > rp->T - 1 ? rp->T - 1 : r);
+    if (r < rp->Tc)
+        rope_row_compact(k, rp->cc + r * rp->rd, o, rp->form, rp->span);
+    else
+        rope_row(k, rp->cs + r * D, rp->sn + r * D, o, rp->form, rp->span, rp->perm);
+}
+
+/* Prefetch the full-table cos/sin rows of the TILE positions after the tile that starts at p0 (the compact rows are
+ * contiguous: the hardware prefetcher follows them, and prefetching them too measured no faster). */
+static inline void prefetch_rope(const rope_t *rp, int64_t p0) {
+    int64_t r0 = p0 + TILE + rp->off, r1 = r0 + TILE;
+    r0 = r0 < rp->Tc ? rp->Tc : (r0 > rp->T ? rp->T : r0);
+    r1 = r1 < 0 ? 0 : (r1 > rp->T ? rp->T : r1);
+    for (int64_t o = r0 * D; o < r1 * D; o += 16) {
+        __builtin_prefetch(rp->cs + o, 0, 3);
+        __builtin_prefetch(rp->sn + o, 0, 3);
+    }
+}
+
+/* A tile of nt key rows kt (natural order) at positions p0 .. rotated into out (natural order). */
+static inline __attribute__((always_inline)) void rope_tile(const rope_t *rp, const float *kt, float *out, int nt,
+                                                            int64_t p0) {
+    for (int t = 0; t < nt; t++) rope_at(rp, p0 + t, kt + t * D, out + t * D);
+}
+
+/* Rows [q0, q0 + nt) of int2/int4 codes (fmt 1 or 2) in natural order (pre-RoPE keys), unpacked and scaled in one
+ * pass on the widest vectors: channels WV*k .. WV*k + WV-1 lie in one or two aligned 32-bit words of a row of whole
+ * words (code d at bit bits*d), broadcast to the lanes and shifted per lane; then code * scale (+ zero point), the
+ * same operations as unpack_row and the affine step below. Scales per channel (axis 1), or per token in groups of a
+ * multiple of WV channels. rp (or NULL): each row is rotated right after, as the positions p0 .. of rope_at. */
+typedef uint32_t vwu __attribute__((vector_size(WV * 4)));
+typedef int32_t vwi __attribute__((vector_size(WV * 4)));
+#define NAT_WIDE(fmt, bits, axis, group) \
+    (__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ && ((fmt) == 1 || (fmt) == 2) && ((bits) == 2 || (bits) == 4) && \
+     (D * (bits)) % 32 == 0 && D % WV == 0 && ((axis) == 1 || (group) % WV == 0))
+static inline __attribute__((always_inline)) void dequant_nat_wide(
+        int fmt, int bits, int axis, int group, int sf32,
+        const uint8_t *codes, const void *scale, const void *zero, int64_t q0, int nt, float *out, const rope_t *rp,
+        int64_t p0) {
+    const int row_bytes = D * bits / 8, per_word = 32 / bits; /* codes per word */
+    const uint32_t mask = (1u << bits) - 1;
+    const vw off = (vw){} + (fmt == 2 ? (float)(1 << (bits - 1)) : 0.0f);
+    vwu sh, hi; /* per lane: its code's shift within its word; all ones where that word is the second */
+    for (int l = 0; l < WV; l++) {
+        sh[l] = (uint32_t)((l % per_word) * bits);
+        hi[l] = l >= per_word ? ~0u : 0u;
+    }
+    float sv[D], zv[D];
+    int64_t cur = -1;
+    /* the common case, the whole head in the "half" form with every row of the tile in the compact table: rotated
+     * from registers, row t with the compact row hc + t * D */
+    const float *hc = rp && rp->form == ROPE_HALF && rp->span == D / 2 && (D / 2) % WV == 0 && p0 + rp->off >= 0 &&
+                      p0 + nt - 1 + rp->off < rp->Tc ? rp->cc + (p0 + rp->off) * D : NULL;
+    for (int t = 0; t < nt; t++) {
+        const int64_t qi = q0 + t;
+        const uint8_t *row = codes + qi * row_bytes;
+        float *o = out + t * D;
+        vw kv[NW];
+        if (axis == 1 && qi / group != cur) {
+            cur = qi / group;
+            for (int d = 0; d < D; d++) {
+                sv[d] = scale_at(scale, cur * D + d, sf32);
+                zv[d] = fmt == 1 ? scale_at(zero, cur * D + d, sf32) : 0.0f;
+            }
+        }
+        for (int k = 0; k < NW; k++) {
+            const int bit0 = WV * k * bits; /* the vector's first code; WV * bits is 16, 32 or 64 bits */
+            uint32_t w[2];
+            memcpy(w, row + (bit0 / 32) * 4, WV * bits > 32 ? 8 : 4);
+            vwu x = (vwu){} + w[0];
+            if (WV * bits > 32) x = (x & ~hi) | (((vwu){} + w[1]) & hi);
+            const vw c = __builtin_convertvector((vwi)((x >> (sh + (uint32_t)(bit0 % 32))) & mask), vw) - off;
+            vw sk, zk;
+            if (axis == 1) {
+                sk = ldw(sv + WV * k);
+                zk = ldw(zv + WV * k);
+            } else {
+                const int64_t gi = qi * (D / group) + (WV * k) / group;
+                sk = (vw){} + scale_at(scale, gi, sf32);
+                zk = (vw){} + (fmt == 1 ? scale_at(zero, gi, sf32) : 0.0f);
+            }
+            kv[k] = fmt == 1 ? c * sk + zk : c * sk;
+        }
+        if (hc) { /* rope_row_compact's first case */
+            for (int k = 0; k < NW / 2; k++) {
+                const vw a = kv[k], b = kv[k + NW / 2];
+                const vw c = ldw(hc + t * D + WV * k), s = ldw(hc + t * D + D / 2 + WV * k);
+                stw(o + WV * k, a * c + b * s);
+                stw(o + D / 2 + WV * k, b * c + a * (-s));
+            }
+        } else {
+            for (int k = 0; k < NW; k++) stw(o + WV * k, kv[k]);
+            if (rp) rope_at(rp, p0 + t, o, o); /* rotated in place while the row is in L1 (rp->rd != 0) */
+        }
+    }
+}
+
 /* Dequantize rows [q0, q0 + nt) of one block of one head into out[nt][D], plane order (nat: natural order).
  * codes/scale/zero point at that (block, head)'s first row. */
 static inline __attribute__((always_inline)) void dequant_packed(
@@ -317,6 +539,10 @@ static inline __attribute__((always_inline)) void dequant_packed(
     if (fmt == 0) { /* unquantized: model dtype [BS, D], natural order */
         for (int t = 0; t < nt; t++)
             for (int d = 0; d < D; d++) out[t * D + d] = model_at(codes, (q0 + t) * D + d);
+        return;
+    }
+    if (nat && NAT_WIDE(fmt, bits, axis, group)) {
+        dequant_nat_wide(fmt, bits, axis, group, sf32, codes, scale, zero, q0, nt, out, NULL, 0);
         return;
     }
     const int row_bytes = D * bits / 8;
@@ -420,87 +646,6 @@ static inline __attribute__((always_inline)) void prefetch_tile(
     for (int64_t o = 0; o < len; o += 64) __builtin_prefetch((const char *)scale + off + o, 0, 3);
     if (fmt == 1)
         for (int64_t o = 0; o < len; o += 64) __builtin_prefetch((const char *)zero + off + o, 0, 3);
-}
-
-/* Pre-RoPE keys (kvcompile.store.apply_rope): each dequantized key row is rotated by its position's cos/sin,
- * out[d] = k[d] * cos[r][d] + k[perm[d]] * sin[r][d] in natural channel order (perm: d's partner; sin carries the
- * form's sign), r = p + off clamped to [0, T): two roundings and a rounded sum (no fma: -ffp-contract=off), as
- * torch. rope_form finds the two forms whose partners lie a fixed distance away, so that the rotation runs on
- * contiguous vectors: "half" (transformers' rotate_half, over the first 2*hr channels: partner d +- hr) and
- * "pairs" (gpt-fast, over the first rd channels: partner d ^ 1); past the rotary channels the partner is the
- * channel itself (cos 1, sin 0: the same formula). Any other permutation takes the indexed loop. */
-enum { ROPE_ANY = 0, ROPE_HALF = 1, ROPE_PAIRS = 2 };
-
-/* The form of perm [D] (ROPE_*) and its span: hr for "half", rd for "pairs", 0 for any other. */
-static int rope_form(const int32_t *perm, int *span) {
-    int hr = perm[0], ok = hr > 0 && 2 * hr <= D;
-    for (int d = 0; ok && d < D; d++) ok = perm[d] == (d < hr ? d + hr : d < 2 * hr ? d - hr : d);
-    if (ok) {
-        *span = hr;
-        return ROPE_HALF;
-    }
-    int rd = 0;
-    while (rd + 1 < D && perm[rd] == rd + 1 && perm[rd + 1] == rd) rd += 2;
-    ok = rd > 0;
-    for (int d = rd; ok && d < D; d++) ok = perm[d] == d;
-    *span = ok ? rd : 0;
-    return ok ? ROPE_PAIRS : ROPE_ANY;
-}
-
-/* One key row k [D] (natural order) rotated into o [D] (o != k) with the cos/sin rows c, s. */
-static inline __attribute__((always_inline)) void rope_row(const float *k, const float *c, const float *s, float *o,
-                                                           int form, int span, const int32_t *perm) {
-    if (form == ROPE_HALF && span == D / 2 && (D / 2) % WV == 0) { /* the whole head: the widest vectors */
-        for (int d = 0; d < D / 2; d += WV) {
-            const vw a = ldw(k + d), b = ldw(k + d + D / 2);
-            stw(o + d, a * ldw(c + d) + b * ldw(s + d));
-            stw(o + d + D / 2, b * ldw(c + d + D / 2) + a * ldw(s + d + D / 2));
-        }
-    } else if (form == ROPE_HALF && span % 8 == 0) {
-        const int hr = span;
-        for (int d = 0; d < hr; d += 8) {
-            const v8f a = ld(k + d), b = ld(k + d + hr);
-            st(o + d, a * ld(c + d) + b * ld(s + d));
-            st(o + d + hr, b * ld(c + d + hr) + a * ld(s + d + hr));
-        }
-        for (int d = 2 * hr; d < D; d += 8) {
-            const v8f a = ld(k + d);
-            st(o + d, a * ld(c + d) + a * ld(s + d));
-        }
-    } else if (form == ROPE_PAIRS && span % 8 == 0) {
-        for (int d = 0; d < span; d += 8) {
-            const v8f a = ld(k + d), b = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6);
-            st(o + d, a * ld(c + d) + b * ld(s + d));
-        }
-        for (int d = span; d < D; d += 8) {
-            const v8f a = ld(k + d);
-            st(o + d, a * ld(c + d) + a * ld(s + d));
-        }
-    } else {
-        for (int d = 0; d < D; d++) o[d] = k[d] * c[d] + k[perm[d]] * s[d];
-    }
-}
-
-/* Prefetch the cos/sin rows of the TILE positions after the tile that starts at p0 (clamped like rope_tile). */
-static inline void prefetch_rope(int64_t p0, int64_t off, const float *cs, const float *sn, int64_t T) {
-    int64_t r0 = p0 + TILE + off, r1 = r0 + TILE;
-    r0 = r0 < 0 ? 0 : (r0 > T ? T : r0);
-    r1 = r1 < 0 ? 0 : (r1 > T ? T : r1);
-    for (int64_t o = r0 * D; o < r1 * D; o += 16) {
-        __builtin_prefetch(cs + o, 0, 3);
-        __builtin_prefetch(sn + o, 0, 3);
-    }
-}
-
-/* A tile of nt key rows kt (natural order) at positions p0 .. rotated into out (natural order). */
-static inline __attribute__((always_inline)) void rope_tile(const float *kt, float *out, int nt, int64_t p0,
-                                                            int64_t off, const float *cs, const float *sn, int64_t T,
-                                                            int form, int span, const int32_t *perm) {
-    for (int t = 0; t < nt; t++) {
-        int64_t r = p0 + t + off;
-        r = r < 0 ? 0 : (r > T - 1 ? T - 1 : r);
-        rope_row(kt + t * D, cs + r * D, sn + r * D, out + t * D, form, span, perm);
-    }
 }
 
 typedef struct {
@@ -635,17 +780,22 @@ int64_t kvc_attention(
         int64_t B, int64_t n, float sm_scale, int64_t ns, int64_t nthreads,
         const float *k_new, const float *v_new, /* [B, H, n, D] fp32 as stored (rotated, model dtype), or NULL */
         const float *rope_cos, const float *rope_sin, int64_t rope_T, /* pre-RoPE keys: [T, D] each, or NULL */
-        const int32_t *rope_perm, const int32_t *rope_off) {            /* [D] partner channels, [B] offsets */
+        const int32_t *rope_perm, const int32_t *rope_off,              /* [D] partner channels, [B] offsets */
+        const float *rope_cc, int64_t rope_Tc) { /* the compact table [Tc, rd] of rows 0 .. Tc - 1, or NULL, 0 */
     /* ns: splits of each (sequence, kv head)'s positions, merged at the end (templates/cpu.py chooses). A task
      * is one split of one kv head; with pre-RoPE keys, one split of every kv head, walked tile by tile with the
-     * heads inside, so that a tile's cos/sin rows (shared by the heads, as many bytes per position as a whole
-     * fp32 key row) are read once and then from L1. */
+     * heads inside, so that a tile's cos/sin rows (shared by the heads; compact: half as many bytes per position
+     * as a whole fp32 key row) are read once and then from L1. */
     const int64_t GN = G * n;
     const int64_t nparts = B * H * ns, ntask = rope_cos ? B * ns : nparts;
     partial_t *part = (partial_t *)aligned_alloc(64, ((sizeof(partial_t) * nparts + 63) / 64) * 64);
     int64_t bad = 0;
-    int rspan = 0;
-    const int rform = rope_cos ? rope_form(rope_perm, &rspan) : ROPE_ANY;
+    rope_t rope0 = {rope_cos, rope_sin, rope_cc, rope_perm, rope_T, 0, 0, ROPE_ANY, 0, 0};
+    if (rope_cos) {
+        rope0.form = rope_form(rope_perm, &rope0.span);
+        rope0.rd = rope_compact_width(rope0.form, rope0.span);
+        rope0.Tc = rope_cc && rope0.rd ? rope_Tc : 0; /* rows read from the compact table */
+    }
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t task = 0; task < ntask; task++) {
@@ -680,15 +830,18 @@ int64_t kvc_attention(
             }
         }
         float kt[TILE * D] __attribute__((aligned(64))), vt[TILE * D] __attribute__((aligned(64)));
-        float kr[TILE * D] __attribute__((aligned(64))); /* pre-RoPE keys rotated, natural order */
-        const int64_t roff = rope_cos ? rope_off[b] : 0;
+        /* pre-RoPE keys rotated, natural order: in place, but for a permutation only the indexed loop takes */
+        float kr_any[TILE * D] __attribute__((aligned(64)));
+        float *kr = rope0.rd ? kt : kr_any;
+        rope_t rope = rope0;
+        rope.off = rope_cos ? rope_off[b] : 0;
         int64_t rows[TILE];
         for (int64_t tile = tile0; tile < tile1; tile++) {
             if (rope_cos && tile + 1 < tile1) { /* the next tile's cos/sin rows (TILE positions on from here) */
                 const int64_t pt = tile < t_sink ? tile * TILE
                                    : tile < t_sink + t_pack ? S + (tile - t_sink) * PT
                                                             : r_beg + (tile - t_sink - t_pack) * TILE;
-                prefetch_rope(pt, roff, rope_cos, rope_sin, rope_T);
+                prefetch_rope(&rope, pt);
             }
             for (int64_t h = h0; h < h1; h++) { /* pre-RoPE keys: every kv head; else the task's one */
                 const int64_t bh = b * H + h;
@@ -702,7 +855,7 @@ int64_t kvc_attention(
                     for (int t = 0; t < nt; t++) rows[t] = bh * S + p0 + t;
                     gather_model(k_sink, rows, nt, kt);
                     gather_model(v_sink, rows, nt, vt);
-                    if (rope_cos) rope_tile(kt, kr, nt, p0, roff, rope_cos, rope_sin, rope_T, rform, rspan, rope_perm);
+                    if (rope_cos) rope_tile(&rope, kt, kr, nt, p0);
                     attend_tile(P, qn, &P->acc_nat[0][0], &P->acc_plane[0][0], rope_cos ? kr : kt, vt, nt, p0, GN, n, L,
                                 b, h, sm_scale, mask, mask_sb, mask_sh, mask_si, mask_w);
                 } else if (tile < t_sink + t_pack) {
@@ -725,11 +878,17 @@ int64_t kvc_attention(
                         prefetch_tile(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SBYTES, v_codes, v_scale, v_zero, nxt * H + h,
                                       r0, nn);
                     }
-                    /* pre-RoPE keys in natural order (rotated below), else in plane order */
+                    /* pre-RoPE keys in natural order, rotated (as each row is dequantized where the wide natural
+                     * path and an in-place form allow, unless the queries' own chunk replaces rows below), else in
+                     * plane order */
                     const uint8_t *kc = k_codes + kb * BS * K_ROW_BYTES;
                     const char *ks = (const char *)k_scale + kb * K_NSCALE * K_SBYTES;
                     const char *kz = (const char *)k_zero + (K_FMT == 1 ? kb * K_NSCALE * K_SBYTES : 0);
-                    if (rope_cos)
+                    const int fused = NAT_WIDE(K_FMT, K_BITS, K_AXIS, K_GROUP) && rope_cos && rope.rd &&
+                                      !(k_new && p0 + nt > L - n);
+                    if (fused)
+                        dequant_nat_wide(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, kc, ks, kz, r0, nt, kt, &rope, p0);
+                    else if (rope_cos)
                         dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, kc, ks, kz, r0, nt, kt, 1);
                     else
                         dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, kc, ks, kz, r0, nt, kt, 0);
@@ -746,7 +905,7 @@ int64_t kvc_attention(
                                 vt[t * D + idx] = vx[plane_channel(idx, V_PER)];
                             }
                         }
-                    if (rope_cos) rope_tile(kt, kr, nt, p0, roff, rope_cos, rope_sin, rope_T, rform, rspan, rope_perm);
+                    if (rope_cos && !fused) rope_tile(&rope, kt, kr, nt, p0);
                     attend_tile(P, K_FMT == 0 || rope_cos ? qn : q_plane, &P->acc_plane[0][0], &P->acc_nat[0][0],
                                 rope_cos ? kr : kt, vt, nt, p0, GN, n, L, b, h, sm_scale, mask, mask_sb, mask_sh,
                                 mask_si, mask_w);
@@ -756,7 +915,7 @@ int64_t kvc_attention(
                     for (int t = 0; t < nt; t++) rows[t] = bh * W + (p0 + t) % W;
                     gather_model(k_res, rows, nt, kt);
                     gather_model(v_res, rows, nt, vt);
-                    if (rope_cos) rope_tile(kt, kr, nt, p0, roff, rope_cos, rope_sin, rope_T, rform, rspan, rope_perm);
+                    if (rope_cos) rope_tile(&rope, kt, kr, nt, p0);
                     attend_tile(P, qn, &P->acc_nat[0][0], &P->acc_plane[0][0], rope_cos ? kr : kt, vt, nt, p0, GN, n, L,
                                 b, h, sm_scale, mask, mask_sb, mask_sh, mask_si, mask_w);
                 }
@@ -807,15 +966,52 @@ void kvc_fp8_decode(const uint8_t *codes, float *out, int64_t N, int64_t e5m2) {
     }
 }
 
+/* The compact table of the full one cs, sn [T, D] with partners perm (see rope_row_compact), written into cc [T, rd]
+ * (rd = kvc_rope_width(perm)) for the rows 0 .. Tc - 1 whose values repeat exactly as the form's do; returns Tc (0 when
+ * the form has no compact rotation). One pass over the table: templates/cpu.py calls it once per table and version. */
+int64_t kvc_rope_width(const int32_t *perm) {
+    int span = 0;
+    const int form = rope_form(perm, &span);
+    return rope_compact_width(form, span);
+}
+
+int64_t kvc_rope_compact(const float *cs, const float *sn, int64_t T, const int32_t *perm, float *cc) {
+    int span = 0;
+    const int form = rope_form(perm, &span), rd = rope_compact_width(form, span), h = rd / 2;
+    if (!rd) return 0;
+    for (int64_t r = 0; r < T; r++) {
+        uint32_t c[D], s[D], bad = 0;
+        memcpy(c, cs + r * D, sizeof c);
+        memcpy(s, sn + r * D, sizeof s);
+        if (form == ROPE_HALF) { /* pairs (j, j + span) */
+            for (int j = 0; j < h; j++) bad |= (c[j] ^ c[j + span]) | (s[j] ^ s[j + span] ^ 0x80000000u);
+            memcpy(cc + r * rd, c, h * 4);
+            memcpy(cc + r * rd + h, s, h * 4);
+        } else { /* pairs (2j, 2j + 1) */
+            for (int j = 0; j < h; j++) {
+                bad |= (c[2 * j] ^ c[2 * j + 1]) | (s[2 * j] ^ s[2 * j + 1] ^ 0x80000000u);
+                memcpy(cc + r * rd + j, c + 2 * j, 4);
+                memcpy(cc + r * rd + h + j, s + 2 * j, 4);
+            }
+        }
+        for (int d = rd; d < D; d++) bad |= (c[d] ^ 0x3f800000u) | s[d]; /* 1.0f, +0.0f */
+        if (bad) return r;
+    }
+    return T;
+}
+
 /* For the tests. kvc_rope_rows: key rows kt [N, D] (natural order) of one sequence (offset off) at positions
- * p0 .. p0 + N - 1 rotated as the decode kernel rotates pre-RoPE keys (rope_tile) into out [N, D].
+ * p0 .. p0 + N - 1 rotated as the decode kernel rotates pre-RoPE keys (rope_tile) into out [N, D], with the compact
+ * table cc of rows below Tc (or NULL, 0).
  * kvc_dequant_keys: rows [q0, q0 + nt) of one (block, head) of packed keys (codes, scales and zero points at its
  * first row) dequantized as the kernel does, in natural order (nat, pre-RoPE keys) or its plane order. */
 void kvc_rope_rows(const float *kt, float *out, int64_t N, int64_t p0, int64_t off, const float *cs,
-                   const float *sn, int64_t T, const int32_t *perm) {
-    int span = 0;
-    const int form = rope_form(perm, &span);
-    for (int64_t i = 0; i < N; i++) rope_tile(kt + i * D, out + i * D, 1, p0 + i, off, cs, sn, T, form, span, perm);
+                   const float *sn, int64_t T, const int32_t *perm, const float *cc, int64_t Tc) {
+    rope_t rp = {cs, sn, cc, perm, T, 0, off, ROPE_ANY, 0, 0};
+    rp.form = rope_form(perm, &rp.span);
+    rp.rd = rope_compact_width(rp.form, rp.span);
+    rp.Tc = cc && rp.rd ? Tc : 0;
+    for (int64_t i = 0; i < N; i++) rope_tile(&rp, kt + i * D, out + i * D, 1, p0 + i);
 }
 
 void kvc_dequant_keys(const uint8_t *codes, const void *scale, const void *zero, int64_t q0, int64_t nt, int64_t nat,
@@ -824,4 +1020,25 @@ void kvc_dequant_keys(const uint8_t *codes, const void *scale, const void *zero,
         dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, codes, scale, zero, q0, nt, out, 1);
     else
         dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, codes, scale, zero, q0, nt, out, 0);
+}
+
+/* kvc_rope_keys: rows [q0, q0 + nt) of one (block, head) of packed pre-RoPE keys, at positions p0 .. of a sequence
+ * of offset off, dequantized and rotated as the decode kernel does a packed tile (rotated as each row is dequantized
+ * where it fuses the two) into out [nt, D]; returns whether it fused them. */
+int64_t kvc_rope_keys(const uint8_t *codes, const void *scale, const void *zero, int64_t q0, int64_t nt, int64_t p0,
+                      int64_t off, const float *cs, const float *sn, int64_t T, const int32_t *perm, const float *cc,
+                      int64_t Tc, float *out) {
+    rope_t rp = {cs, sn, cc, perm, T, 0, off, ROPE_ANY, 0, 0};
+    rp.form = rope_form(perm, &rp.span);
+    rp.rd = rope_compact_width(rp.form, rp.span);
+    rp.Tc = cc && rp.rd ? Tc : 0;
+    const int fused = NAT_WIDE(K_FMT, K_BITS, K_AXIS, K_GROUP) && rp.rd;
+    float kt[BS * D];
+    if (fused) {
+        dequant_nat_wide(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, codes, scale, zero, q0, nt, out, &rp, p0);
+        return 1;
+    }
+    dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, codes, scale, zero, q0, nt, kt, 1);
+    rope_tile(&rp, kt, out, nt, p0);
+    return 0;
 }
