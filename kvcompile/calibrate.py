@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import math
 import numbers
 import warnings
 from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -49,6 +51,8 @@ from .policy import Policy, PolicyError, Quant
 from .store import DTYPE_NAMES, LayerSpec
 
 _NONE = Quant("none")
+SENSITIVITY_FILE_FIELD, SENSITIVITY_FILE_VERSION = "kvcompile_sensitivity", 1
+TOKENS, WINDOW = 2048, 1024  # calibration tokens by default, in windows of this many (half of each scored)
 
 
 def default_candidates(head_dim: int | None = None) -> tuple[Policy, ...]:
@@ -107,7 +111,7 @@ def _docstrings(mod, parts: list) -> None:
             parts.append(f"{attr}: {inspect.getdoc(obj)}")
 
 
-def calibration_windows(tok, tokens: int = 2048, window: int = 1024, text: str | None = None) -> torch.Tensor:
+def calibration_windows(tok, tokens: int = TOKENS, window: int = WINDOW, text: str | None = None) -> torch.Tensor:
     """``ceil(tokens / window)`` windows of ``window`` tokens, evenly spaced over ``text`` (default:
     ``calibration_text()``): int64 ``[W, window]``."""
     for what, v in (("tokens", tokens), ("window", window)):
@@ -136,6 +140,55 @@ class Sensitivity:
     @property
     def values(self):
         return tuple(_running_min(r) for r in self.raw_values)
+
+    # measured once (an hour on SmolLM2), allocated at any budget: the measurement as a file
+    def save(self, path) -> Path:
+        """Write the candidates and raw sensitivities as JSON (``Sensitivity.load`` reads it back exactly:
+        Python's float repr round-trips)."""
+        p = Path(path).expanduser()
+        p.write_text(json.dumps({SENSITIVITY_FILE_FIELD: SENSITIVITY_FILE_VERSION, "tokens": self.tokens,
+                                 "candidates": [c.to_dict() for c in self.candidates],
+                                 "raw_keys": self.raw_keys, "raw_values": self.raw_values}, indent=1) + "\n")
+        return p
+
+    @classmethod
+    def load(cls, path) -> "Sensitivity":
+        """The measurement ``save`` wrote; a ``PolicyError`` saying what is wrong with anything else."""
+        p = Path(path).expanduser()
+        where = f"sensitivity file {str(path)!r}"
+        written = "written by Sensitivity.save or `kvcompile calibrate --save-sensitivity`"
+        if not p.is_file():
+            raise PolicyError(f"{where}: {'a directory' if p.is_dir() else 'no such file'}; expected a JSON file "
+                              f"{written}")
+        try:
+            d = json.loads(p.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise PolicyError(f"{where}: not JSON ({e}); expected a file {written}") from None
+        if not isinstance(d, dict) or d.get(SENSITIVITY_FILE_FIELD) != SENSITIVITY_FILE_VERSION:
+            raise PolicyError(f"{where}: no {SENSITIVITY_FILE_FIELD!r}: {SENSITIVITY_FILE_VERSION} field; expected a "
+                              f"file {written} (a policy file goes to --policy or Policy.load instead)")
+        cands = d.get("candidates")
+        if not isinstance(cands, list) or not cands:
+            raise PolicyError(f"{where}: 'candidates' must be a non-empty list of policies")
+        cands = check_candidates([Policy.from_dict(c, f"{where}, candidates[{i}]") for i, c in enumerate(cands)])
+        rows = {}
+        for side in ("raw_keys", "raw_values"):
+            r = d.get(side)
+            ok = isinstance(r, list) and r and all(
+                isinstance(row, list) and len(row) == len(cands) and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in row)
+                for row in r)
+            if not ok:
+                raise PolicyError(f"{where}: {side!r} must be a list (one row per layer) of {len(cands)} finite "
+                                  f"numbers a row, one per candidate")
+            rows[side] = tuple(tuple(float(x) for x in row) for row in r)
+        if len(rows["raw_keys"]) != len(rows["raw_values"]):
+            raise PolicyError(f"{where}: {len(rows['raw_keys'])} layers of key sensitivities but "
+                              f"{len(rows['raw_values'])} of value sensitivities")
+        tokens = d.get("tokens")
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+            raise PolicyError(f"{where}: 'tokens' (scored tokens) must be a positive whole number, found {tokens!r}")
+        return cls(cands, rows["raw_keys"], rows["raw_values"], tokens)
 
 
 def _running_min(row):
@@ -377,7 +430,7 @@ def _as_policy(leaves: list[Policy]) -> Policy:
 
 # --------------------------------------------------------------------------- the user's verb
 def calibrate(model, data=None, budget: float | None = None, *, bytes_per_token: float | None = None,
-              candidates=None, context: int = 2048, tokens: int = 2048, window: int = 1024, tokenizer=None,
+              candidates=None, context: int = 2048, tokens: int = TOKENS, window: int = WINDOW, tokenizer=None,
               chunk: int = 64, dtype=torch.bfloat16, progress: bool = True) -> Policy:
     """A per-layer ``Policy`` that minimises the loss within a byte budget (module docstring).
 

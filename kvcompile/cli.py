@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -568,25 +569,52 @@ def cmd_calibrate(args) -> int:
         raise UsageError(f"{' and '.join(given) or 'no budget'} given: pass exactly one of --budget BITS (average "
                          f"bits per cached element, scales and residual counted), --bytes-per-token N, or --bytes-of "
                          f"SCHEME:BITS")
+    if args.save_sensitivity is not None:
+        _check_writable_file(args.save_sensitivity, "--save-sensitivity")
+    saved = None
+    if args.sensitivity is not None:  # a measurement from an earlier run: no model pass at all
+        clash = [o for o, v in (("--candidates", args.candidates), ("--tokens", args.tokens),
+                                ("--window", args.window), ("--save-sensitivity", args.save_sensitivity))
+                 if v is not None]
+        if clash:
+            raise UsageError(f"--sensitivity with {' and '.join(clash)}: the file holds the measurement (its "
+                             f"candidates, on its calibration tokens); drop {' and '.join(clash)}, or measure again "
+                             f"without --sensitivity")
+        saved = C.Sensitivity.load(args.sensitivity)  # a PolicyError (one line) for a bad file
     tok, load_model = _load_model(args.model)
     model = load_model()
     shape = model_shape(model.config)
-    cands = tuple(p for _, p in args.candidates) if args.candidates else C.default_candidates(shape[2])
+    if saved is not None and len(saved.raw_keys) != shape[0]:
+        raise UsageError(f"--sensitivity {args.sensitivity}: measured on a model of {len(saved.raw_keys)} layers, "
+                         f"but --model has {shape[0]}; measure this model (drop --sensitivity)")
+    cands = (saved.candidates if saved is not None else
+             tuple(p for _, p in args.candidates) if args.candidates else C.default_candidates(shape[2]))
     bpt = args.bytes_per_token
     if args.bytes_of is not None:  # exact: a float quotient could fall a hair below the policy's own bytes
         bpt = Fraction(cache_bytes(args.bytes_of[1], *shape, args.context), args.context)
     cap = C.check_budget(shape, cands, args.budget, bpt, args.context)  # before the measurement
-    try:
-        windows = C.calibration_windows(tok, args.tokens, args.window)
-    except ValueError as e:
-        raise UsageError(f"--tokens/--window: {e}") from None
     t0 = time.perf_counter()
-    sens = C.measure(model, windows, cands, progress=not args.no_progress)
+    if saved is None:
+        try:
+            windows = C.calibration_windows(tok, args.tokens or C.TOKENS, args.window or C.WINDOW)
+        except ValueError as e:
+            raise UsageError(f"--tokens/--window: {e}") from None
+        sens = C.measure(model, windows, cands, progress=not args.no_progress)
+        if args.save_sensitivity is not None:
+            sens.save(args.save_sensitivity)
+    else:
+        sens = saved
     alloc = C.allocate(sens, shape, bytes_per_token=cap, context=args.context)
     alloc.policy.save(args.out)
     print(C.format_allocation(alloc, sens, shape))
-    print(f"\nmeasured on {sens.tokens:,} scored tokens of {windows.shape[0]} x {windows.shape[1]}-token windows of "
-          f"standard-library docstrings in {time.perf_counter() - t0:.0f} s")
+    if saved is None:
+        print(f"\nmeasured on {sens.tokens:,} scored tokens of {windows.shape[0]} x {windows.shape[1]}-token windows "
+              f"of standard-library docstrings in {time.perf_counter() - t0:.0f} s")
+        if args.save_sensitivity is not None:
+            print(f"wrote {args.save_sensitivity}: allocate at other budgets without measuring again, with "
+                  f"kvcompile calibrate --sensitivity {args.save_sensitivity}")
+    else:
+        print(f"\nsensitivities from {args.sensitivity} ({sens.tokens:,} scored tokens), not measured again")
     print(f"wrote {args.out}: use it with kvcompile eval --entries {args.out}, kvcompile plan --policy {args.out}, "
           f"or kvcompile.Policy.load")
     return 0
@@ -598,6 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     D = EVAL_DEFAULTS
     from . import __version__
+    CAL = importlib.import_module("kvcompile.calibrate")  # the module (kvcompile.calibrate is also a function)
 
     p = _Parser(prog="kvcompile", description="Quantized KV caches: demo, quality, capacity.")
     p.add_argument("--version", action="version", version=f"kvcompile {__version__}")
@@ -734,18 +763,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the budget: the exact bytes per token of this uniform policy, e.g. kivi+rot+sink:3 "
                         "(default: none)")
     c.add_argument("--model", default=None, help=MODEL_HELP)
-    c.add_argument("--tokens", type=_number(int, "a whole number of tokens >= 2", 2), default=2048,
+    c.add_argument("--tokens", type=_number(int, "a whole number of tokens >= 2", 2), default=None,
                    help="calibration tokens (standard-library docstrings, not the eval's held-out text), in "
-                        "windows of --window; the second half of each is scored (default: %(default)s)")
-    c.add_argument("--window", type=_number(int, "a whole number of tokens >= 2", 2), default=1024,
-                   help="tokens per calibration window (default: %(default)s)")
+                        f"windows of --window; the second half of each is scored (default: {CAL.TOKENS})")
+    c.add_argument("--window", type=_number(int, "a whole number of tokens >= 2", 2), default=None,
+                   help=f"tokens per calibration window (default: {CAL.WINDOW})")
     c.add_argument("--context", type=_POSITIVE_INT, default=2048,
                    help="tokens per sequence at which the budget's bytes are counted (the residual and sinks are "
                         "spread over them) (default: %(default)s, the eval's window)")
     c.add_argument("--candidates", nargs="+", type=_labelled_policy, default=None, metavar="POLICY",
                    help="per-layer candidates from the least to the most accurate, sharing residual, sinks and "
-                        "rotation: SCHEME:BITS or policy files (*.json) (default: KIVI + rotation + 4 sinks at int2; "
+                        "rotation: SCHEME:BITS or policy files (*.json) (default: KIVI + rotation + 4 sinks: "
                         "int2, int3 and int4 in groups of 64, then 32; int8)")
+    c.add_argument("--save-sensitivity", default=None, metavar="FILE",
+                   help="also write the measured sensitivities (JSON), so that other budgets need no new "
+                        "measurement (default: not written)")
+    c.add_argument("--sensitivity", default=None, metavar="FILE",
+                   help="allocate from sensitivities written by an earlier --save-sensitivity (same model) "
+                        "instead of measuring: seconds instead of an hour (default: measure)")
     c.add_argument("--out", required=True, help="the policy file to write (JSON, read by Policy.load)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
     c.set_defaults(func=cmd_calibrate)
