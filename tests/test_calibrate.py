@@ -203,14 +203,14 @@ def test_candidates_must_share_residual_sinks_and_rotation():
         check_candidates([Policy.kivi(2), Policy.kivi(4, pre_rope=True)])
 
 
-def test_calibrate_returns_a_policy_the_cache_and_apply_take(tiny, windows, monkeypatch):
+def test_calibrate_returns_a_policy_the_cache_and_apply_take(tiny, windows, sens, monkeypatch):
     budget = (_bpt(CANDS[0]) + _bpt(CANDS[1])) / 2
     pol = kvcompile.calibrate(tiny, windows, bytes_per_token=budget, candidates=CANDS, context=CONTEXT, chunk=16,
                               progress=False)
     assert isinstance(pol, Policy) and _bpt(pol) <= budget
-    # the policy it returns is what allocate chose from the same measurement
-    want = allocate(measure(tiny, windows, CANDS, chunk=16, progress=False), SHAPE, bytes_per_token=budget,
-                    context=CONTEXT).policy
+    # the policy it returns is what allocate chose from the same measurement (``sens``: measure's own result for
+    # these windows and candidates, computed once for the module)
+    want = allocate(sens, SHAPE, bytes_per_token=budget, context=CONTEXT).policy
     assert pol == want
     assert len(E.heldout_loss(tiny, windows, pol, chunk=16)) == 1
     ids = windows[:, :20]
