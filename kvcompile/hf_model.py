@@ -133,13 +133,20 @@ def call_compiled(compiled, what: str, *args, **kwargs):
             "graphs.") from e
 
 
-def _threads(x):
-    """On the CPU, torch's threads follow the cores other processes leave free for the call
-    (``templates.cpu.capped_torch_threads``); elsewhere nothing."""
+def _threads(x, graph: dict | None = None):
+    """On the CPU, torch's threads at most the cores other processes leave free (``templates.cpu.
+    capped_torch_threads``); elsewhere nothing. An eager call follows the load call by call. A compiled call
+    (``graph``: the applied model's record) keeps the count its first compiled call took: torch's thread count
+    is one of Dynamo's guards (``GLOBAL_STATE``), so a count that followed the load would recompile the model
+    whenever the load changed. kvcompile's own kernels still follow the load at every call."""
     if x.device.type != "cpu":
         return contextlib.nullcontext()
-    from .templates.cpu import capped_torch_threads
-    return capped_torch_threads()
+    from .templates import cpu
+    if graph is None:
+        return cpu.capped_torch_threads()
+    if "threads" not in graph:
+        graph["threads"] = cpu.available_threads()
+    return cpu.capped_torch_threads(graph["threads"])
 
 
 # cache_implementation values generate may be given for an applied model: all become its kvcompile cache
@@ -178,6 +185,8 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
     def new_cache():
         return KVCompileCache(cfg, policy, max_cache_len, layer_names=names, kv_heads=heads)
 
+    graph_threads = {}  # torch's thread count for this model's compiled calls (``_threads``)
+
     @functools.wraps(orig_forward)
     def forward(*args, **kwargs):
         if cache_kw != "past_key_values" and "past_key_values" in kwargs:
@@ -189,7 +198,7 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
                     "continuous batching (generate_batch, transformers serve) on a model applied with a pre_rope "
                     "policy: its attention receives keys after their rotary embedding, so it cannot store them "
                     "pre-RoPE. Apply a policy without pre_rope for serving.")
-            with _threads(next(model.parameters())):
+            with _threads(next(model.parameters()), graph_threads if cache.compiled else None):
                 return serving.paged_forward(orig_forward, cache, *args, **kwargs)
         use_cache = kwargs.get("use_cache")
         if cache is None and (use_cache is False or (use_cache is None and not getattr(cfg, "use_cache", True))):
@@ -224,7 +233,7 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
                 f"concatenation in full precision and cannot be quantized in place. Pass no cache (a kvcompile "
                 f"cache is created and returned, to pass back on the next call), or a kvcompile.hf.KVCompileCache.")
         mark_dynamic(args, kwargs)
-        with _threads(ids):
+        with _threads(ids, graph_threads):
             return call_compiled(compiled, f"{type(model).__name__}.forward under kvcompile", *args, **kwargs)
 
     orig_prepare = model._prepare_cache_for_generation

@@ -766,14 +766,15 @@ def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor |
 
 
 @contextlib.contextmanager
-def capped_torch_threads():
+def capped_torch_threads(n: int | None = None):
     """Within the block, torch's own thread count (its intra-op pool: the model's matmuls, SDPA) is at most
-    ``available_threads()``, and is put back after; never raised. torch's OpenMP workers spin while they wait,
-    so on a loaded machine a team larger than the free cores stalls every parallel region for a time slice
-    (docs/contention.md: a SmolLM2 decode step 10x slower beside two busy processes). kvcompile's forward runs
-    under it on the CPU; on an idle machine nothing changes."""
+    ``n`` (default ``available_threads()``), and is put back after; never raised. torch's OpenMP workers spin
+    while they wait, so on a loaded machine a team larger than the free cores stalls every parallel region for
+    a time slice (docs/contention.md: a SmolLM2 decode step 10x slower beside two busy processes). kvcompile's
+    forward runs under it on the CPU; on an idle machine nothing changes. (torch's thread count is part of
+    Dynamo's guards: a compiled call passes the same ``n`` every time, ``kvcompile.hf_model._threads``.)"""
     before = torch.get_num_threads()
-    n = available_threads()
+    n = available_threads() if n is None else n
     if n < before:
         torch.set_num_threads(n)
     try:

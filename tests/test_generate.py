@@ -175,6 +175,31 @@ def test_a_conversation_grows_past_the_first_allocation_without_recompiling():
     assert graphs() == before  # turns 2-5: longer prompts, a wider cache, nothing compiled
 
 
+def test_a_changing_load_compiles_nothing_more(monkeypatch):
+    """On a busy machine the cores other processes leave free change from call to call. torch's thread count
+    is one of Dynamo's guards, so a compiled model keeps the count its first compiled call took: a load that
+    swings between one and two free cores recompiles nothing (it did: one graph more per count)."""
+    from kvcompile.templates import cpu
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # so that a cap of one thread is a change
+    calls = []
+
+    def swinging():
+        calls.append(1)
+        return 2 - len(calls) % 2
+    monkeypatch.setattr(cpu, "available_threads", swinging)
+    try:
+        model = kvcompile.apply(tiny(), Policy.kivi(4, group=4, residual=8), prefill="compiled")
+        with torch.no_grad():
+            for n in (5, 40, 90):
+                ids = torch.randint(3, 64, (1, n), generator=torch.Generator().manual_seed(n))
+                model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        assert graphs() == 2 and len(model._kvcompile.reports) == 2  # one prefill, one decode graph
+        assert len(calls) > 20  # the load was consulted all along (kvcompile's kernels follow it)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_one_prefill_and_one_decode_graph_serve_every_length():
     """Five prompt lengths over several thousand tokens, each in a fresh cache: one prefill and one decode graph
     in all (prefill="compiled"; by default on the CPU a first prefill runs eagerly, and only the decode graph is
