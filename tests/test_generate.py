@@ -195,7 +195,7 @@ def test_a_changing_load_compiles_nothing_more(monkeypatch):
                 ids = torch.randint(3, 64, (1, n), generator=torch.Generator().manual_seed(n))
                 model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
         assert graphs() == 2 and len(model._kvcompile.reports) == 2  # one prefill, one decode graph
-        assert len(calls) > 20  # the load was consulted all along (kvcompile's kernels follow it)
+        assert len(calls) >= 4  # the load swung at least twice each way while the model ran
     finally:
         torch.set_num_threads(threads)
 
