@@ -198,7 +198,7 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
                     "continuous batching (generate_batch, transformers serve) on a model applied with a pre_rope "
                     "policy: its attention receives keys after their rotary embedding, so it cannot store them "
                     "pre-RoPE. Apply a policy without pre_rope for serving.")
-            with _threads(next(model.parameters()), graph_threads if cache.compiled else None):
+            with _threads(next(model.parameters()), graph_threads if getattr(cache, "compiled", False) else None):
                 return serving.paged_forward(orig_forward, cache, *args, **kwargs)
         use_cache = kwargs.get("use_cache")
         if cache is None and (use_cache is False or (use_cache is None and not getattr(cfg, "use_cache", True))):
