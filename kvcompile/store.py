@@ -304,6 +304,20 @@ def rope_pairing(form: str, rotary_dim: int, D: int) -> tuple[list[int], list[fl
     return perm, sign
 
 
+def check_rope_tables(cos: Tensor, sin: Tensor, perm: Tensor, offset: Tensor, B: int, D: int,
+                      partners: bool = True) -> None:
+    """A ``ValueError`` unless the kernels' pre-RoPE tables are cos, sin ``[T, D]`` (T > 0), perm ``[D]`` and
+    offsets ``[B]`` (``Rope``), and, with ``partners``, every partner channel lies in the head (a read of the
+    partners: callers on a GPU, or that checked these partners before, pass False)."""
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or perm.shape != (D,) or offset.shape != (B,):
+        raise ValueError(f"rope tables must be cos, sin [T, {D}], perm [{D}] and offsets [{B}]; got "
+                         f"{list(cos.shape)}, {list(sin.shape)}, {list(perm.shape)}, {list(offset.shape)}")
+    if cos.shape[0] == 0:
+        raise ValueError("rope tables: the cos/sin table is empty (no rotary position was captured)")
+    if partners and not bool(((perm >= 0) & (perm < D)).all()):
+        raise ValueError(f"rope tables: a partner channel outside the head [0, {D}): {perm.tolist()}")
+
+
 def apply_rope(k: Tensor, rope: Rope, positions: Tensor) -> Tensor:
     """Keys ``k [B, H, P, D]`` (fp32, pre-RoPE) at cache indices ``positions [B, P]`` (or ``[P]``) rotated:
     ``k * cos[r] + k[..., perm] * sin[r]``, ``r = positions + offset[b]`` clamped to the table. The one

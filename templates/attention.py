@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvcompile.store import KVState, LayerSpec, Rope, apply_rope
+from kvcompile.store import KVState, LayerSpec, Rope, apply_rope, check_rope_tables
 
 from .common import INTERPRET, run
 from .store import _boundary, _kind, nonempty
@@ -426,13 +426,7 @@ def rope_tensors(rope: Rope | None, B: int, D: int, device: torch.device) -> tup
         return None
     cos, sin = (t.to(device=device, dtype=torch.float32).contiguous() for t in (rope.cos, rope.sin))
     perm, off = (t.to(device=device, dtype=torch.int32).contiguous() for t in (rope.perm, rope.offset))
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or perm.shape != (D,) or off.shape != (B,):
-        raise ValueError(f"rope tables must be cos, sin [T, {D}], perm [{D}] and offsets [{B}]; got "
-                         f"{list(cos.shape)}, {list(sin.shape)}, {list(perm.shape)}, {list(off.shape)}")
-    if cos.shape[0] == 0:
-        raise ValueError("rope tables: the cos/sin table is empty (no rotary position was captured)")
-    if perm.device.type == "cpu" and not bool(((perm >= 0) & (perm < D)).all()):  # no host sync on CUDA
-        raise ValueError(f"rope tables: a partner channel outside the head [0, {D}): {perm.tolist()}")
+    check_rope_tables(cos, sin, perm, off, B, D, partners=perm.device.type == "cpu")  # no host sync on CUDA
     return cos, sin, perm, off
 
 

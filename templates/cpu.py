@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcompile import quant as Q
-from kvcompile.store import (KVState, LayerSpec, Rope, apply_rope, chunk_needed, dequantize_reference, hadamard,
-                             stored_chunk, with_chunk)
+from kvcompile.store import (KVState, LayerSpec, Rope, apply_rope, check_rope_tables, chunk_needed,
+                             dequantize_reference, hadamard, stored_chunk, with_chunk)
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 ROWS_MAX = 16  # query rows per kv head the decode kernel takes (passed to it as -DROWS_MAX)
@@ -534,18 +534,15 @@ def _rope_args(rope: Rope, B: int, D: int) -> _RopeArgs:
     for e in _ROPE_MEMO:
         s = e.src
         if s[0] is src[0] and s[1] is src[1] and s[2] is src[2] and s[3] is src[3] and e.ver == ver:
+            check_rope_tables(*e.tables, B, D, partners=False)  # checked before, but not for this call's B and D
             break
     else:  # new tensors, or written since (a decode step's capture): checked, and the compact table made again
         i, prev = next(((i, o) for i, o in enumerate(_ROPE_MEMO)
                         if o.src[0] is src[0] and o.src[1] is src[1] and o.src[2] is src[2]), (None, None))
         cos, sin = rope.cos.float().contiguous(), rope.sin.float().contiguous()
         perm, off = rope.perm.to(torch.int32).contiguous(), rope.offset.to(torch.int32).contiguous()
-        if cos.shape != sin.shape or cos.dim() != 2 or perm.shape != (cos.shape[-1],) or off.dim() != 1:
-            raise ValueError(f"rope tables must be cos, sin [T, {D}], perm [{D}] and offsets [{B}]; got "
-                             f"{list(cos.shape)}, {list(sin.shape)}, {list(perm.shape)}, {list(off.shape)}")
         checked = prev is not None and prev.ver[2] == ver[2]  # these partners, unchanged since they were checked
-        if cos.shape[0] == 0 or not (checked or bool(((perm >= 0) & (perm < cos.shape[1])).all())):
-            raise ValueError("rope tables: an empty table, or a partner channel outside the head")
+        check_rope_tables(cos, sin, perm, off, B, D, partners=not checked)
         e = _RopeArgs(src, ver, (cos, sin, perm, off))
         if prev is not None and prev.compact:
             if prev.ver[:3] == ver[:3]:
@@ -554,10 +551,6 @@ def _rope_args(rope: Rope, B: int, D: int) -> _RopeArgs:
                 e.compact = (_ROPE_MEMO.pop(i).compact[0], None)
         _ROPE_MEMO.insert(0, e)
         del _ROPE_MEMO[4:]
-    cos, _, _, off = e.tables
-    if cos.shape[1] != D or off.shape != (B,):
-        raise ValueError(f"rope tables must be cos, sin [T, {D}], perm [{D}] and offsets [{B}]; got "
-                         f"{list(cos.shape)}, {list(e.tables[1].shape)}, {list(e.tables[2].shape)}, {list(off.shape)}")
     return e
 
 
