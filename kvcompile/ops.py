@@ -110,9 +110,6 @@ def _triton_store(state, spec, k, v, n_new=None):
 
 
 def _triton_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None):
-    from .store import Rope
-    if rope is not None and not isinstance(rope, Rope):
-        rope = Rope(*rope)
     return _triton().attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope)
 
 
