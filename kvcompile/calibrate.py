@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 from .accounting import bytes_per_token as _bytes_per_token, cache_bytes as _cache_bytes
 from .evaluate import scored_logits, text_windows
 from .hf import model_shape
-from .policy import Policy, PolicyError, Quant
+from .policy import Policy, PolicyError, Quant, read_json_file
 from .store import DTYPE_NAMES, LayerSpec
 
 _NONE = Quant("none")
@@ -154,16 +154,9 @@ class Sensitivity:
     @classmethod
     def load(cls, path) -> "Sensitivity":
         """The measurement ``save`` wrote; a ``PolicyError`` saying what is wrong with anything else."""
-        p = Path(path).expanduser()
         where = f"sensitivity file {str(path)!r}"
         written = "written by Sensitivity.save or `kvcompile calibrate --save-sensitivity`"
-        if not p.is_file():
-            raise PolicyError(f"{where}: {'a directory' if p.is_dir() else 'no such file'}; expected a JSON file "
-                              f"{written}")
-        try:
-            d = json.loads(p.read_text())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise PolicyError(f"{where}: not JSON ({e}); expected a file {written}") from None
+        d = read_json_file(path, where, written)
         if not isinstance(d, dict) or d.get(SENSITIVITY_FILE_FIELD) != SENSITIVITY_FILE_VERSION:
             raise PolicyError(f"{where}: no {SENSITIVITY_FILE_FIELD!r}: {SENSITIVITY_FILE_VERSION} field; expected a "
                               f"file {written} (a policy file goes to --policy or Policy.load instead)")

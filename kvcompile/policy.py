@@ -402,20 +402,26 @@ class Policy:
     @classmethod
     def load(cls, path) -> "Policy":
         """The policy in a JSON file written by ``save`` (or ``kvcompile calibrate``)."""
-        from pathlib import Path
-        p = Path(path).expanduser()
         where = f"policy file {str(path)!r}"
-        if not p.is_file():
-            raise PolicyError(f"{where}: {'a directory' if p.is_dir() else 'no such file'}; expected a JSON file "
-                              f"written by Policy.save or `kvcompile calibrate --out`")
-        try:
-            d = json.loads(p.read_text())
-        except UnicodeDecodeError:
-            raise PolicyError(f"{where}: not text (not UTF-8); expected a JSON file written by Policy.save") from None
-        except json.JSONDecodeError as e:
-            raise PolicyError(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); expected a "
-                              f"file written by Policy.save") from None
-        return cls.from_dict(d, where)
+        return cls.from_dict(read_json_file(path, where, "written by Policy.save or `kvcompile calibrate --out`"),
+                             where)
+
+
+def read_json_file(path, where: str, written: str) -> Any:
+    """The JSON in the file at ``path``; a ``PolicyError`` that starts with ``where`` and ends with what the
+    file should be (``written``: "written by ...") for a missing file, a directory, non-text or invalid JSON."""
+    from pathlib import Path
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise PolicyError(f"{where}: {'a directory' if p.is_dir() else 'no such file'}; expected a JSON file "
+                          f"{written}")
+    try:
+        return json.loads(p.read_text())
+    except UnicodeDecodeError:
+        raise PolicyError(f"{where}: not text (not UTF-8); expected a JSON file {written}") from None
+    except json.JSONDecodeError as e:
+        raise PolicyError(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); expected a "
+                          f"file {written}") from None
 
 
 def _check_tokens(what: str, n: Any) -> None:

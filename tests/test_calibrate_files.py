@@ -49,7 +49,7 @@ def _good():
 
 
 @pytest.mark.parametrize("edit, gist", [
-    (lambda d: "{not json", "not JSON"),
+    (lambda d: "{not json", r"not valid JSON \(.* at line 1 column 2\)"),
     (lambda d: {**d, "kvcompile_sensitivity": 2}, "no 'kvcompile_sensitivity': 1 field"),
     (lambda d: Policy.kivi(2).to_dict(), "a policy file goes to --policy"),
     (lambda d: {**d, "candidates": []}, "'candidates' must be a non-empty list"),
