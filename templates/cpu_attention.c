@@ -430,6 +430,17 @@ typedef struct {
     int form, span, rd;
 } rope_t;
 
+/* The rotation of the tables cs, sn [T, D] with the partners perm, and the compact table cc of Tc rows (NULL, 0:
+ * none; not used where the form has no compact width), for a sequence of offset off. */
+static rope_t rope_init(const float *cs, const float *sn, const float *cc, const int32_t *perm, int64_t T,
+                        int64_t Tc, int64_t off) {
+    rope_t rp = {cs, sn, cc, perm, T, 0, off, ROPE_ANY, 0, 0};
+    rp.form = rope_form(perm, &rp.span);
+    rp.rd = rope_compact_width(rp.form, rp.span);
+    rp.Tc = cc && rp.rd ? Tc : 0; /* rows read from the compact table */
+    return rp;
+}
+
 /* The key row k of position p rotated into o (o == k: in place, for the forms with a compact width rd) from its
  * table row r = p + off clamped to [0, T): the compact row below Tc, else the full one. */
 static inline __attribute__((always_inline)) void rope_at(const rope_t *rp, int64_t p, const float *k, float *o) {
@@ -790,12 +801,8 @@ int64_t kvc_attention(
     const int64_t nparts = B * H * ns, ntask = rope_cos ? B * ns : nparts;
     partial_t *part = (partial_t *)aligned_alloc(64, ((sizeof(partial_t) * nparts + 63) / 64) * 64);
     int64_t bad = 0;
-    rope_t rope0 = {rope_cos, rope_sin, rope_cc, rope_perm, rope_T, 0, 0, ROPE_ANY, 0, 0};
-    if (rope_cos) {
-        rope0.form = rope_form(rope_perm, &rope0.span);
-        rope0.rd = rope_compact_width(rope0.form, rope0.span);
-        rope0.Tc = rope_cc && rope0.rd ? rope_Tc : 0; /* rows read from the compact table */
-    }
+    const rope_t rope0 = rope_cos ? rope_init(rope_cos, rope_sin, rope_cc, rope_perm, rope_T, rope_Tc, 0)
+                                  : (rope_t){0};
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t task = 0; task < ntask; task++) {
@@ -1007,10 +1014,7 @@ int64_t kvc_rope_compact(const float *cs, const float *sn, int64_t T, const int3
  * first row) dequantized as the kernel does, in natural order (nat, pre-RoPE keys) or its plane order. */
 void kvc_rope_rows(const float *kt, float *out, int64_t N, int64_t p0, int64_t off, const float *cs,
                    const float *sn, int64_t T, const int32_t *perm, const float *cc, int64_t Tc) {
-    rope_t rp = {cs, sn, cc, perm, T, 0, off, ROPE_ANY, 0, 0};
-    rp.form = rope_form(perm, &rp.span);
-    rp.rd = rope_compact_width(rp.form, rp.span);
-    rp.Tc = cc && rp.rd ? Tc : 0;
+    const rope_t rp = rope_init(cs, sn, cc, perm, T, Tc, off);
     for (int64_t i = 0; i < N; i++) rope_tile(&rp, kt + i * D, out + i * D, 1, p0 + i);
 }
 
@@ -1028,10 +1032,7 @@ void kvc_dequant_keys(const uint8_t *codes, const void *scale, const void *zero,
 int64_t kvc_rope_keys(const uint8_t *codes, const void *scale, const void *zero, int64_t q0, int64_t nt, int64_t p0,
                       int64_t off, const float *cs, const float *sn, int64_t T, const int32_t *perm, const float *cc,
                       int64_t Tc, float *out) {
-    rope_t rp = {cs, sn, cc, perm, T, 0, off, ROPE_ANY, 0, 0};
-    rp.form = rope_form(perm, &rp.span);
-    rp.rd = rope_compact_width(rp.form, rp.span);
-    rp.Tc = cc && rp.rd ? Tc : 0;
+    const rope_t rp = rope_init(cs, sn, cc, perm, T, Tc, off);
     const int fused = NAT_WIDE(K_FMT, K_BITS, K_AXIS, K_GROUP) && rp.rd;
     float kt[BS * D];
     if (fused) {
