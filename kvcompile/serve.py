@@ -13,7 +13,10 @@ they reach them, so bad input is a 4xx in OpenAI's error shape (``{"error": {"me
 ``max_tokens``, sampling fields; and a request whose prompt (counted in the tokens the cache would hold) plus
 ``max_tokens`` does not fit the cache for one request is refused with 400 (transformers' scheduler, given a
 request larger than the whole cache, stops its worker for good). Without ``max_tokens`` a reply is capped to
-what the cache holds. A streaming client that disconnects has its request cancelled by transformers' handler
+what the cache holds. Each request decodes as it asks (``request_sampling``: greedy or its temperature, top-p
+and top-k, in one batch with the others; transformers' manager applied its first request's to all), and a
+field asking for what the server does not do (``UNSUPPORTED``: ``n`` > 1, ``logprobs`` ...) is a 400 rather
+than ignored. ``stop`` strings end a reply, streaming or not (``StopAt``). A streaming client that disconnects has its request cancelled by transformers' handler
 (its generator is closed), and the request's pages and slot come back; a non-streaming client that disconnects
 (gives up waiting, times out) has its request cancelled here (``ClientConnection``, ``watch_client``): the
 handler polls the connection while it waits for the reply, and the request's pages and slot come back within a
@@ -200,6 +203,9 @@ def check_common(body: dict) -> None:
         raise RequestError(f"'seed' must be an integer, got {body['seed']!r}", "seed")
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise RequestError(f"'stream' must be true or false, got {body['stream']!r}", "stream")
+    tk = body.get("top_k")
+    if tk is not None and not (_is_int(tk) and tk >= 0):
+        raise RequestError(f"'top_k' must be an integer >= 0 (0: no top-k filter), got {tk!r}", "top_k")
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and stop
                                                              and all(isinstance(x, str) and x for x in stop))):
@@ -208,6 +214,34 @@ def check_common(body: dict) -> None:
     if bias is not None and not (isinstance(bias, dict) and all(
             isinstance(k, str) and k.lstrip("-").isdigit() and _is_number(v) for k, v in bias.items())):
         raise RequestError("'logit_bias' must map token ids (as strings) to numbers", "logit_bias")
+    check_supported(body)
+
+
+# What a request may ask that transformers' continuous batching would not do: its handlers take these fields
+# (or ignore them) but its continuous-batching manager applies one generation config, made from the server's
+# first request, to every request after it -- so they were silently dropped, or worse, applied to later
+# requests. Each is refused (400) unless it asks for what the server does anyway. OpenAI's own defaults pass.
+UNSUPPORTED = {
+    "n": (lambda v: v == 1, "one choice per request; send n requests"),
+    "best_of": (lambda v: v == 1, "one candidate per request"),
+    "logprobs": (lambda v: v is False or v == 0, "no log probabilities are returned"),
+    "top_logprobs": (lambda v: v == 0, "no log probabilities are returned"),
+    "echo": (lambda v: v is False, "the prompt is not echoed"),
+    "presence_penalty": (lambda v: v == 0, "no presence penalty"),
+    "frequency_penalty": (lambda v: v == 0, "no frequency penalty"),
+    "logit_bias": (lambda v: v == {}, "no logit bias"),
+    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text", "free text only (no JSON "
+                                                                                   "mode or schema)"),
+    "suffix": (lambda v: v == "", "no suffix"),
+}
+
+
+def check_supported(body: dict) -> None:
+    """Refuse (400) a field whose value asks for what this server does not do (``UNSUPPORTED``)."""
+    for name, (fine, does) in UNSUPPORTED.items():
+        v = body.get(name)
+        if v is not None and not fine(v):
+            raise RequestError(f"'{name}'={v!r} is not supported by this server ({does}); leave it out", name)
     gc = body.get("generation_config")
     if gc is not None:
         try:
@@ -310,6 +344,143 @@ def fit_to_cache(cb, model, inputs: dict, gen_config, param: str) -> None:
                            f"{limit - n}", "max_tokens", code="context_length_exceeded")
 
 
+# --------------------------------------------------------------------------- sampling per request
+NO_TOP_K = 2**31 - 1  # a per-request top_k that keeps every token (transformers' warper clamps it to the vocabulary)
+_SAMPLING: contextvars.ContextVar = contextvars.ContextVar("kvcompile_sampling", default=None)
+
+
+def request_sampling(body: dict, defaults) -> dict:
+    """How one request picks its tokens, as the logits-processor arguments it is added with: ``{"greedy": 1, ...}``
+    for argmax decoding, else its ``temperature``, ``top_p`` and ``top_k`` (``0``: none).
+
+    As transformers' ``generate`` reads the model's generation config (``defaults``), with the request's fields
+    over it: a ``temperature`` of 0 is greedy and one above 0 samples; without one, a request that gives
+    ``top_p`` or ``top_k`` samples at the config's temperature, and one that gives neither decodes as the
+    config says (greedy unless it sets ``do_sample``). Fields the request leaves out come from the config
+    (transformers' defaults there: temperature 1, top_k 50, top_p 1)."""
+    t, p, k = body.get("temperature"), body.get("top_p"), body.get("top_k")
+    if t is not None:
+        sample = t > 0
+    else:
+        sample = p is not None or k is not None or bool(getattr(defaults, "do_sample", False))
+    if not sample:
+        return {"greedy": 1, "temperature": 1.0, "top_p": 1.0, "top_k": NO_TOP_K}
+    t = float(t if t is not None else (defaults.temperature if defaults.temperature is not None else 1.0))
+    p = float(p if p is not None else (defaults.top_p if defaults.top_p is not None else 1.0))
+    k = int(k if k is not None else (defaults.top_k or 0))
+    return {"greedy": 0, "temperature": t, "top_p": p, "top_k": k or NO_TOP_K}
+
+
+class StopAt:
+    """Stands for a streamed reply's text queue (transformers' ``CBStreamer`` writes to it): passes the text on up
+    to the first of ``stops``, holding back a tail that could begin one; at a stop string it ends the stream
+    (the stop string itself is not sent, as OpenAI's API does) and calls ``cancel``, so that the request gives its
+    pages back now rather than at max_tokens. Items that are not text (errors) pass through."""
+
+    def __init__(self, queue, stops, cancel):
+        self.queue, self.stops, self.cancel = queue, list(stops), cancel
+        self.held, self.done = "", False
+
+    def _send(self, text: str) -> None:
+        if text:
+            self.queue.put_nowait(text)
+
+    def put_nowait(self, item) -> None:
+        if self.done:
+            return
+        if item is None:  # the reply ended without a stop string
+            self._send(self.held)
+            self.done = True
+            self.queue.put_nowait(None)
+            return
+        if not isinstance(item, str):
+            self.queue.put_nowait(item)
+            return
+        text = self.held + item
+        hits = [i for i in (text.find(x) for x in self.stops) if i >= 0]
+        if hits:
+            self._send(text[:min(hits)])
+            self.held, self.done = "", True
+            self.cancel()
+            self.queue.put_nowait(None)
+            return
+        keep = max((k for x in self.stops for k in range(min(len(x) - 1, len(text)), 0, -1)
+                    if text.endswith(x[:k])), default=0)
+        self._send(text[:len(text) - keep])
+        self.held = text[len(text) - keep:]
+
+
+class _sampling:
+    """Within the block, the continuous-batching manager adds requests with ``gen_config``'s sampling."""
+
+    def __init__(self, gen_config):
+        self.kw = getattr(gen_config, "_kvcompile_sampling", None)
+
+    def __enter__(self):
+        self.token = _SAMPLING.set(self.kw)
+
+    def __exit__(self, *exc):
+        _SAMPLING.reset(self.token)
+
+
+def _greedy_class():
+    from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
+
+    class Greedy(ContinuousBatchingLogitsProcessor):
+        """Argmax decoding for the requests that ask for it, in a batch that samples: a greedy request's scores
+        become 0 at their argmax and -inf elsewhere, so the sampler draws that token with probability 1. Its
+        temperature (1), top-k (every token) and top-p (1) before this leave the argmax where the model put it
+        (the first of equal maxima, as ``argmax`` picks it in transformers' greedy decoding)."""
+        supported_kwargs = {"greedy": int}
+        ignored_kwargs = ()
+
+        def fill_defaults(self, int32_tensor):
+            int32_tensor.fill_(1)  # a request added without arguments decodes greedily
+
+        def prepare_tensor_args(self, requests_with_new_token):
+            return torch.tensor([int(r.state.logit_processor_kwargs.get("greedy", 1)) for r in requests_with_new_token],
+                                dtype=torch.int32)
+
+        def __call__(self, scores, tensor_arg):
+            greedy = tensor_arg[: scores.size(0)].bool().unsqueeze(-1)
+            one_hot = torch.full_like(scores, float("-inf")).scatter_(-1, scores.argmax(-1, keepdim=True), 0.0)
+            return torch.where(greedy, one_hot, scores)
+
+    return Greedy
+
+
+def sampling_manager(model, gen_config, cb_config):
+    """A continuous-batching manager (not started) that samples per request: transformers' per-request
+    temperature, top-k and top-p processors, then ``Greedy``. Every request is added with all four arguments
+    (``request_sampling``, through ``_SAMPLING``); the manager's own values (which only make transformers create
+    the processors) are never used."""
+    import copy
+    from dataclasses import replace
+
+    if not getattr(cb_config, "per_request_processors", False):
+        cb_config = replace(cb_config, per_request_processors=True)
+    cfg = copy.deepcopy(gen_config)
+    cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p = True, 0.5, 1, 0.5
+    cfg.stop_strings = cfg.sequence_bias = cfg.repetition_penalty = None  # refused per request (UNSUPPORTED)
+    cb = model.init_continuous_batching(generation_config=cfg, continuous_batching_config=cb_config)
+    procs = cb.logit_processor
+    kinds = sorted(procs.supported_keys)
+    if kinds != ["temperature", "top_k", "top_p"]:
+        raise RuntimeError(f"transformers' continuous batching made per-request processors for {kinds}, expected "
+                           f"temperature, top_k and top_p: this transformers version samples differently")
+    procs.logits_processor.append(_greedy_class()())
+    procs.tensors_required += 1
+    procs.supported_keys["greedy"] = int
+    procs.do_processing = True
+    add = cb.add_request
+
+    def add_request(input_ids, *args, **kwargs):
+        return add(input_ids, *args, **{**(_SAMPLING.get() or {}), **kwargs})
+
+    cb.add_request = add_request
+    return cb
+
+
 def _checked_handlers():
     """transformers' chat-completion and completion handlers, checking each request first (``check_*``) and
     marking its generation config for ``fit_to_cache``: which field holds the prompt, whether the client set
@@ -326,6 +497,9 @@ def _checked_handlers():
 
             def _build_generation_config(self, body, model_generation_config, use_cb=False):
                 gen = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
+                gen._kvcompile_sampling = request_sampling(body, model_generation_config)
+                stop = body.get("stop")
+                gen._kvcompile_stop = [stop] if isinstance(stop, str) else list(stop or ())
                 gen._kvcompile_open = all(body.get(f) is None for f in max_fields)
                 gen._kvcompile_prompt = prompt_field
                 return gen
@@ -343,23 +517,63 @@ def checked_state(**kw):
     from transformers.cli.serving.utils import CBGenerateManager, GenerationState
 
     class CheckedCBGenerateManager(CBGenerateManager):
+        def init_cb(self, model, gen_config) -> None:
+            """transformers starts its continuous-batching manager with the first request's generation config and
+            applies that config's sampling to every later request. Here it starts sampling per request
+            (``sampling_manager``) and each request is added with its own (``request_sampling``)."""
+            if self._cb is None:
+                self._cb = sampling_manager(model, gen_config, self._cb_config)
+                self._cb.start()
+
         def generate_streaming(self, model, processor, inputs, gen_config, request_id, **kw):
             fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
-            return super().generate_streaming(model, processor, inputs, gen_config, request_id, **kw)
+            stops = getattr(gen_config, "_kvcompile_stop", None)
+            if stops and kw.get("response_parser") is not None:
+                raise RequestError("'stop' is not supported for this model's replies (its chat template's tool-call "
+                                   "parser reads the reply as it streams); leave it out", "stop")
+            with _sampling(gen_config):
+                queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id, **kw)
+            if stops:  # installed before the event loop (this thread) can deliver the request's first output
+                streamer._queue = StopAt(queue, stops, lambda: self.cancel(request_id))
+            return queue, streamer
+
+        async def _generate_until_stop(self, model, processor, inputs, gen_config, request_id):
+            """A non-streaming reply with stop strings: streamed inside (``StopAt``) and gathered, so that the
+            request ends at its first stop string, not at max_tokens."""
+            queue, streamer = self.generate_streaming(model, processor, inputs, gen_config, request_id)
+            ids: list[int] = []
+            put = streamer.put
+
+            def record(output):
+                ids[:] = output.generated_tokens
+                put(output)
+
+            streamer.put = record
+            parts = []
+            while (item := await queue.get()) is not None:
+                if not isinstance(item, str):  # transformers' stream error
+                    raise RuntimeError(f"generation failed for {request_id}: {getattr(item, 'msg', item)}")
+                parts.append(item)
+            return "".join(parts), len(inputs["input_ids"]), list(ids)
 
         async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
             """transformers' non-streaming generation (it waits on a future its result handler resolves), with the
             client watched while it waits: a client that disconnects has its request cancelled (``watch_client``),
             as transformers' streaming handler does for a streaming one."""
             fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
-            work = asyncio.ensure_future(
-                super().generate_non_streaming(model, processor, inputs, gen_config, request_id))
+            if getattr(gen_config, "_kvcompile_stop", None):
+                work = asyncio.ensure_future(
+                    self._generate_until_stop(model, processor, inputs, gen_config, request_id))
+            else:
+                with _sampling(gen_config):  # the task copies the context: add_request sees this request's sampling
+                    work = asyncio.ensure_future(
+                        super().generate_non_streaming(model, processor, inputs, gen_config, request_id))
             client = _CLIENT.get()
             if client is None:  # not called from an HTTP request
                 return await work
             return await watch_client(work, client, lambda: self.cancel_for_disconnect(request_id))
 
-        def cancel_for_disconnect(self, request_id: str) -> None:
+        def cancel(self, request_id: str) -> None:
             """Cancel the request (the CB loop frees its pages and slot at its next step) and drop the result
             handler transformers registered for it: a cancelled request delivers no result that would remove it."""
             cb = self._cb
@@ -368,6 +582,9 @@ def checked_state(**kw):
             if router is not None:
                 with router._lock:
                     router.result_handlers.pop(request_id, None)
+
+        def cancel_for_disconnect(self, request_id: str) -> None:
+            self.cancel(request_id)
             self.disconnected = getattr(self, "disconnected", 0) + 1
 
     class CheckedGenerationState(GenerationState):
@@ -427,7 +644,8 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
                                     attn_implementation="sdpa", continuous_batching=True, model_timeout=-1,
                                     force_model=model_dir)
     state = checked_state(continuous_batching=True, compile=False,
-                          cb_config=ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens))
+                          cb_config=ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens,
+                                                            per_request_processors=True))
     app = openai_app(manager, state, checked=True)
     evictions = EvictionCounter()
 

@@ -11,6 +11,7 @@ bad input of every kind answered 4xx in OpenAI's error shape, never 500, and the
 request afterwards."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -340,3 +341,100 @@ def test_a_reply_without_max_tokens_is_capped_to_what_the_cache_holds(tiny_serve
     usage = r.json()["usage"]
     assert limit - 1024 < usage["prompt_tokens"] < limit  # transformers' default reply (1024 tokens) would not fit
     assert 0 < usage["completion_tokens"] <= limit - usage["prompt_tokens"]
+
+
+# --------------------------------------------------------------------------- sampling and fields, per request
+def reply(base, name, **kw) -> str:
+    r = chat(base, name, content="Tell me a story", max_tokens=8, **kw)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_each_request_samples_as_it_asks(tiny_server):
+    """transformers' continuous batching applies the first request's sampling to every request after it (a
+    temperature asked later was dropped; a greedy request after a sampled first one sampled). Here each request
+    decodes as it asks: greedy replies equal each other before and after sampled ones, streaming or not, and
+    sampled replies at a high temperature differ from each other."""
+    base, name = tiny_server
+    greedy = reply(base, name)
+    sampled = {reply(base, name, temperature=2.0) for _ in range(4)} | {reply(base, name, top_p=0.99)}
+    assert len(sampled) >= 3, sampled
+    assert reply(base, name, temperature=0) == greedy
+    assert reply(base, name) == greedy
+    r = chat(base, name, content="Tell me a story", max_tokens=8, stream=True)
+    streamed = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                       for line in r.text.splitlines() if line.startswith("data: {"))
+    assert streamed == greedy
+    r = httpx.post(f"{base}/v1/completions", timeout=120, json={"model": name, "prompt": "Once", "max_tokens": 6})
+    r2 = httpx.post(f"{base}/v1/completions", timeout=120, json={"model": name, "prompt": "Once", "max_tokens": 6,
+                                                                  "temperature": 0.0})
+    assert r.status_code == r2.status_code == 200 and r.json()["choices"][0]["text"] == r2.json()["choices"][0]["text"]
+
+
+UNSUPPORTED = {  # field: (value asking for what the server does not do, the endpoint)
+    "n": (2, "chat/completions"), "logprobs": (True, "chat/completions"), "top_logprobs": (2, "chat/completions"),
+    "presence_penalty": (0.5, "chat/completions"),
+    "frequency_penalty": (0.5, "chat/completions"), "logit_bias": ({"5": 3}, "chat/completions"),
+    "response_format": ({"type": "json_object"}, "chat/completions"), "echo": (True, "completions"),
+    "best_of": (2, "completions"), "suffix": ("end", "completions"),
+}
+
+
+@pytest.mark.parametrize("field", sorted(UNSUPPORTED))
+def test_a_field_the_server_would_ignore_is_refused(tiny_server, field):
+    """A field that asks for what continuous batching does not do (transformers' handlers dropped it, or applied
+    it to every later request) is a 400 naming it; its neutral value (OpenAI's default) is served."""
+    base, name = tiny_server
+    value, endpoint = UNSUPPORTED[field]
+    body = {"model": name, "max_tokens": 3}
+    body.update({"messages": [{"role": "user", "content": "Hi"}]} if endpoint.startswith("chat") else
+                {"prompt": "Hi"})
+    r = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, field: value})
+    err = assert_openai_error(r, field)
+    assert "not supported" in err["message"]
+    neutral = {"n": 1, "logprobs": False, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0,
+               "logit_bias": {}, "response_format": {"type": "text"}, "echo": False, "best_of": 1, "suffix": ""}
+    if field in neutral:
+        r = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, field: neutral[field]})
+        assert r.status_code == 200, r.text
+
+
+def streamed_text(r) -> tuple[str, str | None]:
+    """The text of a streamed chat or completion reply and its finish reason."""
+    text, reason = "", None
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            c = json.loads(line[6:])["choices"][0]
+            text += (c.get("delta") or {}).get("content") or c.get("text") or ""
+            reason = c.get("finish_reason") or reason
+    return text, reason
+
+
+@pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
+def test_a_reply_ends_at_its_first_stop_string(tiny_server, endpoint):
+    """``stop`` ends a reply before the first stop string (not sent), streaming or not, finish_reason "stop", and
+    the request gives its pages back; a stop string that never appears changes nothing."""
+    base, name = tiny_server
+    body = {"model": name, "max_tokens": 16}
+    body.update({"messages": [{"role": "user", "content": "Tell me a story"}]} if endpoint.startswith("chat")
+                else {"prompt": "Once upon a time"})
+
+    def ask(**kw):
+        r = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, **kw})
+        assert r.status_code == 200, r.text
+        if kw.get("stream"):
+            return streamed_text(r)
+        c = r.json()["choices"][0]
+        return (c["message"]["content"] if "message" in c else c["text"]), c["finish_reason"]
+
+    whole, reason = ask()
+    assert reason == "length" and len(whole) > 8, whole
+    stop = next(whole[i:i + 2] for i in range(len(whole) // 2, len(whole) - 1) if whole[i:i + 2].strip())
+    cut = whole.find(stop)
+    assert ask(stop=stop) == (whole[:cut], "stop")
+    assert ask(stop=["never appears in it", stop], stream=True) == (whole[:cut], "stop")
+    assert ask(stop="never appears in it") == (whole, "length")
+    deadline = time.time() + 30
+    while (st := stats(base))["free_blocks"] != st["blocks"] or st["requests"]:
+        assert time.time() < deadline, st
+        time.sleep(0.2)
