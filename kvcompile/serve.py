@@ -232,7 +232,6 @@ UNSUPPORTED = {
     "logit_bias": (lambda v: v == {}, "no logit bias"),
     "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text", "free text only (no JSON "
                                                                                    "mode or schema)"),
-    "suffix": (lambda v: v == "", "no suffix"),
 }
 
 

@@ -21,6 +21,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 STARTUP_S = 180
 
@@ -376,7 +377,7 @@ UNSUPPORTED = {  # field: (value asking for what the server does not do, the end
     "presence_penalty": (0.5, "chat/completions"),
     "frequency_penalty": (0.5, "chat/completions"), "logit_bias": ({"5": 3}, "chat/completions"),
     "response_format": ({"type": "json_object"}, "chat/completions"), "echo": (True, "completions"),
-    "best_of": (2, "completions"), "suffix": ("end", "completions"),
+    "best_of": (2, "completions"),
 }
 
 
@@ -393,10 +394,28 @@ def test_a_field_the_server_would_ignore_is_refused(tiny_server, field):
     err = assert_openai_error(r, field)
     assert "not supported" in err["message"]
     neutral = {"n": 1, "logprobs": False, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0,
-               "logit_bias": {}, "response_format": {"type": "text"}, "echo": False, "best_of": 1, "suffix": ""}
+               "logit_bias": {}, "response_format": {"type": "text"}, "echo": False, "best_of": 1}
     if field in neutral:
         r = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, field: neutral[field]})
         assert r.status_code == 200, r.text
+
+
+def test_a_greedy_reply_is_the_models_own(tiny_server):
+    """The server's greedy decoding (a one-hot in a sampling batch) picks the tokens the unmodified model's
+    ``generate`` picks: the prompt and reply fit KIVI's full-precision window, so the cache changes nothing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base, name = tiny_server
+    tok = AutoTokenizer.from_pretrained(name)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+    for prompt in ("Once upon a time", "The capital of France is"):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        want = model.generate(ids, max_new_tokens=10, do_sample=False)[0, ids.shape[1]:]
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={"model": name, "prompt": prompt, "max_tokens": 10,
+                                                                    "temperature": 0.9})  # one sampled beside it
+        assert r.status_code == 200
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={"model": name, "prompt": prompt, "max_tokens": 10})
+        assert r.json()["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)
 
 
 def streamed_text(r) -> tuple[str, str | None]:
