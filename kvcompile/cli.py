@@ -87,14 +87,36 @@ def _entry_policy(text: str):
     return pol
 
 
+def _spelled(text: str) -> str:
+    """The short forms people type for a preset, as ``SCHEME:BITS``: a scheme with one width alone (``int8``,
+    ``fp8`` -> ``int8:8``, ``fp8:8``), or its width written on (``kivi4`` -> ``kivi:4``). Anything else as given."""
+    import re
+
+    from .evaluate import SCHEMES
+    if ":" in text:
+        return text
+    if text in SCHEMES:
+        widths = [b for b in (2, 3, 4, 8) if SCHEMES[text](b) is not None]
+        if len(widths) == 1:
+            return f"{text}:{widths[0]}"
+        raise UsageError(f"{text!r} needs a width: {', '.join(f'{text}:{b}' for b in widths)}")
+    m = re.fullmatch(r"(.+?)(\d+)", text)
+    if m and m.group(1).rstrip(":-_") in SCHEMES:
+        return f"{m.group(1).rstrip(':-_')}:{m.group(2)}"
+    return text
+
+
 def _policy_arg(text: str):
-    """``default``, ``SCHEME:BITS`` or a policy file (``*.json``, written by ``Policy.save`` or ``calibrate``)."""
+    """``default``, ``full``, ``SCHEME:BITS`` (or a short form: ``int8``, ``fp8``, ``kivi4``; ``_spelled``) or a
+    policy file (``*.json``, written by ``Policy.save`` or ``calibrate``)."""
     from .evaluate import is_policy_file
     from .policy import Policy, PolicyError
     if text == "default":
         return default_policy()
+    if text == "full":
+        return Policy.full()
     try:
-        return Policy.load(text) if is_policy_file(text) else _entry_policy(text)
+        return Policy.load(text) if is_policy_file(text) else _entry_policy(_spelled(text))
     except (UsageError, PolicyError) as e:
         raise argparse.ArgumentTypeError(_one_line(e)) from None
 
@@ -790,7 +812,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "streaming and not) with its continuous batching over kvcompile's cache.")
     s.add_argument("--model", default=None, help=MODEL_HELP)
     s.add_argument("--policy", type=_policy_arg, default=None,
-                   help="SCHEME:BITS, e.g. kivi:4, or a policy file. For the most requests per byte: "
+                   help="SCHEME:BITS, e.g. kivi:4 (or kivi4; int8, fp8 and full as they are), or a policy "
+                        "file. For the most requests per byte: "
                         "tok+rot:4 (no full-precision window per request: 1.6x kivi+rot+sink:4's requests at "
                         "eleven times its loss delta, +0.012 nats/token on SmolLM2) or tok+rot+sym:8 "
                         "(kvcompile plan --serving compares them) (default: kivi+rot+sink:4, the best 4-bit "

@@ -106,6 +106,22 @@ def test_bad_policy_argument_is_refused(capsys):
     assert "no 4-bit policy" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("typed, means", [
+    ("full", "Policy.full()"), ("int8", "Policy.int8()"), ("fp8", "Policy.fp8()"), ("kivi4", "Policy.kivi(4)"),
+    ("kivi2", "Policy.kivi(2)"), ("kivi:4", "Policy.kivi(4)"), ("default", "Policy.kivi(4, sink=4, rotate=True)"),
+])
+def test_a_policy_typed_the_short_way_is_the_preset(typed, means):
+    """``--policy`` as the presets are written in prose (``kvcompile serve --policy kivi4|int8|fp8``)."""
+    from kvcompile import Policy
+    assert cli._policy_arg(typed) == eval(means)
+
+
+def test_a_scheme_with_several_widths_needs_one(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--policy", "kivi"])
+    assert "'kivi' needs a width: kivi:2, kivi:3, kivi:4, kivi:8" in capsys.readouterr().err
+
+
 def test_python_dash_m_runs():
     r = subprocess.run([sys.executable, "-m", "kvcompile", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "demo" in r.stdout and "plan" in r.stdout
