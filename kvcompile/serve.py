@@ -15,8 +15,9 @@ they reach them, so bad input is a 4xx in OpenAI's error shape (``{"error": {"me
 request larger than the whole cache, stops its worker for good). Without ``max_tokens`` a reply is capped to
 what the cache holds. Each request decodes as it asks (``request_sampling``: greedy or its temperature, top-p
 and top-k, in one batch with the others; transformers' manager applied its first request's to all), and a
-field asking for what the server does not do (``UNSUPPORTED``: ``n`` > 1, ``logprobs`` ...) is a 400 rather
-than ignored. ``stop`` strings end a reply, streaming or not (``StopAt``). A streaming client that disconnects has its request cancelled by transformers' handler
+field asking for what the server does not do (``UNSUPPORTED``: ``logprobs``, penalties ...) is a 400 rather
+than ignored. ``stop`` strings end a reply, streaming or not (``StopAt``); ``n`` choices are ``n`` requests in
+the batch (``n_choices``; not streamed). A streaming client that disconnects has its request cancelled by transformers' handler
 (its generator is closed), and the request's pages and slot come back; a non-streaming client that disconnects
 (gives up waiting, times out) has its request cancelled here (``ClientConnection``, ``watch_client``): the
 handler polls the connection while it waits for the reply, and the request's pages and slot come back within a
@@ -221,8 +222,9 @@ def check_common(body: dict) -> None:
 # (or ignore them) but its continuous-batching manager applies one generation config, made from the server's
 # first request, to every request after it -- so they were silently dropped, or worse, applied to later
 # requests. Each is refused (400) unless it asks for what the server does anyway. OpenAI's own defaults pass.
+MAX_N = 16  # choices one request may ask for (each is a request of its own in the batch: n_choices)
 UNSUPPORTED = {
-    "n": (lambda v: v == 1, "one choice per request; send n requests"),
+    "n": (lambda v: _is_int(v) and 1 <= v <= MAX_N, f"n must be an integer in [1, {MAX_N}]"),
     "best_of": (lambda v: v == 1, "one candidate per request"),
     "logprobs": (lambda v: v is False or v == 0, "no log probabilities are returned"),
     "top_logprobs": (lambda v: v == 0, "no log probabilities are returned"),
@@ -233,6 +235,32 @@ UNSUPPORTED = {
     "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text", "free text only (no JSON "
                                                                                    "mode or schema)"),
 }
+
+
+async def n_choices(handle, body: dict, request_id: str, n: int):
+    """A request for ``n`` choices as ``n`` requests of one choice each, run in one batch (``handle(body, id)``:
+    transformers' handler), their replies merged: choice ``i`` from request ``i``, usage summed over the
+    completions (the prompt counted once). Each choice samples (or not) as the request asks; greedy choices are
+    equal, as OpenAI's are at temperature 0."""
+    from fastapi.responses import JSONResponse
+
+    if body.get("stream"):
+        raise RequestError(f"'n'={n} with stream=true is not supported by this server (one streamed choice per "
+                           f"request); send n requests, or n without streaming", "n")
+    one = {**body, "n": 1}
+    replies = await asyncio.gather(*(handle(one, f"{request_id}-{i}") for i in range(n)))
+    bodies = [json.loads(r.body) for r in replies]
+    bad = next((b for b, r in zip(bodies, replies) if r.status_code != 200), None)
+    if bad is not None:
+        return next(r for r in replies if r.status_code != 200)
+    out = dict(bodies[0], id=request_id, choices=[])
+    for i, b in enumerate(bodies):
+        out["choices"].append(dict(b["choices"][0], index=i))
+    usage = [b.get("usage") for b in bodies]
+    if all(usage):
+        done = sum(u["completion_tokens"] for u in usage)
+        out["usage"] = dict(usage[0], completion_tokens=done, total_tokens=usage[0]["prompt_tokens"] + done)
+    return JSONResponse(out)
 
 
 def check_supported(body: dict) -> None:
@@ -492,7 +520,10 @@ def _checked_handlers():
             async def handle_request(self, body: dict, request_id: str):
                 check_common(body)
                 check(body)
-                return await super().handle_request(body, request_id)
+                n = body.get("n") or 1
+                if n == 1:
+                    return await super().handle_request(body, request_id)
+                return await n_choices(lambda b, rid: super(Checked, self).handle_request(b, rid), body, request_id, n)
 
             def _build_generation_config(self, body, model_generation_config, use_cb=False):
                 gen = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)

@@ -373,7 +373,7 @@ def test_each_request_samples_as_it_asks(tiny_server):
 
 
 UNSUPPORTED = {  # field: (value asking for what the server does not do, the endpoint)
-    "n": (2, "chat/completions"), "logprobs": (True, "chat/completions"), "top_logprobs": (2, "chat/completions"),
+    "n": (17, "chat/completions"), "logprobs": (True, "chat/completions"), "top_logprobs": (2, "chat/completions"),
     "presence_penalty": (0.5, "chat/completions"),
     "frequency_penalty": (0.5, "chat/completions"), "logit_bias": ({"5": 3}, "chat/completions"),
     "response_format": ({"type": "json_object"}, "chat/completions"), "echo": (True, "completions"),
@@ -457,3 +457,29 @@ def test_a_reply_ends_at_its_first_stop_string(tiny_server, endpoint):
     while (st := stats(base))["free_blocks"] != st["blocks"] or st["requests"]:
         assert time.time() < deadline, st
         time.sleep(0.2)
+
+
+@pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
+def test_n_choices(tiny_server, endpoint):
+    """``n`` choices, each a request of its own in the batch: sampled ones differ, greedy ones equal the one-choice
+    reply; usage counts every choice's tokens and the prompt once."""
+    base, name = tiny_server
+    body = {"model": name, "max_tokens": 6}
+    body.update({"messages": [{"role": "user", "content": "Tell me a story"}]} if endpoint.startswith("chat")
+                else {"prompt": "Once upon a time"})
+
+    def texts(r):
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert [c["index"] for c in out["choices"]] == list(range(len(out["choices"])))
+        return [c["message"]["content"] if "message" in c else c["text"] for c in out["choices"]], out["usage"]
+
+    one, u1 = texts(httpx.post(f"{base}/v1/{endpoint}", timeout=120, json=body))
+    greedy, u = texts(httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, "n": 2}))
+    assert greedy == one * 2
+    assert u["prompt_tokens"] == u1["prompt_tokens"] and u["completion_tokens"] == 2 * u1["completion_tokens"]
+    sampled, _ = texts(httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, "n": 4, "temperature": 2.0}))
+    assert len(sampled) == 4 and len(set(sampled)) >= 3, sampled
+    err = assert_openai_error(httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, "n": 2, "stream": True}),
+                              "n")
+    assert "stream" in err["message"]
