@@ -17,9 +17,11 @@ what the cache holds. Each request decodes as it asks (``request_sampling``: gre
 and top-k, in one batch with the others; transformers' manager applied its first request's to all), and a
 field asking for what the server does not do (``UNSUPPORTED``: ``logprobs``, penalties ...) is a 400 rather
 than ignored. ``stop`` strings end a reply, streaming or not (``StopAt``); ``n`` choices are ``n`` requests in
-the batch (``n_choices``; not streamed). A streaming client that disconnects has its request cancelled by transformers' handler
-(its generator is closed), and the request's pages and slot come back; a non-streaming client that disconnects
-(gives up waiting, times out) has its request cancelled here (``ClientConnection``, ``watch_client``): the
+the batch (``n_choices``), streamed as one stream or not.
+
+A streaming client that disconnects has its request cancelled by transformers' handler (its generator is
+closed), and the request's pages and slot come back; a non-streaming client that disconnects (gives up waiting,
+times out) has its request cancelled here (``ClientConnection``, ``watch_client``): the
 handler polls the connection while it waits for the reply, and the request's pages and slot come back within a
 poll, not when the reply it will never read is done.
 
@@ -240,15 +242,16 @@ UNSUPPORTED = {
 async def n_choices(handle, body: dict, request_id: str, n: int):
     """A request for ``n`` choices as ``n`` requests of one choice each, run in one batch (``handle(body, id)``:
     transformers' handler), their replies merged: choice ``i`` from request ``i``, usage summed over the
-    completions (the prompt counted once). Each choice samples (or not) as the request asks; greedy choices are
-    equal, as OpenAI's are at temperature 0."""
-    from fastapi.responses import JSONResponse
+    completions (the prompt counted once); streamed, their events interleaved as they come (``_merged_streams``).
+    Each choice samples (or not) as the request asks; greedy choices are equal, as OpenAI's are at temperature
+    0."""
+    from fastapi.responses import JSONResponse, StreamingResponse
 
-    if body.get("stream"):
-        raise RequestError(f"'n'={n} with stream=true is not supported by this server (one streamed choice per "
-                           f"request); send n requests, or n without streaming", "n")
     one = {**body, "n": 1}
     replies = await asyncio.gather(*(handle(one, f"{request_id}-{i}") for i in range(n)))
+    if body.get("stream"):
+        return StreamingResponse(_merged_streams([r.body_iterator for r in replies], request_id),
+                                 media_type="text/event-stream")
     bodies = [json.loads(r.body) for r in replies]
     bad = next((b for b, r in zip(bodies, replies) if r.status_code != 200), None)
     if bad is not None:
@@ -261,6 +264,53 @@ async def n_choices(handle, body: dict, request_id: str, n: int):
         done = sum(u["completion_tokens"] for u in usage)
         out["usage"] = dict(usage[0], completion_tokens=done, total_tokens=usage[0]["prompt_tokens"] + done)
     return JSONResponse(out)
+
+
+async def _merged_streams(streams, request_id: str):
+    """Server-sent events of ``n`` streamed replies as one stream: each event of stream ``i`` as it comes, its
+    choices given index ``i`` and the request's id. A client that goes away closes every stream (transformers'
+    generator then cancels its request)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for part in stream:
+                await queue.put((i, part))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        open_ = len(streams)
+        while open_:
+            i, part = await queue.get()
+            if part is None:
+                open_ -= 1
+                continue
+            text = part.decode() if isinstance(part, bytes) else part
+            out = []
+            for event in text.split("\n\n"):
+                if event.startswith("data: {"):
+                    chunk = json.loads(event[6:])
+                    if isinstance(chunk.get("choices"), list):
+                        chunk["id"] = request_id
+                        for c in chunk["choices"]:
+                            c["index"] = i
+                    event = "data: " + json.dumps(chunk)
+                if event.strip():
+                    out.append(event + "\n\n")
+            if out:
+                yield "".join(out)
+    finally:
+        for t in tasks:
+            t.cancel()
+        for st in streams:
+            close = getattr(st, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception:  # noqa: BLE001 -- a stream that already ended or failed
+                    pass
 
 
 def check_supported(body: dict) -> None:

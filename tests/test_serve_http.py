@@ -462,7 +462,7 @@ def test_a_reply_ends_at_its_first_stop_string(tiny_server, endpoint):
 @pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
 def test_n_choices(tiny_server, endpoint):
     """``n`` choices, each a request of its own in the batch: sampled ones differ, greedy ones equal the one-choice
-    reply; usage counts every choice's tokens and the prompt once."""
+    reply, streamed or not; usage counts every choice's tokens and the prompt once."""
     base, name = tiny_server
     body = {"model": name, "max_tokens": 6}
     body.update({"messages": [{"role": "user", "content": "Tell me a story"}]} if endpoint.startswith("chat")
@@ -480,6 +480,35 @@ def test_n_choices(tiny_server, endpoint):
     assert u["prompt_tokens"] == u1["prompt_tokens"] and u["completion_tokens"] == 2 * u1["completion_tokens"]
     sampled, _ = texts(httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, "n": 4, "temperature": 2.0}))
     assert len(sampled) == 4 and len(set(sampled)) >= 3, sampled
-    err = assert_openai_error(httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, "n": 2, "stream": True}),
-                              "n")
-    assert "stream" in err["message"]
+    r = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, "n": 3, "stream": True})
+    assert r.status_code == 200, r.text
+    parts = {}
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                parts.setdefault(c["index"], []).append((c.get("delta") or {}).get("content") or c.get("text") or "")
+    assert {i: "".join(p) for i, p in parts.items()} == {0: one[0], 1: one[0], 2: one[0]}
+    deadline = time.time() + 30
+    while (st := stats(base))["free_blocks"] != st["blocks"] or st["requests"]:
+        assert time.time() < deadline, st
+        time.sleep(0.2)
+
+
+def test_a_client_that_disconnects_from_n_streamed_choices_frees_them_all(tiny_server):
+    base, name = tiny_server
+    assert chat(base, name).status_code == 200
+    idle = stats(base)
+    body = {"model": name, "messages": [{"role": "user", "content": "Tell me a long story"}], "stream": True,
+            "n": 3, "temperature": 1.0}  # no max_tokens: thousands of tokens each
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = set()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    seen |= {c["index"] for c in json.loads(line[6:])["choices"]}
+                if len(seen) == 3:
+                    held = stats(base)
+                    break
+    assert seen == {0, 1, 2} and held["requests"] == 3, held
+    assert wait_idle(base, idle, 30) < 10  # every choice cancelled, none run to its end
