@@ -433,8 +433,8 @@ def request_sampling(body: dict, defaults) -> dict:
     As transformers' ``generate`` reads the model's generation config (``defaults``), with the request's fields
     over it: a ``temperature`` of 0 is greedy and one above 0 samples; without one, a request that gives
     ``top_p`` or ``top_k`` samples at the config's temperature, and one that gives neither decodes as the
-    config says (greedy unless it sets ``do_sample``). Fields the request leaves out come from the config
-    (transformers' defaults there: temperature 1, top_k 50, top_p 1)."""
+    config says (greedy unless it sets ``do_sample``). Fields the request leaves out come from the config; where
+    it has none, temperature 1 and no top-k or top-p filter, as ``generate`` samples then."""
     t, p, k = body.get("temperature"), body.get("top_p"), body.get("top_k")
     if t is not None:
         sample = t > 0
@@ -526,6 +526,37 @@ def _greedy_class():
     return Greedy
 
 
+def _routed_class(base):
+    """transformers' list of continuous-batching processors, calling the sampling processors on the sampling rows
+    only: a greedy row goes straight to ``Greedy`` (its temperature 1, top-k of every token and top-p 1 would
+    leave its argmax where it is anyway, at the cost of two sorts of the vocabulary a row and step: 13 ms a row
+    on this CPU for a 49K vocabulary, against 0.1 ms for the argmax)."""
+    from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
+
+    class Routed(base):
+        def __call__(self, input_ids, scores, logits_processor_args):
+            procs = list(self.logits_processor)
+            *warpers, greedy = procs
+            n = scores.size(0)
+            g = logits_processor_args[len([q for q in warpers if isinstance(q, ContinuousBatchingLogitsProcessor)])]
+            rows = (g[:n] == 0).nonzero().squeeze(1)  # the sampling rows
+            if len(rows):
+                sub, ids, arg = scores[rows], input_ids[rows], 0
+                for q in warpers:
+                    if isinstance(q, ContinuousBatchingLogitsProcessor):
+                        sub = q(sub, logits_processor_args[arg][rows])
+                        arg += 1
+                    else:
+                        sub = q(ids, sub)
+            scores = greedy(scores, g)
+            if len(rows):
+                scores[rows] = sub.to(scores.dtype)
+            return scores
+
+    Routed.__name__ = Routed.__qualname__ = "Routed" + base.__name__
+    return Routed
+
+
 def sampling_manager(model, gen_config, cb_config):
     """A continuous-batching manager (not started) that samples per request: transformers' per-request
     temperature, top-k and top-p processors, then ``Greedy``. Every request is added with all four arguments
@@ -549,6 +580,7 @@ def sampling_manager(model, gen_config, cb_config):
     procs.tensors_required += 1
     procs.supported_keys["greedy"] = int
     procs.do_processing = True
+    procs.__class__ = _routed_class(type(procs))
     add = cb.add_request
 
     def add_request(input_ids, *args, **kwargs):
