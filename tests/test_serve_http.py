@@ -512,3 +512,27 @@ def test_a_client_that_disconnects_from_n_streamed_choices_frees_them_all(tiny_s
                     break
     assert seen == {0, 1, 2} and held["requests"] == 3, held
     assert wait_idle(base, idle, 30) < 10  # every choice cancelled, none run to its end
+
+
+def test_a_seed_gives_the_same_reply_whatever_runs_beside_it(tiny_server):
+    """A seeded request's reply depends on its seed alone (``seeded_draw``): the same seed twice, once alone and
+    once while other sampled requests stream beside it, gives the same reply; n seeded choices differ from each
+    other and come back the same."""
+    import concurrent.futures
+
+    base, name = tiny_server
+    first = reply(base, name, temperature=1.5, seed=1234)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        noise = [pool.submit(reply, base, name, temperature=1.5) for _ in range(3)]
+        again = pool.submit(reply, base, name, temperature=1.5, seed=1234)
+        assert again.result() == first
+        [f.result() for f in noise]
+    assert reply(base, name, temperature=1.5, seed=4321) != first
+
+    def choices():
+        r = chat(base, name, content="Tell me a story", max_tokens=8, temperature=1.5, seed=7, n=3)
+        assert r.status_code == 200, r.text
+        return [c["message"]["content"] for c in r.json()["choices"]]
+
+    three = choices()
+    assert len(set(three)) == 3 and choices() == three

@@ -1,5 +1,6 @@
 """``kvcompile serve``'s per-request sampling without a server: which requests sample (``request_sampling``), and
-the routed processor list (greedy rows skip the sampling processors) against transformers' own list."""
+the processor list that picks each row's token (``add_request_args``): greedy rows their argmax, sampling rows
+a token their filters keep, seeded rows the same token whatever else is in the batch."""
 from __future__ import annotations
 
 import pytest
@@ -9,22 +10,27 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from kvcompile.serve import NO_TOP_K, _greedy_class, _routed_class, request_sampling
+from kvcompile.serve import NO_TOP_K, add_request_args, request_sampling, seeded_draw
 
-GREEDY = {"greedy": 1, "temperature": 1.0, "top_p": 1.0, "top_k": NO_TOP_K}
+GREEDY = {"greedy": 1, "temperature": 1.0, "top_p": 1.0, "top_k": NO_TOP_K, "seed": -1}
+
+
+def sampled(**kw):
+    return {"greedy": 0, "temperature": 1.0, "top_p": 1.0, "top_k": NO_TOP_K, "seed": -1, **kw}
 
 
 @pytest.mark.parametrize("body, config, want", [
     ({}, {}, GREEDY),  # the model's config decodes greedily
-    ({"temperature": 0}, {"do_sample": True}, GREEDY),
-    ({"temperature": 0.7}, {}, {"greedy": 0, "temperature": 0.7, "top_p": 1.0, "top_k": NO_TOP_K}),
-    ({"top_p": 0.9}, {}, {"greedy": 0, "temperature": 1.0, "top_p": 0.9, "top_k": NO_TOP_K}),
-    ({"top_k": 5}, {"top_k": 50}, {"greedy": 0, "temperature": 1.0, "top_p": 1.0, "top_k": 5}),
-    ({"top_k": 0, "temperature": 1}, {}, {"greedy": 0, "temperature": 1.0, "top_p": 1.0, "top_k": NO_TOP_K}),
+    ({"temperature": 0, "seed": 3}, {"do_sample": True}, GREEDY),
+    ({"temperature": 0.7}, {}, sampled(temperature=0.7)),
+    ({"top_p": 0.9}, {}, sampled(top_p=0.9)),
+    ({"top_k": 5}, {"top_k": 50}, sampled(top_k=5)),
+    ({"top_k": 0, "temperature": 1}, {}, sampled()),
+    ({"temperature": 1.2, "seed": 2**40 + 5}, {}, sampled(temperature=1.2, seed=5)),
     ({}, {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20},
-     {"greedy": 0, "temperature": 0.6, "top_p": 0.95, "top_k": 20}),
-    ({"top_p": 0.5}, {"do_sample": True, "temperature": 0.6, "top_k": 50},
-     {"greedy": 0, "temperature": 0.6, "top_p": 0.5, "top_k": 50}),
+     sampled(temperature=0.6, top_p=0.95, top_k=20)),
+    ({"top_p": 0.5}, {"do_sample": True, "temperature": 0.6, "top_k": 50}, sampled(temperature=0.6, top_p=0.5,
+                                                                                  top_k=50)),
 ])
 def test_a_request_samples_as_generate_would_read_it(body, config, want):
     got = request_sampling(body, GenerationConfig(**config))
@@ -35,37 +41,61 @@ def processors():
     lst = ContinuousBatchingLogitsProcessorList(
         LogitsProcessorList([TemperatureLogitsWarper(0.5), TopKLogitsWarper(1), TopPLogitsWarper(0.5)]),
         per_request_processors=True)
-    lst.logits_processor.append(_greedy_class()())
-    lst.tensors_required += 1
+    add_request_args(lst)
     return lst
 
 
-def arguments(greedy: torch.Tensor) -> torch.Tensor:
-    a = torch.empty(4, len(greedy), dtype=torch.int32)
-    a[0] = torch.where(greedy, 1.0, 0.7).float().view(torch.int32)
-    a[1] = torch.where(greedy, NO_TOP_K, 40).int()
-    a[2] = torch.where(greedy, 1.0, 0.9).float().view(torch.int32)
-    a[3] = greedy.int()
+def arguments(rows: list[dict], steps: list[int]) -> torch.Tensor:
+    """The argument rows transformers fills: temperature, top_k, top_p, greedy, seed, step."""
+    a = torch.empty(6, len(rows), dtype=torch.int32)
+    a[0] = torch.tensor([r["temperature"] for r in rows], dtype=torch.float32).view(torch.int32)
+    a[1] = torch.tensor([r["top_k"] for r in rows], dtype=torch.int32)
+    a[2] = torch.tensor([r["top_p"] for r in rows], dtype=torch.float32).view(torch.int32)
+    a[3] = torch.tensor([r["greedy"] for r in rows], dtype=torch.int32)
+    a[4] = torch.tensor([r["seed"] for r in rows], dtype=torch.int32)
+    a[5] = torch.tensor(steps, dtype=torch.int32)
     return a
 
 
-@pytest.mark.parametrize("mask", ["all", "some", "none"])
-def test_greedy_rows_skip_the_sampling_processors_and_nothing_changes(mask):
-    """The routed list gives exactly transformers' list's scores (every processor on every row), and a greedy
-    row's scores are 0 at the model's argmax and -inf elsewhere (so the sampler draws the argmax)."""
+def picks(lst, scores, rows, steps):
+    out = lst(torch.zeros(len(rows), dtype=torch.long), scores.clone(), arguments(rows, steps))
+    assert torch.isinf(out).sum(1).tolist() == [scores.shape[1] - 1] * len(rows) and (out.amax(1) == 0).all()
+    return out.argmax(1).tolist()  # the one token each row may draw
+
+
+def test_each_row_picks_as_it_asks():
     torch.manual_seed(0)
-    B, V = 6, 1000
-    scores = torch.randn(B, V)
-    scores[1, 7] = scores[1, 9] = scores[1].max() + 1  # a tie: argmax's first index, as greedy decoding picks it
-    greedy = {"all": torch.ones(B, dtype=torch.bool), "none": torch.zeros(B, dtype=torch.bool),
-              "some": torch.arange(B) % 2 == 1}[mask]
-    ids, args = torch.zeros(B, dtype=torch.long), arguments(greedy)
-    want = processors()(ids, scores.clone(), args)
-    routed = processors()
-    routed.__class__ = _routed_class(type(routed))
-    got = routed(ids, scores.clone(), args)
-    assert torch.equal(got, want)
-    for r in greedy.nonzero().flatten().tolist():
-        top = int(scores[r].argmax())
-        assert got[r, top] == 0 and torch.isinf(got[r]).sum() == V - 1
-        assert int(torch.multinomial(torch.softmax(got[r], -1), 1)) == top
+    V = 1000
+    scores = torch.randn(5, V) * 3
+    scores[0, 7] = scores[0, 9] = scores[0].max() + 1  # a tie: the first index, as greedy decoding picks it
+    rows = [GREEDY, sampled(top_k=3), sampled(seed=11, temperature=1.5), GREEDY, sampled(top_p=0.3)]
+    got = picks(processors(), scores, rows, [0, 1, 2, 3, 4])
+    assert got[0] == 7 and got[3] == int(scores[3].argmax())
+    assert got[1] in scores[1].topk(3).indices.tolist()
+    p = torch.softmax(scores[4], -1).sort(descending=True)
+    keep = p.indices[: int((p.values.cumsum(0) < 0.3).sum()) + 1].tolist()
+    assert got[4] in keep
+
+
+def test_a_seeded_row_draws_the_same_token_in_any_batch():
+    torch.manual_seed(1)
+    V = 500
+    row = torch.randn(V)
+    ask = sampled(seed=42, temperature=2.0)
+    alone = picks(processors(), row[None], [ask], [7])[0]
+    others = torch.randn(3, V)
+    batch = torch.cat([others[:2], row[None], others[2:]])
+    torch.manual_seed(99)  # torch's generator draws the unseeded rows: it does not matter to the seeded one
+    mixed = picks(processors(), batch, [sampled(), GREEDY, ask, sampled(seed=3)], [0, 0, 7, 0])
+    assert mixed[2] == alone == seeded_draw(torch.softmax(row / 2.0, -1), 42, 7)
+    draws = {seeded_draw(torch.softmax(row / 2.0, -1), 42, step) for step in range(20)}
+    assert len(draws) > 5  # the step moves the draw on
+    seeds = {seeded_draw(torch.softmax(row / 2.0, -1), seed, 7) for seed in range(20)}
+    assert len(seeds) > 5  # and so does the seed
+
+
+def test_a_seeded_draw_follows_the_distribution_and_never_takes_a_zero():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2])
+    counts = torch.bincount(torch.tensor([seeded_draw(probs, 5, s) for s in range(4000)]), minlength=5).double()
+    assert counts[0] == counts[2] == 0
+    assert torch.allclose(counts / 4000, probs.double(), atol=0.03)
