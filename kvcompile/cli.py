@@ -99,7 +99,7 @@ def _spelled(text: str) -> str:
         widths = [b for b in (2, 3, 4, 8) if SCHEMES[text](b) is not None]
         if len(widths) == 1:
             return f"{text}:{widths[0]}"
-        raise UsageError(f"{text!r} needs a width: {', '.join(f'{text}:{b}' for b in widths)}")
+        raise UsageError(f"{text!r} needs a width, as SCHEME:BITS: {', '.join(f'{text}:{b}' for b in widths)}")
     m = re.fullmatch(r"(.+?)(\d+)", text)
     if m and m.group(1).rstrip(":-_") in SCHEMES:
         return f"{m.group(1).rstrip(':-_')}:{m.group(2)}"

@@ -119,7 +119,7 @@ def test_a_policy_typed_the_short_way_is_the_preset(typed, means):
 def test_a_scheme_with_several_widths_needs_one(capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--policy", "kivi"])
-    assert "'kivi' needs a width: kivi:2, kivi:3, kivi:4, kivi:8" in capsys.readouterr().err
+    assert "'kivi' needs a width, as SCHEME:BITS: kivi:2, kivi:3, kivi:4, kivi:8" in capsys.readouterr().err
 
 
 def test_python_dash_m_runs():
@@ -172,7 +172,7 @@ BAD_INPUTS = {
     "eval_model_missing": ("eval --model /nonexistent/model", r"'/nonexistent/model' is not a local Hugging Face model"),
     "eval_model_without_weights": ("eval --model {tmp}/noweights --entries kivi:4 --window 256 --passkey",
                                    r"--model '.*noweights': the model in .* could not be loaded"),
-    "eval_entry_without_bits": ("eval --entries kivi", r"'kivi': expected SCHEME:BITS, e\.g\. kivi:4"),
+    "eval_entry_without_bits": ("eval --entries kivi", r"'kivi' needs a width, as SCHEME:BITS: kivi:2, kivi:3"),
     "eval_entry_unknown_scheme": ("eval --entries foo:4", r"unknown scheme 'foo': expected one of"),
     "eval_entry_width_missing": ("eval --entries fp8:4", r"scheme 'fp8' has no 4-bit policy: use fp8:8"),
     "eval_schemes_bits_give_nothing": ("eval --schemes fp8 --bits 4", r"--schemes fp8 at --bits 4 gives no policy"),
@@ -199,7 +199,7 @@ BAD_INPUTS = {
                                     r"--merge re-renders earlier runs .*: --window would have no effect"),
     # demo
     "demo_model_not_a_model": ("demo --model {tmp}/notmodel", r"is not a local Hugging Face model directory"),
-    "demo_policy_without_bits": ("demo --policy kivi", r"argument --policy: 'kivi': expected SCHEME:BITS"),
+    "demo_policy_without_bits": ("demo --policy kivi", r"argument --policy: 'kivi' needs a width, as SCHEME:BITS"),
     "demo_policy_width_missing": ("demo --policy fp8:4", r"argument --policy: scheme 'fp8' has no 4-bit policy"),
     "demo_max_new_tokens_zero": ("demo --max-new-tokens 0", r"argument --max-new-tokens: '0' is not a positive"),
     "demo_capacity_below_prompt": ("demo --model {tiny} --capacity 16",
