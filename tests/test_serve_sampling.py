@@ -1,6 +1,7 @@
-"""``kvcompile serve``'s per-request sampling without a server: which requests sample (``request_sampling``), and
-the processor list that picks each row's token (``add_request_args``): greedy rows their argmax, sampling rows
-a token their filters keep, seeded rows the same token whatever else is in the batch."""
+"""``kvcompile serve``'s per-request sampling (``kvcompile.sampling``) without a server: which requests sample
+(``request_sampling``), and the processor list that picks each row's token (``add_request_args``): greedy rows
+their argmax, sampling rows a token their filters keep, seeded rows the same token whatever else is in the
+batch."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from kvcompile.serve import NO_TOP_K, add_request_args, request_sampling, seeded_draw
+from kvcompile.sampling import NO_TOP_K, add_request_args, request_sampling, seeded_draw
 
 GREEDY = {"greedy": 1, "temperature": 1.0, "top_p": 1.0, "top_k": NO_TOP_K, "seed": -1}
 
