@@ -466,6 +466,10 @@ class StopAt:
 
 
 
+EXTENSIONS = ("top_k",)  # request fields beyond OpenAI's that kvcompile serve reads (vLLM's spelling)
+_EXTENSIONS: contextvars.ContextVar = contextvars.ContextVar("kvcompile_extensions", default={})
+
+
 def _checked_handlers():
     """transformers' chat-completion and completion handlers, checking each request first (``check_*``) and
     marking its generation config for ``fit_to_cache``: which field holds the prompt, whether the client set
@@ -478,14 +482,21 @@ def _checked_handlers():
             async def handle_request(self, body: dict, request_id: str):
                 check_common(body)
                 check(body)
-                n = body.get("n") or 1
-                if n == 1:
-                    return await super().handle_request(body, request_id)
-                return await n_choices(lambda b, rid: super(Checked, self).handle_request(b, rid), body, request_id, n)
+                # fields of ours that transformers' handler would answer 422 (unexpected): read here, passed aside
+                token = _EXTENSIONS.set({k: body[k] for k in EXTENSIONS if k in body})
+                body = {k: v for k, v in body.items() if k not in EXTENSIONS}
+                try:
+                    n = body.get("n") or 1
+                    if n == 1:
+                        return await super().handle_request(body, request_id)
+                    return await n_choices(lambda b, rid: super(Checked, self).handle_request(b, rid), body,
+                                           request_id, n)
+                finally:
+                    _EXTENSIONS.reset(token)
 
             def _build_generation_config(self, body, model_generation_config, use_cb=False):
                 gen = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
-                gen._kvcompile_sampling = request_sampling(body, model_generation_config)
+                gen._kvcompile_sampling = request_sampling({**body, **_EXTENSIONS.get()}, model_generation_config)
                 stop = body.get("stop")
                 gen._kvcompile_stop = [stop] if isinstance(stop, str) else list(stop or ())
                 gen._kvcompile_open = all(body.get(f) is None for f in max_fields)

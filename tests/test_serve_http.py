@@ -360,6 +360,8 @@ def test_each_request_samples_as_it_asks(tiny_server):
     greedy = reply(base, name)
     sampled = {reply(base, name, temperature=2.0) for _ in range(4)} | {reply(base, name, top_p=0.99)}
     assert len(sampled) >= 3, sampled
+    assert reply(base, name, temperature=2.0, top_k=1) == greedy  # top_k (an extension): one token left
+    assert len({reply(base, name, temperature=2.0, top_k=50) for _ in range(3)}) >= 2
     assert reply(base, name, temperature=0) == greedy
     assert reply(base, name) == greedy
     r = chat(base, name, content="Tell me a story", max_tokens=8, stream=True)
