@@ -100,9 +100,9 @@ def _spelled(text: str) -> str:
         if len(widths) == 1:
             return f"{text}:{widths[0]}"
         raise UsageError(f"{text!r} needs a width, as SCHEME:BITS: {', '.join(f'{text}:{b}' for b in widths)}")
-    m = re.fullmatch(r"(.+?)(\d+)", text)
-    if m and m.group(1).rstrip(":-_") in SCHEMES:
-        return f"{m.group(1).rstrip(':-_')}:{m.group(2)}"
+    m = re.fullmatch(r"(.+?)[:_-]*(\d+)", text)
+    if m and m.group(1) in SCHEMES:
+        return f"{m.group(1)}:{m.group(2)}"
     return text
 
 

@@ -125,7 +125,7 @@ def _routed_class(base):
                     if isinstance(q, RequestArg):
                         continue
                     if isinstance(q, ContinuousBatchingLogitsProcessor):
-                        sub = q(sub, logits_processor_args[rows_of[id(q)]][:n][rows])
+                        sub = q(sub, logits_processor_args[rows_of[id(q)]][rows])
                     else:
                         sub = q(ids, sub)
                 probs = torch.softmax(sub.float(), -1)
@@ -157,10 +157,10 @@ def add_request_args(procs) -> None:
 
 def sampling_manager(model, gen_config, cb_config):
     """A continuous-batching manager (not started) that samples per request: transformers' per-request
-    temperature, top-k and top-p processors, routed by ``add_request_args``. Every request is added with its
-    arguments
-    (``request_sampling``, through ``_SAMPLING``); the manager's own values (which only make transformers create
-    the processors) are never used."""
+    temperature, top-k and top-p processors (``cb_config.per_request_processors`` is set here), routed by
+    ``add_request_args``. Every request is added with its arguments (``request_sampling``, through
+    ``_SAMPLING``); the manager's own values (which only make transformers create the processors) are never
+    used."""
     import copy
     from dataclasses import replace
 

@@ -220,6 +220,14 @@ def check_common(body: dict) -> None:
             isinstance(k, str) and k.lstrip("-").isdigit() and _is_number(v) for k, v in bias.items())):
         raise RequestError("'logit_bias' must map token ids (as strings) to numbers", "logit_bias")
     check_supported(body)
+    gc = body.get("generation_config")
+    if gc is not None:
+        try:
+            from transformers import GenerationConfig
+            GenerationConfig(**json.loads(gc))
+        except Exception as e:  # noqa: BLE001 -- whatever transformers refuses, the client is told why
+            raise RequestError(f"'generation_config' must be a JSON object of generation options: {e}",
+                               "generation_config") from None
 
 
 # What a request may ask that transformers' continuous batching would not do: its handlers take these fields
@@ -241,96 +249,12 @@ UNSUPPORTED = {
 }
 
 
-async def n_choices(handle, body: dict, request_id: str, n: int):
-    """A request for ``n`` choices as ``n`` requests of one choice each, run in one batch (``handle(body, id)``:
-    transformers' handler), their replies merged: choice ``i`` from request ``i``, usage summed over the
-    completions (the prompt counted once); streamed, their events interleaved as they come (``_merged_streams``).
-    Each choice samples (or not) as the request asks; greedy choices are equal, as OpenAI's are at temperature
-    0."""
-    from fastapi.responses import JSONResponse, StreamingResponse
-
-    seed = body.get("seed")
-    # seeded choices take seed, seed + 1, ...: the same seed would give n equal replies
-    asks = [{**body, "n": 1} if seed is None else {**body, "n": 1, "seed": seed + i} for i in range(n)]
-    replies = await asyncio.gather(*(handle(b, f"{request_id}-{i}") for i, b in enumerate(asks)))
-    if body.get("stream"):
-        return StreamingResponse(_merged_streams([r.body_iterator for r in replies], request_id),
-                                 media_type="text/event-stream")
-    bodies = [json.loads(r.body) for r in replies]
-    bad = next((b for b, r in zip(bodies, replies) if r.status_code != 200), None)
-    if bad is not None:
-        return next(r for r in replies if r.status_code != 200)
-    out = dict(bodies[0], id=request_id, choices=[])
-    for i, b in enumerate(bodies):
-        out["choices"].append(dict(b["choices"][0], index=i))
-    usage = [b.get("usage") for b in bodies]
-    if all(usage):
-        done = sum(u["completion_tokens"] for u in usage)
-        out["usage"] = dict(usage[0], completion_tokens=done, total_tokens=usage[0]["prompt_tokens"] + done)
-    return JSONResponse(out)
-
-
-async def _merged_streams(streams, request_id: str):
-    """Server-sent events of ``n`` streamed replies as one stream: each event of stream ``i`` as it comes, its
-    choices given index ``i`` and the request's id. A client that goes away closes every stream (transformers'
-    generator then cancels its request)."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i, stream):
-        try:
-            async for part in stream:
-                await queue.put((i, part))
-        finally:
-            await queue.put((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
-    try:
-        open_ = len(streams)
-        while open_:
-            i, part = await queue.get()
-            if part is None:
-                open_ -= 1
-                continue
-            text = part.decode() if isinstance(part, bytes) else part
-            out = []
-            for event in text.split("\n\n"):
-                if event.startswith("data: {"):
-                    chunk = json.loads(event[6:])
-                    if isinstance(chunk.get("choices"), list):
-                        chunk["id"] = request_id
-                        for c in chunk["choices"]:
-                            c["index"] = i
-                    event = "data: " + json.dumps(chunk)
-                if event.strip():
-                    out.append(event + "\n\n")
-            if out:
-                yield "".join(out)
-    finally:
-        for t in tasks:
-            t.cancel()
-        for st in streams:
-            close = getattr(st, "aclose", None)
-            if close is not None:
-                try:
-                    await close()
-                except Exception:  # noqa: BLE001 -- a stream that already ended or failed
-                    pass
-
-
 def check_supported(body: dict) -> None:
     """Refuse (400) a field whose value asks for what this server does not do (``UNSUPPORTED``)."""
     for name, (fine, does) in UNSUPPORTED.items():
         v = body.get(name)
         if v is not None and not fine(v):
             raise RequestError(f"'{name}'={v!r} is not supported by this server ({does}); leave it out", name)
-    gc = body.get("generation_config")
-    if gc is not None:
-        try:
-            from transformers import GenerationConfig
-            GenerationConfig(**json.loads(gc))
-        except Exception as e:  # noqa: BLE001 -- whatever transformers refuses, the client is told why
-            raise RequestError(f"'generation_config' must be a JSON object of generation options: {e}",
-                               "generation_config") from None
 
 
 def check_chat(body: dict) -> None:
@@ -465,6 +389,82 @@ class StopAt:
         self.held = text[len(text) - keep:]
 
 
+# --------------------------------------------------------------------------- n choices
+async def n_choices(handle, body: dict, request_id: str, n: int):
+    """A request for ``n`` choices as ``n`` requests of one choice each, run in one batch (``handle(body, id)``:
+    transformers' handler), their replies merged: choice ``i`` from request ``i``, usage summed over the
+    completions (the prompt counted once); streamed, their events interleaved as they come (``_merged_streams``).
+    Each choice samples (or not) as the request asks; greedy choices are equal, as OpenAI's are at temperature
+    0."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    seed = body.get("seed")
+    # seeded choices take seed, seed + 1, ...: the same seed would give n equal replies
+    asks = [{**body, "n": 1} if seed is None else {**body, "n": 1, "seed": seed + i} for i in range(n)]
+    replies = await asyncio.gather(*(handle(b, f"{request_id}-{i}") for i, b in enumerate(asks)))
+    if body.get("stream"):
+        return StreamingResponse(_merged_streams([r.body_iterator for r in replies], request_id),
+                                 media_type="text/event-stream")
+    bad = next((r for r in replies if r.status_code != 200), None)
+    if bad is not None:
+        return bad
+    bodies = [json.loads(r.body) for r in replies]
+    out = dict(bodies[0], id=request_id, choices=[])
+    for i, b in enumerate(bodies):
+        out["choices"].append(dict(b["choices"][0], index=i))
+    usage = [b.get("usage") for b in bodies]
+    if all(usage):
+        done = sum(u["completion_tokens"] for u in usage)
+        out["usage"] = dict(usage[0], completion_tokens=done, total_tokens=usage[0]["prompt_tokens"] + done)
+    return JSONResponse(out)
+
+
+async def _merged_streams(streams, request_id: str):
+    """Server-sent events of ``n`` streamed replies as one stream: each event of stream ``i`` as it comes, its
+    choices given index ``i`` and the request's id. A client that goes away closes every stream (transformers'
+    generator then cancels its request)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for part in stream:
+                await queue.put((i, part))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        open_ = len(streams)
+        while open_:
+            i, part = await queue.get()
+            if part is None:
+                open_ -= 1
+                continue
+            text = part.decode() if isinstance(part, bytes) else part
+            out = []
+            for event in text.split("\n\n"):
+                if event.startswith("data: {"):
+                    chunk = json.loads(event[6:])
+                    if isinstance(chunk.get("choices"), list):
+                        chunk["id"] = request_id
+                        for c in chunk["choices"]:
+                            c["index"] = i
+                    event = "data: " + json.dumps(chunk)
+                if event.strip():
+                    out.append(event + "\n\n")
+            if out:
+                yield "".join(out)
+    finally:
+        for t in tasks:
+            t.cancel()
+        for st in streams:
+            close = getattr(st, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception:  # noqa: BLE001 -- a stream that already ended or failed
+                    pass
+
 
 EXTENSIONS = ("top_k",)  # request fields beyond OpenAI's that kvcompile serve reads (vLLM's spelling)
 _EXTENSIONS: contextvars.ContextVar = contextvars.ContextVar("kvcompile_extensions", default={})
@@ -536,9 +536,9 @@ def checked_state(**kw):
                 streamer._queue = StopAt(queue, stops, lambda: self.cancel(request_id))
             return queue, streamer
 
-        async def _generate_until_stop(self, model, processor, inputs, gen_config, request_id):
-            """A non-streaming reply with stop strings: streamed inside (``StopAt``) and gathered, so that the
-            request ends at its first stop string, not at max_tokens."""
+        def _generate_until_stop(self, model, processor, inputs, gen_config, request_id) -> asyncio.Future:
+            """A non-streaming reply with stop strings: streamed inside (``StopAt``; ``generate_streaming`` fits it
+            to the cache) and gathered, so that the request ends at its first stop string, not at max_tokens."""
             queue, streamer = self.generate_streaming(model, processor, inputs, gen_config, request_id)
             ids: list[int] = []
             put = streamer.put
@@ -547,23 +547,26 @@ def checked_state(**kw):
                 ids[:] = output.generated_tokens
                 put(output)
 
-            streamer.put = record
-            parts = []
-            while (item := await queue.get()) is not None:
-                if not isinstance(item, str):  # transformers' stream error
-                    raise RuntimeError(f"generation failed for {request_id}: {getattr(item, 'msg', item)}")
-                parts.append(item)
-            return "".join(parts), len(inputs["input_ids"]), list(ids)
+            streamer.put = record  # before the event loop (this thread) can deliver the request's first output
+
+            async def gathered():
+                parts = []
+                while (item := await queue.get()) is not None:
+                    if not isinstance(item, str):  # transformers' stream error
+                        raise RuntimeError(f"generation failed for {request_id}: {getattr(item, 'msg', item)}")
+                    parts.append(item)
+                return "".join(parts), len(inputs["input_ids"]), list(ids)
+
+            return asyncio.ensure_future(gathered())
 
         async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
             """transformers' non-streaming generation (it waits on a future its result handler resolves), with the
             client watched while it waits: a client that disconnects has its request cancelled (``watch_client``),
             as transformers' streaming handler does for a streaming one."""
-            fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
             if getattr(gen_config, "_kvcompile_stop", None):
-                work = asyncio.ensure_future(
-                    self._generate_until_stop(model, processor, inputs, gen_config, request_id))
+                work = self._generate_until_stop(model, processor, inputs, gen_config, request_id)
             else:
+                fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
                 # the task copies the context: its add_request sees this request's sampling
                 with request_context(gen_config):
                     work = asyncio.ensure_future(
@@ -644,8 +647,7 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
                                     attn_implementation="sdpa", continuous_batching=True, model_timeout=-1,
                                     force_model=model_dir)
     state = checked_state(continuous_batching=True, compile=False,
-                          cb_config=ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens,
-                                                            per_request_processors=True))
+                          cb_config=ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens))
     app = openai_app(manager, state, checked=True)
     evictions = EvictionCounter()
 

@@ -194,12 +194,13 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(tiny_server):
 
 
 def wait_idle(base, idle, bound_s):
-    """Poll the stats until the cache is as ``idle`` (no request, no page, every block free): the seconds it
-    took; fails past ``bound_s``."""
+    """Poll the stats until the cache is as ``idle`` (no request, no page, every block free; ``idle=None``: all of
+    the pool's blocks): the seconds it took; fails past ``bound_s``."""
     t0 = time.time()
     while True:
         now = stats(base)
-        if (now["requests"] == 0 and now["pages_held"] == 0 and now["free_blocks"] == idle["free_blocks"]
+        free = now["blocks"] if idle is None else idle["free_blocks"]
+        if (now["requests"] == 0 and now["pages_held"] == 0 and now["free_blocks"] == free
                 and now["active"] == now["waiting"] == 0):
             return time.time() - t0
         assert time.time() - t0 < bound_s, f"the disconnected request still holds cache after {bound_s} s: {now}"
@@ -455,10 +456,7 @@ def test_a_reply_ends_at_its_first_stop_string(tiny_server, endpoint):
     assert ask(stop=stop) == (whole[:cut], "stop")
     assert ask(stop=["never appears in it", stop], stream=True) == (whole[:cut], "stop")
     assert ask(stop="never appears in it") == (whole, "length")
-    deadline = time.time() + 30
-    while (st := stats(base))["free_blocks"] != st["blocks"] or st["requests"]:
-        assert time.time() < deadline, st
-        time.sleep(0.2)
+    wait_idle(base, None, 30)
 
 
 @pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
@@ -490,10 +488,7 @@ def test_n_choices(tiny_server, endpoint):
             for c in json.loads(line[6:])["choices"]:
                 parts.setdefault(c["index"], []).append((c.get("delta") or {}).get("content") or c.get("text") or "")
     assert {i: "".join(p) for i, p in parts.items()} == {0: one[0], 1: one[0], 2: one[0]}
-    deadline = time.time() + 30
-    while (st := stats(base))["free_blocks"] != st["blocks"] or st["requests"]:
-        assert time.time() < deadline, st
-        time.sleep(0.2)
+    wait_idle(base, None, 30)
 
 
 def test_a_client_that_disconnects_from_n_streamed_choices_frees_them_all(tiny_server):
