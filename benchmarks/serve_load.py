@@ -12,7 +12,9 @@ opens ``c`` streaming chat completions at once (httpx, one connection each) with
 reads them to the end. Reported per contender and level: requests completed and failed, generated tokens/s
 (all requests' content chunks over the level's wall time), time to first token (median, p95), and the
 server's peak RSS (``VmHWM``) after the level; for kvcompile also the most requests its cache held at once
-(sampled from ``/kvcompile/stats`` every 50 ms).
+(sampled from ``/kvcompile/stats`` every 50 ms) and the prompt tokens it read from shared pages.
+``--system-words N`` gives every request the same system prompt of N words (prompts that begin alike: prefix
+sharing); ``kvcompile-unshared`` is kvcompile's server with ``--no-prefix-sharing``.
 """
 from __future__ import annotations
 
@@ -75,10 +77,11 @@ class Server:
 
     def __init__(self, kind: str, model_dir: str, budget_mib: int, policy: str, max_requests: int):
         self.kind, self.port = kind, free_port()
-        if kind == "kvcompile":
+        if kind.startswith("kvcompile"):
             cmd = [sys.executable, "-m", "kvcompile", "serve", "--model", model_dir, "--policy", policy,
                    "--port", str(self.port), "--budget-mib", str(budget_mib)]
             cmd += ["--max-requests", str(max_requests)] if max_requests else []
+            cmd += ["--no-prefix-sharing"] if kind == "kvcompile-unshared" else []
         else:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-transformers", model_dir,
                    "--port", str(self.port), "--budget-mib", str(budget_mib)]
@@ -122,8 +125,15 @@ def prompt(i: int, words: int) -> str:
     return " ".join(WORDS[(i + j) % len(WORDS)] for j in range(words)) + ". Continue the story."
 
 
-async def one_request(client: httpx.AsyncClient, base: str, model: str, text: str, new: int, timeout: float) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": new, "stream": True}
+def system_prompt(words: int) -> str:
+    """The system prompt every request shares (``--system-words``)."""
+    return "You are a careful storyteller. " + " ".join(WORDS[(7 * j) % len(WORDS)] for j in range(words))
+
+
+async def one_request(client: httpx.AsyncClient, base: str, model: str, text: str, new: int, timeout: float,
+                      system: str | None = None) -> dict:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    body = {"model": model, "messages": messages, "max_tokens": new, "stream": True}
     t0 = time.perf_counter()
     first, chunks = None, 0
     try:
@@ -143,8 +153,16 @@ async def one_request(client: httpx.AsyncClient, base: str, model: str, text: st
     return dict(ok=chunks > 0, error=None if chunks else "no content", ttft=first, tokens=chunks)
 
 
-async def level(server: Server, model: str, c: int, new: int, lengths: list[int], timeout: float) -> dict:
-    most = 0
+async def stats(client, server: Server) -> dict:
+    try:
+        return (await client.get(f"{server.base}/kvcompile/stats", timeout=5)).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+async def level(server: Server, model: str, c: int, new: int, lengths: list[int], timeout: float,
+                system: str | None = None) -> dict:
+    most, ours = 0, server.kind.startswith("kvcompile")
 
     async def watch(client):
         nonlocal most
@@ -158,20 +176,23 @@ async def level(server: Server, model: str, c: int, new: int, lengths: list[int]
 
     limits = httpx.Limits(max_connections=c + 2)
     async with httpx.AsyncClient(limits=limits) as client:
-        watcher = asyncio.create_task(watch(client)) if server.kind == "kvcompile" else None
+        reused = (await stats(client, server)).get("prefix_tokens") or 0 if ours else None
+        watcher = asyncio.create_task(watch(client)) if ours else None
         t0 = time.perf_counter()
         rs = await asyncio.gather(*(one_request(client, server.base, model, prompt(i, lengths[i % len(lengths)]),
-                                                new, timeout) for i in range(c)))
+                                                new, timeout, system) for i in range(c)))
         wall = time.perf_counter() - t0
         if watcher:
             watcher.cancel()
+            reused = ((await stats(client, server)).get("prefix_tokens") or 0) - reused
     ttfts = sorted(r["ttft"] for r in rs if r["ttft"] is not None)
     p95 = ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))] if ttfts else None
     return dict(contender=server.kind, concurrency=c, completed=sum(r["ok"] for r in rs),
                 failed=sum(not r["ok"] for r in rs), errors=sorted({r["error"] for r in rs if r["error"]}),
                 tokens=sum(r["tokens"] for r in rs), wall_s=wall, tok_s=sum(r["tokens"] for r in rs) / wall,
                 ttft_median_s=statistics.median(ttfts) if ttfts else None, ttft_p95_s=p95,
-                peak_rss_mib=server.peak_rss_mib(), most_requests_held=most if server.kind == "kvcompile" else None)
+                peak_rss_mib=server.peak_rss_mib(), most_requests_held=most if ours else None,
+                prefix_tokens_reused=reused)
 
 
 def main(argv=None) -> list[dict]:
@@ -185,8 +206,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--new", type=int, default=32, help="tokens per reply (default: %(default)s)")
     ap.add_argument("--words", type=int, nargs="+", default=[40, 200, 600], help="prompt lengths in words (mixed)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a request may take (default: %(default)s)")
+    ap.add_argument("--system-words", type=int, default=0,
+                    help="a system prompt of this many words shared by every request (default: none)")
     ap.add_argument("--contenders", nargs="+", default=["transformers", "kvcompile"],
-                    choices=["transformers", "kvcompile"])
+                    choices=["transformers", "kvcompile", "kvcompile-unshared"])
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--smoke", action="store_true", help="two short requests per server (seconds once loaded)")
     ap.add_argument("--serve-transformers", default=None, metavar="MODEL_DIR", help=argparse.SUPPRESS)
@@ -206,17 +229,20 @@ def main(argv=None) -> list[dict]:
         with Server(kind, model_dir, args.budget_mib, args.policy, args.max_requests) as server:
             for c in args.concurrency:
                 bar.set_postfix_str(f"{kind}: {c} clients")
-                rows.append(asyncio.run(level(server, model_dir, c, args.new, args.words, args.timeout)))
+                system = system_prompt(args.system_words) if args.system_words else None
+                rows.append(asyncio.run(level(server, model_dir, c, args.new, args.words, args.timeout, system)))
                 bar.update()
     bar.close()
-    print(f"budget {args.budget_mib} MiB, kvcompile {args.policy}, {args.new} new tokens, prompts {args.words} words")
-    print(f"{'contender':<13}{'clients':>8}{'done':>6}{'failed':>7}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p95':>10}"
-          f"{'RSS MiB':>9}{'held':>6}")
+    print(f"budget {args.budget_mib} MiB, kvcompile {args.policy}, {args.new} new tokens, prompts {args.words} words"
+          + (f", a shared system prompt of {args.system_words} words" if args.system_words else ""))
+    print(f"{'contender':<19}{'clients':>8}{'done':>6}{'failed':>7}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p95':>10}"
+          f"{'RSS MiB':>9}{'held':>6}{'reused':>8}")
     for r in rows:
         f = lambda x: f"{x:10.2f}" if x is not None else f"{'-':>10}"  # noqa: E731
-        print(f"{r['contender']:<13}{r['concurrency']:>8}{r['completed']:>6}{r['failed']:>7}{r['tok_s']:>8.2f}"
+        g = lambda x, w: f"{x if x is not None else '-':>{w}}"  # noqa: E731
+        print(f"{r['contender']:<19}{r['concurrency']:>8}{r['completed']:>6}{r['failed']:>7}{r['tok_s']:>8.2f}"
               f"{f(r['ttft_median_s'])}{f(r['ttft_p95_s'])}{r['peak_rss_mib']:>9.0f}"
-              f"{r['most_requests_held'] if r['most_requests_held'] is not None else '-':>6}")
+              f"{g(r['most_requests_held'], 6)}{g(r['prefix_tokens_reused'], 8)}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))

@@ -825,6 +825,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-requests", type=_POSITIVE_INT, default=None,
                    help="requests holding cache at once (default: 32, fewer where their full-precision "
                         "windows would take over a quarter of the budget)")
+    s.add_argument("--no-prefix-sharing", action="store_true",
+                   help="give every request its own pages even where prompts begin alike (default: shared, for "
+                        "policies whose pages hold all their tokens: no full-precision window, no sinks)")
     s.set_defaults(func=cmd_serve)
     return p
 
@@ -835,7 +838,7 @@ def cmd_serve(args) -> int:
 
     policy = args.policy or default_policy()
     run(str(resolve(args.model)), policy, host=args.host, port=args.port, budget=args.budget_mib * 2**20,
-        max_requests=args.max_requests)
+        max_requests=args.max_requests, prefix_sharing=not args.no_prefix_sharing)
     return 0
 
 

@@ -625,14 +625,17 @@ class EvictionCounter(logging.Handler):
 
 
 def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests: int | None = None,
-              max_batch_tokens: int = 256, dtype: torch.dtype = torch.float32):
+              max_batch_tokens: int = 256, dtype: torch.dtype = torch.float32, prefix_sharing: bool = True):
     """The FastAPI app (and its model manager) serving ``model_dir`` (a local Hugging Face directory) with
-    continuous batching over kvcompile's cache under ``policy``."""
+    continuous batching over kvcompile's cache under ``policy``; ``prefix_sharing``: prompts that begin alike
+    share pages where the policy allows it (``serving.shares_pages``)."""
     from transformers import ContinuousBatchingConfig
     from transformers.cli.serving.model_manager import ModelManager
 
     from . import serving
     from .api import apply
+
+    cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
 
     class KVCompileModelManager(ModelManager):
         """transformers' model manager; every model it loads is prepared by ``kvcompile.apply``."""
@@ -641,14 +644,16 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
             model = super()._load_model(*args, **kwargs)
             model = apply(model.eval(), policy)
             serving.configure(model, budget=budget, max_requests=max_requests)
+            # prompts that begin alike share pages where the policy's pages hold all their tokens
+            cb_config.allow_block_sharing = prefix_sharing and serving.model_shares_pages(model)
             return model
 
     manager = KVCompileModelManager(device="cpu", dtype=str(dtype).removeprefix("torch."),
                                     attn_implementation="sdpa", continuous_batching=True, model_timeout=-1,
                                     force_model=model_dir)
-    state = checked_state(continuous_batching=True, compile=False,
-                          cb_config=ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens))
+    state = checked_state(continuous_batching=True, compile=False, cb_config=cb_config)
     app = openai_app(manager, state, checked=True)
+    app.state.prefix_sharing = cb_config.allow_block_sharing  # set when the model was loaded (force_model)
     evictions = EvictionCounter()
 
     @app.get("/kvcompile/stats")
@@ -664,8 +669,12 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
                 "budget": cb.budget, "allocated": cache.allocated_nbytes, "blocks": cache.stores[0].blocks,
                 "free_blocks": cache.free_blocks_count, "slots": cache.slots, "requests": len(cache.slot_of),
                 # transformers' side: the pages its allocators hand out and hold, its scheduler's requests
-                "pages": cache.num_blocks, "pages_held": sum(len(t) for a in cache.cache_allocators.values()
-                                                             for t in a.block_table.values()),
+                # (dict views copied at once: the batching thread changes them while this reads)
+                "pages": cache.num_blocks, "pages_held": len({p for a in cache.cache_allocators.values()
+                                                              for t in list(a.block_table.values()) for p in t}),
+                # prefix sharing: whether on, the prompt tokens read from shared pages, the pages kept cached
+                "prefix_sharing": cache.use_prefix_sharing, "prefix_tokens": cache.prefix_tokens,
+                "pages_cached": sum(len(a.ledger.cached_blocks) for a in cache.cache_allocators.values()),
                 "active": len(sched.active_requests) if sched is not None else None,
                 "waiting": len(sched.waiting_requests) if sched is not None else None,
                 "token_limit": cache_token_limit(cb, cb.model), "evicted": evictions.evicted,
@@ -679,8 +688,9 @@ def run(model_dir: str, policy, host: str = "127.0.0.1", port: int = 8000, **kw)
     import uvicorn
 
     app, manager, state = build_app(model_dir, policy, **kw)
-    print(f"kvcompile serve: {model_dir} under {policy} on http://{host}:{port}/v1 (model name: {model_dir!r})",
-          flush=True)
+    sharing = app.state.prefix_sharing
+    print(f"kvcompile serve: {model_dir} under {policy} on http://{host}:{port}/v1 (model name: {model_dir!r}; "
+          f"prefix sharing {'on' if sharing else 'off'})", flush=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:

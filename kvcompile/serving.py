@@ -10,13 +10,20 @@ prefill chunks and decode tokens per forward, keys and values written through wr
 in full precision through read indices before SDPA. Here that engine runs unchanged -- its scheduler, its
 request states, its page accounting, its HTTP server -- with two things replaced:
 
-- the cache (``PagedKVCompileCache``, a ``PagedAttentionCache``): its pages are *virtual*, only counted by
-  transformers' allocators (its full-precision tensor is never allocated: it lives on the ``meta`` device);
-  the keys and values go to one ``KVStore`` per layer whose pool holds as many blocks as transformers has
-  pages, ``page_size`` = the store's block. Each request gets a row (a *slot*) of every layer's store while
-  it holds pages; finishing, cancelling or being evicted (soft reset) clears the row and its blocks return
-  to the pool. A request of ``L`` tokens holds ``blocks_for(L) <= ceil(L / page_size)`` blocks, so whatever
-  transformers admits fits in the pool.
+- the cache (``PagedKVCompileCache``, a ``PagedAttentionCache``): transformers' allocator hands out, shares
+  and frees the pages as it does for its own cache, but its full-precision tensor is never allocated (it
+  lives on the ``meta`` device): page ``p`` is block ``p - first`` of every layer's ``KVStore`` pool, in
+  kvcompile's packed format (``page_size`` = the store's block; ``KVStore.engine_owns_blocks``). Each
+  request gets a row (a *slot*) of every layer's store while it holds pages, its table the request's pages;
+  finishing, cancelling or being evicted (soft reset) clears the row. A request of ``L`` tokens writes
+  ``blocks_for(L) <= ceil(L / page_size)`` of its pages, so whatever transformers admits fits.
+- prefix sharing and forks (transformers' ``allow_block_sharing``, on by default): a prompt that begins with
+  the complete pages of an earlier prompt starts with those pages and their length in its row instead of
+  computing them; a fork shares its parent's complete pages, and the pages transformers copies are copied
+  in every layer's pool. A page can be shared only when it holds all its tokens -- a policy with no
+  full-precision window and no sinks (``shares_pages``: ``Policy.full()``, ``Policy.int8()``, the
+  token-axis policies); with a window (KIVI, ``Policy.fp8()``) sharing is turned off with a warning, and
+  forks copy their pages.
 - the attention (``kvcompile_paged``, registered with transformers' ``AttentionInterface`` and switched on
   while the manager runs, as transformers switches to its own paged implementations): each request's
   queries attend to its row of the store through kvcompile's kernels (the C decode kernel reads the packed
@@ -48,13 +55,14 @@ What this is not yet. Refused with a message where the user asks for them: async
 graphs, ``decode_compile_config`` (there is no block-table decode path: ``varlen_compile_config`` compiles
 every forward), compiling with another backend than kvcompile's, CPU offloading of evicted requests
 (evicted requests are re-prefilled instead), tensor parallelism, sliding-window layers, other attention
-implementations than SDPA. Turned off without a word (optimizations, not numerics): prefix sharing
-(``allow_block_sharing``) and the block-table decode fast path.
+implementations than SDPA. Not used: transformers' block-table decode fast path (kvcompile's attention
+reads its own tables).
 """
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, replace
 
@@ -343,12 +351,20 @@ def _make_cache_class():
             if set(self.cache_allocators) != {_transformers().FULL_ATTENTION}:
                 raise KVCompileError("kvcompile serving supports full-attention layers only (this model has "
                                      f"{sorted(self.cache_allocators)})")
-            if self.num_blocks != blocks:
+            allocator = self.cache_allocators[_transformers().FULL_ATTENTION]
+            if self.num_blocks != blocks or allocator.num_blocks != blocks:
                 raise KVCompileError(f"kvcompile serving: transformers made {self.num_blocks} pages where the pool "
                                      f"has {blocks} blocks")
             self.max_decode_fast_path_length = 0  # no block tables: attention reads kvcompile's own
             self.specs, self.slots = specs, slots
             self.stores = make_stores(specs, slots, blocks, self.device)
+            # transformers' allocator hands out the pages and shares or frees them; page p is block p - first
+            # of every layer's pool (its page ids start after the pool's reserved sectors)
+            self._allocator = allocator
+            self._first_page = self.pool.num_reserved_sectors * allocator.blocks_per_sector
+            self.prefix_tokens = 0  # prompt tokens found in shared pages (not computed again)
+            for st in self.stores:
+                st.engine_owns_blocks()
             self.slot_of: dict[str, int] = {}
             self.free_slots = list(range(slots - 1, -1, -1))
             self._pending: list = []
@@ -395,8 +411,16 @@ def _make_cache_class():
 
         @property
         def free_blocks_count(self) -> int:
-            """Free blocks of the pool (every layer has the same count)."""
-            return len(self.stores[0].free)
+            """Pages no running request holds: free in transformers' pool, or kept only as a cached prompt prefix
+            (evicted as soon as a request needs the page). Every layer's pool has the same count."""
+            a = self._allocator
+            return (self.pool.count_free_blocks(a.index) + self.pool.num_free_sectors * a.blocks_per_sector
+                    + len(a.ledger.cached_blocks))
+
+        def _table(self, request_id: str) -> list[int]:
+            """The request's pages, as blocks of the stores' pools."""
+            first = self._first_page
+            return [p - first for p in self._allocator.block_table.get(request_id, ())]
 
         # ---- slots
         def _take_slot(self, request_id: str) -> int:
@@ -444,6 +468,22 @@ def _make_cache_class():
                 self._drop(rid)
             self._pending, self._plan, self._work = [], None, {}
 
+        def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
+            """transformers' prefix match (pages of an earlier request whose tokens begin this prompt); the request
+            starts with those pages and their length in its row. Only with a free slot: a matched request holds
+            its pages while it waits, so one that would wait for a slot stays unmatched until it gets one."""
+            if request_id not in self.slot_of and not self.free_slots:
+                return 0
+            n = super().search_prefix_match(request_id, prompt_ids)
+            if n:
+                self.prefix_tokens += n
+                slot = self.slot_of.get(request_id)
+                slot = self._take_slot(request_id) if slot is None else slot
+                for st in self.stores:
+                    st.set_tables({slot: self._table(request_id)})
+                    st.set_length(slot, n)
+            return n
+
         def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst):
             src = self.slot_of[src_state.request_id]
             forked = super().prepare_fork_request(src_state, list(dst_req_ids)[:len(self.free_slots)],
@@ -451,11 +491,16 @@ def _make_cache_class():
             for rid in forked:
                 dst = self._take_slot(rid)
                 for st in self.stores:
-                    st.fork(src, dst)
+                    st.fork(src, dst)  # length, ring and sinks
+                    st.set_tables({dst: self._table(rid)})  # its own pages: shared ones and copies
             return forked
 
         def perform_cache_copy(self, copy_src_and_dst) -> None:
-            return None  # forks share kvcompile blocks (copied on write by the store)
+            """The forks' pages that transformers does not share are copied, block by block, in every layer."""
+            first = self._first_page
+            for src, dst in copy_src_and_dst.values():
+                for st in self.stores:
+                    st.copy_blocks([p - first for p in src], [p - first for p in dst])
 
         # ---- the batch
         def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index):
@@ -485,6 +530,9 @@ def _make_cache_class():
                             f"kvcompile serving: request {rid} continues at position {past} but its store holds "
                             f"{have} tokens")
                     entries.append((rid, slot, past, n, skip))
+                tables = {slot: self._table(rid) for rid, slot, _, _, skip in entries if not skip}
+                for st in self.stores:  # the pages transformers allocated for this forward
+                    st.set_tables(tables)
                 self._plan, self._pending = _Plan(entries, self.slots, self.device), []
             plan = self._plan
             # a compiled forward is padded to a static size: the tokens past the plan's are padding
@@ -669,15 +717,27 @@ def _refuse(asked) -> None:
         refuse("CPU offloading of evicted requests (cpu_offload_space); evicted requests are re-prefilled")
 
 
-def _restrict(cb, varlen=None) -> None:
+def shares_pages(specs: list[LayerSpec]) -> bool:
+    """Whether requests may share pages (a common prompt prefix, forks): a page's content must be a function
+    of its tokens alone, so every layer must keep all its tokens in its pages -- no full-precision window
+    (residual, or KIVI's partial group of per-channel keys) and no sinks held per request."""
+    return all(s.ring == 0 and s.sink == 0 for s in specs)
+
+
+def model_shares_pages(model) -> bool:
+    """``shares_pages`` for a model ``kvcompile.apply`` prepared."""
+    return shares_pages(layer_specs(model.config.get_text_config(), model._kvcompile_serving, model.dtype))
+
+
+def _restrict(cb, varlen=None, share: bool = False) -> None:
     """The resolved config, with what kvcompile's cache does not serve yet turned off; ``varlen``: the compile
-    config of a compiled forward (kvcompile's backend), or None."""
+    config of a compiled forward (kvcompile's backend), or None; ``share``: whether pages may be shared."""
     cb.use_async_batching = False
     cb.varlen_compile_config, cb.decode_compile_config = varlen, None
     cb.use_cuda_graph = (False, False)
     cb.cpu_offload_space = 0.0
     cb.max_blocks_per_request = 0
-    cb.allow_block_sharing = False
+    cb.allow_block_sharing = bool(share and cb.allow_block_sharing)
 
 
 def _make_manager_class():
@@ -707,10 +767,18 @@ def _make_manager_class():
                                      f"(this one uses {model.config._attn_implementation!r})")
             super().__init__(model, generation_config, continuous_batching_config, workload_hints)
             cb = self.continuous_batching_config
-            _restrict(cb, self._varlen_config(model, self._compiled) if self._compiled is not None else None)
+            share = shares_pages(self._specs)
+            if cb.allow_block_sharing and not share:
+                warnings.warn(
+                    f"kvcompile serving: prefix sharing (ContinuousBatchingConfig.allow_block_sharing) is off for "
+                    f"{opts.policy}: the policy keeps each request's recent tokens or sinks in full precision "
+                    f"outside its pages, so a page cannot be handed to another request. Policies without a window "
+                    f"or sinks share pages (Policy.full(), Policy.int8(), 'tok+rot:4'); pass "
+                    f"allow_block_sharing=False to silence this.", stacklevel=3)
+            _restrict(cb, self._varlen_config(model, self._compiled) if self._compiled is not None else None, share)
             cb.page_size = self._specs[0].block
             cb.num_blocks = self._blocks
-            self._use_prefix_sharing = False
+            self._use_prefix_sharing = cb.allow_block_sharing
 
         @staticmethod
         def _varlen_config(model, asked):

@@ -459,6 +459,8 @@ class KVStore:
         self.rope_table: RopeTable | None = None
         self.rope_offset: list[int] = [0] * batch
         self._rope_offset_t: Tensor | None = None
+        # blocks owned by a serving engine (``engine_owns_blocks``): rows get their tables from ``set_tables``
+        self.engine_blocks = False
 
     # ---- sizes
     @property
@@ -472,6 +474,8 @@ class KVStore:
 
     @property
     def used_blocks(self) -> int:
+        if self.engine_blocks:
+            return len({blk for t in self.tables for blk in t})
         return len(self.refs) - len(self.free)
 
     @property
@@ -513,11 +517,18 @@ class KVStore:
         self.free = list(range(new - 1, old - 1, -1)) + self.free
 
     def _take(self) -> int:
+        if self.engine_blocks:
+            raise CapacityError(
+                "KVStore: an append needs a block its sequence's table does not have, and this store's blocks are "
+                "handed out by the serving engine (set_tables): the engine allocated fewer pages than the tokens "
+                "it scheduled")
         blk = self.free.pop()
         self.refs[blk] = 1
         return blk
 
     def _release(self, blk: int) -> None:
+        if self.engine_blocks:
+            return
         self.refs[blk] -= 1
         if self.refs[blk] == 0:
             self.free.append(blk)
@@ -539,6 +550,55 @@ class KVStore:
             table[list(rows)] = host.to(self.device)
         if table is not self.state.table:
             self.state = self.state._replace(table=table)
+
+    # ---- blocks owned by a serving engine
+    def engine_owns_blocks(self) -> None:
+        """From now on a serving engine (transformers' continuous batching) owns the pool's blocks: it hands
+        them to sequences (``set_tables``), shares a complete block between sequences (forks, a common prompt
+        prefix) and frees it; the store never takes, copies on write or frees a block. Only a block with no
+        sequence writing into it may be shared (a complete block, whose tokens are all packed)."""
+        if self.used_blocks:
+            raise RuntimeError("KVStore.engine_owns_blocks: the store already holds blocks")
+        self.engine_blocks = True
+
+    def set_tables(self, tables: dict[int, list[int]]) -> None:
+        """Sequence ``b``'s blocks become ``tables[b]`` (pool block ids, in order; ``engine_owns_blocks``)."""
+        if not self.engine_blocks:
+            raise RuntimeError("KVStore.set_tables: the store owns its blocks (see engine_owns_blocks)")
+        changed = [b for b, t in tables.items() if self.tables[b] != t]
+        for b in changed:
+            blocks = list(tables[b])
+            if blocks and not (0 <= min(blocks) and max(blocks) < self.blocks):
+                raise IndexError(f"KVStore.set_tables: blocks {blocks} outside the pool's {self.blocks}")
+            self.tables[b] = blocks
+        if changed:
+            self._sync_rows(changed)
+
+    def set_length(self, b: int, length: int) -> None:
+        """Sequence ``b`` holds ``length`` tokens, all in the blocks its table already has (an engine that gave
+        it a shared prefix of whole blocks): only for layouts that keep nothing outside the blocks (no ring,
+        no sinks)."""
+        sp = self.spec
+        if sp.ring or sp.sink:
+            raise RuntimeError(f"KVStore.set_length: {sp.policy} keeps tokens outside the blocks (ring, sinks)")
+        if sp.blocks_for(length) > len(self.tables[b]) or self.lengths[b]:
+            raise RuntimeError(f"KVStore.set_length({b}, {length}): the sequence holds {self.lengths[b]} tokens "
+                               f"in {len(self.tables[b])} blocks")
+        self.lengths[b] = length
+        self.state.lengths[b] = length
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Block ``dst[i]`` becomes a copy of block ``src[i]`` (an engine forking a sequence copies the blocks it
+        does not share)."""
+        if len(src) != len(dst):
+            raise ValueError(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
+        if not src:
+            return
+        s = torch.tensor(list(src), dtype=torch.long, device=self.device)
+        d = torch.tensor(list(dst), dtype=torch.long, device=self.device)
+        for t in self.state[:6]:
+            if t.numel():
+                t.index_copy_(0, d, t.index_select(0, s))
 
     def expect(self, tokens: int) -> None:
         """Size the pool, once, for every sequence to reach ``tokens`` tokens (at most ``max_tokens``) without
@@ -672,7 +732,7 @@ class KVStore:
             raise IndexError(f"select: index {idx.tolist()} outside the store's {self.batch} sequences")
         ix = idx.tolist()
         tables = [list(self.tables[i]) for i in ix]
-        for t in tables:
+        for t in tables if not self.engine_blocks else ():
             for blk in t:
                 self.refs[blk] += 1
         for t in self.tables:
@@ -720,8 +780,9 @@ class KVStore:
         ``dst`` held is released first."""
         self.clear([dst])
         self.tables[dst] = list(self.tables[src])
-        for blk in self.tables[dst]:
-            self.refs[blk] += 1
+        if not self.engine_blocks:
+            for blk in self.tables[dst]:
+                self.refs[blk] += 1
         self.lengths[dst] = self.lengths[src]
         self.rope_offset[dst], self._rope_offset_t = self.rope_offset[src], None
         for t in self.state[6:11]:

@@ -106,6 +106,7 @@ def test_chat_completions_streaming_and_not_over_kvcompiles_cache(server):
     stats = httpx.get(f"{base}/kvcompile/stats", timeout=10).json()
     assert stats["manager"] == "KVCompileBatchingManager" and stats["cache"] == "PagedKVCompileCache"
     assert "kivi" in stats["policy"].lower() or "int4" in stats["policy"].lower()
+    assert stats["prefix_sharing"] is False  # KIVI's window: its pages cannot be shared
     assert stats["allocated"] <= stats["budget"] == 64 * 2**20
     assert stats["free_blocks"] == stats["blocks"] and stats["requests"] == 0  # everything back
 
@@ -533,3 +534,56 @@ def test_a_seed_gives_the_same_reply_whatever_runs_beside_it(tiny_server):
 
     three = choices()
     assert len(set(three)) == 3 and choices() == three
+
+
+def test_a_shared_system_prompt_is_read_from_shared_pages(tiny_dir):
+    """Chats that begin with the same system prompt read its pages from the first chat's instead of computing
+    them (``prefix_tokens`` in the stats); under the full-precision store a chat asked again, most of it read
+    from shared pages, gets exactly its first greedy reply. Finished chats' pages stay cached and count as
+    free. (Quantized pages shared: tests/test_serving.py.)"""
+    proc, base = start_server("--model", tiny_dir, "--policy", "full", "--budget-mib", 2, "--max-requests", 4)
+    try:
+        name = str(tiny_dir)
+        system = "You answer in rhymes. " + " ".join(f"rule{k} w{(3 * k) % 40}" for k in range(120))
+
+        def ask(user):
+            r = httpx.post(f"{base}/v1/chat/completions", timeout=120,
+                           json={"model": name, "max_tokens": 8, "temperature": 0,
+                                 "messages": [{"role": "system", "content": system},
+                                              {"role": "user", "content": user}]})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"], r.json()["usage"]["prompt_tokens"]
+
+        first, n = ask("Tell me about the sea.")
+        assert n > 2 * 64 and stats(base)["prefix_sharing"] is True and stats(base)["prefix_tokens"] == 0
+        other, _ = ask("Tell me about the hills.")
+        reused = stats(base)["prefix_tokens"]
+        assert reused >= 2 * 64  # the system prompt's whole pages
+        again, _ = ask("Tell me about the sea.")
+        assert again == first
+        assert stats(base)["prefix_tokens"] - reused >= (n - 1) // 64 * 64  # every whole page of the prompt
+        s = stats(base)
+        assert s["pages_cached"] > 0 and s["free_blocks"] == s["blocks"] and s["requests"] == 0
+    finally:
+        stop_server(proc)
+
+
+def test_the_server_shares_pages_only_where_the_policy_allows(tiny_dir, monkeypatch):
+    """``kvcompile serve`` turns transformers' prefix sharing on for a window-free policy, off for KIVI (whose
+    window lives outside the pages) and off with ``--no-prefix-sharing``; the CLI passes the flag on."""
+    from kvcompile import Policy, cli
+    from kvcompile.serve import build_app
+
+    for policy, share, want in ((Policy.full(), True, True), (Policy.int8(), False, False),
+                                (Policy.kivi(4), True, False)):
+        app, manager, state = build_app(str(tiny_dir), policy, prefix_sharing=share)
+        try:
+            assert app.state.prefix_sharing is want, (policy, share)
+        finally:
+            state.shutdown()
+            manager.shutdown()
+    seen = {}
+    monkeypatch.setattr("kvcompile.serve.run", lambda *a, **kw: seen.update(kw))
+    assert cli.main(["serve", "--model", str(tiny_dir), "--no-prefix-sharing"]) == 0
+    assert seen["prefix_sharing"] is False
+    assert cli.main(["serve", "--model", str(tiny_dir)]) == 0 and seen["prefix_sharing"] is True

@@ -244,9 +244,9 @@ def test_a_request_cancelled_mid_stream_frees_its_blocks():
 
 
 def test_parallel_sampling_forks_rows(reference):
-    """num_return_sequences: transformers forks a request after its prefill; kvcompile shares the parent's
-    blocks with the children, and each child's writes copy the block it writes into. Sampling from one seed:
-    the same draws as transformers' own engine, so the same tokens, and children that differ."""
+    """num_return_sequences: transformers forks a request after its prefill, sharing its complete pages with
+    the children and copying the last one (kvcompile copies that block's contents in every layer). Sampling
+    from one seed: the same draws as transformers' own engine, so the same tokens, and children that differ."""
     ref, _, _ = reference
     gen = GenerationConfig(max_new_tokens=NEW, do_sample=True, eos_token_id=-1, pad_token_id=0,
                            num_return_sequences=3)
@@ -257,6 +257,106 @@ def test_parallel_sampling_forks_rows(reference):
         got = tokens(model.generate_batch(p, gen, continuous_batching_config=cb_config(seed=7), progress_bar=False))
     assert len(got) == 6 and got == want
     assert len({tuple(t) for t in got[:3]}) > 1  # the children of one prompt went their own ways
+
+
+def test_greedy_forks_copy_a_windowed_policys_pages_and_rows():
+    """A policy with a full-precision window shares no pages: transformers gives each child fresh pages and
+    lists them for copying; the child's row (window, length) is copied with them. Children sampled with
+    top_k=1 are their parent's greedy tokens: kvcompile's generate tokens, three times each."""
+    gen = GenerationConfig(max_new_tokens=NEW, do_sample=True, top_k=1, eos_token_id=-1, pad_token_id=0,
+                           num_return_sequences=3)
+    ps = prompts()[3:5]
+    model = applied(KIVI)
+    with torch.no_grad():
+        got = tokens(model.generate_batch(ps, gen, continuous_batching_config=cb_config(allow_block_sharing=False),
+                                          progress_bar=False))
+        want = [model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist() for p in ps]
+    assert got == [want[0]] * 3 + [want[1]] * 3
+
+
+# --------------------------------------------------------------------------- prefix sharing
+def shared_prefix_prompts():
+    """Four prompts that begin with the same 150 tokens (two whole 64-token pages and a part), and one that
+    does not."""
+    g = torch.Generator().manual_seed(11)
+    head = torch.randint(3, 64, (150,), generator=g).tolist()
+    tails = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (3, 20, 41, 90)]
+    return [head + t for t in tails] + [torch.randint(3, 64, (30,), generator=g).tolist()]
+
+
+def test_prompts_that_begin_alike_share_pages_with_transformers_own_tokens():
+    """Prefix sharing (transformers' default, allow_block_sharing=True) over kvcompile's pages: a request whose
+    prompt begins with pages an earlier request wrote starts with those pages instead of computing them.
+    Under Policy.full(): exactly transformers' own engine's tokens (which shares the same way); every page
+    is free or only cached at the end."""
+    ref = tiny()
+    cbc = cb_config(num_blocks=32)
+    with torch.no_grad():
+        want = tokens(ref.generate_batch(shared_prefix_prompts(), GEN, continuous_batching_config=cbc,
+                                         progress_bar=False))
+    model = applied(Policy.full())
+    got, cache, seen = run_manager(model, shared_prefix_prompts(), cb_config(num_blocks=32))
+    assert got == want
+    assert cache.use_prefix_sharing and cache.prefix_tokens >= 3 * 128  # three requests found two pages each
+    assert seen["free_after"] == cache.stores[0].blocks and seen["slots_after"] == {}
+    assert len(cache._allocator.ledger.cached_blocks) > 0  # the prompts' pages stay cached for later requests
+
+
+@pytest.mark.parametrize("policy", [Policy.int8(), "tok+rot:4"], ids=["int8", "tok+rot:4"])
+def test_a_quantized_policy_without_a_window_shares_pages(policy):
+    """Packed pages are shared as they are: each request gives kvcompile's own generate tokens for it."""
+    if isinstance(policy, str):
+        from kvcompile.evaluate import scheme_policy
+        policy = scheme_policy(*policy.split(":")[:1], int(policy.split(":")[1]))
+    model = applied(policy)
+    got, cache, _ = run_manager(model, shared_prefix_prompts(), cb_config(num_blocks=32))
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist()
+                for p in shared_prefix_prompts()]
+    assert cache.prefix_tokens >= 3 * 128
+    assert got == want
+
+
+def test_shared_pages_hold_more_requests_at_once(monkeypatch):
+    """Five pages for three requests of 150 shared tokens + 10 of their own + 12 new (three pages each, nine
+    in all): with prefix sharing the two shared pages are held once, so all three hold their whole prompts at
+    once; without it they take turns. The tokens are the same either way."""
+    held, orig = [], serving.cache_class()._plan_for
+
+    def plan_for(self, total):  # requests whose whole prompt is in the cache
+        held.append(sum(self.stores[0].lengths[s] >= 160 for s in self.slot_of.values()))
+        return orig(self, total)
+
+    monkeypatch.setattr(serving.cache_class(), "_plan_for", plan_for)
+    g = torch.Generator().manual_seed(12)
+    head = torch.randint(3, 64, (150,), generator=g).tolist()
+    ps = [head + torch.randint(3, 64, (10,), generator=g).tolist() for _ in range(3)]
+    results = {}
+    for share in (True, False):
+        model = applied(Policy.full())
+        specs = serving.layer_specs(model.config, model._kvcompile_serving, torch.float32)
+        serving.configure(model, max_requests=3,
+                          budget=3 * sum(s.row_nbytes() for s in specs) + 5 * sum(s.block_nbytes() + 12 for s in specs))
+        held.clear()
+        got, cache, _ = run_manager(model, ps, cb_config(allow_block_sharing=share))
+        assert cache.stores[0].blocks == 5
+        results[share] = got, max(held)
+    assert results[True][0] == results[False][0]
+    assert results[True][1] == 3 and results[False][1] < 3
+
+
+def test_a_windowed_policy_says_it_does_not_share_pages():
+    """KIVI keeps each request's recent keys in full precision outside its pages: transformers' default
+    prefix sharing is turned off with a warning that says why (none when the config already says so)."""
+    model = applied(KIVI)
+    with pytest.warns(UserWarning, match="prefix sharing .* is off"):
+        manager = model.init_continuous_batching(GEN, cb_config())
+    assert manager.continuous_batching_config.allow_block_sharing is False
+    import warnings
+    model = applied(KIVI)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.init_continuous_batching(GEN, cb_config(allow_block_sharing=False))
 
 
 # --------------------------------------------------------------------------- refusals
@@ -360,6 +460,57 @@ def test_fork_and_clear_rows_of_a_store():
     st.clear([0, 2])
     assert st.used_blocks == 0 and st.lengths == [0, 0, 0] and len(st.free) == st.blocks
 
+
+
+def test_a_store_whose_blocks_an_engine_owns():
+    """KVStore.engine_owns_blocks (transformers' pages are the pool's blocks): a row writes into the blocks it
+    is given, in any order, and reads what a store that owns its blocks reads; a prefix of whole blocks is
+    adopted with its length; copied blocks are copies; the store never takes a block (an append past the
+    row's table is a CapacityError) nor frees one."""
+    from kvcompile.store import CapacityError, KVStore, LayerSpec, dequantize_reference
+
+    spec = LayerSpec(Policy.int8(), 2, 8, block_tokens=16)
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g)
+    k2, v2 = torch.randn(3, 2, 8, 8, generator=g), torch.randn(3, 2, 8, 8, generator=g)
+
+    def alone(kk, vv):
+        own = KVStore(spec, 1)
+        own.append(kk, vv)
+        return [t[0] for t in dequantize_reference(own.state, spec)]
+
+    def row(st, b):
+        return [t[b] for t in dequantize_reference(st.state, spec)]
+
+    z = torch.zeros_like
+    st = KVStore(spec, 3, max_blocks=8, blocks=8)
+    st.engine_owns_blocks()
+    st.set_tables({0: [5, 2, 7]})
+    st.append(torch.cat([k, z(k), z(k)]), torch.cat([v, z(v), z(v)]), n_new=torch.tensor([40, 0, 0]))
+    assert all(torch.equal(a, b) for a, b in zip(row(st, 0), alone(k, v)))
+    # row 1 starts with row 0's two whole blocks (32 tokens), then writes its own 8 into a block of its own
+    st.set_tables({1: [5, 2, 3]})
+    st.set_length(1, 32)
+    st.append(k2, v2, n_new=torch.tensor([0, 8, 0]))
+    want = alone(torch.cat([k[:, :, :32], k2[1:2]], 2), torch.cat([v[:, :, :32], v2[1:2]], 2))
+    assert all(torch.equal(a, b) for a, b in zip(row(st, 1), want))
+    assert all(torch.equal(a, b) for a, b in zip(row(st, 0), alone(k, v)))  # row 0 untouched
+    # a fork: the last block copied, the others shared
+    st.copy_blocks([7], [4])
+    st.fork(0, 2)
+    st.set_tables({2: [5, 2, 4]})
+    assert all(torch.equal(a, b) for a, b in zip(row(st, 2), alone(k, v)))
+    free = list(st.free)
+    k3 = torch.randn(3, 2, 9, 8, generator=g)
+    with pytest.raises(CapacityError, match="serving engine"):  # 49 tokens need a fourth block
+        st.append(k3, k3, n_new=torch.tensor([9, 0, 0]))
+    st.clear([0, 1, 2])
+    assert st.free == free and st.lengths == [0, 0, 0]  # nothing freed: the engine frees its pages
+    with pytest.raises(RuntimeError, match="outside the blocks"):
+        w = KVStore(LayerSpec(KIVI, 2, 8, block_tokens=16), 1, max_blocks=4, blocks=4)
+        w.engine_owns_blocks()
+        w.set_tables({0: [0, 1]})
+        w.set_length(0, 32)
 
 def test_default_slots_leave_most_of_the_budget_to_the_pool():
     """By default at most 32 slots, and never so many that their full-precision rings (KIVI's residual window)

@@ -23,7 +23,7 @@ import kvcompile
 from kvcompile import KVCompileError, Policy, paged_ops, serving, standin
 from kvcompile.passes import paged
 from test_generate import tiny
-from test_serving import GEN, KIVI, KIVI2, cb_config, prompts, tokens
+from test_serving import GEN, KIVI, KIVI2, cb_config, prompts, shared_prefix_prompts, tokens
 
 torch.set_num_threads(1)
 
@@ -66,6 +66,24 @@ def test_quantized_compiled_gives_the_eager_kvcompile_path_tokens(own_tokens, po
     if policy is KIVI2:
         assert got != own_tokens
 
+
+
+def test_compiled_forwards_share_prompt_prefixes(monkeypatch):
+    """Prefix sharing under a compiled forward: the matched requests' rows start with the shared pages (the
+    traced update's read indices cover them; the rewritten ops read the row). transformers' own tokens."""
+    cls, found = serving.cache_class(), []
+    orig = cls.search_prefix_match
+
+    def search_prefix_match(self, request_id, prompt_ids):
+        found.append(orig(self, request_id, prompt_ids))
+        return found[-1]
+
+    monkeypatch.setattr(cls, "search_prefix_match", search_prefix_match)
+    ps = shared_prefix_prompts()
+    want = run(tiny(), cb_config(num_blocks=32), ps)
+    got = run(kvcompile.apply(tiny(), Policy.full()), compiled_cb(num_blocks=32), ps)
+    assert got == want
+    assert sum(found) >= 3 * 128
 
 def test_every_layer_is_rewritten_and_the_stand_ins_stay_tiny():
     """The pass's report: both layers' two writes, two reads and SDPA replaced; the page-pool views the graph
