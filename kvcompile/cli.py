@@ -433,7 +433,8 @@ def cmd_plan(args) -> int:
 
     if not args.serving:
         given = [o for o, v in (("--budget-mib", args.budget_mib), ("--max-requests", args.max_requests),
-                                ("--dtype", args.dtype), ("--page-size", args.page_size)) if v is not None]
+                                ("--dtype", args.dtype), ("--page-size", args.page_size),
+                                ("--shared-tokens", args.shared_tokens)) if v is not None]
         if given:
             raise UsageError(f"{' and '.join(given)} {'sizes' if len(given) == 1 else 'size'} the serving pool "
                              f"(kvcompile serve): add --serving")
@@ -549,10 +550,12 @@ def _plan_serving(args, shape) -> int:
     page = args.page_size if args.page_size is not None else P.PAGE_SIZE
     policies = {**P.default_serving_policies(), **{text: pol for text, pol in args.policy or ()}}
     try:
-        theirs, rows, left_out = P.plan_serving(shape, budget, args.context, policies, args.max_requests, page)
+        theirs, rows, left_out = P.plan_serving(shape, budget, args.context, policies, args.max_requests, page,
+                                                args.shared_tokens or 0)
     except P.PlanError as e:
         raise UsageError(f"{e} (--budget-mib {budget / 2**20:g}, --request-tokens {args.context}"
-                         + (f", --max-requests {args.max_requests})" if args.max_requests else ")")) from None
+                         + (f", --max-requests {args.max_requests}" if args.max_requests else "")
+                         + (f", --shared-tokens {args.shared_tokens})" if args.shared_tokens else ")")) from None
     print(P.format_serving_table(theirs, rows, shape, budget, args.context, args.max_requests, left_out))
     if args.json:
         try:
@@ -762,6 +765,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--page-size", type=_POSITIVE_INT, default=None,
                     help="with --serving: tokens per page of transformers' own paged cache (kvcompile's pages are "
                          "its blocks) (default: 256, transformers' default)")
+    pl.add_argument("--shared-tokens", type=_POSITIVE_INT, default=None,
+                    help="with --serving: every request begins with the same prompt of this many tokens (a system "
+                         "prompt), whose whole pages are held once where pages are shared (default: none)")
     pl.add_argument("--plot", default=None, help="write a PNG of sequences vs context here (default: none)")
     pl.add_argument("--json", default=None, help="write the table as JSON here (default: none)")
     pl.add_argument("--policy", nargs="+", type=_labelled_policy, default=None, metavar="POLICY",

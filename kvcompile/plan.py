@@ -319,6 +319,8 @@ class TransformersPool:
     pages: int
     pages_per_request: int
     nbytes: int  # its pages' bytes (its tensor also has two trash pages' worth of sectors)
+    request_tokens: int = 0
+    shared_tokens: int = 0  # a prompt prefix every request shares (its whole pages held once)
 
     @property
     def tokens(self) -> int:
@@ -326,7 +328,8 @@ class TransformersPool:
 
     @property
     def requests(self) -> int:
-        return self.pages // self.pages_per_request
+        from .serving import requests_held
+        return requests_held(self.pages, self.request_tokens, self.page_size, self.shared_tokens)
 
     def as_dict(self):
         return dict(self.__dict__, tokens=self.tokens, requests=self.requests)
@@ -344,6 +347,7 @@ class ServingRow:
     pages_per_request: int
     requests: int
     nbytes: int  # allocated: the slots' rows, the pool, the block tables
+    shared_tokens: int = 0  # the shared prompt prefix's tokens, where the policy shares pages (else 0)
 
     @property
     def tokens(self) -> int:
@@ -390,22 +394,33 @@ def _check_count(name: str, v, allow_none: bool = False) -> None:
 
 
 def transformers_pool(shape: ModelShape, budget: int, request_tokens: int,
-                      page_size: int = PAGE_SIZE) -> TransformersPool:
+                      page_size: int = PAGE_SIZE, shared_tokens: int = 0) -> TransformersPool:
     """transformers' own paged cache for ``budget`` bytes: its pages (``kvcompile.serving.transformers_pages``)
-    and the requests of ``request_tokens`` tokens they hold (``ceil(request_tokens / page_size)`` pages each)."""
+    and the requests of ``request_tokens`` tokens they hold (``ceil(request_tokens / page_size)`` pages each;
+    the whole pages of a ``shared_tokens`` prompt prefix once: ``kvcompile.serving.pages_held``)."""
     from .accounting import full_precision_bytes_per_token
     from .serving import pages_for, transformers_pages
 
     for name, v in (("budget", budget), ("request_tokens", request_tokens), ("page_size", page_size)):
         _check_count(name, v)
+    _check_shared(shared_tokens, request_tokens)
     dtype = _serving_shape(shape)
     bpt = full_precision_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, dtype)
     pages = transformers_pages(budget, page_size, bpt)
-    return TransformersPool(page_size, pages, pages_for(request_tokens, page_size), pages * page_size * bpt)
+    return TransformersPool(page_size, pages, pages_for(request_tokens, page_size), pages * page_size * bpt,
+                            request_tokens, shared_tokens)
+
+
+def _check_shared(shared_tokens: int, request_tokens: int) -> None:
+    from .serving import check_shared_tokens
+    try:
+        check_shared_tokens(shared_tokens, request_tokens)
+    except ValueError as e:
+        raise PlanError(str(e).removeprefix("kvcompile serving: ")) from None
 
 
 def serving_pool(label: str, policy: Policy, shape: ModelShape, budget: int, request_tokens: int,
-                 max_requests: int | None = None) -> ServingRow:
+                 max_requests: int | None = None, shared_tokens: int = 0) -> ServingRow:
     """kvcompile's serving pool for ``budget`` bytes under ``policy``: its slots (``max_requests``, as
     ``kvcompile serve --max-requests``; None: the most requests of ``request_tokens`` tokens the budget
     holds), pool blocks (= the pages transformers' scheduler hands out), tokens, and concurrent requests."""
@@ -415,13 +430,14 @@ def serving_pool(label: str, policy: Policy, shape: ModelShape, budget: int, req
     for name, v in (("budget", budget), ("request_tokens", request_tokens)):
         _check_count(name, v)
     _check_count("max_requests", max_requests, allow_none=True)
+    _check_shared(shared_tokens, request_tokens)
     if not isinstance(policy, Policy):
         raise PlanError(f"{label}: {policy!r} is not a kvcompile.Policy")
     dtype = _serving_shape(shape)
     names = [f"model.layers.{i}.self_attn" for i in range(shape.layers)]
     specs = specs_for(policy.resolve(names), shape.kv_heads, shape.head_dim, dtype)
     try:
-        size = size_pool(specs, budget, request_tokens, max_requests)
+        size = size_pool(specs, budget, request_tokens, max_requests, shared_tokens)
     except KVCompileError as e:
         raise PlanError(f"{label}: {str(e).removeprefix('kvcompile serving: ')}") from None
     if size.requests < 1:
@@ -430,19 +446,20 @@ def serving_pool(label: str, policy: Policy, shape: ModelShape, budget: int, req
                         f"{size.pages_per_request} one request of {request_tokens:,} tokens takes; raise the budget, "
                         f"lower max_requests or shorten the requests")
     return ServingRow(label, str(policy), size.block_tokens, size.slots, size.blocks, size.pages_per_request,
-                      size.requests, size.nbytes)
+                      size.requests, size.nbytes, size.shared_tokens)
 
 
 def plan_serving(shape: ModelShape, budget: int, request_tokens: int, policies: dict | None = None,
-                 max_requests: int | None = None, page_size: int = PAGE_SIZE):
+                 max_requests: int | None = None, page_size: int = PAGE_SIZE, shared_tokens: int = 0):
     """transformers' paged cache and kvcompile's serving pool under each policy, for one byte budget:
     ``(TransformersPool, rows, left_out)``; ``left_out``: ``(label, why)`` of the policies whose pool holds no
-    request (a ``PlanError`` when that is every policy)."""
-    theirs = transformers_pool(shape, budget, request_tokens, page_size)
+    request (a ``PlanError`` when that is every policy). ``shared_tokens``: every request begins with the
+    same prompt of that many tokens, whose whole pages are held once where pages are shared."""
+    theirs = transformers_pool(shape, budget, request_tokens, page_size, shared_tokens)
     rows, left_out = [], []
     for k, v in (policies or default_serving_policies()).items():
         try:
-            rows.append(serving_pool(k, v, shape, budget, request_tokens, max_requests))
+            rows.append(serving_pool(k, v, shape, budget, request_tokens, max_requests, shared_tokens))
         except PlanError as e:
             left_out.append((k, str(e).removeprefix(f"{k}: ")))
     if not rows:
@@ -467,6 +484,12 @@ def format_serving_table(theirs: TransformersPool, rows: list[ServingRow], shape
              f"transformers' PagedAttentionCache: {_n(theirs.pages, 'page')} of {theirs.page_size} tokens "
              f"({theirs.tokens:,} tokens), {_n(theirs.pages_per_request, 'page')} a request: "
              f"{_n(theirs.requests, 'request')}"]
+    if theirs.shared_tokens:
+        sharing = sorted({r.label for r in rows if r.shared_tokens})
+        lines.append(f"every request begins with the same {theirs.shared_tokens:,}-token prompt, whose whole pages are "
+                     f"held once (prefix sharing): by transformers, and by kvcompile under "
+                     + ("; ".join(sharing) if sharing else "none of these policies")
+                     + " (a policy with a full-precision window or sinks shares no pages)")
     w = max([len("policy")] + [len(r.label) for r in rows]) + 2
     lines.append(f"{'policy':<{w}}{'block':>6}{'slots':>7}{'blocks':>8}{'tokens':>10}{'requests':>10}"
                  f"{'x tokens':>10}{'x requests':>12}{'bytes allocated':>18}")
@@ -486,7 +509,8 @@ def format_serving_table(theirs: TransformersPool, rows: list[ServingRow], shape
 def serving_to_json(theirs: TransformersPool, rows: list[ServingRow], shape: ModelShape, budget: int,
                     request_tokens: int, max_requests: int | None = None, left_out=()) -> str:
     return json.dumps({"model": shape.__dict__, "budget_bytes": budget, "request_tokens": request_tokens,
-                       "max_requests": max_requests, "transformers": theirs.as_dict(),
+                       "max_requests": max_requests, "shared_tokens": theirs.shared_tokens,
+                       "transformers": theirs.as_dict(),
                        "left_out": [{"label": k, "why": v} for k, v in left_out],
                        "rows": [dict(r.as_dict(), token_ratio=r.tokens / theirs.tokens if theirs.tokens else None,
                                      request_ratio=r.requests / theirs.requests if theirs.requests else None)

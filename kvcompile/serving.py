@@ -137,6 +137,28 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+def pages_held(n: int, request_tokens: int, page_size: int, shared_tokens: int = 0) -> int:
+    """Pages ``n`` requests of ``request_tokens`` tokens hold at once when the first ``shared_tokens`` of
+    every one are the same prompt: each its ``pages_for`` pages, less the prefix's whole pages, which they
+    share (transformers' prefix sharing matches whole pages), held once."""
+    shared = shared_tokens // page_size
+    return n * (pages_for(request_tokens, page_size) - shared) + (shared if n else 0)
+
+
+def requests_held(pages: int, request_tokens: int, page_size: int, shared_tokens: int = 0) -> int:
+    """The most requests ``pages`` pages hold at once (``pages_held``)."""
+    need = pages_for(request_tokens, page_size)
+    if pages < need:
+        return 0
+    return 1 + (pages - need) // (need - shared_tokens // page_size)
+
+
+def check_shared_tokens(shared_tokens: int, request_tokens: int) -> None:
+    if not isinstance(shared_tokens, int) or isinstance(shared_tokens, bool) or not 0 <= shared_tokens < request_tokens:
+        raise ValueError(f"kvcompile serving: shared_tokens={shared_tokens!r}: expected a number of tokens from 0 to "
+                         f"request_tokens - 1 = {request_tokens - 1} (the prompt prefix every request shares)")
+
+
 def transformers_pages(budget: int, page_size: int, bytes_per_token: int) -> int:
     """Pages of ``page_size`` tokens a ``budget`` buys in transformers' own paged cache (what ``capacity`` and
     ``benchmarks/serve_load.py`` give it as ``num_blocks``): its tensor holds every layer's keys and values
@@ -170,15 +192,17 @@ def pool_blocks(specs: list[LayerSpec], budget: int, slots: int) -> int:
     return int(blocks)
 
 
-def most_slots(specs: list[LayerSpec], budget: int, request_tokens: int) -> int:
+def most_slots(specs: list[LayerSpec], budget: int, request_tokens: int, shared_tokens: int = 0) -> int:
     """The most slots whose requests of ``request_tokens`` tokens the budget holds all at once: each slot's
-    row, and ``pages_for(request_tokens)`` pool blocks (and their table columns) per slot. 0 if not one."""
-    need = pages_for(request_tokens, specs[0].block)
+    row, and the pool blocks (and their table columns) the requests hold (``pages_held``; ``shared_tokens``:
+    a prompt prefix they share). 0 if not one."""
+    block = specs[0].block
+    own = pages_for(request_tokens, block) - shared_tokens // block
 
     def fits(n):
-        return pool_nbytes(specs, n, n * need) <= budget
+        return pool_nbytes(specs, n, pages_held(n, request_tokens, block, shared_tokens)) <= budget
 
-    lo, hi = 0, budget // pool_nbytes(specs, 1, need) + 1  # fits(lo); not fits(hi): a slot costs at least that
+    lo, hi = 0, budget // pool_nbytes(specs, 1, own) + 1  # fits(lo); not fits(hi): a slot costs at least that
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -196,6 +220,7 @@ class PoolSize:
     block_tokens: int    # tokens per block = transformers' page_size
     request_tokens: int  # tokens per request, for ``requests``
     nbytes: int          # bytes allocated: rows, pool, tables (``pool_nbytes``)
+    shared_tokens: int = 0  # a prompt prefix every request shares (0 where the policy shares no pages)
 
     @property
     def tokens(self) -> int:
@@ -209,29 +234,34 @@ class PoolSize:
     @property
     def requests(self) -> int:
         """Concurrent requests of ``request_tokens`` tokens: limited by the slots and by the pages."""
-        return min(self.slots, self.blocks // self.pages_per_request)
+        return min(self.slots, requests_held(self.blocks, self.request_tokens, self.block_tokens, self.shared_tokens))
 
 
-def size_pool(specs: list[LayerSpec], budget: int, request_tokens: int, slots: int | None = None) -> PoolSize:
+def size_pool(specs: list[LayerSpec], budget: int, request_tokens: int, slots: int | None = None,
+              shared_tokens: int = 0) -> PoolSize:
     """The pool ``budget`` bytes buy with ``slots`` request rows; ``slots=None``: the most requests of
-    ``request_tokens`` tokens the budget holds (``most_slots``)."""
+    ``request_tokens`` tokens the budget holds (``most_slots``), their first ``shared_tokens`` tokens a
+    prompt prefix they share where the policy shares pages (``shares_pages``)."""
     for name, v in (("budget", budget), ("request_tokens", request_tokens), ("slots", slots)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"kvcompile serving: {name}={v!r}: expected a positive integer")
+    check_shared_tokens(shared_tokens, request_tokens)
+    shared_tokens = shared_tokens if shares_pages(specs) else 0
     if slots is None:
-        slots = most_slots(specs, budget, request_tokens)
+        slots = most_slots(specs, budget, request_tokens, shared_tokens)
         if slots < 1:
             one = pool_nbytes(specs, 1, pages_for(request_tokens, specs[0].block))
             raise KVCompileError(f"kvcompile serving: a budget of {budget:,} bytes holds no request of "
                                  f"{request_tokens:,} tokens (one takes {one:,} bytes: its slot and its pages); "
                                  f"raise the budget or shorten the requests")
     blocks = pool_blocks(specs, budget, slots)
-    return PoolSize(budget, slots, blocks, specs[0].block, request_tokens, pool_nbytes(specs, slots, blocks))
+    return PoolSize(budget, slots, blocks, specs[0].block, request_tokens, pool_nbytes(specs, slots, blocks),
+                    shared_tokens)
 
 
 def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = torch.bfloat16,
              request_tokens: int = 1024, page_size: int = 256, layer_names=None,
-             max_requests: int | None = None) -> dict:
+             max_requests: int | None = None, shared_tokens: int = 0) -> dict:
     """For one byte ``budget``: what kvcompile's serving cache and transformers' own paged cache hold, counted
     from the tensors each allocates (both are allocated here, on the CPU).
 
@@ -240,7 +270,9 @@ def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = tor
     - ``requests``: concurrent requests of ``request_tokens`` tokens each the budget holds: each takes
       ``ceil(request_tokens / page)`` pages (transformers' allocator, in both engines), and in kvcompile a
       slot, whose full-precision ring and sinks are part of the budget. ``max_requests``: the slots (as
-      ``configure``); None: sized to the requests (``size_pool``);
+      ``configure``); None: sized to the requests (``size_pool``). ``shared_tokens``: the first tokens of
+      every request are the same prompt, whose whole pages they share (``pages_held``) in transformers'
+      engine and, where the policy ``shares_pages``, in kvcompile's;
     - ``allocated``: bytes of the tensors allocated (kvcompile: pools, rings, sinks, lengths and block
       tables at full width; transformers: its tensor, with its two trash sectors; ``data``: without them).
     """
@@ -252,7 +284,7 @@ def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = tor
     layers, kv, _ = model_shape(model_config)
     names = layer_names or [f"model.layers.{i}.self_attn" for i in range(layers)]
     specs = layer_specs(model_config, ServingOptions(policy, names, kv), dtype)
-    size = size_pool(specs, budget, request_tokens, max_requests)
+    size = size_pool(specs, budget, request_tokens, max_requests, shared_tokens)
     stores = make_stores(specs, size.slots, size.blocks)
     blocks, slots = stores[0].state.k_codes.shape[0], stores[0].state.lengths.numel()  # as allocated
     ours = dict(allocated=sum(state_nbytes(st.state) for st in stores), budgeted=budget, blocks=blocks,
@@ -267,7 +299,7 @@ def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = tor
     data = theirs_cache.num_sectors * theirs_cache.bytes_per_sector  # without the two trash sectors
     pages = data // (page_size * fp)  # counted from the tensor: pages of page_size tokens it holds
     theirs = dict(allocated=theirs_cache.cache_tensor.numel(), data=data, blocks=pages, page_size=page_size,
-                  tokens=pages * page_size, requests=pages // pages_for(request_tokens, page_size))
+                  tokens=pages * page_size, requests=requests_held(pages, request_tokens, page_size, shared_tokens))
     del theirs_cache
     return dict(kvcompile=ours, transformers=theirs, token_ratio=ours["tokens"] / theirs["tokens"],
                 request_ratio=ours["requests"] / max(1, theirs["requests"]))

@@ -43,6 +43,26 @@ def test_plan_serving_prints_both_caches_and_writes_json(capsys, tmp_path):
     assert data["transformers"]["requests"] == 1 and r["request_ratio"] == r["requests"]
 
 
+def test_plan_serving_with_a_shared_system_prompt(capsys, tmp_path):
+    """--shared-tokens: the prompt prefix every request shares is held once where the policy shares pages (the
+    measured case of docs/results.md: 16 MiB, fp32 SmolLM2, ~580-token chats opening with the same 515 tokens:
+    tok+rot:4 held all 16 clients at once), and not at all under KIVI (its window is outside the pages)."""
+    js = tmp_path / "s.json"
+    args = ["plan", "--serving", "--budget-mib", "16", "--dtype", "float32", "--request-tokens", "580",
+            "--policy", "tok+rot:4", "--json", str(js)]
+    assert cli.main(args) == 0
+    alone = {r["label"]: r for r in json.loads(js.read_text())["rows"]}
+    assert cli.main(args + ["--shared-tokens", "515"]) == 0
+    out = capsys.readouterr().out
+    assert "every request begins with the same 515-token prompt" in out
+    data = json.loads(js.read_text())
+    shared = {r["label"]: r for r in data["rows"]}
+    assert data["shared_tokens"] == 515
+    assert shared["tok+rot:4"]["requests"] == 16 and alone["tok+rot:4"]["requests"] == 4
+    assert shared["tok+rot:4"]["shared_tokens"] == 515 and shared["KIVI 4-bit G32 R128"]["shared_tokens"] == 0
+    assert shared["KIVI 4-bit G32 R128"]["requests"] == alone["KIVI 4-bit G32 R128"]["requests"]
+
+
 def test_plan_serving_from_a_config_without_weights(capsys, tmp_path):
     """A given serving budget needs no weights' size: a bare config.json plans (in the dtype asked for)."""
     from transformers import LlamaConfig
@@ -166,6 +186,10 @@ BAD_INPUTS = {
     "plan_serving_plot": ("plan --serving --plot {tmp}/p.png", r"--plot draws .*with --serving, use --json"),
     "plan_serving_tp": ("plan --serving --tp 2", r"--tp 2: kvcompile serving does not support tensor parallelism"),
     "plan_serving_budget_zero": ("plan --serving --budget-mib 0", r"argument --budget-mib: '0' is not a positive"),
+    "plan_shared_without_serving": ("plan --shared-tokens 100", r"--shared-tokens sizes the serving pool .*add --serving"),
+    "plan_shared_not_below_request": ("plan --serving --request-tokens 512 --shared-tokens 512",
+                                      r"shared_tokens=512: expected a number of tokens from 0 to request_tokens - 1 = "
+                                      r"511 .*--shared-tokens 512\)"),
     "plan_available_and_gpu": ("plan --available-gb 45 --gpu-gb 40", r"so --gpu-gb would have no effect"),
     "plan_config_and_preset": ("plan --preset llama3-70b --config {tiny}", "--config and --preset both name the model"),
     # eval

@@ -142,17 +142,18 @@ def _small_config(layers=4):
                        num_attention_heads=3, num_key_value_heads=3, head_dim=64)
 
 
-def _check_planner_equals_allocation(cfg, policy, budget, tokens, dtype, max_requests=None, page_size=256):
+def _check_planner_equals_allocation(cfg, policy, budget, tokens, dtype, max_requests=None, page_size=256,
+                                     shared_tokens=0):
     import torch
     from kvcompile import serving
 
     shape = P.shape_from_config(cfg, weight_bytes=0)
     if dtype == torch.float32:
         shape = P.ModelShape(shape.name, shape.layers, shape.kv_heads, shape.head_dim, 0, dtype_bytes=4)
-    row = P.serving_pool("p", policy, shape, budget, tokens, max_requests)
-    theirs = P.transformers_pool(shape, budget, tokens, page_size)
+    row = P.serving_pool("p", policy, shape, budget, tokens, max_requests, shared_tokens)
+    theirs = P.transformers_pool(shape, budget, tokens, page_size, shared_tokens)
     got = serving.capacity(cfg, policy, budget, dtype, request_tokens=tokens, page_size=page_size,
-                           max_requests=max_requests)
+                           max_requests=max_requests, shared_tokens=shared_tokens)
     ours, tf = got["kvcompile"], got["transformers"]
     assert (row.slots, row.blocks, row.block_tokens, row.tokens, row.requests, row.nbytes) == (
         ours["slots"], ours["blocks"], ours["block_tokens"], ours["tokens"], ours["requests"], ours["allocated"])
@@ -199,6 +200,32 @@ def test_a_budget_of_exactly_n_requests(name):
     assert (theirs.pages, theirs.requests) == (4, 2)  # 300 tokens take 2 pages
     _, theirs = _check_planner_equals_allocation(cfg, policy, 2 * 2 * page - 1, tokens, torch.bfloat16)
     assert (theirs.pages, theirs.requests) == (3, 1)
+
+
+@pytest.mark.parametrize("name", ["int8", "kivi2", "tok+rot:4", "tok+rot+sink:4"])
+def test_a_shared_prompt_prefix_is_held_once(name):
+    """Requests of 300 tokens whose first 200 are the same prompt: its 3 whole 64-token pages are held once,
+    so N requests take 3 + 2N pages (N x 5 unshared) -- where the policy shares pages (no window, no sinks);
+    a policy with a window or sinks plans as unshared. transformers' 256-token pages: none of it is a whole
+    page. Planner == allocation, and the exact budget of N requests."""
+    import torch
+    from kvcompile.serving import shares_pages, specs_for
+
+    cfg, policy = _small_config(), _policy(SERVING_POLICIES[name])
+    specs = specs_for(policy.resolve([f"model.layers.{i}.self_attn" for i in range(4)]), 3, 64, "bfloat16")
+    share, n = shares_pages(specs), 6
+    assert share == (name in ("int8", "tok+rot:4"))
+    pages = 3 + 2 * n if share else 5 * n
+    exact = sum(n * s.row_nbytes() + pages * s.block_nbytes() + 4 * n * pages for s in specs)
+    row, _ = _check_planner_equals_allocation(cfg, policy, exact, 300, torch.bfloat16, shared_tokens=200)
+    assert (row.requests, row.slots, row.blocks, row.shared_tokens) == (n, n, pages, 200 if share else 0)
+    row, _ = _check_planner_equals_allocation(cfg, policy, exact - 1, 300, torch.bfloat16, shared_tokens=200)
+    assert row.requests == n - 1
+    page = 4 * 2 * 3 * 64 * 2 * 256
+    _, theirs = _check_planner_equals_allocation(cfg, policy, 5 * page, 700, torch.bfloat16, shared_tokens=600)
+    assert (theirs.pages, theirs.requests) == (5, 3)  # 700 tokens take 3 pages; the first 2 are shared
+    with pytest.raises(P.PlanError, match="shared_tokens=300"):
+        P.serving_pool("p", policy, P.shape_from_config(cfg, weight_bytes=0), exact, 300, None, 300)
 
 
 def test_serving_plan_refuses_what_it_cannot_plan():

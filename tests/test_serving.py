@@ -335,14 +335,18 @@ def test_shared_pages_hold_more_requests_at_once(monkeypatch):
     for share in (True, False):
         model = applied(Policy.full())
         specs = serving.layer_specs(model.config, model._kvcompile_serving, torch.float32)
-        serving.configure(model, max_requests=3,
-                          budget=3 * sum(s.row_nbytes() for s in specs) + 5 * sum(s.block_nbytes() + 12 for s in specs))
+        budget = 3 * sum(s.row_nbytes() for s in specs) + 5 * sum(s.block_nbytes() + 12 for s in specs)
+        serving.configure(model, max_requests=3, budget=budget)
         held.clear()
         got, cache, _ = run_manager(model, ps, cb_config(allow_block_sharing=share))
         assert cache.stores[0].blocks == 5
         results[share] = got, max(held)
     assert results[True][0] == results[False][0]
     assert results[True][1] == 3 and results[False][1] < 3
+    # what kvcompile plan --serving --shared-tokens predicts for these pages: 172 tokens, 150 shared
+    specs = serving.layer_specs(model.config, model._kvcompile_serving, torch.float32)
+    assert serving.requests_held(5, 172, 64, 150) == 3 and serving.requests_held(5, 172, 64) == 1
+    assert serving.size_pool(specs, budget, 172, 3, shared_tokens=150).requests == 3
 
 
 def test_a_windowed_policy_says_it_does_not_share_pages():
