@@ -294,8 +294,9 @@ def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = tor
     fp = full_precision_bytes_per_token(model_config, dtype)
     cbc = ContinuousBatchingConfig(num_blocks=transformers_pages(budget, page_size, fp), page_size=page_size,
                                    max_batch_tokens=256, max_blocks_per_request=0, max_memory_percent=1.0)
-    theirs_cache = _transformers().PagedAttentionCache(model_config, cbc, "cpu", DistributedHelper(None, None, {}),
-                                                       dtype)
+    with _SWAP:
+        theirs_cache = _transformers().PagedAttentionCache(model_config, cbc, "cpu", DistributedHelper(None, None, {}),
+                                                           dtype)
     data = theirs_cache.num_sectors * theirs_cache.bytes_per_sector  # without the two trash sectors
     pages = data // (page_size * fp)  # counted from the tensor: pages of page_size tokens it holds
     theirs = dict(allocated=theirs_cache.cache_tensor.numel(), data=data, blocks=pages, page_size=page_size,
@@ -356,6 +357,51 @@ def _gather(x: torch.Tensor, idx: torch.Tensor, rows: int, n: int) -> torch.Tens
     return x[0].index_select(1, idx).view(H, rows, n, D).transpose(0, 1).contiguous()
 
 
+def _memory_handler(compiled: bool):
+    """transformers' ``PagedAttentionMemoryHandler``, which checks the cache's footprint against the free memory,
+    for a cache whose pages are kvcompile's: the pages' bytes are in kvcompile's budget (transformers' tensor is
+    on the ``meta`` device), and the read back of the cache is no full-precision copy (the attention reads the
+    packed rows); what transformers still allocates is counted -- the per-batch-token inputs and activations,
+    the read indices, and, for a compiled forward (transformers' SDPA traced), its ragged attention mask
+    (``[max_batch_tokens, pages x page_size + max_batch_tokens]`` in the model dtype). Eager, the
+    ``kvcompile_paged`` attention takes no mask and transformers allocates none."""
+    base = _transformers().PagedAttentionMemoryHandler
+
+    class KVCompileMemoryHandler(base):
+        @property
+        def bytes_per_cache_sector(self) -> int:
+            return self.tokens_per_sector * self.io_multiplier * self.num_groups * 8  # read_index (int64)
+
+        @property
+        def fixed_overhead_bytes(self) -> int:
+            trash, self.trash_bytes = self.trash_bytes, 0  # the trash sectors are on the meta device too
+            try:
+                return super().fixed_overhead_bytes
+            finally:
+                self.trash_bytes = trash
+
+        def attention_mask_bytes(self, max_batch_tokens: int, num_sectors: int) -> int:
+            return super().attention_mask_bytes(max_batch_tokens, num_sectors) if compiled else 0
+
+    return KVCompileMemoryHandler
+
+
+_SWAP = threading.RLock()  # held while a transformers name is swapped (below), and while transformers' own
+                           # cache is built beside (``capacity``), so that it never sees a swapped name
+
+
+@contextlib.contextmanager
+def _swapped(module, name: str, value):
+    """``module.name`` is ``value`` for the block (transformers builds its cache's parts by module-level name)."""
+    with _SWAP:
+        orig = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            yield
+        finally:
+            setattr(module, name, orig)
+
+
 _base_update = None  # transformers' PagedAttentionCache.update, unwrapped (set with the class)
 WARMUP_PREFIX = "__warmup_"  # transformers' warmup request ids (continuous_batching.requests)
 
@@ -377,8 +423,22 @@ def _make_cache_class():
             if distributed_helper.tp_size > 1:
                 raise KVCompileError("kvcompile serving does not support tensor parallelism yet")
             # transformers' own tensor is only counted, never used: it lives on the meta device
-            super().__init__(config, continuous_batching_config, "meta", distributed_helper, dtype,
-                             model_supports_logits_to_keep)
+            try:
+                with _swapped(_transformers(), "PagedAttentionMemoryHandler", _memory_handler(compiled)):
+                    super().__init__(config, continuous_batching_config, "meta", distributed_helper, dtype,
+                                     model_supports_logits_to_keep)
+            except MemoryError as e:
+                cbc = continuous_batching_config
+                m = cbc.max_batch_tokens or _transformers().PagedAttentionMemoryHandler._default_max_batch_tokens
+                mask = m * (blocks * cbc.page_size + m)
+                raise KVCompileError(
+                    f"kvcompile serving: what transformers allocates beside kvcompile's cache does not fit in free "
+                    f"memory ({e}): "
+                    + (f"a compiled forward's attention mask takes max_batch_tokens x (pages x page_size + "
+                       f"max_batch_tokens) = {m} x ({blocks} x {cbc.page_size} + {m}) = {mask:,} elements; lower "
+                       f"max_batch_tokens in the ContinuousBatchingConfig, or the cache budget "
+                       f"(kvcompile.serving.configure(model, budget=...))" if compiled else
+                       f"lower max_batch_tokens in the ContinuousBatchingConfig (now {m})")) from e
             self.device = torch.device(device)
             if set(self.cache_allocators) != {_transformers().FULL_ATTENTION}:
                 raise KVCompileError("kvcompile serving supports full-attention layers only (this model has "
@@ -671,20 +731,10 @@ def _register_attention() -> None:
 
 
 # --------------------------------------------------------------------------- the manager
-_SWAP = threading.Lock()
-
-
-@contextlib.contextmanager
 def _cache_factory(factory):
     """transformers' manager builds ``PagedAttentionCache`` by name: for the one call that builds ours."""
     from transformers.generation.continuous_batching import continuous_api as api
-    with _SWAP:
-        orig = api.PagedAttentionCache
-        api.PagedAttentionCache = factory
-        try:
-            yield
-        finally:
-            api.PagedAttentionCache = orig
+    return _swapped(api, "PagedAttentionCache", factory)
 
 
 def compile_config(compiler: str | None = None, *, fullgraph: bool = False, dynamic: bool | None = None):

@@ -118,6 +118,20 @@ def test_the_manager_runs_on_kvcompiles_store_and_finished_requests_free_their_b
     assert cache.cache_tensor.device.type == "meta"
 
 
+def test_generate_batch_with_no_configuration(reference):
+    """The obvious call, ``model.generate_batch(prompts, generation_config)``: transformers' default continuous
+    batching config (no page count, its default token budget) over kvcompile's default budget. transformers'
+    memory check counts what it allocates itself (its full-precision pages are not allocated), so a small model
+    whose default budget buys many pages is not refused; the tokens are transformers' own (its engine's with a
+    given page count: its default would size its cache to most of this machine's free memory)."""
+    _, want, _ = reference
+    model = applied(Policy.full())
+    with torch.no_grad():
+        got = tokens(model.generate_batch(prompts(), GEN, progress_bar=False))
+        again = tokens(model.generate_batch(prompts(), GEN, progress_bar=False))
+    assert got == want and again == want
+
+
 # --------------------------------------------------------------------------- quantized policies
 @pytest.mark.parametrize("policy", [KIVI, KIVI2], ids=["kivi4", "kivi2"])
 def test_quantized_policy_gives_kvcompiles_own_generate_tokens(reference, policy):

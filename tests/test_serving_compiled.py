@@ -171,6 +171,21 @@ def test_compiled_forwards_with_another_backend_or_path_are_refused():
     model.init_continuous_batching(GEN, cb_config(varlen_compile_config=CompileConfig(backend="kvcompile")))
 
 
+def test_a_compiled_forward_whose_mask_does_not_fit_is_refused_with_what_to_lower():
+    """A compiled forward traces transformers' SDPA, whose ragged mask (max_batch_tokens x every page's tokens)
+    transformers allocates: with its default 8192 batch tokens over the default budget's million tokens of this
+    tiny model's pages it does not fit, and the error says what to lower. A smaller budget fits."""
+    model = kvcompile.apply(tiny(), Policy.full())
+    cbc = ContinuousBatchingConfig(varlen_compile_config=serving.compile_config("eager"))
+    with pytest.raises(KVCompileError, match=r"attention mask takes max_batch_tokens x .* = 8192 x .*lower "
+                                              r"max_batch_tokens"):
+        model.generate_batch(prompts()[:1], GEN, continuous_batching_config=cbc, progress_bar=False)
+    serving.configure(model, budget=2**20)
+    got = run(model, ContinuousBatchingConfig(varlen_compile_config=serving.compile_config("eager")),
+              prompts()[:2])
+    assert got == run(tiny(), cb_config(), prompts()[:2])
+
+
 def test_a_compiled_cache_refuses_an_eager_forward():
     """If the compiled forward ever ran without Dynamo (an eager fallback), transformers' SDPA would read the
     stand-ins: the cache's update refuses instead."""
