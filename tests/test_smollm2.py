@@ -76,6 +76,44 @@ def test_pipeline_and_text_streamer(smollm2):
     assert "Paris" in "".join(streamer)
 
 
+def test_continuous_batching_with_a_shared_system_prompt(smollm2):
+    """transformers' continuous batching on the real model, chats that open with the same system prompt (their
+    first pages shared, not computed again): under Policy.full() exactly transformers' own engine's tokens,
+    which shares its pages the same way."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    ref, model, tok = smollm2
+    system = ("You are a geography tutor. Answer in one short sentence, name the country, and never add "
+              "anything else. ") * 6
+    prompts = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
+                                       add_generation_prompt=True, return_dict=True)["input_ids"]
+               for q in ("What is the capital of France?", "What is the capital of Italy?",
+                         "What is the capital of Japan?")]
+    assert len(prompts[0]) > 128
+    gen = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-1, pad_token_id=tok.eos_token_id)
+    cbc = dict(num_blocks=64, max_batch_tokens=128)
+    with torch.no_grad():
+        want = ref.generate_batch(prompts, gen, continuous_batching_config=ContinuousBatchingConfig(**cbc),
+                                  progress_bar=False)
+        manager = model.init_continuous_batching(gen, ContinuousBatchingConfig(**cbc))
+        manager.start()
+        try:
+            ids = manager.add_requests(inputs=prompts, max_new_tokens=10)
+            got = {}
+            while len(got) < len(ids):
+                r = manager.get_result(timeout=120)
+                assert r is not None and r.error is None
+                if r.is_finished():
+                    got[r.request_id] = r.generated_tokens
+            reused = manager.batch_processor.cache.prefix_tokens
+        finally:
+            manager.stop(block=True, timeout=60)
+    assert [got[i] for i in ids] == [r.generated_tokens for r in want.values()]
+    assert reused >= 2 * 64  # the later chats read the system prompt's pages
+    assert "Paris" in tok.decode(got[ids[0]])
+
+
 def test_four_bit_kivi_still_answers():
     model, tok = models.load()
     kvcompile.apply(model, Policy.kivi(4, group=16, residual=4))  # a short window: the prompt is really packed
