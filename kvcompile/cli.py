@@ -442,9 +442,6 @@ def cmd_plan(args) -> int:
         raise UsageError("--plot draws sequences per GPU against the context; with --serving, use --json")
     elif args.budget_mib is not None and args.available_gb is not None:
         raise UsageError("--budget-mib and --available-gb both give the serving pool's bytes: pass one of them")
-    elif args.tp != 1:
-        raise UsageError(f"--tp {args.tp}: kvcompile serving does not support tensor parallelism yet; plan the serving "
-                         f"pool without --tp")
     if args.config and args.preset:
         raise UsageError("--config and --preset both name the model: pass one of them")
     if args.available_gb is not None:
@@ -743,7 +740,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--tp", type=_POSITIVE_INT, default=1,
                     help="GPUs the model is sharded over by tensor parallelism (torchrun, tp_plan='auto'): plan "
                          "one GPU, with its share of the KV heads and of the weights; --gpu-gb and --available-gb "
-                         "are per GPU (default: %(default)s)")
+                         "(with --serving, --budget-mib) are per GPU (default: %(default)s)")
     pl.add_argument("--context", "--request-tokens", dest="context", type=_POSITIVE_INT, default=8192,
                     help="tokens per sequence (with --serving: per request) (default: %(default)s)")
     pl.add_argument("--serving", action="store_true",

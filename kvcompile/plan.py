@@ -376,9 +376,8 @@ SERVING_SCHEMES = (("tok+rot+sym", 8), ("tok+rot", 4), ("tok+rot", 2))  # the se
 
 
 def _serving_shape(shape: ModelShape) -> str:
-    if shape.tp != 1:
-        raise PlanError(f"kvcompile serving does not support tensor parallelism yet ({shape.name} is planned over "
-                        f"{shape.tp} GPUs): plan the serving pool with tp=1")
+    """The model dtype's name, for a shape kvcompile serving takes (a sharded shape is one rank's: its KV heads,
+    and the budget is that rank's)."""
     if shape.windows:
         raise PlanError(f"kvcompile serving supports full-attention layers only, and {shape.name} has "
                         f"{len(shape.windows)} attending over a sliding or chunked window: plan its cache without "
@@ -478,9 +477,11 @@ def _ratio(a: int, b: int) -> str:
 def format_serving_table(theirs: TransformersPool, rows: list[ServingRow], shape: ModelShape, budget: int,
                          request_tokens: int, max_requests: int | None = None, left_out=()) -> str:
     dtype = _DTYPE_NAMES[shape.dtype_bytes]
-    lines = [f"{shape.name}: {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim}, {dtype} model; "
-             f"one budget of {budget:,} bytes ({budget / 2**20:,.1f} MiB) for the whole serving cache; "
-             f"requests of {request_tokens:,} tokens",
+    rank = (f" KV heads per GPU of {shape.tp} (tensor parallel: each GPU caches its heads of every request)"
+            if shape.tp > 1 else " KV heads")
+    lines = [f"{shape.name}: {shape.layers} layers x {shape.kv_heads}{rank} x {shape.head_dim}, {dtype} model; "
+             f"one budget of {budget:,} bytes ({budget / 2**20:,.1f} MiB) for the whole serving cache"
+             f"{' of each GPU' if shape.tp > 1 else ''}; requests of {request_tokens:,} tokens",
              f"transformers' PagedAttentionCache: {_n(theirs.pages, 'page')} of {theirs.page_size} tokens "
              f"({theirs.tokens:,} tokens), {_n(theirs.pages_per_request, 'page')} a request: "
              f"{_n(theirs.requests, 'request')}"]

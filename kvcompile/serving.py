@@ -54,8 +54,9 @@ compiled cache's update refuses to run outside Dynamo (an eager fallback would r
 What this is not yet. Refused with a message where the user asks for them: asynchronous batching, CUDA
 graphs, ``decode_compile_config`` (there is no block-table decode path: ``varlen_compile_config`` compiles
 every forward), compiling with another backend than kvcompile's, CPU offloading of evicted requests
-(evicted requests are re-prefilled instead), tensor parallelism, sliding-window layers, other attention
-implementations than SDPA. Not used: transformers' block-table decode fast path (kvcompile's attention
+(evicted requests are re-prefilled instead), sliding-window layers, other attention implementations than
+SDPA. Under tensor parallelism (a model ``kvcompile.apply`` found sharded) every rank runs the engine with
+the same requests; its stores hold the rank's KV heads and its budget is the rank's. Not used: transformers' block-table decode fast path (kvcompile's attention
 reads its own tables).
 """
 from __future__ import annotations
@@ -121,12 +122,14 @@ def layer_specs(model_config, opts: ServingOptions, dtype: torch.dtype) -> list[
     return specs_for(opts.policy.resolve(opts.layer_names), opts.kv_heads, head_dim, DTYPE_NAMES[dtype])
 
 
-def full_precision_bytes_per_token(model_config, dtype: torch.dtype) -> int:
-    """What transformers' paged cache allocates per token, every layer: keys and values in the model dtype."""
+def full_precision_bytes_per_token(model_config, dtype: torch.dtype, kv_heads: int | None = None) -> int:
+    """What transformers' paged cache allocates per token, every layer: keys and values in the model dtype;
+    ``kv_heads``: a rank's share under tensor parallelism (default: the model's)."""
     from .accounting import full_precision_bytes_per_token as fp_bytes
     from .hf import model_shape
 
-    return fp_bytes(*model_shape(model_config), dtype)
+    layers, heads, head_dim = model_shape(model_config)
+    return fp_bytes(layers, heads if kv_heads is None else kv_heads, head_dim, dtype)
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -357,6 +360,12 @@ def _gather(x: torch.Tensor, idx: torch.Tensor, rows: int, n: int) -> torch.Tens
     return x[0].index_select(1, idx).view(H, rows, n, D).transpose(0, 1).contiguous()
 
 
+class _OneRank:
+    """transformers' ``DistributedHelper`` as ``PagedAttentionCache.__init__`` reads it, for one rank."""
+
+    tp_size = 1
+
+
 def _memory_handler(compiled: bool):
     """transformers' ``PagedAttentionMemoryHandler``, which checks the cache's footprint against the free memory,
     for a cache whose pages are kvcompile's: the pages' bytes are in kvcompile's budget (transformers' tensor is
@@ -420,12 +429,13 @@ def _make_cache_class():
         def __init__(self, config, continuous_batching_config, device, distributed_helper, dtype=torch.float16,
                      model_supports_logits_to_keep=False, *, specs: list[LayerSpec], slots: int, blocks: int,
                      compiled: bool = False):
-            if distributed_helper.tp_size > 1:
-                raise KVCompileError("kvcompile serving does not support tensor parallelism yet")
             # transformers' own tensor is only counted, never used: it lives on the meta device
+            # transformers builds its page accounting for this rank alone: its heads are counted in kvcompile's
+            # specs (the rank's own), and its sizes come from the budget, the same on every rank (checked below;
+            # its own check all-reduces a tensor on the cache's device, which is meta here)
             try:
                 with _swapped(_transformers(), "PagedAttentionMemoryHandler", _memory_handler(compiled)):
-                    super().__init__(config, continuous_batching_config, "meta", distributed_helper, dtype,
+                    super().__init__(config, continuous_batching_config, "meta", _OneRank(), dtype,
                                      model_supports_logits_to_keep)
             except MemoryError as e:
                 cbc = continuous_batching_config
@@ -440,6 +450,15 @@ def _make_cache_class():
                        f"(kvcompile.serving.configure(model, budget=...))" if compiled else
                        f"lower max_batch_tokens in the ContinuousBatchingConfig (now {m})")) from e
             self.device = torch.device(device)
+            if distributed_helper.tp_size > 1:
+                sizes = torch.tensor([self.max_batch_tokens, self.num_sectors, blocks, slots], device=self.device)
+                agreed = sizes.clone()
+                distributed_helper.tp_all_reduce_min(agreed)
+                if not torch.equal(agreed, sizes):
+                    raise KVCompileError(
+                        f"kvcompile serving: the tensor-parallel ranks sized their caches differently (this rank: "
+                        f"{sizes.tolist()}, the least: {agreed.tolist()} as max_batch_tokens, sectors, blocks, "
+                        f"slots); give every rank the same budget and ContinuousBatchingConfig")
             if set(self.cache_allocators) != {_transformers().FULL_ATTENTION}:
                 raise KVCompileError("kvcompile serving supports full-attention layers only (this model has "
                                      f"{sorted(self.cache_allocators)})")
@@ -839,7 +858,8 @@ def _make_manager_class():
             self._specs = layer_specs(text, opts, model.dtype)
             budget = opts.budget
             if budget is None:
-                budget = (asked.num_blocks * asked.page_size * full_precision_bytes_per_token(text, model.dtype)
+                budget = (asked.num_blocks * asked.page_size  # the rank's heads, as transformers counts them
+                          * full_precision_bytes_per_token(text, model.dtype, opts.kv_heads)
                           if asked.num_blocks else DEFAULT_BUDGET)
             self._slots = opts.max_requests or default_slots(self._specs, budget)
             self.budget = budget
@@ -928,8 +948,6 @@ def install(model, policy: Policy, layer_names, kv_heads: int, sharded: bool = F
         return
 
     def init_continuous_batching(generation_config=None, continuous_batching_config=None, workload_hints=None):
-        if sharded:
-            raise KVCompileError("kvcompile serving does not support tensor-parallel models yet")
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         cls = manager_class()

@@ -63,6 +63,23 @@ def test_plan_serving_with_a_shared_system_prompt(capsys, tmp_path):
     assert shared["KIVI 4-bit G32 R128"]["requests"] == alone["KIVI 4-bit G32 R128"]["requests"]
 
 
+def test_plan_serving_per_gpu_under_tensor_parallelism(capsys, tmp_path):
+    """--serving --tp N: one GPU's pool, its share of the KV heads, the budget per GPU; a GPU of 3 holds the
+    requests one unsharded model's pool of a third of the heads holds (the same budget, a third of the bytes a
+    token)."""
+    js, one = tmp_path / "tp.json", tmp_path / "one.json"
+    assert cli.main(["plan", "--serving", "--tp", "3", "--budget-mib", "32", "--request-tokens", "1024",
+                     "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "1 KV heads per GPU of 3" in out and "for the whole serving cache of each GPU" in out
+    assert cli.main(["plan", "--serving", "--budget-mib", "96", "--request-tokens", "1024", "--json", str(one)]) == 0
+    tp, whole = json.loads(js.read_text()), json.loads(one.read_text())
+    assert tp["model"]["kv_heads"] == 1 and tp["model"]["tp"] == 3
+    for a, b in zip(tp["rows"], whole["rows"]):
+        assert a["label"] == b["label"] and a["block_tokens"] == b["block_tokens"]
+        assert abs(a["requests"] - b["requests"]) <= max(1, b["requests"] // 20), (a, b)  # the tables' bytes
+
+
 def test_plan_serving_from_a_config_without_weights(capsys, tmp_path):
     """A given serving budget needs no weights' size: a bare config.json plans (in the dtype asked for)."""
     from transformers import LlamaConfig
@@ -184,7 +201,8 @@ BAD_INPUTS = {
                                     r"does not hold one block after 100000 request slots .*lower max_requests"),
     "plan_serving_two_budgets": ("plan --serving --budget-mib 64 --available-gb 1", r"pass one of them"),
     "plan_serving_plot": ("plan --serving --plot {tmp}/p.png", r"--plot draws .*with --serving, use --json"),
-    "plan_serving_tp": ("plan --serving --tp 2", r"--tp 2: kvcompile serving does not support tensor parallelism"),
+    "plan_serving_tp_split": ("plan --serving --tp 2", r"--tp 2: tensor parallelism over 2 GPUs: SmolLM2-135M has 3 KV "
+                                                        r"heads, which 2 GPUs cannot split"),
     "plan_serving_budget_zero": ("plan --serving --budget-mib 0", r"argument --budget-mib: '0' is not a positive"),
     "plan_shared_without_serving": ("plan --shared-tokens 100", r"--shared-tokens sizes the serving pool .*add --serving"),
     "plan_shared_not_below_request": ("plan --serving --request-tokens 512 --shared-tokens 512",

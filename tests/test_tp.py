@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ from kvcompile.store import KVState, KVStore, LayerSpec, store_reference
 
 WORLD = 2
 JOB_TIMEOUT_S = 240  # the whole job; each collective gives up after tp_worker.TIMEOUT_S
-SCENARIOS = ["full", "quant_llama", "quant_qwen2", "user_mesh", "errors", "gqa"]
+SCENARIOS = ["full", "quant_llama", "quant_qwen2", "user_mesh", "errors", "gqa", "serving"]
 NAMES = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 
 
@@ -74,6 +75,13 @@ def references(models: str) -> dict:
                             "stores": W.stores(out.past_key_values)}
     finally:
         stop()
+    # continuous batching, unsharded: transformers' own paged cache, and kvcompile's under each policy
+    refs["cb_plain"] = W.continuous_batching(W.load(models, "llama"))[0]
+    for name, policy in (("int8", Policy.int8()), ("llama", W.policies()["llama"])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the windowed policy's "prefix sharing is off"
+            tokens, cache = W.continuous_batching(kvcompile.apply(W.load(models, "llama"), policy))
+        refs["cb_" + name] = {"tokens": tokens, "allocated": cache.allocated_nbytes, "heads": cache.specs[0].heads}
     return refs
 
 
@@ -112,6 +120,25 @@ def test_full_policy_gives_the_unsharded_models_tokens(job):
 def test_quantized_tokens_equal_the_unsharded_kvcompile_models(job, family):
     for r, got in enumerate(job.ranks(f"quant_{family}")):
         assert got["tokens"] == job.refs[family]["tokens"], r
+
+
+def test_continuous_batching_under_tensor_parallelism(job):
+    """transformers' continuous batching on every rank over kvcompile's pages of the rank's heads: under
+    Policy.full() exactly transformers' own engine's tokens (sharded and not); quantized, exactly kvcompile's
+    unsharded engine's (each head is coded as an unsharded store codes it); prompts that begin alike share
+    pages on every rank (not under the windowed policy); each rank's cache holds its one KV head, for half
+    the unsharded cache's bytes plus what every pool has per page and slot (lengths, block tables)."""
+    for r, got in enumerate(job.ranks("serving")):
+        assert got["plain"] == job.refs["cb_plain"], r  # transformers' own, sharded == unsharded (the premise)
+        assert got["full"]["tokens"] == job.refs["cb_plain"], r
+        for name in ("int8", "llama"):
+            assert got[name]["tokens"] == job.refs["cb_" + name]["tokens"], (r, name)
+            assert got[name]["heads"] == 1 and job.refs["cb_" + name]["heads"] == 2
+            assert got[name]["free"] == got[name]["blocks"]  # every page back (or only cached)
+        assert got["full"]["prefix_tokens"] >= 128 and got["int8"]["prefix_tokens"] >= 128, r
+        assert got["llama"]["prefix_tokens"] == 0, r
+        whole = job.refs["cb_int8"]["allocated"]
+        assert whole // 2 < got["int8"]["allocated"] < whole, r
 
 
 def test_a_model_sharded_by_the_user_with_parallelize_module(job):

@@ -205,8 +205,60 @@ def gqa(models, rank):
     return got
 
 
+def cb_prompts() -> list[list[int]]:
+    """Continuous batching's requests: mixed lengths, two that open with the same 130 tokens (two whole pages of
+    64, shared where the policy shares pages), and one longer than a forward's 64-token budget."""
+    head = [3 + (7 * i) % 60 for i in range(130)]
+    return [PROMPT, PROMPT[:5], head + [9, 13, 22], head + [40, 3, 11, 9, 13, 22, 7], head[:90]]
+
+
+def continuous_batching(model) -> tuple[list[list[int]], object]:
+    """transformers' manager API on ``model`` (every rank runs it; the scheduling is the same on each): the
+    tokens per request, in order, and the cache it ran on."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    gen = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    manager = model.init_continuous_batching(gen, ContinuousBatchingConfig(num_blocks=24, max_batch_tokens=64))
+    manager.start()
+    try:
+        ids = manager.add_requests(inputs=cb_prompts(), max_new_tokens=NEW)
+        done = {}
+        while len(done) < len(ids):
+            r = manager.get_result(timeout=TIMEOUT_S)
+            if r is None:
+                raise TimeoutError(f"no result within {TIMEOUT_S} s ({len(done)} of {len(ids)} done)")
+            if r.error is not None:
+                raise RuntimeError(r.error)
+            if r.is_finished():
+                done[r.request_id] = r.generated_tokens
+        cache = manager.batch_processor.cache
+    finally:
+        manager.stop(block=True, timeout=TIMEOUT_S)
+    return [done[i] for i in ids], cache
+
+
+def serving(models, rank):
+    """transformers' continuous batching under tensor parallelism: its own paged cache on the plain sharded
+    Llama, and kvcompile's pages under Policy.full(), int8 (prompts that begin alike share pages) and the
+    Llama's windowed policy (no sharing): tokens, each rank's store heads and bytes, the prompt tokens read
+    from shared pages."""
+    import warnings
+
+    import kvcompile
+    from kvcompile import Policy
+    got = {"plain": continuous_batching(load(models, "llama", tp_plan="auto"))[0]}
+    for name, policy in (("full", Policy.full()), ("int8", Policy.int8()), ("llama", policies()["llama"])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the windowed policy's "prefix sharing is off"
+            tokens, cache = continuous_batching(kvcompile.apply(load(models, "llama", tp_plan="auto"), policy))
+        got[name] = {"tokens": tokens, "heads": cache.specs[0].heads, "allocated": cache.allocated_nbytes,
+                     "prefix_tokens": cache.prefix_tokens, "free": cache.free_blocks_count,
+                     "blocks": cache.stores[0].blocks}
+    return got
+
+
 SCENARIOS = {"full": full, "quant_llama": quantized("llama"), "quant_qwen2": quantized("qwen2"),
-             "user_mesh": user_mesh, "errors": errors, "gqa": gqa}
+             "user_mesh": user_mesh, "errors": errors, "gqa": gqa, "serving": serving}
 
 
 def main(argv):
