@@ -500,8 +500,9 @@ def _make_cache_class():
 
             allocator = self.cache_allocators[_transformers().FULL_ATTENTION]
             for layer_idx, (kv, vv) in list(allocator._kv_token_views.items()):
-                k = standin.make_standin((1, *kv.shape[1:]), kv.dtype, self.device)
-                v = standin.make_standin((1, *vv.shape[1:]), vv.dtype, self.device)
+                heads = self.specs[layer_idx].heads  # the rank's (transformers' views count every head: _OneRank)
+                k = standin.make_standin((1, heads, kv.shape[2]), kv.dtype, self.device)
+                v = standin.make_standin((1, heads, vv.shape[2]), vv.dtype, self.device)
                 paged_ops.register(k, v, self, layer_idx)
                 allocator._kv_token_views[layer_idx] = (k, v)
             allocator._kv_page_views = {}  # no block-table decode path (max_blocks_per_request=0)

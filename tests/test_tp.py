@@ -127,10 +127,12 @@ def test_continuous_batching_under_tensor_parallelism(job):
     Policy.full() exactly transformers' own engine's tokens (sharded and not); quantized, exactly kvcompile's
     unsharded engine's (each head is coded as an unsharded store codes it); prompts that begin alike share
     pages on every rank (not under the windowed policy); each rank's cache holds its one KV head, for half
-    the unsharded cache's bytes plus what every pool has per page and slot (lengths, block tables)."""
+    the unsharded cache's bytes plus what every pool has per page and slot (lengths, block tables). A
+    compiled forward (kvcompile's backend on every rank) gives the eager tokens."""
     for r, got in enumerate(job.ranks("serving")):
         assert got["plain"] == job.refs["cb_plain"], r  # transformers' own, sharded == unsharded (the premise)
         assert got["full"]["tokens"] == job.refs["cb_plain"], r
+        assert got["int8_compiled"] == job.refs["cb_int8"]["tokens"], r  # the compiled forward on each rank
         for name in ("int8", "llama"):
             assert got[name]["tokens"] == job.refs["cb_" + name]["tokens"], (r, name)
             assert got[name]["heads"] == 1 and job.refs["cb_" + name]["heads"] == 2

@@ -212,13 +212,18 @@ def cb_prompts() -> list[list[int]]:
     return [PROMPT, PROMPT[:5], head + [9, 13, 22], head + [40, 3, 11, 9, 13, 22, 7], head[:90]]
 
 
-def continuous_batching(model) -> tuple[list[list[int]], object]:
+def continuous_batching(model, compiled: bool = False) -> tuple[list[list[int]], object]:
     """transformers' manager API on ``model`` (every rank runs it; the scheduling is the same on each): the
-    tokens per request, in order, and the cache it ran on."""
+    tokens per request, in order, and the cache it ran on. ``compiled``: its forward compiled through
+    kvcompile's backend."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from kvcompile import serving
     gen = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    manager = model.init_continuous_batching(gen, ContinuousBatchingConfig(num_blocks=24, max_batch_tokens=64))
+    cbc = ContinuousBatchingConfig(num_blocks=24, max_batch_tokens=64,
+                                   varlen_compile_config=serving.compile_config("eager") if compiled else None)
+    manager = model.init_continuous_batching(gen, cbc)
     manager.start()
     try:
         ids = manager.add_requests(inputs=cb_prompts(), max_new_tokens=NEW)
@@ -239,9 +244,9 @@ def continuous_batching(model) -> tuple[list[list[int]], object]:
 
 def serving(models, rank):
     """transformers' continuous batching under tensor parallelism: its own paged cache on the plain sharded
-    Llama, and kvcompile's pages under Policy.full(), int8 (prompts that begin alike share pages) and the
-    Llama's windowed policy (no sharing): tokens, each rank's store heads and bytes, the prompt tokens read
-    from shared pages."""
+    Llama, and kvcompile's pages under Policy.full(), int8 (prompts that begin alike share pages; also with the
+    forward compiled) and the Llama's windowed policy (no sharing): tokens, each rank's store heads and bytes,
+    the prompt tokens read from shared pages."""
     import warnings
 
     import kvcompile
@@ -254,6 +259,8 @@ def serving(models, rank):
         got[name] = {"tokens": tokens, "heads": cache.specs[0].heads, "allocated": cache.allocated_nbytes,
                      "prefix_tokens": cache.prefix_tokens, "free": cache.free_blocks_count,
                      "blocks": cache.stores[0].blocks}
+    got["int8_compiled"] = continuous_batching(kvcompile.apply(load(models, "llama", tp_plan="auto"), Policy.int8()),
+                                               compiled=True)[0]
     return got
 
 
