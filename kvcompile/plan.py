@@ -319,7 +319,7 @@ class TransformersPool:
     pages: int
     pages_per_request: int
     nbytes: int  # its pages' bytes (its tensor also has two trash pages' worth of sectors)
-    request_tokens: int = 0
+    request_tokens: int
     shared_tokens: int = 0  # a prompt prefix every request shares (its whole pages held once)
 
     @property

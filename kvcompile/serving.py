@@ -55,9 +55,10 @@ What this is not yet. Refused with a message where the user asks for them: async
 graphs, ``decode_compile_config`` (there is no block-table decode path: ``varlen_compile_config`` compiles
 every forward), compiling with another backend than kvcompile's, CPU offloading of evicted requests
 (evicted requests are re-prefilled instead), sliding-window layers, other attention implementations than
-SDPA. Under tensor parallelism (a model ``kvcompile.apply`` found sharded) every rank runs the engine with
-the same requests; its stores hold the rank's KV heads and its budget is the rank's. Not used: transformers' block-table decode fast path (kvcompile's attention
-reads its own tables).
+SDPA. Not used: transformers' block-table decode fast path (kvcompile's attention reads its own tables).
+
+Under tensor parallelism (a model ``kvcompile.apply`` found sharded) every rank runs the engine with the same
+requests and schedules them alike; its stores hold the rank's KV heads, and its budget is the rank's.
 """
 from __future__ import annotations
 
