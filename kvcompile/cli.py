@@ -817,7 +817,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--policy", type=_policy_arg, default=None,
                    help="SCHEME:BITS, e.g. kivi:4 (or kivi4; int8, fp8 and full as they are), or a policy "
                         "file. For the most requests per byte: "
-                        "tok+rot:4 (no full-precision window per request: 1.6x kivi+rot+sink:4's requests at "
+                        "tok+rot:4 (no full-precision window per request: 1.5x kivi+rot+sink:4's requests at "
                         "eleven times its loss delta, +0.012 nats/token on SmolLM2) or tok+rot+sym:8 "
                         "(kvcompile plan --serving compares them) (default: kivi+rot+sink:4, the best 4-bit "
                         "quality)")

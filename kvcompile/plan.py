@@ -319,7 +319,6 @@ class TransformersPool:
     pages: int
     pages_per_request: int
     nbytes: int  # its pages' bytes (its tensor also has two trash pages' worth of sectors)
-    request_tokens: int
     shared_tokens: int = 0  # a prompt prefix every request shares (its whole pages held once)
 
     @property
@@ -329,7 +328,7 @@ class TransformersPool:
     @property
     def requests(self) -> int:
         from .serving import requests_held
-        return requests_held(self.pages, self.request_tokens, self.page_size, self.shared_tokens)
+        return requests_held(self.pages, self.pages_per_request, self.shared_tokens // self.page_size)
 
     def as_dict(self):
         return dict(self.__dict__, tokens=self.tokens, requests=self.requests)
@@ -407,7 +406,7 @@ def transformers_pool(shape: ModelShape, budget: int, request_tokens: int,
     bpt = full_precision_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, dtype)
     pages = transformers_pages(budget, page_size, bpt)
     return TransformersPool(page_size, pages, pages_for(request_tokens, page_size), pages * page_size * bpt,
-                            request_tokens, shared_tokens)
+                            shared_tokens)
 
 
 def _check_shared(shared_tokens: int, request_tokens: int) -> None:

@@ -15,8 +15,9 @@ request states, its page accounting, its HTTP server -- with two things replaced
   lives on the ``meta`` device): page ``p`` is block ``p - first`` of every layer's ``KVStore`` pool, in
   kvcompile's packed format (``page_size`` = the store's block; ``KVStore.engine_owns_blocks``). Each
   request gets a row (a *slot*) of every layer's store while it holds pages, its table the request's pages;
-  finishing, cancelling or being evicted (soft reset) clears the row. A request of ``L`` tokens writes
-  ``blocks_for(L) <= ceil(L / page_size)`` of its pages, so whatever transformers admits fits.
+  finishing, cancelling or being evicted (soft reset) clears the row. A request of ``L`` tokens holds the
+  pages its store writes (``request_pages``: ``ceil(L / page_size)`` without a window or sinks, fewer with
+  them, whose tokens are in the slot); transformers' allocator is told that count.
 - prefix sharing and forks (transformers' ``allow_block_sharing``, on by default): a prompt that begins with
   the complete pages of an earlier prompt starts with those pages and their length in its row instead of
   computing them; a fork shares its parent's complete pages, and the pages transformers copies are copied
@@ -63,6 +64,7 @@ requests and schedules them alike; its stores hold the rank's KV heads, and its 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import warnings
 import weakref
@@ -134,27 +136,32 @@ def full_precision_bytes_per_token(model_config, dtype: torch.dtype, kv_heads: i
 
 
 def pages_for(tokens: int, page_size: int) -> int:
-    """Pages transformers' allocator hands a request of ``tokens`` tokens: ``ceil(tokens / page_size)``. Its
-    scheduler admits requests on this count, so it is what a request of kvcompile's pool takes too (page =
-    block), although the store holds only ``blocks_for(tokens)`` of them (the rest of its tokens are in its
-    slot's ring and sinks)."""
+    """Pages transformers' allocator hands a request of ``tokens`` tokens in its own cache:
+    ``ceil(tokens / page_size)`` (in kvcompile's: ``request_pages``)."""
     return -(-tokens // page_size)
 
 
-def pages_held(n: int, request_tokens: int, page_size: int, shared_tokens: int = 0) -> int:
-    """Pages ``n`` requests of ``request_tokens`` tokens hold at once when the first ``shared_tokens`` of
-    every one are the same prompt: each its ``pages_for`` pages, less the prefix's whole pages, which they
-    share (transformers' prefix sharing matches whole pages), held once."""
-    shared = shared_tokens // page_size
-    return n * (pages_for(request_tokens, page_size) - shared) + (shared if n else 0)
+def request_pages(specs: list[LayerSpec], tokens: int) -> int:
+    """Pages a request of ``tokens`` tokens holds in kvcompile's pool: the blocks its store writes (the most any
+    layer writes). The tokens of a full-precision window and the sinks are in the request's slot, not in pages,
+    so a windowed policy's request holds fewer than ``pages_for(tokens, block)``; transformers' allocator is
+    told this count (``PagedKVCompileCache``). Without a window or sinks it is ``pages_for``."""
+    return max(s.blocks_for(tokens) for s in specs)
 
 
-def requests_held(pages: int, request_tokens: int, page_size: int, shared_tokens: int = 0) -> int:
-    """The most requests ``pages`` pages hold at once (``pages_held``)."""
-    need = pages_for(request_tokens, page_size)
+def pages_held(n: int, need: int, shared: int = 0) -> int:
+    """Pages ``n`` requests of ``need`` pages each hold at once when the first ``shared`` of every one's pages
+    are the same prompt's (transformers' prefix sharing matches whole pages): those are held once."""
+    return n * (need - shared) + (shared if n else 0)
+
+
+def requests_held(pages: int, need: int, shared: int = 0) -> int:
+    """The most requests of ``need`` pages (``shared`` of them shared) ``pages`` pages hold at once
+    (``pages_held``); ``sys.maxsize`` when a request needs no page of its own (all its tokens in its slot)."""
     if pages < need:
         return 0
-    return 1 + (pages - need) // (need - shared_tokens // page_size)
+    own = need - shared
+    return 1 + (pages - need) // own if own else sys.maxsize
 
 
 def check_shared_tokens(shared_tokens: int, request_tokens: int) -> None:
@@ -200,11 +207,11 @@ def most_slots(specs: list[LayerSpec], budget: int, request_tokens: int, shared_
     """The most slots whose requests of ``request_tokens`` tokens the budget holds all at once: each slot's
     row, and the pool blocks (and their table columns) the requests hold (``pages_held``; ``shared_tokens``:
     a prompt prefix they share). 0 if not one."""
-    block = specs[0].block
-    own = pages_for(request_tokens, block) - shared_tokens // block
+    need, shared = request_pages(specs, request_tokens), shared_tokens // specs[0].block
+    own = need - shared
 
     def fits(n):
-        return pool_nbytes(specs, n, pages_held(n, request_tokens, block, shared_tokens)) <= budget
+        return pool_nbytes(specs, n, pages_held(n, need, shared)) <= budget
 
     lo, hi = 0, budget // pool_nbytes(specs, 1, own) + 1  # fits(lo); not fits(hi): a slot costs at least that
     while hi - lo > 1:
@@ -224,6 +231,7 @@ class PoolSize:
     block_tokens: int    # tokens per block = transformers' page_size
     request_tokens: int  # tokens per request, for ``requests``
     nbytes: int          # bytes allocated: rows, pool, tables (``pool_nbytes``)
+    pages_per_request: int  # ``request_pages``
     shared_tokens: int = 0  # a prompt prefix every request shares (0 where the policy shares no pages)
 
     @property
@@ -232,13 +240,10 @@ class PoolSize:
         return self.blocks * self.block_tokens
 
     @property
-    def pages_per_request(self) -> int:
-        return pages_for(self.request_tokens, self.block_tokens)
-
-    @property
     def requests(self) -> int:
         """Concurrent requests of ``request_tokens`` tokens: limited by the slots and by the pages."""
-        return min(self.slots, requests_held(self.blocks, self.request_tokens, self.block_tokens, self.shared_tokens))
+        return min(self.slots, requests_held(self.blocks, self.pages_per_request,
+                                             self.shared_tokens // self.block_tokens))
 
 
 def size_pool(specs: list[LayerSpec], budget: int, request_tokens: int, slots: int | None = None,
@@ -254,13 +259,13 @@ def size_pool(specs: list[LayerSpec], budget: int, request_tokens: int, slots: i
     if slots is None:
         slots = most_slots(specs, budget, request_tokens, shared_tokens)
         if slots < 1:
-            one = pool_nbytes(specs, 1, pages_for(request_tokens, specs[0].block))
+            one = pool_nbytes(specs, 1, request_pages(specs, request_tokens))
             raise KVCompileError(f"kvcompile serving: a budget of {budget:,} bytes holds no request of "
                                  f"{request_tokens:,} tokens (one takes {one:,} bytes: its slot and its pages); "
                                  f"raise the budget or shorten the requests")
     blocks = pool_blocks(specs, budget, slots)
     return PoolSize(budget, slots, blocks, specs[0].block, request_tokens, pool_nbytes(specs, slots, blocks),
-                    shared_tokens)
+                    request_pages(specs, request_tokens), shared_tokens)
 
 
 def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = torch.bfloat16,
@@ -272,8 +277,8 @@ def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = tor
     - ``tokens``: the pages each engine's scheduler may hand out, in tokens (kvcompile: pool blocks x block,
       with ``slots`` rows paid for first; transformers: its pages x ``page_size``);
     - ``requests``: concurrent requests of ``request_tokens`` tokens each the budget holds: each takes
-      ``ceil(request_tokens / page)`` pages (transformers' allocator, in both engines), and in kvcompile a
-      slot, whose full-precision ring and sinks are part of the budget. ``max_requests``: the slots (as
+      ``ceil(request_tokens / page)`` pages in transformers' cache; in kvcompile's the pages its store
+      writes (``request_pages``) and a slot, whose full-precision ring and sinks are part of the budget. ``max_requests``: the slots (as
       ``configure``); None: sized to the requests (``size_pool``). ``shared_tokens``: the first tokens of
       every request are the same prompt, whose whole pages they share (``pages_held``) in transformers'
       engine and, where the policy ``shares_pages``, in kvcompile's;
@@ -304,7 +309,8 @@ def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = tor
     data = theirs_cache.num_sectors * theirs_cache.bytes_per_sector  # without the two trash sectors
     pages = data // (page_size * fp)  # counted from the tensor: pages of page_size tokens it holds
     theirs = dict(allocated=theirs_cache.cache_tensor.numel(), data=data, blocks=pages, page_size=page_size,
-                  tokens=pages * page_size, requests=requests_held(pages, request_tokens, page_size, shared_tokens))
+                  tokens=pages * page_size,
+                  requests=requests_held(pages, pages_for(request_tokens, page_size), shared_tokens // page_size))
     del theirs_cache
     return dict(kvcompile=ours, transformers=theirs, token_ratio=ours["tokens"] / theirs["tokens"],
                 request_ratio=ours["requests"] / max(1, theirs["requests"]))
@@ -474,6 +480,12 @@ def _make_cache_class():
             # of every layer's pool (its page ids start after the pool's reserved sectors)
             self._allocator = allocator
             self._first_page = self.pool.num_reserved_sectors * allocator.blocks_per_sector
+            # a request holds the pages its store writes (request_pages): transformers' allocator counts them
+            # so, and its scheduler's budget of tokens read per forward (the pages' tokens in its own cache)
+            # counts the slots' windows and sinks too
+            allocator._compute_blocks_needed = lambda allocated, past, query: max(
+                0, request_pages(specs, past + query) - allocated)
+            self.max_tokens_read = blocks * allocator.tokens_per_page + slots * max(s.ring + s.sink for s in specs)
             self.prefix_tokens = 0  # prompt tokens found in shared pages (not computed again)
             for st in self.stores:
                 st.engine_owns_blocks()
@@ -618,11 +630,14 @@ def _make_cache_class():
         # ---- the batch
         def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index):
             # Record the batch: kvcompile's attention reads each request's row of the store. Eager: no indices.
-            # Compiled: transformers' own indices too, which the traced graph takes (the ops ignore their values)
+            # Compiled: indices of transformers' lengths, which the traced graph takes (the rewritten ops ignore
+            # their values; transformers' own would point into pages a windowed request does not hold)
             self._pending.append((request_id, past_length, query_length))
             if self.compiled:
-                super().extend_read_and_write_indices(request_id, past_length, query_length, read_index,
-                                                      write_index)
+                for w in write_index:
+                    w.extend([0] * query_length)
+                for r in read_index or ():
+                    r.extend([0] * (past_length + query_length))
 
         def fill_block_table(self, *a, **k):
             raise KVCompileError("kvcompile serving has no block-table decode path (max_blocks_per_request=0)")

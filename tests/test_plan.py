@@ -180,7 +180,8 @@ def test_serving_plan_equals_the_allocated_pool(name):
 @pytest.mark.parametrize("name", ["int8", "kivi2", "tok+rot:4", "tok+rot+sink:4"])
 def test_a_budget_of_exactly_n_requests(name):
     """The budget that holds exactly N requests, from the store's layout (each request: its slot's ring, sinks
-    and length, ceil(T / block) blocks, and their table columns in every slot's row of the full-width table):
+    and length, the blocks its store writes -- ceil(T / block) without a window or sinks, fewer with: those
+    tokens are in the slot -- and their table columns in every slot's row of the full-width table):
     the planner and the allocation hold N there, allocating every byte, and N - 1 one byte below. The same for
     transformers' pages."""
     import torch
@@ -189,7 +190,9 @@ def test_a_budget_of_exactly_n_requests(name):
     cfg, policy = _small_config(), _policy(SERVING_POLICIES[name])
     tokens, n = 300, 5
     specs = specs_for(policy.resolve([f"model.layers.{i}.self_attn" for i in range(4)]), 3, 64, "bfloat16")
-    pages = -(-tokens // specs[0].block)
+    sp = specs[0]
+    pages = -(-(sp.boundary(tokens) - sp.sink) // sp.block)  # the packed tokens' blocks
+    assert pages == {"kivi2": 3}.get(name, 5)  # KIVI: 300 tokens, 128 + 12 of them in the window
     exact = sum(n * s.row_nbytes() + n * pages * s.block_nbytes() + 4 * n * (n * pages) for s in specs)
     row, _ = _check_planner_equals_allocation(cfg, policy, exact, tokens, torch.bfloat16)
     assert (row.requests, row.slots, row.blocks, row.nbytes) == (n, n, n * pages, exact)
@@ -215,7 +218,7 @@ def test_a_shared_prompt_prefix_is_held_once(name):
     specs = specs_for(policy.resolve([f"model.layers.{i}.self_attn" for i in range(4)]), 3, 64, "bfloat16")
     share, n = shares_pages(specs), 6
     assert share == (name in ("int8", "tok+rot:4"))
-    pages = 3 + 2 * n if share else 5 * n
+    pages = 3 + 2 * n if share else {"kivi2": 3}.get(name, 5) * n  # KIVI: 300 tokens in 3 blocks and its window
     exact = sum(n * s.row_nbytes() + pages * s.block_nbytes() + 4 * n * pages for s in specs)
     row, _ = _check_planner_equals_allocation(cfg, policy, exact, 300, torch.bfloat16, shared_tokens=200)
     assert (row.requests, row.slots, row.blocks, row.shared_tokens) == (n, n, pages, 200 if share else 0)

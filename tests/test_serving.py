@@ -359,7 +359,7 @@ def test_shared_pages_hold_more_requests_at_once(monkeypatch):
     assert results[True][1] == 3 and results[False][1] < 3
     # what kvcompile plan --serving --shared-tokens predicts for these pages: 172 tokens, 150 shared
     specs = serving.layer_specs(model.config, model._kvcompile_serving, torch.float32)
-    assert serving.requests_held(5, 172, 64, 150) == 3 and serving.requests_held(5, 172, 64) == 1
+    assert serving.requests_held(5, 3, 2) == 3 and serving.requests_held(5, 3) == 1
     assert serving.size_pool(specs, budget, 172, 3, shared_tokens=150).requests == 3
 
 
@@ -446,7 +446,11 @@ def test_one_byte_budget_holds_more_tokens_than_transformers_own_cache(name):
     fp_token = 30 * 2 * 3 * 64 * 2
     assert theirs["data"] == theirs["tokens"] * fp_token <= budget
     assert theirs["requests"] == theirs["blocks"] // 4  # 1,024 tokens: four 256-token pages
-    assert ours["requests"] == min(ours["slots"], ours["blocks"] // (1024 // specs[0].block))
+    # a request holds the blocks its store writes: 1,024 tokens less its full-precision window and sinks
+    need = serving.request_pages(specs, 1024)
+    assert need == (1024 // specs[0].block if not (specs[0].ring or specs[0].sink) else
+                    -(-(specs[0].boundary(1024) - specs[0].sink) // specs[0].block))
+    assert ours["requests"] == min(ours["slots"], ours["blocks"] // need)
     bar = BARS.get(name, 1.0)
     assert r["token_ratio"] >= bar and r["request_ratio"] >= bar, (r["token_ratio"], r["request_ratio"])
 
