@@ -9,8 +9,9 @@ For each policy ``kvcompile.serving.capacity`` allocates both caches on the CPU 
 weights: a config of the model's shape) and counts: kvcompile's pool blocks x block tokens and its slots
 (sized to the most requests of ``--request-tokens`` tokens the budget holds; each slot's full-precision ring
 and sinks are paid out of the budget), transformers' pages x page size; a request takes ``ceil(tokens /
-page)`` pages in transformers' cache and the pages its store writes in kvcompile's (``request_pages``). Each row is also checked against ``kvcompile plan --serving``'s prediction from the
-layout formulas (``kvcompile.plan.serving_pool``): the script fails if they differ.
+page)`` pages in transformers' cache and the pages its store writes in kvcompile's (``request_pages``).
+Each row is also checked against ``kvcompile plan --serving``'s prediction from the layout formulas
+(``kvcompile.plan.serving_pool``): the script fails if they differ.
 """
 from __future__ import annotations
 

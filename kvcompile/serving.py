@@ -278,10 +278,10 @@ def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = tor
       with ``slots`` rows paid for first; transformers: its pages x ``page_size``);
     - ``requests``: concurrent requests of ``request_tokens`` tokens each the budget holds: each takes
       ``ceil(request_tokens / page)`` pages in transformers' cache; in kvcompile's the pages its store
-      writes (``request_pages``) and a slot, whose full-precision ring and sinks are part of the budget. ``max_requests``: the slots (as
-      ``configure``); None: sized to the requests (``size_pool``). ``shared_tokens``: the first tokens of
-      every request are the same prompt, whose whole pages they share (``pages_held``) in transformers'
-      engine and, where the policy ``shares_pages``, in kvcompile's;
+      writes (``request_pages``) and a slot, whose full-precision ring and sinks are part of the budget.
+      ``max_requests``: the slots (as ``configure``); None: sized to the requests (``size_pool``).
+      ``shared_tokens``: the first tokens of every request are the same prompt, whose whole pages they
+      share (``pages_held``) in transformers' engine and, where the policy ``shares_pages``, in kvcompile's;
     - ``allocated``: bytes of the tensors allocated (kvcompile: pools, rings, sinks, lengths and block
       tables at full width; transformers: its tensor, with its two trash sectors; ``data``: without them).
     """
