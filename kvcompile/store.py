@@ -526,6 +526,13 @@ class KVStore:
         self.refs[blk] = 1
         return blk
 
+    def _share(self, blocks: Sequence[int]) -> None:
+        """One more sequence holds each of ``blocks`` (a fork, a reorder); an engine that owns them counts."""
+        if self.engine_blocks:
+            return
+        for blk in blocks:
+            self.refs[blk] += 1
+
     def _release(self, blk: int) -> None:
         if self.engine_blocks:
             return
@@ -588,8 +595,8 @@ class KVStore:
         self.state.lengths[b] = length
 
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Block ``dst[i]`` becomes a copy of block ``src[i]`` (an engine forking a sequence copies the blocks it
-        does not share)."""
+        """Block ``dst[i]`` becomes a copy of block ``src[i]`` (copy on write; an engine forking a sequence copies
+        the blocks it does not share)."""
         if len(src) != len(dst):
             raise ValueError(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
         if not src:
@@ -642,16 +649,16 @@ class KVStore:
         if not plans:
             return
         self._grow(need)
+        olds, news = [], []  # copy on write, all at once: every source is read before any block is written
         for b, shared, extra in plans:
             tbl = self.tables[b]
-            for j in shared:  # copy on write
-                old, new = tbl[j], self._take()
-                for t in self.state[:6]:
-                    if t.numel():
-                        t[new] = t[old]
-                self._release(old)
-                tbl[j] = new
+            for j in shared:
+                olds.append(tbl[j])
+                news.append(self._take())
+                self._release(tbl[j])
+                tbl[j] = news[-1]
             tbl.extend(self._take() for _ in range(extra))
+        self.copy_blocks(olds, news)
         self._sync_rows([b for b, *_ in plans])
 
     def append(self, k: Tensor, v: Tensor, n_new: Tensor | None = None, kernel=None) -> None:
@@ -732,9 +739,8 @@ class KVStore:
             raise IndexError(f"select: index {idx.tolist()} outside the store's {self.batch} sequences")
         ix = idx.tolist()
         tables = [list(self.tables[i]) for i in ix]
-        for t in tables if not self.engine_blocks else ():
-            for blk in t:
-                self.refs[blk] += 1
+        for t in tables:
+            self._share(t)
         for t in self.tables:
             for blk in t:
                 self._release(blk)
@@ -780,9 +786,7 @@ class KVStore:
         ``dst`` held is released first."""
         self.clear([dst])
         self.tables[dst] = list(self.tables[src])
-        if not self.engine_blocks:
-            for blk in self.tables[dst]:
-                self.refs[blk] += 1
+        self._share(self.tables[dst])
         self.lengths[dst] = self.lengths[src]
         self.rope_offset[dst], self._rope_offset_t = self.rope_offset[src], None
         for t in self.state[6:11]:
