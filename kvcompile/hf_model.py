@@ -264,7 +264,7 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
         guard = tp.Guard(shard, cache_kw, f"{type(model).__name__}.forward under kvcompile")
         orig_forward, compiled, forward = guard.run(orig_forward), guard.run(compiled), guard.call(forward)
     model.forward = forward
-    serving.install(model, policy, names, heads, sharded=shard is not None)  # generate_batch, transformers serve
+    serving.install(model, policy, names, heads)  # generate_batch, transformers serve (heads: the rank's)
     model._prepare_cache_for_generation = prepare_cache_for_generation
     # generate must not compile the forward again (it is compiled already, by kvcompile)
     model._valid_auto_compile_criteria = lambda *a, **k: False

@@ -373,31 +373,32 @@ class _OneRank:
     tp_size = 1
 
 
-def _memory_handler(compiled: bool):
+def _memory_handler(compiled: bool, window_tokens: int):
     """transformers' ``PagedAttentionMemoryHandler``, which checks the cache's footprint against the free memory,
     for a cache whose pages are kvcompile's: the pages' bytes are in kvcompile's budget (transformers' tensor is
     on the ``meta`` device), and the read back of the cache is no full-precision copy (the attention reads the
     packed rows); what transformers still allocates is counted -- the per-batch-token inputs and activations,
     the read indices, and, for a compiled forward (transformers' SDPA traced), its ragged attention mask
-    (``[max_batch_tokens, pages x page_size + max_batch_tokens]`` in the model dtype). Eager, the
-    ``kvcompile_paged`` attention takes no mask and transformers allocates none."""
+    (``[max_batch_tokens, max_tokens_read + max_batch_tokens]`` in the model dtype, ``max_tokens_read`` the
+    pages' tokens and the slots' ``window_tokens``). Eager, the ``kvcompile_paged`` attention takes no mask and
+    transformers allocates none."""
     base = _transformers().PagedAttentionMemoryHandler
 
     class KVCompileMemoryHandler(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.trash_bytes = 0  # the trash sectors are on the meta device too
+
         @property
         def bytes_per_cache_sector(self) -> int:
             return self.tokens_per_sector * self.io_multiplier * self.num_groups * 8  # read_index (int64)
 
-        @property
-        def fixed_overhead_bytes(self) -> int:
-            trash, self.trash_bytes = self.trash_bytes, 0  # the trash sectors are on the meta device too
-            try:
-                return super().fixed_overhead_bytes
-            finally:
-                self.trash_bytes = trash
-
         def attention_mask_bytes(self, max_batch_tokens: int, num_sectors: int) -> int:
-            return super().attention_mask_bytes(max_batch_tokens, num_sectors) if compiled else 0
+            if not compiled:
+                return 0
+            per_token = self.io_multiplier * self.num_attention_masks * self.activation_dtype.itemsize
+            return (super().attention_mask_bytes(max_batch_tokens, num_sectors)
+                    + per_token * max_batch_tokens * window_tokens)
 
     return KVCompileMemoryHandler
 
@@ -440,19 +441,21 @@ def _make_cache_class():
             # transformers builds its page accounting for this rank alone: its heads are counted in kvcompile's
             # specs (the rank's own), and its sizes come from the budget, the same on every rank (checked below;
             # its own check all-reduces a tensor on the cache's device, which is meta here)
+            window = slots * max(s.ring + s.sink for s in specs)  # tokens the slots hold outside the pages
             try:
-                with _swapped(_transformers(), "PagedAttentionMemoryHandler", _memory_handler(compiled)):
+                with _swapped(_transformers(), "PagedAttentionMemoryHandler", _memory_handler(compiled, window)):
                     super().__init__(config, continuous_batching_config, "meta", _OneRank(), dtype,
                                      model_supports_logits_to_keep)
             except MemoryError as e:
                 cbc = continuous_batching_config
                 m = cbc.max_batch_tokens or _transformers().PagedAttentionMemoryHandler._default_max_batch_tokens
-                mask = m * (blocks * cbc.page_size + m)
+                mask = m * (blocks * cbc.page_size + window + m)
                 raise KVCompileError(
                     f"kvcompile serving: what transformers allocates beside kvcompile's cache does not fit in free "
                     f"memory ({e}): "
-                    + (f"a compiled forward's attention mask takes max_batch_tokens x (pages x page_size + "
-                       f"max_batch_tokens) = {m} x ({blocks} x {cbc.page_size} + {m}) = {mask:,} elements; lower "
+                    + (f"a compiled forward's attention mask takes max_batch_tokens x (pages x page_size + the "
+                       f"slots' windows + max_batch_tokens) = {m} x ({blocks} x {cbc.page_size} + {window} + {m}) "
+                       f"= {mask:,} elements; lower "
                        f"max_batch_tokens in the ContinuousBatchingConfig, or the cache budget "
                        f"(kvcompile.serving.configure(model, budget=...))" if compiled else
                        f"lower max_batch_tokens in the ContinuousBatchingConfig (now {m})")) from e
@@ -485,7 +488,7 @@ def _make_cache_class():
             # counts the slots' windows and sinks too
             allocator._compute_blocks_needed = lambda allocated, past, query: max(
                 0, request_pages(specs, past + query) - allocated)
-            self.max_tokens_read = blocks * allocator.tokens_per_page + slots * max(s.ring + s.sink for s in specs)
+            self.max_tokens_read = blocks * allocator.tokens_per_page + window
             self.prefix_tokens = 0  # prompt tokens found in shared pages (not computed again)
             for st in self.stores:
                 st.engine_owns_blocks()
@@ -542,10 +545,13 @@ def _make_cache_class():
             return (self.pool.count_free_blocks(a.index) + self.pool.num_free_sectors * a.blocks_per_sector
                     + len(a.ledger.cached_blocks))
 
+        def _blocks(self, pages) -> list[int]:
+            """transformers' page ids as blocks of the stores' pools."""
+            return [p - self._first_page for p in pages]
+
         def _table(self, request_id: str) -> list[int]:
             """The request's pages, as blocks of the stores' pools."""
-            first = self._first_page
-            return [p - first for p in self._allocator.block_table.get(request_id, ())]
+            return self._blocks(self._allocator.block_table.get(request_id, ()))
 
         # ---- slots
         def _take_slot(self, request_id: str) -> int:
@@ -622,10 +628,10 @@ def _make_cache_class():
 
         def perform_cache_copy(self, copy_src_and_dst) -> None:
             """The forks' pages that transformers does not share are copied, block by block, in every layer."""
-            first = self._first_page
             for src, dst in copy_src_and_dst.values():
+                src, dst = self._blocks(src), self._blocks(dst)
                 for st in self.stores:
-                    st.copy_blocks([p - first for p in src], [p - first for p in dst])
+                    st.copy_blocks(src, dst)
 
         # ---- the batch
         def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index):
@@ -957,7 +963,7 @@ def manager_class():
     return _CLASSES["manager"]
 
 
-def install(model, policy: Policy, layer_names, kv_heads: int, sharded: bool = False) -> None:
+def install(model, policy: Policy, layer_names, kv_heads: int) -> None:
     """Route ``model.init_continuous_batching`` (and so ``generate_batch``, the context manager and
     ``transformers serve``) through kvcompile's manager. Called by ``kvcompile.apply``."""
     model._kvcompile_serving = ServingOptions(policy, list(layer_names), kv_heads)
