@@ -154,6 +154,7 @@ async def one_request(client: httpx.AsyncClient, base: str, model: str, text: st
 
 
 async def stats(client, server: Server) -> dict:
+    """kvcompile's ``/kvcompile/stats`` ({} when it does not answer)."""
     try:
         return (await client.get(f"{server.base}/kvcompile/stats", timeout=5)).json()
     except (httpx.HTTPError, ValueError):
@@ -167,16 +168,15 @@ async def level(server: Server, model: str, c: int, new: int, lengths: list[int]
     async def watch(client):
         nonlocal most
         while True:
-            try:
-                s = (await client.get(f"{server.base}/kvcompile/stats", timeout=5)).json()
-                most = max(most, s.get("requests") or 0)
-            except (httpx.HTTPError, ValueError):
-                pass
+            most = max(most, (await stats(client, server)).get("requests") or 0)
             await asyncio.sleep(0.05)
 
     limits = httpx.Limits(max_connections=c + 2)
     async with httpx.AsyncClient(limits=limits) as client:
-        reused = (await stats(client, server)).get("prefix_tokens") or 0 if ours else None
+        async def prefix_tokens():  # prompt tokens kvcompile's cache has read from shared pages so far
+            return (await stats(client, server)).get("prefix_tokens") or 0
+
+        reused = await prefix_tokens() if ours else None
         watcher = asyncio.create_task(watch(client)) if ours else None
         t0 = time.perf_counter()
         rs = await asyncio.gather(*(one_request(client, server.base, model, prompt(i, lengths[i % len(lengths)]),
@@ -184,7 +184,7 @@ async def level(server: Server, model: str, c: int, new: int, lengths: list[int]
         wall = time.perf_counter() - t0
         if watcher:
             watcher.cancel()
-            reused = ((await stats(client, server)).get("prefix_tokens") or 0) - reused
+            reused = await prefix_tokens() - reused
     ttfts = sorted(r["ttft"] for r in rs if r["ttft"] is not None)
     p95 = ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))] if ttfts else None
     return dict(contender=server.kind, concurrency=c, completed=sum(r["ok"] for r in rs),
