@@ -7,11 +7,15 @@ the batch draws from. Here the manager is started with transformers' per-request
 processors (``sampling_manager``), each request is added with its own values (``request_sampling``, passed
 through ``request_context``), and the processor list picks every row's token itself (``add_request_args``):
 greedy rows their argmax, sampling rows a draw from their filtered distribution, by their seed alone when they
-give one (``seeded_draw``), handing transformers' sampler a one-hot.
+give one (``seeded_draw``), handing transformers' sampler a one-hot. A request that asks for log probabilities
+(``logprobs``) has each chosen token's, and its most likely alternatives', recorded as the token is picked
+(``Logprobs``).
 """
 from __future__ import annotations
 
 import contextvars
+import itertools
+import threading
 
 import torch
 
@@ -55,6 +59,80 @@ class request_context:
 
     def __exit__(self, *exc):
         _SAMPLING.reset(self.token)
+
+
+class Logprobs:
+    """Log probabilities of the tokens requests generate, recorded by the processor list as it picks them
+    (``_routed_class``): a request that asks for them is added with a handle (``open``), under which each
+    generated token's entry is kept by its position in the reply -- ``(token id, log probability, [(id, log
+    probability)] of the ``top`` most likely tokens)`` -- until the reply is built (``take``) and the handle is
+    closed. The probabilities are the model's own distribution at that step (a log-softmax of its logits, before
+    temperature or top-k/top-p), as OpenAI's and vLLM's servers report them. Thread-safe: the batching thread
+    records, the server's event loop reads."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._open: dict[int, tuple[int, dict]] = {}
+
+    def open(self, top: int) -> int:
+        with self._lock:
+            h = next(self._ids) % 2**31
+            self._open[h] = (top, {})
+            return h
+
+    def close(self, handle: int) -> None:
+        with self._lock:
+            self._open.pop(handle, None)
+
+    def top(self, handle: int) -> int | None:
+        with self._lock:
+            got = self._open.get(handle)
+            return None if got is None else got[0]
+
+    def record(self, handle: int, step: int, entry) -> None:
+        with self._lock:
+            got = self._open.get(handle)
+            if got is not None:  # a request whose reply was already built (cancelled) records nothing
+                got[1][step] = entry
+
+    def take(self, handle: int, start: int, stop: int) -> list:
+        """The entries of the reply's tokens ``start`` to ``stop`` (exclusive), in order; a KeyError names a
+        token that has none (it would be a defect: every token a request generates goes through the list)."""
+        with self._lock:
+            entries = self._open[handle][1]
+            missing = [i for i in range(start, stop) if i not in entries]
+            if missing:
+                raise KeyError(f"no log probabilities recorded for tokens {missing} of the reply")
+            return [entries[i] for i in range(start, stop)]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+
+LOGPROBS = Logprobs()  # the server's one record (kvcompile serve runs one continuous-batching manager)
+MAX_TOP_LOGPROBS = 20  # alternatives a token's entry may list (OpenAI's limit for chat completions; vLLM's default)
+
+
+def record_logprobs(scores: torch.Tensor, choice: torch.Tensor, rows: torch.Tensor, handles: list[int],
+                    steps: list[int], record=None) -> None:
+    """Record, for each of ``rows`` (with its request's handle and the position of the token it picks), the
+    chosen token's log probability under ``scores`` (the raw logits) and its handle's top alternatives."""
+    record = record or LOGPROBS
+    tops = [record.top(h) for h in handles]
+    keep = [j for j, t in enumerate(tops) if t is not None]
+    if not keep:
+        return
+    logp = torch.log_softmax(scores[rows[keep]].float(), -1)
+    chosen = logp.gather(1, choice[rows[keep]].unsqueeze(1)).squeeze(1).tolist()
+    k = max(tops[j] for j in keep)
+    top_v, top_i = logp.topk(k, -1) if k else (logp[:, :0], logp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    ids = choice[rows[keep]].tolist()
+    for n, j in enumerate(keep):
+        t = tops[j]
+        record.record(handles[j], steps[j], (ids[n], chosen[n], list(zip(top_i[n][:t], top_v[n][:t]))))
 
 
 def _arg_class():
@@ -135,6 +213,9 @@ def _routed_class(base):
                     if seed >= 0:
                         drawn[j] = seeded_draw(probs[j], seed, step)
                 choice[rows] = drawn
+            asked = (arg["logprobs"] >= 0).nonzero().squeeze(1)  # rows whose request records log probabilities
+            if len(asked):
+                record_logprobs(scores, choice, asked, arg["logprobs"][asked].tolist(), arg["step"][asked].tolist())
             return torch.full_like(scores, float("-inf")).scatter_(-1, choice.unsqueeze(-1), 0.0)
 
     Routed.__name__ = Routed.__qualname__ = "Routed" + base.__name__
@@ -146,7 +227,8 @@ def add_request_args(procs) -> None:
     """Make transformers' processor list ``procs`` pick tokens per request (``_routed_class``), with the
     per-request integers it reads."""
     routed = _routed_class(type(procs))
-    for name, default, kwarg in (("greedy", 1, True), ("seed", -1, True), ("step", 0, False)):
+    for name, default, kwarg in (("greedy", 1, True), ("seed", -1, True), ("step", 0, False),
+                                 ("logprobs", -1, True)):
         procs.logits_processor.append(routed.RequestArg(name, default, kwarg))
         procs.tensors_required += 1
         if kwarg:

@@ -38,7 +38,7 @@ import logging
 
 import torch
 
-from .sampling import request_context, request_sampling, sampling_manager
+from .sampling import LOGPROBS, MAX_TOP_LOGPROBS, request_context, request_sampling, sampling_manager
 
 
 def openai_app(manager, state, *, checked: bool = False):
@@ -238,8 +238,6 @@ MAX_N = 16  # choices one request may ask for (each is a request of its own in t
 UNSUPPORTED = {
     "n": (lambda v: _is_int(v) and 1 <= v <= MAX_N, f"n must be an integer in [1, {MAX_N}]"),
     "best_of": (lambda v: v == 1, "one candidate per request"),
-    "logprobs": (lambda v: v is False or v == 0, "no log probabilities are returned"),
-    "top_logprobs": (lambda v: v == 0, "no log probabilities are returned"),
     "echo": (lambda v: v is False, "the prompt is not echoed"),
     "presence_penalty": (lambda v: v == 0, "no presence penalty"),
     "frequency_penalty": (lambda v: v == 0, "no frequency penalty"),
@@ -255,6 +253,30 @@ def check_supported(body: dict) -> None:
         v = body.get(name)
         if v is not None and not fine(v):
             raise RequestError(f"'{name}'={v!r} is not supported by this server ({does}); leave it out", name)
+
+
+def logprobs_asked(body: dict, chat: bool) -> int | None:
+    """How many alternatives each generated token's log-probability entry lists, or None when the request asks
+    for no log probabilities. Chat completions: ``logprobs: true`` and ``top_logprobs`` (0 to
+    ``MAX_TOP_LOGPROBS``; it needs ``logprobs``); completions: ``logprobs``, that number (OpenAI allows up to 5,
+    vLLM and this server up to 20)."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if lp is not None and not isinstance(lp, bool):
+            raise RequestError(f"'logprobs' must be true or false, got {lp!r}", "logprobs")
+        if top is not None and not (_is_int(top) and 0 <= top <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
+                               "top_logprobs")
+        if top and not lp:
+            raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (top or 0) if lp else None
+    if top is not None:
+        raise RequestError("'top_logprobs' is a chat-completions field; completions take 'logprobs': <number of "
+                           "alternatives>", "top_logprobs")
+    if lp is not None and not (_is_int(lp) and 0 <= lp <= MAX_TOP_LOGPROBS):
+        raise RequestError(f"'logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token), got "
+                           f"{lp!r}", "logprobs")
+    return lp
 
 
 def check_chat(body: dict) -> None:
@@ -311,6 +333,7 @@ def check_chat(body: dict) -> None:
     kw = body.get("chat_template_kwargs")
     if kw is not None and not isinstance(kw, dict):
         raise RequestError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    logprobs_asked(body, chat=True)
 
 
 def check_completion(body: dict) -> None:
@@ -319,6 +342,7 @@ def check_completion(body: dict) -> None:
         raise RequestError(f"'prompt' must be a non-empty string, got {prompt!r}"[:200], "prompt")
     if body.get("suffix") is not None and not isinstance(body["suffix"], str):
         raise RequestError("'suffix' must be a string", "suffix")
+    logprobs_asked(body, chat=False)
 
 
 def cache_token_limit(cb, model) -> int:
@@ -354,14 +378,19 @@ class StopAt:
     """Stands for a streamed reply's text queue (transformers' ``CBStreamer`` writes to it): passes the text on up
     to the first of ``stops``, holding back a tail that could begin one; at a stop string it ends the stream
     (the stop string itself is not sent, as OpenAI's API does) and calls ``cancel``, so that the request gives its
-    pages back now rather than at max_tokens. Items that are not text (errors) pass through."""
+    pages back now rather than at max_tokens. Items that are not text (errors) pass through. Log probabilities
+    that come with the text (``TokenText``) go on with the next text sent."""
 
     def __init__(self, queue, stops, cancel):
         self.queue, self.stops, self.cancel = queue, list(stops), cancel
         self.held, self.done = "", False
+        self.tokens: list = []  # log-probability entries of the tokens whose text is held
 
     def _send(self, text: str) -> None:
         if text:
+            if self.tokens:
+                text = TokenText(text, self.tokens)
+                self.tokens = []
             self.queue.put_nowait(text)
 
     def put_nowait(self, item) -> None:
@@ -375,6 +404,7 @@ class StopAt:
         if not isinstance(item, str):
             self.queue.put_nowait(item)
             return
+        self.tokens += getattr(item, "tokens", [])
         text = self.held + item
         hits = [i for i in (text.find(x) for x in self.stops) if i >= 0]
         if hits:
@@ -387,6 +417,103 @@ class StopAt:
                     if text.endswith(x[:k])), default=0)
         self._send(text[:len(text) - keep])
         self.held = text[len(text) - keep:]
+
+
+# --------------------------------------------------------------------------- log probabilities
+class TokenText(str):
+    """A streamed piece of a reply with the log-probability entries of the tokens it was decoded from
+    (``token_entries``), for the chunk that carries it."""
+
+    def __new__(cls, text: str, tokens: list):
+        out = super().__new__(cls, text)
+        out.tokens = tokens
+        return out
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's; SmolLM2's and most Llama-3-era tokenizers'): each of the 256 byte
+    values is written as one printable character; this maps the characters back to the bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(shifted)}
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes a token stands for (``tokenizer``: a Rust ``tokenizers.Tokenizer``): exact for a byte-level
+    BPE vocabulary, where one token may hold part of a character; otherwise its decoded text's UTF-8."""
+    from tokenizers import decoders
+
+    piece = tokenizer.id_to_token(token_id)
+    if isinstance(tokenizer.decoder, decoders.ByteLevel) and piece and all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    return tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+
+def token_entries(tokenizer, entries, offset: int = 0) -> list[dict]:
+    """``Logprobs`` entries as the reply's tokens: ``{"id", "token", "bytes", "logprob", "top": [...],
+    "offset"}`` (the token's text -- its bytes decoded, a partial character as U+FFFD -- and its alternatives
+    alike; ``offset``: where the token's text starts in the reply's, counting the tokens' texts from
+    ``offset``)."""
+    def one(tid, lp):
+        b = token_bytes(tokenizer, tid)
+        return {"id": tid, "token": b.decode("utf-8", errors="replace"), "bytes": list(b), "logprob": lp}
+
+    out = []
+    for tid, lp, top in entries:
+        out.append(dict(one(tid, lp), top=[one(i, v) for i, v in top], offset=offset))
+        offset += len(out[-1]["token"])
+    return out
+
+
+def chat_logprobs(tokens: list[dict]) -> dict:
+    """A chat choice's ``logprobs`` (OpenAI's ``ChoiceLogprobs``)."""
+    def entry(t):
+        return {"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]}
+
+    return {"content": [dict(entry(t), top_logprobs=[entry(a) for a in t["top"]]) for t in tokens],
+            "refusal": None}
+
+
+def completion_logprobs(tokens: list[dict]) -> dict:
+    """A completion choice's ``logprobs`` (OpenAI's legacy ``Logprobs``): the tokens, their log probabilities,
+    each one's alternatives with the chosen token among them (as OpenAI's API always returns it), and where each
+    token's text starts in the reply."""
+    return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
+            "top_logprobs": [{a["token"]: a["logprob"] for a in (*t["top"], t)} for t in tokens],
+            "text_offset": [t["offset"] for t in tokens]}
+
+
+def stream_with_logprobs(streamer, handle: int) -> None:
+    """Make transformers' ``CBStreamer`` put ``TokenText`` on its queue: each piece of text with the
+    log-probability entries of the tokens decoded into it (a token whose text the decoder holds back, part of a
+    character, goes with the next piece). The decoding is the streamer's own (its decode stream, step by
+    step); the replies it streams are text only (no response parser: ``generate_streaming`` refuses one)."""
+    pending: list[int] = []
+    offset = 0
+
+    def put(output) -> None:
+        nonlocal offset
+        start = streamer._prev_len
+        new = output.generated_tokens[start:]
+        streamer._prev_len = len(output.generated_tokens)
+        for i, token_id in enumerate(new):
+            streamer.total_tokens += 1
+            pending.append(start + i)
+            text = streamer._decode_stream.step(streamer._tokenizer, token_id)
+            if text is None:
+                continue
+            entries = LOGPROBS.take(handle, pending[0], pending[-1] + 1)
+            pending.clear()
+            tokens = token_entries(streamer._tokenizer, entries, offset)
+            offset = tokens[-1]["offset"] + len(tokens[-1]["token"])
+            streamer._queue.put_nowait(TokenText(text, tokens))
+
+    streamer.put = put
 
 
 # --------------------------------------------------------------------------- n choices
@@ -468,16 +595,34 @@ async def _merged_streams(streams, request_id: str):
 
 EXTENSIONS = ("top_k",)  # request fields beyond OpenAI's that kvcompile serve reads (vLLM's spelling)
 _EXTENSIONS: contextvars.ContextVar = contextvars.ContextVar("kvcompile_extensions", default={})
+# a request that asks for log probabilities: {"handle": its ``LOGPROBS`` handle, "tokenizer": set when generated}
+_ASKED_LOGPROBS: contextvars.ContextVar = contextvars.ContextVar("kvcompile_logprobs", default=None)
+
+
+async def _closing(stream, handle: int):
+    """A streamed reply's events; once it ends (or its client goes away) the request's log-probability record
+    is closed and the reply's own stream closed (transformers' stream then cancels its request)."""
+    try:
+        async for part in stream:
+            yield part
+    finally:
+        LOGPROBS.close(handle)
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            await close()
 
 
 def _checked_handlers():
     """transformers' chat-completion and completion handlers, checking each request first (``check_*``) and
     marking its generation config for ``fit_to_cache``: which field holds the prompt, whether the client set
-    the reply's length."""
+    the reply's length. A request that asks for log probabilities gets them in its reply (``_with_logprobs``)."""
+    from fastapi.responses import JSONResponse, StreamingResponse
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
 
-    def checked(handler_cls, check, prompt_field, max_fields):
+    def checked(handler_cls, check, prompt_field, max_fields, chat):
+        logprobs_of = chat_logprobs if chat else completion_logprobs
+
         class Checked(handler_cls):
             async def handle_request(self, body: dict, request_id: str):
                 check_common(body)
@@ -488,15 +633,55 @@ def _checked_handlers():
                 try:
                     n = body.get("n") or 1
                     if n == 1:
-                        return await super().handle_request(body, request_id)
-                    return await n_choices(lambda b, rid: super(Checked, self).handle_request(b, rid), body,
-                                           request_id, n)
+                        return await self._with_logprobs(body, request_id)
+                    return await n_choices(self._with_logprobs, body, request_id, n)
                 finally:
                     _EXTENSIONS.reset(token)
+
+            async def _with_logprobs(self, body: dict, request_id: str):
+                """transformers' handler for one choice; when the request asks for log probabilities, its tokens'
+                are recorded as they are picked (``sampling.Logprobs``) and given in the reply: streamed, with
+                each piece of text (``stream_with_logprobs``, ``_build_chunk_sse``); not, for every token of the
+                reply (``usage.completion_tokens``)."""
+                top = logprobs_asked(body, chat)
+                if top is None:
+                    return await super().handle_request(body, request_id)
+                asked = {"handle": LOGPROBS.open(top), "tokenizer": None}
+                token, streams = _ASKED_LOGPROBS.set(asked), False
+                try:
+                    reply = await super().handle_request(body, request_id)
+                    if isinstance(reply, StreamingResponse):
+                        reply.body_iterator, streams = _closing(reply.body_iterator, asked["handle"]), True
+                        return reply
+                    if reply.status_code != 200:
+                        return reply
+                    out = json.loads(reply.body)
+                    entries = LOGPROBS.take(asked["handle"], 0, out["usage"]["completion_tokens"])
+                    out["choices"][0]["logprobs"] = logprobs_of(token_entries(asked["tokenizer"], entries))
+                    return JSONResponse(out)
+                finally:
+                    _ASKED_LOGPROBS.reset(token)
+                    if not streams:
+                        LOGPROBS.close(asked["handle"])
+
+            def _build_chunk_sse(self, *args, **kw):
+                """transformers' streamed chunk; a piece of text with its tokens' log probabilities
+                (``TokenText``) gives them as the chunk's ``logprobs``."""
+                sse = super()._build_chunk_sse(*args, **kw)
+                tokens = getattr(kw.get("content", kw.get("text")), "tokens", None)
+                if tokens is None:
+                    return sse
+                chunk = json.loads(sse.removeprefix("data: "))
+                chunk["choices"][0]["logprobs"] = logprobs_of(tokens)
+                return f"data: {json.dumps(chunk)}\n\n"
 
             def _build_generation_config(self, body, model_generation_config, use_cb=False):
                 gen = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
                 gen._kvcompile_sampling = request_sampling({**body, **_EXTENSIONS.get()}, model_generation_config)
+                asked = _ASKED_LOGPROBS.get()
+                if asked is not None:
+                    gen._kvcompile_sampling["logprobs"] = asked["handle"]
+                    gen._kvcompile_logprobs = asked
                 stop = body.get("stop")
                 gen._kvcompile_stop = [stop] if isinstance(stop, str) else list(stop or ())
                 gen._kvcompile_open = all(body.get(f) is None for f in max_fields)
@@ -506,8 +691,8 @@ def _checked_handlers():
         Checked.__name__ = Checked.__qualname__ = "Checked" + handler_cls.__name__
         return Checked
 
-    return (checked(ChatCompletionHandler, check_chat, "messages", ("max_tokens", "max_completion_tokens")),
-            checked(CompletionHandler, check_completion, "prompt", ("max_tokens",)))
+    return (checked(ChatCompletionHandler, check_chat, "messages", ("max_tokens", "max_completion_tokens"), True),
+            checked(CompletionHandler, check_completion, "prompt", ("max_tokens",), False))
 
 
 def checked_state(**kw):
@@ -527,12 +712,18 @@ def checked_state(**kw):
         def generate_streaming(self, model, processor, inputs, gen_config, request_id, **kw):
             fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
             stops = getattr(gen_config, "_kvcompile_stop", None)
-            if stops and kw.get("response_parser") is not None:
-                raise RequestError("'stop' is not supported for this model's replies (its chat template's tool-call "
-                                   "parser reads the reply as it streams); leave it out", "stop")
+            asked = getattr(gen_config, "_kvcompile_logprobs", None)
+            for field, on in (("stop", stops), ("logprobs", asked)):
+                if on and kw.get("response_parser") is not None:
+                    raise RequestError(f"'{field}' is not supported for this model's replies (its chat template's "
+                                       f"tool-call parser reads the reply as it streams); leave it out", field)
             with request_context(gen_config):
                 queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id, **kw)
-            if stops:  # installed before the event loop (this thread) can deliver the request's first output
+            # installed before the event loop (this thread) can deliver the request's first output
+            if asked is not None:
+                asked["tokenizer"] = streamer._tokenizer
+                stream_with_logprobs(streamer, asked["handle"])
+            if stops:
                 streamer._queue = StopAt(queue, stops, lambda: self.cancel(request_id))
             return queue, streamer
 
@@ -563,6 +754,9 @@ def checked_state(**kw):
             """transformers' non-streaming generation (it waits on a future its result handler resolves), with the
             client watched while it waits: a client that disconnects has its request cancelled (``watch_client``),
             as transformers' streaming handler does for a streaming one."""
+            asked = getattr(gen_config, "_kvcompile_logprobs", None)
+            if asked is not None:  # the reply's tokens are read with it (_with_logprobs)
+                asked["tokenizer"] = getattr(processor, "tokenizer", processor)._tokenizer
             if getattr(gen_config, "_kvcompile_stop", None):
                 work = self._generate_until_stop(model, processor, inputs, gen_config, request_id)
             else:
@@ -679,7 +873,9 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
                 "waiting": len(sched.waiting_requests) if sched is not None else None,
                 "token_limit": cache_token_limit(cb, cb.model), "evicted": evictions.evicted,
                 # non-streaming requests cancelled because their client disconnected (watch_client)
-                "disconnected": getattr(state._cb_manager, "disconnected", 0)}
+                "disconnected": getattr(state._cb_manager, "disconnected", 0),
+                # requests whose log probabilities are being recorded (none once every reply is out)
+                "logprobs_open": len(LOGPROBS)}
 
     return app, manager, state
 

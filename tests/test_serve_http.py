@@ -377,8 +377,7 @@ def test_each_request_samples_as_it_asks(tiny_server):
 
 
 UNSUPPORTED = {  # field: (value asking for what the server does not do, the endpoint)
-    "n": (17, "chat/completions"), "logprobs": (True, "chat/completions"), "top_logprobs": (2, "chat/completions"),
-    "presence_penalty": (0.5, "chat/completions"),
+    "n": (17, "chat/completions"), "presence_penalty": (0.5, "chat/completions"),
     "frequency_penalty": (0.5, "chat/completions"), "logit_bias": ({"5": 3}, "chat/completions"),
     "response_format": ({"type": "json_object"}, "chat/completions"), "echo": (True, "completions"),
     "best_of": (2, "completions"),
@@ -397,7 +396,7 @@ def test_a_field_the_server_would_ignore_is_refused(tiny_server, field):
     r = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, field: value})
     err = assert_openai_error(r, field)
     assert "not supported" in err["message"]
-    neutral = {"n": 1, "logprobs": False, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0,
+    neutral = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0,
                "logit_bias": {}, "response_format": {"type": "text"}, "echo": False, "best_of": 1}
     if field in neutral:
         r = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, field: neutral[field]})
@@ -587,3 +586,143 @@ def test_the_server_shares_pages_only_where_the_policy_allows(tiny_dir, monkeypa
     assert cli.main(["serve", "--model", str(tiny_dir), "--no-prefix-sharing"]) == 0
     assert seen["prefix_sharing"] is False
     assert cli.main(["serve", "--model", str(tiny_dir)]) == 0 and seen["prefix_sharing"] is True
+
+
+# --------------------------------------------------------------------------- log probabilities
+def streamed_logprobs(r) -> list:
+    """The ``logprobs`` of every chunk of a streamed reply (chat: their ``content`` entries; completions: the
+    objects), in order."""
+    out = []
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            lp = json.loads(line[6:])["choices"][0].get("logprobs")
+            if lp is not None:
+                out += lp["content"] if "content" in lp else [lp]
+    return out
+
+
+def test_log_probabilities_are_the_models_own(tiny_server):
+    """A greedy completion with ``logprobs: 3``: each token's log probability is the unmodified model's
+    log-softmax at that step (prompt and reply fit KIVI's full-precision window: the cache changes nothing), its
+    alternatives the model's three most likely tokens with the chosen one among them, the text offsets add up
+    the tokens; streamed, the chunks carry the same entries, offsets counted on across chunks."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvcompile.serve import token_bytes
+
+    base, name = tiny_server
+    tok = AutoTokenizer.from_pretrained(name)
+    rust = tok.backend_tokenizer
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+    prompt, new = "The capital of France is", 8
+    ids = tok(prompt, return_tensors="pt").input_ids
+    ref = model.generate(ids, max_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    want = ref.sequences[0, ids.shape[1]:].tolist()
+    logp = [torch.log_softmax(x[0].float(), -1) for x in ref.logits]
+
+    def text(i):
+        return token_bytes(rust, i).decode("utf-8", errors="replace")
+
+    body = {"model": name, "prompt": prompt, "max_tokens": new, "logprobs": 3}
+    r = httpx.post(f"{base}/v1/completions", timeout=120, json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [text(i) for i in want] and r.json()["usage"]["completion_tokens"] == new
+    assert lp["token_logprobs"] == pytest.approx([float(logp[k][i]) for k, i in enumerate(want)], abs=1e-4)
+    for k, i in enumerate(want):
+        top = logp[k].topk(3)
+        alternatives = {text(j): float(v) for j, v in zip(top.indices.tolist(), top.values)}
+        alternatives[text(i)] = float(logp[k][i])
+        assert lp["top_logprobs"][k] == pytest.approx(alternatives, abs=1e-4)
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:k]) for k in range(new)]
+    assert "".join(lp["tokens"]) == choice["text"]  # byte-level tokens of ASCII text: the reply's text, token by token
+
+    r = httpx.post(f"{base}/v1/completions", timeout=120, json={**body, "stream": True})
+    assert r.status_code == 200
+    pieces = streamed_logprobs(r)
+    assert len(pieces) > 1  # more than one chunk carried entries
+    assert sum((p["tokens"] for p in pieces), []) == lp["tokens"]
+    assert sum((p["text_offset"] for p in pieces), []) == lp["text_offset"]
+    assert sum((p["token_logprobs"] for p in pieces), []) == pytest.approx(lp["token_logprobs"], abs=1e-4)
+    assert stats(base)["logprobs_open"] == 0
+
+
+def test_chat_log_probabilities_through_the_openai_client(tiny_server):
+    """``logprobs=True, top_logprobs=2`` through the ``openai`` client, as it parses them: one entry per generated
+    token, the greedy choice the most likely one, the bytes those of the token's text; streamed, the same
+    entries; ``n`` sampled choices each with their own; a reply cut at a stop string, streamed and not; no
+    log probabilities without ``logprobs``; nothing left recorded afterwards."""
+    import openai
+
+    base, name = tiny_server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    ask = {"model": name, "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 6}
+    r = client.chat.completions.create(**ask, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    for t in content:
+        assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs), reverse=True)
+        assert len(t.top_logprobs) == 2 and t.token == t.top_logprobs[0].token
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob) and t.logprob <= 0
+        assert bytes(t.bytes).decode("utf-8", errors="replace") == t.token
+
+    got = [t for chunk in client.chat.completions.create(**ask, logprobs=True, top_logprobs=2, stream=True)
+           for c in chunk.choices if c.logprobs is not None for t in c.logprobs.content]
+    assert [t.token for t in got] == [t.token for t in content]
+    assert [t.logprob for t in got] == pytest.approx([t.logprob for t in content], abs=1e-4)
+
+    r = client.chat.completions.create(**ask, logprobs=True, temperature=1.0, seed=5, n=2)
+    assert [len(c.logprobs.content) for c in r.choices] == [6, 6] and r.usage.completion_tokens == 12
+    assert all(t.top_logprobs == [] and t.logprob <= 0 for c in r.choices for t in c.logprobs.content)
+
+    assert client.chat.completions.create(**ask).choices[0].logprobs is None
+
+    # a stop string the greedy reply first meets at its token k (k >= 2): the reply is cut there
+    texts = [t.token for t in content]
+    k = next(k for k in range(2, 6)
+             if texts[k].strip() and "".join(texts[:k + 1]).find(texts[k]) == len("".join(texts[:k])))
+    r = client.chat.completions.create(**ask, logprobs=True, stop=[texts[k]])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == "".join(texts[:k])
+    assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens >= k + 1
+    got = [t for chunk in client.chat.completions.create(**ask, logprobs=True, stop=[texts[k]], stream=True)
+           for c in chunk.choices if c.logprobs is not None for t in c.logprobs.content]
+    assert [t.token for t in got[:k]] == texts[:k]  # the tokens of the text sent (the stop string's is not)
+    assert stats(base)["logprobs_open"] == 0
+
+
+@pytest.mark.parametrize("endpoint, fields, param", [
+    ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ("chat/completions", {"logprobs": "yes"}, "logprobs"),
+    ("chat/completions", {"logprobs": 1}, "logprobs"),  # a number is the completions' spelling
+    ("completions", {"logprobs": True}, "logprobs"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"logprobs": -1}, "logprobs"),
+    ("completions", {"top_logprobs": 2}, "top_logprobs"),
+])
+def test_bad_log_probability_fields_are_a_400(tiny_server, endpoint, fields, param):
+    base, name = tiny_server
+    body = {"model": name, "max_tokens": 3, **fields}
+    body.update({"messages": [{"role": "user", "content": "Hi"}]} if endpoint.startswith("chat") else
+                {"prompt": "Hi"})
+    assert_openai_error(httpx.post(f"{base}/v1/{endpoint}", timeout=120, json=body), param)
+
+
+def test_a_client_that_disconnects_from_a_stream_with_log_probabilities_frees_everything(tiny_server):
+    base, name = tiny_server
+    assert chat(base, name).status_code == 200
+    idle = stats(base)
+    body = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "stream": True, "logprobs": True,
+            "top_logprobs": 5}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: {")
+                if chunks >= 4:
+                    assert stats(base)["logprobs_open"] == 1
+                    break
+    wait_idle(base, idle, 30)
+    assert stats(base)["logprobs_open"] == 0

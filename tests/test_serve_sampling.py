@@ -1,7 +1,7 @@
 """``kvcompile serve``'s per-request sampling (``kvcompile.sampling``) without a server: which requests sample
 (``request_sampling``), and the processor list that picks each row's token (``add_request_args``): greedy rows
 their argmax, sampling rows a token their filters keep, seeded rows the same token whatever else is in the
-batch."""
+batch; rows whose request asks for log probabilities record their token's and its alternatives'."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +11,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from kvcompile.sampling import NO_TOP_K, add_request_args, request_sampling, seeded_draw
+from kvcompile.sampling import LOGPROBS, NO_TOP_K, add_request_args, request_sampling, seeded_draw
 
 GREEDY = {"greedy": 1, "temperature": 1.0, "top_p": 1.0, "top_k": NO_TOP_K, "seed": -1}
 
@@ -46,20 +46,22 @@ def processors():
     return lst
 
 
-def arguments(rows: list[dict], steps: list[int]) -> torch.Tensor:
-    """The argument rows transformers fills: temperature, top_k, top_p, greedy, seed, step."""
-    a = torch.empty(6, len(rows), dtype=torch.int32)
+def arguments(rows: list[dict], steps: list[int], handles=None) -> torch.Tensor:
+    """The argument rows transformers fills: temperature, top_k, top_p, greedy, seed, step, logprobs (a
+    ``LOGPROBS`` handle, -1: none)."""
+    a = torch.empty(7, len(rows), dtype=torch.int32)
     a[0] = torch.tensor([r["temperature"] for r in rows], dtype=torch.float32).view(torch.int32)
     a[1] = torch.tensor([r["top_k"] for r in rows], dtype=torch.int32)
     a[2] = torch.tensor([r["top_p"] for r in rows], dtype=torch.float32).view(torch.int32)
     a[3] = torch.tensor([r["greedy"] for r in rows], dtype=torch.int32)
     a[4] = torch.tensor([r["seed"] for r in rows], dtype=torch.int32)
     a[5] = torch.tensor(steps, dtype=torch.int32)
+    a[6] = torch.tensor(handles or [-1] * len(rows), dtype=torch.int32)
     return a
 
 
-def picks(lst, scores, rows, steps):
-    out = lst(torch.zeros(len(rows), dtype=torch.long), scores.clone(), arguments(rows, steps))
+def picks(lst, scores, rows, steps, handles=None):
+    out = lst(torch.zeros(len(rows), dtype=torch.long), scores.clone(), arguments(rows, steps, handles))
     assert torch.isinf(out).sum(1).tolist() == [scores.shape[1] - 1] * len(rows) and (out.amax(1) == 0).all()
     return out.argmax(1).tolist()  # the one token each row may draw
 
@@ -100,3 +102,32 @@ def test_a_seeded_draw_follows_the_distribution_and_never_takes_a_zero():
     counts = torch.bincount(torch.tensor([seeded_draw(probs, 5, s) for s in range(4000)]), minlength=5).double()
     assert counts[0] == counts[2] == 0
     assert torch.allclose(counts / 4000, probs.double(), atol=0.03)
+
+
+def test_rows_that_ask_record_their_tokens_log_probabilities():
+    """The chosen token's log probability and the ``top`` most likely tokens', under the model's own distribution
+    (the raw scores: a sampling row's temperature does not change them), kept by the token's place in the reply;
+    rows that do not ask record nothing."""
+    torch.manual_seed(2)
+    V = 300
+    scores = torch.randn(4, V) * 2
+    h3, h0, h5 = LOGPROBS.open(3), LOGPROBS.open(0), LOGPROBS.open(5)
+    try:
+        rows = [GREEDY, sampled(seed=5, temperature=1.5), GREEDY, sampled(top_k=4)]
+        got = picks(processors(), scores, rows, [4, 0, 9, 2], handles=[h3, h0, -1, h5])
+        logp = torch.log_softmax(scores, -1)
+        for row, handle, step, top in ((0, h3, 4, 3), (1, h0, 0, 0), (3, h5, 2, 5)):
+            [(token, lp, alternatives)] = LOGPROBS.take(handle, step, step + 1)
+            assert token == got[row] and lp == pytest.approx(float(logp[row, token]), abs=1e-6)
+            want = logp[row].topk(top)
+            assert [i for i, _ in alternatives] == want.indices.tolist()
+            assert [v for _, v in alternatives] == pytest.approx(want.values.tolist(), abs=1e-6)
+        assert alternatives[0][1] >= alternatives[-1][1]
+        with pytest.raises(KeyError, match=r"tokens \[3\]"):
+            LOGPROBS.take(h3, 3, 5)  # the token before was never picked
+    finally:
+        for h in (h3, h0, h5):
+            LOGPROBS.close(h)
+    assert len(LOGPROBS) == 0
+    picks(processors(), scores[:1], [GREEDY], [5], handles=[h3])  # a closed record takes nothing
+    assert len(LOGPROBS) == 0
