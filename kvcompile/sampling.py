@@ -7,9 +7,9 @@ the batch draws from. Here the manager is started with transformers' per-request
 processors (``sampling_manager``), each request is added with its own values (``request_sampling``, passed
 through ``request_context``), and the processor list picks every row's token itself (``add_request_args``):
 greedy rows their argmax, sampling rows a draw from their filtered distribution, by their seed alone when they
-give one (``seeded_draw``), handing transformers' sampler a one-hot. A request that asks for log probabilities
-(``logprobs``) has each chosen token's, and its most likely alternatives', recorded as the token is picked
-(``Logprobs``).
+give one (``seeded_draw``), handing transformers' sampler a one-hot. A request that asks for more of its tokens
+(``Asked``: log probabilities, OpenAI's presence and frequency penalties, a logit bias) has them adjusted and
+recorded as they are picked (``Records``).
 """
 from __future__ import annotations
 
@@ -61,46 +61,83 @@ class request_context:
         _SAMPLING.reset(self.token)
 
 
-class Logprobs:
-    """Log probabilities of the tokens requests generate, recorded by the processor list as it picks them
-    (``_routed_class``): a request that asks for them is added with a handle (``open``), under which each
-    generated token's entry is kept by its position in the reply -- ``(token id, log probability, [(id, log
-    probability)] of the ``top`` most likely tokens)`` -- until the reply is built (``take``) and the handle is
-    closed. The probabilities are the model's own distribution at that step (a log-softmax of its logits, before
-    temperature or top-k/top-p), as OpenAI's and vLLM's servers report them. Thread-safe: the batching thread
-    records, the server's event loop reads."""
+class Asked:
+    """What one request asks of its tokens beyond how they are drawn: ``top`` (log probabilities of the chosen
+    token and of that many alternatives; None: none), OpenAI's ``presence`` and ``frequency`` penalties and a
+    ``bias`` per token id. Holds what it generated, by place in the reply: ``tokens`` and, asked, ``entries``
+    (``(token id, log probability, [(id, log probability)] of the top alternatives)``)."""
+
+    def __init__(self, top: int | None = None, presence: float = 0.0, frequency: float = 0.0,
+                 bias: dict[int, float] | None = None):
+        self.top, self.presence, self.frequency, self.bias = top, presence, frequency, dict(bias or {})
+        self.tokens: dict[int, int] = {}
+        self.counts: dict[int, int] = {}  # how often each token id was generated (for the penalties)
+        self.entries: dict[int, tuple] = {}
+
+    @property
+    def adjusts(self) -> bool:
+        return bool(self.presence or self.frequency or self.bias)
+
+    def adjust(self, logits: torch.Tensor, step: int) -> None:
+        """Apply the bias and the penalties, in place, to one row's ``logits`` picking the token at ``step``:
+        OpenAI's ``logit - frequency * count - presence * (count > 0)`` over the tokens generated before it."""
+        if self.bias:
+            ids = torch.tensor(list(self.bias), device=logits.device)
+            logits[ids] += torch.tensor(list(self.bias.values()), dtype=logits.dtype, device=logits.device)
+        if self.presence or self.frequency:
+            seen = [(t, c) for t, c in self._counts_before(step).items()]
+            if seen:
+                ids = torch.tensor([t for t, _ in seen], device=logits.device)
+                n = torch.tensor([c for _, c in seen], dtype=logits.dtype, device=logits.device)
+                logits[ids] -= self.frequency * n + self.presence
+
+    def _counts_before(self, step: int) -> dict[int, int]:
+        if len(self.tokens) == step:  # the usual case: every earlier token recorded, none later
+            return self.counts
+        counts: dict[int, int] = {}
+        for i, t in self.tokens.items():
+            if i < step:
+                counts[t] = counts.get(t, 0) + 1
+        return counts
+
+    def took(self, step: int, token: int) -> None:
+        if step not in self.tokens:
+            self.tokens[step] = token
+            self.counts[token] = self.counts.get(token, 0) + 1
+
+
+class Records:
+    """What requests asked of their tokens (``Asked``), and what they generated, for the processor list that
+    picks the tokens (``_routed_class``): a request that asks is added with a handle (``open``); each of its
+    tokens is adjusted (bias, penalties) and recorded as it is picked, by its place in the reply, until the reply
+    is built (``take``) and the handle closed. Log probabilities are the model's own distribution at that step
+    (a log-softmax of its logits, before bias, penalties, temperature or top-k/top-p), as OpenAI's and vLLM's
+    servers report them. Thread-safe: the batching thread records, the server's event loop reads."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._open: dict[int, tuple[int, dict]] = {}
+        self._open: dict[int, Asked] = {}
 
-    def open(self, top: int) -> int:
+    def open(self, asked: Asked) -> int:
         with self._lock:
             h = next(self._ids) % 2**31
-            self._open[h] = (top, {})
+            self._open[h] = asked
             return h
 
     def close(self, handle: int) -> None:
         with self._lock:
             self._open.pop(handle, None)
 
-    def top(self, handle: int) -> int | None:
+    def get(self, handle: int) -> Asked | None:
         with self._lock:
-            got = self._open.get(handle)
-            return None if got is None else got[0]
-
-    def record(self, handle: int, step: int, entry) -> None:
-        with self._lock:
-            got = self._open.get(handle)
-            if got is not None:  # a request whose reply was already built (cancelled) records nothing
-                got[1][step] = entry
+            return self._open.get(handle)
 
     def take(self, handle: int, start: int, stop: int) -> list:
-        """The entries of the reply's tokens ``start`` to ``stop`` (exclusive), in order; a KeyError names a
-        token that has none (it would be a defect: every token a request generates goes through the list)."""
+        """The log-probability entries of the reply's tokens ``start`` to ``stop`` (exclusive), in order; a
+        KeyError names a token that has none (a defect: every token a request generates is recorded)."""
         with self._lock:
-            entries = self._open[handle][1]
+            entries = self._open[handle].entries
             missing = [i for i in range(start, stop) if i not in entries]
             if missing:
                 raise KeyError(f"no log probabilities recorded for tokens {missing} of the reply")
@@ -111,28 +148,40 @@ class Logprobs:
             return len(self._open)
 
 
-LOGPROBS = Logprobs()  # the server's one record (kvcompile serve runs one continuous-batching manager)
+RECORDS = Records()  # the server's one record (kvcompile serve runs one continuous-batching manager)
 MAX_TOP_LOGPROBS = 20  # alternatives a token's entry may list (OpenAI's limit for chat completions; vLLM's default)
 
 
-def record_logprobs(scores: torch.Tensor, choice: torch.Tensor, rows: torch.Tensor, handles: list[int],
-                    steps: list[int], record=None) -> None:
-    """Record, for each of ``rows`` (with its request's handle and the position of the token it picks), the
-    chosen token's log probability under ``scores`` (the raw logits) and its handle's top alternatives."""
-    record = record or LOGPROBS
-    tops = [record.top(h) for h in handles]
-    keep = [j for j, t in enumerate(tops) if t is not None]
-    if not keep:
+def adjust_rows(scores: torch.Tensor, rows: list[int], asked: list[Asked], steps: list[int]) -> torch.Tensor:
+    """``scores`` with each of ``rows``' bias and penalties applied (a copy, when any row has some)."""
+    if not any(a.adjusts for a in asked):
+        return scores
+    out = scores.clone()
+    for r, a, step in zip(rows, asked, steps):
+        if a.adjusts:
+            a.adjust(out[r], step)
+    return out
+
+
+def record_rows(raw: torch.Tensor, choice: torch.Tensor, rows: list[int], asked: list[Asked],
+                steps: list[int]) -> None:
+    """Record each of ``rows``' chosen token at its step, and where its request asked, the token's log
+    probability under ``raw`` (the model's logits) and its top alternatives."""
+    lp_rows = [j for j, a in enumerate(asked) if a.top is not None]
+    ids = choice[rows].tolist()
+    for j, a in enumerate(asked):
+        a.took(steps[j], ids[j])
+    if not lp_rows:
         return
-    logp = torch.log_softmax(scores[rows[keep]].float(), -1)
-    chosen = logp.gather(1, choice[rows[keep]].unsqueeze(1)).squeeze(1).tolist()
-    k = max(tops[j] for j in keep)
+    sel = torch.tensor([rows[j] for j in lp_rows])
+    logp = torch.log_softmax(raw[sel].float(), -1)
+    chosen = logp.gather(1, choice[sel].unsqueeze(1)).squeeze(1).tolist()
+    k = max(asked[j].top for j in lp_rows)
     top_v, top_i = logp.topk(k, -1) if k else (logp[:, :0], logp[:, :0].long())
     top_v, top_i = top_v.tolist(), top_i.tolist()
-    ids = choice[rows[keep]].tolist()
-    for n, j in enumerate(keep):
-        t = tops[j]
-        record.record(handles[j], steps[j], (ids[n], chosen[n], list(zip(top_i[n][:t], top_v[n][:t]))))
+    for n, j in enumerate(lp_rows):
+        t = asked[j].top
+        asked[j].entries[steps[j]] = (ids[j], chosen[n], list(zip(top_i[n][:t], top_v[n][:t])))
 
 
 def _arg_class():
@@ -195,6 +244,12 @@ def _routed_class(base):
                                                       if isinstance(q, ContinuousBatchingLogitsProcessor))}
             arg = {q.name: logits_processor_args[rows_of[id(q)]][:n] for q in self.logits_processor
                    if isinstance(q, RequestArg)}
+            raw = scores
+            # rows whose request asked for more (``Records``): bias and penalties, log probabilities
+            recorded = [(r, a, s) for r, h, s in zip(range(n), arg["record"].tolist(), arg["step"].tolist())
+                        if h >= 0 and (a := RECORDS.get(h)) is not None]
+            if recorded:
+                scores = adjust_rows(scores, *map(list, zip(*recorded)))
             choice = scores.argmax(-1)
             rows = (arg["greedy"] == 0).nonzero().squeeze(1)  # the sampling rows
             if len(rows):
@@ -213,9 +268,8 @@ def _routed_class(base):
                     if seed >= 0:
                         drawn[j] = seeded_draw(probs[j], seed, step)
                 choice[rows] = drawn
-            asked = (arg["logprobs"] >= 0).nonzero().squeeze(1)  # rows whose request records log probabilities
-            if len(asked):
-                record_logprobs(scores, choice, asked, arg["logprobs"][asked].tolist(), arg["step"][asked].tolist())
+            if recorded:
+                record_rows(raw, choice, *map(list, zip(*recorded)))
             return torch.full_like(scores, float("-inf")).scatter_(-1, choice.unsqueeze(-1), 0.0)
 
     Routed.__name__ = Routed.__qualname__ = "Routed" + base.__name__
@@ -228,7 +282,7 @@ def add_request_args(procs) -> None:
     per-request integers it reads."""
     routed = _routed_class(type(procs))
     for name, default, kwarg in (("greedy", 1, True), ("seed", -1, True), ("step", 0, False),
-                                 ("logprobs", -1, True)):
+                                 ("record", -1, True)):
         procs.logits_processor.append(routed.RequestArg(name, default, kwarg))
         procs.tensors_required += 1
         if kwarg:

@@ -38,7 +38,7 @@ import logging
 
 import torch
 
-from .sampling import LOGPROBS, MAX_TOP_LOGPROBS, request_context, request_sampling, sampling_manager
+from .sampling import MAX_TOP_LOGPROBS, RECORDS, Asked, request_context, request_sampling, sampling_manager
 
 
 def openai_app(manager, state, *, checked: bool = False):
@@ -199,7 +199,7 @@ def check_common(body: dict) -> None:
         if v is not None and not (_is_int(v) and v >= 1):
             raise RequestError(f"'{name}' must be an integer >= 1, got {v!r}", name)
     for name, lo, hi, lo_open in (("temperature", 0, 2, False), ("top_p", 0, 1, True),
-                                  ("frequency_penalty", -2, 2, False)):
+                                  ("frequency_penalty", -2, 2, False), ("presence_penalty", -2, 2, False)):
         v = body.get(name)
         if v is not None and not (_is_number(v) and (lo < v if lo_open else lo <= v) and v <= hi):
             side = "(" if lo_open else "["
@@ -217,8 +217,8 @@ def check_common(body: dict) -> None:
         raise RequestError("'stop' must be a string or a list of non-empty strings", "stop")
     bias = body.get("logit_bias")
     if bias is not None and not (isinstance(bias, dict) and all(
-            isinstance(k, str) and k.lstrip("-").isdigit() and _is_number(v) for k, v in bias.items())):
-        raise RequestError("'logit_bias' must map token ids (as strings) to numbers", "logit_bias")
+            isinstance(k, str) and k.isdigit() and _is_number(v) and -100 <= v <= 100 for k, v in bias.items())):
+        raise RequestError("'logit_bias' must map token ids (as strings) to numbers in [-100, 100]", "logit_bias")
     check_supported(body)
     gc = body.get("generation_config")
     if gc is not None:
@@ -239,9 +239,6 @@ UNSUPPORTED = {
     "n": (lambda v: _is_int(v) and 1 <= v <= MAX_N, f"n must be an integer in [1, {MAX_N}]"),
     "best_of": (lambda v: v == 1, "one candidate per request"),
     "echo": (lambda v: v is False, "the prompt is not echoed"),
-    "presence_penalty": (lambda v: v == 0, "no presence penalty"),
-    "frequency_penalty": (lambda v: v == 0, "no frequency penalty"),
-    "logit_bias": (lambda v: v == {}, "no logit bias"),
     "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text", "free text only (no JSON "
                                                                                    "mode or schema)"),
 }
@@ -507,7 +504,7 @@ def stream_with_logprobs(streamer, handle: int) -> None:
             text = streamer._decode_stream.step(streamer._tokenizer, token_id)
             if text is None:
                 continue
-            entries = LOGPROBS.take(handle, pending[0], pending[-1] + 1)
+            entries = RECORDS.take(handle, pending[0], pending[-1] + 1)
             pending.clear()
             tokens = token_entries(streamer._tokenizer, entries, offset)
             offset = tokens[-1]["offset"] + len(tokens[-1]["token"])
@@ -595,8 +592,32 @@ async def _merged_streams(streams, request_id: str):
 
 EXTENSIONS = ("top_k",)  # request fields beyond OpenAI's that kvcompile serve reads (vLLM's spelling)
 _EXTENSIONS: contextvars.ContextVar = contextvars.ContextVar("kvcompile_extensions", default={})
-# a request that asks for log probabilities: {"handle": its ``LOGPROBS`` handle, "tokenizer": set when generated}
-_ASKED_LOGPROBS: contextvars.ContextVar = contextvars.ContextVar("kvcompile_logprobs", default=None)
+# a request that asks more of its tokens (``asked_of``): {"handle": its ``RECORDS`` handle, "logprobs": whether its
+# reply gives them, "tokenizer": set when it is generated}
+_ASKED: contextvars.ContextVar = contextvars.ContextVar("kvcompile_asked", default=None)
+
+
+ASKED_FIELDS = ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias")
+
+
+def asked_of(body: dict, chat: bool) -> Asked | None:
+    """What a request asks of its tokens beyond how they are drawn (log probabilities, penalties, a logit bias),
+    or None when nothing."""
+    asked = Asked(top=logprobs_asked(body, chat), presence=float(body.get("presence_penalty") or 0),
+                  frequency=float(body.get("frequency_penalty") or 0),
+                  bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()})
+    return asked if asked.top is not None or asked.adjusts else None
+
+
+def check_bias(asked: dict | None, model) -> None:
+    """Refuse (400) a logit bias naming a token the model does not have."""
+    if asked is None:
+        return
+    vocab = model.config.get_text_config().vocab_size
+    bad = sorted(t for t in RECORDS.get(asked["handle"]).bias if t >= vocab)
+    if bad:
+        raise RequestError(f"'logit_bias' names token ids {bad[:5]} outside the model's vocabulary (ids 0 to "
+                           f"{vocab - 1})", "logit_bias")
 
 
 async def _closing(stream, handle: int):
@@ -606,7 +627,7 @@ async def _closing(stream, handle: int):
         async for part in stream:
             yield part
     finally:
-        LOGPROBS.close(handle)
+        RECORDS.close(handle)
         close = getattr(stream, "aclose", None)
         if close is not None:
             await close()
@@ -615,7 +636,7 @@ async def _closing(stream, handle: int):
 def _checked_handlers():
     """transformers' chat-completion and completion handlers, checking each request first (``check_*``) and
     marking its generation config for ``fit_to_cache``: which field holds the prompt, whether the client set
-    the reply's length. A request that asks for log probabilities gets them in its reply (``_with_logprobs``)."""
+    the reply's length. A request that asks more of its tokens has it done (``_recorded``)."""
     from fastapi.responses import JSONResponse, StreamingResponse
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
@@ -633,36 +654,40 @@ def _checked_handlers():
                 try:
                     n = body.get("n") or 1
                     if n == 1:
-                        return await self._with_logprobs(body, request_id)
-                    return await n_choices(self._with_logprobs, body, request_id, n)
+                        return await self._recorded(body, request_id)
+                    return await n_choices(self._recorded, body, request_id, n)
                 finally:
                     _EXTENSIONS.reset(token)
 
-            async def _with_logprobs(self, body: dict, request_id: str):
-                """transformers' handler for one choice; when the request asks for log probabilities, its tokens'
-                are recorded as they are picked (``sampling.Logprobs``) and given in the reply: streamed, with
+            async def _recorded(self, body: dict, request_id: str):
+                """transformers' handler for one choice. A request that asks more of its tokens (``asked_of``: log
+                probabilities, penalties, a logit bias) is added with a ``RECORDS`` handle: its tokens are adjusted
+                and recorded as they are picked, and its log probabilities given in the reply -- streamed, with
                 each piece of text (``stream_with_logprobs``, ``_build_chunk_sse``); not, for every token of the
                 reply (``usage.completion_tokens``)."""
-                top = logprobs_asked(body, chat)
-                if top is None:
+                asked = asked_of(body, chat)
+                # done here: transformers' handler would log them as ignored (or map them to config it never reads)
+                body = {k: v for k, v in body.items() if k not in ASKED_FIELDS}
+                if asked is None:
                     return await super().handle_request(body, request_id)
-                asked = {"handle": LOGPROBS.open(top), "tokenizer": None}
-                token, streams = _ASKED_LOGPROBS.set(asked), False
+                handle = RECORDS.open(asked)
+                token = _ASKED.set({"handle": handle, "logprobs": asked.top is not None, "tokenizer": None})
+                streams = False
                 try:
                     reply = await super().handle_request(body, request_id)
                     if isinstance(reply, StreamingResponse):
-                        reply.body_iterator, streams = _closing(reply.body_iterator, asked["handle"]), True
+                        reply.body_iterator, streams = _closing(reply.body_iterator, handle), True
                         return reply
-                    if reply.status_code != 200:
+                    if reply.status_code != 200 or asked.top is None:
                         return reply
                     out = json.loads(reply.body)
-                    entries = LOGPROBS.take(asked["handle"], 0, out["usage"]["completion_tokens"])
-                    out["choices"][0]["logprobs"] = logprobs_of(token_entries(asked["tokenizer"], entries))
+                    entries = RECORDS.take(handle, 0, out["usage"]["completion_tokens"])
+                    out["choices"][0]["logprobs"] = logprobs_of(token_entries(_ASKED.get()["tokenizer"], entries))
                     return JSONResponse(out)
                 finally:
-                    _ASKED_LOGPROBS.reset(token)
+                    _ASKED.reset(token)
                     if not streams:
-                        LOGPROBS.close(asked["handle"])
+                        RECORDS.close(handle)
 
             def _build_chunk_sse(self, *args, **kw):
                 """transformers' streamed chunk; a piece of text with its tokens' log probabilities
@@ -678,10 +703,10 @@ def _checked_handlers():
             def _build_generation_config(self, body, model_generation_config, use_cb=False):
                 gen = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
                 gen._kvcompile_sampling = request_sampling({**body, **_EXTENSIONS.get()}, model_generation_config)
-                asked = _ASKED_LOGPROBS.get()
+                asked = _ASKED.get()
                 if asked is not None:
-                    gen._kvcompile_sampling["logprobs"] = asked["handle"]
-                    gen._kvcompile_logprobs = asked
+                    gen._kvcompile_sampling["record"] = asked["handle"]
+                    gen._kvcompile_asked = asked
                 stop = body.get("stop")
                 gen._kvcompile_stop = [stop] if isinstance(stop, str) else list(stop or ())
                 gen._kvcompile_open = all(body.get(f) is None for f in max_fields)
@@ -712,15 +737,17 @@ def checked_state(**kw):
         def generate_streaming(self, model, processor, inputs, gen_config, request_id, **kw):
             fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
             stops = getattr(gen_config, "_kvcompile_stop", None)
-            asked = getattr(gen_config, "_kvcompile_logprobs", None)
-            for field, on in (("stop", stops), ("logprobs", asked)):
+            asked = getattr(gen_config, "_kvcompile_asked", None)
+            check_bias(asked, model)
+            logprobs = asked is not None and asked["logprobs"]
+            for field, on in (("stop", stops), ("logprobs", logprobs)):
                 if on and kw.get("response_parser") is not None:
                     raise RequestError(f"'{field}' is not supported for this model's replies (its chat template's "
                                        f"tool-call parser reads the reply as it streams); leave it out", field)
             with request_context(gen_config):
                 queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id, **kw)
             # installed before the event loop (this thread) can deliver the request's first output
-            if asked is not None:
+            if logprobs:
                 asked["tokenizer"] = streamer._tokenizer
                 stream_with_logprobs(streamer, asked["handle"])
             if stops:
@@ -754,8 +781,9 @@ def checked_state(**kw):
             """transformers' non-streaming generation (it waits on a future its result handler resolves), with the
             client watched while it waits: a client that disconnects has its request cancelled (``watch_client``),
             as transformers' streaming handler does for a streaming one."""
-            asked = getattr(gen_config, "_kvcompile_logprobs", None)
-            if asked is not None:  # the reply's tokens are read with it (_with_logprobs)
+            asked = getattr(gen_config, "_kvcompile_asked", None)
+            check_bias(asked, model)
+            if asked is not None:  # the reply's log probabilities are read with it (_recorded)
                 asked["tokenizer"] = getattr(processor, "tokenizer", processor)._tokenizer
             if getattr(gen_config, "_kvcompile_stop", None):
                 work = self._generate_until_stop(model, processor, inputs, gen_config, request_id)
@@ -874,8 +902,9 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
                 "token_limit": cache_token_limit(cb, cb.model), "evicted": evictions.evicted,
                 # non-streaming requests cancelled because their client disconnected (watch_client)
                 "disconnected": getattr(state._cb_manager, "disconnected", 0),
-                # requests whose log probabilities are being recorded (none once every reply is out)
-                "logprobs_open": len(LOGPROBS)}
+                # requests whose tokens are being recorded (log probabilities, penalties; none once every
+                # reply is out)
+                "records_open": len(RECORDS)}
 
     return app, manager, state
 

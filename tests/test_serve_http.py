@@ -377,9 +377,8 @@ def test_each_request_samples_as_it_asks(tiny_server):
 
 
 UNSUPPORTED = {  # field: (value asking for what the server does not do, the endpoint)
-    "n": (17, "chat/completions"), "presence_penalty": (0.5, "chat/completions"),
-    "frequency_penalty": (0.5, "chat/completions"), "logit_bias": ({"5": 3}, "chat/completions"),
-    "response_format": ({"type": "json_object"}, "chat/completions"), "echo": (True, "completions"),
+    "n": (17, "chat/completions"), "response_format": ({"type": "json_object"}, "chat/completions"),
+    "echo": (True, "completions"),
     "best_of": (2, "completions"),
 }
 
@@ -396,8 +395,7 @@ def test_a_field_the_server_would_ignore_is_refused(tiny_server, field):
     r = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, field: value})
     err = assert_openai_error(r, field)
     assert "not supported" in err["message"]
-    neutral = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0,
-               "logit_bias": {}, "response_format": {"type": "text"}, "echo": False, "best_of": 1}
+    neutral = {"n": 1, "response_format": {"type": "text"}, "echo": False, "best_of": 1}
     if field in neutral:
         r = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, field: neutral[field]})
         assert r.status_code == 200, r.text
@@ -645,7 +643,7 @@ def test_log_probabilities_are_the_models_own(tiny_server):
     assert sum((p["tokens"] for p in pieces), []) == lp["tokens"]
     assert sum((p["text_offset"] for p in pieces), []) == lp["text_offset"]
     assert sum((p["token_logprobs"] for p in pieces), []) == pytest.approx(lp["token_logprobs"], abs=1e-4)
-    assert stats(base)["logprobs_open"] == 0
+    assert stats(base)["records_open"] == 0
 
 
 def test_chat_log_probabilities_through_the_openai_client(tiny_server):
@@ -688,7 +686,7 @@ def test_chat_log_probabilities_through_the_openai_client(tiny_server):
     got = [t for chunk in client.chat.completions.create(**ask, logprobs=True, stop=[texts[k]], stream=True)
            for c in chunk.choices if c.logprobs is not None for t in c.logprobs.content]
     assert [t.token for t in got[:k]] == texts[:k]  # the tokens of the text sent (the stop string's is not)
-    assert stats(base)["logprobs_open"] == 0
+    assert stats(base)["records_open"] == 0
 
 
 @pytest.mark.parametrize("endpoint, fields, param", [
@@ -722,7 +720,58 @@ def test_a_client_that_disconnects_from_a_stream_with_log_probabilities_frees_ev
             for line in r.iter_lines():
                 chunks += line.startswith("data: {")
                 if chunks >= 4:
-                    assert stats(base)["logprobs_open"] == 1
+                    assert stats(base)["records_open"] == 1
                     break
     wait_idle(base, idle, 30)
-    assert stats(base)["logprobs_open"] == 0
+    assert stats(base)["records_open"] == 0
+
+
+def test_penalties_and_a_logit_bias_as_openai_applies_them(tiny_server):
+    """Greedy completions with ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` give the
+    unmodified model's greedy tokens under OpenAI's formula (``logit + bias - frequency * count - presence *
+    (count > 0)`` over the reply so far, computed here step by step), each a different reply from the plain
+    greedy one; the log probabilities they report stay the model's own. Out-of-range values are a 400."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvcompile.serve import token_bytes
+
+    base, name = tiny_server
+    tok = AutoTokenizer.from_pretrained(name)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+    prompt, new = "Once upon a time", 8
+    ids = tok(prompt, return_tensors="pt").input_ids
+
+    def greedy(frequency=0.0, presence=0.0, bias=None):
+        out, lps = [], []
+        with torch.no_grad():
+            for _ in range(new):
+                logits = model(torch.cat([ids, torch.tensor([out], dtype=torch.long)], 1)).logits[0, -1].float()
+                lps.append(torch.log_softmax(logits, -1))
+                logits = logits.clone()
+                for t, v in (bias or {}).items():
+                    logits[t] += v
+                for t in set(out):
+                    logits[t] -= frequency * out.count(t) + presence
+                out.append(int(logits.argmax()))
+        return out, [float(lp[t]) for lp, t in zip(lps, out)]
+
+    plain, _ = greedy()
+    asks = [({"frequency_penalty": 1.5}, dict(frequency=1.5)), ({"presence_penalty": 2.0}, dict(presence=2.0)),
+            ({"logit_bias": {str(plain[0]): -100}}, dict(bias={plain[0]: -100.0})),
+            ({"logit_bias": {"1234": 30}, "frequency_penalty": 0.5}, dict(bias={1234: 30.0}, frequency=0.5))]
+    for fields, kw in asks:
+        want, want_lp = greedy(**kw)
+        assert want != plain, fields  # the fields change this model's reply: the check below can fail
+        r = httpx.post(f"{base}/v1/completions", timeout=120,
+                       json={"model": name, "prompt": prompt, "max_tokens": new, "logprobs": 0, **fields})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        assert lp["tokens"] == [token_bytes(tok.backend_tokenizer, t).decode("utf-8", "replace") for t in want], fields
+        assert lp["token_logprobs"] == pytest.approx(want_lp, abs=1e-4)
+    for fields, param in (({"logit_bias": {"999999": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+                          ({"logit_bias": {"-5": 1}}, "logit_bias"), ({"presence_penalty": 2.5}, "presence_penalty"),
+                          ({"frequency_penalty": "high"}, "frequency_penalty")):
+        r = httpx.post(f"{base}/v1/completions", timeout=120,
+                       json={"model": name, "prompt": prompt, "max_tokens": 3, **fields})
+        assert_openai_error(r, param)
+    assert stats(base)["records_open"] == 0

@@ -11,7 +11,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from kvcompile.sampling import LOGPROBS, NO_TOP_K, add_request_args, request_sampling, seeded_draw
+from kvcompile.sampling import NO_TOP_K, RECORDS, Asked, add_request_args, request_sampling, seeded_draw
 
 GREEDY = {"greedy": 1, "temperature": 1.0, "top_p": 1.0, "top_k": NO_TOP_K, "seed": -1}
 
@@ -47,8 +47,8 @@ def processors():
 
 
 def arguments(rows: list[dict], steps: list[int], handles=None) -> torch.Tensor:
-    """The argument rows transformers fills: temperature, top_k, top_p, greedy, seed, step, logprobs (a
-    ``LOGPROBS`` handle, -1: none)."""
+    """The argument rows transformers fills: temperature, top_k, top_p, greedy, seed, step, record (a
+    ``RECORDS`` handle, -1: none)."""
     a = torch.empty(7, len(rows), dtype=torch.int32)
     a[0] = torch.tensor([r["temperature"] for r in rows], dtype=torch.float32).view(torch.int32)
     a[1] = torch.tensor([r["top_k"] for r in rows], dtype=torch.int32)
@@ -111,23 +111,59 @@ def test_rows_that_ask_record_their_tokens_log_probabilities():
     torch.manual_seed(2)
     V = 300
     scores = torch.randn(4, V) * 2
-    h3, h0, h5 = LOGPROBS.open(3), LOGPROBS.open(0), LOGPROBS.open(5)
+    h3, h0, h5 = RECORDS.open(Asked(top=3)), RECORDS.open(Asked(top=0)), RECORDS.open(Asked(top=5))
     try:
         rows = [GREEDY, sampled(seed=5, temperature=1.5), GREEDY, sampled(top_k=4)]
         got = picks(processors(), scores, rows, [4, 0, 9, 2], handles=[h3, h0, -1, h5])
         logp = torch.log_softmax(scores, -1)
         for row, handle, step, top in ((0, h3, 4, 3), (1, h0, 0, 0), (3, h5, 2, 5)):
-            [(token, lp, alternatives)] = LOGPROBS.take(handle, step, step + 1)
+            [(token, lp, alternatives)] = RECORDS.take(handle, step, step + 1)
             assert token == got[row] and lp == pytest.approx(float(logp[row, token]), abs=1e-6)
             want = logp[row].topk(top)
             assert [i for i, _ in alternatives] == want.indices.tolist()
             assert [v for _, v in alternatives] == pytest.approx(want.values.tolist(), abs=1e-6)
         assert alternatives[0][1] >= alternatives[-1][1]
         with pytest.raises(KeyError, match=r"tokens \[3\]"):
-            LOGPROBS.take(h3, 3, 5)  # the token before was never picked
+            RECORDS.take(h3, 3, 5)  # the token before was never picked
     finally:
         for h in (h3, h0, h5):
-            LOGPROBS.close(h)
-    assert len(LOGPROBS) == 0
+            RECORDS.close(h)
+    assert len(RECORDS) == 0
     picks(processors(), scores[:1], [GREEDY], [5], handles=[h3])  # a closed record takes nothing
-    assert len(LOGPROBS) == 0
+    assert len(RECORDS) == 0
+
+
+def test_penalties_and_a_logit_bias_adjust_a_rows_logits():
+    """OpenAI's penalties over the tokens a request generated before (``logit - frequency * count - presence *
+    (count > 0)``) and its logit bias change what the row picks, greedy or sampled, and not the log
+    probabilities it reports (the model's own); rows of other requests are untouched."""
+    V = 50
+    scores = torch.zeros(2, V)
+    scores[:, 10], scores[:, 11], scores[:, 12] = 3.0, 2.5, 2.0  # the same logits at every step
+    steps = 4
+
+    def run(asked, rows=(GREEDY, GREEDY)):
+        h = RECORDS.open(asked)
+        try:
+            picked = [picks(processors(), scores, list(rows), [k, k], handles=[h, -1]) for k in range(steps)]
+            return [p[0] for p in picked], [p[1] for p in picked], asked
+        finally:
+            RECORDS.close(h)
+
+    mine, other, _ = run(Asked())
+    assert mine == other == [10] * steps
+    mine, other, _ = run(Asked(frequency=0.3))  # 10 once: 2.7 > 2.5; twice: 2.4 < 2.5 ...
+    assert mine == [10, 10, 11, 10] and other == [10] * steps
+    mine, _, _ = run(Asked(presence=1.2))  # 10 (3.0), 11 (2.5 > 1.8), 12 (2.0 > 1.8), 10 (1.8 > 1.3, 0.8)
+    assert mine == [10, 11, 12, 10]
+    mine, _, asked = run(Asked(bias={40: 5.0}, top=1))  # a bias lifts token 40 above all
+    assert mine == [40] * steps
+    [(token, lp, [(best, best_lp)])] = [asked.entries[0]]
+    assert token == 40 and best == 10  # the reported log probabilities are the model's own
+    assert lp == pytest.approx(float(torch.log_softmax(scores[0], -1)[40]))
+    mine, _, _ = run(Asked(bias={10: -100.0}))
+    assert mine == [11] * steps
+    torch.manual_seed(0)
+    mine, _, _ = run(Asked(bias={10: -100.0, 11: -100.0, 12: -100.0}),
+                     rows=(sampled(top_k=1), GREEDY))  # sampled: drawn from the adjusted logits
+    assert all(t not in (10, 11, 12) for t in mine)
