@@ -17,7 +17,10 @@ what the cache holds. Each request decodes as it asks (``kvcompile.sampling``: g
 and top-k, in one batch with the others; transformers' manager applied its first request's to all), and a
 field asking for what the server does not do (``UNSUPPORTED``: ``logprobs``, penalties ...) is a 400 rather
 than ignored. ``stop`` strings end a reply, streaming or not (``StopAt``); ``n`` choices are ``n`` requests in
-the batch (``n_choices``), streamed as one stream or not.
+the batch (``n_choices``), streamed as one stream or not. Log probabilities, penalties and a logit bias are
+done per request where its tokens are picked (``kvcompile.sampling.Records``). The Responses API
+(``/v1/responses``) is checked (``check_response``) and sampled per request alike, and answers with one JSON
+object unless asked to stream.
 
 A streaming client that disconnects has its request cancelled by transformers' handler (its generator is
 closed), and the request's pages and slot come back; a non-streaming client that disconnects (gives up waiting,
@@ -53,7 +56,7 @@ def openai_app(manager, state, *, checked: bool = False):
     from transformers.cli.serving.transcription import TranscriptionHandler
 
     if checked:
-        ChatCompletionHandler, CompletionHandler = _checked_handlers()
+        ChatCompletionHandler, CompletionHandler, ResponseHandler = _checked_handlers()
     app = build_server(
         manager, ChatCompletionHandler(model_manager=manager, generation_state=state),
         completion_handler=CompletionHandler(model_manager=manager, generation_state=state),
@@ -342,6 +345,40 @@ def check_completion(body: dict) -> None:
     logprobs_asked(body, chat=False)
 
 
+def check_response(body: dict) -> None:
+    """A Responses API request (``/v1/responses``): its ``input`` (a string, or a list of items whose messages
+    are checked as chat messages), ``instructions``, ``max_output_tokens``; what the server cannot do is a 400:
+    ``previous_response_id`` (it stores no responses: send the conversation as ``input``), ``background``, log
+    probabilities, a structured ``text`` format."""
+    inp = body.get("input")
+    if not ((isinstance(inp, str) and inp) or (isinstance(inp, list) and inp)):
+        raise RequestError(f"'input' must be a non-empty string or list of input items, got {inp!r}"[:200], "input")
+    if isinstance(inp, list):
+        if not all(isinstance(item, dict) for item in inp):
+            raise RequestError("'input' items must be objects", "input")
+        messages = [item for item in inp if "role" in item]
+        if messages:
+            try:
+                check_chat({"messages": messages})
+            except RequestError as e:
+                raise RequestError(e.message.replace("messages[", "input message["), "input") from None
+    if body.get("instructions") is not None and not isinstance(body["instructions"], str):
+        raise RequestError("'instructions' must be a string", "instructions")
+    v = body.get("max_output_tokens")
+    if v is not None and not (_is_int(v) and v >= 1):
+        raise RequestError(f"'max_output_tokens' must be an integer >= 1, got {v!r}", "max_output_tokens")
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    for name, fine, does in (
+            ("previous_response_id", body.get("previous_response_id") is None,
+             "this server stores no responses; send the whole conversation as 'input'"),
+            ("background", not body.get("background"), "replies are generated while the request waits"),
+            ("top_logprobs", not body.get("top_logprobs"), "log probabilities are given by /v1/chat/completions"),
+            ("text", fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"),
+             "free text only (no JSON mode or schema)")):
+        if not fine:
+            raise RequestError(f"'{name}' is not supported by this server ({does}); leave it out", name)
+
+
 def cache_token_limit(cb, model) -> int:
     """Tokens one request may hold: every page of the cache (transformers' scheduler reads and allocates at
     most that for one request), and no more than the model's positions."""
@@ -365,9 +402,10 @@ def fit_to_cache(cb, model, inputs: dict, gen_config, param: str) -> None:
     if getattr(gen_config, "_kvcompile_open", False):
         gen_config.max_new_tokens = min(gen_config.max_new_tokens, limit - n)
     elif n + gen_config.max_new_tokens > limit:
-        raise RequestError(f"prompt of {n} tokens plus max_tokens={gen_config.max_new_tokens} exceeds what this "
-                           f"server's cache holds for one request ({limit} tokens); lower max_tokens to at most "
-                           f"{limit - n}", "max_tokens", code="context_length_exceeded")
+        field = getattr(gen_config, "_kvcompile_max_field", "max_tokens")
+        raise RequestError(f"prompt of {n} tokens plus {field}={gen_config.max_new_tokens} exceeds what this "
+                           f"server's cache holds for one request ({limit} tokens); lower {field} to at most "
+                           f"{limit - n}", field, code="context_length_exceeded")
 
 
 # --------------------------------------------------------------------------- stop strings
@@ -640,6 +678,7 @@ def _checked_handlers():
     from fastapi.responses import JSONResponse, StreamingResponse
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
+    from transformers.cli.serving.response import ResponseHandler
 
     def checked(handler_cls, check, prompt_field, max_fields, chat):
         logprobs_of = chat_logprobs if chat else completion_logprobs
@@ -648,6 +687,10 @@ def _checked_handlers():
             async def handle_request(self, body: dict, request_id: str):
                 check_common(body)
                 check(body)
+                if handler_cls is ResponseHandler:
+                    # OpenAI's Responses API answers with one JSON object unless asked to stream (transformers'
+                    # handler streamed unless asked not to)
+                    return await super().handle_request({**body, "stream": body.get("stream", False)}, request_id)
                 # fields of ours that transformers' handler would answer 422 (unexpected): read here, passed aside
                 token = _EXTENSIONS.set({k: body[k] for k in EXTENSIONS if k in body})
                 body = {k: v for k, v in body.items() if k not in EXTENSIONS}
@@ -710,6 +753,7 @@ def _checked_handlers():
                 stop = body.get("stop")
                 gen._kvcompile_stop = [stop] if isinstance(stop, str) else list(stop or ())
                 gen._kvcompile_open = all(body.get(f) is None for f in max_fields)
+                gen._kvcompile_max_field = max_fields[0]
                 gen._kvcompile_prompt = prompt_field
                 return gen
 
@@ -717,7 +761,8 @@ def _checked_handlers():
         return Checked
 
     return (checked(ChatCompletionHandler, check_chat, "messages", ("max_tokens", "max_completion_tokens"), True),
-            checked(CompletionHandler, check_completion, "prompt", ("max_tokens",), False))
+            checked(CompletionHandler, check_completion, "prompt", ("max_tokens",), False),
+            checked(ResponseHandler, check_response, "input", ("max_output_tokens",), True))
 
 
 def checked_state(**kw):

@@ -775,3 +775,37 @@ def test_penalties_and_a_logit_bias_as_openai_applies_them(tiny_server):
                        json={"model": name, "prompt": prompt, "max_tokens": 3, **fields})
         assert_openai_error(r, param)
     assert stats(base)["records_open"] == 0
+
+
+# --------------------------------------------------------------------------- the Responses API
+def test_responses_through_the_openai_client(tiny_server):
+    """``client.responses.create``: one JSON response unless asked to stream (OpenAI's default; transformers'
+    handler streamed regardless), its greedy text the chat endpoint's for the same conversation, streamed the
+    same text; a temperature samples (transformers' manager applied its first request's sampling to all); bad
+    input and what the server cannot do are 400s naming the field."""
+    import openai
+
+    base, name = tiny_server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    r = client.responses.create(model=name, input="Tell me a story", max_output_tokens=8)
+    assert r.status == "completed" and r.usage.output_tokens == 8
+    greedy = r.output_text
+    assert greedy == reply(base, name)  # the same conversation through chat completions
+    events = list(client.responses.create(model=name, input=[{"role": "user", "content": "Tell me a story"}],
+                                          max_output_tokens=8, stream=True))
+    assert events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == greedy
+    sampled = {client.responses.create(model=name, input="Tell me a story", max_output_tokens=8,
+                                       temperature=2.0).output_text for _ in range(4)}
+    assert len(sampled) >= 3, sampled
+    assert client.responses.create(model=name, input="Tell me a story", max_output_tokens=8).output_text == greedy
+    for fields, param in (({"input": ""}, "input"), ({"input": 5}, "input"),
+                          ({"input": [{"role": "robot", "content": "Hi"}]}, "input"),
+                          ({"max_output_tokens": 0}, "max_output_tokens"),
+                          ({"max_output_tokens": 10**6}, "max_output_tokens"),
+                          ({"previous_response_id": "resp_1"}, "previous_response_id"),
+                          ({"top_logprobs": 2}, "top_logprobs"),
+                          ({"text": {"format": {"type": "json_object"}}}, "text")):
+        body = {"model": name, "input": "Hi", "max_output_tokens": 4, **fields}
+        assert_openai_error(httpx.post(f"{base}/v1/responses", timeout=120, json=body), param)
+    assert stats(base)["requests"] == 0
