@@ -811,8 +811,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_calibrate)
 
     s = sub.add_parser("serve", help="OpenAI-compatible server: continuous batching over the quantized cache",
-                       description="transformers' OpenAI-compatible server (chat completions and completions, "
-                                   "streaming and not) with its continuous batching over kvcompile's cache.")
+                       description="transformers' OpenAI-compatible server (chat completions, completions and "
+                                   "responses, streaming and not) with its continuous batching over kvcompile's "
+                                   "cache. Under torchrun with N processes the model is sharded over them "
+                                   "(tp_plan='auto'; rank 0 serves HTTP, --budget-mib is per rank).")
     s.add_argument("--model", default=None, help=MODEL_HELP)
     s.add_argument("--policy", type=_policy_arg, default=None,
                    help="SCHEME:BITS, e.g. kivi:4 (or kivi4; int8, fp8 and full as they are), or a policy "

@@ -38,6 +38,9 @@ import asyncio
 import contextvars
 import json
 import logging
+import os
+import random
+import time
 
 import torch
 
@@ -709,6 +712,10 @@ def _checked_handlers():
                 each piece of text (``stream_with_logprobs``, ``_build_chunk_sse``); not, for every token of the
                 reply (``usage.completion_tokens``)."""
                 asked = asked_of(body, chat)
+                if _TENSOR_PARALLEL and asked is not None and asked.adjusts:
+                    field = next(f for f in ("presence_penalty", "frequency_penalty", "logit_bias") if body.get(f))
+                    raise RequestError(f"'{field}' is not supported when serving under tensor parallelism (every "
+                                       f"rank picks each token); leave it out", field)
                 # done here: transformers' handler would log them as ignored (or map them to config it never reads)
                 body = {k: v for k, v in body.items() if k not in ASKED_FIELDS}
                 if asked is None:
@@ -746,6 +753,9 @@ def _checked_handlers():
             def _build_generation_config(self, body, model_generation_config, use_cb=False):
                 gen = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
                 gen._kvcompile_sampling = request_sampling({**body, **_EXTENSIONS.get()}, model_generation_config)
+                if _TENSOR_PARALLEL and not gen._kvcompile_sampling["greedy"] and gen._kvcompile_sampling["seed"] < 0:
+                    # every rank picks each token: a seeded draw is the same on all of them (seeded_draw)
+                    gen._kvcompile_sampling["seed"] = random.getrandbits(31)
                 asked = _ASKED.get()
                 if asked is not None:
                     gen._kvcompile_sampling["record"] = asked["handle"]
@@ -892,12 +902,14 @@ class EvictionCounter(logging.Handler):
 
 
 def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests: int | None = None,
-              max_batch_tokens: int = 256, dtype: torch.dtype = torch.float32, prefix_sharing: bool = True):
+              max_batch_tokens: int = 256, dtype: torch.dtype = torch.float32, prefix_sharing: bool = True,
+              tensor_parallel: bool = False):
     """The FastAPI app (and its model manager) serving ``model_dir`` (a local Hugging Face directory) with
     continuous batching over kvcompile's cache under ``policy``; ``prefix_sharing``: prompts that begin alike
-    share pages where the policy allows it (``serving.shares_pages``)."""
+    share pages where the policy allows it (``serving.shares_pages``); ``tensor_parallel``: the model is loaded
+    sharded over the ranks of the initialized process group (``tp_plan="auto"``; ``run_tensor_parallel``)."""
     from transformers import ContinuousBatchingConfig
-    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.model_manager import ModelManager, split_revision
 
     from . import serving
     from .api import apply
@@ -907,8 +919,16 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
     class KVCompileModelManager(ModelManager):
         """transformers' model manager; every model it loads is prepared by ``kvcompile.apply``."""
 
-        def _load_model(self, *args, **kwargs):
-            model = super()._load_model(*args, **kwargs)
+        def _load_model(self, model_id_and_revision, *args, **kwargs):
+            if tensor_parallel:  # transformers' manager loads onto one device; sharded, as from_pretrained does it
+                from transformers import AutoModelForCausalLM
+
+                model_id, revision = split_revision(model_id_and_revision)
+                model = AutoModelForCausalLM.from_pretrained(model_id, revision=revision, dtype=self.dtype,
+                                                             attn_implementation=self.attn_implementation,
+                                                             tp_plan="auto")
+            else:
+                model = super()._load_model(model_id_and_revision, *args, **kwargs)
             model = apply(model.eval(), policy)
             serving.configure(model, budget=budget, max_requests=max_requests)
             # prompts that begin alike share pages where the policy's pages hold all their tokens
@@ -921,6 +941,7 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
     state = checked_state(continuous_batching=True, compile=False, cb_config=cb_config)
     app = openai_app(manager, state, checked=True)
     app.state.prefix_sharing = cb_config.allow_block_sharing  # set when the model was loaded (force_model)
+    app.state.cb_config = cb_config
     evictions = EvictionCounter()
 
     @app.get("/kvcompile/stats")
@@ -955,8 +976,12 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
 
 
 def run(model_dir: str, policy, host: str = "127.0.0.1", port: int = 8000, **kw) -> None:
+    """Serve until stopped; launched by torchrun with several processes, sharded over them
+    (``run_tensor_parallel``)."""
     import uvicorn
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return run_tensor_parallel(model_dir, policy, host, port, **kw)
     app, manager, state = build_app(model_dir, policy, **kw)
     sharing = app.state.prefix_sharing
     print(f"kvcompile serve: {model_dir} under {policy} on http://{host}:{port}/v1 (model name: {model_dir!r}; "
@@ -966,3 +991,45 @@ def run(model_dir: str, policy, host: str = "127.0.0.1", port: int = 8000, **kw)
     finally:
         state.shutdown()
         manager.shutdown()
+
+
+# set by run_tensor_parallel: requests are served by every rank of a process group together
+_TENSOR_PARALLEL = False
+
+
+def run_tensor_parallel(model_dir: str, policy, host: str, port: int, **kw) -> None:
+    """``torchrun --nproc_per_node N -m kvcompile serve ...``: the model sharded over the N ranks (``tp_plan=
+    "auto"``, each rank's cache holding its KV heads), transformers' continuous batching on every rank. Rank 0
+    serves HTTP and is the engine's driver: the requests it adds reach the other ranks' engines at their next
+    step (transformers broadcasts them), which step with it; every rank starts its engine at startup, with the
+    same configuration. Each rank draws a sampled token by the request's seed (one is given to a request that
+    has none), so that the ranks pick the same tokens; penalties and a logit bias, which only rank 0's records
+    hold, are refused (``_recorded``)."""
+    import torch.distributed as dist
+    import uvicorn
+
+    global _TENSOR_PARALLEL
+    _TENSOR_PARALLEL = True
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    app = manager = state = None
+    try:
+        app, manager, state = build_app(model_dir, policy, tensor_parallel=True, **kw)
+        model, _ = manager.load_model_and_processor(model_dir)
+        if rank == 0:
+            state.get_manager(model_dir, use_cb=True).init_cb(model, model.generation_config)
+            print(f"kvcompile serve: {model_dir} under {policy}, sharded over {world} ranks, on "
+                  f"http://{host}:{port}/v1 (model name: {model_dir!r}; prefix sharing "
+                  f"{'on' if app.state.prefix_sharing else 'off'})", flush=True)
+            uvicorn.run(app, host=host, port=port, log_level="warning")
+        else:
+            cb = sampling_manager(model, model.generation_config, app.state.cb_config)
+            cb.start()
+            while cb.is_running():
+                time.sleep(0.5)
+    finally:
+        if state is not None:
+            state.shutdown()
+        if manager is not None:
+            manager.shutdown()
+        dist.destroy_process_group()

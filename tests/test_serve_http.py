@@ -32,13 +32,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*args):
-    """``kvcompile serve *args`` on a free loopback port, once it answers: ``(proc, base url)``."""
+def start_server(*args, launcher=()):
+    """``kvcompile serve *args`` on a free loopback port, once it answers: ``(proc, base url)``; ``launcher``:
+    the command that runs the module (default: this Python), e.g. torchrun's."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a server that logs much never blocks on it
-    proc = subprocess.Popen([sys.executable, "-m", "kvcompile", "serve", *map(str, args), "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen([*(launcher or [sys.executable]), "-m", "kvcompile", "serve", *map(str, args),
+                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)  # its own process group: stop_server ends torchrun's workers too
     proc.log = log
     base = f"http://127.0.0.1:{port}"
     try:
@@ -61,13 +63,21 @@ def start_server(*args):
 
 
 def stop_server(proc) -> str:
-    """Stop the server; its output."""
-    proc.terminate()
+    """Stop the server (and any process it started); its output."""
+    import signal
+
     try:
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+    try:  # workers left behind by a launcher that exited first
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     proc.log.seek(0)
     out = proc.log.read()
     proc.log.close()
@@ -809,3 +819,74 @@ def test_responses_through_the_openai_client(tiny_server):
         body = {"model": name, "input": "Hi", "max_output_tokens": 4, **fields}
         assert_openai_error(httpx.post(f"{base}/v1/responses", timeout=120, json=body), param)
     assert stats(base)["requests"] == 0
+
+
+# --------------------------------------------------------------------------- sharded over two processes
+def test_serving_sharded_over_two_processes(tiny_dir):
+    """``torchrun --nproc_per_node 2 -m kvcompile serve``: the model sharded over two gloo ranks (each rank's
+    cache its KV heads), rank 0 serving HTTP. Under ``Policy.full()`` greedy replies, asked at once, are the
+    unmodified model's ``generate`` tokens, and a seeded sampled reply is the unsharded model's draw by the same
+    rule (every rank must pick the same tokens for that: a rank that drew otherwise would corrupt the next
+    step's attention); log probabilities come back; a logit bias is refused (only rank 0 holds it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvcompile.sampling import seeded_draw
+
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    proc, base = start_server("--model", tiny_dir, "--policy", "full", "--budget-mib", 2, launcher=launcher)
+    name = str(tiny_dir)
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+        prompts = ["Once upon a time", "The capital of France is", "def fib(n):", "Hello"]
+
+        def complete(prompt, **kw):
+            r = httpx.post(f"{base}/v1/completions", timeout=120,
+                           json={"model": name, "prompt": prompt, "max_tokens": 8, **kw})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(complete, prompts))
+        for prompt, choice in zip(prompts, got):
+            ids = tok(prompt, return_tensors="pt").input_ids
+            want = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+            assert choice["text"] == tok.decode(want, skip_special_tokens=True), prompt
+
+        ids = tok(prompts[0], return_tensors="pt").input_ids[0].tolist()
+        with torch.no_grad():
+            for step in range(8):
+                logits = model(torch.tensor([ids])).logits[0, -1].float()
+                ids.append(seeded_draw(torch.softmax(logits / 0.8, -1), 7, step))
+        sampled = complete(prompts[0], temperature=0.8, seed=7)["text"]
+        assert sampled == tok.decode(ids[-8:], skip_special_tokens=True)
+
+        # sampled without a seed, two at once: each reply's log probabilities (rank 0's logits) are the unsharded
+        # model's over the reply's tokens (read by their bytes), which they are not once the ranks picked
+        # different tokens
+        from kvcompile.serve import token_bytes
+        id_of = {bytes(token_bytes(tok.backend_tokenizer, i)): i for i in range(len(tok))}
+        messages = [{"role": "user", "content": prompts[2]}]
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+            "model": name, "messages": messages, "max_tokens": 8, "temperature": 1.0, "n": 2, "logprobs": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
+        for choice in r.json()["choices"]:
+            ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"])
+            for entry in choice["logprobs"]["content"]:
+                with torch.no_grad():
+                    logits = model(torch.tensor([ids])).logits[0, -1].float()
+                ids.append(id_of[bytes(entry["bytes"])])
+                assert entry["logprob"] == pytest.approx(float(torch.log_softmax(logits, -1)[ids[-1]]), abs=1e-4)
+        lp = complete(prompts[1], logprobs=2)["logprobs"]
+        assert len(lp["tokens"]) == 8 and all(v <= 0 for v in lp["token_logprobs"])
+        r = httpx.post(f"{base}/v1/completions", timeout=120,
+                       json={"model": name, "prompt": "Hi", "max_tokens": 3, "logit_bias": {"5": 3}})
+        assert_openai_error(r, "logit_bias")
+        assert stats(base)["requests"] == 0
+    finally:
+        out = stop_server(proc)
+    assert "sharded over 2 ranks" in out
