@@ -244,7 +244,6 @@ MAX_N = 16  # choices one request may ask for (each is a request of its own in t
 UNSUPPORTED = {
     "n": (lambda v: _is_int(v) and 1 <= v <= MAX_N, f"n must be an integer in [1, {MAX_N}]"),
     "best_of": (lambda v: v == 1, "one candidate per request"),
-    "echo": (lambda v: v is False, "the prompt is not echoed"),
     "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text", "free text only (no JSON "
                                                                                    "mode or schema)"),
 }
@@ -346,6 +345,12 @@ def check_completion(body: dict) -> None:
     if body.get("suffix") is not None and not isinstance(body["suffix"], str):
         raise RequestError("'suffix' must be a string", "suffix")
     logprobs_asked(body, chat=False)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise RequestError(f"'echo' must be true or false, got {echo!r}", "echo")
+    if echo and body.get("logprobs") is not None:
+        raise RequestError("'echo' with 'logprobs' would give the prompt's log probabilities, which continuous "
+                           "batching does not compute; ask for one of them", "echo")
 
 
 def check_response(body: dict) -> None:
@@ -661,6 +666,19 @@ def check_bias(asked: dict | None, model) -> None:
                            f"{vocab - 1})", "logit_bias")
 
 
+async def _after(first: str, stream):
+    """``first``, then the events of ``stream`` (closed with this stream: transformers' then cancels its
+    request)."""
+    try:
+        yield first
+        async for part in stream:
+            yield part
+    finally:
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            await close()
+
+
 async def _closing(stream, handle: int):
     """A streamed reply's events; once it ends (or its client goes away) the request's log-probability record
     is closed and the reply's own stream closed (transformers' stream then cancels its request)."""
@@ -706,6 +724,23 @@ def _checked_handlers():
                     _EXTENSIONS.reset(token)
 
             async def _recorded(self, body: dict, request_id: str):
+                """One choice (``_asked``); a completion asking for ``echo`` has its prompt in front of its text
+                (streamed: the first piece)."""
+                if chat or not body.get("echo"):
+                    return await self._asked(body, request_id)
+                prompt = body["prompt"]
+                reply = await self._asked({k: v for k, v in body.items() if k != "echo"}, request_id)
+                if isinstance(reply, StreamingResponse):
+                    first = self._build_chunk_sse(request_id, body["model"], text=prompt)
+                    reply.body_iterator = _after(first, reply.body_iterator)
+                    return reply
+                if reply.status_code != 200:
+                    return reply
+                out = json.loads(reply.body)
+                out["choices"][0]["text"] = prompt + out["choices"][0]["text"]
+                return JSONResponse(out)
+
+            async def _asked(self, body: dict, request_id: str):
                 """transformers' handler for one choice. A request that asks more of its tokens (``asked_of``: log
                 probabilities, penalties, a logit bias) is added with a ``RECORDS`` handle: its tokens are adjusted
                 and recorded as they are picked, and its log probabilities given in the reply -- streamed, with

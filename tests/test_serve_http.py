@@ -388,7 +388,6 @@ def test_each_request_samples_as_it_asks(tiny_server):
 
 UNSUPPORTED = {  # field: (value asking for what the server does not do, the endpoint)
     "n": (17, "chat/completions"), "response_format": ({"type": "json_object"}, "chat/completions"),
-    "echo": (True, "completions"),
     "best_of": (2, "completions"),
 }
 
@@ -890,3 +889,20 @@ def test_serving_sharded_over_two_processes(tiny_dir):
     finally:
         out = stop_server(proc)
     assert "sharded over 2 ranks" in out
+
+
+def test_a_completion_echoes_its_prompt(tiny_server):
+    """``echo``: the prompt in front of the generated text, streamed (its first piece) or not, for each of ``n``
+    choices; with ``logprobs`` it is a 400 (the prompt's log probabilities are not computed)."""
+    base, name = tiny_server
+    body = {"model": name, "prompt": "Once upon a time", "max_tokens": 6}
+    plain = httpx.post(f"{base}/v1/completions", timeout=120, json=body).json()["choices"][0]["text"]
+    r = httpx.post(f"{base}/v1/completions", timeout=120, json={**body, "echo": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "Once upon a time" + plain
+    assert r.json()["usage"]["completion_tokens"] == 6
+    r = httpx.post(f"{base}/v1/completions", timeout=120, json={**body, "echo": True, "stream": True})
+    assert streamed_text(r) == ("Once upon a time" + plain, "length")
+    r = httpx.post(f"{base}/v1/completions", timeout=120, json={**body, "echo": True, "n": 2})
+    assert [c["text"] for c in r.json()["choices"]] == ["Once upon a time" + plain] * 2
+    for fields in ({"echo": True, "logprobs": 1}, {"echo": "yes"}):
+        assert_openai_error(httpx.post(f"{base}/v1/completions", timeout=120, json={**body, **fields}), "echo")
