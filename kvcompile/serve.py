@@ -15,12 +15,13 @@ they reach them, so bad input is a 4xx in OpenAI's error shape (``{"error": {"me
 request larger than the whole cache, stops its worker for good). Without ``max_tokens`` a reply is capped to
 what the cache holds. Each request decodes as it asks (``kvcompile.sampling``: greedy or its temperature, top-p
 and top-k, in one batch with the others; transformers' manager applied its first request's to all), and a
-field asking for what the server does not do (``UNSUPPORTED``: ``logprobs``, penalties ...) is a 400 rather
-than ignored. ``stop`` strings end a reply, streaming or not (``StopAt``); ``n`` choices are ``n`` requests in
-the batch (``n_choices``), streamed as one stream or not. Log probabilities, penalties and a logit bias are
-done per request where its tokens are picked (``kvcompile.sampling.Records``). The Responses API
-(``/v1/responses``) is checked (``check_response``) and sampled per request alike, and answers with one JSON
-object unless asked to stream.
+field asking for what the server does not do (``UNSUPPORTED``: a JSON ``response_format``, ``best_of`` ...) is a
+400 rather than ignored. ``stop`` strings end a reply, streaming or not (``StopAt``); ``n`` choices are ``n``
+requests in the batch (``n_choices``), streamed as one stream or not. Log probabilities, penalties and a logit
+bias are done per request where its tokens are picked (``kvcompile.sampling.Records``); a completion's
+``echo`` puts its prompt in front. The Responses API (``/v1/responses``) is checked (``check_response``) and
+sampled per request alike, and answers with one JSON object unless asked to stream. Launched by torchrun with
+several processes, the model is sharded over them (``run_tensor_parallel``).
 
 A streaming client that disconnects has its request cancelled by transformers' handler (its generator is
 closed), and the request's pages and slot come back; a non-streaming client that disconnects (gives up waiting,
