@@ -980,6 +980,25 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
     app.state.cb_config = cb_config
     evictions = EvictionCounter()
 
+    # transformers' /load_model would load any model id it is given (from the hub: a hang without a network);
+    # this server serves its one model, which stays loaded
+    load_route = next(r for r in app.router.routes if getattr(r, "path", None) == "/load_model")
+    app.router.routes.remove(load_route)
+
+    # transformers' transcription route answered a text model's server with a 500 (or loaded audio it cannot read)
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/v1/audio/transcriptions"]
+
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions():
+        raise RequestError(f"this server's model ({model_dir!r}) reads text only: no audio transcriptions", "model")
+
+    @app.post("/load_model")
+    async def load_model(body: dict):
+        if body.get("model") != model_dir:
+            raise RequestError(f"this server serves {model_dir!r} only (it is loaded); start another "
+                               f"kvcompile serve --model for another model", "model", code="model_not_found")
+        return await load_route.endpoint(body)
+
     @app.get("/kvcompile/stats")
     def stats():
         """The kvcompile cache behind the running continuous-batching manager (none before the first request)."""

@@ -892,3 +892,18 @@ def test_a_completion_echoes_its_prompt(tiny_server):
     assert [c["text"] for c in r.json()["choices"]] == ["Once upon a time" + plain] * 2
     for fields in ({"echo": True, "logprobs": 1}, {"echo": "yes"}):
         assert_openai_error(httpx.post(f"{base}/v1/completions", timeout=120, json={**body, **fields}), "echo")
+
+
+def test_load_model_takes_only_the_served_model(tiny_server):
+    """transformers' ``/load_model`` loads any model id it is given (from the hub: a hang without a network);
+    here another model is a 400 at once, the served one answers that it is ready, audio transcription is a 400,
+    and chats go on."""
+    base, name = tiny_server
+    r = httpx.post(f"{base}/load_model", timeout=30, json={"model": "gpt2"})
+    assert_openai_error(r, "model")
+    r = httpx.post(f"{base}/load_model", timeout=30, json={"model": name})
+    assert r.status_code == 200 and '"ready"' in r.text
+    r = httpx.post(f"{base}/v1/audio/transcriptions", timeout=30, files={"file": ("a.wav", b"RIFF", "audio/wav")},
+                   data={"model": name})
+    assert_openai_error(r, "model")  # a text model's server: a 400, not transformers' 500
+    assert chat(base, name).status_code == 200
