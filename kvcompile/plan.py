@@ -327,8 +327,8 @@ class TransformersPool:
 
     @property
     def requests(self) -> int:
-        from .serving import requests_held
-        return requests_held(self.pages, self.pages_per_request, self.shared_tokens // self.page_size)
+        from .serving import requests_held, shared_pages
+        return requests_held(self.pages, self.pages_per_request, shared_pages(self.shared_tokens, self.page_size))
 
     def as_dict(self):
         return dict(self.__dict__, tokens=self.tokens, requests=self.requests)

@@ -149,6 +149,12 @@ def request_pages(specs: list[LayerSpec], tokens: int) -> int:
     return max(s.blocks_for(tokens) for s in specs)
 
 
+def shared_pages(shared_tokens: int, page_size: int) -> int:
+    """Pages of a ``shared_tokens``-token prefix every request shares: transformers' prefix sharing matches
+    whole pages, so only the complete ones."""
+    return shared_tokens // page_size
+
+
 def pages_held(n: int, need: int, shared: int = 0) -> int:
     """Pages ``n`` requests of ``need`` pages each hold at once when the first ``shared`` of every one's pages
     are the same prompt's (transformers' prefix sharing matches whole pages): those are held once."""
@@ -207,7 +213,7 @@ def most_slots(specs: list[LayerSpec], budget: int, request_tokens: int, shared_
     """The most slots whose requests of ``request_tokens`` tokens the budget holds all at once: each slot's
     row, and the pool blocks (and their table columns) the requests hold (``pages_held``; ``shared_tokens``:
     a prompt prefix they share). 0 if not one."""
-    need, shared = request_pages(specs, request_tokens), shared_tokens // specs[0].block
+    need, shared = request_pages(specs, request_tokens), shared_pages(shared_tokens, specs[0].block)
     own = need - shared
 
     def fits(n):
@@ -243,7 +249,7 @@ class PoolSize:
     def requests(self) -> int:
         """Concurrent requests of ``request_tokens`` tokens: limited by the slots and by the pages."""
         return min(self.slots, requests_held(self.blocks, self.pages_per_request,
-                                             self.shared_tokens // self.block_tokens))
+                                             shared_pages(self.shared_tokens, self.block_tokens)))
 
 
 def size_pool(specs: list[LayerSpec], budget: int, request_tokens: int, slots: int | None = None,
@@ -310,7 +316,8 @@ def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = tor
     pages = data // (page_size * fp)  # counted from the tensor: pages of page_size tokens it holds
     theirs = dict(allocated=theirs_cache.cache_tensor.numel(), data=data, blocks=pages, page_size=page_size,
                   tokens=pages * page_size,
-                  requests=requests_held(pages, pages_for(request_tokens, page_size), shared_tokens // page_size))
+                  requests=requests_held(pages, pages_for(request_tokens, page_size),
+                                         shared_pages(shared_tokens, page_size)))
     del theirs_cache
     return dict(kvcompile=ours, transformers=theirs, token_ratio=ours["tokens"] / theirs["tokens"],
                 request_ratio=ours["requests"] / max(1, theirs["requests"]))
