@@ -830,6 +830,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-requests", type=_POSITIVE_INT, default=None,
                    help="requests holding cache at once (default: 32, fewer where their full-precision "
                         "windows would take over a quarter of the budget)")
+    s.add_argument("--max-batch-tokens", type=_POSITIVE_INT, default=256,
+                   help="tokens one forward of the engine takes: decoding requests' next tokens and chunks of "
+                        "prompts being prefilled (default: %(default)s; larger on a GPU)")
     s.add_argument("--no-prefix-sharing", action="store_true",
                    help="give every request its own pages even where prompts begin alike (default: shared, for "
                         "policies whose pages hold all their tokens: no full-precision window, no sinks)")
@@ -843,7 +846,8 @@ def cmd_serve(args) -> int:
 
     policy = args.policy or default_policy()
     run(str(resolve(args.model)), policy, host=args.host, port=args.port, budget=args.budget_mib * 2**20,
-        max_requests=args.max_requests, prefix_sharing=not args.no_prefix_sharing)
+        max_requests=args.max_requests, max_batch_tokens=args.max_batch_tokens,
+        prefix_sharing=not args.no_prefix_sharing)
     return 0
 
 

@@ -1021,6 +1021,7 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
                 "active": len(sched.active_requests) if sched is not None else None,
                 "waiting": len(sched.waiting_requests) if sched is not None else None,
                 "token_limit": cache_token_limit(cb, cb.model), "evicted": evictions.evicted,
+                "max_batch_tokens": cb.continuous_batching_config.max_batch_tokens,
                 # non-streaming requests cancelled because their client disconnected (watch_client)
                 "disconnected": getattr(state._cb_manager, "disconnected", 0),
                 # requests whose tokens are being recorded (log probabilities, penalties; none once every

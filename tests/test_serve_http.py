@@ -157,7 +157,8 @@ def stats(base) -> dict:
 @pytest.fixture(scope="module")
 def tiny_server(tiny_dir):
     """The tiny random model under KIVI 4-bit, 2 MiB of cache, 4 request slots."""
-    proc, base = start_server("--model", tiny_dir, "--policy", "kivi:4", "--budget-mib", 2, "--max-requests", 4)
+    proc, base = start_server("--model", tiny_dir, "--policy", "kivi:4", "--budget-mib", 2, "--max-requests", 4,
+                              "--max-batch-tokens", 128)
     try:
         yield base, str(tiny_dir)
     finally:
@@ -177,6 +178,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(tiny_server, asks)
     base, name = tiny_server
     assert chat(base, name).status_code == 200  # the manager and its cache exist from here on
     idle = stats(base)
+    assert idle["max_batch_tokens"] == 128  # as the server was started
     assert idle["requests"] == 0 and idle["pages_held"] == 0 and idle["free_blocks"] == idle["blocks"]
     prompt = " ".join(f"word{i % 97}" for i in range(500))  # ~1000 tokens: blocks of the pool, not only the ring
     body = {"model": name, "messages": [{"role": "user", "content": prompt}], "stream": True, **asks}  # no max_tokens:
