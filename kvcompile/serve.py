@@ -339,10 +339,24 @@ def check_chat(body: dict) -> None:
     logprobs_asked(body, chat=True)
 
 
+MAX_CHOICES = 64  # choices one request may ask for in all: prompts of a completion times n
+
+
 def check_completion(body: dict) -> None:
+    """A completion's ``prompt``: a non-empty string, or a list of them (a choice or ``n`` for each, in one batch;
+    prompts of token ids are refused: this server reads text)."""
     prompt = body.get("prompt")
-    if not isinstance(prompt, str) or not prompt:
-        raise RequestError(f"'prompt' must be a non-empty string, got {prompt!r}"[:200], "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) and p for p in prompt):
+        n = body.get("n") or 1
+        if len(prompt) * (n if _is_int(n) else 1) > MAX_CHOICES:
+            raise RequestError(f"{len(prompt)} prompts x n={n} choices is over {MAX_CHOICES} in one request; "
+                               f"send fewer", "prompt")
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) or isinstance(t, list) for t in prompt):
+        raise RequestError("'prompt' as token ids is not supported by this server (it reads text); send the text",
+                           "prompt")
+    elif not isinstance(prompt, str) or not prompt:
+        raise RequestError(f"'prompt' must be a non-empty string or list of strings, got {prompt!r}"[:200],
+                           "prompt")
     if body.get("suffix") is not None and not isinstance(body["suffix"], str):
         raise RequestError("'suffix' must be a string", "suffix")
     logprobs_asked(body, chat=False)
@@ -562,16 +576,23 @@ def stream_with_logprobs(streamer, handle: int) -> None:
 
 # --------------------------------------------------------------------------- n choices
 async def n_choices(handle, body: dict, request_id: str, n: int):
-    """A request for ``n`` choices as ``n`` requests of one choice each, run in one batch (``handle(body, id)``:
-    transformers' handler), their replies merged: choice ``i`` from request ``i``, usage summed over the
-    completions (the prompt counted once); streamed, their events interleaved as they come (``_merged_streams``).
-    Each choice samples (or not) as the request asks; greedy choices are equal, as OpenAI's are at temperature
-    0."""
+    """A request for ``n`` choices -- of each prompt, when a completion gives a list of prompts -- as that many
+    requests of one choice each, run in one batch (``handle(body, id)``: transformers' handler), their replies
+    merged: choice ``i`` from request ``i`` (prompt ``i // n``'s, as OpenAI orders them), usage summed over the
+    completions and over the prompts (each counted once); streamed, their events interleaved as they come
+    (``_merged_streams``). Each choice samples (or not) as the request asks; greedy choices of one prompt are
+    equal, as OpenAI's are at temperature 0."""
     from fastapi.responses import JSONResponse, StreamingResponse
 
+    prompts = body["prompt"] if isinstance(body.get("prompt"), list) else [body.get("prompt")]
     seed = body.get("seed")
-    # seeded choices take seed, seed + 1, ...: the same seed would give n equal replies
-    asks = [{**body, "n": 1} if seed is None else {**body, "n": 1, "seed": seed + i} for i in range(n)]
+    asks = []
+    for p in prompts:
+        for _ in range(n):
+            ask = {**body, "n": 1} if p is None else {**body, "n": 1, "prompt": p}
+            if seed is not None:  # seeded choices take seed, seed + 1, ...: the same seed would give equal replies
+                ask["seed"] = seed + len(asks)
+            asks.append(ask)
     replies = await asyncio.gather(*(handle(b, f"{request_id}-{i}") for i, b in enumerate(asks)))
     if body.get("stream"):
         return StreamingResponse(_merged_streams([r.body_iterator for r in replies], request_id),
@@ -586,7 +607,8 @@ async def n_choices(handle, body: dict, request_id: str, n: int):
     usage = [b.get("usage") for b in bodies]
     if all(usage):
         done = sum(u["completion_tokens"] for u in usage)
-        out["usage"] = dict(usage[0], completion_tokens=done, total_tokens=usage[0]["prompt_tokens"] + done)
+        prompt = sum(u["prompt_tokens"] for u in usage[::n])
+        out["usage"] = dict(usage[0], prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
     return JSONResponse(out)
 
 
@@ -718,7 +740,7 @@ def _checked_handlers():
                 body = {k: v for k, v in body.items() if k not in EXTENSIONS}
                 try:
                     n = body.get("n") or 1
-                    if n == 1:
+                    if n == 1 and not isinstance(body.get("prompt"), list):
                         return await self._recorded(body, request_id)
                     return await n_choices(self._recorded, body, request_id, n)
                 finally:

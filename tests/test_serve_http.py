@@ -909,3 +909,27 @@ def test_load_model_takes_only_the_served_model(tiny_server):
                    data={"model": name})
     assert_openai_error(r, "model")  # a text model's server: a 400, not transformers' 500
     assert chat(base, name).status_code == 200
+
+
+def test_a_completion_of_several_prompts(tiny_server):
+    """``prompt`` as a list of strings (the OpenAI client's batch completions): ``n`` choices for each prompt,
+    in prompt order, each the reply that prompt gets alone; usage sums the prompts and the completions;
+    streamed, each choice's events carry its index. Prompts of token ids are a 400 (the server reads text)."""
+    import openai
+
+    base, name = tiny_server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    prompts = ["Once upon a time", "Hello"]
+    alone = [client.completions.create(model=name, prompt=p, max_tokens=5) for p in prompts]
+    r = client.completions.create(model=name, prompt=prompts, max_tokens=5, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) and r.usage.completion_tokens == 20
+    texts = {}
+    for chunk in client.completions.create(model=name, prompt=prompts, max_tokens=5, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {0: alone[0].choices[0].text, 1: alone[1].choices[0].text}
+    for prompt in ([1, 2, 3], [[1, 2], [3]], [], ["ok", ""], ["x"] * 65):
+        r = httpx.post(f"{base}/v1/completions", timeout=30, json={"model": name, "prompt": prompt, "max_tokens": 2})
+        assert_openai_error(r, "prompt")
