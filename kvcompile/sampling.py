@@ -68,8 +68,10 @@ class Asked:
     (``(token id, log probability, [(id, log probability)] of the top alternatives)``)."""
 
     def __init__(self, top: int | None = None, presence: float = 0.0, frequency: float = 0.0,
-                 bias: dict[int, float] | None = None):
+                 bias: dict[int, float] | None = None, json_mode: bool = False):
         self.top, self.presence, self.frequency, self.bias = top, presence, frequency, dict(bias or {})
+        self.json_mode = json_mode  # the reply is one JSON object: ``json`` (a ``structured.JsonConstraint``)
+        self.json = None  # picks its tokens (set with the model's vocabulary when the request is added)
         self.tokens: dict[int, int] = {}
         self.counts: dict[int, int] = {}  # how often each token id was generated (for the penalties)
         self.entries: dict[int, tuple] = {}
@@ -85,7 +87,7 @@ class Asked:
             ids = torch.tensor(list(self.bias), device=logits.device)
             logits[ids] += torch.tensor(list(self.bias.values()), dtype=logits.dtype, device=logits.device)
         if self.presence or self.frequency:
-            seen = [(t, c) for t, c in self._counts_before(step).items()]
+            seen = list(self._counts_before(step).items())
             if seen:
                 ids = torch.tensor([t for t, _ in seen], device=logits.device)
                 n = torch.tensor([c for _, c in seen], dtype=logits.dtype, device=logits.device)
@@ -104,6 +106,8 @@ class Asked:
         if step not in self.tokens:
             self.tokens[step] = token
             self.counts[token] = self.counts.get(token, 0) + 1
+            if self.json is not None:
+                self.json.took(token)
 
 
 class Records:
@@ -184,13 +188,29 @@ def record_rows(raw: torch.Tensor, choice: torch.Tensor, rows: list[int], asked:
         asked[j].entries[steps[j]] = (ids[j], chosen[n], list(zip(top_i[n][:t], top_v[n][:t])))
 
 
+def constrained_pick(constraint, scores: torch.Tensor, probs: torch.Tensor | None, seed: int, step: int) -> int:
+    """A row's token under ``constraint`` (``structured.JsonConstraint.pick``): greedy (``probs`` None) or drawn
+    from ``probs`` as the row draws (by its seed when it has one); the end of the reply if no token fits."""
+    if probs is None:
+        draw = None
+    elif seed >= 0:
+        def draw(p):
+            return seeded_draw(p, seed, step)
+    else:
+        def draw(p):
+            return int(torch.multinomial(p, 1))
+    t = constraint.pick(scores, probs, draw)
+    return constraint.eos if t is None else t
+
+
 def _arg_class():
     from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
 
     class RequestArg(ContinuousBatchingLogitsProcessor):
-        """One integer per request for ``Routed`` -- ``greedy``, ``seed`` (a request kwarg) or ``step`` (tokens the
-        request has generated) -- carried in the processors' argument rows, which transformers fills per batch
-        with the batch's requests in the order of the logits' rows. It leaves the scores as they are."""
+        """One integer per request for ``Routed`` -- ``greedy``, ``seed``, ``record`` (its ``RECORDS`` handle; request
+        kwargs) or ``step`` (tokens the request has generated) -- carried in the processors' argument rows,
+        which transformers fills per batch with the batch's requests in the order of the logits' rows. It
+        leaves the scores as they are."""
         ignored_kwargs = ()
 
         def __init__(self, name: str, default: int, kwarg: bool = True):
@@ -252,6 +272,7 @@ def _routed_class(base):
                 scores = adjust_rows(scores, *map(list, zip(*recorded)))
             choice = scores.argmax(-1)
             rows = (arg["greedy"] == 0).nonzero().squeeze(1)  # the sampling rows
+            sampling = {}  # a sampling row's distribution, seed and step
             if len(rows):
                 sub, ids = scores[rows], input_ids[rows]
                 for q in self.logits_processor:
@@ -268,6 +289,10 @@ def _routed_class(base):
                     if seed >= 0:
                         drawn[j] = seeded_draw(probs[j], seed, step)
                 choice[rows] = drawn
+                sampling = {r: (probs[j], seeds[j], steps[j]) for j, r in enumerate(rows.tolist())}
+            for r, a, _ in recorded:  # JSON mode: the token that keeps the reply a JSON object's prefix
+                if a.json is not None:
+                    choice[r] = constrained_pick(a.json, scores[r], *sampling.get(r, (None, -1, 0)))
             if recorded:
                 record_rows(raw, choice, *map(list, zip(*recorded)))
             return torch.full_like(scores, float("-inf")).scatter_(-1, choice.unsqueeze(-1), 0.0)

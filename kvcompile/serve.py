@@ -7,21 +7,21 @@ ours: the model manager applies ``kvcompile.apply(model, policy)`` to each model
 continuous-batching manager the handlers start (``model.init_continuous_batching``) is kvcompile's
 (``kvcompile.serving``).
 
-What ``kvcompile serve`` adds in front of transformers' handlers (``build_app``): requests are checked before
-they reach them, so bad input is a 4xx in OpenAI's error shape (``{"error": {"message", "type", "param",
-"code"}}``) and never a 500 or a dead worker -- message lists and their roles and content, ``model``,
-``max_tokens``, sampling fields; and a request whose prompt (counted in the tokens the cache would hold) plus
-``max_tokens`` does not fit the cache for one request is refused with 400 (transformers' scheduler, given a
-request larger than the whole cache, stops its worker for good). Without ``max_tokens`` a reply is capped to
-what the cache holds. Each request decodes as it asks (``kvcompile.sampling``: greedy or its temperature, top-p
-and top-k, in one batch with the others; transformers' manager applied its first request's to all), and a
-field asking for what the server does not do (``UNSUPPORTED``: a JSON ``response_format``, ``best_of`` ...) is a
-400 rather than ignored. ``stop`` strings end a reply, streaming or not (``StopAt``); ``n`` choices are ``n``
-requests in the batch (``n_choices``), streamed as one stream or not. Log probabilities, penalties and a logit
-bias are done per request where its tokens are picked (``kvcompile.sampling.Records``); a completion's
-``echo`` puts its prompt in front. The Responses API (``/v1/responses``) is checked (``check_response``) and
-sampled per request alike, and answers with one JSON object unless asked to stream. Launched by torchrun with
-several processes, the model is sharded over them (``run_tensor_parallel``).
+What ``kvcompile serve`` adds in front of transformers' handlers (``build_app``): requests are checked before they
+reach them, so bad input is a 4xx in OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``) and
+never a 500 or a dead worker -- message lists and their roles and content, ``model``, ``max_tokens``, sampling
+fields; and a request whose prompt (counted in the tokens the cache would hold) plus ``max_tokens`` does not fit the
+cache for one request is refused with 400 (transformers' scheduler, given a request larger than the whole cache,
+stops its worker for good). Without ``max_tokens`` a reply is capped to what the cache holds. Each request decodes
+as it asks (``kvcompile.sampling``: greedy or its temperature, top-p and top-k, in one batch with the others;
+transformers' manager applied its first request's to all), and a field asking for what the server does not do
+(``UNSUPPORTED``: a JSON schema, ``best_of`` ...) is a 400 rather than ignored. ``stop`` strings end a reply,
+streaming or not (``StopAt``); ``n`` choices are ``n`` requests in the batch (``n_choices``), streamed as one stream
+or not. Log probabilities, penalties and a logit bias are done per request where its tokens are picked
+(``kvcompile.sampling.Records``), and JSON mode (``kvcompile.structured``); a completion's ``echo`` puts its prompt
+in front. The Responses API (``/v1/responses``) is checked (``check_response``) and sampled per request alike, and
+answers with one JSON object unless asked to stream. Launched by torchrun with several processes, the model is
+sharded over them (``run_tensor_parallel``).
 
 A streaming client that disconnects has its request cancelled by transformers' handler (its generator is
 closed), and the request's pages and slot come back; a non-streaming client that disconnects (gives up waiting,
@@ -245,8 +245,8 @@ MAX_N = 16  # choices one request may ask for (each is a request of its own in t
 UNSUPPORTED = {
     "n": (lambda v: _is_int(v) and 1 <= v <= MAX_N, f"n must be an integer in [1, {MAX_N}]"),
     "best_of": (lambda v: v == 1, "one candidate per request"),
-    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text", "free text only (no JSON "
-                                                                                   "mode or schema)"),
+    "response_format": (lambda v: isinstance(v, dict) and v.get("type") in ("text", "json_object"),
+                        "free text or one JSON object ('json_object'); no JSON schema"),
 }
 
 
@@ -360,6 +360,9 @@ def check_completion(body: dict) -> None:
     if body.get("suffix") is not None and not isinstance(body["suffix"], str):
         raise RequestError("'suffix' must be a string", "suffix")
     logprobs_asked(body, chat=False)
+    if body.get("response_format") is not None:
+        raise RequestError("'response_format' is a chat-completions field (JSON mode: /v1/chat/completions)",
+                           "response_format")
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise RequestError(f"'echo' must be true or false, got {echo!r}", "echo")
@@ -666,7 +669,8 @@ _EXTENSIONS: contextvars.ContextVar = contextvars.ContextVar("kvcompile_extensio
 _ASKED: contextvars.ContextVar = contextvars.ContextVar("kvcompile_asked", default=None)
 
 
-ASKED_FIELDS = ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias")
+ASKED_FIELDS = ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+                "response_format")
 
 
 def asked_of(body: dict, chat: bool) -> Asked | None:
@@ -674,19 +678,32 @@ def asked_of(body: dict, chat: bool) -> Asked | None:
     or None when nothing."""
     asked = Asked(top=logprobs_asked(body, chat), presence=float(body.get("presence_penalty") or 0),
                   frequency=float(body.get("frequency_penalty") or 0),
-                  bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()})
-    return asked if asked.top is not None or asked.adjusts else None
+                  bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()},
+                  json_mode=(body.get("response_format") or {}).get("type") == "json_object")
+    return asked if asked.top is not None or asked.adjusts or asked.json_mode else None
 
 
-def check_bias(asked: dict | None, model) -> None:
-    """Refuse (400) a logit bias naming a token the model does not have."""
+def prepare_asked(asked: dict | None, model, processor) -> None:
+    """What a request asks of its tokens, for the model it runs on: a logit bias naming a token the model does
+    not have is refused (400); JSON mode gets its constraint over the model's vocabulary, ending at its
+    end-of-sequence token."""
     if asked is None:
         return
+    a = RECORDS.get(asked["handle"])
     vocab = model.config.get_text_config().vocab_size
-    bad = sorted(t for t in RECORDS.get(asked["handle"]).bias if t >= vocab)
+    bad = sorted(t for t in a.bias if t >= vocab)
     if bad:
         raise RequestError(f"'logit_bias' names token ids {bad[:5]} outside the model's vocabulary (ids 0 to "
                            f"{vocab - 1})", "logit_bias")
+    if a.json_mode and a.json is None:
+        from .structured import JsonConstraint, vocab_bytes
+
+        eos = model.generation_config.eos_token_id
+        eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+        if not isinstance(eos, int) or eos < 0:
+            raise RequestError("JSON mode ends a reply with the model's end-of-sequence token, and this model's "
+                               "generation config has none", "response_format")
+        a.json = JsonConstraint(vocab_bytes(getattr(processor, "tokenizer", processor)._tokenizer, vocab), eos)
 
 
 async def _after(first: str, stream):
@@ -770,8 +787,9 @@ def _checked_handlers():
                 each piece of text (``stream_with_logprobs``, ``_build_chunk_sse``); not, for every token of the
                 reply (``usage.completion_tokens``)."""
                 asked = asked_of(body, chat)
-                if _TENSOR_PARALLEL and asked is not None and asked.adjusts:
-                    field = next(f for f in ("presence_penalty", "frequency_penalty", "logit_bias") if body.get(f))
+                if _TENSOR_PARALLEL and asked is not None and (asked.adjusts or asked.json_mode):
+                    field = next(f for f in ("presence_penalty", "frequency_penalty", "logit_bias", "response_format")
+                                 if body.get(f))
                     raise RequestError(f"'{field}' is not supported when serving under tensor parallelism (every "
                                        f"rank picks each token); leave it out", field)
                 # done here: transformers' handler would log them as ignored (or map them to config it never reads)
@@ -851,7 +869,7 @@ def checked_state(**kw):
             fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
             stops = getattr(gen_config, "_kvcompile_stop", None)
             asked = getattr(gen_config, "_kvcompile_asked", None)
-            check_bias(asked, model)
+            prepare_asked(asked, model, processor)
             logprobs = asked is not None and asked["logprobs"]
             for field, on in (("stop", stops), ("logprobs", logprobs)):
                 if on and kw.get("response_parser") is not None:
@@ -895,7 +913,7 @@ def checked_state(**kw):
             client watched while it waits: a client that disconnects has its request cancelled (``watch_client``),
             as transformers' streaming handler does for a streaming one."""
             asked = getattr(gen_config, "_kvcompile_asked", None)
-            check_bias(asked, model)
+            prepare_asked(asked, model, processor)
             if asked is not None:  # the reply's log probabilities are read with it (_recorded)
                 asked["tokenizer"] = getattr(processor, "tokenizer", processor)._tokenizer
             if getattr(gen_config, "_kvcompile_stop", None):

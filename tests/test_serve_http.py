@@ -394,7 +394,7 @@ def test_each_request_samples_as_it_asks(tiny_server):
 
 
 UNSUPPORTED = {  # field: (value asking for what the server does not do, the endpoint)
-    "n": (17, "chat/completions"), "response_format": ({"type": "json_object"}, "chat/completions"),
+    "n": (17, "chat/completions"), "response_format": ({"type": "json_schema"}, "chat/completions"),
     "best_of": (2, "completions"),
 }
 
@@ -933,3 +933,44 @@ def test_a_completion_of_several_prompts(tiny_server):
     for prompt in ([1, 2, 3], [[1, 2], [3]], [], ["ok", ""], ["x"] * 65):
         r = httpx.post(f"{base}/v1/completions", timeout=30, json={"model": name, "prompt": prompt, "max_tokens": 2})
         assert_openai_error(r, "prompt")
+
+
+# --------------------------------------------------------------------------- JSON mode
+def test_json_mode_replies_with_one_json_object(tiny_server):
+    """``response_format: {"type": "json_object"}``: every reply is a prefix of one JSON object (the random model
+    left to itself rarely closes one within max_tokens), ended at the object's close with the end-of-sequence
+    token (``finish_reason: "stop"``); pushed towards closing (a bias on '"' and '}'), the whole reply parses
+    as an object, where without JSON mode the same request is no JSON; streamed, the same text; sampled too.
+    On completions, and as a schema, it is a 400."""
+    from transformers import AutoTokenizer
+
+    from kvcompile.structured import JsonPrefix
+
+    base, name = tiny_server
+    tok = AutoTokenizer.from_pretrained(name)
+    closing = {str(tok.convert_tokens_to_ids(t)): 30 for t in ('"', "}")}
+    json_mode = {"response_format": {"type": "json_object"}}
+
+    def content(**kw):
+        r = chat(base, name, content="Give me a JSON object.", **kw)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["finish_reason"]
+
+    text, reason = content(max_tokens=24, logit_bias=closing, **json_mode)
+    assert isinstance(json.loads(text), dict) and reason == "stop", text
+    free, _ = content(max_tokens=24, logit_bias=closing)
+    with pytest.raises(ValueError):
+        json.loads(free)
+    for kw in ({}, {"temperature": 1.0, "seed": 3}, {"temperature": 1.0}):
+        text, reason = content(max_tokens=16, **json_mode, **kw)
+        p = JsonPrefix()
+        assert p.feed_all(text.encode()) and (reason == "length" or p.complete), (text, reason)
+    r = chat(base, name, content="Give me a JSON object.", max_tokens=16, stream=True, **json_mode)
+    assert streamed_text(r)[0] == content(max_tokens=16, **json_mode)[0]
+    for endpoint, fields in (("completions", json_mode),
+                             ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}})):
+        body = {"model": name, "max_tokens": 3, **fields}
+        body.update({"messages": [{"role": "user", "content": "Hi"}]} if endpoint.startswith("chat") else
+                    {"prompt": "Hi"})
+        assert_openai_error(httpx.post(f"{base}/v1/{endpoint}", timeout=60, json=body), "response_format")
+    assert stats(base)["records_open"] == 0
