@@ -122,6 +122,23 @@ def test_chat_completions_streaming_and_not_over_kvcompiles_cache(server):
 
 
 @pytest.mark.slow
+def test_json_mode_on_the_real_model(server):
+    """SmolLM2 asked for a JSON object: free, it wraps one in a Markdown fence and goes on talking (no JSON); in
+    JSON mode the reply is the object alone, ended when it closes, greedy and sampled."""
+    base, _ = server
+    ask = {"model": model_name(base), "max_tokens": 80,
+           "messages": [{"role": "user", "content": "Describe a cat as a JSON object with fields name, age and color."}]}
+    for kw in ({}, {"temperature": 0.7, "seed": 1}):
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=300,
+                       json={**ask, **kw, "response_format": {"type": "json_object"}})
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and isinstance(json.loads(choice["message"]["content"]), dict)
+    free = httpx.post(f"{base}/v1/chat/completions", timeout=300, json=ask).json()["choices"][0]["message"]["content"]
+    with pytest.raises(ValueError):
+        json.loads(free)
+
+
+@pytest.mark.slow
 def test_malformed_json_is_a_4xx_and_the_server_stays_up(server):
     base, _ = server
     r = httpx.post(f"{base}/v1/chat/completions", content=b'{"model": "x", "messages": [',
