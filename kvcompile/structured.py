@@ -263,18 +263,19 @@ class JsonConstraint:
         return None
 
 
-_VOCABS: dict[int, list] = {}
+_VOCABS: dict[tuple[int, int], tuple] = {}  # (id of the tokenizer, size): (the tokenizer, its table)
 
 
 def vocab_bytes(tokenizer, size: int) -> list[bytes | None]:
     """The bytes of each of ``size`` token ids (``tokenizer``: a Rust ``tokenizers.Tokenizer``; ids past its
-    vocabulary and special tokens: None), once per tokenizer."""
-    key = id(tokenizer)
+    vocabulary and special tokens: None), once per tokenizer (held with its table, so that its id is not
+    reused by another)."""
+    key = (id(tokenizer), size)
     if key not in _VOCABS:
         from .serve import token_bytes
 
         special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
         n = tokenizer.get_vocab_size(with_added_tokens=True)
-        _VOCABS[key] = [None if i >= n or tokenizer.id_to_token(i) in special else token_bytes(tokenizer, i)
-                        for i in range(size)]
-    return _VOCABS[key]
+        _VOCABS[key] = (tokenizer, [None if i >= n or tokenizer.id_to_token(i) in special
+                                    else token_bytes(tokenizer, i) for i in range(size)])
+    return _VOCABS[key][1]
