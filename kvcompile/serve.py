@@ -399,8 +399,8 @@ def check_response(body: dict) -> None:
              "this server stores no responses; send the whole conversation as 'input'"),
             ("background", not body.get("background"), "replies are generated while the request waits"),
             ("top_logprobs", not body.get("top_logprobs"), "log probabilities are given by /v1/chat/completions"),
-            ("text", fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"),
-             "free text only (no JSON mode or schema)")):
+            ("text", fmt is None or (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object")),
+             "free text or one JSON object ('json_object'); no JSON schema")):
         if not fine:
             raise RequestError(f"'{name}' is not supported by this server ({does}); leave it out", name)
 
@@ -750,8 +750,12 @@ def _checked_handlers():
                 check(body)
                 if handler_cls is ResponseHandler:
                     # OpenAI's Responses API answers with one JSON object unless asked to stream (transformers'
-                    # handler streamed unless asked not to)
-                    return await super().handle_request({**body, "stream": body.get("stream", False)}, request_id)
+                    # handler streamed unless asked not to); its JSON mode is text.format
+                    body = {**body, "stream": body.get("stream", False)}
+                    if ((body.get("text") or {}).get("format") or {}).get("type") == "json_object":
+                        body = {k: v for k, v in body.items() if k != "text"}
+                        return await self._asked({**body, "response_format": {"type": "json_object"}}, request_id)
+                    return await super().handle_request(body, request_id)
                 # fields of ours that transformers' handler would answer 422 (unexpected): read here, passed aside
                 token = _EXTENSIONS.set({k: body[k] for k in EXTENSIONS if k in body})
                 body = {k: v for k, v in body.items() if k not in EXTENSIONS}

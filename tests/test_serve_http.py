@@ -813,13 +813,17 @@ def test_responses_through_the_openai_client(tiny_server):
                                        temperature=2.0).output_text for _ in range(4)}
     assert len(sampled) >= 3, sampled
     assert client.responses.create(model=name, input="Tell me a story", max_output_tokens=8).output_text == greedy
+    from kvcompile.structured import JsonPrefix
+    text = client.responses.create(model=name, input="Tell me a story", max_output_tokens=8,
+                                   text={"format": {"type": "json_object"}}).output_text
+    assert text.startswith("{") and JsonPrefix().feed_all(text.encode())  # JSON mode: text.format
     for fields, param in (({"input": ""}, "input"), ({"input": 5}, "input"),
                           ({"input": [{"role": "robot", "content": "Hi"}]}, "input"),
                           ({"max_output_tokens": 0}, "max_output_tokens"),
                           ({"max_output_tokens": 10**6}, "max_output_tokens"),
                           ({"previous_response_id": "resp_1"}, "previous_response_id"),
                           ({"top_logprobs": 2}, "top_logprobs"),
-                          ({"text": {"format": {"type": "json_object"}}}, "text")):
+                          ({"text": {"format": {"type": "json_schema"}}}, "text")):
         body = {"model": name, "input": "Hi", "max_output_tokens": 4, **fields}
         assert_openai_error(httpx.post(f"{base}/v1/responses", timeout=120, json=body), param)
     assert stats(base)["requests"] == 0
