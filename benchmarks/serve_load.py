@@ -14,7 +14,8 @@ reads them to the end. Reported per contender and level: requests completed and 
 server's peak RSS (``VmHWM``) after the level; for kvcompile also the most requests its cache held at once
 (sampled from ``/kvcompile/stats`` every 50 ms) and the prompt tokens it read from shared pages.
 ``--system-words N`` gives every request the same system prompt of N words (prompts that begin alike: prefix
-sharing); ``kvcompile-unshared`` is kvcompile's server with ``--no-prefix-sharing``.
+sharing); ``kvcompile-unshared`` is kvcompile's server with ``--no-prefix-sharing``. ``--fields JSON`` adds
+request fields to every request (log probabilities, JSON mode, ...: what they cost).
 """
 from __future__ import annotations
 
@@ -131,9 +132,9 @@ def system_prompt(words: int) -> str:
 
 
 async def one_request(client: httpx.AsyncClient, base: str, model: str, text: str, new: int, timeout: float,
-                      system: str | None = None) -> dict:
+                      system: str | None = None, fields: dict | None = None) -> dict:
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    body = {"model": model, "messages": messages, "max_tokens": new, "stream": True}
+    body = {"model": model, "messages": messages, "max_tokens": new, "stream": True, **(fields or {})}
     t0 = time.perf_counter()
     first, chunks = None, 0
     try:
@@ -162,7 +163,7 @@ async def stats(client, server: Server) -> dict:
 
 
 async def level(server: Server, model: str, c: int, new: int, lengths: list[int], timeout: float,
-                system: str | None = None) -> dict:
+                system: str | None = None, fields: dict | None = None) -> dict:
     most, ours = 0, server.kind.startswith("kvcompile")
 
     async def watch(client):
@@ -180,7 +181,7 @@ async def level(server: Server, model: str, c: int, new: int, lengths: list[int]
         watcher = asyncio.create_task(watch(client)) if ours else None
         t0 = time.perf_counter()
         rs = await asyncio.gather(*(one_request(client, server.base, model, prompt(i, lengths[i % len(lengths)]),
-                                                new, timeout, system) for i in range(c)))
+                                                new, timeout, system, fields) for i in range(c)))
         wall = time.perf_counter() - t0
         if watcher:
             watcher.cancel()
@@ -210,6 +211,9 @@ def main(argv=None) -> list[dict]:
                     help="a system prompt of this many words shared by every request (default: none)")
     ap.add_argument("--contenders", nargs="+", default=["transformers", "kvcompile"],
                     choices=["transformers", "kvcompile", "kvcompile-unshared"])
+    ap.add_argument("--fields", type=json.loads, default=None, metavar="JSON",
+                    help='request fields added to every chat completion, e.g. \'{"logprobs": true}\' or '
+                         '\'{"response_format": {"type": "json_object"}}\' (default: none)')
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--smoke", action="store_true", help="two short requests per server (seconds once loaded)")
     ap.add_argument("--serve-transformers", default=None, metavar="MODEL_DIR", help=argparse.SUPPRESS)
@@ -230,11 +234,13 @@ def main(argv=None) -> list[dict]:
             for c in args.concurrency:
                 bar.set_postfix_str(f"{kind}: {c} clients")
                 system = system_prompt(args.system_words) if args.system_words else None
-                rows.append(asyncio.run(level(server, model_dir, c, args.new, args.words, args.timeout, system)))
+                rows.append(asyncio.run(level(server, model_dir, c, args.new, args.words, args.timeout, system,
+                                              args.fields)))
                 bar.update()
     bar.close()
     print(f"budget {args.budget_mib} MiB, kvcompile {args.policy}, {args.new} new tokens, prompts {args.words} words"
-          + (f", a shared system prompt of {args.system_words} words" if args.system_words else ""))
+          + (f", a shared system prompt of {args.system_words} words" if args.system_words else "")
+          + (f", fields {json.dumps(args.fields)}" if args.fields else ""))
     print(f"{'contender':<19}{'clients':>8}{'done':>6}{'failed':>7}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p95':>10}"
           f"{'RSS MiB':>9}{'held':>6}{'reused':>8}")
     for r in rows:
