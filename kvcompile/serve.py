@@ -699,11 +699,12 @@ def prepare_asked(asked: dict | None, model, processor) -> None:
         from .structured import JsonConstraint, vocab_bytes
 
         eos = model.generation_config.eos_token_id
-        eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
-        if not isinstance(eos, int) or eos < 0:
+        stops = [t for t in (eos if isinstance(eos, (list, tuple)) else [eos]) if isinstance(t, int) and t >= 0]
+        if not stops:
             raise RequestError("JSON mode ends a reply with the model's end-of-sequence token, and this model's "
                                "generation config has none", "response_format")
-        a.json = JsonConstraint(vocab_bytes(getattr(processor, "tokenizer", processor)._tokenizer, vocab), eos)
+        a.json = JsonConstraint(vocab_bytes(getattr(processor, "tokenizer", processor)._tokenizer, vocab), stops[0],
+                                stops)
 
 
 async def _after(first: str, stream):

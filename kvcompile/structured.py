@@ -220,15 +220,16 @@ class JsonPrefix:
 
 class JsonConstraint:
     """A request's JSON mode: its reply so far (``prefix``), the bytes of every token of the vocabulary
-    (``vocab[i]``: None for a token that never stands in JSON text, such as special tokens) and the token that
-    ends the reply (``eos``)."""
+    (``vocab[i]``: None for a token that never stands in JSON text, such as special tokens), the token that
+    ends the reply (``eos``) and every token that would end it (``stops``: the model's end-of-sequence tokens,
+    which never stand in JSON text even where their bytes could)."""
 
-    def __init__(self, vocab: list[bytes | None], eos: int):
-        self.vocab, self.eos = vocab, eos
+    def __init__(self, vocab: list[bytes | None], eos: int, stops=()):
+        self.vocab, self.eos, self.stops = vocab, eos, frozenset(stops) | {eos}
         self.prefix = JsonPrefix()
 
     def fits(self, token: int) -> bool:
-        data = self.vocab[token] if token < len(self.vocab) else None
+        data = self.vocab[token] if token < len(self.vocab) and token not in self.stops else None
         return bool(data) and self.prefix.copy().feed_all(data)
 
     def took(self, token: int) -> None:

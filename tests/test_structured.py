@@ -105,3 +105,18 @@ def test_a_constrained_pick_ends_in_a_json_object(seed, sampled):
         pytest.fail(f"no end after 400 tokens: {out!r}")
     assert isinstance(json.loads(out), dict), out
     assert c.pick(torch.zeros(len(vocab))) == eos  # once whole, only the end
+
+
+def test_an_end_token_whose_bytes_could_stand_in_a_string_is_never_picked_before_the_end():
+    """A model whose end-of-sequence token is an ordinary token (its text "</s>" fits inside a JSON string):
+    picking it would end the reply mid-object, so it does not fit until the object is whole."""
+    vocab = [b"{", b"}", b'"', b":", b"a", b"</s>", b"<|end|>"]
+    c = JsonConstraint(vocab, eos=5, stops=[5, 6])
+    for piece in (b"{", b'"', b"a"):
+        c.took(vocab.index(piece))
+    scores = torch.zeros(len(vocab))
+    scores[5], scores[6] = 10.0, 9.0  # the end tokens are the model's favourites
+    assert c.pick(scores) not in (5, 6)
+    for piece in (b'"', b":", b'"', b'"', b"}"):
+        c.took(vocab.index(piece))
+    assert c.pick(scores) == 5
