@@ -375,7 +375,7 @@ def check_response(body: dict) -> None:
     """A Responses API request (``/v1/responses``): its ``input`` (a string, or a list of items whose messages
     are checked as chat messages), ``instructions``, ``max_output_tokens``; what the server cannot do is a 400:
     ``previous_response_id`` (it stores no responses: send the conversation as ``input``), ``background``, log
-    probabilities, a structured ``text`` format."""
+    probabilities, a JSON schema (``text.format`` ``json_object`` is JSON mode)."""
     inp = body.get("input")
     if not ((isinstance(inp, str) and inp) or (isinstance(inp, list) and inp)):
         raise RequestError(f"'input' must be a non-empty string or list of input items, got {inp!r}"[:200], "input")
@@ -674,8 +674,8 @@ ASKED_FIELDS = ("logprobs", "top_logprobs", "presence_penalty", "frequency_penal
 
 
 def asked_of(body: dict, chat: bool) -> Asked | None:
-    """What a request asks of its tokens beyond how they are drawn (log probabilities, penalties, a logit bias),
-    or None when nothing."""
+    """What a request asks of its tokens beyond how they are drawn (log probabilities, penalties, a logit bias,
+    JSON mode), or None when nothing."""
     asked = Asked(top=logprobs_asked(body, chat), presence=float(body.get("presence_penalty") or 0),
                   frequency=float(body.get("frequency_penalty") or 0),
                   bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()},
