@@ -68,9 +68,10 @@ class Asked:
     (``(token id, log probability, [(id, log probability)] of the top alternatives)``)."""
 
     def __init__(self, top: int | None = None, presence: float = 0.0, frequency: float = 0.0,
-                 bias: dict[int, float] | None = None, json_mode: bool = False):
+                 bias: dict[int, float] | None = None, json_mode: bool = False, json_schema: dict | None = None):
         self.top, self.presence, self.frequency, self.bias = top, presence, frequency, dict(bias or {})
         self.json_mode = json_mode  # the reply is one JSON object: ``json`` (a ``structured.JsonConstraint``)
+        self.json_schema = json_schema  # which the object follows (None: any object)
         self.json = None  # picks its tokens (set with the model's vocabulary when the request is added)
         self.tokens: dict[int, int] = {}
         self.counts: dict[int, int] = {}  # how often each token id was generated (for the penalties)

@@ -245,8 +245,8 @@ MAX_N = 16  # choices one request may ask for (each is a request of its own in t
 UNSUPPORTED = {
     "n": (lambda v: _is_int(v) and 1 <= v <= MAX_N, f"n must be an integer in [1, {MAX_N}]"),
     "best_of": (lambda v: v == 1, "one candidate per request"),
-    "response_format": (lambda v: isinstance(v, dict) and v.get("type") in ("text", "json_object"),
-                        "free text or one JSON object ('json_object'); no JSON schema"),
+    "response_format": (lambda v: isinstance(v, dict) and v.get("type") in ("text", "json_object", "json_schema"),
+                        "its type is 'text', 'json_object' or 'json_schema'"),
 }
 
 
@@ -337,6 +337,30 @@ def check_chat(body: dict) -> None:
     if kw is not None and not isinstance(kw, dict):
         raise RequestError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     logprobs_asked(body, chat=True)
+    response_schema(body.get("response_format"))
+
+
+def response_schema(fmt, param: str = "response_format") -> dict | None:
+    """The JSON schema a ``response_format`` (chat: ``{"type": "json_schema", "json_schema": {"name", "schema",
+    "strict"}}``; Responses API: ``text.format``, with ``name`` and ``schema`` in it) asks the reply to follow,
+    checked (``structured.check_schema``: a keyword it does not follow is a 400 naming it); None for another
+    format."""
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        return None
+    from .structured import SchemaError, check_schema
+
+    spec = fmt.get("json_schema", fmt)
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise RequestError(f"'{param}' of type 'json_schema' needs the schema: "
+                           + ('{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}'
+                              if param == "response_format" else
+                              '{"format": {"type": "json_schema", "name": ..., "schema": {...}}}'), param)
+    try:
+        check_schema(schema)
+    except SchemaError as e:
+        raise RequestError(f"'{param}': {e}", param) from None
+    return schema
 
 
 MAX_CHOICES = 64  # choices one request may ask for in all: prompts of a completion times n
@@ -375,7 +399,7 @@ def check_response(body: dict) -> None:
     """A Responses API request (``/v1/responses``): its ``input`` (a string, or a list of items whose messages
     are checked as chat messages), ``instructions``, ``max_output_tokens``; what the server cannot do is a 400:
     ``previous_response_id`` (it stores no responses: send the conversation as ``input``), ``background``, log
-    probabilities, a JSON schema (``text.format`` ``json_object`` is JSON mode)."""
+    probabilities (``text.format`` ``json_object`` and ``json_schema`` are JSON mode)."""
     inp = body.get("input")
     if not ((isinstance(inp, str) and inp) or (isinstance(inp, list) and inp)):
         raise RequestError(f"'input' must be a non-empty string or list of input items, got {inp!r}"[:200], "input")
@@ -399,10 +423,12 @@ def check_response(body: dict) -> None:
              "this server stores no responses; send the whole conversation as 'input'"),
             ("background", not body.get("background"), "replies are generated while the request waits"),
             ("top_logprobs", not body.get("top_logprobs"), "log probabilities are given by /v1/chat/completions"),
-            ("text", fmt is None or (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object")),
-             "free text or one JSON object ('json_object'); no JSON schema")):
+            ("text", fmt is None or (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object",
+                                                                                  "json_schema")),
+             "its format's type is 'text', 'json_object' or 'json_schema'")):
         if not fine:
             raise RequestError(f"'{name}' is not supported by this server ({does}); leave it out", name)
+    response_schema(fmt, "text")
 
 
 def cache_token_limit(cb, model) -> int:
@@ -679,7 +705,8 @@ def asked_of(body: dict, chat: bool) -> Asked | None:
     asked = Asked(top=logprobs_asked(body, chat), presence=float(body.get("presence_penalty") or 0),
                   frequency=float(body.get("frequency_penalty") or 0),
                   bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()},
-                  json_mode=(body.get("response_format") or {}).get("type") == "json_object")
+                  json_mode=(body.get("response_format") or {}).get("type") in ("json_object", "json_schema"),
+                  json_schema=response_schema(body.get("response_format")))
     return asked if asked.top is not None or asked.adjusts or asked.json_mode else None
 
 
@@ -704,7 +731,7 @@ def prepare_asked(asked: dict | None, model, processor) -> None:
             raise RequestError("JSON mode ends a reply with the model's end-of-sequence token, and this model's "
                                "generation config has none", "response_format")
         a.json = JsonConstraint(vocab_bytes(getattr(processor, "tokenizer", processor)._tokenizer, vocab), stops[0],
-                                stops)
+                                stops, a.json_schema)
 
 
 async def _after(first: str, stream):
@@ -753,9 +780,10 @@ def _checked_handlers():
                     # OpenAI's Responses API answers with one JSON object unless asked to stream (transformers'
                     # handler streamed unless asked not to); its JSON mode is text.format
                     body = {**body, "stream": body.get("stream", False)}
-                    if ((body.get("text") or {}).get("format") or {}).get("type") == "json_object":
+                    fmt = (body.get("text") or {}).get("format") or {}
+                    if fmt.get("type") in ("json_object", "json_schema"):
                         body = {k: v for k, v in body.items() if k != "text"}
-                        return await self._asked({**body, "response_format": {"type": "json_object"}}, request_id)
+                        return await self._asked({**body, "response_format": fmt}, request_id)
                     return await super().handle_request(body, request_id)
                 # fields of ours that transformers' handler would answer 422 (unexpected): read here, passed aside
                 token = _EXTENSIONS.set({k: body[k] for k in EXTENSIONS if k in body})

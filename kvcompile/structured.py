@@ -1,5 +1,6 @@
-"""JSON mode for ``kvcompile serve`` (OpenAI's ``response_format: {"type": "json_object"}``): every token a
-request generates keeps its reply a prefix of one JSON object, and once the object is closed the reply ends.
+"""JSON mode for ``kvcompile serve`` (OpenAI's ``response_format: {"type": "json_object"}``, and ``"json_schema"``
+with a schema): every token a request generates keeps its reply a prefix of one JSON object (that follows the
+schema: ``SchemaPrefix``), and once the object is closed the reply ends.
 
 ``JsonPrefix`` reads a reply byte by byte (RFC 8259, UTF-8, the top level an object, runs of whitespace
 between tokens of at most ``MAX_SPACE`` bytes so that a model cannot pad forever); ``JsonConstraint`` holds a
@@ -9,9 +10,11 @@ object is complete. The processor list that picks every row's token (``kvcompile
 """
 from __future__ import annotations
 
+import json
+
 import torch
 
-MAX_SPACE = 4  # whitespace bytes in a row (between tokens of the JSON text)
+MAX_SPACE = 12  # whitespace bytes in a row (a newline and the indentation of five levels of two spaces)
 WS = frozenset(b" \t\n\r")
 _LITERALS = {ord("t"): b"rue", ord("f"): b"alse", ord("n"): b"ull"}
 _ESCAPES = frozenset(b'"\\/bfnrtu')
@@ -37,7 +40,7 @@ class JsonPrefix:
         self.lit = b""  # bytes of a literal still to come
 
     def copy(self) -> JsonPrefix:
-        out = JsonPrefix.__new__(JsonPrefix)
+        out = type(self).__new__(type(self))
         out.mode, out.stack, out.space, out.key = self.mode, list(self.stack), self.space, self.key
         out.esc, out.hex, out.utf8, out.num, out.lit = self.esc, self.hex, self.utf8, self.num, self.lit
         return out
@@ -218,15 +221,185 @@ class JsonPrefix:
         return (True, False) if digit else (True, True)
 
 
-class JsonConstraint:
-    """A request's JSON mode: its reply so far (``prefix``), the bytes of every token of the vocabulary
-    (``vocab[i]``: None for a token that never stands in JSON text, such as special tokens), the token that
-    ends the reply (``eos``) and every token that would end it (``stops``: the model's end-of-sequence tokens,
-    which never stand in JSON text even where their bytes could)."""
+# --------------------------------------------------------------------------- a JSON schema
+SCHEMA_KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", "enum"}
+SCHEMA_NOTES = {"title", "description", "default", "examples", "$schema", "$comment"}  # read by people only
+TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
-    def __init__(self, vocab: list[bytes | None], eos: int, stops=()):
+
+class SchemaError(ValueError):
+    """A JSON schema the reader does not follow: what, where, and what it does follow."""
+
+
+def check_schema(schema, at: str = "schema") -> None:
+    """Refuse (``SchemaError``) what ``SchemaPrefix`` does not follow: it reads ``type`` (one or a list of the
+    JSON types), ``properties``, ``required``, ``additionalProperties`` (true or false), ``items`` and
+    ``enum`` (of strings) -- the keywords of OpenAI's strict structured outputs but for ``anyOf`` and
+    ``$ref`` -- and ignores titles, descriptions and defaults; the top level is an object."""
+    if not isinstance(schema, dict):
+        raise SchemaError(f"{at} must be a JSON schema object, got {type(schema).__name__}")
+    unknown = sorted(set(schema) - SCHEMA_KEYWORDS - SCHEMA_NOTES)
+    if unknown:
+        raise SchemaError(f"{at}: the keyword {unknown[0]!r} is not followed here (followed: "
+                          f"{', '.join(sorted(SCHEMA_KEYWORDS))}, in any nesting)")
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types
+    if types is not None and (not isinstance(types, list) or not types or any(t not in TYPES for t in types)):
+        raise SchemaError(f"{at}.type must be one of {', '.join(TYPES)} or a list of them, got {schema['type']!r}")
+    if at == "schema" and types != ["object"]:
+        raise SchemaError("schema: the top level must be {\"type\": \"object\", ...}")
+    props = schema.get("properties", {})
+    if not isinstance(props, dict) or not all(isinstance(k, str) for k in props):
+        raise SchemaError(f"{at}.properties must map names to schemas")
+    for k, v in props.items():
+        check_schema(v, f"{at}.properties.{k}")
+    req = schema.get("required", [])
+    if not isinstance(req, list) or any(r not in props for r in req):
+        raise SchemaError(f"{at}.required must list names of its properties, got {req!r}")
+    if not isinstance(schema.get("additionalProperties", True), bool):
+        raise SchemaError(f"{at}.additionalProperties must be true or false (a schema there is not followed)")
+    if "items" in schema:
+        check_schema(schema["items"], f"{at}.items")
+    enum = schema.get("enum")
+    if enum is not None and not (isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum)):
+        raise SchemaError(f"{at}.enum must be a non-empty list of strings (other enums are not followed)")
+
+
+def _encoded(text: str) -> bytes:
+    """A string's bytes between the quotes of its JSON text (as ``json.dumps`` writes it, UTF-8 as it is)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1].encode()
+
+
+def _types(schema: dict) -> frozenset:
+    t = schema.get("type")
+    if t is None:
+        return frozenset(TYPES) if "enum" not in schema else frozenset({"string"})
+    return frozenset([t] if isinstance(t, str) else t)
+
+
+_FIRST = {ord("{"): "object", ord("["): "array", ord('"'): "string", ord("t"): "boolean", ord("f"): "boolean",
+          ord("n"): "null"}
+
+
+class SchemaPrefix(JsonPrefix):
+    """A ``JsonPrefix`` that also follows a JSON schema (``check_schema`` says which keywords): every value's
+    type, an object's property names (listed ones, once each; others only where ``additionalProperties`` is
+    not false) and its required ones before it closes, an array's items, a string's enum, an integer's lack of
+    a fraction or exponent. Strings that a schema names (property names, enum values) are read as
+    ``json.dumps`` writes them, escapes included."""
+
+    __slots__ = ("frames", "expect", "buf", "str_enum", "int_only")
+
+    def __init__(self, schema: dict):
+        super().__init__()
+        self.frames = ()  # per open container: ("o", schema, used names, the current name) or ("a", schema)
+        self.expect = schema  # the schema of the next value
+        self.buf = b""  # the string being read, as written
+        self.str_enum = None  # the encoded strings it may be (None: any)
+        self.int_only = False  # the number being read is an integer
+
+    def copy(self) -> SchemaPrefix:
+        out = super().copy()
+        out.frames, out.expect, out.buf, out.str_enum, out.int_only = (self.frames, self.expect, self.buf,
+                                                                        self.str_enum, self.int_only)
+        return out
+
+    def _names(self):
+        """The property names the object being read may still take (encoded), and whether others may come."""
+        _, schema, used, _ = self.frames[-1]
+        props = schema.get("properties", {})
+        return ({_encoded(k): k for k in props if k not in used},
+                schema.get("additionalProperties", True) is not False)
+
+    def feed(self, b: int) -> bool:
+        m = self.mode
+        if m == STRING:
+            if not self.esc and not self.hex and not self.utf8 and b == ord('"'):
+                return self._string_end() and super().feed(b)
+            if not super().feed(b):
+                return False
+            self.buf += bytes([b])
+            return self.str_enum is None or any(e.startswith(self.buf) for e in self.str_enum)
+        if m == NUMBER:
+            if self.int_only and b in (ord("."), ord("e"), ord("E")) and self.num in ("0", "int"):
+                return False
+            if JsonPrefix._number(JsonPrefix.copy(self), b)[1]:
+                m = AFTER  # the number ends before this byte, which is read after it
+        if m in (VALUE, VALUE_OR_CLOSE, START) and b not in WS and not (m == VALUE_OR_CLOSE and b == ord("]")):
+            if not self._value_start(b):
+                return False
+        elif m in (KEY_OR_CLOSE, KEY) and b == ord('"'):
+            names, others = self._names()
+            if not names and not others:
+                return False  # no name left to write
+            self.buf, self.str_enum = b"", None if others else list(names)
+        elif m == AFTER and b == ord(",") and self.frames and self.frames[-1][0] == "o":
+            names, others = self._names()
+            if not names and not others:
+                return False  # the object can take no other property: it closes
+        elif m in (KEY_OR_CLOSE, AFTER) and b == ord("}") and self.frames and self.frames[-1][0] == "o":
+            _, schema, used, _ = self.frames[-1]
+            if not set(schema.get("required", ())) <= used:
+                return False
+        if not super().feed(b):
+            return False
+        if m in (KEY_OR_CLOSE, AFTER, VALUE_OR_CLOSE) and b in (ord("}"), ord("]")):
+            self.frames = self.frames[:-1]  # the container closed
+        elif m == AFTER and b == ord(",") and self.frames[-1][0] == "a":
+            self.expect = self.frames[-1][1].get("items", {})
+        return True
+
+    def _value_start(self, b: int) -> bool:
+        """A value begins with byte ``b``: its type must be one the expected schema allows."""
+        schema = self.expect
+        kind = _FIRST.get(b, "number" if b == ord("-") or b in _DIGITS else None)
+        allowed = _types(schema)
+        if kind is None:
+            return True  # not a value's first byte: the JSON reader refuses it
+        if kind == "number":
+            if not allowed & {"number", "integer"}:
+                return False
+            self.int_only = "number" not in allowed
+        elif kind not in allowed:
+            return False
+        if kind == "object":
+            self.frames = self.frames + (("o", schema, frozenset(), None),)
+        elif kind == "array":
+            self.frames = self.frames + (("a", schema),)
+            self.expect = schema.get("items", {})
+        elif kind == "string":
+            enum = schema.get("enum")
+            self.buf, self.str_enum = b"", None if enum is None else [_encoded(e) for e in enum]
+        return True
+
+    def _string_end(self) -> bool:
+        """The string being read ends: a property name must be one the object may take (its value's schema is
+        then expected); an enum's value must be whole."""
+        if self.str_enum is not None and self.buf not in self.str_enum:
+            return False
+        if self.key:
+            kind, schema, used, _ = self.frames[-1]
+            name = json.loads(b'"' + self.buf + b'"')
+            if name in used:
+                return False
+            props = schema.get("properties", {})
+            if name not in props and schema.get("additionalProperties", True) is False:
+                return False
+            self.frames = self.frames[:-1] + ((kind, schema, used | {name}, name),)
+            self.expect = props.get(name, {})
+        return True
+
+
+class JsonConstraint:
+    """A request's JSON mode: its reply so far (``prefix``: a JSON object's, following ``schema`` when one is
+    given), the bytes of every token of the vocabulary (``vocab[i]``: None for a token that never stands in
+    JSON text, such as special tokens), the token that ends the reply (``eos``) and every token that would end
+    it (``stops``: the model's end-of-sequence tokens, which never stand in JSON text even where their bytes
+    could)."""
+
+    def __init__(self, vocab: list[bytes | None], eos: int, stops=(), schema: dict | None = None):
         self.vocab, self.eos, self.stops = vocab, eos, frozenset(stops) | {eos}
-        self.prefix = JsonPrefix()
+        self.prefix = JsonPrefix() if schema is None else SchemaPrefix(schema)
 
     def fits(self, token: int) -> bool:
         data = self.vocab[token] if token < len(self.vocab) and token not in self.stops else None
@@ -243,8 +416,9 @@ class JsonConstraint:
         None), the highest-scoring token that keeps the reply a JSON prefix; sampling, a draw from ``probs``
         restricted to such tokens (``draw(probs) -> token``: rejection, each refused token's probability set to
         0 and drawn again, which draws from the restricted distribution; after 64 refusals the most probable
-        fitting token). ``None`` when no token fits (it cannot happen with a vocabulary holding the JSON
-        punctuation as single tokens)."""
+        fitting token). ``None`` when no token fits, which a vocabulary holding every byte as a token (byte-level
+        BPE, as SmolLM2's and Llama 3's) never leaves: the reader takes a byte only where a document can go
+        on."""
         if self.prefix.complete:
             return self.eos
         order = scores

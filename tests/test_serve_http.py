@@ -411,7 +411,7 @@ def test_each_request_samples_as_it_asks(tiny_server):
 
 
 UNSUPPORTED = {  # field: (value asking for what the server does not do, the endpoint)
-    "n": (17, "chat/completions"), "response_format": ({"type": "json_schema"}, "chat/completions"),
+    "n": (17, "chat/completions"), "response_format": ({"type": "xml"}, "chat/completions"),
     "best_of": (2, "completions"),
 }
 
@@ -817,13 +817,20 @@ def test_responses_through_the_openai_client(tiny_server):
     text = client.responses.create(model=name, input="Tell me a story", max_output_tokens=8,
                                    text={"format": {"type": "json_object"}}).output_text
     assert text.startswith("{") and JsonPrefix().feed_all(text.encode())  # JSON mode: text.format
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    text = client.responses.create(model=name, input="Tell me a story", max_output_tokens=80, text={
+        "format": {"type": "json_schema", "name": "answer", "schema": schema}}).output_text
+    # the schema leaves no other object, and its whitespace runs are bounded: it closes within 80 tokens
+    assert json.loads(text) in ({"ok": True}, {"ok": False}), text
     for fields, param in (({"input": ""}, "input"), ({"input": 5}, "input"),
                           ({"input": [{"role": "robot", "content": "Hi"}]}, "input"),
                           ({"max_output_tokens": 0}, "max_output_tokens"),
                           ({"max_output_tokens": 10**6}, "max_output_tokens"),
                           ({"previous_response_id": "resp_1"}, "previous_response_id"),
                           ({"top_logprobs": 2}, "top_logprobs"),
-                          ({"text": {"format": {"type": "json_schema"}}}, "text")):
+                          ({"text": {"format": {"type": "json_schema"}}}, "text"),
+                          ({"text": {"format": {"type": "xml"}}}, "text")):
         body = {"model": name, "input": "Hi", "max_output_tokens": 4, **fields}
         assert_openai_error(httpx.post(f"{base}/v1/responses", timeout=120, json=body), param)
     assert stats(base)["requests"] == 0
@@ -988,8 +995,18 @@ def test_json_mode_replies_with_one_json_object(tiny_server):
         assert p.feed_all(text.encode()) and (reason == "length" or p.complete), (text, reason)
     r = chat(base, name, content="Give me a JSON object.", max_tokens=16, stream=True, **json_mode)
     assert streamed_text(r)[0] == content(max_tokens=16, **json_mode)[0]
+    # a schema: the reply follows it (the bias on '}' closes the object once "age" has a digit)
+    pet = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+           "properties": {"name": {"type": "string", "enum": ["cat", "dog"]}, "age": {"type": "integer"}}}
+    schema_mode = {"response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": pet}}}
+    text, reason = content(max_tokens=40, logit_bias={str(tok.convert_tokens_to_ids("}")): 30}, **schema_mode)
+    import jsonschema
+    jsonschema.validate(json.loads(text), pet)
+    assert reason == "stop"
     for endpoint, fields in (("completions", json_mode),
-                             ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}})):
+                             ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}),
+                             ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+                                 "name": "x", "schema": {"type": "object", "minProperties": 1}}}})):
         body = {"model": name, "max_tokens": 3, **fields}
         body.update({"messages": [{"role": "user", "content": "Hi"}]} if endpoint.startswith("chat") else
                     {"prompt": "Hi"})

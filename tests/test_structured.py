@@ -68,7 +68,7 @@ def test_the_reader_agrees_with_pythons_parser(obj, layout, edits):
 
 @pytest.mark.parametrize("text", ['{"a":01}', '{"a":1,}', '{"a" 1}', "{a:1}", '{"a":tru}', '{"a":"\x01"}', "[]",
                                   " {}", "{} ", '{"a":-}', '{"a":1.}', '{"a":1e}', '{"\\x":1}', '{"a":"\\u12g4"}',
-                                  '{"a":     1}'])
+                                  '{"a":' + " " * (MAX_SPACE + 1) + "1}"])
 def test_what_is_no_json_object_is_refused(text):
     assert read(text.encode()) != (len(text.encode()), True)
 
@@ -120,3 +120,154 @@ def test_an_end_token_whose_bytes_could_stand_in_a_string_is_never_picked_before
     for piece in (b'"', b":", b'"', b'"', b"}"):
         c.took(vocab.index(piece))
     assert c.pick(scores) == 5
+
+
+# --------------------------------------------------------------------------- a JSON schema
+leaf_schemas = st.one_of(
+    st.sampled_from([{"type": t} for t in ("string", "number", "integer", "boolean", "null")] + [{}]),
+    st.lists(st.text(max_size=5), min_size=1, max_size=3, unique=True).map(lambda e: {"type": "string", "enum": e}),
+    st.lists(st.sampled_from(["string", "integer", "null", "boolean"]), min_size=2, max_size=2, unique=True)
+    .map(lambda t: {"type": t}))
+
+
+def _object_schema(children):
+    return st.dictionaries(st.text(max_size=5), children, max_size=4).flatmap(
+        lambda props: st.tuples(st.just(props), st.lists(st.sampled_from(sorted(props)) if props else st.nothing(),
+                                                         unique=True), st.booleans())).map(
+        lambda t: {"type": "object", "properties": t[0], "required": t[1], "additionalProperties": t[2]})
+
+
+schemas = _object_schema(st.recursive(leaf_schemas, lambda inner: _object_schema(inner) | inner.map(
+    lambda i: {"type": "array", "items": i}), max_leaves=6))
+
+
+@st.composite
+def instance(draw, schema):
+    """A value ``schema`` takes (drawn)."""
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types or ["string", "integer", "boolean", "null", "number"]
+    t = draw(st.sampled_from(types))
+    if "enum" in schema:
+        return draw(st.sampled_from(schema["enum"]))
+    if t == "object":
+        props = schema.get("properties", {})
+        names = set(schema.get("required", [])) | set(draw(st.lists(st.sampled_from(sorted(props)), unique=True))
+                                                       if props else [])
+        out = {k: draw(instance(props[k])) for k in names}
+        if schema.get("additionalProperties", True) is not False and draw(st.booleans()):
+            out.setdefault("extra", 1)
+        return out
+    if t == "array":
+        return draw(st.lists(instance(schema.get("items", {})), max_size=3))
+    return draw({"string": st.text(max_size=5), "integer": st.integers(-999, 999), "boolean": st.booleans(),
+                 "null": st.none(), "number": st.floats(allow_nan=False, allow_infinity=False)}[t])
+
+
+def schema_valid(doc, schema) -> bool:
+    """``jsonschema``'s verdict (an integer being a JSON number written without a fraction: an int here)."""
+    import jsonschema
+    checker = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool))
+    validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=checker)
+    return validator(schema).is_valid(doc)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data(), schemas, st.sampled_from(["keep", "drop", "add", "swap"]))
+def test_the_schema_reader_agrees_with_jsonschema(data, schema, edit):
+    """Documents drawn from a schema, then edited (a property dropped, one added, one's value swapped for
+    another), written as ``json.dumps`` writes them: the reader takes every prefix of a document the schema
+    takes, whole exactly at its end, and refuses, at some byte, one it does not."""
+    from kvcompile.structured import SchemaPrefix, check_schema
+
+    check_schema(schema)
+    doc = data.draw(instance(schema))
+    if edit == "drop" and doc:
+        doc.pop(data.draw(st.sampled_from(sorted(doc))))
+    elif edit == "add":
+        doc[data.draw(st.text(max_size=5))] = data.draw(scalars)
+    elif edit == "swap" and doc:
+        doc[data.draw(st.sampled_from(sorted(doc)))] = data.draw(scalars)
+    text = json.dumps(doc, ensure_ascii=False, separators=data.draw(st.sampled_from([(",", ":"), (", ", ": ")])))
+    p = SchemaPrefix(schema)
+    taken = all(p.feed(b) for b in text.encode())
+    assert (taken and p.complete) == schema_valid(doc, schema), (schema, text)
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "array"}, "top level must be"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}, "'pattern' is not followed"),
+    ({"type": "object", "properties": {"a": {"anyOf": []}}}, "'anyOf'"),
+    ({"type": "object", "required": ["b"]}, "required must list"),
+    ({"type": "object", "additionalProperties": {"type": "string"}}, "additionalProperties must be"),
+    ({"type": "object", "properties": {"a": {"enum": [1, 2]}}}, "enum must be"),
+    ({"type": "object", "properties": {"a": {"type": "text"}}}, "type must be one of"),
+])
+def test_a_schema_the_reader_does_not_follow_is_refused_with_what_it_follows(schema, message):
+    from kvcompile.structured import SchemaError, check_schema
+    with pytest.raises(SchemaError, match=re.escape(message)):
+        check_schema(schema)
+
+
+PET = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+       "properties": {"name": {"type": "string", "enum": ["cat", "dog"]}, "age": {"type": "integer"},
+                      "tags": {"type": "array", "items": {"type": "string"}}, "weight": {"type": ["number", "null"]},
+                      "vet": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                              "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("text, refused_at", [
+    ('{"name":"cat","age":3,"tags":["a"],"weight":null,"vet":{"ok":true}}', None),
+    ('{"age": 12, "name": "dog"}', None),
+    ('{"name":"cow","age":3}', '{"name":"co'),  # no enum value begins "co": refused there, not at the quote
+    ('{"na', None),  # a prefix of a property name
+    ('{"nam":1}', '{"nam"'),
+    ('{"name":"cat","age":3.5}', '{"name":"cat","age":3.'),
+    ('{"name":"cat"}', '{"name":"cat"}'),  # "age" is required
+    ('{"name":"cat","age":3,"zz":1}', '{"name":"cat","age":3,"z'),  # no other names
+    ('{"name":"cat","name":"dog","age":1}', '{"name":"cat","n'),  # "name" once
+    ('{"name":"cat","age":3,"tags":[1]}', '{"name":"cat","age":3,"tags":[1'),
+    ('{"name":"cat","age":3,"vet":{}}', '{"name":"cat","age":3,"vet":{}'),
+    ('{"name":"cat","age":3,"vet":{"ok":true,"x":1}}', '{"name":"cat","age":3,"vet":{"ok":true,'),
+    ('{"name":1}', '{"name":1'),
+    ('{"name":"cat","age":3,"vet":{"ok":true,"', '{"name":"cat","age":3,"vet":{"ok":true,'),  # ok is vet's only
+])
+def test_the_schema_reader_refuses_at_the_first_byte_no_document_continues(text, refused_at):
+    """Refused as early as the schema allows (so that a constrained pick never walks into a dead end), and only
+    then."""
+    from kvcompile.structured import SchemaPrefix
+
+    p = SchemaPrefix(PET)
+    data = text.encode()
+    at = next((i for i, b in enumerate(data) if not p.feed(b)), None)
+    assert (None if at is None else data[:at + 1].decode()) == refused_at
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_a_constrained_pick_under_a_schema_ends_in_a_document_it_takes(seed):
+    """As above, under a schema (a pet with an enum, a required integer, optional tags): every pick keeps the
+    reply a prefix of a document the schema takes, and the reply ends as one."""
+    import jsonschema
+
+    # every character the schema's names and values need is a token of its own, as every byte is in a
+    # byte-level vocabulary: the reader never leads into a string the vocabulary cannot finish
+    pieces = ["{", "}", "[", "]", '"', ":", ",", " ", "name", "age", "tags", "cat", "dog",
+              *"abcdefghijklmnopqrstuvwxyz", "1", "2", ".", "5", "-", "true", "null", '"name"', '":', '"age":']
+    vocab = [p.encode() for p in pieces] + [None]
+    eos = len(vocab) - 1
+    closers = torch.tensor([vocab.index(p) for p in (b"}", b"]", b'"')])
+    c = JsonConstraint(vocab, eos, schema=PET)
+    g = torch.Generator().manual_seed(seed)
+    out = b""
+    for _ in range(400):
+        scores = torch.randn(len(vocab), generator=g) * 3
+        scores[eos] += 5
+        scores[closers] += 2
+        t = c.pick(scores, torch.softmax(scores, -1), lambda p: torch.multinomial(p, 1, generator=g))
+        if t == eos:
+            break
+        c.took(t)
+        out += vocab[t]
+    else:
+        pytest.fail(f"no end after 400 tokens: {out!r}")
+    jsonschema.validate(json.loads(out), PET)
