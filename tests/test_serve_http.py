@@ -124,7 +124,8 @@ def test_chat_completions_streaming_and_not_over_kvcompiles_cache(server):
 @pytest.mark.slow
 def test_json_mode_on_the_real_model(server):
     """SmolLM2 asked for a JSON object: free, it wraps one in a Markdown fence and goes on talking (no JSON); in
-    JSON mode the reply is the object alone, ended when it closes, greedy and sampled."""
+    JSON mode the reply is the object alone, ended when it closes, greedy and sampled; with a schema, an
+    object the schema takes."""
     base, _ = server
     ask = {"model": model_name(base), "max_tokens": 80,
            "messages": [{"role": "user", "content": "Describe a cat as a JSON object with fields name, age and color."}]}
@@ -136,6 +137,13 @@ def test_json_mode_on_the_real_model(server):
     free = httpx.post(f"{base}/v1/chat/completions", timeout=300, json=ask).json()["choices"][0]["message"]["content"]
     with pytest.raises(ValueError):
         json.loads(free)
+    import jsonschema
+    cat = {"type": "object", "additionalProperties": False, "required": ["name", "age", "color"],
+           "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                          "color": {"type": "string", "enum": ["black", "white", "ginger"]}}}
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=300, json={**ask, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "cat", "schema": cat, "strict": True}}})
+    jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), cat)
 
 
 @pytest.mark.slow
