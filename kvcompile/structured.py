@@ -20,6 +20,14 @@ _LITERALS = {ord("t"): b"rue", ord("f"): b"alse", ord("n"): b"ull"}
 _ESCAPES = frozenset(b'"\\/bfnrtu')
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _DIGITS = frozenset(b"0123456789")
+# a number's states (after "-", a leading "0", more digits, ".", the fraction, "e", its sign, the exponent) and
+# where each kind of byte leads: "0", other digits "d", "." , "e" (or "E"), "+" (or "-"); the states a number may
+# end in
+_NUMBER = {"-": {"0": "0", "d": "int"}, "0": {".": ".", "e": "e"}, "int": {"d": "int", ".": ".", "e": "e"},
+           ".": {"d": "frac"}, "frac": {"d": "frac", "e": "e"}, "e": {"+": "esign", "d": "exp"},
+           "esign": {"d": "exp"}, "exp": {"d": "exp"}}
+_NUMBER_BYTES = {ord("."): ".", ord("e"): "e", ord("E"): "e", ord("+"): "+", ord("-"): "+"}
+_NUMBER_ENDS = frozenset({"0", "int", "frac", "exp"})
 
 # where the reader is
 VALUE, KEY_OR_CLOSE, KEY, COLON, AFTER, VALUE_OR_CLOSE, STRING, NUMBER, LITERAL, DONE, START = range(11)
@@ -176,49 +184,14 @@ class JsonPrefix:
 
     def _number(self, b: int) -> tuple[bool, bool]:
         """(whether the byte fits, whether the number ended before it)."""
-        n, digit = self.num, b in _DIGITS
-        if n == "-":
-            if digit:
-                self.num = "0" if b == ord("0") else "int"
-                return True, False
-            return False, False
-        if n in ("0", "int"):
-            if digit and n == "int":
-                return True, False
-            if b == ord("."):
-                self.num = "."
-                return True, False
-            if b in (ord("e"), ord("E")):
-                self.num = "e"
-                return True, False
-            return (not digit), True  # "0" followed by a digit is no number
-        if n == ".":
-            if digit:
-                self.num = "frac"
-                return True, False
-            return False, False
-        if n == "frac":
-            if digit:
-                return True, False
-            if b in (ord("e"), ord("E")):
-                self.num = "e"
-                return True, False
+        kind = ("0" if b == ord("0") else "d") if b in _DIGITS else _NUMBER_BYTES.get(b)
+        nxt = _NUMBER[self.num].get(kind) or (_NUMBER[self.num].get("d") if kind == "0" else None)
+        if nxt is not None:
+            self.num = nxt
+            return True, False
+        if self.num in _NUMBER_ENDS and kind not in ("0", "d"):
             return True, True
-        if n == "e":
-            if b in (ord("+"), ord("-")):
-                self.num = "esign"
-                return True, False
-            if digit:
-                self.num = "exp"
-                return True, False
-            return False, False
-        if n == "esign":
-            if digit:
-                self.num = "exp"
-                return True, False
-            return False, False
-        # "exp"
-        return (True, False) if digit else (True, True)
+        return False, False  # a number cut short, or a digit after a leading 0
 
 
 # --------------------------------------------------------------------------- a JSON schema

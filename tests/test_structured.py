@@ -79,16 +79,11 @@ def vocabulary():
     return [p.encode() for p in pieces] + [None]  # a special token, never in JSON text
 
 
-@pytest.mark.parametrize("seed", range(8))
-@pytest.mark.parametrize("sampled", [False, True])
-def test_a_constrained_pick_ends_in_a_json_object(seed, sampled):
-    """Picking every token under the constraint -- the best-scoring fitting one, or a draw restricted to fitting
-    ones -- with random scores at each step gives a JSON object, then the end token, and never a token that
-    does not fit (the end token included, before the object is whole)."""
-    vocab = vocabulary()
-    eos = len(vocab) - 1
+def walk(c: JsonConstraint, vocab: list, seed: int, sampled: bool) -> bytes:
+    """A reply picked token by token under ``c`` with random scores at each step (the end token tempting, the
+    closing ones a little more likely, so that the walk ends): its bytes, once the end token is picked."""
+    eos = c.eos
     closers = torch.tensor([vocab.index(p) for p in (b"}", b"]", b'"')])
-    c = JsonConstraint(vocab, eos)
     g = torch.Generator().manual_seed(seed)
     out = b""
     for _ in range(400):
@@ -98,13 +93,23 @@ def test_a_constrained_pick_ends_in_a_json_object(seed, sampled):
         probs = torch.softmax(scores, -1) if sampled else None
         t = c.pick(scores, probs, (lambda p: torch.multinomial(p, 1, generator=g)) if sampled else None)
         if t == eos:
-            break
+            return out
         c.took(t)
         out += vocab[t]
-    else:
-        pytest.fail(f"no end after 400 tokens: {out!r}")
+    pytest.fail(f"no end after 400 tokens: {out!r}")
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_constrained_pick_ends_in_a_json_object(seed, sampled):
+    """Picking every token under the constraint -- the best-scoring fitting one, or a draw restricted to fitting
+    ones -- with random scores at each step gives a JSON object, then the end token, and never a token that
+    does not fit (the end token included, before the object is whole)."""
+    vocab = vocabulary()
+    c = JsonConstraint(vocab, len(vocab) - 1)
+    out = walk(c, vocab, seed, sampled)
     assert isinstance(json.loads(out), dict), out
-    assert c.pick(torch.zeros(len(vocab))) == eos  # once whole, only the end
+    assert c.pick(torch.zeros(len(vocab))) == c.eos  # once whole, only the end
 
 
 def test_an_end_token_whose_bytes_could_stand_in_a_string_is_never_picked_before_the_end():
@@ -254,20 +259,5 @@ def test_a_constrained_pick_under_a_schema_ends_in_a_document_it_takes(seed):
     pieces = ["{", "}", "[", "]", '"', ":", ",", " ", "name", "age", "tags", "cat", "dog",
               *"abcdefghijklmnopqrstuvwxyz", "1", "2", ".", "5", "-", "true", "null", '"name"', '":', '"age":']
     vocab = [p.encode() for p in pieces] + [None]
-    eos = len(vocab) - 1
-    closers = torch.tensor([vocab.index(p) for p in (b"}", b"]", b'"')])
-    c = JsonConstraint(vocab, eos, schema=PET)
-    g = torch.Generator().manual_seed(seed)
-    out = b""
-    for _ in range(400):
-        scores = torch.randn(len(vocab), generator=g) * 3
-        scores[eos] += 5
-        scores[closers] += 2
-        t = c.pick(scores, torch.softmax(scores, -1), lambda p: torch.multinomial(p, 1, generator=g))
-        if t == eos:
-            break
-        c.took(t)
-        out += vocab[t]
-    else:
-        pytest.fail(f"no end after 400 tokens: {out!r}")
+    out = walk(JsonConstraint(vocab, len(vocab) - 1, schema=PET), vocab, seed, sampled=True)
     jsonschema.validate(json.loads(out), PET)
