@@ -72,6 +72,8 @@ class Asked:
         self.top, self.presence, self.frequency, self.bias = top, presence, frequency, dict(bias or {})
         self.json_mode = json_mode  # the reply is one JSON object: ``json`` (a ``structured.JsonConstraint``)
         self.json_schema = json_schema  # which the object follows (None: any object)
+        self.eos = None  # the model's end-of-sequence token (set with ``json``): a failed request ends on it
+        self.failed = None  # what went wrong doing what it asked (its reply is an error; the others go on)
         self.json = None  # picks its tokens (set with the model's vocabulary when the request is added)
         self.tokens: dict[int, int] = {}
         self.counts: dict[int, int] = {}  # how often each token id was generated (for the penalties)
@@ -157,6 +159,21 @@ RECORDS = Records()  # the server's one record (kvcompile serve runs one continu
 MAX_TOP_LOGPROBS = 20  # alternatives a token's entry may list (OpenAI's limit for chat completions; vLLM's default)
 
 
+def guarded(asked: Asked, fn, *args):
+    """``fn(*args)`` for one request's row; an exception marks that request failed (``Asked.failed``: its
+    reply becomes an error and it ends) instead of stopping the engine every other request runs on. None when
+    it failed, now or before."""
+    if asked.failed is not None:
+        return None
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 -- one request's failure, reported to its client
+        import logging
+        logging.getLogger(__name__).exception("kvcompile serve: a request's token picking failed")
+        asked.failed = f"{type(e).__name__}: {e}"
+        return None
+
+
 def adjust_rows(scores: torch.Tensor, rows: list[int], asked: list[Asked], steps: list[int]) -> torch.Tensor:
     """``scores`` with each of ``rows``' bias and penalties applied (a copy, when any row has some)."""
     if not any(a.adjusts for a in asked):
@@ -164,7 +181,7 @@ def adjust_rows(scores: torch.Tensor, rows: list[int], asked: list[Asked], steps
     out = scores.clone()
     for r, a, step in zip(rows, asked, steps):
         if a.adjusts:
-            a.adjust(out[r], step)
+            guarded(a, a.adjust, out[r], step)
     return out
 
 
@@ -293,9 +310,14 @@ def _routed_class(base):
                 sampling = {r: (probs[j], seeds[j], steps[j]) for j, r in enumerate(rows.tolist())}
             for r, a, _ in recorded:  # JSON mode: the token that keeps the reply a JSON object's prefix
                 if a.json is not None:
-                    choice[r] = constrained_pick(a.json, scores[r], *sampling.get(r, (None, -1, 0)))
+                    t = guarded(a, constrained_pick, a.json, scores[r], *sampling.get(r, (None, -1, 0)))
+                    if t is not None:
+                        choice[r] = t
             if recorded:
-                record_rows(raw, choice, *map(list, zip(*recorded)))
+                for r, a, step in recorded:
+                    guarded(a, record_rows, raw, choice, [r], [a], [step])
+                    if a.failed is not None and a.eos is not None:
+                        choice[r] = a.eos  # a failed request ends now
             return torch.full_like(scores, float("-inf")).scatter_(-1, choice.unsqueeze(-1), 0.0)
 
     Routed.__name__ = Routed.__qualname__ = "Routed" + base.__name__

@@ -722,11 +722,12 @@ def prepare_asked(asked: dict | None, model, processor) -> None:
     if bad:
         raise RequestError(f"'logit_bias' names token ids {bad[:5]} outside the model's vocabulary (ids 0 to "
                            f"{vocab - 1})", "logit_bias")
+    eos = model.generation_config.eos_token_id
+    stops = [t for t in (eos if isinstance(eos, (list, tuple)) else [eos]) if isinstance(t, int) and t >= 0]
+    a.eos = stops[0] if stops else None  # where a request that fails ends (sampling.guarded)
     if a.json_mode and a.json is None:
         from .structured import JsonConstraint, vocab_bytes
 
-        eos = model.generation_config.eos_token_id
-        stops = [t for t in (eos if isinstance(eos, (list, tuple)) else [eos]) if isinstance(t, int) and t >= 0]
         if not stops:
             raise RequestError("JSON mode ends a reply with the model's end-of-sequence token, and this model's "
                                "generation config has none", "response_format")
@@ -747,12 +748,21 @@ async def _after(first: str, stream):
             await close()
 
 
+def failure_body(failed: str) -> dict:
+    """The error a client gets for a request whose token picking failed (``sampling.guarded``)."""
+    return error_body(f"generation failed for this request ({failed}); the server goes on", type_="server_error")
+
+
 async def _closing(stream, handle: int):
-    """A streamed reply's events; once it ends (or its client goes away) the request's log-probability record
-    is closed and the reply's own stream closed (transformers' stream then cancels its request)."""
+    """A streamed reply's events (and, if its token picking failed, an error event at its end); once it ends
+    (or its client goes away) the request's record is closed and the reply's own stream closed (transformers'
+    stream then cancels its request)."""
     try:
         async for part in stream:
             yield part
+        asked = RECORDS.get(handle)
+        if asked is not None and asked.failed is not None:
+            yield f"data: {json.dumps(failure_body(asked.failed))}\n\n"
     finally:
         RECORDS.close(handle)
         close = getattr(stream, "aclose", None)
@@ -837,6 +847,8 @@ def _checked_handlers():
                     if isinstance(reply, StreamingResponse):
                         reply.body_iterator, streams = _closing(reply.body_iterator, handle), True
                         return reply
+                    if reply.status_code == 200 and asked.failed is not None:
+                        return JSONResponse(failure_body(asked.failed), status_code=500)
                     if reply.status_code != 200 or asked.top is None:
                         return reply
                     out = json.loads(reply.body)

@@ -1020,3 +1020,38 @@ def test_json_mode_replies_with_one_json_object(tiny_server):
                     {"prompt": "Hi"})
         assert_openai_error(httpx.post(f"{base}/v1/{endpoint}", timeout=60, json=body), "response_format")
     assert stats(base)["records_open"] == 0
+
+
+def test_a_request_whose_token_picking_fails_gets_an_error_and_the_server_goes_on(tiny_dir, monkeypatch):
+    """In process (so that the JSON constraint can be broken for the test): the broken request's client gets a
+    500 in OpenAI's shape naming the failure -- streamed, an error event at the end -- and the server answers
+    the next requests, JSON mode's included once it works again."""
+    from fastapi.testclient import TestClient
+
+    from kvcompile import Policy, sampling
+    from kvcompile.serve import build_app
+
+    app, manager, state = build_app(str(tiny_dir), Policy.full(), budget=2**21, max_requests=4)
+    works = sampling.constrained_pick
+
+    def broken(*a):
+        raise RuntimeError("broken constraint")
+
+    body = {"model": str(tiny_dir), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "response_format": {"type": "json_object"}}
+    try:
+        with TestClient(app) as client:
+            monkeypatch.setattr(sampling, "constrained_pick", broken)
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 500 and "broken constraint" in r.json()["error"]["message"], r.text
+            r = client.post("/v1/chat/completions", json={**body, "stream": True})
+            assert r.status_code == 200 and "broken constraint" in r.text.strip().splitlines()[-1]
+            plain = {k: v for k, v in body.items() if k != "response_format"}
+            assert client.post("/v1/chat/completions", json=plain).status_code == 200
+            monkeypatch.setattr(sampling, "constrained_pick", works)
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("{")
+            assert client.get("/kvcompile/stats").json()["records_open"] == 0
+    finally:
+        state.shutdown()
+        manager.shutdown()

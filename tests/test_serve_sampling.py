@@ -167,3 +167,29 @@ def test_penalties_and_a_logit_bias_adjust_a_rows_logits():
     mine, _, _ = run(Asked(bias={10: -100.0, 11: -100.0, 12: -100.0}),
                      rows=(sampled(top_k=1), GREEDY))  # sampled: drawn from the adjusted logits
     assert all(t not in (10, 11, 12) for t in mine)
+
+
+def test_a_request_whose_token_picking_fails_ends_and_the_others_go_on():
+    """An exception doing what one request asked (here its JSON constraint breaks) marks that request failed
+    and ends it on the end token (its client gets an error), instead of stopping the engine: the other rows of
+    the batch pick as before, now and at the next step."""
+    class Broken:
+        eos = 9
+
+        def pick(self, *a):
+            raise RuntimeError("broken constraint")
+
+    torch.manual_seed(3)
+    scores = torch.randn(3, 50)
+    bad, fine = Asked(json_mode=True), Asked(top=1)
+    bad.json, bad.eos = Broken(), 9
+    hb, hf = RECORDS.open(bad), RECORDS.open(fine)
+    try:
+        for step in range(2):
+            got = picks(processors(), scores, [GREEDY, GREEDY, GREEDY], [step] * 3, handles=[hb, hf, -1])
+            assert got == [9, int(scores[1].argmax()), int(scores[2].argmax())]
+        assert bad.failed == "RuntimeError: broken constraint"
+        assert fine.failed is None and [e[0] for e in RECORDS.take(hf, 0, 2)] == [got[1]] * 2
+    finally:
+        RECORDS.close(hb)
+        RECORDS.close(hf)
