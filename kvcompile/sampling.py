@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import itertools
+import logging
 import threading
 
 import torch
@@ -72,7 +73,7 @@ class Asked:
         self.top, self.presence, self.frequency, self.bias = top, presence, frequency, dict(bias or {})
         self.json_mode = json_mode  # the reply is one JSON object: ``json`` (a ``structured.JsonConstraint``)
         self.json_schema = json_schema  # which the object follows (None: any object)
-        self.eos = None  # the model's end-of-sequence token (set with ``json``): a failed request ends on it
+        self.eos = None  # the model's end-of-sequence token (set when the request is added): a failed one ends on it
         self.failed = None  # what went wrong doing what it asked (its reply is an error; the others go on)
         self.json = None  # picks its tokens (set with the model's vocabulary when the request is added)
         self.tokens: dict[int, int] = {}
@@ -105,12 +106,20 @@ class Asked:
                 counts[t] = counts.get(t, 0) + 1
         return counts
 
-    def took(self, step: int, token: int) -> None:
-        if step not in self.tokens:
-            self.tokens[step] = token
-            self.counts[token] = self.counts.get(token, 0) + 1
-            if self.json is not None:
-                self.json.took(token)
+    def took(self, step: int, token: int, logits: torch.Tensor) -> None:
+        """The reply's token at ``step`` is ``token``, picked from the model's ``logits`` for it; where the
+        request asked, its log probability and its top alternatives' are recorded."""
+        if step in self.tokens:
+            return
+        self.tokens[step] = token
+        self.counts[token] = self.counts.get(token, 0) + 1
+        if self.json is not None:
+            self.json.took(token)
+        if self.top is not None:
+            logp = torch.log_softmax(logits.float(), -1)
+            top = logp.topk(self.top) if self.top else None
+            self.entries[step] = (token, float(logp[token]),
+                                  list(zip(top.indices.tolist(), top.values.tolist())) if top else [])
 
 
 class Records:
@@ -168,7 +177,6 @@ def guarded(asked: Asked, fn, *args):
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001 -- one request's failure, reported to its client
-        import logging
         logging.getLogger(__name__).exception("kvcompile serve: a request's token picking failed")
         asked.failed = f"{type(e).__name__}: {e}"
         return None
@@ -183,27 +191,6 @@ def adjust_rows(scores: torch.Tensor, rows: list[int], asked: list[Asked], steps
         if a.adjusts:
             guarded(a, a.adjust, out[r], step)
     return out
-
-
-def record_rows(raw: torch.Tensor, choice: torch.Tensor, rows: list[int], asked: list[Asked],
-                steps: list[int]) -> None:
-    """Record each of ``rows``' chosen token at its step, and where its request asked, the token's log
-    probability under ``raw`` (the model's logits) and its top alternatives."""
-    lp_rows = [j for j, a in enumerate(asked) if a.top is not None]
-    ids = choice[rows].tolist()
-    for j, a in enumerate(asked):
-        a.took(steps[j], ids[j])
-    if not lp_rows:
-        return
-    sel = torch.tensor([rows[j] for j in lp_rows])
-    logp = torch.log_softmax(raw[sel].float(), -1)
-    chosen = logp.gather(1, choice[sel].unsqueeze(1)).squeeze(1).tolist()
-    k = max(asked[j].top for j in lp_rows)
-    top_v, top_i = logp.topk(k, -1) if k else (logp[:, :0], logp[:, :0].long())
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    for n, j in enumerate(lp_rows):
-        t = asked[j].top
-        asked[j].entries[steps[j]] = (ids[j], chosen[n], list(zip(top_i[n][:t], top_v[n][:t])))
 
 
 def constrained_pick(constraint, scores: torch.Tensor, probs: torch.Tensor | None, seed: int, step: int) -> int:
@@ -315,7 +302,7 @@ def _routed_class(base):
                         choice[r] = t
             if recorded:
                 for r, a, step in recorded:
-                    guarded(a, record_rows, raw, choice, [r], [a], [step])
+                    guarded(a, a.took, step, int(choice[r]), raw[r])
                     if a.failed is not None and a.eos is not None:
                         choice[r] = a.eos  # a failed request ends now
             return torch.full_like(scores, float("-inf")).scatter_(-1, choice.unsqueeze(-1), 0.0)
