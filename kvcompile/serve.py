@@ -773,7 +773,7 @@ async def _closing(stream, handle: int):
 def _checked_handlers():
     """transformers' chat-completion and completion handlers, checking each request first (``check_*``) and
     marking its generation config for ``fit_to_cache``: which field holds the prompt, whether the client set
-    the reply's length. A request that asks more of its tokens has it done (``_recorded``)."""
+    the reply's length. A request that asks more of its tokens has it done (``_asked``)."""
     from fastapi.responses import JSONResponse, StreamingResponse
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
@@ -801,12 +801,12 @@ def _checked_handlers():
                 try:
                     n = body.get("n") or 1
                     if n == 1 and not isinstance(body.get("prompt"), list):
-                        return await self._recorded(body, request_id)
-                    return await n_choices(self._recorded, body, request_id, n)
+                        return await self._one_choice(body, request_id)
+                    return await n_choices(self._one_choice, body, request_id, n)
                 finally:
                     _EXTENSIONS.reset(token)
 
-            async def _recorded(self, body: dict, request_id: str):
+            async def _one_choice(self, body: dict, request_id: str):
                 """One choice (``_asked``); a completion asking for ``echo`` has its prompt in front of its text
                 (streamed: the first piece)."""
                 if chat or not body.get("echo"):
@@ -958,13 +958,13 @@ def checked_state(**kw):
             client watched while it waits: a client that disconnects has its request cancelled (``watch_client``),
             as transformers' streaming handler does for a streaming one."""
             asked = getattr(gen_config, "_kvcompile_asked", None)
-            prepare_asked(asked, model, processor)
-            if asked is not None:  # the reply's log probabilities are read with it (_recorded)
+            if asked is not None:  # the reply's log probabilities are read with it (_asked)
                 asked["tokenizer"] = getattr(processor, "tokenizer", processor)._tokenizer
-            if getattr(gen_config, "_kvcompile_stop", None):
+            if getattr(gen_config, "_kvcompile_stop", None):  # fitted and prepared as it is streamed
                 work = self._generate_until_stop(model, processor, inputs, gen_config, request_id)
             else:
                 fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
+                prepare_asked(asked, model, processor)
                 # the task copies the context: its add_request sees this request's sampling
                 with request_context(gen_config):
                     work = asyncio.ensure_future(
@@ -1145,7 +1145,7 @@ def run_tensor_parallel(model_dir: str, policy, host: str, port: int, **kw) -> N
     step (transformers broadcasts them), which step with it; every rank starts its engine at startup, with the
     same configuration. Each rank draws a sampled token by the request's seed (one is given to a request that
     has none), so that the ranks pick the same tokens; penalties and a logit bias, which only rank 0's records
-    hold, are refused (``_recorded``)."""
+    hold, are refused (``_asked``)."""
     import torch.distributed as dist
     import uvicorn
 
