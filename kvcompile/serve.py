@@ -46,6 +46,7 @@ import time
 import torch
 
 from .sampling import MAX_TOP_LOGPROBS, RECORDS, Asked, request_context, request_sampling, sampling_manager
+from .structured import token_bytes
 
 
 def openai_app(manager, state, *, checked: bool = False):
@@ -515,30 +516,6 @@ class TokenText(str):
         out = super().__new__(cls, text)
         out.tokens = tokens
         return out
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """The byte-level BPE alphabet (GPT-2's; SmolLM2's and most Llama-3-era tokenizers'): each of the 256 byte
-    values is written as one printable character; this maps the characters back to the bytes."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
-    shifted = [b for b in range(256) if b not in printable]
-    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(shifted)}
-    return {c: b for b, c in chars.items()}
-
-
-_BYTE_LEVEL = _byte_level_alphabet()
-
-
-def token_bytes(tokenizer, token_id: int) -> bytes:
-    """The bytes a token stands for (``tokenizer``: a Rust ``tokenizers.Tokenizer``): exact for a byte-level
-    BPE vocabulary, where one token may hold part of a character; otherwise its decoded text's UTF-8."""
-    from tokenizers import decoders
-
-    piece = tokenizer.id_to_token(token_id)
-    if isinstance(tokenizer.decoder, decoders.ByteLevel) and piece and all(c in _BYTE_LEVEL for c in piece):
-        return bytes(_BYTE_LEVEL[c] for c in piece)
-    return tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
 
 def token_entries(tokenizer, entries, offset: int = 0) -> list[dict]:

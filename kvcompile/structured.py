@@ -411,6 +411,31 @@ class JsonConstraint:
         return None
 
 
+# --------------------------------------------------------------------------- a tokenizer's bytes
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's; SmolLM2's and most Llama-3-era tokenizers'): each of the 256 byte
+    values is written as one printable character; this maps the characters back to the bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(shifted)}
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes a token stands for (``tokenizer``: a Rust ``tokenizers.Tokenizer``): exact for a byte-level
+    BPE vocabulary, where one token may hold part of a character; otherwise its decoded text's UTF-8."""
+    from tokenizers import decoders
+
+    piece = tokenizer.id_to_token(token_id)
+    if isinstance(tokenizer.decoder, decoders.ByteLevel) and piece and all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    return tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+
 _VOCABS: dict[tuple[int, int], tuple] = {}  # (id of the tokenizer, size): (the tokenizer, its table)
 
 
@@ -420,8 +445,6 @@ def vocab_bytes(tokenizer, size: int) -> list[bytes | None]:
     reused by another)."""
     key = (id(tokenizer), size)
     if key not in _VOCABS:
-        from .serve import token_bytes
-
         special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
         n = tokenizer.get_vocab_size(with_added_tokens=True)
         _VOCABS[key] = (tokenizer, [None if i >= n or tokenizer.id_to_token(i) in special

@@ -647,7 +647,7 @@ def test_log_probabilities_are_the_models_own(tiny_server):
     the tokens; streamed, the chunks carry the same entries, offsets counted on across chunks."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvcompile.serve import token_bytes
+    from kvcompile.structured import token_bytes
 
     base, name = tiny_server
     tok = AutoTokenizer.from_pretrained(name)
@@ -755,7 +755,7 @@ def test_penalties_and_a_logit_bias_as_openai_applies_them(tiny_server):
     greedy one; the log probabilities they report stay the model's own. Out-of-range values are a 400."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvcompile.serve import token_bytes
+    from kvcompile.structured import token_bytes
 
     base, name = tiny_server
     tok = AutoTokenizer.from_pretrained(name)
@@ -890,7 +890,7 @@ def test_serving_sharded_over_two_processes(tiny_dir):
         # sampled without a seed, two at once: each reply's log probabilities (rank 0's logits) are the unsharded
         # model's over the reply's tokens (read by their bytes), which they are not once the ranks picked
         # different tokens
-        from kvcompile.serve import token_bytes
+        from kvcompile.structured import token_bytes
         id_of = {bytes(token_bytes(tok.backend_tokenizer, i)): i for i in range(len(tok))}
         messages = [{"role": "user", "content": prompts[2]}]
         r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
