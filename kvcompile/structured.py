@@ -405,6 +405,9 @@ class JsonConstraint:
                     return t
                 p[t] = 0
             order = p
+        best = int(order.argmax())  # most often fits: no sort of the vocabulary then
+        if self.fits(best):
+            return best
         for t in torch.argsort(order, descending=True, stable=True).tolist():
             if self.fits(t):
                 return t
