@@ -1121,8 +1121,8 @@ def run_tensor_parallel(model_dir: str, policy, host: str, port: int, **kw) -> N
     serves HTTP and is the engine's driver: the requests it adds reach the other ranks' engines at their next
     step (transformers broadcasts them), which step with it; every rank starts its engine at startup, with the
     same configuration. Each rank draws a sampled token by the request's seed (one is given to a request that
-    has none), so that the ranks pick the same tokens; penalties and a logit bias, which only rank 0's records
-    hold, are refused (``_asked``)."""
+    has none), so that the ranks pick the same tokens; penalties, a logit bias and JSON mode, which only rank
+    0's records hold, are refused (``_asked``)."""
     import torch.distributed as dist
     import uvicorn
 
