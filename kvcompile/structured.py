@@ -195,8 +195,9 @@ class JsonPrefix:
 
 
 # --------------------------------------------------------------------------- a JSON schema
-SCHEMA_KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", "enum"}
-SCHEMA_NOTES = {"title", "description", "default", "examples", "$schema", "$comment"}  # read by people only
+SCHEMA_KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
+                   "$ref", "$defs", "definitions"}
+SCHEMA_NOTES = {"title", "description", "default", "examples", "$schema", "$comment", "$id"}  # read by people only
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
@@ -204,38 +205,150 @@ class SchemaError(ValueError):
     """A JSON schema the reader does not follow: what, where, and what it does follow."""
 
 
+def _type_of(value) -> str | None:
+    """The JSON type of a scalar ``enum`` or ``const`` value as ``json.dumps`` writes it (a Python int is an
+    "integer"; a float, written with a fraction or exponent, a "number"); None for an object or array."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float) and value == value and abs(value) != float("inf"):
+        return "number"
+    return "string" if isinstance(value, str) else None
+
+
+class _Schema:
+    """A whole schema (``root``, where ``$ref`` pointers lead) and each of its subschemas' alternatives
+    (``alternatives``), worked out once."""
+
+    def __init__(self, root: dict):
+        self.root, self.memo = root, {}
+
+    def resolve(self, schema: dict, at: str = "schema") -> dict:
+        """``schema``, or where its ``$ref`` chain leads ("#", "#/$defs/Name", "#/definitions/Name" or any
+        other JSON pointer into the root)."""
+        seen = []
+        while "$ref" in schema:
+            ref = schema["$ref"]
+            if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+                raise SchemaError(f"{at}.$ref must point into this schema (\"#/$defs/Name\"), got {ref!r}")
+            if ref in seen:
+                raise SchemaError(f"{at}.$ref: {ref!r} leads back to itself")
+            seen.append(ref)
+            node = self.root
+            for part in ref[2:].split("/") if ref != "#" else ():
+                part = part.replace("~1", "/").replace("~0", "~")
+                node = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(node, dict):
+                raise SchemaError(f"{at}.$ref: {ref!r} names no schema here")
+            schema = node
+        return schema
+
+    def alternatives(self, schema: dict, at: str = "schema", _seen=()) -> tuple:
+        """The schemas a value of ``schema`` may follow, each plain (no ``$ref`` or ``anyOf``; an ``enum`` of
+        strings only; a non-string ``enum`` or ``const`` value as the bytes ``json.dumps`` writes it, under the
+        internal key ``"_literal"``). A value follows ``schema`` when it follows one of them."""
+        key = id(schema)
+        if key in self.memo:
+            return self.memo[key]
+        if key in _seen:
+            raise SchemaError(f"{at}: its anyOf leads back to itself before any value begins")
+        s = self.resolve(schema, at)
+        if "anyOf" in s:
+            out = tuple(alt for i, a in enumerate(s["anyOf"])
+                        for alt in self.alternatives(a, f"{at}.anyOf[{i}]", (*_seen, key)))
+        elif "enum" in s or "const" in s:
+            values = [s["const"]] if "const" in s else list(s["enum"])
+            if "enum" in s and "const" in s:
+                values = [v for v in values if v in s["enum"]]
+            allowed = _types(s) if "type" in s else frozenset(TYPES)
+            values = [v for v in values if _type_of(v) in allowed or (_type_of(v) == "integer" and "number" in allowed)]
+            strings = [v for v in values if isinstance(v, str)]
+            plain = {k: v for k, v in s.items() if k not in ("enum", "const", "type")}
+            out = ((({**plain, "type": "string", "enum": strings},) if strings else ())
+                   + tuple({"type": _type_of(v), "_literal": json.dumps(v).encode()}
+                           for v in values if not isinstance(v, str)))
+        else:
+            out = (s,)
+        if not out:
+            raise SchemaError(f"{at}: no value follows it (its enum, const and type leave nothing)")
+        self.memo[key] = out
+        return out
+
+
 def check_schema(schema, at: str = "schema") -> None:
-    """Refuse (``SchemaError``) what ``SchemaPrefix`` does not follow: it reads ``type`` (one or a list of the
-    JSON types), ``properties``, ``required``, ``additionalProperties`` (true or false), ``items`` and
-    ``enum`` (of strings) -- the keywords of OpenAI's strict structured outputs but for ``anyOf`` and
-    ``$ref`` -- and ignores titles, descriptions and defaults; the top level is an object."""
+    """Refuse (``SchemaError``) what ``SchemaPrefix`` does not follow. It reads ``type`` (one or a list of the
+    JSON types), ``properties``, ``required``, ``additionalProperties`` (true, false or a schema), ``items``,
+    ``enum`` and ``const`` (of strings, numbers, booleans and null), ``anyOf``, and ``$ref`` into the schema
+    (``$defs``, ``definitions``) -- what OpenAI's strict structured outputs and pydantic's schemas use, but for
+    the keywords that bound a value (``pattern``, ``format``, ``minimum``, ``maxLength``, ...) -- and ignores
+    titles, descriptions and defaults; the top level is an object. An enum or const value is written as
+    ``json.dumps`` writes it (a reply may not spell the const 1 as 1.0 or 1e0)."""
+    if not isinstance(schema, dict):
+        raise SchemaError(f"{at} must be a JSON schema object, got {type(schema).__name__}")
+    whole, nodes = _Schema(schema), []
+    _check(whole, schema, at, nodes)
+    for defs in ("$defs", "definitions"):
+        for name, sub in (schema.get(defs) or {}).items():
+            _check(whole, sub, f"{at}.{defs}.{name}", nodes)
+    for sub, where in nodes:  # once every part is known to be well formed
+        if "$ref" in sub:
+            whole.resolve(sub, where)
+        whole.alternatives(sub, where)  # an anyOf that loops, or nothing left to write, is refused here
+    for alt in whole.alternatives(schema, at):
+        if _types(alt) != {"object"}:
+            raise SchemaError(f"{at}: the top level must be {{\"type\": \"object\", ...}}")
+
+
+def _check(whole: _Schema, schema, at: str, nodes: list) -> None:
+    """The form of ``schema`` and its parts (each added to ``nodes`` with where it stands)."""
     if not isinstance(schema, dict):
         raise SchemaError(f"{at} must be a JSON schema object, got {type(schema).__name__}")
     unknown = sorted(set(schema) - SCHEMA_KEYWORDS - SCHEMA_NOTES)
     if unknown:
         raise SchemaError(f"{at}: the keyword {unknown[0]!r} is not followed here (followed: "
                           f"{', '.join(sorted(SCHEMA_KEYWORDS))}, in any nesting)")
+    for one in ("$ref", "anyOf"):
+        others = sorted(set(schema) - SCHEMA_NOTES - {one, "$defs", "definitions"})
+        if one in schema and others:
+            raise SchemaError(f"{at}: {one} stands beside {others[0]!r}; write the two as one schema (keywords "
+                              f"beside {one} are followed only when they are titles, descriptions or defaults)")
+    for defs in ("$defs", "definitions"):
+        if defs in schema and not (isinstance(schema[defs], dict) and at == "schema"):
+            raise SchemaError(f"{at}.{defs} must map names to schemas, at the top level of the schema")
+    nodes.append((schema, at))
+    if "anyOf" in schema:
+        if not isinstance(schema["anyOf"], list) or not schema["anyOf"]:
+            raise SchemaError(f"{at}.anyOf must be a non-empty list of schemas")
+        for i, alt in enumerate(schema["anyOf"]):
+            _check(whole, alt, f"{at}.anyOf[{i}]", nodes)
     types = schema.get("type")
     types = [types] if isinstance(types, str) else types
     if types is not None and (not isinstance(types, list) or not types or any(t not in TYPES for t in types)):
         raise SchemaError(f"{at}.type must be one of {', '.join(TYPES)} or a list of them, got {schema['type']!r}")
-    if at == "schema" and types != ["object"]:
-        raise SchemaError("schema: the top level must be {\"type\": \"object\", ...}")
     props = schema.get("properties", {})
     if not isinstance(props, dict) or not all(isinstance(k, str) for k in props):
         raise SchemaError(f"{at}.properties must map names to schemas")
     for k, v in props.items():
-        check_schema(v, f"{at}.properties.{k}")
+        _check(whole, v, f"{at}.properties.{k}", nodes)
     req = schema.get("required", [])
     if not isinstance(req, list) or any(r not in props for r in req):
         raise SchemaError(f"{at}.required must list names of its properties, got {req!r}")
-    if not isinstance(schema.get("additionalProperties", True), bool):
-        raise SchemaError(f"{at}.additionalProperties must be true or false (a schema there is not followed)")
+    extra = schema.get("additionalProperties", True)
+    if isinstance(extra, dict):
+        _check(whole, extra, f"{at}.additionalProperties", nodes)
+    elif not isinstance(extra, bool):
+        raise SchemaError(f"{at}.additionalProperties must be true, false or a schema")
     if "items" in schema:
-        check_schema(schema["items"], f"{at}.items")
+        _check(whole, schema["items"], f"{at}.items", nodes)
     enum = schema.get("enum")
-    if enum is not None and not (isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum)):
-        raise SchemaError(f"{at}.enum must be a non-empty list of strings (other enums are not followed)")
+    if enum is not None and not (isinstance(enum, list) and enum):
+        raise SchemaError(f"{at}.enum must be a non-empty list")
+    for v in [*(enum or ()), *([schema["const"]] if "const" in schema else ())]:
+        if _type_of(v) is None:
+            raise SchemaError(f"{at}: enum and const values must be strings, numbers, booleans or null, got {v!r}")
 
 
 def _encoded(text: str) -> bytes:
@@ -254,28 +367,98 @@ _FIRST = {ord("{"): "object", ord("["): "array", ord('"'): "string", ord("t"): "
           ord("n"): "null"}
 
 
-class SchemaPrefix(JsonPrefix):
-    """A ``JsonPrefix`` that also follows a JSON schema (``check_schema`` says which keywords): every value's
-    type, an object's property names (listed ones, once each; others only where ``additionalProperties`` is
-    not false) and its required ones before it closes, an array's items, a string's enum, an integer's lack of
-    a fraction or exponent. Strings that a schema names (property names, enum values) are read as
-    ``json.dumps`` writes them, escapes included."""
+class SchemaPrefix:
+    """A reader of a JSON object's bytes that also follows a JSON schema (``check_schema`` says which keywords):
+    every value's type, an object's property names (listed ones, once each; others only where
+    ``additionalProperties`` is not false, and following it when it is a schema) and its required ones before it
+    closes, an array's items, an enum's or a const's value, an integer's lack of a fraction or exponent, each
+    ``anyOf`` alternative at once. The same interface as ``JsonPrefix`` (``feed``, ``feed_all``, ``complete``,
+    ``copy``). Strings and values that a schema names (property names, enum values) are read as ``json.dumps``
+    writes them, escapes included.
 
-    __slots__ = ("frames", "expect", "buf", "str_enum", "int_only")
+    It holds a reader per alternative the bytes so far still follow (``_Branch``; an ``anyOf`` at the next
+    value splits one into several), dropping a reader at the first byte its alternative refuses and merging
+    readers that come to the same state."""
+
+    __slots__ = ("branches",)
 
     def __init__(self, schema: dict):
+        first = _Branch(_Schema(schema))
+        first.set_expect(schema)
+        self.branches = first.split()
+
+    def copy(self) -> SchemaPrefix:
+        out = SchemaPrefix.__new__(SchemaPrefix)
+        out.branches = [b.copy() for b in self.branches]
+        return out
+
+    @property
+    def complete(self) -> bool:
+        return any(b.complete for b in self.branches)
+
+    def feed_all(self, data: bytes) -> bool:
+        return all(self.feed(b) for b in data)
+
+    def feed(self, b: int) -> bool:
+        """Read one byte; False when no alternative takes it (the state is then undefined: ``feed`` a copy)."""
+        if len(self.branches) == 1:
+            one = self.branches[0]
+            if not one.feed(b):
+                return False
+            if not one.flat:
+                self.branches = one.split()
+            return True
+        kept = {}
+        for branch in self.branches:
+            if branch.feed(b):
+                for c in (branch.split() if not branch.flat else (branch,)):
+                    kept.setdefault(c.state(), c)
+        self.branches = list(kept.values())
+        return bool(self.branches)
+
+
+class _Branch(JsonPrefix):
+    """One alternative's reader: a ``JsonPrefix`` that follows plain schemas (``_Schema.alternatives``); each
+    schema it comes to next (``set_expect``) is split into its alternatives by ``SchemaPrefix``."""
+
+    __slots__ = ("whole", "frames", "expect", "flat", "buf", "str_enum", "int_only", "const")
+
+    def __init__(self, whole: _Schema):
         super().__init__()
+        self.whole = whole
         self.frames = ()  # per open container: ("o", schema, used names, the current name) or ("a", schema)
-        self.expect = schema  # the schema of the next value
+        self.expect, self.flat = None, True  # the schema of the next value; whether it is plain
         self.buf = b""  # the string being read, as written
         self.str_enum = None  # the encoded strings it may be (None: any)
         self.int_only = False  # the number being read is an integer
+        self.const = None  # the bytes still to come of a non-string enum or const value being read
 
-    def copy(self) -> SchemaPrefix:
+    def copy(self) -> _Branch:
         out = super().copy()
-        out.frames, out.expect, out.buf, out.str_enum, out.int_only = (self.frames, self.expect, self.buf,
-                                                                        self.str_enum, self.int_only)
+        out.whole, out.frames, out.expect, out.flat = self.whole, self.frames, self.expect, self.flat
+        out.buf, out.str_enum, out.int_only, out.const = self.buf, self.str_enum, self.int_only, self.const
         return out
+
+    def set_expect(self, schema: dict) -> None:
+        self.expect, self.flat = schema, False
+
+    def split(self) -> list[_Branch]:
+        """One reader per alternative of the schema expected next."""
+        alts = self.whole.alternatives(self.expect)
+        out = [self] + [self.copy() for _ in alts[1:]]
+        for branch, alt in zip(out, alts):
+            branch.expect, branch.flat = alt, True
+        return out
+
+    def state(self) -> tuple:
+        """What the reader will take from here (readers with equal states take the same bytes): the fields of
+        the value being read only while it is read, the next value's schema only until it begins."""
+        m = self.mode
+        frames = tuple((f[0], id(f[1]), *f[2:]) for f in self.frames)
+        return (m, tuple(self.stack), self.space, self.key, self.esc, self.hex, self.utf8, self.num, self.lit,
+                frames, id(self.expect) if m in (START, COLON, VALUE, VALUE_OR_CLOSE) else None,
+                (self.buf, self.str_enum and tuple(self.str_enum)) if m == STRING else None,
+                self.int_only if m == NUMBER else None, self.const if m in (NUMBER, LITERAL) else None)
 
     def _names(self):
         """The property names the object being read may still take (encoded), and whether others may come."""
@@ -286,6 +469,15 @@ class SchemaPrefix(JsonPrefix):
 
     def feed(self, b: int) -> bool:
         m = self.mode
+        if self.const is not None and m in (NUMBER, LITERAL):
+            if self.const:
+                if b != self.const[0]:
+                    return False
+                self.const = self.const[1:]
+                return super().feed(b)
+            self.const = None
+            if m == NUMBER and not JsonPrefix._number(JsonPrefix.copy(self), b)[1]:
+                return False  # the value is whole: the number may not go on
         if m == STRING:
             if not self.esc and not self.hex and not self.utf8 and b == ord('"'):
                 return self._string_end() and super().feed(b)
@@ -319,16 +511,20 @@ class SchemaPrefix(JsonPrefix):
         if m in (KEY_OR_CLOSE, AFTER, VALUE_OR_CLOSE) and b in (ord("}"), ord("]")):
             self.frames = self.frames[:-1]  # the container closed
         elif m == AFTER and b == ord(",") and self.frames[-1][0] == "a":
-            self.expect = self.frames[-1][1].get("items", {})
+            self.set_expect(self.frames[-1][1].get("items", {}))
         return True
 
     def _value_start(self, b: int) -> bool:
-        """A value begins with byte ``b``: its type must be one the expected schema allows."""
+        """A value begins with byte ``b``: its type must be one the expected (plain) schema allows."""
         schema = self.expect
         kind = _FIRST.get(b, "number" if b == ord("-") or b in _DIGITS else None)
         allowed = _types(schema)
         if kind is None:
             return True  # not a value's first byte: the JSON reader refuses it
+        literal = schema.get("_literal")
+        if literal is not None and b != literal[0]:
+            return False
+        self.const = None if literal is None else literal[1:]
         if kind == "number":
             if not allowed & {"number", "integer"}:
                 return False
@@ -339,7 +535,7 @@ class SchemaPrefix(JsonPrefix):
             self.frames = self.frames + (("o", schema, frozenset(), None),)
         elif kind == "array":
             self.frames = self.frames + (("a", schema),)
-            self.expect = schema.get("items", {})
+            self.set_expect(schema.get("items", {}))
         elif kind == "string":
             enum = schema.get("enum")
             self.buf, self.str_enum = b"", None if enum is None else [_encoded(e) for e in enum]
@@ -355,11 +551,11 @@ class SchemaPrefix(JsonPrefix):
             name = json.loads(b'"' + self.buf + b'"')
             if name in used:
                 return False
-            props = schema.get("properties", {})
-            if name not in props and schema.get("additionalProperties", True) is False:
+            props, extra = schema.get("properties", {}), schema.get("additionalProperties", True)
+            if name not in props and extra is False:
                 return False
             self.frames = self.frames[:-1] + ((kind, schema, used | {name}, name),)
-            self.expect = props.get(name, {})
+            self.set_expect(props.get(name, extra if isinstance(extra, dict) else {}))
         return True
 
 

@@ -1022,6 +1022,57 @@ def test_json_mode_replies_with_one_json_object(tiny_server):
     assert stats(base)["records_open"] == 0
 
 
+def test_the_openai_clients_parse_fills_a_pydantic_model(tiny_server):
+    """``client.chat.completions.parse(response_format=<pydantic model>)``, the openai client's structured
+    output: the schema it sends for the model (nested models as $defs and $ref, an Optional field as anyOf with
+    null, Literal and Enum fields as const and enums of strings and integers, a dict as additionalProperties)
+    is followed, and the client parses the reply into the model, greedy and sampled (a bias on the closing
+    characters brings the random model's strings, lists and objects to an end)."""
+    import enum
+    from typing import Literal, Optional
+
+    import openai
+    from openai import OpenAI
+    from pydantic import BaseModel
+    from transformers import AutoTokenizer
+
+    class Size(enum.IntEnum):
+        S = 1
+        M = 2
+
+    class Owner(BaseModel):
+        name: str
+        age: Optional[int]
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog"]
+        tag: Literal["x"]
+        size: Size
+        owner: Optional[Owner]
+        friends: list[Owner]
+        scores: dict[str, int]
+
+    base, name = tiny_server
+    tok = AutoTokenizer.from_pretrained(name)
+    closing = {str(tok.convert_tokens_to_ids(t)): 30 for t in ('"', "}", "]")}
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120)
+    for kw in ({}, {"temperature": 1.0, "seed": 5}):
+        out = client.chat.completions.parse(model=name, messages=[{"role": "user", "content": "A pet, please."}],
+                                            response_format=Pet, max_tokens=120, logit_bias=closing, **kw)
+        choice = out.choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Pet), choice.message.content
+        assert Pet.model_validate_json(choice.message.content) == choice.message.parsed
+    with pytest.raises(openai.BadRequestError, match="pattern"):  # a keyword it does not follow: a 400 naming it
+        from pydantic import Field
+
+        class Code(BaseModel):
+            code: str = Field(pattern="^[A-Z]+$")
+
+        client.chat.completions.parse(model=name, messages=[{"role": "user", "content": "A code."}],
+                                      response_format=Code, max_tokens=8)
+    assert stats(base)["records_open"] == 0
+
+
 def test_a_request_whose_token_picking_fails_gets_an_error_and_the_server_goes_on(tiny_dir, monkeypatch):
     """In process (so that the JSON constraint can be broken for the test): the broken request's client gets a
     500 in OpenAI's shape naming the failure -- streamed, an error event at the end -- and the server answers

@@ -128,9 +128,14 @@ def test_an_end_token_whose_bytes_could_stand_in_a_string_is_never_picked_before
 
 
 # --------------------------------------------------------------------------- a JSON schema
+enum_values = st.one_of(st.text(max_size=5), st.integers(-99, 99), st.booleans(), st.none(),
+                        st.floats(allow_nan=False, allow_infinity=False))
 leaf_schemas = st.one_of(
     st.sampled_from([{"type": t} for t in ("string", "number", "integer", "boolean", "null")] + [{}]),
     st.lists(st.text(max_size=5), min_size=1, max_size=3, unique=True).map(lambda e: {"type": "string", "enum": e}),
+    st.lists(enum_values, min_size=1, max_size=3).map(lambda e: {"enum": e}),
+    st.lists(st.integers(-99, 99), min_size=1, max_size=3).map(lambda e: {"type": "integer", "enum": e}),
+    enum_values.map(lambda v: {"const": v, "title": "a const"}),
     st.lists(st.sampled_from(["string", "integer", "null", "boolean"]), min_size=2, max_size=2, unique=True)
     .map(lambda t: {"type": t}))
 
@@ -138,55 +143,87 @@ leaf_schemas = st.one_of(
 def _object_schema(children):
     return st.dictionaries(st.text(max_size=5), children, max_size=4).flatmap(
         lambda props: st.tuples(st.just(props), st.lists(st.sampled_from(sorted(props)) if props else st.nothing(),
-                                                         unique=True), st.booleans())).map(
+                                                         unique=True), st.booleans() | children)).map(
         lambda t: {"type": "object", "properties": t[0], "required": t[1], "additionalProperties": t[2]})
 
 
-schemas = _object_schema(st.recursive(leaf_schemas, lambda inner: _object_schema(inner) | inner.map(
-    lambda i: {"type": "array", "items": i}), max_leaves=6))
+def _nested(leaves, max_leaves):
+    return st.recursive(leaves, lambda inner: _object_schema(inner) | inner.map(
+        lambda i: {"type": "array", "items": i}) | st.lists(inner, min_size=1, max_size=3).map(
+        lambda alts: {"anyOf": alts, "description": "one of"}), max_leaves=max_leaves)
 
 
 @st.composite
-def instance(draw, schema):
-    """A value ``schema`` takes (drawn)."""
+def schemas(draw):
+    """An object schema of the keywords the reader follows, in any nesting, with a definition ``D`` that its
+    parts may point to (``$ref``)."""
+    definition = draw(_nested(leaf_schemas, 4))
+    schema = draw(_object_schema(_nested(leaf_schemas | st.just({"$ref": "#/$defs/D"}), 6)))
+    return {**schema, "$defs": {"D": definition}}
+
+
+@st.composite
+def instance(draw, schema, root):
+    """A value ``schema`` (a part of ``root``) takes (drawn)."""
+    if "$ref" in schema:
+        return draw(instance(root["$defs"][schema["$ref"].rsplit("/", 1)[1]], root))
+    if "anyOf" in schema:
+        return draw(instance(draw(st.sampled_from(schema["anyOf"])), root))
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return draw(st.sampled_from(schema["enum"]))
     types = schema.get("type")
     types = [types] if isinstance(types, str) else types or ["string", "integer", "boolean", "null", "number"]
     t = draw(st.sampled_from(types))
-    if "enum" in schema:
-        return draw(st.sampled_from(schema["enum"]))
     if t == "object":
         props = schema.get("properties", {})
         names = set(schema.get("required", [])) | set(draw(st.lists(st.sampled_from(sorted(props)), unique=True))
                                                        if props else [])
-        out = {k: draw(instance(props[k])) for k in names}
-        if schema.get("additionalProperties", True) is not False and draw(st.booleans()):
-            out.setdefault("extra", 1)
+        out = {k: draw(instance(props[k], root)) for k in names}
+        extra = schema.get("additionalProperties", True)
+        if extra is not False and "extra" not in out and draw(st.booleans()):
+            out["extra"] = draw(instance(extra if isinstance(extra, dict) else {}, root))
         return out
     if t == "array":
-        return draw(st.lists(instance(schema.get("items", {})), max_size=3))
+        return draw(st.lists(instance(schema.get("items", {}), root), max_size=3))
     return draw({"string": st.text(max_size=5), "integer": st.integers(-999, 999), "boolean": st.booleans(),
                  "null": st.none(), "number": st.floats(allow_nan=False, allow_infinity=False)}[t])
 
 
 def schema_valid(doc, schema) -> bool:
-    """``jsonschema``'s verdict (an integer being a JSON number written without a fraction: an int here)."""
+    """``jsonschema``'s verdict, where an integer is a JSON number written without a fraction (an int here) and
+    enum and const values are compared as their JSON text (as the reader matches them: 1.0 is not 1)."""
     import jsonschema
+    from jsonschema.exceptions import ValidationError
+
+    def same_text(validator, allowed, value, _schema):
+        if json.dumps(value) not in {json.dumps(a) for a in allowed}:
+            yield ValidationError(f"{value!r} is none of {allowed!r}")
+
     checker = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
         "integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool))
-    validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=checker)
+    validator = jsonschema.validators.extend(
+        jsonschema.Draft202012Validator, type_checker=checker,
+        validators={"enum": same_text, "const": lambda v, c, i, s: same_text(v, [c], i, s)})
     return validator(schema).is_valid(doc)
 
 
-@settings(max_examples=400, deadline=None)
-@given(st.data(), schemas, st.sampled_from(["keep", "drop", "add", "swap"]))
+@settings(max_examples=500, deadline=None)
+@given(st.data(), schemas(), st.sampled_from(["keep", "drop", "add", "swap"]))
 def test_the_schema_reader_agrees_with_jsonschema(data, schema, edit):
-    """Documents drawn from a schema, then edited (a property dropped, one added, one's value swapped for
+    """Documents drawn from a schema (types, enums and consts of any JSON scalar, anyOf, $ref, additional
+    properties of a schema, in any nesting), then edited (a property dropped, one added, one's value swapped for
     another), written as ``json.dumps`` writes them: the reader takes every prefix of a document the schema
     takes, whole exactly at its end, and refuses, at some byte, one it does not."""
-    from kvcompile.structured import SchemaPrefix, check_schema
+    from kvcompile.structured import SchemaError, SchemaPrefix, check_schema
 
-    check_schema(schema)
-    doc = data.draw(instance(schema))
+    try:
+        check_schema(schema)
+    except SchemaError as e:  # a part whose enum, const and type leave no value: no document follows it
+        assert "no value follows it" in str(e)
+        return
+    doc = data.draw(instance(schema, schema))
     if edit == "drop" and doc:
         doc.pop(data.draw(st.sampled_from(sorted(doc))))
     elif edit == "add":
@@ -201,11 +238,27 @@ def test_the_schema_reader_agrees_with_jsonschema(data, schema, edit):
 
 @pytest.mark.parametrize("schema, message", [
     ({"type": "array"}, "top level must be"),
+    ({"$defs": {"L": {"type": "array"}}, "$ref": "#/$defs/L"}, "top level must be"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}, "'pattern' is not followed"),
-    ({"type": "object", "properties": {"a": {"anyOf": []}}}, "'anyOf'"),
+    ({"type": "object", "properties": {"a": {"type": "string", "format": "date-time"}}}, "'format' is not followed"),
+    ({"type": "object", "properties": {"a": {"oneOf": [{"type": "string"}]}}}, "'oneOf' is not followed"),
+    ({"type": "object", "properties": {"a": {"anyOf": []}}}, "anyOf must be a non-empty list"),
+    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}], "type": "null"}}},
+     "anyOf stands beside 'type'"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/B"}}}, "'#/$defs/B' names no schema"),
+    ({"type": "object", "properties": {"a": {"$ref": "http://x.org/s.json"}}}, "must point into this schema"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/A", "type": "string"}}, "$defs": {"A": {}}},
+     "$ref stands beside 'type'"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"$ref": "#/$defs/A"}}},
+     "leads back to itself"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}]}}},
+     "leads back to itself"),
+    ({"type": "object", "properties": {"a": {"type": "object", "$defs": {}}}}, "at the top level"),
     ({"type": "object", "required": ["b"]}, "required must list"),
-    ({"type": "object", "additionalProperties": {"type": "string"}}, "additionalProperties must be"),
-    ({"type": "object", "properties": {"a": {"enum": [1, 2]}}}, "enum must be"),
+    ({"type": "object", "additionalProperties": 3}, "additionalProperties must be"),
+    ({"type": "object", "properties": {"a": {"enum": [{"b": 1}]}}}, "enum and const values must be"),
+    ({"type": "object", "properties": {"a": {"enum": []}}}, "enum must be a non-empty list"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "enum": ["x", 1.5]}}}, "no value follows it"),
     ({"type": "object", "properties": {"a": {"type": "text"}}}, "type must be one of"),
 ])
 def test_a_schema_the_reader_does_not_follow_is_refused_with_what_it_follows(schema, message):
@@ -261,3 +314,87 @@ def test_a_constrained_pick_under_a_schema_ends_in_a_document_it_takes(seed):
     vocab = [p.encode() for p in pieces] + [None]
     out = walk(JsonConstraint(vocab, len(vocab) - 1, schema=PET), vocab, seed, sampled=True)
     jsonschema.validate(json.loads(out), PET)
+
+
+LITERALS = {"type": "object", "properties": {"n": {"enum": [12, 1.5, -3, True, None, "x"]}, "c": {"const": 7},
+                                             "o": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}
+
+
+@pytest.mark.parametrize("text, refused_at", [
+    ('{"n":12,"c":7,"o":null}', None),
+    ('{"n":1.5}', None), ('{"n":-3}', None), ('{"n":true}', None), ('{"n":null}', None), ('{"n":"x"}', None),
+    ('{"n":13}', '{"n":13'),
+    ('{"n":123}', '{"n":123'),  # 12 is whole: the number may not go on
+    ('{"n":1}', '{"n":1}'),  # begins 12 and 1.5, is neither
+    ('{"n":1.25}', '{"n":1.2'),
+    ('{"n":-4}', '{"n":-4'),
+    ('{"n":false}', '{"n":f'),
+    ('{"n":"y"}', '{"n":"y'),
+    ('{"c":7.0}', '{"c":7.'),  # the const as json.dumps writes it
+    ('{"c":70}', '{"c":70'),
+    ('{"o":1.5}', '{"o":1.'),
+    ('{"o":"1"}', '{"o":"'),
+])
+def test_enum_const_and_anyof_values_are_refused_at_the_first_byte_none_continues(text, refused_at):
+    from kvcompile.structured import SchemaPrefix, check_schema
+
+    check_schema(LITERALS)
+    p = SchemaPrefix(LITERALS)
+    data = text.encode()
+    at = next((i for i, b in enumerate(data) if not p.feed(b)), None)
+    assert (None if at is None else data[:at + 1].decode()) == refused_at
+    assert at is not None or p.complete
+
+
+def test_overlapping_alternatives_do_not_multiply_the_readers():
+    """Items that two alternatives both take (any object, or one with an "a") keep two readers, not two per
+    item so far."""
+    from kvcompile.structured import SchemaPrefix
+
+    either = {"anyOf": [{"type": "object"}, {"type": "object", "properties": {"a": {"type": "integer"}}}]}
+    p = SchemaPrefix({"type": "object", "properties": {"l": {"type": "array", "items": either}}})
+    assert p.feed_all(b'{"l":[' + b",".join([b'{"a":1}'] * 20))
+    assert len(p.branches) <= 2
+    assert p.feed_all(b"]}") and p.complete
+
+
+def pydantic_pet_schema():
+    """The schema the openai client sends for a pydantic model (``client.chat.completions.parse``): nested models
+    as $defs and $ref, Optional fields as anyOf with null, Literal and Enum fields as const and enums of strings
+    and integers, a dict's values as additionalProperties."""
+    import enum
+    from typing import Literal, Optional
+
+    from openai.lib._pydantic import to_strict_json_schema
+    from pydantic import BaseModel
+
+    class Size(enum.IntEnum):
+        S = 1
+        M = 2
+
+    class Owner(BaseModel):
+        name: str
+        age: Optional[int]
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog"]
+        tag: Literal["x"]
+        size: Size
+        owner: Optional[Owner]
+        friends: list[Owner]
+        scores: dict[str, int]
+
+    return Pet, to_strict_json_schema(Pet)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_constrained_pick_under_a_pydantic_models_schema_parses_into_the_model(seed):
+    Pet, schema = pydantic_pet_schema()
+    from kvcompile.structured import check_schema
+
+    check_schema(schema)
+    pieces = ["{", "}", "[", "]", '"', ":", ",", " ", "kind", "tag", "size", "owner", "friends", "scores", "name",
+              "age", "cat", "dog", *"abcdefghijklmnopqrstuvwxyz", "1", "2", ".", "5", "-", "true", "null", '":']
+    vocab = [p.encode() for p in pieces] + [None]
+    out = walk(JsonConstraint(vocab, len(vocab) - 1, schema=schema), vocab, seed, sampled=bool(seed % 2))
+    assert isinstance(Pet.model_validate_json(out), Pet)
