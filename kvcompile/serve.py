@@ -15,11 +15,11 @@ cache for one request is refused with 400 (transformers' scheduler, given a requ
 stops its worker for good). Without ``max_tokens`` a reply is capped to what the cache holds. Each request decodes
 as it asks (``kvcompile.sampling``: greedy or its temperature, top-p and top-k, in one batch with the others;
 transformers' manager applied its first request's to all), and a field asking for what the server does not do
-(``UNSUPPORTED``: a JSON schema, ``best_of`` ...) is a 400 rather than ignored. ``stop`` strings end a reply,
+(``UNSUPPORTED``: ``best_of`` ...) is a 400 rather than ignored. ``stop`` strings end a reply,
 streaming or not (``StopAt``); ``n`` choices are ``n`` requests in the batch (``n_choices``), streamed as one stream
 or not. Log probabilities, penalties and a logit bias are done per request where its tokens are picked
-(``kvcompile.sampling.Records``), and JSON mode (``kvcompile.structured``); a completion's ``echo`` puts its prompt
-in front. The Responses API (``/v1/responses``) is checked (``check_response``) and sampled per request alike, and
+(``kvcompile.sampling.Records``), and JSON mode (``kvcompile.structured``); a completion's prompt may be token
+ids (``token_prompt``), and its ``echo`` puts the prompt in front. The Responses API (``/v1/responses``) is checked (``check_response``) and sampled per request alike, and
 answers with one JSON object unless asked to stream. Launched by torchrun with several processes, the model is
 sharded over them (``run_tensor_parallel``).
 
@@ -367,21 +367,28 @@ def response_schema(fmt, param: str = "response_format") -> dict | None:
 MAX_CHOICES = 64  # choices one request may ask for in all: prompts of a completion times n
 
 
+def completion_prompts(prompt) -> list:
+    """A completion's prompts, each a string or a list of token ids: ``prompt`` is one string, one list of token
+    ids, or a list of either (OpenAI's four forms)."""
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return [prompt]
+    return prompt if isinstance(prompt, list) else [prompt]
+
+
 def check_completion(body: dict) -> None:
-    """A completion's ``prompt``: a non-empty string, or a list of them (a choice or ``n`` for each, in one batch;
-    prompts of token ids are refused: this server reads text)."""
+    """A completion's ``prompt``: a non-empty string or list of token ids, or a list of them (a choice or ``n``
+    for each, in one batch); token ids are checked against the vocabulary when the request is generated
+    (``token_prompt``)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) and p for p in prompt):
-        n = body.get("n") or 1
-        if len(prompt) * (n if _is_int(n) else 1) > MAX_CHOICES:
-            raise RequestError(f"{len(prompt)} prompts x n={n} choices is over {MAX_CHOICES} in one request; "
-                               f"send fewer", "prompt")
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) or isinstance(t, list) for t in prompt):
-        raise RequestError("'prompt' as token ids is not supported by this server (it reads text); send the text",
-                           "prompt")
-    elif not isinstance(prompt, str) or not prompt:
-        raise RequestError(f"'prompt' must be a non-empty string or list of strings, got {prompt!r}"[:200],
-                           "prompt")
+    prompts = completion_prompts(prompt)
+    if not (prompts and all((isinstance(p, str) and p) or (isinstance(p, list) and p and all(
+            _is_int(t) and t >= 0 for t in p)) for p in prompts)):
+        raise RequestError("'prompt' must be a non-empty string, a non-empty list of token ids (integers >= 0), or "
+                           f"a list of either, got {prompt!r}"[:240], "prompt")
+    n = body.get("n") or 1
+    if len(prompts) * (n if _is_int(n) else 1) > MAX_CHOICES:
+        raise RequestError(f"{len(prompts)} prompts x n={n} choices is over {MAX_CHOICES} in one request; "
+                           f"send fewer", "prompt")
     if body.get("suffix") is not None and not isinstance(body["suffix"], str):
         raise RequestError("'suffix' must be a string", "suffix")
     logprobs_asked(body, chat=False)
@@ -590,7 +597,7 @@ async def n_choices(handle, body: dict, request_id: str, n: int):
     equal, as OpenAI's are at temperature 0."""
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    prompts = body["prompt"] if isinstance(body.get("prompt"), list) else [body.get("prompt")]
+    prompts = completion_prompts(body["prompt"]) if "prompt" in body else [None]
     seed = body.get("seed")
     asks = []
     for p in prompts:
@@ -670,6 +677,16 @@ _EXTENSIONS: contextvars.ContextVar = contextvars.ContextVar("kvcompile_extensio
 # a request that asks more of its tokens (``asked_of``): {"handle": its ``RECORDS`` handle, "logprobs": whether its
 # reply gives them, "tokenizer": set when it is generated}
 _ASKED: contextvars.ContextVar = contextvars.ContextVar("kvcompile_asked", default=None)
+# a completion's prompt given as token ids: generated from them, not from its text (``token_prompt``)
+_PROMPT_IDS: contextvars.ContextVar = contextvars.ContextVar("kvcompile_prompt_ids", default=None)
+
+
+def token_prompt(inputs) -> None:
+    """A prompt of token ids (``_PROMPT_IDS``) is the request's input, in place of the tokenized text that
+    transformers' handler made of its decoding."""
+    ids = _PROMPT_IDS.get()
+    if ids is not None:
+        inputs["input_ids"], inputs["attention_mask"] = list(ids), [1] * len(ids)
 
 
 ASKED_FIELDS = ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
@@ -777,13 +794,31 @@ def _checked_handlers():
                 body = {k: v for k, v in body.items() if k not in EXTENSIONS}
                 try:
                     n = body.get("n") or 1
-                    if n == 1 and not isinstance(body.get("prompt"), list):
+                    if n == 1 and (chat or len(completion_prompts(body.get("prompt"))) == 1):
                         return await self._one_choice(body, request_id)
                     return await n_choices(self._one_choice, body, request_id, n)
                 finally:
                     _EXTENSIONS.reset(token)
 
             async def _one_choice(self, body: dict, request_id: str):
+                """One choice. A completion's prompt of token ids is generated from those ids (``token_prompt``);
+                its text, for transformers' handler and the echo, is their decoding."""
+                if not chat and isinstance(body.get("prompt"), list):
+                    ids = completion_prompts(body["prompt"])[0]
+                    _, model, processor = self._resolve_model(dict(body))
+                    vocab = model.get_input_embeddings().num_embeddings
+                    if max(ids) >= vocab:
+                        raise RequestError(f"'prompt' holds the token id {max(ids)}, past the model's vocabulary "
+                                           f"(ids 0 to {vocab - 1})", "prompt")
+                    body = {**body, "prompt": getattr(processor, "tokenizer", processor).decode(ids)}
+                    token = _PROMPT_IDS.set(ids)
+                    try:
+                        return await self._echoed(body, request_id)
+                    finally:
+                        _PROMPT_IDS.reset(token)
+                return await self._echoed(body, request_id)
+
+            async def _echoed(self, body: dict, request_id: str):
                 """One choice (``_asked``); a completion asking for ``echo`` has its prompt in front of its text
                 (streamed: the first piece)."""
                 if chat or not body.get("echo"):
@@ -888,6 +923,7 @@ def checked_state(**kw):
                 self._cb.start()
 
         def generate_streaming(self, model, processor, inputs, gen_config, request_id, **kw):
+            token_prompt(inputs)
             fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
             stops = getattr(gen_config, "_kvcompile_stop", None)
             asked = getattr(gen_config, "_kvcompile_asked", None)
@@ -940,6 +976,7 @@ def checked_state(**kw):
             if getattr(gen_config, "_kvcompile_stop", None):  # fitted and prepared as it is streamed
                 work = self._generate_until_stop(model, processor, inputs, gen_config, request_id)
             else:
+                token_prompt(inputs)
                 fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
                 prepare_asked(asked, model, processor)
                 # the task copies the context: its add_request sees this request's sampling

@@ -358,8 +358,8 @@ def test_bad_input_is_a_4xx_in_openais_shape_and_the_server_stays_up(tiny_server
     for raw in (b'{"model": "x", "messages": [', b"[1, 2]", b"not json"):  # not JSON, not an object
         assert_openai_error(httpx.post(url, content=raw, headers={"Content-Type": "application/json"}, timeout=30))
     assert_openai_error(httpx.post(url, json={"model": "no/such-model", "messages": GOOD}, timeout=30))
-    # the completions endpoint: its prompt must be a non-empty string
-    for prompt in ([1, 2, 3], {"a": 1}, None, "", 7):
+    # the completions endpoint: its prompt must be a non-empty string or list of token ids, or a list of them
+    for prompt in ([1, -2, 3], [1.5], [[]], {"a": 1}, None, "", 7, [True]):
         assert_openai_error(httpx.post(f"{base}/v1/completions", timeout=30,
                                        json={"model": name, "prompt": prompt, "max_tokens": 4}), "prompt")
     # the openai client sees the message
@@ -950,7 +950,7 @@ def test_load_model_takes_only_the_served_model(tiny_server):
 def test_a_completion_of_several_prompts(tiny_server):
     """``prompt`` as a list of strings (the OpenAI client's batch completions): ``n`` choices for each prompt,
     in prompt order, each the reply that prompt gets alone; usage sums the prompts and the completions;
-    streamed, each choice's events carry its index. Prompts of token ids are a 400 (the server reads text)."""
+    streamed, each choice's events carry its index."""
     import openai
 
     base, name = tiny_server
@@ -966,9 +966,44 @@ def test_a_completion_of_several_prompts(tiny_server):
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + c.text
     assert texts == {0: alone[0].choices[0].text, 1: alone[1].choices[0].text}
-    for prompt in ([1, 2, 3], [[1, 2], [3]], [], ["ok", ""], ["x"] * 65):
+    for prompt in ([], ["ok", ""], ["x"] * 65, [[1]] * 65):
         r = httpx.post(f"{base}/v1/completions", timeout=30, json={"model": name, "prompt": prompt, "max_tokens": 2})
         assert_openai_error(r, "prompt")
+
+
+def test_a_completion_of_token_ids(tiny_server):
+    """``prompt`` as token ids (one list, or a list of lists: OpenAI's other two forms, which benchmark and
+    evaluation clients send): generated from exactly those ids -- the ids of a text give that text's reply,
+    and ids that spell a text otherwise than its tokenizer (one token per character) are the prompt as given
+    (``usage.prompt_tokens``) -- streamed or not, with ``n`` and ``echo`` (the ids' decoding); an id past the
+    vocabulary is a 400 naming the prompt."""
+    import openai
+    from transformers import AutoTokenizer
+
+    base, name = tiny_server
+    tok = AutoTokenizer.from_pretrained(name)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    texts = ["Once upon a time", "Hello"]
+    ids = [tok(t).input_ids for t in texts]
+    by_text = [client.completions.create(model=name, prompt=t, max_tokens=5) for t in texts]
+    by_ids = client.completions.create(model=name, prompt=ids[0], max_tokens=5)
+    assert by_ids.choices[0].text == by_text[0].choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids[0]) == by_text[0].usage.prompt_tokens
+    r = client.completions.create(model=name, prompt=ids, max_tokens=5, n=2)
+    assert [c.text for c in r.choices] == [by_text[0].choices[0].text] * 2 + [by_text[1].choices[0].text] * 2
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model=name, prompt=ids[1],
+                                                                             max_tokens=5, stream=True) if c.choices)
+    assert streamed == by_text[1].choices[0].text
+    spelled = [tok.convert_tokens_to_ids(c) for c in "Hello"]  # five one-character tokens, not the text's one
+    assert len(ids[1]) < 5 and tok.decode(spelled) == "Hello"
+    r = client.completions.create(model=name, prompt=spelled, max_tokens=5, echo=True)
+    assert r.usage.prompt_tokens == 5 and r.choices[0].text.startswith("Hello")
+    vocab = len(tok)
+    for prompt in ([1, 10**9], [[1, 2], [3, 10**9]]):
+        r = httpx.post(f"{base}/v1/completions", timeout=30, json={"model": name, "prompt": prompt, "max_tokens": 2})
+        assert "past the model's vocabulary" in assert_openai_error(r, "prompt")["message"]
+    assert client.completions.create(model=name, prompt=[vocab - 1], max_tokens=2).usage.prompt_tokens == 1
+    wait_idle(base, None, 30)  # every request's pages back
 
 
 # --------------------------------------------------------------------------- JSON mode
