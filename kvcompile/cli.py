@@ -823,6 +823,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "eleven times its loss delta, +0.012 nats/token on SmolLM2) or tok+rot+sym:8 "
                         "(kvcompile plan --serving compares them) (default: kivi+rot+sink:4, the best 4-bit "
                         "quality)")
+    s.add_argument("--served-model-name", nargs="+", default=(), metavar="NAME",
+                   help="names clients may give as the request's model, the first listed by /v1/models (default: "
+                        "the model's directory; its last part, e.g. SmolLM2-135M-Instruct, is taken too)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     s.add_argument("--port", type=_POSITIVE_INT, default=8000, help="port (default: %(default)s)")
     s.add_argument("--budget-mib", type=_POSITIVE_INT, default=256,
@@ -847,7 +850,7 @@ def cmd_serve(args) -> int:
     policy = args.policy or default_policy()
     run(str(resolve(args.model)), policy, host=args.host, port=args.port, budget=args.budget_mib * 2**20,
         max_requests=args.max_requests, max_batch_tokens=args.max_batch_tokens,
-        prefix_sharing=not args.no_prefix_sharing)
+        prefix_sharing=not args.no_prefix_sharing, served_names=args.served_model_name)
     return 0
 
 

@@ -19,9 +19,9 @@ transformers' manager applied its first request's to all), and a field asking fo
 streaming or not (``StopAt``); ``n`` choices are ``n`` requests in the batch (``n_choices``), streamed as one stream
 or not. Log probabilities, penalties and a logit bias are done per request where its tokens are picked
 (``kvcompile.sampling.Records``), and JSON mode (``kvcompile.structured``); a completion's prompt may be token
-ids (``token_prompt``), and its ``echo`` puts the prompt in front. The Responses API (``/v1/responses``) is checked (``check_response``) and sampled per request alike, and
-answers with one JSON object unless asked to stream. Launched by torchrun with several processes, the model is
-sharded over them (``run_tensor_parallel``).
+ids (``token_prompt``), and its ``echo`` puts the prompt in front. The Responses API (``/v1/responses``) is
+checked (``check_response``) and sampled per request alike, and answers with one JSON object unless asked to
+stream. Launched by torchrun with several processes, the model is sharded over them (``run_tensor_parallel``).
 
 A streaming client that disconnects has its request cancelled by transformers' handler (its generator is
 closed), and the request's pages and slot come back; a non-streaming client that disconnects (gives up waiting,
@@ -248,6 +248,13 @@ UNSUPPORTED = {
     "best_of": (lambda v: v == 1, "one candidate per request"),
     "response_format": (lambda v: isinstance(v, dict) and v.get("type") in ("text", "json_object", "json_schema"),
                         "its type is 'text', 'json_object' or 'json_schema'"),
+    # transformers' handlers ignore these (a warning in the server's log); each changes what the reply must be
+    "tool_choice": (lambda v: v in ("auto", "none"), "a reply is never forced to call a tool: 'auto' or 'none'"),
+    "functions": (lambda v: not v, "the deprecated 'functions': give them as 'tools'"),
+    "function_call": (lambda v: v in ("auto", "none"), "a reply is never forced to call a function"),
+    "modalities": (lambda v: isinstance(v, list) and set(v) <= {"text"}, "replies are text"),
+    "audio": (lambda v: not v, "replies are text"),
+    "web_search_options": (lambda v: False, "the model cannot search the web"),
 }
 
 
@@ -257,6 +264,27 @@ def check_supported(body: dict) -> None:
         v = body.get(name)
         if v is not None and not fine(v):
             raise RequestError(f"'{name}'={v!r} is not supported by this server ({does}); leave it out", name)
+
+
+_TOOL_PROBE = {"type": "function", "function": {"name": "kvcompile_probe", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+_RENDERS_TOOLS: dict[int, tuple] = {}  # id of a tokenizer: (it, whether its chat template shows tools)
+
+
+def template_shows_tools(tokenizer) -> bool:
+    """Whether ``tokenizer``'s chat template puts tools in the prompt (some -- SmolLM2's -- render the same
+    prompt with them as without: the model never sees them); worked out once per tokenizer."""
+    key = id(tokenizer)
+    if key not in _RENDERS_TOOLS:
+        chat = [{"role": "user", "content": "x"}]
+        try:
+            shows = (tokenizer.apply_chat_template(chat, tools=[_TOOL_PROBE], tokenize=False,
+                                                   add_generation_prompt=True)
+                     != tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+        except Exception:  # noqa: BLE001 -- a template that fails on tools does not take them
+            shows = False
+        _RENDERS_TOOLS[key] = (tokenizer, shows)
+    return _RENDERS_TOOLS[key][1]
 
 
 def logprobs_asked(body: dict, chat: bool) -> int | None:
@@ -779,7 +807,16 @@ def _checked_handlers():
         class Checked(handler_cls):
             async def handle_request(self, body: dict, request_id: str):
                 check_common(body)
+                if body["model"] in getattr(self.model_manager, "kvcompile_names", ()):  # the served model's names
+                    body = {**body, "model": self.model_manager.force_model}
                 check(body)
+                if chat and body.get("tools") and body.get("tool_choice") != "none":
+                    processor = self._resolve_model(dict(body))[2]
+                    if not template_shows_tools(getattr(processor, "tokenizer", processor)):
+                        raise RequestError("'tools' would be ignored: this model's chat template does not put tools "
+                                           "in its prompt, so the model never sees them; leave them out (or set "
+                                           "'tool_choice': 'none'), or serve a model whose template takes tools",
+                                           "tools")
                 if handler_cls is ResponseHandler:
                     # OpenAI's Responses API answers with one JSON object unless asked to stream (transformers'
                     # handler streamed unless asked not to); its JSON mode is text.format
@@ -1036,13 +1073,22 @@ class EvictionCounter(logging.Handler):
             self.evicted += int(words[1])
 
 
+def model_names(model_dir: str, served_names=()) -> list[str]:
+    """The names a request may give the served model as: ``served_names`` (``--served-model-name``), then the
+    model's directory as given and its last part (``SmolLM2-135M-Instruct``)."""
+    names = [*served_names, model_dir, os.path.basename(os.path.normpath(model_dir))]
+    return list(dict.fromkeys(n for n in names if n))
+
+
 def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests: int | None = None,
               max_batch_tokens: int = 256, dtype: torch.dtype = torch.float32, prefix_sharing: bool = True,
-              tensor_parallel: bool = False):
+              tensor_parallel: bool = False, served_names: list[str] | tuple = ()):
     """The FastAPI app (and its model manager) serving ``model_dir`` (a local Hugging Face directory) with
     continuous batching over kvcompile's cache under ``policy``; ``prefix_sharing``: prompts that begin alike
     share pages where the policy allows it (``serving.shares_pages``); ``tensor_parallel``: the model is loaded
-    sharded over the ranks of the initialized process group (``tp_plan="auto"``; ``run_tensor_parallel``)."""
+    sharded over the ranks of the initialized process group (``tp_plan="auto"``; ``run_tensor_parallel``);
+    ``served_names``: names a request may give as its ``model`` besides the directory (``model_names``), the
+    first of them the one ``/v1/models`` lists."""
     from transformers import ContinuousBatchingConfig
     from transformers.cli.serving.model_manager import ModelManager, split_revision
 
@@ -1073,6 +1119,7 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
     manager = KVCompileModelManager(device="cpu", dtype=str(dtype).removeprefix("torch."),
                                     attn_implementation="sdpa", continuous_batching=True, model_timeout=-1,
                                     force_model=model_dir)
+    manager.kvcompile_names = names = model_names(model_dir, served_names)
     state = checked_state(continuous_batching=True, compile=False, cb_config=cb_config)
     app = openai_app(manager, state, checked=True)
     app.state.prefix_sharing = cb_config.allow_block_sharing  # set when the model was loaded (force_model)
@@ -1091,12 +1138,27 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
     async def transcriptions():
         raise RequestError(f"this server's model ({model_dir!r}) reads text only: no audio transcriptions", "model")
 
+    # the model is listed under its first name (the directory unless names were given) and found by any
+    listed = names[0]
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/v1/models"]
+
+    @app.get("/v1/models")
+    def list_models():
+        return {"object": "list", "data": [{"id": listed, "object": "model", "created": 0, "owned_by": "local"}]}
+
+    @app.get("/v1/models/{model_id:path}")
+    def retrieve_model(model_id: str):
+        if model_id not in names:
+            raise RequestError(f"no model {model_id!r} here: this server serves {listed!r}", "model",
+                               code="model_not_found", status=404)
+        return {"id": listed, "object": "model", "created": 0, "owned_by": "local"}
+
     @app.post("/load_model")
     async def load_model(body: dict):
-        if body.get("model") != model_dir:
+        if body.get("model") not in names:
             raise RequestError(f"this server serves {model_dir!r} only (it is loaded); start another "
                                f"kvcompile serve --model for another model", "model", code="model_not_found")
-        return await load_route.endpoint(body)
+        return await load_route.endpoint({**body, "model": model_dir})
 
     @app.get("/kvcompile/stats")
     def stats():
@@ -1139,8 +1201,8 @@ def run(model_dir: str, policy, host: str = "127.0.0.1", port: int = 8000, **kw)
         return run_tensor_parallel(model_dir, policy, host, port, **kw)
     app, manager, state = build_app(model_dir, policy, **kw)
     sharing = app.state.prefix_sharing
-    print(f"kvcompile serve: {model_dir} under {policy} on http://{host}:{port}/v1 (model name: {model_dir!r}; "
-          f"prefix sharing {'on' if sharing else 'off'})", flush=True)
+    print(f"kvcompile serve: {model_dir} under {policy} on http://{host}:{port}/v1 (model name: "
+          f"{manager.kvcompile_names[0]!r}; prefix sharing {'on' if sharing else 'off'})", flush=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:
@@ -1174,7 +1236,7 @@ def run_tensor_parallel(model_dir: str, policy, host: str, port: int, **kw) -> N
         if rank == 0:
             state.get_manager(model_dir, use_cb=True).init_cb(model, model.generation_config)
             print(f"kvcompile serve: {model_dir} under {policy}, sharded over {world} ranks, on "
-                  f"http://{host}:{port}/v1 (model name: {model_dir!r}; prefix sharing "
+                  f"http://{host}:{port}/v1 (model name: {manager.kvcompile_names[0]!r}; prefix sharing "
                   f"{'on' if app.state.prefix_sharing else 'off'})", flush=True)
             uvicorn.run(app, host=host, port=port, log_level="warning")
         else:

@@ -418,9 +418,16 @@ def test_each_request_samples_as_it_asks(tiny_server):
     assert r.status_code == r2.status_code == 200 and r.json()["choices"][0]["text"] == r2.json()["choices"][0]["text"]
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
 UNSUPPORTED = {  # field: (value asking for what the server does not do, the endpoint)
     "n": (17, "chat/completions"), "response_format": ({"type": "xml"}, "chat/completions"),
     "best_of": (2, "completions"),
+    # transformers' handlers logged these as ignored and answered as if they had not been asked
+    "tool_choice": ("required", "chat/completions"),
+    "functions": ([TOOL["function"]], "chat/completions"), "function_call": ({"name": "f"}, "chat/completions"),
+    "modalities": (["text", "audio"], "chat/completions"), "audio": ({"voice": "alloy", "format": "wav"},
+                                                                     "chat/completions"),
+    "web_search_options": ({}, "chat/completions"),
 }
 
 
@@ -436,10 +443,42 @@ def test_a_field_the_server_would_ignore_is_refused(tiny_server, field):
     r = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, field: value})
     err = assert_openai_error(r, field)
     assert "not supported" in err["message"]
-    neutral = {"n": 1, "response_format": {"type": "text"}, "echo": False, "best_of": 1}
+    neutral = {"n": 1, "response_format": {"type": "text"}, "echo": False, "best_of": 1, "tool_choice": "auto",
+               "functions": [], "function_call": "none", "modalities": ["text"], "audio": None}
     if field in neutral:
         r = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, field: neutral[field]})
         assert r.status_code == 200, r.text
+
+
+def test_tools_a_chat_template_never_shows_are_refused(tiny_server):
+    """SmolLM2's chat template renders the same prompt with tools as without (the model never sees them):
+    transformers' server answered as if they had been offered. Here they are a 400 naming them, chat and
+    Responses API, unless the request says the reply calls none (``tool_choice: "none"``)."""
+    base, name = tiny_server
+    r = chat(base, name, tools=[TOOL])
+    assert "never sees them" in assert_openai_error(r, "tools")["message"]
+    r = httpx.post(f"{base}/v1/responses", timeout=60, json={"model": name, "input": "Hi", "max_output_tokens": 3,
+                                                              "tools": [{"type": "function", "name": "get_weather",
+                                                                         "parameters": {"type": "object"}}]})
+    assert_openai_error(r, "tools")
+    assert chat(base, name, tools=[TOOL], tool_choice="none").status_code == 200
+
+
+def test_whether_a_chat_template_shows_tools(tiny_dir):
+    """The check behind the refusal above: SmolLM2's template does not show tools; one that writes them into
+    the prompt does; one that fails on them does not take them."""
+    from transformers import AutoTokenizer
+
+    from kvcompile.serve import template_shows_tools
+
+    assert not template_shows_tools(AutoTokenizer.from_pretrained(tiny_dir))
+    shows = AutoTokenizer.from_pretrained(tiny_dir)
+    shows.chat_template = ("{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}"
+                           "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    assert template_shows_tools(shows)
+    fails = AutoTokenizer.from_pretrained(tiny_dir)
+    fails.chat_template = "{% if tools %}{{ raise_exception('no tools') }}{% endif %}{{ messages[0].content }}"
+    assert not template_shows_tools(fails)
 
 
 def test_a_greedy_reply_is_the_models_own(tiny_server):
@@ -930,6 +969,51 @@ def test_a_completion_echoes_its_prompt(tiny_server):
     assert [c["text"] for c in r.json()["choices"]] == ["Once upon a time" + plain] * 2
     for fields in ({"echo": True, "logprobs": 1}, {"echo": "yes"}):
         assert_openai_error(httpx.post(f"{base}/v1/completions", timeout=120, json={**body, **fields}), "echo")
+
+
+def test_the_model_is_found_by_its_names(tiny_server):
+    """The openai client's ``models.retrieve`` (transformers' server has no such route: a 404 for its own model)
+    finds the served model by its id, slashes and all, and by its directory's last part, which a chat may also
+    name; another name is a 404 in OpenAI's shape (``model_not_found``)."""
+    import openai
+
+    base, name = tiny_server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list()] == [name]
+    short = os.path.basename(name)
+    assert client.models.retrieve(name).id == client.models.retrieve(short).id == name
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.code == "model_not_found" and name in e.value.message
+    assert chat(base, short).json()["choices"][0]["message"]["content"] == chat(base, name).json()[
+        "choices"][0]["message"]["content"]
+    assert_openai_error(chat(base, "gpt-4o"), None)
+
+
+def test_served_model_names(tiny_dir):
+    """``kvcompile serve --served-model-name tiny t2``: requests may name the model ``tiny`` or ``t2`` (or its
+    directory), ``/v1/models`` lists ``tiny``."""
+    from fastapi.testclient import TestClient
+
+    from kvcompile import Policy
+    from kvcompile.cli import build_parser
+    from kvcompile.serve import build_app
+
+    assert build_parser().parse_args(["serve", "--served-model-name", "tiny", "t2"]).served_model_name == ["tiny",
+                                                                                                           "t2"]
+    app, manager, state = build_app(str(tiny_dir), Policy.full(), budget=2**21, max_requests=2,
+                                    served_names=["tiny", "t2"])
+    try:
+        with TestClient(app) as c:
+            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny"]
+            assert c.get("/v1/models/t2").json()["id"] == "tiny"
+            texts = [c.post("/v1/completions", json={"model": m, "prompt": "Hi", "max_tokens": 3}).json()[
+                "choices"][0]["text"] for m in ("tiny", "t2", str(tiny_dir))]
+            assert texts[0] == texts[1] == texts[2]
+            assert c.post("/load_model", json={"model": "t2"}).status_code == 200
+    finally:
+        state.shutdown()
+        manager.shutdown()
 
 
 def test_load_model_takes_only_the_served_model(tiny_server):
