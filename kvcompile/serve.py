@@ -220,9 +220,9 @@ def check_common(body: dict) -> None:
     if tk is not None and not (_is_int(tk) and tk >= 0):
         raise RequestError(f"'top_k' must be an integer >= 0 (0: no top-k filter), got {tk!r}", "top_k")
     stop = body.get("stop")
-    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and stop
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
                                                              and all(isinstance(x, str) and x for x in stop))):
-        raise RequestError("'stop' must be a string or a list of non-empty strings", "stop")
+        raise RequestError("'stop' must be a string or a list of non-empty strings (an empty list: none)", "stop")
     bias = body.get("logit_bias")
     if bias is not None and not (isinstance(bias, dict) and all(
             isinstance(k, str) and k.isdigit() and _is_number(v) and -100 <= v <= 100 for k, v in bias.items())):

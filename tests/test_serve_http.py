@@ -513,7 +513,7 @@ def streamed_text(r) -> tuple[str, str | None]:
 @pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
 def test_a_reply_ends_at_its_first_stop_string(tiny_server, endpoint):
     """``stop`` ends a reply before the first stop string (not sent), streaming or not, finish_reason "stop", and
-    the request gives its pages back; a stop string that never appears changes nothing."""
+    the request gives its pages back; a stop string that never appears, or an empty list, changes nothing."""
     base, name = tiny_server
     body = {"model": name, "max_tokens": 16}
     body.update({"messages": [{"role": "user", "content": "Tell me a story"}]} if endpoint.startswith("chat")
@@ -534,6 +534,7 @@ def test_a_reply_ends_at_its_first_stop_string(tiny_server, endpoint):
     assert ask(stop=stop) == (whole[:cut], "stop")
     assert ask(stop=["never appears in it", stop], stream=True) == (whole[:cut], "stop")
     assert ask(stop="never appears in it") == (whole, "length")
+    assert ask(stop=[]) == ask(stop=[], stream=True) == (whole, "length")  # an empty list: no stop string
     wait_idle(base, None, 30)
 
 
