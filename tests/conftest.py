@@ -35,3 +35,32 @@ def tiny_dir(tmp_path_factory):
     transformers.LlamaForCausalLM(cfg).save_pretrained(d)
     tok.save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def pet_model():
+    """A pydantic model of the kinds of fields whose schema (as the openai client's ``parse`` sends it) uses every
+    keyword of OpenAI's structured outputs: nested models ($defs and $ref), Optional fields (anyOf with null),
+    Literal and Enum fields (const, enums of strings and integers), a dict (additionalProperties)."""
+    import enum
+    from typing import Literal, Optional
+
+    from pydantic import BaseModel
+
+    class Size(enum.IntEnum):
+        S = 1
+        M = 2
+
+    class Owner(BaseModel):
+        name: str
+        age: Optional[int]
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog"]
+        tag: Literal["x"]
+        size: Size
+        owner: Optional[Owner]
+        friends: list[Owner]
+        scores: dict[str, int]
+
+    return Pet

@@ -1142,36 +1142,18 @@ def test_json_mode_replies_with_one_json_object(tiny_server):
     assert stats(base)["records_open"] == 0
 
 
-def test_the_openai_clients_parse_fills_a_pydantic_model(tiny_server):
+def test_the_openai_clients_parse_fills_a_pydantic_model(tiny_server, pet_model):
     """``client.chat.completions.parse(response_format=<pydantic model>)``, the openai client's structured
     output: the schema it sends for the model (nested models as $defs and $ref, an Optional field as anyOf with
     null, Literal and Enum fields as const and enums of strings and integers, a dict as additionalProperties)
     is followed, and the client parses the reply into the model, greedy and sampled (a bias on the closing
     characters brings the random model's strings, lists and objects to an end)."""
-    import enum
-    from typing import Literal, Optional
-
     import openai
     from openai import OpenAI
     from pydantic import BaseModel
     from transformers import AutoTokenizer
 
-    class Size(enum.IntEnum):
-        S = 1
-        M = 2
-
-    class Owner(BaseModel):
-        name: str
-        age: Optional[int]
-
-    class Pet(BaseModel):
-        kind: Literal["cat", "dog"]
-        tag: Literal["x"]
-        size: Size
-        owner: Optional[Owner]
-        friends: list[Owner]
-        scores: dict[str, int]
-
+    Pet = pet_model
     base, name = tiny_server
     tok = AutoTokenizer.from_pretrained(name)
     closing = {str(tok.convert_tokens_to_ids(t)): 30 for t in ('"', "}", "]")}

@@ -358,39 +358,15 @@ def test_overlapping_alternatives_do_not_multiply_the_readers():
     assert p.feed_all(b"]}") and p.complete
 
 
-def pydantic_pet_schema():
-    """The schema the openai client sends for a pydantic model (``client.chat.completions.parse``): nested models
-    as $defs and $ref, Optional fields as anyOf with null, Literal and Enum fields as const and enums of strings
-    and integers, a dict's values as additionalProperties."""
-    import enum
-    from typing import Literal, Optional
-
-    from openai.lib._pydantic import to_strict_json_schema
-    from pydantic import BaseModel
-
-    class Size(enum.IntEnum):
-        S = 1
-        M = 2
-
-    class Owner(BaseModel):
-        name: str
-        age: Optional[int]
-
-    class Pet(BaseModel):
-        kind: Literal["cat", "dog"]
-        tag: Literal["x"]
-        size: Size
-        owner: Optional[Owner]
-        friends: list[Owner]
-        scores: dict[str, int]
-
-    return Pet, to_strict_json_schema(Pet)
-
-
 @pytest.mark.parametrize("seed", range(8))
-def test_a_constrained_pick_under_a_pydantic_models_schema_parses_into_the_model(seed):
-    Pet, schema = pydantic_pet_schema()
+def test_a_constrained_pick_under_a_pydantic_models_schema_parses_into_the_model(seed, pet_model):
+    """The schema the openai client sends for a pydantic model (``client.chat.completions.parse``): a constrained
+    walk ends in a document the model parses."""
+    from openai.lib._pydantic import to_strict_json_schema
+
     from kvcompile.structured import check_schema
+
+    Pet, schema = pet_model, to_strict_json_schema(pet_model)
 
     check_schema(schema)
     pieces = ["{", "}", "[", "]", '"', ":", ",", " ", "kind", "tag", "size", "owner", "friends", "scores", "name",
