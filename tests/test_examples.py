@@ -30,3 +30,10 @@ def test_hf_generate(monkeypatch, capsys, tiny_dir):
     _run(monkeypatch, "hf_generate.py", "--model", str(tiny_dir), "--compiler", "eager", "--max-new-tokens", "3")
     out = capsys.readouterr().out
     assert out.count("assistant:") == 2 and "the cache holds" in out and "2 cache site(s) rewritten" in out
+
+
+def test_serve_client(monkeypatch, capsys, tiny_dir):
+    _run(monkeypatch, "serve_client.py", "--model", str(tiny_dir), "--max-tokens", "4")
+    out = capsys.readouterr().out
+    for line in ("chat:", "streamed:", "parsed:", "ids:", "cache:    PagedKVCompileCache"):
+        assert line in out, out
