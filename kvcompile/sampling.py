@@ -79,6 +79,10 @@ class Asked:
         self.tokens: dict[int, int] = {}
         self.counts: dict[int, int] = {}  # how often each token id was generated (for the penalties)
         self.entries: dict[int, tuple] = {}
+        # the prompt's token ids when its log probabilities are asked (a completion's echo), and its entries by
+        # place in the prompt (1 on: the first token has none), recorded as its prefill computes them
+        self.prompt: list[int] | None = None
+        self.prompt_entries: dict[int, tuple] = {}
 
     @property
     def adjusts(self) -> bool:
@@ -122,6 +126,16 @@ class Asked:
                                   list(zip(top.indices.tolist(), top.values.tolist())) if top else [])
 
 
+    def took_prompt(self, place: int, logits: torch.Tensor) -> None:
+        """The prompt's token at ``place`` (>= 1) has ``logits`` (the model's at the place before): its log
+        probability and its top alternatives' (``top`` of them) are recorded."""
+        logp = torch.log_softmax(logits.float(), -1)
+        top = logp.topk(self.top) if self.top else None
+        token = self.prompt[place]
+        self.prompt_entries[place] = (token, float(logp[token]),
+                                      list(zip(top.indices.tolist(), top.values.tolist())) if top else [])
+
+
 class Records:
     """What requests asked of their tokens (``Asked``), and what they generated, for the processor list that
     picks the tokens (``_routed_class``): a request that asks is added with a handle (``open``); each of its
@@ -134,6 +148,7 @@ class Records:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._open: dict[int, Asked] = {}
+        self._prompts: dict[str, Asked] = {}  # request id: its record, while its prompt's entries are recorded
 
     def open(self, asked: Asked) -> int:
         with self._lock:
@@ -143,7 +158,29 @@ class Records:
 
     def close(self, handle: int) -> None:
         with self._lock:
-            self._open.pop(handle, None)
+            asked = self._open.pop(handle, None)
+            for rid in [r for r, a in self._prompts.items() if a is asked]:
+                del self._prompts[rid]
+
+    def watch_prompt(self, request_id: str, asked: Asked) -> None:
+        """Request ``request_id``'s prompt log probabilities go to ``asked`` (until its handle is closed)."""
+        with self._lock:
+            self._prompts[request_id] = asked
+
+    def prompt_asked(self, request_id: str) -> Asked | None:
+        """The record of a request whose prompt log probabilities are asked, or None."""
+        with self._lock:
+            return self._prompts.get(request_id)
+
+    def take_prompt(self, handle: int) -> list:
+        """The prompt's entries from its second token on, in order (a KeyError names a place the prefill did
+        not record: a defect)."""
+        with self._lock:
+            a = self._open[handle]
+            missing = [i for i in range(1, len(a.prompt)) if i not in a.prompt_entries]
+            if missing:
+                raise KeyError(f"no log probabilities recorded for prompt tokens {missing[:8]}")
+            return [a.prompt_entries[i] for i in range(1, len(a.prompt))]
 
     def get(self, handle: int) -> Asked | None:
         with self._lock:
@@ -350,7 +387,13 @@ def sampling_manager(model, gen_config, cb_config):
     add = cb.add_request
 
     def add_request(input_ids, *args, **kwargs):
-        return add(input_ids, *args, **{**(_SAMPLING.get() or {}), **kwargs})
+        kwargs = {**(_SAMPLING.get() or {}), **kwargs}
+        asked = RECORDS.get(kwargs.get("record", -1))
+        if asked is not None and asked.prompt is not None:
+            if kwargs.get("request_id") is None:
+                raise ValueError("a request whose prompt log probabilities are asked needs its request_id")
+            RECORDS.watch_prompt(kwargs["request_id"], asked)  # before the engine can schedule it
+        return add(input_ids, *args, **kwargs)
 
     cb.add_request = add_request
     return cb

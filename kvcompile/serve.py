@@ -19,7 +19,8 @@ transformers' manager applied its first request's to all), and a field asking fo
 streaming or not (``StopAt``); ``n`` choices are ``n`` requests in the batch (``n_choices``), streamed as one stream
 or not. Log probabilities, penalties and a logit bias are done per request where its tokens are picked
 (``kvcompile.sampling.Records``), and JSON mode (``kvcompile.structured``); a completion's prompt may be token
-ids (``token_prompt``), and its ``echo`` puts the prompt in front. The Responses API (``/v1/responses``) is
+ids (``token_prompt``), and its ``echo`` puts the prompt in front, with its log probabilities when asked
+(``serving.paged_forward`` records them as the prefill computes them). The Responses API (``/v1/responses``) is
 checked (``check_response``) and sampled per request alike, and answers with one JSON object unless asked to
 stream. Launched by torchrun with several processes, the model is sharded over them (``run_tensor_parallel``).
 
@@ -204,8 +205,11 @@ def check_common(body: dict) -> None:
         raise RequestError(f"'model' must be a string, got {type(model).__name__}", "model")
     for name in ("max_tokens", "max_completion_tokens"):
         v = body.get(name)
+        if v == 0 and name == "max_tokens" and body.get("echo") is True and not body.get("stream"):
+            continue  # a completion that echoes its prompt and generates nothing: scoring a text (_echoed)
         if v is not None and not (_is_int(v) and v >= 1):
-            raise RequestError(f"'{name}' must be an integer >= 1, got {v!r}", name)
+            raise RequestError(f"'{name}' must be an integer >= 1, got {v!r}"
+                               + (" (0 only with echo, not streamed)" if v == 0 else ""), name)
     for name, lo, hi, lo_open in (("temperature", 0, 2, False), ("top_p", 0, 1, True),
                                   ("frequency_penalty", -2, 2, False), ("presence_penalty", -2, 2, False)):
         v = body.get(name)
@@ -426,9 +430,9 @@ def check_completion(body: dict) -> None:
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise RequestError(f"'echo' must be true or false, got {echo!r}", "echo")
-    if echo and body.get("logprobs") is not None:
-        raise RequestError("'echo' with 'logprobs' would give the prompt's log probabilities, which continuous "
-                           "batching does not compute; ask for one of them", "echo")
+    if echo and body.get("logprobs") is not None and body.get("stream"):
+        raise RequestError("'echo' with 'logprobs' (the prompt's log probabilities) is given in one reply, not "
+                           "streamed; leave out 'stream'", "stream")
 
 
 def check_response(body: dict) -> None:
@@ -709,6 +713,13 @@ _ASKED: contextvars.ContextVar = contextvars.ContextVar("kvcompile_asked", defau
 _PROMPT_IDS: contextvars.ContextVar = contextvars.ContextVar("kvcompile_prompt_ids", default=None)
 
 
+def watch_prompt(asked: dict | None, inputs) -> None:
+    """A request that asks for its prompt's log probabilities records them for these input ids."""
+    a = None if asked is None else RECORDS.get(asked["handle"])
+    if a is not None and a.prompt is not None:
+        a.prompt = list(inputs["input_ids"])
+
+
 def token_prompt(inputs) -> None:
     """A prompt of token ids (``_PROMPT_IDS``) is the request's input, in place of the tokenized text that
     transformers' handler made of its decoding."""
@@ -857,11 +868,15 @@ def _checked_handlers():
 
             async def _echoed(self, body: dict, request_id: str):
                 """One choice (``_asked``); a completion asking for ``echo`` has its prompt in front of its text
-                (streamed: the first piece)."""
+                (streamed: the first piece), and with ``logprobs`` the prompt tokens' log probabilities in front
+                of its own."""
                 if chat or not body.get("echo"):
                     return await self._asked(body, request_id)
-                prompt = body["prompt"]
-                reply = await self._asked({k: v for k, v in body.items() if k != "echo"}, request_id)
+                prompt, nothing = body["prompt"], body.get("max_tokens") == 0
+                # max_tokens 0 (the prompt alone, as OpenAI scores a text): one token is generated, then dropped
+                reply = await self._asked({k: v for k, v in body.items() if k != "echo"}
+                                          | ({"max_tokens": 1} if nothing else {}), request_id,
+                                          echo=body.get("logprobs") is not None)
                 if isinstance(reply, StreamingResponse):
                     first = self._build_chunk_sse(request_id, body["model"], text=prompt)
                     reply.body_iterator = _after(first, reply.body_iterator)
@@ -869,21 +884,30 @@ def _checked_handlers():
                 if reply.status_code != 200:
                     return reply
                 out = json.loads(reply.body)
-                out["choices"][0]["text"] = prompt + out["choices"][0]["text"]
+                choice = out["choices"][0]
+                if nothing:
+                    choice["text"], choice["finish_reason"] = "", "length"
+                    if choice.get("logprobs"):
+                        choice["logprobs"] = {k: v[:-1] for k, v in choice["logprobs"].items()}
+                    out["usage"].update(completion_tokens=0, total_tokens=out["usage"]["prompt_tokens"])
+                choice["text"] = prompt + choice["text"]
                 return JSONResponse(out)
 
-            async def _asked(self, body: dict, request_id: str):
+            async def _asked(self, body: dict, request_id: str, echo: bool = False):
                 """transformers' handler for one choice. A request that asks more of its tokens (``asked_of``: log
                 probabilities, penalties, a logit bias) is added with a ``RECORDS`` handle: its tokens are adjusted
                 and recorded as they are picked, and its log probabilities given in the reply -- streamed, with
                 each piece of text (``stream_with_logprobs``, ``_build_chunk_sse``); not, for every token of the
-                reply (``usage.completion_tokens``)."""
+                reply (``usage.completion_tokens``). ``echo``: the prompt's log probabilities too, in front
+                (recorded as the prefill computes them: ``serving.paged_forward``)."""
                 asked = asked_of(body, chat)
-                if _TENSOR_PARALLEL and asked is not None and (asked.adjusts or asked.json_mode):
-                    field = next(f for f in ("presence_penalty", "frequency_penalty", "logit_bias", "response_format")
-                                 if body.get(f))
+                if _TENSOR_PARALLEL and asked is not None and (asked.adjusts or asked.json_mode or echo):
+                    field = next(f for f in ("presence_penalty", "frequency_penalty", "logit_bias", "response_format",
+                                             "echo") if body.get(f) or (f == "echo" and echo))
                     raise RequestError(f"'{field}' is not supported when serving under tensor parallelism (every "
                                        f"rank picks each token); leave it out", field)
+                if echo:
+                    asked.prompt = []  # its ids once the request is generated (watch_prompt)
                 # done here: transformers' handler would log them as ignored (or map them to config it never reads)
                 body = {k: v for k, v in body.items() if k not in ASKED_FIELDS}
                 if asked is None:
@@ -901,8 +925,15 @@ def _checked_handlers():
                     if reply.status_code != 200 or asked.top is None:
                         return reply
                     out = json.loads(reply.body)
-                    entries = RECORDS.take(handle, 0, out["usage"]["completion_tokens"])
-                    out["choices"][0]["logprobs"] = logprobs_of(token_entries(_ASKED.get()["tokenizer"], entries))
+                    tokenizer = _ASKED.get()["tokenizer"]
+                    tokens = token_entries(tokenizer, RECORDS.take(handle, 0, out["usage"]["completion_tokens"]),
+                                           len(body["prompt"]) if echo else 0)
+                    if echo:  # the prompt's tokens first, the first one with no log probability (OpenAI's echo)
+                        first = [(asked.prompt[0], None, [])]
+                        tokens = token_entries(tokenizer, first + RECORDS.take_prompt(handle)) + tokens
+                    out["choices"][0]["logprobs"] = lp = logprobs_of(tokens)
+                    if echo:
+                        lp["top_logprobs"][0] = None
                     return JSONResponse(out)
                 finally:
                     _ASKED.reset(token)
@@ -961,6 +992,7 @@ def checked_state(**kw):
 
         def generate_streaming(self, model, processor, inputs, gen_config, request_id, **kw):
             token_prompt(inputs)
+            watch_prompt(getattr(gen_config, "_kvcompile_asked", None), inputs)
             fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
             stops = getattr(gen_config, "_kvcompile_stop", None)
             asked = getattr(gen_config, "_kvcompile_asked", None)
@@ -1014,6 +1046,7 @@ def checked_state(**kw):
                 work = self._generate_until_stop(model, processor, inputs, gen_config, request_id)
             else:
                 token_prompt(inputs)
+                watch_prompt(asked, inputs)
                 fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
                 prepare_asked(asked, model, processor)
                 # the task copies the context: its add_request sees this request's sampling
@@ -1220,8 +1253,8 @@ def run_tensor_parallel(model_dir: str, policy, host: str, port: int, **kw) -> N
     serves HTTP and is the engine's driver: the requests it adds reach the other ranks' engines at their next
     step (transformers broadcasts them), which step with it; every rank starts its engine at startup, with the
     same configuration. Each rank draws a sampled token by the request's seed (one is given to a request that
-    has none), so that the ranks pick the same tokens; penalties, a logit bias and JSON mode, which only rank
-    0's records hold, are refused (``_asked``)."""
+    has none), so that the ranks pick the same tokens; penalties, a logit bias, JSON mode and the prompt's log
+    probabilities, which only rank 0's records hold, are refused (``_asked``)."""
     import torch.distributed as dist
     import uvicorn
 

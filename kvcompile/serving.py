@@ -612,6 +612,9 @@ def _make_cache_class():
             its pages while it waits, so one that would wait for a slot stays unmatched until it gets one."""
             if request_id not in self.slot_of and not self.free_slots:
                 return 0
+            from .sampling import RECORDS
+            if RECORDS.prompt_asked(request_id) is not None:
+                return 0  # its prompt's log probabilities are asked: every prompt token is computed
             n = super().search_prefix_match(request_id, prompt_ids)
             if n:
                 self.prefix_tokens += n
@@ -1004,4 +1007,34 @@ def paged_forward(orig_forward, paged_cache, /, *args, **kwargs):
             f"this model was prepared by kvcompile.apply but was given transformers' own {type(paged_cache).__name__}, "
             f"which stores keys and values in full precision. Use model.generate_batch / "
             f"model.init_continuous_batching on the applied model (they build kvcompile's paged cache).")
-    return orig_forward(*args, **kwargs)
+    wanted = _prompt_places(paged_cache)
+    if not wanted:
+        return orig_forward(*args, **kwargs)
+    keep = kwargs.get("logits_to_keep")
+    rows = torch.tensor([i for i, _, _ in wanted])
+    if isinstance(keep, torch.Tensor):  # the head runs on the kept rows and the prompt's rows, then they part
+        out = orig_forward(*args, **{**kwargs, "logits_to_keep": torch.cat([keep, rows.to(keep.device)])})
+        logits, out.logits = out.logits[0, len(keep):], out.logits[:, :len(keep)]
+    else:  # the head ran on every row; the engine picks its own
+        out = orig_forward(*args, **kwargs)
+        logits = out.logits[0, rows.to(out.logits.device)]
+    for row, (_, asked, place) in zip(logits, wanted):
+        asked.took_prompt(place, row)
+    return out
+
+
+def _prompt_places(paged_cache) -> list[tuple[int, object, int]]:
+    """The rows of the forward about to run whose logits give a prompt token's log probability, for requests
+    that ask for them (``sampling.Records.watch_prompt``): ``(row, the request's record, the place in its prompt
+    of the token the row predicts)``. Eager forwards only (a compiled one has a static shape)."""
+    from .sampling import RECORDS
+
+    if paged_cache.compiled or not paged_cache._pending:
+        return []
+    out, row = [], 0
+    for rid, past, n in paged_cache._pending:
+        asked = RECORDS.prompt_asked(rid)
+        if asked is not None:
+            out += [(row + j, asked, past + j + 1) for j in range(n) if past + j + 1 < len(asked.prompt)]
+        row += n
+    return out

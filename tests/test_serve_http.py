@@ -642,6 +642,13 @@ def test_a_shared_system_prompt_is_read_from_shared_pages(tiny_dir):
         assert stats(base)["prefix_tokens"] - reused >= (n - 1) // 64 * 64  # every whole page of the prompt
         s = stats(base)
         assert s["pages_cached"] > 0 and s["free_blocks"] == s["blocks"] and s["requests"] == 0
+        # a prompt whose log probabilities are asked (echo) is computed whole, never read from shared pages
+        score = {"model": name, "prompt": system, "max_tokens": 1, "logprobs": 0, "echo": True}
+        before = stats(base)["prefix_tokens"]
+        scored = [httpx.post(f"{base}/v1/completions", timeout=120, json=score).json() for _ in range(2)]
+        assert stats(base)["prefix_tokens"] == before
+        assert scored[0]["choices"][0]["logprobs"] == scored[1]["choices"][0]["logprobs"]
+        assert None not in scored[0]["choices"][0]["logprobs"]["token_logprobs"][1:]
     finally:
         stop_server(proc)
 
@@ -890,7 +897,8 @@ def test_serving_sharded_over_two_processes(tiny_dir):
     cache its KV heads), rank 0 serving HTTP. Under ``Policy.full()`` greedy replies, asked at once, are the
     unmodified model's ``generate`` tokens, and a seeded sampled reply is the unsharded model's draw by the same
     rule (every rank must pick the same tokens for that: a rank that drew otherwise would corrupt the next
-    step's attention); log probabilities come back; a logit bias is refused (only rank 0 holds it)."""
+    step's attention); log probabilities come back; a logit bias and the prompt's log probabilities (echo) are
+    refused (only rank 0 holds them)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -946,9 +954,10 @@ def test_serving_sharded_over_two_processes(tiny_dir):
                 assert entry["logprob"] == pytest.approx(float(torch.log_softmax(logits, -1)[ids[-1]]), abs=1e-4)
         lp = complete(prompts[1], logprobs=2)["logprobs"]
         assert len(lp["tokens"]) == 8 and all(v <= 0 for v in lp["token_logprobs"])
-        r = httpx.post(f"{base}/v1/completions", timeout=120,
-                       json={"model": name, "prompt": "Hi", "max_tokens": 3, "logit_bias": {"5": 3}})
-        assert_openai_error(r, "logit_bias")
+        for field, value in (("logit_bias", {"5": 3}), ("echo", True)):  # echo with log probabilities
+            r = httpx.post(f"{base}/v1/completions", timeout=120, json={"model": name, "prompt": "Hi", "max_tokens": 3,
+                                                                         "logprobs": 1, field: value})
+            assert_openai_error(r, field)
         assert stats(base)["requests"] == 0
     finally:
         out = stop_server(proc)
@@ -968,8 +977,54 @@ def test_a_completion_echoes_its_prompt(tiny_server):
     assert streamed_text(r) == ("Once upon a time" + plain, "length")
     r = httpx.post(f"{base}/v1/completions", timeout=120, json={**body, "echo": True, "n": 2})
     assert [c["text"] for c in r.json()["choices"]] == ["Once upon a time" + plain] * 2
-    for fields in ({"echo": True, "logprobs": 1}, {"echo": "yes"}):
-        assert_openai_error(httpx.post(f"{base}/v1/completions", timeout=120, json={**body, **fields}), "echo")
+    assert_openai_error(httpx.post(f"{base}/v1/completions", timeout=120, json={**body, "echo": "yes"}), "echo")
+
+
+def test_a_completion_echoes_its_prompts_log_probabilities(tiny_server):
+    """``echo`` with ``logprobs``, as evaluation harnesses score a text (lm-evaluation-harness sends token ids and
+    max_tokens 1): the prompt's tokens lead the reply's log probabilities, the first with none, each one the
+    unmodified model's log-softmax at the place before (a prefill attends its own tokens in full precision),
+    with its top alternatives; then the generated token's, as without echo. A prompt longer than one forward
+    (prefilled in chunks that read the store) has every place too. ``max_tokens`` 0 gives the prompt alone.
+    Streamed, it is a 400."""
+    import openai
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base, name = tiny_server
+    tok = AutoTokenizer.from_pretrained(name)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    for text, tol in (("The capital of France is Paris, and the capital of Italy is", 1e-4),
+                      (" ".join(f"word{i}" for i in range(150)), 0.05)):  # over --max-batch-tokens 128
+        ids = tok(text).input_ids
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        r = client.completions.create(model=name, prompt=ids, max_tokens=1, logprobs=2, echo=True)
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        got = torch.tensor(lp.token_logprobs[1:len(ids)])
+        ref = want[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        assert (got - ref).abs().max() < tol, (got - ref).abs().max()
+        assert all(len(t) >= 2 and tk in t for t, tk in zip(lp.top_logprobs[1:], lp.tokens[1:]))
+        assert "".join(lp.tokens[:len(ids)]) == tok.decode(ids) and r.choices[0].text.startswith(tok.decode(ids))
+        alone = client.completions.create(model=name, prompt=ids, max_tokens=1, logprobs=2).choices[0].logprobs
+        assert lp.tokens[-1] == alone.tokens[0] and abs(lp.token_logprobs[-1] - alone.token_logprobs[0]) < 1e-5
+        assert lp.text_offset[-1] == len(tok.decode(ids))
+        # max_tokens 0: the prompt alone, scored (OpenAI's way to score a text)
+        r0 = client.completions.create(model=name, prompt=ids, max_tokens=0, logprobs=2, echo=True)
+        assert r0.choices[0].text == tok.decode(ids) and r0.usage.completion_tokens == 0
+        assert r0.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+        assert r0.choices[0].logprobs.tokens == lp.tokens[:-1]
+    r = httpx.post(f"{base}/v1/completions", timeout=60, json={"model": name, "prompt": "Hi", "max_tokens": 2,
+                                                                "echo": True, "logprobs": 1, "stream": True})
+    assert_openai_error(r, "stream")
+    for extra in ({}, {"echo": True, "stream": True}):  # generating nothing needs echo, and one reply
+        r = httpx.post(f"{base}/v1/completions", timeout=60, json={"model": name, "prompt": "Hi", "max_tokens": 0,
+                                                                    **extra})
+        assert_openai_error(r, "max_tokens")
+    wait_idle(base, None, 30)
+    assert stats(base)["records_open"] == 0
 
 
 def test_the_model_is_found_by_its_names(tiny_server):
