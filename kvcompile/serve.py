@@ -423,6 +423,9 @@ def check_completion(body: dict) -> None:
                            f"send fewer", "prompt")
     if body.get("suffix") is not None and not isinstance(body["suffix"], str):
         raise RequestError("'suffix' must be a string", "suffix")
+    if body.get("suffix"):  # transformers' handler appended it to the reply: the model never saw it
+        raise RequestError("'suffix' (a reply written to fit before it: insertion) is not supported by this server; "
+                           "leave it out", "suffix")
     logprobs_asked(body, chat=False)
     if body.get("response_format") is not None:
         raise RequestError("'response_format' is a chat-completions field (JSON mode: /v1/chat/completions)",
@@ -462,6 +465,7 @@ def check_response(body: dict) -> None:
             ("previous_response_id", body.get("previous_response_id") is None,
              "this server stores no responses; send the whole conversation as 'input'"),
             ("background", not body.get("background"), "replies are generated while the request waits"),
+            ("prompt", body.get("prompt") is None, "this server stores no prompt templates; send the text as 'input'"),
             ("top_logprobs", not body.get("top_logprobs"), "log probabilities are given by /v1/chat/completions"),
             ("text", fmt is None or (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object",
                                                                                   "json_schema")),

@@ -428,6 +428,7 @@ UNSUPPORTED = {  # field: (value asking for what the server does not do, the end
     "modalities": (["text", "audio"], "chat/completions"), "audio": ({"voice": "alloy", "format": "wav"},
                                                                      "chat/completions"),
     "web_search_options": ({}, "chat/completions"),
+    "suffix": ("!", "completions"),  # transformers' handler appended it to the reply, unseen by the model
 }
 
 
@@ -444,7 +445,7 @@ def test_a_field_the_server_would_ignore_is_refused(tiny_server, field):
     err = assert_openai_error(r, field)
     assert "not supported" in err["message"]
     neutral = {"n": 1, "response_format": {"type": "text"}, "echo": False, "best_of": 1, "tool_choice": "auto",
-               "functions": [], "function_call": "none", "modalities": ["text"], "audio": None}
+               "functions": [], "function_call": "none", "modalities": ["text"], "audio": None, "suffix": ""}
     if field in neutral:
         r = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, field: neutral[field]})
         assert r.status_code == 200, r.text
@@ -883,6 +884,7 @@ def test_responses_through_the_openai_client(tiny_server):
                           ({"max_output_tokens": 0}, "max_output_tokens"),
                           ({"max_output_tokens": 10**6}, "max_output_tokens"),
                           ({"previous_response_id": "resp_1"}, "previous_response_id"),
+                          ({"prompt": {"id": "pmpt_1"}}, "prompt"),  # a stored prompt template
                           ({"top_logprobs": 2}, "top_logprobs"),
                           ({"text": {"format": {"type": "json_schema"}}}, "text"),
                           ({"text": {"format": {"type": "xml"}}}, "text")):
