@@ -1018,6 +1018,27 @@ def test_a_completion_echoes_its_prompts_log_probabilities(tiny_server):
         assert r0.choices[0].text == tok.decode(ids) and r0.usage.completion_tokens == 0
         assert r0.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
         assert r0.choices[0].logprobs.tokens == lp.tokens[:-1]
+    # beside other requests in the same forwards: every reply as when alone (a prompt of one forward's chunk:
+    # a longer one is chunked as the batch allows, and under a quantized policy a later chunk reads the earlier
+    # ones as stored, so its scores depend on where the chunks fall)
+    from concurrent.futures import ThreadPoolExecutor
+
+    short = tok("The capital of France is Paris, and the capital of Italy is").input_ids
+    asks = [{"prompt": "Once upon a time", "max_tokens": 12}, {"prompt": short, "max_tokens": 0, "logprobs": 2,
+                                                                "echo": True}, {"prompt": "Hello", "max_tokens": 12}]
+
+    def ask(body):
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={"model": name, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    alone = [ask(b) for b in asks]
+    with ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(ask, asks))
+    assert [c["text"] for c in together] == [c["text"] for c in alone]
+    scored = [c["logprobs"]["token_logprobs"][1:] for c in (together[1], alone[1])]
+    assert together[1]["logprobs"]["tokens"] == alone[1]["logprobs"]["tokens"]
+    assert torch.allclose(torch.tensor(scored[0]), torch.tensor(scored[1]), atol=1e-4)
     r = httpx.post(f"{base}/v1/completions", timeout=60, json={"model": name, "prompt": "Hi", "max_tokens": 2,
                                                                 "echo": True, "logprobs": 1, "stream": True})
     assert_openai_error(r, "stream")
