@@ -433,9 +433,6 @@ def check_completion(body: dict) -> None:
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise RequestError(f"'echo' must be true or false, got {echo!r}", "echo")
-    if echo and body.get("logprobs") is not None and body.get("stream"):
-        raise RequestError("'echo' with 'logprobs' (the prompt's log probabilities) is given in one reply, not "
-                           "streamed; leave out 'stream'", "stream")
 
 
 def check_response(body: dict) -> None:
@@ -595,13 +592,13 @@ def completion_logprobs(tokens: list[dict]) -> dict:
             "text_offset": [t["offset"] for t in tokens]}
 
 
-def stream_with_logprobs(streamer, handle: int) -> None:
+def stream_with_logprobs(streamer, handle: int, offset: int = 0) -> None:
     """Make transformers' ``CBStreamer`` put ``TokenText`` on its queue: each piece of text with the
     log-probability entries of the tokens decoded into it (a token whose text the decoder holds back, part of a
     character, goes with the next piece). The decoding is the streamer's own (its decode stream, step by
-    step); the replies it streams are text only (no response parser: ``generate_streaming`` refuses one)."""
+    step); the replies it streams are text only (no response parser: ``generate_streaming`` refuses one).
+    ``offset``: where the reply's text starts in what the client reads (after an echoed prompt)."""
     pending: list[int] = []
-    offset = 0
 
     def put(output) -> None:
         nonlocal offset
@@ -772,17 +769,40 @@ def prepare_asked(asked: dict | None, model, processor) -> None:
                                 stops, a.json_schema)
 
 
-async def _after(first: str, stream):
+async def _after(first, stream, scored: bool = False):
     """``first``, then the events of ``stream`` (closed with this stream: transformers' then cancels its
-    request)."""
+    request). ``scored``: ``first`` is a function whose piece needs the prompt scored by the prefill, called
+    once the stream's first event has come; a request that ended before (a KeyError: nothing scored) streams
+    without it."""
+    def piece():
+        try:
+            return first()
+        except KeyError:  # no prompt entries: the request failed or was cancelled before its prefill
+            return None
+
     try:
-        yield first
+        if not scored:
+            yield first
         async for part in stream:
+            if scored:
+                scored, head = False, piece()
+                if head is not None:
+                    yield head
             yield part
+        if scored and (head := piece()) is not None:
+            yield head
     finally:
         close = getattr(stream, "aclose", None)
         if close is not None:
             await close()
+
+
+def echo_logprobs(tokenizer, asked: Asked, handle: int) -> dict:
+    """A completion's ``logprobs`` for its echoed prompt (``completion_logprobs``): the first token with none,
+    as OpenAI's echo gives it."""
+    lp = completion_logprobs(token_entries(tokenizer, [(asked.prompt[0], None, [])] + RECORDS.take_prompt(handle)))
+    lp["top_logprobs"][0] = None
+    return lp
 
 
 def failure_body(failed: str) -> dict:
@@ -882,8 +902,9 @@ def _checked_handlers():
                                           | ({"max_tokens": 1} if nothing else {}), request_id,
                                           echo=body.get("logprobs") is not None)
                 if isinstance(reply, StreamingResponse):
-                    first = self._build_chunk_sse(request_id, body["model"], text=prompt)
-                    reply.body_iterator = _after(first, reply.body_iterator)
+                    if body.get("logprobs") is None:  # with them, _asked streams the prompt once it is scored
+                        first = self._build_chunk_sse(request_id, body["model"], text=prompt)
+                        reply.body_iterator = _after(first, reply.body_iterator)
                     return reply
                 if reply.status_code != 200:
                     return reply
@@ -917,12 +938,21 @@ def _checked_handlers():
                 if asked is None:
                     return await super().handle_request(body, request_id)
                 handle = RECORDS.open(asked)
-                token = _ASKED.set({"handle": handle, "logprobs": asked.top is not None, "tokenizer": None})
+                token = _ASKED.set(ctx := {"handle": handle, "logprobs": asked.top is not None, "tokenizer": None,
+                                           "offset": len(body["prompt"]) if echo else 0})
                 streams = False
                 try:
                     reply = await super().handle_request(body, request_id)
                     if isinstance(reply, StreamingResponse):
-                        reply.body_iterator, streams = _closing(reply.body_iterator, handle), True
+                        it = reply.body_iterator
+                        if echo:
+                            def prompt_chunk():
+                                sse = self._build_chunk_sse(request_id, body["model"], text=body["prompt"])
+                                chunk = json.loads(sse.removeprefix("data: "))
+                                chunk["choices"][0]["logprobs"] = echo_logprobs(ctx["tokenizer"], asked, handle)
+                                return f"data: {json.dumps(chunk)}\n\n"
+                            it = _after(prompt_chunk, it, scored=True)
+                        reply.body_iterator, streams = _closing(it, handle), True
                         return reply
                     if reply.status_code == 200 and asked.failed is not None:
                         return JSONResponse(failure_body(asked.failed), status_code=500)
@@ -932,12 +962,10 @@ def _checked_handlers():
                     tokenizer = _ASKED.get()["tokenizer"]
                     tokens = token_entries(tokenizer, RECORDS.take(handle, 0, out["usage"]["completion_tokens"]),
                                            len(body["prompt"]) if echo else 0)
-                    if echo:  # the prompt's tokens first, the first one with no log probability (OpenAI's echo)
-                        first = [(asked.prompt[0], None, [])]
-                        tokens = token_entries(tokenizer, first + RECORDS.take_prompt(handle)) + tokens
-                    out["choices"][0]["logprobs"] = lp = logprobs_of(tokens)
-                    if echo:
-                        lp["top_logprobs"][0] = None
+                    lp = logprobs_of(tokens)
+                    if echo:  # the prompt's tokens first
+                        lp = {k: v + lp[k] for k, v in echo_logprobs(tokenizer, asked, handle).items()}
+                    out["choices"][0]["logprobs"] = lp
                     return JSONResponse(out)
                 finally:
                     _ASKED.reset(token)
@@ -1011,7 +1039,7 @@ def checked_state(**kw):
             # installed before the event loop (this thread) can deliver the request's first output
             if logprobs:
                 asked["tokenizer"] = streamer._tokenizer
-                stream_with_logprobs(streamer, asked["handle"])
+                stream_with_logprobs(streamer, asked["handle"], asked.get("offset", 0))
             if stops:
                 streamer._queue = StopAt(queue, stops, lambda: self.cancel(request_id))
             return queue, streamer

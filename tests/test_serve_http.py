@@ -988,7 +988,7 @@ def test_a_completion_echoes_its_prompts_log_probabilities(tiny_server):
     unmodified model's log-softmax at the place before (a prefill attends its own tokens in full precision),
     with its top alternatives; then the generated token's, as without echo. A prompt longer than one forward
     (prefilled in chunks that read the store) has every place too. ``max_tokens`` 0 gives the prompt alone.
-    Streamed, it is a 400."""
+    Streamed, the prompt's piece comes first, once scored."""
     import openai
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -1039,9 +1039,22 @@ def test_a_completion_echoes_its_prompts_log_probabilities(tiny_server):
     scored = [c["logprobs"]["token_logprobs"][1:] for c in (together[1], alone[1])]
     assert together[1]["logprobs"]["tokens"] == alone[1]["logprobs"]["tokens"]
     assert torch.allclose(torch.tensor(scored[0]), torch.tensor(scored[1]), atol=1e-4)
-    r = httpx.post(f"{base}/v1/completions", timeout=60, json={"model": name, "prompt": "Hi", "max_tokens": 2,
-                                                                "echo": True, "logprobs": 1, "stream": True})
-    assert_openai_error(r, "stream")
+    # streamed: the prompt's piece first, sent once it is scored, then the reply's, as in one reply
+    whole = ask({"prompt": short, "max_tokens": 6, "logprobs": 2, "echo": True})
+    pieces = []
+    with httpx.stream("POST", f"{base}/v1/completions", timeout=120, json={
+            "model": name, "prompt": short, "max_tokens": 6, "logprobs": 2, "echo": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                pieces.append(json.loads(line[6:])["choices"][0])
+    assert "".join(p["text"] for p in pieces) == whole["text"]
+    streamed = {k: [v for p in pieces if p.get("logprobs") for v in p["logprobs"][k]] for k in whole["logprobs"]}
+    assert streamed["tokens"] == whole["logprobs"]["tokens"] and streamed["text_offset"] == whole["logprobs"][
+        "text_offset"]
+    assert streamed["token_logprobs"][0] is None and streamed["top_logprobs"][0] is None
+    assert torch.allclose(torch.tensor(streamed["token_logprobs"][1:]),
+                          torch.tensor(whole["logprobs"]["token_logprobs"][1:]), atol=1e-4)
+    assert pieces[0]["text"] == tok.decode(short) and len(pieces[0]["logprobs"]["tokens"]) == len(short)
     for extra in ({}, {"echo": True, "stream": True}):  # generating nothing needs echo, and one reply
         r = httpx.post(f"{base}/v1/completions", timeout=60, json={"model": name, "prompt": "Hi", "max_tokens": 0,
                                                                     **extra})
