@@ -120,20 +120,18 @@ class Asked:
         if self.json is not None:
             self.json.took(token)
         if self.top is not None:
-            logp = torch.log_softmax(logits.float(), -1)
-            top = logp.topk(self.top) if self.top else None
-            self.entries[step] = (token, float(logp[token]),
-                                  list(zip(top.indices.tolist(), top.values.tolist())) if top else [])
-
+            self.entries[step] = self._entry(token, logits)
 
     def took_prompt(self, place: int, logits: torch.Tensor) -> None:
         """The prompt's token at ``place`` (>= 1) has ``logits`` (the model's at the place before): its log
         probability and its top alternatives' (``top`` of them) are recorded."""
+        self.prompt_entries[place] = self._entry(self.prompt[place], logits)
+
+    def _entry(self, token: int, logits: torch.Tensor) -> tuple:
+        """``(token, its log probability, [(id, log probability)] of the ``top`` most likely)`` under ``logits``."""
         logp = torch.log_softmax(logits.float(), -1)
         top = logp.topk(self.top) if self.top else None
-        token = self.prompt[place]
-        self.prompt_entries[place] = (token, float(logp[token]),
-                                      list(zip(top.indices.tolist(), top.values.tolist())) if top else [])
+        return token, float(logp[token]), list(zip(top.indices.tolist(), top.values.tolist())) if top else []
 
 
 class Records:
@@ -166,6 +164,11 @@ class Records:
         """Request ``request_id``'s prompt log probabilities go to ``asked`` (until its handle is closed)."""
         with self._lock:
             self._prompts[request_id] = asked
+
+    def watching_prompts(self) -> bool:
+        """Whether any request's prompt log probabilities are being recorded (each forward asks, once)."""
+        with self._lock:
+            return bool(self._prompts)
 
     def prompt_asked(self, request_id: str) -> Asked | None:
         """The record of a request whose prompt log probabilities are asked, or None."""

@@ -19,7 +19,7 @@ transformers' manager applied its first request's to all), and a field asking fo
 streaming or not (``StopAt``); ``n`` choices are ``n`` requests in the batch (``n_choices``), streamed as one stream
 or not. Log probabilities, penalties and a logit bias are done per request where its tokens are picked
 (``kvcompile.sampling.Records``), and JSON mode (``kvcompile.structured``); a completion's prompt may be token
-ids (``token_prompt``), and its ``echo`` puts the prompt in front, with its log probabilities when asked
+ids (``prompt_inputs``), and its ``echo`` puts the prompt in front, with its log probabilities when asked
 (``serving.paged_forward`` records them as the prefill computes them). The Responses API (``/v1/responses``) is
 checked (``check_response``) and sampled per request alike, and answers with one JSON object unless asked to
 stream. Launched by torchrun with several processes, the model is sharded over them (``run_tensor_parallel``).
@@ -410,7 +410,7 @@ def completion_prompts(prompt) -> list:
 def check_completion(body: dict) -> None:
     """A completion's ``prompt``: a non-empty string or list of token ids, or a list of them (a choice or ``n``
     for each, in one batch); token ids are checked against the vocabulary when the request is generated
-    (``token_prompt``)."""
+    (``prompt_inputs``)."""
     prompt = body.get("prompt")
     prompts = completion_prompts(prompt)
     if not (prompts and all((isinstance(p, str) and p) or (isinstance(p, list) and p and all(
@@ -710,23 +710,20 @@ _EXTENSIONS: contextvars.ContextVar = contextvars.ContextVar("kvcompile_extensio
 # a request that asks more of its tokens (``asked_of``): {"handle": its ``RECORDS`` handle, "logprobs": whether its
 # reply gives them, "tokenizer": set when it is generated}
 _ASKED: contextvars.ContextVar = contextvars.ContextVar("kvcompile_asked", default=None)
-# a completion's prompt given as token ids: generated from them, not from its text (``token_prompt``)
+# a completion's prompt given as token ids: generated from them, not from its text (``prompt_inputs``)
 _PROMPT_IDS: contextvars.ContextVar = contextvars.ContextVar("kvcompile_prompt_ids", default=None)
 
 
-def watch_prompt(asked: dict | None, inputs) -> None:
-    """A request that asks for its prompt's log probabilities records them for these input ids."""
-    a = None if asked is None else RECORDS.get(asked["handle"])
-    if a is not None and a.prompt is not None:
-        a.prompt = list(inputs["input_ids"])
-
-
-def token_prompt(inputs) -> None:
-    """A prompt of token ids (``_PROMPT_IDS``) is the request's input, in place of the tokenized text that
-    transformers' handler made of its decoding."""
+def prompt_inputs(inputs, asked: dict | None) -> None:
+    """The request's input ids, as it is generated: a prompt of token ids (``_PROMPT_IDS``) in place of the
+    tokenized text that transformers' handler made of its decoding; and, where the prompt's log probabilities
+    are asked (``asked``, its ``_ASKED``), the ids they are recorded for."""
     ids = _PROMPT_IDS.get()
     if ids is not None:
         inputs["input_ids"], inputs["attention_mask"] = list(ids), [1] * len(ids)
+    a = None if asked is None else RECORDS.get(asked["handle"])
+    if a is not None and a.prompt is not None:
+        a.prompt = list(inputs["input_ids"])
 
 
 ASKED_FIELDS = ("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
@@ -873,7 +870,7 @@ def _checked_handlers():
                     _EXTENSIONS.reset(token)
 
             async def _one_choice(self, body: dict, request_id: str):
-                """One choice. A completion's prompt of token ids is generated from those ids (``token_prompt``);
+                """One choice. A completion's prompt of token ids is generated from those ids (``prompt_inputs``);
                 its text, for transformers' handler and the echo, is their decoding."""
                 if not chat and isinstance(body.get("prompt"), list):
                     ids = completion_prompts(body["prompt"])[0]
@@ -927,12 +924,12 @@ def _checked_handlers():
                 (recorded as the prefill computes them: ``serving.paged_forward``)."""
                 asked = asked_of(body, chat)
                 if _TENSOR_PARALLEL and asked is not None and (asked.adjusts or asked.json_mode or echo):
-                    field = next(f for f in ("presence_penalty", "frequency_penalty", "logit_bias", "response_format",
-                                             "echo") if body.get(f) or (f == "echo" and echo))
+                    field = "echo" if echo else next(f for f in ("presence_penalty", "frequency_penalty",
+                                                                  "logit_bias", "response_format") if body.get(f))
                     raise RequestError(f"'{field}' is not supported when serving under tensor parallelism (every "
                                        f"rank picks each token); leave it out", field)
                 if echo:
-                    asked.prompt = []  # its ids once the request is generated (watch_prompt)
+                    asked.prompt = []  # its ids once the request is generated (prompt_inputs)
                 # done here: transformers' handler would log them as ignored (or map them to config it never reads)
                 body = {k: v for k, v in body.items() if k not in ASKED_FIELDS}
                 if asked is None:
@@ -961,7 +958,7 @@ def _checked_handlers():
                     out = json.loads(reply.body)
                     tokenizer = _ASKED.get()["tokenizer"]
                     tokens = token_entries(tokenizer, RECORDS.take(handle, 0, out["usage"]["completion_tokens"]),
-                                           len(body["prompt"]) if echo else 0)
+                                           ctx["offset"])
                     lp = logprobs_of(tokens)
                     if echo:  # the prompt's tokens first
                         lp = {k: v + lp[k] for k, v in echo_logprobs(tokenizer, asked, handle).items()}
@@ -1023,8 +1020,7 @@ def checked_state(**kw):
                 self._cb.start()
 
         def generate_streaming(self, model, processor, inputs, gen_config, request_id, **kw):
-            token_prompt(inputs)
-            watch_prompt(getattr(gen_config, "_kvcompile_asked", None), inputs)
+            prompt_inputs(inputs, getattr(gen_config, "_kvcompile_asked", None))
             fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
             stops = getattr(gen_config, "_kvcompile_stop", None)
             asked = getattr(gen_config, "_kvcompile_asked", None)
@@ -1077,8 +1073,7 @@ def checked_state(**kw):
             if getattr(gen_config, "_kvcompile_stop", None):  # fitted and prepared as it is streamed
                 work = self._generate_until_stop(model, processor, inputs, gen_config, request_id)
             else:
-                token_prompt(inputs)
-                watch_prompt(asked, inputs)
+                prompt_inputs(inputs, asked)
                 fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
                 prepare_asked(asked, model, processor)
                 # the task copies the context: its add_request sees this request's sampling
@@ -1204,19 +1199,19 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
         raise RequestError(f"this server's model ({model_dir!r}) reads text only: no audio transcriptions", "model")
 
     # the model is listed under its first name (the directory unless names were given) and found by any
-    listed = names[0]
+    card = {"id": names[0], "object": "model", "created": 0, "owned_by": "local"}
     app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/v1/models"]
 
     @app.get("/v1/models")
     def list_models():
-        return {"object": "list", "data": [{"id": listed, "object": "model", "created": 0, "owned_by": "local"}]}
+        return {"object": "list", "data": [card]}
 
     @app.get("/v1/models/{model_id:path}")
     def retrieve_model(model_id: str):
         if model_id not in names:
-            raise RequestError(f"no model {model_id!r} here: this server serves {listed!r}", "model",
+            raise RequestError(f"no model {model_id!r} here: this server serves {names[0]!r}", "model",
                                code="model_not_found", status=404)
-        return {"id": listed, "object": "model", "created": 0, "owned_by": "local"}
+        return card
 
     @app.post("/load_model")
     async def load_model(body: dict):

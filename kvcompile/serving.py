@@ -1029,7 +1029,7 @@ def _prompt_places(paged_cache) -> list[tuple[int, object, int]]:
     of the token the row predicts)``. Eager forwards only (a compiled one has a static shape)."""
     from .sampling import RECORDS
 
-    if paged_cache.compiled or not paged_cache._pending:
+    if paged_cache.compiled or not paged_cache._pending or not RECORDS.watching_prompts():
         return []
     out, row = [], 0
     for rid, past, n in paged_cache._pending:

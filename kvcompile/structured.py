@@ -294,9 +294,7 @@ def check_schema(schema, at: str = "schema") -> None:
         for name, sub in (schema.get(defs) or {}).items():
             _check(whole, sub, f"{at}.{defs}.{name}", nodes)
     for sub, where in nodes:  # once every part is known to be well formed
-        if "$ref" in sub:
-            whole.resolve(sub, where)
-        whole.alternatives(sub, where)  # an anyOf that loops, or nothing left to write, is refused here
+        whole.alternatives(sub, where)  # a $ref that leads nowhere, an anyOf that loops, nothing to write: refused
     for alt in whole.alternatives(schema, at):
         if _types(alt) != {"object"}:
             raise SchemaError(f"{at}: the top level must be {{\"type\": \"object\", ...}}")
@@ -476,7 +474,7 @@ class _Branch(JsonPrefix):
                 self.const = self.const[1:]
                 return super().feed(b)
             self.const = None
-            if m == NUMBER and not JsonPrefix._number(JsonPrefix.copy(self), b)[1]:
+            if m == NUMBER and not self._ends_number(b):
                 return False  # the value is whole: the number may not go on
         if m == STRING:
             if not self.esc and not self.hex and not self.utf8 and b == ord('"'):
@@ -488,7 +486,7 @@ class _Branch(JsonPrefix):
         if m == NUMBER:
             if self.int_only and b in (ord("."), ord("e"), ord("E")) and self.num in ("0", "int"):
                 return False
-            if JsonPrefix._number(JsonPrefix.copy(self), b)[1]:
+            if self._ends_number(b):
                 m = AFTER  # the number ends before this byte, which is read after it
         if m in (VALUE, VALUE_OR_CLOSE, START) and b not in WS and not (m == VALUE_OR_CLOSE and b == ord("]")):
             if not self._value_start(b):
@@ -513,6 +511,10 @@ class _Branch(JsonPrefix):
         elif m == AFTER and b == ord(",") and self.frames[-1][0] == "a":
             self.set_expect(self.frames[-1][1].get("items", {}))
         return True
+
+    def _ends_number(self, b: int) -> bool:
+        """Whether the number being read ends before byte ``b`` (read on a copy of the JSON state)."""
+        return JsonPrefix._number(JsonPrefix.copy(self), b)[1]
 
     def _value_start(self, b: int) -> bool:
         """A value begins with byte ``b``: its type must be one the expected (plain) schema allows."""
