@@ -11,6 +11,8 @@ object is complete. The processor list that picks every row's token (``kvcompile
 from __future__ import annotations
 
 import json
+import math
+from fractions import Fraction
 
 import torch
 
@@ -196,9 +198,25 @@ class JsonPrefix:
 
 # --------------------------------------------------------------------------- a JSON schema
 SCHEMA_KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
-                   "$ref", "$defs", "definitions"}
-SCHEMA_NOTES = {"title", "description", "default", "examples", "$schema", "$comment", "$id"}  # read by people only
+                   "oneOf", "allOf", "$ref", "$defs", "definitions", "minimum", "maximum", "exclusiveMinimum",
+                   "exclusiveMaximum", "minLength", "maxLength", "pattern", "format", "minItems", "maxItems"}
+# read by people only; a oneOf's discriminator (OpenAPI's, which pydantic writes) is a hint the reader need not
+# follow: it checks by itself that a oneOf's alternatives are apart
+SCHEMA_NOTES = {"title", "description", "default", "examples", "$schema", "$comment", "$id", "discriminator"}
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+_NUMBER_BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
+_DATE = (r"(?:(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+         r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+         r"|(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)-02-29)")
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+# the formats followed, each as the strings it takes: RFC 3339's full-date (a real day: February 29 in leap
+# years only), full-time and date-time ("T" and "Z" in capitals, at most six fraction digits -- microseconds --,
+# no leap second), and a UUID's 8-4-4-4-12 hex digits
+FORMATS = {"date": _DATE, "time": _TIME, "date-time": _DATE + "T" + _TIME,
+           "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"}
+_SIMPLE_ESCAPES = '"\\/\b\f\n\r\t'
+_SURROGATE = frozenset(b"89abcdefABCDEF")  # the second hex digit of a surrogate's \\u escape after "d"
 
 
 class SchemaError(ValueError):
@@ -219,6 +237,157 @@ def _type_of(value) -> str | None:
     return "string" if isinstance(value, str) else None
 
 
+# --------------------------------------------------------------------------- bounds on a value
+def _regexes(schema: dict) -> tuple:
+    """A string's patterns, (compiled, whole) pairs: its ``pattern`` found anywhere in it (as JSON Schema reads
+    a pattern, with Python's regular expressions as Python's validators do), its ``format`` the whole of it."""
+    import regex
+
+    out = ()
+    if "pattern" in schema:
+        out += ((regex.compile(schema["pattern"]), False),)
+    if "format" in schema:
+        out += ((regex.compile(FORMATS[schema["format"]]), True),)
+    return out
+
+
+def _matches(regexes: tuple, text: str, partial: bool = False) -> bool:
+    """``text`` follows each pattern (``partial``: it begins a string that does)."""
+    return all((r.fullmatch if whole else r.search)(text, partial=partial) is not None for r, whole in regexes)
+
+
+def _number_bounds(schema: dict):
+    """Where a number's value must lie, exactly, or None when the schema bounds nothing: the integers
+    ``(lo, hi)`` a number written as an integer may be, and the reals ``(lo, lo_in, hi, hi_in)`` a number
+    written with a fraction may be (``*_in``: the end itself is in), as fractions (None: unbounded). A
+    validator reads "3" as the integer 3 and "0.1" as the nearest double, and compares either exactly with the
+    bound as written; the reals whose nearest double keeps a bound run to the midpoint between that double and
+    the next one out (the midpoint itself in when it rounds inside)."""
+    if not any(k in schema for k in _NUMBER_BOUNDS):
+        return None
+    ilo = ihi = flo = fhi = None
+    lo_in = hi_in = True
+    for key in _NUMBER_BOUNDS:
+        if key not in schema:
+            continue
+        b, low, strict = Fraction(schema[key]), key.endswith("inimum"), key.startswith("exclusive")
+        f = float(schema[key])  # the double nearest the bound, moved to the first one that keeps it
+        if low and (Fraction(f) < b or (strict and Fraction(f) == b)):
+            f = math.nextafter(f, math.inf)
+        if not low and (Fraction(f) > b or (strict and Fraction(f) == b)):
+            f = math.nextafter(f, -math.inf)
+        mid = (Fraction(f) + Fraction(math.nextafter(f, -math.inf if low else math.inf))) / 2
+        mid_in = (float(mid) >= f) if low else (float(mid) <= f)
+        if low:
+            i = math.floor(b) + 1 if strict else math.ceil(b)
+            ilo = i if ilo is None else max(ilo, i)
+            if flo is None or mid > flo:
+                flo, lo_in = mid, mid_in
+        else:
+            i = math.ceil(b) - 1 if strict else math.floor(b)
+            ihi = i if ihi is None else min(ihi, i)
+            if fhi is None or mid < fhi:
+                fhi, hi_in = mid, mid_in
+    return (ilo, ihi), (flo, lo_in, fhi, hi_in)
+
+
+def _meets(a, b, bounds, integer: bool) -> bool:
+    """Some value of [a, b) (b None: no end; integers only when ``integer``, with ``bounds`` ``(lo, hi)``)
+    lies inside ``bounds`` (``(lo, lo_in, hi, hi_in)`` otherwise; ``lo`` not None)."""
+    if integer:
+        lo, hi = bounds
+        x = math.ceil(max(a, lo))
+        return (b is None or x < b) and (hi is None or x <= hi)
+    lo, lo_in, hi, hi_in = bounds
+    if a > lo or (a == lo and lo_in):  # a itself is the least value inside
+        return hi is None or a < hi or (a == hi and hi_in)
+    # lo is past a: lo itself when it is in, else the values just above it
+    return (b is None or lo < b) and (hi is None or lo < hi or (lo == hi and lo_in and hi_in))
+
+
+def _number_reaches(text: bytes, bounds, integer: bool) -> bool:
+    """Whether the number ``text`` begins (a sign, digits, a point, digits: no exponent) can end inside
+    ``bounds`` (``_number_bounds``); written as an integer only, when ``integer``."""
+    neg = text[:1] == b"-"
+    whole, dot, frac = text[neg:].partition(b".")
+    for as_int, pair in ((True, bounds[0]), (False, bounds[1])):
+        if (as_int and dot) or (integer and not as_int):
+            continue
+        if neg:  # -m inside the bounds: the magnitude m inside them mirrored
+            pair = (None if pair[1] is None else -pair[1], None if pair[0] is None else -pair[0]) if as_int else (
+                None if pair[2] is None else -pair[2], pair[3], None if pair[0] is None else -pair[0], pair[1])
+        if pair[0] is None or pair[0] < 0:  # a magnitude is at least 0
+            pair = (0, *pair[1:]) if as_int else (0, True, *pair[2:])
+        hi = pair[-1] if as_int else pair[2]
+        if dot:  # the decimals that begin whole.frac
+            a = Fraction(int(whole + frac), 10 ** len(frac))
+            runs = [(a, a + Fraction(1, 10 ** len(frac)))]
+        elif not whole:
+            runs = [(0, None)]
+        elif whole == b"0":
+            runs = [(0, 1)]
+        elif hi is None:
+            return True  # digits to come make it as large as it needs to be
+        else:  # n followed by k more digits: n * 10**k <= m < (n + 1) * 10**k
+            n = int(whole)
+            runs = [(n * 10 ** k, (n + 1) * 10 ** k) for k in range(len(str(math.floor(hi))) + 1)]
+        if any(_meets(a, b, pair, as_int) for a, b in runs):
+            return True
+    return False
+
+
+def _number_inside(text: bytes, bounds) -> bool:
+    """The whole number ``text`` (no exponent) lies inside ``bounds``."""
+    if b"." not in text:
+        lo, hi = bounds[0]
+        x = int(text)
+        return (lo is None or x >= lo) and (hi is None or x <= hi)
+    lo, lo_in, hi, hi_in = bounds[1]
+    x = Fraction(text.decode())
+    return (lo is None or x > lo or (x == lo and lo_in)) and (hi is None or x < hi or (x == hi and hi_in))
+
+
+def _takes(schema: dict, value) -> bool:
+    """A scalar enum or const ``value`` keeps the schema's bounds (compared as a validator compares them)."""
+    if isinstance(value, str):
+        return (len(value) >= schema.get("minLength", 0) and len(value) <= schema.get("maxLength", len(value))
+                and _matches(_regexes(schema), value))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return True
+    return (value >= schema.get("minimum", value) and value <= schema.get("maximum", value)
+            and ("exclusiveMinimum" not in schema or value > schema["exclusiveMinimum"])
+            and ("exclusiveMaximum" not in schema or value < schema["exclusiveMaximum"]))
+
+
+def _possible(schema: dict, kind: str) -> bool:
+    """Whether any value of type ``kind`` keeps the schema's bounds (numbers: exactly; strings and arrays: their
+    counts in order, and a pattern that something begins)."""
+    if kind in ("number", "integer"):
+        bounds = _number_bounds(schema)
+        return bounds is None or any(_number_reaches(t, bounds, kind == "integer") for t in (b"", b"-"))
+    if kind == "string":
+        return (schema.get("minLength", 0) <= schema.get("maxLength", math.inf)
+                and _matches(_regexes(schema), "", partial=True))
+    if kind == "array":
+        return schema.get("minItems", 0) <= schema.get("maxItems", math.inf)
+    return True
+
+
+def _literals(alts: tuple):
+    """The values a property's alternatives take, when each is a literal (an enum or const); else None."""
+    out = set()
+    for a in alts:
+        if "_literal" in a:
+            v = json.loads(a["_literal"])
+        elif "enum" in a:
+            out.update(("string", e) for e in a["enum"])
+            continue
+        else:
+            return None
+        out.add(("boolean" if isinstance(v, bool) else "number" if isinstance(v, (int, float)) else "other", v))
+    return out
+
+
 class _Schema:
     """A whole schema (``root``, where ``$ref`` pointers lead) and each of its subschemas' alternatives
     (``alternatives``), worked out once."""
@@ -228,9 +397,12 @@ class _Schema:
 
     def resolve(self, schema: dict, at: str = "schema") -> dict:
         """``schema``, or where its ``$ref`` chain leads ("#", "#/$defs/Name", "#/definitions/Name" or any
-        other JSON pointer into the root)."""
+        other JSON pointer into the root), through any ``allOf`` of one schema."""
         seen = []
-        while "$ref" in schema:
+        while "$ref" in schema or "allOf" in schema:
+            if "allOf" in schema:
+                schema = schema["allOf"][0]
+                continue
             ref = schema["$ref"]
             if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
                 raise SchemaError(f"{at}.$ref must point into this schema (\"#/$defs/Name\"), got {ref!r}")
@@ -247,45 +419,89 @@ class _Schema:
         return schema
 
     def alternatives(self, schema: dict, at: str = "schema", _seen=()) -> tuple:
-        """The schemas a value of ``schema`` may follow, each plain (no ``$ref`` or ``anyOf``; an ``enum`` of
-        strings only; a non-string ``enum`` or ``const`` value as the bytes ``json.dumps`` writes it, under the
-        internal key ``"_literal"``). A value follows ``schema`` when it follows one of them."""
+        """The schemas a value of ``schema`` may follow, each plain (no ``$ref``, ``anyOf``, ``oneOf`` or
+        ``allOf``; an ``enum`` of strings only; a non-string ``enum`` or ``const`` value as the bytes
+        ``json.dumps`` writes it, under the internal key ``"_literal"``; ``type`` narrowed to the types a
+        value can have within the schema's bounds). A value follows ``schema`` when it follows one of them."""
         key = id(schema)
         if key in self.memo:
             return self.memo[key]
         if key in _seen:
             raise SchemaError(f"{at}: its anyOf leads back to itself before any value begins")
         s = self.resolve(schema, at)
-        if "anyOf" in s:
-            out = tuple(alt for i, a in enumerate(s["anyOf"])
-                        for alt in self.alternatives(a, f"{at}.anyOf[{i}]", (*_seen, key)))
+        if "anyOf" in s or "oneOf" in s:
+            word = "anyOf" if "anyOf" in s else "oneOf"
+            members = [self.alternatives(a, f"{at}.{word}[{i}]", (*_seen, key)) for i, a in enumerate(s[word])]
+            if word == "oneOf":
+                self._apart(members, f"{at}.oneOf")
+            out = tuple(alt for m in members for alt in m)
         elif "enum" in s or "const" in s:
             values = [s["const"]] if "const" in s else list(s["enum"])
             if "enum" in s and "const" in s:
                 values = [v for v in values if v in s["enum"]]
             allowed = _types(s) if "type" in s else frozenset(TYPES)
-            values = [v for v in values if _type_of(v) in allowed or (_type_of(v) == "integer" and "number" in allowed)]
+            values = [v for v in values if (_type_of(v) in allowed or (_type_of(v) == "integer" and "number" in allowed))
+                      and _takes(s, v)]
             strings = [v for v in values if isinstance(v, str)]
             plain = {k: v for k, v in s.items() if k not in ("enum", "const", "type")}
             out = ((({**plain, "type": "string", "enum": strings},) if strings else ())
                    + tuple({"type": _type_of(v), "_literal": json.dumps(v).encode()}
                            for v in values if not isinstance(v, str)))
         else:
-            out = (s,)
+            kinds = [t for t in TYPES if t in _types(s) and _possible(s, t)]
+            out = () if not kinds else (s,) if len(kinds) == len(_types(s)) else ({**s, "type": kinds},)
         if not out:
-            raise SchemaError(f"{at}: no value follows it (its enum, const and type leave nothing)")
+            raise SchemaError(f"{at}: no value follows it (its enum, const, type and bounds leave nothing)")
         self.memo[key] = out
         return out
+
+    def _apart(self, members: list, at: str) -> None:
+        """Refuse a oneOf whose alternatives may take one value (a document would then follow neither: oneOf asks
+        for exactly one); apart are alternatives of different types, different enum or const values, or objects
+        with a required property of different values in each (a discriminated union's tag)."""
+        for i, mi in enumerate(members):
+            for j in range(i):
+                for p in mi:
+                    for q in members[j]:
+                        if not self._disjoint(p, q):
+                            raise SchemaError(
+                                f"{at}: its alternatives {j} and {i} may take the same value, so the reader cannot "
+                                f"keep to exactly one (followed: alternatives of different types or values, or "
+                                f"objects told apart by a required property's const, as a discriminated union's); "
+                                f"write anyOf if a value may follow either")
+
+    def _disjoint(self, p: dict, q: dict) -> bool:
+        def kinds(s):
+            t = set(_types(s))
+            return t | {"integer"} if "number" in t else t
+
+        shared = kinds(p) & kinds(q)
+        if not shared:
+            return True
+        lp, lq = _literals((p,)), _literals((q,))
+        if lp is not None and lq is not None:
+            return not (lp & lq)
+        if shared != {"object"}:
+            return False
+        for name in set(p.get("required", ())) & set(q.get("required", ())):
+            a = _literals(self.alternatives(p["properties"][name]))
+            b = _literals(self.alternatives(q["properties"][name]))
+            if a is not None and b is not None and not (a & b):
+                return True
+        return False
 
 
 def check_schema(schema, at: str = "schema") -> None:
     """Refuse (``SchemaError``) what ``SchemaPrefix`` does not follow. It reads ``type`` (one or a list of the
     JSON types), ``properties``, ``required``, ``additionalProperties`` (true, false or a schema), ``items``,
-    ``enum`` and ``const`` (of strings, numbers, booleans and null), ``anyOf``, and ``$ref`` into the schema
-    (``$defs``, ``definitions``) -- what OpenAI's strict structured outputs and pydantic's schemas use, but for
-    the keywords that bound a value (``pattern``, ``format``, ``minimum``, ``maxLength``, ...) -- and ignores
-    titles, descriptions and defaults; the top level is an object. An enum or const value is written as
-    ``json.dumps`` writes it (a reply may not spell the const 1 as 1.0 or 1e0)."""
+    ``enum`` and ``const`` (of strings, numbers, booleans and null), ``anyOf``, ``oneOf`` (of alternatives it
+    can tell apart), ``allOf`` of one schema, ``$ref`` into the schema (``$defs``, ``definitions``), and the
+    bounds: ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``, ``minLength``,
+    ``maxLength``, ``minItems``, ``maxItems``, ``pattern`` and ``format`` (``FORMATS``) -- what OpenAI's
+    structured outputs and pydantic's schemas use but ``multipleOf``, ``uniqueItems`` and the like -- and
+    ignores titles, descriptions and defaults; the top level is an object. An enum or const value is written
+    as ``json.dumps`` writes it (a reply may not spell the const 1 as 1.0 or 1e0); a bounded number is written
+    without an exponent; a string with a pattern or format is written in ASCII, without ``\\u`` escapes."""
     if not isinstance(schema, dict):
         raise SchemaError(f"{at} must be a JSON schema object, got {type(schema).__name__}")
     whole, nodes = _Schema(schema), []
@@ -302,13 +518,15 @@ def check_schema(schema, at: str = "schema") -> None:
 
 def _check(whole: _Schema, schema, at: str, nodes: list) -> None:
     """The form of ``schema`` and its parts (each added to ``nodes`` with where it stands)."""
+    import regex
+
     if not isinstance(schema, dict):
         raise SchemaError(f"{at} must be a JSON schema object, got {type(schema).__name__}")
     unknown = sorted(set(schema) - SCHEMA_KEYWORDS - SCHEMA_NOTES)
     if unknown:
         raise SchemaError(f"{at}: the keyword {unknown[0]!r} is not followed here (followed: "
                           f"{', '.join(sorted(SCHEMA_KEYWORDS))}, in any nesting)")
-    for one in ("$ref", "anyOf"):
+    for one in ("$ref", "anyOf", "oneOf", "allOf"):
         others = sorted(set(schema) - SCHEMA_NOTES - {one, "$defs", "definitions"})
         if one in schema and others:
             raise SchemaError(f"{at}: {one} stands beside {others[0]!r}; write the two as one schema (keywords "
@@ -317,11 +535,15 @@ def _check(whole: _Schema, schema, at: str, nodes: list) -> None:
         if defs in schema and not (isinstance(schema[defs], dict) and at == "schema"):
             raise SchemaError(f"{at}.{defs} must map names to schemas, at the top level of the schema")
     nodes.append((schema, at))
-    if "anyOf" in schema:
-        if not isinstance(schema["anyOf"], list) or not schema["anyOf"]:
-            raise SchemaError(f"{at}.anyOf must be a non-empty list of schemas")
-        for i, alt in enumerate(schema["anyOf"]):
-            _check(whole, alt, f"{at}.anyOf[{i}]", nodes)
+    for word in ("anyOf", "oneOf", "allOf"):
+        if word in schema:
+            if not isinstance(schema[word], list) or not schema[word]:
+                raise SchemaError(f"{at}.{word} must be a non-empty list of schemas")
+            if word == "allOf" and len(schema[word]) > 1:
+                raise SchemaError(f"{at}.allOf of {len(schema[word])} schemas is not followed (one schema is); "
+                                  f"write them as one schema")
+            for i, alt in enumerate(schema[word]):
+                _check(whole, alt, f"{at}.{word}[{i}]", nodes)
     types = schema.get("type")
     types = [types] if isinstance(types, str) else types
     if types is not None and (not isinstance(types, list) or not types or any(t not in TYPES for t in types)):
@@ -347,6 +569,25 @@ def _check(whole: _Schema, schema, at: str, nodes: list) -> None:
     for v in [*(enum or ()), *([schema["const"]] if "const" in schema else ())]:
         if _type_of(v) is None:
             raise SchemaError(f"{at}: enum and const values must be strings, numbers, booleans or null, got {v!r}")
+    for key in _NUMBER_BOUNDS:
+        v = schema.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or abs(v) == math.inf:
+            raise SchemaError(f"{at}.{key} must be a number, got {v!r}"
+                              + (" (JSON Schema 2020-12's form; draft 4's true/false beside minimum or maximum is "
+                                 "not followed)" if isinstance(v, bool) else ""))
+    for key in _COUNTS:
+        v = schema.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise SchemaError(f"{at}.{key} must be a non-negative integer, got {v!r}")
+    if "format" in schema and schema["format"] not in FORMATS:
+        raise SchemaError(f"{at}.format {schema['format']!r} is not followed (followed: {', '.join(FORMATS)})")
+    if "pattern" in schema:
+        try:
+            regex.compile(schema["pattern"]) if isinstance(schema["pattern"], str) else None
+        except regex.error as e:
+            raise SchemaError(f"{at}.pattern {schema['pattern']!r} is no regular expression: {e}") from None
+        if not isinstance(schema["pattern"], str):
+            raise SchemaError(f"{at}.pattern must be a string, got {schema['pattern']!r}")
 
 
 def _encoded(text: str) -> bytes:
@@ -369,8 +610,10 @@ class SchemaPrefix:
     """A reader of a JSON object's bytes that also follows a JSON schema (``check_schema`` says which keywords):
     every value's type, an object's property names (listed ones, once each; others only where
     ``additionalProperties`` is not false, and following it when it is a schema) and its required ones before it
-    closes, an array's items, an enum's or a const's value, an integer's lack of a fraction or exponent, each
-    ``anyOf`` alternative at once. The same interface as ``JsonPrefix`` (``feed``, ``feed_all``, ``complete``,
+    closes, an array's items and their count, an enum's or a const's value, an integer's lack of a fraction or
+    exponent, a number's bounds (refused at the first digit no number inside them begins with), a string's
+    length, pattern and format (at the first character none continues), each ``anyOf`` or ``oneOf``
+    alternative at once. The same interface as ``JsonPrefix`` (``feed``, ``feed_all``, ``complete``,
     ``copy``). Strings and values that a schema names (property names, enum values) are read as ``json.dumps``
     writes them, escapes included.
 
@@ -419,22 +662,28 @@ class _Branch(JsonPrefix):
     """One alternative's reader: a ``JsonPrefix`` that follows plain schemas (``_Schema.alternatives``); each
     schema it comes to next (``set_expect``) is split into its alternatives by ``SchemaPrefix``."""
 
-    __slots__ = ("whole", "frames", "expect", "flat", "buf", "str_enum", "int_only", "const")
+    __slots__ = ("whole", "frames", "expect", "flat", "buf", "str_enum", "int_only", "const", "bounds", "lens",
+                 "regexes", "chars")
 
     def __init__(self, whole: _Schema):
         super().__init__()
         self.whole = whole
-        self.frames = ()  # per open container: ("o", schema, used names, the current name) or ("a", schema)
+        # per open container: ("o", schema, used names, the current name) or ("a", schema, items begun)
+        self.frames = ()
         self.expect, self.flat = None, True  # the schema of the next value; whether it is plain
-        self.buf = b""  # the string being read, as written
+        self.buf = b""  # the string being read, as written (or a bounded number)
         self.str_enum = None  # the encoded strings it may be (None: any)
         self.int_only = False  # the number being read is an integer
         self.const = None  # the bytes still to come of a non-string enum or const value being read
+        self.bounds = None  # the number being read: its bounds (``_number_bounds``), None when unbounded
+        self.lens, self.regexes, self.chars = None, (), 0  # the string being read: (minLength, maxLength),
+        # its patterns (``_regexes``), and the characters it has begun
 
     def copy(self) -> _Branch:
         out = super().copy()
         out.whole, out.frames, out.expect, out.flat = self.whole, self.frames, self.expect, self.flat
         out.buf, out.str_enum, out.int_only, out.const = self.buf, self.str_enum, self.int_only, self.const
+        out.bounds, out.lens, out.regexes, out.chars = self.bounds, self.lens, self.regexes, self.chars
         return out
 
     def set_expect(self, schema: dict) -> None:
@@ -455,8 +704,10 @@ class _Branch(JsonPrefix):
         frames = tuple((f[0], id(f[1]), *f[2:]) for f in self.frames)
         return (m, tuple(self.stack), self.space, self.key, self.esc, self.hex, self.utf8, self.num, self.lit,
                 frames, id(self.expect) if m in (START, COLON, VALUE, VALUE_OR_CLOSE) else None,
-                (self.buf, self.str_enum and tuple(self.str_enum)) if m == STRING else None,
-                self.int_only if m == NUMBER else None, self.const if m in (NUMBER, LITERAL) else None)
+                (self.buf, self.str_enum and tuple(self.str_enum), self.lens, self.regexes, self.chars)
+                if m == STRING else None,
+                (self.int_only, self.bounds, self.buf if self.bounds else None) if m == NUMBER else None,
+                self.const if m in (NUMBER, LITERAL) else None)
 
     def _names(self):
         """The property names the object being read may still take (encoded), and whether others may come."""
@@ -477,18 +728,25 @@ class _Branch(JsonPrefix):
             if m == NUMBER and not self._ends_number(b):
                 return False  # the value is whole: the number may not go on
         if m == STRING:
-            if not self.esc and not self.hex and not self.utf8 and b == ord('"'):
-                return self._string_end() and super().feed(b)
-            if not super().feed(b):
-                return False
-            self.buf += bytes([b])
-            return self.str_enum is None or any(e.startswith(self.buf) for e in self.str_enum)
+            return self._string_byte(b)
         if m == NUMBER:
             if self.int_only and b in (ord("."), ord("e"), ord("E")) and self.num in ("0", "int"):
                 return False
             if self._ends_number(b):
+                if self.bounds is not None and not _number_inside(self.buf, self.bounds):
+                    return False
                 m = AFTER  # the number ends before this byte, which is read after it
+            elif self.bounds is not None:
+                if b in (ord("e"), ord("E")) or not super().feed(b):
+                    return False  # a bounded number is written without an exponent
+                self.buf += bytes([b])
+                return _number_reaches(self.buf, self.bounds, self.int_only)
+        top = self.frames[-1] if self.frames else (None, None)
         if m in (VALUE, VALUE_OR_CLOSE, START) and b not in WS and not (m == VALUE_OR_CLOSE and b == ord("]")):
+            if m == VALUE_OR_CLOSE:  # an array's first item
+                if top[1].get("maxItems", 1) < 1:
+                    return False
+                self.frames = self.frames[:-1] + (("a", top[1], 1),)
             if not self._value_start(b):
                 return False
         elif m in (KEY_OR_CLOSE, KEY) and b == ord('"'):
@@ -496,13 +754,20 @@ class _Branch(JsonPrefix):
             if not names and not others:
                 return False  # no name left to write
             self.buf, self.str_enum = b"", None if others else list(names)
-        elif m == AFTER and b == ord(",") and self.frames and self.frames[-1][0] == "o":
+            self.lens, self.regexes = None, ()
+        elif m == AFTER and b == ord(",") and top[0] == "o":
             names, others = self._names()
             if not names and not others:
                 return False  # the object can take no other property: it closes
-        elif m in (KEY_OR_CLOSE, AFTER) and b == ord("}") and self.frames and self.frames[-1][0] == "o":
-            _, schema, used, _ = self.frames[-1]
-            if not set(schema.get("required", ())) <= used:
+        elif m == AFTER and b == ord(",") and top[0] == "a":
+            if top[2] >= top[1].get("maxItems", math.inf):
+                return False  # the array holds as many items as it may: it closes
+            self.frames = self.frames[:-1] + (("a", top[1], top[2] + 1),)
+        elif m in (KEY_OR_CLOSE, AFTER) and b == ord("}") and top[0] == "o":
+            if not set(top[1].get("required", ())) <= top[2]:
+                return False
+        elif m in (VALUE_OR_CLOSE, AFTER) and b == ord("]") and top[0] == "a":
+            if top[2] < top[1].get("minItems", 0):
                 return False
         if not super().feed(b):
             return False
@@ -511,6 +776,38 @@ class _Branch(JsonPrefix):
         elif m == AFTER and b == ord(",") and self.frames[-1][0] == "a":
             self.set_expect(self.frames[-1][1].get("items", {}))
         return True
+
+    def _string_byte(self, b: int) -> bool:
+        """A byte of a string (a property name or a value), kept to its enum, lengths and patterns. A string with
+        bounds takes no ``\\u`` escape of a surrogate (each escape is then one character, as a validator counts
+        them); one with patterns is written in ASCII without ``\\u`` escapes (a character is then known at its
+        first byte), each character kept to what the patterns can still take."""
+        starts = not (self.esc or self.hex or self.utf8)  # the byte begins a character (or ends the string)
+        if starts and b == ord('"'):
+            return self._string_end() and super().feed(b)
+        bounded = self.lens is not None  # (a string with patterns has lengths (0, inf) at least)
+        if bounded:
+            if self.regexes and (b >= 0x80 or (self.esc and b == ord("u"))):
+                return False
+            if self.hex == 3 and self.buf[-1:] in (b"d", b"D") and b in _SURROGATE:
+                return False  # \uD800 to \uDFFF: half a character
+            if starts and self.chars >= self.lens[1]:
+                return False  # as long as it may be: it closes
+        if not super().feed(b):
+            return False
+        self.buf += bytes([b])
+        if self.str_enum is not None and not any(e.startswith(self.buf) for e in self.str_enum):
+            return False
+        if not bounded:
+            return True
+        self.chars += starts
+        if not self.regexes:
+            return True
+        last = self.chars == self.lens[1]  # nothing may follow this character: the string must be whole with it
+        if self.esc:  # after a backslash: some escape must fit
+            text = _decoded(self.buf[:-1])
+            return any(_matches(self.regexes, text + c, partial=not last) for c in _SIMPLE_ESCAPES)
+        return _matches(self.regexes, _decoded(self.buf), partial=not last)
 
     def _ends_number(self, b: int) -> bool:
         """Whether the number being read ends before byte ``b`` (read on a copy of the JSON state)."""
@@ -531,22 +828,30 @@ class _Branch(JsonPrefix):
             if not allowed & {"number", "integer"}:
                 return False
             self.int_only = "number" not in allowed
-        elif kind not in allowed:
+            self.bounds = None if literal is not None else _number_bounds(schema)
+            self.buf = bytes([b])
+            return self.bounds is None or _number_reaches(self.buf, self.bounds, self.int_only)
+        if kind not in allowed:
             return False
         if kind == "object":
             self.frames = self.frames + (("o", schema, frozenset(), None),)
         elif kind == "array":
-            self.frames = self.frames + (("a", schema),)
+            self.frames = self.frames + (("a", schema, 0),)
             self.set_expect(schema.get("items", {}))
         elif kind == "string":
             enum = schema.get("enum")
             self.buf, self.str_enum = b"", None if enum is None else [_encoded(e) for e in enum]
+            lens = (schema.get("minLength", 0), schema.get("maxLength", math.inf))
+            self.lens = lens if lens != (0, math.inf) or "pattern" in schema or "format" in schema else None
+            self.regexes, self.chars = _regexes(schema), 0
         return True
 
     def _string_end(self) -> bool:
         """The string being read ends: a property name must be one the object may take (its value's schema is
-        then expected); an enum's value must be whole."""
+        then expected); an enum's value must be whole; a bounded string long enough and whole to its patterns."""
         if self.str_enum is not None and self.buf not in self.str_enum:
+            return False
+        if self.lens is not None and not (self.chars >= self.lens[0] and _matches(self.regexes, _decoded(self.buf))):
             return False
         if self.key:
             kind, schema, used, _ = self.frames[-1]
@@ -559,6 +864,11 @@ class _Branch(JsonPrefix):
             self.frames = self.frames[:-1] + ((kind, schema, used | {name}, name),)
             self.set_expect(props.get(name, extra if isinstance(extra, dict) else {}))
         return True
+
+
+def _decoded(written: bytes) -> str:
+    """A string's text from the bytes written between its quotes (whole characters and escapes)."""
+    return json.loads(b'"' + written + b'"')
 
 
 class JsonConstraint:

@@ -64,3 +64,35 @@ def pet_model():
         scores: dict[str, int]
 
     return Pet
+
+
+@pytest.fixture(scope="session")
+def bounded_model():
+    """A pydantic model whose fields bound their values, as people write them: numbers with ``ge`` / ``lt``,
+    string and list lengths, a pattern, a date, a datetime, a UUID, a discriminated union (oneOf with a
+    discriminator in the schema)."""
+    import datetime
+    import uuid
+    from typing import Literal, Union
+
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int = Field(ge=1, le=9)
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        name: str = Field(min_length=1, max_length=6)
+
+    class Booking(BaseModel):
+        guests: int = Field(ge=1, lt=13)
+        rating: float = Field(gt=0, le=5)
+        code: str = Field(pattern=r"^[A-Z]{3}[0-9]$")
+        notes: list[str] = Field(min_length=1, max_length=2)
+        day: datetime.date
+        at: datetime.datetime
+        ref: uuid.UUID
+        pet: Union[Cat, Dog] = Field(discriminator="kind")
+
+    return Booking

@@ -1255,14 +1255,38 @@ def test_the_openai_clients_parse_fills_a_pydantic_model(tiny_server, pet_model)
         choice = out.choices[0]
         assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Pet), choice.message.content
         assert Pet.model_validate_json(choice.message.content) == choice.message.parsed
-    with pytest.raises(openai.BadRequestError, match="pattern"):  # a keyword it does not follow: a 400 naming it
+    with pytest.raises(openai.BadRequestError, match="multipleOf"):  # a keyword it does not follow: a 400 naming it
         from pydantic import Field
 
-        class Code(BaseModel):
-            code: str = Field(pattern="^[A-Z]+$")
+        class Even(BaseModel):
+            n: int = Field(multiple_of=2)
 
-        client.chat.completions.parse(model=name, messages=[{"role": "user", "content": "A code."}],
-                                      response_format=Code, max_tokens=8)
+        client.chat.completions.parse(model=name, messages=[{"role": "user", "content": "A number."}],
+                                      response_format=Even, max_tokens=8)
+    assert stats(base)["records_open"] == 0
+
+
+def test_the_openai_clients_parse_keeps_a_models_bounds(tiny_server, bounded_model):
+    """A pydantic model whose fields bound their values (numbers with ge / lt, lengths, a pattern, a date, a
+    datetime, a UUID, a discriminated union): the random model's reply, pushed to close its strings and
+    containers, parses into it -- greedy, sampled, and streamed through the client's ``stream``."""
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    base, name = tiny_server
+    tok = AutoTokenizer.from_pretrained(name)
+    closing = {str(tok.convert_tokens_to_ids(t)): 30 for t in ('"', "}", "]")}
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120)
+    ask = dict(model=name, messages=[{"role": "user", "content": "Book it."}], response_format=bounded_model,
+               max_tokens=400, logit_bias=closing)
+    parsed = []
+    for kw in ({}, {"temperature": 1.0, "seed": 11}):
+        choice = client.chat.completions.parse(**ask, **kw).choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, bounded_model), \
+            choice.message.content
+        parsed.append(choice.message.parsed)
+    with client.chat.completions.stream(**ask) as stream:  # greedy: the same reply
+        assert stream.get_final_completion().choices[0].message.parsed == parsed[0]
     assert stats(base)["records_open"] == 0
 
 

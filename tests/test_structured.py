@@ -4,6 +4,7 @@ Python's own JSON parser (every prefix of a document is taken, and a document is
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -239,9 +240,40 @@ def test_the_schema_reader_agrees_with_jsonschema(data, schema, edit):
 @pytest.mark.parametrize("schema, message", [
     ({"type": "array"}, "top level must be"),
     ({"$defs": {"L": {"type": "array"}}, "$ref": "#/$defs/L"}, "top level must be"),
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}, "'pattern' is not followed"),
-    ({"type": "object", "properties": {"a": {"type": "string", "format": "date-time"}}}, "'format' is not followed"),
-    ({"type": "object", "properties": {"a": {"oneOf": [{"type": "string"}]}}}, "'oneOf' is not followed"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 5}}}, "'multipleOf' is not followed"),
+    ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, "'uniqueItems' is not followed"),
+    ({"type": "object", "properties": {"a": {"type": "string", "format": "email"}}},
+     "format 'email' is not followed (followed: date, time, date-time, uuid)"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "a("}}}, "is no regular expression"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": 3}}}, "pattern must be a string"),
+    ({"type": "object", "properties": {"a": {"minimum": 0, "exclusiveMinimum": True}}}, "draft 4's true/false"),
+    ({"type": "object", "properties": {"a": {"maximum": "9"}}}, "maximum must be a number"),
+    ({"type": "object", "properties": {"a": {"maxLength": -1}}}, "maxLength must be a non-negative integer"),
+    ({"type": "object", "properties": {"a": {"minItems": 1.5}}}, "minItems must be a non-negative integer"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0.2, "maximum": 0.8}}},
+     "no value follows it"),
+    ({"type": "object", "properties": {"a": {"type": "number", "exclusiveMinimum": 1, "exclusiveMaximum": 1}}},
+     "no value follows it"),
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": 3, "maxLength": 2}}},
+     "no value follows it"),
+    ({"type": "object", "properties": {"a": {"enum": ["ab", "cd"], "maxLength": 1}}}, "no value follows it"),
+    ({"type": "object", "properties": {"a": {"const": 10, "maximum": 9}}}, "no value follows it"),
+    ({"type": "object", "properties": {"a": {"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}}},
+     "alternatives 0 and 1 may take the same value"),
+    ({"type": "object", "properties": {"a": {"oneOf": [{"type": "number"}, {"type": "integer"}]}}},
+     "may take the same value"),
+    ({"type": "object", "properties": {"a": {"oneOf": [
+        {"type": "object", "properties": {"k": {"const": "x"}}, "required": ["k"]},
+        {"type": "object", "properties": {"k": {"enum": ["y", "x"]}}, "required": ["k"]}]}}},
+     "may take the same value"),
+    ({"type": "object", "properties": {"a": {"oneOf": [
+        {"type": "object", "properties": {"k": {"const": "x"}}},
+        {"type": "object", "properties": {"k": {"const": "y"}}}]}}},
+     "may take the same value"),  # the tag is not required: {} follows both
+    ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"maxLength": 2}]}}},
+     "allOf of 2 schemas is not followed"),
+    ({"type": "object", "properties": {"a": {"oneOf": [{"type": "string"}], "type": "null"}}},
+     "oneOf stands beside 'type'"),
     ({"type": "object", "properties": {"a": {"anyOf": []}}}, "anyOf must be a non-empty list"),
     ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}], "type": "null"}}},
      "anyOf stands beside 'type'"),
@@ -374,3 +406,242 @@ def test_a_constrained_pick_under_a_pydantic_models_schema_parses_into_the_model
     vocab = [p.encode() for p in pieces] + [None]
     out = walk(JsonConstraint(vocab, len(vocab) - 1, schema=schema), vocab, seed, sampled=bool(seed % 2))
     assert isinstance(Pet.model_validate_json(out), Pet)
+
+
+# --------------------------------------------------------------------------- bounds on values
+def dumps_positional(value, sep=(",", ":")) -> str:
+    """``json.dumps`` but for floats, written without an exponent (the reader's rule for a bounded number; the
+    text still parses to the same double)."""
+    if isinstance(value, float) and not isinstance(value, bool):
+        r = repr(value)
+        return format(__import__("decimal").Decimal(r), "f") if "e" in r else r
+    if isinstance(value, dict):
+        return "{" + sep[0].join(json.dumps(k, ensure_ascii=False) + sep[1] + dumps_positional(v, sep)
+                                 for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + sep[0].join(dumps_positional(v, sep) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False)
+
+
+def format_valid(fmt: str, text: str) -> bool:
+    """The formats as the reader documents them, checked by Python's own parsers (not by the reader's patterns):
+    RFC 3339 with "T" and "Z" in capitals, at most six fraction digits, a required offset; a UUID's 36 characters."""
+    import datetime
+    import uuid
+
+    def time_ok(t):
+        m = re.fullmatch(r"(\d\d):(\d\d):(\d\d)(\.\d{1,6})?(Z|[+-]\d\d:\d\d)", t)
+        if not m:
+            return False
+        try:
+            datetime.time.fromisoformat(t.replace("Z", "+00:00"))
+        except ValueError:
+            return False
+        return True
+
+    def date_ok(d):
+        if not re.fullmatch(r"\d{4}-\d\d-\d\d", d):
+            return False
+        try:
+            datetime.date.fromisoformat(d)
+        except ValueError:
+            return False
+        return True
+
+    if fmt == "date":
+        return date_ok(text)
+    if fmt == "time":
+        return time_ok(text)
+    if fmt == "date-time":
+        return len(text) > 11 and text[10] == "T" and date_ok(text[:10]) and time_ok(text[11:])
+    try:
+        return len(text) == 36 and str(uuid.UUID(text)) == text.lower() and text.count("-") == 4
+    except ValueError:
+        return False
+
+
+def bounded_valid(doc, schema) -> bool:
+    """``schema_valid`` with the formats checked (``format_valid``)."""
+    import jsonschema
+
+    checker = jsonschema.FormatChecker(formats=())
+    for fmt in ("date", "time", "date-time", "uuid"):
+        checker.checks(fmt)(lambda t, fmt=fmt: not isinstance(t, str) or format_valid(fmt, t))
+    from jsonschema.exceptions import ValidationError
+
+    def same_text(validator, allowed, value, _schema):
+        if json.dumps(value) not in {json.dumps(a) for a in allowed}:
+            yield ValidationError(f"{value!r} is none of {allowed!r}")
+
+    types = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool))
+    validator = jsonschema.validators.extend(
+        jsonschema.Draft202012Validator, type_checker=types,
+        validators={"enum": same_text, "const": lambda v, c, i, s: same_text(v, [c], i, s)})
+    return validator(schema, format_checker=checker).is_valid(doc)
+
+
+bound_values = st.one_of(st.integers(-20, 20), st.floats(-20, 20), st.sampled_from([0.5, -0.5, 1e-7, 2.0, 0.1]))
+number_leaves = st.tuples(
+    st.sampled_from(["integer", "number"]),
+    st.dictionaries(st.sampled_from(["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"]), bound_values,
+                    min_size=1, max_size=2)).map(lambda t: {"type": t[0], **t[1]})
+string_leaves = st.one_of(
+    st.tuples(st.integers(0, 3), st.integers(0, 4)).map(lambda t: {"type": "string", "minLength": t[0],
+                                                                   "maxLength": t[0] + t[1]}),
+    st.sampled_from(["^[a-c]{2,4}$", "^x+[0-9]?$", "^(ab|cd)*$", "^[A-Z][a-z]*$", "^[0-9]{3}-[0-9]{2}$"]).map(
+        lambda p: {"type": "string", "pattern": p}),
+    st.sampled_from(["date", "time", "date-time", "uuid"]).map(lambda f: {"type": "string", "format": f}),
+    st.just({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}))
+array_leaves = st.tuples(st.integers(0, 2), st.integers(0, 2)).map(
+    lambda t: {"type": "array", "items": {"type": "integer"}, "minItems": t[0], "maxItems": t[0] + t[1]})
+TAGGED = {"oneOf": [{"type": "object", "properties": {"kind": {"const": "a"}, "n": {"type": "integer", "maximum": 3}},
+                     "required": ["kind", "n"], "additionalProperties": False},
+                    {"type": "object", "properties": {"kind": {"enum": ["b", "c"]}, "s": {"type": "string"}},
+                     "required": ["kind"], "additionalProperties": False}],
+          "discriminator": {"propertyName": "kind"}}
+
+
+def near_string(draw, schema):
+    """A string near what ``schema`` takes: in or just out of its lengths, matching its pattern or format or
+    an edit of one that does."""
+    if "format" in schema:
+        fmt = schema["format"]
+        good = draw({"date": st.dates().map(str), "uuid": st.uuids().map(str),
+                     "time": st.times().map(lambda t: t.isoformat() + "Z"),
+                     "date-time": st.datetimes().map(lambda t: t.isoformat() + "+01:00")}[fmt])
+    elif "pattern" in schema:
+        good = draw(st.from_regex(schema["pattern"], fullmatch=True).filter(lambda t: t.isascii()))
+    else:
+        good = draw(st.text(min_size=schema["minLength"], max_size=schema["maxLength"]))
+    bad = draw(st.sampled_from(["", "drop", "add", "sub"]))
+    if bad == "drop" and good:
+        i = draw(st.integers(0, len(good) - 1))
+        return good[:i] + good[i + 1:]
+    if bad in ("add", "sub") and good:
+        i = draw(st.integers(0, len(good) - 1))
+        return good[:i] + draw(st.sampled_from(list("a0Z-:.T\n"))) + good[i + (bad == "sub"):]
+    return good
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.data(), st.dictionaries(st.sampled_from("pqrs"), number_leaves | string_leaves | array_leaves |
+                                  st.just(TAGGED), min_size=1, max_size=3), st.sampled_from([(",", ":"), (", ", ": ")]))
+def test_the_reader_keeps_to_bounds_as_jsonschema_does(data, props, sep):
+    """Numbers bounded by minimum / maximum / exclusive ones (integers and numbers, bounds of either kind), strings
+    by lengths, patterns and formats, arrays by item counts, and a oneOf told apart by a tag: values drawn near
+    the bounds (inside, on, just outside) are taken exactly when jsonschema takes the document (formats checked by
+    Python's parsers), every prefix of a taken document is taken, and a refused one is refused before its end."""
+    from kvcompile.structured import SchemaError, SchemaPrefix, check_schema
+
+    schema = {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False}
+    try:
+        check_schema(schema)
+    except SchemaError as e:  # bounds that leave no value (an integer between 0.5 and 0.7, say)
+        assert "no value follows it" in str(e)
+        return
+    doc = {}
+    for name, leaf in props.items():
+        if leaf is TAGGED:
+            doc[name] = data.draw(st.sampled_from([{"kind": "a", "n": 2}, {"kind": "a", "n": 4}, {"kind": "b"},
+                                                   {"kind": "c", "s": "x"}, {"kind": "b", "n": 1}, {"kind": "d"}]))
+        elif leaf["type"] == "string":
+            doc[name] = near_string(data.draw, leaf)
+        elif leaf["type"] == "array":
+            doc[name] = data.draw(st.lists(st.integers(-5, 5), max_size=leaf["maxItems"] + 1))
+        else:
+            edges = [v for k, v in leaf.items() if k != "type"]
+            near = st.sampled_from(edges).flatmap(lambda e: st.sampled_from(
+                [e, e + 1, e - 1, e + 0.5, e - 0.5, math.nextafter(e, math.inf), math.nextafter(e, -math.inf)]))
+            v = data.draw(near | st.integers(-30, 30) | st.floats(-30, 30))
+            doc[name] = int(v) if leaf["type"] == "integer" and data.draw(st.booleans()) else v
+    text = dumps_positional(doc, sep)
+    p = SchemaPrefix(schema)
+    data_bytes = text.encode()
+    taken = next((i for i, b in enumerate(data_bytes) if not p.feed(b)), len(data_bytes))
+    valid = bounded_valid(json.loads(text), schema)
+    assert (taken == len(data_bytes) and p.complete) == valid, (schema, text)
+
+
+BOUNDED = {"type": "object", "properties": {
+    "n": {"type": "integer", "minimum": -5, "exclusiveMaximum": 120},
+    "x": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "s": {"type": "string", "minLength": 2, "maxLength": 3},
+    "a": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2},
+    "d": {"type": "string", "format": "date"}, "c": {"type": "string", "pattern": "^[A-Z]{3}$"},
+    "t": {"type": "string", "format": "date-time"}, "u": {"type": "string", "format": "uuid"},
+    "pet": TAGGED, "y": {"type": "number", "exclusiveMaximum": 1}}}
+
+
+@pytest.mark.parametrize("text, refused_at", [
+    ('{"n":-5,"x":1,"s":"ab","a":[1,2],"d":"2024-02-29","c":"ABC","t":"2024-01-31T23:59:59.5-01:00",'
+     '"u":"0f8fad5b-D9CB-469f-a165-70867728950e","pet":{"kind":"a","n":3}}', None),
+    ('{"n":119}', None), ('{"n":-0}', None), ('{"x":0.000001}', None), ('{"x":1.0}', None), ('{"s":"a\\nb"}', None),
+    ('{"n":120}', '{"n":120'), ('{"n":1200}', '{"n":120'),  # no number that begins 120 is below 120
+    ('{"n":-6}', '{"n":-6'), ('{"n":-50}', '{"n":-50'),
+    ('{"n":5.0}', '{"n":5.'),  # an integer
+    ('{"x":0}', '{"x":0}'),  # 0.5 begins with 0: refused where it ends
+    ('{"x":1.01}', '{"x":1.01'), ('{"x":2}', '{"x":2'), ('{"x":-0.5}', '{"x":-'),
+    ('{"x":1e-3}', '{"x":1e'),  # a bounded number has no exponent
+    # where the nearest double decides: 1 + 2**-53 (the midpoint between 1 and the next double) parses to 1, which
+    # "x" <= 1 takes; 1 - 2**-54 (the midpoint below 1) parses to 1 too, which "y" < 1 refuses; a last digit less
+    # and it parses below 1
+    ('{"x":1.00000000000000011102230246251565404236316680908203125}', None),
+    ('{"x":1.00000000000000011102230246251565404236316680908203126}',
+     '{"x":1.00000000000000011102230246251565404236316680908203126'),
+    ('{"y":0.999999999999999944488848768742172978818416595458984375}',  # (more digits would only add to it)
+     '{"y":0.999999999999999944488848768742172978818416595458984375'),
+    ('{"y":0.999999999999999944488848768742172978818416595458984374}', None),
+    ('{"s":"a"}', '{"s":"a"'), ('{"s":"abcd"}', '{"s":"abcd'), ('{"s":"\\ud83d\\ude00"}', '{"s":"\\ud8'),
+    ('{"a":[]}', '{"a":[]'), ('{"a":[1,2,3]}', '{"a":[1,2,'),
+    ('{"d":"2023-02-29"}', '{"d":"2023-02-29'), ('{"d":"2023-04-31"}', '{"d":"2023-04-31'),
+    ('{"d":"2023-13-01"}', '{"d":"2023-13'), ('{"d":"0000-01-01"}', '{"d":"0000'), ('{"d":"2023-1-01"}', '{"d":"2023-1-'),
+    ('{"c":"ABCD"}', '{"c":"ABCD'), ('{"c":"AbC"}', '{"c":"Ab'), ('{"c":"AB"}', '{"c":"AB"'),
+    ('{"c":"\\u0041BC"}', '{"c":"\\'),  # no escape fits [A-Z] (and none is \\u: the pattern's strings are ASCII)
+    ('{"c":"\\n"}', '{"c":"\\'),
+    ('{"t":"2024-01-01T24:00:00Z"}', '{"t":"2024-01-01T24'), ('{"t":"2024-01-01 10:00:00Z"}', '{"t":"2024-01-01 '),
+    ('{"t":"2024-01-01T10:00:00"}', '{"t":"2024-01-01T10:00:00"'),  # an offset is required
+    ('{"t":"2024-01-01T10:00:00.1234567Z"}', '{"t":"2024-01-01T10:00:00.1234567'),
+    ('{"u":"0f8fad5b-d9cb-469f-a165-70867728950"}', '{"u":"0f8fad5b-d9cb-469f-a165-70867728950"'),
+    ('{"u":"0f8fad5bd9cb"}', '{"u":"0f8fad5bd'),
+    ('{"pet":{"kind":"a","n":4}}', '{"pet":{"kind":"a","n":4'), ('{"pet":{"kind":"b","n":1}}', '{"pet":{"kind":"b","n'),
+    ('{"pet":{"kind":"d"}}', '{"pet":{"kind":"d'), ('{"pet":{"kind":"a"}}', '{"pet":{"kind":"a"}'),
+])
+def test_bounded_values_are_refused_at_the_first_byte_none_continues(text, refused_at):
+    from kvcompile.structured import SchemaPrefix, check_schema
+
+    check_schema(BOUNDED)
+    p = SchemaPrefix(BOUNDED)
+    data = text.encode()
+    at = next((i for i, b in enumerate(data) if not p.feed(b)), None)
+    assert (None if at is None else data[:at + 1].decode()) == refused_at
+    assert at is not None or p.complete
+
+
+def test_an_enum_keeps_only_the_values_inside_its_bounds():
+    from kvcompile.structured import SchemaPrefix
+
+    schema = {"type": "object", "properties": {"e": {"enum": [1, 5, 2.5, "ab", "abc", None], "maximum": 2.5,
+                                                     "exclusiveMinimum": 1, "maxLength": 2}}}
+    taken = [v for v in (1, 5, 2.5, "ab", "abc", None)
+             if SchemaPrefix(schema).feed_all(json.dumps({"e": v}).encode())]
+    assert taken == [2.5, "ab", None]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_constrained_pick_under_a_bounded_pydantic_model_parses_into_the_model(seed, bounded_model):
+    """A pydantic model with bounded fields (ge / lt, lengths, list lengths, a pattern, a date, a datetime, a
+    UUID, a discriminated union), its schema as the openai client sends it: a constrained walk parses into the
+    model, greedy and sampled."""
+    from openai.lib._pydantic import to_strict_json_schema
+
+    from kvcompile.structured import check_schema
+
+    schema = to_strict_json_schema(bounded_model)
+    check_schema(schema)
+    pieces = ["{", "}", "[", "]", '"', ":", ",", " ", ".", "-", "+", "T", "Z", "null", "true", '":',
+              *"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789", *[f'"{k}"' for k in
+                                                                                   bounded_model.model_fields]]
+    vocab = [p.encode() for p in pieces] + [None]
+    out = walk(JsonConstraint(vocab, len(vocab) - 1, schema=schema), vocab, seed, sampled=bool(seed % 2))
+    assert isinstance(bounded_model.model_validate_json(out), bounded_model), out
