@@ -899,13 +899,25 @@ class JsonConstraint:
         0 and drawn again, which draws from the restricted distribution; after 64 refusals the most probable
         fitting token). ``None`` when no token fits, which a vocabulary holding every byte as a token (byte-level
         BPE, as SmolLM2's and Llama 3's) never leaves: the reader takes a byte only where a document can go
-        on."""
+        on. The most likely token (or the first draw) usually fits; when it does not, only tokens whose first
+        byte the reply can take next are tried (``_open``)."""
         if self.prefix.complete:
             return self.eos
-        order = scores
-        if probs is not None:
+        if probs is None:
+            order = scores
+            best = int(order.argmax())
+            if self.fits(best):
+                return best
+            open_ = self._open(order.numel())
+        else:
             p = probs.clone()
-            for _ in range(64):
+            t = int(draw(p))
+            if self.fits(t):
+                return t
+            open_ = self._open(p.numel())
+            p[t] = 0
+            p[~open_] = 0  # never fit: the restricted distribution is the same without them
+            for _ in range(63):
                 if float(p.sum()) <= 0:
                     break
                 t = int(draw(p))
@@ -913,13 +925,34 @@ class JsonConstraint:
                     return t
                 p[t] = 0
             order = p
-        best = int(order.argmax())  # most often fits: no sort of the vocabulary then
-        if self.fits(best):
-            return best
-        for t in torch.argsort(order, descending=True, stable=True).tolist():
+        ids = open_.nonzero().squeeze(1)
+        for t in ids[torch.argsort(order[ids], descending=True, stable=True)].tolist():
             if self.fits(t):
                 return t
         return None
+
+    def _open(self, n: int) -> torch.Tensor:
+        """Which of ``n`` token ids begin with a byte the reply can take next (bool ``[n]``)."""
+        takes = torch.tensor([self.prefix.copy().feed(b) for b in range(256)] + [False])
+        first = _first_bytes(self.vocab)
+        out = torch.zeros(n, dtype=torch.bool)
+        m = min(n, first.numel())
+        out[:m] = takes[first[:m]]
+        return out
+
+
+_FIRST_BYTES: dict[int, tuple] = {}  # id of a vocabulary's byte table: (the table, its tokens' first bytes)
+
+
+def _first_bytes(vocab: list) -> torch.Tensor:
+    """The first byte of each token of ``vocab`` (256 for a token with none), once per table (the few most
+    recent kept, with the table so that its id is not reused)."""
+    key = id(vocab)
+    if key not in _FIRST_BYTES:
+        if len(_FIRST_BYTES) >= 8:
+            _FIRST_BYTES.pop(next(iter(_FIRST_BYTES)))
+        _FIRST_BYTES[key] = (vocab, torch.tensor([v[0] if v else 256 for v in vocab], dtype=torch.long))
+    return _FIRST_BYTES[key][1]
 
 
 # --------------------------------------------------------------------------- a tokenizer's bytes

@@ -1275,10 +1275,12 @@ def test_the_openai_clients_parse_keeps_a_models_bounds(tiny_server, bounded_mod
 
     base, name = tiny_server
     tok = AutoTokenizer.from_pretrained(name)
-    closing = {str(tok.convert_tokens_to_ids(t)): 30 for t in ('"', "}", "]")}
+    # the random model's replies pushed to close strings and containers, and kept from padding with whitespace
+    push = {str(i): -100 for i in range(len(tok)) if tok.decode([i]) and not tok.decode([i]).strip()}
+    push.update({str(tok.convert_tokens_to_ids(t)): 30 for t in ('"', "}", "]", ",")})
     client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120)
     ask = dict(model=name, messages=[{"role": "user", "content": "Book it."}], response_format=bounded_model,
-               max_tokens=400, logit_bias=closing)
+               max_tokens=200, logit_bias=push)
     parsed = []
     for kw in ({}, {"temperature": 1.0, "seed": 11}):
         choice = client.chat.completions.parse(**ask, **kw).choices[0]

@@ -645,3 +645,28 @@ def test_a_constrained_pick_under_a_bounded_pydantic_model_parses_into_the_model
     vocab = [p.encode() for p in pieces] + [None]
     out = walk(JsonConstraint(vocab, len(vocab) - 1, schema=schema), vocab, seed, sampled=bool(seed % 2))
     assert isinstance(bounded_model.model_validate_json(out), bounded_model), out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_pick_is_the_best_fitting_token_when_the_best_does_not_fit(seed):
+    """When the most likely token does not fit, ``pick`` tries only tokens whose first byte can come next: the
+    token it gives is still the highest-scoring (greedy) or most probable (a draw that takes the most probable
+    token left) of every token that fits, found by trying them all."""
+    from kvcompile.structured import SchemaPrefix
+
+    vocab = vocabulary()[:-1] + [b"2024", b"-0", b"1-", b"A", b"5Z"] + [None]
+    g = torch.Generator().manual_seed(seed)
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"},
+                                               "n": {"type": "integer", "maximum": 10}}}
+    c = JsonConstraint(vocab, len(vocab) - 1, schema=schema)
+    for text in (b'{"d":"', b'{"d":"2024', b'{"n":', b'{"n":1', b'{"d":"2024-01-01"'):
+        c.prefix = SchemaPrefix(schema)
+        assert c.prefix.feed_all(text)
+        for _ in range(10):
+            scores = torch.randn(len(vocab), generator=g)
+            fitting = [t for t in range(len(vocab)) if c.fits(t)]
+            assert fitting, text
+            want = max(fitting, key=lambda t: scores[t])
+            assert c.pick(scores) == want
+            probs = torch.softmax(scores, 0)
+            assert c.pick(scores, probs, draw=lambda p: int(p.argmax())) == want
