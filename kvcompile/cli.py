@@ -836,6 +836,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch-tokens", type=_POSITIVE_INT, default=256,
                    help="tokens one forward of the engine takes: decoding requests' next tokens and chunks of "
                         "prompts being prefilled (default: %(default)s; larger on a GPU)")
+    s.add_argument("--cpu-offload-mib", type=_NONNEG_INT, default=0,
+                   help="host memory, in MiB, for the caches of requests evicted when the pages run out: kept "
+                        "packed as they were and copied back when the request is scheduled again (default: none; "
+                        "an evicted request is prefilled again)")
     s.add_argument("--no-prefix-sharing", action="store_true",
                    help="give every request its own pages even where prompts begin alike (default: shared, for "
                         "policies whose pages hold all their tokens: no full-precision window, no sinks)")
@@ -850,7 +854,8 @@ def cmd_serve(args) -> int:
     policy = args.policy or default_policy()
     run(str(resolve(args.model)), policy, host=args.host, port=args.port, budget=args.budget_mib * 2**20,
         max_requests=args.max_requests, max_batch_tokens=args.max_batch_tokens,
-        prefix_sharing=not args.no_prefix_sharing, served_names=args.served_model_name)
+        prefix_sharing=not args.no_prefix_sharing, served_names=args.served_model_name,
+        offload=args.cpu_offload_mib * 2**20)
     return 0
 
 

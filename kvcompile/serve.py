@@ -46,6 +46,7 @@ import time
 
 import torch
 
+from .passes import KVCompileError
 from .sampling import MAX_TOP_LOGPROBS, RECORDS, Asked, request_context, request_sampling, sampling_manager
 from .structured import token_bytes
 
@@ -1142,20 +1143,25 @@ def model_names(model_dir: str, served_names=()) -> list[str]:
 
 def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests: int | None = None,
               max_batch_tokens: int = 256, dtype: torch.dtype = torch.float32, prefix_sharing: bool = True,
-              tensor_parallel: bool = False, served_names: list[str] | tuple = ()):
+              tensor_parallel: bool = False, served_names: list[str] | tuple = (), offload: int = 0):
     """The FastAPI app (and its model manager) serving ``model_dir`` (a local Hugging Face directory) with
     continuous batching over kvcompile's cache under ``policy``; ``prefix_sharing``: prompts that begin alike
     share pages where the policy allows it (``serving.shares_pages``); ``tensor_parallel``: the model is loaded
     sharded over the ranks of the initialized process group (``tp_plan="auto"``; ``run_tensor_parallel``);
     ``served_names``: names a request may give as its ``model`` besides the directory (``model_names``), the
-    first of them the one ``/v1/models`` lists."""
+    first of them the one ``/v1/models`` lists; ``offload``: bytes of host memory that hold the caches of
+    requests evicted when pages run out, packed as they were, until they are scheduled again (0: an evicted
+    request is prefilled again; ``serving.KVCompileOffloading``)."""
     from transformers import ContinuousBatchingConfig
     from transformers.cli.serving.model_manager import ModelManager, split_revision
 
     from . import serving
     from .api import apply
 
-    cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
+    if offload and tensor_parallel:
+        raise KVCompileError("kvcompile serve: --cpu-offload-mib is not supported under tensor parallelism yet "
+                             "(evicted requests are prefilled again); leave it out")
+    cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens, cpu_offload_space=offload / 2 ** 30)
 
     class KVCompileModelManager(ModelManager):
         """transformers' model manager; every model it loads is prepared by ``kvcompile.apply``."""
@@ -1242,6 +1248,9 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
                 "active": len(sched.active_requests) if sched is not None else None,
                 "waiting": len(sched.waiting_requests) if sched is not None else None,
                 "token_limit": cache_token_limit(cb, cb.model), "evicted": evictions.evicted,
+                # evicted requests whose caches went to host memory and came back (--cpu-offload-mib)
+                "offloaded": getattr(bp.offloading_manager, "offloaded", 0),
+                "restored": getattr(bp.offloading_manager, "restored", 0),
                 "max_batch_tokens": cb.continuous_batching_config.max_batch_tokens,
                 # non-streaming requests cancelled because their client disconnected (watch_client)
                 "disconnected": getattr(state._cb_manager, "disconnected", 0),

@@ -54,9 +54,14 @@ compiled cache's update refuses to run outside Dynamo (an eager fallback would r
 
 What this is not yet. Refused with a message where the user asks for them: asynchronous batching, CUDA
 graphs, ``decode_compile_config`` (there is no block-table decode path: ``varlen_compile_config`` compiles
-every forward), compiling with another backend than kvcompile's, CPU offloading of evicted requests
-(evicted requests are re-prefilled instead), sliding-window layers, other attention implementations than
-SDPA. Not used: transformers' block-table decode fast path (kvcompile's attention reads its own tables).
+every forward), compiling with another backend than kvcompile's, CPU offloading of evicted requests under
+tensor parallelism, sliding-window layers, other attention implementations than SDPA. Not used: transformers'
+block-table decode fast path (kvcompile's attention reads its own tables).
+
+Evicted requests (the pages ran out): transformers' scheduler picks them and frees their pages; kvcompile's
+row is cleared with them, and the request is prefilled again when it is scheduled -- or, with
+``cpu_offload_space``, copied to host memory first, packed as it was, and back when it returns
+(``KVCompileOffloading``).
 
 Under tensor parallelism (a model ``kvcompile.apply`` found sharded) every rank runs the engine with the same
 requests and schedules them alike; its stores hold the rank's KV heads, and its budget is the rank's.
@@ -501,6 +506,7 @@ def _make_cache_class():
                 st.engine_owns_blocks()
             self.slot_of: dict[str, int] = {}
             self.free_slots = list(range(slots - 1, -1, -1))
+            self.keep_freed: dict | None = None  # while transformers evicts requests: the rows it frees
             self._pending: list = []
             self._plan: _Plan | None = None
             self._work: dict = {}
@@ -597,8 +603,18 @@ def _make_cache_class():
             return ok
 
         def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
+            slot = self.slot_of.get(request_id)
+            if self.keep_freed is not None and slot is not None:  # an eviction that may offload the request
+                self.keep_freed[request_id] = [st.save(slot, st.device) for st in self.stores]
             super().free_blocks(request_id, no_cache)
             self._drop(request_id)
+
+        def restore(self, request_id: str, rows: list) -> None:
+            """An offloaded request comes back (``KVCompileOffloading``): each layer's saved row into the slot
+            and the pages transformers gave it for this forward."""
+            slot, table = self.slot_of[request_id], self._table(request_id)
+            for st, row in zip(self.stores, rows):
+                st.restore(slot, row, table)
 
         def free_all_requests(self, clear_ledgers: bool = False) -> None:
             super().free_all_requests(clear_ledgers)
@@ -847,8 +863,8 @@ def _refuse(asked) -> None:
     graphs = asked.use_cuda_graph
     if any(graphs) if isinstance(graphs, (tuple, list)) else graphs:
         refuse("CUDA graphs (use_cuda_graph)")
-    if asked.cpu_offload_space:
-        refuse("CPU offloading of evicted requests (cpu_offload_space); evicted requests are re-prefilled")
+    if asked.cpu_offload_space is None:
+        refuse("cpu_offload_space=None (a host swap sized from free memory); give its size in GiB")
 
 
 def shares_pages(specs: list[LayerSpec]) -> bool:
@@ -910,6 +926,10 @@ def _make_manager_class():
                     f"outside its pages, so a page cannot be handed to another request. Policies without a window "
                     f"or sinks share pages (Policy.full(), Policy.int8(), 'tok+rot:4'); pass "
                     f"allow_block_sharing=False to silence this.", stacklevel=3)
+            self._offload_space = int(asked.cpu_offload_space * 2 ** 30)  # transformers' offloader gets 0 (below)
+            if self._offload_space and _tp_group(model) is not None:
+                raise KVCompileError("kvcompile serving does not support cpu_offload_space under tensor parallelism "
+                                     "yet; evicted requests are re-prefilled (leave cpu_offload_space at 0)")
             _restrict(cb, self._varlen_config(model, self._compiled) if self._compiled is not None else None, share)
             cb.page_size = self._specs[0].block
             cb.num_blocks = self._blocks
@@ -957,6 +977,10 @@ def _make_manager_class():
 
             with _cache_factory(factory):
                 bp = super()._create_batch_processor()
+            if self._offload_space:
+                old = bp.offloading_manager
+                bp.offloading_manager = _offloading_class()(bp.cache, old.scheduler, self._offload_space,
+                                                             old._compute_stream, bp.distributed_helper)
             ref = weakref.ref(bp.cache)
             for m in self.model.modules():
                 if isinstance(getattr(m, "layer_idx", None), int):
@@ -965,6 +989,88 @@ def _make_manager_class():
             return bp
 
     return KVCompileBatchingManager
+
+
+def _make_offloading_class():
+    from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
+
+    class KVCompileOffloading(OffloadingManager):
+        """transformers' offloading of evicted requests (``ContinuousBatchingConfig.cpu_offload_space``) over
+        kvcompile's pages: a request the scheduler evicts to make room is copied to host memory as its store
+        holds it -- its pages packed, its row's ring and sinks -- in every layer, and copied back into the pages
+        and slot it gets when it is scheduled again, so that it goes on exactly where it was (a soft reset
+        re-prefills it instead, computing its keys and values again). Up to ``space`` bytes of host memory, the
+        packed bytes counted; a victim that does not fit is soft reset, as transformers does. Which requests are
+        evicted, and when, is transformers' own decision."""
+
+        def __init__(self, cache, scheduler, space: int, compute_stream, distributed_helper):
+            super().__init__(cache, scheduler, 0.0, 0.8, compute_stream, distributed_helper)
+            self.space, self.used = space, 0
+            self.saved: dict[str, tuple[list, int]] = {}  # request id: (each layer's SavedRow, bytes)
+            self.offloaded = self.restored = 0  # requests copied out and back in (``/kvcompile/stats``)
+
+        def offload_requests(self) -> bool:
+            self.cache.keep_freed = {}  # the rows the eviction frees, kept for _offload_to_cpu
+            try:
+                return super().offload_requests()
+            finally:
+                self.cache.keep_freed = None
+
+        def _offload_to_cpu(self, victims, victim_block_tables) -> set[str]:
+            out = set()
+            for state in victims:
+                rows = self.cache.keep_freed.get(state.request_id)
+                if rows is None:
+                    continue
+                size = sum(r.nbytes for r in rows)
+                if self.used + size > self.space:
+                    continue  # soft reset
+                self.saved[state.request_id] = ([r._replace(pool=tuple(t.cpu() for t in r.pool),
+                                                            row=tuple(t.cpu() for t in r.row)) for r in rows], size)
+                self.used += size
+                self.offloaded += 1
+                state.is_cpu_offloaded = True
+                out.add(state.request_id)
+            return out
+
+        def restore_scheduled_requests(self, requests_in_batch) -> None:
+            for future in requests_in_batch:
+                state = future.state
+                if not state.is_cpu_offloaded:
+                    continue
+                rows, size = self.saved.pop(state.request_id)
+                self.used -= size
+                state.is_cpu_offloaded = False
+                self.cache.restore(state.request_id, rows)
+                self.restored += 1
+                if self.cache.use_prefix_sharing:  # its restored pages are complete: hashed at the next update
+                    for name, allocator in self.cache.cache_allocators.items():
+                        whole = state.position_offset // allocator.tokens_per_page
+                        if whole:
+                            future.complete_blocks[name] = future.complete_blocks.get(name, 0) + whole
+
+        def free_request_cpu_cache(self, state) -> None:
+            if state.is_cpu_offloaded:
+                self.used -= self.saved.pop(state.request_id)[1]
+                state.is_cpu_offloaded = False
+
+        def reset(self) -> None:
+            self.free_all_waiting_cpu_caches()
+            self.saved.clear()
+            self.used = 0
+
+    return KVCompileOffloading
+
+
+def _tp_group(model):
+    from .tp import group_of
+    return group_of(model)
+
+
+def _offloading_class():
+    if "offloading" not in _CLASSES:
+        _CLASSES["offloading"] = _make_offloading_class()
+    return _CLASSES["offloading"]
 
 
 def manager_class():

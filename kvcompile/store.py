@@ -107,6 +107,20 @@ POOL_FIELDS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
 ROW_FIELDS = ("k_res", "v_res", "k_sink", "v_sink", "lengths", "table")
 
 
+class SavedRow(NamedTuple):
+    """One sequence of a store, copied out (``KVStore.save``): its blocks' contents in table order (one tensor
+    per pool field), its ring and sinks (``k_res, v_res, k_sink, v_sink``), its length and rotary offset."""
+
+    pool: tuple
+    row: tuple
+    length: int
+    rope_offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return state_nbytes(self.pool) + state_nbytes(self.row)
+
+
 @dataclass(frozen=True)
 class LayerSpec:
     """Everything that fixes a store's layout; its ``name`` keys compiled kernels and op calls.
@@ -792,6 +806,35 @@ class KVStore:
         for t in self.state[6:11]:
             t[dst] = t[src]
         self._sync_rows([dst])
+
+    def save(self, b: int, device="cpu") -> SavedRow:
+        """A copy of sequence ``b`` on ``device`` (a serving engine moving an evicted request's cache to host
+        memory): its blocks' packed contents in table order, its ring and sinks, its length. ``restore`` puts it
+        back, into any blocks and row."""
+        blocks = torch.tensor(self.tables[b], dtype=torch.long, device=self.device)
+        pool = tuple(t.index_select(0, blocks).to(device) if t.numel() else t.new_empty(0, device=device)
+                     for t in self.state[:6])
+        row = tuple(t[b].to(device, copy=True) for t in self.state[6:10])  # a copy: the row is reused
+        return SavedRow(pool, row, self.lengths[b], self.rope_offset[b])
+
+    def restore(self, b: int, saved: SavedRow, blocks: Sequence[int]) -> None:
+        """Sequence ``b`` becomes what ``save`` copied: its contents go to the first blocks of ``blocks`` (its
+        table from now on; an engine hands them out), its ring, sinks and length to row ``b``."""
+        n = saved.pool[0].shape[0]
+        if len(blocks) < n:
+            raise RuntimeError(f"KVStore.restore: {n} blocks saved, {len(blocks)} given")
+        self.clear([b])
+        self.tables[b] = list(blocks)
+        self._share(self.tables[b])
+        dst = torch.tensor(list(blocks[:n]), dtype=torch.long, device=self.device)
+        for t, s in zip(self.state[:6], saved.pool):
+            if t.numel() and n:
+                t.index_copy_(0, dst, s.to(self.device))
+        for t, s in zip(self.state[6:10], saved.row):
+            t[b] = s.to(self.device)
+        self.lengths[b], self.state.lengths[b] = saved.length, saved.length
+        self.rope_offset[b], self._rope_offset_t = saved.rope_offset, None
+        self._sync_rows([b])
 
     def reset(self) -> None:
         """Empty every sequence (the pool is kept for reuse)."""

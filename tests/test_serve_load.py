@@ -49,14 +49,17 @@ async def stream(client, base, name, i) -> tuple[str, int, str | None]:
     return "".join(text), tokens, None
 
 
-def test_out_of_pages_every_request_completes_with_its_own_text(tiny_dir, tmp_path):
+@pytest.mark.parametrize("offload", [0, 4], ids=["re-prefilled", "offloaded"])
+def test_out_of_pages_every_request_completes_with_its_own_text(tiny_dir, tmp_path, offload):
+    """Evicted requests are prefilled again, or (``--cpu-offload-mib``) their caches wait in host memory and
+    come back as they were."""
     from kvcompile import Policy
 
     # the full-precision store: a re-prefilled request computes exactly what it had (a quantized store would
     # change it: the chunk's keys are exact in prefill, packed in decode), so the texts can be compared
     Policy.full().save(tmp_path / "full.json")
     proc, base = start_server("--model", tiny_dir, "--policy", tmp_path / "full.json", "--budget-mib", 1,
-                              "--max-requests", CLIENTS)
+                              "--max-requests", CLIENTS, "--cpu-offload-mib", offload)
     name = str(tiny_dir)
     try:
         async def run():
@@ -85,4 +88,8 @@ def test_out_of_pages_every_request_completes_with_its_own_text(tiny_dir, tmp_pa
     # ... though the pages ran out: requests waited for them, and some were evicted (and re-prefilled)
     assert max(s["pages_held"] for s in seen) > 0.8 * end["pages"], end
     assert max(s["waiting"] for s in seen) > 0 and end["evicted"] > 0, end
+    if offload:  # each evicted request's cache went to host memory and came back
+        assert end["offloaded"] == end["restored"] == end["evicted"], end
+    else:
+        assert end["offloaded"] == 0, end
     assert end["pages_held"] == end["requests"] == 0 and end["free_blocks"] == end["blocks"]  # all back

@@ -219,6 +219,84 @@ def test_requests_evicted_when_pages_run_out_are_prefilled_again(monkeypatch):
     assert got == want
 
 
+def eviction_setup(policy, new: int = 100):
+    """Three 60-token prompts that each grow to 160 tokens, three slots and five 64-token blocks: transformers'
+    scheduler must evict one to let the others on."""
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(3, 64, (60,), generator=g).tolist() for _ in range(3)]
+    gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    model = applied(policy)
+    specs = serving.layer_specs(model.config, model._kvcompile_serving, torch.float32)
+    serving.configure(model, max_requests=3,
+                      budget=3 * sum(s.row_nbytes() for s in specs) + 5 * sum(s.block_nbytes() + 12 for s in specs))
+    return model, ps, gen
+
+
+@pytest.mark.parametrize("policy", [Policy.full(), KIVI], ids=["full", "kivi"])
+def test_evicted_requests_offloaded_to_host_memory_go_on_exactly(policy):
+    """``ContinuousBatchingConfig(cpu_offload_space=...)``: a request transformers evicts is copied out as its
+    store holds it (packed pages, ring, length) and back into new pages and a slot when it is scheduled again:
+    every request gives the tokens it gives with nothing evicted -- the unmodified model's under
+    ``Policy.full()``, kvcompile's own ``generate`` under KIVI (whose ring must come back as it was: a soft
+    reset would re-prefill the evicted request instead, computing its keys again) -- and the host copies are
+    gone at the end."""
+    model, ps, gen = eviction_setup(policy)
+    with torch.no_grad():
+        want = [(tiny() if policy == Policy.full() else model).generate(torch.tensor([p]), generation_config=gen)[
+            0, len(p):].tolist() for p in ps]
+        got = tokens(model.generate_batch(ps, gen, continuous_batching_config=cb_config(cpu_offload_space=0.01),
+                                          progress_bar=False, persistent_manager=True))
+    manager = model._cached_continuous_batching_manager
+    offload = manager.batch_processor.offloading_manager
+    manager.stop(block=True, timeout=30)
+    assert offload.offloaded >= 1 and offload.restored == offload.offloaded  # the path under test ran
+    assert offload.used == 0 and not offload.saved
+    assert got == want
+
+
+def test_an_offload_space_too_small_for_a_request_evicts_it_as_before():
+    """Host memory for less than one request's packed cache: the evicted request is soft reset (freed,
+    re-queued, prefilled again), as transformers does, and still gives the unmodified model's tokens."""
+    model, ps, gen = eviction_setup(Policy.full())
+    with torch.no_grad():
+        want = [tiny().generate(torch.tensor([p]), generation_config=gen)[0, len(p):].tolist() for p in ps]
+        got = tokens(model.generate_batch(ps, gen, continuous_batching_config=cb_config(cpu_offload_space=1e-6),
+                                          progress_bar=False, persistent_manager=True))
+    manager = model._cached_continuous_batching_manager
+    offload = manager.batch_processor.offloading_manager
+    manager.stop(block=True, timeout=30)
+    assert offload.space == int(1e-6 * 2 ** 30) and offload.offloaded == 0
+    assert got == want
+
+
+def test_a_saved_row_comes_back_exactly_into_other_blocks_after_its_row_is_reused():
+    """``KVStore.save`` / ``restore`` (what offloading does to an evicted request): the copy is the row's own
+    (its row and blocks may be overwritten meanwhile), and the row restored into another slot and other blocks
+    reads exactly what the original read: ring, sinks, packed blocks, length."""
+    from kvcompile.store import KVStore, LayerSpec, dequantize_reference
+
+    spec = LayerSpec(Policy.kivi(4, group=4, residual=8, sink=2), 2, 8, block_tokens=16)
+    g = torch.Generator().manual_seed(0)
+    st = KVStore(spec, 3, blocks=12)
+    st.engine_owns_blocks()
+    st.set_tables({0: [5, 2, 9]})
+    k, v = torch.randn(1, 2, 45, 8, generator=g), torch.randn(1, 2, 45, 8, generator=g)
+    st.reserve([45, 0, 0])
+    st.append(torch.cat([k, torch.zeros(2, 2, 45, 8)]), torch.cat([v, torch.zeros(2, 2, 45, 8)]),
+              n_new=torch.tensor([45, 0, 0]))
+    before = [t[0].clone() for t in dequantize_reference(st.state, spec)]
+    saved = st.save(0)
+    assert saved.nbytes == 3 * spec.block_nbytes() + spec.row_nbytes() - 4  # blocks, ring, sinks (not the length)
+    st.clear([0])  # the row and its blocks are reused by another request
+    st.set_tables({0: [5, 2, 9]})
+    st.append(torch.randn(3, 2, 45, 8, generator=g), torch.randn(3, 2, 45, 8, generator=g),
+              n_new=torch.tensor([45, 0, 0]))
+    st.restore(2, saved, [7, 1, 3, 4])
+    after = dequantize_reference(st.state, spec)
+    assert st.lengths[2] == 45 and st.tables[2] == [7, 1, 3, 4]
+    assert all(torch.equal(b, a[2]) for b, a in zip(before, after))
+
+
 def test_a_request_cancelled_mid_stream_frees_its_blocks():
     """A streaming request cancelled after a few tokens (a client that went away): its slot and blocks return
     to the pool while another request keeps running to completion."""
@@ -382,6 +460,8 @@ def test_unsupported_configurations_are_refused_at_the_call():
     model = applied(KIVI)
     with pytest.raises(KVCompileError, match="use_async_batching"):
         model.init_continuous_batching(GEN, cb_config(use_async_batching=True))
+    with pytest.raises(KVCompileError, match="cpu_offload_space=None"):
+        model.init_continuous_batching(GEN, cb_config(cpu_offload_space=None))
     serving.configure(model, budget=1000)
     with pytest.raises(KVCompileError, match="budget"):
         model.init_continuous_batching(GEN, cb_config())
