@@ -299,6 +299,19 @@ def test_a_schema_the_reader_does_not_follow_is_refused_with_what_it_follows(sch
         check_schema(schema)
 
 
+def first_refusal(schema: dict, text: str, whole: bool = True) -> str | None:
+    """The bytes of ``text`` up to the first the reader of ``schema`` refuses (None: all taken; then, when
+    ``whole``, they must make a whole document)."""
+    from kvcompile.structured import SchemaPrefix, check_schema
+
+    check_schema(schema)
+    p = SchemaPrefix(schema)
+    data = text.encode()
+    at = next((i for i, b in enumerate(data) if not p.feed(b)), None)
+    assert at is not None or not whole or p.complete
+    return None if at is None else data[:at + 1].decode()
+
+
 PET = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
        "properties": {"name": {"type": "string", "enum": ["cat", "dog"]}, "age": {"type": "integer"},
                       "tags": {"type": "array", "items": {"type": "string"}}, "weight": {"type": ["number", "null"]},
@@ -325,12 +338,7 @@ PET = {"type": "object", "additionalProperties": False, "required": ["name", "ag
 def test_the_schema_reader_refuses_at_the_first_byte_no_document_continues(text, refused_at):
     """Refused as early as the schema allows (so that a constrained pick never walks into a dead end), and only
     then."""
-    from kvcompile.structured import SchemaPrefix
-
-    p = SchemaPrefix(PET)
-    data = text.encode()
-    at = next((i for i, b in enumerate(data) if not p.feed(b)), None)
-    assert (None if at is None else data[:at + 1].decode()) == refused_at
+    assert first_refusal(PET, text, whole=False) == refused_at
 
 
 @pytest.mark.parametrize("seed", range(16))
@@ -368,14 +376,7 @@ LITERALS = {"type": "object", "properties": {"n": {"enum": [12, 1.5, -3, True, N
     ('{"o":"1"}', '{"o":"'),
 ])
 def test_enum_const_and_anyof_values_are_refused_at_the_first_byte_none_continues(text, refused_at):
-    from kvcompile.structured import SchemaPrefix, check_schema
-
-    check_schema(LITERALS)
-    p = SchemaPrefix(LITERALS)
-    data = text.encode()
-    at = next((i for i, b in enumerate(data) if not p.feed(b)), None)
-    assert (None if at is None else data[:at + 1].decode()) == refused_at
-    assert at is not None or p.complete
+    assert first_refusal(LITERALS, text) == refused_at
 
 
 def test_overlapping_alternatives_do_not_multiply_the_readers():
@@ -608,14 +609,7 @@ BOUNDED = {"type": "object", "properties": {
     ('{"pet":{"kind":"d"}}', '{"pet":{"kind":"d'), ('{"pet":{"kind":"a"}}', '{"pet":{"kind":"a"}'),
 ])
 def test_bounded_values_are_refused_at_the_first_byte_none_continues(text, refused_at):
-    from kvcompile.structured import SchemaPrefix, check_schema
-
-    check_schema(BOUNDED)
-    p = SchemaPrefix(BOUNDED)
-    data = text.encode()
-    at = next((i for i, b in enumerate(data) if not p.feed(b)), None)
-    assert (None if at is None else data[:at + 1].decode()) == refused_at
-    assert at is not None or p.complete
+    assert first_refusal(BOUNDED, text) == refused_at
 
 
 def test_an_enum_keeps_only_the_values_inside_its_bounds():
