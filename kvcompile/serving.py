@@ -604,8 +604,9 @@ def _make_cache_class():
 
         def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
             slot = self.slot_of.get(request_id)
-            if self.keep_freed is not None and slot is not None:  # an eviction that may offload the request
-                self.keep_freed[request_id] = [st.save(slot, st.device) for st in self.stores]
+            if self.keep_freed is not None and slot is not None:  # an eviction that may offload the request:
+                # its row copied to host memory now (its pages are handed out again, its slot moved into)
+                self.keep_freed[request_id] = [st.save(slot, "cpu") for st in self.stores]
             super().free_blocks(request_id, no_cache)
             self._drop(request_id)
 
@@ -1025,8 +1026,7 @@ def _make_offloading_class():
                 size = sum(r.nbytes for r in rows)
                 if self.used + size > self.space:
                     continue  # soft reset
-                self.saved[state.request_id] = ([r._replace(pool=tuple(t.cpu() for t in r.pool),
-                                                            row=tuple(t.cpu() for t in r.row)) for r in rows], size)
+                self.saved[state.request_id] = (rows, size)
                 self.used += size
                 self.offloaded += 1
                 state.is_cpu_offloaded = True
