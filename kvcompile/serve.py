@@ -46,7 +46,6 @@ import time
 
 import torch
 
-from .passes import KVCompileError
 from .sampling import MAX_TOP_LOGPROBS, RECORDS, Asked, request_context, request_sampling, sampling_manager
 from .structured import token_bytes
 
@@ -1158,9 +1157,6 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
     from . import serving
     from .api import apply
 
-    if offload and tensor_parallel:
-        raise KVCompileError("kvcompile serve: --cpu-offload-mib is not supported under tensor parallelism yet "
-                             "(evicted requests are prefilled again); leave it out")
     cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens, cpu_offload_space=offload / 2 ** 30)
 
     class KVCompileModelManager(ModelManager):

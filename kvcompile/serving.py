@@ -54,14 +54,14 @@ compiled cache's update refuses to run outside Dynamo (an eager fallback would r
 
 What this is not yet. Refused with a message where the user asks for them: asynchronous batching, CUDA
 graphs, ``decode_compile_config`` (there is no block-table decode path: ``varlen_compile_config`` compiles
-every forward), compiling with another backend than kvcompile's, CPU offloading of evicted requests under
-tensor parallelism, sliding-window layers, other attention implementations than SDPA. Not used: transformers'
-block-table decode fast path (kvcompile's attention reads its own tables).
+every forward), compiling with another backend than kvcompile's, sliding-window layers, other attention
+implementations than SDPA. Not used: transformers' block-table decode fast path (kvcompile's attention reads its
+own tables).
 
 Evicted requests (the pages ran out): transformers' scheduler picks them and frees their pages; kvcompile's
 row is cleared with them, and the request is prefilled again when it is scheduled -- or, with
 ``cpu_offload_space``, copied to host memory first, packed as it was, and back when it returns
-(``KVCompileOffloading``).
+(``KVCompileOffloading``; under tensor parallelism every rank evicts the same requests and copies its heads).
 
 Under tensor parallelism (a model ``kvcompile.apply`` found sharded) every rank runs the engine with the same
 requests and schedules them alike; its stores hold the rank's KV heads, and its budget is the rank's.
@@ -928,9 +928,6 @@ def _make_manager_class():
                     f"or sinks share pages (Policy.full(), Policy.int8(), 'tok+rot:4'); pass "
                     f"allow_block_sharing=False to silence this.", stacklevel=3)
             self._offload_space = int(asked.cpu_offload_space * 2 ** 30)  # transformers' offloader gets 0 (below)
-            if self._offload_space and _tp_group(model) is not None:
-                raise KVCompileError("kvcompile serving does not support cpu_offload_space under tensor parallelism "
-                                     "yet; evicted requests are re-prefilled (leave cpu_offload_space at 0)")
             _restrict(cb, self._varlen_config(model, self._compiled) if self._compiled is not None else None, share)
             cb.page_size = self._specs[0].block
             cb.num_blocks = self._blocks
@@ -1060,11 +1057,6 @@ def _make_offloading_class():
             self.used = 0
 
     return KVCompileOffloading
-
-
-def _tp_group(model):
-    from .tp import group_of
-    return group_of(model)
 
 
 def _offloading_class():

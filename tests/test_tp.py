@@ -80,7 +80,8 @@ def references(models: str) -> dict:
     for name, policy in (("int8", Policy.int8()), ("llama", W.policies()["llama"])):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the windowed policy's "prefix sharing is off"
-            tokens, cache = W.continuous_batching(kvcompile.apply(W.load(models, "llama"), policy))
+            tokens, processor = W.continuous_batching(kvcompile.apply(W.load(models, "llama"), policy))
+        cache = processor.cache
         refs["cb_" + name] = {"tokens": tokens, "allocated": cache.allocated_nbytes, "heads": cache.specs[0].heads}
     return refs
 
@@ -128,7 +129,8 @@ def test_continuous_batching_under_tensor_parallelism(job):
     unsharded engine's (each head is coded as an unsharded store codes it); prompts that begin alike share
     pages on every rank (not under the windowed policy); each rank's cache holds its one KV head, for half
     the unsharded cache's bytes plus what every pool has per page and slot (lengths, block tables). A
-    compiled forward (kvcompile's backend on every rank) gives the eager tokens."""
+    compiled forward (kvcompile's backend on every rank) gives the eager tokens. Requests evicted when the
+    pages run out, offloaded to host memory on every rank, give the unsharded model's tokens."""
     for r, got in enumerate(job.ranks("serving")):
         assert got["plain"] == job.refs["cb_plain"], r  # transformers' own, sharded == unsharded (the premise)
         assert got["full"]["tokens"] == job.refs["cb_plain"], r
@@ -141,6 +143,10 @@ def test_continuous_batching_under_tensor_parallelism(job):
         assert got["llama"]["prefix_tokens"] == 0, r
         whole = job.refs["cb_int8"]["allocated"]
         assert whole // 2 < got["int8"]["allocated"] < whole, r
+        # evicted requests offloaded to host memory (cpu_offload_space) on every rank: the unsharded model's tokens
+        off = got["offload"]
+        assert off["offloaded"] >= 1 and off["restored"] == off["offloaded"], (r, off)
+        assert off["tokens"] == off["want"], r
 
 
 def test_a_model_sharded_by_the_user_with_parallelize_module(job):

@@ -212,21 +212,23 @@ def cb_prompts() -> list[list[int]]:
     return [PROMPT, PROMPT[:5], head + [9, 13, 22], head + [40, 3, 11, 9, 13, 22, 7], head[:90]]
 
 
-def continuous_batching(model, compiled: bool = False) -> tuple[list[list[int]], object]:
+def continuous_batching(model, compiled: bool = False, prompts=None, new: int = NEW,
+                        offload: float = 0.0) -> tuple[list[list[int]], object]:
     """transformers' manager API on ``model`` (every rank runs it; the scheduling is the same on each): the
-    tokens per request, in order, and the cache it ran on. ``compiled``: its forward compiled through
-    kvcompile's backend."""
+    tokens per request, in order, and the batch processor it ran (its cache, its offloading manager).
+    ``compiled``: its forward compiled through kvcompile's backend; ``prompts`` (default ``cb_prompts()``)
+    each generate ``new`` tokens; ``offload``: GiB of host memory for evicted requests."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     from kvcompile import serving
-    gen = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    cbc = ContinuousBatchingConfig(num_blocks=24, max_batch_tokens=64,
+    gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cbc = ContinuousBatchingConfig(num_blocks=24, max_batch_tokens=64, cpu_offload_space=offload,
                                    varlen_compile_config=serving.compile_config("eager") if compiled else None)
     manager = model.init_continuous_batching(gen, cbc)
     manager.start()
     try:
-        ids = manager.add_requests(inputs=cb_prompts(), max_new_tokens=NEW)
+        ids = manager.add_requests(inputs=cb_prompts() if prompts is None else prompts, max_new_tokens=new)
         done = {}
         while len(done) < len(ids):
             r = manager.get_result(timeout=TIMEOUT_S)
@@ -236,10 +238,10 @@ def continuous_batching(model, compiled: bool = False) -> tuple[list[list[int]],
                 raise RuntimeError(r.error)
             if r.is_finished():
                 done[r.request_id] = r.generated_tokens
-        cache = manager.batch_processor.cache
+        processor = manager.batch_processor
     finally:
         manager.stop(block=True, timeout=TIMEOUT_S)
-    return [done[i] for i in ids], cache
+    return [done[i] for i in ids], processor
 
 
 def serving(models, rank):
@@ -255,13 +257,31 @@ def serving(models, rank):
     for name, policy in (("full", Policy.full()), ("int8", Policy.int8()), ("llama", policies()["llama"])):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the windowed policy's "prefix sharing is off"
-            tokens, cache = continuous_batching(kvcompile.apply(load(models, "llama", tp_plan="auto"), policy))
+            tokens, processor = continuous_batching(kvcompile.apply(load(models, "llama", tp_plan="auto"), policy))
+        cache = processor.cache
         got[name] = {"tokens": tokens, "heads": cache.specs[0].heads, "allocated": cache.allocated_nbytes,
                      "prefix_tokens": cache.prefix_tokens, "free": cache.free_blocks_count,
                      "blocks": cache.stores[0].blocks}
     got["int8_compiled"] = continuous_batching(kvcompile.apply(load(models, "llama", tp_plan="auto"), Policy.int8()),
                                                compiled=True)[0]
+    # pages for fewer requests than run at once: transformers evicts some, and their caches wait in host memory
+    # (each rank its heads', the same requests on every rank) and come back as they were
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 64, (60,), generator=g).tolist() for _ in range(3)]
+    plain = load(models, "llama")
+    with torch.no_grad():
+        want = [plain.generate(torch.tensor([p]), max_new_tokens=100, do_sample=False, eos_token_id=-1,
+                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    model = kvcompile.apply(load(models, "llama", tp_plan="auto"), Policy.full())
+    specs = kvcompile.serving.layer_specs(model.config, model._kvcompile_serving, model.dtype)
+    kvcompile.serving.configure(model, max_requests=3, budget=3 * sum(s.row_nbytes() for s in specs)
+                                + 5 * sum(s.block_nbytes() + 12 for s in specs))
+    tokens, processor = continuous_batching(model, prompts=prompts, new=100, offload=0.01)
+    offloading = processor.offloading_manager
+    got["offload"] = {"tokens": tokens, "want": want, "offloaded": offloading.offloaded,
+                      "restored": offloading.restored}
     return got
+
 
 
 SCENARIOS = {"full": full, "quant_llama": quantized("llama"), "quant_qwen2": quantized("qwen2"),
