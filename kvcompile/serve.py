@@ -205,11 +205,11 @@ def check_common(body: dict) -> None:
         raise RequestError(f"'model' must be a string, got {type(model).__name__}", "model")
     for name in ("max_tokens", "max_completion_tokens"):
         v = body.get(name)
-        if v == 0 and name == "max_tokens" and body.get("echo") is True and not body.get("stream"):
+        if v == 0 and name == "max_tokens" and body.get("echo") is True:
             continue  # a completion that echoes its prompt and generates nothing: scoring a text (_echoed)
         if v is not None and not (_is_int(v) and v >= 1):
             raise RequestError(f"'{name}' must be an integer >= 1, got {v!r}"
-                               + (" (0 only with echo, not streamed)" if v == 0 else ""), name)
+                               + (" (0 only with echo: the prompt alone)" if v == 0 else ""), name)
     for name, lo, hi, lo_open in (("temperature", 0, 2, False), ("top_p", 0, 1, True),
                                   ("frequency_penalty", -2, 2, False), ("presence_penalty", -2, 2, False)):
         v = body.get(name)
@@ -894,6 +894,8 @@ def _checked_handlers():
                 if chat or not body.get("echo"):
                     return await self._asked(body, request_id)
                 prompt, nothing = body["prompt"], body.get("max_tokens") == 0
+                if nothing and body.get("stream"):  # the prompt alone, as one reply's events
+                    return await self._streamed_prompt(body, request_id)
                 # max_tokens 0 (the prompt alone, as OpenAI scores a text): one token is generated, then dropped
                 reply = await self._asked({k: v for k, v in body.items() if k != "echo"}
                                           | ({"max_tokens": 1} if nothing else {}), request_id,
@@ -914,6 +916,31 @@ def _checked_handlers():
                     out["usage"].update(completion_tokens=0, total_tokens=out["usage"]["prompt_tokens"])
                 choice["text"] = prompt + choice["text"]
                 return JSONResponse(out)
+
+            async def _streamed_prompt(self, body: dict, request_id: str):
+                """A streamed completion of the prompt alone (echo, ``max_tokens`` 0): the reply it gives
+                unstreamed, sent as a stream's events -- the prompt (and its log probabilities), then the end
+                with the usage."""
+                from fastapi.responses import StreamingResponse
+
+                reply = await self._echoed({**body, "stream": False}, request_id)
+                if reply.status_code != 200:
+                    return reply
+                out = json.loads(reply.body)
+                choice = out["choices"][0]
+
+                def event(**fields):
+                    chunk = json.loads(self._build_chunk_sse(request_id, body["model"]).removeprefix("data: "))
+                    chunk["choices"][0].update(fields)
+                    if "usage" in fields:
+                        chunk["usage"] = chunk["choices"][0].pop("usage")
+                    return f"data: {json.dumps(chunk)}\n\n"
+
+                async def events():
+                    yield event(text=choice["text"], logprobs=choice.get("logprobs"))
+                    yield event(finish_reason=choice["finish_reason"], usage=out["usage"])
+
+                return StreamingResponse(events(), media_type="text/event-stream")
 
             async def _asked(self, body: dict, request_id: str, echo: bool = False):
                 """transformers' handler for one choice. A request that asks more of its tokens (``asked_of``: log

@@ -987,7 +987,8 @@ def test_a_completion_echoes_its_prompts_log_probabilities(tiny_server):
     max_tokens 1): the prompt's tokens lead the reply's log probabilities, the first with none, each one the
     unmodified model's log-softmax at the place before (a prefill attends its own tokens in full precision),
     with its top alternatives; then the generated token's, as without echo. A prompt longer than one forward
-    (prefilled in chunks that read the store) has every place too. ``max_tokens`` 0 gives the prompt alone.
+    (prefilled in chunks that read the store) has every place too. ``max_tokens`` 0 gives the prompt alone,
+    streamed too.
     Streamed, the prompt's piece comes first, once scored."""
     import openai
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1055,10 +1056,18 @@ def test_a_completion_echoes_its_prompts_log_probabilities(tiny_server):
     assert torch.allclose(torch.tensor(streamed["token_logprobs"][1:]),
                           torch.tensor(whole["logprobs"]["token_logprobs"][1:]), atol=1e-4)
     assert pieces[0]["text"] == tok.decode(short) and len(pieces[0]["logprobs"]["tokens"]) == len(short)
-    for extra in ({}, {"echo": True, "stream": True}):  # generating nothing needs echo, and one reply
-        r = httpx.post(f"{base}/v1/completions", timeout=60, json={"model": name, "prompt": "Hi", "max_tokens": 0,
-                                                                    **extra})
-        assert_openai_error(r, "max_tokens")
+    # the prompt alone, streamed (max_tokens 0), through the openai client: the unstreamed reply's text and
+    # scores, then the end with its usage
+    alone = client.completions.create(model=name, prompt=short, max_tokens=0, logprobs=2, echo=True)
+    events = list(client.completions.create(model=name, prompt=short, max_tokens=0, logprobs=2, echo=True,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(e.choices[0].text for e in events if e.choices) == alone.choices[0].text == tok.decode(short)
+    assert [lp for e in events if e.choices and e.choices[0].logprobs
+            for lp in e.choices[0].logprobs.token_logprobs] == alone.choices[0].logprobs.token_logprobs
+    assert events[-1].choices[0].finish_reason == "length" and events[-1].usage.completion_tokens == 0
+    assert events[-1].usage.prompt_tokens == len(short)
+    r = httpx.post(f"{base}/v1/completions", timeout=60, json={"model": name, "prompt": "Hi", "max_tokens": 0})
+    assert_openai_error(r, "max_tokens")  # generating nothing needs echo
     wait_idle(base, None, 30)
     assert stats(base)["records_open"] == 0
 
