@@ -15,7 +15,7 @@ cache for one request is refused with 400 (transformers' scheduler, given a requ
 stops its worker for good). Without ``max_tokens`` a reply is capped to what the cache holds. Each request decodes
 as it asks (``kvcompile.sampling``: greedy or its temperature, top-p and top-k, in one batch with the others;
 transformers' manager applied its first request's to all), and a field asking for what the server does not do
-(``UNSUPPORTED``: ``best_of`` ...) is a 400 rather than ignored. ``stop`` strings end a reply,
+(``UNSUPPORTED``: a forced ``tool_choice`` ...) is a 400 rather than ignored. ``stop`` strings end a reply,
 streaming or not (``StopAt``); ``n`` choices are ``n`` requests in the batch (``n_choices``), streamed as one stream
 or not. Log probabilities, penalties and a logit bias are done per request where its tokens are picked
 (``kvcompile.sampling.Records``), and JSON mode (``kvcompile.structured``); a completion's prompt may be token
@@ -249,7 +249,6 @@ def check_common(body: dict) -> None:
 MAX_N = 16  # choices one request may ask for (each is a request of its own in the batch: n_choices)
 UNSUPPORTED = {
     "n": (lambda v: _is_int(v) and 1 <= v <= MAX_N, f"n must be an integer in [1, {MAX_N}]"),
-    "best_of": (lambda v: v == 1, "one candidate per request"),
     "response_format": (lambda v: isinstance(v, dict) and v.get("type") in ("text", "json_object", "json_schema"),
                         "its type is 'text', 'json_object' or 'json_schema'"),
     # transformers' handlers ignore these (a warning in the server's log); each changes what the reply must be
@@ -421,6 +420,19 @@ def check_completion(body: dict) -> None:
     if len(prompts) * (n if _is_int(n) else 1) > MAX_CHOICES:
         raise RequestError(f"{len(prompts)} prompts x n={n} choices is over {MAX_CHOICES} in one request; "
                            f"send fewer", "prompt")
+    best = body.get("best_of")
+    if best is not None:
+        if not (_is_int(best) and 1 <= best <= MAX_N):
+            raise RequestError(f"'best_of' must be an integer in [1, {MAX_N}], got {best!r}", "best_of")
+        if _is_int(n) and best < n:
+            raise RequestError(f"'best_of' ({best}) must be at least 'n' ({n}): the n best of best_of candidates",
+                               "best_of")
+        if best > 1 and body.get("stream"):
+            raise RequestError("'best_of' > 1 cannot be streamed (the best candidates are known at their end)",
+                               "best_of")
+        if len(prompts) * best > MAX_CHOICES:
+            raise RequestError(f"{len(prompts)} prompts x best_of={best} candidates is over {MAX_CHOICES} in one "
+                               f"request; send fewer", "best_of")
     if body.get("suffix") is not None and not isinstance(body["suffix"], str):
         raise RequestError("'suffix' must be a string", "suffix")
     if body.get("suffix"):  # transformers' handler appended it to the reply: the model never saw it
@@ -621,21 +633,26 @@ def stream_with_logprobs(streamer, handle: int, offset: int = 0) -> None:
 
 
 # --------------------------------------------------------------------------- n choices
-async def n_choices(handle, body: dict, request_id: str, n: int):
+async def n_choices(handle, body: dict, request_id: str, n: int, best: int = 1):
     """A request for ``n`` choices -- of each prompt, when a completion gives a list of prompts -- as that many
     requests of one choice each, run in one batch (``handle(body, id)``: transformers' handler), their replies
     merged: choice ``i`` from request ``i`` (prompt ``i // n``'s, as OpenAI orders them), usage summed over the
     completions and over the prompts (each counted once); streamed, their events interleaved as they come
     (``_merged_streams``). Each choice samples (or not) as the request asks; greedy choices of one prompt are
-    equal, as OpenAI's are at temperature 0."""
+    equal, as OpenAI's are at temperature 0. ``best`` > ``n`` (a completion's ``best_of``): that many
+    candidates per prompt, of which the ``n`` with the highest mean log probability per generated token are
+    the choices (in that order; the usage counts every candidate's tokens, as OpenAI's does)."""
     from fastapi.responses import JSONResponse, StreamingResponse
 
     prompts = completion_prompts(body["prompt"]) if "prompt" in body else [None]
     seed = body.get("seed")
+    per = max(best, n)  # requests per prompt
     asks = []
     for p in prompts:
-        for _ in range(n):
-            ask = {**body, "n": 1} if p is None else {**body, "n": 1, "prompt": p}
+        for _ in range(per):
+            ask = {k: v for k, v in body.items() if k != "best_of"} | {"n": 1} | ({} if p is None else {"prompt": p})
+            if per > n and ask.get("logprobs") is None:
+                ask["logprobs"] = 0  # each candidate's own log probabilities rank it (not given back)
             if seed is not None:  # seeded choices take seed, seed + 1, ...: the same seed would give equal replies
                 ask["seed"] = seed + len(asks)
             asks.append(ask)
@@ -648,14 +665,29 @@ async def n_choices(handle, body: dict, request_id: str, n: int):
         return bad
     bodies = [json.loads(r.body) for r in replies]
     out = dict(bodies[0], id=request_id, choices=[])
-    for i, b in enumerate(bodies):
-        out["choices"].append(dict(b["choices"][0], index=i))
+    for i in range(0, len(bodies), per):
+        group = bodies[i:i + per]
+        if per > n:
+            group = sorted(group, key=lambda b: -_per_token_logprob(b))[:n]  # stable: ties keep their order
+        for b in group:
+            choice = b["choices"][0]
+            if per > n and body.get("logprobs") is None:
+                choice = dict(choice, logprobs=None)
+            out["choices"].append(dict(choice, index=len(out["choices"])))
     usage = [b.get("usage") for b in bodies]
     if all(usage):
         done = sum(u["completion_tokens"] for u in usage)
-        prompt = sum(u["prompt_tokens"] for u in usage[::n])
+        prompt = sum(u["prompt_tokens"] for u in usage[::per])
         out["usage"] = dict(usage[0], prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
     return JSONResponse(out)
+
+
+def _per_token_logprob(reply: dict) -> float:
+    """A one-choice completion's mean log probability per generated token (its last ``completion_tokens``
+    entries: an echoed prompt's come first); 0 when it generated none."""
+    generated = reply["usage"]["completion_tokens"]
+    scores = reply["choices"][0]["logprobs"]["token_logprobs"][-generated:] if generated else []
+    return sum(scores) / len(scores) if scores else 0.0
 
 
 async def _merged_streams(streams, request_id: str):
@@ -862,10 +894,10 @@ def _checked_handlers():
                 token = _EXTENSIONS.set({k: body[k] for k in EXTENSIONS if k in body})
                 body = {k: v for k, v in body.items() if k not in EXTENSIONS}
                 try:
-                    n = body.get("n") or 1
-                    if n == 1 and (chat or len(completion_prompts(body.get("prompt"))) == 1):
+                    n, best = body.get("n") or 1, body.get("best_of") or 1
+                    if n == best == 1 and (chat or len(completion_prompts(body.get("prompt"))) == 1):
                         return await self._one_choice(body, request_id)
-                    return await n_choices(self._one_choice, body, request_id, n)
+                    return await n_choices(self._one_choice, body, request_id, n, best=max(best, n))
                 finally:
                     _EXTENSIONS.reset(token)
 

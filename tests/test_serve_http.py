@@ -421,7 +421,6 @@ def test_each_request_samples_as_it_asks(tiny_server):
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
 UNSUPPORTED = {  # field: (value asking for what the server does not do, the endpoint)
     "n": (17, "chat/completions"), "response_format": ({"type": "xml"}, "chat/completions"),
-    "best_of": (2, "completions"),
     # transformers' handlers logged these as ignored and answered as if they had not been asked
     "tool_choice": ("required", "chat/completions"),
     "functions": ([TOOL["function"]], "chat/completions"), "function_call": ({"name": "f"}, "chat/completions"),
@@ -444,7 +443,7 @@ def test_a_field_the_server_would_ignore_is_refused(tiny_server, field):
     r = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, field: value})
     err = assert_openai_error(r, field)
     assert "not supported" in err["message"]
-    neutral = {"n": 1, "response_format": {"type": "text"}, "echo": False, "best_of": 1, "tool_choice": "auto",
+    neutral = {"n": 1, "response_format": {"type": "text"}, "echo": False, "tool_choice": "auto",
                "functions": [], "function_call": "none", "modalities": ["text"], "audio": None, "suffix": ""}
     if field in neutral:
         r = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={**body, field: neutral[field]})
@@ -568,6 +567,39 @@ def test_n_choices(tiny_server, endpoint):
             for c in json.loads(line[6:])["choices"]:
                 parts.setdefault(c["index"], []).append((c.get("delta") or {}).get("content") or c.get("text") or "")
     assert {i: "".join(p) for i, p in parts.items()} == {0: one[0], 1: one[0], 2: one[0]}
+    wait_idle(base, None, 30)
+
+
+def test_best_of_returns_the_candidates_with_the_most_likely_tokens(tiny_server):
+    """A completion's ``best_of``: that many candidates per prompt (sampled, seeded), of which the ``n`` with the
+    highest mean log probability per generated token are the choices, best first -- the same candidates asked
+    for one by one (seed, seed + 1, ...) and ranked here by their own log probabilities; usage counts every
+    candidate's tokens; log probabilities only where asked. Streaming it, or fewer candidates than n, is a 400."""
+    base, name = tiny_server
+    body = {"model": name, "prompt": "Once upon a time", "max_tokens": 5, "temperature": 1.5, "seed": 11}
+
+    def post(**kw):
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={**body, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    cands = [post(seed=11 + i, logprobs=0) for i in range(4)]
+    scores = [sum(c["choices"][0]["logprobs"]["token_logprobs"]) / c["usage"]["completion_tokens"] for c in cands]
+    assert len(set(scores)) == 4  # the candidates differ, so the ranking is a real choice
+    order = sorted(range(4), key=lambda i: -scores[i])
+    out = post(best_of=4, n=2)
+    assert [c["text"] for c in out["choices"]] == [cands[i]["choices"][0]["text"] for i in order[:2]]
+    assert [c["index"] for c in out["choices"]] == [0, 1] and all(c.get("logprobs") is None for c in out["choices"])
+    assert out["usage"]["completion_tokens"] == sum(c["usage"]["completion_tokens"] for c in cands)
+    assert out["usage"]["prompt_tokens"] == cands[0]["usage"]["prompt_tokens"]
+    one = post(best_of=4, logprobs=1)
+    assert [c["text"] for c in one["choices"]] == [cands[order[0]]["choices"][0]["text"]]
+    assert len(one["choices"][0]["logprobs"]["top_logprobs"][0]) >= 1  # asked: given
+    two = post(best_of=2, prompt=["Once upon a time", "Hello"])  # per prompt, in prompt order
+    assert len(two["choices"]) == 2 and two["choices"][0]["text"] in [c["choices"][0]["text"] for c in cands[:2]]
+    for bad in ({"best_of": 2, "stream": True}, {"best_of": 1, "n": 2}, {"best_of": 0}, {"best_of": 17}):
+        r = httpx.post(f"{base}/v1/completions", timeout=60, json={**body, **bad})
+        assert_openai_error(r, "best_of")
     wait_idle(base, None, 30)
 
 
