@@ -216,7 +216,7 @@ _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?
 FORMATS = {"date": _DATE, "time": _TIME, "date-time": _DATE + "T" + _TIME,
            "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"}
 _SIMPLE_ESCAPES = '"\\/\b\f\n\r\t'
-_SURROGATE = frozenset(b"89abcdefABCDEF")  # the second hex digit of a surrogate's \\u escape after "d"
+_SURROGATE = frozenset(b"89abcdefABCDEF")  # a surrogate escape: its second hex digit, after a "d"
 
 
 class SchemaError(ValueError):
