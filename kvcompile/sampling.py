@@ -205,6 +205,15 @@ class Records:
 
 
 RECORDS = Records()  # the server's one record (kvcompile serve runs one continuous-batching manager)
+_DECIDER: list = []  # the process group whose first rank picks every token for all (``decide_on``)
+
+
+def decide_on(group) -> None:
+    """Under tensor parallelism (``kvcompile serve`` under torchrun) every rank's engine runs the processor list
+    over the same batch, but only the driver (rank 0 of ``group``) holds what its requests asked (``RECORDS``:
+    penalties, a logit bias, JSON mode) and draws by its own generator: the tokens it picks are sent to the
+    other ranks, which take them, so that every rank stores and attends the same tokens."""
+    _DECIDER[:] = [group]
 MAX_TOP_LOGPROBS = 20  # alternatives a token's entry may list (OpenAI's limit for chat completions; vLLM's default)
 
 
@@ -345,6 +354,9 @@ def _routed_class(base):
                     guarded(a, a.took, step, int(choice[r]), raw[r])
                     if a.failed is not None and a.eos is not None:
                         choice[r] = a.eos  # a failed request ends now
+            if _DECIDER:  # sharded: the driver's tokens, on every rank
+                import torch.distributed as dist
+                dist.broadcast(choice, src=dist.get_global_rank(_DECIDER[0], 0), group=_DECIDER[0])
             return torch.full_like(scores, float("-inf")).scatter_(-1, choice.unsqueeze(-1), 0.0)
 
     Routed.__name__ = Routed.__qualname__ = "Routed" + base.__name__

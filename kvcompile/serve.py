@@ -41,12 +41,12 @@ import contextvars
 import json
 import logging
 import os
-import random
 import time
 
 import torch
 
-from .sampling import MAX_TOP_LOGPROBS, RECORDS, Asked, request_context, request_sampling, sampling_manager
+from .sampling import (MAX_TOP_LOGPROBS, RECORDS, Asked, decide_on, request_context, request_sampling,
+                       sampling_manager)
 from .structured import token_bytes
 
 
@@ -982,11 +982,9 @@ def _checked_handlers():
                 reply (``usage.completion_tokens``). ``echo``: the prompt's log probabilities too, in front
                 (recorded as the prefill computes them: ``serving.paged_forward``)."""
                 asked = asked_of(body, chat)
-                if _TENSOR_PARALLEL and asked is not None and (asked.adjusts or asked.json_mode or echo):
-                    field = "echo" if echo else next(f for f in ("presence_penalty", "frequency_penalty",
-                                                                  "logit_bias", "response_format") if body.get(f))
-                    raise RequestError(f"'{field}' is not supported when serving under tensor parallelism (every "
-                                       f"rank picks each token); leave it out", field)
+                if _TENSOR_PARALLEL and echo:
+                    raise RequestError("'echo' with 'logprobs' (the prompt's log probabilities) is not supported "
+                                       "when serving under tensor parallelism; leave one out", "echo")
                 if echo:
                     asked.prompt = []  # its ids once the request is generated (prompt_inputs)
                 # done here: transformers' handler would log them as ignored (or map them to config it never reads)
@@ -1042,9 +1040,6 @@ def _checked_handlers():
             def _build_generation_config(self, body, model_generation_config, use_cb=False):
                 gen = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
                 gen._kvcompile_sampling = request_sampling({**body, **_EXTENSIONS.get()}, model_generation_config)
-                if _TENSOR_PARALLEL and not gen._kvcompile_sampling["greedy"] and gen._kvcompile_sampling["seed"] < 0:
-                    # every rank picks each token: a seeded draw is the same on all of them (seeded_draw)
-                    gen._kvcompile_sampling["seed"] = random.getrandbits(31)
                 asked = _ASKED.get()
                 if asked is not None:
                     gen._kvcompile_sampling["record"] = asked["handle"]
@@ -1343,15 +1338,16 @@ def run_tensor_parallel(model_dir: str, policy, host: str, port: int, **kw) -> N
     "auto"``, each rank's cache holding its KV heads), transformers' continuous batching on every rank. Rank 0
     serves HTTP and is the engine's driver: the requests it adds reach the other ranks' engines at their next
     step (transformers broadcasts them), which step with it; every rank starts its engine at startup, with the
-    same configuration. Each rank draws a sampled token by the request's seed (one is given to a request that
-    has none), so that the ranks pick the same tokens; penalties, a logit bias, JSON mode and the prompt's log
-    probabilities, which only rank 0's records hold, are refused (``_asked``)."""
+    same configuration. Rank 0 picks every token -- by its records: penalties, a logit bias, JSON mode, log
+    probabilities -- and the other ranks take it (``sampling.decide_on``); the prompt's log probabilities
+    (``echo`` with ``logprobs``), which change rank 0's forward alone, are refused (``_asked``)."""
     import torch.distributed as dist
     import uvicorn
 
     global _TENSOR_PARALLEL
     _TENSOR_PARALLEL = True
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    decide_on(dist.group.WORLD)
     rank, world = dist.get_rank(), dist.get_world_size()
     app = manager = state = None
     try:

@@ -930,9 +930,9 @@ def test_serving_sharded_over_two_processes(tiny_dir):
     """``torchrun --nproc_per_node 2 -m kvcompile serve``: the model sharded over two gloo ranks (each rank's
     cache its KV heads), rank 0 serving HTTP. Under ``Policy.full()`` greedy replies, asked at once, are the
     unmodified model's ``generate`` tokens, and a seeded sampled reply is the unsharded model's draw by the same
-    rule (every rank must pick the same tokens for that: a rank that drew otherwise would corrupt the next
-    step's attention); log probabilities come back; a logit bias and the prompt's log probabilities (echo) are
-    refused (only rank 0 holds them)."""
+    rule (every rank must store the same tokens for that: a rank that stored others would corrupt the next
+    step's attention); log probabilities come back; penalties, a logit bias and JSON mode, which rank 0 alone
+    holds, decide every rank's tokens; the prompt's log probabilities (echo) are refused."""
     from concurrent.futures import ThreadPoolExecutor
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -988,10 +988,43 @@ def test_serving_sharded_over_two_processes(tiny_dir):
                 assert entry["logprob"] == pytest.approx(float(torch.log_softmax(logits, -1)[ids[-1]]), abs=1e-4)
         lp = complete(prompts[1], logprobs=2)["logprobs"]
         assert len(lp["tokens"]) == 8 and all(v <= 0 for v in lp["token_logprobs"])
-        for field, value in (("logit_bias", {"5": 3}), ("echo", True)):  # echo with log probabilities
-            r = httpx.post(f"{base}/v1/completions", timeout=120, json={"model": name, "prompt": "Hi", "max_tokens": 3,
-                                                                         "logprobs": 1, field: value})
-            assert_openai_error(r, field)
+
+        # what rank 0 alone holds (penalties, a logit bias, JSON mode) decides the tokens of every rank: the
+        # reply is the unsharded model's under OpenAI's formula, and its log probabilities (rank 0's logits, over
+        # the caches of both ranks) the unsharded model's over it, which they are not once a rank stored others
+        ids = tok(prompts[0], return_tensors="pt").input_ids[0].tolist()
+        bias, want, want_lp = {int(tok(" the").input_ids[-1]): 4.0}, [], []
+        with torch.no_grad():
+            for _ in range(8):
+                logits = model(torch.tensor([ids + want])).logits[0, -1].float()
+                want_lp.append(torch.log_softmax(logits, -1))
+                adjusted = logits.clone()
+                for t, v in bias.items():
+                    adjusted[t] += v
+                for t in set(want):
+                    adjusted[t] -= 1.5 * want.count(t)
+                want.append(int(adjusted.argmax()))
+        got = complete(prompts[0], logprobs=0, frequency_penalty=1.5, logit_bias={str(t): v for t, v in bias.items()})
+        assert got["logprobs"]["tokens"] == [token_bytes(tok.backend_tokenizer, t).decode("utf-8", "replace")
+                                             for t in want]
+        assert got["logprobs"]["token_logprobs"] == pytest.approx([float(lp[t]) for lp, t in zip(want_lp, want)],
+                                                                  abs=1e-4)
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+            "model": name, "messages": messages, "max_tokens": 12, "logprobs": True,
+            "response_format": {"type": "json_object"}})
+        assert r.status_code == 200, r.text
+        from kvcompile.structured import JsonPrefix
+        assert JsonPrefix().feed_all(r.json()["choices"][0]["message"]["content"].encode())
+        ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"])
+        for entry in r.json()["choices"][0]["logprobs"]["content"]:
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0, -1].float()
+            ids.append(id_of[bytes(entry["bytes"])])
+            assert entry["logprob"] == pytest.approx(float(torch.log_softmax(logits, -1)[ids[-1]]), abs=1e-4)
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={"model": name, "prompt": "Hi", "max_tokens": 3,
+                                                                     "logprobs": 1, "echo": True})
+        assert_openai_error(r, "echo")  # the prompt's log probabilities: rank 0's forward would differ
         assert stats(base)["requests"] == 0
     finally:
         out = stop_server(proc)
