@@ -192,9 +192,10 @@ def instance(draw, schema, root):
                  "null": st.none(), "number": st.floats(allow_nan=False, allow_infinity=False)}[t])
 
 
-def schema_valid(doc, schema) -> bool:
+def schema_valid(doc, schema, format_checker=None) -> bool:
     """``jsonschema``'s verdict, where an integer is a JSON number written without a fraction (an int here) and
-    enum and const values are compared as their JSON text (as the reader matches them: 1.0 is not 1)."""
+    enum and const values are compared as their JSON text (as the reader matches them: 1.0 is not 1); formats
+    checked by ``format_checker`` (None: not checked)."""
     import jsonschema
     from jsonschema.exceptions import ValidationError
 
@@ -207,7 +208,7 @@ def schema_valid(doc, schema) -> bool:
     validator = jsonschema.validators.extend(
         jsonschema.Draft202012Validator, type_checker=checker,
         validators={"enum": same_text, "const": lambda v, c, i, s: same_text(v, [c], i, s)})
-    return validator(schema).is_valid(doc)
+    return validator(schema, format_checker=format_checker).is_valid(doc)
 
 
 @settings(max_examples=500, deadline=None)
@@ -468,18 +469,7 @@ def bounded_valid(doc, schema) -> bool:
     checker = jsonschema.FormatChecker(formats=())
     for fmt in ("date", "time", "date-time", "uuid"):
         checker.checks(fmt)(lambda t, fmt=fmt: not isinstance(t, str) or format_valid(fmt, t))
-    from jsonschema.exceptions import ValidationError
-
-    def same_text(validator, allowed, value, _schema):
-        if json.dumps(value) not in {json.dumps(a) for a in allowed}:
-            yield ValidationError(f"{value!r} is none of {allowed!r}")
-
-    types = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
-        "integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool))
-    validator = jsonschema.validators.extend(
-        jsonschema.Draft202012Validator, type_checker=types,
-        validators={"enum": same_text, "const": lambda v, c, i, s: same_text(v, [c], i, s)})
-    return validator(schema, format_checker=checker).is_valid(doc)
+    return schema_valid(doc, schema, checker)
 
 
 bound_values = st.one_of(st.integers(-20, 20), st.floats(-20, 20), st.sampled_from([0.5, -0.5, 1e-7, 2.0, 0.1]))
