@@ -838,8 +838,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompts being prefilled (default: %(default)s; larger on a GPU)")
     s.add_argument("--cpu-offload-mib", type=_NONNEG_INT, default=0,
                    help="host memory, in MiB, for the caches of requests evicted when the pages run out: kept "
-                        "packed as they were and copied back when the request is scheduled again (per rank under "
-                        "torchrun; default: none, an evicted request is prefilled again)")
+                        "packed as they were and copied back when the request is scheduled again; per rank under "
+                        "torchrun (default: %(default)s: an evicted request is prefilled again)")
     s.add_argument("--no-prefix-sharing", action="store_true",
                    help="give every request its own pages even where prompts begin alike (default: shared, for "
                         "policies whose pages hold all their tokens: no full-precision window, no sinks)")
