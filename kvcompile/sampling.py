@@ -205,6 +205,7 @@ class Records:
 
 
 RECORDS = Records()  # the server's one record (kvcompile serve runs one continuous-batching manager)
+MAX_TOP_LOGPROBS = 20  # alternatives a token's entry may list (OpenAI's limit for chat completions; vLLM's default)
 _DECIDER: list = []  # the process group whose first rank picks every token for all (``decide_on``)
 
 
@@ -214,7 +215,6 @@ def decide_on(group) -> None:
     penalties, a logit bias, JSON mode) and draws by its own generator: the tokens it picks are sent to the
     other ranks, which take them, so that every rank stores and attends the same tokens."""
     _DECIDER[:] = [group]
-MAX_TOP_LOGPROBS = 20  # alternatives a token's entry may list (OpenAI's limit for chat completions; vLLM's default)
 
 
 def guarded(asked: Asked, fn, *args):

@@ -826,6 +826,13 @@ async def _after(first, stream, scored: bool = False):
             await close()
 
 
+def with_choice(sse: str, **fields) -> str:
+    """A streamed chunk (an SSE ``data:`` line of one choice) with ``fields`` set on its choice."""
+    chunk = json.loads(sse.removeprefix("data: "))
+    chunk["choices"][0].update(fields)
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
 def echo_logprobs(tokenizer, asked: Asked, handle: int) -> dict:
     """A completion's ``logprobs`` for its echoed prompt (``completion_logprobs``): the first token with none,
     as OpenAI's echo gives it."""
@@ -954,6 +961,7 @@ def _checked_handlers():
                 unstreamed, sent as a stream's events -- the prompt (and its log probabilities), then the end
                 with the usage."""
                 from fastapi.responses import StreamingResponse
+                from openai.types import CompletionUsage
 
                 reply = await self._echoed({**body, "stream": False}, request_id)
                 if reply.status_code != 200:
@@ -961,16 +969,11 @@ def _checked_handlers():
                 out = json.loads(reply.body)
                 choice = out["choices"][0]
 
-                def event(**fields):
-                    chunk = json.loads(self._build_chunk_sse(request_id, body["model"]).removeprefix("data: "))
-                    chunk["choices"][0].update(fields)
-                    if "usage" in fields:
-                        chunk["usage"] = chunk["choices"][0].pop("usage")
-                    return f"data: {json.dumps(chunk)}\n\n"
-
                 async def events():
-                    yield event(text=choice["text"], logprobs=choice.get("logprobs"))
-                    yield event(finish_reason=choice["finish_reason"], usage=out["usage"])
+                    yield with_choice(self._build_chunk_sse(request_id, body["model"], text=choice["text"]),
+                                      logprobs=choice.get("logprobs"))
+                    yield self._build_chunk_sse(request_id, body["model"], finish_reason=choice["finish_reason"],
+                                                usage=CompletionUsage(**out["usage"]))
 
                 return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -1002,9 +1005,7 @@ def _checked_handlers():
                         if echo:
                             def prompt_chunk():
                                 sse = self._build_chunk_sse(request_id, body["model"], text=body["prompt"])
-                                chunk = json.loads(sse.removeprefix("data: "))
-                                chunk["choices"][0]["logprobs"] = echo_logprobs(ctx["tokenizer"], asked, handle)
-                                return f"data: {json.dumps(chunk)}\n\n"
+                                return with_choice(sse, logprobs=echo_logprobs(ctx["tokenizer"], asked, handle))
                             it = _after(prompt_chunk, it, scored=True)
                         reply.body_iterator, streams = _closing(it, handle), True
                         return reply
@@ -1031,11 +1032,7 @@ def _checked_handlers():
                 (``TokenText``) gives them as the chunk's ``logprobs``."""
                 sse = super()._build_chunk_sse(*args, **kw)
                 tokens = getattr(kw.get("content", kw.get("text")), "tokens", None)
-                if tokens is None:
-                    return sse
-                chunk = json.loads(sse.removeprefix("data: "))
-                chunk["choices"][0]["logprobs"] = logprobs_of(tokens)
-                return f"data: {json.dumps(chunk)}\n\n"
+                return sse if tokens is None else with_choice(sse, logprobs=logprobs_of(tokens))
 
             def _build_generation_config(self, body, model_generation_config, use_cb=False):
                 gen = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
