@@ -191,6 +191,19 @@ def test_requests_wait_for_pages_in_a_tight_budget(reference):
     assert seen["free_after"] == 4 and seen["slots_after"] == {}
 
 
+def eviction_setup(policy):
+    """Three 60-token prompts that each grow to 160 tokens, three slots and five 64-token blocks: transformers'
+    scheduler must evict one to let the others on. The model under ``policy``, the prompts, the config."""
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(3, 64, (60,), generator=g).tolist() for _ in range(3)]
+    gen = GenerationConfig(max_new_tokens=100, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    model = applied(policy)
+    specs = serving.layer_specs(model.config, model._kvcompile_serving, torch.float32)
+    serving.configure(model, max_requests=3,
+                      budget=3 * sum(s.row_nbytes() for s in specs) + 5 * sum(s.block_nbytes() + 12 for s in specs))
+    return model, ps, gen
+
+
 def test_requests_evicted_when_pages_run_out_are_prefilled_again(monkeypatch):
     """Five blocks for three requests that each grow to 160 tokens (three blocks): transformers' scheduler
     evicts a starved request (its soft reset: cache freed, request re-queued and prefilled again), kvcompile's
@@ -204,32 +217,13 @@ def test_requests_evicted_when_pages_run_out_are_prefilled_again(monkeypatch):
         return orig(self, request_id, no_cache)
 
     monkeypatch.setattr(cls, "free_blocks", free_blocks)
-    g = torch.Generator().manual_seed(5)
-    ps = [torch.randint(3, 64, (60,), generator=g).tolist() for _ in range(3)]
-    gen = GenerationConfig(max_new_tokens=100, do_sample=False, eos_token_id=-1, pad_token_id=0)
     ref = tiny()
-    model = applied(Policy.full())
-    specs = serving.layer_specs(model.config, model._kvcompile_serving, torch.float32)
-    serving.configure(model, max_requests=3,
-                      budget=3 * sum(s.row_nbytes() for s in specs) + 5 * sum(s.block_nbytes() + 12 for s in specs))
+    model, ps, gen = eviction_setup(Policy.full())
     with torch.no_grad():
         want = [ref.generate(torch.tensor([p]), generation_config=gen)[0, len(p):].tolist() for p in ps]
         got = tokens(model.generate_batch(ps, gen, continuous_batching_config=cb_config(), progress_bar=False))
     assert evicted  # the path under test ran
     assert got == want
-
-
-def eviction_setup(policy, new: int = 100):
-    """Three 60-token prompts that each grow to 160 tokens, three slots and five 64-token blocks: transformers'
-    scheduler must evict one to let the others on."""
-    g = torch.Generator().manual_seed(5)
-    ps = [torch.randint(3, 64, (60,), generator=g).tolist() for _ in range(3)]
-    gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    model = applied(policy)
-    specs = serving.layer_specs(model.config, model._kvcompile_serving, torch.float32)
-    serving.configure(model, max_requests=3,
-                      budget=3 * sum(s.row_nbytes() for s in specs) + 5 * sum(s.block_nbytes() + 12 for s in specs))
-    return model, ps, gen
 
 
 @pytest.mark.parametrize("policy", [Policy.full(), KIVI], ids=["full", "kivi"])
