@@ -77,9 +77,15 @@ def convert_default(log=print) -> Path:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
+        if target.exists() and not (target / "config.json").exists():
+            shutil.rmtree(target)  # a copy left incomplete by an older version
+        try:
+            tmp.rename(target)
+        except OSError:  # another process converted it meanwhile (two servers' first start): keep theirs
+            if not (target / "config.json").exists():
+                raise
+            log("another process converted it meanwhile; using that copy")
+            return target
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

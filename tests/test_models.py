@@ -25,6 +25,32 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     assert models.cache_dir() == tmp_path / "x" / "kvcompile"
 
 
+def test_a_conversion_finished_meanwhile_by_another_process_is_kept(monkeypatch, tmp_path, tiny_dir):
+    """Two processes' first start (two servers, two test workers) convert at once: the one that finishes second
+    keeps the first one's complete copy (it is already being read) instead of deleting it or failing. The other
+    process is played by a copy that appears while this one converts (the loaders stand in for the GGUF's, to
+    keep it fast: what is tested is the cache's files)."""
+    import shutil
+
+    import transformers
+
+    monkeypatch.setenv("KVCOMPILE_CACHE", str(tmp_path / "cache"))
+    target = models.converted_path()
+    tiny = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir)
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+
+    def load_model(*a, **k):  # meanwhile, the other process finishes its conversion
+        shutil.copytree(tiny_dir, target)
+        (target / "theirs").write_text("")
+        return tiny
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load_model)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tok)
+    assert models.convert_default(log=lambda *a: None) == target
+    assert (target / "theirs").exists() and (target / "config.json").exists()
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no temporary copy left behind
+
+
 def test_the_wheel_holds_a_gguf():
     g = models.find_gguf()
     assert g.suffix == ".gguf" and g.stat().st_size > 50_000_000
