@@ -165,11 +165,6 @@ class Records:
         with self._lock:
             self._prompts[request_id] = asked
 
-    def watching_prompts(self) -> bool:
-        """Whether any request's prompt log probabilities are being recorded (each forward asks, once)."""
-        with self._lock:
-            return bool(self._prompts)
-
     def prompt_asked(self, request_id: str) -> Asked | None:
         """The record of a request whose prompt log probabilities are asked, or None."""
         with self._lock:
@@ -204,6 +199,9 @@ class Records:
             return len(self._open)
 
 
+# a request's keyword: the number of its prompt's tokens whose log probabilities are asked (its first one has
+# none): every one is computed (no prefix match) and the rows of their logits are kept (``serving.prompt_rows``)
+PROMPT_ROWS = "prompt_rows"
 RECORDS = Records()  # the server's one record (kvcompile serve runs one continuous-batching manager)
 MAX_TOP_LOGPROBS = 20  # alternatives a token's entry may list (OpenAI's limit for chat completions; vLLM's default)
 _DECIDER: list = []  # the process group whose first rank picks every token for all (``decide_on``)
@@ -374,6 +372,8 @@ def add_request_args(procs) -> None:
         procs.tensors_required += 1
         if kwarg:
             procs.supported_keys[name] = int
+    # no processor reads it: the engine's cache does (``serving.prompt_rows``)
+    procs.supported_keys[PROMPT_ROWS] = int
     procs.do_processing = True
     procs.__class__ = routed
 
@@ -408,6 +408,8 @@ def sampling_manager(model, gen_config, cb_config):
             if kwargs.get("request_id") is None:
                 raise ValueError("a request whose prompt log probabilities are asked needs its request_id")
             RECORDS.watch_prompt(kwargs["request_id"], asked)  # before the engine can schedule it
+            # carried by the request to every rank's engine: each keeps the same rows of every forward
+            kwargs[PROMPT_ROWS] = len(asked.prompt)
         return add(input_ids, *args, **kwargs)
 
     cb.add_request = add_request

@@ -985,9 +985,6 @@ def _checked_handlers():
                 reply (``usage.completion_tokens``). ``echo``: the prompt's log probabilities too, in front
                 (recorded as the prefill computes them: ``serving.paged_forward``)."""
                 asked = asked_of(body, chat)
-                if _TENSOR_PARALLEL and echo:
-                    raise RequestError("'echo' with 'logprobs' (the prompt's log probabilities) is not supported "
-                                       "when serving under tensor parallelism; leave one out", "echo")
                 if echo:
                     asked.prompt = []  # its ids once the request is generated (prompt_inputs)
                 # done here: transformers' handler would log them as ignored (or map them to config it never reads)
@@ -1326,23 +1323,18 @@ def run(model_dir: str, policy, host: str = "127.0.0.1", port: int = 8000, **kw)
         manager.shutdown()
 
 
-# set by run_tensor_parallel: requests are served by every rank of a process group together
-_TENSOR_PARALLEL = False
-
-
 def run_tensor_parallel(model_dir: str, policy, host: str, port: int, **kw) -> None:
     """``torchrun --nproc_per_node N -m kvcompile serve ...``: the model sharded over the N ranks (``tp_plan=
     "auto"``, each rank's cache holding its KV heads), transformers' continuous batching on every rank. Rank 0
     serves HTTP and is the engine's driver: the requests it adds reach the other ranks' engines at their next
     step (transformers broadcasts them), which step with it; every rank starts its engine at startup, with the
     same configuration. Rank 0 picks every token -- by its records: penalties, a logit bias, JSON mode, log
-    probabilities -- and the other ranks take it (``sampling.decide_on``); the prompt's log probabilities
-    (``echo`` with ``logprobs``), which change rank 0's forward alone, are refused (``_asked``)."""
+    probabilities -- and the other ranks take it (``sampling.decide_on``). A request whose prompt's log
+    probabilities are asked carries that to every rank, whose forwards keep the same rows for them
+    (``serving.prompt_rows``); rank 0 records them."""
     import torch.distributed as dist
     import uvicorn
 
-    global _TENSOR_PARALLEL
-    _TENSOR_PARALLEL = True
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     decide_on(dist.group.WORLD)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -508,6 +508,7 @@ def _make_cache_class():
             self.free_slots = list(range(slots - 1, -1, -1))
             self.keep_freed: dict | None = None  # while transformers evicts requests: the rows it frees
             self._pending: list = []
+            self._scheduler = None  # transformers' scheduler of this cache (a weak reference): its requests
             self._plan: _Plan | None = None
             self._work: dict = {}
             # compiled: the forward is traced by Dynamo with transformers' own paged update and SDPA, over
@@ -623,14 +624,24 @@ def _make_cache_class():
                 self._drop(rid)
             self._pending, self._plan, self._work = [], None, {}
 
+        def prompt_rows(self, request_id: str) -> int:
+            """How many of the request's prompt tokens have their log probabilities asked (0: none), by what the
+            request carries (``sampling.PROMPT_ROWS``): under tensor parallelism every rank's engine has the
+            request, and so keeps the same rows, though only rank 0 records them."""
+            from .sampling import PROMPT_ROWS
+            sched = None if self._scheduler is None else self._scheduler()
+            if sched is None:
+                return 0
+            state = sched.active_requests.get(request_id) or sched.waiting_requests.get(request_id)
+            return 0 if state is None else int(state.logit_processor_kwargs.get(PROMPT_ROWS, 0))
+
         def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
             """transformers' prefix match (pages of an earlier request whose tokens begin this prompt); the request
             starts with those pages and their length in its row. Only with a free slot: a matched request holds
             its pages while it waits, so one that would wait for a slot stays unmatched until it gets one."""
             if request_id not in self.slot_of and not self.free_slots:
                 return 0
-            from .sampling import RECORDS
-            if RECORDS.prompt_asked(request_id) is not None:
+            if self.prompt_rows(request_id):
                 return 0  # its prompt's log probabilities are asked: every prompt token is computed
             n = super().search_prefix_match(request_id, prompt_ids)
             if n:
@@ -979,6 +990,7 @@ def _make_manager_class():
                 old = bp.offloading_manager
                 bp.offloading_manager = _offloading_class()(bp.cache, old.scheduler, self._offload_space,
                                                              old._compute_stream, bp.distributed_helper)
+            bp.cache._scheduler = weakref.ref(bp.scheduler)
             ref = weakref.ref(bp.cache)
             for m in self.model.modules():
                 if isinstance(getattr(m, "layer_idx", None), int):
@@ -1116,23 +1128,24 @@ def paged_forward(orig_forward, paged_cache, /, *args, **kwargs):
     else:  # the head ran on every row; the engine picks its own
         out = orig_forward(*args, **kwargs)
         logits = out.logits[0, rows.to(out.logits.device)]
-    for row, (_, asked, place) in zip(logits, wanted):
-        asked.took_prompt(place, row)
+    from .sampling import RECORDS
+
+    for row, (_, rid, place) in zip(logits, wanted):
+        asked = RECORDS.prompt_asked(rid)  # None on the other ranks, or once its reply is gone
+        if asked is not None:
+            asked.took_prompt(place, row)
     return out
 
 
-def _prompt_places(paged_cache) -> list[tuple[int, object, int]]:
+def _prompt_places(paged_cache) -> list[tuple[int, str, int]]:
     """The rows of the forward about to run whose logits give a prompt token's log probability, for requests
-    that ask for them (``sampling.Records.watch_prompt``): ``(row, the request's record, the place in its prompt
+    that ask for them (``PagedKVCompileCache.prompt_rows``): ``(row, the request's id, the place in its prompt
     of the token the row predicts)``. Eager forwards only (a compiled one has a static shape)."""
-    from .sampling import RECORDS
-
-    if paged_cache.compiled or not paged_cache._pending or not RECORDS.watching_prompts():
+    if paged_cache.compiled or not paged_cache._pending:
         return []
     out, row = [], 0
     for rid, past, n in paged_cache._pending:
-        asked = RECORDS.prompt_asked(rid)
-        if asked is not None:
-            out += [(row + j, asked, past + j + 1) for j in range(n) if past + j + 1 < len(asked.prompt)]
+        if asked := paged_cache.prompt_rows(rid):
+            out += [(row + j, rid, past + j + 1) for j in range(n) if past + j + 1 < asked]
         row += n
     return out

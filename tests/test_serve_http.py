@@ -932,7 +932,7 @@ def test_serving_sharded_over_two_processes(tiny_dir):
     unmodified model's ``generate`` tokens, and a seeded sampled reply is the unsharded model's draw by the same
     rule (every rank must store the same tokens for that: a rank that stored others would corrupt the next
     step's attention); log probabilities come back; penalties, a logit bias and JSON mode, which rank 0 alone
-    holds, decide every rank's tokens; the prompt's log probabilities (echo) are refused."""
+    holds, decide every rank's tokens; the prompt's log probabilities (echo) are the unsharded model's."""
     from concurrent.futures import ThreadPoolExecutor
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -955,8 +955,8 @@ def test_serving_sharded_over_two_processes(tiny_dir):
             return r.json()["choices"][0]
 
         with ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(complete, prompts))
-        for prompt, choice in zip(prompts, got):
+            replies = list(pool.map(complete, prompts))
+        for prompt, choice in zip(prompts, replies):
             ids = tok(prompt, return_tensors="pt").input_ids
             want = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
             assert choice["text"] == tok.decode(want, skip_special_tokens=True), prompt
@@ -1022,9 +1022,23 @@ def test_serving_sharded_over_two_processes(tiny_dir):
                 logits = model(torch.tensor([ids])).logits[0, -1].float()
             ids.append(id_of[bytes(entry["bytes"])])
             assert entry["logprob"] == pytest.approx(float(torch.log_softmax(logits, -1)[ids[-1]]), abs=1e-4)
-        r = httpx.post(f"{base}/v1/completions", timeout=120, json={"model": name, "prompt": "Hi", "max_tokens": 3,
-                                                                     "logprobs": 1, "echo": True})
-        assert_openai_error(r, "echo")  # the prompt's log probabilities: rank 0's forward would differ
+        # the prompt's log probabilities (echo): every rank keeps the same rows of the head (which gathers the
+        # ranks' columns) and computes every prompt token though its pages are shared from the request before;
+        # beside a plain request in the same forwards, and as best_of's candidates
+        long = tok(" ".join(f"word{i}" for i in range(120))).input_ids
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([long])).logits[0].float(), -1)
+        want = want[torch.arange(len(long) - 1), torch.tensor(long[1:])]
+        assert complete(long)["text"]  # its pages are cached for a prefix match
+        asks = [{"prompt": long, "max_tokens": 2, "logprobs": 1, "echo": True}, {"prompt": prompts[3]},
+                {"prompt": long, "max_tokens": 2, "logprobs": 1, "echo": True, "best_of": 2, "temperature": 1.0}]
+        with ThreadPoolExecutor(3) as pool:
+            echoed, plain, best = pool.map(lambda kw: complete(**kw), asks)
+        for choice in (echoed, best):
+            scored = torch.tensor(choice["logprobs"]["token_logprobs"][1:len(long)])
+            assert (scored - want).abs().max() < 1e-4, (scored - want).abs().max()
+        assert plain["text"] == replies[3]["text"]
+        wait_idle(base, None, 30)
         assert stats(base)["requests"] == 0
     finally:
         out = stop_server(proc)
