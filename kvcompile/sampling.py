@@ -251,8 +251,7 @@ def constrained_pick(constraint, scores: torch.Tensor, probs: torch.Tensor | Non
     else:
         def draw(p):
             return int(torch.multinomial(p, 1))
-    t = constraint.pick(scores, probs, draw)
-    return constraint.eos if t is None else t
+    return constraint.pick(scores, probs, draw)
 
 
 def _arg_class():

@@ -219,6 +219,10 @@ _SIMPLE_ESCAPES = '"\\/\b\f\n\r\t'
 _SURROGATE = frozenset(b"89abcdefABCDEF")  # a surrogate escape: its second hex digit, after a "d"
 
 
+class DeadEnd(ValueError):
+    """No token of the vocabulary continues a constrained reply (``JsonConstraint.pick``)."""
+
+
 class SchemaError(ValueError):
     """A JSON schema the reader does not follow: what, where, and what it does follow."""
 
@@ -881,6 +885,7 @@ class JsonConstraint:
     def __init__(self, vocab: list[bytes | None], eos: int, stops=(), schema: dict | None = None):
         self.vocab, self.eos, self.stops = vocab, eos, frozenset(stops) | {eos}
         self.prefix = JsonPrefix() if schema is None else SchemaPrefix(schema)
+        self.text = b""  # the reply so far
 
     def fits(self, token: int) -> bool:
         data = self.vocab[token] if token < len(self.vocab) and token not in self.stops else None
@@ -891,16 +896,18 @@ class JsonConstraint:
         if token != self.eos:
             if not self.prefix.feed_all(self.vocab[token]):
                 raise AssertionError(f"token {token} does not continue the reply's JSON")
+            self.text += self.vocab[token]
 
     def pick(self, scores: torch.Tensor, probs: torch.Tensor | None = None, draw=None) -> int:
         """The token for one row: the end of the reply once its object is complete; else, greedy (``probs``
         None), the highest-scoring token that keeps the reply a JSON prefix; sampling, a draw from ``probs``
         restricted to such tokens (``draw(probs) -> token``: rejection, each refused token's probability set to
         0 and drawn again, which draws from the restricted distribution; after 64 refusals the most probable
-        fitting token). ``None`` when no token fits, which a vocabulary holding every byte as a token (byte-level
-        BPE, as SmolLM2's and Llama 3's) never leaves: the reader takes a byte only where a document can go
-        on. The most likely token (or the first draw) usually fits; when it does not, only tokens whose first
-        byte the reply can take next are tried (``_open``)."""
+        fitting token). The most likely token (or the first draw) usually fits; when it does not, only tokens
+        whose first byte the reply can take next are tried (``_open``). ``DeadEnd`` when no token fits: a
+        vocabulary holding every byte as a token (byte-level BPE, as SmolLM2's and Llama 3's) leaves none, as
+        the reader takes a byte only where a document can go on -- except in a string with a ``pattern`` that
+        needs a character outside ASCII there (such strings are written in ASCII)."""
         if self.prefix.complete:
             return self.eos
         if probs is None:
@@ -929,7 +936,9 @@ class JsonConstraint:
         for t in ids[torch.argsort(order[ids], descending=True, stable=True)].tolist():
             if self.fits(t):
                 return t
-        return None
+        raise DeadEnd(f"no token of the vocabulary continues the reply ({self.text[-60:].decode('utf-8', 'replace')!r} so far) under "
+                      f"its JSON schema: a string's pattern needs a character outside ASCII here, which is not "
+                      f"written under a pattern; let the pattern take an ASCII spelling there, or drop it")
 
     def _open(self, n: int) -> torch.Tensor:
         """Which of ``n`` token ids begin with a byte the reply can take next (bool ``[n]``)."""

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcompile.structured import MAX_SPACE, JsonConstraint, JsonPrefix
+from kvcompile.structured import MAX_SPACE, DeadEnd, JsonConstraint, JsonPrefix
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12),
                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))
@@ -654,3 +654,23 @@ def test_a_pick_is_the_best_fitting_token_when_the_best_does_not_fit(seed):
             assert c.pick(scores) == want
             probs = torch.softmax(scores, 0)
             assert c.pick(scores, probs, draw=lambda p: int(p.argmax())) == want
+
+
+def test_a_pattern_that_needs_a_character_outside_ascii_ends_in_an_error_naming_it():
+    """A string with a pattern is written in ASCII: where its pattern needs another character (here "€"), no
+    token continues the reply, and the pick says so (the request fails with that message) instead of ending the
+    reply cut. A pattern that only allows such characters beside ASCII ones is followed in ASCII."""
+    vocab = [p.encode() for p in ['{"p":', '"', "€", "5", "}", "E"]] + [None]
+    c = JsonConstraint(vocab, len(vocab) - 1, schema={
+        "type": "object", "properties": {"p": {"type": "string", "pattern": "^€[0-9]$"}}, "required": ["p"]})
+    for piece in (b'{"p":', b'"'):
+        c.took(vocab.index(piece))
+    with pytest.raises(DeadEnd, match=r"""\('\{"p":"' so far\).*pattern needs a character outside ASCII"""):
+        c.pick(torch.zeros(len(vocab)))
+    c = JsonConstraint(vocab, len(vocab) - 1, schema={
+        "type": "object", "properties": {"p": {"type": "string", "pattern": "^[€E][0-9]$"}}, "required": ["p"]})
+    out = b""
+    while (t := c.pick(torch.zeros(len(vocab)))) != c.eos:
+        c.took(t)
+        out += vocab[t]
+    assert json.loads(out) == {"p": "E5"}
