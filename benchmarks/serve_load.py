@@ -27,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,9 +40,34 @@ WORDS = ("the printing press carried movable type across the cities of europe an
 
 
 def free_port() -> int:
+    """A loopback port free now. Another process may take it before the server binds it: ``listening`` tells
+    whether the server that answers there is the one started."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_taken(output: str) -> bool:
+    """Whether a server that exited says its port (or torchrun's) was taken before it bound it."""
+    return "address already in use" in output.lower()
+
+
+def listening(pid: int, port: int) -> bool:
+    """Whether process ``pid``, or a process it started (torchrun's ranks), listens on ``port``."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return False
+    for p in procs:
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in p.net_connections("tcp")):
+                return True
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return False
 
 
 # --------------------------------------------------------------------------- the servers
@@ -77,33 +103,51 @@ class Server:
     """A server subprocess on a free loopback port; always stopped on exit."""
 
     def __init__(self, kind: str, model_dir: str, budget_mib: int, policy: str, max_requests: int):
-        self.kind, self.port = kind, free_port()
-        if kind.startswith("kvcompile"):
-            cmd = [sys.executable, "-m", "kvcompile", "serve", "--model", model_dir, "--policy", policy,
-                   "--port", str(self.port), "--budget-mib", str(budget_mib)]
-            cmd += ["--max-requests", str(max_requests)] if max_requests else []
-            cmd += ["--no-prefix-sharing"] if kind == "kvcompile-unshared" else []
+        self.kind, self.model_dir, self.budget_mib = kind, model_dir, budget_mib
+        self.policy, self.max_requests = policy, max_requests
+        self.proc = self.log = None
+
+    def _start(self) -> None:
+        self.port = free_port()
+        if self.kind.startswith("kvcompile"):
+            cmd = [sys.executable, "-m", "kvcompile", "serve", "--model", self.model_dir, "--policy", self.policy,
+                   "--port", str(self.port), "--budget-mib", str(self.budget_mib)]
+            cmd += ["--max-requests", str(self.max_requests)] if self.max_requests else []
+            cmd += ["--no-prefix-sharing"] if self.kind == "kvcompile-unshared" else []
         else:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-transformers", model_dir,
-                   "--port", str(self.port), "--budget-mib", str(budget_mib)]
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-transformers", self.model_dir,
+                   "--port", str(self.port), "--budget-mib", str(self.budget_mib)]
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        self.log = open(os.devnull, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        if self.log is not None:
+            self.log.close()
+        self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a server that logs much never blocks on it
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env)
         self.base = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self):
+        """Started once it answers on its port; started again on another port if one was taken meanwhile (the
+        server then exits, unable to bind it)."""
         deadline = time.time() + STARTUP_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the {self.kind} server exited with status {self.proc.returncode} before answering")
-            try:
-                if httpx.get(f"{self.base}/v1/models", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"the {self.kind} server did not answer within {STARTUP_S} s")
-            time.sleep(1)
+        for _ in range(3):
+            self._start()
+            while self.proc.poll() is None:
+                try:
+                    if (httpx.get(f"{self.base}/v1/models", timeout=2).status_code == 200
+                            and listening(self.proc.pid, self.port)):
+                        return self
+                except httpx.HTTPError:
+                    pass
+                if time.time() > deadline:
+                    self.__exit__()
+                    raise RuntimeError(f"the {self.kind} server did not answer within {STARTUP_S} s")
+                time.sleep(1)
+            self.log.seek(0)
+            out = self.log.read()
+            if not port_taken(out):
+                break
+        self.log.close()
+        raise RuntimeError(f"the {self.kind} server exited with status {self.proc.returncode} before answering:\n"
+                           f"{out[-3000:]}")
 
     def __exit__(self, *exc):
         self.proc.terminate()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,43 +22,46 @@ import httpx
 import pytest
 import torch
 
+from benchmarks import serve_load
+from benchmarks.serve_load import free_port
+
 STARTUP_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(*args, launcher=()):
     """``kvcompile serve *args`` on a free loopback port, once it answers: ``(proc, base url)``; ``launcher``:
-    the command that runs the module (default: this Python), e.g. torchrun's."""
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a server that logs much never blocks on it
-    proc = subprocess.Popen([*(launcher or [sys.executable]), "-m", "kvcompile", "serve", *map(str, args),
-                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)  # its own process group: stop_server ends torchrun's workers too
-    proc.log = log
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + STARTUP_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"kvcompile serve exited with {proc.returncode}:\n{stop_server(proc)}")
-            try:
-                if httpx.get(f"{base}/kvcompile/stats", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"kvcompile serve did not answer within {STARTUP_S} s")
-            time.sleep(1)
-    except BaseException:
-        stop_server(proc)
-        raise
-    return proc, base
+    the command that runs the module (default: this Python), e.g. torchrun's, with ``{port}`` standing for a
+    free port of its own. Started again on other ports if one was taken before it bound it (a server of
+    another test process: then the one that answers is not this one)."""
+    deadline = time.time() + STARTUP_S
+    for _ in range(3):
+        port = free_port()
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a server that logs much never blocks on it
+        cmd = [a.replace("{port}", str(free_port())) for a in launcher] or [sys.executable]
+        proc = subprocess.Popen([*cmd, "-m", "kvcompile", "serve", *map(str, args), "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)  # its own process group: stop_server ends torchrun's too
+        proc.log = log
+        base = f"http://127.0.0.1:{port}"
+        try:
+            while proc.poll() is None:
+                try:
+                    if (httpx.get(f"{base}/kvcompile/stats", timeout=2).status_code == 200
+                            and serve_load.listening(proc.pid, port)):
+                        return proc, base
+                except httpx.HTTPError:
+                    pass
+                if time.time() > deadline:
+                    pytest.fail(f"kvcompile serve did not answer within {STARTUP_S} s")
+                time.sleep(1)
+        except BaseException:
+            stop_server(proc)
+            raise
+        out = stop_server(proc)
+        if not serve_load.port_taken(out):
+            break
+    pytest.fail(f"kvcompile serve exited with {proc.returncode}:\n{out}")
 
 
 def stop_server(proc) -> str:
@@ -940,7 +942,7 @@ def test_serving_sharded_over_two_processes(tiny_dir):
     from kvcompile.sampling import seeded_draw
 
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+                "--master_addr", "127.0.0.1", "--master_port", "{port}"]
     proc, base = start_server("--model", tiny_dir, "--policy", "full", "--budget-mib", 2, launcher=launcher)
     name = str(tiny_dir)
     try:

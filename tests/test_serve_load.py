@@ -96,3 +96,34 @@ def test_out_of_pages_every_request_completes_with_its_own_text(tiny_dir, tmp_pa
     else:
         assert end["offloaded"] == 0, end
     assert end["pages_held"] == end["requests"] == 0 and end["free_blocks"] == end["blocks"]  # all back
+
+
+def test_a_server_whose_port_was_taken_meanwhile_starts_on_another(tiny_dir, monkeypatch):
+    """The benchmark's servers and the tests' start on a port found free a moment before; a process that takes
+    it meanwhile (another test process's server) answers there, but is not the server started: it is started
+    again on another port, and the one that answers is its own."""
+    import http.server
+    import threading
+
+    class Other(http.server.BaseHTTPRequestHandler):  # answers every route, as a server would
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *a):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    taken = other.server_address[1]
+    ports = iter([taken])
+    real = serve_load.free_port
+    monkeypatch.setattr(serve_load, "free_port", lambda: next(ports, None) or real())
+    try:
+        with serve_load.Server("kvcompile", str(tiny_dir), 2, "full", 0) as server:
+            assert server.port != taken and serve_load.listening(server.proc.pid, server.port)
+            assert "manager" in httpx.get(f"{server.base}/kvcompile/stats", timeout=10).json()  # not the other
+        assert not serve_load.listening(server.proc.pid, taken)
+    finally:
+        other.shutdown()
