@@ -199,7 +199,8 @@ class JsonPrefix:
 # --------------------------------------------------------------------------- a JSON schema
 SCHEMA_KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
                    "oneOf", "allOf", "$ref", "$defs", "definitions", "minimum", "maximum", "exclusiveMinimum",
-                   "exclusiveMaximum", "minLength", "maxLength", "pattern", "format", "minItems", "maxItems"}
+                   "exclusiveMaximum", "minLength", "maxLength", "pattern", "format", "minItems", "maxItems",
+                   "uniqueItems"}
 # read by people only; a oneOf's discriminator (OpenAPI's, which pydantic writes) is a hint the reader need not
 # follow: it checks by itself that a oneOf's alternatives are apart
 SCHEMA_NOTES = {"title", "description", "default", "examples", "$schema", "$comment", "$id", "discriminator"}
@@ -392,6 +393,34 @@ def _literals(alts: tuple):
     return out
 
 
+def _item_key(data: bytes) -> tuple:
+    """What tells an array's item from the others under ``uniqueItems``, as a validator compares them: its
+    value, numbers by value (1 and 1.0 are one), booleans apart from numbers (true is not 1)."""
+    v = json.loads(data)
+    return ("b", v) if isinstance(v, bool) else ("z",) if v is None else ("s", v) if isinstance(v, str) else ("n", v)
+
+
+def _unique_domain(alts: tuple) -> frozenset | None:
+    """Every value an item of these alternatives may be (``_item_key``s), or None when there is no end to them."""
+    out = set()
+    for a in alts:
+        if "_literal" in a:
+            out.add(_item_key(a["_literal"]))
+            continue
+        for t in _types(a):
+            if t == "string" and "enum" in a:
+                out.update(("s", e) for e in a["enum"])
+            elif t == "string" and a.get("maxLength", 1) == 0:
+                out.add(("s", ""))
+            elif t == "boolean":
+                out.update({("b", True), ("b", False)})
+            elif t == "null":
+                out.add(("z",))
+            else:
+                return None
+    return frozenset(out)
+
+
 class _Schema:
     """A whole schema (``root``, where ``$ref`` pointers lead) and each of its subschemas' alternatives
     (``alternatives``), worked out once."""
@@ -459,6 +488,13 @@ class _Schema:
         self.memo[key] = out
         return out
 
+    def unique_domain(self, array: dict) -> frozenset | None:
+        """``_unique_domain`` of an array schema's items, worked out once."""
+        key = ("unique", id(array))
+        if key not in self.memo:
+            self.memo[key] = _unique_domain(self.alternatives(array.get("items", {})))
+        return self.memo[key]
+
     def _apart(self, members: list, at: str) -> None:
         """Refuse a oneOf whose alternatives may take one value (a document would then follow neither: oneOf asks
         for exactly one); apart are alternatives of different types, different enum or const values, or objects
@@ -501,8 +537,9 @@ def check_schema(schema, at: str = "schema") -> None:
     ``enum`` and ``const`` (of strings, numbers, booleans and null), ``anyOf``, ``oneOf`` (of alternatives it
     can tell apart), ``allOf`` of one schema, ``$ref`` into the schema (``$defs``, ``definitions``), and the
     bounds: ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``, ``minLength``,
-    ``maxLength``, ``minItems``, ``maxItems``, ``pattern`` and ``format`` (``FORMATS``) -- what OpenAI's
-    structured outputs and pydantic's schemas use but ``multipleOf``, ``uniqueItems`` and the like -- and
+    ``maxLength``, ``minItems``, ``maxItems``, ``pattern`` and ``format`` (``FORMATS``), and ``uniqueItems``
+    (a ``set``'s: ``_check_unique`` says of which items) -- what OpenAI's structured outputs and pydantic's
+    schemas use but ``multipleOf`` and the like -- and
     ignores titles, descriptions and defaults; the top level is an object. An enum or const value is written
     as ``json.dumps`` writes it (a reply may not spell the const 1 as 1.0 or 1e0); a bounded number is written
     without an exponent; a string with a pattern or format is written in ASCII, without ``\\u`` escapes."""
@@ -515,6 +552,9 @@ def check_schema(schema, at: str = "schema") -> None:
             _check(whole, sub, f"{at}.{defs}.{name}", nodes)
     for sub, where in nodes:  # once every part is known to be well formed
         whole.alternatives(sub, where)  # a $ref that leads nowhere, an anyOf that loops, nothing to write: refused
+    for sub, where in nodes:
+        if sub.get("uniqueItems") is True:
+            _check_unique(whole, sub, where)
     for alt in whole.alternatives(schema, at):
         if _types(alt) != {"object"}:
             raise SchemaError(f"{at}: the top level must be {{\"type\": \"object\", ...}}")
@@ -583,6 +623,8 @@ def _check(whole: _Schema, schema, at: str, nodes: list) -> None:
         v = schema.get(key, 0)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise SchemaError(f"{at}.{key} must be a non-negative integer, got {v!r}")
+    if "uniqueItems" in schema and not isinstance(schema["uniqueItems"], bool):
+        raise SchemaError(f"{at}.uniqueItems must be true or false, got {schema['uniqueItems']!r}")
     if "format" in schema and schema["format"] not in FORMATS:
         raise SchemaError(f"{at}.format {schema['format']!r} is not followed (followed: {', '.join(FORMATS)})")
     if "pattern" in schema:
@@ -592,6 +634,27 @@ def _check(whole: _Schema, schema, at: str, nodes: list) -> None:
             raise SchemaError(f"{at}.pattern {schema['pattern']!r} is no regular expression: {e}") from None
         if not isinstance(schema["pattern"], str):
             raise SchemaError(f"{at}.pattern must be a string, got {schema['pattern']!r}")
+
+
+def _check_unique(whole: _Schema, schema: dict, at: str) -> None:
+    """``uniqueItems`` is followed where every item can be kept apart from the ones before it without looking
+    ahead: items that are strings (to a ``maxLength``: the last character may not repeat an item; no
+    ``pattern`` or ``format``), numbers without bounds, booleans, null, or enum and const values -- what
+    pydantic writes for a ``set`` of such values; an array of an enum's values holds each at most once."""
+    alts = whole.alternatives(schema.get("items", {}), f"{at}.items")
+    for a in alts:
+        if "_literal" in a:
+            continue
+        kinds = _types(a)
+        if kinds & {"object", "array"} or ("string" in kinds and ("pattern" in a or "format" in a)) or (
+                kinds & {"integer", "number"} and any(k in a for k in _NUMBER_BOUNDS)):
+            raise SchemaError(f"{at}.uniqueItems is followed for items that are strings (without a pattern or "
+                              f"format), numbers without bounds, booleans, null or enum values; not for these "
+                              f"items ({', '.join(sorted(kinds))}{' with bounds' if kinds <= {'integer', 'number'} else ''})")
+    domain = _unique_domain(alts)
+    if domain is not None and schema.get("minItems", 0) > len(domain):
+        raise SchemaError(f"{at}: no value follows it (minItems {schema['minItems']} of unique items, of which "
+                          f"there are {len(domain)})")
 
 
 def _encoded(text: str) -> bytes:
@@ -672,7 +735,8 @@ class _Branch(JsonPrefix):
     def __init__(self, whole: _Schema):
         super().__init__()
         self.whole = whole
-        # per open container: ("o", schema, used names, the current name) or ("a", schema, items begun)
+        # per open container: ("o", schema, used names, the current name) or ("a", schema, items begun), and
+        # for an array of unique items (the items' ``_item_key``s so far, the bytes of the item being read)
         self.frames = ()
         self.expect, self.flat = None, True  # the schema of the next value; whether it is plain
         self.buf = b""  # the string being read, as written (or a bounded number)
@@ -721,6 +785,67 @@ class _Branch(JsonPrefix):
                 schema.get("additionalProperties", True) is not False)
 
     def feed(self, b: int) -> bool:
+        if any(len(f) == 5 for f in self.frames):
+            return self._unique_feed(b)
+        return self._feed(b)
+
+    def _unique_feed(self, b: int) -> bool:
+        """``_feed`` inside an array of unique items: each item's bytes are kept while it is read, and it is
+        refused at the byte that would make it repeat an item before it -- at its first byte where that decides
+        it (an enum's or a literal's value, true, false, null, an integer's 0), at its last character where its
+        length can grow no more, at its end otherwise (a string's closing quote: it could go on instead; the
+        byte after a number: more digits could come); a ``,`` when the items' values are all used."""
+        m, top = self.mode, self.frames[-1]
+        item = top[0] == "a" and len(top) == 5  # the innermost container is such an array
+        if item and m == NUMBER and top[4] is not None:
+            if self._ends_number(b):  # the number is whole before this byte
+                key = _item_key(top[4])
+                if key in top[3]:
+                    return False
+                self.frames = self.frames[:-1] + ((*top[:3], top[3] | {key}, None),)
+                m, top = AFTER, self.frames[-1]  # this byte is read after it
+            elif b == ord("0") and top[4] == b"-" and self.int_only and ("n", 0) in top[3]:
+                return False  # -0 is 0, and an integer's 0 can have no other digits
+        starts = item and m in (VALUE, VALUE_OR_CLOSE) and b not in WS and not (m == VALUE_OR_CLOSE and b == ord("]"))
+        if item and m == AFTER and b == ord(","):
+            domain = self.whole.unique_domain(top[1])
+            if domain is not None and domain <= top[3]:
+                return False  # every value an item may be is there: the array closes
+        at = len(self.frames) - 1
+        if not self._feed(b):
+            return False
+        frames = list(self.frames)
+        for i, f in enumerate(frames):
+            if len(f) == 5 and f[4] is not None:
+                frames[i] = (*f[:4], f[4] + bytes([b]))
+        if starts:
+            frames[at] = (*frames[at][:4], bytes([b]))
+            seen = frames[at][3]
+            if b == ord('"') and self.str_enum is not None:
+                self.str_enum = [e for e in self.str_enum if ("s", _decoded(e)) not in seen]
+                if not self.str_enum:
+                    return False
+            elif self.const is not None and self.mode in (NUMBER, LITERAL):  # an enum's or a const's value
+                if _item_key(bytes([b]) + self.const) in seen:
+                    return False
+            elif b in _LITERALS and _item_key(bytes([b]) + _LITERALS[b]) in seen:
+                return False
+            elif b == ord("0") and self.int_only and ("n", 0) in seen:
+                return False
+        self.frames = tuple(frames)
+        top = frames[-1]
+        if self.mode == STRING and top[0] == "a" and len(top) == 5 and self.lens is not None and (
+                self.chars >= self.lens[1] and not (self.esc or self.hex or self.utf8)):
+            if ("s", _decoded(self.buf)) in top[3]:  # as long as it may be: it would close as an item before
+                return False
+        if self.mode == AFTER and top[0] == "a" and len(top) == 5 and top[4] is not None:  # an item ended
+            key = _item_key(top[4])
+            if key in top[3]:
+                return False
+            self.frames = self.frames[:-1] + ((*top[:3], top[3] | {key}, None),)
+        return True
+
+    def _feed(self, b: int) -> bool:
         m = self.mode
         if self.const is not None and m in (NUMBER, LITERAL):
             if self.const:
@@ -750,7 +875,7 @@ class _Branch(JsonPrefix):
             if m == VALUE_OR_CLOSE:  # an array's first item
                 if top[1].get("maxItems", 1) < 1:
                     return False
-                self.frames = self.frames[:-1] + (("a", top[1], 1),)
+                self.frames = self.frames[:-1] + (("a", top[1], 1, *top[3:]),)
             if not self._value_start(b):
                 return False
         elif m in (KEY_OR_CLOSE, KEY) and b == ord('"'):
@@ -766,7 +891,7 @@ class _Branch(JsonPrefix):
         elif m == AFTER and b == ord(",") and top[0] == "a":
             if top[2] >= top[1].get("maxItems", math.inf):
                 return False  # the array holds as many items as it may: it closes
-            self.frames = self.frames[:-1] + (("a", top[1], top[2] + 1),)
+            self.frames = self.frames[:-1] + (("a", top[1], top[2] + 1, *top[3:]),)
         elif m in (KEY_OR_CLOSE, AFTER) and b == ord("}") and top[0] == "o":
             if not set(top[1].get("required", ())) <= top[2]:
                 return False
@@ -840,7 +965,8 @@ class _Branch(JsonPrefix):
         if kind == "object":
             self.frames = self.frames + (("o", schema, frozenset(), None),)
         elif kind == "array":
-            self.frames = self.frames + (("a", schema, 0),)
+            # an array of unique items also holds the items' keys so far and the bytes of the one being read
+            self.frames = self.frames + (("a", schema, 0) + ((frozenset(), None) if schema.get("uniqueItems") else ()),)
             self.set_expect(schema.get("items", {}))
         elif kind == "string":
             enum = schema.get("enum")

@@ -242,7 +242,7 @@ def test_the_schema_reader_agrees_with_jsonschema(data, schema, edit):
     ({"type": "array"}, "top level must be"),
     ({"$defs": {"L": {"type": "array"}}, "$ref": "#/$defs/L"}, "top level must be"),
     ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 5}}}, "'multipleOf' is not followed"),
-    ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, "'uniqueItems' is not followed"),
+    ({"type": "object", "properties": {"a": {"type": "array", "prefixItems": [{}]}}}, "'prefixItems' is not followed"),
     ({"type": "object", "properties": {"a": {"type": "string", "format": "email"}}},
      "format 'email' is not followed (followed: date, time, date-time, uuid)"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "a("}}}, "is no regular expression"),
@@ -674,3 +674,89 @@ def test_a_pattern_that_needs_a_character_outside_ascii_ends_in_an_error_naming_
         c.took(t)
         out += vocab[t]
     assert json.loads(out) == {"p": "E5"}
+
+
+UNIQUE_ITEMS = [{"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"},
+                {"type": ["string", "null"]}, {"type": "string", "maxLength": 1}, {"enum": ["p", "q", "r"]},
+                {"enum": [1, 2, "1", True, None]}, {"anyOf": [{"type": "integer"}, {"const": "x"}]}]
+ITEM_POOL = ["a", "ab", "", "p", "q", "r", "1", "x", 0, 1, 2, 10, -1, 1.0, 1.5, 2.0, 0.0, -0.0, True, False, None]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(UNIQUE_ITEMS), st.lists(st.sampled_from(ITEM_POOL), max_size=6),
+       st.integers(0, 2), st.sampled_from([(",", ":"), (", ", ": ")]))
+def test_unique_items_are_kept_as_jsonschema_keeps_them(items, values, min_items, sep):
+    """``uniqueItems`` (what pydantic writes for a ``set``): arrays of values drawn from a small pool, so that
+    they repeat (1 and 1.0 and -0.0 and 0 among them; true apart from 1), are taken exactly when jsonschema takes
+    the document, and every prefix of a taken one is taken."""
+    from kvcompile.structured import SchemaError, SchemaPrefix, check_schema
+
+    schema = {"type": "object", "properties": {"s": {"type": "array", "items": items, "uniqueItems": True,
+                                                      "minItems": min_items}}, "required": ["s"]}
+    try:
+        check_schema(schema)
+    except SchemaError as e:
+        assert "no value follows it" in str(e)
+        return
+    text = dumps_positional({"s": values}, sep)
+    p = SchemaPrefix(schema)
+    data = text.encode()
+    taken = next((i for i, b in enumerate(data) if not p.feed(b)), len(data))
+    assert (taken == len(data) and p.complete) == schema_valid(json.loads(text), schema), (items, text)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("items", UNIQUE_ITEMS, ids=str)
+def test_a_constrained_pick_under_unique_items_never_dead_ends(seed, items):
+    """Picking every token under a set of values (random scores; closing tokens a little more likely) ends in
+    a document jsonschema takes -- the reader never takes a byte after which every way on repeats an item:
+    a finite set's values run out (its array must close), a one-character string's last character, 0 as an
+    integer (no digit may follow it)."""
+    schema = {"type": "object", "properties": {"s": {"type": "array", "items": items, "uniqueItems": True,
+                                                      "maxItems": 8}}, "required": ["s"]}
+    pieces = ["{", "}", "[", "]", '"', ":", ",", '"s":', "p", "q", "r", "1", "2", "0", "x", "-", ".",
+              "true", "false", "null"]
+    vocab = [p.encode() for p in pieces] + [None]
+    out = walk(JsonConstraint(vocab, len(vocab) - 1, schema=schema), vocab, seed, sampled=True)
+    assert schema_valid(json.loads(out), schema), out
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "array", "items": {"type": "object"}, "uniqueItems": True}, "not for these items (object)"),
+    ({"type": "array", "items": {"type": "integer", "maximum": 3}, "uniqueItems": True}, "(integer with bounds)"),
+    ({"type": "array", "items": {"type": "string", "pattern": "^a"}, "uniqueItems": True}, "without a pattern"),
+    ({"type": "array", "uniqueItems": True}, "not for these items"),
+    ({"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True, "minItems": 3}, "no value follows it"),
+    ({"type": "array", "uniqueItems": "yes"}, "uniqueItems must be true or false"),
+])
+def test_unique_items_the_reader_cannot_keep_apart_are_refused(schema, message):
+    from kvcompile.structured import SchemaError, check_schema
+    with pytest.raises(SchemaError, match=re.escape(message)):
+        check_schema({"type": "object", "properties": {"s": schema}})
+
+
+@pytest.mark.parametrize("items, text, refused_at", [
+    ({"enum": ["p", "q"]}, '{"s":["p","p"]}', '{"s":["p","p'),  # at the value that decides it: p is used
+    ({"enum": ["p", "q"]}, '{"s":["p","q",', '{"s":["p","q",'),  # every value is used: the array closes
+    ({"enum": [1, 2]}, '{"s":[1,2,', '{"s":[1,2,'),  # (the number 2 is whole at that comma)
+    ({"enum": [1, 2]}, '{"s":[2, 1]}', None),
+    ({"enum": [12, 3]}, '{"s":[12,1', '{"s":[12,1'),  # only 12 begins with 1, and it is used
+    ({"enum": [True, None]}, '{"s":[true,t', '{"s":[true,t'),
+    ({"type": "boolean"}, '{"s":[true,false,', '{"s":[true,false,'),
+    ({"type": "boolean"}, '{"s":[false,f', '{"s":[false,f'),
+    ({"type": ["string", "null"]}, '{"s":[null,"",n', '{"s":[null,"",n'),
+    ({"type": "integer"}, '{"s":[0,0', '{"s":[0,0'),  # no digit may follow a 0: it is refused where it begins
+    ({"type": "integer"}, '{"s":[0,-0', '{"s":[0,-0'),
+    ({"type": "integer"}, '{"s":[1,10,1]}', '{"s":[1,10,1]'),  # 1 may go on (12): refused where it ends
+    ({"type": "integer"}, '{"s":[1,10,12]}', None),
+    ({"type": "number"}, '{"s":[0,-0.0]}', '{"s":[0,-0.0]'),
+    ({"type": "number"}, '{"s":[1,1.0]}', '{"s":[1,1.0]'),
+    ({"type": "number"}, '{"s":[1,1.01]}', None),
+    ({"type": "string"}, '{"s":["a","a"]}', '{"s":["a","a"'),  # "a" may go on ("ab"): refused at its end
+    ({"type": "string", "maxLength": 1}, '{"s":["a","a"]}', '{"s":["a","a'),  # at its last character
+    ({"type": "string", "maxLength": 1}, '{"s":["a","\\u0061"]}', '{"s":["a","\\u0061'),  # the same character
+    ({"enum": [1, "1", True]}, '{"s":[1,"1",true]}', None),  # apart: a number, a string, a boolean
+])
+def test_a_repeated_item_is_refused_where_nothing_else_can_follow(items, text, refused_at):
+    schema = {"type": "object", "properties": {"s": {"type": "array", "items": items, "uniqueItems": True}}}
+    assert first_refusal(schema, text, whole=refused_at is None and text.endswith("}")) == refused_at
