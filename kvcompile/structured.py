@@ -200,7 +200,7 @@ class JsonPrefix:
 SCHEMA_KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
                    "oneOf", "allOf", "$ref", "$defs", "definitions", "minimum", "maximum", "exclusiveMinimum",
                    "exclusiveMaximum", "minLength", "maxLength", "pattern", "format", "minItems", "maxItems",
-                   "uniqueItems"}
+                   "uniqueItems", "multipleOf"}
 # read by people only; a oneOf's discriminator (OpenAPI's, which pydantic writes) is a hint the reader need not
 # follow: it checks by itself that a oneOf's alternatives are apart
 SCHEMA_NOTES = {"title", "description", "default", "examples", "$schema", "$comment", "$id", "discriminator"}
@@ -267,8 +267,9 @@ def _number_bounds(schema: dict):
     written with a fraction may be (``*_in``: the end itself is in), as fractions (None: unbounded). A
     validator reads "3" as the integer 3 and "0.1" as the nearest double, and compares either exactly with the
     bound as written; the reals whose nearest double keeps a bound run to the midpoint between that double and
-    the next one out (the midpoint itself in when it rounds inside)."""
-    if not any(k in schema for k in _NUMBER_BOUNDS):
+    the next one out (the midpoint itself in when it rounds inside). The integers are ``(lo, hi, step)``: a
+    ``multipleOf`` (an integer; such a number is written as an integer) is their step, else 1."""
+    if not any(k in schema for k in (*_NUMBER_BOUNDS, "multipleOf")):
         return None
     ilo = ihi = flo = fhi = None
     lo_in = hi_in = True
@@ -293,15 +294,15 @@ def _number_bounds(schema: dict):
             ihi = i if ihi is None else min(ihi, i)
             if fhi is None or mid < fhi:
                 fhi, hi_in = mid, mid_in
-    return (ilo, ihi), (flo, lo_in, fhi, hi_in)
+    return (ilo, ihi, schema.get("multipleOf", 1)), (flo, lo_in, fhi, hi_in)
 
 
 def _meets(a, b, bounds, integer: bool) -> bool:
-    """Some value of [a, b) (b None: no end; integers only when ``integer``, with ``bounds`` ``(lo, hi)``)
-    lies inside ``bounds`` (``(lo, lo_in, hi, hi_in)`` otherwise; ``lo`` not None)."""
+    """Some value of [a, b) (b None: no end; integers only when ``integer``, with ``bounds`` ``(lo, hi, step)``:
+    a multiple of step) lies inside ``bounds`` (``(lo, lo_in, hi, hi_in)`` otherwise; ``lo`` not None)."""
     if integer:
-        lo, hi = bounds
-        x = math.ceil(max(a, lo))
+        lo, hi, step = bounds
+        x = -(-math.ceil(max(a, lo)) // step) * step
         return (b is None or x < b) and (hi is None or x <= hi)
     lo, lo_in, hi, hi_in = bounds
     if a > lo or (a == lo and lo_in):  # a itself is the least value inside
@@ -319,11 +320,11 @@ def _number_reaches(text: bytes, bounds, integer: bool) -> bool:
         if (as_int and dot) or (integer and not as_int):
             continue
         if neg:  # -m inside the bounds: the magnitude m inside them mirrored
-            pair = (None if pair[1] is None else -pair[1], None if pair[0] is None else -pair[0]) if as_int else (
+            pair = (None if pair[1] is None else -pair[1], None if pair[0] is None else -pair[0], pair[2]) if as_int else (
                 None if pair[2] is None else -pair[2], pair[3], None if pair[0] is None else -pair[0], pair[1])
         if pair[0] is None or pair[0] < 0:  # a magnitude is at least 0
             pair = (0, *pair[1:]) if as_int else (0, True, *pair[2:])
-        hi = pair[-1] if as_int else pair[2]
+        hi = pair[1] if as_int else pair[2]
         if dot:  # the decimals that begin whole.frac
             a = Fraction(int(whole + frac), 10 ** len(frac))
             runs = [(a, a + Fraction(1, 10 ** len(frac)))]
@@ -344,9 +345,9 @@ def _number_reaches(text: bytes, bounds, integer: bool) -> bool:
 def _number_inside(text: bytes, bounds) -> bool:
     """The whole number ``text`` (no exponent) lies inside ``bounds``."""
     if b"." not in text:
-        lo, hi = bounds[0]
+        lo, hi, step = bounds[0]
         x = int(text)
-        return (lo is None or x >= lo) and (hi is None or x <= hi)
+        return (lo is None or x >= lo) and (hi is None or x <= hi) and x % step == 0
     lo, lo_in, hi, hi_in = bounds[1]
     x = Fraction(text.decode())
     return (lo is None or x > lo or (x == lo and lo_in)) and (hi is None or x < hi or (x == hi and hi_in))
@@ -360,6 +361,7 @@ def _takes(schema: dict, value) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return True
     return (value >= schema.get("minimum", value) and value <= schema.get("maximum", value)
+            and ("multipleOf" not in schema or value % schema["multipleOf"] == 0)
             and ("exclusiveMinimum" not in schema or value > schema["exclusiveMinimum"])
             and ("exclusiveMaximum" not in schema or value < schema["exclusiveMaximum"]))
 
@@ -369,7 +371,8 @@ def _possible(schema: dict, kind: str) -> bool:
     counts in order, and a pattern that something begins)."""
     if kind in ("number", "integer"):
         bounds = _number_bounds(schema)
-        return bounds is None or any(_number_reaches(t, bounds, kind == "integer") for t in (b"", b"-"))
+        integer = kind == "integer" or "multipleOf" in schema
+        return bounds is None or any(_number_reaches(t, bounds, integer) for t in (b"", b"-"))
     if kind == "string":
         return (schema.get("minLength", 0) <= schema.get("maxLength", math.inf)
                 and _matches(_regexes(schema), "", partial=True))
@@ -623,6 +626,10 @@ def _check(whole: _Schema, schema, at: str, nodes: list) -> None:
         v = schema.get(key, 0)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise SchemaError(f"{at}.{key} must be a non-negative integer, got {v!r}")
+    step = schema.get("multipleOf", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise SchemaError(f"{at}.multipleOf must be a positive integer here (a fraction's multiples, such as 0.01's, "
+                          f"are not followed), got {step!r}")
     if "uniqueItems" in schema and not isinstance(schema["uniqueItems"], bool):
         raise SchemaError(f"{at}.uniqueItems must be true or false, got {schema['uniqueItems']!r}")
     if "format" in schema and schema["format"] not in FORMATS:
@@ -956,7 +963,7 @@ class _Branch(JsonPrefix):
         if kind == "number":
             if not allowed & {"number", "integer"}:
                 return False
-            self.int_only = "number" not in allowed
+            self.int_only = "number" not in allowed or "multipleOf" in schema  # (an integer multiple)
             self.bounds = None if literal is not None else _number_bounds(schema)
             self.buf = bytes([b])
             return self.bounds is None or _number_reaches(self.buf, self.bounds, self.int_only)
@@ -1063,8 +1070,9 @@ class JsonConstraint:
             if self.fits(t):
                 return t
         raise DeadEnd(f"no token of the vocabulary continues the reply ({self.text[-60:].decode('utf-8', 'replace')!r} so far) under "
-                      f"its JSON schema: a string's pattern needs a character outside ASCII here, which is not "
-                      f"written under a pattern; let the pattern take an ASCII spelling there, or drop it")
+                      f"its JSON schema; with a vocabulary of every byte, that is where a string's pattern needs a "
+                      f"character outside ASCII (not written under a pattern): let the pattern take an ASCII "
+                      f"spelling there, or drop it")
 
     def _open(self, n: int) -> torch.Tensor:
         """Which of ``n`` token ids begin with a byte the reply can take next (bool ``[n]``)."""

@@ -70,7 +70,7 @@ def pet_model():
 def bounded_model():
     """A pydantic model whose fields bound their values, as people write them: numbers with ``ge`` / ``lt``,
     string and list lengths, a pattern, a date, a datetime, a UUID, a discriminated union (oneOf with a
-    discriminator in the schema), a set of literals (unique items)."""
+    discriminator in the schema), a set of literals (unique items), a multiple."""
     import datetime
     import uuid
     from typing import Literal, Union
@@ -95,6 +95,7 @@ def bounded_model():
         ref: uuid.UUID
         pet: Union[Cat, Dog] = Field(discriminator="kind")
         wishes: set[Literal["quiet", "view", "late"]]  # uniqueItems
+        seats: int = Field(ge=2, le=12, multiple_of=2)
 
     return Booking
 

@@ -1367,7 +1367,8 @@ def test_the_openai_clients_parse_keeps_a_models_bounds(tiny_server, bounded_mod
     tok = AutoTokenizer.from_pretrained(name)
     # the random model's replies pushed to close strings and containers, and kept from padding with whitespace
     push = {str(i): -100 for i in range(len(tok)) if tok.decode([i]) and not tok.decode([i]).strip()}
-    push.update({str(tok.convert_tokens_to_ids(t)): 30 for t in ('"', "}", "]", ",")})
+    push.update({str(tok.convert_tokens_to_ids(t)): 30 for t in ("}", "]", ",")})
+    push[str(tok.convert_tokens_to_ids('"'))] = 40  # a string closes first (not filled with brackets)
     client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120)
     ask = dict(model=name, messages=[{"role": "user", "content": "Book it."}], response_format=bounded_model,
                max_tokens=200, logit_bias=push)
