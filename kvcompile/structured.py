@@ -540,10 +540,10 @@ def check_schema(schema, at: str = "schema") -> None:
     ``enum`` and ``const`` (of strings, numbers, booleans and null), ``anyOf``, ``oneOf`` (of alternatives it
     can tell apart), ``allOf`` of one schema, ``$ref`` into the schema (``$defs``, ``definitions``), and the
     bounds: ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``, ``minLength``,
-    ``maxLength``, ``minItems``, ``maxItems``, ``pattern`` and ``format`` (``FORMATS``), and ``uniqueItems``
-    (a ``set``'s: ``_check_unique`` says of which items) -- what OpenAI's structured outputs and pydantic's
-    schemas use but ``multipleOf`` and the like -- and
-    ignores titles, descriptions and defaults; the top level is an object. An enum or const value is written
+    ``maxLength``, ``minItems``, ``maxItems``, ``pattern`` and ``format`` (``FORMATS``), an integer
+    ``multipleOf`` (such a number is written as an integer), and ``uniqueItems`` (a ``set``'s:
+    ``_check_unique`` says of which items) -- what OpenAI's structured outputs and pydantic's schemas use but
+    a fraction's ``multipleOf`` and the like -- and ignores titles, descriptions and defaults; the top level is an object. An enum or const value is written
     as ``json.dumps`` writes it (a reply may not spell the const 1 as 1.0 or 1e0); a bounded number is written
     without an exponent; a string with a pattern or format is written in ASCII, without ``\\u`` escapes."""
     if not isinstance(schema, dict):
