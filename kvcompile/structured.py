@@ -320,8 +320,10 @@ def _number_reaches(text: bytes, bounds, integer: bool) -> bool:
         if (as_int and dot) or (integer and not as_int):
             continue
         if neg:  # -m inside the bounds: the magnitude m inside them mirrored
-            pair = (None if pair[1] is None else -pair[1], None if pair[0] is None else -pair[0], pair[2]) if as_int else (
-                None if pair[2] is None else -pair[2], pair[3], None if pair[0] is None else -pair[0], pair[1])
+            if as_int:
+                pair = (None if pair[1] is None else -pair[1], None if pair[0] is None else -pair[0], pair[2])
+            else:
+                pair = (None if pair[2] is None else -pair[2], pair[3], None if pair[0] is None else -pair[0], pair[1])
         if pair[0] is None or pair[0] < 0:  # a magnitude is at least 0
             pair = (0, *pair[1:]) if as_int else (0, True, *pair[2:])
         hi = pair[1] if as_int else pair[2]
@@ -543,9 +545,10 @@ def check_schema(schema, at: str = "schema") -> None:
     ``maxLength``, ``minItems``, ``maxItems``, ``pattern`` and ``format`` (``FORMATS``), an integer
     ``multipleOf`` (such a number is written as an integer), and ``uniqueItems`` (a ``set``'s:
     ``_check_unique`` says of which items) -- what OpenAI's structured outputs and pydantic's schemas use but
-    a fraction's ``multipleOf`` and the like -- and ignores titles, descriptions and defaults; the top level is an object. An enum or const value is written
-    as ``json.dumps`` writes it (a reply may not spell the const 1 as 1.0 or 1e0); a bounded number is written
-    without an exponent; a string with a pattern or format is written in ASCII, without ``\\u`` escapes."""
+    a fraction's ``multipleOf`` and the like -- and ignores titles, descriptions and defaults; the top level is
+    an object. An enum or const value is written as ``json.dumps`` writes it (a reply may not spell the const 1
+    as 1.0 or 1e0); a bounded number is written without an exponent; a string with a pattern or format is
+    written in ASCII, without ``\\u`` escapes."""
     if not isinstance(schema, dict):
         raise SchemaError(f"{at} must be a JSON schema object, got {type(schema).__name__}")
     whole, nodes = _Schema(schema), []
@@ -657,7 +660,8 @@ def _check_unique(whole: _Schema, schema: dict, at: str) -> None:
                 kinds & {"integer", "number"} and any(k in a for k in _NUMBER_BOUNDS)):
             raise SchemaError(f"{at}.uniqueItems is followed for items that are strings (without a pattern or "
                               f"format), numbers without bounds, booleans, null or enum values; not for these "
-                              f"items ({', '.join(sorted(kinds))}{' with bounds' if kinds <= {'integer', 'number'} else ''})")
+                              f"items ({', '.join(sorted(kinds))}"
+                              f"{' with bounds' if kinds <= {'integer', 'number'} else ''})")
     domain = _unique_domain(alts)
     if domain is not None and schema.get("minItems", 0) > len(domain):
         raise SchemaError(f"{at}: no value follows it (minItems {schema['minItems']} of unique items, of which "
@@ -1069,10 +1073,11 @@ class JsonConstraint:
         for t in ids[torch.argsort(order[ids], descending=True, stable=True)].tolist():
             if self.fits(t):
                 return t
-        raise DeadEnd(f"no token of the vocabulary continues the reply ({self.text[-60:].decode('utf-8', 'replace')!r} so far) under "
-                      f"its JSON schema; with a vocabulary of every byte, that is where a string's pattern needs a "
-                      f"character outside ASCII (not written under a pattern): let the pattern take an ASCII "
-                      f"spelling there, or drop it")
+        so_far = self.text[-60:].decode("utf-8", "replace")
+        raise DeadEnd(f"no token of the vocabulary continues the reply ({so_far!r} so far) under its JSON schema; "
+                      f"with a vocabulary of every byte, that is where a string's pattern needs a character "
+                      f"outside ASCII (not written under a pattern): let the pattern take an ASCII spelling "
+                      f"there, or drop it")
 
     def _open(self, n: int) -> torch.Tensor:
         """Which of ``n`` token ids begin with a byte the reply can take next (bool ``[n]``)."""
