@@ -1345,14 +1345,14 @@ def test_the_openai_clients_parse_fills_a_pydantic_model(tiny_server, pet_model)
         choice = out.choices[0]
         assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Pet), choice.message.content
         assert Pet.model_validate_json(choice.message.content) == choice.message.parsed
-    with pytest.raises(openai.BadRequestError, match="multipleOf"):  # a keyword it does not follow: a 400 naming it
+    with pytest.raises(openai.BadRequestError, match="multipleOf"):  # a form it does not follow: a 400 naming it
         from pydantic import Field
 
-        class Even(BaseModel):
-            n: int = Field(multiple_of=2)
+        class Halves(BaseModel):
+            x: float = Field(multiple_of=0.5)
 
         client.chat.completions.parse(model=name, messages=[{"role": "user", "content": "A number."}],
-                                      response_format=Even, max_tokens=8)
+                                      response_format=Halves, max_tokens=8)
     assert stats(base)["records_open"] == 0
 
 
