@@ -211,11 +211,23 @@ _DATE = (r"(?:(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-(?:(?:0[135
          r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
          r"|(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)-02-29)")
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_IPV4 = rf"(?:{_OCTET}\.){{3}}{_OCTET}"
+_URL_CHAR = r"(?:[A-Za-z0-9._~!$&'()*+,;=:@-]|%[0-9A-Fa-f]{2})"
+_LABEL = r"[A-Za-z0-9]+(?:-[A-Za-z0-9]+)*"
+# an http(s) URL whose host is a dotted quad or names whose last begins with a letter (WHATWG parsers, as
+# pydantic's, read a host ending in a number as an IPv4 address), no "--" (no "xn--" punycode labels), a port
+# up to 65535, then a path, a query and a fragment of RFC 3986's characters and %-escapes
+_URI = (rf"https?://(?:{_IPV4}|(?:{_LABEL}\.)*[A-Za-z](?:[A-Za-z0-9]*(?:-[A-Za-z0-9]+)*))"
+        r"(?::(?:[0-9]|[1-9][0-9]{1,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))?"
+        rf"(?:/{_URL_CHAR}*)*(?:\?(?:{_URL_CHAR}|[/?])*)?(?:#(?:{_URL_CHAR}|[/?])*)?")
 # the formats followed, each as the strings it takes: RFC 3339's full-date (a real day: February 29 in leap
 # years only), full-time and date-time ("T" and "Z" in capitals, at most six fraction digits -- microseconds --,
-# no leap second), and a UUID's 8-4-4-4-12 hex digits
+# no leap second), a UUID's 8-4-4-4-12 hex digits, an IPv4 address's dotted quad (no leading zeros), and a
+# URI as an http(s) URL (``_URI``: what pydantic's AnyUrl and HttpUrl, which write "uri", both take)
 FORMATS = {"date": _DATE, "time": _TIME, "date-time": _DATE + "T" + _TIME,
-           "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"}
+           "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+           "ipv4": _IPV4, "uri": _URI}
 _SIMPLE_ESCAPES = '"\\/\b\f\n\r\t'
 _SURROGATE = frozenset(b"89abcdefABCDEF")  # a surrogate escape: its second hex digit, after a "d"
 

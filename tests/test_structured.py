@@ -242,12 +242,13 @@ def test_the_schema_reader_agrees_with_jsonschema(data, schema, edit):
     ({"type": "array"}, "top level must be"),
     ({"$defs": {"L": {"type": "array"}}, "$ref": "#/$defs/L"}, "top level must be"),
     ({"type": "object", "properties": {"a": {"type": "array", "contains": {}}}}, "'contains' is not followed"),
-    ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.01}}}, "multipleOf must be a positive integer here"),
+    ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.01}}},
+     "multipleOf must be a positive integer here"),
     ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 5, "minimum": 1, "maximum": 4.5}}},
      "no value follows it"),  # a number under multipleOf is an integer: 2.5 is not one
     ({"type": "object", "properties": {"a": {"type": "array", "prefixItems": [{}]}}}, "'prefixItems' is not followed"),
     ({"type": "object", "properties": {"a": {"type": "string", "format": "email"}}},
-     "format 'email' is not followed (followed: date, time, date-time, uuid)"),
+     "format 'email' is not followed (followed: date, time, date-time, uuid, ipv4, uri)"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "a("}}}, "is no regular expression"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": 3}}}, "pattern must be a string"),
     ({"type": "object", "properties": {"a": {"minimum": 0, "exclusiveMinimum": True}}}, "draft 4's true/false"),
@@ -802,3 +803,59 @@ def test_a_constrained_pick_under_multiple_of_never_dead_ends(seed, field):
     vocab = [p.encode() for p in pieces] + [None]
     out = walk(JsonConstraint(vocab, len(vocab) - 1, schema=schema), vocab, seed, sampled=True)
     assert schema_valid(json.loads(out), schema), out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_uri_and_ipv4_formats_write_what_pydantic_takes(data):
+    """``format: "uri"`` (pydantic's AnyUrl and HttpUrl both write it) is followed as an http(s) URL pydantic's
+    parser takes for either; ``"ipv4"`` as a dotted quad Python's ``ipaddress`` takes (and nothing else: no
+    leading zeros). Strings drawn from what the reader takes, and the reader's refusals of near misses."""
+    import ipaddress
+
+    from pydantic import AnyUrl, HttpUrl, TypeAdapter
+
+    from kvcompile.structured import FORMATS
+
+    url = data.draw(st.from_regex(FORMATS["uri"], fullmatch=True).filter(lambda t: len(t) <= 2083))
+    TypeAdapter(HttpUrl).validate_python(url)
+    TypeAdapter(AnyUrl).validate_python(url)
+    schema = {"type": "object", "properties": {"u": {"type": "string", "format": "uri", "minLength": 1,
+                                                     "maxLength": 2083}}}
+    assert first_refusal(schema, json.dumps({"u": url})) is None
+    quad = ".".join(str(data.draw(st.integers(0, 300))) for _ in range(4))
+    schema = {"type": "object", "properties": {"i": {"type": "string", "format": "ipv4"}}}
+    try:
+        ipaddress.IPv4Address(quad)
+        valid = True
+    except ValueError:
+        valid = False
+    assert (first_refusal(schema, json.dumps({"i": quad}), whole=False) is None) == valid, quad
+
+
+@pytest.mark.parametrize("url", ["ftp://a.com", "http://a.123", "http://123", "http://xn--abc.com", "http://a--b.com",
+                                 "http://x:65536", "http://x/%zz", "http:/x", "http://", "https://a b"])
+def test_a_uri_pydantic_could_refuse_or_read_otherwise_is_not_written(url):
+    schema = {"type": "object", "properties": {"u": {"type": "string", "format": "uri"}}}
+    assert first_refusal(schema, json.dumps({"u": url})) is not None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_constrained_pick_under_uri_and_ipv4_formats_parses_into_pydantic(seed):
+    """Random walks under a model with an HttpUrl and an IPv4Address end in a reply pydantic takes."""
+    import ipaddress
+
+    from pydantic import BaseModel, HttpUrl
+
+    class Site(BaseModel):
+        url: HttpUrl
+        ip: ipaddress.IPv4Address
+
+    from openai.lib._pydantic import to_strict_json_schema
+
+    schema = to_strict_json_schema(Site)
+    pieces = ["{", "}", "]", '"', ":", ",", '"url":', '"ip":', "http", "s", "://", *"abcilprtuxyz0123456789.-/?#%:=&",
+              "A", "F"]
+    vocab = [p.encode() for p in pieces] + [None]
+    out = walk(JsonConstraint(vocab, len(vocab) - 1, schema=schema), vocab, seed, sampled=True)
+    Site.model_validate_json(out)
