@@ -1034,7 +1034,7 @@ class JsonConstraint:
     def __init__(self, vocab: list[bytes | None], eos: int, stops=(), schema: dict | None = None):
         self.vocab, self.eos, self.stops = vocab, eos, frozenset(stops) | {eos}
         self.prefix = JsonPrefix() if schema is None else SchemaPrefix(schema)
-        self.text = b""  # the reply so far
+        self.taken: list[int] = []  # the reply's tokens so far
 
     def fits(self, token: int) -> bool:
         data = self.vocab[token] if token < len(self.vocab) and token not in self.stops else None
@@ -1045,7 +1045,7 @@ class JsonConstraint:
         if token != self.eos:
             if not self.prefix.feed_all(self.vocab[token]):
                 raise AssertionError(f"token {token} does not continue the reply's JSON")
-            self.text += self.vocab[token]
+            self.taken.append(token)
 
     def pick(self, scores: torch.Tensor, probs: torch.Tensor | None = None, draw=None) -> int:
         """The token for one row: the end of the reply once its object is complete; else, greedy (``probs``
@@ -1085,7 +1085,7 @@ class JsonConstraint:
         for t in ids[torch.argsort(order[ids], descending=True, stable=True)].tolist():
             if self.fits(t):
                 return t
-        so_far = self.text[-60:].decode("utf-8", "replace")
+        so_far = b"".join(self.vocab[t] for t in self.taken[-60:])[-60:].decode("utf-8", "replace")
         raise DeadEnd(f"no token of the vocabulary continues the reply ({so_far!r} so far) under its JSON schema; "
                       f"with a vocabulary of every byte, that is where a string's pattern needs a character "
                       f"outside ASCII (not written under a pattern): let the pattern take an ASCII spelling "
