@@ -70,6 +70,47 @@ def listening(pid: int, port: int) -> bool:
     return False
 
 
+def launch(command, probe: str, what: str, startup_s: float = STARTUP_S, **popen):
+    """Start ``command(port)`` (a server's argument list for a free loopback port; ``popen``: more of
+    ``subprocess.Popen``'s arguments) and wait until it answers ``probe`` (a path) there and listens there itself;
+    started again on another port when its port was taken before it bound it. ``(process, port, its output
+    file)``; a RuntimeError with its output when it exits or does not answer within ``startup_s`` (then it and
+    what it started are killed)."""
+    import psutil
+
+    deadline = time.time() + startup_s
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    for _ in range(3):
+        port, late = free_port(), False
+        log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a server that logs much never blocks on it
+        proc = subprocess.Popen(command(port), stdout=log, stderr=subprocess.STDOUT, text=True, env=env, **popen)
+        while proc.poll() is None:
+            try:
+                if (httpx.get(f"http://127.0.0.1:{port}{probe}", timeout=2).status_code == 200
+                        and listening(proc.pid, port)):
+                    return proc, port, log
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                try:
+                    root = psutil.Process(proc.pid)
+                    for p in [*root.children(recursive=True), root]:
+                        p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+                proc.wait(timeout=10)
+                late = True
+                break
+            time.sleep(1)
+        log.seek(0)
+        out = log.read()
+        log.close()
+        if late or not port_taken(out):
+            break
+    why = f"did not answer within {startup_s} s" if late else f"exited with status {proc.returncode} before answering"
+    raise RuntimeError(f"{what} {why}:\n{out[-3000:]}")
+
+
 # --------------------------------------------------------------------------- the servers
 def serve_transformers(model_dir: str, port: int, budget: int, max_batch_tokens: int = 256) -> None:
     """transformers' own OpenAI-compatible server with continuous batching, its paged cache holding as many
@@ -105,49 +146,20 @@ class Server:
     def __init__(self, kind: str, model_dir: str, budget_mib: int, policy: str, max_requests: int):
         self.kind, self.model_dir, self.budget_mib = kind, model_dir, budget_mib
         self.policy, self.max_requests = policy, max_requests
-        self.proc = self.log = None
 
-    def _start(self) -> None:
-        self.port = free_port()
+    def command(self, port: int) -> list[str]:
         if self.kind.startswith("kvcompile"):
             cmd = [sys.executable, "-m", "kvcompile", "serve", "--model", self.model_dir, "--policy", self.policy,
-                   "--port", str(self.port), "--budget-mib", str(self.budget_mib)]
+                   "--port", str(port), "--budget-mib", str(self.budget_mib)]
             cmd += ["--max-requests", str(self.max_requests)] if self.max_requests else []
-            cmd += ["--no-prefix-sharing"] if self.kind == "kvcompile-unshared" else []
-        else:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-transformers", self.model_dir,
-                   "--port", str(self.port), "--budget-mib", str(self.budget_mib)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        if self.log is not None:
-            self.log.close()
-        self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a server that logs much never blocks on it
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env)
-        self.base = f"http://127.0.0.1:{self.port}"
+            return cmd + (["--no-prefix-sharing"] if self.kind == "kvcompile-unshared" else [])
+        return [sys.executable, str(Path(__file__).resolve()), "--serve-transformers", self.model_dir,
+                "--port", str(port), "--budget-mib", str(self.budget_mib)]
 
     def __enter__(self):
-        """Started once it answers on its port; started again on another port if one was taken meanwhile (the
-        server then exits, unable to bind it)."""
-        deadline = time.time() + STARTUP_S
-        for _ in range(3):
-            self._start()
-            while self.proc.poll() is None:
-                try:
-                    if (httpx.get(f"{self.base}/v1/models", timeout=2).status_code == 200
-                            and listening(self.proc.pid, self.port)):
-                        return self
-                except httpx.HTTPError:
-                    pass
-                if time.time() > deadline:
-                    self.__exit__()
-                    raise RuntimeError(f"the {self.kind} server did not answer within {STARTUP_S} s")
-                time.sleep(1)
-            self.log.seek(0)
-            out = self.log.read()
-            if not port_taken(out):
-                break
-        self.log.close()
-        raise RuntimeError(f"the {self.kind} server exited with status {self.proc.returncode} before answering:\n"
-                           f"{out[-3000:]}")
+        self.proc, self.port, self.log = launch(self.command, "/v1/models", f"the {self.kind} server")
+        self.base = f"http://127.0.0.1:{self.port}"
+        return self
 
     def __exit__(self, *exc):
         self.proc.terminate()

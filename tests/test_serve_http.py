@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import httpx
@@ -29,39 +28,21 @@ STARTUP_S = 180
 
 
 def start_server(*args, launcher=()):
-    """``kvcompile serve *args`` on a free loopback port, once it answers: ``(proc, base url)``; ``launcher``:
-    the command that runs the module (default: this Python), e.g. torchrun's, with ``{port}`` standing for a
-    free port of its own. Started again on other ports if one was taken before it bound it (a server of
-    another test process: then the one that answers is not this one)."""
-    deadline = time.time() + STARTUP_S
-    for _ in range(3):
-        port = free_port()
-        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a server that logs much never blocks on it
-        cmd = [a.replace("{port}", str(free_port())) for a in launcher] or [sys.executable]
-        proc = subprocess.Popen([*cmd, "-m", "kvcompile", "serve", *map(str, args), "--port", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)  # its own process group: stop_server ends torchrun's too
-        proc.log = log
-        base = f"http://127.0.0.1:{port}"
-        try:
-            while proc.poll() is None:
-                try:
-                    if (httpx.get(f"{base}/kvcompile/stats", timeout=2).status_code == 200
-                            and serve_load.listening(proc.pid, port)):
-                        return proc, base
-                except httpx.HTTPError:
-                    pass
-                if time.time() > deadline:
-                    pytest.fail(f"kvcompile serve did not answer within {STARTUP_S} s")
-                time.sleep(1)
-        except BaseException:
-            stop_server(proc)
-            raise
-        out = stop_server(proc)
-        if not serve_load.port_taken(out):
-            break
-    pytest.fail(f"kvcompile serve exited with {proc.returncode}:\n{out}")
+    """``kvcompile serve *args`` on a free loopback port, once it answers (``serve_load.launch``): ``(proc, base
+    url)``; ``launcher``: the command that runs the module (default: this Python), e.g. torchrun's, with
+    ``{port}`` standing for a free port of its own. Its own process group: ``stop_server`` ends torchrun's
+    workers too."""
+    def command(port):
+        return [*([a.replace("{port}", str(free_port())) for a in launcher] or [sys.executable]), "-m",
+                "kvcompile", "serve", *map(str, args), "--port", str(port)]
+
+    try:
+        proc, port, log = serve_load.launch(command, "/kvcompile/stats", "kvcompile serve", STARTUP_S,
+                                            start_new_session=True)
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    proc.log = log
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def stop_server(proc) -> str:
