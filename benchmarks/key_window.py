@@ -1,0 +1,129 @@
+"""Can per-token 4-bit keys reach the 4-bit bar with a window of recent keys kept more exactly (and values with
+none), at the bytes of 3.5x? A negative result, kept so that it can be run again (docs/results.md, "Serving").
+
+The formats are simulated, not kvcompile's kernels: a ``DynamicCache`` hands attention every stored token
+quantized and dequantized (after the Hadamard rotation, per token and KV head), and the call's own tokens in full
+precision, as kvcompile's caches do; the held-out protocol is ``kvcompile eval``'s, over ``--windows`` windows.
+Two bodies: kvcompile's (``f16``: an fp16 scale and minimum per token-head, 4.5 bits at head size 64) and a
+cheaper one (``e4m3``: a scale rounded up to fp8 e4m3 and a 4-bit integer zero point, 4.19 bits). A key window
+of ``W`` tokens holds the last ``W`` keys in full precision (``fp``) or int8 with the cheaper scale (``int8``);
+a key leaving it is coded from its original value, as a store that keeps the window as a refinement of the
+page's codes would. Bits per element are counted for a 1K-token request. ``lib:SCHEME:BITS`` rows run kvcompile's
+own cache for comparison.
+
+    python benchmarks/key_window.py full lib:kivi+rot+sink:4 lib:tok+rot:4 f16 e4m3 e4m3,128,int8 f16,128,fp \\
+        --windows 16 --out benchmarks/results/eval_serving/key_window.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from transformers import DynamicCache
+
+from kvcompile import evaluate as E
+from kvcompile import models
+from kvcompile.policy import Policy
+from kvcompile.store import hadamard
+
+REQUEST = 1024  # tokens of the request the bits are counted for
+PLAIN = E.make_cache  # kvcompile's own cache, for the lib: rows (main swaps E.make_cache per row)
+
+
+def e4m3_up(s: torch.Tensor) -> torch.Tensor:
+    """``s`` rounded up to a float with 3 mantissa bits (fp8 e4m3's; no scale here falls outside its range)."""
+    unit = 2.0 ** (torch.floor(torch.log2(s.clamp_min(2.0 ** -9))) - 3)
+    return torch.ceil(s / unit - 1e-6) * unit
+
+
+def quantize(x: torch.Tensor, bits: int, body: str) -> torch.Tensor:
+    """``x`` asymmetrically quantized and dequantized over its last dimension."""
+    top = 2 ** bits - 1
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    if body == "f16":  # kvcompile's: fp16 scale and minimum
+        s, z = ((hi - lo) / top).clamp_min(1e-8).half().float(), lo.half().float()
+        return torch.clamp(torch.round((x - z) / s), 0, top) * s + z
+    s = e4m3_up((hi - lo) / top)
+    zero = torch.clamp(torch.round(-lo / s), 0, top)
+    return (torch.clamp(torch.round(x / s) + zero, 0, top) - zero) * s
+
+
+def bits(body: str, b: int = 4, head: int = 64) -> float:
+    return b + (32 if body == "f16" else b + 8) / head
+
+
+class WindowCache(DynamicCache):
+    """Stored tokens as the variant would hold them; the call's own tokens exact."""
+
+    def __init__(self, body: str | None, window: int, window_format: str, head: int):
+        super().__init__()
+        self.body, self.window, self.window_format = body, window, window_format
+        self.H = hadamard(head, dtype=torch.float64).float()
+
+    def stored(self, x: torch.Tensor, window: int) -> torch.Tensor:
+        if self.body is None:
+            return x
+        y = x.float() @ self.H
+        out = quantize(y, 4, self.body)
+        w = min(window, y.shape[2])
+        if w:
+            recent = y[:, :, -w:]
+            out[:, :, -w:] = recent if self.window_format == "fp" else quantize(recent, 8, "e4m3")
+        return (out @ self.H.T).to(x.dtype)
+
+    def update(self, k, v, layer_idx, *args, **kwargs):
+        new = k.shape[2]
+        K, V = super().update(k, v, layer_idx, *args, **kwargs)
+        t = K.shape[2] - new
+        if t == 0:
+            return K, V
+        return (torch.cat([self.stored(K[:, :, :t], self.window), K[:, :, t:]], 2),
+                torch.cat([self.stored(V[:, :, :t], 0), V[:, :, t:]], 2))
+
+
+def variant(spec: str):
+    """``(make_cache, policy, bits per element)`` for ``full``, ``lib:SCHEME:BITS`` or ``BODY[,W,fp|int8]``."""
+    if spec.startswith("lib:"):
+        return PLAIN, E.scheme_policy(*E.parse_entry(spec[4:])), None
+    if spec == "full":
+        return (lambda model, policy, n, fast: WindowCache(None, 0, "", 64)), Policy.full(), 16.0
+    body, window, fmt = (spec.split(",") + ["0", "fp"])[:3]
+    window = int(window)
+    hi = 16.0 if fmt == "fp" else bits("e4m3", 8)
+    key_bits = ((REQUEST - window) * bits(body) + window * hi) / REQUEST
+    return ((lambda model, policy, n, fast: WindowCache(body, window, fmt, model.config.head_dim)), Policy.full(),
+            (key_bits + bits(body)) / 2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("variants", nargs="+", help="full, lib:SCHEME:BITS, or BODY[,WINDOW,fp|int8], BODY f16 or e4m3")
+    ap.add_argument("--windows", type=int, default=4, help="held-out windows of 2K tokens (kvcompile eval: 4)")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    model, tok = models.load(log=lambda *a: None)
+    windows = E.heldout_windows(tok, count=args.windows)
+    rows = []
+    try:
+        for spec in args.variants:
+            E.make_cache, policy, b = variant(spec)
+            with torch.no_grad():
+                losses = E.heldout_loss(model, windows, policy, progress=True)
+            rows.append({"variant": spec, "bits": b, "loss": sum(losses) / len(losses), "windows": losses})
+            print(f"{spec:24s} loss {rows[-1]['loss']:.5f}" + (f"  {b:.3f} bits, {16 / b:.2f}x" if b else ""),
+                  flush=True)
+    finally:
+        E.make_cache = PLAIN
+    full = next((r for r in rows if r["variant"] == "full"), None)
+    for r in rows if full else ():
+        r["delta"] = r["loss"] - full["loss"]
+        r["delta_windows"] = [a - b for a, b in zip(r["windows"], full["windows"])]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"windows": args.windows, "request_tokens": REQUEST, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
