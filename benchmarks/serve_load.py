@@ -75,33 +75,40 @@ def launch(command, probe: str, what: str, startup_s: float = STARTUP_S, **popen
     ``subprocess.Popen``'s arguments) and wait until it answers ``probe`` (a path) there and listens there itself;
     started again on another port when its port was taken before it bound it. ``(process, port, its output
     file)``; a RuntimeError with its output when it exits or does not answer within ``startup_s`` (then it and
-    what it started are killed)."""
+    what it started are killed, as when the wait is interrupted)."""
     import psutil
 
     deadline = time.time() + startup_s
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    def kill(proc):
+        try:
+            root = psutil.Process(proc.pid)
+            for p in [*root.children(recursive=True), root]:
+                p.kill()
+        except psutil.NoSuchProcess:
+            pass
+        proc.wait(timeout=10)
+
     for _ in range(3):
         port, late = free_port(), False
         log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a server that logs much never blocks on it
         proc = subprocess.Popen(command(port), stdout=log, stderr=subprocess.STDOUT, text=True, env=env, **popen)
-        while proc.poll() is None:
-            try:
-                if (httpx.get(f"http://127.0.0.1:{port}{probe}", timeout=2).status_code == 200
-                        and listening(proc.pid, port)):
-                    return proc, port, log
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
+        try:
+            while proc.poll() is None:
                 try:
-                    root = psutil.Process(proc.pid)
-                    for p in [*root.children(recursive=True), root]:
-                        p.kill()
-                except psutil.NoSuchProcess:
+                    if (httpx.get(f"http://127.0.0.1:{port}{probe}", timeout=2).status_code == 200
+                            and listening(proc.pid, port)):
+                        return proc, port, log
+                except httpx.HTTPError:
                     pass
-                proc.wait(timeout=10)
-                late = True
-                break
-            time.sleep(1)
+                if time.time() > deadline:
+                    kill(proc)
+                    late = True
+                    break
+                time.sleep(1)
+        except BaseException:  # interrupted while waiting: leave no server behind
+            kill(proc)
+            raise
         log.seek(0)
         out = log.read()
         log.close()
