@@ -4,7 +4,8 @@ none), at the bytes of 3.5x? A negative result, kept so that it can be run again
 The formats are simulated, not kvcompile's kernels: a ``DynamicCache`` hands attention every stored token
 quantized and dequantized (after the Hadamard rotation, per token and KV head), and the call's own tokens in full
 precision, as kvcompile's caches do; the held-out protocol is ``kvcompile eval``'s, over ``--windows`` windows.
-Two bodies: kvcompile's (``f16``: an fp16 scale and minimum per token-head, 4.5 bits at head size 64) and a
+Two bodies: kvcompile's layout (``f16``: an fp16 scale and minimum per token-head, 4.5 bits at head size 64;
+both rounded to nearest here, where ``kvcompile.quant.quantize`` rounds the minimum down and the scale up) and a
 cheaper one (``e4m3``: a scale rounded up to fp8 e4m3 and a 4-bit integer zero point, 4.19 bits). A key window
 of ``W`` tokens holds the last ``W`` keys in full precision (``fp``) or int8 with the cheaper scale (``int8``);
 a key leaving it is coded from its original value, as a store that keeps the window as a refinement of the
@@ -41,7 +42,7 @@ def quantize(x: torch.Tensor, bits: int, body: str) -> torch.Tensor:
     """``x`` asymmetrically quantized and dequantized over its last dimension."""
     top = 2 ** bits - 1
     lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    if body == "f16":  # kvcompile's: fp16 scale and minimum
+    if body == "f16":  # kvcompile's layout, rounded to nearest (not quant.quantize's directed rounding)
         s, z = ((hi - lo) / top).clamp_min(1e-8).half().float(), lo.half().float()
         return torch.clamp(torch.round((x - z) / s), 0, top) * s + z
     s = e4m3_up((hi - lo) / top)
