@@ -221,13 +221,27 @@ _LABEL = r"[A-Za-z0-9]+(?:-[A-Za-z0-9]+)*"
 _URI = (rf"https?://(?:{_IPV4}|(?:{_LABEL}\.)*[A-Za-z](?:[A-Za-z0-9]*(?:-[A-Za-z0-9]+)*))"
         r"(?::(?:[0-9]|[1-9][0-9]{1,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))?"
         rf"(?:/{_URL_CHAR}*)*(?:\?(?:{_URL_CHAR}|[/?])*)?(?:#(?:{_URL_CHAR}|[/?])*)?")
+_HEX4 = r"[0-9a-fA-F]{1,4}"
+# an IPv6 address in hex groups, "::" standing for one or more zero groups (no embedded dotted quad, no zone)
+_IPV6 = "(?:" + "|".join([rf"(?:{_HEX4}:){{7}}{_HEX4}", rf"(?:{_HEX4}:){{1,7}}:"]
+                         + [rf"(?:{_HEX4}:){{1,{n}}}(?::{_HEX4}){{1,{7 - n}}}" for n in range(6, 0, -1)]
+                         + [rf":(?:(?::{_HEX4}){{1,7}}|:)"]) + ")"
+# an ISO 8601 duration as pydantic's timedelta reads and writes one: years (of 365 days), days, then after "T"
+# hours, minutes and seconds (up to six fraction digits), each present part in that order, at least one;
+# bounded in digits so that it always fits a timedelta; never negative
+_SECONDS = r"[0-9]{1,6}(?:\.[0-9]{1,6})?S"
+_CLOCK = rf"T(?:[0-9]{{1,6}}H(?:[0-9]{{1,6}}M)?(?:{_SECONDS})?|[0-9]{{1,6}}M(?:{_SECONDS})?|{_SECONDS})"
+_DURATION = rf"P(?:[0-9]{{1,4}}Y(?:[0-9]{{1,6}}D)?(?:{_CLOCK})?|[0-9]{{1,6}}D(?:{_CLOCK})?|{_CLOCK})"
 # the formats followed, each as the strings it takes: RFC 3339's full-date (a real day: February 29 in leap
 # years only), full-time and date-time ("T" and "Z" in capitals, at most six fraction digits -- microseconds --,
-# no leap second), a UUID's 8-4-4-4-12 hex digits, an IPv4 address's dotted quad (no leading zeros), and a
-# URI as an http(s) URL (``_URI``: what pydantic's AnyUrl and HttpUrl, which write "uri", both take)
+# no leap second), a UUID's 8-4-4-4-12 hex digits, an IPv4 address's dotted quad (no leading zeros), an IPv6
+# address (``_IPV6``), either (pydantic's IPvAnyAddress writes "ipvanyaddress"), a duration (``_DURATION``:
+# pydantic's timedelta writes "duration"), and a URI as an http(s) URL (``_URI``: what pydantic's AnyUrl and
+# HttpUrl, which write "uri", both take)
 FORMATS = {"date": _DATE, "time": _TIME, "date-time": _DATE + "T" + _TIME,
            "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
-           "ipv4": _IPV4, "uri": _URI}
+           "ipv4": _IPV4, "ipv6": _IPV6, "ipvanyaddress": f"(?:{_IPV4}|{_IPV6})", "duration": _DURATION,
+           "uri": _URI}
 _SIMPLE_ESCAPES = '"\\/\b\f\n\r\t'
 _SURROGATE = frozenset(b"89abcdefABCDEF")  # a surrogate escape: its second hex digit, after a "d"
 

@@ -248,7 +248,8 @@ def test_the_schema_reader_agrees_with_jsonschema(data, schema, edit):
      "no value follows it"),  # a number under multipleOf is an integer: 2.5 is not one
     ({"type": "object", "properties": {"a": {"type": "array", "prefixItems": [{}]}}}, "'prefixItems' is not followed"),
     ({"type": "object", "properties": {"a": {"type": "string", "format": "email"}}},
-     "format 'email' is not followed (followed: date, time, date-time, uuid, ipv4, uri)"),
+     "format 'email' is not followed (followed: date, time, date-time, uuid, ipv4, ipv6, ipvanyaddress, duration, "
+     "uri)"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "a("}}}, "is no regular expression"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": 3}}}, "pattern must be a string"),
     ({"type": "object", "properties": {"a": {"minimum": 0, "exclusiveMinimum": True}}}, "draft 4's true/false"),
@@ -831,6 +832,83 @@ def test_the_uri_and_ipv4_formats_write_what_pydantic_takes(data):
     except ValueError:
         valid = False
     assert (first_refusal(schema, json.dumps({"i": quad}), whole=False) is None) == valid, quad
+
+
+def ipv6_candidates():
+    """Strings of hex groups and colons near IPv6 addresses: valid ones, "::" anywhere, too many groups, a
+    group of five digits, a lone colon at either end."""
+    group = st.text("0123456789abcdefABCDEF", min_size=1, max_size=5)
+    return st.lists(st.one_of(group, st.just("")), min_size=1, max_size=10).map(":".join)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_ipv6_and_duration_formats_write_what_pydantic_takes(data):
+    """``format: "ipv6"`` (pydantic's IPv6Address writes it) is followed as hex groups with at most one "::",
+    every one of them an address Python's ``ipaddress`` and pydantic take, and every such address taken;
+    ``"ipvanyaddress"`` as either kind; ``"duration"`` (pydantic's timedelta) as an ISO 8601 duration
+    pydantic reads, taking what pydantic writes for any timedelta that is not negative."""
+    import datetime
+    import ipaddress
+
+    from pydantic import IPvAnyAddress, TypeAdapter
+
+    from kvcompile.structured import FORMATS
+
+    def taken(fmt, text):
+        schema = {"type": "object", "properties": {"a": {"type": "string", "format": fmt}}}
+        return first_refusal(schema, json.dumps({"a": text}), whole=False) is None
+
+    drawn = data.draw(st.from_regex(FORMATS["ipv6"], fullmatch=True))
+    assert TypeAdapter(ipaddress.IPv6Address).validate_python(drawn) == ipaddress.IPv6Address(drawn)
+    assert taken("ipv6", drawn) and taken("ipvanyaddress", drawn)
+    near = data.draw(ipv6_candidates())
+    try:
+        ipaddress.IPv6Address(near)
+        valid = True
+    except ValueError:
+        valid = False
+    assert taken("ipv6", near) == valid, near
+    assert taken("ipvanyaddress", near) == valid, near
+    quad = data.draw(st.ip_addresses(v=4)).exploded
+    assert taken("ipvanyaddress", quad) and TypeAdapter(IPvAnyAddress).validate_python(quad)
+
+    drawn = data.draw(st.from_regex(FORMATS["duration"], fullmatch=True))
+    TypeAdapter(datetime.timedelta).validate_python(drawn)
+    assert taken("duration", drawn)
+    td = data.draw(st.timedeltas(min_value=datetime.timedelta(0), max_value=datetime.timedelta(days=999_999)))
+    written = json.loads(TypeAdapter(datetime.timedelta).dump_json(td))
+    assert taken("duration", written), written
+    assert not taken("duration", "-" + written)
+
+
+@pytest.mark.parametrize("text", ["P", "PT", "P1DT", "PT1M1H", "PT.5S", "P1W", "P12345678D", "1D", "pt1s"])
+def test_a_duration_pydantic_could_refuse_or_read_otherwise_is_not_written(text):
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "duration"}}}
+    assert first_refusal(schema, json.dumps({"d": text})) is not None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_constrained_pick_under_ipv6_and_duration_formats_parses_into_pydantic(seed):
+    """Random walks under a model with an IPv6Address, an IPvAnyAddress and a timedelta end in a reply
+    pydantic takes."""
+    import datetime
+    import ipaddress
+
+    from openai.lib._pydantic import to_strict_json_schema
+    from pydantic import BaseModel, IPvAnyAddress
+
+    class Host(BaseModel):
+        six: ipaddress.IPv6Address
+        any: IPvAnyAddress
+        uptime: datetime.timedelta
+
+    schema = to_strict_json_schema(Host)
+    pieces = ["{", "}", "]", '"', ":", "::", ",", '"six":', '"any":', '"uptime":', *"0123456789abcdefABF.",
+              *"sixnyuptm", "P", "T", "Y", "D", "H", "M", "S", "fe80", "::1"]
+    vocab = [p.encode() for p in pieces] + [None]
+    out = walk(JsonConstraint(vocab, len(vocab) - 1, schema=schema), vocab, seed, sampled=True)
+    Host.model_validate_json(out)
 
 
 @pytest.mark.parametrize("url", ["ftp://a.com", "http://a.123", "http://123", "http://xn--abc.com", "http://a--b.com",
