@@ -4,16 +4,16 @@ none), at the bytes of 3.5x? A negative result, kept so that it can be run again
 The formats are simulated, not kvcompile's kernels: a ``DynamicCache`` hands attention every stored token
 quantized and dequantized (after the Hadamard rotation, per token and KV head), and the call's own tokens in full
 precision, as kvcompile's caches do; the held-out protocol is ``kvcompile eval``'s, over ``--windows`` windows.
-Two bodies: kvcompile's layout (``f16``: an fp16 scale and minimum per token-head, 4.5 bits at head size 64;
-both rounded to nearest here, where ``kvcompile.quant.quantize`` rounds the minimum down and the scale up) and a
-cheaper one (``e4m3``: a scale rounded up to fp8 e4m3 and a 4-bit integer zero point, 4.19 bits). A key window
+Two bodies: kvcompile's layout (``f16``: an fp16 scale and minimum per token-head, 4.5 bits at head size 64,
+quantized by ``kvcompile.quant`` itself) and a cheaper one (``e4m3``: a scale rounded up to fp8 e4m3 and a 4-bit
+integer zero point, 4.19 bits). A trailing ``,c`` centres the keys on the request's mean key first. A key window
 of ``W`` tokens holds the last ``W`` keys in full precision (``fp``) or int8 with the cheaper scale (``int8``);
 a key leaving it is coded from its original value, as a store that keeps the window as a refinement of the
 page's codes would. Bits per element are counted for a 1K-token request. ``lib:SCHEME:BITS`` rows run kvcompile's
 own cache for comparison.
 
-    python benchmarks/key_window.py full lib:kivi+rot+sink:4 lib:tok+rot:4 f16 e4m3 e4m3,128,int8 f16,128,fp \\
-        --windows 16 --out benchmarks/results/eval_serving/key_window.json
+    python benchmarks/key_window.py full lib:kivi+rot+sink:4 lib:tok+rot:4 f16 f16,c e4m3 e4m3,c e4m3,128,int8 \\
+        e4m3,128,int8,c f16,128,fp --windows 16 --out benchmarks/results/eval_serving/key_window.json
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from transformers import DynamicCache
 
 from kvcompile import evaluate as E
 from kvcompile import models
-from kvcompile.policy import Policy
+from kvcompile.policy import Policy, Quant
+from kvcompile.quant import dequantize, quantize as quantize_lib
 from kvcompile.store import hadamard
 
 REQUEST = 1024  # tokens of the request the bits are counted for
@@ -40,27 +41,28 @@ def e4m3_up(s: torch.Tensor) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, bits: int, body: str) -> torch.Tensor:
     """``x`` asymmetrically quantized and dequantized over its last dimension."""
+    if body == "f16":  # kvcompile's own layout and rounding
+        q = Quant(f"int{bits}", "token")
+        return dequantize(*quantize_lib(x, q), q)
     top = 2 ** bits - 1
     lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    if body == "f16":  # kvcompile's layout, rounded to nearest (not quant.quantize's directed rounding)
-        s, z = ((hi - lo) / top).clamp_min(1e-8).half().float(), lo.half().float()
-        return torch.clamp(torch.round((x - z) / s), 0, top) * s + z
     s = e4m3_up((hi - lo) / top)
     zero = torch.clamp(torch.round(-lo / s), 0, top)
     return (torch.clamp(torch.round(x / s) + zero, 0, top) - zero) * s
 
 
-def bits(body: str, b: int = 4, head: int = 64) -> float:
+def bits(body: str, head: int, b: int = 4) -> float:
     return b + (32 if body == "f16" else b + 8) / head
 
 
 class WindowCache(DynamicCache):
     """Stored tokens as the variant would hold them; the call's own tokens exact."""
 
-    def __init__(self, body: str | None, window: int, window_format: str, head: int):
+    def __init__(self, body: str | None, window: int, window_format: str, head: int, centre: bool = False):
         super().__init__()
-        self.body, self.window, self.window_format = body, window, window_format
+        self.body, self.window, self.window_format, self.centre = body, window, window_format, centre
         self.H = hadamard(head, dtype=torch.float64).float()
+        self.mu = {}  # layer -> the request's mean key (fp16-rounded), taken from its first call
 
     def stored(self, x: torch.Tensor, window: int) -> torch.Tensor:
         if self.body is None:
@@ -75,31 +77,39 @@ class WindowCache(DynamicCache):
 
     def update(self, k, v, layer_idx, *args, **kwargs):
         new = k.shape[2]
+        if self.centre and layer_idx not in self.mu:  # the first token (a sink) left out of the mean
+            self.mu[layer_idx] = k[:, :, min(1, new - 1):].float().mean(2, keepdim=True).half().float()
         K, V = super().update(k, v, layer_idx, *args, **kwargs)
         t = K.shape[2] - new
         if t == 0:
             return K, V
-        return (torch.cat([self.stored(K[:, :, :t], self.window), K[:, :, t:]], 2),
+        mu = self.mu.get(layer_idx, 0.0)  # stored as k - mu; adding mu back equals shifting every score alike
+        return (torch.cat([(self.stored(K[:, :, :t].float() - mu, self.window) + mu).to(K.dtype), K[:, :, t:]], 2),
                 torch.cat([self.stored(V[:, :, :t], 0), V[:, :, t:]], 2))
 
 
-def variant(spec: str):
-    """``(make_cache, policy, bits per element)`` for ``full``, ``lib:SCHEME:BITS`` or ``BODY[,W,fp|int8]``."""
+def variant(spec: str, head: int):
+    """``(make_cache, policy, bits per element)`` for ``full``, ``lib:SCHEME:BITS`` or ``BODY[,W,fp|int8][,c]``
+    (``c``: keys centred on the request's mean key, an fp16 vector per layer and KV head taken from its first
+    call; exact in full precision, since every score a query reads shifts by the same ``q . mu``)."""
     if spec.startswith("lib:"):
         return PLAIN, E.scheme_policy(*E.parse_entry(spec[4:])), None
     if spec == "full":
-        return (lambda model, policy, n, fast: WindowCache(None, 0, "", 64)), Policy.full(), 16.0
-    body, window, fmt = (spec.split(",") + ["0", "fp"])[:3]
+        return (lambda model, policy, n, fast: WindowCache(None, 0, "", head)), Policy.full(), 16.0
+    parts = spec.split(",")
+    centre = parts[-1] == "c"
+    body, window, fmt = (parts[:len(parts) - centre] + ["0", "fp"])[:3]
     window = int(window)
-    hi = 16.0 if fmt == "fp" else bits("e4m3", 8)
-    key_bits = ((REQUEST - window) * bits(body) + window * hi) / REQUEST
-    return ((lambda model, policy, n, fast: WindowCache(body, window, fmt, model.config.head_dim)), Policy.full(),
-            (key_bits + bits(body)) / 2)
+    hi = 16.0 if fmt == "fp" else bits("e4m3", head, 8)
+    key_bits = ((REQUEST - window) * bits(body, head) + window * hi) / REQUEST + (16 / REQUEST if centre else 0)
+    return ((lambda model, policy, n, fast: WindowCache(body, window, fmt, head, centre)),
+            Policy.full(), (key_bits + bits(body, head)) / 2)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("variants", nargs="+", help="full, lib:SCHEME:BITS, or BODY[,WINDOW,fp|int8], BODY f16 or e4m3")
+    ap.add_argument("variants", nargs="+",
+                    help="full, lib:SCHEME:BITS, or BODY[,WINDOW,fp|int8][,c], BODY f16 or e4m3")
     ap.add_argument("--windows", type=int, default=4, help="held-out windows of 2K tokens (kvcompile eval: 4)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
@@ -109,7 +119,7 @@ def main() -> None:
     rows = []
     try:
         for spec in args.variants:
-            E.make_cache, policy, b = variant(spec)
+            E.make_cache, policy, b = variant(spec, model.config.head_dim)
             with torch.no_grad():
                 losses = E.heldout_loss(model, windows, policy, progress=True)
             rows.append({"variant": spec, "bits": b, "loss": sum(losses) / len(losses), "windows": losses})
