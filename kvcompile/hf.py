@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLaye
 
 from . import ops, standin
 from .policy import Policy
-from .store import RopeError, RopeTable, DTYPE_NAMES, KVStore, LayerSpec
+from .store import RopeError, RopeTable, DTYPE_NAMES, KVStore, LayerSpec, normal_tensors
 
 
 def _text_config(config):
@@ -141,6 +141,7 @@ class KVCompileLayer(StaticLayer):
             self.store.expect(self.expected)
 
     # ---- allocation (always outside any compiled region)
+    @normal_tensors
     def initialize(self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
         """Create the (empty) packed store and the stand-ins."""
         if _tracing():
@@ -164,6 +165,7 @@ class KVCompileLayer(StaticLayer):
         self._standins(CAPACITY_STEP)
         self.is_initialized = True
 
+    @normal_tensors
     def _standins(self, width: int) -> None:
         """New stand-ins of ``width`` positions (and the store's batch) over the same store. Their width is a
         dynamic dimension for Dynamo, so new widths reuse the compiled graph."""
@@ -290,19 +292,32 @@ class RingLayer(StaticSlidingWindowLayer):
     tensors are registered as the model's own (the pass leaves them alone) again whenever transformers
     replaces them (beam search's reorder, forks)."""
 
+    @normal_tensors
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+
+    def lazy_initialization(self, key_states, value_states):
+        if _tracing():  # (allocated inside a graph: see _leave_rings_alone)
+            return super().lazy_initialization(key_states, value_states)
+        with torch.inference_mode(False):
+            super().lazy_initialization(key_states, value_states)
+
     def _leave(self):
         if self.is_initialized:
             standin.leave(self.keys, self.values, RING_REASON.format(w=self.max_cache_len))
 
+    @normal_tensors
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)
         self._leave()
 
+    @normal_tensors
     def batch_select_indices(self, indices):
         if self.is_initialized:
             self.keys, self.values = self.keys[indices, ...], self.values[indices, ...]
         self._leave()
 
+    @normal_tensors
     def batch_repeat_interleave(self, repeats):
         if self.is_initialized:
             self.keys = self.keys.repeat_interleave(repeats, dim=0)

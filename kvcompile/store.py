@@ -70,6 +70,14 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 BLOCK_TOKENS = 64  # packed tokens per block, unless the policy's flush group is larger (then one group)
 
 
+def normal_tensors(fn):
+    """``fn`` run outside ``torch.inference_mode``: the tensors it makes for a cache are ordinary ones. A cache
+    made inside inference mode (a ``generate`` under ``with torch.inference_mode():``) is written in place by
+    every later call, and an inference tensor may not be written in place outside inference mode, so a chat
+    continued in that cache under ``torch.no_grad()`` would fail. Ordinary tensors may be written in both."""
+    return torch.inference_mode(False)(fn)
+
+
 class CapacityError(RuntimeError):
     """An append that does not fit in the cache (its token limit, or its block budget)."""
 
@@ -357,6 +365,7 @@ class RopeTable:
     write of pre-RoPE keys (``capture``) and read by attention for every stored key. Shared by the layers of
     a cache (one row per position, whatever the batch); grows by doubling."""
 
+    @normal_tensors
     def __init__(self, device="cpu"):
         self.device = torch.device(device)
         self.form: tuple | None = None  # (form, rotary_dim, D)
@@ -390,6 +399,7 @@ class RopeTable:
         """Bytes allocated (the table grows by doubling)."""
         return sum(t.numel() * t.element_size() for t in (self.cos, self.sin, self.filled))
 
+    @normal_tensors
     def _grow(self, T: int) -> None:
         old = self.cos.shape[0]
         if T <= old:
@@ -402,6 +412,7 @@ class RopeTable:
         cos[:old], sin[:old], filled[:old] = self.cos, self.sin, self.filled
         self.cos, self.sin, self.filled = cos, sin, filled
 
+    @normal_tensors
     def capture(self, cos: Tensor, sin: Tensor, form: str, r: Tensor, valid: Tensor, D: int) -> None:
         """Record ``cos, sin`` (broadcastable to ``[B, n, rotary_dim]``; "pairs": ``[..., n, rotary_dim/2]``)
         for the rotary positions ``r [B, n]`` where ``valid``. A position captured before must get the same
@@ -455,6 +466,7 @@ class KVStore:
     The state (``.state``) is replaced when the pool grows: read it at each use, never keep it.
     """
 
+    @normal_tensors
     def __init__(self, spec: LayerSpec, batch: int, device="cpu", max_tokens: int | None = None,
                  max_blocks: int | None = None, blocks: int = 0):
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
@@ -506,6 +518,7 @@ class KVStore:
         return state_nbytes(self.state)
 
     # ---- blocks
+    @normal_tensors
     def _grow(self, need: int, exact: bool = False) -> None:
         """Make at least ``need`` free blocks: the pool doubles (or grows to what is needed; ``exact``: to just
         what is needed)."""
@@ -554,6 +567,7 @@ class KVStore:
         if self.refs[blk] == 0:
             self.free.append(blk)
 
+    @normal_tensors
     def _sync_rows(self, rows: Sequence[int] | None = None) -> None:
         """Write the host tables (and lengths) into ``state.table``/``state.lengths``."""
         width = max((len(t) for t in self.tables), default=0)
@@ -706,6 +720,7 @@ class KVStore:
                             f"{'pre' if pre_rope else 'post'}-RoPE keys (one graph of the model had its rotary "
                             f"embedding recognised by the pass, another not). Use a policy without pre_rope here.")
 
+    @normal_tensors
     def capture_rope(self, cos: Tensor, sin: Tensor, form: str, n: int, n_new: Tensor | None = None) -> None:
         """Record the cos/sin of the ``n``-token chunk about to be appended (before ``append``): token ``t`` of
         sequence ``b`` is at rotary position ``lengths[b] + t + offset[b]``."""
@@ -723,10 +738,12 @@ class KVStore:
         if not self.rope_keys or self.rope_table is None or self.rope_table.form is None:
             return None
         if self._rope_offset_t is None:
-            self._rope_offset_t = torch.tensor(self.rope_offset, dtype=torch.int32, device=self.device)
+            with torch.inference_mode(False):
+                self._rope_offset_t = torch.tensor(self.rope_offset, dtype=torch.int32, device=self.device)
         tb = self.rope_table
         return Rope(tb.cos, tb.sin, tb.perm, self._rope_offset_t)
 
+    @normal_tensors
     def crop(self, length: int) -> None:
         """Every sequence keeps its first ``length`` tokens (sequences shorter than that are unchanged).
 
@@ -744,6 +761,7 @@ class KVStore:
         """
         crop_reference(self, length)
 
+    @normal_tensors
     def select(self, index) -> None:
         """Sequence ``i`` becomes what sequence ``index[i]`` was (reorder, fork, drop): beam search's
         reorder, ``num_return_sequences`` and parallel sampling. Blocks are shared, not copied, until a
@@ -768,6 +786,7 @@ class KVStore:
         self.state = KVState(*self.state[:6], *rows, table)
         self._sync_rows()
 
+    @normal_tensors
     def copy(self, device=None) -> "KVStore":
         """An independent copy (every tensor cloned, on ``device``; default: the same device)."""
         out = KVStore.__new__(KVStore)
@@ -807,6 +826,7 @@ class KVStore:
             t[dst] = t[src]
         self._sync_rows([dst])
 
+    @normal_tensors
     def save(self, b: int, device="cpu") -> SavedRow:
         """A copy of sequence ``b`` on ``device`` (a serving engine moving an evicted request's cache to host
         memory): its blocks' packed contents in table order, its ring and sinks, its length. ``restore`` puts it
@@ -817,6 +837,7 @@ class KVStore:
         row = tuple(t[b].to(device, copy=True) for t in self.state[6:10])  # a copy: the row is reused
         return SavedRow(pool, row, self.lengths[b], self.rope_offset[b])
 
+    @normal_tensors
     def restore(self, b: int, saved: SavedRow, blocks: Sequence[int]) -> None:
         """Sequence ``b`` becomes what ``save`` copied: its contents go to the first blocks of ``blocks`` (its
         table from now on; an engine hands them out), its ring, sinks and length to row ``b``."""

@@ -279,14 +279,24 @@ def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
 _MEMO: list = []  # (tensor, its version, what, result): the few most recent masks
 
 
+def _version(t: Tensor) -> int | None:
+    """``t``'s version counter, None for a tensor made under ``torch.inference_mode`` (which has none: it may be
+    written in place unseen, so nothing derived from it can be memoised)."""
+    return None if t.is_inference() else t._version
+
+
 def _memo(t: Tensor, what, fn):
     """``fn()``, computed once per mask tensor (and version): every layer of a forward receives the same mask
-    object. Entries hold the tensor itself, so a freed mask's address can never be mistaken for a new one."""
+    object. Entries hold the tensor itself, so a freed mask's address can never be mistaken for a new one. A mask
+    made under ``torch.inference_mode`` has no version, so its result is computed afresh at every call."""
+    v = _version(t)
+    if v is None:
+        return fn()
     for e in _MEMO:
-        if e[0] is t and e[1] == t._version and e[2] == what:
+        if e[0] is t and e[1] == v and e[2] == what:
             return e[3]
     out = fn()
-    _MEMO.insert(0, (t, t._version, what, out))
+    _MEMO.insert(0, (t, v, what, out))
     del _MEMO[4:]
     return out
 
@@ -530,7 +540,12 @@ def _rope_args(rope: Rope, B: int, D: int) -> _RopeArgs:
     of every step passes its cache's tables; a capture writes them in place, which bumps their versions): a call
     that finds them costs a few attribute reads."""
     src = (rope.cos, rope.sin, rope.perm, rope.offset)
-    ver = (src[0]._version, src[1]._version, src[2]._version, src[3]._version)
+    ver = (_version(src[0]), _version(src[1]), _version(src[2]), _version(src[3]))
+    if None in ver:  # made under torch.inference_mode: unversioned, so checked and converted at every call
+        cos, sin = rope.cos.float().contiguous(), rope.sin.float().contiguous()
+        perm, off = rope.perm.to(torch.int32).contiguous(), rope.offset.to(torch.int32).contiguous()
+        check_rope_tables(cos, sin, perm, off, B, D, partners=True)
+        return _RopeArgs(src, ver, (cos, sin, perm, off))
     for e in _ROPE_MEMO:
         s = e.src
         if s[0] is src[0] and s[1] is src[1] and s[2] is src[2] and s[3] is src[3] and e.ver == ver:

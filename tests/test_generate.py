@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
+import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, TextIteratorStreamer
 
 import kvcompile
@@ -287,6 +288,63 @@ def test_model_to_another_dtype_after_apply():
         cache = KVCompileCache(model.config, Policy.full(), dtype=torch.float32)
         with pytest.raises(ValueError, match=r"stores torch.float32, but the model runs in torch.bfloat16"):
             model(PROMPT, use_cache=True, **{cache_kwarg(model): cache})
+
+
+# --------------------------------------------------------------------------- torch.inference_mode
+@pytest.mark.parametrize("mode", [
+    dict(max_new_tokens=10, do_sample=False),
+    dict(max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False),
+    dict(max_new_tokens=10, prompt_lookup_num_tokens=3, do_sample=False),
+], ids=["greedy", "beam-return-2", "prompt-lookup"])
+def test_generate_under_inference_mode(models, mode):
+    """``with torch.inference_mode():``, where many users generate: the unmodified model's tokens."""
+    ref, model = models
+    with torch.inference_mode():
+        want = ref.generate(PROMPT, **mode)
+        got = model.generate(PROMPT, **mode)
+    assert torch.equal(got, want)
+
+
+def windowed_pair(policy):
+    """A Gemma 3 whose first and last layers attend over a window of 16 (kept in transformers' ring), and twin."""
+    def make():
+        torch.manual_seed(0)
+        cfg = transformers.Gemma3TextConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=512, sliding_window=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], attn_implementation="sdpa")
+        return transformers.Gemma3ForCausalLM(cfg).eval()
+    return make(), kvcompile.apply(make(), policy)
+
+
+@pytest.mark.parametrize("first, then, make, policy", [
+    (torch.inference_mode, torch.no_grad, pair, Policy.full()),
+    (torch.no_grad, torch.inference_mode, pair, Policy.full()),
+    (torch.inference_mode, torch.no_grad, windowed_pair, Policy.full()),
+    (torch.inference_mode, torch.no_grad, pair, KIVI),
+    (torch.inference_mode, torch.no_grad, windowed_pair, KIVI),
+], ids=["full-inference-then-no_grad", "full-no_grad-then-inference", "full-gemma3-rings", "kivi", "kivi-gemma3-rings"])
+def test_a_chat_begun_in_one_grad_mode_goes_on_in_the_other(first, then, make, policy):
+    """A cache made under ``torch.inference_mode`` and written again under ``torch.no_grad`` (or the other way
+    round), as transformers' own cache allows: under Policy.full() the unmodified model's tokens, under KIVI the
+    tokens of the same chat held in one mode throughout."""
+    ref, model = make(policy)
+    kw = cache_kwarg(model)
+    more = torch.randint(3, 64, (1, 9), generator=torch.Generator().manual_seed(1))
+    gen = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+
+    def chat(m, first, then):
+        with first():
+            one = m.generate(PROMPT, **gen)
+        seq = torch.cat([one.sequences, more], 1)
+        with then():
+            return m.generate(seq, **gen, **{kw: one.past_key_values}).sequences
+
+    got = chat(model, first, then)
+    if policy == Policy.full():
+        assert torch.equal(got, chat(ref, first, then))
+    else:
+        assert torch.equal(got, chat(model, torch.no_grad, torch.no_grad))
 
 
 def test_a_forward_that_does_not_generate():
