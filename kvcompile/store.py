@@ -74,7 +74,8 @@ def normal_tensors(fn):
     """``fn`` run outside ``torch.inference_mode``: the tensors it makes for a cache are ordinary ones. A cache
     made inside inference mode (a ``generate`` under ``with torch.inference_mode():``) is written in place by
     every later call, and an inference tensor may not be written in place outside inference mode, so a chat
-    continued in that cache under ``torch.no_grad()`` would fail. Ordinary tensors may be written in both."""
+    continued in that cache under ``torch.no_grad()`` would fail. Ordinary tensors may be written in both. For
+    functions that make tensors only: a write in place into a tensor made inside inference mode must stay in it."""
     return torch.inference_mode(False)(fn)
 
 
@@ -217,6 +218,7 @@ class LayerSpec:
         ss = (H, *Q.scale_shape(q, BS, D))
         return (H, BS, Q.packed_bytes(D, q.bits)), torch.uint8, ss, ss if q.has_zero else None
 
+    @normal_tensors
     def pool(self, blocks: int, device="cpu") -> list[Tensor]:
         """Zero-filled pool tensors of ``blocks`` blocks, in ``POOL_FIELDS`` order."""
         out = []
@@ -229,6 +231,7 @@ class LayerSpec:
                 out.append(torch.zeros((blocks, *shape) if shape else (0,), dtype=sdt, device=device))
         return out
 
+    @normal_tensors
     def rows(self, batch: int, table_width: int = 0, device="cpu") -> list[Tensor]:
         """Zero-filled per-sequence tensors (ring, sinks, lengths; the table filled with -1), ``ROW_FIELDS``."""
         H, D, dt = self.heads, self.head_dim, self.torch_dtype
@@ -375,6 +378,7 @@ class RopeTable:
         self.perm: Tensor | None = None
         self.sign: Tensor | None = None
 
+    @normal_tensors
     def _setup(self, form: str, rotary_dim: int, D: int) -> None:
         key = (form, rotary_dim, D)
         if self.form is None:
@@ -412,7 +416,6 @@ class RopeTable:
         cos[:old], sin[:old], filled[:old] = self.cos, self.sin, self.filled
         self.cos, self.sin, self.filled = cos, sin, filled
 
-    @normal_tensors
     def capture(self, cos: Tensor, sin: Tensor, form: str, r: Tensor, valid: Tensor, D: int) -> None:
         """Record ``cos, sin`` (broadcastable to ``[B, n, rotary_dim]``; "pairs": ``[..., n, rotary_dim/2]``)
         for the rotary positions ``r [B, n]`` where ``valid``. A position captured before must get the same
@@ -466,7 +469,6 @@ class KVStore:
     The state (``.state``) is replaced when the pool grows: read it at each use, never keep it.
     """
 
-    @normal_tensors
     def __init__(self, spec: LayerSpec, batch: int, device="cpu", max_tokens: int | None = None,
                  max_blocks: int | None = None, blocks: int = 0):
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
@@ -567,14 +569,14 @@ class KVStore:
         if self.refs[blk] == 0:
             self.free.append(blk)
 
-    @normal_tensors
     def _sync_rows(self, rows: Sequence[int] | None = None) -> None:
         """Write the host tables (and lengths) into ``state.table``/``state.lengths``."""
         width = max((len(t) for t in self.tables), default=0)
         table = self.state.table
         if table.shape[1] < width:
-            table = torch.full((self.batch, max(width, 2 * table.shape[1])), -1, dtype=torch.int32,
-                               device=self.device)
+            with torch.inference_mode(False):  # (``normal_tensors``)
+                table = torch.full((self.batch, max(width, 2 * table.shape[1])), -1, dtype=torch.int32,
+                                   device=self.device)
             rows = None
         host = torch.full((self.batch if rows is None else len(rows), table.shape[1]), -1, dtype=torch.int32)
         for i, b in enumerate(range(self.batch) if rows is None else rows):
@@ -720,7 +722,6 @@ class KVStore:
                             f"{'pre' if pre_rope else 'post'}-RoPE keys (one graph of the model had its rotary "
                             f"embedding recognised by the pass, another not). Use a policy without pre_rope here.")
 
-    @normal_tensors
     def capture_rope(self, cos: Tensor, sin: Tensor, form: str, n: int, n_new: Tensor | None = None) -> None:
         """Record the cos/sin of the ``n``-token chunk about to be appended (before ``append``): token ``t`` of
         sequence ``b`` is at rotary position ``lengths[b] + t + offset[b]``."""
@@ -743,7 +744,6 @@ class KVStore:
         tb = self.rope_table
         return Rope(tb.cos, tb.sin, tb.perm, self._rope_offset_t)
 
-    @normal_tensors
     def crop(self, length: int) -> None:
         """Every sequence keeps its first ``length`` tokens (sequences shorter than that are unchanged).
 
@@ -761,7 +761,6 @@ class KVStore:
         """
         crop_reference(self, length)
 
-    @normal_tensors
     def select(self, index) -> None:
         """Sequence ``i`` becomes what sequence ``index[i]`` was (reorder, fork, drop): beam search's
         reorder, ``num_return_sequences`` and parallel sampling. Blocks are shared, not copied, until a
@@ -781,8 +780,9 @@ class KVStore:
         self.rope_offset = [self.rope_offset[i] for i in ix]
         self._rope_offset_t = None
         dev = idx.to(self.device)
-        rows = [t.index_select(0, dev) for t in self.state[6:11]]
-        table = torch.full((len(ix), self.state.table.shape[1]), -1, dtype=torch.int32, device=self.device)
+        with torch.inference_mode(False):  # (``normal_tensors``)
+            rows = [t.index_select(0, dev) for t in self.state[6:11]]
+            table = torch.full((len(ix), self.state.table.shape[1]), -1, dtype=torch.int32, device=self.device)
         self.state = KVState(*self.state[:6], *rows, table)
         self._sync_rows()
 
@@ -826,7 +826,6 @@ class KVStore:
             t[dst] = t[src]
         self._sync_rows([dst])
 
-    @normal_tensors
     def save(self, b: int, device="cpu") -> SavedRow:
         """A copy of sequence ``b`` on ``device`` (a serving engine moving an evicted request's cache to host
         memory): its blocks' packed contents in table order, its ring and sinks, its length. ``restore`` puts it
@@ -837,7 +836,6 @@ class KVStore:
         row = tuple(t[b].to(device, copy=True) for t in self.state[6:10])  # a copy: the row is reused
         return SavedRow(pool, row, self.lengths[b], self.rope_offset[b])
 
-    @normal_tensors
     def restore(self, b: int, saved: SavedRow, blocks: Sequence[int]) -> None:
         """Sequence ``b`` becomes what ``save`` copied: its contents go to the first blocks of ``blocks`` (its
         table from now on; an engine hands them out), its ring, sinks and length to row ``b``."""
