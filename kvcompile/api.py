@@ -16,6 +16,8 @@ How the pieces fit (each has its module):
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 import torch
@@ -132,7 +134,27 @@ def apply(model: nn.Module, policy: Policy, *, max_cache_len: int | None = None,
     names = apply_module(model, policy)
     applied = Applied(policy, compiler, None, names)
     model._kvcompile = applied
-    return torch.compile(model, backend=_backend_for(applied), fullgraph=True, dynamic=dynamic)
+    return _opaque(torch.compile(model, backend=_backend_for(applied), fullgraph=True, dynamic=dynamic))
+
+
+def _opaque(compiled: nn.Module) -> nn.Module:
+    """``compiled`` (an applied module), made opaque to a ``torch.compile`` around it: Dynamo would otherwise trace
+    the module's own forward with the outer compile's backend, without kvcompile's pass, and its cache writes would
+    go to the stand-ins. Its forward runs as kvcompile compiled it instead (``hf_model.OUTER_COMPILE``)."""
+    from .hf_model import OUTER_COMPILE
+
+    inner = compiled.forward
+
+    @functools.partial(torch.compiler.disable, reason=OUTER_COMPILE)
+    def run(*args, **kwargs):
+        return inner(*args, **kwargs)
+
+    def forward(*args, **kwargs):
+        return run(*args, **kwargs)
+
+    compiled.forward = run  # a compiled module calling this one: Dynamo leaves a disabled forward alone
+    compiled._torchdynamo_orig_callable = forward  # what torch.compile(compiled) compiles (not the module's own)
+    return compiled
 
 
 def _backend_for(applied: Applied):

@@ -149,6 +149,13 @@ def _threads(x, graph: dict | None = None):
     return cpu.capped_torch_threads(graph["threads"])
 
 
+# why a torch.compile around an applied model does not trace into its forward (Dynamo says it where fullgraph=True
+# makes that an error): it would trace the model without kvcompile's pass, into the tiny stand-ins
+OUTER_COMPILE = ("kvcompile.apply has compiled this model's forward already, through the kvcompile backend; a "
+                 "torch.compile around the applied model must leave that forward to it (its cache writes only mean "
+                 "something to kvcompile's pass). Call the applied model without torch.compile, or compile it "
+                 "without fullgraph=True (the forward then runs as kvcompile compiled it).")
+
 # cache_implementation values generate may be given for an applied model: all become its kvcompile cache
 _CACHES_REPLACED = {None, "dynamic", "static", "dynamic_full", "hybrid", "sliding_window", "hybrid_chunked"}
 
@@ -193,6 +200,7 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
             kwargs.setdefault(cache_kw, kwargs.pop("past_key_values"))
         cache = kwargs.get(cache_kw)
         if cache is not None and serving.is_paged(cache):  # transformers' continuous batching (kvcompile.serving)
+            # (transformers compiles its own forward around this call, so this part stays traceable)
             if pre_rope:
                 raise KVCompileError(
                     "continuous batching (generate_batch, transformers serve) on a model applied with a pre_rope "
@@ -200,6 +208,13 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
                     "pre-RoPE. Apply a policy without pre_rope for serving.")
             with _threads(next(model.parameters()), graph_threads if getattr(cache, "compiled", False) else None):
                 return serving.paged_forward(orig_forward, cache, *args, **kwargs)
+        return run(*args, **kwargs)
+
+    @functools.partial(torch.compiler.disable, reason=OUTER_COMPILE)
+    def run(*args, **kwargs):
+        """The forward with a kvcompile cache (created here when the caller passes none). Opaque to a
+        torch.compile around the applied model (``OUTER_COMPILE``): it runs as it would alone."""
+        cache = kwargs.get(cache_kw)
         use_cache = kwargs.get("use_cache")
         if cache is None and (use_cache is False or (use_cache is None and not getattr(cfg, "use_cache", True))):
             return orig_forward(*args, **kwargs)  # no cache to quantize: the unmodified model

@@ -8,6 +8,8 @@ see tests/passes/test_kv_cache_pass.py for why layers after the first one are ke
 from __future__ import annotations
 
 import gc
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +28,8 @@ from kvcompile.hf import KVCompileCache
 from kvcompile import standin
 from kvcompile.store import KVStore, LayerSpec
 from kvcompile.passes import counters
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def tiny(layers=2, heads=4, kv_heads=2, head_dim=8, dtype=torch.float32, seed=0, **kw):
@@ -476,6 +480,67 @@ def test_error_apply_twice_and_to_a_compiled_model():
         kvcompile.apply(model, Policy.int8())
     with pytest.raises(KVCompileError, match="already compiled"):
         kvcompile.apply(torch.compile(tiny()), Policy.int8())
+
+
+OUTER = "kvcompile.apply has compiled this model's forward already"
+
+
+def test_torch_compile_around_an_applied_transformers_model_leaves_its_forward_to_kvcompile():
+    """A user's reflex, torch.compile around the applied model (or transformers' recipe, model.forward =
+    torch.compile(model.forward)): traced by another backend, the forward would lose kvcompile's pass. It runs as
+    kvcompile compiled it; with fullgraph=True Dynamo says why it cannot trace it."""
+    ids = torch.randint(3, 64, (2, 9))
+    with torch.no_grad(), pytest.raises(torch._dynamo.exc.Unsupported, match=OUTER):
+        torch.compile(kvcompile.apply(tiny(), Policy.full()), backend="eager", fullgraph=True)(ids, use_cache=True)
+    torch._dynamo.reset()
+    model = kvcompile.apply(tiny(), Policy.int8(residual=2))
+    alone = kvcompile.apply(twin(model), Policy.int8(residual=2))
+    want, _ = chunks(alone, ids, 5)
+    got, cache = chunks(torch.compile(model, backend="eager"), ids, 5)
+    assert torch.equal(got, want) and isinstance(cache, KVCompileCache) and cache.tokens == 9
+    ref = tiny(seed=4)
+    applied = kvcompile.apply(twin(ref), Policy.full())
+    applied.forward = torch.compile(applied.forward, backend="eager")
+    with torch.no_grad():
+        assert torch.equal(applied.generate(ids[:1], max_new_tokens=8, do_sample=False),
+                           ref.generate(ids[:1], max_new_tokens=8, do_sample=False))
+
+
+def test_torch_compile_around_an_applied_module_leaves_its_forward_to_kvcompile():
+    """The same for a gpt-fast-style module, whose apply returns a compiled module: compiled again at the top,
+    inside another compiled module, or in place (module.compile()), it gives the tokens it gives alone."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpt_fast_model", EXAMPLES / "gpt_fast_model.py")
+    gf = importlib.util.module_from_spec(spec)
+    sys.modules["gpt_fast_model"] = gf  # dataclasses look their module up
+    spec.loader.exec_module(gf)
+
+    def applied():
+        torch.manual_seed(0)
+        m = gf.Transformer(gf.ModelArgs()).eval()
+        m.setup_caches(max_batch_size=1, max_seq_length=64)
+        return kvcompile.apply(m, Policy.int8())
+
+    class Outer(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, pos):
+            return self.inner(x, pos)
+
+    def in_place(m):
+        m.compile(backend="eager")
+        return m
+
+    prompt = torch.randint(0, 256, (1, 12))
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=OUTER):
+        gf.generate(torch.compile(applied(), backend="eager", fullgraph=True), prompt, 8)
+    torch._dynamo.reset()
+    want = gf.generate(applied(), prompt, 8)
+    for wrap in (lambda m: torch.compile(m, backend="eager"), lambda m: torch.compile(Outer(m), backend="eager"),
+                 in_place):
+        assert torch.equal(gf.generate(wrap(applied()), prompt, 8), want)
 
 
 def test_compiler_auto_is_eager_on_the_cpu():
