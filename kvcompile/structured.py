@@ -232,16 +232,29 @@ _IPV6 = "(?:" + "|".join([rf"(?:{_HEX4}:){{7}}{_HEX4}", rf"(?:{_HEX4}:){{1,7}}:"
 _SECONDS = r"[0-9]{1,6}(?:\.[0-9]{1,6})?S"
 _CLOCK = rf"T(?:[0-9]{{1,6}}H(?:[0-9]{{1,6}}M)?(?:{_SECONDS})?|[0-9]{{1,6}}M(?:{_SECONDS})?|{_SECONDS})"
 _DURATION = rf"P(?:[0-9]{{1,4}}Y(?:[0-9]{{1,6}}D)?(?:{_CLOCK})?|[0-9]{{1,6}}D(?:{_CLOCK})?|{_CLOCK})"
+# a host name's label: letters and digits, up to two inner hyphens never two together (no "xn--" punycode), at
+# most 46 characters (RFC 1123: 63); the last label of a name begins with a letter (a name ending in a number
+# reads as an IPv4 address to some parsers). Every bound is a count (a lookahead scanning to the end would make
+# every prefix look partial to the regex module).
+_HOST_LABEL = r"[A-Za-z0-9]{1,20}(?:-[A-Za-z0-9]{1,12}){0,2}"
+_LAST_LABEL = r"[A-Za-z][A-Za-z0-9]{0,19}(?:-[A-Za-z0-9]{1,12}){0,2}"
+_HOSTNAME = rf"(?:{_HOST_LABEL}\.){{0,3}}{_LAST_LABEL}"  # at most 187 characters (RFC 1123: 253)
+# an e-mail address as pydantic's EmailStr (email-validator) takes one: a dot-atom local part of at most 64
+# characters, "@", one to three labels and a top-level domain of letters that is not a special-use name (RFC
+# 6761's arpa, invalid, local, localhost, onion, test, in any case); at most 226 characters in all (RFC 5321: 254)
+_ATEXT = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
+_TLD = r"(?!(?i:arpa|invalid|local|localhost|onion|test)(?![A-Za-z]))[A-Za-z]{2,20}"
+_EMAIL = rf"{_ATEXT}{{1,32}}(?:\.{_ATEXT}{{1,15}}){{0,2}}@(?:{_HOST_LABEL}\.){{1,3}}{_TLD}"
 # the formats followed, each as the strings it takes: RFC 3339's full-date (a real day: February 29 in leap
 # years only), full-time and date-time ("T" and "Z" in capitals, at most six fraction digits -- microseconds --,
 # no leap second), a UUID's 8-4-4-4-12 hex digits, an IPv4 address's dotted quad (no leading zeros), an IPv6
 # address (``_IPV6``), either (pydantic's IPvAnyAddress writes "ipvanyaddress"), a duration (``_DURATION``:
-# pydantic's timedelta writes "duration"), and a URI as an http(s) URL (``_URI``: what pydantic's AnyUrl and
-# HttpUrl, which write "uri", both take)
+# pydantic's timedelta writes "duration"), a URI as an http(s) URL (``_URI``: what pydantic's AnyUrl and
+# HttpUrl, which write "uri", both take), a host name (``_HOSTNAME``) and an e-mail address (``_EMAIL``)
 FORMATS = {"date": _DATE, "time": _TIME, "date-time": _DATE + "T" + _TIME,
            "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
            "ipv4": _IPV4, "ipv6": _IPV6, "ipvanyaddress": f"(?:{_IPV4}|{_IPV6})", "duration": _DURATION,
-           "uri": _URI}
+           "uri": _URI, "hostname": _HOSTNAME, "email": _EMAIL}
 _SIMPLE_ESCAPES = '"\\/\b\f\n\r\t'
 _SURROGATE = frozenset(b"89abcdefABCDEF")  # a surrogate escape: its second hex digit, after a "d"
 

@@ -247,9 +247,9 @@ def test_the_schema_reader_agrees_with_jsonschema(data, schema, edit):
     ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 5, "minimum": 1, "maximum": 4.5}}},
      "no value follows it"),  # a number under multipleOf is an integer: 2.5 is not one
     ({"type": "object", "properties": {"a": {"type": "array", "prefixItems": [{}]}}}, "'prefixItems' is not followed"),
-    ({"type": "object", "properties": {"a": {"type": "string", "format": "email"}}},
-     "format 'email' is not followed (followed: date, time, date-time, uuid, ipv4, ipv6, ipvanyaddress, duration, "
-     "uri)"),
+    ({"type": "object", "properties": {"a": {"type": "string", "format": "idn-email"}}},
+     "format 'idn-email' is not followed (followed: date, time, date-time, uuid, ipv4, ipv6, ipvanyaddress, "
+     "duration, uri, hostname, email)"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "a("}}}, "is no regular expression"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": 3}}}, "pattern must be a string"),
     ({"type": "object", "properties": {"a": {"minimum": 0, "exclusiveMinimum": True}}}, "draft 4's true/false"),
@@ -909,6 +909,88 @@ def test_a_constrained_pick_under_ipv6_and_duration_formats_parses_into_pydantic
     vocab = [p.encode() for p in pieces] + [None]
     out = walk(JsonConstraint(vocab, len(vocab) - 1, schema=schema), vocab, seed, sampled=True)
     Host.model_validate_json(out)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_email_and_hostname_formats_write_what_validators_take(data):
+    """``format: "email"`` (pydantic's EmailStr writes it) is followed as addresses email-validator, EmailStr's
+    checker, takes; ``"hostname"`` as names jsonschema's checker (fqdn) takes. Strings near them are written
+    only where the checker takes them too."""
+    import jsonschema
+    from email_validator import EmailNotValidError, validate_email
+    from pydantic import EmailStr, TypeAdapter
+
+    from kvcompile.structured import FORMATS
+
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+
+    def taken(fmt, text):
+        schema = {"type": "object", "properties": {"a": {"type": "string", "format": fmt}}}
+        return first_refusal(schema, json.dumps({"a": text}), whole=False) is None
+
+    def valid_email(text):
+        try:
+            validate_email(text, check_deliverability=False)
+            return True
+        except EmailNotValidError:
+            return False
+
+    drawn = data.draw(st.from_regex(FORMATS["email"], fullmatch=True))
+    assert valid_email(drawn)
+    TypeAdapter(EmailStr).validate_python(drawn)  # (which writes the domain in lower case)
+    assert taken("email", drawn)
+    near = data.draw(st.from_regex(r"[a-z.'+-]{1,5}@[a-zA-Z0-9.-]{1,10}", fullmatch=True))
+    assert not taken("email", near) or valid_email(near), near
+    drawn = data.draw(st.from_regex(FORMATS["hostname"], fullmatch=True))
+    assert checker.conforms(drawn, "hostname") and taken("hostname", drawn)
+    near = data.draw(st.from_regex(r"[a-z0-9._-]{1,12}", fullmatch=True))
+    assert not taken("hostname", near) or checker.conforms(near, "hostname"), near
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("email", "user@example.com"), ("email", "first.last+tag@mail.example.co.uk"), ("email", "o'brien@shop.ie"),
+    ("email", "x@b.internal"), ("hostname", "localhost"), ("hostname", "example.com"),
+    ("hostname", "my-cool-site.example.org"),
+])
+def test_common_emails_and_host_names_are_written(fmt, text):
+    schema = {"type": "object", "properties": {"a": {"type": "string", "format": fmt}}}
+    assert first_refusal(schema, json.dumps({"a": text})) is None
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("email", "a@b.test"), ("email", "a@x.LOCAL"), ("email", "a@localhost"), ("email", "a..b@c.de"),
+    ("email", ".a@c.de"), ("email", "a@b-.de"), ("email", "a@-b.de"), ("email", "a@b.c1"), ("email", "a@1.2.3.4"),
+    ("email", "@b.de"), ("email", "a@b"), ("email", "a b@c.de"), ("email", "a@b.home.arpa"),
+    ("hostname", "-a.com"), ("hostname", "a_b.com"), ("hostname", "a..b"), ("hostname", "a-.com"),
+])
+def test_an_email_or_host_name_the_checker_refuses_is_not_written(fmt, text):
+    import jsonschema
+    from email_validator import EmailNotValidError, validate_email
+
+    if fmt == "email":
+        with pytest.raises(EmailNotValidError):
+            validate_email(text, check_deliverability=False)
+    else:
+        assert not jsonschema.Draft202012Validator.FORMAT_CHECKER.conforms(text, "hostname")
+    schema = {"type": "object", "properties": {"a": {"type": "string", "format": fmt}}}
+    assert first_refusal(schema, json.dumps({"a": text})) is not None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_constrained_pick_under_the_email_format_parses_into_pydantic(seed):
+    """Random walks under a model with an EmailStr end in a reply pydantic takes."""
+    from openai.lib._pydantic import to_strict_json_schema
+    from pydantic import BaseModel, EmailStr
+
+    class Contact(BaseModel):
+        email: EmailStr
+
+    schema = to_strict_json_schema(Contact)
+    pieces = ["{", "}", "]", '"', ":", '"email":', "@", ".", "-", "+", "..", "test", "local", "com", "xn--", *"abceilmoz09"]
+    vocab = [p.encode() for p in pieces] + [None]
+    out = walk(JsonConstraint(vocab, len(vocab) - 1, schema=schema), vocab, seed, sampled=True)
+    Contact.model_validate_json(out)
 
 
 @pytest.mark.parametrize("url", ["ftp://a.com", "http://a.123", "http://123", "http://xn--abc.com", "http://a--b.com",
