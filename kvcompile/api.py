@@ -17,7 +17,6 @@ How the pieces fit (each has its module):
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, field
 
 import torch
