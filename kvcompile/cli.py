@@ -121,21 +121,28 @@ def _policy_arg(text: str):
         raise argparse.ArgumentTypeError(_one_line(e)) from None
 
 
+def _tokenizer(name, path):
+    """The tokenizer saved in ``path`` (``--model name``), or a ``UsageError`` saying it is missing."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"--model {str(name)!r}: no tokenizer could be loaded from {path} ({_one_line(e)}); "
+                         f"save the tokenizer next to the model (tokenizer.save_pretrained)") from None
+
+
 def _load_model(name):
     """``(tokenizer, load_model)`` as ``models.load`` reads them, the user's mistakes (no such model, a folder
     transformers cannot load) as ``UsageError``s; the tokenizer comes first, so the checks that need it run
     before the weights are read."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     import torch
 
     from . import models
     path = models.resolve(name, log=lambda m: print(m, file=sys.stderr))  # ModelNotFound: a user error
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as e:
-        raise UsageError(f"--model {str(name)!r}: no tokenizer could be loaded from {path} ({_one_line(e)}); "
-                         f"save the tokenizer next to the model (tokenizer.save_pretrained)") from None
+    tok = _tokenizer(name, path)
 
     def model():
         try:
@@ -852,7 +859,9 @@ def cmd_serve(args) -> int:
     from .serve import run
 
     policy = args.policy or default_policy()
-    run(str(resolve(args.model)), policy, host=args.host, port=args.port, budget=args.budget_mib * 2**20,
+    path = resolve(args.model)
+    _tokenizer(args.model, path)  # the server's requests need one: a folder without it is said now
+    run(str(path), policy, host=args.host, port=args.port, budget=args.budget_mib * 2**20,
         max_requests=args.max_requests, max_batch_tokens=args.max_batch_tokens,
         prefix_sharing=not args.no_prefix_sharing, served_names=args.served_model_name,
         offload=args.cpu_offload_mib * 2**20)

@@ -249,6 +249,11 @@ BAD_INPUTS = {
     "demo_loss_window_longer_than_text": ("demo --model {tiny} --capacity 512 --loss-window 1000000",
                                           r"--loss-window 1000000 is longer than the held-out text"),
     "demo_unknown_compiler": ("demo --compiler foo", r"argument --compiler: invalid choice: 'foo'"),
+    # serve (said before anything is loaded or listened on)
+    "serve_model_missing": ("serve --model /nonexistent/model --port 1",
+                            r"'/nonexistent/model' is not a local Hugging Face model directory"),
+    "serve_model_without_tokenizer": ("serve --model {tmp}/notokenizer --port 1",
+                                      r"no tokenizer could be loaded from .*save the tokenizer next to the model"),
     # the command itself
     "unknown_subcommand": ("frobnicate", r"invalid choice: 'frobnicate' \(choose from 'demo', 'eval', 'plan', 'calibrate', 'serve'\)"),
     "no_subcommand": ("", r"the following arguments are required"),
@@ -258,7 +263,8 @@ BAD_INPUTS = {
 @pytest.fixture(scope="session")
 def bad_files(tmp_path_factory, tiny_dir):
     """Things that are not what an option wants: a folder with no model, broken JSON, a config without a
-    model_type, a model folder without weights (config and tokenizer only), a plain file."""
+    model_type, a model folder without weights (config and tokenizer only), one without a tokenizer (config and
+    weights only), a plain file."""
     import shutil
     d = tmp_path_factory.mktemp("bad")
     (d / "notmodel").mkdir()
@@ -268,9 +274,12 @@ def bad_files(tmp_path_factory, tiny_dir):
     (d / "notype.json").write_text(json.dumps({"hidden_size": 8}))
     (d / "afile").write_text("a file")
     (d / "noweights").mkdir()
+    (d / "notokenizer").mkdir()
     for f in tiny_dir.iterdir():
         if not f.name.endswith((".safetensors", ".bin")):
             shutil.copy(f, d / "noweights" / f.name)
+        if f.name.endswith((".safetensors", ".bin")) or f.name in ("config.json", "generation_config.json"):
+            shutil.copy(f, d / "notokenizer" / f.name)
     return d
 
 
@@ -298,7 +307,7 @@ def _check_one_line(case, code, stdout, stderr):
     lines = stderr.strip().splitlines()
     assert len(lines) == 1, stderr[-3000:]
     assert code == 2, (code, lines)
-    sub = cmd.split()[0] if cmd.split() and cmd.split()[0] in ("demo", "eval", "plan") else None
+    sub = cmd.split()[0] if cmd.split() and cmd.split()[0] in ("demo", "eval", "plan", "serve") else None
     assert lines[0].startswith(f"kvcompile {sub}: error: " if sub else "kvcompile: error: ")
     assert re.search(gist, lines[0]), lines[0]
     assert stdout == ""
