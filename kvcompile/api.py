@@ -99,7 +99,8 @@ def apply(model: nn.Module, policy: Policy, *, max_cache_len: int | None = None,
 
     Other modules (gpt-fast style): each submodule holding a pair of same-shape 4-D cache buffers gets
     stand-ins and packed stores now (``kvcompile.modules``); returns ``torch.compile(model,
-    backend=<kvcompile>, fullgraph=True)``.
+    backend=<kvcompile>, fullgraph=True)``. Either way the applied forward is compiled already: a torch.compile
+    around it leaves it as it is (``hf_model.OUTER_COMPILE``).
 
     compiler: "inductor" compiles the rest of the graph with Inductor; "eager" runs it as traced; "auto" (the
     default) is "inductor" when the model's parameters are on a GPU, "eager" on the CPU, where kvcompile's
