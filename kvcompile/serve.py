@@ -863,6 +863,11 @@ async def _closing(stream, handle: int):
             await close()
 
 
+# request fields transformers' handlers list as unused that this server reads and honours (or refuses a value of)
+HANDLED_FIELDS = {"n", "logprobs", "top_logprobs", "presence_penalty", "response_format", "tool_choice", "best_of",
+                  "echo"}
+
+
 def _checked_handlers():
     """transformers' chat-completion and completion handlers, checking each request first (``check_*``) and
     marking its generation config for ``fit_to_cache``: which field holds the prompt, whether the client set
@@ -1045,6 +1050,8 @@ def _checked_handlers():
                 gen._kvcompile_prompt = prompt_field
                 return gen
 
+        # transformers' handler logs the fields it ignores; those this server reads are not ignored
+        Checked._unused_fields = set(handler_cls._unused_fields) - HANDLED_FIELDS
         Checked.__name__ = Checked.__qualname__ = "Checked" + handler_cls.__name__
         return Checked
 

@@ -104,6 +104,38 @@ def test_chat_completions_streaming_and_not_over_kvcompiles_cache(server):
     assert stats["free_blocks"] == stats["blocks"] and stats["requests"] == 0  # everything back
 
 
+def test_the_server_does_not_log_as_ignored_the_fields_it_honours():
+    """transformers' handlers log the request fields they ignore; kvcompile's server honours n, log
+    probabilities, presence penalties, response formats, best_of and echo, so its log names only what it does
+    ignore (here ``user``)."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from kvcompile.serve import _checked_handlers
+
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    catch = Catch()
+    hf_logging.get_logger("transformers").addHandler(catch)
+    try:
+        chat, completion, _ = _checked_handlers()
+        chat(model_manager=None, generation_state=None)._validate_request(
+            {"model": "m", "messages": [], "n": 2, "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.5,
+             "response_format": {"type": "json_object"}, "tool_choice": "none", "user": "u1"})
+        completion(model_manager=None, generation_state=None)._validate_request(
+            {"model": "m", "prompt": "x", "n": 2, "best_of": 3, "echo": True, "logprobs": 1,
+             "presence_penalty": 0.5})
+    finally:
+        hf_logging.get_logger("transformers").removeHandler(catch)
+    ignored = [m for m in seen if "Ignoring unsupported fields" in m]
+    assert ignored == ["Ignoring unsupported fields in the request: {'user'}"], seen
+
+
 @pytest.mark.slow
 def test_json_mode_on_the_real_model(server):
     """SmolLM2 asked for a JSON object: free, it wraps one in a Markdown fence and goes on talking (no JSON); in
