@@ -16,7 +16,6 @@ How the pieces fit (each has its module):
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -140,12 +139,12 @@ def apply(model: nn.Module, policy: Policy, *, max_cache_len: int | None = None,
 def _opaque(compiled: nn.Module) -> nn.Module:
     """``compiled`` (an applied module), made opaque to a ``torch.compile`` around it: Dynamo would otherwise trace
     the module's own forward with the outer compile's backend, without kvcompile's pass, and its cache writes would
-    go to the stand-ins. Its forward runs as kvcompile compiled it instead (``hf_model.OUTER_COMPILE``)."""
-    from .hf_model import OUTER_COMPILE
+    go to the stand-ins. Its forward runs as kvcompile compiled it instead (``hf_model.opaque``)."""
+    from .hf_model import opaque
 
     inner = compiled.forward
 
-    @functools.partial(torch.compiler.disable, reason=OUTER_COMPILE)
+    @opaque  # (around a function of its own: disabling ``inner`` itself would unwrap it to the module's forward)
     def run(*args, **kwargs):
         return inner(*args, **kwargs)
 

@@ -156,6 +156,12 @@ OUTER_COMPILE = ("kvcompile.apply has compiled this model's forward already, thr
                  "something to kvcompile's pass). Call the applied model without torch.compile, or compile it "
                  "without fullgraph=True (the forward then runs as kvcompile compiled it).")
 
+
+def opaque(fn):
+    """``fn``, which a torch.compile around an applied model runs as it is instead of tracing it
+    (``OUTER_COMPILE``; with fullgraph=True, Dynamo refuses it giving that reason)."""
+    return torch.compiler.disable(fn, reason=OUTER_COMPILE)
+
 # cache_implementation values generate may be given for an applied model: all become its kvcompile cache
 _CACHES_REPLACED = {None, "dynamic", "static", "dynamic_full", "hybrid", "sliding_window", "hybrid_chunked"}
 
@@ -210,10 +216,10 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
                 return serving.paged_forward(orig_forward, cache, *args, **kwargs)
         return run(*args, **kwargs)
 
-    @functools.partial(torch.compiler.disable, reason=OUTER_COMPILE)
+    @opaque
     def run(*args, **kwargs):
         """The forward with a kvcompile cache (created here when the caller passes none). Opaque to a
-        torch.compile around the applied model (``OUTER_COMPILE``): it runs as it would alone."""
+        torch.compile around the applied model: it runs as it would alone."""
         cache = kwargs.get(cache_kw)
         use_cache = kwargs.get("use_cache")
         if cache is None and (use_cache is False or (use_cache is None and not getattr(cfg, "use_cache", True))):

@@ -520,7 +520,6 @@ class KVStore:
         return state_nbytes(self.state)
 
     # ---- blocks
-    @normal_tensors
     def _grow(self, need: int, exact: bool = False) -> None:
         """Make at least ``need`` free blocks: the pool doubles (or grows to what is needed; ``exact``: to just
         what is needed)."""
@@ -739,7 +738,7 @@ class KVStore:
         if not self.rope_keys or self.rope_table is None or self.rope_table.form is None:
             return None
         if self._rope_offset_t is None:
-            with torch.inference_mode(False):
+            with torch.inference_mode(False):  # (``normal_tensors``)
                 self._rope_offset_t = torch.tensor(self.rope_offset, dtype=torch.int32, device=self.device)
         tb = self.rope_table
         return Rope(tb.cos, tb.sin, tb.perm, self._rope_offset_t)

@@ -541,19 +541,15 @@ def _rope_args(rope: Rope, B: int, D: int) -> _RopeArgs:
     that finds them costs a few attribute reads."""
     src = (rope.cos, rope.sin, rope.perm, rope.offset)
     ver = (_version(src[0]), _version(src[1]), _version(src[2]), _version(src[3]))
-    if None in ver:  # made under torch.inference_mode: unversioned, so checked and converted at every call
-        cos, sin = rope.cos.float().contiguous(), rope.sin.float().contiguous()
-        perm, off = rope.perm.to(torch.int32).contiguous(), rope.offset.to(torch.int32).contiguous()
-        check_rope_tables(cos, sin, perm, off, B, D, partners=True)
-        return _RopeArgs(src, ver, (cos, sin, perm, off))
-    for e in _ROPE_MEMO:
+    versioned = None not in ver  # else made under torch.inference_mode: checked and converted at every call
+    for e in _ROPE_MEMO if versioned else ():
         s = e.src
         if s[0] is src[0] and s[1] is src[1] and s[2] is src[2] and s[3] is src[3] and e.ver == ver:
             check_rope_tables(*e.tables, B, D, partners=False)  # checked before, but not for this call's B and D
             break
     else:  # new tensors, or written since (a decode step's capture): checked, and the compact table made again
-        i, prev = next(((i, o) for i, o in enumerate(_ROPE_MEMO)
-                        if o.src[0] is src[0] and o.src[1] is src[1] and o.src[2] is src[2]), (None, None))
+        i, prev = next(((i, o) for i, o in enumerate(_ROPE_MEMO) if versioned
+                        and o.src[0] is src[0] and o.src[1] is src[1] and o.src[2] is src[2]), (None, None))
         cos, sin = rope.cos.float().contiguous(), rope.sin.float().contiguous()
         perm, off = rope.perm.to(torch.int32).contiguous(), rope.offset.to(torch.int32).contiguous()
         checked = prev is not None and prev.ver[2] == ver[2]  # these partners, unchanged since they were checked
@@ -564,8 +560,9 @@ def _rope_args(rope: Rope, B: int, D: int) -> _RopeArgs:
                 e.compact = prev.compact  # only the offsets are new
             else:  # the same tensors written since: checked again, into the same buffer
                 e.compact = (_ROPE_MEMO.pop(i).compact[0], None)
-        _ROPE_MEMO.insert(0, e)
-        del _ROPE_MEMO[4:]
+        if versioned:
+            _ROPE_MEMO.insert(0, e)
+            del _ROPE_MEMO[4:]
     return e
 
 

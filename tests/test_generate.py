@@ -13,7 +13,6 @@ import threading
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
-import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, TextIteratorStreamer
 
 import kvcompile
@@ -307,14 +306,10 @@ def test_generate_under_inference_mode(models, mode):
 
 def windowed_pair(policy):
     """A Gemma 3 whose first and last layers attend over a window of 16 (kept in transformers' ring), and twin."""
-    def make():
-        torch.manual_seed(0)
-        cfg = transformers.Gemma3TextConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=512, sliding_window=16,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"], attn_implementation="sdpa")
-        return transformers.Gemma3ForCausalLM(cfg).eval()
-    return make(), kvcompile.apply(make(), policy)
+    from test_api import windowed
+
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    return windowed(16, types), kvcompile.apply(windowed(16, types), policy)
 
 
 @pytest.mark.parametrize("first, then, make, policy", [
