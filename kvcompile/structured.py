@@ -200,13 +200,16 @@ class JsonPrefix:
 SCHEMA_KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
                    "oneOf", "allOf", "$ref", "$defs", "definitions", "minimum", "maximum", "exclusiveMinimum",
                    "exclusiveMaximum", "minLength", "maxLength", "pattern", "format", "minItems", "maxItems",
-                   "uniqueItems", "multipleOf"}
+                   "uniqueItems", "multipleOf", "prefixItems", "propertyNames", "patternProperties",
+                   "minProperties", "maxProperties"}
 # read by people only; a oneOf's discriminator (OpenAPI's, which pydantic writes) is a hint the reader need not
-# follow: it checks by itself that a oneOf's alternatives are apart
-SCHEMA_NOTES = {"title", "description", "default", "examples", "$schema", "$comment", "$id", "discriminator"}
+# follow: it checks by itself that a oneOf's alternatives are apart; deprecated, readOnly and writeOnly are
+# annotations (pydantic writes them for deprecated fields, computed fields and secrets)
+SCHEMA_NOTES = {"title", "description", "default", "examples", "$schema", "$comment", "$id", "discriminator",
+                "deprecated", "readOnly", "writeOnly"}
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _NUMBER_BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
-_COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 _DATE = (r"(?:(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
          r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
          r"|(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)-02-29)")
@@ -250,11 +253,13 @@ _EMAIL = rf"{_ATEXT}{{1,32}}(?:\.{_ATEXT}{{1,15}}){{0,2}}@(?:{_HOST_LABEL}\.){{1
 # no leap second), a UUID's 8-4-4-4-12 hex digits, an IPv4 address's dotted quad (no leading zeros), an IPv6
 # address (``_IPV6``), either (pydantic's IPvAnyAddress writes "ipvanyaddress"), a duration (``_DURATION``:
 # pydantic's timedelta writes "duration"), a URI as an http(s) URL (``_URI``: what pydantic's AnyUrl and
-# HttpUrl, which write "uri", both take), a host name (``_HOSTNAME``) and an e-mail address (``_EMAIL``)
+# HttpUrl, which write "uri", both take), a host name (``_HOSTNAME``) and an e-mail address (``_EMAIL``);
+# "binary", "path" and "password" (pydantic's bytes, Path and SecretStr, which take any string) bound nothing
 FORMATS = {"date": _DATE, "time": _TIME, "date-time": _DATE + "T" + _TIME,
            "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
            "ipv4": _IPV4, "ipv6": _IPV6, "ipvanyaddress": f"(?:{_IPV4}|{_IPV6})", "duration": _DURATION,
-           "uri": _URI, "hostname": _HOSTNAME, "email": _EMAIL}
+           "uri": _URI, "hostname": _HOSTNAME, "email": _EMAIL, "binary": None, "path": None,
+           "password": None}
 _SIMPLE_ESCAPES = '"\\/\b\f\n\r\t'
 _SURROGATE = frozenset(b"89abcdefABCDEF")  # a surrogate escape: its second hex digit, after a "d"
 
@@ -290,7 +295,7 @@ def _regexes(schema: dict) -> tuple:
     out = ()
     if "pattern" in schema:
         out += ((regex.compile(schema["pattern"]), False),)
-    if "format" in schema:
+    if FORMATS.get(schema.get("format")):
         out += ((regex.compile(FORMATS[schema["format"]]), True),)
     return out
 
@@ -418,8 +423,27 @@ def _possible(schema: dict, kind: str) -> bool:
         return (schema.get("minLength", 0) <= schema.get("maxLength", math.inf)
                 and _matches(_regexes(schema), "", partial=True))
     if kind == "array":
-        return schema.get("minItems", 0) <= schema.get("maxItems", math.inf)
+        return schema.get("minItems", 0) <= _max_items(schema)
+    if kind == "object":
+        return schema.get("minProperties", 0) <= schema.get("maxProperties", math.inf)
     return True
+
+
+def _item_schema(array: dict, i: int) -> dict:
+    """The schema of an array's item ``i`` (0-based): its ``prefixItems`` entry, else its ``items`` (any value
+    when that is missing or true; ``items: false`` is kept by ``_max_items``)."""
+    prefix = array.get("prefixItems", ())
+    if i < len(prefix):
+        return prefix[i]
+    items = array.get("items", {})
+    return items if isinstance(items, dict) else {}
+
+
+def _max_items(array: dict):
+    """The most items an array may hold: its ``maxItems``, and no more than its ``prefixItems`` when ``items``
+    is false."""
+    most = array.get("maxItems", math.inf)
+    return min(most, len(array.get("prefixItems", ()))) if array.get("items") is False else most
 
 
 def _literals(alts: tuple):
@@ -532,6 +556,66 @@ class _Schema:
         self.memo[key] = out
         return out
 
+    def names(self, obj: dict, at: str = "schema") -> tuple:
+        """How an object's property names are read: ``(names, lens, regexes)``, ``names`` the ``(encoded, name)``
+        pairs it may take (None: any name that keeps to ``lens`` and ``regexes``, as a string value's are kept).
+        A name keeps to ``propertyNames`` (one schema of strings), and one that is not listed in ``properties``
+        needs ``additionalProperties`` or, where that is false, to match the ``patternProperties`` pattern."""
+        key = ("names", id(obj))
+        if key in self.memo:
+            return self.memo[key]
+        props, patterns = obj.get("properties", {}), obj.get("patternProperties", {})
+        rule = {}
+        if "propertyNames" in obj:
+            alts = [a for a in self.alternatives(obj["propertyNames"], f"{at}.propertyNames") if "string" in _types(a)]
+            if len(alts) != 1:
+                raise SchemaError(f"{at}.propertyNames: followed when it is one schema of strings (an enum, a pattern, "
+                                  f"lengths or a format), not {len(alts)} alternatives of strings")
+            rule = alts[0]
+        pattern = _regexes({"pattern": next(iter(patterns))}) if patterns else ()
+        closed = obj.get("additionalProperties", True) is False
+        for name in props:
+            if pattern and _matches(pattern, name):
+                raise SchemaError(f"{at}: the property {name!r} also matches the patternProperties pattern (both "
+                                  f"schemas would apply); write them as one")
+            if closed and pattern:
+                raise SchemaError(f"{at}: properties beside patternProperties with additionalProperties false is not "
+                                  f"followed (a name would be a listed one or match the pattern); write one of them")
+
+        def takes(name: str) -> bool:
+            return (_takes(rule, name) and ("enum" not in rule or name in rule["enum"])
+                    and (name in props or not closed or (pattern and _matches(pattern, name))))
+
+        for name in obj.get("required", ()):
+            if not takes(name):
+                raise SchemaError(f"{at}: no value follows it (its required property {name!r} does not keep to its "
+                                  f"propertyNames)")
+        free = not closed or bool(pattern)
+        if "enum" in rule or not free:
+            pool = rule.get("enum", props) if free else props
+            names = tuple((_encoded(n), n) for n in pool if takes(n))
+            if len(names) < obj.get("minProperties", 0):
+                raise SchemaError(f"{at}: no value follows it (minProperties {obj['minProperties']} of "
+                                  f"{len(names)} names it may take)")
+            out = (names, None, ())
+        else:
+            regexes = _regexes(rule) + (pattern if closed else ())  # (else an unmatched name is an additional one)
+            lens = (rule.get("minLength", 0), rule.get("maxLength", math.inf))
+            out = (None, lens if lens != (0, math.inf) or regexes or "format" in rule else None, regexes)
+        self.memo[key] = out
+        return out
+
+    @staticmethod
+    def value_schema(obj: dict, name: str) -> dict | None:
+        """The schema of property ``name``'s value in object ``obj`` (None: the object takes no such name)."""
+        props, patterns = obj.get("properties", {}), obj.get("patternProperties", {})
+        if name in props:
+            return props[name]
+        if patterns and _matches(_regexes({"pattern": next(iter(patterns))}), name):
+            return next(iter(patterns.values()))
+        extra = obj.get("additionalProperties", True)
+        return None if extra is False else extra if isinstance(extra, dict) else {}
+
     def unique_domain(self, array: dict) -> frozenset | None:
         """``_unique_domain`` of an array schema's items, worked out once."""
         key = ("unique", id(array))
@@ -578,7 +662,8 @@ class _Schema:
 def check_schema(schema, at: str = "schema") -> None:
     """Refuse (``SchemaError``) what ``SchemaPrefix`` does not follow. It reads ``type`` (one or a list of the
     JSON types), ``properties``, ``required``, ``additionalProperties`` (true, false or a schema), ``items``,
-    ``enum`` and ``const`` (of strings, numbers, booleans and null), ``anyOf``, ``oneOf`` (of alternatives it
+    ``prefixItems``, ``propertyNames`` and ``patternProperties`` (``_Schema.names``), ``minProperties``,
+    ``maxProperties``, ``enum`` and ``const`` (of strings, numbers, booleans and null), ``anyOf``, ``oneOf`` (of alternatives it
     can tell apart), ``allOf`` of one schema, ``$ref`` into the schema (``$defs``, ``definitions``), and the
     bounds: ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``, ``minLength``,
     ``maxLength``, ``minItems``, ``maxItems``, ``pattern`` and ``format`` (``FORMATS``), an integer
@@ -600,6 +685,8 @@ def check_schema(schema, at: str = "schema") -> None:
     for sub, where in nodes:
         if sub.get("uniqueItems") is True:
             _check_unique(whole, sub, where)
+        if "object" in _types(sub) and not any(k in sub for k in ("$ref", "anyOf", "oneOf", "allOf")):
+            whole.names(sub, where)
     for alt in whole.alternatives(schema, at):
         if _types(alt) != {"object"}:
             raise SchemaError(f"{at}: the top level must be {{\"type\": \"object\", ...}}")
@@ -650,8 +737,25 @@ def _check(whole: _Schema, schema, at: str, nodes: list) -> None:
         _check(whole, extra, f"{at}.additionalProperties", nodes)
     elif not isinstance(extra, bool):
         raise SchemaError(f"{at}.additionalProperties must be true, false or a schema")
-    if "items" in schema:
+    if "items" in schema and not isinstance(schema["items"], bool):  # (true: any item; false: none)
         _check(whole, schema["items"], f"{at}.items", nodes)
+    prefix = schema.get("prefixItems", [])
+    if not isinstance(prefix, list):
+        raise SchemaError(f"{at}.prefixItems must be a list of schemas, got {prefix!r}")
+    for i, sub in enumerate(prefix):
+        _check(whole, sub, f"{at}.prefixItems[{i}]", nodes)
+    if "propertyNames" in schema:
+        _check(whole, schema["propertyNames"], f"{at}.propertyNames", nodes)
+    patterns = schema.get("patternProperties", {})
+    if not isinstance(patterns, dict) or len(patterns) > 1:
+        raise SchemaError(f"{at}.patternProperties is followed with one pattern (a name matching two would follow "
+                          f"both schemas), got {patterns!r}")
+    for pattern, sub in patterns.items():
+        try:
+            regex.compile(pattern)
+        except regex.error as e:
+            raise SchemaError(f"{at}.patternProperties: {pattern!r} is no regular expression: {e}") from None
+        _check(whole, sub, f"{at}.patternProperties[{pattern!r}]", nodes)
     enum = schema.get("enum")
     if enum is not None and not (isinstance(enum, list) and enum):
         raise SchemaError(f"{at}.enum must be a non-empty list")
@@ -690,6 +794,8 @@ def _check_unique(whole: _Schema, schema: dict, at: str) -> None:
     ahead: items that are strings (to a ``maxLength``: the last character may not repeat an item; no
     ``pattern`` or ``format``), numbers without bounds, booleans, null, or enum and const values -- what
     pydantic writes for a ``set`` of such values; an array of an enum's values holds each at most once."""
+    if "prefixItems" in schema or isinstance(schema.get("items"), bool):
+        raise SchemaError(f"{at}.uniqueItems is followed beside one schema of items, not beside prefixItems")
     alts = whole.alternatives(schema.get("items", {}), f"{at}.items")
     for a in alts:
         if "_literal" in a:
@@ -827,12 +933,17 @@ class _Branch(JsonPrefix):
                 (self.int_only, self.bounds, self.buf if self.bounds else None) if m == NUMBER else None,
                 self.const if m in (NUMBER, LITERAL) else None)
 
-    def _names(self):
-        """The property names the object being read may still take (encoded), and whether others may come."""
+    def _names(self) -> tuple:
+        """The object being read: the encoded names it may still take (None: any that keeps to its name rule,
+        ``_Schema.names``), and whether it may take another property at all."""
         _, schema, used, _ = self.frames[-1]
-        props = schema.get("properties", {})
-        return ({_encoded(k): k for k in props if k not in used},
-                schema.get("additionalProperties", True) is not False)
+        if len(used) >= schema.get("maxProperties", math.inf):
+            return [], False
+        names = self.whole.names(schema)[0]
+        if names is None:
+            return None, True
+        left = [e for e, n in names if n not in used]
+        return left, bool(left)
 
     def feed(self, b: int) -> bool:
         if any(len(f) == 5 for f in self.frames):
@@ -923,27 +1034,26 @@ class _Branch(JsonPrefix):
         top = self.frames[-1] if self.frames else (None, None)
         if m in (VALUE, VALUE_OR_CLOSE, START) and b not in WS and not (m == VALUE_OR_CLOSE and b == ord("]")):
             if m == VALUE_OR_CLOSE:  # an array's first item
-                if top[1].get("maxItems", 1) < 1:
+                if _max_items(top[1]) < 1:
                     return False
                 self.frames = self.frames[:-1] + (("a", top[1], 1, *top[3:]),)
             if not self._value_start(b):
                 return False
         elif m in (KEY_OR_CLOSE, KEY) and b == ord('"'):
-            names, others = self._names()
-            if not names and not others:
+            names, more = self._names()
+            if not more:
                 return False  # no name left to write
-            self.buf, self.str_enum = b"", None if others else list(names)
-            self.lens, self.regexes = None, ()
+            _, lens, regexes = self.whole.names(top[1])
+            self.buf, self.str_enum, self.lens, self.regexes, self.chars = b"", names, lens, regexes, 0
         elif m == AFTER and b == ord(",") and top[0] == "o":
-            names, others = self._names()
-            if not names and not others:
+            if not self._names()[1]:
                 return False  # the object can take no other property: it closes
         elif m == AFTER and b == ord(",") and top[0] == "a":
-            if top[2] >= top[1].get("maxItems", math.inf):
+            if top[2] >= _max_items(top[1]):
                 return False  # the array holds as many items as it may: it closes
             self.frames = self.frames[:-1] + (("a", top[1], top[2] + 1, *top[3:]),)
         elif m in (KEY_OR_CLOSE, AFTER) and b == ord("}") and top[0] == "o":
-            if not set(top[1].get("required", ())) <= top[2]:
+            if not set(top[1].get("required", ())) <= top[2] or len(top[2]) < top[1].get("minProperties", 0):
                 return False
         elif m in (VALUE_OR_CLOSE, AFTER) and b == ord("]") and top[0] == "a":
             if top[2] < top[1].get("minItems", 0):
@@ -953,7 +1063,7 @@ class _Branch(JsonPrefix):
         if m in (KEY_OR_CLOSE, AFTER, VALUE_OR_CLOSE) and b in (ord("}"), ord("]")):
             self.frames = self.frames[:-1]  # the container closed
         elif m == AFTER and b == ord(",") and self.frames[-1][0] == "a":
-            self.set_expect(self.frames[-1][1].get("items", {}))
+            self.set_expect(_item_schema(self.frames[-1][1], self.frames[-1][2] - 1))
         return True
 
     def _string_byte(self, b: int) -> bool:
@@ -1017,7 +1127,7 @@ class _Branch(JsonPrefix):
         elif kind == "array":
             # an array of unique items also holds the items' keys so far and the bytes of the one being read
             self.frames = self.frames + (("a", schema, 0) + ((frozenset(), None) if schema.get("uniqueItems") else ()),)
-            self.set_expect(schema.get("items", {}))
+            self.set_expect(_item_schema(schema, 0))
         elif kind == "string":
             enum = schema.get("enum")
             self.buf, self.str_enum = b"", None if enum is None else [_encoded(e) for e in enum]
@@ -1038,11 +1148,11 @@ class _Branch(JsonPrefix):
             name = json.loads(b'"' + self.buf + b'"')
             if name in used:
                 return False
-            props, extra = schema.get("properties", {}), schema.get("additionalProperties", True)
-            if name not in props and extra is False:
+            value = self.whole.value_schema(schema, name)
+            if value is None:
                 return False
             self.frames = self.frames[:-1] + ((kind, schema, used | {name}, name),)
-            self.set_expect(props.get(name, extra if isinstance(extra, dict) else {}))
+            self.set_expect(value)
         return True
 
 

@@ -246,10 +246,28 @@ def test_the_schema_reader_agrees_with_jsonschema(data, schema, edit):
      "multipleOf must be a positive integer here"),
     ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 5, "minimum": 1, "maximum": 4.5}}},
      "no value follows it"),  # a number under multipleOf is an integer: 2.5 is not one
-    ({"type": "object", "properties": {"a": {"type": "array", "prefixItems": [{}]}}}, "'prefixItems' is not followed"),
+    ({"type": "object", "properties": {"a": {"type": "array", "prefixItems": {}}}}, "prefixItems must be a list"),
+    ({"type": "object", "properties": {"a": {"type": "array", "prefixItems": [{}], "uniqueItems": True}}},
+     "not beside prefixItems"),
+    ({"type": "object", "properties": {"a": {"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}}},
+     "no value follows it"),
+    ({"type": "object", "properties": {"a": {"patternProperties": {"^a": {}, "^b": {}}}}}, "with one pattern"),
+    ({"type": "object", "properties": {"a": {"patternProperties": {"(": {}}}}}, "is no regular expression"),
+    ({"type": "object", "properties": {"a": {"properties": {"ab": {}}, "patternProperties": {"^a": {}}}}},
+     "'ab' also matches the patternProperties pattern"),
+    ({"type": "object", "properties": {"a": {"properties": {"b": {}}, "patternProperties": {"^a": {}},
+                                             "additionalProperties": False}}}, "properties beside patternProperties"),
+    ({"type": "object", "properties": {"a": {"propertyNames": {"anyOf": [{"maxLength": 2}, {"pattern": "x"}]}}}},
+     "propertyNames: followed when it is one schema of strings"),
+    ({"type": "object", "properties": {"a": {"propertyNames": {"enum": ["x"]}, "properties": {"y": {}},
+                                             "required": ["y"]}}}, "its required property 'y' does not keep"),
+    ({"type": "object", "properties": {"a": {"propertyNames": {"enum": ["x", "y"]}, "minProperties": 3}}},
+     "minProperties 3 of 2 names"),
+    ({"type": "object", "properties": {"a": {"type": "object", "minProperties": 2, "maxProperties": 1}}}, "no value follows it"),
+    ({"type": "object", "properties": {"a": {"maxProperties": -1}}}, "maxProperties must be a non-negative integer"),
     ({"type": "object", "properties": {"a": {"type": "string", "format": "idn-email"}}},
      "format 'idn-email' is not followed (followed: date, time, date-time, uuid, ipv4, ipv6, ipvanyaddress, "
-     "duration, uri, hostname, email)"),
+     "duration, uri, hostname, email, binary, path, password)"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "a("}}}, "is no regular expression"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": 3}}}, "pattern must be a string"),
     ({"type": "object", "properties": {"a": {"minimum": 0, "exclusiveMinimum": True}}}, "draft 4's true/false"),
@@ -1019,3 +1037,108 @@ def test_a_constrained_pick_under_uri_and_ipv4_formats_parses_into_pydantic(seed
     vocab = [p.encode() for p in pieces] + [None]
     out = walk(JsonConstraint(vocab, len(vocab) - 1, schema=schema), vocab, seed, sampled=True)
     Site.model_validate_json(out)
+
+
+# --------------------------------------------------------------------------- tuples and the names of a dict's keys
+ITEM_LEAVES = [{"type": "integer"}, {"type": "string"}, {"type": "boolean"}, {"enum": ["a", "b"]}, {}]
+ITEM_VALUES = [0, 7, "a", "b", "zz", True, None]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(ITEM_LEAVES), max_size=3), st.sampled_from([None, True, False, *ITEM_LEAVES[:3]]),
+       st.sampled_from([None, 0, 1, 2, 3]), st.sampled_from([None, 0, 1, 2, 4]),
+       st.lists(st.sampled_from(ITEM_VALUES), max_size=4), st.sampled_from([(",", ":"), (", ", ": ")]))
+def test_prefix_items_are_kept_as_jsonschema_keeps_them(prefix, items, least, most, values, sep):
+    """Arrays under ``prefixItems`` (a pydantic tuple's), with ``items`` missing, true, false or a schema and
+    bounds on the count: the reader takes a document exactly when jsonschema does."""
+    from kvcompile.structured import SchemaError, SchemaPrefix, check_schema
+
+    array = {"type": "array", "prefixItems": prefix}
+    for key, v in (("items", items), ("minItems", least), ("maxItems", most)):
+        if v is not None:
+            array[key] = v
+    schema = {"type": "object", "properties": {"t": array}, "required": ["t"]}
+    try:
+        check_schema(schema)
+    except SchemaError as e:
+        assert "no value follows it" in str(e)
+        assert all(not schema_valid({"t": values[:n]}, schema) for n in range(len(values) + 1))
+        return
+    doc = {"t": values}
+    p = SchemaPrefix(schema)
+    taken = p.feed_all(json.dumps(doc, separators=sep).encode()) and p.complete
+    assert taken == schema_valid(doc, schema), (schema, doc)
+
+
+NAME_RULES = [None, {"enum": ["a", "b", "x1"]}, {"$ref": "#/$defs/N"}, {"pattern": "^[a-c]+$"}, {"maxLength": 2},
+              {"type": "string", "minLength": 2, "format": "date"}, {"const": "a"}]
+NAME_POOL = ["a", "b", "c", "ab", "x1", "xyz", "2024-01-02", "é"]
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from(NAME_RULES), st.sampled_from([{}, {"a": {"type": "integer"}}, {"b": {}, "ab": {}}]),
+       st.sampled_from([None, {"^x": {"type": "integer"}}, {"b$": {"type": "string"}}]),
+       st.sampled_from([True, False, {"type": "string"}]), st.sampled_from([None, 1, 2]),
+       st.sampled_from([None, 1, 2, 3]),
+       st.dictionaries(st.sampled_from(NAME_POOL), st.sampled_from([1, "s", True]), max_size=4),
+       st.sampled_from([(",", ":"), (", ", ": ")]))
+def test_the_names_of_properties_are_kept_as_jsonschema_keeps_them(rule, props, patterns, extra, least, most, doc, sep):
+    """Objects under ``propertyNames`` (an enum, a $ref to one, a pattern, lengths, a format, a const: what
+    pydantic writes for a dict keyed by an enum, a Literal or a constrained string), ``patternProperties``,
+    ``additionalProperties`` and ``minProperties`` / ``maxProperties``: the reader takes a document exactly when
+    jsonschema does (with the format checked), or the schema is refused with what the reader does not follow."""
+    import jsonschema
+
+    from kvcompile.structured import SchemaError, SchemaPrefix, check_schema
+
+    obj = {"type": "object", "properties": props, "additionalProperties": extra}
+    for key, v in (("propertyNames", rule), ("patternProperties", patterns), ("minProperties", least),
+                   ("maxProperties", most)):
+        if v is not None:
+            obj[key] = v
+    schema = {"type": "object", "properties": {"o": obj}, "required": ["o"], "$defs": {"N": {"enum": ["b", "c"]}}}
+    try:
+        check_schema(schema)
+    except SchemaError as e:
+        assert re.search("also matches the patternProperties|properties beside patternProperties|no value follows",
+                         str(e)), str(e)
+        return
+    whole = {"o": doc}
+    p = SchemaPrefix(schema)
+    taken = p.feed_all(json.dumps(whole, separators=sep, ensure_ascii=False).encode()) and p.complete
+    assert taken == schema_valid(whole, schema, jsonschema.FormatChecker()), (schema, whole)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_constrained_pick_under_tuples_and_keyed_dicts_parses_into_pydantic(seed):
+    """Random walks under a model with tuples (prefixItems), dicts keyed by an enum, a Literal and a pattern
+    (propertyNames, patternProperties), a dict with a bounded size, bytes, a Path, a secret and a deprecated
+    field end in a reply pydantic takes."""
+    import enum
+    from pathlib import Path
+    from typing import Literal
+
+    from openai.lib._pydantic import to_strict_json_schema
+    from pydantic import BaseModel, Field, SecretStr, constr
+
+    class Color(enum.Enum):
+        RED = "red"
+        BLUE = "blue"
+
+    class Row(BaseModel):
+        t: tuple[int, str, tuple[bool, int]]
+        c: dict[Color, int]
+        l: dict[Literal["x", "y"], int]  # noqa: E741
+        p: dict[constr(pattern="^[a-z]+$", max_length=3), bool]
+        n: dict[str, int] = Field(min_length=1, max_length=2)
+        b: bytes
+        f: Path
+        s: SecretStr
+        d: int = Field(deprecated=True)
+
+    schema = to_strict_json_schema(Row)  # (what the openai client sends: no property beside the model's)
+    pieces = ["{", "}", "[", "]", '"', ":", ",", '":', "red", "blue", "Z", "23", "-", "true", "false", "/", "é",
+              *"abcdefghijklmnopqrstuvwxyz0123456789"]
+    vocab = [p.encode() for p in pieces] + [None]
+    out = walk(JsonConstraint(vocab, len(vocab) - 1, schema=schema), vocab, seed, sampled=bool(seed % 2))
+    Row.model_validate_json(out)
