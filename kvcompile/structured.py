@@ -311,10 +311,13 @@ def _number_bounds(schema: dict):
     written with a fraction may be (``*_in``: the end itself is in), as fractions (None: unbounded). A
     validator reads "3" as the integer 3 and "0.1" as the nearest double, and compares either exactly with the
     bound as written; the reals whose nearest double keeps a bound run to the midpoint between that double and
-    the next one out (the midpoint itself in when it rounds inside). The integers are ``(lo, hi, step)``: a
-    ``multipleOf`` (an integer; such a number is written as an integer) is their step, else 1."""
+    the next one out (the midpoint itself in when it rounds inside). The integers are ``(lo, hi, step)``: the
+    integers that are multiples of ``multipleOf`` are those of its numerator's (``_step``), else every one; the
+    reals carry a fifth field, a fraction's ``multipleOf`` (None: an integer's, whose numbers are written as
+    integers, or none)."""
     if not any(k in schema for k in (*_NUMBER_BOUNDS, "multipleOf")):
         return None
+    step = _step(schema)
     ilo = ihi = flo = fhi = None
     lo_in = hi_in = True
     for key in _NUMBER_BOUNDS:
@@ -338,7 +341,22 @@ def _number_bounds(schema: dict):
             ihi = i if ihi is None else min(ihi, i)
             if fhi is None or mid < fhi:
                 fhi, hi_in = mid, mid_in
-    return (ilo, ihi, schema.get("multipleOf", 1)), (flo, lo_in, fhi, hi_in)
+    return ((ilo, ihi, 1 if step is None else step.numerator),
+            (flo, lo_in, fhi, hi_in, None if step is None or step.denominator == 1 else step))
+
+
+def _step(schema: dict) -> Fraction | None:
+    """A ``multipleOf`` as the exact decimal the schema writes (0.01 is 1/100, not the double nearest it; a
+    multiple is what it is in exact arithmetic, as JSON Schema defines it), or None."""
+    step = schema.get("multipleOf")
+    return None if step is None else Fraction(repr(step)) if isinstance(step, float) else Fraction(step)
+
+
+def _integer_only(schema: dict, allowed) -> bool:
+    """A number of this schema is written as an integer: its types allow no other, or an integer
+    ``multipleOf`` asks for one."""
+    step = _step(schema)
+    return "number" not in allowed or (step is not None and step.denominator == 1)
 
 
 def _meets(a, b, bounds, integer: bool) -> bool:
@@ -348,7 +366,12 @@ def _meets(a, b, bounds, integer: bool) -> bool:
         lo, hi, step = bounds
         x = -(-math.ceil(max(a, lo)) // step) * step
         return (b is None or x < b) and (hi is None or x <= hi)
-    lo, lo_in, hi, hi_in = bounds
+    lo, lo_in, hi, hi_in, step = bounds
+    if step is not None:  # the least multiple of step from max(a, lo) on, past lo when lo is out
+        x = math.ceil(max(a, lo) / step) * step
+        if x == lo and not lo_in:
+            x += step
+        return (b is None or x < b) and (hi is None or x < hi or (x == hi and hi_in))
     if a > lo or (a == lo and lo_in):  # a itself is the least value inside
         return hi is None or a < hi or (a == hi and hi_in)
     # lo is past a: lo itself when it is in, else the values just above it
@@ -367,7 +390,8 @@ def _number_reaches(text: bytes, bounds, integer: bool) -> bool:
             if as_int:
                 pair = (None if pair[1] is None else -pair[1], None if pair[0] is None else -pair[0], pair[2])
             else:
-                pair = (None if pair[2] is None else -pair[2], pair[3], None if pair[0] is None else -pair[0], pair[1])
+                pair = (None if pair[2] is None else -pair[2], pair[3], None if pair[0] is None else -pair[0], pair[1],
+                        pair[4])
         if pair[0] is None or pair[0] < 0:  # a magnitude is at least 0
             pair = (0, *pair[1:]) if as_int else (0, True, *pair[2:])
         hi = pair[1] if as_int else pair[2]
@@ -394,9 +418,10 @@ def _number_inside(text: bytes, bounds) -> bool:
         lo, hi, step = bounds[0]
         x = int(text)
         return (lo is None or x >= lo) and (hi is None or x <= hi) and x % step == 0
-    lo, lo_in, hi, hi_in = bounds[1]
+    lo, lo_in, hi, hi_in, step = bounds[1]
     x = Fraction(text.decode())
-    return (lo is None or x > lo or (x == lo and lo_in)) and (hi is None or x < hi or (x == hi and hi_in))
+    return ((lo is None or x > lo or (x == lo and lo_in)) and (hi is None or x < hi or (x == hi and hi_in))
+            and (step is None or x % step == 0))
 
 
 def _takes(schema: dict, value) -> bool:
@@ -407,7 +432,7 @@ def _takes(schema: dict, value) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return True
     return (value >= schema.get("minimum", value) and value <= schema.get("maximum", value)
-            and ("multipleOf" not in schema or value % schema["multipleOf"] == 0)
+            and ("multipleOf" not in schema or Fraction(repr(value)) % _step(schema) == 0)
             and ("exclusiveMinimum" not in schema or value > schema["exclusiveMinimum"])
             and ("exclusiveMaximum" not in schema or value < schema["exclusiveMaximum"]))
 
@@ -417,7 +442,7 @@ def _possible(schema: dict, kind: str) -> bool:
     counts in order, and a pattern that something begins)."""
     if kind in ("number", "integer"):
         bounds = _number_bounds(schema)
-        integer = kind == "integer" or "multipleOf" in schema
+        integer = _integer_only(schema, {kind})
         return bounds is None or any(_number_reaches(t, bounds, integer) for t in (b"", b"-"))
     if kind == "string":
         return (schema.get("minLength", 0) <= schema.get("maxLength", math.inf)
@@ -666,10 +691,11 @@ def check_schema(schema, at: str = "schema") -> None:
     ``maxProperties``, ``enum`` and ``const`` (of strings, numbers, booleans and null), ``anyOf``, ``oneOf`` (of alternatives it
     can tell apart), ``allOf`` of one schema, ``$ref`` into the schema (``$defs``, ``definitions``), and the
     bounds: ``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``, ``minLength``,
-    ``maxLength``, ``minItems``, ``maxItems``, ``pattern`` and ``format`` (``FORMATS``), an integer
-    ``multipleOf`` (such a number is written as an integer), and ``uniqueItems`` (a ``set``'s:
+    ``maxLength``, ``minItems``, ``maxItems``, ``pattern`` and ``format`` (``FORMATS``), ``multipleOf`` (an
+    integer's numbers are written as integers; a fraction's multiples are exact, ``_step``), and
+    ``uniqueItems`` (a ``set``'s:
     ``_check_unique`` says of which items) -- what OpenAI's structured outputs and pydantic's schemas use but
-    a fraction's ``multipleOf`` and the like -- and ignores titles, descriptions and defaults; the top level is
+    ``allOf`` of several and the like -- and ignores titles, descriptions and defaults; the top level is
     an object. An enum or const value is written as ``json.dumps`` writes it (a reply may not spell the const 1
     as 1.0 or 1e0); a bounded number is written without an exponent; a string with a pattern or format is
     written in ASCII, without ``\\u`` escapes."""
@@ -773,9 +799,8 @@ def _check(whole: _Schema, schema, at: str, nodes: list) -> None:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise SchemaError(f"{at}.{key} must be a non-negative integer, got {v!r}")
     step = schema.get("multipleOf", 1)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise SchemaError(f"{at}.multipleOf must be a positive integer here (a fraction's multiples, such as 0.01's, "
-                          f"are not followed), got {step!r}")
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 < step < math.inf:
+        raise SchemaError(f"{at}.multipleOf must be a positive number, got {step!r}")
     if "uniqueItems" in schema and not isinstance(schema["uniqueItems"], bool):
         raise SchemaError(f"{at}.uniqueItems must be true or false, got {schema['uniqueItems']!r}")
     if "format" in schema and schema["format"] not in FORMATS:
@@ -1116,7 +1141,7 @@ class _Branch(JsonPrefix):
         if kind == "number":
             if not allowed & {"number", "integer"}:
                 return False
-            self.int_only = "number" not in allowed or "multipleOf" in schema  # (an integer multiple)
+            self.int_only = _integer_only(schema, allowed)
             self.bounds = None if literal is not None else _number_bounds(schema)
             self.buf = bytes([b])
             return self.bounds is None or _number_reaches(self.buf, self.bounds, self.int_only)

@@ -242,8 +242,10 @@ def test_the_schema_reader_agrees_with_jsonschema(data, schema, edit):
     ({"type": "array"}, "top level must be"),
     ({"$defs": {"L": {"type": "array"}}, "$ref": "#/$defs/L"}, "top level must be"),
     ({"type": "object", "properties": {"a": {"type": "array", "contains": {}}}}, "'contains' is not followed"),
-    ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.01}}},
-     "multipleOf must be a positive integer here"),
+    ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0}}},
+     "multipleOf must be a positive number"),
+    ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.25, "minimum": 0.3, "maximum": 0.45}}},
+     "no value follows it"),
     ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 5, "minimum": 1, "maximum": 4.5}}},
      "no value follows it"),  # a number under multipleOf is an integer: 2.5 is not one
     ({"type": "object", "properties": {"a": {"type": "array", "prefixItems": {}}}}, "prefixItems must be a list"),
@@ -807,6 +809,67 @@ def test_multiple_of_is_kept_as_jsonschema_keeps_it(kind, step, bounds, value):
     text = json.dumps({"a": value})
     taken = first_refusal(schema, text) is None
     assert taken == (isinstance(value, int) and schema_valid({"a": value}, schema)), text
+
+
+def exact_multiple_valid(text: str, schema: dict) -> bool:
+    """JSON Schema's ``multipleOf`` in exact arithmetic (a number's decimal value over the step's, an integer),
+    the bounds and the rest as jsonschema reads them. (jsonschema's own check divides doubles, so it refuses
+    0.07 as a multiple of 0.01; pydantic's allows for the rounding and takes it.)"""
+    from fractions import Fraction
+
+    field = schema["properties"]["a"]
+    rest = {**schema, "properties": {"a": {k: v for k, v in field.items() if k != "multipleOf"}}}
+    value = json.loads(text)["a"]
+    number = re.search(r":\s*(-?[0-9.eE+-]+)", text).group(1)
+    return (Fraction(number) % Fraction(repr(field["multipleOf"])) == 0) and schema_valid({"a": value}, rest)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(["integer", "number"]), st.sampled_from([0.5, 0.25, 0.01, 0.1, 1.5, 0.05, 2.5, 0.001]),
+       st.dictionaries(st.sampled_from(["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"]),
+                       st.integers(-4, 4) | st.sampled_from([0.5, -2.5, 0.3, 1.25, 0.07]), max_size=2),
+       st.integers(-3000, 3000), st.integers(0, 4))
+def test_a_fractions_multiple_of_is_kept_in_exact_arithmetic(kind, step, bounds, digits, places):
+    """A fraction's ``multipleOf`` (``Field(multiple_of=0.01)``, a price's): a number written with up to
+    four decimals is taken exactly when its decimal value is a multiple of the step's and the bounds hold
+    (``exact_multiple_valid``); an integer under it is one when it is a multiple."""
+    from kvcompile.structured import SchemaError, check_schema
+
+    schema = {"type": "object", "properties": {"a": {"type": kind, "multipleOf": step, **bounds}}, "required": ["a"]}
+    text = '{"a":' + (f"{digits / 10 ** places:.{places}f}" if places else str(digits)) + "}"
+    if kind == "integer" and places:
+        text = '{"a":' + str(digits) + "}"
+    try:
+        check_schema(schema)
+    except SchemaError as e:  # bounds that hold no multiple
+        assert "no value follows it" in str(e)
+        from fractions import Fraction
+
+        unit = Fraction(repr(step))  # a multiple inside the bounds would be the first one past a bound
+        near = {(math.ceil(Fraction(repr(b)) / unit) + j) * unit for b in bounds.values() for j in (-1, 0, 1)}
+        assert not any(exact_multiple_valid('{"a":' + (str(x.numerator) if x.denominator == 1 else f"{float(x)!r}")
+                                            + "}", schema) for x in near)
+        return
+    assert (first_refusal(schema, text) is None) == exact_multiple_valid(text, schema), text
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("step", [0.01, 0.5, 0.25])
+def test_a_constrained_pick_under_a_fractions_multiple_of_parses_into_pydantic(seed, step):
+    """Random walks under ``Field(multiple_of=step, ge=..., lt=...)`` end in a number pydantic takes."""
+    from pydantic import BaseModel, Field
+
+    class Price(BaseModel):
+        a: float = Field(multiple_of=step, ge=-3, lt=20)
+
+    from openai.lib._pydantic import to_strict_json_schema
+
+    schema = to_strict_json_schema(Price)
+    pieces = ["{", "}", "]", '"', "a", ":", '"a":', *"0123456789", "-", ".", "e", " ", "07", "25"]
+    vocab = [p.encode() for p in pieces] + [None]
+    out = walk(JsonConstraint(vocab, len(vocab) - 1, schema=schema), vocab, seed, sampled=True)
+    Price.model_validate_json(out)
+    assert exact_multiple_valid(out.decode(), schema), out
 
 
 @pytest.mark.parametrize("seed", range(6))
