@@ -10,6 +10,8 @@ object is complete. The processor list that picks every row's token (``kvcompile
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import math
 from fractions import Fraction
@@ -303,6 +305,25 @@ def _regexes(schema: dict) -> tuple:
 def _matches(regexes: tuple, text: str, partial: bool = False) -> bool:
     """``text`` follows each pattern (``partial``: it begins a string that does)."""
     return all((r.fullmatch if whole else r.search)(text, partial=partial) is not None for r, whole in regexes)
+
+
+@functools.lru_cache(maxsize=256)
+def _chars_beginning(begun: bytes) -> tuple[str, ...]:
+    """The characters whose UTF-8 bytes begin with ``begun`` (a two- or three-byte character's lead byte and
+    maybe its second byte: at most 4096 of them, U+0080 to U+FFFF)."""
+    out = []
+    for tail in itertools.product(range(0x80, 0xC0), repeat=(2 if begun[0] < 0xE0 else 3) - len(begun)):
+        try:
+            out.append((begun + bytes(tail)).decode())
+        except UnicodeDecodeError:  # an overlong form or a surrogate's
+            pass
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _some_char_fits(regexes: tuple, text: str, begun: bytes, partial: bool) -> bool:
+    """Some character whose UTF-8 bytes begin with ``begun`` may follow ``text`` under the patterns."""
+    return any(_matches(regexes, text + c, partial=partial) for c in _chars_beginning(begun))
 
 
 def _number_bounds(schema: dict):
@@ -698,7 +719,7 @@ def check_schema(schema, at: str = "schema") -> None:
     ``allOf`` of several and the like -- and ignores titles, descriptions and defaults; the top level is
     an object. An enum or const value is written as ``json.dumps`` writes it (a reply may not spell the const 1
     as 1.0 or 1e0); a bounded number is written without an exponent; a string with a pattern or format is
-    written in ASCII, without ``\\u`` escapes."""
+    written without ``\\u`` escapes or characters beyond U+FFFF."""
     if not isinstance(schema, dict):
         raise SchemaError(f"{at} must be a JSON schema object, got {type(schema).__name__}")
     whole, nodes = _Schema(schema), []
@@ -1094,14 +1115,15 @@ class _Branch(JsonPrefix):
     def _string_byte(self, b: int) -> bool:
         """A byte of a string (a property name or a value), kept to its enum, lengths and patterns. A string with
         bounds takes no ``\\u`` escape of a surrogate (each escape is then one character, as a validator counts
-        them); one with patterns is written in ASCII without ``\\u`` escapes (a character is then known at its
-        first byte), each character kept to what the patterns can still take."""
+        them); one with patterns is written without ``\\u`` escapes and without characters beyond U+FFFF, each
+        character kept to what the patterns can still take from its first byte on (a character of several bytes:
+        some character that begins with its bytes so far)."""
         starts = not (self.esc or self.hex or self.utf8)  # the byte begins a character (or ends the string)
         if starts and b == ord('"'):
             return self._string_end() and super().feed(b)
         bounded = self.lens is not None  # (a string with patterns has lengths (0, inf) at least)
         if bounded:
-            if self.regexes and (b >= 0x80 or (self.esc and b == ord("u"))):
+            if self.regexes and ((self.esc and b == ord("u")) or (starts and b >= 0xF0)):
                 return False
             if self.hex == 3 and self.buf[-1:] in (b"d", b"D") and b in _SURROGATE:
                 return False  # \uD800 to \uDFFF: half a character
@@ -1121,6 +1143,9 @@ class _Branch(JsonPrefix):
         if self.esc:  # after a backslash: some escape must fit
             text = _decoded(self.buf[:-1])
             return any(_matches(self.regexes, text + c, partial=not last) for c in _SIMPLE_ESCAPES)
+        if self.utf8:  # inside a character of several bytes: some character that begins with them must fit
+            begun = 1 + (b < 0xC0)  # its lead byte, and this one when it is the second
+            return _some_char_fits(self.regexes, _decoded(self.buf[:-begun]), self.buf[-begun:], not last)
         return _matches(self.regexes, _decoded(self.buf), partial=not last)
 
     def _ends_number(self, b: int) -> bool:
@@ -1218,7 +1243,8 @@ class JsonConstraint:
         whose first byte the reply can take next are tried (``_open``). ``DeadEnd`` when no token fits: a
         vocabulary holding every byte as a token (byte-level BPE, as SmolLM2's and Llama 3's) leaves none, as
         the reader takes a byte only where a document can go on -- except in a string with a ``pattern`` that
-        needs a character outside ASCII there (such strings are written in ASCII)."""
+        needs a character such strings are not written with there (one beyond U+FFFF, or one that needs a
+        ``\\u`` escape)."""
         if self.prefix.complete:
             return self.eos
         if probs is None:
@@ -1250,8 +1276,8 @@ class JsonConstraint:
         so_far = b"".join(self.vocab[t] for t in self.taken[-60:])[-60:].decode("utf-8", "replace")
         raise DeadEnd(f"no token of the vocabulary continues the reply ({so_far!r} so far) under its JSON schema; "
                       f"with a vocabulary of every byte, that is where a string's pattern needs a character "
-                      f"outside ASCII (not written under a pattern): let the pattern take an ASCII spelling "
-                      f"there, or drop it")
+                      f"not written under a pattern (one beyond U+FFFF, such as an emoji, or a control "
+                      f"character that needs a \\u escape): let the pattern take another there, or drop it")
 
     def _open(self, n: int) -> torch.Tensor:
         """Which of ``n`` token ids begin with a byte the reply can take next (bool ``[n]``)."""

@@ -681,24 +681,60 @@ def test_a_pick_is_the_best_fitting_token_when_the_best_does_not_fit(seed):
             assert c.pick(scores, probs, draw=lambda p: int(p.argmax())) == want
 
 
-def test_a_pattern_that_needs_a_character_outside_ascii_ends_in_an_error_naming_it():
-    """A string with a pattern is written in ASCII: where its pattern needs another character (here "€"), no
-    token continues the reply, and the pick says so (the request fails with that message) instead of ending the
-    reply cut. A pattern that only allows such characters beside ASCII ones is followed in ASCII."""
-    vocab = [p.encode() for p in ['{"p":', '"', "€", "5", "}", "E"]] + [None]
+def test_a_pattern_that_needs_a_character_beyond_u_ffff_ends_in_an_error_naming_it():
+    """A string with a pattern is written without characters beyond U+FFFF: where its pattern needs one (here an
+    emoji), no token continues the reply, and the pick says so (the request fails with that message) instead of
+    ending the reply cut. One that needs "€" writes it, whether a token holds all its bytes or they come split
+    over tokens."""
+    vocab = [p.encode() for p in ['{"p":', '"', "😀", "5", "}", "E"]] + [None]
     c = JsonConstraint(vocab, len(vocab) - 1, schema={
-        "type": "object", "properties": {"p": {"type": "string", "pattern": "^€[0-9]$"}}, "required": ["p"]})
+        "type": "object", "properties": {"p": {"type": "string", "pattern": "^😀[0-9]$"}}, "required": ["p"]})
     for piece in (b'{"p":', b'"'):
         c.took(vocab.index(piece))
-    with pytest.raises(DeadEnd, match=r"""\('\{"p":"' so far\).*pattern needs a\s+character outside ASCII"""):
+    with pytest.raises(DeadEnd, match=r"""\('\{"p":"' so far\).*pattern needs a\s+character not written under"""):
         c.pick(torch.zeros(len(vocab)))
-    c = JsonConstraint(vocab, len(vocab) - 1, schema={
-        "type": "object", "properties": {"p": {"type": "string", "pattern": "^[€E][0-9]$"}}, "required": ["p"]})
-    out = b""
-    while (t := c.pick(torch.zeros(len(vocab)))) != c.eos:
-        c.took(t)
-        out += vocab[t]
-    assert json.loads(out) == {"p": "E5"}
+    for vocab in ([b'{"p":', b'"', "€".encode(), b"5", b"}", b"E", None],
+                  [b'{"p":', b'"', b"\xe2", b"\x82\xac", b"\x82", b"\xac", b"5", b"}", None]):  # € split
+        c = JsonConstraint(vocab, len(vocab) - 1, schema={
+            "type": "object", "properties": {"p": {"type": "string", "pattern": "^€[0-9]$"}}, "required": ["p"]})
+        out = b""
+        while (t := c.pick(torch.zeros(len(vocab)))) != c.eos:
+            c.took(t)
+            out += vocab[t]
+        assert json.loads(out) == {"p": "€5"}
+
+
+PATTERNS_BEYOND_ASCII = ["^[а-я]{1,3}$", "^[À-ÿ ]+$", "^€[0-9]+$", "^[一-龥]{2}$", "^[^a-z]*$", "é", "^.{2}$",
+                         "^(ß|ss)[0-9]?$"]
+CHAR_POOL = ["a", "z", "5", " ", "é", "ß", "я", "б", "€", "一", "龥", "中", "😀", "ÿ", "À", "s", "\n", "\x01"]
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from(PATTERNS_BEYOND_ASCII), st.lists(st.sampled_from(CHAR_POOL), max_size=4).map("".join),
+       st.booleans(), st.sampled_from([None, 2, 3]))
+def test_a_pattern_beyond_ascii_is_kept_byte_by_byte(pattern, text, escaped, most):
+    """Strings of non-ASCII characters (Cyrillic, accented Latin, "€", CJK) under a pattern that needs or allows
+    them: the reader takes a string exactly when its pattern (as Python's validators search it) and length hold,
+    unless it holds a character such strings are not written with (beyond U+FFFF, or a \\u escape); every
+    prefix of a string it takes is taken byte by byte."""
+    import regex
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern,
+                                                     **({"maxLength": most} if most else {})}}}
+    written = json.dumps({"s": text}, ensure_ascii=escaped)
+    p = SchemaPrefix_of(schema)
+    taken = p.feed_all(written.encode()) and p.complete
+    writable = not escaped or text.isascii()
+    writable = writable and all(ord(ch) <= 0xFFFF and (ch >= " " or ch in "\b\f\n\r\t") for ch in text)
+    want = (regex.search(pattern, text) is not None and (most is None or len(text) <= most)) and writable
+    assert taken == want, (pattern, written)
+
+
+def SchemaPrefix_of(schema):
+    from kvcompile.structured import SchemaPrefix, check_schema
+
+    check_schema(schema)
+    return SchemaPrefix(schema)
 
 
 UNIQUE_ITEMS = [{"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"},
