@@ -16,6 +16,12 @@ import json
 import math
 from fractions import Fraction
 
+try:  # Python's own parser of regular expressions (``_named_chars``)
+    from re import _constants as _sre_consts, _parser as _sre_parser
+except ImportError:  # Python 3.10
+    import sre_constants as _sre_consts
+    import sre_parse as _sre_parser
+
 import torch
 
 MAX_SPACE = 12  # whitespace bytes in a row (a newline and the indentation of five levels of two spaces)
@@ -32,6 +38,8 @@ _NUMBER = {"-": {"0": "0", "d": "int"}, "0": {".": ".", "e": "e"}, "int": {"d": 
            "esign": {"d": "exp"}, "exp": {"d": "exp"}}
 _NUMBER_BYTES = {ord("."): ".", ord("e"): "e", ord("E"): "e", ord("+"): "+", ord("-"): "+"}
 _NUMBER_ENDS = frozenset({"0", "int", "frac", "exp"})
+_CONTINUATION = (0x80, 0xBF)  # a UTF-8 continuation byte; after these lead bytes, the second is narrower
+_SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 
 # where the reader is
 VALUE, KEY_OR_CLOSE, KEY, COLON, AFTER, VALUE_OR_CLOSE, STRING, NUMBER, LITERAL, DONE, START = range(11)
@@ -42,12 +50,13 @@ class JsonPrefix:
     (``feed``) and whether they are one whole (``complete``). Its state is a few small fields; ``copy`` is
     cheap, to try a token's bytes and keep the state only if all of them fit."""
 
-    __slots__ = ("mode", "stack", "space", "key", "esc", "hex", "utf8", "num", "lit")
+    __slots__ = ("mode", "stack", "space", "key", "esc", "hex", "utf8", "u8next", "num", "lit")
 
     def __init__(self):
         self.mode, self.stack, self.space = START, [], 0
         self.key = False  # the string being read is an object's key
         self.esc, self.hex, self.utf8 = False, 0, 0  # after a backslash; \u digits to come; continuation bytes
+        self.u8next = _CONTINUATION  # the bytes the next continuation byte may be
         self.num = ""  # where a number is: "-", "0", "int", ".", "frac", "e", "esign", "exp"
         self.lit = b""  # bytes of a literal still to come
 
@@ -55,6 +64,7 @@ class JsonPrefix:
         out = type(self).__new__(type(self))
         out.mode, out.stack, out.space, out.key = self.mode, list(self.stack), self.space, self.key
         out.esc, out.hex, out.utf8, out.num, out.lit = self.esc, self.hex, self.utf8, self.num, self.lit
+        out.u8next = self.u8next
         return out
 
     @property
@@ -150,9 +160,9 @@ class JsonPrefix:
 
     def _string(self, b: int) -> bool:
         if self.utf8:
-            if b & 0xC0 != 0x80:
+            if not self.u8next[0] <= b <= self.u8next[1]:
                 return False
-            self.utf8 -= 1
+            self.utf8, self.u8next = self.utf8 - 1, _CONTINUATION
             return True
         if self.hex:
             if b not in _HEX:
@@ -175,7 +185,7 @@ class JsonPrefix:
             return False  # control characters are escaped in JSON strings
         if b < 0x80:
             return True
-        # the lead byte of a UTF-8 sequence (no overlong two-byte leads, nothing past U+10FFFF)
+        # the lead byte of a UTF-8 sequence (no overlong form, no surrogate, nothing past U+10FFFF)
         if 0xC2 <= b <= 0xDF:
             self.utf8 = 1
         elif 0xE0 <= b <= 0xEF:
@@ -184,6 +194,7 @@ class JsonPrefix:
             self.utf8 = 3
         else:
             return False
+        self.u8next = _SECOND_BYTE.get(b, _CONTINUATION)
         return True
 
     def _number(self, b: int) -> tuple[bool, bool]:
@@ -291,15 +302,49 @@ def _type_of(value) -> str | None:
 # --------------------------------------------------------------------------- bounds on a value
 def _regexes(schema: dict) -> tuple:
     """A string's patterns, (compiled, whole) pairs: its ``pattern`` found anywhere in it (as JSON Schema reads
-    a pattern, with Python's regular expressions as Python's validators do), its ``format`` the whole of it."""
+    a pattern, with Python's regular expressions as Python's validators do, ``$`` the end, ``_end_is_end``), its
+    ``format`` the whole of it."""
     import regex
 
     out = ()
     if "pattern" in schema:
-        out += ((regex.compile(schema["pattern"]), False),)
+        out += ((regex.compile(_end_is_end(schema["pattern"])), False),)
     if FORMATS.get(schema.get("format")):
         out += ((regex.compile(FORMATS[schema["format"]]), True),)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _end_is_end(pattern: str) -> str:
+    """``pattern`` with each ``$`` that stands outside a class, unescaped, written ``\\Z``: the end of the string
+    and nothing else, as JSON Schema's own dialect (ECMA-262) and pydantic's engine read it, where Python's
+    also matches before a final newline (which pydantic then refuses). Unchanged under the multiline flag or
+    with a POSIX class (whose brackets this reading does not follow)."""
+    import regex
+
+    if "[:" in pattern or regex.compile(pattern).flags & regex.MULTILINE or regex.search(r"\(\?[a-zA-Z]*m", pattern):
+        return pattern
+    out, i, inside = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if inside:
+            inside = c != "]"
+        elif c == "[":
+            inside = True
+            j = i + 1 + (pattern[i + 1:i + 2] == "^")
+            if pattern[j:j + 1] == "]":  # a ] first in a class is one of its characters
+                out.append(pattern[i:j + 1])
+                i = j + 1
+                continue
+        elif c == "$":
+            c = "\\Z"
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _matches(regexes: tuple, text: str, partial: bool = False) -> bool:
@@ -320,10 +365,101 @@ def _chars_beginning(begun: bytes) -> tuple[str, ...]:
     return tuple(out)
 
 
+# the categories that name their characters (``_named_chars``), as a pattern writes them
+_CATEGORIES = {_sre_consts.CATEGORY_DIGIT: r"\d", _sre_consts.CATEGORY_WORD: r"\w", _sre_consts.CATEGORY_SPACE: r"\s"}
+
+
+@functools.lru_cache(maxsize=8)
+def _category_chars(name) -> tuple:
+    """The characters from U+0080 to U+FFFF a category may match, as ``(first, last)`` ranges: those it
+    matches in either regular expression engine here (``regex``, which compiles the patterns, and ``re``)."""
+    import re
+
+    import regex
+
+    engines, out = (regex.compile(_CATEGORIES[name]), re.compile(_CATEGORIES[name])), []
+    for x in range(0x80, 0x10000):
+        if 0xD800 <= x <= 0xDFFF or not any(e.fullmatch(chr(x)) for e in engines):
+            continue
+        if out and out[-1][1] == x - 1:
+            out[-1] = (out[-1][0], x)
+        else:
+            out.append((x, x))
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=4096)
 def _some_char_fits(regexes: tuple, text: str, begun: bytes, partial: bool) -> bool:
-    """Some character whose UTF-8 bytes begin with ``begun`` may follow ``text`` under the patterns."""
-    return any(_matches(regexes, text + c, partial=partial) for c in _chars_beginning(begun))
+    """Some character whose UTF-8 bytes begin with ``begun`` may follow ``text`` under the patterns (tried
+    among those the patterns name, when ``_named_chars`` knows them all)."""
+    chars = _chars_beginning(begun)  # (never empty: the reader takes only the bytes of some character)
+    first, last = ord(chars[0]), ord(chars[-1])  # (they run in order without a gap: a range of code points)
+    for r, whole in regexes:
+        named = _named_chars(r.pattern, whole)
+        if named is not None:  # only the characters it names can follow
+            chars = [chr(x) for lo, hi in named for x in range(max(lo, first), min(hi, last) + 1)]
+    return any(_matches(regexes, text + c, partial=partial) for c in chars)
+
+
+@functools.lru_cache(maxsize=256)
+def _named_chars(pattern: str, whole: bool) -> tuple | None:
+    """The characters beyond ASCII a string can hold that ``pattern`` matches (whole, or searched for: then
+    anchored at both ends), as ``(first, last)`` code point ranges, when the pattern names every one it can
+    match (literals, ranges and the categories ``\\d``, ``\\w`` and ``\\s``, as ``_category_chars`` bounds
+    them); None when it may match others too (``.``, a negated class, character or category, case folding, a
+    POSIX class) or Python's parser does not read it."""
+    import re
+
+    C = _sre_consts
+    try:
+        tree = _sre_parser.parse(pattern)
+    except re.error:
+        return None
+    if "[:" in pattern:  # regex reads [[:alpha:]] as a class of letters, Python as characters
+        return None
+    if tree.state.flags & (C.SRE_FLAG_IGNORECASE | C.SRE_FLAG_MULTILINE):
+        return None
+    items = list(tree)
+    anchored = (items[:1] in ([(C.AT, C.AT_BEGINNING)], [(C.AT, C.AT_BEGINNING_STRING)])
+                and items[-1:] in ([(C.AT, C.AT_END)], [(C.AT, C.AT_END_STRING)]))
+    if not (whole or anchored):
+        return None  # searched for, it may have any characters before or after what it matches
+    out = []
+
+    def walk(items) -> bool:
+        for op, av in items:
+            if op is C.LITERAL:
+                out.append((av, av))
+            elif op is C.IN:
+                for kind, x in av:
+                    if kind is C.LITERAL:
+                        out.append((x, x))
+                    elif kind is C.RANGE:
+                        out.append(x)
+                    elif kind is C.CATEGORY and x in _CATEGORIES:
+                        out.extend(_category_chars(x))
+                    else:  # a negated class or category
+                        return False
+            elif op in (C.MAX_REPEAT, C.MIN_REPEAT, getattr(C, "POSSESSIVE_REPEAT", None)):
+                if not walk(av[2]):
+                    return False
+            elif op is C.SUBPATTERN:
+                if av[1] & C.SRE_FLAG_IGNORECASE or not walk(av[3]):
+                    return False
+            elif op is C.BRANCH:
+                if not all(walk(b) for b in av[1]):
+                    return False
+            elif op in (C.ASSERT, C.ASSERT_NOT):
+                if not walk(av[1]):
+                    return False
+            elif op is getattr(C, "ATOMIC_GROUP", None):
+                if not walk(av):
+                    return False
+            elif op not in (C.AT, C.GROUPREF):  # anchors match no character; a group's text was matched before
+                return False
+        return True
+
+    return tuple((max(lo, 0x80), hi) for lo, hi in out if hi >= 0x80) if walk(tree) else None
 
 
 def _number_bounds(schema: dict):
@@ -972,8 +1108,8 @@ class _Branch(JsonPrefix):
         the value being read only while it is read, the next value's schema only until it begins."""
         m = self.mode
         frames = tuple((f[0], id(f[1]), *f[2:]) for f in self.frames)
-        return (m, tuple(self.stack), self.space, self.key, self.esc, self.hex, self.utf8, self.num, self.lit,
-                frames, id(self.expect) if m in (START, COLON, VALUE, VALUE_OR_CLOSE) else None,
+        return (m, tuple(self.stack), self.space, self.key, self.esc, self.hex, self.utf8, self.u8next, self.num,
+                self.lit, frames, id(self.expect) if m in (START, COLON, VALUE, VALUE_OR_CLOSE) else None,
                 (self.buf, self.str_enum and tuple(self.str_enum), self.lens, self.regexes, self.chars)
                 if m == STRING else None,
                 (self.int_only, self.bounds, self.buf if self.bounds else None) if m == NUMBER else None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from typing import Annotated
 
 import pytest
 import torch
@@ -705,19 +706,22 @@ def test_a_pattern_that_needs_a_character_beyond_u_ffff_ends_in_an_error_naming_
 
 
 PATTERNS_BEYOND_ASCII = ["^[а-я]{1,3}$", "^[À-ÿ ]+$", "^€[0-9]+$", "^[一-龥]{2}$", "^[^a-z]*$", "é", "^.{2}$",
-                         "^(ß|ss)[0-9]?$"]
-CHAR_POOL = ["a", "z", "5", " ", "é", "ß", "я", "б", "€", "一", "龥", "中", "😀", "ÿ", "À", "s", "\n", "\x01"]
+                         "^(ß|ss)[0-9]?$", r"^\d{1,2}$", r"^[\w-]+$", r"\s", r"^\D\S$", "(?i)^É+$"]
+CHAR_POOL = ["a", "z", "5", " ", "é", "É", "ß", "я", "б", "€", "一", "龥", "中", "😀", "ÿ", "À", "s", "\n", "\x01", "٣",
+             "５", "\u3000", "_", "-", "\u0301"]
 
 
 @settings(max_examples=500, deadline=None)
 @given(st.sampled_from(PATTERNS_BEYOND_ASCII), st.lists(st.sampled_from(CHAR_POOL), max_size=4).map("".join),
        st.booleans(), st.sampled_from([None, 2, 3]))
 def test_a_pattern_beyond_ascii_is_kept_byte_by_byte(pattern, text, escaped, most):
-    """Strings of non-ASCII characters (Cyrillic, accented Latin, "€", CJK) under a pattern that needs or allows
-    them: the reader takes a string exactly when its pattern (as Python's validators search it) and length hold,
-    unless it holds a character such strings are not written with (beyond U+FFFF, or a \\u escape); every
-    prefix of a string it takes is taken byte by byte."""
+    """Strings of non-ASCII characters (Cyrillic, accented Latin, "€", CJK, other scripts' digits) under a
+    pattern that needs or allows them: the reader takes a string exactly when its pattern and length hold, as
+    both Python's regular expressions (jsonschema's) and pydantic's read the pattern (``$`` the end, not also
+    before a final newline), unless it holds a character such strings are not written with (beyond U+FFFF, or a
+    \\u escape)."""
     import regex
+    from pydantic import StringConstraints, TypeAdapter, ValidationError
 
     schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern,
                                                      **({"maxLength": most} if most else {})}}}
@@ -726,8 +730,24 @@ def test_a_pattern_beyond_ascii_is_kept_byte_by_byte(pattern, text, escaped, mos
     taken = p.feed_all(written.encode()) and p.complete
     writable = not escaped or text.isascii()
     writable = writable and all(ord(ch) <= 0xFFFF and (ch >= " " or ch in "\b\f\n\r\t") for ch in text)
-    want = (regex.search(pattern, text) is not None and (most is None or len(text) <= most)) and writable
-    assert taken == want, (pattern, written)
+    try:
+        TypeAdapter(Annotated[str, StringConstraints(pattern=pattern)]).validate_python(text)
+        pydantic_takes = True
+    except ValidationError:
+        pydantic_takes = False
+    want = regex.search(pattern, text) is not None and pydantic_takes and (most is None or len(text) <= most)
+    assert taken == (want and writable), (pattern, written)
+
+
+@pytest.mark.parametrize("pattern, text, taken", [
+    (r"^[0-9]{3}$", "123", True), (r"^[0-9]{3}$", "123\n", False), (r"^a$|^b$", "b\n", False),
+    (r"^[$]+$", "$$", True), (r"^a\$$", "a$", True), (r"(?m)^a$", "a\n", True), (r"^[]$]$", "$", True),
+])
+def test_a_dollar_is_the_end_of_the_string(pattern, text, taken):
+    """``$`` ends the string as pydantic and JSON Schema's own dialect read it; Python's would also match
+    before a final newline, which pydantic then refuses (the multiline flag keeps Python's reading)."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
+    assert (first_refusal(schema, json.dumps({"s": text}), whole=False) is None) == taken
 
 
 def SchemaPrefix_of(schema):
