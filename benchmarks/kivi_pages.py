@@ -1,0 +1,169 @@
+"""Can KIVI's axes (keys per channel over a group of tokens, values per token) fit the serving bars' bytes (3.5x at
+4 bits, 6x at 2, counted for 1K-token requests) without KIVI's full-precision window? (docs/results.md, "Serving")
+
+KIVI's quality at 4 bits is full precision's; its bytes are not, for two reasons: an fp16 scale and minimum per 32
+elements (5 bits per element at 4 bits), and a window per request of ``residual + group - 1`` tokens in full
+precision (its per-channel keys wait for a whole group). Here both are made cheap, and simulated. A group's
+scale is rounded up to fp8 e4m3 and its zero point is an integer (``BODY``: ``e4m3``, a zero point among the
+codes, 12 bits per group at 4 bits and 10 at 2; ``e4m3z8``, an int8 one, 16 bits, which a channel's offset
+needs: a key channel's values over a group often all lie to one side of 0; ``f16``, an fp16 scale and minimum,
+32 bits, kvcompile's), keys and values each (``KBODY/VBODY``). There is no residual window: the keys of a group
+not yet complete are held in int8 per token (``PEND`` ``int8``, with an e4m3 scale and an int8 zero point) or
+exactly (``fp``), a complete group being coded per channel from what the pending store held; values are coded
+per token in groups of ``VG`` channels as they arrive. ``S`` first tokens (sinks) stay exact. All after the
+Hadamard rotation, as kvcompile's caches do. Bits per element count a 1K-token request: its pages, and a slot
+holding ``G - 1`` pending keys and the sinks.
+
+A ``DynamicCache`` hands attention every stored token quantized and dequantized, and the call's own tokens in
+full precision; the held-out protocol is ``kvcompile eval``'s, over ``--windows`` windows. A variant is
+``chBITS,G,VG,PEND,S,KBODY[/VBODY]`` (e.g. ``ch4,32,64,int8,4,e4m3z8/e4m3``); ``full`` and ``lib:SCHEME:BITS`` (kvcompile's own
+cache) as in ``key_window.py``.
+
+    python benchmarks/kivi_pages.py full lib:kivi+rot+sink:4 \\
+        lib:benchmarks/results/eval_serving/kivi4-r0-rot-sink.json ch4,32,64,int8,4,e4m3z8/e4m3 \\
+        lib:kivi+rot+sink:2 ch2,32,32,int8,4,e4m3z8/e4m3 ch2,32,64,int8,4,e4m3z8/e4m3 \\
+        ch4,32,32,int8,4,e4m3z8/e4m3 ch4,32,64,int8,8,e4m3z8/e4m3 ch2,32,32,int8,8,e4m3z8/e4m3 \\
+        --windows 16 --out benchmarks/results/eval_serving/kivi_pages.json      # about 45 minutes
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.key_window import PLAIN, e4m3_up  # noqa: E402
+from kvcompile import evaluate as E  # noqa: E402
+from kvcompile import models  # noqa: E402
+from kvcompile.policy import Policy  # noqa: E402
+from kvcompile.store import hadamard  # noqa: E402
+
+REQUEST = 1024  # tokens of the request the bits are counted for
+
+
+def qdq(x: torch.Tensor, bits: int, body: str) -> torch.Tensor:
+    """``x`` asymmetrically quantized and dequantized over its last dimension (one group)."""
+    top = 2 ** bits - 1
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    if body == "f16":  # an fp16 scale and minimum
+        lo = lo.half().float()
+        s = ((hi - lo) / top).half().float().clamp_min(2.0 ** -24)
+        return torch.clamp(torch.round((x - lo) / s), 0, top) * s + lo
+    s = e4m3_up((hi - lo) / top)  # rounded up: the range still fits once the zero point is rounded
+    zmin, zmax = (-128, 127) if body == "e4m3z8" else (0, top)  # an int8 zero point, or one of the codes
+    zero = torch.clamp(torch.round(-lo / s), zmin, zmax)
+    return (torch.clamp(torch.round(x / s) + zero, 0, top) - zero) * s
+
+
+def scale_bits(bits: int, body: str) -> int:
+    """Bits of one group's scale and zero point."""
+    return {"f16": 32, "e4m3": 8 + bits, "e4m3z8": 16}[body]
+
+
+def grouped(x: torch.Tensor, group: int, bits: int, body: str) -> torch.Tensor:
+    """Per token, in groups of ``group`` channels."""
+    *lead, D = x.shape
+    return qdq(x.reshape(*lead, D // group, group), bits, body).reshape(x.shape)
+
+
+class ChannelCache(DynamicCache):
+    def __init__(self, bits, group, vgroup, pend, sink, kbody, vbody, head):
+        super().__init__()
+        self.bits, self.group, self.vgroup, self.pend, self.sink = bits, group, vgroup, pend, sink
+        self.kbody, self.vbody = kbody, vbody
+        self.H = hadamard(head, dtype=torch.float64).float()
+
+    def keys(self, k: torch.Tensor) -> torch.Tensor:
+        y = k.float() @ self.H
+        out = y.clone()
+        S, G, t = self.sink, self.group, y.shape[2]
+        body = y[:, :, S:]
+        if self.pend == "int8":  # what the pending store holds, and a complete group is coded from
+            body = grouped(body, y.shape[-1], 8, "e4m3")
+        n = (t - S) // G * G
+        if n:
+            g = body[:, :, :n].reshape(*y.shape[:2], n // G, G, y.shape[-1]).transpose(-1, -2)
+            out[:, :, S:S + n] = qdq(g, self.bits, self.kbody).transpose(-1, -2).reshape(*y.shape[:2], n, -1)
+        out[:, :, S + n:] = body[:, :, n:]
+        return (out @ self.H.T).to(k.dtype)
+
+    def values(self, v: torch.Tensor) -> torch.Tensor:
+        y = v.float() @ self.H
+        out = y.clone()
+        out[:, :, self.sink:] = grouped(y[:, :, self.sink:], self.vgroup, self.bits, self.vbody)
+        return (out @ self.H.T).to(v.dtype)
+
+    def update(self, k, v, layer_idx, *args, **kwargs):
+        new = k.shape[2]
+        K, V = super().update(k, v, layer_idx, *args, **kwargs)
+        t = K.shape[2] - new
+        if t == 0:
+            return K, V
+        return (torch.cat([self.keys(K[:, :, :t]), K[:, :, t:]], 2),
+                torch.cat([self.values(V[:, :, :t]), V[:, :, t:]], 2))
+
+
+def variant(spec: str, head: int):
+    """``(make_cache, policy, bits per element at 1K tokens or None)``."""
+    if spec.startswith("lib:"):
+        entry = spec[4:]
+        return PLAIN, (Policy.load(entry) if E.is_policy_file(entry) else E.scheme_policy(*E.parse_entry(entry))), None
+    if spec == "full":
+        return (lambda model, policy, n, fast: DynamicCache()), Policy.full(), 16.0
+    name, G, VG, pend, S, body = spec.split(",")
+    b, G, VG, S = int(name[2:]), int(G), int(VG), int(S)
+    kbody, _, vbody = body.partition("/")
+    vbody = vbody or kbody
+    bodies = ("f16", "e4m3", "e4m3z8")
+    if pend not in ("int8", "fp") or kbody not in bodies or vbody not in bodies or not name.startswith("ch"):
+        raise SystemExit(f"{spec!r}: expected chBITS,G,VG,int8|fp,S,KBODY[/VBODY] with bodies {bodies}")
+    pend_bits = 16.0 if pend == "fp" else 8 + 16 / head
+    per_token = 2 * b + scale_bits(b, kbody) / G + scale_bits(b, vbody) / VG  # keys + values, per channel
+    total = (REQUEST - S) * per_token + (G - 1) * pend_bits + S * 32  # a slot holds the pending keys, the sinks
+    return ((lambda model, policy, n, fast: ChannelCache(b, G, VG, pend, S, kbody, vbody, head)), Policy.full(),
+            total / (2 * REQUEST))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("variants", nargs="+", help="full, lib:SCHEME:BITS, or chBITS,G,VG,int8|fp,S,f16|e4m3")
+    ap.add_argument("--windows", type=int, default=4, help="held-out windows of 2K tokens (kvcompile eval: 4)")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    model, tok = models.load(log=lambda *a: None)
+    windows = E.heldout_windows(tok, count=args.windows)
+    rows = []
+    try:
+        for spec in args.variants:
+            E.make_cache, policy, b = variant(spec, model.config.head_dim)
+            with torch.no_grad():
+                losses = E.heldout_loss(model, windows, policy, progress=True)
+            rows.append({"variant": spec, "bits": b, "loss": sum(losses) / len(losses), "windows": losses})
+            print(f"{spec:28s} loss {rows[-1]['loss']:.5f}" + (f"  {b:.3f} bits, {16 / b:.2f}x" if b else ""),
+                  flush=True)
+    finally:
+        E.make_cache = PLAIN
+    full = next((r for r in rows if r["variant"] == "full"), None)
+    for r in rows if full else ():
+        r["delta"] = r["loss"] - full["loss"]
+        r["delta_windows"] = [a - b for a, b in zip(r["windows"], full["windows"])]
+        n = len(r["delta_windows"])
+        mean = r["delta"]
+        sem = (sum((d - mean) ** 2 for d in r["delta_windows"]) / (n - 1) / n) ** 0.5 if n > 1 else 0.0
+        r["delta_sem"] = sem
+        print(f"{r['variant']:28s} delta {mean:+.5f} +- {sem:.5f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"windows": args.windows, "request_tokens": REQUEST, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
