@@ -489,12 +489,22 @@ def format_valid(fmt: str, text: str) -> bool:
 
 
 def bounded_valid(doc, schema) -> bool:
-    """``schema_valid`` with the formats checked (``format_valid``)."""
+    """``schema_valid`` with the formats checked (``format_valid``), and each pattern of a top-level property
+    also as pydantic reads it (its ``$`` is the end of the string; Python's also matches before a final
+    newline)."""
     import jsonschema
+    from pydantic import StringConstraints, TypeAdapter, ValidationError
 
     checker = jsonschema.FormatChecker(formats=())
     for fmt in ("date", "time", "date-time", "uuid"):
         checker.checks(fmt)(lambda t, fmt=fmt: not isinstance(t, str) or format_valid(fmt, t))
+    for name, value in doc.items():
+        pattern = schema["properties"].get(name, {}).get("pattern")
+        if pattern is not None and isinstance(value, str):
+            try:
+                TypeAdapter(Annotated[str, StringConstraints(pattern=pattern)]).validate_python(value)
+            except ValidationError:
+                return False
     return schema_valid(doc, schema, checker)
 
 
