@@ -106,10 +106,12 @@ def variant(spec: str, head: int):
             Policy.full(), (key_bits + bits(body, head)) / 2)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("variants", nargs="+",
-                    help="full, lib:SCHEME:BITS, or BODY[,WINDOW,fp|int8][,c], BODY f16 or e4m3")
+def run(variant, doc: str, grammar: str) -> None:
+    """The command line of a simulation script: ``variant(spec, head_dim) -> (make_cache, policy, bits)`` for
+    each variant named (``grammar`` says how), its held-out loss over ``--windows`` windows, and each one's
+    delta over ``full`` with its standard error over the windows, printed and written to ``--out``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("variants", nargs="+", help=grammar)
     ap.add_argument("--windows", type=int, default=4, help="held-out windows of 2K tokens (kvcompile eval: 4)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
@@ -123,17 +125,23 @@ def main() -> None:
             with torch.no_grad():
                 losses = E.heldout_loss(model, windows, policy, progress=True)
             rows.append({"variant": spec, "bits": b, "loss": sum(losses) / len(losses), "windows": losses})
-            print(f"{spec:24s} loss {rows[-1]['loss']:.5f}" + (f"  {b:.3f} bits, {16 / b:.2f}x" if b else ""),
+            print(f"{spec:28s} loss {rows[-1]['loss']:.5f}" + (f"  {b:.3f} bits, {16 / b:.2f}x" if b else ""),
                   flush=True)
     finally:
         E.make_cache = PLAIN
     full = next((r for r in rows if r["variant"] == "full"), None)
     for r in rows if full else ():
         r["delta"] = r["loss"] - full["loss"]
-        r["delta_windows"] = [a - b for a, b in zip(r["windows"], full["windows"])]
+        r["delta_windows"] = d = [a - b for a, b in zip(r["windows"], full["windows"])]
+        r["delta_sem"] = (sum((x - r["delta"]) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5 if len(d) > 1 else 0.0
+        print(f"{r['variant']:28s} delta {r['delta']:+.5f} +- {r['delta_sem']:.5f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"windows": args.windows, "request_tokens": REQUEST, "rows": rows}, f, indent=1)
+
+
+def main() -> None:
+    run(variant, __doc__, "full, lib:SCHEME:BITS, or BODY[,WINDOW,fp|int8][,c], BODY f16 or e4m3")
 
 
 if __name__ == "__main__":

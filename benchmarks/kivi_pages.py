@@ -27,8 +27,6 @@ cache) as in ``key_window.py``.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -39,13 +37,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.key_window import PLAIN, e4m3_up  # noqa: E402
+from benchmarks.key_window import PLAIN, REQUEST, e4m3_up, run  # noqa: E402
 from kvcompile import evaluate as E  # noqa: E402
-from kvcompile import models  # noqa: E402
 from kvcompile.policy import Policy  # noqa: E402
 from kvcompile.store import hadamard  # noqa: E402
 
-REQUEST = 1024  # tokens of the request the bits are counted for
 
 
 def qdq(x: torch.Tensor, bits: int, body: str) -> torch.Tensor:
@@ -132,37 +128,7 @@ def variant(spec: str, head: int):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("variants", nargs="+", help="full, lib:SCHEME:BITS, or chBITS,G,VG,int8|fp,S,f16|e4m3")
-    ap.add_argument("--windows", type=int, default=4, help="held-out windows of 2K tokens (kvcompile eval: 4)")
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
-    args = ap.parse_args()
-    torch.set_num_threads(2)
-    model, tok = models.load(log=lambda *a: None)
-    windows = E.heldout_windows(tok, count=args.windows)
-    rows = []
-    try:
-        for spec in args.variants:
-            E.make_cache, policy, b = variant(spec, model.config.head_dim)
-            with torch.no_grad():
-                losses = E.heldout_loss(model, windows, policy, progress=True)
-            rows.append({"variant": spec, "bits": b, "loss": sum(losses) / len(losses), "windows": losses})
-            print(f"{spec:28s} loss {rows[-1]['loss']:.5f}" + (f"  {b:.3f} bits, {16 / b:.2f}x" if b else ""),
-                  flush=True)
-    finally:
-        E.make_cache = PLAIN
-    full = next((r for r in rows if r["variant"] == "full"), None)
-    for r in rows if full else ():
-        r["delta"] = r["loss"] - full["loss"]
-        r["delta_windows"] = [a - b for a, b in zip(r["windows"], full["windows"])]
-        n = len(r["delta_windows"])
-        mean = r["delta"]
-        sem = (sum((d - mean) ** 2 for d in r["delta_windows"]) / (n - 1) / n) ** 0.5 if n > 1 else 0.0
-        r["delta_sem"] = sem
-        print(f"{r['variant']:28s} delta {mean:+.5f} +- {sem:.5f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"windows": args.windows, "request_tokens": REQUEST, "rows": rows}, f, indent=1)
+    run(variant, __doc__, "full, lib:SCHEME:BITS or lib:POLICY.json, or chBITS,G,VG,int8|fp,S,KBODY[/VBODY]")
 
 
 if __name__ == "__main__":
