@@ -635,7 +635,10 @@ def test_a_client_that_disconnects_from_n_streamed_choices_frees_them_all(tiny_s
                     held = stats(base)
                     break
     assert seen == {0, 1, 2} and held["requests"] == 3, held
-    assert wait_idle(base, idle, 30) < 10  # every choice cancelled, none run to its end
+    # every choice cancelled, none run to its end: run to the end, the three take about 70 s on this machine
+    # unloaded (and longer beside other jobs); cancelled, their pages are back within seconds (11.6 s once,
+    # under a full suite's load)
+    wait_idle(base, idle, 30)
 
 
 def test_a_seed_gives_the_same_reply_whatever_runs_beside_it(tiny_server):
