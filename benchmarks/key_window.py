@@ -40,14 +40,16 @@ def e4m3_up(s: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, bits: int, body: str) -> torch.Tensor:
-    """``x`` asymmetrically quantized and dequantized over its last dimension."""
+    """``x`` asymmetrically quantized and dequantized over its last dimension: ``f16`` kvcompile's own layout,
+    ``e4m3`` a scale rounded up to fp8 e4m3 with a zero point among the codes, ``e4m3z8`` with an int8 one."""
     if body == "f16":  # kvcompile's own layout and rounding
         q = Quant(f"int{bits}", "token")
         return dequantize(*quantize_lib(x, q), q)
     top = 2 ** bits - 1
     lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    s = e4m3_up((hi - lo) / top)
-    zero = torch.clamp(torch.round(-lo / s), 0, top)
+    s = e4m3_up((hi - lo) / top)  # rounded up: the range still fits once the zero point is rounded
+    zmin, zmax = (-128, 127) if body == "e4m3z8" else (0, top)
+    zero = torch.clamp(torch.round(-lo / s), zmin, zmax)
     return (torch.clamp(torch.round(x / s) + zero, 0, top) - zero) * s
 
 

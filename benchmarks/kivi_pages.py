@@ -37,25 +37,21 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.key_window import PLAIN, REQUEST, e4m3_up, run  # noqa: E402
+from benchmarks.key_window import PLAIN, REQUEST, quantize, run  # noqa: E402
 from kvcompile import evaluate as E  # noqa: E402
 from kvcompile.policy import Policy  # noqa: E402
 from kvcompile.store import hadamard  # noqa: E402
 
 
-
 def qdq(x: torch.Tensor, bits: int, body: str) -> torch.Tensor:
-    """``x`` asymmetrically quantized and dequantized over its last dimension (one group)."""
-    top = 2 ** bits - 1
-    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    if body == "f16":  # an fp16 scale and minimum
-        lo = lo.half().float()
-        s = ((hi - lo) / top).half().float().clamp_min(2.0 ** -24)
-        return torch.clamp(torch.round((x - lo) / s), 0, top) * s + lo
-    s = e4m3_up((hi - lo) / top)  # rounded up: the range still fits once the zero point is rounded
-    zmin, zmax = (-128, 127) if body == "e4m3z8" else (0, top)  # an int8 zero point, or one of the codes
-    zero = torch.clamp(torch.round(-lo / s), zmin, zmax)
-    return (torch.clamp(torch.round(x / s) + zero, 0, top) - zero) * s
+    """``x`` asymmetrically quantized and dequantized over its last dimension (one group of any length; the
+    e4m3 bodies as ``key_window.quantize`` codes them)."""
+    if body != "f16":
+        return quantize(x, bits, body)
+    top = 2 ** bits - 1  # an fp16 scale and minimum
+    lo, hi = x.amin(-1, keepdim=True).half().float(), x.amax(-1, keepdim=True)
+    s = ((hi - lo) / top).half().float().clamp_min(2.0 ** -24)
+    return torch.clamp(torch.round((x - lo) / s), 0, top) * s + lo
 
 
 def scale_bits(bits: int, body: str) -> int:

@@ -322,7 +322,7 @@ def _end_is_end(pattern: str) -> str:
     with a POSIX class (whose brackets this reading does not follow)."""
     import regex
 
-    if "[:" in pattern or regex.compile(pattern).flags & regex.MULTILINE or regex.search(r"\(\?[a-zA-Z]*m", pattern):
+    if "[:" in pattern or regex.search(r"\(\?[a-zA-Z]*m", pattern):  # (?m), (?im), (?m:...): multiline
         return pattern
     out, i, inside = [], 0, False
     while i < len(pattern):
@@ -756,13 +756,13 @@ class _Schema:
             rule = alts[0]
         pattern = _regexes({"pattern": next(iter(patterns))}) if patterns else ()
         closed = obj.get("additionalProperties", True) is False
+        if closed and pattern and props:
+            raise SchemaError(f"{at}: properties beside patternProperties with additionalProperties false is not "
+                              f"followed (a name would be a listed one or match the pattern); write one of them")
         for name in props:
             if pattern and _matches(pattern, name):
                 raise SchemaError(f"{at}: the property {name!r} also matches the patternProperties pattern (both "
                                   f"schemas would apply); write them as one")
-            if closed and pattern:
-                raise SchemaError(f"{at}: properties beside patternProperties with additionalProperties false is not "
-                                  f"followed (a name would be a listed one or match the pattern); write one of them")
 
         def takes(name: str) -> bool:
             return (_takes(rule, name) and ("enum" not in rule or name in rule["enum"])
@@ -877,8 +877,6 @@ def check_schema(schema, at: str = "schema") -> None:
 
 def _check(whole: _Schema, schema, at: str, nodes: list) -> None:
     """The form of ``schema`` and its parts (each added to ``nodes`` with where it stands)."""
-    import regex
-
     if not isinstance(schema, dict):
         raise SchemaError(f"{at} must be a JSON schema object, got {type(schema).__name__}")
     unknown = sorted(set(schema) - SCHEMA_KEYWORDS - SCHEMA_NOTES)
@@ -934,10 +932,7 @@ def _check(whole: _Schema, schema, at: str, nodes: list) -> None:
         raise SchemaError(f"{at}.patternProperties is followed with one pattern (a name matching two would follow "
                           f"both schemas), got {patterns!r}")
     for pattern, sub in patterns.items():
-        try:
-            regex.compile(pattern)
-        except regex.error as e:
-            raise SchemaError(f"{at}.patternProperties: {pattern!r} is no regular expression: {e}") from None
+        _check_pattern(pattern, f"{at}.patternProperties")
         _check(whole, sub, f"{at}.patternProperties[{pattern!r}]", nodes)
     enum = schema.get("enum")
     if enum is not None and not (isinstance(enum, list) and enum):
@@ -963,12 +958,19 @@ def _check(whole: _Schema, schema, at: str, nodes: list) -> None:
     if "format" in schema and schema["format"] not in FORMATS:
         raise SchemaError(f"{at}.format {schema['format']!r} is not followed (followed: {', '.join(FORMATS)})")
     if "pattern" in schema:
-        try:
-            regex.compile(schema["pattern"]) if isinstance(schema["pattern"], str) else None
-        except regex.error as e:
-            raise SchemaError(f"{at}.pattern {schema['pattern']!r} is no regular expression: {e}") from None
-        if not isinstance(schema["pattern"], str):
-            raise SchemaError(f"{at}.pattern must be a string, got {schema['pattern']!r}")
+        _check_pattern(schema["pattern"], f"{at}.pattern")
+
+
+def _check_pattern(pattern, at: str) -> None:
+    """A pattern (of ``pattern`` or ``patternProperties``) must be a regular expression ``regex`` compiles."""
+    import regex
+
+    if not isinstance(pattern, str):
+        raise SchemaError(f"{at} must be a string, got {pattern!r}")
+    try:
+        regex.compile(pattern)
+    except regex.error as e:
+        raise SchemaError(f"{at} {pattern!r} is no regular expression: {e}") from None
 
 
 def _check_unique(whole: _Schema, schema: dict, at: str) -> None:
