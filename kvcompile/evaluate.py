@@ -54,8 +54,8 @@ def _kivi(bits, **kw):
     return Policy.kivi(bits, **kw)
 
 
-def _tok(bits, symmetric=False, sink=0):
-    q = Quant(f"int{bits}", "token", None, symmetric=symmetric)
+def _tok(bits, symmetric=False, sink=0, scale_dtype="float16"):
+    q = Quant(f"int{bits}", "token", None, symmetric=symmetric, scale_dtype=scale_dtype)
     return Policy(q, q, residual=0, sink=sink, rotate=True)
 
 
@@ -101,6 +101,12 @@ SCHEMES: dict[str, Callable[[int], Policy | None]] = {
     "tok+rot+sink": lambda b: _tok(b, sink=4),
     "tok+rot+sym+sink": lambda b: _tok(b, symmetric=True, sink=4),
     "fp8-r0+rot": _only(8, lambda: Policy.fp8("fp8_e4m3", residual=0, rotate=True)),
+    # fp8 scales (Quant.scale_dtype="fp8_e4m3"): each group's scale rounded up to one byte, an int8 zero point;
+    # half the scale overhead of the fp16 scale and zero point.
+    "kivi+rot+sink+fp8s": lambda b: _kivi(b, sink=4, rotate=True, scale_dtype="fp8_e4m3") if b < 8 else None,
+    "kivi-r0+rot+sink+fp8s": lambda b: (_kivi(b, residual=0, sink=4, rotate=True, scale_dtype="fp8_e4m3")
+                                        if b < 8 else None),
+    "tok+rot+fp8s": lambda b: _tok(b, scale_dtype="fp8_e4m3"),
 }
 DEFAULT_SCHEMES = ("naive", "kivi", "kivi+rot", "kivi+sink", "kivi-g16", "kivi+rot+sink", "kivi+sink+l0", "kivi-k3v2",
                    "fp8", "fp8-r0", "int8")

@@ -368,6 +368,9 @@ def default_serving_policies() -> dict[str, Policy]:
         "KIVI 4-bit G32 R128": Policy.kivi(4),
         "KIVI 2-bit G32 R128": Policy.kivi(2),
         **{f"{name}:{bits}": scheme_policy(name, bits) for name, bits in SERVING_SCHEMES},
+        # fp8 scales (one byte per scale, an int8 zero point): fewer bytes, at some loss (docs/results.md)
+        **{f"{name}:{bits}": scheme_policy(name, bits) for name, bits in (("kivi+rot+sink+fp8s", 4),
+                                                                          ("tok+rot+fp8s", 4))},
     }
 
 

@@ -22,7 +22,7 @@ FORMAT_BITS = {
     "none": 0,  # full precision: the element keeps the model's dtype
 }
 AXES = ("token", "channel")
-SCALE_DTYPES = ("float16", "float32")
+SCALE_DTYPES = ("float16", "float32", "fp8_e4m3")
 
 
 # The version field of a policy file (``Policy.save``); a later format bumps it and keeps reading this one.
@@ -53,7 +53,9 @@ class Quant:
     group:     a positive power of two; required for axis="channel".
     symmetric: absmax scaling with no zero point. ``None`` picks the format's natural choice:
                asymmetric (min/max) for integers, symmetric for fp8 (the only fp8 mode).
-    scale_dtype: "float16" (default; 16 bits per scale) or "float32" (exact, twice the overhead).
+    scale_dtype: "float16" (default; 16 bits per scale and per zero point), "float32" (exact, twice the
+               overhead) or "fp8_e4m3" (8 bits per scale, rounded up to fp8, and an int8 zero point: half the
+               overhead; ``kvcompile.quant`` gives the rule).
     """
 
     format: str = "int8"
@@ -137,7 +139,7 @@ class Quant:
             return "none"
         sym = "sym" if self.symmetric else "asym"
         g = "head" if self.group is None else str(self.group)
-        sd = "f16" if self.scale_dtype == "float16" else "f32"
+        sd = {"float16": "f16", "float32": "f32", "fp8_e4m3": "e4m3"}[self.scale_dtype]
         return f"{self.format}.{self.axis}.{g}.{sym}.{sd}"
 
 
@@ -186,12 +188,15 @@ class Policy:
 
     # ------------------------------------------------------------------ presets
     @classmethod
-    def kivi(cls, bits: int = 4, group: int = 32, residual: int = 128, **kw) -> "Policy":
-        """KIVI: keys per channel, values per token, asymmetric, recent tokens in full precision."""
+    def kivi(cls, bits: int = 4, group: int = 32, residual: int = 128, scale_dtype: str = "float16",
+             **kw) -> "Policy":
+        """KIVI: keys per channel, values per token, asymmetric, recent tokens in full precision.
+        ``scale_dtype="fp8_e4m3"``: half the scale overhead (``Quant.scale_dtype``)."""
         if not isinstance(bits, int) or isinstance(bits, bool) or bits not in (2, 3, 4, 8):
             _fail("Policy.kivi(bits)", bits, "expected 2, 3, 4 or 8")
         fmt = f"int{bits}"
-        return cls(Quant(fmt, "channel", group), Quant(fmt, "token", group), residual=residual, **kw)
+        return cls(Quant(fmt, "channel", group, scale_dtype=scale_dtype),
+                   Quant(fmt, "token", group, scale_dtype=scale_dtype), residual=residual, **kw)
 
     @classmethod
     def fp8(cls, format: str = "fp8_e4m3", residual: int = 128, **kw) -> "Policy":

@@ -23,6 +23,24 @@ fp8 (``F`` = 448 for e4m3, 57344 for e5m2; always symmetric)::
     code  = bits of fp8_round_half_even(x / scale')       # |x / scale| <= F by construction
     x^    = float(code) * scale
 
+**fp8 scales** (``scale_dtype="fp8_e4m3"``: one byte per scale, an int8 zero point; ``E = 448``, the largest
+e4m3 value). The scale is rounded up to fp8 e4m3 and the zero point is an integer, so that a group costs 16 bits
+(8 for symmetric and fp8 formats) instead of 32::
+
+    asymmetric:  scale = e4m3_round_up(clamp(max((max(x) - min(x)) / Q, |min(x)| / 127), 0, E))
+                 zero  = clamp(round_half_even(-min(x) / scale'), -128, 127)             # int8
+                 code  = clamp(round_half_even(x / scale') + zero, 0, Q)
+                 x^    = (code - zero) * scale
+    symmetric:   scale = e4m3_round_up(clamp(absmax(x) / q, 0, E))          (codes as above)
+    fp8:         scale = e4m3_round_up(clamp(absmax(x) / F, 0, E))          (codes as above)
+
+The ``|min| / 127`` term keeps the zero point inside int8 (a group far from 0 relative to its range, such as a
+key channel's offset, gets a coarser step rather than clipping), so every element of a group that fits comes
+back within half a step, as below; ``(code - zero) * scale`` is exact in fp32 (a 9-bit integer times a 4-bit
+significand), so every kernel form of it gives the same bits. A constant group comes back within half a step,
+not exactly; an all-zero group exactly. A group *fits* when its scale needs no clamp (``<= E``: e.g. int4 any
+group of range at most 15 * 448 and minimum within +-127 * 448); beyond, it saturates and clips as below.
+
 Rounding the zero point down and the scale up (to the scale dtype) guarantees ``x`` lies inside the
 representable range whenever the group fits the scale dtype (below), so codes never clip and every element
 comes back within half a step of the stored scale (fp8: within the format's relative error). All-zero groups
@@ -48,9 +66,9 @@ e4m3 any with ``absmax <= 448 * 65504``; with fp32 scales every group within +-2
 gets exactly the codes it got before saturation existed (ordinary inputs do not move). Beyond, the group's
 grid is the widest the scale dtype holds and elements outside it clip to its nearest end: every finite element
 ``x`` comes back within half a step (fp8: the format's relative error) of ``clip(x, lo, hi)``, where
-``[lo, hi]`` is ``[zero, zero + Q*scale]`` (asymmetric), ``[-q*scale, q*scale]`` (symmetric) or
-``[-F*scale, F*scale]`` (fp8) -- e.g. an int8 asymmetric group with fp16 scales and minimum -1e6 stores zero =
--65504 and clips its elements below that to -65504. ``clipped(x, q)`` says which elements clip. Every stored
+``[lo, hi]`` is ``[zero, zero + Q*scale]`` (asymmetric; with fp8 scales ``[-zero*scale, (Q-zero)*scale]``),
+``[-q*scale, q*scale]`` (symmetric) or ``[-F*scale, F*scale]`` (fp8) -- e.g. an int8 asymmetric group with
+fp16 scales and minimum -1e6 stores zero = -65504 and clips its elements below that to -65504. ``clipped(x, q)`` says which elements clip. Every stored
 scale, zero point and dequantized value of a finite input is finite; ``dequantize`` to a narrower dtype
 saturates the same way (``saturate``: a finite value beyond the dtype's range becomes its largest finite
 value, never inf).
@@ -77,8 +95,15 @@ from .policy import Quant
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
-SCALE_TORCH_DTYPE = {"float16": torch.float16, "float32": torch.float32}
+SCALE_TORCH_DTYPE = {"float16": torch.float16, "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
+E4M3_MAX = 448.0
+INT_ZERO = (-128, 127)  # the zero point's range with fp8 scales (int8)
 F16_MAX = 65504.0
+
+
+def zero_dtype(q: Quant) -> torch.dtype:
+    """The stored zero point's dtype: the scale's, or int8 with fp8 scales."""
+    return torch.int8 if q.scale_dtype == "fp8_e4m3" else SCALE_TORCH_DTYPE[q.scale_dtype]
 
 
 def limits(q: Quant) -> tuple[float, float]:
@@ -87,6 +112,8 @@ def limits(q: Quant) -> tuple[float, float]:
     scale + zero| < 2**128`` for every code, so dequantization never overflows fp32."""
     if q.scale_dtype == "float16":
         return F16_MAX, F16_MAX
+    if q.scale_dtype == "fp8_e4m3":  # the zero point is an int8 (``INT_ZERO``); no ZMAX applies
+        return float(-INT_ZERO[0]), E4M3_MAX
     k = {"fp8_e4m3": 9, "fp8_e5m2": 16}.get(q.format, q.bits)
     return 2.0 ** 127, 2.0 ** (127 - k)
 
@@ -104,9 +131,15 @@ def saturate(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 # --------------------------------------------------------------------------- directed rounding
 def round_to_dtype(x: Tensor, dtype: torch.dtype, direction: str) -> Tensor:
-    """Round fp32 ``x`` to ``dtype`` towards -inf ("down") or +inf ("up"); fp32 passes through."""
+    """Round fp32 ``x`` to ``dtype`` towards -inf ("down") or +inf ("up"); fp32 passes through. fp8 e4m3: up
+    only, for ``0 <= x <= 448`` (a scale)."""
     if dtype == torch.float32:
         return x
+    if dtype == torch.float8_e4m3fn:
+        assert direction == "up"
+        y = x.to(dtype)
+        bits = y.view(torch.uint8)
+        return torch.where(y.float() < x, bits + 1, bits).view(dtype)  # next e4m3 up: the next code
     y = x.to(dtype)
     yf = y.float()
     if direction == "down":
@@ -152,7 +185,7 @@ def quantize(x: Tensor, q: Quant) -> tuple[Tensor, Tensor, Tensor | None]:
 
     codes: uint8 [..., T, D] (one unpacked code per element; ``pack`` makes the stored layout)
     scale: q.scale_dtype [..., *scale_shape]
-    zero:  q.scale_dtype [..., *scale_shape] for asymmetric integers, else None
+    zero:  ``zero_dtype(q)`` [..., *scale_shape] for asymmetric integers, else None
     Saturating, and poisoning groups that hold NaN or +-inf: module docstring.
     """
     if not q.quantized:
@@ -177,6 +210,16 @@ def quantize(x: Tensor, q: Quant) -> tuple[Tensor, Tensor, Tensor | None]:
         s = scale.float().unsqueeze(-1)
         y = torch.round(xg / torch.where(s == 0, torch.ones_like(s), s)).clamp(-qmax, qmax) + 2 ** (q.bits - 1)
         zero = None
+    elif q.scale_dtype == "fp8_e4m3":
+        Q = 2 ** q.bits - 1
+        lo = xg.amin(-1)
+        need = torch.maximum((xg.amax(-1) - lo) / Q, lo.abs() / INT_ZERO[1])
+        scale = round_to_dtype(need.clamp(0, smax), sdt, "up")
+        s = scale.float().unsqueeze(-1)
+        s1 = torch.where(s == 0, torch.ones_like(s), s)
+        z = torch.round(-lo.unsqueeze(-1) / s1).clamp(*INT_ZERO)
+        y = (torch.round(xg / s1) + z).clamp(0, Q)
+        zero = torch.where(poisoned, 0, z.squeeze(-1)).to(torch.int8)  # the NaN scale alone marks the group
     else:
         Q = 2 ** q.bits - 1
         zero = round_to_dtype(xg.amin(-1).clamp(-zmax, zmax), sdt, "down")
@@ -204,6 +247,9 @@ def clipped(x: Tensor, q: Quant) -> Tensor:
     elif q.symmetric:
         qmax = 2 ** (q.bits - 1) - 1
         out = torch.round(xg / s1).abs() > qmax
+    elif q.scale_dtype == "fp8_e4m3":
+        y = torch.round(xg / s1) + zero.float().unsqueeze(-1)
+        out = (y < 0) | (y > 2 ** q.bits - 1)
     else:
         y = torch.round((xg - zero.float().unsqueeze(-1)) / s1)
         out = (y < 0) | (y > 2 ** q.bits - 1)
@@ -220,6 +266,8 @@ def dequantize(codes: Tensor, scale: Tensor, zero: Tensor | None, q: Quant, dtyp
         y = cg.contiguous().view(FP8_DTYPES[q.format]).float() * s
     elif q.symmetric:
         y = (cg.float() - 2 ** (q.bits - 1)) * s
+    elif q.scale_dtype == "fp8_e4m3":
+        y = (cg.float() - zero.float().unsqueeze(-1)) * s
     else:
         y = cg.float() * s + zero.float().unsqueeze(-1)
     return saturate(_from_groups(y, q, T, D), dtype)

@@ -88,7 +88,7 @@ class KVState(NamedTuple):
 
     k_codes:  uint8 [NB, H, BS, D*bits/8] the pool of packed blocks (model dtype [NB, H, BS, D] for "none")
     k_scale:  scale dtype [NB, H, BS, D/g] (axis="token") or [NB, H, BS/g, D] (axis="channel"); empty if none
-    k_zero:   same shape as k_scale for asymmetric integers, else empty
+    k_zero:   same shape as k_scale for asymmetric integers (int8 with fp8 scales), else empty
     v_*:      the same for values
     k_res:    model dtype [B, H, W, D] full-precision ring of the most recent tokens (slot p % W)
     v_res:    same
@@ -225,10 +225,9 @@ class LayerSpec:
         for which in ("k", "v"):
             q = self.policy.key if which == "k" else self.policy.value
             cshape, cdt, sshape, zshape = self._block_shapes(which)
-            sdt = Q.SCALE_TORCH_DTYPE[q.scale_dtype]
             out.append(torch.zeros((blocks, *cshape), dtype=cdt, device=device))
-            for shape in (sshape, zshape):
-                out.append(torch.zeros((blocks, *shape) if shape else (0,), dtype=sdt, device=device))
+            for shape, dt in ((sshape, Q.SCALE_TORCH_DTYPE[q.scale_dtype]), (zshape, Q.zero_dtype(q))):
+                out.append(torch.zeros((blocks, *shape) if shape else (0,), dtype=dt, device=device))
         return out
 
     @normal_tensors
@@ -258,9 +257,9 @@ class LayerSpec:
             q = self.policy.key if which == "k" else self.policy.value
             cshape, cdt, sshape, zshape = self._block_shapes(which)
             total += math.prod(cshape) * _esize(cdt)
-            for shape in (sshape, zshape):
+            for shape, dt in ((sshape, Q.SCALE_TORCH_DTYPE[q.scale_dtype]), (zshape, Q.zero_dtype(q))):
                 if shape:
-                    total += math.prod(shape) * _esize(Q.SCALE_TORCH_DTYPE[q.scale_dtype])
+                    total += math.prod(shape) * _esize(dt)
         return total
 
     def row_nbytes(self) -> int:

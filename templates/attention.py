@@ -44,7 +44,7 @@ from torch import Tensor
 from kvcompile.store import KVState, LayerSpec, Rope, apply_rope, check_rope_tables
 
 from .common import INTERPRET, run
-from .store import _boundary, _kind, nonempty
+from .store import SFMT, _boundary, _kind, as_bytes, nonempty
 
 
 # --------------------------------------------------------------------------- tiles
@@ -67,10 +67,12 @@ def _fp8_decode(code, E4M3: tl.constexpr):
 @triton.jit
 def _packed_tile(codes_ptr, scale_ptr, zero_ptr, idx, tok_ok, sc_t, ss_t,
                  D: tl.constexpr, DB: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr,
-                 BITS: tl.constexpr, E4M3: tl.constexpr, CHANNEL: tl.constexpr, G: tl.constexpr):
+                 BITS: tl.constexpr, E4M3: tl.constexpr, CHANNEL: tl.constexpr, G: tl.constexpr,
+                 SFMT: tl.constexpr):
     """Dequantized fp32 ``[BLOCK_N, DB]`` tile of rows ``idx`` of one block; as
     ``quant.dequantize(quant.unpack(...))``. ``codes_ptr``/``scale_ptr``/``zero_ptr`` point at (block, h), so
-    offsets within it fit 32 bits (the launcher keeps blocks small enough)."""
+    offsets within it fit 32 bits (the launcher keeps blocks small enough). SFMT 2: fp8 e4m3 scales read as
+    their bytes (0x7F: NaN, a poisoned group) and int8 zero points, ``x^ = (code - zero) * scale``."""
     c = tl.arange(0, DB)
     ok = tok_ok[:, None] & (c < D)[None, :]
     row = idx[:, None] * sc_t  # within one block: int32
@@ -104,8 +106,15 @@ def _packed_tile(codes_ptr, scale_ptr, zero_ptr, idx, tok_ok, sc_t, ss_t,
         else:
             s_off = idx[:, None] * ss_t + (c // G)[None, :]
             s_ok = ok
-        s = tl.load(scale_ptr + s_off, mask=s_ok, other=0.0).to(tl.float32)
-        if KIND == 0:
+        if SFMT == 2:
+            sb = tl.load(scale_ptr + s_off, mask=s_ok, other=0).to(tl.int32)
+            s = tl.where(sb == 0x7F, float("nan"), _fp8_decode(sb, True) * 256.0)
+        else:
+            s = tl.load(scale_ptr + s_off, mask=s_ok, other=0.0).to(tl.float32)
+        if KIND == 0 and SFMT == 2:
+            z = tl.load(zero_ptr + s_off, mask=s_ok, other=0).to(tl.float32)
+            x = (code.to(tl.float32) - z) * s
+        elif KIND == 0:
             z = tl.load(zero_ptr + s_off, mask=s_ok, other=0.0).to(tl.float32)
             x = code.to(tl.float32) * s + z
         elif KIND == 1:
@@ -204,7 +213,9 @@ def _attn_kernel(
     D: tl.constexpr, DB: tl.constexpr, S: tl.constexpr, R: tl.constexpr, F: tl.constexpr, W: tl.constexpr,
     BS: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_E4M3: tl.constexpr, K_CHANNEL: tl.constexpr, K_G: tl.constexpr,
+    K_SFMT: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_E4M3: tl.constexpr, V_CHANNEL: tl.constexpr, V_G: tl.constexpr,
+    V_SFMT: tl.constexpr,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr, CHUNK: tl.constexpr, ROPE: tl.constexpr,
 ):
@@ -289,11 +300,11 @@ def _attn_kernel(
         ks0 = blk * sks_nb + ksh
         vs0 = blk * svs_nb + vsh
         k = _packed_tile(kch + blk * skc_nb, ks + ks0, kz + ks0, idx, kv_ok, skc_t, sks_t,
-                         D, DB, BLOCK_N, K_KIND, K_BITS, K_E4M3, K_CHANNEL, K_G)
+                         D, DB, BLOCK_N, K_KIND, K_BITS, K_E4M3, K_CHANNEL, K_G, K_SFMT)
         if ROPE:
             k = _rope_tile(k, p, off_b, rcos, rsin, perm, T, D, DB, BLOCK_N)
         v = _packed_tile(vch + blk * svc_nb, vs + vs0, vz + vs0, idx, kv_ok, svc_t, svs_t,
-                         D, DB, BLOCK_N, V_KIND, V_BITS, V_E4M3, V_CHANNEL, V_G)
+                         D, DB, BLOCK_N, V_KIND, V_BITS, V_E4M3, V_CHANNEL, V_G, V_SFMT)
         acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c,
                                      sm_scale, MASK_KIND, DOT)
     if CHUNK:
@@ -370,7 +381,7 @@ def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, bl
     for pre, q in (("K_", policy.key), ("V_", policy.value)):
         kw.update({pre + "KIND": _kind(q), pre + "BITS": q.bits, pre + "E4M3": q.format == "fp8_e4m3",
                    pre + "CHANNEL": q.quantized and q.axis == "channel",
-                   pre + "G": q.group_for(D) if q.quantized else 1})
+                   pre + "G": q.group_for(D) if q.quantized else 1, pre + "SFMT": SFMT[q.scale_dtype]})
     gp = triton.next_power_of_2(gqa)
     kw.update(G=gqa, GP=gp, BLOCK_Q=block_q, BLOCK_M=max(16, gp * block_q), BLOCK_N=block_n, SPLIT=split,
               MASK_KIND=mask_kind, DOT=dot, CHUNK=chunk, ROPE=rope)
@@ -479,8 +490,8 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
     sr, ssk = strides(state.k_res), strides(state.k_sink)
     args = dict(
         q_ptr=q, out_ptr=out, ws_acc=ws_acc, ws_ml=ws_ml,
-        kc=nonempty(state.k_codes), ks=nonempty(state.k_scale), kz=nonempty(state.k_zero),
-        vc=nonempty(state.v_codes), vs=nonempty(state.v_scale), vz=nonempty(state.v_zero),
+        kc=nonempty(state.k_codes), ks=nonempty(as_bytes(state.k_scale)), kz=nonempty(state.k_zero),
+        vc=nonempty(state.v_codes), vs=nonempty(as_bytes(state.v_scale)), vz=nonempty(state.v_zero),
         kr=nonempty(state.k_res), vr=nonempty(state.v_res), ksk=nonempty(state.k_sink), vsk=nonempty(state.v_sink),
         len_ptr=state.lengths, tbl_ptr=nonempty(table), mask_ptr=nonempty(mask_t),
         kn=state.lengths if chunk is None else chunk[0], vn=state.lengths if chunk is None else chunk[1],

@@ -76,7 +76,7 @@ def defines(spec: LayerSpec, group_heads: int) -> dict[str, int]:
         out[f"{p}_BITS"] = q.bits if q.quantized else 8
         out[f"{p}_AXIS"] = 1 if q.axis == "channel" else 0
         out[f"{p}_GROUP"] = q.group_for(spec.head_dim) if q.quantized else 1
-        out[f"{p}_SF32"] = int(q.scale_dtype == "float32")
+        out[f"{p}_SFMT"] = {"float16": 0, "float32": 1, "fp8_e4m3": 2}[q.scale_dtype]
     return out
 
 

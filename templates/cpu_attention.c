@@ -38,7 +38,7 @@
  *   K_BITS / V_BITS   8, 4, 3, 2 (ignored for none)
  *   K_AXIS / V_AXIS   0 token (groups of K_GROUP channels), 1 channel (groups of K_GROUP tokens)
  *   K_GROUP / V_GROUP
- *   K_SF32 / V_SF32   scales (and zero points) stored as fp32 (1) or fp16 (0)
+ *   K_SFMT / V_SFMT   scales (and zero points) stored as fp16 (0), fp32 (1), or fp8 e4m3 with an int8 zero point (2)
  */
 #include <float.h>
 #include <stdint.h>
@@ -138,8 +138,23 @@ static inline float model_at(const void *base, int64_t i) {
 #endif
 }
 
-static inline float scale_at(const void *base, int64_t i, int f32) {
-    return f32 ? ((const float *)base)[i] : (float)((const f16 *)base)[i];
+/* An fp8 e4m3 scale's value; its NaN code (0x7F, a poisoned group) gives NaN. Once per group: not vectorized. */
+static inline float e4m3_to_f32(uint8_t b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    const float v = e ? __builtin_ldexpf((float)(8 + m), e - 10) : __builtin_ldexpf((float)m, -9);
+    return (b & 0x7F) == 0x7F ? __builtin_nanf("") : v;
+}
+
+/* A stored scale as fp32: sfmt 0 fp16, 1 fp32, 2 fp8 e4m3. */
+static inline float scale_at(const void *base, int64_t i, int sfmt) {
+    return sfmt == 1 ? ((const float *)base)[i]
+                     : (sfmt == 2 ? e4m3_to_f32(((const uint8_t *)base)[i]) : (float)((const f16 *)base)[i]);
+}
+
+/* A stored zero point as the value it adds (x^ = code * s + z): stored as the scale is, or with fp8 scales an
+ * int8 count z of steps s (x^ = (code - z) * s; code * s - z * s is exact in fp32, the same bits). */
+static inline float zero_at(const void *base, int64_t i, int sfmt, float s) {
+    return sfmt == 2 ? -(float)((const int8_t *)base)[i] * s : scale_at(base, i, sfmt);
 }
 
 /* exp(x) for x <= 0 (scores minus their running max), vectorizable; exactly 0 below -87 (and for -inf),
@@ -481,7 +496,7 @@ typedef int32_t vwi __attribute__((vector_size(WV * 4)));
     (__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ && ((fmt) == 1 || (fmt) == 2) && ((bits) == 2 || (bits) == 4) && \
      (D * (bits)) % 32 == 0 && D % WV == 0 && ((axis) == 1 || (group) % WV == 0))
 static inline __attribute__((always_inline)) void dequant_nat_wide(
-        int fmt, int bits, int axis, int group, int sf32,
+        int fmt, int bits, int axis, int group, int sfmt,
         const uint8_t *codes, const void *scale, const void *zero, int64_t q0, int nt, float *out, const rope_t *rp,
         int64_t p0) {
     const int row_bytes = D * bits / 8, per_word = 32 / bits; /* codes per word */
@@ -506,8 +521,8 @@ static inline __attribute__((always_inline)) void dequant_nat_wide(
         if (axis == 1 && qi / group != cur) {
             cur = qi / group;
             for (int d = 0; d < D; d++) {
-                sv[d] = scale_at(scale, cur * D + d, sf32);
-                zv[d] = fmt == 1 ? scale_at(zero, cur * D + d, sf32) : 0.0f;
+                sv[d] = scale_at(scale, cur * D + d, sfmt);
+                zv[d] = fmt == 1 ? zero_at(zero, cur * D + d, sfmt, sv[d]) : 0.0f;
             }
         }
         for (int k = 0; k < NW; k++) {
@@ -523,8 +538,9 @@ static inline __attribute__((always_inline)) void dequant_nat_wide(
                 zk = ldw(zv + WV * k);
             } else {
                 const int64_t gi = qi * (D / group) + (WV * k) / group;
-                sk = (vw){} + scale_at(scale, gi, sf32);
-                zk = (vw){} + (fmt == 1 ? scale_at(zero, gi, sf32) : 0.0f);
+                const float s1 = scale_at(scale, gi, sfmt);
+                sk = (vw){} + s1;
+                zk = (vw){} + (fmt == 1 ? zero_at(zero, gi, sfmt, s1) : 0.0f);
             }
             kv[k] = fmt == 1 ? c * sk + zk : c * sk;
         }
@@ -545,7 +561,7 @@ static inline __attribute__((always_inline)) void dequant_nat_wide(
 /* Dequantize rows [q0, q0 + nt) of one block of one head into out[nt][D], plane order (nat: natural order).
  * codes/scale/zero point at that (block, head)'s first row. */
 static inline __attribute__((always_inline)) void dequant_packed(
-        int fmt, int bits, int axis, int group, int sf32,
+        int fmt, int bits, int axis, int group, int sfmt,
         const uint8_t *codes, const void *scale, const void *zero, int64_t q0, int nt, float *out, int nat) {
     if (fmt == 0) { /* unquantized: model dtype [BS, D], natural order */
         for (int t = 0; t < nt; t++)
@@ -553,7 +569,7 @@ static inline __attribute__((always_inline)) void dequant_packed(
         return;
     }
     if (nat && NAT_WIDE(fmt, bits, axis, group)) {
-        dequant_nat_wide(fmt, bits, axis, group, sf32, codes, scale, zero, q0, nt, out, NULL, 0);
+        dequant_nat_wide(fmt, bits, axis, group, sfmt, codes, scale, zero, q0, nt, out, NULL, 0);
         return;
     }
     const int row_bytes = D * bits / 8;
@@ -574,8 +590,9 @@ static inline __attribute__((always_inline)) void dequant_packed(
                 cur = g;
                 for (int idx = 0; idx < D; idx++) {
                     const int c = plane_channel(idx, per);
-                    sv[idx] = scale_at(scale, g * D + c, sf32) * unit;
-                    zv[idx] = fmt == 1 ? scale_at(zero, g * D + c, sf32) : 0.0f;
+                    const float s1 = scale_at(scale, g * D + c, sfmt);
+                    sv[idx] = s1 * unit;
+                    zv[idx] = fmt == 1 ? zero_at(zero, g * D + c, sfmt, s1) : 0.0f;
                 }
             }
             for (int k = 0; k < NV; k++) st(o + 8 * k, affine(fmt, ld(o + 8 * k), ld(sv + 8 * k), ld(zv + 8 * k)));
@@ -583,8 +600,9 @@ static inline __attribute__((always_inline)) void dequant_packed(
             const int ng = D / group; /* at most D / 8 groups: each scale and zero point is converted once */
             float sg[D / 8], zg[D / 8];
             for (int gi = 0; gi < ng; gi++) {
-                sg[gi] = scale_at(scale, qi * ng + gi, sf32) * unit;
-                zg[gi] = fmt == 1 ? scale_at(zero, qi * ng + gi, sf32) : 0.0f;
+                const float s1 = scale_at(scale, qi * ng + gi, sfmt);
+                sg[gi] = s1 * unit;
+                zg[gi] = fmt == 1 ? zero_at(zero, qi * ng + gi, sfmt, s1) : 0.0f;
             }
             for (int k = 0; k < NV; k++) {
                 const int gi = ((k % (NV / per)) * 8) / run;
@@ -595,8 +613,9 @@ static inline __attribute__((always_inline)) void dequant_packed(
             const int ng = D / group;
             float sg[8] = {0}, zg[8] = {0};
             for (int gi = 0; gi < ng; gi++) {
-                sg[gi] = scale_at(scale, qi * ng + gi, sf32) * unit;
-                zg[gi] = fmt == 1 ? scale_at(zero, qi * ng + gi, sf32) : 0.0f;
+                const float s1 = scale_at(scale, qi * ng + gi, sfmt);
+                sg[gi] = s1 * unit;
+                zg[gi] = fmt == 1 ? zero_at(zero, qi * ng + gi, sfmt, s1) : 0.0f;
             }
             const __m256 sgv = _mm256_loadu_ps(sg), zgv = _mm256_loadu_ps(zg);
             for (int k = 0; k < NV; k++) {
@@ -609,8 +628,8 @@ static inline __attribute__((always_inline)) void dequant_packed(
             const int ng = D / group;
             for (int idx = 0; idx < D; idx++) {
                 const int gi = plane_channel(idx, per) / group;
-                const float s = scale_at(scale, qi * ng + gi, sf32) * unit;
-                const float z = fmt == 1 ? scale_at(zero, qi * ng + gi, sf32) : 0.0f;
+                const float s1 = scale_at(scale, qi * ng + gi, sfmt), s = s1 * unit;
+                const float z = fmt == 1 ? zero_at(zero, qi * ng + gi, sfmt, s1) : 0.0f;
                 o[idx] = fmt == 1 ? o[idx] * s + z : o[idx] * s;
             }
         }
@@ -639,8 +658,8 @@ static inline void gather_model(const void *base, const int64_t *rows, int nt, f
 #if BS % FL || BS & (BS - 1) || TILE & (TILE - 1) || TILE % 8
 #error "BS and TILE must be powers of two (TILE at least 8), BS a multiple of the flush group FL"
 #endif
-#define K_SBYTES (K_SF32 ? 4 : 2)
-#define V_SBYTES (V_SF32 ? 4 : 2)
+#define K_SBYTES (K_SFMT == 1 ? 4 : (K_SFMT == 2 ? 1 : 2)) /* per scale, and per zero point */
+#define V_SBYTES (V_SFMT == 1 ? 4 : (V_SFMT == 2 ? 1 : 2))
 
 /* Prefetch the bytes one tile of rows [r0, r0 + nt) of (block, head) kb reads: codes, scales, zero points. */
 static inline __attribute__((always_inline)) void prefetch_tile(
@@ -894,12 +913,12 @@ int64_t kvc_attention(
                     const int fused = NAT_WIDE(K_FMT, K_BITS, K_AXIS, K_GROUP) && rope_cos && rope.rd &&
                                       !(k_new && p0 + nt > L - n);
                     if (fused)
-                        dequant_nat_wide(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, kc, ks, kz, r0, nt, kt, &rope, p0);
+                        dequant_nat_wide(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, kc, ks, kz, r0, nt, kt, &rope, p0);
                     else if (rope_cos)
-                        dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, kc, ks, kz, r0, nt, kt, 1);
+                        dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, kc, ks, kz, r0, nt, kt, 1);
                     else
-                        dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, kc, ks, kz, r0, nt, kt, 0);
-                    dequant_packed(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SF32, v_codes + kb * BS * V_ROW_BYTES,
+                        dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, kc, ks, kz, r0, nt, kt, 0);
+                    dequant_packed(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SFMT, v_codes + kb * BS * V_ROW_BYTES,
                                    (const char *)v_scale + kb * V_NSCALE * V_SBYTES,
                                    (const char *)v_zero + (V_FMT == 1 ? kb * V_NSCALE * V_SBYTES : 0), r0, nt, vt, 0);
                     if (k_new) /* the queries' own chunk, in full precision where it is already packed */
@@ -1021,9 +1040,9 @@ void kvc_rope_rows(const float *kt, float *out, int64_t N, int64_t p0, int64_t o
 void kvc_dequant_keys(const uint8_t *codes, const void *scale, const void *zero, int64_t q0, int64_t nt, int64_t nat,
                       float *out) {
     if (nat)
-        dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, codes, scale, zero, q0, nt, out, 1);
+        dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, codes, scale, zero, q0, nt, out, 1);
     else
-        dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, codes, scale, zero, q0, nt, out, 0);
+        dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, codes, scale, zero, q0, nt, out, 0);
 }
 
 /* kvc_rope_keys: rows [q0, q0 + nt) of one (block, head) of packed pre-RoPE keys, at positions p0 .. of a sequence
@@ -1036,10 +1055,10 @@ int64_t kvc_rope_keys(const uint8_t *codes, const void *scale, const void *zero,
     const int fused = NAT_WIDE(K_FMT, K_BITS, K_AXIS, K_GROUP) && rp.rd;
     float kt[BS * D];
     if (fused) {
-        dequant_nat_wide(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, codes, scale, zero, q0, nt, out, &rp, p0);
+        dequant_nat_wide(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, codes, scale, zero, q0, nt, out, &rp, p0);
         return 1;
     }
-    dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, codes, scale, zero, q0, nt, kt, 1);
+    dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, codes, scale, zero, q0, nt, kt, 1);
     rope_tile(&rp, kt, out, nt, p0);
     return 0;
 }

@@ -20,7 +20,9 @@
  *   - division is an IEEE division (never a reciprocal multiply);
  *   - torch.round is round half to even (__builtin_roundevenf);
  *   - fp16 scales and zero points: round to nearest even (the _Float16 conversion), then one step up or
- *     down through the int16 bit pattern when that went the wrong way (quant.round_to_dtype);
+ *     down through the int16 bit pattern when that went the wrong way (quant.round_to_dtype); fp8 e4m3
+ *     scales the same way through the fp8 encoding below (up only); their int8 zero points are
+ *     round_half_even(-min / scale), and an asymmetric code round_half_even(x / scale) + zero;
  *   - fp8 codes: integer arithmetic that gives torch 2.13's cast (checked exhaustively by the tests):
  *     round half to even; e4m3fn saturates to +-448 from 464 up (infinities included; torch 2.11 gives NaN
  *     beyond 464), e5m2 goes to inf from 61440 up (halfway, even); NaN stays NaN. (In the store
@@ -43,7 +45,7 @@
  *   K_BITS / V_BITS   8, 4, 3, 2 (ignored for none)
  *   K_AXIS / V_AXIS   0 token (groups of K_GROUP channels), 1 channel (groups of K_GROUP tokens)
  *   K_GROUP / V_GROUP
- *   K_SF32 / V_SF32   scales (and zero points) stored as fp32 (1) or fp16 (0)
+ *   K_SFMT / V_SFMT   scales (and zero points) stored as fp16 (0), fp32 (1), or fp8 e4m3 with an int8 zero point (2)
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -118,15 +120,9 @@ static inline float f16_bits_to_f32(uint16_t bits) {
     return (float)y;
 }
 
-/* Round fp32 x to the scale dtype in the given direction; store it at slot i of dst; return it as fp32. */
-static inline float put_scale(void *dst, int64_t i, float x, int up, int sf32) {
-    if (sf32) {
-        ((float *)dst)[i] = x;
-        return x;
-    }
-    const uint16_t b = f16_directed(x, up);
-    ((uint16_t *)dst)[i] = b;
-    return f16_bits_to_f32(b);
+static inline float e4m3_to_f32(uint8_t b) { /* b != 0x7F (NaN): never a scale put_scale rounds */
+    const int e = (b >> 3) & 15, m = b & 7;
+    return e ? __builtin_ldexpf((float)(8 + m), e - 10) : __builtin_ldexpf((float)m, -9);
 }
 
 /* round_half_even(m / 2**s) for non-negative m and 1 <= s <= 30. */
@@ -160,12 +156,30 @@ static inline uint8_t fp8_encode(float y, int e4m3) {
     return (uint8_t)fp8_encode_bits(u, e4m3);
 }
 
+/* Round fp32 x to the scale dtype (sfmt: 0 fp16, 1 fp32, 2 fp8 e4m3, up only and 0 <= x <= 448) in the given
+ * direction; store it at slot i of dst; return it as fp32. */
+static inline float put_scale(void *dst, int64_t i, float x, int up, int sfmt) {
+    if (sfmt == 1) {
+        ((float *)dst)[i] = x;
+        return x;
+    }
+    if (sfmt == 2) {
+        uint8_t b = fp8_encode(x, 1);
+        b = e4m3_to_f32(b) < x ? b + 1 : b; /* the next e4m3 value up is the next code */
+        ((uint8_t *)dst)[i] = b;
+        return e4m3_to_f32(b);
+    }
+    const uint16_t b = f16_directed(x, up);
+    ((uint16_t *)dst)[i] = b;
+    return f16_bits_to_f32(b);
+}
+
 /* quant.limits: the largest zero point magnitude and scale stored. fp16 scales: the largest fp16; fp32:
  * 2**127 and 2**(127 - k), k = the integer bits, 9 (e4m3), 16 (e5m2). */
-static inline float zero_cap(int sf32) { return sf32 ? 0x1p127f : 65504.0f; }
-static inline float scale_cap(int fmt, int bits, int sf32) {
+static inline float zero_cap(int sfmt) { return sfmt == 1 ? 0x1p127f : 65504.0f; } /* not for fp8 scales */
+static inline float scale_cap(int fmt, int bits, int sfmt) {
     const int k = fmt == 3 ? 9 : (fmt == 4 ? 16 : bits);
-    return sf32 ? __builtin_ldexpf(1.0f, 127 - k) : 65504.0f;
+    return sfmt == 1 ? __builtin_ldexpf(1.0f, 127 - k) : (sfmt == 2 ? 448.0f : 65504.0f);
 }
 
 #define F32_NAN_BITS 0x7FC00000u /* torch's NaN (float('nan')) as fp32 and as fp16 */
@@ -174,15 +188,18 @@ static inline float scale_cap(int fmt, int bits, int sf32) {
 /* Group statistics -> (scale, zero) stored at slot i, returned as fp32 (scale 0 -> 1 for dividing). A
  * poisoned group (bad: it holds NaN or +-inf) stores NaN for both and returns NaN. */
 static inline __attribute__((always_inline)) void group_params(
-        int fmt, int bits, int sf32, float mn, float mx, float amax, int bad, void *scale, void *zero, int64_t i,
+        int fmt, int bits, int sfmt, float mn, float mx, float amax, int bad, void *scale, void *zero, int64_t i,
         float *s_out, float *z_out) {
     float s, z = 0.0f;
-    const float smax = scale_cap(fmt, bits, sf32), zmax = zero_cap(sf32);
+    const float smax = scale_cap(fmt, bits, sfmt), zmax = zero_cap(sfmt);
     if (bad) {
-        if (sf32) {
+        if (sfmt == 1) {
             const uint32_t nan = F32_NAN_BITS;
             memcpy((float *)scale + i, &nan, 4);
             if (fmt == 1) memcpy((float *)zero + i, &nan, 4);
+        } else if (sfmt == 2) { /* e4m3's NaN; the int8 zero point 0 */
+            ((uint8_t *)scale)[i] = 0x7F;
+            if (fmt == 1) ((int8_t *)zero)[i] = 0;
         } else {
             ((uint16_t *)scale)[i] = F16_NAN_BITS;
             if (fmt == 1) ((uint16_t *)zero)[i] = F16_NAN_BITS;
@@ -190,22 +207,32 @@ static inline __attribute__((always_inline)) void group_params(
         *s_out = *z_out = __builtin_nanf("");
         return;
     }
-    if (fmt == 1) {
+    if (fmt == 1 && sfmt == 2) { /* fp8 scale, int8 zero point: the scale also keeps -min / scale in int8 */
+        float r = (mx - mn) / (float)((1 << bits) - 1);
+        const float a = __builtin_fabsf(mn) / 127.0f;
+        r = a > r ? a : r;
+        r = r > smax ? smax : r;
+        s = put_scale(scale, i, r, 1, sfmt);
+        float zi = __builtin_rintf(-mn / (s == 0.0f ? 1.0f : s));
+        zi = zi < -128.0f ? -128.0f : (zi > 127.0f ? 127.0f : zi);
+        ((int8_t *)zero)[i] = (int8_t)zi;
+        z = zi;
+    } else if (fmt == 1) {
         float zc = mn < -zmax ? -zmax : mn;
         zc = zc > zmax ? zmax : zc;
-        z = put_scale(zero, i, zc, 0, sf32);
+        z = put_scale(zero, i, zc, 0, sfmt);
         float r = (mx - z) / (float)((1 << bits) - 1);
         r = r < 0.0f ? 0.0f : r; /* torch.clamp(r, 0, SMAX), -0.0 kept */
         r = r > smax ? smax : r;
-        s = put_scale(scale, i, r, 1, sf32);
+        s = put_scale(scale, i, r, 1, sfmt);
     } else if (fmt == 2) {
         float r = amax / (float)((1 << (bits - 1)) - 1);
         r = r > smax ? smax : r;
-        s = put_scale(scale, i, r, 1, sf32);
+        s = put_scale(scale, i, r, 1, sfmt);
     } else {
         float r = amax / (fmt == 3 ? 448.0f : 57344.0f);
         r = r > smax ? smax : r;
-        s = put_scale(scale, i, r, 1, sf32);
+        s = put_scale(scale, i, r, 1, sfmt);
     }
     *s_out = s == 0.0f ? 1.0f : s;
     *z_out = z;
@@ -215,8 +242,16 @@ static inline __attribute__((always_inline)) void group_params(
  * element of a poisoned group (s NaN) gets some code here, without undefined behaviour (the clamps send NaN
  * to a bound before the cast); flush_range then zeroes the codes of poisoned groups. */
 static inline __attribute__((always_inline)) void encode(
-        int fmt, int bits, const float *x, const float *s, const float *z, uint8_t *c, int n) {
-    if (fmt == 1) {
+        int fmt, int bits, int sfmt, const float *x, const float *s, const float *z, uint8_t *c, int n) {
+    if (fmt == 1 && sfmt == 2) { /* z: the int8 zero point, a count of steps */
+        const float Q = (float)((1 << bits) - 1);
+        for (int d = 0; d < n; d++) {
+            float y = __builtin_rintf(x[d] / s[d]) + z[d];
+            y = y >= 0.0f ? y : 0.0f; /* NaN -> 0 */
+            y = y > Q ? Q : y;
+            c[d] = (uint8_t)(int32_t)y;
+        }
+    } else if (fmt == 1) {
         const float Q = (float)((1 << bits) - 1);
         for (int d = 0; d < n; d++) {
             float y = __builtin_rintf((x[d] - z[d]) / s[d]); /* round half to even (the default mode) */
@@ -319,7 +354,7 @@ static inline const void *src_row(const src_t *src, int64_t p) {
 /* Quantize positions [p0, p1) of one (sequence, head) into one of its blocks: codes/scale/zero at that
  * (block, head), whose row 0 holds position pb. For axis=channel, p0 - pb and p1 - p0 are whole groups. */
 static inline __attribute__((always_inline)) void flush_range(
-        int fmt, int bits, int axis, int group, int sf32, const src_t *src, int64_t p0, int64_t p1, int64_t pb,
+        int fmt, int bits, int axis, int group, int sfmt, const src_t *src, int64_t p0, int64_t p1, int64_t pb,
         uint8_t *codes, void *scale, void *zero) {
     if (fmt == 0) {
         for (int64_t p = p0; p < p1; p++) memcpy(codes + (p - pb) * ROW, src_row(src, p), ROW);
@@ -338,13 +373,13 @@ static inline __attribute__((always_inline)) void flush_range(
                 minmax(xg, group, &mn, &mx, &amax);
                 const int bad = anybad && nonfinite(xg, group);
                 float s, z;
-                group_params(fmt, bits, sf32, mn, mx, amax, bad, scale, zero, (p - pb) * ng + gi, &s, &z);
+                group_params(fmt, bits, sfmt, mn, mx, amax, bad, scale, zero, (p - pb) * ng + gi, &s, &z);
                 for (int e = 0; e < group; e++) {
                     sv[gi * group + e] = s;
                     zv[gi * group + e] = z;
                 }
             }
-            encode(fmt, bits, x, sv, zv, c, D);
+            encode(fmt, bits, sfmt, x, sv, zv, c, D);
             if (anybad) /* a poisoned group's codes are 0 (its scale is NaN) */
                 for (int d = 0; d < D; d++) c[d] = sv[d] == sv[d] ? c[d] : 0;
             pack_row(bits, c, codes + (p - pb) * rb);
@@ -371,10 +406,10 @@ static inline __attribute__((always_inline)) void flush_range(
             for (int d = 0; d < D; d++) {
                 int bad = 0;
                 for (int t = 0; t < group && anybad; t++) bad |= nonfinite(x + t * D + d, 1); /* rare */
-                group_params(fmt, bits, sf32, mn[d], mx[d], amax[d], bad, scale, zero, g * D + d, sv + d, zv + d);
+                group_params(fmt, bits, sfmt, mn[d], mx[d], amax[d], bad, scale, zero, g * D + d, sv + d, zv + d);
             }
             for (int t = 0; t < group; t++) {
-                encode(fmt, bits, x + t * D, sv, zv, c + t * D, D);
+                encode(fmt, bits, sfmt, x + t * D, sv, zv, c + t * D, D);
                 if (anybad) /* a poisoned group's codes are 0 (its scale is NaN) */
                     for (int d = 0; d < D; d++) c[t * D + d] = sv[d] == sv[d] ? c[t * D + d] : 0;
                 pack_row(bits, c + t * D, codes + (pg + t - pb) * rb);
@@ -393,8 +428,8 @@ static inline __attribute__((always_inline)) void flush_range(
 #if BS % FL || BS & (BS - 1)
 #error "BS must be a power of two and a multiple of the flush group FL"
 #endif
-#define K_SBYTES (K_SF32 ? 4 : 2)
-#define V_SBYTES (V_SF32 ? 4 : 2)
+#define K_SBYTES (K_SFMT == 1 ? 4 : (K_SFMT == 2 ? 1 : 2)) /* per scale, and per zero point */
+#define V_SBYTES (V_SFMT == 1 ? 4 : (V_SFMT == 2 ? 1 : 2))
 
 static inline int64_t boundary(int64_t L) {
     const int64_t e = L - S - R;
@@ -428,12 +463,12 @@ static void flush_task(const call_t *a, int64_t task) {
     const int64_t kb = (int64_t)a->table[b * a->mb + slot] * H + h; /* (block, head) */
     if (which == 0) {
         const src_t src = {a->k + b * a->ks_b + h * a->ks_h, a->ks_t, a->k_res + bh * (int64_t)W * ROW, L};
-        flush_range(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SF32, &src, S + lo, S + hi, pb,
+        flush_range(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, &src, S + lo, S + hi, pb,
                     a->k_codes + kb * BS * K_RB, a->k_scale + kb * K_NSCALE * K_SBYTES,
                     a->k_zero + (K_FMT == 1 ? kb * K_NSCALE * K_SBYTES : 0));
     } else {
         const src_t src = {a->v + b * a->vs_b + h * a->vs_h, a->vs_t, a->v_res + bh * (int64_t)W * ROW, L};
-        flush_range(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SF32, &src, S + lo, S + hi, pb,
+        flush_range(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SFMT, &src, S + lo, S + hi, pb,
                     a->v_codes + kb * BS * V_RB, a->v_scale + kb * V_NSCALE * V_SBYTES,
                     a->v_zero + (V_FMT == 1 ? kb * V_NSCALE * V_SBYTES : 0));
     }

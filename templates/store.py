@@ -123,24 +123,53 @@ def _fp8_encode(y, E4M3: tl.constexpr):
 
 
 @triton.jit
-def _nan_scale(like, F16: tl.constexpr):
+def _e4m3_value(bits):
+    """The fp32 value of e4m3 bit patterns ``bits`` (int32, positive, not NaN), by integer arithmetic."""
+    e = (bits >> 3) & 15
+    m = bits & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2**-9
+
+
+@triton.jit
+def _scale_up(x, SFMT: tl.constexpr):
+    """fp32 ``x >= 0`` rounded up to the scale dtype (``quant.round_to_dtype``): (what is stored, its fp32
+    value). SFMT 0 fp16, 1 fp32, 2 fp8 e4m3 (stored as its int32 bit pattern, ``x <= 448``): RNE, then the
+    next code up where that went down."""
+    if SFMT == 2:
+        bits = _fp8_encode(x, True)
+        bits = tl.where(_e4m3_value(bits) < x, bits + 1, bits)
+        return bits, _e4m3_value(bits)
+    elif SFMT == 0:
+        y = _round_scale(x, True, True)
+        return y, y.to(tl.float32)
+    else:
+        return x, x
+
+
+@triton.jit
+def _nan_scale(like, SFMT: tl.constexpr):
     """torch's NaN (``float('nan')``) in the scale dtype, shaped like ``like``: fixed bits (0x7E00 as fp16,
-    0x7FC00000 as fp32), not whatever NaN a conversion on the device would produce."""
-    if F16:
+    0x7FC00000 as fp32, 0x7F as e4m3), not whatever NaN a conversion on the device would produce."""
+    if SFMT == 0:
         return tl.full(like.shape, 0x7E00, tl.int16).to(tl.float16, bitcast=True)
+    elif SFMT == 2:
+        return tl.full(like.shape, 0x7F, tl.int32)
     else:
         return tl.full(like.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _quantize(x, valid, AXIS: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr,
-              F16: tl.constexpr, ZMAX: tl.constexpr, SMAX: tl.constexpr):
+              SFMT: tl.constexpr, ZMAX: tl.constexpr, SMAX: tl.constexpr):
     """Quantize fp32 ``x`` in groups reduced over ``AXIS``; ``quant.quantize`` for one tile.
 
     KIND: 0 asymmetric integer, 1 symmetric integer, 2 fp8. ``valid`` masks padding out of the reductions.
     ZMAX, SMAX: ``quant.limits`` (the zero point and the scale saturate there). Statistics are taken over the
     finite elements only (min/max never see a NaN); a group holding a NaN or +-inf is poisoned (NaN scale and
     zero point, codes 0). Clamps are written as selects that keep -0.0, as torch.clamp does.
+    SFMT: the scale dtype, 0 fp16, 1 fp32, 2 fp8 e4m3 (scales returned as int32 bit patterns, zero points as
+    int32 counts of steps, each stored through a byte pointer).
     Returns (codes int32 like ``x``, scale [reduced] in the scale dtype, zero [reduced] or the scale again).
     """
     fin = tl.abs(x) < float("inf")  # False for NaN
@@ -152,20 +181,32 @@ def _quantize(x, valid, AXIS: tl.constexpr, KIND: tl.constexpr, BITS: tl.constex
         mx = tl.max(tl.where(valid, xs, float("-inf")), axis=AXIS)
         mn = tl.where(mn == float("inf"), 0.0, mn)  # a group that is all padding
         mx = tl.where(mx == float("-inf"), 0.0, mx)
+        if SFMT == 2:  # an fp8 scale that also keeps -min / scale in int8, and that int8 zero point
+            r = tl.math.div_rn(mx - mn, float(QMAX))
+            a = tl.math.div_rn(tl.abs(mn), 127.0)
+            r = tl.where(a > r, a, r)
+            r = tl.where(r > SMAX, SMAX, r)
+            scale, sf = _scale_up(r, SFMT)
+            sf = tl.where(sf == 0.0, 1.0, sf)
+            z = _rne(tl.math.div_rn(-mn, sf))
+            z = tl.minimum(tl.maximum(z, -128.0), 127.0)
+            y = _rne(tl.math.div_rn(x, tl.expand_dims(sf, AXIS))) + tl.expand_dims(z, AXIS)
+            y = tl.minimum(tl.maximum(y, 0.0), float(QMAX))
+            y = tl.where(tl.expand_dims(bad, AXIS), 0.0, y)  # a poisoned group's codes are 0
+            return y.to(tl.int32), tl.where(bad, 0x7F, scale), tl.where(bad, 0, z.to(tl.int32))
         mn = tl.where(mn < -ZMAX, -ZMAX, mn)
         mn = tl.where(mn > ZMAX, ZMAX, mn)
-        zero = _round_scale(mn, False, F16)
+        zero = _round_scale(mn, False, SFMT == 0)
         zf = zero.to(tl.float32)
         r = tl.math.div_rn(mx - zf, float(QMAX))
         r = tl.where(r < 0.0, 0.0, r)
         r = tl.where(r > SMAX, SMAX, r)
-        scale = _round_scale(r, True, F16)
-        sf = scale.to(tl.float32)
+        scale, sf = _scale_up(r, SFMT)
         sf = tl.where(sf == 0.0, 1.0, sf)
         y = _rne(tl.math.div_rn(x - tl.expand_dims(zf, AXIS), tl.expand_dims(sf, AXIS)))
         y = tl.minimum(tl.maximum(y, 0.0), float(QMAX))
         y = tl.where(tl.expand_dims(bad, AXIS), 0.0, y)  # a poisoned group's codes are 0
-        nan = _nan_scale(scale, F16)
+        nan = _nan_scale(scale, SFMT)
         return y.to(tl.int32), tl.where(bad, nan, scale), tl.where(bad, nan, zero)
     elif KIND == 1:
         QS: tl.constexpr = (1 << (BITS - 1)) - 1
@@ -173,13 +214,12 @@ def _quantize(x, valid, AXIS: tl.constexpr, KIND: tl.constexpr, BITS: tl.constex
         amax = tl.max(tl.where(valid, tl.abs(xs), 0.0), axis=AXIS)
         r = tl.math.div_rn(amax, float(QS))
         r = tl.where(r > SMAX, SMAX, r)
-        scale = _round_scale(r, True, F16)
-        sf = scale.to(tl.float32)
+        scale, sf = _scale_up(r, SFMT)
         sf = tl.where(sf == 0.0, 1.0, sf)
         y = _rne(tl.math.div_rn(x, tl.expand_dims(sf, AXIS)))
         y = tl.minimum(tl.maximum(y, float(-QS)), float(QS)) + (1 << (BITS - 1))
         y = tl.where(tl.expand_dims(bad, AXIS), 0.0, y)  # a poisoned group's codes are 0
-        scale = tl.where(bad, _nan_scale(scale, F16), scale)
+        scale = tl.where(bad, _nan_scale(scale, SFMT), scale)
         return y.to(tl.int32), scale, scale
     else:
         if E4M3:
@@ -190,14 +230,13 @@ def _quantize(x, valid, AXIS: tl.constexpr, KIND: tl.constexpr, BITS: tl.constex
         amax = tl.max(tl.where(valid, tl.abs(xs), 0.0), axis=AXIS)
         r = tl.math.div_rn(amax, FMAX)
         r = tl.where(r > SMAX, SMAX, r)
-        scale = _round_scale(r, True, F16)
-        sf = scale.to(tl.float32)
+        scale, sf = _scale_up(r, SFMT)
         sf = tl.where(sf == 0.0, 1.0, sf)
         y = tl.math.div_rn(xs, tl.expand_dims(sf, AXIS))
         y = tl.where(y < -FMAX, -FMAX, y)
         y = tl.where(y > FMAX, FMAX, y)
         y = tl.where(tl.expand_dims(bad, AXIS), 0.0, y)  # a poisoned group's codes are 0
-        scale = tl.where(bad, _nan_scale(scale, F16), scale)
+        scale = tl.where(bad, _nan_scale(scale, SFMT), scale)
         return _fp8_encode(y, E4M3), scale, scale
 
 
@@ -242,7 +281,7 @@ def _flush_kernel(
     st_b, MB, NB,  # block table [B, MB]; blocks in the pool
     H,
     D: tl.constexpr, DB: tl.constexpr, S: tl.constexpr, R: tl.constexpr, F: tl.constexpr, W: tl.constexpr,
-    KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr, F16: tl.constexpr, HAS_ZERO: tl.constexpr,
+    KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr, SFMT: tl.constexpr, HAS_ZERO: tl.constexpr,
     CHANNEL: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr,
     ZMAX: tl.constexpr, SMAX: tl.constexpr,
 ):
@@ -298,7 +337,7 @@ def _flush_kernel(
             PER: tl.constexpr = 8 // BITS
         unit_ok = tok_ok[:, None] & (tl.arange(0, DB // PER) * PER < D)[None, :]
         if CHANNEL:
-            codes, scale, zero = _quantize(xf, ok, 0, KIND, BITS, E4M3, F16, ZMAX, SMAX)
+            codes, scale, zero = _quantize(xf, ok, 0, KIND, BITS, E4M3, SFMT, ZMAX, SMAX)
             # the group's block (the whole group is in one) and its row of scales there
             jg = q0 - S + tile * G
             gblk = tl.load(tbl_ptr + b.to(tl.int64) * st_b + jg // BS, mask=jg // BS < MB, other=-1)
@@ -312,7 +351,7 @@ def _flush_kernel(
             NG: tl.constexpr = DB // GB
             x3 = tl.reshape(xf, (BLOCK_T, NG, GB))
             ok3 = tl.reshape(ok, (BLOCK_T, NG, GB))
-            codes3, scale, zero = _quantize(x3, ok3, 2, KIND, BITS, E4M3, F16, ZMAX, SMAX)
+            codes3, scale, zero = _quantize(x3, ok3, 2, KIND, BITS, E4M3, SFMT, ZMAX, SMAX)
             codes = tl.reshape(codes3, (BLOCK_T, DB))
             gi = tl.arange(0, NG)
             s_ok = tok_ok[:, None] & (gi * G < D)[None, :]
@@ -360,6 +399,13 @@ def _copy_kernel(
 
 # --------------------------------------------------------------------------- launcher
 _KIND = {"asym": 0, "sym": 1, "fp8": 2, "none": 3}
+SFMT = {"float16": 0, "float32": 1, "fp8_e4m3": 2}  # the kernels' scale dtype codes
+
+
+def as_bytes(t: Tensor) -> Tensor:
+    """fp8 scales as their bytes: the kernels read and write the bit patterns (the fp8 cast of Triton's CPU
+    interpreter is wrong near binade edges, ``_fp8_encode``); int8 zero points stay int8."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _kind(q) -> int:
@@ -382,7 +428,7 @@ def flush_config(q: Quant, head_dim: int, sink: int, residual: int, flush: int, 
     g = q.group_for(D) if q.quantized else 1
     channel = q.quantized and q.axis == "channel"
     kw = dict(D=D, DB=DB, S=sink, R=residual, F=flush, W=ring, KIND=_kind(q), BITS=q.bits,
-              E4M3=q.format == "fp8_e4m3", F16=q.scale_dtype == "float16", HAS_ZERO=q.has_zero,
+              E4M3=q.format == "fp8_e4m3", SFMT=SFMT[q.scale_dtype], HAS_ZERO=q.has_zero,
               CHANNEL=channel, G=g, GB=triton.next_power_of_2(g) if not channel else g,
               ZMAX=Q.limits(q)[0] if q.quantized else 0.0, SMAX=Q.limits(q)[1] if q.quantized else 0.0)
     key = f"store.flush[{q.key()};D={D};S={sink};R={residual};F={flush};W={ring}]"
@@ -427,7 +473,7 @@ def launch_store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: T
             rstr = res.stride() if res.numel() else (0, 0, 0)
             cstr = codes.stride() if codes.numel() else (0, 0, 0)
             run(_flush_kernel, grid, dict(
-                x_ptr=x, res_ptr=nonempty(res), codes_ptr=nonempty(codes), scale_ptr=nonempty(scale),
+                x_ptr=x, res_ptr=nonempty(res), codes_ptr=nonempty(codes), scale_ptr=nonempty(as_bytes(scale)),
                 zero_ptr=nonempty(zero), len_ptr=state.lengths, nnew_ptr=n_new, tbl_ptr=nonempty(table),
                 err_ptr=err,
                 sx_b=x.stride(0), sx_h=x.stride(1), sx_t=x.stride(2), sr_b=rstr[0], sr_h=rstr[1], sr_t=rstr[2],

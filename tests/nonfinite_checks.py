@@ -13,7 +13,21 @@ import math
 
 import torch
 
+from kvcompile import Policy, Quant
 from kvcompile.store import dequantize_reference, hadamard, with_chunk
+
+# Every format, both axes, every scale dtype, sinks, residuals and rotation: the policies each kernel family's
+# non-finite tests store and read.
+NONFINITE_POLICIES = [
+    Policy(Quant("int4", "channel", 4), Quant("int8", "token", 8), residual=3, sink=2),
+    Policy(Quant("int3", "token", None, True, "float32"), Quant("int2", "channel", 4, True), residual=0, sink=1),
+    Policy(Quant("fp8_e4m3", "channel", 4, scale_dtype="float32"), Quant("fp8_e5m2", "token", 8), residual=2,
+           rotate=True),
+    Policy(Quant("int2", "channel", 4, scale_dtype="fp8_e4m3"), Quant("int4", "token", 8, scale_dtype="fp8_e4m3"),
+           residual=0, sink=2),
+    Policy(Quant("fp8_e5m2", "channel", 4, scale_dtype="fp8_e4m3"),
+           Quant("int8", "token", None, True, "fp8_e4m3"), residual=3, rotate=True),
+]
 
 BAD = (float("nan"), float("inf"), -float("inf"))
 DTYPE_MAX = {torch.float32: torch.finfo(torch.float32).max, torch.bfloat16: torch.finfo(torch.bfloat16).max,

@@ -241,7 +241,7 @@ def test_calibration_text_is_not_the_heldout_text():
 # --------------------------------------------------------------------------- policy files
 _quant = (st.builds(Quant, format=st.sampled_from(["int2", "int3", "int4", "int8", "none"]), axis=st.just("token"),
                     group=st.sampled_from([None, 16, 32]), symmetric=st.sampled_from([None, True, False]),
-                    scale_dtype=st.sampled_from(["float16", "float32"]))
+                    scale_dtype=st.sampled_from(["float16", "float32", "fp8_e4m3"]))
           | st.builds(Quant, format=st.sampled_from(["int2", "int4"]), axis=st.just("channel"),
                       group=st.sampled_from([32, 64]))
           | st.builds(Quant, format=st.sampled_from(["fp8_e4m3", "fp8_e5m2"])))

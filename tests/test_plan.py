@@ -43,7 +43,7 @@ quants = st.builds(
     format=st.sampled_from(["int8", "int4", "int3", "int2", "fp8_e4m3", "none"]),
     axis=st.sampled_from(["token", "channel"]),
     group=st.sampled_from([8, 16, 32, 64]),
-    scale_dtype=st.sampled_from(["float16", "float32"]),
+    scale_dtype=st.sampled_from(["float16", "float32", "fp8_e4m3"]),
 )
 
 

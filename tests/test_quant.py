@@ -17,6 +17,7 @@ FORMATS_SYM = [(f, s) for f in INT_FORMATS for s in (False, True)] + [(f, True) 
 FP8_MANTISSA = {"fp8_e4m3": 3, "fp8_e5m2": 2}
 FP8_SUBNORMAL = {"fp8_e4m3": 2.0 ** -9, "fp8_e5m2": 2.0 ** -16}
 EPS32 = 2.0 ** -22  # a few fp32 roundings (subtract, divide, multiply, add), relative
+SCALE_DTYPES = ["float16", "float32", "fp8_e4m3"]
 
 
 @st.composite
@@ -26,7 +27,7 @@ def quant_and_tensor(draw, formats=INT_FORMATS + FP8_FORMATS):
     D = draw(st.sampled_from([8, 16, 64]))
     group = draw(st.sampled_from([None, 8, D] if axis == "token" else [1, 4, 8, 32]))
     sym = True if fmt.startswith("fp8") else draw(st.booleans())
-    sdt = draw(st.sampled_from(["float16", "float32"]))
+    sdt = draw(st.sampled_from(SCALE_DTYPES))
     q = Quant(fmt, axis, group, sym, sdt)
     T = (group or 1) * draw(st.integers(1, 3)) if axis == "channel" else draw(st.integers(1, 9))
     seed = draw(st.integers(0, 2 ** 31 - 1))
@@ -55,7 +56,10 @@ def _bound(x, codes, scale, zero, q):
         m = FP8_MANTISSA[q.format]
         return 2.0 ** -(m + 1) * xa * (1 + 1e-6) + FP8_SUBNORMAL[q.format] / 2 * s + EPS32 * xa
     qmax = 2 ** q.bits
+    qmax = 2 ** q.bits
     z = _expand(zero, q, T, D).abs() if zero is not None else 0
+    if q.scale_dtype == "fp8_e4m3":  # an int8 zero point counts steps
+        z = z * s
     # half a step of the stored scale, plus fp32 rounding of (x - z) / s and code * s + z
     return s / 2 + EPS32 * (qmax * s + z + xa)
 
@@ -106,19 +110,49 @@ def test_rounding_is_half_to_even():
 @pytest.mark.parametrize("fmt,sym", FORMATS_SYM)
 @pytest.mark.parametrize("axis,group", [("token", None), ("token", 8), ("channel", 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_zero_and_constant_groups(fmt, sym, axis, group, dtype):
-    """Zeros come back exactly in every format; constants exactly with a zero point (asymmetric integers),
-    and within the format's bound otherwise (a symmetric grid has no point exactly at an arbitrary c)."""
-    q = Quant(fmt, axis, group, sym)
-    for const in (0.0, 3.25, -0.75, 1e4):
+@pytest.mark.parametrize("sdt", ["float16", "fp8_e4m3"])
+def test_zero_and_constant_groups(fmt, sym, axis, group, dtype, sdt):
+    """Zeros come back exactly in every format; constants exactly with a zero point (asymmetric integers with
+    fp16 scales), and within the format's bound otherwise (a symmetric grid has no point exactly at an arbitrary
+    c, and an fp8 scale's int8 zero point counts whole steps)."""
+    q = Quant(fmt, axis, group, sym, sdt)
+    for const in (0.0, 3.25, -0.75, 1e4 if sdt == "float16" else 300.0):  # an fp8 scale holds up to 448 steps
         x = torch.full((1, 8, 16), const, dtype=dtype)
         codes, scale, zero = Q.quantize(x, q)
         xh = Q.dequantize(codes, scale, zero, q)
         assert torch.isfinite(xh).all()
-        if const == 0.0 or q.has_zero:
+        if const == 0.0 or (q.has_zero and sdt == "float16"):
             assert torch.equal(xh, x.float()), (fmt, const)
         else:
             assert ((xh - x.float()).abs() <= _bound(x, codes, scale, zero, q)).all()
+
+
+def test_fp8_scales_keep_a_channel_offset_inside_int8():
+    """A group far from 0 against its range (a key channel's offset): one e4m3 byte of scale and an int8 zero
+    point, the scale raised to |min| / 127 so that the zero point stays in int8 and nothing clips. By hand, for
+    [100, 101] at int4: max(1 / 15, 100 / 127 = 0.787) rounds up to the e4m3 value 0.8125, zero =
+    round(-100 / 0.8125) = -123, codes round(x / 0.8125) - 123 = 0 and 1, so x^ = 123 * 0.8125 and 124 * 0.8125."""
+    q = Quant("int4", "channel", 2, scale_dtype="fp8_e4m3")
+    codes, scale, zero = Q.quantize(torch.tensor([[[100.0], [101.0]]]), q)
+    assert scale.dtype == torch.float8_e4m3fn and zero.dtype == torch.int8
+    assert scale.float().item() == 0.8125 and zero.item() == -123 and codes.flatten().tolist() == [0, 1]
+    assert Q.dequantize(codes, scale, zero, q).flatten().tolist() == [123 * 0.8125, 124 * 0.8125]
+    x = 100.0 + torch.rand(2, 64, 8, generator=torch.Generator().manual_seed(0))
+    q = Quant("int4", "channel", 32, scale_dtype="fp8_e4m3")
+    codes, scale, zero = Q.quantize(x, q)
+    assert not Q.clipped(x, q).any() and zero.min() >= -128
+    err = (Q.dequantize(codes, scale, zero, q) - x).abs()
+    assert (err <= _expand(scale, q, 64, 8) / 2 * (1 + EPS32)).all()
+
+
+def test_fp8_scales_halve_a_blocks_scale_bytes():
+    """Per group, one byte of scale and one of zero point instead of two each."""
+    from kvcompile.store import LayerSpec
+    from kvcompile import Policy
+    f16, f8 = (LayerSpec(Policy.kivi(2, scale_dtype=sd), 3, 64).block_nbytes() for sd in ("float16", "fp8_e4m3"))
+    codes = 2 * 3 * 64 * 64 * 2 // 8  # keys and values, 3 heads, 64 tokens, 64 channels, 2 bits
+    scales = 3 * (64 // 32) * 64 + 3 * 64 * (64 // 32)  # key groups per channel, value groups per token
+    assert f16 == codes + 2 * scales * 2 and f8 == codes + 2 * scales
 
 
 def test_constants_not_representable_in_fp16_are_exact_with_fp32_scales():
@@ -213,6 +247,8 @@ def _grid(x, scale, zero, q):
         qs = 2 ** (q.bits - 1) - 1
         return -qs * s, qs * s
     z = _expand(zero, q, T, D).double()
+    if q.scale_dtype == "fp8_e4m3":  # x^ = (code - zero) * scale, zero an int8
+        return -z * s, (2 ** q.bits - 1 - z) * s
     return z, z + (2 ** q.bits - 1) * s
 
 
@@ -225,7 +261,7 @@ def test_finite_in_finite_out_up_to_the_dtype_max(case):
     value clipped to the group's grid; elements inside the grid are exactly those ``clipped`` does not flag."""
     q, x = case
     codes, scale, zero = Q.quantize(x, q)
-    assert torch.isfinite(scale).all() and (zero is None or torch.isfinite(zero).all())
+    assert torch.isfinite(scale.float()).all() and (zero is None or torch.isfinite(zero.float()).all())
     zmax, smax = Q.limits(q)
     assert scale.float().max() <= smax and (zero is None or zero.float().abs().max() <= zmax)
     xh = Q.dequantize(codes, scale, zero, q)
@@ -258,13 +294,13 @@ def test_groups_that_fit_are_never_clipped(case):
 
 
 @pytest.mark.parametrize("fmt", INT_FORMATS + FP8_FORMATS)
-@pytest.mark.parametrize("sdt", ["float16", "float32"])
+@pytest.mark.parametrize("sdt", SCALE_DTYPES)
 def test_clipped_counts_the_saturated_elements(fmt, sdt):
     """A key of 1e10 (beyond every fp16-scaled grid) or 3e38 (beyond every fp32-scaled one) does not fit: its
     group saturates, its reconstruction is finite, ``clipped`` counts what moved, and the next group (which
     fits) is untouched."""
     q = Quant(fmt, "token", 8, True if fmt.startswith("fp8") else False, sdt)
-    big = 1e10 if sdt == "float16" else 3e38
+    big = 3e38 if sdt == "float32" else 1e10
     x = torch.zeros(1, 2, 8)
     x[0, 0, :4] = torch.tensor([-big, big, 1.0, 2.0])
     x[0, 1] = torch.linspace(-1, 1, 8)
@@ -277,12 +313,13 @@ def test_clipped_counts_the_saturated_elements(fmt, sdt):
 @pytest.mark.parametrize("fmt,sym", FORMATS_SYM)
 @pytest.mark.parametrize("axis,group", [("token", None), ("token", 4), ("channel", 4)])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_non_finite_poisons_exactly_its_group(fmt, sym, axis, group, bad):
+@pytest.mark.parametrize("sdt", ["float16", "fp8_e4m3"])
+def test_non_finite_poisons_exactly_its_group(fmt, sym, axis, group, bad, sdt):
     """A group holding NaN or +-inf stores NaN scale (and zero point) and codes 0, so the whole
     group -- and nothing else -- dequantizes to NaN; every other group is exactly what it is without it.
     Placed at a group's first and last element and inside. (Before, fp8's amax over a NaN made the scale NaN
     or ignored it depending on the kernel, and an inf made int scales inf.)"""
-    q = Quant(fmt, axis, group, sym)
+    q = Quant(fmt, axis, group, sym, sdt)
     T, D = 8, 16
     for t, d in ((0, 0), (T - 1, D - 1), (3, 4)):
         x = torch.randn(1, T, D, generator=torch.Generator().manual_seed(t))
@@ -297,7 +334,10 @@ def test_non_finite_poisons_exactly_its_group(fmt, sym, axis, group, bad):
             grp[0, (t // group) * group:(t // group + 1) * group, d] = True
         assert torch.equal(xh.isnan(), grp)
         assert (codes[grp] == 0).all() and scale.isnan().sum() == 1
-        assert zero is None or zero.isnan().sum() == 1
+        if zero is not None and sdt == "fp8_e4m3":  # an int8 zero point: 0, the NaN scale marks the group
+            assert (zero[scale.isnan()] == 0).all()
+        else:
+            assert zero is None or zero.isnan().sum() == 1
         clean = x.clone()
         clean[grp] = 0.0  # the other groups are exactly what they are without the bad one
         c2, s2, z2 = Q.quantize(clean, q)

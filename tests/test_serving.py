@@ -153,10 +153,11 @@ def test_quantized_policy_gives_kvcompiles_own_generate_tokens(reference, policy
 @pytest.mark.parametrize("policy", [
     Policy.int8(), Policy.fp8(residual=8), Policy.kivi(3, group=4, residual=8),
     Policy.kivi(4, group=4, residual=8, sink=4, rotate=True),  # kvcompile serve's default, scaled to this model
-], ids=["int8", "fp8", "kivi3", "kivi4-rot-sink"])
+    Policy.kivi(2, group=4, residual=0, sink=2, rotate=True, scale_dtype="fp8_e4m3"),
+], ids=["int8", "fp8", "kivi3", "kivi4-rot-sink", "kivi2-r0-fp8-scales"])
 def test_every_format_serves_kvcompiles_own_generate_tokens(policy):
-    """Integers per token, fp8, 3-bit codes, sinks and the Hadamard rotation: continuous batching gives what
-    kvcompile's generate gives under the same policy."""
+    """Integers per token, fp8, 3-bit codes, sinks, the Hadamard rotation, fp8 scales: continuous batching gives
+    what kvcompile's generate gives under the same policy."""
     model = applied(policy)
     ps = [prompts()[i] for i in (0, 2, 3)]
     with torch.no_grad():
@@ -496,7 +497,8 @@ def _scheme(entry):
 BARS = {"tok+rot:4": 3.5, "tok+rot:2": 6.0, "tok+rot+sym:8": 1.9, "fp8-r0": 1.9}
 
 
-@pytest.mark.parametrize("name", ["tok+rot:4", "tok+rot:2", "tok+rot+sym:8", "fp8-r0", "int8", "kivi4", "kivi2"])
+@pytest.mark.parametrize("name", ["tok+rot:4", "tok+rot:2", "tok+rot+sym:8", "fp8-r0", "int8", "kivi4", "kivi2",
+                                  "tok+rot+fp8s:4", "kivi-r0+rot+sink+fp8s:2"])
 def test_one_byte_budget_holds_more_tokens_than_transformers_own_cache(name):
     """Both caches allocated for the same 256 MiB on a SmolLM2-shaped bf16 model (the tensors only: no weights):
     kvcompile's allocation stays within the budget and is exactly its layout's arithmetic (slots' rings and sinks

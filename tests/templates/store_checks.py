@@ -43,7 +43,7 @@ def quants(draw, D):
     else:
         group = draw(st.sampled_from([1, 2, 4, 8, 16]))
     sym = True if fmt.startswith("fp8") else draw(st.booleans())
-    return Quant(fmt, axis, group, sym, draw(st.sampled_from(["float16", "float16", "float32"])))
+    return Quant(fmt, axis, group, sym, draw(st.sampled_from(["float16", "float16", "float32", "fp8_e4m3"])))
 
 
 def tie_rows(fmt: str, sym: bool, D: int) -> torch.Tensor:

@@ -70,7 +70,7 @@ def quants(draw, D):
     axis = draw(st.sampled_from(["token", "channel"]))
     group = draw(st.sampled_from([None, 8, 16]) if axis == "token" else st.sampled_from([2, 4, 8]))
     return Quant(fmt, axis, group, True if fmt.startswith("fp8") else draw(st.booleans()),
-                 draw(st.sampled_from(["float16", "float32"])))
+                 draw(st.sampled_from(["float16", "float32", "fp8_e4m3"])))
 
 
 @st.composite
@@ -225,13 +225,14 @@ def test_fp8_decode_equals_torch_for_every_finite_code(fmt):
 
 # --------------------------------------------------------------------------- non-finite and huge values
 from kvcompile.store import attention_reference  # noqa: E402
-from nonfinite_checks import assert_nan_pattern  # noqa: E402
+from nonfinite_checks import NONFINITE_POLICIES, assert_nan_pattern  # noqa: E402
 
 
 @pytest.mark.parametrize("policy,dtype", [
     (Policy(Quant("int4", "channel", 4), Quant("int8", "token", 8), residual=3, sink=2), "float32"),
     (Policy(Quant("fp8_e4m3", "channel", 4, scale_dtype="float32"), Quant("fp8_e5m2", "token", 8), residual=2,
             sink=1, rotate=True), "bfloat16"),
+    (NONFINITE_POLICIES[3], "float32"),  # fp8 scales, int8 zero points
 ])
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on NaN operands
 def test_attention_kernel_non_finite_values_poison_what_the_reference_says(policy, dtype):

@@ -299,14 +299,8 @@ def test_fp8_encoding_beyond_the_range(fmt):
 
 
 # --------------------------------------------------------------------------- non-finite and huge inputs
-from nonfinite_checks import BAD, bad_inputs  # noqa: E402
+from nonfinite_checks import BAD, NONFINITE_POLICIES, bad_inputs  # noqa: E402
 
-NONFINITE_POLICIES = [  # every format, both axes, both scale dtypes, sinks and residuals
-    Policy(Quant("int4", "channel", 4), Quant("int8", "token", 8), residual=3, sink=2),
-    Policy(Quant("int3", "token", None, True, "float32"), Quant("int2", "channel", 4, True), residual=0, sink=1),
-    Policy(Quant("fp8_e4m3", "channel", 4, scale_dtype="float32"), Quant("fp8_e5m2", "token", 8), residual=2,
-           rotate=True),
-]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

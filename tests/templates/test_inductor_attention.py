@@ -103,14 +103,8 @@ def test_op_dispatches_to_the_compiled_template_on_cpu():
 
 
 # --------------------------------------------------------------------------- non-finite values
-from nonfinite_checks import assert_close, bad_inputs  # noqa: E402
+from nonfinite_checks import NONFINITE_POLICIES, assert_close, bad_inputs  # noqa: E402
 
-NONFINITE_POLICIES = [
-    Policy(Quant("int4", "channel", 4), Quant("int8", "token", 8), residual=3, sink=2),
-    Policy(Quant("int3", "token", None, True, "float32"), Quant("int2", "channel", 4, True), residual=0, sink=1),
-    Policy(Quant("fp8_e4m3", "channel", 4, scale_dtype="float32"), Quant("fp8_e5m2", "token", 8), residual=2,
-           rotate=True),
-]
 
 
 @pytest.mark.parametrize("policy", NONFINITE_POLICIES)

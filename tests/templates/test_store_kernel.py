@@ -222,7 +222,7 @@ def test_fp16_directed_rounding_equals_reference():
 
 
 # --------------------------------------------------------------------------- non-finite and huge inputs
-from nonfinite_checks import BAD, bad_inputs  # noqa: E402
+from nonfinite_checks import BAD, NONFINITE_POLICIES, bad_inputs  # noqa: E402
 
 
 @pytest.mark.parametrize("policy,dtype", [
@@ -231,6 +231,8 @@ from nonfinite_checks import BAD, bad_inputs  # noqa: E402
      "bfloat16"),
     (Policy(Quant("fp8_e4m3", "channel", 4, scale_dtype="float32"), Quant("fp8_e5m2", "token", 8), residual=2),
      "float32"),
+    (NONFINITE_POLICIES[3], "bfloat16"),  # fp8 scales, int8 zero points
+    (NONFINITE_POLICIES[4], "float16"),
 ])
 def test_store_kernel_non_finite_and_huge_inputs_equal_reference(policy, dtype):
     """The Triton store: NaN, +inf and -inf in sinks, on packed groups' first and
