@@ -268,11 +268,24 @@ _EMAIL = rf"{_ATEXT}{{1,32}}(?:\.{_ATEXT}{{1,15}}){{0,2}}@(?:{_HOST_LABEL}\.){{1
 # pydantic's timedelta writes "duration"), a URI as an http(s) URL (``_URI``: what pydantic's AnyUrl and
 # HttpUrl, which write "uri", both take), a host name (``_HOSTNAME``) and an e-mail address (``_EMAIL``);
 # "binary", "path" and "password" (pydantic's bytes, Path and SecretStr, which take any string) bound nothing
+# networks (pydantic's IPv4Network, IPv6Network and IPvAnyNetwork take no host bits after the prefix): an address
+# alone or with the whole-length prefix, or a prefix on a byte (IPv4) or group (IPv6) boundary with zeros after
+# it; interfaces (IPv*Interface: an address on a network) any address with any prefix length, or none
+_V4_PREFIX, _V6_PREFIX = r"(?:3[0-2]|[12]?[0-9])", r"(?:12[0-8]|1[01][0-9]|[1-9]?[0-9])"
+_V4_NET = (rf"(?:{_IPV4}(?:/32)?|{_OCTET}\.0\.0\.0/8|(?:{_OCTET}\.){{2}}0\.0/16|(?:{_OCTET}\.){{3}}0/24"
+           r"|0\.0\.0\.0/0)")
+_V6_NET = "(?:" + "|".join([rf"{_IPV6}(?:/128)?", "::/0"]
+                           + [rf"(?:{_HEX4}:){{{k}}}:/{16 * k}" for k in range(1, 8)]) + ")"
+_V4_IFACE, _V6_IFACE = rf"{_IPV4}(?:/{_V4_PREFIX})?", rf"{_IPV6}(?:/{_V6_PREFIX})?"
+# pydantic's NameEmail: an address, or a name of letters and single spaces before it in angle brackets
+_NAME_EMAIL = rf"(?:[A-Za-z]{{1,20}}(?: [A-Za-z]{{1,20}}){{0,3}} <{_EMAIL}>|{_EMAIL})"
 FORMATS = {"date": _DATE, "time": _TIME, "date-time": _DATE + "T" + _TIME,
            "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
            "ipv4": _IPV4, "ipv6": _IPV6, "ipvanyaddress": f"(?:{_IPV4}|{_IPV6})", "duration": _DURATION,
-           "uri": _URI, "hostname": _HOSTNAME, "email": _EMAIL, "binary": None, "path": None,
-           "password": None}
+           "uri": _URI, "hostname": _HOSTNAME, "email": _EMAIL, "name-email": _NAME_EMAIL,
+           "ipv4network": _V4_NET, "ipv6network": _V6_NET, "ipvanynetwork": f"(?:{_V4_NET}|{_V6_NET})",
+           "ipv4interface": _V4_IFACE, "ipv6interface": _V6_IFACE, "ipvanyinterface": f"(?:{_V4_IFACE}|{_V6_IFACE})",
+           "binary": None, "path": None, "password": None}
 _SIMPLE_ESCAPES = '"\\/\b\f\n\r\t'
 _SURROGATE = frozenset(b"89abcdefABCDEF")  # a surrogate escape: its second hex digit, after a "d"
 
@@ -450,8 +463,7 @@ def _named_chars(pattern: str, whole: bool) -> tuple | None:
                 if not all(walk(b) for b in av[1]):
                     return False
             elif op in (C.ASSERT, C.ASSERT_NOT):
-                if not walk(av[1]):
-                    return False
+                pass  # a lookaround consumes nothing: what it looks at, the rest of the pattern names
             elif op is getattr(C, "ATOMIC_GROUP", None):
                 if not walk(av):
                     return False

@@ -270,7 +270,8 @@ def test_the_schema_reader_agrees_with_jsonschema(data, schema, edit):
     ({"type": "object", "properties": {"a": {"maxProperties": -1}}}, "maxProperties must be a non-negative integer"),
     ({"type": "object", "properties": {"a": {"type": "string", "format": "idn-email"}}},
      "format 'idn-email' is not followed (followed: date, time, date-time, uuid, ipv4, ipv6, ipvanyaddress, "
-     "duration, uri, hostname, email, binary, path, password)"),
+     "duration, uri, hostname, email, name-email, ipv4network, ipv6network, ipvanynetwork, ipv4interface, "
+     "ipv6interface, ipvanyinterface, binary, path, password)"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "a("}}}, "is no regular expression"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": 3}}}, "pattern must be a string"),
     ({"type": "object", "properties": {"a": {"minimum": 0, "exclusiveMinimum": True}}}, "draft 4's true/false"),
@@ -1019,6 +1020,60 @@ def test_the_ipv6_and_duration_formats_write_what_pydantic_takes(data):
     written = json.loads(TypeAdapter(datetime.timedelta).dump_json(td))
     assert taken("duration", written), written
     assert not taken("duration", "-" + written)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_the_network_interface_and_name_email_formats_write_what_pydantic_takes(data):
+    """The formats pydantic's IPv4/IPv6/IPvAny networks and interfaces and NameEmail write: every string the
+    grammar writes is one pydantic takes (a network without host bits set after its prefix), and the networks
+    people write on byte or group boundaries, and any interface, are taken."""
+    import ipaddress
+
+    from pydantic import IPvAnyInterface, IPvAnyNetwork, NameEmail, TypeAdapter
+
+    from kvcompile.structured import FORMATS
+
+    def taken(fmt, text):
+        schema = {"type": "object", "properties": {"a": {"type": "string", "format": fmt}}}
+        return first_refusal(schema, json.dumps({"a": text}), whole=False) is None
+
+    kinds = {"ipv4network": ipaddress.IPv4Network, "ipv6network": ipaddress.IPv6Network,
+             "ipvanynetwork": IPvAnyNetwork, "ipv4interface": ipaddress.IPv4Interface,
+             "ipv6interface": ipaddress.IPv6Interface, "ipvanyinterface": IPvAnyInterface, "name-email": NameEmail}
+    fmt = data.draw(st.sampled_from(sorted(kinds)))
+    drawn = data.draw(st.from_regex(FORMATS[fmt], fullmatch=True))
+    TypeAdapter(kinds[fmt]).validate_python(drawn)
+    assert taken(fmt, drawn)
+    for fmt, text in (("ipv4network", "10.0.0.0/8"), ("ipv4network", "192.168.1.0/24"), ("ipv6network", "fe80::/16"),
+                      ("ipv6network", "2001:db8::/32"), ("ipvanynetwork", "10.1.0.0/16"), ("ipv4interface",
+                      "10.1.2.3/8"), ("ipvanyinterface", "fe80::1/10"), ("name-email", "Ada Lovelace <ada@example.com>")):
+        assert taken(fmt, text), (fmt, text)
+    for fmt, text in (("ipv4network", "10.1.2.3/8"), ("ipv4network", "10.0.0.0/33"), ("ipv6network", "fe80::1/16")):
+        assert not taken(fmt, text), (fmt, text)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_constrained_pick_under_network_and_name_email_formats_parses_into_pydantic(seed):
+    """Random walks under a model with an IPv4Network, an IPvAnyInterface and a NameEmail end in a reply pydantic
+    takes."""
+    import ipaddress
+
+    from openai.lib._pydantic import to_strict_json_schema
+    from pydantic import BaseModel, IPvAnyInterface, NameEmail
+
+    class Route(BaseModel):
+        net: ipaddress.IPv4Network
+        via: IPvAnyInterface
+        owner: NameEmail
+
+    schema = to_strict_json_schema(Route)
+    pieces = ["{", "}", "]", '"', ":", "::", ",", '"net":', '"via":', '"owner":', *"0123456789abcdefghilmnortuvwxyz./", "A",
+              " ", "<", ">", "é",
+              "@", "Ada", "ex", ".com", "/8", "/24", "/32", "10.", "0."]
+    vocab = [p.encode() for p in pieces] + [None]
+    out = walk(JsonConstraint(vocab, len(vocab) - 1, schema=schema), vocab, seed, sampled=True)
+    Route.model_validate_json(out)
 
 
 @pytest.mark.parametrize("text", ["P", "PT", "P1DT", "PT1M1H", "PT.5S", "P1W", "P12345678D", "1D", "pt1s"])
