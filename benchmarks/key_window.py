@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from kvcompile import evaluate as E
 from kvcompile import models
 from kvcompile.policy import Policy, Quant
-from kvcompile.quant import dequantize, quantize as quantize_lib
+from kvcompile.quant import dequantize, quantize as quantize_lib, round_to_dtype
 from kvcompile.store import hadamard
 
 REQUEST = 1024  # tokens of the request the bits are counted for
@@ -34,9 +34,10 @@ PLAIN = E.make_cache  # kvcompile's own cache, for the lib: rows (main swaps E.m
 
 
 def e4m3_up(s: torch.Tensor) -> torch.Tensor:
-    """``s`` rounded up to a float with 3 mantissa bits (fp8 e4m3's; no scale here falls outside its range)."""
-    unit = 2.0 ** (torch.floor(torch.log2(s.clamp_min(2.0 ** -9))) - 3)
-    return torch.ceil(s / unit - 1e-6) * unit
+    """``s`` rounded up to fp8 e4m3 as kvcompile stores a scale (``kvcompile.quant.round_to_dtype``): 3 mantissa
+    bits down to 2**-6, then steps of 2**-9 (its subnormals; a smaller scale becomes 2**-9), at most 448. (Until
+    2026-12-03 this kept 3 mantissa bits at every magnitude, which made small scales finer than e4m3 holds.)"""
+    return round_to_dtype(s.float().clamp(0, 448.0), torch.float8_e4m3fn, "up").float()
 
 
 def quantize(x: torch.Tensor, bits: int, body: str) -> torch.Tensor:

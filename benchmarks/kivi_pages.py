@@ -66,24 +66,32 @@ def grouped(x: torch.Tensor, group: int, bits: int, body: str) -> torch.Tensor:
 
 
 class ChannelCache(DynamicCache):
-    def __init__(self, bits, group, vgroup, pend, sink, kbody, vbody, head):
+    def __init__(self, bits, group, vgroup, pend, sink, kbody, vbody, head, at_write=False):
         super().__init__()
         self.bits, self.group, self.vgroup, self.pend, self.sink = bits, group, vgroup, pend, sink
         self.kbody, self.vbody = kbody, vbody
         self.H = hadamard(head, dtype=torch.float64).float()
+        # at_write: a key group is coded as soon as its last token is written, before the call that wrote it
+        # attends (kvcompile's store: write, then read); else at the start of the next call
+        self.at_write = at_write
 
-    def keys(self, k: torch.Tensor) -> torch.Tensor:
+    def keys(self, k: torch.Tensor, written: torch.Tensor | None = None) -> torch.Tensor:
+        """The stored keys ``k [B, H, t, D]`` as held: complete groups coded per channel, the rest pending.
+        ``written``: every key written so far (the call's own too), which decides the complete groups."""
         y = k.float() @ self.H
         out = y.clone()
         S, G, t = self.sink, self.group, y.shape[2]
-        body = y[:, :, S:]
+        src = y if written is None else written.float() @ self.H
+        body = src[:, :, S:]
         if self.pend == "int8":  # what the pending store holds, and a complete group is coded from
             body = grouped(body, y.shape[-1], 8, "e4m3")
-        n = (t - S) // G * G
+        n = max(0, src.shape[2] - S) // G * G
+        m = min(n, max(0, t - S))  # the stored tokens in complete groups
         if n:
             g = body[:, :, :n].reshape(*y.shape[:2], n // G, G, y.shape[-1]).transpose(-1, -2)
-            out[:, :, S:S + n] = qdq(g, self.bits, self.kbody).transpose(-1, -2).reshape(*y.shape[:2], n, -1)
-        out[:, :, S + n:] = body[:, :, n:]
+            coded = qdq(g, self.bits, self.kbody).transpose(-1, -2).reshape(*y.shape[:2], n, -1)
+            out[:, :, S:S + m] = coded[:, :, :m]
+        out[:, :, S + m:] = body[:, :, m:max(0, t - S)]
         return (out @ self.H.T).to(k.dtype)
 
     def values(self, v: torch.Tensor) -> torch.Tensor:
@@ -98,7 +106,7 @@ class ChannelCache(DynamicCache):
         t = K.shape[2] - new
         if t == 0:
             return K, V
-        return (torch.cat([self.keys(K[:, :, :t]), K[:, :, t:]], 2),
+        return (torch.cat([self.keys(K[:, :, :t], K if self.at_write else None), K[:, :, t:]], 2),
                 torch.cat([self.values(V[:, :, :t]), V[:, :, t:]], 2))
 
 
@@ -109,22 +117,26 @@ def variant(spec: str, head: int):
         return PLAIN, (Policy.load(entry) if E.is_policy_file(entry) else E.scheme_policy(*E.parse_entry(entry))), None
     if spec == "full":
         return (lambda model, policy, n, fast: DynamicCache()), Policy.full(), 16.0
-    name, G, VG, pend, S, body = spec.split(",")
+    parts = spec.split(",")
+    at_write = parts[-1] == "w"
+    name, G, VG, pend, S, body = parts[:6]
     b, G, VG, S = int(name[2:]), int(G), int(VG), int(S)
     kbody, _, vbody = body.partition("/")
     vbody = vbody or kbody
     bodies = ("f16", "e4m3", "e4m3z8")
-    if pend not in ("int8", "fp") or kbody not in bodies or vbody not in bodies or not name.startswith("ch"):
-        raise SystemExit(f"{spec!r}: expected chBITS,G,VG,int8|fp,S,KBODY[/VBODY] with bodies {bodies}")
+    if (pend not in ("int8", "fp") or kbody not in bodies or vbody not in bodies or not name.startswith("ch")
+            or len(parts) != 6 + at_write):
+        raise SystemExit(f"{spec!r}: expected chBITS,G,VG,int8|fp,S,KBODY[/VBODY][,w] with bodies {bodies}")
     pend_bits = 16.0 if pend == "fp" else 8 + 16 / head
     per_token = 2 * b + scale_bits(b, kbody) / G + scale_bits(b, vbody) / VG  # keys + values, per channel
     total = (REQUEST - S) * per_token + (G - 1) * pend_bits + S * 32  # a slot holds the pending keys, the sinks
-    return ((lambda model, policy, n, fast: ChannelCache(b, G, VG, pend, S, kbody, vbody, head)), Policy.full(),
+    make = lambda model, policy, n, fast: ChannelCache(b, G, VG, pend, S, kbody, vbody, head, at_write)  # noqa: E731
+    return (make, Policy.full(),
             total / (2 * REQUEST))
 
 
 def main() -> None:
-    run(variant, __doc__, "full, lib:SCHEME:BITS or lib:POLICY.json, or chBITS,G,VG,int8|fp,S,KBODY[/VBODY]")
+    run(variant, __doc__, "full, lib:SCHEME:BITS or lib:POLICY.json, or chBITS,G,VG,int8|fp,S,KBODY[/VBODY][,w]")
 
 
 if __name__ == "__main__":
