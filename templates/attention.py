@@ -43,8 +43,8 @@ from torch import Tensor
 
 from kvcompile.store import KVState, LayerSpec, Rope, apply_rope, check_rope_tables
 
-from .common import INTERPRET, run
-from .store import SFMT, _boundary, _kind, as_bytes, nonempty
+from .common import INTERPRET, SCALE_CODES, run
+from .store import _boundary, _e4m3_value, _kind, as_bytes, nonempty
 
 
 # --------------------------------------------------------------------------- tiles
@@ -108,7 +108,7 @@ def _packed_tile(codes_ptr, scale_ptr, zero_ptr, idx, tok_ok, sc_t, ss_t,
             s_ok = ok
         if SFMT == 2:
             sb = tl.load(scale_ptr + s_off, mask=s_ok, other=0).to(tl.int32)
-            s = tl.where(sb == 0x7F, float("nan"), _fp8_decode(sb, True) * 256.0)
+            s = tl.where(sb == 0x7F, float("nan"), _e4m3_value(sb))
         else:
             s = tl.load(scale_ptr + s_off, mask=s_ok, other=0.0).to(tl.float32)
         if KIND == 0 and SFMT == 2:
@@ -381,7 +381,7 @@ def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, bl
     for pre, q in (("K_", policy.key), ("V_", policy.value)):
         kw.update({pre + "KIND": _kind(q), pre + "BITS": q.bits, pre + "E4M3": q.format == "fp8_e4m3",
                    pre + "CHANNEL": q.quantized and q.axis == "channel",
-                   pre + "G": q.group_for(D) if q.quantized else 1, pre + "SFMT": SFMT[q.scale_dtype]})
+                   pre + "G": q.group_for(D) if q.quantized else 1, pre + "SFMT": SCALE_CODES[q.scale_dtype]})
     gp = triton.next_power_of_2(gqa)
     kw.update(G=gqa, GP=gp, BLOCK_Q=block_q, BLOCK_M=max(16, gp * block_q), BLOCK_N=block_n, SPLIT=split,
               MASK_KIND=mask_kind, DOT=dot, CHUNK=chunk, ROPE=rope)

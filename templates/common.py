@@ -14,6 +14,10 @@ import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
+# Quant.scale_dtype as the kernels' compile-time code (C: K_SFMT/V_SFMT; Triton: SFMT): fp16, fp32, or an fp8
+# e4m3 scale with an int8 zero point.
+SCALE_CODES = {"float16": 0, "float32": 1, "fp8_e4m3": 2}
+
 # fp-contraction off: a fused multiply-add rounds once where the reference (torch) rounds twice, e.g. in
 # dequantization ``code * scale + zero``; keeping two roundings makes the GPU agree with the specification.
 OPTIONS = {"enable_fp_fusion": False}

@@ -35,6 +35,8 @@ from kvcompile import quant as Q
 from kvcompile.store import (KVState, LayerSpec, Rope, apply_rope, check_rope_tables, chunk_needed,
                              dequantize_reference, hadamard, stored_chunk, with_chunk)
 
+from .common import SCALE_CODES
+
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 ROWS_MAX = 16  # query rows per kv head the decode kernel takes (passed to it as -DROWS_MAX)
 # -ffp-contract=off: every product and sum rounds as the reference's fp32 ops do (no fused multiply-add), so
@@ -76,7 +78,7 @@ def defines(spec: LayerSpec, group_heads: int) -> dict[str, int]:
         out[f"{p}_BITS"] = q.bits if q.quantized else 8
         out[f"{p}_AXIS"] = 1 if q.axis == "channel" else 0
         out[f"{p}_GROUP"] = q.group_for(spec.head_dim) if q.quantized else 1
-        out[f"{p}_SFMT"] = {"float16": 0, "float32": 1, "fp8_e4m3": 2}[q.scale_dtype]
+        out[f"{p}_SFMT"] = SCALE_CODES[q.scale_dtype]
     return out
 
 

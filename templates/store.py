@@ -41,7 +41,7 @@ from kvcompile import quant as Q
 from kvcompile.policy import Quant
 from kvcompile.store import KVState, LayerSpec
 
-from .common import run
+from .common import SCALE_CODES, run
 
 # 1.5 * 2**23: adding it to |y| < 2**22 leaves round_half_even(y) in the low bits (fp32 has 23 mantissa bits).
 _RNE_MAGIC = tl.constexpr(12582912.0)
@@ -399,7 +399,6 @@ def _copy_kernel(
 
 # --------------------------------------------------------------------------- launcher
 _KIND = {"asym": 0, "sym": 1, "fp8": 2, "none": 3}
-SFMT = {"float16": 0, "float32": 1, "fp8_e4m3": 2}  # the kernels' scale dtype codes
 
 
 def as_bytes(t: Tensor) -> Tensor:
@@ -428,7 +427,7 @@ def flush_config(q: Quant, head_dim: int, sink: int, residual: int, flush: int, 
     g = q.group_for(D) if q.quantized else 1
     channel = q.quantized and q.axis == "channel"
     kw = dict(D=D, DB=DB, S=sink, R=residual, F=flush, W=ring, KIND=_kind(q), BITS=q.bits,
-              E4M3=q.format == "fp8_e4m3", SFMT=SFMT[q.scale_dtype], HAS_ZERO=q.has_zero,
+              E4M3=q.format == "fp8_e4m3", SFMT=SCALE_CODES[q.scale_dtype], HAS_ZERO=q.has_zero,
               CHANNEL=channel, G=g, GB=triton.next_power_of_2(g) if not channel else g,
               ZMAX=Q.limits(q)[0] if q.quantized else 0.0, SMAX=Q.limits(q)[1] if q.quantized else 0.0)
     key = f"store.flush[{q.key()};D={D};S={sink};R={residual};F={flush};W={ring}]"
