@@ -16,8 +16,9 @@ holding ``G - 1`` pending keys and the sinks.
 
 A ``DynamicCache`` hands attention every stored token quantized and dequantized, and the call's own tokens in
 full precision; the held-out protocol is ``kvcompile eval``'s, over ``--windows`` windows. A variant is
-``chBITS,G,VG,PEND,S,KBODY[/VBODY]`` (e.g. ``ch4,32,64,int8,4,e4m3z8/e4m3``); ``full`` and ``lib:SCHEME:BITS`` (kvcompile's own
-cache) as in ``key_window.py``.
+``chBITS,G,VG,PEND,S,KBODY[/VBODY][,w]`` (e.g. ``ch4,32,64,int8,4,e4m3z8/e4m3``); ``,w`` codes a key group once
+its last token is written, before the call that wrote it attends, as kvcompile's store does (without it, at
+the start of the next call); ``full`` and ``lib:SCHEME:BITS`` (kvcompile's own cache) as in ``key_window.py``.
 
     python benchmarks/kivi_pages.py full lib:kivi+rot+sink:4 \\
         lib:benchmarks/results/eval_serving/kivi4-r0-rot-sink.json ch4,32,64,int8,4,e4m3z8/e4m3 \\
@@ -75,17 +76,17 @@ class ChannelCache(DynamicCache):
         # attends (kvcompile's store: write, then read); else at the start of the next call
         self.at_write = at_write
 
-    def keys(self, k: torch.Tensor, written: torch.Tensor | None = None) -> torch.Tensor:
-        """The stored keys ``k [B, H, t, D]`` as held: complete groups coded per channel, the rest pending.
-        ``written``: every key written so far (the call's own too), which decides the complete groups."""
+    def keys(self, k: torch.Tensor, t: int) -> torch.Tensor:
+        """The first ``t`` keys of ``k [B, H, T, D]`` as held: complete groups coded per channel, the rest
+        pending; the groups complete among all of ``k`` are coded (``k``: the stored keys, or every key written
+        so far when groups are coded at write)."""
         y = k.float() @ self.H
-        out = y.clone()
-        S, G, t = self.sink, self.group, y.shape[2]
-        src = y if written is None else written.float() @ self.H
-        body = src[:, :, S:]
+        S, G = self.sink, self.group
+        out = y[:, :, :t].clone()
+        body = y[:, :, S:]
         if self.pend == "int8":  # what the pending store holds, and a complete group is coded from
             body = grouped(body, y.shape[-1], 8, "e4m3")
-        n = max(0, src.shape[2] - S) // G * G
+        n = max(0, y.shape[2] - S) // G * G
         m = min(n, max(0, t - S))  # the stored tokens in complete groups
         if n:
             g = body[:, :, :n].reshape(*y.shape[:2], n // G, G, y.shape[-1]).transpose(-1, -2)
@@ -106,7 +107,7 @@ class ChannelCache(DynamicCache):
         t = K.shape[2] - new
         if t == 0:
             return K, V
-        return (torch.cat([self.keys(K[:, :, :t], K if self.at_write else None), K[:, :, t:]], 2),
+        return (torch.cat([self.keys(K if self.at_write else K[:, :, :t], t), K[:, :, t:]], 2),
                 torch.cat([self.values(V[:, :, :t]), V[:, :, t:]], 2))
 
 
@@ -131,8 +132,7 @@ def variant(spec: str, head: int):
     per_token = 2 * b + scale_bits(b, kbody) / G + scale_bits(b, vbody) / VG  # keys + values, per channel
     total = (REQUEST - S) * per_token + (G - 1) * pend_bits + S * 32  # a slot holds the pending keys, the sinks
     make = lambda model, policy, n, fast: ChannelCache(b, G, VG, pend, S, kbody, vbody, head, at_write)  # noqa: E731
-    return (make, Policy.full(),
-            total / (2 * REQUEST))
+    return make, Policy.full(), total / (2 * REQUEST)
 
 
 def main() -> None:

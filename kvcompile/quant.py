@@ -68,10 +68,10 @@ grid is the widest the scale dtype holds and elements outside it clip to its nea
 ``x`` comes back within half a step (fp8: the format's relative error) of ``clip(x, lo, hi)``, where
 ``[lo, hi]`` is ``[zero, zero + Q*scale]`` (asymmetric; with fp8 scales ``[-zero*scale, (Q-zero)*scale]``),
 ``[-q*scale, q*scale]`` (symmetric) or ``[-F*scale, F*scale]`` (fp8) -- e.g. an int8 asymmetric group with
-fp16 scales and minimum -1e6 stores zero = -65504 and clips its elements below that to -65504. ``clipped(x, q)`` says which elements clip. Every stored
-scale, zero point and dequantized value of a finite input is finite; ``dequantize`` to a narrower dtype
-saturates the same way (``saturate``: a finite value beyond the dtype's range becomes its largest finite
-value, never inf).
+fp16 scales and minimum -1e6 stores zero = -65504 and clips its elements below that to -65504.
+``clipped(x, q)`` says which elements clip. Every stored scale, zero point and dequantized value of a finite
+input is finite; ``dequantize`` to a narrower dtype saturates the same way (``saturate``: a finite value beyond
+the dtype's range becomes its largest finite value, never inf).
 
 **Non-finite input (NaN, +-inf).** It is never hidden, and it spreads to its group and no further: a group
 holding any NaN or +-inf is *poisoned* -- its scale (and zero point) is NaN and all its codes are 0, so

@@ -210,25 +210,21 @@ class LayerSpec:
 
     # ---- allocation
     def _block_shapes(self, which: str):
-        """Per block: (codes shape, codes dtype, scale shape, zero shape); () where the tensor is empty."""
+        """Per block, in ``POOL_FIELDS`` order for keys or values: (shape, dtype) of the codes, the scales and the
+        zero points; shape None where the tensor is empty."""
         q = self.policy.key if which == "k" else self.policy.value
         H, D, BS = self.heads, self.head_dim, self.block
+        sdt, zdt = Q.SCALE_TORCH_DTYPE[q.scale_dtype], Q.zero_dtype(q)
         if not q.quantized:
-            return (H, BS, D), self.torch_dtype, None, None
+            return [((H, BS, D), self.torch_dtype), (None, sdt), (None, zdt)]
         ss = (H, *Q.scale_shape(q, BS, D))
-        return (H, BS, Q.packed_bytes(D, q.bits)), torch.uint8, ss, ss if q.has_zero else None
+        return [((H, BS, Q.packed_bytes(D, q.bits)), torch.uint8), (ss, sdt), (ss if q.has_zero else None, zdt)]
 
     @normal_tensors
     def pool(self, blocks: int, device="cpu") -> list[Tensor]:
         """Zero-filled pool tensors of ``blocks`` blocks, in ``POOL_FIELDS`` order."""
-        out = []
-        for which in ("k", "v"):
-            q = self.policy.key if which == "k" else self.policy.value
-            cshape, cdt, sshape, zshape = self._block_shapes(which)
-            out.append(torch.zeros((blocks, *cshape), dtype=cdt, device=device))
-            for shape, dt in ((sshape, Q.SCALE_TORCH_DTYPE[q.scale_dtype]), (zshape, Q.zero_dtype(q))):
-                out.append(torch.zeros((blocks, *shape) if shape else (0,), dtype=dt, device=device))
-        return out
+        return [torch.zeros((blocks, *shape) if shape else (0,), dtype=dt, device=device)
+                for which in ("k", "v") for shape, dt in self._block_shapes(which)]
 
     @normal_tensors
     def rows(self, batch: int, table_width: int = 0, device="cpu") -> list[Tensor]:
@@ -252,15 +248,8 @@ class LayerSpec:
 
     def block_nbytes(self) -> int:
         """Bytes of one block: packed codes, scales and zero points of keys and values, every kv head."""
-        total = 0
-        for which in ("k", "v"):
-            q = self.policy.key if which == "k" else self.policy.value
-            cshape, cdt, sshape, zshape = self._block_shapes(which)
-            total += math.prod(cshape) * _esize(cdt)
-            for shape, dt in ((sshape, Q.SCALE_TORCH_DTYPE[q.scale_dtype]), (zshape, Q.zero_dtype(q))):
-                if shape:
-                    total += math.prod(shape) * _esize(dt)
-        return total
+        return sum(math.prod(shape) * _esize(dt) for which in ("k", "v") for shape, dt in self._block_shapes(which)
+                   if shape)
 
     def row_nbytes(self) -> int:
         """Bytes each sequence holds besides its blocks: ring and sinks of keys and values, its length."""

@@ -193,7 +193,7 @@ def _quantize(x, valid, AXIS: tl.constexpr, KIND: tl.constexpr, BITS: tl.constex
             y = _rne(tl.math.div_rn(x, tl.expand_dims(sf, AXIS))) + tl.expand_dims(z, AXIS)
             y = tl.minimum(tl.maximum(y, 0.0), float(QMAX))
             y = tl.where(tl.expand_dims(bad, AXIS), 0.0, y)  # a poisoned group's codes are 0
-            return y.to(tl.int32), tl.where(bad, 0x7F, scale), tl.where(bad, 0, z.to(tl.int32))
+            return y.to(tl.int32), tl.where(bad, _nan_scale(scale, SFMT), scale), tl.where(bad, 0, z.to(tl.int32))
         mn = tl.where(mn < -ZMAX, -ZMAX, mn)
         mn = tl.where(mn > ZMAX, ZMAX, mn)
         zero = _round_scale(mn, False, SFMT == 0)
