@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 # SmolLM2-135M's cache geometry: 30 layers, 3 KV heads of 64 (hidden 576, 9 query heads)
 SMOL = dict(vocab_size=64, hidden_size=576, intermediate_size=64, num_hidden_layers=30, num_attention_heads=9,
-            num_key_value_heads=3, head_dim=64)
+            num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)
 # the issue's bars: tokens and requests over transformers' cache, by the serving policy's width
 BARS = {8: 1.9, 4: 3.5, 2: 6.0}
 
@@ -70,7 +71,8 @@ def main(argv=None) -> list[dict]:
     cfg = LlamaConfig(**SMOL)
     dtype = getattr(torch, args.dtype)
     budget = args.budget_mib * 2**20
-    shape = P.ModelShape("SmolLM2-135M", 30, 3, 64, 0, dtype_bytes=torch.empty((), dtype=dtype).element_size())
+    shape = replace(P.shape_from_config(cfg, 0, "SmolLM2-135M"),
+                    dtype_bytes=torch.empty((), dtype=dtype).element_size())
     rows = []
     for label, pol, bar in policies():
         r = serving.capacity(cfg, pol, budget, dtype, request_tokens=args.request_tokens, page_size=args.page_size)

@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence, then name one famous landmark there."
@@ -445,8 +446,6 @@ def cmd_plan(args) -> int:
         if given:
             raise UsageError(f"{' and '.join(given)} {'sizes' if len(given) == 1 else 'size'} the serving pool "
                              f"(kvcompile serve): add --serving")
-    elif args.plot:
-        raise UsageError("--plot draws sequences per GPU against the context; with --serving, use --json")
     elif args.budget_mib is not None and args.available_gb is not None:
         raise UsageError("--budget-mib and --available-gb both give the serving pool's bytes: pass one of them")
     if args.config and args.preset:
@@ -482,8 +481,7 @@ def cmd_plan(args) -> int:
         else:
             shape = P.PRESETS[args.preset or (PLAN_SERVING_PRESET if args.serving else PLAN_PRESET)]
             if weights is not None:
-                shape = P.ModelShape(shape.name, shape.layers, shape.kv_heads, shape.head_dim, weights,
-                                     shape.dtype_bytes, shape.windows)
+                shape = replace(shape, weight_bytes=weights)
     except P.PlanError as e:
         raise UsageError(f"--config {args.config!r}: {e}" if args.config else str(e)) from None
     if args.tp != 1:  # one GPU's share of the KV heads and of the weights
@@ -525,8 +523,6 @@ def cmd_plan(args) -> int:
 def _plan_serving(args, shape) -> int:
     """``kvcompile plan --serving``: the pool ``kvcompile serve`` allocates for one budget, under each policy,
     against transformers' own paged cache."""
-    from dataclasses import replace
-
     from . import plan as P
 
     if args.dtype is not None:
@@ -549,8 +545,6 @@ def _plan_serving(args, shape) -> int:
         budget = int(avail)
     else:
         budget = PLAN_SERVING_BUDGET_MIB * 2**20
-    if args.json:
-        _check_writable_file(args.json, "--json")
     page = args.page_size if args.page_size is not None else P.PAGE_SIZE
     policies = {**P.default_serving_policies(), **{text: pol for text, pol in args.policy or ()}}
     try:
@@ -568,6 +562,13 @@ def _plan_serving(args, shape) -> int:
                 P.serving_to_json(theirs, rows, shape, budget, args.context, args.max_requests, left_out))
         except OSError as e:
             raise UsageError(f"could not write {e.filename or args.json}: {e.strerror or _one_line(e)}") from None
+    if args.plot:
+        try:
+            png = P.plot_serving(shape, budget, Path(args.plot).expanduser(), policies, page_size=page,
+                                 max_requests=args.max_requests, shared_tokens=args.shared_tokens or 0)
+        except OSError as e:
+            raise UsageError(f"could not write {e.filename or args.plot}: {e.strerror or _one_line(e)}") from None
+        print(f"wrote {png}")
     return 0
 
 
@@ -772,7 +773,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--shared-tokens", type=_POSITIVE_INT, default=None,
                     help="with --serving: every request begins with the same prompt of this many tokens (a system "
                          "prompt), whose whole pages are held once where pages are shared (default: none)")
-    pl.add_argument("--plot", default=None, help="write a PNG of sequences vs context here (default: none)")
+    pl.add_argument("--plot", default=None,
+                    help="write a PNG of sequences vs context here (with --serving: requests held vs tokens per "
+                         "request, and over transformers' own) (default: none)")
     pl.add_argument("--json", default=None, help="write the table as JSON here (default: none)")
     pl.add_argument("--policy", nargs="+", type=_labelled_policy, default=None, metavar="POLICY",
                     help="more rows: SCHEME:BITS (e.g. kivi+rot+sink:3) or a policy file (*.json, from kvcompile "

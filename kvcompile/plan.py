@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import sympy as sp
@@ -53,6 +53,7 @@ class ModelShape:
     # (layer index, window) of the layers attending over a sliding or chunked window only (kvcompile.hf)
     windows: tuple[tuple[int, int], ...] = ()
     tp: int = 1  # GPUs the model is sharded over (tensor parallelism): kv_heads and weight_bytes are one GPU's
+    max_positions: int | None = None  # the model's positions: the most tokens one request holds (serving tables)
 
     def __post_init__(self):
         for f in ("layers", "kv_heads", "head_dim", "dtype_bytes", "tp"):
@@ -66,11 +67,11 @@ class ModelShape:
 
 PRESETS = {
     # Meta Llama 3: 8B has 32 layers, 8 KV heads of 128; 70B has 80 layers, same heads. BF16 weights.
-    "llama3-8b": ModelShape("Llama 3 8B", 32, 8, 128, 16.1 * GB),
-    "llama3-70b": ModelShape("Llama 3 70B", 80, 8, 128, 141.0 * GB),
+    "llama3-8b": ModelShape("Llama 3 8B", 32, 8, 128, 16.1 * GB, max_positions=8192),
+    "llama3-70b": ModelShape("Llama 3 70B", 80, 8, 128, 141.0 * GB, max_positions=8192),
     # HuggingFaceTB SmolLM2-135M(-Instruct), the model kvcompile eval and kvcompile serve use by default: 30
-    # layers, 3 KV heads of 64; 134.5M parameters in BF16.
-    "smollm2-135m": ModelShape("SmolLM2-135M", 30, 3, 64, 0.269 * GB),
+    # layers, 3 KV heads of 64; 134.5M parameters in BF16; 8,192 positions.
+    "smollm2-135m": ModelShape("SmolLM2-135M", 30, 3, 64, 0.269 * GB, max_positions=8192),
 }
 
 
@@ -92,8 +93,7 @@ def shard(shape: ModelShape, tp: int) -> ModelShape:
             f"tensor parallelism over {tp} GPUs: {shape.name} has {shape.kv_heads} KV heads, which {tp} GPUs cannot "
             f"split into whole heads (transformers shards the key projection by rows; kvcompile.apply refuses "
             f"such a model). Use a tensor-parallel size that divides {shape.kv_heads} ({_divisors(shape.kv_heads)})")
-    return ModelShape(shape.name, shape.layers, shape.kv_heads // tp, shape.head_dim, shape.weight_bytes / tp,
-                      shape.dtype_bytes, shape.windows, tp)
+    return replace(shape, kv_heads=shape.kv_heads // tp, weight_bytes=shape.weight_bytes / tp, tp=tp)
 
 
 def shape_from_config(path_or_config, weight_bytes: float | None = None, name: str | None = None) -> ModelShape:
@@ -103,6 +103,7 @@ def shape_from_config(path_or_config, weight_bytes: float | None = None, name: s
     from the local disk only (nothing is downloaded); a path that is not a readable config is a ``PlanError``.
     """
     from .hf import model_shape, windowed_layers
+    from .serving import request_limit
 
     folder = None
     cfg = path_or_config
@@ -122,7 +123,7 @@ def shape_from_config(path_or_config, weight_bytes: float | None = None, name: s
                                  "folder that holds its *.safetensors files")
         weight_bytes = sum(f.stat().st_size for f in files)
     return ModelShape(name or getattr(cfg, "name_or_path", "") or "model", layers, kv, hd, float(weight_bytes),
-                      windows=tuple(sorted(windowed_layers(cfg).items())))
+                      windows=tuple(sorted(windowed_layers(cfg).items())), max_positions=request_limit(cfg))
 
 
 def _read_config(p: Path):
@@ -438,7 +439,7 @@ def serving_pool(label: str, policy: Policy, shape: ModelShape, budget: int, req
     names = [f"model.layers.{i}.self_attn" for i in range(shape.layers)]
     specs = specs_for(policy.resolve(names), shape.kv_heads, shape.head_dim, dtype)
     try:
-        size = size_pool(specs, budget, request_tokens, max_requests, shared_tokens)
+        size = size_pool(specs, budget, request_tokens, max_requests, shared_tokens, shape.max_positions)
     except KVCompileError as e:
         raise PlanError(f"{label}: {str(e).removeprefix('kvcompile serving: ')}") from None
     if size.requests < 1:
@@ -507,6 +508,64 @@ def format_serving_table(theirs: TransformersPool, rows: list[ServingRow], shape
                  f"(kvcompile.serving.configure(model, budget=, max_requests=)) allocates exactly this pool.")
     lines += [f"not shown, {label}: {why}" for label, why in left_out]
     return "\n".join(lines)
+
+
+SERVING_PLOT_TOKENS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def plot_serving(shape: ModelShape, budget: int, path, policies: dict | None = None,
+                 request_tokens=SERVING_PLOT_TOKENS, page_size: int = PAGE_SIZE, max_requests: int | None = None,
+                 shared_tokens: int = 0) -> Path:
+    """Concurrent requests one byte budget holds against the request's length, for transformers' own paged
+    cache and kvcompile's pool under each policy (left), and each policy's count over transformers' (right),
+    sized as ``plan_serving`` sizes them. A length at which a pool holds no request (or not above
+    ``shared_tokens``) is left out of its line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    nan = float("nan")
+
+    def held(size, n):
+        try:
+            return size(n).requests or nan
+        except PlanError:
+            return nan
+
+    def ratio(label, pol, n):  # at a budget of LARGE of transformers' requests: whole requests do not round it
+        big = LARGE * transformers_pool(shape, 1, n, page_size).pages_per_request * page_size * bpt
+        return (held(lambda n: serving_pool(label, pol, shape, big, n, None, shared_tokens), n)
+                / held(lambda n: transformers_pool(shape, big, n, page_size, shared_tokens), n))
+
+    from .accounting import full_precision_bytes_per_token
+    bpt = full_precision_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, _serving_shape(shape))
+    LARGE = 1000
+    policies = policies or default_serving_policies()
+    fig, (ax, rx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax.set_prop_cycle(linestyle=["-", "-.", ":"] * 5, color=plt.get_cmap("tab20").colors[:15])
+    rx.set_prop_cycle(linestyle=["-", "-.", ":"] * 5, color=plt.get_cmap("tab20").colors[:15])
+    theirs = [held(lambda n: transformers_pool(shape, budget, n, page_size, shared_tokens), n) for n in request_tokens]
+    ax.plot(request_tokens, theirs, "k--", marker="s", ms=3, label="transformers' PagedAttentionCache")
+    for label, pol in policies.items():
+        ax.plot(request_tokens, [held(lambda n: serving_pool(label, pol, shape, budget, n, max_requests, shared_tokens),
+                                      n) for n in request_tokens], marker="o", ms=3, label=label)
+        rx.plot(request_tokens, [ratio(label, pol, n) for n in request_tokens], marker="o", ms=3, label=label)
+    for a in (ax, rx):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("tokens per request")
+        a.grid(alpha=0.3, which="both")
+    ax.set_yscale("log", base=2)
+    ax.set_ylabel("concurrent requests")
+    rx.set_ylabel("x transformers' requests")
+    ax.set_title(f"{shape.name}: {budget / 2**20:,.0f} MiB of serving cache")
+    rx.set_title(f"over transformers' own cache, per byte (a budget of {LARGE:,} of its requests)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def serving_to_json(theirs: TransformersPool, rows: list[ServingRow], shape: ModelShape, budget: int,

@@ -487,9 +487,11 @@ def check_response(body: dict) -> None:
 def cache_token_limit(cb, model) -> int:
     """Tokens one request may hold: every page of the cache (transformers' scheduler reads and allocates at
     most that for one request), and no more than the model's positions."""
+    from .serving import request_limit
+
     cfg = cb.continuous_batching_config
     limit = cfg.num_blocks * cfg.page_size
-    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    positions = request_limit(model.config)
     return min(limit, positions) if positions else limit
 
 

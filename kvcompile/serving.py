@@ -108,7 +108,8 @@ def configure(model, *, budget: int | None = None, max_requests: int | None = No
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"kvcompile.serving.configure({name}={v!r}): expected a positive integer")
     if budget is not None and max_requests is not None:  # both given: they must fit now, not at the first request
-        pool_blocks(layer_specs(model.config, opts, next(model.parameters()).dtype), budget, max_requests)
+        pool_blocks(layer_specs(model.config, opts, next(model.parameters()).dtype), budget, max_requests,
+                    request_limit(model.config.get_text_config()))
     opts.budget, opts.max_requests = budget, max_requests
 
 
@@ -195,18 +196,39 @@ def default_slots(specs: list[LayerSpec], budget: int) -> int:
     return max(1, min(DEFAULT_SLOTS, budget // (4 * sum(s.row_nbytes() for s in specs))))
 
 
-def pool_nbytes(specs: list[LayerSpec], slots: int, blocks: int) -> int:
+def request_limit(model_config) -> int | None:
+    """Tokens one request may hold at most: the model's positions (``max_position_embeddings``; None where the
+    config gives none)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return getattr(text, "max_position_embeddings", None)
+
+
+def table_width(specs: list[LayerSpec], blocks: int, max_tokens: int | None = None) -> int:
+    """Columns of a slot's block table: the blocks one request of at most ``max_tokens`` tokens holds
+    (``request_pages``), and never more than the pool's ``blocks`` (every block where ``max_tokens`` is None).
+    Allocated once at this width; a request longer than ``max_tokens`` widens its store's table."""
+    return blocks if max_tokens is None else min(blocks, request_pages(specs, max_tokens))
+
+
+def pool_nbytes(specs: list[LayerSpec], slots: int, blocks: int, max_tokens: int | None = None) -> int:
     """Bytes the stores allocate for ``slots`` rows and a pool of ``blocks`` blocks per layer: each row's ring,
-    sinks and length; each block's codes, scales and zero points; and the block table at full width (an int32
-    per slot and block, allocated once so it never grows)."""
-    return sum(slots * s.row_nbytes() + blocks * s.block_nbytes() + 4 * slots * blocks for s in specs)
+    sinks and length; each block's codes, scales and zero points; and each layer's block table, an int32 per
+    slot and column (``table_width``)."""
+    width = table_width(specs, blocks, max_tokens)
+    return sum(slots * s.row_nbytes() + blocks * s.block_nbytes() + 4 * slots * width for s in specs)
 
 
-def pool_blocks(specs: list[LayerSpec], budget: int, slots: int) -> int:
+def pool_blocks(specs: list[LayerSpec], budget: int, slots: int, max_tokens: int | None = None) -> int:
     """Blocks per layer that ``budget`` bytes buy once ``slots`` rows (ring, sinks, length) are paid for: the
-    most ``blocks`` with ``pool_nbytes(specs, slots, blocks) <= budget``."""
-    fixed = pool_nbytes(specs, slots, 0)
-    blocks = (budget - fixed) // (pool_nbytes(specs, slots, 1) - fixed)
+    most ``blocks`` with ``pool_nbytes(specs, slots, blocks, max_tokens) <= budget``."""
+    def cost(n):
+        return pool_nbytes(specs, slots, n, max_tokens)
+
+    fixed = cost(0)
+    blocks = (budget - fixed) // (cost(1) - fixed)  # a table column per block
+    width = table_width(specs, blocks, max_tokens)
+    if width < blocks:  # the tables stop at ``width`` columns: past them a block costs only its own bytes
+        blocks = width + (budget - cost(width)) // (cost(width + 1) - cost(width))
     if blocks < 1:
         raise KVCompileError(
             f"kvcompile serving: a budget of {budget:,} bytes does not hold one block after {slots} request slots "
@@ -214,17 +236,18 @@ def pool_blocks(specs: list[LayerSpec], budget: int, slots: int) -> int:
     return int(blocks)
 
 
-def most_slots(specs: list[LayerSpec], budget: int, request_tokens: int, shared_tokens: int = 0) -> int:
+def most_slots(specs: list[LayerSpec], budget: int, request_tokens: int, shared_tokens: int = 0,
+               max_tokens: int | None = None) -> int:
     """The most slots whose requests of ``request_tokens`` tokens the budget holds all at once: each slot's
-    row, and the pool blocks (and their table columns) the requests hold (``pages_held``; ``shared_tokens``:
-    a prompt prefix they share). 0 if not one."""
+    row and table, and the pool blocks the requests hold (``pages_held``; ``shared_tokens``: a prompt prefix
+    they share). 0 if not one."""
     need, shared = request_pages(specs, request_tokens), shared_pages(shared_tokens, specs[0].block)
     own = need - shared
 
     def fits(n):
-        return pool_nbytes(specs, n, pages_held(n, need, shared)) <= budget
+        return pool_nbytes(specs, n, pages_held(n, need, shared), max_tokens) <= budget
 
-    lo, hi = 0, budget // pool_nbytes(specs, 1, own) + 1  # fits(lo); not fits(hi): a slot costs at least that
+    lo, hi = 0, budget // pool_nbytes(specs, 1, own, max_tokens) + 1  # fits(lo); not fits(hi): a slot costs that
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -258,25 +281,26 @@ class PoolSize:
 
 
 def size_pool(specs: list[LayerSpec], budget: int, request_tokens: int, slots: int | None = None,
-              shared_tokens: int = 0) -> PoolSize:
+              shared_tokens: int = 0, max_tokens: int | None = None) -> PoolSize:
     """The pool ``budget`` bytes buy with ``slots`` request rows; ``slots=None``: the most requests of
     ``request_tokens`` tokens the budget holds (``most_slots``), their first ``shared_tokens`` tokens a
-    prompt prefix they share where the policy shares pages (``shares_pages``)."""
+    prompt prefix they share where the policy shares pages (``shares_pages``); block tables as wide as a
+    request of ``max_tokens`` tokens needs (``table_width``)."""
     for name, v in (("budget", budget), ("request_tokens", request_tokens), ("slots", slots)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"kvcompile serving: {name}={v!r}: expected a positive integer")
     check_shared_tokens(shared_tokens, request_tokens)
     shared_tokens = shared_tokens if shares_pages(specs) else 0
     if slots is None:
-        slots = most_slots(specs, budget, request_tokens, shared_tokens)
+        slots = most_slots(specs, budget, request_tokens, shared_tokens, max_tokens)
         if slots < 1:
-            one = pool_nbytes(specs, 1, request_pages(specs, request_tokens))
+            one = pool_nbytes(specs, 1, request_pages(specs, request_tokens), max_tokens)
             raise KVCompileError(f"kvcompile serving: a budget of {budget:,} bytes holds no request of "
                                  f"{request_tokens:,} tokens (one takes {one:,} bytes: its slot and its pages); "
                                  f"raise the budget or shorten the requests")
-    blocks = pool_blocks(specs, budget, slots)
-    return PoolSize(budget, slots, blocks, specs[0].block, request_tokens, pool_nbytes(specs, slots, blocks),
-                    request_pages(specs, request_tokens), shared_tokens)
+    blocks = pool_blocks(specs, budget, slots, max_tokens)
+    return PoolSize(budget, slots, blocks, specs[0].block, request_tokens,
+                    pool_nbytes(specs, slots, blocks, max_tokens), request_pages(specs, request_tokens), shared_tokens)
 
 
 def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = torch.bfloat16,
@@ -294,7 +318,8 @@ def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = tor
       ``shared_tokens``: the first tokens of every request are the same prompt, whose whole pages they
       share (``pages_held``) in transformers' engine and, where the policy ``shares_pages``, in kvcompile's;
     - ``allocated``: bytes of the tensors allocated (kvcompile: pools, rings, sinks, lengths and block
-      tables at full width; transformers: its tensor, with its two trash sectors; ``data``: without them).
+      tables, as wide as a request of the model's positions needs; transformers: its tensor, with its two
+      trash sectors; ``data``: without them).
     """
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.distributed import DistributedHelper
@@ -304,8 +329,9 @@ def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = tor
     layers, kv, _ = model_shape(model_config)
     names = layer_names or [f"model.layers.{i}.self_attn" for i in range(layers)]
     specs = layer_specs(model_config, ServingOptions(policy, names, kv), dtype)
-    size = size_pool(specs, budget, request_tokens, max_requests, shared_tokens)
-    stores = make_stores(specs, size.slots, size.blocks)
+    limit = request_limit(model_config)
+    size = size_pool(specs, budget, request_tokens, max_requests, shared_tokens, limit)
+    stores = make_stores(specs, size.slots, size.blocks, max_tokens=limit)
     blocks, slots = stores[0].state.k_codes.shape[0], stores[0].state.lengths.numel()  # as allocated
     ours = dict(allocated=sum(state_nbytes(st.state) for st in stores), budgeted=budget, blocks=blocks,
                 block_tokens=specs[0].block, tokens=blocks * specs[0].block, slots=slots,
@@ -328,13 +354,14 @@ def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = tor
                 request_ratio=ours["requests"] / max(1, theirs["requests"]))
 
 
-def make_stores(specs: list[LayerSpec], slots: int, blocks: int, device="cpu") -> list[KVStore]:
+def make_stores(specs: list[LayerSpec], slots: int, blocks: int, device="cpu",
+                max_tokens: int | None = None) -> list[KVStore]:
     """One store per layer: ``slots`` rows, a pool of ``blocks`` blocks allocated now (it never grows), and
-    the block table at full width. Its tensors are exactly what ``pool_nbytes`` counts."""
-    out = []
+    the block table at ``table_width``. Its tensors are exactly what ``pool_nbytes`` counts."""
+    out, width = [], table_width(specs, blocks, max_tokens)
     for s in specs:
         st = KVStore(s, slots, device, max_blocks=blocks, blocks=blocks)
-        st.state = st.state._replace(table=torch.full((slots, blocks), -1, dtype=torch.int32, device=device))
+        st.state = st.state._replace(table=torch.full((slots, width), -1, dtype=torch.int32, device=device))
         out.append(st)
     return out
 
@@ -448,7 +475,7 @@ def _make_cache_class():
 
         def __init__(self, config, continuous_batching_config, device, distributed_helper, dtype=torch.float16,
                      model_supports_logits_to_keep=False, *, specs: list[LayerSpec], slots: int, blocks: int,
-                     compiled: bool = False):
+                     compiled: bool = False, max_tokens: int | None = None):
             # transformers' own tensor is only counted, never used: it lives on the meta device
             # transformers builds its page accounting for this rank alone: its heads are counted in kvcompile's
             # specs (the rank's own), and its sizes come from the budget, the same on every rank (checked below;
@@ -490,7 +517,7 @@ def _make_cache_class():
                                      f"has {blocks} blocks")
             self.max_decode_fast_path_length = 0  # no block tables: attention reads kvcompile's own
             self.specs, self.slots = specs, slots
-            self.stores = make_stores(specs, slots, blocks, self.device)
+            self.stores = make_stores(specs, slots, blocks, self.device, max_tokens)
             # transformers' allocator hands out the pages and shares or frees them; page p is block p - first
             # of every layer's pool (its page ids start after the pool's reserved sectors)
             self._allocator = allocator
@@ -924,7 +951,8 @@ def _make_manager_class():
                           if asked.num_blocks else DEFAULT_BUDGET)
             self._slots = opts.max_requests or default_slots(self._specs, budget)
             self.budget = budget
-            self._blocks = pool_blocks(self._specs, budget, self._slots)
+            self._max_tokens = request_limit(text)
+            self._blocks = pool_blocks(self._specs, budget, self._slots, self._max_tokens)
             if model.config._attn_implementation not in ("sdpa", ATTN):
                 raise KVCompileError(f"kvcompile serving needs a model loaded with attn_implementation='sdpa' "
                                      f"(this one uses {model.config._attn_implementation!r})")
@@ -982,7 +1010,7 @@ def _make_manager_class():
 
             def factory(*args, **kwargs):
                 return cls(*args, specs=self._specs, slots=self._slots, blocks=self._blocks,
-                           compiled=self._compiled is not None, **kwargs)
+                           max_tokens=self._max_tokens, compiled=self._compiled is not None, **kwargs)
 
             with _cache_factory(factory):
                 bp = super()._create_batch_processor()

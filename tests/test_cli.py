@@ -25,12 +25,14 @@ def test_plan_70b_in_45_gib(capsys, tmp_path):
 
 
 def test_plan_serving_prints_both_caches_and_writes_json(capsys, tmp_path):
-    """plan --serving: transformers' pages and requests, then one row per policy (the defaults and --policy), and
-    the same numbers as JSON; the model is kvcompile serve's default (SmolLM2-135M's shape)."""
-    js = tmp_path / "s.json"
+    """plan --serving: transformers' pages and requests, then one row per policy (the defaults and --policy), the
+    same numbers as JSON, and a plot of requests against their length; the model is kvcompile serve's default
+    (SmolLM2-135M's shape)."""
+    js, png = tmp_path / "s.json", tmp_path / "plots" / "s.png"
     assert cli.main(["plan", "--serving", "--budget-mib", "16", "--request-tokens", "512", "--policy",
-                     "kivi+rot+sink:4", "--json", str(js)]) == 0
+                     "kivi+rot+sink:4", "--json", str(js), "--plot", str(png)]) == 0
     out = capsys.readouterr().out
+    assert png.read_bytes()[:4] == b"\x89PNG" and f"wrote {png}" in out
     assert "SmolLM2-135M: 30 layers x 3 KV heads x 64, bfloat16" in out
     # 16 MiB of bf16 pages of 256 tokens, 23,040 bytes a token: 2 pages, one 512-token request
     assert "transformers' PagedAttentionCache: 2 pages of 256 tokens (512 tokens), 2 pages a request: 1 request" in out
@@ -200,7 +202,6 @@ BAD_INPUTS = {
     "plan_serving_slots_too_many": ("plan --serving --budget-mib 8 --request-tokens 64 --max-requests 100000",
                                     r"does not hold one block after 100000 request slots .*lower max_requests"),
     "plan_serving_two_budgets": ("plan --serving --budget-mib 64 --available-gb 1", r"pass one of them"),
-    "plan_serving_plot": ("plan --serving --plot {tmp}/p.png", r"--plot draws .*with --serving, use --json"),
     "plan_serving_tp_split": ("plan --serving --tp 2", r"--tp 2: tensor parallelism over 2 GPUs: SmolLM2-135M has 3 KV "
                                                         r"heads, which 2 GPUs cannot split"),
     "plan_serving_budget_zero": ("plan --serving --budget-mib 0", r"argument --budget-mib: '0' is not a positive"),

@@ -1,5 +1,6 @@
 """The planner: published capacity figures, and the symbolic layout against the allocated one."""
 import json
+from dataclasses import replace
 
 import pytest
 import sympy as sp
@@ -149,7 +150,7 @@ def _check_planner_equals_allocation(cfg, policy, budget, tokens, dtype, max_req
 
     shape = P.shape_from_config(cfg, weight_bytes=0)
     if dtype == torch.float32:
-        shape = P.ModelShape(shape.name, shape.layers, shape.kv_heads, shape.head_dim, 0, dtype_bytes=4)
+        shape = replace(shape, dtype_bytes=4)
     row = P.serving_pool("p", policy, shape, budget, tokens, max_requests, shared_tokens)
     theirs = P.transformers_pool(shape, budget, tokens, page_size, shared_tokens)
     got = serving.capacity(cfg, policy, budget, dtype, request_tokens=tokens, page_size=page_size,
@@ -173,8 +174,28 @@ def test_serving_plan_equals_the_allocated_pool(name):
 
     cfg, policy = _small_config(), _policy(SERVING_POLICIES[name])
     for budget, tokens, dtype, slots in ((3 * 2**20, 256, torch.bfloat16, None), (5 * 2**20 + 7, 1000, torch.bfloat16, None),
-                                         (7 * 2**20, 64, torch.float32, None), (6 * 2**20, 257, torch.bfloat16, 3)):
+                                         (7 * 2**20, 64, torch.float32, None), (6 * 2**20, 257, torch.bfloat16, 3),
+                                         (24 * 2**20, 64, torch.bfloat16, None)):  # more blocks than a table's columns
         _check_planner_equals_allocation(cfg, policy, budget, tokens, dtype, slots)
+
+
+def test_block_tables_are_as_wide_as_the_longest_request_not_the_pool():
+    """A slot's block table has a column for each block one request can hold (the model's positions), not for
+    every block of the pool: at a budget of a thousand requests a table as wide as the pool (an int32 per slot
+    and block, each layer) would take more bytes than the pages. So the requests a large budget holds follow
+    the bits per element: 16 / 2.5 = 6.4 at int2 per token-head, less the tables' 128 columns (0.4 %)."""
+    from kvcompile.evaluate import scheme_policy
+    from kvcompile.serving import table_width
+
+    shape = P.PRESETS["smollm2-135m"]
+    budget = 1000 * 1024 * 23_040  # a thousand 1K-token requests in bf16 pages
+    row = P.serving_pool("tok+rot:2", scheme_policy("tok+rot", 2), shape, budget, 1024)
+    theirs = P.transformers_pool(shape, budget, 1024)
+    assert theirs.requests == 1000 and row.blocks > 100_000
+    assert 6.3 <= row.requests / theirs.requests <= 6.4
+    specs = [LayerSpec(scheme_policy("tok+rot", 2), 3, 64, "bfloat16")] * 30
+    assert table_width(specs, row.blocks, 8192) == 8192 // specs[0].block == 128
+    assert table_width(specs, 10, 8192) == 10 and table_width(specs, row.blocks) == row.blocks
 
 
 @pytest.mark.parametrize("name", ["int8", "kivi2", "tok+rot:4", "tok+rot+sink:4"])

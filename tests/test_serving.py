@@ -118,6 +118,23 @@ def test_the_manager_runs_on_kvcompiles_store_and_finished_requests_free_their_b
     assert cache.cache_tensor.device.type == "meta"
 
 
+def test_a_request_longer_than_the_models_positions_widens_its_table():
+    """A slot's block table is as wide as a request of the model's positions needs (``table_width``); a request
+    past them (transformers' engine does not refuse one) widens its store's table and decodes as transformers'
+    own engine does."""
+    def short(model):
+        model.config.max_position_embeddings = 64  # the 70- and 150-token prompts are longer: one 64-token block
+        return model
+
+    with torch.no_grad():
+        want = tokens(short(tiny()).generate_batch(prompts(), GEN, continuous_batching_config=cb_config(),
+                                                   progress_bar=False))
+        model = kvcompile.apply(short(tiny()), Policy.full())
+        assert serving.table_width(serving.layer_specs(model.config, model._kvcompile_serving, model.dtype), 8, 64) == 1
+        got = tokens(model.generate_batch(prompts(), GEN, continuous_batching_config=cb_config(), progress_bar=False))
+    assert got == want
+
+
 def test_generate_batch_with_no_configuration(reference):
     """The obvious call, ``model.generate_batch(prompts, generation_config)``: transformers' default continuous
     batching config (no page count, its default token budget) over kvcompile's default budget. transformers'
@@ -483,7 +500,7 @@ def test_transformers_own_paged_cache_is_refused_by_an_applied_model():
 
 # --------------------------------------------------------------------------- the pool sized in bytes
 SMOL = dict(vocab_size=64, hidden_size=576, intermediate_size=64, num_hidden_layers=30, num_attention_heads=9,
-            num_key_value_heads=3, head_dim=64)  # SmolLM2-135M's cache geometry (no weights needed)
+            num_key_value_heads=3, head_dim=64, max_position_embeddings=8192)  # SmolLM2-135M's cache geometry
 
 
 def _scheme(entry):
@@ -501,11 +518,12 @@ BARS = {"tok+rot:4": 3.5, "tok+rot:2": 6.0, "tok+rot+sym:8": 1.9, "fp8-r0": 1.9}
                                   "tok+rot+fp8s:4", "kivi-r0+rot+sink+fp8s:2"])
 def test_one_byte_budget_holds_more_tokens_than_transformers_own_cache(name):
     """Both caches allocated for the same 256 MiB on a SmolLM2-shaped bf16 model (the tensors only: no weights):
-    kvcompile's allocation stays within the budget and is exactly its layout's arithmetic (slots' rings and sinks
-    + pool blocks + full-width tables); transformers' pages hold 23,040 bytes a token. The serving policies (no
-    full-precision window per request) reach the issue's bars in tokens and in concurrent 1K-token requests;
-    KIVI's and fp8's own windows (residual 128) are paid per slot, and Policy.int8's zero points cost 1/4 bit
-    more than the symmetric int8's, so those are only checked to beat transformers' cache."""
+    kvcompile's allocation stays within the budget and is exactly its layout's arithmetic (slots' rings and
+    sinks + pool blocks + tables as wide as the longest request); transformers' pages hold 23,040 bytes a token.
+    The serving policies (no full-precision window per request) reach the issue's bars in tokens and in
+    concurrent 1K-token requests; KIVI's and fp8's own windows (residual 128) are paid per slot, and
+    Policy.int8's zero points cost 1/4 bit more than the symmetric int8's, so those are only checked to beat
+    transformers' cache."""
     from transformers import LlamaConfig
 
     policy = {"fp8-r0": Policy.fp8(residual=0), "int8": Policy.int8(), "kivi4": Policy.kivi(4),
@@ -517,7 +535,8 @@ def test_one_byte_budget_holds_more_tokens_than_transformers_own_cache(name):
     specs = serving.layer_specs(cfg, serving.ServingOptions(policy, [str(i) for i in range(30)], 3), torch.bfloat16)
     assert ours["allocated"] == (ours["slots"] * sum(s.row_nbytes() for s in specs)
                                  + ours["blocks"] * sum(s.block_nbytes() for s in specs)
-                                 + 30 * 4 * ours["slots"] * ours["blocks"])  # tables: slots x blocks int32
+                                 # tables: an int32 per slot and block a request of SmolLM2's 8,192 positions holds
+                                 + 30 * 4 * ours["slots"] * min(ours["blocks"], serving.request_pages(specs, 8192)))
     assert ours["allocated"] <= budget
     fp_token = 30 * 2 * 3 * 64 * 2
     assert theirs["data"] == theirs["tokens"] * fp_token <= budget
