@@ -292,8 +292,9 @@ def cmd_demo(args) -> int:
 
 
 EVAL_DEFAULTS = dict(model=None, schemes=None, bits=None, entries=None, window=2048, windows=4, chunk=64,
-                     passkey=["full", "best:4", "best:2"], passkey_lengths=[1024, 2048, 4096, 8192],
-                     passkey_chunk=2048, trials=20, seed=0)
+                     passkey=None, passkey_lengths=[1024, 2048, 4096, 8192], passkey_chunk=2048, trials=20, seed=0)
+# passkey entries when --passkey is not given: best:BITS of the widths the run evaluates
+EVAL_PASSKEY = ("full", "best:4", "best:2")
 _ROW_KEYS = ("scheme", "bits", "bytes_per_token_bf16", "ratio_to_bf16", "loss", "loss_delta")
 
 
@@ -382,6 +383,9 @@ def cmd_eval(args) -> int:
         res = merge(results)
     else:
         pairs = _eval_pairs(args)
+        if args.passkey is None:  # not given: full, and best:BITS of the widths the run evaluates
+            widths = {b for _, b, _ in pairs}
+            args.passkey = [e for e in EVAL_PASSKEY if not e.startswith("best:") or int(e[5:]) in widths]
         if not pairs and not args.passkey:
             raise UsageError("--entries none with no --passkey entries evaluates nothing: add SCHEME:BITS entries "
                              "or passkey entries (e.g. --passkey full kivi:4)")
@@ -708,8 +712,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--chunk", type=_POSITIVE_INT, default=D["chunk"],
                    help="tokens fed through the cache per call in the scored half (default: %(default)s)")
     e.add_argument("--passkey", nargs="*", default=D["passkey"], metavar="ENTRY",
-                   help='passkey entries: "full", SCHEME:BITS, or best:BITS (lowest loss delta of that width); '
-                        'none after --passkey: no passkey (default: full best:4 best:2)')
+                   help='passkey entries: "full", SCHEME:BITS, a policy file, or best:BITS (the SCHEME:BITS of that '
+                        'width with the lowest loss delta); none after --passkey: no passkey (default: full, and '
+                        'best:4 and best:2 where the run evaluates that width)')
     e.add_argument("--passkey-lengths", nargs="+", type=_POSITIVE_INT, default=D["passkey_lengths"], metavar="N",
                    help="passkey context lengths in tokens (default: 1024 2048 4096 8192)")
     e.add_argument("--passkey-chunk", type=_POSITIVE_INT, default=D["passkey_chunk"],

@@ -566,7 +566,7 @@ def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int
         else:
             name, b = parse_entry(entry)
             if name == "best":  # the measured best scheme of that width, by loss delta
-                cands = [r for r in res["rows"] if r["bits"] == b and r["scheme"] != "full"]
+                cands = [r for r in res["rows"] if r["bits"] == b and r["scheme"] in SCHEMES]  # not policy files
                 if not cands:
                     raise ValueError(f"{entry!r}: no {b}-bit scheme was evaluated")
                 name = min(cands, key=lambda r: r["loss_delta"])["scheme"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcompile import cli
+from kvcompile import Policy, cli
 
 
 def test_plan_reproduces_the_textbook_counts(capsys):
@@ -114,6 +114,22 @@ def test_eval_writes_table_json_and_plot(capsys, tmp_path, tiny_dir):
     # merging runs re-renders without a model
     cli.main(["eval", "--merge", str(out / "eval.json"), str(out / "eval.json"), "--out", str(tmp_path / "m")])
     assert len(json.loads((tmp_path / "m" / "eval.json").read_text())["rows"]) == 3
+
+
+def test_eval_of_a_policy_file_with_the_default_passkey(tmp_path, tiny_dir):
+    """The obvious call, a policy file and nothing else: the default passkey entries are full precision and
+    best:BITS only of the widths the run evaluates (a policy file is none of them), so it runs; best:2 picks
+    among SCHEME:BITS entries, never a policy file (which it could not name as a scheme)."""
+    pol = tmp_path / "mine.json"
+    Policy.kivi(2, group=8, residual=16).save(pol)
+    out = tmp_path / "res"
+    assert cli.main(["eval", "--model", str(tiny_dir), "--entries", str(pol), "--window", "64", "--windows", "1",
+                     "--passkey-lengths", "256", "--trials", "1", "--out", str(out), "--no-progress"]) == 0
+    assert list(json.loads((out / "eval.json").read_text())["passkey"]) == ["full:16"]
+    assert cli.main(["eval", "--model", str(tiny_dir), "--entries", str(pol), "naive:2", "--window", "64",
+                     "--windows", "1", "--passkey", "best:2", "--passkey-lengths", "256", "--trials", "1", "--out",
+                     str(out), "--no-progress"]) == 0
+    assert list(json.loads((out / "eval.json").read_text())["passkey"]) == ["naive:2"]
 
 
 def test_eval_passkey_only_with_a_prefill_chunk(capsys, tmp_path, tiny_dir):
