@@ -110,6 +110,12 @@ class Quant:
     def has_zero(self) -> bool:
         return self.is_int and not self.symmetric
 
+    @property
+    def zero_counts_steps(self) -> bool:
+        """Whether the zero point is an int8 count of steps (``x^ = (code - zero) * scale``): with fp8 scales.
+        Otherwise it is the group's minimum, stored as the scale is (``x^ = code * scale + zero``)."""
+        return self.scale_dtype == "fp8_e4m3"
+
     def group_for(self, head_dim: int) -> int:
         """The resolved group size for a head of ``head_dim`` channels."""
         return head_dim if (self.group is None and self.axis == "token") else int(self.group or 1)

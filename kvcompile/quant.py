@@ -103,7 +103,7 @@ F16_MAX = 65504.0
 
 def zero_dtype(q: Quant) -> torch.dtype:
     """The stored zero point's dtype: the scale's, or int8 with fp8 scales."""
-    return torch.int8 if q.scale_dtype == "fp8_e4m3" else SCALE_TORCH_DTYPE[q.scale_dtype]
+    return torch.int8 if q.zero_counts_steps else SCALE_TORCH_DTYPE[q.scale_dtype]
 
 
 def limits(q: Quant) -> tuple[float, float]:
@@ -210,7 +210,7 @@ def quantize(x: Tensor, q: Quant) -> tuple[Tensor, Tensor, Tensor | None]:
         s = scale.float().unsqueeze(-1)
         y = torch.round(xg / torch.where(s == 0, torch.ones_like(s), s)).clamp(-qmax, qmax) + 2 ** (q.bits - 1)
         zero = None
-    elif q.scale_dtype == "fp8_e4m3":
+    elif q.zero_counts_steps:
         Q = 2 ** q.bits - 1
         lo = xg.amin(-1)
         need = torch.maximum((xg.amax(-1) - lo) / Q, lo.abs() / INT_ZERO[1])
@@ -247,7 +247,7 @@ def clipped(x: Tensor, q: Quant) -> Tensor:
     elif q.symmetric:
         qmax = 2 ** (q.bits - 1) - 1
         out = torch.round(xg / s1).abs() > qmax
-    elif q.scale_dtype == "fp8_e4m3":
+    elif q.zero_counts_steps:
         y = torch.round(xg / s1) + zero.float().unsqueeze(-1)
         out = (y < 0) | (y > 2 ** q.bits - 1)
     else:
@@ -266,7 +266,7 @@ def dequantize(codes: Tensor, scale: Tensor, zero: Tensor | None, q: Quant, dtyp
         y = cg.contiguous().view(FP8_DTYPES[q.format]).float() * s
     elif q.symmetric:
         y = (cg.float() - 2 ** (q.bits - 1)) * s
-    elif q.scale_dtype == "fp8_e4m3":
+    elif q.zero_counts_steps:
         y = (cg.float() - zero.float().unsqueeze(-1)) * s
     else:
         y = cg.float() * s + zero.float().unsqueeze(-1)

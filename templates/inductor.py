@@ -77,7 +77,7 @@ def _dequantized_planes(codes, scale, zero, q, D: int) -> tuple[list[Tensor], in
     if q.symmetric:
         return [(c - 2 ** (q.bits - 1)).float() * si for c, si in zip(planes, s)], per
     z = _plane_params(zero, q, D, per)
-    if q.scale_dtype == "fp8_e4m3":  # an int8 zero point counts steps: (code - zero) * scale
+    if q.zero_counts_steps:  # an int8 zero point counts steps: (code - zero) * scale
         return [(c.float() - zi) * si for c, si, zi in zip(planes, s, z)], per
     return [c.float() * si + zi for c, si, zi in zip(planes, s, z)], per
 
