@@ -371,6 +371,7 @@ def default_serving_policies() -> dict[str, Policy]:
         **{f"{name}:{bits}": scheme_policy(name, bits) for name, bits in SERVING_SCHEMES},
         # fp8 scales (one byte per scale, an int8 zero point): fewer bytes, at some loss (docs/results.md)
         **{f"{name}:{bits}": scheme_policy(name, bits) for name, bits in (("kivi+rot+sink+fp8s", 4),
+                                                                          ("kivi-g64+rot+sink+fp8s", 4),
                                                                           ("tok+rot+fp8s", 4))},
     }
 
@@ -518,37 +519,39 @@ def plot_serving(shape: ModelShape, budget: int, path, policies: dict | None = N
                  shared_tokens: int = 0) -> Path:
     """Concurrent requests one byte budget holds against the request's length, for transformers' own paged
     cache and kvcompile's pool under each policy (left), and each policy's count over transformers' (right),
-    sized as ``plan_serving`` sizes them. A length at which a pool holds no request (or not above
-    ``shared_tokens``) is left out of its line."""
+    sized as ``plan_serving`` sizes them; lengths up to the model's positions. A length at which a pool holds no
+    request (or not above ``shared_tokens``) is left out of its line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     nan = float("nan")
 
-    def held(size, n):
+    def held(size):  # the requests a pool holds; NaN for none
         try:
-            return size(n).requests or nan
+            return size().requests or nan
         except PlanError:
             return nan
 
     def ratio(label, pol, n):  # at a budget of LARGE of transformers' requests: whole requests do not round it
         big = LARGE * transformers_pool(shape, 1, n, page_size).pages_per_request * page_size * bpt
-        return (held(lambda n: serving_pool(label, pol, shape, big, n, None, shared_tokens), n)
-                / held(lambda n: transformers_pool(shape, big, n, page_size, shared_tokens), n))
+        return (held(lambda: serving_pool(label, pol, shape, big, n, None, shared_tokens))
+                / held(lambda: transformers_pool(shape, big, n, page_size, shared_tokens)))
 
     from .accounting import full_precision_bytes_per_token
     bpt = full_precision_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, _serving_shape(shape))
     LARGE = 1000
     policies = policies or default_serving_policies()
-    fig, (ax, rx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    request_tokens = [n for n in request_tokens if shape.max_positions is None or n <= shape.max_positions]
+    fig, (ax, rx) = plt.subplots(1, 2, figsize=(13, 4.8))
     ax.set_prop_cycle(linestyle=["-", "-.", ":"] * 5, color=plt.get_cmap("tab20").colors[:15])
     rx.set_prop_cycle(linestyle=["-", "-.", ":"] * 5, color=plt.get_cmap("tab20").colors[:15])
-    theirs = [held(lambda n: transformers_pool(shape, budget, n, page_size, shared_tokens), n) for n in request_tokens]
+    theirs = [held(lambda: transformers_pool(shape, budget, n, page_size, shared_tokens)) for n in request_tokens]
     ax.plot(request_tokens, theirs, "k--", marker="s", ms=3, label="transformers' PagedAttentionCache")
     for label, pol in policies.items():
-        ax.plot(request_tokens, [held(lambda n: serving_pool(label, pol, shape, budget, n, max_requests, shared_tokens),
-                                      n) for n in request_tokens], marker="o", ms=3, label=label)
+        ours = [held(lambda: serving_pool(label, pol, shape, budget, n, max_requests, shared_tokens))
+                for n in request_tokens]
+        ax.plot(request_tokens, ours, marker="o", ms=3, label=label)
         rx.plot(request_tokens, [ratio(label, pol, n) for n in request_tokens], marker="o", ms=3, label=label)
     for a in (ax, rx):
         a.set_xscale("log", base=2)
@@ -556,11 +559,11 @@ def plot_serving(shape: ModelShape, budget: int, path, policies: dict | None = N
         a.grid(alpha=0.3, which="both")
     ax.set_yscale("log", base=2)
     ax.set_ylabel("concurrent requests")
-    rx.set_ylabel("x transformers' requests")
+    rx.set_ylabel(f"x transformers' requests (at a budget of {LARGE:,} of them)")
     ax.set_title(f"{shape.name}: {budget / 2**20:,.0f} MiB of serving cache")
-    rx.set_title(f"over transformers' own cache, per byte (a budget of {LARGE:,} of its requests)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    rx.set_title("per byte, over transformers' own paged cache")
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="center right")
+    fig.tight_layout(rect=(0, 0, 0.8, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

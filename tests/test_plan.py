@@ -202,7 +202,8 @@ def test_block_tables_are_as_wide_as_the_longest_request_not_the_pool():
 def test_a_budget_of_exactly_n_requests(name):
     """The budget that holds exactly N requests, from the store's layout (each request: its slot's ring, sinks
     and length, the blocks its store writes -- ceil(T / block) without a window or sinks, fewer with: those
-    tokens are in the slot -- and their table columns in every slot's row of the full-width table):
+    tokens are in the slot -- and their table columns in every slot's row of the table, here narrower than the
+    2,048 positions' 32 columns):
     the planner and the allocation hold N there, allocating every byte, and N - 1 one byte below. The same for
     transformers' pages."""
     import torch
@@ -273,3 +274,23 @@ def test_serving_plan_refuses_what_it_cannot_plan():
     assert [r.label for r in rows] == ["tok2"] and left[0][0] == "int8" and "holds no request" in left[0][1]
     with pytest.raises(P.PlanError, match="no policy's serving pool holds a request"):
         P.plan_serving(shape, 2**16, 1024, {"int8": Policy.int8()})
+
+
+def test_long_requests_amortise_kivis_window():
+    """KIVI's window (residual + group - 1 recent tokens per request, in full precision) is paid once a request:
+    at SmolLM2's longest requests (8,192 tokens) it is 2 % of one, and KIVI int4 with one-byte scales in groups
+    of 64 (4.25 bits an element, 16 / 4.25 = 3.76x at most) holds 3.5x transformers' requests per byte (counted
+    at a budget of a thousand of its requests, so that whole requests do not round the ratio); at 1K tokens the
+    window is a sixth of a request and the same policy holds under 2.5x."""
+    from kvcompile.evaluate import scheme_policy
+
+    shape, policy = P.PRESETS["smollm2-135m"], scheme_policy("kivi-g64+rot+sink+fp8s", 4)
+    assert str(policy).startswith("k=int4.channel.64.asym.e4m3;v=int4.token.64.asym.e4m3;r=128;s=4")
+
+    def per_byte(tokens):
+        budget = 1000 * tokens * 23_040  # a thousand requests in bf16 pages
+        assert P.transformers_pool(shape, budget, tokens).requests == 1000
+        return P.serving_pool("g64", policy, shape, budget, tokens).requests / 1000
+
+    assert 3.5 <= per_byte(8192) < 16 / 4.25
+    assert per_byte(1024) < 2.5

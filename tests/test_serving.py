@@ -171,7 +171,8 @@ def test_quantized_policy_gives_kvcompiles_own_generate_tokens(reference, policy
     Policy.int8(), Policy.fp8(residual=8), Policy.kivi(3, group=4, residual=8),
     Policy.kivi(4, group=4, residual=8, sink=4, rotate=True),  # kvcompile serve's default, scaled to this model
     Policy.kivi(2, group=4, residual=0, sink=2, rotate=True, scale_dtype="fp8_e4m3"),
-], ids=["int8", "fp8", "kivi3", "kivi4-rot-sink", "kivi2-r0-fp8-scales"])
+    Policy.kivi(4, group=8, residual=8, sink=4, rotate=True, scale_dtype="fp8_e4m3"),  # values: the whole head
+], ids=["int8", "fp8", "kivi3", "kivi4-rot-sink", "kivi2-r0-fp8-scales", "kivi4-head-groups-fp8-scales"])
 def test_every_format_serves_kvcompiles_own_generate_tokens(policy):
     """Integers per token, fp8, 3-bit codes, sinks, the Hadamard rotation, fp8 scales: continuous batching gives
     what kvcompile's generate gives under the same policy."""
