@@ -292,6 +292,13 @@ def plot(shape: ModelShape, available: float, path, policies: dict | None = None
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     fig.tight_layout()
+    return _save(fig, path)
+
+
+def _save(fig, path) -> Path:
+    """Write ``fig`` as ``path`` (its folder made), close it, and return the path."""
+    import matplotlib.pyplot as plt
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -396,19 +403,23 @@ def _check_count(name: str, v, allow_none: bool = False) -> None:
         raise PlanError(f"{name}={v!r}: expected a positive whole number")
 
 
+def _token_bytes(shape: ModelShape) -> int:
+    """Bytes of one token in transformers' paged cache: every layer's keys and values in the model dtype."""
+    from .accounting import full_precision_bytes_per_token
+    return full_precision_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, _serving_shape(shape))
+
+
 def transformers_pool(shape: ModelShape, budget: int, request_tokens: int,
                       page_size: int = PAGE_SIZE, shared_tokens: int = 0) -> TransformersPool:
     """transformers' own paged cache for ``budget`` bytes: its pages (``kvcompile.serving.transformers_pages``)
     and the requests of ``request_tokens`` tokens they hold (``ceil(request_tokens / page_size)`` pages each;
     the whole pages of a ``shared_tokens`` prompt prefix once: ``kvcompile.serving.pages_held``)."""
-    from .accounting import full_precision_bytes_per_token
     from .serving import pages_for, transformers_pages
 
     for name, v in (("budget", budget), ("request_tokens", request_tokens), ("page_size", page_size)):
         _check_count(name, v)
     _check_shared(shared_tokens, request_tokens)
-    dtype = _serving_shape(shape)
-    bpt = full_precision_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, dtype)
+    bpt = _token_bytes(shape)
     pages = transformers_pages(budget, page_size, bpt)
     return TransformersPool(page_size, pages, pages_for(request_tokens, page_size), pages * page_size * bpt,
                             shared_tokens)
@@ -534,18 +545,16 @@ def plot_serving(shape: ModelShape, budget: int, path, policies: dict | None = N
             return nan
 
     def ratio(label, pol, n):  # at a budget of LARGE of transformers' requests: whole requests do not round it
-        big = LARGE * transformers_pool(shape, 1, n, page_size).pages_per_request * page_size * bpt
+        big = LARGE * transformers_pool(shape, 1, n, page_size).pages_per_request * page_size * _token_bytes(shape)
         return (held(lambda: serving_pool(label, pol, shape, big, n, None, shared_tokens))
                 / held(lambda: transformers_pool(shape, big, n, page_size, shared_tokens)))
 
-    from .accounting import full_precision_bytes_per_token
-    bpt = full_precision_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, _serving_shape(shape))
     LARGE = 1000
     policies = policies or default_serving_policies()
     request_tokens = [n for n in request_tokens if shape.max_positions is None or n <= shape.max_positions]
     fig, (ax, rx) = plt.subplots(1, 2, figsize=(13, 4.8))
-    ax.set_prop_cycle(linestyle=["-", "-.", ":"] * 5, color=plt.get_cmap("tab20").colors[:15])
-    rx.set_prop_cycle(linestyle=["-", "-.", ":"] * 5, color=plt.get_cmap("tab20").colors[:15])
+    for a in (ax, rx):  # 15 policies' lines told apart
+        a.set_prop_cycle(linestyle=["-", "-.", ":"] * 5, color=plt.get_cmap("tab20").colors[:15])
     theirs = [held(lambda: transformers_pool(shape, budget, n, page_size, shared_tokens)) for n in request_tokens]
     ax.plot(request_tokens, theirs, "k--", marker="s", ms=3, label="transformers' PagedAttentionCache")
     for label, pol in policies.items():
@@ -564,11 +573,7 @@ def plot_serving(shape: ModelShape, budget: int, path, policies: dict | None = N
     rx.set_title("per byte, over transformers' own paged cache")
     fig.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="center right")
     fig.tight_layout(rect=(0, 0, 0.8, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def serving_to_json(theirs: TransformersPool, rows: list[ServingRow], shape: ModelShape, budget: int,

@@ -109,7 +109,7 @@ def configure(model, *, budget: int | None = None, max_requests: int | None = No
             raise ValueError(f"kvcompile.serving.configure({name}={v!r}): expected a positive integer")
     if budget is not None and max_requests is not None:  # both given: they must fit now, not at the first request
         pool_blocks(layer_specs(model.config, opts, next(model.parameters()).dtype), budget, max_requests,
-                    request_limit(model.config.get_text_config()))
+                    request_limit(model.config))
     opts.budget, opts.max_requests = budget, max_requests
 
 
