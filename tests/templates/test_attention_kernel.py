@@ -43,8 +43,8 @@ def check(q, state, spec, mask=None, scale=None, tiles=None, chunk=(None, None))
     return err, bound
 
 
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("gqa", [1, 3, 4, 8])
+# each GQA group size once, and 3 (a group that pads its tile) at both head sizes: the interpreter takes ~15 s a case
+@pytest.mark.parametrize("gqa, D", [(1, 128), (3, 64), (3, 128), (4, 64), (8, 128)])
 def test_attention_kernel_grid(gqa, D):
     H, C = 2, 48  # C: the masks' width
     g = torch.Generator().manual_seed(gqa * D)
