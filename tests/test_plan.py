@@ -294,3 +294,21 @@ def test_long_requests_amortise_kivis_window():
 
     assert 3.5 <= per_byte(8192) < 16 / 4.25
     assert per_byte(1024) < 2.5
+
+
+def test_per_layer_bits_for_long_requests_hold_6x_at_2_bits():
+    """The policy `kvcompile calibrate --budget 2.66 --context 8192` chose from 2- and 3-bit KIVI (groups of 64,
+    one-byte scales, residual 64; docs/results.md, "2 bits at 6x"): 3-bit codes on 11 of the 60 layer sides, and
+    6x transformers' requests of 8K tokens per byte, and 137 of them in 4 GiB where transformers holds 22."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks/results/eval_serving/kivi-g64-r64-fp8s-cal-8k.json"
+    shape, policy = P.PRESETS["smollm2-135m"], Policy.load(path)
+    layers = policy.resolve([f"model.layers.{i}" for i in range(shape.layers)])
+    assert sum((p.key.bits == 3) + (p.value.bits == 3) for p in layers) == 11
+    assert all(p.key.bits in (2, 3) and p.value.bits in (2, 3) and p.residual == 64 for p in layers)
+    budget = 1000 * 8192 * 23_040
+    assert 6.0 <= P.serving_pool("cal", policy, shape, budget, 8192).requests / 1000 < 6.47  # uniform int2's
+    gib4 = 4 * 2**30
+    assert (P.serving_pool("cal", policy, shape, gib4, 8192).requests, P.transformers_pool(shape, gib4, 8192).requests) \
+        == (137, 22)

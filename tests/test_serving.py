@@ -172,10 +172,14 @@ def test_quantized_policy_gives_kvcompiles_own_generate_tokens(reference, policy
     Policy.kivi(4, group=4, residual=8, sink=4, rotate=True),  # kvcompile serve's default, scaled to this model
     Policy.kivi(2, group=4, residual=0, sink=2, rotate=True, scale_dtype="fp8_e4m3"),
     Policy.kivi(4, group=8, residual=8, sink=4, rotate=True, scale_dtype="fp8_e4m3"),  # values: the whole head
-], ids=["int8", "fp8", "kivi3", "kivi4-rot-sink", "kivi2-r0-fp8-scales", "kivi4-head-groups-fp8-scales"])
+    # per-layer bits, as kvcompile calibrate writes them: the layers' blocks differ in bytes, not in tokens
+    Policy.kivi(2, group=8, residual=8, sink=4, rotate=True, scale_dtype="fp8_e4m3").override(
+        {1: Policy.kivi(3, group=8, residual=8, sink=4, rotate=True, scale_dtype="fp8_e4m3")}),
+], ids=["int8", "fp8", "kivi3", "kivi4-rot-sink", "kivi2-r0-fp8-scales", "kivi4-head-groups-fp8-scales",
+        "per-layer-bits"])
 def test_every_format_serves_kvcompiles_own_generate_tokens(policy):
-    """Integers per token, fp8, 3-bit codes, sinks, the Hadamard rotation, fp8 scales: continuous batching gives
-    what kvcompile's generate gives under the same policy."""
+    """Integers per token, fp8, 3-bit codes, sinks, the Hadamard rotation, fp8 scales, bits chosen per layer:
+    continuous batching gives what kvcompile's generate gives under the same policy."""
     model = applied(policy)
     ps = [prompts()[i] for i in (0, 2, 3)]
     with torch.no_grad():
