@@ -310,5 +310,5 @@ def test_per_layer_bits_for_long_requests_hold_6x_at_2_bits():
     budget = 1000 * 8192 * 23_040
     assert 6.0 <= P.serving_pool("cal", policy, shape, budget, 8192).requests / 1000 < 6.47  # uniform int2's
     gib4 = 4 * 2**30
-    assert (P.serving_pool("cal", policy, shape, gib4, 8192).requests, P.transformers_pool(shape, gib4, 8192).requests) \
-        == (137, 22)
+    ours, theirs = P.serving_pool("cal", policy, shape, gib4, 8192), P.transformers_pool(shape, gib4, 8192)
+    assert (ours.requests, theirs.requests) == (137, 22)
