@@ -545,11 +545,11 @@ def plot_serving(shape: ModelShape, budget: int, path, policies: dict | None = N
             return nan
 
     def ratio(label, pol, n):  # at a budget of LARGE of transformers' requests: whole requests do not round it
-        big = LARGE * transformers_pool(shape, 1, n, page_size).pages_per_request * page_size * _token_bytes(shape)
+        big = LARGE * transformers_pool(shape, 1, n, page_size).pages_per_request * page_size * token_bytes
         return (held(lambda: serving_pool(label, pol, shape, big, n, None, shared_tokens))
                 / held(lambda: transformers_pool(shape, big, n, page_size, shared_tokens)))
 
-    LARGE = 1000
+    LARGE, token_bytes = 1000, _token_bytes(shape)
     policies = policies or default_serving_policies()
     request_tokens = [n for n in request_tokens if shape.max_positions is None or n <= shape.max_positions]
     fig, (ax, rx) = plt.subplots(1, 2, figsize=(13, 4.8))

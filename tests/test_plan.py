@@ -276,6 +276,15 @@ def test_serving_plan_refuses_what_it_cannot_plan():
         P.plan_serving(shape, 2**16, 1024, {"int8": Policy.int8()})
 
 
+def per_byte(policy, tokens):
+    """Requests of ``tokens`` tokens SmolLM2's serving pool holds under ``policy`` over transformers' own, at a
+    budget of a thousand of transformers' requests (bf16 pages), so that whole requests do not round the ratio."""
+    shape = P.PRESETS["smollm2-135m"]
+    budget = 1000 * tokens * 23_040
+    assert P.transformers_pool(shape, budget, tokens).requests == 1000
+    return P.serving_pool("policy", policy, shape, budget, tokens).requests / 1000
+
+
 def test_long_requests_amortise_kivis_window():
     """KIVI's window (residual + group - 1 recent tokens per request, in full precision) is paid once a request:
     at SmolLM2's longest requests (8,192 tokens) it is 2 % of one, and KIVI int4 with one-byte scales in groups
@@ -284,16 +293,10 @@ def test_long_requests_amortise_kivis_window():
     window is a sixth of a request and the same policy holds under 2.5x."""
     from kvcompile.evaluate import scheme_policy
 
-    shape, policy = P.PRESETS["smollm2-135m"], scheme_policy("kivi-g64+rot+sink+fp8s", 4)
+    policy = scheme_policy("kivi-g64+rot+sink+fp8s", 4)
     assert str(policy).startswith("k=int4.channel.64.asym.e4m3;v=int4.token.64.asym.e4m3;r=128;s=4")
-
-    def per_byte(tokens):
-        budget = 1000 * tokens * 23_040  # a thousand requests in bf16 pages
-        assert P.transformers_pool(shape, budget, tokens).requests == 1000
-        return P.serving_pool("g64", policy, shape, budget, tokens).requests / 1000
-
-    assert 3.5 <= per_byte(8192) < 16 / 4.25
-    assert per_byte(1024) < 2.5
+    assert 3.5 <= per_byte(policy, 8192) < 16 / 4.25
+    assert per_byte(policy, 1024) < 2.5
 
 
 def test_per_layer_bits_for_long_requests_hold_6x_at_2_bits():
@@ -307,8 +310,7 @@ def test_per_layer_bits_for_long_requests_hold_6x_at_2_bits():
     layers = policy.resolve([f"model.layers.{i}" for i in range(shape.layers)])
     assert sum((p.key.bits == 3) + (p.value.bits == 3) for p in layers) == 11
     assert all(p.key.bits in (2, 3) and p.value.bits in (2, 3) and p.residual == 64 for p in layers)
-    budget = 1000 * 8192 * 23_040
-    assert 6.0 <= P.serving_pool("cal", policy, shape, budget, 8192).requests / 1000 < 6.47  # uniform int2's
+    assert 6.0 <= per_byte(policy, 8192) < 6.47  # uniform int2's
     gib4 = 4 * 2**30
     ours, theirs = P.serving_pool("cal", policy, shape, gib4, 8192), P.transformers_pool(shape, gib4, 8192)
     assert (ours.requests, theirs.requests) == (137, 22)

@@ -167,6 +167,16 @@ def test_quantized_policy_gives_kvcompiles_own_generate_tokens(reference, policy
         assert got != want_full
 
 
+def batched_and_generated(model, cbc):
+    """Three prompts (1, 19 and 70 tokens) through continuous batching under ``cbc``, and each through
+    ``generate``: the generated tokens of each, in order."""
+    ps = [prompts()[i] for i in (0, 2, 3)]
+    with torch.no_grad():
+        got = tokens(model.generate_batch(ps, GEN, continuous_batching_config=cbc, progress_bar=False))
+        want = [model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist() for p in ps]
+    return got, want
+
+
 def test_per_layer_bits_serve_kvcompiles_own_generate_tokens():
     """Bits chosen per layer, as kvcompile calibrate writes them (the layers' blocks differ in bytes, not in
     tokens): continuous batching gives what kvcompile's generate gives. Each prompt is prefilled in one forward
@@ -175,12 +185,7 @@ def test_per_layer_bits_serve_kvcompiles_own_generate_tokens():
     def kivi(bits):
         return Policy.kivi(bits, group=8, residual=8, sink=4, rotate=True, scale_dtype="fp8_e4m3")
 
-    model = applied(kivi(2).override({1: kivi(3)}))
-    ps = [prompts()[i] for i in (0, 2, 3)]
-    with torch.no_grad():
-        got = tokens(model.generate_batch(ps, GEN, continuous_batching_config=cb_config(max_batch_tokens=256),
-                                          progress_bar=False))
-        want = [model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist() for p in ps]
+    got, want = batched_and_generated(applied(kivi(2).override({1: kivi(3)})), cb_config(max_batch_tokens=256))
     assert got == want
 
 
@@ -193,11 +198,7 @@ def test_per_layer_bits_serve_kvcompiles_own_generate_tokens():
 def test_every_format_serves_kvcompiles_own_generate_tokens(policy):
     """Integers per token, fp8, 3-bit codes, sinks, the Hadamard rotation, fp8 scales: continuous batching gives
     what kvcompile's generate gives under the same policy."""
-    model = applied(policy)
-    ps = [prompts()[i] for i in (0, 2, 3)]
-    with torch.no_grad():
-        got = tokens(model.generate_batch(ps, GEN, continuous_batching_config=cb_config(), progress_bar=False))
-        want = [model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist() for p in ps]
+    got, want = batched_and_generated(applied(policy), cb_config())
     assert got == want
 
 
