@@ -84,8 +84,9 @@ PROMPT = torch.tensor([[5, 9, 13, 9, 13, 22, 7, 9, 13, 31, 17, 9, 13, 22]])
     dict(max_new_tokens=10, num_return_sequences=3, do_sample=True),
     dict(max_new_tokens=12, prompt_lookup_num_tokens=3, do_sample=False),     # crops the cache
     dict(max_new_tokens=10, num_beams=3, do_sample=True, early_stopping=True),
+    dict(max_new_tokens=12, prefill_chunk_size=5, do_sample=False),          # the prompt in chunks of 5, 5, 4
 ], ids=["greedy", "default-length", "sampling", "beam", "beam-return-3", "sample-return-3", "prompt-lookup",
-        "beam-sample"])
+        "beam-sample", "chunked-prefill"])
 def test_full_policy_gives_the_unmodified_models_tokens(models, mode):
     ref, model = models
     same(ref, model, input_ids=PROMPT, **mode)

@@ -5,8 +5,10 @@ transformers' engine (its scheduler, its page accounting) with kvcompile's cache
 ``Policy.full()`` the tokens are exactly transformers' own continuous batching's (and plain ``generate``'s);
 under a quantized policy they are exactly what kvcompile's ``generate`` gives for the same policy (the same
 stored bytes, read by the same kernels), so the quantization is kvcompile's and nothing falls back to full
-precision. Requests of mixed lengths, prefills split across forwards, finished requests freeing their
-blocks, requests waiting for a slot. Tiny random Llamas, as in ``test_generate``.
+precision: for prompts prefilled in one forward, exactly its whole-prompt ``generate``; for a prompt split across
+forwards (longer than a forward's token budget), exactly its ``generate`` with the same prefill chunks, each
+chunk reading the earlier ones as stored. Requests of mixed lengths, prefills split across forwards, finished
+requests freeing their blocks, requests waiting for a slot. Tiny random Llamas, as in ``test_generate``.
 """
 from __future__ import annotations
 
@@ -150,6 +152,11 @@ def test_generate_batch_with_no_configuration(reference):
 
 
 # --------------------------------------------------------------------------- quantized policies
+# Forwards that hold every prompt whole (the six prompts' 278 tokens and their pages): what generate's one prefill
+# reads; a split prefill has its own test below.
+WHOLE = cb_config(max_batch_tokens=512, num_blocks=16)
+
+
 @pytest.mark.parametrize("policy", [KIVI, KIVI2], ids=["kivi4", "kivi2"])
 def test_quantized_policy_gives_kvcompiles_own_generate_tokens(reference, policy):
     """The same stored bytes as kvcompile's generate under the policy, so the same tokens; and not the
@@ -157,7 +164,7 @@ def test_quantized_policy_gives_kvcompiles_own_generate_tokens(reference, policy
     _, want_full, _ = reference
     model = applied(policy)
     with torch.no_grad():
-        got = tokens(model.generate_batch(prompts(), GEN, continuous_batching_config=cb_config(), progress_bar=False))
+        got = tokens(model.generate_batch(prompts(), GEN, continuous_batching_config=WHOLE, progress_bar=False))
         gen = [model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist() for p in prompts()]
     assert got == gen
     same = sum(a == b for g, w in zip(got, want_full) for a, b in zip(g, w)) / sum(len(w) for w in want_full)
@@ -167,39 +174,52 @@ def test_quantized_policy_gives_kvcompiles_own_generate_tokens(reference, policy
         assert got != want_full
 
 
-def batched_and_generated(model, cbc):
-    """Three prompts (1, 19 and 70 tokens) through continuous batching under ``cbc``, and each through
-    ``generate``: the generated tokens of each, in order."""
-    ps = [prompts()[i] for i in (0, 2, 3)]
-    with torch.no_grad():
-        got = tokens(model.generate_batch(ps, GEN, continuous_batching_config=cbc, progress_bar=False))
-        want = [model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist() for p in ps]
-    return got, want
-
-
-def test_per_layer_bits_serve_kvcompiles_own_generate_tokens():
-    """Bits chosen per layer, as kvcompile calibrate writes them (the layers' blocks differ in bytes, not in
-    tokens): continuous batching gives what kvcompile's generate gives. Each prompt is prefilled in one forward
-    here: one split across forwards reads its earlier part as stored, which generate's single prefill reads in
-    full precision (with a 64-token forward this policy's 70-token prompt then differs from the 8th token on)."""
-    def kivi(bits):
-        return Policy.kivi(bits, group=8, residual=8, sink=4, rotate=True, scale_dtype="fp8_e4m3")
-
-    got, want = batched_and_generated(applied(kivi(2).override({1: kivi(3)})), cb_config(max_batch_tokens=256))
-    assert got == want
+def kivi_fp8s(bits):
+    return Policy.kivi(bits, group=8, residual=8, sink=4, rotate=True, scale_dtype="fp8_e4m3")
 
 
 @pytest.mark.parametrize("policy", [
     Policy.int8(), Policy.fp8(residual=8), Policy.kivi(3, group=4, residual=8),
     Policy.kivi(4, group=4, residual=8, sink=4, rotate=True),  # kvcompile serve's default, scaled to this model
     Policy.kivi(2, group=4, residual=0, sink=2, rotate=True, scale_dtype="fp8_e4m3"),
-    Policy.kivi(4, group=8, residual=8, sink=4, rotate=True, scale_dtype="fp8_e4m3"),  # values: the whole head
-], ids=["int8", "fp8", "kivi3", "kivi4-rot-sink", "kivi2-r0-fp8-scales", "kivi4-head-groups-fp8-scales"])
+    kivi_fp8s(4),  # values: the whole head
+    kivi_fp8s(2).override({1: kivi_fp8s(3)}),  # bits per layer, as calibrate writes them: blocks differ in bytes
+], ids=["int8", "fp8", "kivi3", "kivi4-rot-sink", "kivi2-r0-fp8-scales", "kivi4-head-groups-fp8-scales",
+        "per-layer-bits"])
 def test_every_format_serves_kvcompiles_own_generate_tokens(policy):
-    """Integers per token, fp8, 3-bit codes, sinks, the Hadamard rotation, fp8 scales: continuous batching gives
-    what kvcompile's generate gives under the same policy."""
-    got, want = batched_and_generated(applied(policy), cb_config())
+    """Integers per token, fp8, 3-bit codes, sinks, the Hadamard rotation, fp8 scales, bits chosen per layer:
+    continuous batching gives what kvcompile's generate gives under the same policy (three prompts of 1, 19
+    and 70 tokens, each prefilled whole)."""
+    ps = [prompts()[i] for i in (0, 2, 3)]
+    model = applied(policy)
+    with torch.no_grad():
+        got = tokens(model.generate_batch(ps, GEN, continuous_batching_config=WHOLE, progress_bar=False))
+        want = [model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist() for p in ps]
     assert got == want
+
+
+@pytest.mark.parametrize("chunk", [16, 40, 64])
+def test_a_prompt_split_across_forwards_is_generates_chunked_prefill(chunk):
+    """A prompt longer than a forward's token budget is prefilled in chunks, the later reading the earlier as
+    stored: under a quantized policy continuous batching gives exactly kvcompile's generate with
+    ``prefill_chunk_size`` at the forward's budget, and that differs from one whole prefill for this 2-bit policy
+    and 150-token prompt at 16 and 40 (so the split is seen); under ``Policy.full()`` every split is the whole
+    prefill's."""
+    p = prompts()[4]
+    chunked = GenerationConfig(**{**GEN.to_dict(), "prefill_chunk_size": chunk})
+    kivi2 = Policy.kivi(2, group=8, residual=8, sink=4, rotate=True)
+    for quantized, policy in ((True, kivi2), (False, Policy.full())):
+        model = applied(policy)
+        with torch.no_grad():
+            got = tokens(model.generate_batch([p], GEN, continuous_batching_config=cb_config(max_batch_tokens=chunk),
+                                              progress_bar=False))[0]
+            split = model.generate(torch.tensor([p]), generation_config=chunked)[0, len(p):].tolist()
+            whole = model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist()
+        assert got == split
+        if not quantized:
+            assert split == whole
+        elif chunk != 64:
+            assert split != whole
 
 
 def test_requests_wait_for_a_slot_and_all_complete(reference):
