@@ -50,10 +50,29 @@ from .sampling import (MAX_TOP_LOGPROBS, RECORDS, Asked, decide_on, request_cont
 from .structured import token_bytes
 
 
+SERVER_TRANSFORMERS = "5.24"  # the transformers release whose server (transformers.cli.serving) this module extends
+
+
+def require_server_transformers() -> None:
+    """Refuse, saying what to install, a transformers whose OpenAI-compatible server this module is not built on:
+    it subclasses that server's handlers, model manager and generation state, which 5.25 rewrote."""
+    import transformers
+
+    from .passes import KVCompileError
+
+    found = transformers.__version__
+    if ".".join(found.split(".")[:2]) != SERVER_TRANSFORMERS:
+        raise KVCompileError(
+            f"kvcompile serve extends the OpenAI-compatible server of transformers {SERVER_TRANSFORMERS}; found "
+            f"transformers {found}, whose server is built differently. Install the release it is built on: "
+            f"pip install 'transformers=={SERVER_TRANSFORMERS}.*' (what pip install 'kvcompile[serve]' asks for).")
+
+
 def openai_app(manager, state, *, checked: bool = False):
     """transformers' OpenAI-compatible FastAPI app (its handlers, as ``transformers serve`` builds them) over a
     model manager and a generation state. ``checked``: the chat and completion handlers check each request
     first (``_checked_handlers``), and errors answer in OpenAI's shape."""
+    require_server_transformers()
     from transformers.cli.serving.chat_completion import ChatCompletionHandler
     from transformers.cli.serving.completion import CompletionHandler
     from transformers.cli.serving.response import ResponseHandler
@@ -1208,6 +1227,7 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
     first of them the one ``/v1/models`` lists; ``offload``: bytes of host memory that hold the caches of
     requests evicted when pages run out, packed as they were, until they are scheduled again (0: an evicted
     request is prefilled again; ``serving.KVCompileOffloading``)."""
+    require_server_transformers()
     from transformers import ContinuousBatchingConfig
     from transformers.cli.serving.model_manager import ModelManager, split_revision
 

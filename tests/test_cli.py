@@ -338,6 +338,17 @@ def test_user_error_is_one_line_and_exit_status_2(case, bad_files, tiny_dir, mon
     _check_one_line(case, *_run_case(case, bad_files, tiny_dir))
 
 
+def test_serve_on_another_transformers_release_says_which_to_install(tiny_dir, monkeypatch, capsys):
+    """kvcompile serve extends one transformers release's server (5.25 rewrote it): on another, the command
+    says which it found and what to install, before loading the model or listening."""
+    import transformers
+    monkeypatch.setattr(transformers, "__version__", "5.25.0")
+    assert cli.main(["serve", "--model", str(tiny_dir), "--port", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvcompile serve: error: "), err
+    assert "found transformers 5.25.0" in err[0] and "pip install 'transformers==5.24.*'" in err[0], err
+
+
 def test_user_errors_through_the_command_itself(bad_files, tiny_dir, tmp_path):
     """``python -m kvcompile`` in its own process, offline variables unset (nothing may be downloaded): the same
     one line and exit status 2, for a parser error, a config that is a hub id, and a bad policy."""
