@@ -58,6 +58,28 @@ def bits(body: str, head: int, b: int = 4) -> float:
     return b + (32 if body == "f16" else b + 8) / head
 
 
+class SimulatedCache(DynamicCache):
+    """A ``DynamicCache`` that hands attention the tokens stored before a call as a simulated format holds them
+    and the call's own tokens exact, as kvcompile's caches do. A format says what it holds: ``held_keys(K, t,
+    layer)`` and ``held_values(V, t, layer)`` the first ``t`` of every key or value written so far (the call's
+    own last)."""
+
+    def held_keys(self, K: torch.Tensor, t: int, layer: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def held_values(self, V: torch.Tensor, t: int, layer: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def update(self, k, v, layer_idx, *args, **kwargs):
+        new = k.shape[2]
+        K, V = super().update(k, v, layer_idx, *args, **kwargs)
+        t = K.shape[2] - new
+        if t == 0:
+            return K, V
+        return (torch.cat([self.held_keys(K, t, layer_idx), K[:, :, t:]], 2),
+                torch.cat([self.held_values(V, t, layer_idx), V[:, :, t:]], 2))
+
+
 class WindowCache(DynamicCache):
     """Stored tokens as the variant would hold them; the call's own tokens exact."""
 
@@ -91,14 +113,24 @@ class WindowCache(DynamicCache):
                 torch.cat([self.stored(V[:, :, :t], 0), V[:, :, t:]], 2))
 
 
+def library_row(spec: str):
+    """``(make_cache, policy, bits)`` for the rows every simulation script shares, else None: ``full`` (a plain
+    ``DynamicCache``) and ``lib:SCHEME:BITS`` or ``lib:POLICY.json`` (kvcompile's own cache; bits not counted)."""
+    if spec.startswith("lib:"):
+        entry = spec[4:]
+        return PLAIN, (Policy.load(entry) if E.is_policy_file(entry) else E.scheme_policy(*E.parse_entry(entry))), None
+    if spec == "full":
+        return (lambda model, policy, n, fast: DynamicCache()), Policy.full(), 16.0
+    return None
+
+
 def variant(spec: str, head: int):
     """``(make_cache, policy, bits per element)`` for ``full``, ``lib:SCHEME:BITS`` or ``BODY[,W,fp|int8][,c]``
     (``c``: keys centred on the request's mean key, an fp16 vector per layer and KV head taken from its first
     call; exact in full precision, since every score a query reads shifts by the same ``q . mu``)."""
-    if spec.startswith("lib:"):
-        return PLAIN, E.scheme_policy(*E.parse_entry(spec[4:])), None
-    if spec == "full":
-        return (lambda model, policy, n, fast: WindowCache(None, 0, "", head)), Policy.full(), 16.0
+    row = library_row(spec)
+    if row:
+        return row
     parts = spec.split(",")
     centre = parts[-1] == "c"
     body, window, fmt = (parts[:len(parts) - centre] + ["0", "fp"])[:3]
@@ -117,6 +149,9 @@ def run(variant, doc: str, grammar: str) -> None:
     ap.add_argument("variants", nargs="+", help=grammar)
     ap.add_argument("--windows", type=int, default=4, help="held-out windows of 2K tokens (kvcompile eval: 4)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--full-from", default=None, metavar="JSON",
+                    help="take the full-precision row from an earlier run's --out over as many windows (it is "
+                         "deterministic) instead of measuring it again")
     args = ap.parse_args()
     torch.set_num_threads(2)
     model, tok = models.load(log=lambda *a: None)
@@ -132,6 +167,12 @@ def run(variant, doc: str, grammar: str) -> None:
                   flush=True)
     finally:
         E.make_cache = PLAIN
+    if args.full_from and not any(r["variant"] == "full" for r in rows):
+        with open(args.full_from) as f:
+            earlier = json.load(f)
+        if earlier["windows"] != args.windows:
+            raise SystemExit(f"--full-from {args.full_from}: {earlier['windows']} windows, not {args.windows}")
+        rows.insert(0, next(r for r in earlier["rows"] if r["variant"] == "full"))
     full = next((r for r in rows if r["variant"] == "full"), None)
     for r in rows if full else ():
         r["delta"] = r["loss"] - full["loss"]

@@ -32,14 +32,12 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.key_window import PLAIN, REQUEST, quantize, run  # noqa: E402
-from kvcompile import evaluate as E  # noqa: E402
+from benchmarks.key_window import REQUEST, SimulatedCache, library_row, quantize, run  # noqa: E402
 from kvcompile.policy import Policy  # noqa: E402
 from kvcompile.store import hadamard  # noqa: E402
 
@@ -66,7 +64,7 @@ def grouped(x: torch.Tensor, group: int, bits: int, body: str) -> torch.Tensor:
     return qdq(x.reshape(*lead, D // group, group), bits, body).reshape(x.shape)
 
 
-class ChannelCache(DynamicCache):
+class ChannelCache(SimulatedCache):
     def __init__(self, bits, group, vgroup, pend, sink, kbody, vbody, head, at_write=False):
         super().__init__()
         self.bits, self.group, self.vgroup, self.pend, self.sink = bits, group, vgroup, pend, sink
@@ -101,23 +99,18 @@ class ChannelCache(DynamicCache):
         out[:, :, self.sink:] = grouped(y[:, :, self.sink:], self.vgroup, self.bits, self.vbody)
         return (out @ self.H.T).to(v.dtype)
 
-    def update(self, k, v, layer_idx, *args, **kwargs):
-        new = k.shape[2]
-        K, V = super().update(k, v, layer_idx, *args, **kwargs)
-        t = K.shape[2] - new
-        if t == 0:
-            return K, V
-        return (torch.cat([self.keys(K if self.at_write else K[:, :, :t], t), K[:, :, t:]], 2),
-                torch.cat([self.values(V[:, :, :t]), V[:, :, t:]], 2))
+    def held_keys(self, K: torch.Tensor, t: int, layer: int) -> torch.Tensor:
+        return self.keys(K if self.at_write else K[:, :, :t], t)
+
+    def held_values(self, V: torch.Tensor, t: int, layer: int) -> torch.Tensor:
+        return self.values(V[:, :, :t])
 
 
 def variant(spec: str, head: int):
     """``(make_cache, policy, bits per element at 1K tokens or None)``."""
-    if spec.startswith("lib:"):
-        entry = spec[4:]
-        return PLAIN, (Policy.load(entry) if E.is_policy_file(entry) else E.scheme_policy(*E.parse_entry(entry))), None
-    if spec == "full":
-        return (lambda model, policy, n, fast: DynamicCache()), Policy.full(), 16.0
+    row = library_row(spec)
+    if row:
+        return row
     parts = spec.split(",")
     at_write = parts[-1] == "w"
     name, G, VG, pend, S, body = parts[:6]
