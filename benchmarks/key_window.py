@@ -80,7 +80,7 @@ class SimulatedCache(DynamicCache):
                 torch.cat([self.held_values(V, t, layer_idx), V[:, :, t:]], 2))
 
 
-class WindowCache(DynamicCache):
+class WindowCache(SimulatedCache):
     """Stored tokens as the variant would hold them; the call's own tokens exact."""
 
     def __init__(self, body: str | None, window: int, window_format: str, head: int, centre: bool = False):
@@ -100,17 +100,17 @@ class WindowCache(DynamicCache):
             out[:, :, -w:] = recent if self.window_format == "fp" else quantize(recent, 8, "e4m3")
         return (out @ self.H.T).to(x.dtype)
 
+    def held_keys(self, K: torch.Tensor, t: int, layer: int) -> torch.Tensor:
+        mu = self.mu.get(layer, 0.0)  # stored as k - mu; adding mu back equals shifting every score alike
+        return (self.stored(K[:, :, :t].float() - mu, self.window) + mu).to(K.dtype)
+
+    def held_values(self, V: torch.Tensor, t: int, layer: int) -> torch.Tensor:
+        return self.stored(V[:, :, :t], 0)
+
     def update(self, k, v, layer_idx, *args, **kwargs):
-        new = k.shape[2]
         if self.centre and layer_idx not in self.mu:  # the first token (a sink) left out of the mean
-            self.mu[layer_idx] = k[:, :, min(1, new - 1):].float().mean(2, keepdim=True).half().float()
-        K, V = super().update(k, v, layer_idx, *args, **kwargs)
-        t = K.shape[2] - new
-        if t == 0:
-            return K, V
-        mu = self.mu.get(layer_idx, 0.0)  # stored as k - mu; adding mu back equals shifting every score alike
-        return (torch.cat([(self.stored(K[:, :, :t].float() - mu, self.window) + mu).to(K.dtype), K[:, :, t:]], 2),
-                torch.cat([self.stored(V[:, :, :t], 0), V[:, :, t:]], 2))
+            self.mu[layer_idx] = k[:, :, min(1, k.shape[2] - 1):].float().mean(2, keepdim=True).half().float()
+        return super().update(k, v, layer_idx, *args, **kwargs)
 
 
 def library_row(spec: str):

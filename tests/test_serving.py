@@ -47,13 +47,18 @@ def tokens(out) -> list[list[int]]:
     return [r.generated_tokens for r in out.values()]
 
 
+def generated(model, p, config=GEN) -> list[int]:
+    """The tokens ``generate`` gives after prompt ``p`` (a list of ids) under ``config``."""
+    return model.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist()
+
+
 @pytest.fixture(scope="module")
 def reference():
     """transformers' own continuous batching, and plain generate, on the unmodified model."""
     ref = tiny()
     with torch.no_grad():
         cb = tokens(ref.generate_batch(prompts(), GEN, continuous_batching_config=cb_config(), progress_bar=False))
-        gen = [ref.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist() for p in prompts()]
+        gen = [generated(ref, p) for p in prompts()]
     return ref, cb, gen
 
 
@@ -101,7 +106,7 @@ def test_full_policy_gives_transformers_own_continuous_batching_tokens(reference
     assert got == want_cb
     # and plain generate on the applied model still works afterwards (attention implementation restored)
     p = prompts()[2]
-    assert model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist() == want_gen[2]
+    assert generated(model, p) == want_gen[2]
 
 
 def test_the_manager_runs_on_kvcompiles_store_and_finished_requests_free_their_blocks(reference):
@@ -165,7 +170,7 @@ def test_quantized_policy_gives_kvcompiles_own_generate_tokens(reference, policy
     model = applied(policy)
     with torch.no_grad():
         got = tokens(model.generate_batch(prompts(), GEN, continuous_batching_config=WHOLE, progress_bar=False))
-        gen = [model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist() for p in prompts()]
+        gen = [generated(model, p) for p in prompts()]
     assert got == gen
     same = sum(a == b for g, w in zip(got, want_full) for a, b in zip(g, w)) / sum(len(w) for w in want_full)
     if policy is KIVI:
@@ -194,7 +199,7 @@ def test_every_format_serves_kvcompiles_own_generate_tokens(policy):
     model = applied(policy)
     with torch.no_grad():
         got = tokens(model.generate_batch(ps, GEN, continuous_batching_config=WHOLE, progress_bar=False))
-        want = [model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist() for p in ps]
+        want = [generated(model, p) for p in ps]
     assert got == want
 
 
@@ -209,12 +214,12 @@ def test_a_prompt_split_across_forwards_is_generates_chunked_prefill():
     for quantized, policy in ((True, kivi2), (False, Policy.full())):
         model = applied(policy)
         with torch.no_grad():
-            whole = model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist()
+            whole = generated(model, p)
             for chunk in (16, 40):
                 got = tokens(model.generate_batch([p], GEN, progress_bar=False,
                                                   continuous_batching_config=cb_config(max_batch_tokens=chunk)))[0]
                 chunked = GenerationConfig(**{**GEN.to_dict(), "prefill_chunk_size": chunk})
-                split = model.generate(torch.tensor([p]), generation_config=chunked)[0, len(p):].tolist()
+                split = generated(model, p, chunked)
                 assert got == split, (policy, chunk)
                 assert (split != whole) if quantized else (split == whole), (policy, chunk)
 
@@ -274,7 +279,7 @@ def test_requests_evicted_when_pages_run_out_are_prefilled_again(monkeypatch):
     ref = tiny()
     model, ps, gen = eviction_setup(Policy.full())
     with torch.no_grad():
-        want = [ref.generate(torch.tensor([p]), generation_config=gen)[0, len(p):].tolist() for p in ps]
+        want = [generated(ref, p, gen) for p in ps]
         got = tokens(model.generate_batch(ps, gen, continuous_batching_config=cb_config(), progress_bar=False))
     assert evicted  # the path under test ran
     assert got == want
@@ -307,7 +312,7 @@ def test_an_offload_space_too_small_for_a_request_evicts_it_as_before():
     re-queued, prefilled again), as transformers does, and still gives the unmodified model's tokens."""
     model, ps, gen = eviction_setup(Policy.full())
     with torch.no_grad():
-        want = [tiny().generate(torch.tensor([p]), generation_config=gen)[0, len(p):].tolist() for p in ps]
+        want = [generated(tiny(), p, gen) for p in ps]
         got = tokens(model.generate_batch(ps, gen, continuous_batching_config=cb_config(cpu_offload_space=1e-6),
                                           progress_bar=False, persistent_manager=True))
     manager = model._cached_continuous_batching_manager
@@ -380,7 +385,7 @@ def test_a_request_cancelled_mid_stream_frees_its_blocks():
     assert moved == [0]  # the running request moved into the cancelled one's slot (held slots stay 0..n-1) ...
     with torch.no_grad():  # ... mid-generation, and still gives kvcompile's generate tokens
         p = prompts()[3]
-        assert done.generated_tokens == model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist()
+        assert done.generated_tokens == generated(model, p)
 
 
 def test_parallel_sampling_forks_rows(reference):
@@ -410,7 +415,7 @@ def test_greedy_forks_copy_a_windowed_policys_pages_and_rows():
     with torch.no_grad():
         got = tokens(model.generate_batch(ps, gen, continuous_batching_config=cb_config(allow_block_sharing=False),
                                           progress_bar=False))
-        want = [model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist() for p in ps]
+        want = [generated(model, p) for p in ps]
     assert got == [want[0]] * 3 + [want[1]] * 3
 
 
@@ -451,8 +456,7 @@ def test_a_quantized_policy_without_a_window_shares_pages(policy):
     model = applied(policy)
     got, cache, _ = run_manager(model, shared_prefix_prompts(), cb_config(num_blocks=32))
     with torch.no_grad():
-        want = [model.generate(torch.tensor([p]), generation_config=GEN)[0, len(p):].tolist()
-                for p in shared_prefix_prompts()]
+        want = [generated(model, p) for p in shared_prefix_prompts()]
     assert cache.prefix_tokens >= 3 * 128
     assert got == want
 
