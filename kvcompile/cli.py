@@ -845,9 +845,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=_POSITIVE_INT, default=8000, help="port (default: %(default)s)")
     s.add_argument("--budget-mib", type=_POSITIVE_INT, default=256,
                    help="bytes of the whole KV cache, in MiB: pool, rings, tables (default: %(default)s)")
-    s.add_argument("--max-requests", type=_POSITIVE_INT, default=None,
-                   help="requests holding cache at once (default: 32, fewer where their full-precision "
-                        "windows would take over a quarter of the budget)")
+    sizing = s.add_mutually_exclusive_group()
+    sizing.add_argument("--max-requests", type=_POSITIVE_INT, default=None,
+                        help="requests holding cache at once (default: 32, fewer where their full-precision "
+                             "windows would take over a quarter of the budget; see --request-tokens)")
+    sizing.add_argument("--request-tokens", type=_POSITIVE_INT, default=None,
+                        help="size the request slots for requests of this many tokens (prompt and reply): as many "
+                             "as the budget holds at once, as kvcompile plan --serving --request-tokens counts them "
+                             "(default: off, see --max-requests)")
     s.add_argument("--max-batch-tokens", type=_POSITIVE_INT, default=256,
                    help="tokens one forward of the engine takes: decoding requests' next tokens and chunks of "
                         "prompts being prefilled (default: %(default)s; larger on a GPU)")
@@ -870,9 +875,9 @@ def cmd_serve(args) -> int:
     path = resolve(args.model)
     _tokenizer(args.model, path)  # the server's requests need one: a folder without it is said now
     run(str(path), policy, host=args.host, port=args.port, budget=args.budget_mib * 2**20,
-        max_requests=args.max_requests, max_batch_tokens=args.max_batch_tokens,
-        prefix_sharing=not args.no_prefix_sharing, served_names=args.served_model_name,
-        offload=args.cpu_offload_mib * 2**20)
+        max_requests=args.max_requests, request_tokens=args.request_tokens,
+        max_batch_tokens=args.max_batch_tokens, prefix_sharing=not args.no_prefix_sharing,
+        served_names=args.served_model_name, offload=args.cpu_offload_mib * 2**20)
     return 0
 
 

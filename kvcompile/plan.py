@@ -517,7 +517,9 @@ def format_serving_table(theirs: TransformersPool, rows: list[ServingRow], shape
              f"slots: the most requests of {request_tokens:,} tokens the budget holds")
     lines.append(f"{slots}; kvcompile's pages are its pool's blocks (a page per block, block tokens each), one "
                  f"request takes ceil(tokens / block) of them. `kvcompile serve --budget-mib M --max-requests SLOTS` "
-                 f"(kvcompile.serving.configure(model, budget=, max_requests=)) allocates exactly this pool.")
+                 f"(kvcompile.serving.configure(model, budget=, max_requests=)) allocates exactly this pool"
+                 + ("." if max_requests or theirs.shared_tokens else
+                    f", as `--request-tokens {request_tokens}` (configure(..., request_tokens=)) sizes it."))
     lines += [f"not shown, {label}: {why}" for label, why in left_out]
     return "\n".join(lines)
 

@@ -1217,10 +1217,12 @@ def model_names(model_dir: str, served_names=()) -> list[str]:
 
 
 def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests: int | None = None,
-              max_batch_tokens: int = 256, dtype: torch.dtype = torch.float32, prefix_sharing: bool = True,
-              tensor_parallel: bool = False, served_names: list[str] | tuple = (), offload: int = 0):
+              request_tokens: int | None = None, max_batch_tokens: int = 256, dtype: torch.dtype = torch.float32,
+              prefix_sharing: bool = True, tensor_parallel: bool = False, served_names: list[str] | tuple = (),
+              offload: int = 0):
     """The FastAPI app (and its model manager) serving ``model_dir`` (a local Hugging Face directory) with
-    continuous batching over kvcompile's cache under ``policy``; ``prefix_sharing``: prompts that begin alike
+    continuous batching over kvcompile's cache under ``policy``, sized as ``serving.configure`` takes ``budget``,
+    ``max_requests`` and ``request_tokens``; ``prefix_sharing``: prompts that begin alike
     share pages where the policy allows it (``serving.shares_pages``); ``tensor_parallel``: the model is loaded
     sharded over the ranks of the initialized process group (``tp_plan="auto"``; ``run_tensor_parallel``);
     ``served_names``: names a request may give as its ``model`` besides the directory (``model_names``), the
@@ -1250,7 +1252,7 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
             else:
                 model = super()._load_model(model_id_and_revision, *args, **kwargs)
             model = apply(model.eval(), policy)
-            serving.configure(model, budget=budget, max_requests=max_requests)
+            serving.configure(model, budget=budget, max_requests=max_requests, request_tokens=request_tokens)
             # prompts that begin alike share pages where the policy's pages hold all their tokens
             cb_config.allow_block_sharing = prefix_sharing and serving.model_shares_pages(model)
             return model

@@ -95,22 +95,29 @@ class ServingOptions:
     layer_names: list
     kv_heads: int
     budget: int | None = None        # bytes for the whole cache; None: see the module docstring
-    max_requests: int | None = None  # slots (requests holding cache at once); None: default_slots
+    max_requests: int | None = None  # slots (requests holding cache at once); None: see ``slots_for``
+    request_tokens: int | None = None  # size the slots for requests of this many tokens (``most_slots``)
 
 
-def configure(model, *, budget: int | None = None, max_requests: int | None = None) -> None:
+def configure(model, *, budget: int | None = None, max_requests: int | None = None,
+              request_tokens: int | None = None) -> None:
     """Size the continuous-batching cache of an applied model: ``budget`` bytes in all (pool, slots, tables),
-    ``max_requests`` requests holding cache at once."""
+    and either ``max_requests`` requests holding cache at once or, with ``request_tokens``, as many as the
+    budget holds requests of that many tokens at once (``most_slots``, as ``kvcompile plan --serving``
+    counts them)."""
     opts = getattr(model, "_kvcompile_serving", None)
     if opts is None:
         raise KVCompileError("kvcompile.serving.configure: this model was not prepared by kvcompile.apply")
-    for name, v in (("budget", budget), ("max_requests", max_requests)):
+    for name, v in (("budget", budget), ("max_requests", max_requests), ("request_tokens", request_tokens)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"kvcompile.serving.configure({name}={v!r}): expected a positive integer")
-    if budget is not None and max_requests is not None:  # both given: they must fit now, not at the first request
-        pool_blocks(layer_specs(model.config, opts, next(model.parameters()).dtype), budget, max_requests,
-                    request_limit(model.config))
-    opts.budget, opts.max_requests = budget, max_requests
+    if max_requests is not None and request_tokens is not None:
+        raise ValueError(f"kvcompile.serving.configure(max_requests={max_requests}, request_tokens={request_tokens})"
+                         f": both give the number of request slots; pass one of them")
+    if budget is not None:  # what the budget cannot hold is said now, not at the first request
+        slots_for(layer_specs(model.config, opts, next(model.parameters()).dtype), budget, max_requests,
+                  request_tokens, request_limit(model.config))
+    opts.budget, opts.max_requests, opts.request_tokens = budget, max_requests, request_tokens
 
 
 # --------------------------------------------------------------------------- sizing
@@ -194,6 +201,26 @@ def default_slots(specs: list[LayerSpec], budget: int) -> int:
     precision rings and sinks (KIVI's residual window: 159 tokens a layer at residual 128) would take more
     than a quarter of the budget -- the rest is for the packed pool."""
     return max(1, min(DEFAULT_SLOTS, budget // (4 * sum(s.row_nbytes() for s in specs))))
+
+
+def slots_for(specs: list[LayerSpec], budget: int, max_requests: int | None, request_tokens: int | None,
+              max_tokens: int | None, shared_tokens: int = 0) -> int:
+    """The request slots a serving cache of ``budget`` bytes gets (``configure``, ``size_pool``):
+    ``max_requests`` if given (the pool must still hold a block after them); else, with ``request_tokens``,
+    the most requests of that many tokens (the first ``shared_tokens`` of them shared) the budget holds at
+    once (``most_slots``); else ``default_slots``."""
+    if max_requests is not None:
+        pool_blocks(specs, budget, max_requests, max_tokens)
+        return max_requests
+    if request_tokens is None:
+        return default_slots(specs, budget)
+    slots = most_slots(specs, budget, request_tokens, shared_tokens, max_tokens)
+    if slots < 1:
+        one = pool_nbytes(specs, 1, request_pages(specs, request_tokens), max_tokens)
+        raise KVCompileError(f"kvcompile serving: a budget of {budget:,} bytes holds no request of {request_tokens:,} "
+                             f"tokens (one takes {one:,} bytes: its slot and its pages); raise the budget or shorten "
+                             f"the requests")
+    return slots
 
 
 def request_limit(model_config) -> int | None:
@@ -291,13 +318,7 @@ def size_pool(specs: list[LayerSpec], budget: int, request_tokens: int, slots: i
             raise ValueError(f"kvcompile serving: {name}={v!r}: expected a positive integer")
     check_shared_tokens(shared_tokens, request_tokens)
     shared_tokens = shared_tokens if shares_pages(specs) else 0
-    if slots is None:
-        slots = most_slots(specs, budget, request_tokens, shared_tokens, max_tokens)
-        if slots < 1:
-            one = pool_nbytes(specs, 1, request_pages(specs, request_tokens), max_tokens)
-            raise KVCompileError(f"kvcompile serving: a budget of {budget:,} bytes holds no request of "
-                                 f"{request_tokens:,} tokens (one takes {one:,} bytes: its slot and its pages); "
-                                 f"raise the budget or shorten the requests")
+    slots = slots_for(specs, budget, slots, request_tokens, max_tokens, shared_tokens)
     blocks = pool_blocks(specs, budget, slots, max_tokens)
     return PoolSize(budget, slots, blocks, specs[0].block, request_tokens,
                     pool_nbytes(specs, slots, blocks, max_tokens), request_pages(specs, request_tokens), shared_tokens)
@@ -949,9 +970,9 @@ def _make_manager_class():
                 budget = (asked.num_blocks * asked.page_size  # the rank's heads, as transformers counts them
                           * full_precision_bytes_per_token(text, model.dtype, opts.kv_heads)
                           if asked.num_blocks else DEFAULT_BUDGET)
-            self._slots = opts.max_requests or default_slots(self._specs, budget)
-            self.budget = budget
             self._max_tokens = request_limit(text)
+            self._slots = slots_for(self._specs, budget, opts.max_requests, opts.request_tokens, self._max_tokens)
+            self.budget = budget
             self._blocks = pool_blocks(self._specs, budget, self._slots, self._max_tokens)
             if model.config._attn_implementation not in ("sdpa", ATTN):
                 raise KVCompileError(f"kvcompile serving needs a model loaded with attn_implementation='sdpa' "

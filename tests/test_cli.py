@@ -271,6 +271,8 @@ BAD_INPUTS = {
                             r"'/nonexistent/model' is not a local Hugging Face model directory"),
     "serve_model_without_tokenizer": ("serve --model {tmp}/notokenizer --port 1",
                                       r"no tokenizer could be loaded from .*save the tokenizer next to the model"),
+    "serve_two_slot_counts": ("serve --max-requests 4 --request-tokens 1024 --port 1",
+                              r"argument --request-tokens: not allowed with argument --max-requests"),
     # the command itself
     "unknown_subcommand": ("frobnicate", r"invalid choice: 'frobnicate' \(choose from 'demo', 'eval', 'plan', 'calibrate', 'serve'\)"),
     "no_subcommand": ("", r"the following arguments are required"),
@@ -336,6 +338,17 @@ def test_user_error_is_one_line_and_exit_status_2(case, bad_files, tiny_dir, mon
     command's own process is checked below for a few cases."""
     monkeypatch.chdir(tmp_path)
     _check_one_line(case, *_run_case(case, bad_files, tiny_dir))
+
+
+def test_serve_with_a_budget_that_holds_no_request_of_the_length_says_so(tiny_dir, capsys):
+    """``kvcompile serve --request-tokens``: a budget that holds not one request of that length is said when the
+    model is loaded, before the server listens (exit status 2, no traceback)."""
+    assert cli.main(["serve", "--model", str(tiny_dir), "--budget-mib", "1", "--request-tokens", "100000",
+                     "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
+        "kvcompile serve: error: kvcompile serving: a budget of 1,048,576 bytes holds no request of 100,000 tokens")
 
 
 def test_serve_on_another_transformers_release_says_which_to_install(tiny_dir, monkeypatch, capsys):
