@@ -259,6 +259,20 @@ async def level(server: Server, model: str, c: int, new: int, lengths: list[int]
                 prefix_tokens_reused=reused)
 
 
+def levels_arg(text: str) -> tuple[str, list[int]]:
+    """``KIND=N[,N...]`` (``--levels``): a contender and its own concurrency levels."""
+    kind, _, ns = text.partition("=")
+    kinds = ("transformers", "kvcompile", "kvcompile-unshared")
+    try:
+        levels = [int(n) for n in ns.split(",")]
+    except ValueError:
+        levels = []
+    if kind not in kinds or not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KIND=N[,N...] with KIND one of {', '.join(kinds)} and "
+                                         f"positive client counts, e.g. transformers=8")
+    return kind, levels
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="a local Hugging Face model directory (default: the embedded SmolLM2)")
@@ -267,6 +281,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--max-requests", type=int, default=None,
                     help="kvcompile serve --max-requests (default: kvcompile serve's own, sized to the budget)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[2, 4, 8], help="clients at once, per level")
+    ap.add_argument("--levels", nargs="+", default=[], metavar="KIND=N[,N...]", type=levels_arg,
+                    help="a contender's own levels instead of --concurrency, e.g. transformers=8 kvcompile=28: "
+                         "each at the most its cache holds (default: --concurrency for every contender)")
     ap.add_argument("--new", type=int, default=32, help="tokens per reply (default: %(default)s)")
     ap.add_argument("--words", type=int, nargs="+", default=[40, 200, 600], help="prompt lengths in words (mixed)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a request may take (default: %(default)s)")
@@ -290,11 +307,15 @@ def main(argv=None) -> list[dict]:
     if args.smoke:
         args.concurrency, args.new, args.words, args.budget_mib, args.max_requests = [2], 4, [8, 30], 64, 4
     rows = []
-    bar = tqdm(total=len(args.contenders) * len(args.concurrency), desc="serve load")
+    own = dict(args.levels)
+    unknown = sorted(set(own) - set(args.contenders))
+    if unknown:
+        ap.error(f"--levels names {', '.join(unknown)}, which --contenders does not run ({' '.join(args.contenders)})")
+    bar = tqdm(total=sum(len(own.get(k, args.concurrency)) for k in args.contenders), desc="serve load")
     for kind in args.contenders:
         bar.set_postfix_str(f"{kind}: starting")
         with Server(kind, model_dir, args.budget_mib, args.policy, args.max_requests) as server:
-            for c in args.concurrency:
+            for c in own.get(kind, args.concurrency):
                 bar.set_postfix_str(f"{kind}: {c} clients")
                 system = system_prompt(args.system_words) if args.system_words else None
                 rows.append(asyncio.run(level(server, model_dir, c, args.new, args.words, args.timeout, system,
