@@ -515,8 +515,9 @@ def format_serving_table(theirs: TransformersPool, rows: list[ServingRow], shape
                      f"{r.nbytes:>18,}")
     slots = (f"slots: {max_requests} (max_requests)" if max_requests else
              f"slots: the most requests of {request_tokens:,} tokens the budget holds")
-    lines.append(f"{slots}; kvcompile's pages are its pool's blocks (a page per block, block tokens each), one "
-                 f"request takes ceil(tokens / block) of them. `kvcompile serve --budget-mib M --max-requests SLOTS` "
+    lines.append(f"{slots}; kvcompile's pages are its pool's blocks (a page per block, block tokens each) and "
+                 f"'tokens' counts them; one request takes the blocks its packed tokens fill (a full-precision "
+                 f"window and sinks stay in its slot, outside the pages). `kvcompile serve --budget-mib M --max-requests SLOTS` "
                  f"(kvcompile.serving.configure(model, budget=, max_requests=)) allocates exactly this pool"
                  + ("." if max_requests or theirs.shared_tokens else
                     f", as `--request-tokens {request_tokens}` (configure(..., request_tokens=)) sizes it."))
