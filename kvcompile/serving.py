@@ -26,7 +26,9 @@ request states, its page accounting, its HTTP server -- with two things replaced
   token-axis policies); with a window (KIVI, ``Policy.fp8()``) sharing is turned off with a warning, and
   forks copy their pages.
 - the attention (``kvcompile_paged``, registered with transformers' ``AttentionInterface`` and switched on
-  while the manager runs, as transformers switches to its own paged implementations): each request's
+  while a manager runs -- while any of them does, when several serve one model from their threads -- as
+  transformers switches to its own paged implementations; each forward's layers read the cache that stored
+  their keys in the same thread, so managers never read each other's caches): each request's
   queries attend to its row of the store through kvcompile's kernels (the C decode kernel reads the packed
   blocks where they lie; prefill chunks dequantize transiently, as ``generate`` does), with the chunk's own
   keys and values in full precision. No read index, no full-precision copy of the cache.
@@ -779,6 +781,7 @@ def _make_cache_class():
         @torch.compiler.disable
         def _eager_update(self, key_states, value_states, layer_idx):
             self.store_layer(layer_idx, key_states, value_states)
+            _BOUND.cache = weakref.ref(self)  # what this thread's attention reads next (``_attention``)
             return key_states, value_states
 
         def store_layer(self, layer_idx: int, key_states, value_states) -> None:
@@ -844,12 +847,24 @@ def is_paged(cache) -> bool:
 
 
 # --------------------------------------------------------------------------- the attention
+_BOUND = threading.local()  # .cache: a weakref to the cache that stored this thread's current layer's keys
+
+
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    ref = getattr(module, "_kvcompile_paged", None)
+    """A continuous-batching forward's layer reads the cache that stored its keys in this thread."""
+    ref = getattr(_BOUND, "cache", None)
     cache = ref() if ref is not None else None
     if cache is None:
-        raise KVCompileError(f"attn_implementation={ATTN!r} runs only inside kvcompile's continuous batching "
-                             f"(model.generate_batch / init_continuous_batching on a model kvcompile.apply prepared)")
+        if "write_index" in kwargs:  # a continuous-batching forward whose keys went elsewhere
+            raise KVCompileError(f"attn_implementation={ATTN!r}: layer {module.layer_idx} of a continuous-batching "
+                                 f"forward attends, but kvcompile's cache stored no keys for it in this thread (use "
+                                 f"model.generate_batch / init_continuous_batching on a model kvcompile.apply "
+                                 f"prepared)")
+        raise KVCompileError(
+            f"this model's attention is {ATTN!r} while a continuous-batching manager runs on it, and that attention "
+            f"serves only the manager's forwards: stop the manager (manager.stop()) before calling the model "
+            f"otherwise (generate, a forward), or use a second model for it.")
+    _BOUND.cache = None
     return cache.attend(module.layer_idx, query, scaling), None
 
 
@@ -950,6 +965,19 @@ def _restrict(cb, varlen=None, share: bool = False) -> None:
     cb.allow_block_sharing = bool(share and cb.allow_block_sharing)
 
 
+_ATTN_LOCK = threading.Lock()
+_ATTN_HOLDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model: {manager: compiled}
+
+
+def _release_attention(model, manager) -> None:
+    """``manager`` no longer runs on ``model``: the last eager one to stop puts ``sdpa`` back."""
+    with _ATTN_LOCK:
+        holders = _ATTN_HOLDERS.get(model, {})
+        holders.pop(manager, None)
+        if not holders and model.config._attn_implementation == ATTN:
+            model.set_attn_implementation("sdpa")
+
+
 def _make_manager_class():
     from transformers.generation.continuous_batching.continuous_api import (ContinuousBatchingManager,
                                                                              ContinuousBatchProcessor)
@@ -1010,17 +1038,48 @@ def _make_manager_class():
                                  mode=None, options=None)
 
         def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
-            impl = model.config._attn_implementation
-            if impl == ATTN:
-                return
-            if impl != "sdpa":
-                raise KVCompileError(f"kvcompile serving needs a model loaded with attn_implementation='sdpa' "
-                                     f"(this one uses {impl!r})")
-            if getattr(self, "_compiled", None) is not None:
-                return  # compiled: transformers' own SDPA is traced, and kvcompile's pass rewrites it
-            _register_attention()
-            model.set_attn_implementation(ATTN)
-            self._original_attn_impl = impl
+            """Eager: the model's attention is ``kvcompile_paged`` while this manager or another runs on it
+            (``_ATTN_HOLDERS``: the last to stop puts ``sdpa`` back, not the first, whose restoring would leave
+            the others' forwards reading their chunks alone). Compiled: transformers' own SDPA is traced, and
+            kvcompile's pass rewrites it; the two kinds cannot share one model at once."""
+            compiled = getattr(self, "_compiled", None) is not None
+            with _ATTN_LOCK:
+                holders = _ATTN_HOLDERS.setdefault(model, weakref.WeakKeyDictionary())
+                impl = model.config._attn_implementation
+                if impl not in ("sdpa", ATTN):
+                    raise KVCompileError(f"kvcompile serving needs a model loaded with attn_implementation='sdpa' "
+                                         f"(this one uses {impl!r})")
+                others = {c for m, c in holders.items() if m is not self}
+                if others and others != {compiled}:
+                    mine, theirs = ("a compiled", "an eager") if compiled else ("an eager", "a compiled")
+                    raise KVCompileError(
+                        f"kvcompile serving: another continuous-batching manager runs {theirs} forward on this "
+                        f"model; {mine} one cannot run beside it (the two read the model's attention differently). "
+                        f"Stop that manager first, or give both the same varlen_compile_config.")
+                holders[self] = compiled
+                if not compiled and impl != ATTN:
+                    _register_attention()
+                    model.set_attn_implementation(ATTN)
+                elif compiled and impl == ATTN:  # left by an eager manager dropped without being stopped
+                    model.set_attn_implementation("sdpa")
+
+        def start(self) -> None:
+            if not self.is_running():  # stopped before: it holds the model's attention again
+                self.switch_to_cb_friendly_attn(self.model)
+            super().start()
+
+        def _run_generation_loop(self, *args, **kwargs) -> None:
+            try:
+                super()._run_generation_loop(*args, **kwargs)
+            finally:  # its last forward has run (stop(block=False) returns before that)
+                _release_attention(self.model, self)
+
+        def stop(self, *args, **kwargs) -> None:
+            try:
+                super().stop(*args, **kwargs)
+            finally:
+                if not self.is_running():  # never started, or joined
+                    _release_attention(self.model, self)
 
         def _create_batch_processor(self):
             bp = getattr(self, "batch_processor", None)
@@ -1040,10 +1099,6 @@ def _make_manager_class():
                 bp.offloading_manager = _offloading_class()(bp.cache, old.scheduler, self._offload_space,
                                                              old._compute_stream, bp.distributed_helper)
             bp.cache._scheduler = weakref.ref(bp.scheduler)
-            ref = weakref.ref(bp.cache)
-            for m in self.model.modules():
-                if isinstance(getattr(m, "layer_idx", None), int):
-                    m._kvcompile_paged = ref
             self.cache = bp.cache
             return bp
 

@@ -158,6 +158,100 @@ def test_generate_batch_with_no_configuration(reference):
     assert got == want and again == want
 
 
+@pytest.fixture
+def one_kernel_thread(monkeypatch):
+    """kvcompile's CPU kernels on one thread whatever the load. They follow the free cores call by call, and the
+    count sets how a decode's positions are split (flash-decoding), which moves the last bits of the attention:
+    enough to flip a random tiny model's near-tied tokens when two threads load the machine in one run and not
+    in the other. (New threads start with torch's default thread count, not this module's one.)"""
+    from kvcompile.templates import cpu
+    monkeypatch.setattr(cpu, "FIXED_THREADS", 1)
+
+
+@pytest.mark.parametrize("policy", [Policy.full(), KIVI], ids=["full", "kivi4"])
+def test_two_threads_batching_on_one_model(policy, one_kernel_thread):
+    """Two threads each call ``generate_batch`` on the same applied model, as transformers' own engine allows
+    (a manager and a cache each): one long call, and beside it short calls whose managers start and stop while
+    the long one runs. Each gets exactly the tokens it gets alone: no forward reads the other manager's cache,
+    and the first manager to stop does not take the model's attention from the one still running."""
+    import threading
+    import time
+
+    model = applied(policy)
+    long_gen = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    short_gen = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    short_prompts = prompts()[:3]
+    with torch.no_grad():
+        want_long = tokens(model.generate_batch(prompts(), long_gen, continuous_batching_config=WHOLE,
+                                                progress_bar=False))
+        want_short = tokens(model.generate_batch(short_prompts, short_gen, continuous_batching_config=WHOLE,
+                                                 progress_bar=False))
+    got, errors = {"short": []}, []
+    short_running, forwards_after_a_stop = threading.Event(), []
+    hook = model.model.register_forward_pre_hook(
+        lambda *_: None if short_running.is_set() or not got["short"] else forwards_after_a_stop.append(1))
+
+    def long_call():
+        try:
+            with torch.no_grad():
+                got["long"] = tokens(model.generate_batch(prompts(), long_gen, continuous_batching_config=WHOLE,
+                                                          progress_bar=False))
+        except BaseException as e:  # noqa: BLE001 -- reported below, in the test's thread
+            errors.append(e)
+
+    def short_calls():
+        try:
+            with torch.no_grad():
+                for _ in range(3):
+                    short_running.set()
+                    got["short"].append(tokens(model.generate_batch(
+                        short_prompts, short_gen, continuous_batching_config=WHOLE, progress_bar=False)))
+                    short_running.clear()
+                    time.sleep(0.2)  # the long call's forwards run on while no short one holds the model
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=long_call), threading.Thread(target=short_calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    hook.remove()
+    assert not errors, errors
+    assert got["long"] == want_long
+    assert got["short"] == [want_short] * 3
+    assert forwards_after_a_stop, "no forward of the long call ran after a short call had stopped"
+    assert model.config._attn_implementation == "sdpa"  # put back once both are done
+
+
+def test_generate_while_a_manager_runs_is_refused_and_the_manager_goes_on():
+    """While a manager runs, the model's attention is kvcompile's paged one, which serves only the manager's
+    forwards: plain ``generate`` in another thread is refused saying what to do, and the manager's requests get
+    their tokens all the same; once it stops, ``generate`` runs again."""
+    model = applied(Policy.full())
+    p = prompts()[4]
+    with torch.no_grad():
+        want_cb = tokens(model.generate_batch(prompts(), GEN, continuous_batching_config=WHOLE, progress_bar=False))
+        want_gen = generated(model, p)
+    manager = model.init_continuous_batching(GEN, WHOLE)
+    manager.start()
+    try:
+        ids = manager.add_requests(inputs=prompts(), max_new_tokens=NEW)
+        with torch.no_grad(), pytest.raises(KVCompileError, match="stop the manager"):
+            generated(model, p)
+        results = {}
+        while len(results) < len(ids):
+            r = manager.get_result(timeout=30)
+            assert r is not None, "no result within 30 s"
+            if r.is_finished():
+                results[r.request_id] = r
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert [results[i].generated_tokens for i in ids] == want_cb
+    with torch.no_grad():
+        assert generated(model, p) == want_gen
+
+
 # --------------------------------------------------------------------------- quantized policies
 # Forwards that hold every prompt whole (the six prompts' 278 tokens and their pages): what generate's one prefill
 # reads; a split prefill has its own test below.
