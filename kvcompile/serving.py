@@ -627,20 +627,21 @@ def _make_cache_class():
             """Clear the request's row. The request in the highest held slot moves into it (its blocks are
             shared, then released: only its ring and sinks are copied), so held slots stay 0..n-1 and a
             batch of every running request reads the stores' rows in place."""
-            slot = self.slot_of.pop(request_id, None)
+            slot = self.slot_of.get(request_id)
             if slot is None:
                 return
-            last = max(self.slot_of.values(), default=-1)
+            last = max((s for r, s in self.slot_of.items() if r != request_id), default=-1)
             if last > slot:
                 mover = next(r for r, s in self.slot_of.items() if s == last)
                 for st in self.stores:
                     st.fork(last, slot)
                     st.clear([last])
-                self.slot_of[mover] = slot
+                self.slot_of[mover] = slot  # before the request leaves: a reader never sees it gone, unmoved
                 slot = last
             else:
                 for st in self.stores:
                     st.clear([slot])
+            del self.slot_of[request_id]
             self.free_slots.append(slot)
             self.free_slots.sort(reverse=True)  # the lowest free slot is taken next
 

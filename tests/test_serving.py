@@ -71,14 +71,16 @@ def applied(policy, **configure):
     return model
 
 
-def run_manager(model, inputs, cbc=None):
+def run_manager(model, inputs, cbc=None, while_running=None):
     """The manager API: start, add requests, collect every result; returns (tokens in order, the cache, what
-    the cache looked like while the requests ran)."""
+    the cache looked like while the requests ran). ``while_running``: called once the requests are added."""
     manager = model.init_continuous_batching(GEN, cbc or cb_config())
     seen = {}
     manager.start()
     try:
         ids = manager.add_requests(inputs=inputs, max_new_tokens=NEW)
+        if while_running is not None:
+            while_running()
         results = {}
         while len(results) < len(ids):
             r = manager.get_result(timeout=30)
@@ -233,21 +235,14 @@ def test_generate_while_a_manager_runs_is_refused_and_the_manager_goes_on():
     with torch.no_grad():
         want_cb = tokens(model.generate_batch(prompts(), GEN, continuous_batching_config=WHOLE, progress_bar=False))
         want_gen = generated(model, p)
-    manager = model.init_continuous_batching(GEN, WHOLE)
-    manager.start()
-    try:
-        ids = manager.add_requests(inputs=prompts(), max_new_tokens=NEW)
+
+    def refused():
+        assert model.config._attn_implementation == serving.ATTN
         with torch.no_grad(), pytest.raises(KVCompileError, match="stop the manager"):
             generated(model, p)
-        results = {}
-        while len(results) < len(ids):
-            r = manager.get_result(timeout=30)
-            assert r is not None, "no result within 30 s"
-            if r.is_finished():
-                results[r.request_id] = r
-    finally:
-        manager.stop(block=True, timeout=30)
-    assert [results[i].generated_tokens for i in ids] == want_cb
+
+    got, _, _ = run_manager(model, prompts(), WHOLE, while_running=refused)
+    assert got == want_cb
     with torch.no_grad():
         assert generated(model, p) == want_gen
 
