@@ -3,11 +3,11 @@
     python benchmarks/cpu_kernel_ab.py                        # HEAD's template vs the working tree's, 8K x 4
     python benchmarks/cpu_kernel_ab.py --base a8c814f --policies "KIVI int4" "KIVI int2" --repeats 61
     python benchmarks/cpu_kernel_ab.py --base-file old.c --new-file new.c
-    python benchmarks/cpu_kernel_ab.py --smoke                # tiny, seconds (run by the tests)
+    python benchmarks/cpu_kernel_ab.py --smoke                # tiny, seconds
 
 How a change to ``templates/cpu_attention.c`` is judged before it is kept. The base is the template at a git
 revision (``--base``, default HEAD) or a file; the new one is the working tree's or a file. Both must read the
-paged store (a revision before 8903349 reads the old capacity layout, with another signature: refused). Per policy both
+paged store and take the head counts as arguments (an older revision has another signature: refused). Per policy both
 are built, the new one is checked against the reference (a fast wrong kernel measures nothing; ``--no-check``
 skips that for a variant that changes the numerics on purpose, whose distance the table shows), and both run
 on the same store, alternating (A B B A A B ...) for ``--repeats`` calls, one thread. Printed: the largest
@@ -45,6 +45,9 @@ def template_at(rev: str, dest: Path) -> Path:
     if "kvc_attention" in text and "const int32_t *table" not in text:
         raise SystemExit(f"templates/cpu_attention.c at {rev!r} predates the paged store (it reads a capacity "
                          f"layout through another signature): pass a revision at or after 8903349")
+    if "kvc_attention" in text and "int64_t B, int64_t H, int64_t G" not in text:
+        raise SystemExit(f"templates/cpu_attention.c at {rev!r} takes the head counts as -D constants (another "
+                         f"signature): pass a revision after the one that made them arguments")
     path = dest / f"cpu_attention_{rev.replace('/', '_')}.c"
     path.write_text(text)
     return path

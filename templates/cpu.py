@@ -1,10 +1,10 @@
 """The CPU kernels: ``cpu_attention.c`` specialized per store layout, compiled with the system C compiler.
 
 Triton's CPU path here is an interpreter, so on the CPU kvcompile generates C instead: the template is
-compiled once per layout (``-D`` definitions spell the layout out: formats, axes, groups, head_dim, GQA
-ratio, regions), with ``-O3 -march=native -fopenmp``, cached on disk under ``~/.cache/kvcompile/cpu``
-(``KVCOMPILE_CACHE_DIR`` moves it) keyed by the source, the flags, the compiler and the CPU's features, and
-called through ctypes. Building one layout takes about a second.
+compiled once per layout (``-D`` definitions spell the layout out: formats, axes, groups, head_dim, regions;
+the head counts are arguments), with ``-O3 -march=native -fopenmp``, cached on disk under
+``~/.cache/kvcompile/cpu`` (``KVCOMPILE_CACHE_DIR`` moves it) keyed by the source, the flags, the compiler and
+the CPU's features, and called through ctypes. Building one layout takes about a second.
 
 ``attention`` is the decode path (a few query rows per kv head). ``prefill_attention`` is the path for
 many query rows: the layer's store is dequantized for positions ``[0, max length)`` (one layer at a time,
@@ -67,11 +67,12 @@ def _fmt(q) -> int:
     return 2 if q.symmetric else 1
 
 
-def defines(spec: LayerSpec, group_heads: int) -> dict[str, int]:
+def defines(spec: LayerSpec) -> dict[str, int]:
     """The compile-time constants of one specialization (the kernel's name spells them out): the layout
-    alone, never the batch or a length, so one build serves every store of the layout."""
+    alone, never the batch, a length or the head counts (the attention kernel takes those as arguments), so one
+    build serves every store of the layout, and every model whose heads have it."""
     pol = spec.policy
-    out = dict(D=spec.head_dim, G=group_heads, H=spec.heads, S=spec.sink, W=max(spec.ring, 1),
+    out = dict(D=spec.head_dim, S=spec.sink, W=max(spec.ring, 1),
                R=pol.residual, FL=spec.flush, BS=spec.block, MODEL_T=_MODEL_T[spec.dtype])
     for p, q in (("K", pol.key), ("V", pol.value)):
         out[f"{p}_FMT"] = _fmt(q)
@@ -257,7 +258,7 @@ def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
     fn = lib.kvc_attention
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     compact = hasattr(lib, "kvc_rope_compact")  # older copies (benchmarks' "before") lack the compact table
-    fn.argtypes = [P] * 12 + [P, I, I] + [P, I, I, I, I, P, I, I, F, I, I, P, P] + [P, P, I, P, P] + [P, I] * compact
+    fn.argtypes = [P] * 12 + [P, I, I] + [P, I, I, I, I, P, I, I, I, I, F, I, I, P, P] + [P, P, I, P, P] + [P, I] * compact
     fn.restype = I
     if compact:
         lib.kvc_rope_width.argtypes = [P]
@@ -304,8 +305,8 @@ def _memo(t: Tensor, what, fn):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_for(spec: LayerSpec, G: int, source: Path = SOURCE) -> ctypes.CDLL:
-    return build(tuple(sorted(defines(spec, G).items())), source)
+def _kernel_for(spec: LayerSpec, source: Path = SOURCE) -> ctypes.CDLL:
+    return build(tuple(sorted(defines(spec).items())), source)
 
 
 def _ptr(t: Tensor) -> int | None:
@@ -468,7 +469,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
         raise ValueError(f"the CPU decode kernel cannot take this call: {why}")
     B, Hq, n, D = q.shape
     G = Hq // spec.heads
-    lib = _kernel_for(spec, G, source)
+    lib = _kernel_for(spec, source)
     qf = q.float()
     if spec.policy.rotates_keys:
         qf = qf @ hadamard(D, q.device)
@@ -507,7 +508,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
         qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(),
         _ptr(table), table.shape[1], state.k_codes.shape[0],
         None if m is None else m.data_ptr(), msb, msh, msi, mw,
-        out.data_ptr(), B, n, float(scale if scale is not None else D ** -0.5),
+        out.data_ptr(), B, spec.heads, G, n, float(scale if scale is not None else D ** -0.5),
         nsplit or splits(state.lengths, 1 if rope is not None else spec.heads, threads), threads,
         None if kn is None else kn.data_ptr(), None if vn is None else vn.data_ptr(),
         *_rope_ptrs(lib, ra))
@@ -607,7 +608,7 @@ def rope_compact(rope: Rope, spec: LayerSpec, source: Path = SOURCE) -> tuple[Te
     check and the copy are one pass over the table in C, once per table and version of its tensors (memoised): a
     store's table is written in place as positions are captured, which bumps the versions, and grows into new
     tensors, so every layer of a decode step shares one copy and a changed table is never read stale."""
-    lib = _kernel_for(spec, 1, source)
+    lib = _kernel_for(spec, source)
     cc, tc = _compact(lib, _rope_args(rope, rope.offset.numel(), spec.head_dim))
     return (None, 0) if cc is None else (cc[:tc], tc)
 
@@ -618,7 +619,7 @@ def rope_rows(k: Tensor, spec: LayerSpec, rope: Rope, p0: int = 0, b: int = 0, s
     as the decode kernel rotates pre-RoPE keys (for the tests: ``store.apply_rope`` bit for bit): from the compact
     table where ``rope_compact`` makes one (``compact=False``: from the full table only)."""
     D = spec.head_dim
-    lib = _kernel_for(spec, 1, source)
+    lib = _kernel_for(spec, source)
     kf = k.float().contiguous()
     if kf.dim() != 2 or kf.shape[1] != D:
         raise ValueError(f"rope_rows: expected key rows [N, {D}], got {list(k.shape)}")
@@ -634,7 +635,7 @@ def dequant_keys(state: KVState, spec: LayerSpec, block: int, head: int, natural
     """The packed keys of one (block, head), all its rows, dequantized as the decode kernel does: ``[BS, D]`` fp32
     in natural order (``natural``: what it rotates pre-RoPE keys in) or in its plane order (``plane_order``)."""
     D, BS = spec.head_dim, spec.block
-    lib = _kernel_for(spec, 1, source)
+    lib = _kernel_for(spec, source)
     pool = [t[block, head] if t.numel() else t for t in (state.k_codes, state.k_scale, state.k_zero)]
     if not all(t.is_contiguous() for t in pool):
         raise ValueError("dequant_keys: the store's keys must be contiguous")
@@ -650,7 +651,7 @@ def rope_keys(state: KVState, spec: LayerSpec, block: int, head: int, rope: Rope
     dequantized keys, bit for bit). Returns them ``[BS, D]`` and whether the kernel rotated each row as it
     dequantized it (int2/int4 keys of a "half" or "pairs" form) rather than in a pass of its own."""
     D, BS = spec.head_dim, spec.block
-    lib = _kernel_for(spec, 1, source)
+    lib = _kernel_for(spec, source)
     pool = [t[block, head] if t.numel() else t for t in (state.k_codes, state.k_scale, state.k_zero)]
     if not all(t.is_contiguous() for t in pool):
         raise ValueError("rope_keys: the store's keys must be contiguous")

@@ -31,8 +31,9 @@
  * residual ring) use the natural order with their own accumulator, so they are read without shuffles too.
  *
  * Specialization (all compile-time):
- *   D, G (query heads per kv head), H (kv heads), S, W, R (residual), FL (flush), BS (packed tokens per block)
- * Nothing depends on the batch or on how many tokens a sequence holds: one build serves every store of a layout.
+ *   D, S, W, R (residual), FL (flush), BS (packed tokens per block)
+ * Nothing depends on the batch, on how many tokens a sequence holds, or on the head counts (H kv heads and G
+ * query heads per kv head are arguments: index arithmetic only): one build serves every store of a layout.
  *   MODEL_T  dtype of residual/sink/unquantized codes: 0 fp32, 1 bf16, 2 fp16
  *   K_FMT / V_FMT     0 none (model dtype), 1 int asymmetric, 2 int symmetric, 3 fp8 e4m3, 4 fp8 e5m2
  *   K_BITS / V_BITS   8, 4, 3, 2 (ignored for none)
@@ -694,6 +695,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     float sc[TILE] __attribute__((aligned(32)));
     if (nt % 8) memset((float *)kt + nt * D, 0, sizeof(float) * D * (8 - nt % 8));
     const int causal_tail = !mask && p0 + nt - 1 > L - n; /* only the newest tile can hide future keys */
+    const int64_t G = GN / n; /* query heads per kv head */
     for (int64_t r = 0; r < GN; r++) {
         const int64_t i = r % n, hq = h * G + r / n;
         vw qr[NW];
@@ -807,7 +809,8 @@ int64_t kvc_attention(
         const float *mask,           /* additive, or NULL for causal; indexed [b, hq, i, p]; p >= mask_w: hidden */
         int64_t mask_sb, int64_t mask_sh, int64_t mask_si, int64_t mask_w,
         float *out,                  /* [B, H*G, n, D] fp32 */
-        int64_t B, int64_t n, float sm_scale, int64_t ns, int64_t nthreads,
+        int64_t B, int64_t H, int64_t G, /* kv heads, query heads per kv head */
+        int64_t n, float sm_scale, int64_t ns, int64_t nthreads,
         const float *k_new, const float *v_new, /* [B, H, n, D] fp32 as stored (rotated, model dtype), or NULL */
         const float *rope_cos, const float *rope_sin, int64_t rope_T, /* pre-RoPE keys: [T, D] each, or NULL */
         const int32_t *rope_perm, const int32_t *rope_off,              /* [D] partner channels, [B] offsets */

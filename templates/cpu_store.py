@@ -30,9 +30,7 @@ _BY_ID: dict[int, tuple] = {}  # id(spec) -> (spec, kernel); the spec is held, s
 
 def key(spec: LayerSpec) -> tuple:
     """The ``-D`` definitions of ``spec``'s store kernel, as ``compile_template`` takes them."""
-    d = defines(spec, 1)
-    del d["G"]
-    return tuple(sorted(d.items()))
+    return tuple(sorted(dict(defines(spec), H=spec.heads).items()))
 
 
 def build(spec: LayerSpec):

@@ -269,7 +269,7 @@ def test_fp8_decode_equals_torch_for_every_finite_code(fmt, flush, D):
     every finite code, subnormals included, also with denormals flushed (DAZ/FTZ, as
     torch.set_flush_denormal(True) sets them on the calling thread, where this helper runs)."""
     from kvcompile import quant as Q
-    lib = cpu._kernel_for(LayerSpec(Policy.fp8(fmt), heads=1, head_dim=D), 1)
+    lib = cpu._kernel_for(LayerSpec(Policy.fp8(fmt), heads=1, head_dim=D))
     codes = torch.arange(256, dtype=torch.uint8)
     want = codes.view(Q.FP8_DTYPES[fmt]).float()
     got = torch.empty(256)
@@ -310,20 +310,36 @@ def test_causal_mask_shortcut_is_exact():
 
 def test_kernel_is_built_once_per_layout_and_named_by_it():
     spec = LayerSpec(Policy.kivi(4), 3, 64)
-    key = tuple(sorted(cpu.defines(spec, 3).items()))
-    assert dict(key)["K_AXIS"] == 1 and dict(key)["V_AXIS"] == 0 and dict(key)["K_BITS"] == 4 and dict(key)["G"] == 3
+    key = tuple(sorted(cpu.defines(spec).items()))
+    assert dict(key)["K_AXIS"] == 1 and dict(key)["V_AXIS"] == 0 and dict(key)["K_BITS"] == 4
     assert dict(key)["BS"] == spec.block == 64 and "CQ" not in dict(key)  # the layout, no capacity, no batch
+    assert "G" not in dict(key) and "H" not in dict(key)  # nor the head counts: the kernel takes them as arguments
     assert cpu.build(key) is cpu.build(key)
-    assert "k_bits4" in cpu.build(key)._name and "g3" in cpu.build(key)._name and "bs64" in cpu.build(key)._name
-    # one build serves stores of any batch and length of the layout
-    assert cpu.defines(spec, 3) == cpu.defines(LayerSpec(Policy.kivi(4), 3, 64), 3)
-    assert cpu.defines(LayerSpec(Policy.kivi(4), 3, 64, block_tokens=128), 3)["BS"] == 128
+    assert "k_bits4" in cpu.build(key)._name and "bs64" in cpu.build(key)._name
+    # one build serves stores of any batch and length of the layout, and any head counts
+    assert cpu.defines(spec) == cpu.defines(LayerSpec(Policy.kivi(4), 3, 64))
+    assert cpu.defines(spec) == cpu.defines(LayerSpec(Policy.kivi(4), 1, 64))
+    assert cpu._kernel_for(spec) is cpu._kernel_for(LayerSpec(Policy.kivi(4), 5, 64))
+    assert cpu.defines(LayerSpec(Policy.kivi(4), 3, 64, block_tokens=128))["BS"] == 128
+
+
+def test_one_build_serves_every_head_count():
+    """The decode kernel of one layout, called for 1, 2 and 3 kv heads with 1, 3 and 8 query heads each (and
+    several query tokens), is within the bound every time: the head counts are arguments, not constants."""
+    D = 32
+    before = cpu.build.cache_info().currsize
+    for H, G in ((1, 1), (2, 3), (3, 8), (2, 1)):
+        spec, state = filled(MIXED, LENGTHS, H, D, chunk=10)
+        g = torch.Generator().manual_seed(H * 10 + G)
+        check(torch.randn(len(LENGTHS), H * G, 1, D, generator=g), state, spec)
+        check(torch.randn(len(LENGTHS), H * G, 16 // G, D, generator=g), state, spec, nsplit=3)
+    assert cpu.build.cache_info().currsize <= before + 1  # one kernel for all of them
 
 
 def test_missing_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(cpu, "compiler", lambda: None)
     spec = LayerSpec(Policy.kivi(4, group=8), 1, 16)
-    key = tuple(sorted(cpu.defines(spec, 5).items()))  # a layout no other test builds (G=5)
+    key = tuple(sorted(cpu.defines(spec).items()))
     cpu.build.cache_clear()
     cpu.compile_template.cache_clear()
     with pytest.raises(cpu.CompilerError, match=r"need a C compiler .*ops.set_kernels\('reference'\)"):
