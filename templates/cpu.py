@@ -4,7 +4,8 @@ Triton's CPU path here is an interpreter, so on the CPU kvcompile generates C in
 compiled once per layout (``-D`` definitions spell the layout out: formats, axes, groups, head_dim, regions;
 the head counts are arguments), with ``-O3 -march=native -fopenmp``, cached on disk under
 ``~/.cache/kvcompile/cpu`` (``KVCOMPILE_CACHE_DIR`` moves it) keyed by the source, the flags, the compiler and
-the CPU's features, and called through ctypes. Building one layout takes about a second.
+the CPU's features, and called through ctypes. Building one layout's decode kernel takes a few seconds (the
+store kernel, under one); a process that finds it on disk loads it at once.
 
 ``attention`` is the decode path (a few query rows per kv head). ``prefill_attention`` is the path for
 many query rows: the layer's store is dequantized for positions ``[0, max length)`` (one layer at a time,
