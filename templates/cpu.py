@@ -259,7 +259,8 @@ def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
     fn = lib.kvc_attention
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     compact = hasattr(lib, "kvc_rope_compact")  # older copies (benchmarks' "before") lack the compact table
-    fn.argtypes = [P] * 12 + [P, I, I] + [P, I, I, I, I, P, I, I, I, I, F, I, I, P, P] + [P, P, I, P, P] + [P, I] * compact
+    fn.argtypes = ([P] * 12 + [P, I, I] + [P, I, I, I, I, P, I, I, I, I, F, I, I, P, P] + [P, P, I, P, P]
+                   + [P, I] * compact)
     fn.restype = I
     if compact:
         lib.kvc_rope_width.argtypes = [P]
