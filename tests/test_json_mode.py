@@ -286,7 +286,8 @@ BOUNDED = {"type": "object", "properties": {
     "s": {"type": "string", "minLength": 2, "maxLength": 3},
     "a": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2},
     "d": {"type": "string", "format": "date"}, "c": {"type": "string", "pattern": "^[A-Z]{3}$"},
-    "m": {"type": "integer", "multipleOf": 5}, "u": {"type": "string", "format": "uuid"}, "pet": TAGGED}}
+    "m": {"type": "integer", "multipleOf": 5}, "u": {"type": "string", "format": "uuid"}, "pet": TAGGED,
+    "t": {"type": "string", "format": "date-time"}, "w": {"type": "string", "format": "date", "pattern": "^2"}}}
 
 
 @pytest.mark.parametrize("text, ok", [
@@ -301,6 +302,11 @@ BOUNDED = {"type": "object", "properties": {
     ('{"c":"ABCD"}', False), ('{"c":"AbC"}', False),
     ('{"m":7}', False), ('{"u":"0f8fad5bd9cb"}', False),
     ('{"pet":{"kind":"a","n":4}}', False), ('{"pet":{"kind":"d"}}', False), ('{"pet":{"kind":"a"}}', False),
+    # dates as pydantic and Python read them: real days of years 0001 to 9999, seconds 00 to 59 (RFC 3339 also
+    # allows a leap second, 60, and the year 0000, which they refuse)
+    ('{"t":"2024-02-29t23:59:59.123456789+05:30"}', True), ('{"t":"2024-01-01T10:00:60Z"}', False),
+    ('{"d":"2000-02-29"}', True), ('{"d":"1900-02-29"}', False), ('{"d":"0000-01-01"}', False),
+    ('{"w":"2024-02-29"}', True), ('{"w":"2023-02-29"}', False), ('{"w":"1024-02-29"}', False),  # and a pattern
 ])
 def test_bounds_are_kept_as_jsonschema_keeps_them(smol_tokenizer, text, ok):
     """Numbers' ranges and multiples, strings' lengths, a pattern and formats, an array's counts and a oneOf
