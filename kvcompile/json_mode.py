@@ -44,6 +44,7 @@ _DATE = (f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]
 _SECONDS = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
 DATES = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_SECONDS}", "time": f"^{_SECONDS}"}
 _VALUES = frozenset({"const", "enum", "default", "examples"})  # keywords whose values are data, not schemas
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})  # name: schema
 
 
 class SchemaError(ArgumentError):
@@ -87,7 +88,14 @@ def _real_dates(node):
         return [_real_dates(x) for x in node]
     if not isinstance(node, dict):
         return node
-    out = {k: v if k in _VALUES else _real_dates(v) for k, v in node.items()}
+    out = {}
+    for k, v in node.items():
+        if k in _VALUES:
+            out[k] = v
+        elif k in _NAMED and isinstance(v, dict):  # (a property may be named "enum" or "format")
+            out[k] = {name: _real_dates(sub) for name, sub in v.items()}
+        else:
+            out[k] = _real_dates(v)
     exact = DATES.get(out.get("format")) if isinstance(out.get("format"), str) else None
     if exact is not None:
         if "pattern" in out:

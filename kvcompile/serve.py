@@ -17,8 +17,8 @@ as it asks (``kvcompile.sampling``: greedy or its temperature, top-p and top-k, 
 transformers' manager applied its first request's to all), and a field asking for what the server does not do
 (``UNSUPPORTED``: a forced ``tool_choice`` ...) is a 400 rather than ignored. ``stop`` strings end a reply,
 streaming or not (``StopAt``); ``n`` choices are ``n`` requests in the batch (``n_choices``), streamed as one stream
-or not. Log probabilities, penalties and a logit bias are done per request where its tokens are picked
-(``kvcompile.sampling.Records``), and JSON mode (``kvcompile.json_mode``, on llguidance); a completion's prompt may be token
+or not. Log probabilities, penalties, a logit bias and JSON mode (``kvcompile.json_mode``, on llguidance) are done
+per request where its tokens are picked (``kvcompile.sampling.Records``); a completion's prompt may be token
 ids (``prompt_inputs``), and its ``echo`` puts the prompt in front, with its log probabilities when asked
 (``serving.paged_forward`` records them as the prefill computes them). The Responses API (``/v1/responses``) is
 checked (``check_response``) and sampled per request alike, and answers with one JSON object unless asked to

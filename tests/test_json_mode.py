@@ -359,6 +359,19 @@ def test_a_schema_llguidance_does_not_follow_is_refused_naming_what(schema, name
         grammar(schema)
 
 
+def test_dates_are_kept_to_real_days_wherever_they_stand(smol_tokenizer):
+    """The exact-date pattern goes beside every date format, a property's named "enum" or "format" included, and
+    never into a const's or an enum's values (data: a const object is written as it is)."""
+    day = {"type": "string", "format": "date"}
+    schema = {"type": "object", "properties": {"enum": day, "format": {"type": "array", "items": day},
+                                               "c": {"const": {"format": "date"}}},
+              "$defs": {"D": day}, "additionalProperties": {"$ref": "#/$defs/D"}}
+    for text, whole in (('{"enum":"2024-02-29"}', True), ('{"enum":"2023-02-29"}', False),
+                        ('{"format":["2023-02-29"]}', False), ('{"x":"2023-02-29"}', False),
+                        ('{"c":{"format":"date"}}', True)):
+        assert accepts(smol_tokenizer, schema, text)[1] == whole, text
+
+
 def test_a_schema_is_a_json_object_of_text_utf_8_can_write():
     with pytest.raises(SchemaError, match="must be a JSON object, got list"):
         grammar([{"type": "object"}])
