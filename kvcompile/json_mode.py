@@ -143,9 +143,10 @@ class JsonConstraint:
     (``tokenizer_info``), advanced by each token the reply takes (``took``)."""
 
     def __init__(self, info, grammar_: str):
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher, LLParserLimits
 
-        self.matcher = LLMatcher(info, grammar_, log_level=0)
+        # terse errors: a request's failure message names what went wrong, not the parser's state and grammar
+        self.matcher = LLMatcher(info, grammar_, log_level=0, limits=LLParserLimits(verbose_errors=False))
         if self.matcher.is_error():
             raise SchemaError(f"the schema is not followed here: {self.matcher.get_error()}")
         self.vocab, self.stops = info.vocab_size, list(info.eos_tokens)
@@ -161,9 +162,9 @@ class JsonConstraint:
         fill_next_token_bitmask(self.matcher, self._bits.unsqueeze(0), 0)
         if self.matcher.is_error():
             raise DeadEnd(f"llguidance could not continue the reply: {self.matcher.get_error()}")
-        # bit i of 32-bit word w is token 32 w + i: the words' bytes in memory order (little-endian), bits low first
-        out = torch.from_numpy(np.unpackbits(self._bits.numpy().view(np.uint8), count=self.vocab,
-                                             bitorder="little").view(np.bool_))
+        # bit i of 32-bit word w is token 32 w + i: the words' bytes little-endian, each byte's bits low first
+        words = self._bits.numpy().astype("<i4", copy=False)
+        out = torch.from_numpy(np.unpackbits(words.view(np.uint8), count=self.vocab, bitorder="little").view(np.bool_))
         if not self.matcher.is_accepting():
             out[self.stops] = False
         if not out.any():

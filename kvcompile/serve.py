@@ -832,16 +832,16 @@ def prepare_asked(asked: dict | None, model, processor) -> None:
     a.eos = stops[0] if stops else None  # where a request that fails ends (sampling.guarded)
     if a.json_mode and a.json is None:
         from .errors import UnsupportedError
-        from .json_mode import JsonConstraint, grammar, tokenizer_info
+        from .json_mode import JsonConstraint, SchemaError, grammar, tokenizer_info
 
         if not stops:
             raise RequestError("JSON mode ends a reply with the model's end-of-sequence token, and this model's "
                                "generation config has none", "response_format")
-        try:
-            info = tokenizer_info(getattr(processor, "tokenizer", processor), vocab, tuple(stops))
-        except UnsupportedError as e:
-            raise RequestError(str(e), "response_format") from None
-        a.json = JsonConstraint(info, grammar(a.json_schema))
+        try:  # (the schema was checked when the request came: what is left is llguidance's, over this vocabulary)
+            a.json = JsonConstraint(tokenizer_info(getattr(processor, "tokenizer", processor), vocab, tuple(stops)),
+                                    grammar(a.json_schema))
+        except (UnsupportedError, SchemaError) as e:
+            raise RequestError(f"'response_format': {e}", "response_format") from None
 
 
 async def _after(first, stream, scored: bool = False):
