@@ -7,8 +7,9 @@ advanced), timed over real replies.
 
 SmolLM2-135M (or ``--random``: a 2-layer random Llama over its tokenizer) writes each reply greedily under the
 constraint from a story prompt, one token at a time through ``generate`` with the constraint as a logits
-processor; the two calls are timed per token (``time.perf_counter``) and reported as median and 90th percentile
-microseconds, with the reply's tokens. One thread. The model's own forward is not timed.
+processor; the two calls are timed per token in CPU time of this thread (``time.thread_time``: what the call
+computes, not the time other processes on a shared machine take from it) and reported as median and 90th
+percentile microseconds, with the reply's tokens. One thread. The model's own forward is not timed.
 """
 from __future__ import annotations
 
@@ -39,12 +40,12 @@ def replies(model, tok, schema, n: int) -> dict:
     class Constrained(LogitsProcessor):
         def __call__(self, input_ids, scores):
             if input_ids.shape[1] > prompt_len:  # the token picked at the step before
-                t0 = time.perf_counter()
+                t0 = time.thread_time()
                 c.took(int(input_ids[0, -1]))
-                took_s.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
+                took_s.append(time.thread_time() - t0)
+            t0 = time.thread_time()
             c.mask_(scores[0])
-            mask_s.append(time.perf_counter() - t0)
+            mask_s.append(time.thread_time() - t0)
             return scores
 
     chat = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper, as JSON."}]
