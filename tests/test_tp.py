@@ -244,7 +244,7 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(job):
         assert f"failed on rank 1 of the tensor-parallel group ({r1[case]})" in r0[case]
     # different calls on the two ranks: both refuse, saying what each was given
     for got in (r0, r1):
-        assert got["different_input"].startswith("KVCompileError: LlamaForCausalLM.forward under kvcompile: the "
+        assert got["different_input"].startswith("UnsupportedError: LlamaForCausalLM.forward under kvcompile: the "
                                                   "ranks of the tensor-parallel group were given different calls "
                                                   "(rank 0: batch 1 x 20 tokens, cache holding 0; rank 1: batch "
                                                   "1 x 17 tokens, cache holding 0)")
@@ -259,11 +259,11 @@ def test_kv_heads_that_do_not_split_into_whole_heads_are_refused(job):
         # model itself cannot run. If a transformers version replicates them, revisit kvcompile.tp.sharding.
         assert got["kv1.model"].startswith("RuntimeError: shape"), got["kv1.model"]
         assert got["kv3.model"].startswith("RuntimeError: shape"), got["kv3.model"]
-        assert got["kv1"].startswith("KVCompileError: tensor parallelism over 2 ranks: this model has fewer KV heads "
+        assert got["kv1"].startswith("UnsupportedError: tensor parallelism over 2 ranks: this model has fewer KV heads "
                                      "(1) than ranks (2)"), got["kv1"]
         assert f"rank {r} holds 8 of the 16 rows of keys (0.5 heads of 16)" in got["kv1"]
         assert "tensor-parallel size that divides 1 (1)" in got["kv1"]
-        assert got["kv3"].startswith("KVCompileError: tensor parallelism over 2 ranks: this model has 3 KV heads, "
+        assert got["kv3"].startswith("UnsupportedError: tensor parallelism over 2 ranks: this model has 3 KV heads, "
                                      "which 2 ranks cannot split evenly"), got["kv3"]
         assert "tensor-parallel size that divides 3 (1, 3)" in got["kv3"]
 
