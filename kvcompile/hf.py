@@ -133,6 +133,15 @@ class KVCompileLayer(StaticLayer):
         self.store: KVStore | None = None
         self.expected = 0  # tokens each sequence is expected to reach (KVCompileCache.expect)
         self.rope_table = None  # pre_rope: the cos/sin per position, shared by the cache's layers
+        # every layer of the cache is exact (KVCompileCache.exact): eagerly, this layer is a DynamicLayer over the
+        # paged store -- it returns the tokens held, no more, and sizes the mask as DynamicLayer does
+        self.dynamic = False
+
+    @property
+    def is_compileable(self) -> bool:
+        """A StaticLayer's (masks are built for a static width), except where this layer is read eagerly as a
+        DynamicLayer (``dynamic``): transformers then builds the masks it builds for a DynamicCache."""
+        return not (self.dynamic and not _tracing())
 
     def expect(self, tokens: int) -> None:
         self.expected = max(self.expected, tokens)
@@ -213,6 +222,8 @@ class KVCompileLayer(StaticLayer):
         self.ensure(n)
         held = self.store.lengths[0]
         ops._store(self.keys, self.values, key_states, value_states, pos.cpu(), self.spec_name)
+        if self.dynamic:  # what DynamicLayer returns (its torch.cat): the tokens held, contiguous, as written
+            return self.store.exact_view(held + n)
         width = self.keys.shape[2]
         if held == 0:  # a first prefill reads only its own chunk, in full precision: no view to dequantize
             pad = (0, 0, 0, width - n)
@@ -225,6 +236,8 @@ class KVCompileLayer(StaticLayer):
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         n = _query_length(query_length)
+        if self.dynamic and not _tracing():  # DynamicLayer's: the tokens held and the query's
+            return (self.store.lengths[0] if self.is_initialized else 0) + n, 0
         self.ensure(n)
         return (self.keys.shape[2] if self.is_initialized else _width(n)), 0
 
@@ -330,6 +343,24 @@ class RingLayer(StaticSlidingWindowLayer):
     reserved_nbytes = nbytes
 
 
+def _exact_layers(config, policies: list[Policy], names: list[str], max_cache_len: int | None) -> list:
+    """For a cache whose every layer is exact: the layers of the ``DynamicCache`` transformers makes for
+    ``config`` (what the unmodified model's ``generate`` uses), each plain ``DynamicLayer`` a ``KVCompileLayer``
+    (``dynamic``: read eagerly as a DynamicLayer), the others (sliding-window layers) transformers' own."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    own = DynamicCache(config=config).layers
+    if len(own) != len(policies):  # (a config transformers builds no layers for: every layer full attention)
+        own = [DynamicLayer() for _ in policies]
+    layers = []
+    for layer, p, n in zip(own, policies, names):
+        if type(layer) is DynamicLayer:
+            layer = KVCompileLayer(p, n, max_cache_len)
+            layer.dynamic = True
+        layers.append(layer)
+    return layers
+
+
 class KVCompileCache(Cache):
     """A transformers Cache storing every layer per ``policy`` (per-layer overrides resolved by layer name).
 
@@ -374,14 +405,17 @@ class KVCompileCache(Cache):
             dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         windows = windowed_layers(config)
         horizon = max_cache_len or getattr(_text_config(config), "max_position_embeddings", None) or 2 ** 20
-        layers = []
-        for i, (p, n) in enumerate(zip(self.policies, names)):
+        # every layer exact (Policy.full()): the layers of the DynamicCache transformers would make, each plain
+        # DynamicLayer a KVCompileLayer over a paged store, which an eager forward reads as a DynamicLayer
+        self.exact = all(p.exact for p in self.policies)
+        layers = _exact_layers(config, self.policies, names, max_cache_len) if self.exact else []
+        for i, (p, n) in enumerate(zip(self.policies, names) if not self.exact else ()):
             w = windows.get(i)
             if w is not None and w < horizon and _ring_is_smaller(p, w, horizon, kv_heads, head_dim, dtype):
                 layers.append(RingLayer(max_cache_len=horizon, sliding_window=w))
             else:
                 layers.append(KVCompileLayer(p, n, max_cache_len))
-        if all(not isinstance(layer, KVCompileLayer) for layer in layers):
+        if not self.exact and all(not isinstance(layer, KVCompileLayer) for layer in layers):
             sizes = sorted({windows[i] for i in range(len(layers))})
             warnings.warn(
                 f"every attention layer of this model attends over a window of {', '.join(map(str, sizes))} "

@@ -241,6 +241,11 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
             cache.prepare(ids.shape[0], ids.shape[1], p.dtype, p.device, heads)
             if pre_rope:
                 cache.set_positions(kwargs.get("position_ids"), ids.shape[1])
+            if cache.exact:
+                # Every layer exact (Policy.full()): the unmodified model's forward, its attention over the paged
+                # store read as the DynamicCache it would have had -- its arithmetic, threads included, so its
+                # results bit for bit (a compiled graph's are not: masks, head replication, Inductor's fusions)
+                return orig_forward(*args, **kwargs)
             if eager_prefill and ids.shape[1] > 1 and cache.tokens == 0:
                 # A first prefill into an empty cache attends only to its own tokens, in full precision, and
                 # stores them: the cache's eager path does exactly that (the same kernels store), so it runs
