@@ -212,6 +212,8 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
                     "continuous batching (generate_batch, transformers serve) on a model applied with a pre_rope "
                     "policy: its attention receives keys after their rotary embedding, so it cannot store them "
                     "pre-RoPE. Apply a policy without pre_rope for serving.")
+            if getattr(cache, "exact", False):  # transformers' own arithmetic (threads included), as in ``run``
+                return serving.paged_forward(orig_forward, cache, *args, **kwargs)
             with _threads(next(model.parameters()), graph_threads if getattr(cache, "compiled", False) else None):
                 return serving.paged_forward(orig_forward, cache, *args, **kwargs)
         return run(*args, **kwargs)

@@ -260,6 +260,21 @@ def _(q, k_cache, v_cache, token, mask, scale, spec, k_new=None, v_new=None):
     return q.new_empty(q.shape)  # contiguous, like every implementation's output (not q's strides)
 
 
+def _exact_view(k_cache: Tensor, v_cache: Tensor, token: Tensor, spec: str) -> tuple[Tensor, Tensor]:
+    """For an exact layout (``Policy.exact``): the store behind ``k_cache`` as a full-precision cache of its shape
+    ``[B, H, C, D]`` -- the values written, zeros past each length (``KVStore.exact_view``) -- for the graph's
+    own attention to read. ``token``: ``store``'s (orders the read after the write)."""
+    return store_for(k_cache, v_cache, spec).exact_view(k_cache.shape[2])
+
+
+exact_view = torch.library.custom_op("kvcompile::exact_view", mutates_args=())(_exact_view)
+
+
+@exact_view.register_fake
+def _(k_cache, v_cache, token, spec):
+    return k_cache.new_empty(k_cache.shape), v_cache.new_empty(v_cache.shape)  # contiguous, as KVStore's
+
+
 def _new_standin(shape: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
     """A cache tensor the graph allocates (a lazily initialized StaticCache), as a stand-in: no
     full-precision memory; its store is created by the first ``store`` call that writes it."""
@@ -278,7 +293,7 @@ def _(shape, dtype, device):
 # registered operators: the same functions without the dispatcher's per-call work. Inductor and AOTAutograd
 # need the operators themselves.
 PLAIN = {torch.ops.kvcompile.store.default: _store, torch.ops.kvcompile.attention.default: _attention,
-         torch.ops.kvcompile.standin.default: _new_standin}
+         torch.ops.kvcompile.standin.default: _new_standin, torch.ops.kvcompile.exact_view.default: _exact_view}
 
 
 def dequantized(k_cache: Tensor, v_cache: Tensor, spec: str, positions: int) -> tuple[Tensor, Tensor]:
