@@ -170,6 +170,9 @@ class KVCompileLayer(StaticLayer):
         if self.expected:
             self.store.expect(self.expected)
         self.cumulative_length = torch.zeros((), dtype=torch.int64, device=self.device)
+        # a fixed address, as transformers' StaticLayer marks its own: the compiled graph adds to it in place, and
+        # CUDA graphs skip a graph that mutates an input of no fixed address (mode="reduce-overhead")
+        torch._dynamo.mark_static_address(self.cumulative_length)
         self._standins(CAPACITY_STEP)
         self.is_initialized = True
 
@@ -182,7 +185,11 @@ class KVCompileLayer(StaticLayer):
         self.values = standin.make_standin(shape, self.dtype, self.device)
         torch._dynamo.mark_dynamic(self.keys, 2)
         torch._dynamo.mark_dynamic(self.values, 2)
-        standin.register(self.keys, self.values, self.store, self.name, owned=True)
+        # fixed addresses: CUDA graphs then pass kvcompile's ops these very tensors (the store is looked up by
+        # identity), never copies into a recorded graph's input buffers
+        torch._dynamo.mark_static_address(self.keys)
+        torch._dynamo.mark_static_address(self.values)
+        standin.register(self.keys, self.values, self.store, self.name, owned=True, appends=True)
         self.batch_size = self.store.batch
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -369,7 +376,9 @@ class KVCompileCache(Cache):
     >>> cache.nbytes        # bytes the cache really holds
 
     max_cache_len: the most tokens a sequence may hold (``CapacityError`` beyond); None (the default): the
-    cache grows as long as memory lasts. With ``batch_size`` (and optionally ``dtype``, ``device``) the
+    cache grows as long as memory lasts. Every layer exact (``Policy.full()``, ``exact``): the layers of the
+    ``DynamicCache`` transformers makes, its full-attention ones paged stores that an eager forward reads as
+    ``DynamicLayer``s (``model_arithmetic=False`` keeps the compiled path's layout instead). With ``batch_size`` (and optionally ``dtype``, ``device``) the
     stores are created at once, which ``torch.compile`` needs (nothing may be allocated inside the graph);
     otherwise on the first eager update (``kvcompile.apply`` does it before each compiled call).
 
@@ -381,7 +390,7 @@ class KVCompileCache(Cache):
 
     def __init__(self, config, policy: Policy, max_cache_len: int | None = None, layer_names: list[str] | None = None,
                  batch_size: int | None = None, dtype: torch.dtype | None = None, device=None,
-                 kv_heads: int | None = None):
+                 kv_heads: int | None = None, model_arithmetic: bool = True):
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
                                           or max_cache_len < 1):
             raise ValueError(f"KVCompileCache max_cache_len={max_cache_len!r} is not valid: expected a positive "
@@ -407,7 +416,8 @@ class KVCompileCache(Cache):
         horizon = max_cache_len or getattr(_text_config(config), "max_position_embeddings", None) or 2 ** 20
         # every layer exact (Policy.full()): the layers of the DynamicCache transformers would make, each plain
         # DynamicLayer a KVCompileLayer over a paged store, which an eager forward reads as a DynamicLayer
-        self.exact = all(p.exact for p in self.policies)
+        # (model_arithmetic=False: the layout a compiled graph reads even then -- what explain traces)
+        self.exact = model_arithmetic and all(p.exact for p in self.policies)
         layers = _exact_layers(config, self.policies, names, max_cache_len) if self.exact else []
         for i, (p, n) in enumerate(zip(self.policies, names) if not self.exact else ()):
             w = windows.get(i)

@@ -322,7 +322,8 @@ def trace_inputs(model, applied):
     p = next(model.parameters())
     shard = getattr(applied, "sharding", None)
     cache = KVCompileCache(model.config, applied.policy, applied.max_cache_len, applied.layer_names,
-                           batch_size=1, dtype=p.dtype, device=p.device, kv_heads=shard.heads if shard else None)
+                           batch_size=1, dtype=p.dtype, device=p.device, kv_heads=shard.heads if shard else None,
+                           model_arithmetic=False)  # what the pass does with the graph, Policy.full()'s too
     ids = torch.zeros(1, 2, dtype=torch.long, device=p.device)
     return type(model).forward.__get__(model), {"input_ids": ids, cache_kwarg(model): cache, "use_cache": True}
 

@@ -465,6 +465,18 @@ def _memory_handler(compiled: bool, window_tokens: int):
     return KVCompileMemoryHandler
 
 
+def _mask_blocks(cbc, dtype: torch.dtype, page_size: int) -> int:
+    """The pages whose tokens transformers' ragged mask ``[max_batch_tokens, pages x page_size + max_batch_tokens]``
+    (one, in ``dtype``) can read in half of the memory transformers counts as available for its cache."""
+    from transformers.generation.continuous_batching.requests import get_device_and_memory_breakdown
+
+    _, total, reserved, allocated = get_device_and_memory_breakdown()
+    available = (total - max(allocated, reserved)) * (cbc.max_memory_percent or 0.9)
+    m = cbc.max_batch_tokens or _transformers().PagedAttentionMemoryHandler._default_max_batch_tokens
+    tokens = available / 2 / (m * dtype.itemsize) - m
+    return max(1, int(tokens // page_size))
+
+
 _SWAP = threading.RLock()  # held while a transformers name is swapped (below), and while transformers' own
                            # cache is built beside (``capacity``), so that it never sees a swapped name
 
@@ -1042,6 +1054,12 @@ def _make_manager_class():
             self._slots = slots_for(self._specs, budget, opts.max_requests, opts.request_tokens, self._max_tokens)
             self.budget = budget
             self._blocks = pool_blocks(self._specs, budget, self._slots, self._max_tokens)
+            if all(s.policy.exact for s in self._specs) and opts.budget is None and not asked.num_blocks:
+                # transformers' own SDPA runs (Policy.full()), with its ragged mask over every page's tokens: the
+                # default budget's pages are cut to what its mask leaves room for, as transformers' own sizing
+                # removes sectors to pay for its masks (a small model's default budget buys ~10^6 tokens of pages,
+                # whose mask at 8192 batch tokens would be tens of GiB)
+                self._blocks = min(self._blocks, _mask_blocks(asked, model.dtype, self._specs[0].block))
             if model.config._attn_implementation not in ("sdpa", ATTN):
                 raise UnsupportedError(f"kvcompile serving needs a model loaded with attn_implementation='sdpa' "
                                      f"(this one uses {model.config._attn_implementation!r})")

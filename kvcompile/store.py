@@ -1192,10 +1192,13 @@ def positions(state: KVState, mask: Tensor | None) -> int:
     return int(state.lengths.max()) if state.lengths.numel() else 0
 
 
-def cover(mask: Tensor | None, state: KVState) -> Tensor | None:
+def cover(mask: Tensor | None, state: KVState, longest: int | None = None) -> Tensor | None:
     """``mask`` widened to every position a sequence holds: positions past its width are invisible (what SDPA
-    over ``cache[:, :, :width]`` computes). Kernels take masks at least as wide as the longest sequence."""
-    longest = int(state.lengths.max()) if state.lengths.numel() else 0
+    over ``cache[:, :, :width]`` computes). Kernels take masks at least as wide as the longest sequence.
+    ``longest``: that length, when the caller knows it (``KVStore.lengths``, on the host); else read from
+    ``state``."""
+    if longest is None:
+        longest = int(state.lengths.max()) if state.lengths.numel() else 0
     if mask is None or mask.shape[-1] >= longest:
         return mask
     fill = False if mask.dtype == torch.bool else float("-inf")

@@ -208,7 +208,7 @@ def rewrite_site(gm: GraphModule, s: PagedSite) -> None:
         w.replace_all_uses_with(cache)  # index_copy_ returns the pool itself
         g.erase_node(w)
         counters["write_index_copy_"] += 1
-    if paged_ops.lookup(_example(s.k_cache))[0].exact:
+    if getattr(paged_ops.lookup(_example(s.k_cache))[0], "exact", False):
         _read_exact(g, s, token)
         return
     with g.inserting_before(s.sdpa):
