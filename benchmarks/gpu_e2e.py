@@ -27,6 +27,15 @@ Cases, most important first, each started only while the budget lasts (``plan``)
            apply"), or the compiled prefill of the static-cache recipe.
 Peak memory: ``torch.cuda.max_memory_allocated`` during the case, and the bytes the cache holds.
 
+Serving (``--serve``, a run of its own): transformers' continuous batching (``generate_batch``'s engine, the
+manager API) over one byte budget for the KV cache (--serve-budget-gib): transformers' own paged cache
+(``transformers-paged``: its full-precision pages, as many as the budget buys) against kvcompile's packed pages
+(``kvc-kivi4-serve``, ``kvc-kivi2-serve``: ``kvcompile.serving.configure(budget=, request_tokens=)``). Many
+requests of --serve-prompt random tokens (8K), each decoding --serve-new tokens, all added at once: the most
+requests holding cache at the same time (sampled), the wall time, and generated tokens/s. kvcompile's serving
+runs over transformers 5.24's continuous batching: on an image with another transformers, carry that wheel and
+put it first on the path for this run.
+
 Results: a JSON file (--out) rewritten after every case, with the command, date, versions, device, every row
 and every case skipped (and why). Progress is printed as it goes. From the GPU session script:
 ``python benchmarks/gpu_e2e.py --budget 450 --out "$OUT/e2e8b.json"`` under ``timeout 480``.
@@ -407,18 +416,94 @@ def largest_batch(name, cfg, ctx, extra, dtype, device, measured, weights_bytes)
     return max(1, int((total - weights_bytes - reserve) // per))
 
 
+SERVE_CONTENDERS = ("transformers-paged", "kvc-kivi4-serve", "kvc-kivi2-serve")
+
+
+def run_serve(name, base, budget: int, requests: int, prompt: int, new: int, device, dtype) -> dict:
+    """``requests`` requests of ``prompt`` random tokens, ``new`` tokens each, added at once to a manager whose KV
+    cache is ``budget`` bytes; the most requests holding cache at once is sampled every 20 ms."""
+    import threading
+
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    import kvcompile
+    from kvcompile import serving
+
+    dev = torch.device(device)
+    m = twin(base)
+    cfg = base.config
+    gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    chunk = min(8192, prompt)  # tokens per forward: one 8K prefill, or every running request's decode
+    if name == "transformers-paged":
+        page = 256
+        pages = serving.transformers_pages(budget, page, serving.full_precision_bytes_per_token(cfg, dtype))
+        cbc = ContinuousBatchingConfig(num_blocks=pages, page_size=page, max_batch_tokens=chunk)
+    else:
+        kvcompile.apply(m, policy(name.split("-")[1]))
+        serving.configure(m, budget=budget, request_tokens=prompt + new)
+        cbc = ContinuousBatchingConfig(max_batch_tokens=chunk)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (prompt,), generator=g).tolist() for _ in range(requests)]
+    held, stop = [0], threading.Event()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    t = time.perf_counter()
+    with torch.no_grad():
+        manager = m.init_continuous_batching(gen, cbc)
+        manager.start()
+
+        def watch():
+            while not stop.is_set():
+                bp = getattr(manager, "batch_processor", None)
+                if bp is not None:
+                    held[0] = max(held[0], len(bp.scheduler.active_requests))
+                time.sleep(0.02)
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            ids = manager.add_requests(inputs=prompts, max_new_tokens=new)
+            done, tokens, first_done = 0, 0, None
+            while done < len(ids):
+                r = manager.get_result(timeout=600)
+                if r is None:
+                    raise RuntimeError("a request gave no result within 600 s")
+                if r.error is not None:
+                    raise RuntimeError(f"request {r.request_id} failed: {r.error}")
+                if r.is_finished():
+                    done += 1
+                    tokens += len(r.generated_tokens)
+                    first_done = first_done or time.perf_counter() - t
+        finally:
+            stop.set()
+            manager.stop(block=True, timeout=120)
+    wall = time.perf_counter() - t
+    row = dict(case="serve", contender=name, budget_gib=budget / 2**30, requests=requests, prompt=prompt,
+               new=new, held_max=held[0], wall_s=wall, first_done_s=first_done, generated=tokens,
+               tok_s=tokens / wall)
+    if dev.type == "cuda":
+        row["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    return row
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a tiny Llama and tiny shapes (a dry run, CPU included)")
     ap.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run (cases stop before)")
-    ap.add_argument("--only", nargs="+", choices=CONTENDERS, default=None, help="these contenders only")
+    ap.add_argument("--only", nargs="+", choices=CONTENDERS + SERVE_CONTENDERS, default=None,
+                    help="these contenders only")
     ap.add_argument("--shapes", nargs="+", default=None, help=f"batch x context, or max@context (default {SHAPES})")
     ap.add_argument("--cases", nargs="+", choices=("decode", "first"), default=("decode", "first"))
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps per case (default 8; tiny 3)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed first steps (compile, record CUDA graphs)")
     ap.add_argument("--first-context", type=int, default=None, help="prompt tokens of the first-token case")
     ap.add_argument("--case-limit", type=float, default=150.0, help="seconds at most per case")
+    ap.add_argument("--serve", action="store_true", help="the serving comparison instead (see above)")
+    ap.add_argument("--serve-budget-gib", type=float, default=None, help="KV cache bytes (default 32; tiny 0.002)")
+    ap.add_argument("--serve-requests", type=int, default=None, help="requests added at once (default 128; tiny 24)")
+    ap.add_argument("--serve-prompt", type=int, default=None, help="prompt tokens (default 8192; tiny 256)")
+    ap.add_argument("--serve-new", type=int, default=16, help="tokens each request decodes")
     ap.add_argument("--out", default="benchmarks/results/gpu_e2e.json")
     args = ap.parse_args(argv)
 
@@ -462,13 +547,22 @@ def main(argv=None) -> dict:
         have_quanto = False
     measured = {}  # contender -> cache bytes per token (QuantizedCache's, for its largest batch)
     wanted = set(args.only or CONTENDERS)
-    for kind, name, si in PRIORITY:
-        if name not in wanted or kind not in args.cases:
+    if args.serve:
+        budget = int((args.serve_budget_gib or (0.002 if args.tiny else 32.0)) * 2**30)
+        requests = args.serve_requests or (24 if args.tiny else 128)
+        prompt = args.serve_prompt or (256 if args.tiny else 8192)
+        out.update(serve=dict(budget_gib=budget / 2**30, requests=requests, prompt=prompt, new=args.serve_new))
+        plan = [("serve", name, None) for name in SERVE_CONTENDERS if not args.only or name in args.only]
+    else:
+        plan = PRIORITY
+    for kind, name, si in plan:
+        if kind != "serve" and (name not in wanted or kind not in args.cases):
             continue
         if kind == "decode" and si >= len(shapes):
             continue
         left = deadline - time.perf_counter()
-        what = dict(case=kind, contender=name, shape=shapes[si] if kind == "decode" else f"1x{first_ctx}")
+        what = dict(case=kind, contender=name,
+                    shape=shapes[si] if kind == "decode" else "" if kind == "serve" else f"1x{first_ctx}")
         if name == "quanto-int4" and not have_quanto:
             out["skipped"].append(dict(what, reason="optimum-quanto is not importable"))
             continue
@@ -489,7 +583,18 @@ def main(argv=None) -> dict:
             f"{left:.0f} s left")
         try:
             with time_limit(min(args.case_limit, left - 10)):
-                if kind == "decode":
+                if kind == "decode" and name == "quanto-int4":
+                    # each of its steps dequantizes the whole cache, and its first builds quanto's extension
+                    row = run_decode(name, base, B, ctx, min(steps, 3), 1, dev, dtype)
+                    row["shape"] = what["shape"]
+                    measured.setdefault(name, row["cache_bytes"] / (B * (ctx + 1 + row["steps"])))
+                    log(f"  -> {row['decode_tok_s']:.1f} tok/s, step {row['step_ms_median']:.2f} ms, cache "
+                        f"{row['cache_bytes'] / 2**30:.2f} GiB")
+                elif kind == "serve":
+                    row = run_serve(name, base, budget, requests, prompt, args.serve_new, dev, dtype)
+                    log(f"  -> held {row['held_max']} requests at once, {row['generated']} tokens in "
+                        f"{row['wall_s']:.1f} s ({row['tok_s']:.1f} tok/s)")
+                elif kind == "decode":
                     row = run_decode(name, base, B, ctx, steps, args.warmup, dev, dtype)
                     row["shape"] = what["shape"]
                     measured.setdefault(name, row["cache_bytes"] / (B * (ctx + args.warmup + steps)))

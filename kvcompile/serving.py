@@ -1258,6 +1258,7 @@ def install(model, policy: Policy, layer_names, kv_heads: int) -> None:
     def init_continuous_batching(generation_config=None, continuous_batching_config=None, workload_hints=None):
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+        check_transformers()
         cls = manager_class()
         cached = getattr(model, "_cached_continuous_batching_manager", None)
         if isinstance(cached, cls):
@@ -1272,6 +1273,21 @@ def install(model, policy: Policy, layer_names, kv_heads: int) -> None:
         return cls(model, gen, cbc, workload_hints)
 
     model.init_continuous_batching = init_continuous_batching
+
+
+def check_transformers() -> None:
+    """kvcompile's serving subclasses the continuous batching of transformers 5.24 (its cache allocators, memory
+    handler and page accounting); another release's engine is refused at the call, saying what to install."""
+    import importlib.util
+
+    import transformers
+
+    if importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is None:
+        raise UnsupportedError(
+            f"kvcompile serving (generate_batch, init_continuous_batching, kvcompile serve) is built on the "
+            f"continuous batching of transformers 5.24, and transformers {transformers.__version__} has another "
+            f"one (no continuous_batching.cache_allocators). Install transformers 5.24 for serving (pip install "
+            f"'kvcompile[serve]'); apply, generate and the backend work with this release.")
 
 
 def paged_forward(orig_forward, paged_cache, /, *args, **kwargs):

@@ -1404,13 +1404,13 @@ class JsonConstraint:
             best = int(order.argmax())
             if self.fits(best):
                 return best
-            open_ = self._open(order.numel())
+            open_ = self._open(order.numel()).to(order.device)  # (a GPU's logits: the mask indexes them there)
         else:
             p = probs.clone()
             t = int(draw(p))
             if self.fits(t):
                 return t
-            open_ = self._open(p.numel())
+            open_ = self._open(p.numel()).to(p.device)
             p[t] = 0
             p[~open_] = 0  # never fit: the restricted distribution is the same without them
             for _ in range(63):
