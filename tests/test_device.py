@@ -186,18 +186,21 @@ def test_backend_over_a_gpt_fast_modules_static_buffers(mode, device):
         assert torch.equal(runs[0], runs[1])
 
 
-def test_continuous_batching_on_the_device(device):
-    """``generate_batch`` under KIVI int4 with the model on the device: every request gets the tokens
-    kvcompile's own ``generate`` gives it (the same stored bytes, the same kernels), and the serving stores are on
-    the device."""
+def test_continuous_batching_on_the_device(device, monkeypatch):
+    """The manager API under KIVI int4 with the model on the device: every request gets the tokens kvcompile's
+    own ``generate`` gives it (the same stored bytes, the same kernels; fp32, and on the CPU one kernel thread,
+    as in ``test_serving``: a bf16 tiny model's near-tied tokens flip with a decode split's last bits), and the
+    serving stores are on the device."""
+    from kvcompile.templates import cpu
     from test_generate import tiny
     from test_serving import cb_config, prompts
 
+    monkeypatch.setattr(cpu, "FIXED_THREADS", 1)
     gen = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    model = kvcompile.apply(tiny(dtype=DT, seed=6).to(device), KIVI, compiler="eager")
-    ps = [p for p in prompts() if len(p) <= 64]  # prefilled whole (max_batch_tokens=64): generate's one prefill
+    model = kvcompile.apply(tiny(seed=6).to(device), KIVI, compiler="eager")
+    ps = prompts()  # each prefilled whole (max_batch_tokens=512), as generate's one prefill
     with torch.no_grad():
-        manager = model.init_continuous_batching(gen, cb_config())
+        manager = model.init_continuous_batching(gen, cb_config(max_batch_tokens=512, num_blocks=16))
         manager.start()
         try:
             ids = manager.add_requests(inputs=ps, max_new_tokens=12)
