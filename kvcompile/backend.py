@@ -32,15 +32,21 @@ from .policy import Policy, PolicyError
 from .store import DTYPE_NAMES, LayerSpec
 
 COMPILERS = ("inductor", "eager")
+# torch.compile's modes, as Inductor reads them (torch._inductor.list_mode_options); the backend honours each
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass(frozen=True)
 class Options:
     """The backend's options: ``policy`` (a ``kvcompile.Policy``, needed for caches kvcompile did not
-    allocate) and ``compiler`` ("inductor" or "eager"). Validated at construction."""
+    allocate), ``compiler`` ("inductor" or "eager") and ``mode`` (torch.compile's, for Inductor: "reduce-overhead"
+    and "max-autotune" run the graph as CUDA graphs between kvcompile's ops, ``cudagraph_patches``; None is
+    "default"). ``torch.compile`` takes ``mode=`` or ``options=``, not both: ``options={"policy": p, "mode":
+    "reduce-overhead"}`` gives both. Validated at construction."""
 
     policy: Policy | None = None
     compiler: str = "inductor"
+    mode: str | None = None
 
     def __post_init__(self):
         if self.policy is not None and not isinstance(self.policy, Policy):
@@ -48,17 +54,53 @@ class Options:
                               f"(e.g. kvcompile.Policy.kivi(4))")
         if self.compiler not in COMPILERS:
             raise UnsupportedError(f"options['compiler']={self.compiler!r} is not valid: expected one of {COMPILERS}")
+        if self.mode is not None and self.mode not in MODES:
+            raise UnsupportedError(f"mode={self.mode!r} is not valid for the kvcompile backend: expected one of "
+                                   f"{MODES} (or None)")
+        if self.compiler == "eager" and self.mode not in (None, "default"):
+            raise UnsupportedError(f"mode={self.mode!r} asks Inductor for {'CUDA graphs' if self.cudagraphs else 'autotuning'}, "
+                                   f"but options['compiler']='eager' runs the graph without Inductor: use "
+                                   f"compiler='inductor' (the default) with this mode, or no mode")
+
+    @property
+    def cudagraphs(self) -> bool:
+        return self.mode is not None and bool(_mode_options(self.mode).get("triton.cudagraphs"))
 
     @staticmethod
     def parse(options) -> "Options":
         if isinstance(options, Options):
             return options
         options = dict(options or {})
-        unknown = set(options) - {"policy", "compiler"}
+        unknown = set(options) - {"policy", "compiler", "mode"}
         if unknown:
             raise UnsupportedError(f"unknown kvcompile backend option(s) {sorted(unknown)}: expected 'policy' "
-                                 f"(a kvcompile.Policy) and 'compiler' (one of {COMPILERS})")
-        return Options(options.get("policy"), options.get("compiler", "inductor"))
+                                 f"(a kvcompile.Policy), 'compiler' (one of {COMPILERS}) and 'mode' (one of {MODES})")
+        return Options(options.get("policy"), options.get("compiler", "inductor"), options.get("mode"))
+
+
+def _mode_options(mode: str) -> dict:
+    from torch._inductor import list_mode_options
+    return list_mode_options(mode)
+
+
+def cudagraph_patches(mode: str) -> dict:
+    """Inductor's config for ``mode``, and, where it records CUDA graphs, a graph partitioned around kvcompile's
+    ops (``ops.HOST_OPS``): they do host-side work at every call (the store's block manager: reserving blocks,
+    lengths, the layer's store looked up from its cache tensor), which a recorded graph would replay without,
+    so they run between the recorded partitions. A torch without graph partitions is refused: a CUDA graph
+    over the whole graph would be silently wrong."""
+    patches = dict(_mode_options(mode))
+    if patches.get("triton.cudagraphs"):
+        from torch._inductor import config
+        if not hasattr(config, "graph_partition") or not hasattr(config, "custom_should_partition_ops"):
+            raise UnsupportedError(
+                f"mode={mode!r} records CUDA graphs, and kvcompile's ops must run outside them (they update the "
+                f"store's block tables on the host); this torch ({torch.__version__}) has no Inductor graph "
+                f"partitions (torch._inductor.config.custom_should_partition_ops) to keep them out. Use torch >= "
+                f"2.9, or mode='default' / 'max-autotune-no-cudagraphs'.")
+        patches.update(graph_partition=True,
+                       custom_should_partition_ops=sorted(set(config.custom_should_partition_ops) | set(ops.HOST_OPS)))
+    return patches
 
 
 class Analyzed(Exception):
@@ -211,12 +253,21 @@ def _finish(gm, example_inputs, opts: Options):
         return gm.forward
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs)  # called like Dynamo calls a backend's result: compiled(*args)
+    patches = cudagraph_patches(opts.mode) if opts.mode is not None else None
+    # called like Dynamo calls a backend's result: compiled(*args)
+    return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 @torch._dynamo.register_backend(name="kvcompile")
 def kvcompile_backend(gm, example_inputs, options=None, mode=None):
-    """``torch.compile(model, backend="kvcompile", options={"policy": p, "compiler": "inductor"|"eager"})``.
-
-    ``mode`` is accepted (transformers' ``CompileConfig`` passes one) and has no effect."""
-    return compile_graph(gm, example_inputs, options)
+    """``torch.compile(model, backend="kvcompile", options={"policy": p, "compiler": "inductor"|"eager"})``, or
+    ``torch.compile(model, backend="kvcompile", mode="reduce-overhead")`` (the policy then comes from a kvcompile
+    cache the model is given). ``mode`` is torch.compile's (transformers' ``CompileConfig`` passes one too) and is
+    honoured (``Options.mode``)."""
+    opts = Options.parse(options)
+    if mode is not None and mode != opts.mode:
+        if opts.mode is not None:
+            raise UnsupportedError(f"the kvcompile backend got mode={mode!r} and options['mode']={opts.mode!r}: "
+                                   f"give one")
+        opts = Options(opts.policy, opts.compiler, mode)
+    return compile_graph(gm, example_inputs, opts)

@@ -212,6 +212,8 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
                     "continuous batching (generate_batch, transformers serve) on a model applied with a pre_rope "
                     "policy: its attention receives keys after their rotary embedding, so it cannot store them "
                     "pre-RoPE. Apply a policy without pre_rope for serving.")
+            if getattr(cache, "exact", False):  # transformers' own arithmetic (threads included), as in ``run``
+                return serving.paged_forward(orig_forward, cache, *args, **kwargs)
             with _threads(next(model.parameters()), graph_threads if getattr(cache, "compiled", False) else None):
                 return serving.paged_forward(orig_forward, cache, *args, **kwargs)
         return run(*args, **kwargs)
@@ -241,6 +243,11 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
             cache.prepare(ids.shape[0], ids.shape[1], p.dtype, p.device, heads)
             if pre_rope:
                 cache.set_positions(kwargs.get("position_ids"), ids.shape[1])
+            if cache.exact:
+                # Every layer exact (Policy.full()): the unmodified model's forward, its attention over the paged
+                # store read as the DynamicCache it would have had -- its arithmetic, threads included, so its
+                # results bit for bit (a compiled graph's are not: masks, head replication, Inductor's fusions)
+                return orig_forward(*args, **kwargs)
             if eager_prefill and ids.shape[1] > 1 and cache.tokens == 0:
                 # A first prefill into an empty cache attends only to its own tokens, in full precision, and
                 # stores them: the cache's eager path does exactly that (the same kernels store), so it runs
@@ -315,7 +322,8 @@ def trace_inputs(model, applied):
     p = next(model.parameters())
     shard = getattr(applied, "sharding", None)
     cache = KVCompileCache(model.config, applied.policy, applied.max_cache_len, applied.layer_names,
-                           batch_size=1, dtype=p.dtype, device=p.device, kv_heads=shard.heads if shard else None)
+                           batch_size=1, dtype=p.dtype, device=p.device, kv_heads=shard.heads if shard else None,
+                           model_arithmetic=False)  # what the pass does with the graph, Policy.full()'s too
     ids = torch.zeros(1, 2, dtype=torch.long, device=p.device)
     return type(model).forward.__get__(model), {"input_ids": ids, cache_kwarg(model): cache, "use_cache": True}
 

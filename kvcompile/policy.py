@@ -353,6 +353,14 @@ class Policy:
                 f"rot={int(self.rotate)}" + (";pre=1" if self.pre_rope else ""))
 
     @property
+    def exact(self) -> bool:
+        """Whether this (base) policy stores keys and values exactly as the model wrote them: no format, no
+        rotation, keys not pre-RoPE (``Policy.full()``). Such a layer keeps the model's own attention arithmetic
+        over the paged store (docs/design.md, "Policy.full() is the model's arithmetic"), so its results are the
+        unmodified model's bit for bit."""
+        return not (self.key.quantized or self.value.quantized or self.rotate or self.pre_rope)
+
+    @property
     def rotates_keys(self) -> bool:
         """Whether keys (and queries) are Hadamard-rotated: ``rotate``, unless keys are stored pre-RoPE (the
         rotary embedding is applied to stored keys per position, so they stay in model space)."""

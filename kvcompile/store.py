@@ -728,6 +728,36 @@ class KVStore:
         tb = self.rope_table
         return Rope(tb.cos, tb.sin, tb.perm, self._rope_offset_t)
 
+    def exact_view(self, width: int) -> tuple[Tensor, Tensor]:
+        """Positions ``[0, width)`` of every sequence as ``k, v [B, H, width, D]``, contiguous, in the model's
+        dtype, for an exact layout (``Policy.exact``: every token is in the blocks as the model wrote it): the
+        values written, bit for bit, and zeros past each sequence's length -- what a full-precision cache of
+        ``width`` slots holds (a ``StaticCache``; a ``DynamicCache`` when ``width`` is the length). The
+        model's own attention reads it (``Policy.full()`` keeps the model's arithmetic)."""
+        sp = self.spec
+        if not sp.policy.exact:
+            raise ValueError(f"KVStore.exact_view: the layout {sp.name} does not hold the values as written")
+        B, H, D, BS = self.batch, sp.heads, sp.head_dim, sp.block
+        k_pool, v_pool = self.state.k_codes, self.state.v_codes
+        if width == 0 or not k_pool.shape[0]:
+            z = torch.zeros(B, H, width, D, dtype=sp.torch_dtype, device=self.device)
+            return z, z.clone()
+        p = torch.arange(width, device=self.device)
+        table = self.state.table
+        cols = -(-width // BS)
+        if table.shape[1] < cols:  # slots past every sequence's blocks (a static width): nothing written there
+            table = torch.nn.functional.pad(table, (0, cols - table.shape[1]), value=-1)
+        blk = table[:, p // BS].long().clamp(min=0)  # [B, width]; a slot with no block is masked below
+        row = (p % BS).expand(B, width)
+        out = []
+        for pool in (k_pool, v_pool):
+            x = pool.permute(1, 0, 2, 3)[:, blk, row].permute(1, 0, 2, 3).contiguous()  # [B, H, width, D]
+            if min(self.lengths) < width:  # zeros past each length, as a zero-filled static cache holds
+                live = p.view(1, 1, width, 1) < self.state.lengths.view(B, 1, 1, 1)
+                x = torch.where(live, x, torch.zeros((), dtype=x.dtype, device=x.device))
+            out.append(x)
+        return out[0], out[1]
+
     def crop(self, length: int) -> None:
         """Every sequence keeps its first ``length`` tokens (sequences shorter than that are unchanged).
 
@@ -1162,10 +1192,13 @@ def positions(state: KVState, mask: Tensor | None) -> int:
     return int(state.lengths.max()) if state.lengths.numel() else 0
 
 
-def cover(mask: Tensor | None, state: KVState) -> Tensor | None:
+def cover(mask: Tensor | None, state: KVState, longest: int | None = None) -> Tensor | None:
     """``mask`` widened to every position a sequence holds: positions past its width are invisible (what SDPA
-    over ``cache[:, :, :width]`` computes). Kernels take masks at least as wide as the longest sequence."""
-    longest = int(state.lengths.max()) if state.lengths.numel() else 0
+    over ``cache[:, :, :width]`` computes). Kernels take masks at least as wide as the longest sequence.
+    ``longest``: that length, when the caller knows it (``KVStore.lengths``, on the host); else read from
+    ``state``."""
+    if longest is None:
+        longest = int(state.lengths.max()) if state.lengths.numel() else 0
     if mask is None or mask.shape[-1] >= longest:
         return mask
     fill = False if mask.dtype == torch.bool else float("-inf")
