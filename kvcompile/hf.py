@@ -26,6 +26,7 @@ alike: the pass must never route a ring's writes to a packed store.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 
@@ -103,6 +104,17 @@ def _ring_is_smaller(policy: Policy, window: int, capacity: int, kv_heads: int, 
 CAPACITY_STEP = 256  # the stand-ins' width (the attention mask's) grows in steps of this many tokens
 
 
+def _copy_attributes(obj, memo: dict, keep: tuple = ()):
+    """A new object of ``obj``'s class whose attributes are deep copies of ``obj``'s (those named in ``keep``: the
+    same objects), for ``__deepcopy__``. Run it outside inference mode (``normal_tensors``): a copy made inside
+    ``torch.inference_mode`` is written in place by later calls, as the original is."""
+    new = type(obj).__new__(type(obj))
+    memo[id(obj)] = new
+    for k, v in obj.__dict__.items():
+        new.__dict__[k] = v if k in keep else copy.deepcopy(v, memo)
+    return new
+
+
 def _tracing() -> bool:
     return torch.compiler.is_dynamo_compiling()
 
@@ -176,6 +188,17 @@ class KVCompileLayer(StaticLayer):
         torch._dynamo.mark_dynamic(self.values, 2)
         standin.register(self.keys, self.values, self.store, self.name, owned=True)
         self.batch_size = self.store.batch
+
+    @normal_tensors
+    def __deepcopy__(self, memo) -> "KVCompileLayer":
+        """An independent layer holding the same tokens (transformers' prompt-reuse recipe deep-copies a cache
+        per continuation): the store copied (``KVStore.copy``: blocks, ring, sinks, tables), and new stand-ins
+        registered to the copy. The stand-ins themselves are never copied: a copy of a stand-in is a tensor no
+        store stands behind."""
+        new = _copy_attributes(self, memo, keep=("policy", "spec", "keys", "values"))
+        if self.is_initialized:
+            new._standins(self.keys.shape[2])
+        return new
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, Dk = key_states.shape
@@ -302,6 +325,13 @@ class RingLayer(StaticSlidingWindowLayer):
         with torch.inference_mode(False):
             super().lazy_initialization(key_states, value_states)
 
+    @normal_tensors
+    def __deepcopy__(self, memo) -> "RingLayer":
+        """A copy of the ring, registered as the model's own like the original."""
+        new = _copy_attributes(self, memo)
+        new._leave()
+        return new
+
     def _leave(self):
         if self.is_initialized:
             standin.leave(self.keys, self.values, RING_REASON.format(w=self.max_cache_len))
@@ -402,6 +432,11 @@ class KVCompileCache(Cache):
         self.shape = (kv_heads, head_dim)
         if batch_size is not None:
             self.early_initialization(batch_size, kv_heads, head_dim, dtype, device or "cpu")
+
+    def __copy__(self) -> "KVCompileCache":
+        """``copy.copy`` gives an independent cache too: two caches sharing one store would each append into the
+        other's sequences (transformers' own ``copy.copy`` of a cache shares its layers)."""
+        return copy.deepcopy(self)
 
     @property
     def max_cache_len(self) -> int | None:

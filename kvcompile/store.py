@@ -54,6 +54,7 @@ Hadamard mixes channels).
 """
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass
@@ -772,6 +773,14 @@ class KVStore:
             table = torch.full((len(ix), self.state.table.shape[1]), -1, dtype=torch.int32, device=self.device)
         self.state = KVState(*self.state[:6], *rows, table)
         self._sync_rows()
+
+    def __deepcopy__(self, memo) -> "KVStore":
+        """``copy.deepcopy``: ``copy`` (every tensor cloned), with the cos/sin table copied once for all the stores
+        of a cache that share it (``memo``)."""
+        out = self.copy()
+        memo[id(self)] = out
+        out.rope_table = copy.deepcopy(self.rope_table, memo)
+        return out
 
     @normal_tensors
     def copy(self, device=None) -> "KVStore":
