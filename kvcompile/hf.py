@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLaye
 from . import ops, standin
 from .errors import KVCompileWarning
 from .policy import Policy
-from .store import RopeError, RopeTable, DTYPE_NAMES, KVStore, LayerSpec, normal_tensors
+from .store import RopeError, RopeTable, DTYPE_NAMES, KVStore, LayerSpec, dequantize_reference, normal_tensors
 
 
 def _text_config(config):
@@ -538,12 +538,30 @@ class KVCompileCache(Cache):
     def get_seq_length(self, layer_idx: int = 0):
         return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
 
-    def crop(self, tokens_to_remove: int) -> None:
+    def __iter__(self):
+        """``(keys, values, sliding_window)`` per layer, as transformers' ``DynamicCache`` yields them (so that
+        ``DynamicCache(cache)`` copies it into a full-precision cache): what each layer holds, ``[B, H, L, D]`` in
+        the model's dtype and space -- a store's tokens dequantized (``dequantize_reference``: under
+        ``Policy.full()`` the values written), a ring's window as transformers holds it (with its window
+        length). ``layer.keys`` of a store's layer is a stand-in, not its contents."""
         for layer in self.layers:
-            if isinstance(layer, KVCompileLayer):
-                layer.crop(tokens_to_remove)
-            elif layer.is_initialized:
-                layer.crop(tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove - self.tokens)
+            if not layer.is_initialized:
+                yield None, None, None
+            elif isinstance(layer, KVCompileLayer):
+                k, v = dequantize_reference(layer.store.state, layer.spec, layer.dtype, end=max(layer.store.lengths))
+                yield k, v, None
+            else:
+                held = min(int(layer.cumulative_length_int), layer.max_cache_len)
+                yield (layer.keys[:, :, :held], layer.values[:, :, :held],
+                       torch.tensor(layer.max_cache_len, dtype=torch.int64))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Negative (or 0): remove that many tokens from the end (transformers 5.2x); positive: keep that many (the
+        older convention). Every layer the same count: transformers' rings take only the negative form."""
+        remove = tokens_to_remove if tokens_to_remove <= 0 else min(0, tokens_to_remove - self.tokens)
+        for layer in self.layers:
+            if isinstance(layer, KVCompileLayer) or layer.is_initialized:
+                layer.crop(remove)
 
     @property
     def is_initialized(self) -> bool:

@@ -189,3 +189,56 @@ def test_a_cache_of_another_policy_is_refused(kivi):
         same = KVCompileCache(model.config, KIVI8)  # the model's own policy: taken
         model(PROMPT, past_key_values=same)
     assert same.get_seq_length() == PROMPT.shape[1]
+
+
+# --------------------------------------------------------------------------- the Cache methods users call
+def test_the_cache_methods_users_call_match_dynamic_caches(full):
+    """``get_seq_length``, ``batch_repeat_interleave``, ``reorder_cache``, ``batch_select_indices`` and ``crop`` on
+    the applied model's cache, then generate from it: under Policy.full() exactly what the unmodified model does
+    with its DynamicCache handled the same way."""
+    ref, model = full
+    with torch.no_grad():
+        cache, theirs = prompt_cache(model), prompt_cache(ref)
+        for c in (cache, theirs):
+            c.batch_repeat_interleave(3)
+            c.reorder_cache(torch.tensor([2, 0, 1]))
+            c.batch_select_indices(torch.tensor([1, 2]))
+            c.crop(-4)
+        assert cache.get_seq_length() == theirs.get_seq_length() == PROMPT.shape[1] - 4
+        ids = torch.cat([PROMPT[:, :-4], torch.tensor([[3, 4]])], 1).repeat(2, 1)
+        got = model.generate(ids, past_key_values=cache, **GEN)
+        want = ref.generate(ids, past_key_values=theirs, **GEN)
+    assert torch.equal(got.sequences, want.sequences) and torch.equal(logits(got), logits(want))
+
+
+def test_reading_the_cache_back(full, kivi):
+    """Iterating over the cache yields what each layer holds in the model's space, as a DynamicCache yields it:
+    under Policy.full() the unmodified model's keys and values, so ``DynamicCache(cache)`` is a full-precision
+    copy the unmodified model continues from; under a quantized policy what the store dequantizes to."""
+    from kvcompile.store import dequantize_reference
+    ref, model = full
+    with torch.no_grad():
+        cache, theirs = prompt_cache(model), prompt_cache(ref)
+        for (k, v, w), (k2, v2, w2) in zip(cache, theirs):
+            assert torch.equal(k, k2) and torch.equal(v, v2) and w is w2 is None
+        ids = torch.cat([PROMPT, torch.tensor([SUFFIXES[1]])], 1)
+        got = ref.generate(ids, past_key_values=DynamicCache(cache), **GEN)
+        want = ref.generate(ids, past_key_values=theirs, **GEN)
+        assert torch.equal(got.sequences, want.sequences) and torch.equal(logits(got), logits(want))
+        quantized = prompt_cache(kivi[1])
+        for layer, (k, v, _) in zip(quantized.layers, quantized):
+            want_k, want_v = dequantize_reference(layer.store.state, layer.spec, torch.float32)
+            assert torch.equal(k, want_k) and torch.equal(v, want_v) and k.shape[2] == PROMPT.shape[1]
+
+
+@pytest.mark.parametrize("keep", [8, -4], ids=["keep-8", "remove-4"])
+def test_a_crop_reaches_every_layer_of_a_cache_with_rings(keep):
+    """``crop`` takes transformers 5.2x's negative count and the older positive length to keep; with sliding-window
+    rings beside the stores every layer is cropped alike (a positive count left the last ring uncropped)."""
+    _, model = windowed_pair(Policy.full())
+    ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    assert cache.rings == {0: 16, 2: 16}
+    cache.crop(keep)
+    assert [int(layer.get_seq_length()) for layer in cache.layers] == [8, 8, 8]
