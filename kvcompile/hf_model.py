@@ -196,8 +196,10 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
     orig_forward = model.forward
     compiled = torch.compile(orig_forward, backend=backend, fullgraph=True, dynamic=dynamic)
 
-    def new_cache():
-        return KVCompileCache(cfg, policy, max_cache_len, layer_names=names, kv_heads=heads)
+    def new_cache(limit: int | None = None):
+        """The model's cache; ``limit``: a caller's own cache length (a StaticCache taken over), within apply's."""
+        limit = min(x for x in (limit, max_cache_len) if x) if (limit or max_cache_len) else None
+        return KVCompileCache(cfg, policy, limit, layer_names=names, kv_heads=heads)
 
     graph_threads = {}  # torch's thread count for this model's compiled calls (``_threads``)
 
@@ -298,18 +300,20 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
 
 
 def take_over(cache, new_cache) -> None:
-    """An empty transformers ``DynamicCache`` the caller passes (transformers' recipes create one:
-    ``DynamicCache(config=model.config)``, then fill it with a forward or ``generate``) becomes, in place, the
-    applied model's ``KVCompileCache`` (``new_cache()``): the caller's object is the cache that fills up, as with
-    transformers' own cache, and it quantizes as the model was applied. A DynamicCache holding tokens, or one
-    that offloads, is refused (``refused_cache``)."""
-    from transformers.cache_utils import DynamicCache
+    """An empty transformers ``DynamicCache`` or ``StaticCache`` the caller passes (transformers' recipes create one:
+    ``DynamicCache(config=model.config)``, ``StaticCache(config=..., max_cache_len=...)``, then fill it with a
+    forward or ``generate``) becomes, in place, the applied model's ``KVCompileCache`` (``new_cache``; a
+    StaticCache's length its limit): the caller's object is the cache that fills up, as with transformers' own
+    cache, and it quantizes as the model was applied, with no full-precision copy. A DynamicCache holding tokens,
+    or one that offloads, is refused (``refused_cache``); a StaticCache holding tokens is taken over by the
+    compiled graph as the backend takes any (``kvcompile.backend``)."""
+    from transformers.cache_utils import DynamicCache, StaticCache
 
-    if type(cache) is not DynamicCache or getattr(cache, "offloading", False) or cache.get_seq_length() != 0:
+    kind = type(cache)
+    if kind not in (DynamicCache, StaticCache) or getattr(cache, "offloading", False) or cache.get_seq_length() != 0:
         return
-    if any(getattr(layer, "is_initialized", False) for layer in cache.layers):
-        return
-    fresh = new_cache()
+    limit = max((layer.max_cache_len for layer in cache.layers), default=None) if kind is StaticCache else None
+    fresh = new_cache(limit)
     cache.__class__ = KVCompileCache
     cache.__dict__.clear()
     cache.__dict__.update(fresh.__dict__)

@@ -1,7 +1,7 @@
 """What users do with an applied model's cache, the way transformers' own docs do it.
 
 transformers' "Re-use Cache to continue generation" recipe: one forward over a shared prefix into a cache (the
-docs create it as ``DynamicCache(config=model.config)``), then for each continuation ``copy.deepcopy`` of that
+docs create it as ``DynamicCache(config=model.config)``; earlier ones as a ``StaticCache``), then for each continuation ``copy.deepcopy`` of that
 cache and ``generate`` from the copy. Its "Iterative generation" recipe: one ``DynamicCache()`` passed to every
 turn of a chat, filled in place. And the ``Cache`` methods users call themselves (``crop``, ``get_seq_length``,
 ``batch_repeat_interleave``, ``reorder_cache``, ...).
@@ -162,6 +162,23 @@ def test_one_dynamic_cache_through_a_whole_chat(full):
             assert isinstance(mine, KVCompileCache) and got.past_key_values is mine
             assert mine.get_seq_length() == theirs.get_seq_length() == got.sequences.shape[1] - 1
             seq = torch.cat([got.sequences, torch.randint(3, 64, (1, 5))], 1)
+
+
+def test_the_recipe_with_a_static_cache(full):
+    """transformers' earlier prompt-reuse recipe creates a StaticCache (``max_cache_len=...``) for the prefix: an
+    empty one becomes the model's kvcompile cache too, limited to its length (no full-precision copy of it is
+    allocated), and its copies continue as the unmodified model's StaticCache copies do."""
+    from transformers import StaticCache
+    ref, model = full
+    with torch.no_grad():
+        cache = model(PROMPT, past_key_values=StaticCache(config=model.config, max_cache_len=64)).past_key_values
+        theirs = ref(PROMPT, past_key_values=StaticCache(config=ref.config, max_cache_len=64)).past_key_values
+        assert isinstance(cache, KVCompileCache) and cache.max_cache_len == 64
+        for suffix in SUFFIXES:
+            ids = torch.cat([PROMPT, torch.tensor([suffix])], 1)
+            got = model.generate(ids, past_key_values=copy.deepcopy(cache), **GEN)
+            want = ref.generate(ids, past_key_values=copy.deepcopy(theirs), **GEN)
+            assert torch.equal(got.sequences, want.sequences) and torch.equal(logits(got), logits(want))
 
 
 def test_a_dynamic_cache_that_holds_tokens_is_refused(full):
