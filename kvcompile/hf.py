@@ -550,10 +550,12 @@ class KVCompileCache(Cache):
             elif isinstance(layer, KVCompileLayer):
                 k, v = dequantize_reference(layer.store.state, layer.spec, layer.dtype, end=max(layer.store.lengths))
                 yield k, v, None
-            else:
+            elif isinstance(layer, RingLayer):
                 held = min(int(layer.cumulative_length_int), layer.max_cache_len)
                 yield (layer.keys[:, :, :held], layer.values[:, :, :held],
                        torch.tensor(layer.max_cache_len, dtype=torch.int64))
+            else:  # a layer transformers keeps itself, as its own caches yield it
+                yield layer.keys, layer.values, getattr(layer, "_sliding_window_tensor", None)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Negative (or 0): remove that many tokens from the end (transformers 5.2x); positive: keep that many (the
