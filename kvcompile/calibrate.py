@@ -36,7 +36,7 @@ import math
 import numbers
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Sequence
@@ -64,11 +64,16 @@ def default_candidates(head_dim: int | None = None) -> tuple[Policy, ...]:
     bytes of uniform 3-bit they took SmolLM2's loss delta from +0.0036 (groups of 32 only) to +0.0009, and
     int2 in groups of 64 is what leaves a choice at the bytes of uniform 2-bit (+0.058 uniform, +0.010
     calibrated; docs/results.md). ``head_dim``: only the candidates that fit it (a value group of 64 channels
-    needs a head of a multiple of 64)."""
+    needs a head of a multiple of 64), the groups of 32 fitted to it (``Quant.fit``: a head of 80 takes values in
+    groups of 16, as ``Policy.kivi``'s default does)."""
     def kivi(bits, group=32):
         return Policy.kivi(bits, group=group, sink=4, rotate=True)
     cands = kivi(2, 64), kivi(2), kivi(3, 64), kivi(3), kivi(4, 64), kivi(4), kivi(8)
-    return cands if head_dim is None else tuple(c for c in cands if _fits(c, head_dim))
+    if head_dim is None:
+        return cands
+    fitted = (replace(c, value=replace(c.value, fit=True)).for_head_dim(head_dim) if c.value.group == 32 else c
+              for c in cands)
+    return tuple(c for c in fitted if _fits(c, head_dim))
 
 
 def _fits(policy: Policy, head_dim: int) -> bool:

@@ -184,7 +184,7 @@ def test_a_budget_in_bits_is_the_bytes_of_a_uniform_cache_of_those_bits(sens):
 def test_the_default_candidates_budget_of_3_is_the_bytes_of_uniform_3_bit_kivi():
     """What a user means by calibrate(model, budget=3.0): the bytes of `kivi+rot+sink:3` (groups of 32), whatever the
     model's shape, although the default candidates also have a cheaper 3-bit layout (groups of 64)."""
-    for shape in ((30, 3, 64), (32, 8, 128), (28, 4, 96)):
+    for shape in ((30, 3, 64), (32, 8, 128), (28, 4, 96), (32, 32, 80)):  # SmolLM2, Llama 3 8B, Phi-3, Phi-2
         for bits in (2, 3, 4, 8):
             want = _exact_bpt(Policy.kivi(bits, sink=4, rotate=True), shape, 2048)
             assert CAL.budget_bytes(shape, None, 2048, budget=bits) == want
@@ -227,6 +227,10 @@ def test_default_candidates_fit_the_head():
     for c in small:
         c.check(32)
     assert [c.key.format for c in small] == ["int2", "int3", "int4", "int8"]
+    phi2 = default_candidates(80)  # Phi-2's head: the groups of 32 fit it, as Policy.kivi's default does
+    assert [(c.key.format, c.key.group, c.value.group_for(80)) for c in phi2] == [
+        ("int2", 32, 16), ("int3", 32, 16), ("int4", 32, 16), ("int8", 32, 16)]
+    assert phi2[1] == Policy.kivi(3, sink=4, rotate=True).for_head_dim(80)
     check_candidates(default_candidates())
 
 
