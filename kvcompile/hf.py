@@ -557,6 +557,11 @@ class KVCompileCache(Cache):
             else:  # a layer transformers keeps itself, as its own caches yield it
                 yield layer.keys, layer.values, getattr(layer, "_sliding_window_tensor", None)
 
+    def to_legacy_cache(self) -> tuple:
+        """``((keys, values), ...)`` per layer, what each holds (``__iter__``): the tuple format transformers'
+        ``DynamicCache.to_legacy_cache`` returned, for code that reads a cache that way."""
+        return tuple((k, v) for k, v, _ in self)
+
     def crop(self, tokens_to_remove: int) -> None:
         """Negative (or 0): remove that many tokens from the end (transformers 5.2x); positive: keep that many (the
         older convention). Every layer the same count: transformers' rings take only the negative form."""

@@ -238,6 +238,9 @@ def test_reading_the_cache_back(full, kivi):
         cache, theirs = prompt_cache(model), prompt_cache(ref)
         for (k, v, w), (k2, v2, w2) in zip(cache, theirs):
             assert torch.equal(k, k2) and torch.equal(v, v2) and w is w2 is None
+        legacy = cache.to_legacy_cache()  # the tuple format older transformers' DynamicCache returned
+        assert len(legacy) == 2 and all(torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+                                        for (k, v), layer in zip(legacy, theirs.layers))
         ids = torch.cat([PROMPT, torch.tensor([SUFFIXES[1]])], 1)
         got = ref.generate(ids, past_key_values=DynamicCache(cache), **GEN)
         want = ref.generate(ids, past_key_values=theirs, **GEN)
