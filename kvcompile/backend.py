@@ -225,13 +225,15 @@ def compile_graph(gm, example_inputs, options=None, *, report=None, analyze_only
     rewrite_paged(gm)  # a compiled continuous-batching forward over kvcompile's paged cache (passes/paged.py)
     analysis = analyze(gm, left=lambda ph: standin.left(_example(ph)))
     check_analysis(gm, analysis)
-    if opts.policy is not None and (cat := concatenated_reads(gm)):
-        shown = ", ".join(cat[:3]) + (f" and {len(cat) - 3} more" if len(cat) > 3 else "")
-        raise UnsupportedError(CONCATENATED.format(layers=shown))
+    cat = concatenated_reads(gm) if opts.policy is not None else []
+    why = CONCATENATED.format(layers=", ".join(cat[:3]) + (f" and {len(cat) - 3} more" if len(cat) > 3 else ""))
+    if cat and not analyze_only:
+        raise UnsupportedError(why)
     sites = analysis.sites
     specs, owned = bind(sites, analysis, opts)
     ex = site_reports(sites, specs, owned, analysis.skipped + analysis.unpaired_writes)
     if analyze_only:
+        ex.notes += [why] if cat else []  # (explain reports it; compiling refuses it)
         raise Analyzed(ex)
     if report is not None:
         report(ex)
