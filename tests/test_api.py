@@ -649,6 +649,8 @@ def test_generate_on_a_module_compiled_by_the_backend_is_refused_when_called():
                                             r"transformers' DynamicCache"):
             compiled(ids)
         compiled(ids, use_cache=False)
+        ex = kvcompile.explain(tiny(), ids, policy=Policy.int8())  # explain says it rather than refusing
+        assert not ex.sites and any("grows by concatenation" in n for n in ex.notes)
         recipe = tiny()  # transformers' recipe without its static cache: the default cache reaches the backend
         recipe.forward = torch.compile(recipe.forward, backend="kvcompile", options=options)
         with pytest.raises(Exception, match=r"grows by concatenation"):
