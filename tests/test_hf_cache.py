@@ -112,6 +112,23 @@ def test_prompt_reuse_with_sliding_window_rings(policy):
                 assert torch.equal(got.sequences, again.sequences) and torch.equal(logits(got), logits(again))
 
 
+def test_a_copy_of_a_cache_of_pre_rope_keys_has_its_own_rotary_table():
+    """Pre-RoPE keys: the cache's layers share one cos/sin table; a copy shares one of its own (a continuation
+    that captures new positions into it leaves the prompt cache's as it was), and continues as a fresh cache."""
+    _, model = pair(Policy.kivi(8, group=4, residual=4, pre_rope=True))
+    cache = prompt_cache(model)
+    dup = copy.deepcopy(cache)
+    tables = {id(layer.store.rope_table) for layer in dup.layers} | {id(layer.rope_table) for layer in dup.layers}
+    assert len(tables) == 1 and tables.isdisjoint({id(cache.layers[0].store.rope_table)})
+    rows = int(cache.layers[0].store.rope_table.filled.sum())
+    ids = torch.cat([PROMPT, torch.tensor([SUFFIXES[0]])], 1)
+    with torch.no_grad():
+        got = model.generate(ids, past_key_values=dup, **GEN)
+        want = model.generate(ids, past_key_values=prompt_cache(model), **GEN)
+    assert torch.equal(got.sequences, want.sequences) and torch.equal(logits(got), logits(want))
+    assert int(cache.layers[0].store.rope_table.filled.sum()) == rows  # the original's table untouched
+
+
 def test_a_cache_copied_under_inference_mode_goes_on_under_no_grad(kivi):
     _, model = kivi
     ids = torch.cat([PROMPT, torch.tensor([SUFFIXES[0]])], 1)
