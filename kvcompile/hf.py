@@ -26,6 +26,7 @@ alike: the pass must never route a ring's writes to a packed store.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 
@@ -36,7 +37,7 @@ from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLaye
 from . import ops, standin
 from .errors import KVCompileWarning
 from .policy import Policy
-from .store import RopeError, RopeTable, DTYPE_NAMES, KVStore, LayerSpec, normal_tensors
+from .store import RopeError, RopeTable, DTYPE_NAMES, KVStore, LayerSpec, dequantize_reference, normal_tensors
 
 
 def _text_config(config):
@@ -100,6 +101,17 @@ def _ring_is_smaller(policy: Policy, window: int, capacity: int, kv_heads: int, 
 
 
 CAPACITY_STEP = 256  # the stand-ins' width (the attention mask's) grows in steps of this many tokens
+
+
+def _copy_attributes(obj, memo: dict, keep: tuple = ()):
+    """A new object of ``obj``'s class whose attributes are deep copies of ``obj``'s (those named in ``keep``: the
+    same objects), for ``__deepcopy__``. Run it outside inference mode (``normal_tensors``): a copy made inside
+    ``torch.inference_mode`` is written in place by later calls, as the original is."""
+    new = type(obj).__new__(type(obj))
+    memo[id(obj)] = new
+    for k, v in obj.__dict__.items():
+        new.__dict__[k] = v if k in keep else copy.deepcopy(v, memo)
+    return new
 
 
 def _tracing() -> bool:
@@ -191,6 +203,17 @@ class KVCompileLayer(StaticLayer):
         torch._dynamo.mark_static_address(self.values)
         standin.register(self.keys, self.values, self.store, self.name, owned=True, appends=True)
         self.batch_size = self.store.batch
+
+    @normal_tensors
+    def __deepcopy__(self, memo) -> "KVCompileLayer":
+        """An independent layer holding the same tokens (transformers' prompt-reuse recipe deep-copies a cache
+        per continuation): the store copied (``KVStore.copy``: blocks, ring, sinks, tables), and new stand-ins
+        registered to the copy. The stand-ins themselves are never copied: a copy of a stand-in is a tensor no
+        store stands behind."""
+        new = _copy_attributes(self, memo, keep=("policy", "spec", "keys", "values"))
+        if self.is_initialized:
+            new._standins(self.keys.shape[2])
+        return new
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, Dk = key_states.shape
@@ -321,6 +344,13 @@ class RingLayer(StaticSlidingWindowLayer):
         with torch.inference_mode(False):
             super().lazy_initialization(key_states, value_states)
 
+    @normal_tensors
+    def __deepcopy__(self, memo) -> "RingLayer":
+        """A copy of the ring, registered as the model's own like the original."""
+        new = _copy_attributes(self, memo)
+        new._leave()
+        return new
+
     def _leave(self):
         if self.is_initialized:
             standin.leave(self.keys, self.values, RING_REASON.format(w=self.max_cache_len))
@@ -446,6 +476,11 @@ class KVCompileCache(Cache):
         if batch_size is not None:
             self.early_initialization(batch_size, kv_heads, head_dim, dtype, device or "cpu")
 
+    def __copy__(self) -> "KVCompileCache":
+        """``copy.copy`` gives an independent cache too: two caches sharing one store would each append into the
+        other's sequences (transformers' own ``copy.copy`` of a cache shares its layers)."""
+        return copy.deepcopy(self)
+
     @property
     def max_cache_len(self) -> int | None:
         """The most tokens a sequence may hold, or None (no limit). A property: transformers 5.1x's ``Cache``
@@ -547,12 +582,37 @@ class KVCompileCache(Cache):
     def get_seq_length(self, layer_idx: int = 0):
         return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
 
-    def crop(self, tokens_to_remove: int) -> None:
+    def __iter__(self):
+        """``(keys, values, sliding_window)`` per layer, as transformers' ``DynamicCache`` yields them (so that
+        ``DynamicCache(cache)`` copies it into a full-precision cache): what each layer holds, ``[B, H, L, D]`` in
+        the model's dtype and space -- a store's tokens dequantized (``dequantize_reference``: under
+        ``Policy.full()`` the values written), a ring's window as transformers holds it (with its window
+        length). ``layer.keys`` of a store's layer is a stand-in, not its contents."""
         for layer in self.layers:
-            if isinstance(layer, KVCompileLayer):
-                layer.crop(tokens_to_remove)
-            elif layer.is_initialized:
-                layer.crop(tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove - self.tokens)
+            if not layer.is_initialized:
+                yield None, None, None
+            elif isinstance(layer, KVCompileLayer):
+                k, v = dequantize_reference(layer.store.state, layer.spec, layer.dtype, end=max(layer.store.lengths))
+                yield k, v, None
+            elif isinstance(layer, RingLayer):
+                held = min(int(layer.cumulative_length_int), layer.max_cache_len)
+                yield (layer.keys[:, :, :held], layer.values[:, :, :held],
+                       torch.tensor(layer.max_cache_len, dtype=torch.int64))
+            else:  # a layer transformers keeps itself, as its own caches yield it
+                yield layer.keys, layer.values, getattr(layer, "_sliding_window_tensor", None)
+
+    def to_legacy_cache(self) -> tuple:
+        """``((keys, values), ...)`` per layer, what each holds (``__iter__``): the tuple format transformers'
+        ``DynamicCache.to_legacy_cache`` returned, for code that reads a cache that way."""
+        return tuple((k, v) for k, v, _ in self)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Negative (or 0): remove that many tokens from the end (transformers 5.2x); positive: keep that many (the
+        older convention). Every layer the same count: transformers' rings take only the negative form."""
+        remove = tokens_to_remove if tokens_to_remove <= 0 else min(0, tokens_to_remove - self.tokens)
+        for layer in self.layers:
+            if isinstance(layer, KVCompileLayer) or layer.is_initialized:
+                layer.crop(remove)
 
     @property
     def is_initialized(self) -> bool:
