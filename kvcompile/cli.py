@@ -3,7 +3,7 @@
     kvcompile demo                      # SmolLM2, default policy: bytes saved, loss delta, tokens/s, a reply
     kvcompile eval --out results/       # the quality table: loss delta per scheme and width, passkey
     kvcompile plan --preset llama3-8b   # concurrent sequences per GPU, exact bytes per token
-    kvcompile calibrate --budget 5 --out policy.json   # per-layer bits for a byte budget, as a policy file
+    kvcompile calibrate --budget 3 --out policy.json   # per-layer bits in the bytes of a 3-bit cache, as a file
 """
 from __future__ import annotations
 
@@ -599,12 +599,13 @@ def cmd_calibrate(args) -> int:
     from .hf import model_shape
 
     _check_writable_file(args.out, "--out")
-    given = [o for o, v in (("--budget", args.budget), ("--bytes-per-token", args.bytes_per_token),
-                            ("--bytes-of", args.bytes_of)) if v is not None]
+    given = [o for o, v in (("--budget", args.budget), ("--bits-per-element", args.bits_per_element),
+                            ("--bytes-per-token", args.bytes_per_token), ("--bytes-of", args.bytes_of))
+             if v is not None]
     if len(given) != 1:
-        raise UsageError(f"{' and '.join(given) or 'no budget'} given: pass exactly one of --budget BITS (average "
-                         f"bits per cached element, scales and residual counted), --bytes-per-token N, or --bytes-of "
-                         f"SCHEME:BITS")
+        raise UsageError(f"{' and '.join(given) or 'no budget'} given: pass exactly one of --budget BITS (the bytes "
+                         f"of a uniform cache of that many bits), --bits-per-element BITS (average bits per cached "
+                         f"element, scales and residual counted), --bytes-per-token N, or --bytes-of SCHEME:BITS")
     if args.save_sensitivity is not None:
         _check_writable_file(args.save_sensitivity, "--save-sensitivity")
     saved = None
@@ -628,7 +629,8 @@ def cmd_calibrate(args) -> int:
     bpt = args.bytes_per_token
     if args.bytes_of is not None:  # exact: a float quotient could fall a hair below the policy's own bytes
         bpt = Fraction(cache_bytes(args.bytes_of[1], *shape, args.context), args.context)
-    cap = C.check_budget(shape, cands, args.budget, bpt, args.context)  # before the measurement
+    cap = C.check_budget(shape, cands, args.budget, bpt, args.context,
+                         bits_per_element=args.bits_per_element)  # before the measurement
     t0 = time.perf_counter()
     if saved is None:
         try:
@@ -797,8 +799,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "passes over the calibration windows, about 70 minutes on one thread of this project's shared "
                     "2-core CPU (59 minutes measured for 361 passes, before int2 in groups of 64 was added).")
     c.add_argument("--budget", type=_number(float, "a positive number of bits", 0, low_open=True), default=None,
-                   help="average bits per cached element, everything the store holds counted (codes, scales, zero "
-                        "points, residual and sinks) at --context tokens (default: none; give one budget)")
+                   help="bits of a uniform cache: the bytes a uniform cache of that many bits in the candidates' "
+                        "layout holds at --context tokens (3: the bytes of kivi+rot+sink:3 with the default "
+                        "candidates; 2.5: halfway between the 2- and 3-bit caches') (default: none; give one budget)")
+    c.add_argument("--bits-per-element", type=_number(float, "a positive number of bits", 0, low_open=True),
+                   default=None, help="the budget in average bits per cached element, everything the store holds "
+                                      "counted (codes, scales, zero points, residual and sinks) at --context tokens "
+                                      "(default: none)")
     c.add_argument("--bytes-per-token", type=_number(float, "a positive number of bytes", 0, low_open=True),
                    default=None, help="the budget in exact bytes per cached token at --context (default: none)")
     c.add_argument("--bytes-of", type=_budget_of, default=None, metavar="SCHEME:BITS",

@@ -54,6 +54,7 @@ Hadamard mixes channels).
 """
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass
@@ -155,6 +156,8 @@ class LayerSpec:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise PolicyError(f"LayerSpec.{f}={v!r} is not valid: expected a positive integer")
         self.policy.check(self.head_dim)
+        # groups that fit the head (Quant.fit) resolved: the layout, its name and its kernels are this head size's
+        object.__setattr__(self, "policy", self.policy.for_head_dim(self.head_dim))
         bt = self.block_tokens
         if bt is not None and (not isinstance(bt, int) or isinstance(bt, bool) or bt < 16 or bt & (bt - 1)
                                or bt % self.flush):
@@ -728,6 +731,36 @@ class KVStore:
         tb = self.rope_table
         return Rope(tb.cos, tb.sin, tb.perm, self._rope_offset_t)
 
+    def exact_view(self, width: int) -> tuple[Tensor, Tensor]:
+        """Positions ``[0, width)`` of every sequence as ``k, v [B, H, width, D]``, contiguous, in the model's
+        dtype, for an exact layout (``Policy.exact``: every token is in the blocks as the model wrote it): the
+        values written, bit for bit, and zeros past each sequence's length -- what a full-precision cache of
+        ``width`` slots holds (a ``StaticCache``; a ``DynamicCache`` when ``width`` is the length). The
+        model's own attention reads it (``Policy.full()`` keeps the model's arithmetic)."""
+        sp = self.spec
+        if not sp.policy.exact:
+            raise ValueError(f"KVStore.exact_view: the layout {sp.name} does not hold the values as written")
+        B, H, D, BS = self.batch, sp.heads, sp.head_dim, sp.block
+        k_pool, v_pool = self.state.k_codes, self.state.v_codes
+        if width == 0 or not k_pool.shape[0]:
+            z = torch.zeros(B, H, width, D, dtype=sp.torch_dtype, device=self.device)
+            return z, z.clone()
+        p = torch.arange(width, device=self.device)
+        table = self.state.table
+        cols = -(-width // BS)
+        if table.shape[1] < cols:  # slots past every sequence's blocks (a static width): nothing written there
+            table = torch.nn.functional.pad(table, (0, cols - table.shape[1]), value=-1)
+        blk = table[:, p // BS].long().clamp(min=0)  # [B, width]; a slot with no block is masked below
+        row = (p % BS).expand(B, width)
+        out = []
+        for pool in (k_pool, v_pool):
+            x = pool.permute(1, 0, 2, 3)[:, blk, row].permute(1, 0, 2, 3).contiguous()  # [B, H, width, D]
+            if min(self.lengths) < width:  # zeros past each length, as a zero-filled static cache holds
+                live = p.view(1, 1, width, 1) < self.state.lengths.view(B, 1, 1, 1)
+                x = torch.where(live, x, torch.zeros((), dtype=x.dtype, device=x.device))
+            out.append(x)
+        return out[0], out[1]
+
     def crop(self, length: int) -> None:
         """Every sequence keeps its first ``length`` tokens (sequences shorter than that are unchanged).
 
@@ -769,6 +802,14 @@ class KVStore:
             table = torch.full((len(ix), self.state.table.shape[1]), -1, dtype=torch.int32, device=self.device)
         self.state = KVState(*self.state[:6], *rows, table)
         self._sync_rows()
+
+    def __deepcopy__(self, memo) -> "KVStore":
+        """``copy.deepcopy``: ``copy`` (every tensor cloned), with the cos/sin table copied once for all the stores
+        of a cache that share it (``memo``)."""
+        out = self.copy()
+        memo[id(self)] = out
+        out.rope_table = copy.deepcopy(self.rope_table, memo)
+        return out
 
     @normal_tensors
     def copy(self, device=None) -> "KVStore":
@@ -866,36 +907,46 @@ def _state_capacity_check(state: KVState, spec: LayerSpec, lengths: Tensor, n_ne
 
 
 # --------------------------------------------------------------------------- rotation
-@functools.lru_cache(maxsize=None)
-def _hadamard_cpu(D: int) -> Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < D:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(D)
-
-
-def hadamard(D: int, device=None, dtype=torch.float32) -> Tensor:
-    """Orthonormal (Sylvester) Hadamard matrix [D, D] (built in float64); symmetric, its own inverse."""
-    return _hadamard_cpu(D).to(device=device, dtype=dtype)
+def rotation_block(D: int) -> int:
+    """Channels one Hadamard block mixes: the largest power of two dividing ``D`` (``D`` itself when it is one;
+    16 for 80 and 112, 32 for 96, 8 for 120). The rotation is block-diagonal: ``D / block`` Sylvester
+    Hadamard blocks along the diagonal, what a fast Walsh-Hadamard transform of log2(block) butterfly stages
+    computes. Each block is orthonormal, so the rotation is exact in full precision and its own inverse."""
+    return D & -D
 
 
 @functools.lru_cache(maxsize=None)
 def _signs_cpu(D: int) -> Tensor:
-    return _hadamard_cpu(D) * math.sqrt(D)  # the +-1 Sylvester matrix, float64
+    """The rotation's +-1 (and 0) matrix [D, D], float64: block-diagonal Sylvester blocks (``rotation_block``)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < rotation_block(D):
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return torch.block_diag(*[h] * (D // h.shape[0]))
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_cpu(D: int) -> Tensor:
+    return _signs_cpu(D) / math.sqrt(rotation_block(D))
+
+
+def hadamard(D: int, device=None, dtype=torch.float32) -> Tensor:
+    """The orthonormal rotation matrix [D, D] (built in float64): block-diagonal Sylvester Hadamard blocks of
+    ``rotation_block(D)`` channels (one block when ``D`` is a power of two); symmetric, its own inverse."""
+    return _hadamard_cpu(D).to(device=device, dtype=dtype)
 
 
 def _rotate(x: Tensor) -> Tensor:
-    """``x @ H`` computed as ``(x @ S) / sqrt(D)`` with ``S`` the +-1 matrix, in float64, rounded once to
-    ``x``'s dtype. Why float64: a float32 ``x @ H`` rounds a row differently depending on what else is in
-    the matmul (1 row vs 2 -- gemv vs gemm -- or the strides of size-1 dimensions), so a KV head stored
-    alone (a tensor-parallel rank's) got other full-precision bits than the same head stored beside
+    """``x @ H`` computed as ``(x @ S) / sqrt(block)`` with ``S`` the +-1 (block-diagonal) matrix, in float64,
+    rounded once to ``x``'s dtype. Why float64: a float32 ``x @ H`` rounds a row differently depending on what
+    else is in the matmul (1 row vs 2 -- gemv vs gemm -- or the strides of size-1 dimensions), so a KV head
+    stored alone (a tensor-parallel rank's) got other full-precision bits than the same head stored beside
     others. In float64 the products are exact and the sums of D <= 256 float32 values are exact unless the
     values' magnitudes span more than 2**21 (and then differ in the last float64 bit at most, which the
     rounding to float32 absorbs but at a tie), so a row's result does not depend on the batch around it.
     Cost: 2x the fp32 matmul for a decode token (14 -> 28 us for 8 heads x 128 on one core), 4x for a
     2,048-token prefill chunk (9 -> 39 ms); rotating policies only."""
     D = x.shape[-1]
-    return Q.saturate((x.double() @ _signs_cpu(D).to(x.device)) * (1 / math.sqrt(D)), x.dtype)
+    return Q.saturate((x.double() @ _signs_cpu(D).to(x.device)) * (1 / math.sqrt(rotation_block(D))), x.dtype)
 
 
 def rotate(x: Tensor, spec: LayerSpec, keys: bool = False) -> Tensor:
@@ -1162,10 +1213,13 @@ def positions(state: KVState, mask: Tensor | None) -> int:
     return int(state.lengths.max()) if state.lengths.numel() else 0
 
 
-def cover(mask: Tensor | None, state: KVState) -> Tensor | None:
+def cover(mask: Tensor | None, state: KVState, longest: int | None = None) -> Tensor | None:
     """``mask`` widened to every position a sequence holds: positions past its width are invisible (what SDPA
-    over ``cache[:, :, :width]`` computes). Kernels take masks at least as wide as the longest sequence."""
-    longest = int(state.lengths.max()) if state.lengths.numel() else 0
+    over ``cache[:, :, :width]`` computes). Kernels take masks at least as wide as the longest sequence.
+    ``longest``: that length, when the caller knows it (``KVStore.lengths``, on the host); else read from
+    ``state``."""
+    if longest is None:
+        longest = int(state.lengths.max()) if state.lengths.numel() else 0
     if mask is None or mask.shape[-1] >= longest:
         return mask
     fill = False if mask.dtype == torch.bool else float("-inf")

@@ -537,13 +537,14 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
        BLOCK_N-long dot, one rescale-and-add per tile and one per split: relative error gamma_(3N + 2 NSPLIT + 4)
        each (the rescale factors themselves multiply acc and l alike and cancel in acc / l); plus u for the
        division and 2 u_op for tf32 operands of p v. Cross terms are covered by the factor (1 + 2**-10).
-    4. Rotation back (fp32 ``out @ H``): sum_i e_i / sqrt(D) + gamma_D sum_i (|o_i| + e_i) / sqrt(D).
+    4. Rotation back (fp32 ``out @ H``, H block-diagonal in blocks of b = ``rotation_block(D)`` channels, b = D
+       for a power of two): over each output's block, sum_i e_i / sqrt(b) + gamma_b sum_i (|o_i| + e_i) / sqrt(b).
     5. Rounding to q's dtype: + u_t (|o| + e) with u_t = 2**-8 (bf16) or 2**-11 (fp16), plus half the
        subnormal spacing (2**-25 for fp16) where the output is subnormal.
     A query that sees no key must return exactly 0. Where ``attention_reference``'s rule for non-finite values
     makes an output NaN, both the expected value and the bound are NaN (callers compare that pattern).
     """
-    from kvcompile.store import dequantize_reference, hadamard, positions, with_chunk
+    from kvcompile.store import dequantize_reference, hadamard, positions, rotation_block, with_chunk
 
     B, Hq, n, D = q.shape
     H, C = spec.heads, positions(state, mask)
@@ -593,7 +594,10 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     o = w @ v
     e = rel.unsqueeze(-1) * (w @ v.abs())
     if spec.policy.rotate:
-        e = ((e.sum(-1, keepdim=True) + gamma(D) * (o.abs() + e).sum(-1, keepdim=True)) / D ** 0.5).expand_as(o)
+        b = rotation_block(D)
+        eb, ob = e.unflatten(-1, (D // b, b)), o.unflatten(-1, (D // b, b))
+        e = ((eb.sum(-1, keepdim=True) + gamma(b) * (ob.abs() + eb).sum(-1, keepdim=True)) / b ** 0.5)
+        e = e.expand_as(eb).flatten(-2)
         o = o @ Hm
     if q.dtype != torch.float32:
         ut = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[q.dtype]

@@ -561,11 +561,18 @@ def test_error_sequence_longer_than_capacity():
             applied(torch.randint(3, 64, (1, 9)), use_cache=True)
 
 
-def test_error_dynamic_cache_given_to_an_applied_model():
-    applied = kvcompile.apply(tiny(), Policy.int8(), compiler="eager", prefill="compiled")
-    with pytest.raises(KVCompileError, match="DynamicCache"):
-        applied(torch.randint(3, 64, (1, 3)), use_cache=True,
-                **{_cache_kwarg(applied): DynamicCache(config=applied.config)})
+def test_error_dynamic_cache_holding_tokens_given_to_an_applied_model():
+    """An empty DynamicCache becomes the model's kvcompile cache (tests/test_hf_cache.py); one that holds the
+    unmodified model's full-precision tokens is refused, saying what to pass instead."""
+    model = tiny()
+    plain = twin(model)
+    applied = kvcompile.apply(model, Policy.int8(), compiler="eager", prefill="compiled")
+    ids = torch.randint(3, 64, (1, 3))
+    with torch.no_grad():
+        held = cache_of(plain(ids, use_cache=True, **{_cache_kwarg(plain): DynamicCache(config=plain.config)}))
+        with pytest.raises(KVCompileError, match=r"a DynamicCache that already holds 3 tokens, kept in full precision "
+                                                 r"by the unmodified model.*Pass no cache"):
+            applied(ids, use_cache=True, **{_cache_kwarg(applied): held})
 
 
 # --------------------------------------------------------------------------- the Triton kernels, end to end
@@ -620,3 +627,96 @@ def test_error_model_on_the_meta_device():
 def test_error_unknown_prefill_and_a_module_limit():
     with pytest.raises(KVCompileError, match=r"prefill='lazy' is not valid"):
         kvcompile.apply(tiny(), Policy.int8(), prefill="lazy")
+
+
+# --------------------------------------------------------------------------- generate on a module compiled by the backend
+def test_generate_on_a_module_compiled_by_the_backend_is_refused_when_called():
+    """torch.compile(model, backend="kvcompile", options=...) compiles the forward only: its generate would run the
+    original model, uncompiled, over transformers' full-precision DynamicCache, the policy silently not applied. It
+    is refused when called, saying what to do; a compiled forward over a DynamicCache (the default cache) is refused
+    by the backend. A forward without a cache runs (nothing to quantize), and an applied model compiled again
+    generates as kvcompile does."""
+    ids = torch.randint(3, 64, (1, 6))
+    options = {"policy": Policy.int8(), "compiler": "eager"}
+    compiled = torch.compile(tiny(), backend="kvcompile", options=options)
+    with torch.no_grad():
+        with pytest.raises(KVCompileError, match=r"compiles the model's forward only: generate\(\.\.\.\) on the "
+                                                 r"compiled module runs the original model's generate.*kvcompile.apply"):
+            compiled.generate(ids, max_new_tokens=2)
+        with pytest.raises(KVCompileError, match=r"generate_batch"):
+            compiled.generate_batch([[5, 6, 7]])
+        with pytest.raises(Exception, match=r"grows by concatenation \(torch.cat along the sequence: "
+                                            r"transformers' DynamicCache"):
+            compiled(ids)
+        compiled(ids, use_cache=False)
+        ex = kvcompile.explain(tiny(), ids, policy=Policy.int8())  # explain says it rather than refusing
+        assert not ex.sites and any("grows by concatenation" in n for n in ex.notes)
+        recipe = tiny()  # transformers' recipe without its static cache: the default cache reaches the backend
+        recipe.forward = torch.compile(recipe.forward, backend="kvcompile", options=options)
+        with pytest.raises(Exception, match=r"grows by concatenation"):
+            recipe.generate(ids, max_new_tokens=2)
+        applied = kvcompile.apply(tiny(), Policy.int8(), compiler="eager")
+        want = applied.generate(ids, max_new_tokens=4, do_sample=False)
+        again = torch.compile(applied, backend="kvcompile", options=options)
+        assert torch.equal(again.generate(ids, max_new_tokens=4, do_sample=False), want)
+
+
+# --------------------------------------------------------------------------- pickling an applied model
+def _round_trip(how, obj, tmp_path):
+    import copy
+    import pickle
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(obj))
+    if how == "torch.save":
+        torch.save(obj, tmp_path / "model.pt")
+        return torch.load(tmp_path / "model.pt", weights_only=False)  # (a whole model, as the unmodified one needs)
+    return {"deepcopy": copy.deepcopy, "copy": copy.copy}[how](obj)
+
+
+@pytest.mark.parametrize("policy", [Policy.full(), Policy.kivi(4, group=4, residual=4)], ids=["full", "kivi"])
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy", "copy"])
+def test_an_applied_model_pickles_and_loads_back_applied(how, policy, tmp_path):
+    """pickle, torch.save, copy.deepcopy and copy.copy of an applied transformers model give an applied model (the
+    same policy and settings), whose generate is the original's: tokens and logits, and under Policy.full() the
+    unmodified model's. The copy's weights are its own (deepcopy, pickle) and the original still works."""
+    model = tiny()
+    ref = twin(model)
+    kvcompile.apply(model, policy, compiler="eager", max_cache_len=48)
+    ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(2))
+    gen = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = model.generate(ids, **gen)
+        loaded = _round_trip(how, model, tmp_path)
+        assert type(loaded) is type(model) and loaded is not model
+        assert loaded._kvcompile.policy == policy and loaded._kvcompile.settings == model._kvcompile.settings
+        got = loaded.generate(ids, **gen)
+        assert isinstance(got.past_key_values, KVCompileCache)
+        assert torch.equal(got.sequences, want.sequences) and torch.equal(torch.stack(got.logits),
+                                                                        torch.stack(want.logits))
+        if policy == Policy.full():
+            plain = ref.generate(ids, **gen)
+            assert torch.equal(got.sequences, plain.sequences)
+            assert torch.equal(torch.stack(got.logits), torch.stack(plain.logits))
+        shared = loaded.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
+        assert shared == (how == "copy")
+        assert torch.equal(model.generate(ids, **gen).sequences, want.sequences)
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_an_applied_module_pickles_and_loads_back_applied(how, tmp_path):
+    """A gpt-fast-style module (apply returns it compiled): loaded back applied, its cache buffers empty (as
+    setup_caches leaves them), and it generates the original's tokens."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpt_fast_model", EXAMPLES / "gpt_fast_model.py")
+    gf = importlib.util.module_from_spec(spec)
+    sys.modules["gpt_fast_model"] = gf  # dataclasses look their module up
+    spec.loader.exec_module(gf)
+    torch.manual_seed(0)
+    m = gf.Transformer(gf.ModelArgs()).eval()
+    m.setup_caches(max_batch_size=1, max_seq_length=64)
+    applied = kvcompile.apply(m, Policy.int8())
+    prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    want = gf.generate(applied, prompt, 8)
+    loaded = _round_trip(how, applied, tmp_path)
+    assert loaded._kvcompile.policy == Policy.int8() and kvcompile.nbytes(loaded) < kvcompile.nbytes(applied)
+    assert torch.equal(gf.generate(loaded, prompt, 8), want)

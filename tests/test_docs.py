@@ -13,3 +13,45 @@ def test_every_relative_link_leads_to_a_file(page):
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
     missing = [t for t in links if "://" not in t and not (page.parent / t).exists()]
     assert not missing, f"{page.relative_to(ROOT)} links to {missing}, which are not there (relative to the page)"
+
+
+@pytest.mark.slow
+def test_the_calibrate_call_the_readme_shows_runs_on_the_embedded_model(monkeypatch):
+    """The README's and docs/usage.md's ``kvcompile.calibrate(model, budget=3.0)``, on the embedded SmolLM2 with
+    the library's defaults: ``budget=3.0`` is the bytes of a uniform 3-bit cache, which the default candidates
+    can fill. The measurement itself (an hour on this CPU, ``measure``) is replaced by the one shipped for this
+    model and these defaults (``benchmarks/results/calibrate/smollm2_sensitivity.json``, measured by ``measure``
+    with the default candidates on the default calibration windows); every other step runs as called: the
+    budget's check, the default calibration windows from the model's tokenizer, the allocation. It returns the
+    policy docs/results.md evaluated at the bytes of uniform 3-bit (``smollm2_cal3.json``), which ``apply``
+    takes."""
+    import sys
+
+    import torch
+
+    import kvcompile
+    from kvcompile import Policy, models
+    import kvcompile.calibrate  # noqa: F401  (the attribute kvcompile.calibrate is the function)
+
+    cal = sys.modules["kvcompile.calibrate"]
+    calls = {re.search(r"kvcompile\.calibrate\([^)]*\)", p.read_text()).group(0)
+             for p in (ROOT / "README.md", ROOT / "docs" / "usage.md")}
+    assert calls == {"kvcompile.calibrate(model, budget=3.0)"}, calls
+    shipped = ROOT / "benchmarks" / "results" / "calibrate"
+    seen = {}
+
+    def measured(model, windows, candidates=None, *args, **kwargs):
+        seen["windows"], seen["candidates"] = tuple(windows.shape), candidates
+        return cal.Sensitivity.load(shipped / "smollm2_sensitivity.json")
+
+    monkeypatch.setattr(cal, "measure", measured)
+    model, _ = models.load(log=lambda *a: None)
+    policy = eval(calls.pop(), {"kvcompile": kvcompile, "model": model})
+    assert seen == {"windows": (2, 1024), "candidates": None}  # the defaults: 2,048 tokens, the default candidates
+    assert cal.Sensitivity.load(shipped / "smollm2_sensitivity.json").candidates == cal.default_candidates(64)
+    assert policy == Policy.load(shipped / "smollm2_cal3.json")
+    uniform3 = Policy.kivi(3, sink=4, rotate=True)
+    assert kvcompile.cache_bytes(policy, 30, 3, 64, 2048) <= kvcompile.cache_bytes(uniform3, 30, 3, 64, 2048)
+    kvcompile.apply(model, policy)
+    with torch.no_grad():
+        assert model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False).shape == (1, 5)
