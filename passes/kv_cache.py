@@ -878,6 +878,9 @@ def replace_read_exact(gm: GraphModule, site: Site, token: Node) -> Node:
             if u is not token and u is not view and not is_shape_query(u):
                 u.replace_input_with(cache, full)
     counters["exact_view"] += 1
+    counters["exact_causal_prefix"] += site.causal_prefix  # (its SDPA over view[:, :, :n] stays, is_causal=True)
+    counters["attention_rewritten"] += 1  # (rewritten: it reads the store; attention_op counts kvcompile's attention)
+    counters[f"gqa_{site.repeat}"] += 1
     return view
 
 

@@ -162,9 +162,13 @@ def test_analyze_reads_a_causal_prefix_only_over_the_query_length():
             assert not a.sites and "is_causal=True over a cache longer than the query" in a.skipped[0].reason
 
 
-def test_causal_prefix_read_is_rewritten_with_the_mask_it_stands_for():
+@pytest.mark.parametrize("policy, counter", [(Policy.int8(residual=64), "mask_causal_prefix"),
+                                             (Policy.full(), "exact_causal_prefix")], ids=["int8-window", "full"])
+def test_causal_prefix_read_is_rewritten_with_the_mask_it_stands_for(policy, counter):
     """The rewritten read equals SDPA over the slice exactly: also on a second call, where the slice holds the
-    first call's tokens (what the original graph reads), not the new ones."""
+    first call's tokens (what the original graph reads), not the new ones. (int8 with a window longer than the
+    tokens: kvcompile's attention with the causal mask, over full-precision values; Policy.full(): the graph's
+    own SDPA over the slice of ``exact_view``.)"""
     def make(kc, vc):
         def f(q, k, v, pos):
             kc.index_copy_(2, pos, k)
@@ -176,12 +180,12 @@ def test_causal_prefix_read_is_rewritten_with_the_mask_it_stands_for():
     torch.manual_seed(4)
     eager = make(*_cache())
     compiled = torch.compile(make(*_cache()), backend="kvcompile", fullgraph=True,
-                             options={"policy": Policy.full(), "compiler": "eager"})
+                             options={"policy": policy, "compiler": "eager"})
     for start in (0, 3):
         q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
         pos = torch.arange(start, start + 3)
         torch.testing.assert_close(compiled(q, k, v, pos), eager(q, k, v, pos))
-    assert counters["mask_causal_prefix"] == 1 and counters["graphs_rewritten"] == 1
+    assert counters[counter] == 1 and counters["graphs_rewritten"] == 1
 
 
 def test_analyze_pairs_a_read_only_with_its_queries_own_chunk():
