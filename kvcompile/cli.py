@@ -661,6 +661,7 @@ def cmd_calibrate(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .evaluate import DEFAULT_BITS, DEFAULT_SCHEMES, SCHEMES
     from .plan import PRESETS
+    from .serve import SHUTDOWN_GRACE_S
 
     D = EVAL_DEFAULTS
     from . import __version__
@@ -851,7 +852,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="names clients may give as the request's model, the first listed by /v1/models (default: "
                         "the model's directory; its last part, e.g. SmolLM2-135M-Instruct, is taken too)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    s.add_argument("--port", type=_POSITIVE_INT, default=8000, help="port (default: %(default)s)")
+    s.add_argument("--port", type=_number(int, "a port number from 1 to 65535", 1, high=65535), default=8000,
+                   help="port (default: %(default)s)")
     s.add_argument("--budget-mib", type=_POSITIVE_INT, default=256,
                    help="bytes of the whole KV cache, in MiB: pool, rings, tables (default: %(default)s)")
     sizing = s.add_mutually_exclusive_group()
@@ -869,6 +871,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host memory, in MiB, for the caches of requests evicted when the pages run out: kept "
                         "packed as they were and copied back when the request is scheduled again; per rank under "
                         "torchrun (default: %(default)s: an evicted request is prefilled again)")
+    s.add_argument("--shutdown-grace", type=_number(float, "a number of seconds >= 0", 0), default=SHUTDOWN_GRACE_S,
+                   metavar="SECONDS",
+                   help="on SIGTERM or SIGINT the server stops accepting connections and gives the requests in flight "
+                        "this long to finish, then ends those still running (a stream with an error event, a reply "
+                        "with a 503) and exits 0; a second signal ends them at once (default: %(default)g)")
     s.add_argument("--no-prefix-sharing", action="store_true",
                    help="give every request its own pages even where prompts begin alike (default: shared, for "
                         "policies whose pages hold all their tokens: no full-precision window, no sinks)")
@@ -886,7 +893,7 @@ def cmd_serve(args) -> int:
     run(str(path), policy, host=args.host, port=args.port, budget=args.budget_mib * 2**20,
         max_requests=args.max_requests, request_tokens=args.request_tokens,
         max_batch_tokens=args.max_batch_tokens, prefix_sharing=not args.no_prefix_sharing,
-        served_names=args.served_model_name, offload=args.cpu_offload_mib * 2**20)
+        served_names=args.served_model_name, offload=args.cpu_offload_mib * 2**20, grace_s=args.shutdown_grace)
     return 0
 
 

@@ -26,6 +26,11 @@ FORMAT_BITS = {
 AXES = ("token", "channel")
 KIVI_GROUP = 32  # Policy.kivi's default: tokens per key scale, channels per value scale (fitting the head)
 SCALE_DTYPES = ("float16", "float32", "fp8_e4m3")
+# Upper bounds on sizes, so that a value no model can use fails where it is written, not later as an allocator
+# error: no model holds more positions than MAX_TOKENS (the longest context today, Llama 4 Scout's, is 10M
+# tokens), nor heads wider than MAX_HEAD_DIM channels (256 at most among the families kvcompile serves).
+MAX_TOKENS = 2**24      # a residual window, sinks, a per-channel group (tokens per scale)
+MAX_HEAD_DIM = 1024     # a per-token group (channels per scale)
 
 
 # The version field of a policy file (``Policy.save``); a later format bumps it and keeps reading this one.
@@ -79,6 +84,12 @@ class Quant:
         if self.group is not None and not _is_pow2(self.group):
             _fail("Quant.group", self.group, "expected a positive power of two (an int, e.g. 32) or None for a "
                                              "whole head")
+        if self.group is not None and self.group > (MAX_TOKENS if self.axis == "channel" else MAX_HEAD_DIM):
+            _fail("Quant.group", self.group,
+                  f"expected at most {MAX_TOKENS:,} tokens per scale (axis='channel'; KIVI uses 32 to 128)"
+                  if self.axis == "channel" else
+                  f"expected at most {MAX_HEAD_DIM} channels per scale (axis='token': a group lies within one "
+                  f"head, and no model's head is wider), or None for the whole head")
         if self.axis == "channel" and self.group is None and self.format != "none":
             _fail("Quant.group", None, 'axis="channel" needs a token group size, e.g. group=32')
         if not isinstance(self.scale_dtype, str) or self.scale_dtype not in SCALE_DTYPES:
@@ -204,8 +215,9 @@ class Policy:
                 _fail(f"Policy.{name}", getattr(self, name), "expected a kvcompile.Quant")
         for name in ("residual", "sink"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                _fail(f"Policy.{name}", v, "expected a non-negative number of tokens")
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_TOKENS:
+                _fail(f"Policy.{name}", v, f"expected a number of tokens from 0 to {MAX_TOKENS:,} (no model holds "
+                                           f"more positions)")
         if not isinstance(self.rotate, bool):
             _fail("Policy.rotate", self.rotate, "expected True or False")
         if not isinstance(self.pre_rope, bool):

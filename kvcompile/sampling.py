@@ -46,7 +46,8 @@ def request_sampling(body: dict, defaults) -> dict:
     p = float(p if p is not None else (defaults.top_p if defaults.top_p is not None else 1.0))
     k = int(k if k is not None else (defaults.top_k or 0))
     seed = body.get("seed")
-    return {"greedy": 0, "temperature": t, "top_p": p, "top_k": k or NO_TOP_K,
+    # every argument travels as an int32 of the processors' rows: a top_k past NO_TOP_K keeps every token too
+    return {"greedy": 0, "temperature": t, "top_p": p, "top_k": min(k, NO_TOP_K) or NO_TOP_K,
             "seed": -1 if seed is None else seed % 2**31}
 
 

@@ -215,7 +215,9 @@ def slots_for(specs: list[LayerSpec], budget: int, max_requests: int | None, req
         pool_blocks(specs, budget, max_requests, max_tokens)
         return max_requests
     if request_tokens is None:
-        return default_slots(specs, budget)
+        slots = default_slots(specs, budget)
+        pool_blocks(specs, budget, slots, max_tokens)  # one slot's window and sinks may take the whole budget
+        return slots
     slots = most_slots(specs, budget, request_tokens, shared_tokens, max_tokens)
     if slots < 1:
         one = pool_nbytes(specs, 1, request_pages(specs, request_tokens), max_tokens)
@@ -259,9 +261,14 @@ def pool_blocks(specs: list[LayerSpec], budget: int, slots: int, max_tokens: int
     if width < blocks:  # the tables stop at ``width`` columns: past them a block costs only its own bytes
         blocks = width + (budget - cost(width)) // (cost(width + 1) - cost(width))
     if blocks < 1:
+        least = cost(1)
         raise UnsupportedError(
-            f"kvcompile serving: a budget of {budget:,} bytes does not hold one block after {slots} request slots "
-            f"({fixed:,} bytes of full-precision rings, sinks and lengths); raise the budget or lower max_requests.")
+            f"kvcompile serving: a budget of {budget:,} bytes does not hold one block after {slots} request "
+            f"slot{'s' if slots > 1 else ''} ({fixed:,} bytes of full-precision rings, sinks and lengths: "
+            f"up to {max(s.ring for s in specs)} window and {max(s.sink for s in specs)} sink tokens a layer per "
+            f"slot) and so serves no request; "
+            f"raise the budget to at least {least:,} bytes ({-(-least // 2**20)} MiB)"
+            + (", or lower max_requests" if slots > 1 else ", or use a policy with a smaller window or fewer sinks"))
     return int(blocks)
 
 
@@ -396,7 +403,8 @@ def _transformers():
 
 
 class _Plan:
-    """One forward's ragged batch: requests in order, grouped by query length (one kernel call per group).
+    """One forward's ragged batch: requests in order, in groups (one kernel call per group): the decoding requests
+    together, each prefill chunk alone.
     ``entries``: (request_id, slot, past, n, skip); a skipped entry (a warmup request of a compiled forward)
     takes its ``n`` rows of the batch but is neither stored nor attended (its rows stay zeros)."""
 
@@ -406,10 +414,13 @@ class _Plan:
         groups, start = {}, 0
         for _, slot, _, n, skip in entries:
             if not skip:
-                groups.setdefault(n, []).append((slot, start))
+                # decode rows attend together (the C kernel computes each row alone); a prefill chunk attends
+                # alone: attention over a group pads its rows to the longest, and a row would get other bits
+                # beside others than alone (docs/usage.md, "What a batch changes")
+                groups.setdefault((n, None if n == 1 else slot), []).append((slot, start))
             start += n
         self.groups = []
-        for n, members in groups.items():
+        for (n, _), members in groups.items():
             members.sort()  # by slot: rows that are a contiguous range of slots are read and written in place
             rows = [slot for slot, _ in members]
             idx = [t for _, s0 in members for t in range(s0, s0 + n)]

@@ -17,6 +17,8 @@ NAMES = [f"model.layers.{i}.self_attn" for i in range(6)]
     (dict(axis="channel"), "Quant.group"),
     (dict(format="fp8_e4m3", symmetric=False), "Quant.symmetric"),
     (dict(scale_dtype="bfloat16"), "Quant.scale_dtype"),
+    (dict(axis="channel", group=2**40), "Quant.group"),  # tokens per scale: a block of 2**40 tokens
+    (dict(axis="token", group=2048), "Quant.group"),  # channels per scale: wider than any model's head
 ])
 def test_quant_rejects_bad_fields(kwargs, field):
     with pytest.raises(PolicyError, match=field.replace(".", r"\.")) as e:
@@ -29,10 +31,37 @@ def test_quant_rejects_bad_fields(kwargs, field):
     (dict(sink=-2), "Policy.sink"),
     (dict(key="int4"), "Policy.key"),
     (dict(rotate=1), "Policy.rotate"),
+    (dict(sink=10**9), "Policy.sink"),
+    (dict(residual=10**12), "Policy.residual"),
 ])
 def test_policy_rejects_bad_fields(kwargs, field):
     with pytest.raises(PolicyError, match=field.replace(".", r"\.")):
         Policy(**kwargs)
+
+
+@pytest.mark.parametrize("where, value", [("sink", 10**9), ("residual", 10**12), ("key.group", 2**40),
+                                          ("value.group", 4096)])
+def test_sizes_past_any_model_are_refused_where_written_and_when_loaded(where, value, tmp_path):
+    """A sink or window longer than any model's positions, a group wider than a head: refused by the constructor,
+    and by ``Policy.load`` with the file and field named -- not later, as an allocator error."""
+    from kvcompile.policy import MAX_HEAD_DIM, MAX_TOKENS
+
+    d = Policy.kivi(4).to_dict()
+    if "." in where:
+        side, name = where.split(".")
+        d[side][name] = value
+    else:
+        d[where] = value
+    path = tmp_path / "p.json"
+    path.write_text(__import__("json").dumps(d))
+    limit = f"{MAX_HEAD_DIM}" if where == "value.group" else f"{MAX_TOKENS:,}"
+    at, field = (f", at {where.split('.')[0]}", "Quant.group") if "." in where else ("", f"Policy.{where}")
+    with pytest.raises(PolicyError, match=rf"^policy file '{re.escape(str(path))}'{at}: {field}={value} is not "
+                                          rf"valid: expected .*{limit}"):
+        Policy.load(path)
+    # the largest values allowed are taken
+    assert Policy.kivi(4, sink=MAX_TOKENS, residual=MAX_TOKENS).sink == MAX_TOKENS
+    assert Quant("int4", "token", MAX_HEAD_DIM).group == MAX_HEAD_DIM
 
 
 def test_defaults_and_symmetric_resolution():

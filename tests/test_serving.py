@@ -317,6 +317,67 @@ def test_a_prompt_split_across_forwards_is_generates_chunked_prefill():
                 assert (split != whole) if quantized else (split == whole), (policy, chunk)
 
 
+def exact_products(model):
+    """``model`` with its linear layers computed in float64 and rounded once to its float32: what a row gets no
+    longer depends on the other rows of the product. (torch's float32 products on the CPU do -- one row alone,
+    two and four rows give other last bits --, in the unmodified model and in transformers' engine alike: the
+    model's own dependence on the batch, which these tests take away to see kvcompile's.)"""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            def forward(x, m=m):
+                bias = None if m.bias is None else m.bias.double()
+                return torch.nn.functional.linear(x.double(), m.weight.double(), bias).to(x.dtype)
+            m.forward = forward
+    return model
+
+
+@pytest.mark.parametrize("policy", [Policy.full(), Policy.kivi(2, group=4, residual=4, sink=2, rotate=True),
+                                    "tok+rot:4"], ids=["full", "kivi2+rot+sink", "tok+rot:4"])
+def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(policy, monkeypatch):
+    """What kvcompile computes for a request does not depend on what else is in the batch, nor on the threads the
+    machine's load leaves its kernels: its store codes each row alone, its decode attention cuts every sequence
+    into the same pieces, and a prefill chunk attends alone. So with the model's own products made batch-invariant
+    (``exact_products``) and every prompt prefilled in one forward, alone or all together, a request gets the same
+    tokens alone on one thread and beside the others on three, under ``Policy.full()`` and under quantized
+    policies (docs/usage.md, "What a batch changes"). Two prompts of one length prefill in the same forward."""
+    from kvcompile.sampling import RECORDS, Asked, sampling_manager
+    from kvcompile.templates import cpu
+
+    if isinstance(policy, str):
+        from kvcompile.evaluate import parse_entry, scheme_policy
+        policy = scheme_policy(*parse_entry(policy))
+    model = exact_products(applied(policy))
+    ps = prompts() + [prompts()[2][::-1]]  # 19 tokens, as the third
+    # room for every prompt at once; no prefix sharing: the batched requests would find the pages their own prompts
+    # left alone, and read their tokens as stored (a quantized policy's: quantized), where alone they computed them
+    cbc = cb_config(num_blocks=16, max_batch_tokens=512, allow_block_sharing=False)
+    monkeypatch.setattr(cpu, "MIN_TILES_PER_THREAD", 1)  # threads even for these short rows
+    # the server's engine: each token's log probability is recorded (its logits' bits, to the float's last bit)
+    manager = sampling_manager(model, GEN, cbc)
+    manager.start()
+
+    def run(batch):
+        handles = [RECORDS.open(Asked(top=0)) for _ in batch]
+        ids = [manager.add_request(p, max_new_tokens=NEW, record=h) for p, h in zip(batch, handles)]
+        for _ in ids:
+            r = manager.get_result(timeout=120)
+            assert r is not None and r.error is None, r
+        out = [RECORDS.take(h, 0, NEW) for h in handles]
+        for h in handles:
+            RECORDS.close(h)
+        return out
+
+    try:
+        with torch.no_grad():
+            monkeypatch.setattr(cpu, "available_threads", lambda: 1)
+            alone = [run([p])[0] for p in ps]  # one at a time, in one engine
+            monkeypatch.setattr(cpu, "available_threads", lambda: 3)
+            together = run(ps)
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert together == alone  # every token, and its log probability (the logits) to the last bit
+
+
 def test_requests_wait_for_a_slot_and_all_complete(reference):
     """Two slots for six requests: the others wait (as for pages), every request completes with the tokens
     transformers' own engine gives, and every slot and block is free at the end."""

@@ -98,6 +98,29 @@ def test_cpu_attention_grid(gqa, D):
     check(torch.randn(B, Hq, 16 // gqa, D, generator=g), state, spec, chunk=chunk, nsplit=3)
 
 
+@pytest.mark.parametrize("policy", [MIXED, ROTATED], ids=["mixed", "rotated"])
+def test_a_rows_decode_attention_does_not_depend_on_the_batch_or_the_threads(policy, monkeypatch):
+    """What the decode kernel gives a sequence's row is the same bits alone, beside other sequences of other
+    lengths, and on one thread or several (the machine's load decides how many): each sequence's positions are
+    cut into the same pieces (``cpu.splits``) and merged in order. (A split count chosen per call, to keep the
+    threads busy, gave a request other bits batched than alone.)"""
+    H, D, G = 2, 64, 4
+    lengths = [300, 40, 7, 1200, 299]  # ~10 to 40 tiles of 32: long enough to be split
+    spec, state = filled(policy, lengths, H, D, chunk=97)
+    q = torch.randn(len(lengths), H * G, 1, D, generator=torch.Generator().manual_seed(1))
+    outs = []
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(cpu, "available_threads", lambda t=threads: t)
+        monkeypatch.setattr(cpu, "MIN_TILES_PER_THREAD", 1)  # every call may take all of them
+        whole = cpu.attention(q, state, spec, None, None)
+        for b in range(len(lengths)):
+            rows = torch.tensor([b])
+            alone = kvcompile.store.KVState(*state[:6], *(t.index_select(0, rows) for t in state[6:]))
+            assert torch.equal(cpu.attention(q[b:b + 1], alone, spec, None, None), whole[b:b + 1]), (threads, b)
+        outs.append(whole)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 @st.composite
 def quants(draw, D):
     fmt = draw(st.sampled_from(["int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2", "none"]))
