@@ -1,4 +1,5 @@
 """Per-layer bits for a byte budget: the knapsack, the sensitivities, the budget, policy files and the CLI."""
+import argparse
 import itertools
 import json
 import math
@@ -369,5 +370,5 @@ def test_cli_calibrate_errors_are_one_line(tiny_dir, tmp_path, capsys, args, gis
 def test_cli_policy_options_read_policy_files(tmp_path):
     p = Policy.kivi(3, sink=4, rotate=True).override({0: Policy.int8()}).save(tmp_path / "p.json")
     assert cli._policy_arg(str(p)) == Policy.load(p)
-    with pytest.raises(Exception, match="no such file"):
+    with pytest.raises(argparse.ArgumentTypeError, match="no such file"):  # argparse's: exit status 2
         cli._policy_arg(str(tmp_path / "missing.json"))

@@ -57,6 +57,32 @@ def test_the_public_names_are_the_errors_module_classes():
     assert KVCompileError is errors.KVCompileError
 
 
+def test_an_error_dynamo_wrapped_while_tracing_is_raised_as_itself():
+    """What fails while Dynamo traces reaches kvcompile's entry points wrapped (here an operator's fake
+    implementation, which Dynamo wraps in TorchRuntimeError); ``backend.unwrapped`` raises the kvcompile error
+    itself, with Dynamo's exception as its cause. Anything else passes through as Dynamo raised it."""
+    import torch
+
+    from kvcompile.backend import unwrapped
+
+    @torch.library.custom_op("kvcompile_test::refuses", mutates_args=())
+    def refuses(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @refuses.register_fake
+    def _(x):
+        raise errors.RopeError("refused while tracing")
+
+    compiled = torch.compile(lambda x: refuses(x) + 1, backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.TorchRuntimeError):  # what Dynamo raises on its own
+        compiled(torch.ones(3))
+    with pytest.raises(errors.RopeError, match="refused while tracing") as e, unwrapped():
+        compiled(torch.ones(3))
+    assert type(e.value) is errors.RopeError and isinstance(e.value.__cause__, torch._dynamo.exc.TorchDynamoException)
+    with pytest.raises(torch._dynamo.exc.Unsupported), unwrapped():  # no kvcompile error inside: left alone
+        torch.compile(lambda x: print(x) or x, backend="eager", fullgraph=True)(torch.ones(3))
+
+
 def test_a_bad_policy_is_caught_by_the_root():
     with pytest.raises(kvcompile.KVCompileError) as e:
         kvcompile.Quant(format="int5")
