@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensor
 import transformers
@@ -29,6 +29,7 @@ from kvcompile.hf import KVCompileCache
 from kvcompile import standin
 from kvcompile.store import KVStore, LayerSpec
 from kvcompile.passes import counters
+import profiles
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -99,7 +100,7 @@ def policies(draw):
                   sink=draw(st.sampled_from((0, 2))), rotate=draw(st.booleans()))
 
 
-@settings(max_examples=8)
+@profiles.MODEL
 @given(policy=policies(), layers=st.integers(1, 2), kv_heads=st.sampled_from((1, 2)), ratio=st.sampled_from((1, 2)),
        head_dim=st.sampled_from((8, 16)), batch=st.integers(1, 2), prefill=st.integers(1, 9),
        steps=st.integers(1, 3), seed=st.integers(0, 2 ** 16))

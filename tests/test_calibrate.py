@@ -9,10 +9,11 @@ import sys
 import pytest
 import torch
 import transformers
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import kvcompile
+import profiles
 from kvcompile import Policy, PolicyError, Quant, cli
 from kvcompile import evaluate as E
 from kvcompile.calibrate import (BudgetError, allocate, calibration_text, check_candidates, default_candidates,
@@ -48,7 +49,7 @@ def _instance(draw):
     return costs, values, draw(st.integers(0, 100))
 
 
-@settings(max_examples=300, deadline=None)
+@profiles.CHEAP
 @given(_instance())
 def test_solve_is_optimal_against_brute_force(inst):
     costs, values, budget = inst
@@ -63,7 +64,7 @@ def test_solve_is_optimal_against_brute_force(inst):
     assert sum(vs[j] for vs, j in zip(values, pick)) == want
 
 
-@settings(max_examples=200, deadline=None)
+@profiles.CHEAP
 @given(_instance(), st.integers(1, 6))
 def test_solve_with_coarse_units_still_fits_the_budget(inst, max_states):
     # fewer states than the budget spans: costs are rounded up, so the choice may be worse but never over
@@ -253,7 +254,7 @@ _selector = (st.integers(-8, 8)
              | st.sampled_from(["model.layers.0", "model.layers.3.self_attn", "re:layers\\.[0-3]\\.", "re:^model"]))
 
 
-@settings(max_examples=100, deadline=None)
+@profiles.CHEAP
 @given(_leaf, st.lists(st.tuples(_selector, _leaf | st.none()), max_size=4))
 def test_save_load_round_trip(tmp_path_factory, base, overrides):
     p = base

@@ -9,7 +9,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcompile import Policy, Quant
@@ -17,6 +17,7 @@ from kvcompile import quant as Q
 from kvcompile.store import LayerSpec
 from kvcompile.templates import attention as kattn
 from kvcompile.templates import launch
+import profiles
 from attention_checks import LENGTHS, MIXED, ROTATED, filled, one_wrong_code
 from store_checks import bad_store, scrambled
 
@@ -91,7 +92,7 @@ def attention_cases(draw):
     return policy, B, H, G, D, C, lengths, n, tiles, mask, dtype, own, block, draw(st.integers(0, 2**31 - 1))
 
 
-@settings(max_examples=25)
+@profiles.KERNEL
 @given(attention_cases())
 def test_attention_kernel_equals_float64_attention(case):
     policy, B, H, G, D, C, lengths, n, tiles, mask_kind, dtype, own, block, seed = case

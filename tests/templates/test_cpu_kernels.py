@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import kvcompile
@@ -24,6 +24,7 @@ from kvcompile import Policy, Quant
 from kvcompile.store import KVStore, LayerSpec, attention_reference
 from kvcompile.templates import attention as kattn
 from kvcompile.templates import cpu, cpu_store
+import profiles
 from attention_checks import LENGTHS, MIXED, ROTATED, filled, one_wrong_code
 from store_checks import bad_store, scrambled
 
@@ -127,7 +128,7 @@ def cases(draw):
     return policy, B, H, G, D, C, lengths, n, mask, dtype, chunk, nsplit, own, block, draw(st.integers(0, 2**31 - 1))
 
 
-@settings(max_examples=25, deadline=None)
+@profiles.KERNEL
 @given(cases())
 def test_cpu_attention_equals_float64_attention(case):
     policy, B, H, G, D, C, lengths, n, mask_kind, dtype, chunk, nsplit, own, block, seed = case
