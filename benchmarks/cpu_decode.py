@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import gc
 import json
 import statistics
@@ -322,7 +321,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill the prompt in chunks of this many tokens (default: all at once)")
-    ap.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="put the table on top of docs/results.md, the results record")
     ap.add_argument("--smoke", action="store_true", help="tiny random Llama; checks the script runs")
     args = ap.parse_args(argv)
     started = time.time()
@@ -406,10 +405,11 @@ def main(argv=None):
     if args.record:
         dev = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
         cmd = "python benchmarks/cpu_decode.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        with open(Path(__file__).with_name("RESULTS.md"), "a") as f:
-            f.write(f"\n## {datetime.date.today().isoformat()} -- end to end, {dev}\n\n`{cmd}` (torch "
-                    f"{torch.__version__}, transformers {transformers.__version__}, {time.time() - started:.0f} s)"
-                    f"\n\n```\n{table}\n```\n")
+        if str(Path(__file__).resolve().parent.parent) not in sys.path:  # run as a script: benchmarks.record
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from benchmarks.record import record
+        record(f"end to end, {dev} (benchmarks/cpu_decode.py)", f"`{cmd}` (torch {torch.__version__}, transformers "
+               f"{transformers.__version__}, {time.time() - started:.0f} s)\n\n```\n{table}\n```")
     return rows
 
 

@@ -1,7 +1,7 @@
 """Decode-attention kernels on a GPU: correctness first, then time / bandwidth / speedup against bf16 SDPA.
 
     python benchmarks/gpu_kernels.py            # on a CUDA machine (H200: about 2-3 minutes)
-    python benchmarks/gpu_kernels.py --record   # ... and append the run to benchmarks/RESULTS.md
+    python benchmarks/gpu_kernels.py --record   # ... and put the run on top of docs/results.md
     python benchmarks/gpu_kernels.py --smoke    # tiny sizes; on a machine without CUDA through TRITON_INTERPRET=1
 
 1. Correctness on the device: for every benchmarked format (and a few more layouts), over blocks of 16 tokens
@@ -239,7 +239,7 @@ def render(rows, card: str, peak_tbps: float | None) -> str:
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes (automatic without CUDA)")
-    p.add_argument("--record", action="store_true", help="append this run to benchmarks/RESULTS.md")
+    p.add_argument("--record", action="store_true", help="put this run on top of docs/results.md, the results record")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     smoke = args.smoke or not cuda
@@ -269,9 +269,17 @@ def main(argv=None) -> str:
               + "\n".join("    " + c for c in checks) + "\n\n" + table + "\n")
     print(report)
     if args.record:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), "a") as f:
-            f.write("\n" + report)
+        _results_record()(f"decode attention on {card} (benchmarks/gpu_kernels.py)", report.split("\n", 1)[1])
     return report
+
+
+def _results_record():
+    """``benchmarks.record.record``, whether this file runs as a script or as ``benchmarks.gpu_kernels``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.record import record
+    return record
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@
 #   4. tp       python benchmarks/tp_bytes.py --device cuda      tensor parallelism over NCCL (2+ GPUs only)
 #
 # Outputs land in $OUT (the device tool brings them back): session.log, one <step>.txt per step, and
-# RESULTS.md with the steps' appended entries (copy its new sections into benchmarks/RESULTS.md here).
+# results.md, docs/results.md with the steps' entries on top (copy them into docs/results.md here).
 #
 # Before the call, on the development machine (the device cannot reach a package index):
 #     pip download --no-deps -d wheelhouse hypothesis attrs sortedcontainers exceptiongroup optimum-quanto ninja psutil
@@ -55,7 +55,7 @@ for m in ("hypothesis", "optimum.quanto"):
     except ModuleNotFoundError:
         print(m, "MISSING")
 EOF
-cp "$ROOT/benchmarks/RESULTS.md" "$OUT/RESULTS.md.before"
+cp "$ROOT/docs/results.md" "$OUT/results.md.before"
 
 step() {  # step NAME SECONDS COMMAND...: run with at most SECONDS (and never past the deadline)
     local name=$1 want=$2
@@ -69,7 +69,7 @@ step() {  # step NAME SECONDS COMMAND...: run with at most SECONDS (and never pa
     local rc=$?
     log "end $name: exit $rc$([ $rc = 124 ] && echo ' (cut off)')"
     tail -n 40 "$OUT/$name.txt"
-    cp "$ROOT/benchmarks/RESULTS.md" "$OUT/RESULTS.md"
+    cp "$ROOT/docs/results.md" "$OUT/results.md"
 }
 
 quanto=$(python -c "import importlib.util as u; print(bool(u.find_spec('optimum') and u.find_spec('optimum.quanto')))" 2>/dev/null)

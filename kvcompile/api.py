@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from . import standin
-from .backend import COMPILERS, Options, compile_graph
+from .backend import COMPILERS, Options, compile_graph, unwrapped
 from .errors import UnsupportedError
 from .policy import Policy, PolicyError
 from .tp import agreed
@@ -198,7 +198,8 @@ def _opaque(compiled: nn.Module) -> nn.Module:
 
     @opaque  # (around a function of its own: disabling ``inner`` itself would unwrap it to the module's forward)
     def run(*args, **kwargs):
-        return inner(*args, **kwargs)
+        with unwrapped():
+            return inner(*args, **kwargs)
 
     def forward(*args, **kwargs):
         return run(*args, **kwargs)

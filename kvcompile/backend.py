@@ -16,9 +16,16 @@ rewritten into a stand-in (no full-precision memory), and a cache whose first to
 The rewritten graph goes to Inductor (``compiler="inductor"``, the backend's default) or runs as is
 (``compiler="eager"``: no code generation, seconds to compile; the graph then calls kvcompile's functions
 directly rather than through the operator dispatcher).
+
+Errors: Dynamo wraps whatever a backend raises in its own ``BackendCompilerFailed`` (torch/_dynamo/
+output_graph.py, ``call_user_compiler``), so a kvcompile error found while compiling is returned instead, as a
+graph that raises it (``_raising``): the call being compiled raises it as itself, with the traceback of where
+compiling found it. What fails while Dynamo traces (before the backend) reaches kvcompile's own entry points
+wrapped, and they unwrap it (``unwrapped``).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from dataclasses import dataclass
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ops, standin
-from .errors import UnsupportedError
+from .errors import KVCompileError, UnsupportedError
 from .passes import analyze, rewrite
 from .passes.paged import rewrite_paged
 from .passes.kv_cache import Site, _arg, _example, _op_name, _walk_to_cache, find_reads, layer_name, sdpa_args
@@ -259,7 +266,55 @@ def no_read_message(gm, cache_node, unpaired=()) -> str:
 
 
 def compile_graph(gm, example_inputs, options=None, *, report=None, analyze_only=False):
-    """The backend: rewrite cache sites in the Dynamo graph ``gm``, then compile the rest (``_finish``)."""
+    """The backend: rewrite cache sites in the Dynamo graph ``gm``, then compile the rest (``_finish``). A
+    kvcompile error found on the way comes back as a graph that raises it (``_raising``); with
+    ``analyze_only`` (``explain``), it and ``Analyzed`` are raised here."""
+    try:
+        return _compile_graph(gm, example_inputs, options, report, analyze_only)
+    except KVCompileError as e:
+        if analyze_only:
+            raise
+        return _raising(e)
+
+
+def _raising(error: KVCompileError):
+    """A compiled graph that raises ``error``, with the traceback compiling gave it, whenever it is called: the
+    call Dynamo compiled it for, and every later call its guards send to it (each would compile to the same
+    failure)."""
+    tb = error.__traceback__
+
+    def failed(*args):
+        raise error.with_traceback(tb)
+
+    return failed
+
+
+def carried(exc: BaseException) -> KVCompileError | None:
+    """The kvcompile error an exception from Dynamo carries, or None: Dynamo keeps what a backend raised as
+    ``inner_exception`` and what failed while it traced as the ``__cause__`` or ``__context__`` of its own."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KVCompileError):
+            return exc
+        seen.add(id(exc))
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None
+
+
+@contextlib.contextmanager
+def unwrapped():
+    """Around a call of a compiled function: a kvcompile error that Dynamo wrapped (``carried``) is raised as
+    itself, Dynamo's exception kept as its cause."""
+    try:
+        yield
+    except torch._dynamo.exc.TorchDynamoException as e:
+        inner = carried(e)
+        if inner is None:
+            raise
+        raise inner from e
+
+
+def _compile_graph(gm, example_inputs, options, report, analyze_only):
     from .explain import site_reports
 
     opts = Options.parse(options)

@@ -105,7 +105,7 @@ def explain(model, *args, policy: Policy | None = None, **kwargs) -> Explanation
 
 
 def _trace(fn, args, kwargs, policy) -> Explanation:
-    from .backend import Analyzed, Options, compile_graph
+    from .backend import Analyzed, Options, carried, compile_graph
 
     opts = Options(policy, "eager")
 
@@ -122,7 +122,10 @@ def _trace(fn, args, kwargs, policy) -> Explanation:
             if isinstance(cur, Analyzed):
                 return cur.report
             cur = cur.__cause__ or cur.__context__
-        raise
+        inner = carried(e)
+        if inner is None:
+            raise
+        raise inner from e
     raise UnsupportedError("explain: the traced call did not reach the kvcompile backend")
 
 

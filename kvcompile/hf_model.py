@@ -119,9 +119,11 @@ _LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None) or geta
 
 def call_compiled(compiled, what: str, *args, **kwargs):
     """``compiled(*args, **kwargs)``, with Dynamo's recompile-limit failure turned into an error that says
-    what happened and what to do."""
+    what happened and what to do, and a kvcompile error Dynamo wrapped raised as itself (``backend.unwrapped``)."""
+    from .backend import unwrapped
     try:
-        return compiled(*args, **kwargs)
+        with unwrapped():
+            return compiled(*args, **kwargs)
     except _LIMIT_HIT as e:
         cfg = torch._dynamo.config
         limit = getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", "?"))

@@ -2,8 +2,9 @@
 
 Triton's CPU path here is an interpreter, so on the CPU kvcompile generates C instead: the template is
 compiled once per layout (``-D`` definitions spell the layout out: formats, axes, groups, head_dim, regions;
-the head counts are arguments), with ``-O3 -march=native -fopenmp``, cached on disk under
-``~/.cache/kvcompile/cpu`` (``KVCOMPILE_CACHE_DIR`` moves it) keyed by the source, the flags, the compiler and
+the head counts are arguments), with ``-O3 -march=native -fopenmp``, cached on disk in the ``cpu`` folder of
+kvcompile's cache folder (``~/.cache/kvcompile/cpu``; ``KVCOMPILE_CACHE_DIR`` moves it: ``kvcompile.cachedir``)
+keyed by the source, the flags, the compiler and
 the CPU's features, and called through ctypes. Building one layout's decode kernel takes a few seconds (the
 store kernel, under one); a process that finds it on disk loads it at once.
 
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvcompile import cachedir
 from kvcompile import quant as Q
 from kvcompile.errors import CacheDirError, CompilerError
 from kvcompile.store import (KVState, LayerSpec, Rope, apply_rope, check_rope_tables, chunk_needed,
@@ -86,13 +88,9 @@ def defines(spec: LayerSpec) -> dict[str, int]:
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels are kept: ``$KVCOMPILE_CACHE_DIR/cpu``, else ``~/.cache/kvcompile/cpu``."""
-    return Path(os.environ.get("KVCOMPILE_CACHE_DIR", Path.home() / ".cache" / "kvcompile")) / "cpu"
-
-
-def _named() -> str:
-    env = os.environ.get("KVCOMPILE_CACHE_DIR")
-    return f"KVCOMPILE_CACHE_DIR={env}" if env else "the default: KVCOMPILE_CACHE_DIR is not set"
+    """Where compiled kernels are kept: the ``cpu`` folder of kvcompile's cache folder (``kvcompile.cachedir``:
+    ``$KVCOMPILE_CACHE_DIR/cpu``, else ``$XDG_CACHE_HOME/kvcompile/cpu``, else ``~/.cache/kvcompile/cpu``)."""
+    return cachedir.root() / "cpu"
 
 
 def private_cache_dir() -> Path:
@@ -105,7 +103,7 @@ def private_cache_dir() -> Path:
     against corruption and truncation, not against planting.) Raises ``CacheDirError`` saying what was found
     and what to do."""
     d = cache_dir()
-    named = _named()
+    named = cachedir.named()
     redirect = "set KVCOMPILE_CACHE_DIR to a directory of your own (it is created, private to you, if missing)"
     try:
         for p in reversed([d, *d.parents]):
@@ -233,7 +231,7 @@ def _build(cc: str, path_src: Path, dflags: list, path: Path) -> None:
     try:
         tmp_dir = tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-")
     except OSError as e:
-        raise CacheDirError(f"kvcompile cannot write to its kernel cache directory {path.parent} ({_named()}): "
+        raise CacheDirError(f"kvcompile cannot write to its kernel cache directory {path.parent} ({cachedir.named()}): "
                             f"{e.strerror or e}. Make it writable, or set KVCOMPILE_CACHE_DIR to a directory of "
                             f"your own.") from None
     with tmp_dir as tmp:

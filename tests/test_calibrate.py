@@ -1,4 +1,5 @@
 """Per-layer bits for a byte budget: the knapsack, the sensitivities, the budget, policy files and the CLI."""
+import argparse
 import itertools
 import json
 import math
@@ -9,10 +10,11 @@ from fractions import Fraction
 import pytest
 import torch
 import transformers
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import kvcompile
+import profiles
 from kvcompile import Policy, PolicyError, Quant, cli
 from kvcompile import evaluate as E
 from kvcompile.calibrate import (BudgetError, allocate, calibration_text, check_candidates, default_candidates,
@@ -48,7 +50,7 @@ def _instance(draw):
     return costs, values, draw(st.integers(0, 100))
 
 
-@settings(max_examples=300, deadline=None)
+@profiles.CHEAP
 @given(_instance())
 def test_solve_is_optimal_against_brute_force(inst):
     costs, values, budget = inst
@@ -63,7 +65,7 @@ def test_solve_is_optimal_against_brute_force(inst):
     assert sum(vs[j] for vs, j in zip(values, pick)) == want
 
 
-@settings(max_examples=200, deadline=None)
+@profiles.CHEAP
 @given(_instance(), st.integers(1, 6))
 def test_solve_with_coarse_units_still_fits_the_budget(inst, max_states):
     # fewer states than the budget spans: costs are rounded up, so the choice may be worse but never over
@@ -294,7 +296,7 @@ _selector = (st.integers(-8, 8)
              | st.sampled_from(["model.layers.0", "model.layers.3.self_attn", "re:layers\\.[0-3]\\.", "re:^model"]))
 
 
-@settings(max_examples=100, deadline=None)
+@profiles.CHEAP
 @given(_leaf, st.lists(st.tuples(_selector, _leaf | st.none()), max_size=4))
 def test_save_load_round_trip(tmp_path_factory, base, overrides):
     p = base
@@ -414,5 +416,5 @@ def test_cli_calibrate_errors_are_one_line(tiny_dir, tmp_path, capsys, args, gis
 def test_cli_policy_options_read_policy_files(tmp_path):
     p = Policy.kivi(3, sink=4, rotate=True).override({0: Policy.int8()}).save(tmp_path / "p.json")
     assert cli._policy_arg(str(p)) == Policy.load(p)
-    with pytest.raises(Exception, match="no such file"):
+    with pytest.raises(argparse.ArgumentTypeError, match="no such file"):  # argparse's: exit status 2
         cli._policy_arg(str(tmp_path / "missing.json"))

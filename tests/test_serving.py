@@ -124,8 +124,10 @@ def test_the_manager_runs_on_kvcompiles_store_and_finished_requests_free_their_b
     assert blocks == cache.num_blocks  # one kvcompile block per transformers page
     assert seen["free_after"] == blocks and seen["slots_after"] == {}  # every block and slot back
     assert all(st.used_blocks == 0 and st.lengths == [0] * cache.slots for st in cache.stores)
-    # the keys went through the store: the 150-token prompt filled packed blocks of the pool
-    assert cache.stores[1].state.k_codes.abs().sum() > 0
+    # the keys went through the store: the 150-token prompt's packed tokens filled whole blocks of the pool
+    st = cache.stores[1]
+    written = int((st.state.k_codes.flatten(1) != 0).any(1).sum())
+    assert written >= (150 - st.spec.ring) // st.spec.block, (written, st.spec.block)
     # transformers' own full-precision cache tensor was never allocated
     assert cache.cache_tensor.device.type == "meta"
 

@@ -25,13 +25,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvcompile import Policy, Quant
 from kvcompile.store import LayerSpec, attention_reference, dequantize_reference
 from kvcompile.templates import attention as kattn
 from kvcompile.templates import cpu, cpu_store, inductor, launch
+import profiles
 from nonfinite_checks import DTYPE_MAX, assert_nan_pattern, placements
 
 sys.path.insert(0, str(Path(__file__).parent / "templates"))
@@ -110,7 +111,7 @@ def _append_all(stores, k, v, lengths, first):
             st.append(k[:, :, a:b], v[:, :, a:b], n_new, kernel=kernel)
 
 
-@settings(max_examples=15, deadline=None)
+@profiles.KERNEL
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on NaN operands
 @given(cases())
 def test_torture(case):

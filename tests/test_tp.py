@@ -24,9 +24,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import kvcompile
+import profiles
 import tp_worker as W
 from kvcompile import Policy, Quant
 from kvcompile import plan as P
@@ -274,7 +275,7 @@ quants = st.builds(Quant, format=st.sampled_from(FORMATS), axis=st.sampled_from(
                    group=st.sampled_from([4, 8, 16]))
 
 
-@settings(max_examples=40)
+@profiles.KERNEL
 @given(k=quants, v=quants, residual=st.integers(0, 9), sink=st.integers(0, 3), rotate=st.booleans(),
        chunks=st.lists(st.integers(1, 40), min_size=1, max_size=5), seed=st.integers(0, 2 ** 16))
 def test_a_store_of_some_heads_is_those_heads_of_a_store_of_all(k, v, residual, sink, rotate, chunks, seed):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import kvcompile
 import zoo
 from kvcompile import KVCompileError, Policy, Quant
+from kvcompile.errors import UnsupportedError
 from kvcompile.passes import analyze, counters
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -272,14 +273,20 @@ def _with_attention(cls):
 
 def test_error_no_sdpa_read_says_what_was_found():
     model = kvcompile.apply(_with_attention(_ManualAttention), POLICY, compiler="eager")
-    with pytest.raises(Exception, match=r"no scaled_dot_product_attention read found.*(matmul|softmax)"):
+    with pytest.raises(UnsupportedError, match=r"no scaled_dot_product_attention read found.*(matmul|softmax)") as e:
         zoo.run(model, torch.randint(0, 64, (1, 4)), 4)
+    assert type(e.value) is UnsupportedError  # found while compiling, raised as itself (not Dynamo's wrapper)
+    with pytest.raises(UnsupportedError, match=r"no scaled_dot_product_attention read found") as e:  # so is explain
+        kvcompile.explain(_with_attention(_ManualAttention), torch.randint(0, 64, (1, 4)), torch.arange(4),
+                          policy=POLICY)
+    assert type(e.value) is UnsupportedError
 
 
 def test_error_write_that_cannot_be_paired_with_a_read():
     model = kvcompile.apply(_with_attention(_UnreadCache), POLICY, compiler="eager")
-    with pytest.raises(Exception, match=r"cannot pair its write with an attention read"):
+    with pytest.raises(UnsupportedError, match=r"cannot pair its write with an attention read") as e:
         zoo.run(model, torch.randint(0, 64, (1, 4)), 4)
+    assert type(e.value) is UnsupportedError
 
 
 def test_error_unsupported_model_dtype_for_kernels():
@@ -319,10 +326,11 @@ def test_error_sequence_longer_than_capacity():
     model = zoo.Decoder(capacity=8)
     model.causal = torch.tril(torch.ones(16, 8, dtype=torch.bool))  # mask rows past the capacity: the store fails
     model = kvcompile.apply(model, Policy.int8(), compiler="eager")
-    with pytest.raises(Exception, match="KV cache overflow"):
+    with pytest.raises(kvcompile.CapacityError, match="KV cache overflow") as e:
         with torch.no_grad():
             model(torch.randint(0, 64, (1, 6)), torch.arange(6), 0)
             model(torch.randint(0, 64, (1, 3)), torch.arange(6, 9), 6)
+    assert type(e.value) is kvcompile.CapacityError
 
 
 # --------------------------------------------------------------------------- the gpt-fast-style example

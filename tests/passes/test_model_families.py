@@ -20,6 +20,7 @@ from transformers.cache_utils import StaticCache
 
 import kvcompile
 from kvcompile import Policy
+from kvcompile.errors import UnsupportedError
 from kvcompile.hf_model import cache_kwarg as _cache_kwarg
 from kvcompile.hf import KVCompileCache
 from kvcompile.passes import counters
@@ -245,6 +246,7 @@ def test_backend_with_a_ring_kvcompile_did_not_see_allocated():
     model.forward = torch.compile(model.forward, backend="kvcompile", fullgraph=True,
                                   options={"policy": POLICY, "compiler": "eager"})
     model.generation_config.disable_compile = True
-    with torch.no_grad(), pytest.raises(Exception, match=r"sliding-window ring .* import kvcompile before creating "
-                                                          r"the cache"):
+    with torch.no_grad(), pytest.raises(UnsupportedError, match=r"sliding-window ring .* import kvcompile before "
+                                                                 r"creating the cache") as e:
         model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, **{_cache_kwarg(model): static})
+    assert type(e.value) is UnsupportedError  # through a torch.compile the user wrote, not Dynamo's wrapper

@@ -6,7 +6,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcompile import Policy, Quant
@@ -14,6 +14,7 @@ from kvcompile import quant as Q
 from kvcompile.store import CapacityError, KVStore, LayerSpec, store_reference
 from kvcompile.templates import launch
 from kvcompile.templates import store as kstore
+import profiles
 from store_checks import around, assert_same_store, bits, quants, scrambled, tie_rows, with_history
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,7 +34,7 @@ def store_cases(draw):
     return policy, B, H, D, dtype, history, chunks, ragged, block, draw(st.integers(0, 2**31 - 1))
 
 
-@settings(max_examples=30)
+@profiles.KERNEL
 @given(store_cases())
 def test_store_kernel_equals_reference(case):
     """Ragged histories and chunks over scrambled block tables: every row spans several blocks, handed out in
