@@ -23,6 +23,9 @@ from torch import nn
 
 from .backend import COMPILERS, Options, compile_graph
 from .errors import UnsupportedError
+from .hf import KVCompileCache
+from .hf_model import apply_hf, is_hf, layer_names, opaque
+from .modules import apply_module, stores
 from .policy import Policy, PolicyError
 from .tp import agreed
 
@@ -45,6 +48,7 @@ class Applied:
     layer_names: list[str]
     reports: list = field(default_factory=list)
     sharding: object = None  # kvcompile.tp.Sharding of a tensor-parallel model (this rank's group and KV heads)
+    kv_heads: int | None = None  # the KV heads this rank caches per layer (a transformers model's; set by apply)
 
 
 def _raise_recompile_limit() -> None:
@@ -111,9 +115,6 @@ def apply(model: nn.Module, policy: Policy, *, max_cache_len: int | None = None,
     "auto" (the default) is "eager" with compiler="eager" (whose graphs run as Python anyway) and "compiled"
     with Inductor. Decode steps and later chunks always run compiled: they read what the store holds.
     """
-    from .hf_model import apply_hf, is_hf, layer_names
-    from .modules import apply_module
-
     _check_applicable(model, policy, max_cache_len, compiler, prefill)
     if compiler == "auto":
         p = next(iter(model.parameters()), None)
@@ -140,8 +141,6 @@ def _opaque(compiled: nn.Module) -> nn.Module:
     """``compiled`` (an applied module), made opaque to a ``torch.compile`` around it: Dynamo would otherwise trace
     the module's own forward with the outer compile's backend, without kvcompile's pass, and its cache writes would
     go to the stand-ins. Its forward runs as kvcompile compiled it instead (``hf_model.opaque``)."""
-    from .hf_model import opaque
-
     inner = compiled.forward
 
     @opaque  # (around a function of its own: disabling ``inner`` itself would unwrap it to the module's forward)
@@ -168,9 +167,6 @@ def _backend_for(applied: Applied):
 def nbytes(obj) -> int:
     """Bytes the kvcompile caches of ``obj`` hold: a ``KVCompileCache`` (what ``generate`` or ``forward``
     returned), or a module ``apply`` prepared (its stores: blocks in use, windows, sinks, tables)."""
-    from .hf import KVCompileCache
-    from .modules import stores
-
     if isinstance(obj, KVCompileCache):
         return obj.nbytes
     if isinstance(obj, torch._dynamo.eval_frame.OptimizedModule):

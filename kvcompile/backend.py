@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops, standin
+from . import extension, ops, standin
 from .errors import UnsupportedError
 from .passes import analyze, rewrite
-from .passes.paged import rewrite_paged
 from .passes.kv_cache import Site, _example
 from .policy import Policy, PolicyError
+from .report import site_reports
 from .store import DTYPE_NAMES, LayerSpec
 
 COMPILERS = ("inductor", "eager")
@@ -174,12 +174,11 @@ def no_read_message(gm, cache_node, unpaired=()) -> str:
 
 
 def compile_graph(gm, example_inputs, options=None, *, report=None, analyze_only=False):
-    """The backend: rewrite cache sites in the Dynamo graph ``gm``, then compile the rest (``_finish``)."""
-    from .explain import site_reports
-
+    """The backend: rewrite cache sites in the Dynamo graph ``gm``, then compile the rest (``_finish``). The
+    rewrites integrations registered (``extension.add_graph_rewrite``) run first."""
     opts = Options.parse(options)
     gm = _own_copy(gm)  # Dynamo still reads its graph (placeholders, graphargs) after the backend returns
-    rewrite_paged(gm)  # a compiled continuous-batching forward over kvcompile's paged cache (passes/paged.py)
+    extension.rewrite_graph(gm)  # e.g. a compiled continuous-batching forward's page pools (kvcompile.serving)
     analysis = analyze(gm, left=lambda ph: standin.left(_example(ph)))
     check_analysis(gm, analysis)
     sites = analysis.sites
