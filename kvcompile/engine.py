@@ -18,6 +18,7 @@ for the one call that builds ours (``_swapped``), under a lock.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import threading
@@ -40,6 +41,7 @@ from .pool import (DEFAULT_BUDGET, ServingOptions, layer_specs, full_precision_b
                    pool_blocks, request_limit, request_pages, shares_pages, slots_for)
 from .sampling import PROMPT_ROWS, RECORDS
 from .store import KVState, LayerSpec, state_nbytes
+from .window import WindowRing, WindowSpec, window_attention
 
 ATTN = "kvcompile_paged"  # the attention implementation an eager continuous-batching forward runs
 CACHE_KWARG = "kvcompile_cache"  # the keyword by which a layer's attention receives the cache that stored its keys
@@ -70,10 +72,11 @@ class _Plan:
             span = rows[0] if rows == list(range(rows[0], rows[0] + len(rows))) else None
             self.groups.append((n, torch.tensor(rows, dtype=torch.long, device=device),
                                 torch.tensor(idx, dtype=torch.long, device=device), span))
-        self.counts = [0] * slots
-        for _, slot, _, n, skip in entries:
+        self.counts = [0] * slots  # new tokens per slot
+        self.past = [0] * slots    # tokens each slot's request had before
+        for _, slot, past, n, skip in entries:
             if not skip:
-                self.counts[slot] = n
+                self.counts[slot], self.past[slot] = n, past
         self.complete = all(not e[4] for e in entries)
 
 
@@ -96,6 +99,18 @@ def _prompt_places(paged_cache) -> list[tuple[int, str, int]]:
             out += [(row + j, rid, past + j + 1) for j in range(n) if past + j + 1 < asked]
         row += n
     return out
+
+
+def _paged_layers(config):
+    """The model's text config as transformers' page accounting should see it: every layer in pages of the one
+    full-attention allocator. kvcompile's pools hold the full-attention layers; a sliding-window layer's tokens
+    are in the slots' rings (``kvcompile.window``), so transformers allocates no pages of its own for them."""
+    types = getattr(config, "layer_types", None)
+    if types is None or set(types) == {"full_attention"}:
+        return config
+    view = copy.copy(config)
+    view.layer_types = ["full_attention"] * len(types)
+    return view
 
 
 class _OneRank:
@@ -163,7 +178,7 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
         try:
             with _swapped(tcache, "PagedAttentionMemoryHandler",
                           functools.partial(KVCompileMemoryHandler, compiled=compiled, window_tokens=window)):
-                super().__init__(config, continuous_batching_config, "meta", _OneRank(), dtype,
+                super().__init__(_paged_layers(config), continuous_batching_config, "meta", _OneRank(), dtype,
                                  model_supports_logits_to_keep)
         except MemoryError as e:
             cbc = continuous_batching_config
@@ -189,14 +204,15 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
                     f"{sizes.tolist()}, the least: {agreed.tolist()} as max_batch_tokens, sectors, blocks, "
                     f"slots); give every rank the same budget and ContinuousBatchingConfig")
         if set(self.cache_allocators) != {tcache.FULL_ATTENTION}:
-            raise UnsupportedError("kvcompile serving supports full-attention layers only (this model has "
-                                 f"{sorted(self.cache_allocators)})")
+            raise UnsupportedError(f"kvcompile serving: transformers made the page allocators "
+                                   f"{sorted(self.cache_allocators)}, where kvcompile's pages hold full-attention "
+                                   f"layers only (_paged_layers)")
         allocator = self.cache_allocators[tcache.FULL_ATTENTION]
         if self.num_blocks != blocks or allocator.num_blocks != blocks:
             raise UnsupportedError(f"kvcompile serving: transformers made {self.num_blocks} pages where the pool "
                                  f"has {blocks} blocks")
         self.max_decode_fast_path_length = 0  # no block tables: attention reads kvcompile's own
-        self.specs, self.slots = specs, slots
+        self.specs, self.slots, self.blocks = specs, slots, blocks  # blocks: of each paged layer's pool
         self.stores = make_stores(specs, slots, blocks, self.device, max_tokens)
         # transformers' allocator hands out the pages and shares or frees them; page p is block p - first
         # of every layer's pool (its page ids start after the pool's reserved sectors)
@@ -466,6 +482,9 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
         store (per the batch's plan; a compiled forward's padding rows past it are not stored)."""
         plan = self._plan_for(key_states.shape[2])
         st = self.stores[layer_idx]
+        if isinstance(st, WindowRing):
+            self._work[layer_idx] = self._store_window(st, plan, key_states, value_states)
+            return
         spec = st.spec
         st.reserve(plan.counts)
         state = st.state
@@ -500,9 +519,28 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
         for n, rows, idx, sub, k, v in work:
             R = rows.numel()
             q = _gather(query, idx, R, n)
-            o = be.attention(q, sub, spec, None, scaling, k_new=k, v_new=v)  # [R, Hq, n, D]
+            if isinstance(spec, WindowSpec):  # sub: the window before the chunk, its positions, the chunk's past
+                k_old, v_old, pos, past = sub
+                o = window_attention(q, k_old, v_old, pos, k, v, past, spec.window, scaling)
+            else:
+                o = be.attention(q, sub, spec, None, scaling, k_new=k, v_new=v)  # [R, Hq, n, D]
             out.index_copy_(0, idx, o.permute(0, 2, 1, 3).reshape(R * n, Hq, D).to(out.dtype))
         return out.unsqueeze(0)
+
+    @staticmethod
+    def _store_window(ring: WindowRing, plan: _Plan, key_states, value_states) -> list:
+        """A sliding-window layer: each group's window before its chunk is read, then the chunk written over it
+        (``kvcompile.window``); the work for ``attend`` holds both."""
+        work = []
+        for n, rows, idx, _ in plan.groups:
+            R = rows.numel()
+            k, v = _gather(key_states, idx, R, n), _gather(value_states, idx, R, n)
+            slots = rows.tolist()
+            past = [plan.past[b] for b in slots]
+            k_old, v_old, pos = ring.before(rows, torch.tensor(past, device=rows.device))
+            ring.write(slots, past, k, v)
+            work.append((n, rows, idx, (k_old, v_old, pos, pos.new_tensor(past)), k, v))
+        return work
 
 
 
@@ -612,6 +650,11 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
                 "pre-RoPE. Apply a policy without pre_rope for serving.")
         text = model.config.get_text_config()
         self._specs = layer_specs(text, opts, model.dtype)
+        if self._compiled is not None and any(isinstance(s, WindowSpec) for s in self._specs):
+            raise UnsupportedError(
+                "kvcompile serving: this model has sliding-window layers, which a compiled continuous-batching "
+                "forward (varlen_compile_config) does not serve yet; drop varlen_compile_config (the eager forward "
+                "serves them, quantizing the full-attention layers)")
         budget = opts.budget
         if budget is None:
             budget = (asked.num_blocks * asked.page_size  # the rank's heads, as transformers counts them
@@ -627,7 +670,9 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
         super().__init__(model, generation_config, continuous_batching_config, workload_hints)
         cb = self.continuous_batching_config
         share = shares_pages(self._specs)
-        if cb.allow_block_sharing and not share:
+        # (a model with sliding-window layers shares no pages, as in transformers' own engine: not the policy's
+        # doing, so no warning)
+        if cb.allow_block_sharing and not shares_pages([s for s in self._specs if isinstance(s, LayerSpec)]):
             warnings.warn(
                 f"kvcompile serving: prefix sharing (ContinuousBatchingConfig.allow_block_sharing) is off for "
                 f"{opts.policy}: the policy keeps each request's recent tokens or sinks in full precision "

@@ -384,9 +384,10 @@ def _serving_shape(shape: ModelShape) -> str:
     """The model dtype's name, for a shape kvcompile serving takes (a sharded shape is one rank's: its KV heads,
     and the budget is that rank's)."""
     if shape.windows:
-        raise PlanError(f"kvcompile serving supports full-attention layers only, and {shape.name} has "
-                        f"{len(shape.windows)} attending over a sliding or chunked window: plan its cache without "
-                        f"--serving")
+        raise PlanError(f"kvcompile plan --serving plans models whose every layer attends to every token; "
+                        f"{shape.name} has {len(shape.windows)} layers attending over a sliding or chunked window "
+                        f"(transformers' engine keeps those in pages of their own, which the planner does not model "
+                        f"yet): plan its cache without --serving")
     return _DTYPE_NAMES[shape.dtype_bytes]
 
 

@@ -14,9 +14,10 @@ import torch
 
 from .accounting import full_precision_bytes_per_token as fp_bytes
 from .errors import UnsupportedError
-from .hf import model_shape
+from .hf import _text_config, model_shape, windowed_layers
 from .policy import Policy
 from .store import DTYPE_NAMES, KVStore, LayerSpec
+from .window import WindowRing, WindowSpec
 
 DEFAULT_BUDGET = 256 * 2**20  # bytes, when neither configure(budget=) nor the CB config's num_blocks says
 DEFAULT_SLOTS = 32            # at most this many concurrent requests by default (see default_slots)
@@ -35,17 +36,42 @@ class ServingOptions:
     request_tokens: int | None = None  # size the slots for requests of this many tokens (``most_slots``)
 
 
-def specs_for(policies: list[Policy], kv_heads: int, head_dim: int, dtype: str) -> list[LayerSpec]:
+def specs_for(policies: list[Policy], kv_heads: int, head_dim: int, dtype: str,
+              windows: dict[int, int] | None = None) -> list[LayerSpec | WindowSpec]:
     """One spec per layer (resolved per-layer ``policies``), every one with the same block (the largest any
-    layer's policy needs): transformers counts pages of one size for all layers."""
-    block = max(LayerSpec(p, kv_heads, head_dim, dtype).block for p in policies)
-    return [LayerSpec(p, kv_heads, head_dim, dtype, block_tokens=block) for p in policies]
+    layer's policy needs): transformers counts pages of one size for all layers. A layer in ``windows`` (index:
+    window) attends over a sliding window and keeps it in each slot's ring (``WindowSpec``, its policy unused)."""
+    windows = windows or {}
+    paged = [p for i, p in enumerate(policies) if i not in windows]
+    if not paged:
+        raise UnsupportedError(
+            f"kvcompile serving: every attention layer of this model attends over a sliding window "
+            f"({sorted(set(windows.values()))} tokens), which continuous batching keeps in full precision as "
+            f"transformers does: kvcompile would quantize nothing. Serve it with transformers' own continuous "
+            f"batching (the unapplied model).")
+    block = max(LayerSpec(p, kv_heads, head_dim, dtype).block for p in paged)
+    return [WindowSpec(windows[i], kv_heads, head_dim, dtype, block) if i in windows else
+            LayerSpec(p, kv_heads, head_dim, dtype, block_tokens=block) for i, p in enumerate(policies)]
 
 
-def layer_specs(model_config, opts: ServingOptions, dtype: torch.dtype) -> list[LayerSpec]:
-    """``specs_for`` an applied model's layers."""
+def serving_windows(model_config) -> dict[int, int]:
+    """Layer index -> window of the model's sliding-window layers, which serving keeps in each slot's ring
+    (``kvcompile.window``). Chunked attention (Llama 4) is refused: transformers' continuous batching has no
+    allocator for it."""
+    text = _text_config(model_config)
+    types = getattr(text, "layer_types", None)
+    if "chunked_attention" in (types or ()) or (types is None and getattr(text, "attention_chunk_size", None)
+                                                and not getattr(text, "sliding_window", None)):
+        raise UnsupportedError("kvcompile serving does not support chunked-attention layers (Llama 4): "
+                               "transformers' continuous batching has no cache allocator for them. Use generate.")
+    return windowed_layers(model_config)
+
+
+def layer_specs(model_config, opts: ServingOptions, dtype: torch.dtype) -> list[LayerSpec | WindowSpec]:
+    """``specs_for`` an applied model's layers, its sliding-window layers kept in the slots' rings."""
     _, _, head_dim = model_shape(model_config)
-    return specs_for(opts.policy.resolve(opts.layer_names), opts.kv_heads, head_dim, DTYPE_NAMES[dtype])
+    return specs_for(opts.policy.resolve(opts.layer_names), opts.kv_heads, head_dim, DTYPE_NAMES[dtype],
+                     serving_windows(model_config))
 
 
 def full_precision_bytes_per_token(model_config, dtype: torch.dtype, kv_heads: int | None = None) -> int:
@@ -147,9 +173,10 @@ def table_width(specs: list[LayerSpec], blocks: int, max_tokens: int | None = No
 def pool_nbytes(specs: list[LayerSpec], slots: int, blocks: int, max_tokens: int | None = None) -> int:
     """Bytes the stores allocate for ``slots`` rows and a pool of ``blocks`` blocks per layer: each row's ring,
     sinks and length; each block's codes, scales and zero points; and each layer's block table, an int32 per
-    slot and column (``table_width``)."""
+    slot and column (``table_width``). A sliding-window layer (``WindowSpec``): its rings only."""
     width = table_width(specs, blocks, max_tokens)
-    return sum(slots * s.row_nbytes() + blocks * s.block_nbytes() + 4 * slots * width for s in specs)
+    return sum(slots * s.row_nbytes() + blocks * s.block_nbytes()
+               + (4 * slots * width if isinstance(s, LayerSpec) else 0) for s in specs)
 
 
 def pool_blocks(specs: list[LayerSpec], budget: int, slots: int, max_tokens: int | None = None) -> int:
@@ -234,9 +261,13 @@ def size_pool(specs: list[LayerSpec], budget: int, request_tokens: int, slots: i
 def make_stores(specs: list[LayerSpec], slots: int, blocks: int, device="cpu",
                 max_tokens: int | None = None) -> list[KVStore]:
     """One store per layer: ``slots`` rows, a pool of ``blocks`` blocks allocated now (it never grows), and
-    the block table at ``table_width``. Its tensors are exactly what ``pool_nbytes`` counts."""
+    the block table at ``table_width``; a sliding-window layer's rings (``WindowRing``). Its tensors are exactly
+    what ``pool_nbytes`` counts."""
     out, width = [], table_width(specs, blocks, max_tokens)
     for s in specs:
+        if isinstance(s, WindowSpec):
+            out.append(WindowRing(s, slots, device))
+            continue
         st = KVStore(s, slots, device, max_blocks=blocks, blocks=blocks)
         st.state = st.state._replace(table=torch.full((slots, width), -1, dtype=torch.int32, device=device))
         out.append(st)
@@ -246,5 +277,6 @@ def make_stores(specs: list[LayerSpec], slots: int, blocks: int, device="cpu",
 def shares_pages(specs: list[LayerSpec]) -> bool:
     """Whether requests may share pages (a common prompt prefix, forks): a page's content must be a function
     of its tokens alone, so every layer must keep all its tokens in its pages -- no full-precision window
-    (residual, or KIVI's partial group of per-channel keys) and no sinks held per request."""
+    (residual, or KIVI's partial group of per-channel keys), no sinks held per request, and no sliding-window
+    layer (its window is in the slot: transformers' own engine shares no pages for such a model either)."""
     return all(s.ring == 0 and s.sink == 0 for s in specs)

@@ -81,9 +81,9 @@ from .hf import model_shape
 from .policy import Policy
 from .pool import (DEFAULT_BUDGET, DEFAULT_SLOTS, PoolSize, ServingOptions, check_shared_tokens,  # noqa: F401
                    default_slots, full_precision_bytes_per_token, layer_specs, make_stores, most_slots, pages_for,
-                   pages_held, pool_blocks, pool_nbytes, request_limit, request_pages, requests_held, shared_pages,
-                   shares_pages, size_pool, slots_for, specs_for, table_width, transformers_pages)
-from .store import state_nbytes
+                   pages_held, pool_blocks, pool_nbytes, request_limit, request_pages, requests_held, serving_windows,
+                   shared_pages, shares_pages, size_pool, slots_for, specs_for, table_width, transformers_pages)
+from .store import KVStore, state_nbytes
 
 # the engine's public names, imported from it on first use (it imports transformers' continuous batching)
 _ENGINE_NAMES = ("ATTN", "PagedKVCompileCache", "KVCompileBatchingManager", "KVCompileOffloading",
@@ -141,13 +141,19 @@ def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = tor
 
     from . import engine
 
+    if serving_windows(model_config):
+        raise UnsupportedError(
+            "kvcompile.serving.capacity compares the caches of models whose every layer attends to every token; "
+            "this model has sliding-window layers, whose windows transformers' engine keeps in pages of their own "
+            "(not counted here yet)")
     layers, kv, _ = model_shape(model_config)
     names = layer_names or [f"model.layers.{i}.self_attn" for i in range(layers)]
     specs = layer_specs(model_config, ServingOptions(policy, names, kv), dtype)
     limit = request_limit(model_config)
     size = size_pool(specs, budget, request_tokens, max_requests, shared_tokens, limit)
     stores = make_stores(specs, size.slots, size.blocks, max_tokens=limit)
-    blocks, slots = stores[0].state.k_codes.shape[0], stores[0].state.lengths.numel()  # as allocated
+    paged = next(st for st in stores if isinstance(st, KVStore))  # (a sliding-window layer's rings hold no blocks)
+    blocks, slots = paged.state.k_codes.shape[0], paged.state.lengths.numel()  # as allocated
     ours = dict(allocated=sum(state_nbytes(st.state) for st in stores), budgeted=budget, blocks=blocks,
                 block_tokens=specs[0].block, tokens=blocks * specs[0].block, slots=slots,
                 requests=replace(size, blocks=blocks, slots=slots).requests)
