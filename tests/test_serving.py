@@ -957,3 +957,37 @@ def test_sliding_window_models_refused_where_not_served():
     slides = kvcompile.apply(transformers.Gemma3ForCausalLM(cfg).eval(), Policy.int8())
     with pytest.raises(KVCompileError, match="every attention layer of this model attends over a sliding window"):
         slides.init_continuous_batching(GEN, cb_config())
+
+
+def test_a_sliding_window_models_rings_fork_and_go_to_host_memory_and_back():
+    """The row operations on the rings: parallel sampling forks a request after its prefill (each child gets a
+    copy of its parent's windows; sampled from one seed: transformers' own engine's tokens, children that differ),
+    and a request evicted when the pages run out is copied to host memory with its windows and back (every
+    request then gives plain generate's tokens, as with nothing evicted)."""
+    ps = windowed_prompts()
+    fork = GenerationConfig(max_new_tokens=NEW, do_sample=True, eos_token_id=-1, pad_token_id=0,
+                            num_return_sequences=3)
+    with torch.no_grad():
+        want = tokens(gemma3().generate_batch(ps[1:3], fork, continuous_batching_config=cb_config(seed=7),
+                                              progress_bar=False))
+        model = kvcompile.apply(gemma3(), Policy.full())
+        got = tokens(model.generate_batch(ps[1:3], fork, continuous_batching_config=cb_config(seed=7),
+                                          progress_bar=False))
+    assert len(got) == 6 and got == want
+    assert len({tuple(t) for t in got[:3]}) > 1
+    # three requests that grow to 160 tokens over pages for two of them: one is evicted, its windows go along
+    g = torch.Generator().manual_seed(5)
+    long_ = [torch.randint(3, 64, (60,), generator=g).tolist() for _ in range(3)]
+    gen = GenerationConfig(max_new_tokens=100, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    specs = serving.layer_specs(model.config, model._kvcompile_serving, torch.float32)
+    serving.configure(model, max_requests=3, budget=3 * sum(s.row_nbytes() for s in specs)
+                      + 5 * sum(s.block_nbytes() + 12 for s in specs))
+    with torch.no_grad():
+        want = [generated(gemma3(), p, gen) for p in long_]
+        got = tokens(model.generate_batch(long_, gen, continuous_batching_config=cb_config(cpu_offload_space=0.01),
+                                          progress_bar=False, persistent_manager=True))
+    manager = model._cached_continuous_batching_manager
+    offload = manager.batch_processor.offloading_manager
+    manager.stop(block=True, timeout=30)
+    assert offload.offloaded >= 1 and offload.restored == offload.offloaded  # the path under test ran
+    assert got == want
