@@ -40,7 +40,7 @@ from .errors import UnsupportedError
 from .pool import (DEFAULT_BUDGET, ServingOptions, layer_specs, full_precision_bytes_per_token, make_stores,
                    pool_blocks, request_limit, request_pages, shares_pages, slots_for)
 from .sampling import PROMPT_ROWS, RECORDS
-from .store import KVState, LayerSpec, state_nbytes
+from .store import LayerSpec, state_nbytes
 from .window import WindowRing, WindowSpec, window_attention
 
 ATTN = "kvcompile_paged"  # the attention implementation an eager continuous-batching forward runs
@@ -66,12 +66,11 @@ class _Plan:
             start += n
         self.groups = []
         for n, members in groups.items():
-            members.sort()  # by slot: rows that are a contiguous range of slots are read and written in place
+            members.sort()  # by slot: rows that are a range of slots are read and written in place (append_rows)
             rows = [slot for slot, _ in members]
             idx = [t for _, s0 in members for t in range(s0, s0 + n)]
-            span = rows[0] if rows == list(range(rows[0], rows[0] + len(rows))) else None
             self.groups.append((n, torch.tensor(rows, dtype=torch.long, device=device),
-                                torch.tensor(idx, dtype=torch.long, device=device), span))
+                                torch.tensor(idx, dtype=torch.long, device=device)))
         self.counts = [0] * slots  # new tokens per slot
         self.past = [0] * slots    # tokens each slot's request had before
         for _, slot, past, n, skip in entries:
@@ -485,25 +484,13 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
         if isinstance(st, WindowRing):
             self._work[layer_idx] = self._store_window(st, plan, key_states, value_states)
             return
-        spec = st.spec
-        st.reserve(plan.counts)
-        state = st.state
-        be = ops.backend(key_states.device)
+        store = ops.backend(key_states.device).store
         work = []
-        for n, rows, idx, span in plan.groups:
+        for n, rows, idx in plan.groups:
             R = rows.numel()
             k, v = _gather(key_states, idx, R, n), _gather(value_states, idx, R, n)
-            if span is not None:  # slots span..span+R-1: the kernels work on views of the store's rows
-                sub = KVState(*state[:6], *(t[span:span + R] for t in state[6:]))
-                be.store(sub, spec, k, v, None)
-            else:  # scattered slots: their rows gathered, and the written rings, sinks, lengths put back
-                sub = KVState(*state[:6], *(t.index_select(0, rows) for t in state[6:]))
-                be.store(sub, spec, k, v, None)
-                for i in range(6, 11):
-                    state[i].index_copy_(0, rows, sub[i])
-            work.append((n, rows, idx, sub, k, v))
-        for slot, n in enumerate(plan.counts):
-            st.lengths[slot] += n
+            # the rows' state (views of the store's rows when their slots are consecutive), read by ``attend``
+            work.append((n, rows, idx, st.append_rows(rows, k, v, store), k, v))
         self._work[layer_idx] = work
 
     def attend(self, layer_idx: int, query: torch.Tensor, scaling) -> torch.Tensor:
@@ -532,7 +519,7 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
         """A sliding-window layer: each group's window before its chunk is read, then the chunk written over it
         (``kvcompile.window``); the work for ``attend`` holds both."""
         work = []
-        for n, rows, idx, _ in plan.groups:
+        for n, rows, idx in plan.groups:
             R = rows.numel()
             k, v = _gather(key_states, idx, R, n), _gather(value_states, idx, R, n)
             slots = rows.tolist()

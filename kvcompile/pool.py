@@ -268,9 +268,7 @@ def make_stores(specs: list[LayerSpec], slots: int, blocks: int, device="cpu",
         if isinstance(s, WindowSpec):
             out.append(WindowRing(s, slots, device))
             continue
-        st = KVStore(s, slots, device, max_blocks=blocks, blocks=blocks)
-        st.state = st.state._replace(table=torch.full((slots, width), -1, dtype=torch.int32, device=device))
-        out.append(st)
+        out.append(KVStore(s, slots, device, max_blocks=blocks, blocks=blocks, table_width=width))
     return out
 
 
