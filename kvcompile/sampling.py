@@ -8,8 +8,9 @@ processors (``sampling_manager``), each request is added with its own values (``
 through ``request_context``), and the processor list picks every row's token itself (``add_request_args``):
 greedy rows their argmax, sampling rows a draw from their filtered distribution, by their seed alone when they
 give one (``seeded_draw``), handing transformers' sampler a one-hot. A request that asks for more of its tokens
-(``Asked``: log probabilities, OpenAI's presence and frequency penalties, a logit bias) has them adjusted and
-recorded as they are picked (``Records``).
+(``Asked``: log probabilities, OpenAI's presence and frequency penalties, a logit bias, JSON mode) has them
+adjusted and recorded as they are picked (``Records``); JSON mode is one more adjustment, the tokens that do not
+keep the reply a JSON document's prefix at -inf (``kvcompile.json_mode``), before the row's greedy or sampled pick.
 """
 from __future__ import annotations
 
@@ -71,11 +72,11 @@ class Asked:
     def __init__(self, top: int | None = None, presence: float = 0.0, frequency: float = 0.0,
                  bias: dict[int, float] | None = None, json_mode: bool = False, json_schema: dict | None = None):
         self.top, self.presence, self.frequency, self.bias = top, presence, frequency, dict(bias or {})
-        self.json_mode = json_mode  # the reply is one JSON object: ``json`` (a ``structured.JsonConstraint``)
+        self.json_mode = json_mode  # the reply is one JSON document: ``json`` (a ``json_mode.JsonConstraint``)
         self.json_schema = json_schema  # which the object follows (None: any object)
         self.eos = None  # the model's end-of-sequence token (set when the request is added): a failed one ends on it
         self.failed = None  # what went wrong doing what it asked (its reply is an error; the others go on)
-        self.json = None  # picks its tokens (set with the model's vocabulary when the request is added)
+        self.json = None  # which tokens may come next (set with the model's vocabulary when the request is added)
         self.tokens: dict[int, int] = {}
         self.counts: dict[int, int] = {}  # how often each token id was generated (for the penalties)
         self.entries: dict[int, tuple] = {}
@@ -86,11 +87,13 @@ class Asked:
 
     @property
     def adjusts(self) -> bool:
-        return bool(self.presence or self.frequency or self.bias)
+        return bool(self.presence or self.frequency or self.bias or self.json is not None)
 
     def adjust(self, logits: torch.Tensor, step: int) -> None:
         """Apply the bias and the penalties, in place, to one row's ``logits`` picking the token at ``step``:
-        OpenAI's ``logit - frequency * count - presence * (count > 0)`` over the tokens generated before it."""
+        OpenAI's ``logit - frequency * count - presence * (count > 0)`` over the tokens generated before it; then,
+        in JSON mode, -inf for every token that may not come next (``JsonConstraint.mask_``): the row's argmax is
+        the best allowed token, and its sampling processors and draw see the distribution restricted to them."""
         if self.bias:
             ids = torch.tensor(list(self.bias), device=logits.device)
             logits[ids] += torch.tensor(list(self.bias.values()), dtype=logits.dtype, device=logits.device)
@@ -100,6 +103,8 @@ class Asked:
                 ids = torch.tensor([t for t, _ in seen], device=logits.device)
                 n = torch.tensor([c for _, c in seen], dtype=logits.dtype, device=logits.device)
                 logits[ids] -= self.frequency * n + self.presence
+        if self.json is not None:
+            self.json.mask_(logits)
 
     def _counts_before(self, step: int) -> dict[int, int]:
         if len(self.tokens) == step:  # the usual case: every earlier token recorded, none later
@@ -240,20 +245,6 @@ def adjust_rows(scores: torch.Tensor, rows: list[int], asked: list[Asked], steps
     return out
 
 
-def constrained_pick(constraint, scores: torch.Tensor, probs: torch.Tensor | None, seed: int, step: int) -> int:
-    """A row's token under ``constraint`` (``structured.JsonConstraint.pick``): greedy (``probs`` None) or drawn
-    from ``probs`` as the row draws (by its seed when it has one); the end of the reply if no token fits."""
-    if probs is None:
-        draw = None
-    elif seed >= 0:
-        def draw(p):
-            return seeded_draw(p, seed, step)
-    else:
-        def draw(p):
-            return int(torch.multinomial(p, 1))
-    return constraint.pick(scores, probs, draw)
-
-
 def _arg_class():
     from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
 
@@ -323,7 +314,6 @@ def _routed_class(base):
                 scores = adjust_rows(scores, *map(list, zip(*recorded)))
             choice = scores.argmax(-1)
             rows = (arg["greedy"] == 0).nonzero().squeeze(1)  # the sampling rows
-            sampling = {}  # a sampling row's distribution, seed and step
             if len(rows):
                 sub, ids = scores[rows], input_ids[rows]
                 for q in self.logits_processor:
@@ -340,12 +330,6 @@ def _routed_class(base):
                     if seed >= 0:
                         drawn[j] = seeded_draw(probs[j], seed, step)
                 choice[rows] = drawn
-                sampling = {r: (probs[j], seeds[j], steps[j]) for j, r in enumerate(rows.tolist())}
-            for r, a, _ in recorded:  # JSON mode: the token that keeps the reply a JSON object's prefix
-                if a.json is not None:
-                    t = guarded(a, constrained_pick, a.json, scores[r], *sampling.get(r, (None, -1, 0)))
-                    if t is not None:
-                        choice[r] = t
             if recorded:
                 for r, a, step in recorded:
                     guarded(a, a.took, step, int(choice[r]), raw[r])

@@ -17,8 +17,8 @@ as it asks (``kvcompile.sampling``: greedy or its temperature, top-p and top-k, 
 transformers' manager applied its first request's to all), and a field asking for what the server does not do
 (``UNSUPPORTED``: a forced ``tool_choice`` ...) is a 400 rather than ignored. ``stop`` strings end a reply,
 streaming or not (``StopAt``); ``n`` choices are ``n`` requests in the batch (``n_choices``), streamed as one stream
-or not. Log probabilities, penalties and a logit bias are done per request where its tokens are picked
-(``kvcompile.sampling.Records``), and JSON mode (``kvcompile.structured``); a completion's prompt may be token
+or not. Log probabilities, penalties, a logit bias and JSON mode (``kvcompile.json_mode``, on llguidance) are done
+per request where its tokens are picked (``kvcompile.sampling.Records``); a completion's prompt may be token
 ids (``prompt_inputs``), and its ``echo`` puts the prompt in front, with its log probabilities when asked
 (``serving.paged_forward`` records them as the prefill computes them). The Responses API (``/v1/responses``) is
 checked (``check_response``) and sampled per request alike, and answers with one JSON object unless asked to
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import json
 import logging
 import os
@@ -48,7 +49,6 @@ import torch
 from .errors import ArgumentError, KVCompileError
 from .sampling import (MAX_TOP_LOGPROBS, RECORDS, Asked, decide_on, request_context, request_sampling,
                        sampling_manager)
-from .structured import token_bytes
 
 
 SERVER_TRANSFORMERS = "5.24"  # the transformers release whose server (transformers.cli.serving) this module extends
@@ -395,11 +395,11 @@ def check_chat(body: dict) -> None:
 def response_schema(fmt, param: str = "response_format") -> dict | None:
     """The JSON schema a ``response_format`` (chat: ``{"type": "json_schema", "json_schema": {"name", "schema",
     "strict"}}``; Responses API: ``text.format``, with ``name`` and ``schema`` in it) asks the reply to follow,
-    checked (``structured.check_schema``: a keyword it does not follow is a 400 naming it); None for another
-    format."""
+    checked (``json_mode.grammar``: a keyword or format llguidance does not follow is a 400 naming it); None for
+    another format."""
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
         return None
-    from .structured import SchemaError, check_schema
+    from .json_mode import SchemaError, grammar
 
     spec = fmt.get("json_schema", fmt)
     schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -409,7 +409,7 @@ def response_schema(fmt, param: str = "response_format") -> dict | None:
                               if param == "response_format" else
                               '{"format": {"type": "json_schema", "name": ..., "schema": {...}}}'), param)
     try:
-        check_schema(schema)
+        grammar(schema)
     except SchemaError as e:
         raise RequestError(f"'{param}': {e}", param) from None
     return schema
@@ -590,6 +590,26 @@ class TokenText(str):
         out = super().__new__(cls, text)
         out.tokens = tokens
         return out
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """Each character of the byte-level BPE alphabet (GPT-2's; SmolLM2's and most Llama-3-era tokenizers') back
+    to the byte it stands for."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes a token stands for (``tokenizer``: a Rust ``tokenizers.Tokenizer``): exact for a byte-level
+    BPE vocabulary, where one token may hold part of a character; otherwise its decoded text's UTF-8."""
+    from tokenizers import decoders
+
+    alphabet, piece = _byte_level_alphabet(), tokenizer.id_to_token(token_id)
+    if isinstance(tokenizer.decoder, decoders.ByteLevel) and piece and all(c in alphabet for c in piece):
+        return bytes(alphabet[c] for c in piece)
+    return tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
 
 def token_entries(tokenizer, entries, offset: int = 0) -> list[dict]:
@@ -811,13 +831,17 @@ def prepare_asked(asked: dict | None, model, processor) -> None:
     stops = [t for t in (eos if isinstance(eos, (list, tuple)) else [eos]) if isinstance(t, int) and t >= 0]
     a.eos = stops[0] if stops else None  # where a request that fails ends (sampling.guarded)
     if a.json_mode and a.json is None:
-        from .structured import JsonConstraint, vocab_bytes
+        from .errors import UnsupportedError
+        from .json_mode import JsonConstraint, SchemaError, grammar, tokenizer_info
 
         if not stops:
             raise RequestError("JSON mode ends a reply with the model's end-of-sequence token, and this model's "
                                "generation config has none", "response_format")
-        a.json = JsonConstraint(vocab_bytes(getattr(processor, "tokenizer", processor)._tokenizer, vocab), stops[0],
-                                stops, a.json_schema)
+        try:  # (the schema was checked when the request came: what is left is llguidance's, over this vocabulary)
+            a.json = JsonConstraint(tokenizer_info(getattr(processor, "tokenizer", processor), vocab, tuple(stops)),
+                                    grammar(a.json_schema))
+        except (UnsupportedError, SchemaError) as e:
+            raise RequestError(f"'response_format': {e}", "response_format") from None
 
 
 async def _after(first, stream, scored: bool = False):

@@ -38,6 +38,33 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smol_tokenizer():
+    """SmolLM2's tokenizer (byte-level BPE, 49,152 tokens), from the embedded model."""
+    import transformers
+
+    from kvcompile import models
+    return transformers.AutoTokenizer.from_pretrained(models.convert_default(log=lambda *a: None))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer of about 300 tokens trained here on a few JSON-ish lines (every byte a token of
+    its own, as in SmolLM2's; merges such as '{"' and '":' that cross JSON's punctuation), its end token
+    ``<|end|>`` special: a second vocabulary, made without a download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    lines = ['{"name": "cat", "age": 3, "tags": ["a", "b"]}', '{"ok": true, "n": null, "x": -1.5e3}',
+             "the quick brown fox jumps over the lazy dog"]
+    tok.train_from_iterator(lines * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|end|>"],
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
+
+
+@pytest.fixture(scope="session")
 def pet_model():
     """A pydantic model of the kinds of fields whose schema (as the openai client's ``parse`` sends it) uses every
     keyword of OpenAI's structured outputs: nested models ($defs and $ref), Optional fields (anyOf with null),
@@ -70,7 +97,7 @@ def pet_model():
 def bounded_model():
     """A pydantic model whose fields bound their values, as people write them: numbers with ``ge`` / ``lt``,
     string and list lengths, a pattern, a date, a datetime, a UUID, a discriminated union (oneOf with a
-    discriminator in the schema), a set of literals (unique items), a multiple."""
+    discriminator in the schema), a multiple."""
     import datetime
     import uuid
     from typing import Literal, Union
@@ -94,7 +121,6 @@ def bounded_model():
         at: datetime.datetime
         ref: uuid.UUID
         pet: Union[Cat, Dog] = Field(discriminator="kind")
-        wishes: set[Literal["quiet", "view", "late"]]  # uniqueItems
         seats: int = Field(ge=2, le=12, multiple_of=2)
 
     return Booking
@@ -103,7 +129,7 @@ def bounded_model():
 # Under -n (pytest-xdist, a whole file per process at a time: pyproject's --dist loadfile) the files that take
 # longest go first, so that none is left running alone at the end (--no-loadscope-reorder keeps this order).
 # Seconds in one process on the 2-core machine, 2026-12-03; the other files follow in their usual order.
-LONGEST_FILES = {"passes/test_model_families.py": 237, "test_serve_http.py": 187, "test_structured.py": 181,
+LONGEST_FILES = {"passes/test_model_families.py": 237, "test_serve_http.py": 187, "test_json_mode.py": 71,
                  "test_generate.py": 164, "test_api.py": 162, "templates/test_attention_kernel.py": 155,
                  "test_smollm2.py": 149, "test_serve_load.py": 134, "templates/test_cpu_kernels.py": 112,
                  "test_serving_compiled.py": 78, "test_serving.py": 73, "test_tp.py": 72, "test_cli.py": 66,

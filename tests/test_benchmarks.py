@@ -28,3 +28,15 @@ def test_cpu_decode_smoke(tmp_path):
     standins = by["kvc-int8"]["cache_bytes"] - L * spec.nbytes(1, T)
     assert 0 < standins <= L * 2 * 4 * (1 + H + 256 + D)
     assert by["kvc-int8"]["cache_bytes"] < 0.4 * by["dynamic"]["cache_bytes"]
+
+
+def test_json_mode_cost_smoke():
+    """The JSON-mode cost benchmark writes its replies under the constraint (a random model over SmolLM2's
+    tokenizer) and times one mask per token generated."""
+    from benchmarks import json_mode_cost
+
+    rows = json_mode_cost.main(["--random", "--tokens", "6"])
+    assert [r["fields"] for r in rows] == ["JSON mode", "the bounded schema"]
+    for r in rows:
+        assert r["reply"].startswith("{") and r["tokens"] == 6 and r["mask"]["median_us"] > 0
+    assert '"title' in rows[1]["reply"]  # the schema's first property, begun

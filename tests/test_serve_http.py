@@ -205,6 +205,19 @@ def tiny_server(tiny_dir):
         stop_server(proc)
 
 
+def json_reply(tok, text: str, schema: dict | None = None) -> tuple[bool, bool]:
+    """(``text`` is a prefix of a JSON object -- one that follows ``schema`` -- as llguidance reads its tokens under
+    ``tok``, the object is whole)."""
+    from kvcompile.json_mode import JsonConstraint, grammar, tokenizer_info
+
+    c = JsonConstraint(tokenizer_info(tok, len(tok), (tok.eos_token_id,)), grammar(schema))
+    for t in tok(text, add_special_tokens=False).input_ids:
+        if not c.allowed()[t]:
+            return False, False
+        c.took(t)
+    return True, c.complete
+
+
 def chat(base, name, content="Hi", max_tokens=4, **kw):
     return httpx.post(f"{base}/v1/chat/completions", timeout=120,
                       json={"model": name, "messages": [{"role": "user", "content": content}],
@@ -785,7 +798,7 @@ def test_log_probabilities_are_the_models_own(tiny_server):
     the tokens; streamed, the chunks carry the same entries, offsets counted on across chunks."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvcompile.structured import token_bytes
+    from kvcompile.serve import token_bytes
 
     base, name = tiny_server
     tok = AutoTokenizer.from_pretrained(name)
@@ -893,7 +906,7 @@ def test_penalties_and_a_logit_bias_as_openai_applies_them(tiny_server):
     greedy one; the log probabilities they report stay the model's own. Out-of-range values are a 400."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvcompile.structured import token_bytes
+    from kvcompile.serve import token_bytes
 
     base, name = tiny_server
     tok = AutoTokenizer.from_pretrained(name)
@@ -959,10 +972,10 @@ def test_responses_through_the_openai_client(tiny_server):
                                        temperature=2.0).output_text for _ in range(4)}
     assert len(sampled) >= 3, sampled
     assert client.responses.create(model=name, input="Tell me a story", max_output_tokens=8).output_text == greedy
-    from kvcompile.structured import JsonPrefix
+    from transformers import AutoTokenizer
     text = client.responses.create(model=name, input="Tell me a story", max_output_tokens=8,
                                    text={"format": {"type": "json_object"}}).output_text
-    assert text.startswith("{") and JsonPrefix().feed_all(text.encode())  # JSON mode: text.format
+    assert text.startswith("{") and json_reply(AutoTokenizer.from_pretrained(name), text)[0]  # JSON mode: text.format
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
     text = client.responses.create(model=name, input="Tell me a story", max_output_tokens=80, text={
@@ -1030,7 +1043,7 @@ def test_serving_sharded_over_two_processes(tiny_dir):
         # sampled without a seed, two at once: each reply's log probabilities (rank 0's logits) are the unsharded
         # model's over the reply's tokens (read by their bytes), which they are not once the ranks picked
         # different tokens
-        from kvcompile.structured import token_bytes
+        from kvcompile.serve import token_bytes
         id_of = {bytes(token_bytes(tok.backend_tokenizer, i)): i for i in range(len(tok))}
         messages = [{"role": "user", "content": prompts[2]}]
         r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
@@ -1071,8 +1084,7 @@ def test_serving_sharded_over_two_processes(tiny_dir):
             "model": name, "messages": messages, "max_tokens": 12, "logprobs": True,
             "response_format": {"type": "json_object"}})
         assert r.status_code == 200, r.text
-        from kvcompile.structured import JsonPrefix
-        assert JsonPrefix().feed_all(r.json()["choices"][0]["message"]["content"].encode())
+        assert json_reply(tok, r.json()["choices"][0]["message"]["content"])[0]
         ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                            return_dict=True)["input_ids"])
         for entry in r.json()["choices"][0]["logprobs"]["content"]:
@@ -1337,8 +1349,6 @@ def test_json_mode_replies_with_one_json_object(tiny_server):
     On completions, and as a schema, it is a 400."""
     from transformers import AutoTokenizer
 
-    from kvcompile.structured import JsonPrefix
-
     base, name = tiny_server
     tok = AutoTokenizer.from_pretrained(name)
     closing = {str(tok.convert_tokens_to_ids(t)): 30 for t in ('"', "}")}
@@ -1356,8 +1366,8 @@ def test_json_mode_replies_with_one_json_object(tiny_server):
         json.loads(free)
     for kw in ({}, {"temperature": 1.0, "seed": 3}, {"temperature": 1.0}):
         text, reason = content(max_tokens=16, **json_mode, **kw)
-        p = JsonPrefix()
-        assert p.feed_all(text.encode()) and (reason == "length" or p.complete), (text, reason)
+        prefix, whole = json_reply(tok, text)
+        assert prefix and (reason == "length" or whole), (text, reason)
     r = chat(base, name, content="Give me a JSON object.", max_tokens=16, stream=True, **json_mode)
     assert streamed_text(r)[0] == content(max_tokens=16, **json_mode)[0]
     # a schema: the reply follows it (the bias on '}' closes the object once "age" has a digit)
@@ -1443,27 +1453,28 @@ def test_a_request_whose_token_picking_fails_gets_an_error_and_the_server_goes_o
     the next requests, JSON mode's included once it works again."""
     from fastapi.testclient import TestClient
 
-    from kvcompile import Policy, sampling
+    from kvcompile import Policy
+    from kvcompile.json_mode import JsonConstraint
     from kvcompile.serve import build_app
 
     app, manager, state = build_app(str(tiny_dir), Policy.full(), budget=2**21, max_requests=4)
-    works = sampling.constrained_pick
+    works = JsonConstraint.mask_
 
-    def broken(*a):
+    def broken(self, logits):
         raise RuntimeError("broken constraint")
 
     body = {"model": str(tiny_dir), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
             "response_format": {"type": "json_object"}}
     try:
         with TestClient(app) as client:
-            monkeypatch.setattr(sampling, "constrained_pick", broken)
+            monkeypatch.setattr(JsonConstraint, "mask_", broken)
             r = client.post("/v1/chat/completions", json=body)
             assert r.status_code == 500 and "broken constraint" in r.json()["error"]["message"], r.text
             r = client.post("/v1/chat/completions", json={**body, "stream": True})
             assert r.status_code == 200 and "broken constraint" in r.text.strip().splitlines()[-1]
             plain = {k: v for k, v in body.items() if k != "response_format"}
             assert client.post("/v1/chat/completions", json=plain).status_code == 200
-            monkeypatch.setattr(sampling, "constrained_pick", works)
+            monkeypatch.setattr(JsonConstraint, "mask_", works)
             r = client.post("/v1/chat/completions", json=body)
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("{")
             assert client.get("/kvcompile/stats").json()["records_open"] == 0

@@ -174,9 +174,7 @@ def test_a_request_whose_token_picking_fails_ends_and_the_others_go_on():
     and ends it on the end token (its client gets an error), instead of stopping the engine: the other rows of
     the batch pick as before, now and at the next step."""
     class Broken:
-        eos = 9
-
-        def pick(self, *a):
+        def mask_(self, logits):
             raise RuntimeError("broken constraint")
 
     torch.manual_seed(3)
@@ -193,3 +191,66 @@ def test_a_request_whose_token_picking_fails_ends_and_the_others_go_on():
     finally:
         RECORDS.close(hb)
         RECORDS.close(hf)
+
+
+def json_row(tokenizer, schema, prefix: str) -> Asked:
+    """A request in JSON mode (``kvcompile.json_mode`` over ``tokenizer``) whose reply so far is ``prefix``."""
+    from kvcompile.json_mode import JsonConstraint, grammar, tokenizer_info
+
+    asked = Asked(json_mode=True, json_schema=schema)
+    asked.json = JsonConstraint(tokenizer_info(tokenizer, len(tokenizer), (tokenizer.eos_token_id,)), grammar(schema))
+    for step, t in enumerate(tokenizer(prefix, add_special_tokens=False).input_ids):
+        asked.took(step, t, torch.zeros(len(tokenizer)))
+    return asked
+
+
+def test_a_json_row_picks_from_the_tokens_that_keep_its_json(tiny_tokenizer):
+    """A JSON-mode row among plain ones: greedy, the best of the tokens the constraint allows (the best of all is
+    not one); sampled, a draw from the row's distribution restricted to them, in proportion (the request's
+    temperature applied to what is left); seeded, the same token in any batch, ``seeded_draw`` of that restricted
+    distribution. The plain rows pick as before."""
+    schema = {"type": "object", "properties": {"k": {"enum": ["a", "b", "c", "d"]}}, "required": ["k"]}
+    V = len(tiny_tokenizer)
+    g = torch.Generator().manual_seed(4)
+    scores = torch.randn(3, V, generator=g) * 2
+    asked = json_row(tiny_tokenizer, schema, '{"k":')
+    step = len(asked.tokens)
+    allowed = asked.json.allowed()
+    assert 2 <= int(allowed.sum()) < 10
+    scores[0, ~allowed] += 5  # what the model likes best does not fit
+    masked = scores[0].masked_fill(~allowed, float("-inf"))
+    h = RECORDS.open(asked)
+    try:
+        got = picks(processors(), scores, [GREEDY, GREEDY, sampled(top_k=2)], [step, 0, 0], handles=[h, -1, -1])
+        assert got[0] == int(masked.argmax()) and got[1] == int(scores[1].argmax())
+        assert got[2] in scores[2].topk(2).indices.tolist()
+        restricted = torch.softmax(masked / 0.7, -1)
+        torch.manual_seed(0)
+        n = 1500
+        counts = torch.bincount(torch.tensor([picks(processors(), scores[:1], [sampled(temperature=0.7)], [step],
+                                                    handles=[h])[0] for _ in range(n)]), minlength=V).double()
+        assert counts[~allowed].sum() == 0
+        # each frequency within 4.5 standard deviations of its probability (a binomial's: at most 0.0129 here)
+        assert ((counts / n - restricted.double()).abs() <= 4.5 * (0.25 / n) ** 0.5).all()
+        seeded = sampled(seed=21, temperature=0.7)
+        alone = picks(processors(), scores[:1], [seeded], [step], handles=[h])[0]
+        mixed = picks(processors(), scores[[2, 0, 1]], [sampled(), seeded, GREEDY], [0, step, 0],
+                      handles=[-1, h, -1])[1]
+        assert alone == mixed == seeded_draw(restricted, 21, step)
+    finally:
+        RECORDS.close(h)
+
+
+def test_a_json_row_ends_on_the_end_token_once_its_object_is_whole(tiny_tokenizer):
+    """Once the object is whole only the end token is allowed: the row picks it, greedy or sampled, however
+    unlikely the model finds it."""
+    asked = json_row(tiny_tokenizer, None, '{"a": 1}')
+    scores = torch.zeros(1, len(tiny_tokenizer))
+    scores[0, tiny_tokenizer.eos_token_id] = -30.0
+    h = RECORDS.open(asked)
+    try:
+        step = len(asked.tokens)
+        for row in (GREEDY, sampled(), sampled(seed=1)):
+            assert picks(processors(), scores, [row], [step], handles=[h]) == [tiny_tokenizer.eos_token_id]
+    finally:
+        RECORDS.close(h)
