@@ -25,6 +25,9 @@ from torch import nn
 from . import standin
 from .backend import COMPILERS, Options, compile_graph, unwrapped
 from .errors import UnsupportedError
+from .hf import KVCompileCache
+from .hf_model import apply_hf, is_hf, layer_names, opaque
+from .modules import apply_module, stores
 from .policy import Policy, PolicyError
 from .tp import agreed
 
@@ -50,6 +53,7 @@ class Applied:
     settings: dict = field(default_factory=dict)  # apply's keyword arguments as given (pickling applies them again)
     added: frozenset = frozenset()  # the model's attributes apply set, and ...
     replaced: dict = field(default_factory=dict)  # ... what those it replaced were before (``reduce_applied``)
+    kv_heads: int | None = None  # the KV heads this rank caches per layer (a transformers model's; set by apply)
 
 
 def _raise_recompile_limit() -> None:
@@ -116,9 +120,6 @@ def apply(model: nn.Module, policy: Policy, *, max_cache_len: int | None = None,
     "auto" (the default) is "eager" with compiler="eager" (whose graphs run as Python anyway) and "compiled"
     with Inductor. Decode steps and later chunks always run compiled: they read what the store holds.
     """
-    from .hf_model import apply_hf, is_hf, layer_names
-    from .modules import apply_module
-
     _check_applicable(model, policy, max_cache_len, compiler, prefill)
     given_compiler = compiler
     if compiler == "auto":
@@ -192,8 +193,6 @@ def _opaque(compiled: nn.Module) -> nn.Module:
     """``compiled`` (an applied module), made opaque to a ``torch.compile`` around it: Dynamo would otherwise trace
     the module's own forward with the outer compile's backend, without kvcompile's pass, and its cache writes would
     go to the stand-ins. Its forward runs as kvcompile compiled it instead (``hf_model.opaque``)."""
-    from .hf_model import opaque
-
     inner = compiled.forward
 
     @opaque  # (around a function of its own: disabling ``inner`` itself would unwrap it to the module's forward)
@@ -221,9 +220,6 @@ def _backend_for(applied: Applied):
 def nbytes(obj) -> int:
     """Bytes the kvcompile caches of ``obj`` hold: a ``KVCompileCache`` (what ``generate`` or ``forward``
     returned), or a module ``apply`` prepared (its stores: blocks in use, windows, sinks, tables)."""
-    from .hf import KVCompileCache
-    from .modules import stores
-
     if isinstance(obj, KVCompileCache):
         return obj.nbytes
     if isinstance(obj, torch._dynamo.eval_frame.OptimizedModule):

@@ -32,12 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops, standin
+from . import extension, ops, standin
 from .errors import KVCompileError, UnsupportedError
 from .passes import analyze, rewrite
-from .passes.paged import rewrite_paged
 from .passes.kv_cache import Site, _arg, _example, _op_name, _walk_to_cache, find_reads, layer_name, sdpa_args
 from .policy import Policy, PolicyError
+from .report import site_reports
 from .store import DTYPE_NAMES, LayerSpec
 
 COMPILERS = ("inductor", "eager")
@@ -266,8 +266,8 @@ def no_read_message(gm, cache_node, unpaired=()) -> str:
 
 
 def compile_graph(gm, example_inputs, options=None, *, report=None, analyze_only=False):
-    """The backend: rewrite cache sites in the Dynamo graph ``gm``, then compile the rest (``_finish``). A
-    kvcompile error found on the way comes back as a graph that raises it (``_raising``); with
+    """The backend: rewrite cache sites in the Dynamo graph ``gm``, then compile the rest (``_finish``); the
+    rewrites integrations registered (``extension.add_graph_rewrite``) run first. A kvcompile error found on the way comes back as a graph that raises it (``_raising``); with
     ``analyze_only`` (``explain``), it and ``Analyzed`` are raised here."""
     try:
         return _compile_graph(gm, example_inputs, options, report, analyze_only)
@@ -315,11 +315,9 @@ def unwrapped():
 
 
 def _compile_graph(gm, example_inputs, options, report, analyze_only):
-    from .explain import site_reports
-
     opts = Options.parse(options)
     gm = _own_copy(gm)  # Dynamo still reads its graph (placeholders, graphargs) after the backend returns
-    rewrite_paged(gm)  # a compiled continuous-batching forward over kvcompile's paged cache (passes/paged.py)
+    extension.rewrite_graph(gm)  # e.g. a compiled continuous-batching forward's page pools (kvcompile.serving)
     analysis = analyze(gm, left=lambda ph: standin.left(_example(ph)))
     check_analysis(gm, analysis)
     cat = concatenated_reads(gm) if opts.policy is not None else []

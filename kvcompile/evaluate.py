@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from .accounting import bytes_per_token, full_precision_bytes_per_token
 from . import ops
 from .hf import KVCompileCache, KVCompileLayer, model_shape
+from .api import apply
 from .hf_model import cache_kwarg
 from .policy import Policy, PolicyError, Quant
 from .store import dequantize_reference
@@ -201,7 +202,6 @@ def compiled_copy(model, policy: Policy):
     windows). On SmolLM2 this path gives kivi+rot+sink:2 2.43819 against the eager path's 2.4383."""
     import copy
 
-    from .api import apply
     return apply(copy.deepcopy(model), policy, compiler="eager")
 
 

@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from . import serving, tp
+from . import extension, tp
 from .hf import CAPACITY_STEP, KVCompileCache, KVCompileWarning, _text_config, model_shape
 from .errors import ArgumentError, UnsupportedError
 from .policy import Policy, PolicyError
@@ -187,7 +187,7 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
     modules = dict(model.named_modules())
     shard = applied.sharding = tp.sharding(model, [(n, modules[n]) for n in names if n in modules], kv_heads,
                                            head_dim)
-    heads = shard.heads if shard is not None else kv_heads
+    heads = applied.kv_heads = shard.heads if shard is not None else kv_heads
     resolved = policy.resolve(names)  # each layer's policy: a cache the caller passes must hold the same
     pre_rope = any(p.pre_rope for p in resolved)
     if pre_rope:
@@ -210,17 +210,13 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
         if cache_kw != "past_key_values" and "past_key_values" in kwargs:
             kwargs.setdefault(cache_kw, kwargs.pop("past_key_values"))
         cache = kwargs.get(cache_kw)
-        if cache is not None and serving.is_paged(cache):  # transformers' continuous batching (kvcompile.serving)
+        owner = getattr(cache, "kvcompile_forward", None)
+        if owner is not None:  # a cache that runs the forward itself (extension.ForwardOwner: kvcompile.serving's)
             # (transformers compiles its own forward around this call, so this part stays traceable)
-            if pre_rope:
-                raise UnsupportedError(
-                    "continuous batching (generate_batch, transformers serve) on a model applied with a pre_rope "
-                    "policy: its attention receives keys after their rotary embedding, so it cannot store them "
-                    "pre-RoPE. Apply a policy without pre_rope for serving.")
             if getattr(cache, "exact", False):  # transformers' own arithmetic (threads included), as in ``run``
-                return serving.paged_forward(orig_forward, cache, *args, **kwargs)
+                return owner(orig_forward, *args, **kwargs)
             with _threads(next(model.parameters()), graph_threads if getattr(cache, "compiled", False) else None):
-                return serving.paged_forward(orig_forward, cache, *args, **kwargs)
+                return owner(orig_forward, *args, **kwargs)
         return run(*args, **kwargs)
 
     @opaque
@@ -262,6 +258,11 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
                 # decode steps and later chunks, which read what the store holds.
                 with _threads(ids):
                     return orig_forward(*args, **kwargs)
+        elif type(cache).__name__ == "PagedAttentionCache":
+            raise UnsupportedError(
+                "this model was prepared by kvcompile.apply but was given transformers' own PagedAttentionCache, which "
+                "stores keys and values in full precision. Use model.generate_batch / model.init_continuous_batching "
+                "on the applied model (they build kvcompile's paged cache).")
         elif type(cache).__name__ in ("DynamicCache", "QuantizedCache", "OffloadedCache"):
             raise UnsupportedError(refused_cache(cache))
         mark_dynamic(args, kwargs)
@@ -299,12 +300,12 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
         guard = tp.Guard(shard, cache_kw, f"{type(model).__name__}.forward under kvcompile")
         orig_forward, compiled, forward = guard.run(orig_forward), guard.run(compiled), guard.call(forward)
     model.forward = forward
-    serving.install(model, policy, names, heads)  # generate_batch, transformers serve (heads: the rank's)
     model._prepare_cache_for_generation = prepare_cache_for_generation
     # generate must not compile the forward again (it is compiled already, by kvcompile)
     model._valid_auto_compile_criteria = lambda *a, **k: False
     if hasattr(model.generation_config, "disable_compile"):
         model.generation_config.disable_compile = True
+    extension.applied(model, applied)  # integrations attach here (kvcompile.serving: generate_batch, serve)
     return model
 
 

@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops
+from .errors import UnsupportedError
 
 _PAGED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stand-in -> (weakref to the cache, layer_idx, "k" | "v")
 calls: Counter = Counter()  # how often each op ran (its real implementation, not its fake)
@@ -59,8 +60,6 @@ def lookup(t) -> tuple | None:
 
 
 def _layer(k_cache: Tensor, v_cache: Tensor):
-    from .errors import UnsupportedError
-
     k, v = lookup(k_cache), lookup(v_cache)
     if k is None or v is None:
         raise UnsupportedError("kvcompile.paged op called with tensors that are not a live PagedKVCompileCache's "

@@ -458,13 +458,13 @@ class KVStore:
     """
 
     def __init__(self, spec: LayerSpec, batch: int, device="cpu", max_tokens: int | None = None,
-                 max_blocks: int | None = None, blocks: int = 0):
+                 max_blocks: int | None = None, blocks: int = 0, table_width: int = 0):
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ValueError(f"KVStore batch={batch!r} is not valid: expected a positive integer")
         self.spec, self.device = spec, torch.device(device)
         self.max_tokens, self.max_blocks = max_tokens, max_blocks
         blocks = min(blocks, max_blocks) if max_blocks is not None else blocks
-        self.state = KVState(*spec.pool(blocks, self.device), *spec.rows(batch, 0, self.device))
+        self.state = KVState(*spec.pool(blocks, self.device), *spec.rows(batch, table_width, self.device))
         self.refs = [0] * blocks
         self.free = list(range(blocks - 1, -1, -1))  # a stack: the lowest ids are handed out first
         self.lengths = [0] * batch                   # host mirror of state.lengths
@@ -677,6 +677,30 @@ class KVStore:
             tbl.extend(self._take() for _ in range(extra))
         self.copy_blocks(olds, news)
         self._sync_rows([b for b, *_ in plans])
+
+    def append_rows(self, rows: Tensor, k: Tensor, v: Tensor, kernel=None) -> KVState:
+        """Append ``k, v [R, H, n, D]`` to sequences ``rows`` (``[R]``, ascending) only, the others untouched (a
+        serving engine's group of requests with ``n`` new tokens each): reserve, then store with
+        ``kernel(state, spec, k, v, None)`` (default: ``store_reference``) on the rows' state, which is returned
+        for the attention that reads them (``ops.Backend.attention``): the pool's fields, and the rows' own --
+        views of the store's when ``rows`` are consecutive, else copies whose writes are put back."""
+        n, ids = k.shape[2], rows.tolist()
+        counts = [0] * self.batch
+        for b in ids:
+            counts[b] = n
+        self.reserve(counts)
+        state, own = self.state, len(POOL_FIELDS)
+        if ids == list(range(ids[0], ids[0] + len(ids))):  # in place
+            sub = KVState(*state[:own], *(t[ids[0]:ids[0] + len(ids)] for t in state[own:]))
+            (kernel or store_reference)(sub, self.spec, k, v, None)
+        else:  # gathered, and the rows' written fields put back
+            sub = KVState(*state[:own], *(t.index_select(0, rows) for t in state[own:]))
+            (kernel or store_reference)(sub, self.spec, k, v, None)
+            for t, s in zip(state[own:-1], sub[own:-1]):  # (the table is the store's to write, not the kernel's)
+                t.index_copy_(0, rows, s)
+        for b in ids:
+            self.lengths[b] += n
+        return sub
 
     def append(self, k: Tensor, v: Tensor, n_new: Tensor | None = None, kernel=None) -> None:
         """Append ``k, v [B, H, n, D]`` (row ``b``: its first ``n_new[b]`` tokens): reserve, then store with

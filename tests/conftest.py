@@ -155,7 +155,7 @@ LONGEST_FILES = {"passes/test_model_families.py": 237, "test_serve_http.py": 187
                  "test_serving_compiled.py": 78, "test_serving.py": 73, "test_tp.py": 72, "test_cli.py": 66,
                  "templates/test_store_kernel.py": 63, "test_prerope.py": 55,
                  # estimated from runs on the loaded machine (2026-12-04), at about a sixth of their time there
-                 "templates/test_head_sizes.py": 160, "test_head_sizes.py": 120, "test_hf_cache.py": 60,
+                 "templates/test_kernels_head_sizes.py": 160, "test_head_sizes.py": 120, "test_hf_cache.py": 60,
                  "test_device.py": 150, "test_exact.py": 120, "test_benchmark_gpu_e2e.py": 25}
 
 

@@ -1,6 +1,6 @@
 """The presets on transformers models whose heads are not a power of two, applied as a user would: a Phi-style
 model (head_dim 80, partial rotary: Phi-2's head) and a Phi-3-style one (head_dim 96: Phi-3-mini's). KIVI's
-default value group fits the head and the rotation is block-diagonal (tests/templates/test_head_sizes.py checks
+default value group fits the head and the rotation is block-diagonal (tests/templates/test_kernels_head_sizes.py checks
 every kernel family at every head size); here the whole path runs: the pass, the C kernels, generate.
 
 Under Policy.full() the unmodified model's tokens and logits; with one layer quantized, compiled equals the
