@@ -176,13 +176,13 @@ class PageLayout:
 
     # ---- the engine's buffer
     def _bytes(self, pages: Tensor) -> Tensor:
-        """``pages`` as ``uint8 [NB, page_bytes]``, in place (each page dense, pages any distance apart)."""
+        """``pages`` as ``uint8 [NB, page_bytes]``, in place (each page ``page_bytes`` dense bytes, its dimensions in
+        any order; pages any distance apart)."""
         if not isinstance(pages, Tensor) or pages.dtype not in (torch.uint8, torch.int8) or pages.dim() < 2:
             raise ArgumentError(f"pages: expected the engine's uint8 or int8 buffer [pages, ...] of {self.page_bytes} "
                                 f"bytes a page; got {_show(pages)}")
         inner = pages.shape[1:]
-        dense = tuple(math.prod(inner[i + 1:]) for i in range(len(inner)))
-        if math.prod(inner) != self.page_bytes or (pages.stride()[1:] != dense and math.prod(inner) > 1):
+        if math.prod(inner) != self.page_bytes or not _dense(inner, pages.stride()[1:]):
             raise ArgumentError(f"pages: each page must be {self.page_bytes} dense bytes (this layout's page_bytes: "
                                 f"{self.policy}, {self.heads} heads x {self.block} tokens x {self.token_head_bytes} "
                                 f"bytes); got {_show(pages)}")
@@ -216,6 +216,17 @@ class PageLayout:
         B, H, D, dt = lengths.shape[0], self.heads, self.head_dim, DTYPES[self.dtype]
         none = torch.empty(B, H, 0, D, dtype=dt, device=pages.device)
         return KVState(*self.views(pages), none, none, none, none, lengths, table)
+
+
+def _dense(shape, strides) -> bool:
+    """Whether a tensor of ``shape`` and ``strides`` covers one run of contiguous elements, its dimensions in any
+    order (an engine may order a page's heads, tokens and bytes as its kernels like)."""
+    run = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(shape, strides) if sz > 1):
+        if stride != run:
+            return False
+        run *= size
+    return True
 
 
 def _esize(dt: torch.dtype) -> int:

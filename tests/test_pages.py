@@ -127,6 +127,11 @@ def test_a_bad_buffer_is_refused_at_the_call():
     lay = P.PageLayout(Policy.int8(), 2, 64, "float32", 16)
     with pytest.raises(ValueError, match="dense bytes"):
         lay.views(torch.zeros(4, 2, 16, lay.token_head_bytes + 1, dtype=torch.int8))
+    nhd = torch.zeros(4, 16, 2, lay.token_head_bytes, dtype=torch.int8).transpose(1, 2)  # tokens outside heads
+    assert lay.views(nhd)[0].shape == (4, 2, 16, 64)  # still one page of dense bytes: kvcompile's own field order
+    gap = torch.zeros(4, 2, 32, lay.token_head_bytes, dtype=torch.int8)[:, :, :16]
+    with pytest.raises(ValueError, match="dense bytes"):
+        lay.views(gap)
     with pytest.raises(ValueError, match="uint8 or int8"):
         lay.views(torch.zeros(4, lay.page_bytes // 4, dtype=torch.float32))
     with pytest.raises(ValueError, match="policy"):
@@ -293,3 +298,28 @@ def test_a_table_that_misses_a_page_writes_nothing():
         P.store(lay, pages, torch.randn(1, 1, 20, 32), torch.randn(1, 1, 20, 32), torch.zeros(1, dtype=torch.int32),
                 torch.tensor([[1, -1]], dtype=torch.int32))
     assert not pages.any()
+
+
+# --------------------------------------------------------------------------- the CUDA path's kernels
+def test_triton_kernels_read_and_write_pages_as_the_c_kernels_do():
+    """On CUDA ``kvcompile.ops`` runs the Triton kernels over the same page views (here in Triton's interpreter):
+    the pages hold the reference's bytes and attention is within the bound."""
+    from kvcompile import ops
+    lay = P.PageLayout(Policy(Quant("int4"), Quant("int8", "token", 16)), 1, 32, "float32", 16)
+    table = torch.tensor([[3, 0], [1, 2]], dtype=torch.int32)
+    pages = engine_pages(lay, 4, interleave=2)
+    ref = reference_state(lay, 4, [0, 0], table)
+    g = torch.Generator().manual_seed(9)
+    k, v = torch.randn(2, 1, 24, 32, generator=g), torch.randn(2, 1, 24, 32, generator=g)
+    n = torch.tensor([24, 19])
+    ops.set_kernels("triton")
+    try:
+        P.store(lay, pages, k, v, torch.zeros(2, dtype=torch.int32), table, n)
+        store_reference(ref, lay.spec, k, v, n)
+        assert_pages_hold(lay, pages, ref)
+        q = torch.randn(2, 2, 1, 32, generator=g)
+        got = P.attention(lay, pages, q, ref.lengths, ref.table)
+    finally:
+        ops.set_kernels("auto")
+    want, tol = kattn.reference_and_bound(q, ref, lay.spec, None, None, nsplit=24)
+    assert not ((got.double() - want).abs() > tol).any()

@@ -10,15 +10,20 @@ what is refused and why.
 """
 from __future__ import annotations
 
-BACKEND_CPU = "kvcompile.vllm.backend.CPUBackend"
+# vLLM's backends kvcompile's replace, by platform: backend name -> kvcompile's class (vLLM's own unless a policy is
+# named). On the CPU vLLM runs only CPU_ATTN; on CUDA it picks FLASH_ATTN or TRITON_ATTN for a decoder model.
+BACKENDS = {
+    "cpu": {"CPU_ATTN": "kvcompile.vllm.backend.CPUBackend"},
+    "cuda": {"FLASH_ATTN": "kvcompile.vllm.cuda.FlashBackend", "TRITON_ATTN": "kvcompile.vllm.cuda.TritonBackend"},
+}
 
 
 def register() -> None:
     """vLLM's entry point (group ``vllm.general_plugins``, name ``kvcompile``), run in every vLLM process: make
-    vLLM's CPU attention backend kvcompile's (``backend.CPUBackend``, which is vLLM's own unless a policy is
-    named). Idempotent."""
+    the attention backends vLLM picks on this platform kvcompile's (``BACKENDS``). Idempotent."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    if current_platform.is_cpu():
-        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_CPU)
+    kind = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
+    for name, path in BACKENDS.get(kind, {}).items():
+        register_backend(AttentionBackendEnum[name], path)

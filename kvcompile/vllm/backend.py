@@ -34,14 +34,9 @@ import dataclasses
 import torch
 
 from kvcompile import pages
-from kvcompile.errors import PolicyError, UnsupportedError
 from kvcompile.policy import Policy
 
-from .config import WHERE, policy_of
-
-
-class Refused(UnsupportedError):
-    """A named policy vLLM's engine cannot run as asked (raised when the model is built, before serving)."""
+from .config import layout_for, policy_of, refuse
 
 
 class _Active:
@@ -53,36 +48,6 @@ class _Active:
 
 
 _ACTIVE = _Active()
-
-
-def _refuse(what: str, fix: str) -> None:
-    raise Refused(f"kvcompile ({WHERE}): {what}; {fix}.")
-
-
-def layout_for(policy: Policy | None, heads: int, head_dim: int, dtype: torch.dtype, block: int,
-               *, kv_cache_dtype: str = "auto", sliding_window=None, alibi=False, softcap=0.0, sinks=False,
-               kv_sharing=False) -> pages.PageLayout | None:
-    """The page layout of one layer for ``policy``, or None for vLLM's own pages and kernels (no policy, or
-    ``Policy.full()``). Anything that would make the layer compute something other than the policy's attention
-    is refused (``Refused``, or ``kvcompile.pages.PageError``), with the reason and what to do instead."""
-    if policy is None or policy == Policy.full():
-        return None
-    if policy.overrides:
-        _refuse(f"the policy {policy} chooses per layer, and vLLM's attention backend declares one page layout "
-                f"for every layer (its customize_spec sees no layer)",
-                "name a uniform policy (calibrate's per-layer bits run through kvcompile's own `kvcompile serve`)")
-    if kv_cache_dtype != "auto":
-        _refuse(f"kv_cache_dtype={kv_cache_dtype!r} asks vLLM to quantize the cache itself as well",
-                "leave kv_cache_dtype at 'auto' with a kvcompile policy (or drop the policy to use vLLM's own)")
-    if sliding_window not in (None, -1):
-        _refuse(f"a sliding-window layer (window {sliding_window}): kvcompile's attention over pages is causal over "
-                f"the whole sequence", "use a model without sliding-window layers, or no kvcompile policy")
-    for present, what in ((alibi, "ALiBi slopes"), (bool(softcap), "a logit soft-cap"), (sinks, "learned sinks"),
-                          (kv_sharing, "a KV cache shared with another layer")):
-        if present:
-            _refuse(f"the model's attention has {what}, which kvcompile's attention does not compute",
-                    "use no kvcompile policy for this model")
-    return pages.PageLayout(policy, heads, head_dim, dtype, block)
 
 
 _LAST: list = []  # [(metadata, its Ragged)]: the step's flat batch, made once for every layer
@@ -111,31 +76,39 @@ def _metadata(layer):
 
 class KVCompileImpl:
     """What kvcompile adds to a vLLM attention implementation (mixed in before it): the layout, chosen when the
-    layer is built; the write; the read. With no layout every call is the vLLM implementation's own."""
+    layer is built; the write; the read. With no layout every call is the vLLM implementation's own.
+
+    vLLM's attention layer builds every backend's implementation with the same positional arguments
+    (``Attention.__init__``), so one constructor serves them all."""
 
     layout: pages.PageLayout | None = None
 
-    def _choose_layout(self, num_kv_heads, head_size, alibi_slopes, sliding_window, kv_cache_dtype,
-                       logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks) -> None:
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                 logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None, **extra):
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, **extra)
         from vllm.config import get_current_vllm_config
         from vllm.v1.attention.backend import AttentionType
         cfg = get_current_vllm_config()
-        try:
-            policy = policy_of(cfg.additional_config)
-        except PolicyError as e:
-            raise Refused(f"kvcompile: {e}") from None
+        policy = policy_of(cfg.additional_config)
         _ACTIVE.policy = policy
         if attn_type in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER):
             return  # no KV cache: vLLM's own
         if policy is not None and attn_type != AttentionType.DECODER and policy != Policy.full():
-            _refuse(f"an {attn_type} attention layer (cross-attention)", "use no kvcompile policy for this model")
+            refuse(f"an {attn_type} attention layer (cross-attention)", "use no kvcompile policy for this model")
+        device = torch.device(cfg.device_config.device_type)
         self.layout = layout_for(policy, num_kv_heads, head_size, cfg.model_config.dtype,
                                  cfg.cache_config.block_size, kv_cache_dtype=kv_cache_dtype,
                                  sliding_window=sliding_window, alibi=alibi_slopes is not None,
-                                 softcap=logits_soft_cap or 0.0, sinks=sinks is not None,
+                                 softcap=logits_soft_cap or 0.0, sinks=extra.get("sinks") is not None,
                                  kv_sharing=kv_sharing_target_layer_name is not None)
-        if self.layout is not None:
-            pages.prepare(self.layout, torch.device(cfg.device_config.device_type))
+        if self.layout is None:
+            return
+        from vllm.config import CUDAGraphMode
+        if device.type == "cuda" and cfg.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+            refuse("vLLM captures CUDA graphs, and kvcompile's attention reads each step's batch on the host",
+                   "start vLLM with enforce_eager=True (--enforce-eager)")
+        pages.prepare(self.layout, device)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if self.layout is None:
@@ -176,28 +149,30 @@ def customized(spec, backend_customize):
     return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=lay.token_head_bytes)
 
 
+def kvcompile_backend(base):
+    """vLLM's attention backend ``base`` with kvcompile's pages when a quantizing policy is named: its
+    implementation with ``KVCompileImpl`` mixed in, its spec customized (``customized``); its name stays
+    ``base``'s (vLLM looks backends up by it)."""
+    impl = type(f"KVCompile{base.get_impl_cls().__name__}", (KVCompileImpl, base.get_impl_cls()),
+                {"__module__": __name__, "__doc__": f"vLLM's {base.get_name()} implementation over kvcompile's "
+                                                     f"pages when a quantizing policy is named."})
+
+    class Backend(base):
+        @staticmethod
+        def get_impl_cls():
+            return impl
+
+        @classmethod
+        def customize_spec(cls, spec):
+            return customized(spec, super().customize_spec)
+
+    Backend.__name__ = Backend.__qualname__ = f"KVCompile{base.__name__}"
+    Backend.__module__ = __name__
+    Backend.__doc__ = f"vLLM's {base.get_name()} backend with kvcompile's pages (``kvcompile_backend``)."
+    return Backend, impl
+
+
 # --------------------------------------------------------------------------- the CPU backend
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl  # noqa: E402
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # noqa: E402
 
-
-class CPUBackendImpl(KVCompileImpl, CPUAttentionBackendImpl):
-    """vLLM's CPU attention implementation, over kvcompile's pages when a quantizing policy is named."""
-
-    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
-                 logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None, sinks=None, **kw):
-        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
-                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks, **kw)
-        self._choose_layout(num_kv_heads, head_size, alibi_slopes, sliding_window, kv_cache_dtype,
-                            logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
-
-
-class CPUBackend(CPUAttentionBackend):
-    """vLLM's ``CPU_ATTN`` backend with kvcompile's pages (``CPUBackendImpl``); its name stays ``CPU_ATTN``."""
-
-    @staticmethod
-    def get_impl_cls():
-        return CPUBackendImpl
-
-    @classmethod
-    def customize_spec(cls, spec):
-        return customized(spec, super().customize_spec)
+CPUBackend, CPUBackendImpl = kvcompile_backend(CPUAttentionBackend)

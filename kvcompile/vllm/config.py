@@ -1,4 +1,4 @@
-"""How a user names a kvcompile policy to vLLM: its ``additional_config``.
+"""How a user names a kvcompile policy to vLLM (its ``additional_config``), and whether a layer can run it.
 
     LLM(model=..., additional_config={"kvcompile": {"policy": "int8"}})
     vllm serve MODEL --additional-config '{"kvcompile": {"policy": "policy.json"}}'
@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kvcompile.errors import PolicyError
+import torch
+
+from kvcompile import pages
+from kvcompile.errors import PolicyError, UnsupportedError
 from kvcompile.policy import Policy
 from kvcompile.presets import named
 
@@ -42,3 +45,37 @@ def policy_of(additional_config: Mapping[str, Any] | None) -> Policy | None:
         return named(value)
     except PolicyError as e:
         raise PolicyError(f"{where} = {value!r}: {e}") from None
+
+
+class Refused(UnsupportedError):
+    """A named policy vLLM's engine cannot run as asked (raised when the model is built, before serving)."""
+
+
+def refuse(what: str, fix: str) -> None:
+    raise Refused(f"kvcompile ({WHERE}): {what}; {fix}.")
+
+
+def layout_for(policy: Policy | None, heads: int, head_dim: int, dtype: torch.dtype, block: int,
+               *, kv_cache_dtype: str = "auto", sliding_window=None, alibi=False, softcap=0.0, sinks=False,
+               kv_sharing=False) -> pages.PageLayout | None:
+    """The page layout of one layer for ``policy``, or None for vLLM's own pages and kernels (no policy, or
+    ``Policy.full()``). Anything that would make the layer compute something other than the policy's attention
+    is refused (``Refused``, or ``kvcompile.pages.PageError``), with the reason and what to do instead."""
+    if policy is None or policy == Policy.full():
+        return None
+    if policy.overrides:
+        refuse(f"the policy {policy} chooses per layer, and vLLM's attention backend declares one page layout "
+                f"for every layer (its customize_spec sees no layer)",
+                "name a uniform policy (calibrate's per-layer bits run through kvcompile's own `kvcompile serve`)")
+    if kv_cache_dtype != "auto":
+        refuse(f"kv_cache_dtype={kv_cache_dtype!r} asks vLLM to quantize the cache itself as well",
+                "leave kv_cache_dtype at 'auto' with a kvcompile policy (or drop the policy to use vLLM's own)")
+    if sliding_window not in (None, -1):
+        refuse(f"a sliding-window layer (window {sliding_window}): kvcompile's attention over pages is causal over "
+                f"the whole sequence", "use a model without sliding-window layers, or no kvcompile policy")
+    for present, what in ((alibi, "ALiBi slopes"), (bool(softcap), "a logit soft-cap"), (sinks, "learned sinks"),
+                          (kv_sharing, "a KV cache shared with another layer")):
+        if present:
+            refuse(f"the model's attention has {what}, which kvcompile's attention does not compute",
+                    "use no kvcompile policy for this model")
+    return pages.PageLayout(policy, heads, head_dim, dtype, block)
