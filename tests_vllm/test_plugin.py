@@ -198,9 +198,9 @@ def tokens(outs):
 
 
 def test_prefix_caching_and_preemption_change_no_greedy_output(tiny):
-    """int8 pages with prefix caching on and room for every request; then with prefix caching off and room for 5
-    pages, where 8 requests that each grow into a second page make vLLM preempt some (free their pages, recompute
-    them later): the same tokens for every request, and no request lost."""
+    """int8 pages with prefix caching on and room for every request; then with prefix caching off, prefills cut into
+    chunks of 64 tokens, and room for 5 pages, where 8 requests that each grow into a second page make vLLM preempt
+    some (free their pages, recompute them later): the same tokens for every request, and no request lost."""
     roomy = engine(tiny, "int8")
     try:
         assert roomy.llm_engine.vllm_config.cache_config.enable_prefix_caching
@@ -214,7 +214,7 @@ def test_prefix_caching_and_preemption_change_no_greedy_output(tiny):
     assert tokens(again) == tokens(first[:3])
     lay = P.PageLayout(Policy.int8(), 2, 64, "float32", 128)
     tight = engine(tiny, "int8", enable_prefix_caching=False, disable_log_stats=False, max_model_len=256,
-                   kv_cache_memory_bytes=5 * 2 * lay.page_bytes)
+                   max_num_batched_tokens=64, kv_cache_memory_bytes=5 * 2 * lay.page_bytes)
     try:
         assert tight.llm_engine.vllm_config.cache_config.num_gpu_blocks == 5
         uncached = tight.generate(SHARED[:3], LONG, use_tqdm=False)
