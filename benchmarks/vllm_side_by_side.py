@@ -77,7 +77,7 @@ def quality(args, tok, policy, engine) -> dict:
 
     from kvcompile.evaluate import PASSKEY_NEW_TOKENS, heldout_windows, passkey_prompt, passkey_trials
     try:
-        llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=max(args.passkey + [args.window]),
+        llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=max(args.passkey + [args.window + 1]),
                   seed=0, distributed_executor_backend="uni", kv_cache_memory_bytes=args.quality_kv_mib << 20,
                   **extra_args(policy, engine))
     except Exception as e:  # noqa: BLE001  (a refusal at start-up: reported, the next contender runs)
@@ -132,7 +132,7 @@ async def one_level(base, model, prompts, new) -> dict:
         stream = await client.completions.create(model=model, prompt=p, max_tokens=new, temperature=0, stream=True,
                                                  stream_options={"include_usage": True})
         async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text and first is None:
+            if chunk.choices and first is None:  # the first token (its text may be empty)
                 first = time.perf_counter()
             if chunk.usage:
                 n = chunk.usage.completion_tokens

@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops
 from .errors import ArgumentError, UnsupportedError
@@ -49,6 +50,7 @@ from .policy import Policy
 from .store import DTYPE_NAMES, DTYPES, POOL_FIELDS, KVState, LayerSpec, check_chunk
 
 ALIGN = 16  # bytes: each field of a page starts at a multiple of this (every element type the fields hold)
+_VIEWS = WeakIdKeyDictionary()  # an engine's buffer -> {layout: ((where it lies), its pool views)}
 
 
 class Refusal(enum.Enum):
@@ -193,7 +195,17 @@ class PageLayout:
         """The store's pool tensors (``KVState``'s first six, ``POOL_FIELDS`` order) viewed in place in the
         engine's buffer ``pages`` (``[NB, ...]`` uint8 or int8, each page ``page_bytes`` dense bytes, e.g. vLLM's
         ``[NB, heads, block, token_head_bytes]``): field ``f`` is ``[NB, heads, rows, X]`` of its dtype, page ``i``
-        its block ``i``; a field the policy does not store is an empty tensor, as ``LayerSpec.pool`` gives."""
+        its block ``i``; a field the policy does not store is an empty tensor, as ``LayerSpec.pool`` gives.
+        Made once per buffer (an engine passes each layer's the same every step) and layout."""
+        where = (pages.data_ptr(), tuple(pages.shape), pages.stride(), pages.dtype)
+        known = _VIEWS.get(pages, {}).get(self)
+        if known is not None and known[0] == where:
+            return known[1]
+        views = self._views(pages)
+        _VIEWS.setdefault(pages, {})[self] = (where, views)
+        return views
+
+    def _views(self, pages: Tensor) -> tuple[Tensor, ...]:
         flat = self._bytes(pages)
         out = []
         for f in self.fields:

@@ -15,7 +15,7 @@ from kvcompile import Policy, Quant
 from kvcompile import pages as P
 from kvcompile.store import KVState, store_reference
 from kvcompile.templates import attention as kattn
-from kvcompile.vllm import backend
+from kvcompile.vllm import backend, cpu
 from conftest import KV_BYTES, caches, close, engine, impls
 
 # Prompts of several lengths: the long ones span pages of 128 tokens (vLLM's CPU block), and 24 new tokens carry
@@ -43,13 +43,13 @@ def vllms_own_backend():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     load_general_plugins()  # the plugin has registered (it would otherwise register inside, undoing this)
     enum = AttentionBackendEnum.CPU_ATTN
-    assert enum.get_path() == "kvcompile.vllm.backend.CPUBackend"
+    assert enum.get_path() == "kvcompile.vllm.cpu.CPUBackend"
     register_backend(enum, enum.value)
     selector._cached_get_attn_backend.cache_clear()  # vLLM keeps the class it chose per layer kind
     try:
         yield
     finally:
-        register_backend(enum, "kvcompile.vllm.backend.CPUBackend")
+        register_backend(enum, "kvcompile.vllm.cpu.CPUBackend")
         selector._cached_get_attn_backend.cache_clear()
 
 
@@ -69,7 +69,7 @@ def vllms_own(tiny):
 def test_full_and_no_policy_give_vllms_own_tokens_and_logprobs(tiny, vllms_own, policy):
     llm = engine(tiny, policy)
     try:
-        assert all(isinstance(i, backend.CPUBackendImpl) and i.layout is None for i in impls(llm).values())
+        assert all(isinstance(i, cpu.CPUBackendImpl) and i.layout is None for i in impls(llm).values())
         got = run(llm)
     finally:
         close(llm)
@@ -87,7 +87,7 @@ class Recorder:
         self.checked, self.worst, self.checks = 0, 0.0, checks
 
     def install(self, monkeypatch):
-        store, attend = backend.CPUBackendImpl.do_kv_cache_update, backend.CPUBackendImpl.forward
+        store, attend = cpu.CPUBackendImpl.do_kv_cache_update, cpu.CPUBackendImpl.forward
         rec = self
 
         def do_kv_cache_update(impl, layer, key, value, kv_cache, slot_mapping):
@@ -105,8 +105,8 @@ class Recorder:
                 rec.check(impl, query, key, value, kv_cache, meta, out)
             return out
 
-        monkeypatch.setattr(backend.CPUBackendImpl, "do_kv_cache_update", do_kv_cache_update)
-        monkeypatch.setattr(backend.CPUBackendImpl, "forward", forward)
+        monkeypatch.setattr(cpu.CPUBackendImpl, "do_kv_cache_update", do_kv_cache_update)
+        monkeypatch.setattr(cpu.CPUBackendImpl, "forward", forward)
 
     def check(self, impl, query, key, value, kv_cache, meta, out):
         """Each sequence's outputs against float64 attention over what its pages hold (its own tokens' too: the

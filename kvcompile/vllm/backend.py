@@ -24,8 +24,8 @@ Everything else is vLLM's: the scheduler, the metadata builder (query start offs
 tables), sampling. Under ``Policy.full()``, or when no policy is named, every method is vLLM's own backend's --
 the same pages, kernels and arithmetic -- so tokens and log probabilities are vLLM's exactly.
 
-The backend replaces the class of vLLM's CPU backend (``CPU_ATTN``; ``kvcompile.vllm.register``); on CUDA,
-``cuda.py`` does the same over vLLM's Triton and FlashAttention backends.
+``kvcompile_backend`` makes one of vLLM's backends kvcompile's; ``cpu.py`` (vLLM's ``CPU_ATTN``) and ``cuda.py``
+(``FLASH_ATTN``, ``TRITON_ATTN``) are the ones ``kvcompile.vllm.register`` puts in vLLM's registry.
 """
 from __future__ import annotations
 
@@ -170,9 +170,3 @@ def kvcompile_backend(base):
     Backend.__module__ = __name__
     Backend.__doc__ = f"vLLM's {base.get_name()} backend with kvcompile's pages (``kvcompile_backend``)."
     return Backend, impl
-
-
-# --------------------------------------------------------------------------- the CPU backend
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # noqa: E402
-
-CPUBackend, CPUBackendImpl = kvcompile_backend(CPUAttentionBackend)
