@@ -1,22 +1,26 @@
 """vLLM's own KV cache and kvcompile's policies inside vLLM, side by side at one KV memory size.
 
     MODEL=$(.venv/bin/python -c "from kvcompile import models; print(models.convert_default(log=lambda *a: None))")
-    /path/to/vllm-env/bin/python benchmarks/vllm_side_by_side.py --model $MODEL --kv-mib 64 \\
+    /path/to/vllm-env/bin/python benchmarks/vllm_side_by_side.py --model $MODEL --kv-mib 256 --eager \
+        --calibrated benchmarks/results/calibrate/smollm2_cal2.json \
         --out benchmarks/results/vllm_side_by_side.json --plot docs/vllm_side_by_side.png
 
 Run in the vLLM environment (docs/vllm.md). For each contender -- vLLM ``auto`` (the model's dtype), vLLM
-``fp8``, and kvcompile policies named in ``additional_config`` -- two engines start:
+``fp8``, and kvcompile policies named in ``additional_config`` -- three engines start:
 
+- **capacity**, an ``LLM`` in this process, bf16 (``--capacity-dtype``), ``--kv-mib`` of KV memory, requests up to
+  8K tokens: vLLM's own block count and the concurrency it reports for 8K-token requests; for 1K-token requests
+  the same formula (blocks / pages per request);
 - **quality**, an ``LLM`` in this process, fp32 (as ``kvcompile eval``): held-out loss on the texts ``kvcompile
   eval`` scores (``kvcompile.evaluate.heldout_windows``: windows of ``--window`` tokens from Python's own docs;
   the loss of the second half of each window, from vLLM's prompt log probabilities of one prefill), and passkey
   retrieval (``kvcompile.evaluate``'s prompts; greedy answers through vLLM);
 - **serving**, vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``, vLLM's default processes),
-  bf16, ``--kv-mib`` of KV memory: vLLM's own block count and concurrency report, from which the concurrency for
-  1K and 8K-token requests is vLLM's formula (blocks / pages per request); then as many streaming requests of
-  ``--prompt`` + ``--new`` tokens at once as vLLM reports it holds (``--max-concurrency`` caps it), each a
-  different held-out window, read to the end with the ``openai`` client: generated tokens/s over the whole level,
-  and decode tokens/s once every request has its first token.
+  ``--serve-dtype`` (fp32: bf16 matmuls on a CPU without AVX-512 BF16 made a 2 x 1K-token prefill take 130 s
+  here), ``--kv-mib`` of KV memory, requests of ``--prompt`` + ``--new`` tokens: as many streaming requests at once
+  as vLLM reports it holds (``--max-concurrency`` caps it), each a different held-out window, read to the end with
+  the ``openai`` client: generated tokens/s over the whole level, and decode tokens/s once every request has its
+  first token.
 
 A contender that vLLM or kvcompile refuses at start-up is reported with the reason (on this CPU vLLM's ``fp8``
 needs AVX-512; kvcompile refuses windows, KIVI's per-channel keys, sinks and per-layer policies: docs/vllm.md).
@@ -106,11 +110,33 @@ def quality(args, tok, policy, engine) -> dict:
         gc.collect()
 
 
+# --------------------------------------------------------------------------- capacity
+def capacity(args, policy, engine) -> dict:
+    """vLLM's own count for ``--kv-mib`` of KV memory in ``--capacity-dtype``: its KV tokens and the concurrency it
+    reports for requests of ``--long`` (8K) tokens; 1K requests by the same formula (blocks / pages per request)."""
+    from vllm import LLM
+    try:
+        llm = LLM(model=args.model, dtype=args.capacity_dtype, enforce_eager=True, max_model_len=args.long, seed=0,
+                  distributed_executor_backend="uni", kv_cache_memory_bytes=args.kv_mib << 20,
+                  **extra_args(policy, engine))
+    except Exception as e:  # noqa: BLE001
+        return {"refused": reason(e)}
+    try:
+        cc = llm.llm_engine.vllm_config.cache_config  # what vLLM logs as its KV cache size and concurrency
+        return {"dtype": args.capacity_dtype, "blocks": cc.num_gpu_blocks, "kv_tokens": cc.kv_cache_size_tokens,
+                "concurrency_8k": cc.kv_cache_max_concurrency,
+                "concurrency_1k": cc.num_gpu_blocks / math.ceil(1024 / args.block)}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
 # --------------------------------------------------------------------------- serving
 def server_command(args, policy, engine):
     def command(port):
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host",
-               "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len",
+               "127.0.0.1", "--port", str(port), "--dtype", args.serve_dtype, "--max-model-len",
                str(args.prompt + args.new), "--kv-cache-memory-bytes", str(args.kv_mib << 20), "--seed", "0"]
         if args.eager:
             cmd.append("--enforce-eager")
@@ -166,10 +192,7 @@ def serving(args, tok, policy, engine) -> dict:
         kv_tokens = int(re.search(r"KV cache size: ([\d,]+) tokens", out).group(1).replace(",", ""))
         reported = float(re.search(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.,]+)x", out)
                          .group(1).replace(",", ""))
-        blocks = kv_tokens // args.block
-        res = {"kv_tokens": kv_tokens, "reported_concurrency": reported,
-               "concurrency_1k": blocks / math.ceil(1024 / args.block),
-               "concurrency_8k": blocks / math.ceil(8192 / args.block)}
+        res = {"dtype": args.serve_dtype, "kv_tokens": kv_tokens, "reported_concurrency": reported}
         c = max(1, min(int(reported), args.max_concurrency))
         windows = heldout_windows(tok, args.prompt, c)
         base = f"http://127.0.0.1:{port}/v1"
@@ -194,31 +217,33 @@ def kvcompile_eval_loss(policy: str | None):
     name, _, bits = (policy or "full:16").rpartition(":")
     if policy in ("int8", "fp8-r0"):
         name, bits = policy, "8"
+    if policy and policy.endswith(".json"):
+        name, bits = Path(policy).name, None
     for r in rows:
-        if r["scheme"] == name and str(r["bits"]) == bits:
+        if r["scheme"] == name and (bits is None or str(r["bits"]) == bits):
             return r["loss"], r["loss_delta"]
     return None
 
 
 def table(results) -> str:
     base = next((r for r in results if r["label"] == "vLLM auto"), None)
-    lines = ["| contender | KV tokens | 1K requests | 8K requests | x vLLM auto (8K) | held-out loss | delta | "
+    lines = ["| contender | KV tokens | 1K requests | 8K requests | x vLLM auto | held-out loss | delta | "
              "kvcompile eval delta | passkey | tokens/s at max concurrency (requests) | decode tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        q, s = r["quality"], r["serving"]
-        if "refused" in s or "refused" in q:
-            lines.append(f"| {r['label']} | refused: {(s.get('refused') or q.get('refused'))[:160]} |" + " |" * 9)
+        c, q, s = r["capacity"], r["quality"], r["serving"]
+        why = c.get("refused") or q.get("refused") or s.get("refused")
+        if why:
+            lines.append(f"| {r['label']} | refused: {why[:200]} |" + " |" * 9)
             continue
-        ratio = s["concurrency_8k"] / base["serving"]["concurrency_8k"] if base and "kv_tokens" in base["serving"] \
-            else float("nan")
+        ratio = c["kv_tokens"] / base["capacity"]["kv_tokens"] if base and "kv_tokens" in base["capacity"] else float("nan")
         delta = q["loss"] - base["quality"]["loss"] if base and "loss" in base["quality"] else float("nan")
-        ev = kvcompile_eval_loss(r["policy"]) if r["policy"] else kvcompile_eval_loss(None)
+        ev = kvcompile_eval_loss(r["policy"])
+        ev_delta = "" if ev is None else f"{ev[1]:+.4f}"
         lv = s["level"]
         pk = " ".join(f"{k}: {v:.2f}" for k, v in q["passkey"].items())
-        ev_delta = "" if ev is None else f"{ev[1]:+.4f}"
         decode = "" if lv["decode_tokens_per_s"] is None else f"{lv['decode_tokens_per_s']:.1f}"
-        lines.append(f"| {r['label']} | {s['kv_tokens']:,} | {s['concurrency_1k']:.2f} | {s['concurrency_8k']:.2f} | "
+        lines.append(f"| {r['label']} | {c['kv_tokens']:,} | {c['concurrency_1k']:.2f} | {c['concurrency_8k']:.2f} | "
                      f"{ratio:.2f} | {q['loss']:.4f} | {delta:+.4f} | {ev_delta} | {pk} | "
                      f"{lv['tokens_per_s']:.1f} ({lv['requests']}) | {decode} |")
     return "\n".join(lines)
@@ -228,12 +253,12 @@ def plot(results, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    ok = [r for r in results if "kv_tokens" in r["serving"] and "loss" in r["quality"]]
+    ok = [r for r in results if "kv_tokens" in r["capacity"] and "loss" in r["quality"] and "level" in r["serving"]]
     base = next(r for r in ok if r["label"] == "vLLM auto")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     labels = [r["label"].replace("kvcompile ", "") for r in ok]
-    axes[0].bar(labels, [r["serving"]["concurrency_8k"] / base["serving"]["concurrency_8k"] for r in ok])
-    axes[0].set_title("8K-token requests held, x vLLM auto (same KV memory)")
+    axes[0].bar(labels, [r["capacity"]["kv_tokens"] / base["capacity"]["kv_tokens"] for r in ok])
+    axes[0].set_title("tokens vLLM holds in the same KV memory, x vLLM auto")
     axes[1].bar(labels, [r["quality"]["loss"] - base["quality"]["loss"] for r in ok])
     axes[1].set_title("held-out loss - vLLM auto's (nats/token)")
     axes[2].bar(labels, [r["serving"]["level"]["decode_tokens_per_s"] or 0 for r in ok])
@@ -247,13 +272,17 @@ def plot(results, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a Hugging Face model directory vLLM loads")
-    ap.add_argument("--kv-mib", type=int, default=64, help="KV memory of each serving engine (MiB)")
+    ap.add_argument("--kv-mib", type=int, default=256, help="KV memory of the capacity and serving engines (MiB)")
+    ap.add_argument("--capacity-dtype", default="bfloat16", help="the model dtype vLLM's capacity is counted in")
+    ap.add_argument("--serve-dtype", default="float32",
+                    help="the server's dtype (bf16 matmuls are slow on a CPU without AVX-512 BF16)")
     ap.add_argument("--quality-kv-mib", type=int, default=512, help="KV memory of the quality engines (MiB)")
+    ap.add_argument("--long", type=int, default=8192, help="the long requests' tokens (vLLM's reported concurrency)")
     ap.add_argument("--window", type=int, default=2048)
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--passkey", type=int, nargs="*", default=[1024, 2048])
     ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens of each decode request")
+    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens of each decode request")
     ap.add_argument("--new", type=int, default=32, help="tokens each decode request generates")
     ap.add_argument("--max-concurrency", type=int, default=64)
     ap.add_argument("--block", type=int, default=128, help="vLLM's block size (128 on the CPU)")
@@ -275,11 +304,12 @@ def main() -> None:
     results = []
     for label, policy, engine in contenders:
         t0 = time.time()
-        q = quality(args, tok, policy, engine)
+        cap = capacity(args, policy, engine)
+        q = quality(args, tok, policy, engine) if "refused" not in cap else {"refused": cap["refused"]}
         s = serving(args, tok, policy, engine) if "refused" not in q else {"refused": q["refused"]}
-        results.append({"label": label, "policy": policy, "engine": engine, "quality": q, "serving": s,
-                        "seconds": time.time() - t0})
-        print(f"{label}: {json.dumps({'quality': q, 'serving': s})[:600]}", flush=True)
+        results.append({"label": label, "policy": policy, "engine": engine, "capacity": cap, "quality": q,
+                        "serving": s, "seconds": time.time() - t0})
+        print(f"{label}: {json.dumps({'capacity': cap, 'quality': q, 'serving': s})[:800]}", flush=True)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
