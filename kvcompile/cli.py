@@ -67,60 +67,36 @@ _FRACTION = _number(float, "a fraction in (0, 1]", 0, low_open=True, high=1)
 
 
 def default_policy():
-    """The demo's policy: 4-bit KIVI with 4 attention-sink tokens in full precision and a Hadamard rotation.
-
-    Measured on SmolLM2 (docs/eval.json): +0.0011 nats/token on held-out text (the best 4-bit policy there),
-    passkey retrieval equal to full precision at 1K-8K, 0.37x the bf16 bytes at 2K context.
-    """
-    from .policy import Policy
-    return Policy.kivi(4, sink=4, rotate=True)
+    """The demo's policy (``kvcompile.presets.default_policy``)."""
+    from .presets import default_policy as default
+    return default()
 
 
 def _entry_policy(text: str):
-    """``SCHEME:BITS`` -> its policy; a ``UsageError`` that lists the choices for anything else."""
-    from .evaluate import SCHEMES, parse_entry, scheme_policy
+    """``SCHEME:BITS`` -> its policy (``presets.entry_policy``); a ``UsageError`` that lists the choices otherwise."""
+    from .presets import entry_policy
     try:
-        name, bits = parse_entry(text)
-        pol = scheme_policy(name, bits)
+        return entry_policy(text)
     except ValueError as e:
         raise UsageError(f"{e}") from None
-    if pol is None:
-        widths = [b for b in (2, 3, 4, 8) if SCHEMES[name](b) is not None]
-        raise UsageError(f"scheme {name!r} has no {bits}-bit policy: use {name}:{' or '.join(map(str, widths))}")
-    return pol
 
 
 def _spelled(text: str) -> str:
-    """The short forms people type for a preset, as ``SCHEME:BITS``: a scheme with one width alone (``int8``,
-    ``fp8`` -> ``int8:8``, ``fp8:8``), or its width written on (``kivi4`` -> ``kivi:4``). Anything else as given."""
-    import re
-
-    from .evaluate import SCHEMES
-    if ":" in text:
-        return text
-    if text in SCHEMES:
-        widths = [b for b in (2, 3, 4, 8) if SCHEMES[text](b) is not None]
-        if len(widths) == 1:
-            return f"{text}:{widths[0]}"
-        raise UsageError(f"{text!r} needs a width, as SCHEME:BITS: {', '.join(f'{text}:{b}' for b in widths)}")
-    m = re.fullmatch(r"(.+?)[:_-]*(\d+)", text)
-    if m and m.group(1) in SCHEMES:
-        return f"{m.group(1)}:{m.group(2)}"
-    return text
+    """``presets.spelled``, its errors as a ``UsageError``."""
+    from .presets import spelled
+    try:
+        return spelled(text)
+    except ValueError as e:
+        raise UsageError(f"{e}") from None
 
 
 def _policy_arg(text: str):
-    """``default``, ``full``, ``SCHEME:BITS`` (or a short form: ``int8``, ``fp8``, ``kivi4``; ``_spelled``) or a
-    policy file (``*.json``, written by ``Policy.save`` or ``calibrate``)."""
-    from .evaluate import is_policy_file
-    from .policy import Policy, PolicyError
-    if text == "default":
-        return default_policy()
-    if text == "full":
-        return Policy.full()
+    """``default``, ``full``, ``SCHEME:BITS`` (or a short form: ``int8``, ``fp8``, ``kivi4``) or a policy file
+    (``*.json``, written by ``Policy.save`` or ``calibrate``): ``kvcompile.presets.named``."""
+    from .presets import named
     try:
-        return Policy.load(text) if is_policy_file(text) else _entry_policy(_spelled(text))
-    except (UsageError, PolicyError) as e:
+        return named(text)
+    except ValueError as e:
         raise argparse.ArgumentTypeError(_one_line(e)) from None
 
 

@@ -362,6 +362,7 @@ class ServingRow:
 def default_serving_policies() -> dict[str, Policy]:
     """The rows ``kvcompile plan --serving`` shows: the serving policies (no full-precision window per
     request: ``kvcompile.evaluate``'s serving schemes) and the policies with one, for comparison."""
+    from .presets import scheme_policy
     return {
         "full precision (kvcompile)": Policy.full(),
         "int8 per token": Policy.int8(),

@@ -262,7 +262,7 @@ def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     compact = hasattr(lib, "kvc_rope_compact")  # older copies (benchmarks' "before") lack the compact table
     fn.argtypes = ([P] * 12 + [P, I, I] + [P, I, I, I, I, P, I, I, I, I, F, I, I, P, P] + [P, P, I, P, P]
-                   + [P, I] * compact)
+                   + [P, I] * compact + [ctypes.POINTER(I)])  # (older copies ignore the pool strides)
     fn.restype = I
     if compact:
         lib.kvc_rope_width.argtypes = [P]
@@ -315,6 +315,27 @@ def _kernel_for(spec: LayerSpec, source: Path = SOURCE) -> ctypes.CDLL:
 
 def _ptr(t: Tensor) -> int | None:
     return t.data_ptr() if t.numel() else None
+
+
+def pool_strides(state: KVState, what: str = "the CPU kernels") -> ctypes.Array:
+    """The kernels' ``pool_sb``: bytes from one block to the next in each pool field (``k_codes .. v_zero``), after
+    checking the layout they read. A field is ``[NB, H, rows, X]`` whose blocks may lie any distance apart (a pool
+    of its own, ``LayerSpec.pool``, or one field of a serving engine's pages, ``kvcompile.pages``) but whose every
+    block is dense (``[H, rows, X]`` contiguous); the per-sequence tensors (rings, sinks, lengths, table) are
+    contiguous. A ``ValueError`` naming the field otherwise."""
+    out = (ctypes.c_int64 * 6)()
+    for i, (name, t) in enumerate(zip(KVState._fields[:6], state[:6])):
+        if not t.numel():
+            continue
+        if t.dim() != 4 or t.stride()[1:] != (t.shape[2] * t.shape[3], t.shape[3], 1):
+            raise ValueError(f"{what} read {name} as [blocks, heads, rows, X] with each block dense; got shape "
+                             f"{list(t.shape)} with strides {list(t.stride())} (as LayerSpec.pool or "
+                             f"kvcompile.pages.PageLayout.views make it)")
+        out[i] = t.stride(0) * t.element_size()
+    for name, t in zip(KVState._fields[6:], state[6:]):
+        if not t.is_contiguous():
+            raise ValueError(f"{what} need a contiguous {name} (as KVStore or LayerSpec.allocate makes it)")
+    return out
 
 
 # ---- how many threads the kernels may use now
@@ -478,9 +499,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     if spec.policy.rotates_keys:
         qf = qf @ hadamard(D, q.device)
     qf = qf.contiguous()
-    for t in state:
-        if not t.is_contiguous():
-            raise ValueError("the CPU kernels need a contiguous store (as KVStore or LayerSpec.allocate makes it)")
+    sb = pool_strides(state)
     table = state.table
     if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != B:
         raise ValueError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} {list(table.shape)}")
@@ -515,7 +534,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
         out.data_ptr(), B, spec.heads, G, n, float(scale if scale is not None else D ** -0.5),
         nsplit or splits(state.lengths, 1 if rope is not None else spec.heads, threads), threads,
         None if kn is None else kn.data_ptr(), None if vn is None else vn.data_ptr(),
-        *_rope_ptrs(lib, ra))
+        *_rope_ptrs(lib, ra), sb)
     if bad:
         b = bad - 1
         raise ValueError(f"the block table of sequence {b} ({int(state.lengths[b])} tokens) does not name a block of "

@@ -22,7 +22,7 @@ from torch import Tensor
 from kvcompile import quant as Q
 from kvcompile.store import KVState, LayerSpec, _state_capacity_check, check_kv, rotate
 
-from .cpu import available_threads, compile_template, defines
+from .cpu import available_threads, compile_template, defines, pool_strides
 
 SOURCE = "cpu_store.c"
 _BY_ID: dict[int, tuple] = {}  # id(spec) -> (spec, kernel); the spec is held, so its id is not reused
@@ -41,7 +41,7 @@ def build(spec: LayerSpec):
     lib = compile_template(SOURCE, key(spec))
     fn = lib.kvc_store
     P, I = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [P, P] + [I] * 6 + [P] * 13 + [I] * 5
+    fn.argtypes = [P, P] + [I] * 6 + [P] * 13 + [I] * 5 + [ctypes.POINTER(I)]
     fn.restype = I
     for name in ("kvc_round_f16", "kvc_fp8_encode"):  # the numerics helpers (tests)
         getattr(lib, name).argtypes = [P, P, I, I]
@@ -60,8 +60,8 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
 
     ``n_new`` (int [B], optional): row ``b`` appends only its first ``n_new[b]`` tokens (ragged batches).
     Every block the append writes must be reserved in ``state.table`` (``KVStore.reserve``), else
-    ``CapacityError`` and nothing is written. All tensors on the CPU and contiguous (as ``KVStore`` and
-    ``LayerSpec.allocate`` make them).
+    ``CapacityError`` and nothing is written. All tensors on the CPU; the pool fields' blocks each dense, at any
+    distance apart (``cpu.pool_strides``: pools of their own, or views of an engine's pages), the rest contiguous.
     """
     check_kv(spec, k, v, state.lengths.shape[0])
     B, H, n, D = k.shape
@@ -79,10 +79,7 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
         k = k.contiguous()
     if v.stride(3) != 1 and n:
         v = v.contiguous()
-    for t in state:
-        if not t.is_contiguous():
-            raise ValueError("the CPU store kernel needs a contiguous store (as KVStore or LayerSpec.allocate "
-                             "makes it)")
+    sb = pool_strides(state, "the CPU store kernel")
     table = state.table
     if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != B:
         raise ValueError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} "
@@ -94,7 +91,7 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
     rc = fn(_ptr(k), _ptr(v), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
             *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(), _ptr(table),
             None if nn is None else nn.data_ptr(), B, n, table.shape[1], state.k_codes.shape[0],
-            available_threads())
+            available_threads(), sb)
     if rc > B:
         b = rc - 1 - B
         bad = [x for x in table[b].tolist() if x >= state.k_codes.shape[0]]
