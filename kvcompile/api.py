@@ -24,7 +24,7 @@ from torch import nn
 
 from . import standin
 from .backend import COMPILERS, Options, compile_graph, unwrapped
-from .errors import UnsupportedError
+from .errors import ArgumentError, ArgumentTypeError, UnsupportedError
 from .hf import KVCompileCache
 from .hf_model import apply_hf, is_hf, layer_names, opaque
 from .modules import apply_module, stores
@@ -68,7 +68,7 @@ def _raise_recompile_limit() -> None:
 
 def _check_applicable(model, policy, max_cache_len, compiler, prefill="auto") -> None:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"kvcompile.apply(model, policy): model={type(model).__name__} is not a torch.nn.Module")
+        raise ArgumentTypeError(f"kvcompile.apply(model, policy): model={type(model).__name__} is not a torch.nn.Module")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or getattr(model, "_compiled_call_impl", None):
         raise UnsupportedError(
             "kvcompile.apply got a model that is already compiled (torch.compile / module.compile()); apply "
@@ -83,7 +83,7 @@ def _check_applicable(model, policy, max_cache_len, compiler, prefill="auto") ->
                           f"kvcompile.Policy (e.g. Policy.kivi(4))")
     if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
                                       or max_cache_len < 1):
-        raise ValueError(f"kvcompile.apply(max_cache_len={max_cache_len!r}): expected a positive number of tokens "
+        raise ArgumentError(f"kvcompile.apply(max_cache_len={max_cache_len!r}): expected a positive number of tokens "
                          f"(the most a sequence may hold), or None (the default) for caches that grow without limit")
     if compiler != "auto" and compiler not in COMPILERS:
         raise UnsupportedError(f"compiler={compiler!r} is not valid: expected 'auto' or one of {COMPILERS}")
@@ -141,7 +141,7 @@ def apply(model: nn.Module, policy: Policy, *, max_cache_len: int | None = None,
         model.__reduce_ex__ = _reducer(model)
         return model
     if max_cache_len is not None:
-        raise ValueError("kvcompile.apply(max_cache_len=...) is for transformers models; a module's caches are "
+        raise ArgumentError("kvcompile.apply(max_cache_len=...) is for transformers models; a module's caches are "
                          "limited by its own cache buffers' length")
     names = apply_module(model, policy)
     applied = Applied(policy, compiler, None, names, settings=dict(compiler=given_compiler, dynamic=dynamic),
@@ -229,7 +229,7 @@ def nbytes(obj) -> int:
         if found:
             return sum(s.nbytes for s in found.values())
         if getattr(obj, "_kvcompile", None) is not None:
-            raise TypeError("this transformers model's caches are created per call: pass the cache generate or "
+            raise ArgumentTypeError("this transformers model's caches are created per call: pass the cache generate or "
                             "forward returned (out.past_key_values / out.cache) to kvcompile.nbytes")
-    raise TypeError(f"kvcompile.nbytes: {type(obj).__name__} holds no kvcompile cache (pass a KVCompileCache, or a "
+    raise ArgumentTypeError(f"kvcompile.nbytes: {type(obj).__name__} holds no kvcompile cache (pass a KVCompileCache, or a "
                     f"module prepared by kvcompile.apply)")

@@ -46,7 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .accounting import bytes_per_token as _bytes_per_token, cache_bytes as _cache_bytes
-from .errors import BudgetError
+from .errors import ArgumentError, BudgetError
 from .evaluate import scored_logits, text_windows
 from .hf import model_shape
 from .policy import Policy, PolicyError, Quant, read_json_file
@@ -272,7 +272,7 @@ def solve(costs: Sequence[Sequence[int]], values: Sequence[Sequence[float]], bud
     from the cheapest: ties go to the more accurate). Raises ``BudgetError`` if nothing fits.
     """
     if len(costs) != len(values) or any(len(c) != len(v) or not c for c, v in zip(costs, values)):
-        raise ValueError("solve: costs and values need the same non-empty choices per group")
+        raise ArgumentError("solve: costs and values need the same non-empty choices per group")
     low = [min(c) for c in costs]
     room = budget - sum(low)
     if room < 0:

@@ -155,7 +155,6 @@ SWAP = threading.RLock()  # held while a transformers name is swapped (below), a
                            # cache is built beside (``capacity``), so that it never sees a swapped name
 
 
-@contextlib.contextmanager
 def _mask_blocks(cbc, dtype: torch.dtype, page_size: int) -> int:
     """The pages whose tokens transformers' ragged mask ``[max_batch_tokens, pages x page_size + max_batch_tokens]``
     (one, in ``dtype``) can read in half of the memory transformers counts as available for its cache."""
@@ -168,6 +167,7 @@ def _mask_blocks(cbc, dtype: torch.dtype, page_size: int) -> int:
     return max(1, int(tokens // page_size))
 
 
+@contextlib.contextmanager
 def _swapped(module, name: str, value):
     """``module.name`` is ``value`` for the block (transformers builds its cache's parts by module-level name)."""
     with SWAP:

@@ -35,6 +35,10 @@ class KeyNotFound(KVCompileError, KeyError):
     probabilities."""
 
 
+class Unimplemented(KVCompileError, NotImplementedError):
+    """A case kvcompile's kernels or integrations do not implement (yet): a head size, an output format."""
+
+
 class PolicyError(KVCompileError, ValueError):
     """A policy that cannot be built or applied."""
 

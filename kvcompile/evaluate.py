@@ -27,7 +27,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ from .hf_model import cache_kwarg
 from .policy import Policy, PolicyError
 from .presets import SCHEMES, is_policy_file, naive, parse_entry, scheme_policy  # noqa: F401  (this module's names too)
 from .store import dequantize_reference
+from .errors import ArgumentError
 
 # --------------------------------------------------------------------------- the policies compared
 # The schemes (and their spellings) are kvcompile.presets'; the evaluation's defaults are these.
@@ -148,7 +149,7 @@ def text_windows(tok, text: str, n: int, count: int, what: str = "the text") -> 
     """``count`` windows of ``n`` tokens, evenly spaced over ``text``: int64 ``[count, n]``."""
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     if len(ids) < n:
-        raise ValueError(f"{what} has {len(ids)} tokens, fewer than one window of {n}")
+        raise ArgumentError(f"{what} has {len(ids)} tokens, fewer than one window of {n}")
     last = len(ids) - n
     starts = [round(i * last / max(count - 1, 1)) for i in range(count)] if count > 1 else [0]
     return torch.stack([ids[s:s + n] for s in starts])
@@ -240,7 +241,7 @@ def passkey_layout(tok, trial: PasskeyTrial) -> tuple[list[int], list[int], int,
     unit = enc(_FILLER)
     room = trial.length - PASSKEY_NEW_TOKENS - len(intro) - len(needle) - len(question)
     if room < len(unit):
-        raise ValueError(f"passkey length {trial.length} leaves no room for filler")
+        raise ArgumentError(f"passkey length {trial.length} leaves no room for filler")
     filler = (unit * (room // len(unit) + 1))[:room]
     # The needle goes at a sentence boundary of the filler, at the trial's depth.
     at = round(trial.depth * (room // len(unit))) * len(unit)
@@ -336,7 +337,7 @@ def passkey_retrieved_shared(model, tok, trials: list[PasskeyTrial], policy: Pol
     order = sorted(range(len(trials)), key=lambda i: trials[i].depth)
     layouts = {i: passkey_layout(tok, trials[i]) for i in order}
     if len({trials[i].length for i in order}) > 1:
-        raise ValueError("passkey_retrieved_shared needs trials of one length")
+        raise ArgumentError("passkey_retrieved_shared needs trials of one length")
     out = [False] * len(trials)
     trunk, fed = None, 0
     for i in order:
@@ -434,7 +435,7 @@ def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int
     for entry in passkey:  # refused before the loss rows run, not after
         if entry != "full" and not entry.startswith("best:") and stores_pre_rope(entry_policy(entry, model.config)[2]
                                                                                  or Policy.full()):
-            raise ValueError(_PASSKEY_PRE_ROPE.format(entry=entry))
+            raise ArgumentError(_PASSKEY_PRE_ROPE.format(entry=entry))
     W = heldout_windows(tok, window, windows)
     if entries is not None:  # explicit "scheme:bits" list (or policy files) instead of the product
         pairs = [entry_policy(e, model.config) for e in entries]
@@ -482,13 +483,13 @@ def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int
             if name == "best":  # the measured best scheme of that width, by loss delta
                 cands = [r for r in res["rows"] if r["bits"] == b and r["scheme"] in SCHEMES]  # not policy files
                 if not cands:
-                    raise ValueError(f"{entry!r}: no {b}-bit scheme was evaluated")
+                    raise ArgumentError(f"{entry!r}: no {b}-bit scheme was evaluated")
                 name = min(cands, key=lambda r: r["loss_delta"])["scheme"]
             pol = scheme_policy(name, b)
             if pol is None:
-                raise ValueError(f"{entry!r}: scheme {name!r} has no {b}-bit policy")
+                raise ArgumentError(f"{entry!r}: scheme {name!r} has no {b}-bit policy")
         if stores_pre_rope(pol):
-            raise ValueError(_PASSKEY_PRE_ROPE.format(entry=f"{entry} ({name}:{b})"))
+            raise ArgumentError(_PASSKEY_PRE_ROPE.format(entry=f"{entry} ({name}:{b})"))
         t0 = time.perf_counter()
         details: dict = {}
 

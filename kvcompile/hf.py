@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer
 
 from . import ops, standin
-from .errors import KVCompileWarning
+from .errors import ArgumentError, ArgumentTypeError, KVCompileWarning, Unimplemented, UnsupportedError
 from .policy import Policy
 from .store import RopeError, RopeTable, DTYPE_NAMES, KVStore, LayerSpec, dequantize_reference, normal_tensors
 
@@ -165,12 +165,12 @@ class KVCompileLayer(StaticLayer):
     def initialize(self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
         """Create the (empty) packed store and the stand-ins."""
         if _tracing():
-            raise RuntimeError(
+            raise UnsupportedError(
                 f"KVCompileCache layer {self.name!r} is first used inside torch.compile: its packed store must be "
                 f"created outside the graph. Create the cache with batch_size=... (or call "
                 f"cache.early_initialization(...)) before the compiled call, or use kvcompile.apply, which does it.")
         if dtype not in DTYPE_NAMES:
-            raise TypeError(f"KVCompileCache: the model's dtype {dtype} has no kvcompile store; supported: "
+            raise ArgumentTypeError(f"KVCompileCache: the model's dtype {dtype} has no kvcompile store; supported: "
                             f"{sorted(DTYPE_NAMES.values(), key=str)}")
         self.device = torch.device(device)
         self.batch_size, self.num_heads, self.k_head_dim, self.v_head_dim = batch_size, num_heads, head_dim, head_dim
@@ -219,7 +219,7 @@ class KVCompileLayer(StaticLayer):
         B, H, _, Dk = key_states.shape
         Dv = value_states.shape[-1]
         if Dv != Dk:
-            raise NotImplementedError(
+            raise Unimplemented(
                 f"kvcompile needs keys and values of the same head_dim; layer {self.name!r} has {Dk} and {Dv}")
         self.initialize(B, H, Dk, key_states.dtype, key_states.device)
 
@@ -423,18 +423,18 @@ class KVCompileCache(Cache):
                  kv_heads: int | None = None, model_arithmetic: bool = True):
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
                                           or max_cache_len < 1):
-            raise ValueError(f"KVCompileCache max_cache_len={max_cache_len!r} is not valid: expected a positive "
+            raise ArgumentError(f"KVCompileCache max_cache_len={max_cache_len!r} is not valid: expected a positive "
                              f"number of tokens, or None for a cache that grows without limit")
         n_layers, model_kv_heads, head_dim = model_shape(config)
         # kv_heads: the KV heads this process's attention computes -- under tensor parallelism its share of the
         # model's (kvcompile.tp); default: the config's
         if kv_heads is not None and (not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads < 1):
-            raise ValueError(f"KVCompileCache kv_heads={kv_heads!r} is not valid: expected a positive number of KV "
+            raise ArgumentError(f"KVCompileCache kv_heads={kv_heads!r} is not valid: expected a positive number of KV "
                              f"heads (this rank's share under tensor parallelism), or None for the config's")
         kv_heads = kv_heads or model_kv_heads
         names = layer_names or [f"model.layers.{i}.self_attn" for i in range(n_layers)]
         if not isinstance(policy, Policy):
-            raise TypeError(f"KVCompileCache(config, policy): policy={policy!r} is not a kvcompile.Policy")
+            raise ArgumentTypeError(f"KVCompileCache(config, policy): policy={policy!r} is not a kvcompile.Policy")
         policy.check(head_dim)
         self.policies = policy.resolve(names)
         self.explicit_dtype = dtype is not None
@@ -503,26 +503,26 @@ class KVCompileCache(Cache):
         the KV heads the model's attention computes here (under tensor parallelism, this rank's share)."""
         if heads is not None and heads != self.shape[0]:
             if any(layer.is_initialized for layer in self.layers):
-                raise ValueError(
+                raise ArgumentError(
                     f"this KVCompileCache holds {self.shape[0]} KV heads per layer, but the model's attention "
                     f"computes {heads} here (under tensor parallelism: this rank's share of the model's heads): "
                     f"create the cache with kv_heads={heads}, or pass no cache (kvcompile.apply creates one per rank)")
             self.shape = (heads, self.shape[1])
         if not self.is_initialized:
             if self.explicit_dtype and self.dtype != dtype:
-                raise ValueError(
+                raise ArgumentError(
                     f"this KVCompileCache stores {self.dtype}, but the model runs in {dtype}: create the cache for "
                     f"the model as it is now (dtype={dtype}, or no dtype: the model's)")
             self.early_initialization(batch, *self.shape, dtype, device)
         first = next((layer for layer in self.layers if isinstance(layer, KVCompileLayer)), None)
         if first is not None:
             if first.store.batch != batch:
-                raise ValueError(
+                raise ArgumentError(
                     f"this KVCompileCache holds {first.store.batch} sequences but the call passes a batch of {batch}: "
                     f"a cache belongs to one batch (create one per batch, or reorder it with "
                     f"cache.batch_select_indices)")
             if first.dtype != dtype or first.device != torch.device(device):
-                raise ValueError(
+                raise ArgumentError(
                     f"this KVCompileCache stores {first.dtype} on {first.device}, but the model runs in {dtype} on "
                     f"{torch.device(device)}: create the cache for the model as it is now (kvcompile.apply's "
                     f"caches are created per call, so after model.to(...) pass no cache, or a new one)")
@@ -564,7 +564,7 @@ class KVCompileCache(Cache):
         applied model calls it with its ``max_length``. Only the allocation changes: ``nbytes`` still counts
         what the sequences hold, ``reserved_nbytes`` what is allocated."""
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
-            raise ValueError(f"KVCompileCache.expect(tokens={tokens!r}): expected a whole number of tokens >= 0")
+            raise ArgumentError(f"KVCompileCache.expect(tokens={tokens!r}): expected a whole number of tokens >= 0")
         for layer in self.layers:
             if isinstance(layer, KVCompileLayer):
                 layer.expect(tokens)

@@ -235,7 +235,7 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
         if ids is None:
             ids = kwargs.get("inputs_embeds")
         if ids is None:
-            raise ValueError(f"{type(model).__name__}.forward under kvcompile: pass input_ids or inputs_embeds")
+            raise ArgumentError(f"{type(model).__name__}.forward under kvcompile: pass input_ids or inputs_embeds")
         if cache is None:
             cache = new_cache()
         take_over(cache, new_cache)

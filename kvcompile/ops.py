@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from . import standin
+from .errors import ArgumentError, UnsupportedError
 from .store import (KVState, KVStore, LayerSpec, attention_reference, check_chunk, cover, dequantize_reference,
                     store_reference)
 
@@ -46,10 +47,10 @@ KERNELS = ("auto", "triton", "cpu", "inductor", "reference")
 def _check_kernels(name, what: str, fix: str = "") -> None:
     """Refuse a kernel family that does not exist, or Triton where it cannot run; ``what`` names the setting."""
     if not isinstance(name, str) or name not in KERNELS:
-        raise ValueError(f"{what}={name!r} is not valid: expected one of {', '.join(KERNELS)} "
+        raise ArgumentError(f"{what}={name!r} is not valid: expected one of {', '.join(KERNELS)} "
                          f"(auto: Triton on CUDA, the C kernels on the CPU){fix}")
     if name == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(f"{what}='triton' needs CUDA, or TRITON_INTERPRET=1 set before kvcompile is imported "
+        raise UnsupportedError(f"{what}='triton' needs CUDA, or TRITON_INTERPRET=1 set before kvcompile is imported "
                            f"(Triton's interpreter, slow: for tests); no GPU is visible here. Use 'cpu' or 'auto'.")
 
 
@@ -148,7 +149,7 @@ def backend(device: torch.device) -> Backend:
     name = kernels(device)
     b = BACKENDS[name]
     if device.type not in b.devices:
-        raise RuntimeError(f"kvcompile kernels {name!r} run on {'/'.join(b.devices)} tensors, but this cache is on "
+        raise UnsupportedError(f"kvcompile kernels {name!r} run on {'/'.join(b.devices)} tensors, but this cache is on "
                            f"{device}: choose kernels that run there (kvcompile.ops.set_kernels('auto'))")
     return b
 
@@ -187,7 +188,7 @@ def _positions_at(st: KVStore, pos: Tensor, k_cache: Tensor, v_cache: Tensor) ->
     first = int(pos.reshape(-1)[0])
     L = st.lengths
     if len(set(L)) != 1:
-        raise RuntimeError(f"kvcompile cache write at position {first} into sequences of different lengths {L}: "
+        raise UnsupportedError(f"kvcompile cache write at position {first} into sequences of different lengths {L}: "
                            f"a write by position needs every sequence at the same length")
     if first == L[0]:
         return
@@ -204,7 +205,7 @@ def _positions_at(st: KVStore, pos: Tensor, k_cache: Tensor, v_cache: Tensor) ->
                 f"without pre_rope.")
         st.append(k_cache[:, :, :first], v_cache[:, :, :first], kernel=backend(k_cache.device).store)
         return
-    raise RuntimeError(
+    raise UnsupportedError(
         f"kvcompile cache write at position {first}, but the cache holds {L[0]} tokens: positions must continue "
         f"where the cache ends (or go back: the cache is cropped there). Reset the cache (cache.reset()) before "
         f"a new sequence.")
@@ -224,7 +225,7 @@ def _store(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, pos: Tensor, 
     if st.spec.policy.pre_rope:
         st.write_keys(bool(rope))
     elif rope:
-        raise ValueError(f"kvcompile.store got pre-RoPE keys ({rope}) for the layout {spec}, which stores "
+        raise ArgumentError(f"kvcompile.store got pre-RoPE keys ({rope}) for the layout {spec}, which stores "
                          f"post-RoPE keys")
     if rope:
         form, rd = rope.split(":")

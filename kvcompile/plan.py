@@ -26,7 +26,6 @@ import sympy as sp
 
 from .accounting import full_precision_bytes_per_token
 from .errors import KVCompileError, PlanError, WeightsUnknown
-from .evaluate import scheme_policy
 from .hf import model_shape, windowed_layers
 from .policy import Policy
 from .pool import (check_shared_tokens, pages_for, request_limit, requests_held, shared_pages, size_pool,

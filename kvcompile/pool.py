@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .accounting import full_precision_bytes_per_token as fp_bytes
-from .errors import UnsupportedError
+from .errors import ArgumentError, UnsupportedError
 from .hf import _text_config, model_shape, windowed_layers
 from .policy import Policy
 from .store import DTYPE_NAMES, KVStore, LayerSpec
@@ -118,7 +118,7 @@ def requests_held(pages: int, need: int, shared: int = 0) -> int:
 
 def check_shared_tokens(shared_tokens: int, request_tokens: int) -> None:
     if not isinstance(shared_tokens, int) or isinstance(shared_tokens, bool) or not 0 <= shared_tokens < request_tokens:
-        raise ValueError(f"kvcompile serving: shared_tokens={shared_tokens!r}: expected a number of tokens from 0 to "
+        raise ArgumentError(f"kvcompile serving: shared_tokens={shared_tokens!r}: expected a number of tokens from 0 to "
                          f"request_tokens - 1 = {request_tokens - 1} (the prompt prefix every request shares)")
 
 
@@ -256,7 +256,7 @@ def size_pool(specs: list[LayerSpec], budget: int, request_tokens: int, slots: i
     request of ``max_tokens`` tokens needs (``table_width``)."""
     for name, v in (("budget", budget), ("request_tokens", request_tokens), ("slots", slots)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ValueError(f"kvcompile serving: {name}={v!r}: expected a positive integer")
+            raise ArgumentError(f"kvcompile serving: {name}={v!r}: expected a positive integer")
     check_shared_tokens(shared_tokens, request_tokens)
     shared_tokens = shared_tokens if shares_pages(specs) else 0
     slots = slots_for(specs, budget, slots, request_tokens, max_tokens, shared_tokens)

@@ -1322,7 +1322,7 @@ def checked_state(**kw):
                     if isinstance(item, Stopped):
                         raise ServerStopping(item.msg)
                     if not isinstance(item, str):  # transformers' stream error
-                        raise RuntimeError(f"generation failed for {request_id}: {getattr(item, 'msg', item)}")
+                        raise UnsupportedError(f"generation failed for {request_id}: {getattr(item, 'msg', item)}")
                     parts.append(item)
                 return "".join(parts), len(inputs["input_ids"]), list(ids)
 

@@ -64,7 +64,7 @@ import torch
 from torch import Tensor
 
 from . import quant as Q
-from .errors import CapacityError, RopeError
+from .errors import ArgumentError, CapacityError, IndexOutOfRange, KeyNotFound, RopeError, UnsupportedError
 from .policy import Policy, PolicyError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -204,7 +204,7 @@ class LayerSpec:
         try:
             return _SPECS[name]
         except KeyError:
-            raise KeyError(f"no kvcompile store layout named {name!r} was created in this process") from None
+            raise KeyNotFound(f"no kvcompile store layout named {name!r} was created in this process") from None
 
     def register(self) -> str:
         _SPECS[self.name] = self
@@ -307,7 +307,7 @@ def rope_pairing(form: str, rotary_dim: int, D: int) -> tuple[list[int], list[fl
     "half": ``cat(-x2, x1)`` over halves of the rotary dims (transformers' ``rotate_half``);
     "pairs": ``(x0, x1) -> (x0 c - x1 s, x1 c + x0 s)`` over adjacent pairs (gpt-fast)."""
     if form not in ROPE_FORMS or not (0 < rotary_dim <= D) or rotary_dim % 2:
-        raise ValueError(f"rope form {form!r} over {rotary_dim} of {D} channels is not valid: expected one of "
+        raise ArgumentError(f"rope form {form!r} over {rotary_dim} of {D} channels is not valid: expected one of "
                          f"{ROPE_FORMS} over an even number of channels <= {D}")
     perm, sign = list(range(D)), [0.0] * D
     h = rotary_dim // 2
@@ -325,12 +325,12 @@ def check_rope_tables(cos: Tensor, sin: Tensor, perm: Tensor, offset: Tensor, B:
     offsets ``[B]`` (``Rope``), and, with ``partners``, every partner channel lies in the head (a read of the
     partners: callers on a GPU, or that checked these partners before, pass False)."""
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or perm.shape != (D,) or offset.shape != (B,):
-        raise ValueError(f"rope tables must be cos, sin [T, {D}], perm [{D}] and offsets [{B}]; got "
+        raise ArgumentError(f"rope tables must be cos, sin [T, {D}], perm [{D}] and offsets [{B}]; got "
                          f"{list(cos.shape)}, {list(sin.shape)}, {list(perm.shape)}, {list(offset.shape)}")
     if cos.shape[0] == 0:
-        raise ValueError("rope tables: the cos/sin table is empty (no rotary position was captured)")
+        raise ArgumentError("rope tables: the cos/sin table is empty (no rotary position was captured)")
     if partners and not bool(((perm >= 0) & (perm < D)).all()):
-        raise ValueError(f"rope tables: a partner channel outside the head [0, {D}): {perm.tolist()}")
+        raise ArgumentError(f"rope tables: a partner channel outside the head [0, {D}): {perm.tolist()}")
 
 
 def apply_rope(k: Tensor, rope: Rope, positions: Tensor) -> Tensor:
@@ -460,7 +460,7 @@ class KVStore:
     def __init__(self, spec: LayerSpec, batch: int, device="cpu", max_tokens: int | None = None,
                  max_blocks: int | None = None, blocks: int = 0, table_width: int = 0):
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-            raise ValueError(f"KVStore batch={batch!r} is not valid: expected a positive integer")
+            raise ArgumentError(f"KVStore batch={batch!r} is not valid: expected a positive integer")
         self.spec, self.device = spec, torch.device(device)
         self.max_tokens, self.max_blocks = max_tokens, max_blocks
         blocks = min(blocks, max_blocks) if max_blocks is not None else blocks
@@ -582,18 +582,18 @@ class KVStore:
         prefix) and frees it; the store never takes, copies on write or frees a block. Only a block with no
         sequence writing into it may be shared (a complete block, whose tokens are all packed)."""
         if self.used_blocks:
-            raise RuntimeError("KVStore.engine_owns_blocks: the store already holds blocks")
+            raise UnsupportedError("KVStore.engine_owns_blocks: the store already holds blocks")
         self.engine_blocks = True
 
     def set_tables(self, tables: dict[int, list[int]]) -> None:
         """Sequence ``b``'s blocks become ``tables[b]`` (pool block ids, in order; ``engine_owns_blocks``)."""
         if not self.engine_blocks:
-            raise RuntimeError("KVStore.set_tables: the store owns its blocks (see engine_owns_blocks)")
+            raise UnsupportedError("KVStore.set_tables: the store owns its blocks (see engine_owns_blocks)")
         changed = [b for b, t in tables.items() if self.tables[b] != t]
         for b in changed:
             blocks = list(tables[b])
             if blocks and not (0 <= min(blocks) and max(blocks) < self.blocks):
-                raise IndexError(f"KVStore.set_tables: blocks {blocks} outside the pool's {self.blocks}")
+                raise IndexOutOfRange(f"KVStore.set_tables: blocks {blocks} outside the pool's {self.blocks}")
             self.tables[b] = blocks
         if changed:
             self._sync_rows(changed)
@@ -604,9 +604,9 @@ class KVStore:
         no sinks)."""
         sp = self.spec
         if sp.ring or sp.sink:
-            raise RuntimeError(f"KVStore.set_length: {sp.policy} keeps tokens outside the blocks (ring, sinks)")
+            raise UnsupportedError(f"KVStore.set_length: {sp.policy} keeps tokens outside the blocks (ring, sinks)")
         if sp.blocks_for(length) > len(self.tables[b]) or self.lengths[b]:
-            raise RuntimeError(f"KVStore.set_length({b}, {length}): the sequence holds {self.lengths[b]} tokens "
+            raise UnsupportedError(f"KVStore.set_length({b}, {length}): the sequence holds {self.lengths[b]} tokens "
                                f"in {len(self.tables[b])} blocks")
         self.lengths[b] = length
         self.state.lengths[b] = length
@@ -615,7 +615,7 @@ class KVStore:
         """Block ``dst[i]`` becomes a copy of block ``src[i]`` (copy on write; an engine forking a sequence copies
         the blocks it does not share)."""
         if len(src) != len(dst):
-            raise ValueError(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
+            raise ArgumentError(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
         if not src:
             return
         s = torch.tensor(list(src), dtype=torch.long, device=self.device)
@@ -631,7 +631,7 @@ class KVStore:
         free until written: ``nbytes`` counts what the sequences hold, ``reserved_nbytes`` the allocation.
         A store limited to ``max_blocks`` takes no more than that."""
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
-            raise ValueError(f"KVStore.expect tokens={tokens!r} is not valid: expected a whole number of tokens >= 0")
+            raise ArgumentError(f"KVStore.expect tokens={tokens!r} is not valid: expected a whole number of tokens >= 0")
         if self.max_tokens is not None:
             tokens = min(tokens, self.max_tokens)
         need = sum(max(0, self.spec.blocks_for(tokens) - len(t)) for t in self.tables)
@@ -644,7 +644,7 @@ class KVStore:
         the blocks the append will write, and copy any of them that is shared with another sequence."""
         ns = [n_new] * self.batch if isinstance(n_new, int) else [int(x) for x in n_new]
         if len(ns) != self.batch:
-            raise ValueError(f"reserve: {len(ns)} counts for a store of {self.batch} sequences")
+            raise ArgumentError(f"reserve: {len(ns)} counts for a store of {self.batch} sequences")
         sp = self.spec
         if self.max_tokens is not None:
             for b, (L, n) in enumerate(zip(self.lengths, ns)):
@@ -708,7 +708,7 @@ class KVStore:
         n = k.shape[2]
         ns = [n] * self.batch if n_new is None else [int(x) for x in n_new.tolist()]
         if any(x < 0 or x > n for x in ns):
-            raise ValueError(f"n_new={ns} must be within [0, {n}] for a chunk of {n} tokens")
+            raise ArgumentError(f"n_new={ns} must be within [0, {n}] for a chunk of {n} tokens")
         self.reserve(ns)
         (kernel or store_reference)(self.state, self.spec, k, v, n_new)
         self.lengths = [L + x for L, x in zip(self.lengths, ns)]
@@ -719,7 +719,7 @@ class KVStore:
         ``select``, ``fork`` and ``crop``; 0 after ``reset``. Set before its first write."""
         offsets = [int(x) for x in offsets]
         if len(offsets) != self.batch:
-            raise ValueError(f"set_rope_offsets: {len(offsets)} offsets for a store of {self.batch} sequences")
+            raise ArgumentError(f"set_rope_offsets: {len(offsets)} offsets for a store of {self.batch} sequences")
         if offsets != self.rope_offset:
             self.rope_offset, self._rope_offset_t = offsets, None
 
@@ -763,7 +763,7 @@ class KVStore:
         model's own attention reads it (``Policy.full()`` keeps the model's arithmetic)."""
         sp = self.spec
         if not sp.policy.exact:
-            raise ValueError(f"KVStore.exact_view: the layout {sp.name} does not hold the values as written")
+            raise ArgumentError(f"KVStore.exact_view: the layout {sp.name} does not hold the values as written")
         B, H, D, BS = self.batch, sp.heads, sp.head_dim, sp.block
         k_pool, v_pool = self.state.k_codes, self.state.v_codes
         if width == 0 or not k_pool.shape[0]:
@@ -808,7 +808,7 @@ class KVStore:
         sequence writes into a shared one (``reserve`` copies it then). The batch becomes ``len(index)``."""
         idx = torch.as_tensor(index, dtype=torch.long).reshape(-1)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.batch):
-            raise IndexError(f"select: index {idx.tolist()} outside the store's {self.batch} sequences")
+            raise IndexOutOfRange(f"select: index {idx.tolist()} outside the store's {self.batch} sequences")
         ix = idx.tolist()
         tables = [list(self.tables[i]) for i in ix]
         for t in tables:
@@ -890,7 +890,7 @@ class KVStore:
         table from now on; an engine hands them out), its ring, sinks and length to row ``b``."""
         n = saved.pool[0].shape[0]
         if len(blocks) < n:
-            raise RuntimeError(f"KVStore.restore: {n} blocks saved, {len(blocks)} given")
+            raise UnsupportedError(f"KVStore.restore: {n} blocks saved, {len(blocks)} given")
         self.clear([b])
         self.tables[b] = list(blocks)
         self._share(self.tables[b])
@@ -992,7 +992,7 @@ def check_kv(spec: LayerSpec, k: Tensor, v: Tensor, batch: int) -> None:
     """``k, v`` must be ``[batch, heads, n, head_dim]`` of one shape (the one check every store path makes)."""
     B, H, n, D = k.shape if k.dim() == 4 else (None,) * 4
     if (B, H, D) != (batch, spec.heads, spec.head_dim) or v.shape != k.shape:
-        raise ValueError(f"store expects k, v of shape [{batch}, {spec.heads}, n, {spec.head_dim}]; "
+        raise ArgumentError(f"store expects k, v of shape [{batch}, {spec.heads}, n, {spec.head_dim}]; "
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")
 
 
@@ -1009,7 +1009,7 @@ def store_reference(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new
         n_new = torch.full((B,), n, dtype=torch.int32)
     n_new = n_new.to(torch.int32).cpu()
     if bool(((n_new < 0) | (n_new > n)).any()):
-        raise ValueError(f"n_new={n_new.tolist()} must be within [0, {n}] for a chunk of {n} tokens")
+        raise ArgumentError(f"n_new={n_new.tolist()} must be within [0, {n}] for a chunk of {n} tokens")
     lengths_cpu = state.lengths.cpu()
     _state_capacity_check(state, spec, lengths_cpu, n_new)
     k, v = rotate(k, spec, keys=True), rotate(v, spec)
@@ -1076,7 +1076,7 @@ def _write_quantized(codes, scale, zero, q, x: Tensor, table: list[int], start: 
 def crop_reference(store: "KVStore", length: int) -> None:
     """``KVStore.crop``'s specification (see its docstring): every sequence keeps ``min(L, length)`` tokens."""
     if not isinstance(length, int) or isinstance(length, bool) or length < 0:
-        raise ValueError(f"crop(length={length!r}): expected a number of tokens >= 0")
+        raise ArgumentError(f"crop(length={length!r}): expected a number of tokens >= 0")
     sp, st = store.spec, store.state
     S, W = sp.sink, max(sp.ring, 1)
     rows = []
@@ -1203,13 +1203,13 @@ def stored_chunk(spec: LayerSpec, k_new: Tensor | None, v_new: Tensor | None, n:
 
 def check_chunk(q: Tensor, k_new: Tensor | None, v_new: Tensor | None, spec: LayerSpec) -> None:
     if (k_new is None) != (v_new is None):
-        raise ValueError("attention takes the chunk's keys and values together (k_new and v_new), or neither")
+        raise ArgumentError("attention takes the chunk's keys and values together (k_new and v_new), or neither")
     if k_new is None:
         return
     B, _, n, D = q.shape
     want = (B, spec.heads, n, spec.head_dim)
     if tuple(k_new.shape) != want or tuple(v_new.shape) != want:
-        raise ValueError(f"k_new and v_new must be the {n} queries' own keys and values, of shape {list(want)}; "
+        raise ArgumentError(f"k_new and v_new must be the {n} queries' own keys and values, of shape {list(want)}; "
                          f"got {list(k_new.shape)} and {list(v_new.shape)}")
 
 
@@ -1288,7 +1288,7 @@ def attention_reference(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     B, Hq, n, D = q.shape
     H = spec.heads
     if Hq % H:
-        raise ValueError(f"query heads {Hq} are not a multiple of the cache's kv heads {H}")
+        raise ArgumentError(f"query heads {Hq} are not a multiple of the cache's kv heads {H}")
     check_chunk(q, k_new, v_new, spec)
     mask = cover(mask, state)
     C = positions(state, mask)
@@ -1348,7 +1348,7 @@ class QuantizedKV:
     def __init__(self, policy: Policy, batch: int, heads: int, capacity: int | None = None, head_dim: int = 64,
                  dtype=torch.float32, device="cpu"):
         if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
-            raise ValueError(f"QuantizedKV capacity={capacity!r} is not valid: expected a positive number of "
+            raise ArgumentError(f"QuantizedKV capacity={capacity!r} is not valid: expected a positive number of "
                              f"tokens, or None for no limit")
         self.spec = LayerSpec(policy, heads, head_dim, DTYPE_NAMES[dtype])
         self.store = KVStore(self.spec, batch, device, max_tokens=capacity)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from kvcompile import ops as _ops  # noqa: F401  (registers torch.ops.kvcompile)
-from kvcompile.errors import UnsupportedError
+from kvcompile.errors import KVCompileError, UnsupportedError
 
 counters: Counter = Counter()
 

@@ -45,6 +45,7 @@ from kvcompile.store import KVState, LayerSpec, Rope, apply_rope, check_rope_tab
 
 from .common import INTERPRET, SCALE_CODES, run
 from .store import _boundary, _e4m3_value, _kind, as_bytes, nonempty
+from kvcompile.errors import ArgumentError
 
 
 # --------------------------------------------------------------------------- tiles
@@ -375,7 +376,7 @@ def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, bl
     ``block``: packed tokens per block (``LayerSpec.block``), a multiple of ``block_n``. ``rope``: the keys are
     pre-RoPE, rotated by their positions in the kernel."""
     if block % block_n:
-        raise ValueError(f"attention tile of {block_n} tokens does not divide the store's blocks of {block}")
+        raise ArgumentError(f"attention tile of {block_n} tokens does not divide the store's blocks of {block}")
     D = head_dim
     kw = dict(D=D, DB=max(16, triton.next_power_of_2(D)), S=sink, R=policy.residual, F=flush, W=ring, BS=block)
     for pre, q in (("K_", policy.key), ("V_", policy.value)):

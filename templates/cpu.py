@@ -35,7 +35,7 @@ from torch import Tensor
 
 from kvcompile import cachedir
 from kvcompile import quant as Q
-from kvcompile.errors import CacheDirError, CompilerError
+from kvcompile.errors import ArgumentError, CacheDirError, CompilerError
 from kvcompile.store import (KVState, LayerSpec, Rope, apply_rope, check_rope_tables, chunk_needed,
                              dequantize_reference, hadamard, stored_chunk, with_chunk)
 
@@ -249,7 +249,7 @@ def _build(cc: str, path_src: Path, dflags: list, path: Path) -> None:
             except OSError as e:  # something that is not a file is at that name (a directory): said, not raw
                 what = "a directory is there" if os.path.isdir(dst) else (e.strerror or str(e))
                 raise CacheDirError(f"kvcompile cannot write the CPU kernel {dst} into its cache directory "
-                                    f"({_named()}): {what}. Remove {dst}, or set KVCOMPILE_CACHE_DIR to a "
+                                    f"({cachedir.named()}): {what}. Remove {dst}, or set KVCOMPILE_CACHE_DIR to a "
                                     f"directory of your own.") from None
 
 
@@ -328,13 +328,13 @@ def pool_strides(state: KVState, what: str = "the CPU kernels") -> ctypes.Array:
         if not t.numel():
             continue
         if t.dim() != 4 or t.stride()[1:] != (t.shape[2] * t.shape[3], t.shape[3], 1):
-            raise ValueError(f"{what} read {name} as [blocks, heads, rows, X] with each block dense; got shape "
+            raise ArgumentError(f"{what} read {name} as [blocks, heads, rows, X] with each block dense; got shape "
                              f"{list(t.shape)} with strides {list(t.stride())} (as LayerSpec.pool or "
                              f"kvcompile.pages.PageLayout.views make it)")
         out[i] = t.stride(0) * t.element_size()
     for name, t in zip(KVState._fields[6:], state[6:]):
         if not t.is_contiguous():
-            raise ValueError(f"{what} need a contiguous {name} (as KVStore or LayerSpec.allocate makes it)")
+            raise ArgumentError(f"{what} need a contiguous {name} (as KVStore or LayerSpec.allocate makes it)")
     return out
 
 
@@ -356,7 +356,7 @@ def _threads_from_env() -> int | None:
     if env in ("", "auto"):
         return None
     if not env.isdigit() or int(env) < 1:
-        raise ValueError(f"KVCOMPILE_THREADS={env!r}: expected a whole number of threads >= 1, or 'auto' (the "
+        raise ArgumentError(f"KVCOMPILE_THREADS={env!r}: expected a whole number of threads >= 1, or 'auto' (the "
                          f"default: as many as the cores other processes leave free); unset it or set one of those")
     return int(env)
 
@@ -491,7 +491,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     source: the C template (a benchmark passes edited copies of it)."""
     why = check_decode(q, spec)
     if why:
-        raise ValueError(f"the CPU decode kernel cannot take this call: {why}")
+        raise ArgumentError(f"the CPU decode kernel cannot take this call: {why}")
     B, Hq, n, D = q.shape
     G = Hq // spec.heads
     lib = _kernel_for(spec, source)
@@ -502,7 +502,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     sb = pool_strides(state)
     table = state.table
     if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != B:
-        raise ValueError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} {list(table.shape)}")
+        raise ArgumentError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} {list(table.shape)}")
     m = None
     msb = msh = msi = mw = 0
     if mask is not None:
@@ -515,7 +515,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
         while mk.dim() < 4:
             mk = mk.unsqueeze(0)
         if mk.shape[-2] not in (1, n):
-            raise ValueError(f"mask of shape {tuple(mask.shape)} does not match {n} query tokens")
+            raise ArgumentError(f"mask of shape {tuple(mask.shape)} does not match {n} query tokens")
         m = mk.expand(B, Hq, n, mk.shape[-1])
         msb, msh, msi = (m.stride(0), m.stride(1), m.stride(2))
         if m.stride(3) != 1:
@@ -537,7 +537,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
         *_rope_ptrs(lib, ra), sb)
     if bad:
         b = bad - 1
-        raise ValueError(f"the block table of sequence {b} ({int(state.lengths[b])} tokens) does not name a block of "
+        raise ArgumentError(f"the block table of sequence {b} ({int(state.lengths[b])} tokens) does not name a block of "
                          f"the pool ({state.k_codes.shape[0]} blocks) for each of its "
                          f"{spec.blocks_for(int(state.lengths[b]))} packed blocks: {table[b].tolist()}")
     if pol.rotate:
@@ -645,7 +645,7 @@ def rope_rows(k: Tensor, spec: LayerSpec, rope: Rope, p0: int = 0, b: int = 0, s
     lib = _kernel_for(spec, source)
     kf = k.float().contiguous()
     if kf.dim() != 2 or kf.shape[1] != D:
-        raise ValueError(f"rope_rows: expected key rows [N, {D}], got {list(k.shape)}")
+        raise ArgumentError(f"rope_rows: expected key rows [N, {D}], got {list(k.shape)}")
     ra = _rope_args(rope, rope.offset.numel(), D)
     cos, sin, T, perm, _, *cc = _rope_ptrs(lib, ra, compact)
     out = torch.empty_like(kf)
@@ -661,7 +661,7 @@ def dequant_keys(state: KVState, spec: LayerSpec, block: int, head: int, natural
     lib = _kernel_for(spec, source)
     pool = [t[block, head] if t.numel() else t for t in (state.k_codes, state.k_scale, state.k_zero)]
     if not all(t.is_contiguous() for t in pool):
-        raise ValueError("dequant_keys: the store's keys must be contiguous")
+        raise ArgumentError("dequant_keys: the store's keys must be contiguous")
     out = torch.empty(BS, D)
     lib.kvc_dequant_keys(*[_ptr(t) for t in pool], 0, BS, int(natural), out.data_ptr())
     return out
@@ -677,7 +677,7 @@ def rope_keys(state: KVState, spec: LayerSpec, block: int, head: int, rope: Rope
     lib = _kernel_for(spec, source)
     pool = [t[block, head] if t.numel() else t for t in (state.k_codes, state.k_scale, state.k_zero)]
     if not all(t.is_contiguous() for t in pool):
-        raise ValueError("rope_keys: the store's keys must be contiguous")
+        raise ArgumentError("rope_keys: the store's keys must be contiguous")
     ra = _rope_args(rope, rope.offset.numel(), D)
     cos, sin, T, perm, _, *cc = _rope_ptrs(lib, ra, compact)
     out = torch.empty(BS, D)
@@ -730,7 +730,7 @@ def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor |
     B, Hq, n, D = q.shape
     H = spec.heads
     if Hq % H:
-        raise ValueError(f"query heads {Hq} are not a multiple of the cache's kv heads {H}")
+        raise ArgumentError(f"query heads {Hq} are not a multiple of the cache's kv heads {H}")
     lengths = state.lengths.to(torch.int64)
     Lmax = int(lengths.max()) if B else 0
     qf = q.float()

@@ -23,6 +23,7 @@ from kvcompile import quant as Q
 from kvcompile.store import KVState, LayerSpec, _state_capacity_check, check_kv, rotate
 
 from .cpu import available_threads, compile_template, defines, pool_strides
+from kvcompile.errors import ArgumentError, IndexOutOfRange
 
 SOURCE = "cpu_store.c"
 _BY_ID: dict[int, tuple] = {}  # id(spec) -> (spec, kernel); the spec is held, so its id is not reused
@@ -66,7 +67,7 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
     check_kv(spec, k, v, state.lengths.shape[0])
     B, H, n, D = k.shape
     if k.device.type != "cpu" or v.device.type != "cpu" or state.lengths.device.type != "cpu":
-        raise ValueError("the CPU store kernel takes CPU tensors")
+        raise ArgumentError("the CPU store kernel takes CPU tensors")
     fn = build(spec)
     if spec.policy.rotate:
         k, v = rotate(k, spec, keys=True), rotate(v, spec)
@@ -82,7 +83,7 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
     sb = pool_strides(state, "the CPU store kernel")
     table = state.table
     if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != B:
-        raise ValueError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} "
+        raise ArgumentError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} "
                          f"{list(table.shape)}")
     nn = None
     if n_new is not None:
@@ -95,7 +96,7 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
     if rc > B:
         b = rc - 1 - B
         bad = [x for x in table[b].tolist() if x >= state.k_codes.shape[0]]
-        raise IndexError(f"the block table of sequence {b} names block {bad[0]}, but the pool holds "
+        raise IndexOutOfRange(f"the block table of sequence {b} names block {bad[0]}, but the pool holds "
                          f"{state.k_codes.shape[0]} blocks")
     if rc > 0:
         _state_capacity_check(state, spec, state.lengths,
@@ -104,4 +105,4 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
                              f"reference check does not see")
     if rc < 0:
         b = -1 - rc
-        raise ValueError(f"n_new[{b}]={int(nn[b])} is outside [0, {n}]: a row appends at most the chunk's {n} tokens")
+        raise ArgumentError(f"n_new[{b}]={int(nn[b])} is outside [0, {n}]: a row appends at most the chunk's {n} tokens")

@@ -27,6 +27,7 @@ from kvcompile.store import (CapacityError, KVState, LayerSpec, Rope, _state_cap
 
 from . import attention as _attention
 from . import store as _store
+from kvcompile.errors import ArgumentError, ArgumentTypeError, Unimplemented
 
 MAX_HEAD_DIM = 256  # one head is a single tile in registers
 UNRESERVED = ("kvcompile KV cache overflow: an append writes packed tokens into a block that is not reserved in "
@@ -37,7 +38,7 @@ UNRESERVED = ("kvcompile KV cache overflow: an append writes packed tokens into 
 def check_supported(spec: LayerSpec) -> None:
     """Raise for a layout the Triton kernels do not implement (never fall back silently)."""
     if spec.head_dim > MAX_HEAD_DIM:
-        raise NotImplementedError(
+        raise Unimplemented(
             f"kvcompile's Triton kernels hold one head in registers and support head_dim <= {MAX_HEAD_DIM}; "
             f"policy {spec.policy.key_str()} was applied to head_dim={spec.head_dim}. Use the reference "
             f"kernels for this layer (kvcompile.ops.set_kernels('reference'))."
@@ -48,11 +49,11 @@ def _check_state(state: KVState, spec: LayerSpec) -> None:
     """The kernels index the last dimension with unit stride and everything else through strides."""
     for name, t in zip(state._fields, state):
         if t.numel() and t.dim() > 1 and t.stride(-1) != 1:
-            raise ValueError(f"kvcompile store tensor {name} of layout {spec.name} has stride {t.stride()}: the "
+            raise ArgumentError(f"kvcompile store tensor {name} of layout {spec.name} has stride {t.stride()}: the "
                              f"Triton kernels need a unit stride along the last dimension (use spec.allocate()).")
     B, table = state.lengths.shape[0], state.table
     if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != B:
-        raise ValueError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} "
+        raise ArgumentError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} "
                          f"{list(table.shape)}")
 
 
@@ -73,7 +74,7 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
     host = dev.type == "cpu" and state.table.device.type == "cpu"
     if host:  # the reference's checks, where reading lengths and the table costs no device sync
         if bool(((n_new < 0) | (n_new > n)).any()):
-            raise ValueError(f"n_new={n_new.tolist()} must be within [0, {n}] for a chunk of {n} tokens")
+            raise ArgumentError(f"n_new={n_new.tolist()} must be within [0, {n}] for a chunk of {n} tokens")
         _state_capacity_check(state, spec, state.lengths, n_new)
     if n == 0:
         return
@@ -112,10 +113,10 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     H = spec.heads
     batch = state.lengths.shape[0]
     if B != batch or D != spec.head_dim or Hq % H:
-        raise ValueError(f"attention expects q of shape [{batch}, k*{H}, n, {spec.head_dim}]; got {tuple(q.shape)}")
+        raise ArgumentError(f"attention expects q of shape [{batch}, k*{H}, n, {spec.head_dim}]; got {tuple(q.shape)}")
     if mask is not None:
         if not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
-            raise TypeError(f"attention mask must be bool or floating point; got {mask.dtype}")
+            raise ArgumentTypeError(f"attention mask must be bool or floating point; got {mask.dtype}")
         mask = mask.expand(B, Hq, n, mask.shape[-1])  # positions past its width are invisible (the kernel)
     check_chunk(q, k_new, v_new, spec)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)

@@ -50,6 +50,8 @@ OUTSIDE_THE_ROOT = {
                                                         "it into the one-line usage error (exit status 2)",
     ("kvcompile/backend.py", "Analyzed"): "explain's analysis-only backend stops Dynamo with its report (INTERNAL)",
     ("passes/kv_cache.py", "_Reject"): "a site the pass skips, caught within the pass (INTERNAL)",
+    ("kvcompile/serving.py", "AttributeError"): "a module's __getattr__ says a name is not there by Python's "
+                                                "protocol (hasattr, getattr with a default)",
 }
 ROOT = Path(kvcompile.__file__).resolve().parent.parent
 SOURCES = {"kvcompile": "kvcompile", "passes": "kvcompile.passes", "templates": "kvcompile.templates"}
@@ -132,7 +134,7 @@ def test_the_library_raises_only_the_roots_classes():
     (errors.CapacityError, RuntimeError), (errors.RopeError, RuntimeError), (errors.PlanError, ValueError),
     (errors.ModelNotFound, FileNotFoundError), (errors.CompilerError, RuntimeError),
     (errors.CacheDirError, RuntimeError), (errors.RankError, RuntimeError), (errors.IndexOutOfRange, IndexError),
-    (errors.KeyNotFound, KeyError)])
+    (errors.KeyNotFound, KeyError), (errors.Unimplemented, NotImplementedError)])
 def test_each_error_is_also_the_standard_type_it_means(cls, standard):
     assert issubclass(cls, errors.KVCompileError) and issubclass(cls, standard)
 

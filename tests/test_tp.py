@@ -237,7 +237,7 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(job):
     assert r1["policy"].startswith("PolicyError: policy override 7 matches none of the 2 attention layers")
     assert r1["capacity"].startswith("CapacityError: KV cache overflow: sequence 0 holds 0 tokens and appends 20, "
                                      "but the cache is limited to 8 tokens")
-    assert r1["wrong_cache"].startswith("ValueError: this KVCompileCache holds 2 sequences but the call passes a "
+    assert r1["wrong_cache"].startswith("ArgumentError: this KVCompileCache holds 2 sequences but the call passes a "
                                         "batch of 1")
     # rank 0 ran fine, and stops with rank 1, told why
     for case in ("policy", "capacity", "wrong_cache"):

@@ -37,6 +37,7 @@ from kvcompile import pages
 from kvcompile.policy import Policy
 
 from .config import layout_for, policy_of, refuse
+from ..errors import Unimplemented
 
 
 class _Active:
@@ -125,7 +126,7 @@ class KVCompileImpl:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("kvcompile's vLLM backend does not quantize its output")
+            raise Unimplemented("kvcompile's vLLM backend does not quantize its output")
         if attn_metadata is None:  # warm-up
             return output
         T = attn_metadata.num_actual_tokens
