@@ -26,12 +26,17 @@ from kvcompile.store import (CapacityError, KVState, LayerSpec, Rope, _state_cap
                              hadamard, rotate, stored_chunk)
 
 from . import attention as _attention
+from . import common as _common
 from . import store as _store
 
 MAX_HEAD_DIM = 256  # one head is a single tile in registers
 UNRESERVED = ("kvcompile KV cache overflow: an append writes packed tokens into a block that is not reserved in "
               "its sequence's block table (state.table: -1, past the table, or not in the pool). Reserve the "
               "blocks first (KVStore.reserve; KVStore.append does), or allocate a larger store.")
+# The same, for ``torch._assert_async`` on CUDA, which refuses messages of 255 characters or more ("Message
+# length must be smaller than 255": every GPU store raised that on the first H200 run, 2026-12-04).
+UNRESERVED_DEVICE = ("kvcompile KV cache overflow: an append wrote into a block its sequence's table does not "
+                     "reserve. Reserve blocks first (KVStore.reserve), or allocate a larger store.")
 
 
 def check_supported(spec: LayerSpec) -> None:
@@ -42,6 +47,21 @@ def check_supported(spec: LayerSpec) -> None:
             f"policy {spec.policy.key_str()} was applied to head_dim={spec.head_dim}. Use the reference "
             f"kernels for this layer (kvcompile.ops.set_kernels('reference'))."
         )
+
+
+def check_devices(state: KVState, **tensors: Tensor | None) -> None:
+    """Every tensor a kernel reads must be on the store's device (``state.lengths``'s), and that device one the
+    kernels run on: CUDA, or the CPU under Triton's interpreter (or ``common.compile_only``). A tensor elsewhere
+    fails here with its name, not inside Triton ("Pointer argument cannot be accessed from Triton")."""
+    dev = state.lengths.device
+    named = [(f"state.{f}", t) for f, t in zip(state._fields, state)] + list(tensors.items())
+    for name, t in named:
+        if t is not None and t.device != dev:
+            raise ValueError(f"kvcompile's Triton kernels read every tensor on one device: {name} is on {t.device}, "
+                             f"the store on {dev}. Move it there (.to({str(dev)!r})).")
+    if dev.type != "cuda" and not _common.INTERPRET and _common._compiler is None:
+        raise ValueError(f"kvcompile's Triton kernels run on CUDA tensors; this store is on {dev}. Use the C kernels "
+                         f"there (kvcompile.ops.set_kernels('cpu')), or TRITON_INTERPRET=1 for Triton's interpreter.")
 
 
 def _check_state(state: KVState, spec: LayerSpec) -> None:
@@ -75,6 +95,7 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
         if bool(((n_new < 0) | (n_new > n)).any()):
             raise ValueError(f"n_new={n_new.tolist()} must be within [0, {n}] for a chunk of {n} tokens")
         _state_capacity_check(state, spec, state.lengths, n_new)
+    check_devices(state, k=k, v=v)
     if n == 0:
         return
     dt = spec.torch_dtype
@@ -82,7 +103,7 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
     v = Q.saturate(rotate(v, spec), dt).contiguous()
     err = _store.launch_store(state, spec, k, v, n_new)
     if not host:  # no host sync on CUDA: an unreserved block is not written, and the device raises
-        torch._assert_async(err == 0, UNRESERVED)
+        torch._assert_async(err == 0, UNRESERVED_DEVICE)
     elif int(err):  # a table entry outside the pool (the reference check passed)
         raise CapacityError(UNRESERVED)
 
@@ -118,6 +139,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
             raise TypeError(f"attention mask must be bool or floating point; got {mask.dtype}")
         mask = mask.expand(B, Hq, n, mask.shape[-1])  # positions past its width are invisible (the kernel)
     check_chunk(q, k_new, v_new, spec)
+    check_devices(state, q=q, mask=mask, k_new=k_new, v_new=v_new)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     qr = q.float()
     if spec.policy.rotates_keys:  # as the reference: the query rotated in fp32, the output un-rotated in fp32

@@ -164,8 +164,9 @@ def test_positions_past_a_narrow_mask_are_invisible():
     q = torch.randn(2, 2, 1, 32, generator=g)
     check(q, state, spec, mask=torch.ones(2, 1, 1, 37, dtype=torch.bool))
     check(q, state, spec, mask=torch.randn(1, 2, 1, 21, generator=g))
-    full = launch.attention(q, state, spec)  # sees all 60 positions: a different answer for row 1
-    narrow = launch.attention(q, state, spec, mask=torch.zeros(1, 1, 1, 37))
+    dq, dstate = q.to(DEV), type(state)(*[t.to(DEV) for t in state])
+    full = launch.attention(dq, dstate, spec).cpu()  # sees all 60 positions: a different answer for row 1
+    narrow = launch.attention(dq, dstate, spec, mask=torch.zeros(1, 1, 1, 37, device=DEV)).cpu()
     assert torch.equal(full[0], narrow[0]) and not torch.allclose(full[1], narrow[1])
 
 
