@@ -1,13 +1,13 @@
 """kvcompile: quantized KV caches for unmodified PyTorch decoders, as a torch.compile pass."""
-from .policy import Policy, PolicyError, Quant
-from .store import CapacityError, QuantizedKV
+from .errors import CapacityError, KVCompileError, KVCompileWarning, PolicyError, UnsupportedError
+from .policy import Policy, Quant
+from .store import QuantizedKV
 from .accounting import bytes_per_token, cache_bytes
-from .passes import KVCompileError
 from .api import apply, nbytes
 from .backend import kvcompile_backend  # noqa: F401  (registers the torch.compile backend "kvcompile")
 from .explain import explain
 from .calibrate import calibrate
-from .hf import KVCompileWarning  # also registers transformers' sliding-window rings as the model's own
+from . import hf  # noqa: F401  (registers transformers' sliding-window rings as the model's own)
 
-__all__ = ["apply", "calibrate", "explain", "nbytes", "KVCompileError", "KVCompileWarning", "Quant", "Policy", "PolicyError", "CapacityError", "QuantizedKV", "bytes_per_token", "cache_bytes"]
+__all__ = ["apply", "calibrate", "explain", "nbytes", "KVCompileError", "KVCompileWarning", "UnsupportedError", "Quant", "Policy", "PolicyError", "CapacityError", "QuantizedKV", "bytes_per_token", "cache_bytes"]
 __version__ = "0.1.0"

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .backend import COMPILERS, Options, compile_graph
-from .passes import KVCompileError
+from .errors import UnsupportedError
 from .policy import Policy, PolicyError
 from .tp import agreed
 
@@ -61,12 +61,12 @@ def _check_applicable(model, policy, max_cache_len, compiler, prefill="auto") ->
     if not isinstance(model, nn.Module):
         raise TypeError(f"kvcompile.apply(model, policy): model={type(model).__name__} is not a torch.nn.Module")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or getattr(model, "_compiled_call_impl", None):
-        raise KVCompileError(
+        raise UnsupportedError(
             "kvcompile.apply got a model that is already compiled (torch.compile / module.compile()); apply "
             "kvcompile to the original module, then compile nothing else: apply compiles it through the kvcompile "
             "backend. Or use torch.compile(model, backend='kvcompile', options={'policy': ...}) directly.")
     if getattr(model, "_kvcompile", None) is not None:
-        raise KVCompileError(
+        raise UnsupportedError(
             f"kvcompile.apply was already applied to this model (policy {model._kvcompile.policy}); applying twice "
             f"would quantize an already-quantized cache. Apply once, to the original model.")
     if not isinstance(policy, Policy):
@@ -77,9 +77,9 @@ def _check_applicable(model, policy, max_cache_len, compiler, prefill="auto") ->
         raise ValueError(f"kvcompile.apply(max_cache_len={max_cache_len!r}): expected a positive number of tokens "
                          f"(the most a sequence may hold), or None (the default) for caches that grow without limit")
     if compiler != "auto" and compiler not in COMPILERS:
-        raise KVCompileError(f"compiler={compiler!r} is not valid: expected 'auto' or one of {COMPILERS}")
+        raise UnsupportedError(f"compiler={compiler!r} is not valid: expected 'auto' or one of {COMPILERS}")
     if prefill not in PREFILLS:
-        raise KVCompileError(f"prefill={prefill!r} is not valid: expected one of {PREFILLS}")
+        raise UnsupportedError(f"prefill={prefill!r} is not valid: expected one of {PREFILLS}")
 
 
 PREFILLS = ("auto", "eager", "compiled")

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from . import ops, standin
-from .passes import KVCompileError, analyze, rewrite
+from .errors import UnsupportedError
+from .passes import analyze, rewrite
 from .passes.paged import rewrite_paged
 from .passes.kv_cache import Site, _example
 from .policy import Policy, PolicyError
@@ -46,7 +47,7 @@ class Options:
             raise PolicyError(f"options['policy']={self.policy!r} is not valid: expected a kvcompile.Policy "
                               f"(e.g. kvcompile.Policy.kivi(4))")
         if self.compiler not in COMPILERS:
-            raise KVCompileError(f"options['compiler']={self.compiler!r} is not valid: expected one of {COMPILERS}")
+            raise UnsupportedError(f"options['compiler']={self.compiler!r} is not valid: expected one of {COMPILERS}")
 
     @staticmethod
     def parse(options) -> "Options":
@@ -55,7 +56,7 @@ class Options:
         options = dict(options or {})
         unknown = set(options) - {"policy", "compiler"}
         if unknown:
-            raise KVCompileError(f"unknown kvcompile backend option(s) {sorted(unknown)}: expected 'policy' "
+            raise UnsupportedError(f"unknown kvcompile backend option(s) {sorted(unknown)}: expected 'policy' "
                                  f"(a kvcompile.Policy) and 'compiler' (one of {COMPILERS})")
         return Options(options.get("policy"), options.get("compiler", "inductor"))
 
@@ -79,14 +80,14 @@ def check_kernel_support(spec: LayerSpec, device: torch.device) -> None:
     try:
         ops._triton().check_supported(spec)
     except (NotImplementedError, ValueError, TypeError) as e:
-        raise KVCompileError(f"the Triton kernels do not support the layout {spec.name}: {e}. Choose another "
+        raise UnsupportedError(f"the Triton kernels do not support the layout {spec.name}: {e}. Choose another "
                              f"format for this layer (Policy.override) or run the reference "
                              f"(kvcompile.ops.set_kernels('reference')).") from e
 
 
 def dtype_name(dt: torch.dtype, layer: str) -> str:
     if dt not in DTYPE_NAMES:
-        raise KVCompileError(f"layer {layer}: the cache dtype {dt} has no kvcompile kernel format; supported model "
+        raise UnsupportedError(f"layer {layer}: the cache dtype {dt} has no kvcompile kernel format; supported model "
                              f"dtypes are {sorted(DTYPE_NAMES.values())}")
     return DTYPE_NAMES[dt]
 
@@ -101,7 +102,7 @@ def bind(sites: list[Site], analysis, opts: Options):
         slot = standin.lookup(kt)
         if slot is None:
             if standin.is_standin(kt):
-                raise KVCompileError(f"layer {s.layer}: the cache {s.k_cache.name} is a kvcompile stand-in whose "
+                raise UnsupportedError(f"layer {s.layer}: the cache {s.k_cache.name} is a kvcompile stand-in whose "
                                      f"store is gone (was its cache deleted?)")
             if opts.policy is None:
                 raise PolicyError(
@@ -121,7 +122,7 @@ def bind(sites: list[Site], analysis, opts: Options):
         else:
             vslot = standin.lookup(vt)
             if vslot is None or vslot.store is not slot.store or (slot.role, vslot.role) != ("k", "v"):
-                raise KVCompileError(f"layer {s.layer}: SDPA reads keys and values from caches of different "
+                raise UnsupportedError(f"layer {s.layer}: SDPA reads keys and values from caches of different "
                                      f"kvcompile stores; the pass cannot pair this write with this read")
             specs.append(slot.spec)
             owned.append(slot.owned)
@@ -140,17 +141,17 @@ def check_analysis(gm, analysis) -> None:
             why = [k for k in analysis.skipped + analysis.unpaired_writes
                    if n.name in k.reason or src_name(n) in k.reason]
             if analysis.reads_found == 0:
-                raise KVCompileError(no_read_message(gm, n))
+                raise UnsupportedError(no_read_message(gm, n))
             hint = (" This looks like a transformers sliding-window ring (it rolls its window) allocated before "
                     "kvcompile was imported, so kvcompile took it for a plain cache: import kvcompile before "
                     "creating the cache." if why and "roll" in why[0].uses else "")
-            raise KVCompileError(f"the kvcompile cache {src_name(n)} is used in the graph, but the pass cannot pair "
+            raise UnsupportedError(f"the kvcompile cache {src_name(n)} is used in the graph, but the pass cannot pair "
                                  f"its write with an attention read: "
                                  f"{why[0].reason if why else 'no matching SDPA read'}.{hint}")
     if not analysis.sites and analysis.unpaired_writes:
         if analysis.reads_found == 0:
-            raise KVCompileError(no_read_message(gm, None, analysis.unpaired_writes))
-        raise KVCompileError("a cache write the pass cannot pair with a read: "
+            raise UnsupportedError(no_read_message(gm, None, analysis.unpaired_writes))
+        raise UnsupportedError("a cache write the pass cannot pair with a read: "
                              + "; ".join(f"{k.node}: {k.reason}" for k in analysis.unpaired_writes)
                              + (" | SDPA reads: " + "; ".join(k.reason for k in analysis.skipped)
                                 if analysis.skipped else ""))

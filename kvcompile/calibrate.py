@@ -45,6 +45,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .accounting import bytes_per_token as _bytes_per_token, cache_bytes as _cache_bytes
+from .errors import BudgetError
 from .evaluate import scored_logits, text_windows
 from .hf import model_shape
 from .policy import Policy, PolicyError, Quant, read_json_file
@@ -253,14 +254,6 @@ def measure(model, windows: torch.Tensor, candidates=None, chunk: int = 64, batc
 
 
 # --------------------------------------------------------------------------- 2. the knapsack
-class BudgetError(PolicyError):
-    """A budget no choice of candidates fits; ``minimum`` is the cheapest choice's cost (same unit)."""
-
-    def __init__(self, message: str, minimum=None):
-        super().__init__(message)
-        self.minimum = minimum
-
-
 def solve(costs: Sequence[Sequence[int]], values: Sequence[Sequence[float]], budget: int,
           max_states: int = 1 << 18) -> list[int]:
     """Multiple-choice knapsack: one choice ``j[i]`` per group ``i``, minimising ``sum(values[i][j[i]])`` with

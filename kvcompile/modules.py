@@ -13,7 +13,7 @@ from torch import nn
 
 from . import standin
 from .backend import check_kernel_support, dtype_name
-from .passes import KVCompileError
+from .errors import UnsupportedError
 from .policy import Policy
 from .store import KVStore, LayerSpec
 
@@ -38,7 +38,7 @@ def apply_module(model: nn.Module, policy: Policy) -> list[str]:
     """Swap every cache buffer pair of ``model`` for stand-ins over packed stores; returns the layer names."""
     found = find_cache_buffers(model)
     if not found:
-        raise KVCompileError(
+        raise UnsupportedError(
             "kvcompile.apply found no KV cache in this module: it looks for submodules with two same-shape 4-D "
             f"buffers named {', '.join('/'.join(p) for p in CACHE_PAIRS)} (allocate the caches first, e.g. "
             "model.setup_caches(...)). Or compile with torch.compile(model, backend='kvcompile', "

@@ -165,8 +165,8 @@ def store_for(k_cache: Tensor, v_cache: Tensor, spec_name: str) -> KVStore:
     slot = standin.lookup(k_cache)
     if slot is not None:
         if slot.spec_name != spec_name:
-            from .passes import KVCompileError
-            raise KVCompileError(
+            from .errors import UnsupportedError
+            raise UnsupportedError(
                 f"layer {slot.layer}: this graph was compiled for the store layout {spec_name} but the cache passed "
                 f"in holds {slot.spec_name}. Use caches of the policy the model was compiled with (or "
                 f"torch._dynamo.reset() before compiling for another).")

@@ -59,14 +59,14 @@ def lookup(t) -> tuple | None:
 
 
 def _layer(k_cache: Tensor, v_cache: Tensor):
-    from .passes import KVCompileError
+    from .errors import UnsupportedError
 
     k, v = lookup(k_cache), lookup(v_cache)
     if k is None or v is None:
-        raise KVCompileError("kvcompile.paged op called with tensors that are not a live PagedKVCompileCache's "
+        raise UnsupportedError("kvcompile.paged op called with tensors that are not a live PagedKVCompileCache's "
                              "stand-ins (was the continuous-batching manager stopped and its cache freed?)")
     if k[0] is not v[0] or k[1] != v[1] or (k[2], v[2]) != ("k", "v"):
-        raise KVCompileError(f"kvcompile.paged op: the key and value stand-ins belong to different layers "
+        raise UnsupportedError(f"kvcompile.paged op: the key and value stand-ins belong to different layers "
                              f"({k[1]}, {v[1]}) or roles ({k[2]}, {v[2]})")
     return k[0], k[1]
 

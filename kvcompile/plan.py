@@ -24,6 +24,7 @@ from pathlib import Path
 
 import sympy as sp
 
+from .errors import PlanError, WeightsUnknown
 from .policy import Policy
 from .store import LayerSpec
 
@@ -32,12 +33,6 @@ GiB = 2 ** 30
 C = sp.Symbol("C", integer=True, nonnegative=True)  # context length (tokens per sequence)
 
 
-class PlanError(ValueError):
-    """A plan that cannot be made from what was given; the message says what was found and what to do."""
-
-
-class WeightsUnknown(PlanError):
-    """The weights' size is needed and could not be read from the model folder."""
 
 
 @dataclass(frozen=True)
@@ -438,7 +433,7 @@ def serving_pool(label: str, policy: Policy, shape: ModelShape, budget: int, req
     """kvcompile's serving pool for ``budget`` bytes under ``policy``: its slots (``max_requests``, as
     ``kvcompile serve --max-requests``; None: the most requests of ``request_tokens`` tokens the budget
     holds), pool blocks (= the pages transformers' scheduler hands out), tokens, and concurrent requests."""
-    from .passes import KVCompileError
+    from .errors import KVCompileError
     from .serving import size_pool, specs_for
 
     for name, v in (("budget", budget), ("request_tokens", request_tokens)):

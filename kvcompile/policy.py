@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
+from .errors import PolicyError
+
 # format -> bits per stored element.
 FORMAT_BITS = {
     "fp8_e4m3": 8,
@@ -30,8 +32,6 @@ POLICY_FILE_FIELD = "kvcompile_policy"
 POLICY_FILE_VERSION = 1
 
 
-class PolicyError(ValueError):
-    """A policy that cannot be built or applied; the message says what was found and what to do."""
 
 
 def _fail(field_name: str, value: Any, allowed: str) -> None:

@@ -45,6 +45,7 @@ import time
 
 import torch
 
+from .errors import ArgumentError, KVCompileError
 from .sampling import (MAX_TOP_LOGPROBS, RECORDS, Asked, decide_on, request_context, request_sampling,
                        sampling_manager)
 from .structured import token_bytes
@@ -58,11 +59,11 @@ def require_server_transformers() -> None:
     it subclasses that server's handlers, model manager and generation state, which 5.25 rewrote."""
     import transformers
 
-    from .passes import KVCompileError
+    from .errors import UnsupportedError
 
     found = transformers.__version__
     if ".".join(found.split(".")[:2]) != SERVER_TRANSFORMERS:
-        raise KVCompileError(
+        raise UnsupportedError(
             f"kvcompile serve extends the OpenAI-compatible server of transformers {SERVER_TRANSFORMERS}; found "
             f"transformers {found}, whose server is built differently. Install the release it is built on: "
             f"pip install 'transformers=={SERVER_TRANSFORMERS}.*' (what pip install 'kvcompile[serve]' asks for).")
@@ -121,7 +122,7 @@ class ClientConnection:
             _CLIENT.reset(token)
 
 
-class ClientDisconnected(Exception):
+class ClientDisconnected(KVCompileError):
     """The client went away before its reply was ready; the request was cancelled. Answered 499 (nobody reads it)."""
 
 
@@ -150,7 +151,7 @@ async def watch_client(work: asyncio.Future, client, cancel, poll_s: float = DIS
 
 
 # --------------------------------------------------------------------------- checking requests
-class RequestError(Exception):
+class RequestError(ArgumentError):
     """A request the server will not run: answered ``status`` with OpenAI's error body."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):

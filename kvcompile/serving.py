@@ -80,7 +80,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import ops
-from .passes import KVCompileError
+from .errors import UnsupportedError
 from .policy import Policy
 from .store import DTYPE_NAMES, KVState, KVStore, LayerSpec, state_nbytes
 
@@ -109,7 +109,7 @@ def configure(model, *, budget: int | None = None, max_requests: int | None = No
     counts them)."""
     opts = getattr(model, "_kvcompile_serving", None)
     if opts is None:
-        raise KVCompileError("kvcompile.serving.configure: this model was not prepared by kvcompile.apply")
+        raise UnsupportedError("kvcompile.serving.configure: this model was not prepared by kvcompile.apply")
     for name, v in (("budget", budget), ("max_requests", max_requests), ("request_tokens", request_tokens)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ValueError(f"kvcompile.serving.configure({name}={v!r}): expected a positive integer")
@@ -219,7 +219,7 @@ def slots_for(specs: list[LayerSpec], budget: int, max_requests: int | None, req
     slots = most_slots(specs, budget, request_tokens, shared_tokens, max_tokens)
     if slots < 1:
         one = pool_nbytes(specs, 1, request_pages(specs, request_tokens), max_tokens)
-        raise KVCompileError(f"kvcompile serving: a budget of {budget:,} bytes holds no request of {request_tokens:,} "
+        raise UnsupportedError(f"kvcompile serving: a budget of {budget:,} bytes holds no request of {request_tokens:,} "
                              f"tokens (one takes {one:,} bytes: its slot and its pages); raise the budget or shorten "
                              f"the requests")
     return slots
@@ -259,7 +259,7 @@ def pool_blocks(specs: list[LayerSpec], budget: int, slots: int, max_tokens: int
     if width < blocks:  # the tables stop at ``width`` columns: past them a block costs only its own bytes
         blocks = width + (budget - cost(width)) // (cost(width + 1) - cost(width))
     if blocks < 1:
-        raise KVCompileError(
+        raise UnsupportedError(
             f"kvcompile serving: a budget of {budget:,} bytes does not hold one block after {slots} request slots "
             f"({fixed:,} bytes of full-precision rings, sinks and lengths); raise the budget or lower max_requests.")
     return int(blocks)
@@ -512,7 +512,7 @@ def _make_cache_class():
                 cbc = continuous_batching_config
                 m = cbc.max_batch_tokens or _transformers().PagedAttentionMemoryHandler._default_max_batch_tokens
                 mask = m * (blocks * cbc.page_size + window + m)
-                raise KVCompileError(
+                raise UnsupportedError(
                     f"kvcompile serving: what transformers allocates beside kvcompile's cache does not fit in free "
                     f"memory ({e}): "
                     + (f"a compiled forward's attention mask takes max_batch_tokens x (pages x page_size + the "
@@ -527,16 +527,16 @@ def _make_cache_class():
                 agreed = sizes.clone()
                 distributed_helper.tp_all_reduce_min(agreed)
                 if not torch.equal(agreed, sizes):
-                    raise KVCompileError(
+                    raise UnsupportedError(
                         f"kvcompile serving: the tensor-parallel ranks sized their caches differently (this rank: "
                         f"{sizes.tolist()}, the least: {agreed.tolist()} as max_batch_tokens, sectors, blocks, "
                         f"slots); give every rank the same budget and ContinuousBatchingConfig")
             if set(self.cache_allocators) != {_transformers().FULL_ATTENTION}:
-                raise KVCompileError("kvcompile serving supports full-attention layers only (this model has "
+                raise UnsupportedError("kvcompile serving supports full-attention layers only (this model has "
                                      f"{sorted(self.cache_allocators)})")
             allocator = self.cache_allocators[_transformers().FULL_ATTENTION]
             if self.num_blocks != blocks or allocator.num_blocks != blocks:
-                raise KVCompileError(f"kvcompile serving: transformers made {self.num_blocks} pages where the pool "
+                raise UnsupportedError(f"kvcompile serving: transformers made {self.num_blocks} pages where the pool "
                                      f"has {blocks} blocks")
             self.max_decode_fast_path_length = 0  # no block tables: attention reads kvcompile's own
             self.specs, self.slots = specs, slots
@@ -735,7 +735,7 @@ def _make_cache_class():
                     r.extend([0] * (past_length + query_length))
 
         def fill_block_table(self, *a, **k):
-            raise KVCompileError("kvcompile serving has no block-table decode path (max_blocks_per_request=0)")
+            raise UnsupportedError("kvcompile serving has no block-table decode path (max_blocks_per_request=0)")
 
         def _plan_for(self, total: int) -> _Plan:
             if self._pending:
@@ -743,13 +743,13 @@ def _make_cache_class():
                 for rid, past, n in self._pending:
                     slot = self.slot_of.get(rid)
                     if slot is None:
-                        raise KVCompileError(f"kvcompile serving: request {rid} has no slot")
+                        raise UnsupportedError(f"kvcompile serving: request {rid} has no slot")
                     # transformers' compile warmup runs fake requests that "continue" a past they never wrote:
                     # their rows are computed as padding (zeros) and nothing is stored
                     skip = self.compiled and rid.startswith(WARMUP_PREFIX)
                     have = self.stores[0].lengths[slot]
                     if have != past and not skip:
-                        raise KVCompileError(
+                        raise UnsupportedError(
                             f"kvcompile serving: request {rid} continues at position {past} but its store holds "
                             f"{have} tokens")
                     entries.append((rid, slot, past, n, skip))
@@ -760,7 +760,7 @@ def _make_cache_class():
             plan = self._plan
             # a compiled forward is padded to a static size: the tokens past the plan's are padding
             if plan is None or (plan.total > total if self.compiled else plan.total != total):
-                raise KVCompileError(
+                raise UnsupportedError(
                     f"kvcompile serving: the forward has {total} tokens but the batch scheduled "
                     f"{None if plan is None else plan.total}"
                     + ("" if self.compiled else " (padded inputs need a compiled forward: varlen_compile_config)"))
@@ -773,7 +773,7 @@ def _make_cache_class():
             if not self.compiled:
                 return self._eager_update(key_states, value_states, layer_idx)
             if not torch.compiler.is_compiling():
-                raise KVCompileError(
+                raise UnsupportedError(
                     "kvcompile serving: this continuous-batching cache serves a compiled forward, but the forward ran "
                     "without Dynamo (an eager fallback: torch._dynamo.config.suppress_errors, a recompile limit, "
                     "torch.compiler.disable); its attention would read the stand-ins, not the store. Refusing.")
@@ -815,7 +815,7 @@ def _make_cache_class():
             """Attention of the batch's queries ``[1, Hq, T, D]`` over their requests' rows: ``[1, T, Hq, D]``."""
             work = self._work.pop(layer_idx, None)
             if work is None:
-                raise KVCompileError(f"kvcompile serving: layer {layer_idx} attends before it stored its keys")
+                raise UnsupportedError(f"kvcompile serving: layer {layer_idx} attends before it stored its keys")
             spec = self.specs[layer_idx]
             be = ops.backend(query.device)
             _, Hq, T, D = query.shape
@@ -857,11 +857,11 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     cache = ref() if ref is not None else None
     if cache is None:
         if "write_index" in kwargs:  # a continuous-batching forward whose keys went elsewhere
-            raise KVCompileError(f"attn_implementation={ATTN!r}: layer {module.layer_idx} of a continuous-batching "
+            raise UnsupportedError(f"attn_implementation={ATTN!r}: layer {module.layer_idx} of a continuous-batching "
                                  f"forward attends, but kvcompile's cache stored no keys for it in this thread (use "
                                  f"model.generate_batch / init_continuous_batching on a model kvcompile.apply "
                                  f"prepared)")
-        raise KVCompileError(
+        raise UnsupportedError(
             f"this model's attention is {ATTN!r} while a continuous-batching manager runs on it, and that attention "
             f"serves only the manager's forwards: stop the manager (manager.stop()) before calling the model "
             f"otherwise (generate, a forward), or use a second model for it.")
@@ -907,20 +907,20 @@ def _compiled_request(asked):
     """The user's ``varlen_compile_config`` if it asks for kvcompile's backend, None if nothing is compiled;
     anything else is refused (it would trace kvcompile's cache without rewriting it)."""
     if asked.decode_compile_config is not None:
-        raise KVCompileError(
+        raise UnsupportedError(
             "kvcompile serving has no decode fast path (block tables), so decode_compile_config would never run: "
             "pass varlen_compile_config=kvcompile.serving.compile_config() instead; it compiles every forward, "
             "prefill chunks and decode steps alike")
     cfg = asked.varlen_compile_config
     if cfg is None:
         if getattr(asked, "default_compile_level", 0):
-            raise KVCompileError(
+            raise UnsupportedError(
                 f"kvcompile serving: default_compile_level={asked.default_compile_level} compiles the forward with "
                 f"Inductor over transformers' own cache; pass varlen_compile_config=kvcompile.serving."
                 f"compile_config() for a compiled forward over kvcompile's store")
         return None
     if not _is_kvcompile_backend(cfg.backend):
-        raise KVCompileError(
+        raise UnsupportedError(
             f"kvcompile serving compiles continuous-batching forwards with the 'kvcompile' backend only (got "
             f"backend={cfg.backend!r}, which would trace the cache without kvcompile's pass): use "
             f"varlen_compile_config=kvcompile.serving.compile_config() or CompileConfig(backend='kvcompile', ...)")
@@ -932,7 +932,7 @@ def _compiled_request(asked):
 def _refuse(asked) -> None:
     """What kvcompile's cache does not serve yet, where the user asked for it."""
     def refuse(what):
-        raise KVCompileError(f"kvcompile serving does not support {what} yet")
+        raise UnsupportedError(f"kvcompile serving does not support {what} yet")
 
     if asked.use_async_batching:
         refuse("use_async_batching=True")
@@ -1004,7 +1004,7 @@ def _make_manager_class():
             self.budget = budget
             self._blocks = pool_blocks(self._specs, budget, self._slots, self._max_tokens)
             if model.config._attn_implementation not in ("sdpa", ATTN):
-                raise KVCompileError(f"kvcompile serving needs a model loaded with attn_implementation='sdpa' "
+                raise UnsupportedError(f"kvcompile serving needs a model loaded with attn_implementation='sdpa' "
                                      f"(this one uses {model.config._attn_implementation!r})")
             super().__init__(model, generation_config, continuous_batching_config, workload_hints)
             cb = self.continuous_batching_config
@@ -1048,12 +1048,12 @@ def _make_manager_class():
                 holders = _ATTN_HOLDERS.setdefault(model, weakref.WeakKeyDictionary())
                 impl = model.config._attn_implementation
                 if impl not in ("sdpa", ATTN):
-                    raise KVCompileError(f"kvcompile serving needs a model loaded with attn_implementation='sdpa' "
+                    raise UnsupportedError(f"kvcompile serving needs a model loaded with attn_implementation='sdpa' "
                                          f"(this one uses {impl!r})")
                 others = {c for m, c in holders.items() if m is not self}
                 if others and others != {compiled}:
                     mine, theirs = ("a compiled", "an eager") if compiled else ("an eager", "a compiled")
-                    raise KVCompileError(
+                    raise UnsupportedError(
                         f"kvcompile serving: another continuous-batching manager runs {theirs} forward on this "
                         f"model; {mine} one cannot run beside it (the two read the model's attention differently). "
                         f"Stop that manager first, or give both the same varlen_compile_config.")
@@ -1218,7 +1218,7 @@ def paged_forward(orig_forward, paged_cache, /, *args, **kwargs):
     """The applied model's forward when transformers' continuous batching calls it: eager (the cache's
     ``update`` and the ``kvcompile_paged`` attention do the work), and only over kvcompile's paged cache."""
     if not isinstance(paged_cache, cache_class()):
-        raise KVCompileError(
+        raise UnsupportedError(
             f"this model was prepared by kvcompile.apply but was given transformers' own {type(paged_cache).__name__}, "
             f"which stores keys and values in full precision. Use model.generate_batch / "
             f"model.init_continuous_batching on the applied model (they build kvcompile's paged cache).")

@@ -63,6 +63,7 @@ import torch
 from torch import Tensor
 
 from . import quant as Q
+from .errors import CapacityError, RopeError
 from .policy import Policy, PolicyError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -79,8 +80,6 @@ def normal_tensors(fn):
     return torch.inference_mode(False)(fn)
 
 
-class CapacityError(RuntimeError):
-    """An append that does not fit in the cache (its token limit, or its block budget)."""
 
 
 class KVState(NamedTuple):
@@ -347,8 +346,6 @@ def apply_rope(k: Tensor, rope: Rope, positions: Tensor) -> Tensor:
     return k * c + k[..., rope.perm.to(k.device).long()] * s_
 
 
-class RopeError(RuntimeError):
-    """Pre-RoPE keys cannot be stored exactly for this model or call; the message says why and what to do."""
 
 
 class RopeTable:

@@ -24,6 +24,8 @@ except ImportError:  # Python 3.10
 
 import torch
 
+from .errors import ArgumentError, KVCompileError
+
 MAX_SPACE = 12  # whitespace bytes in a row (a newline and the indentation of five levels of two spaces)
 WS = frozenset(b" \t\n\r")
 _LITERALS = {ord("t"): b"rue", ord("f"): b"alse", ord("n"): b"ull"}
@@ -290,11 +292,11 @@ _SIMPLE_ESCAPES = '"\\/\b\f\n\r\t'
 _SURROGATE = frozenset(b"89abcdefABCDEF")  # a surrogate escape: its second hex digit, after a "d"
 
 
-class DeadEnd(ValueError):
+class DeadEnd(KVCompileError, ValueError):
     """No token of the vocabulary continues a constrained reply (``JsonConstraint.pick``)."""
 
 
-class SchemaError(ValueError):
+class SchemaError(ArgumentError):
     """A JSON schema the reader does not follow: what, where, and what it does follow."""
 
 

@@ -29,18 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .passes import KVCompileError
+from .errors import RankError, UnsupportedError
 
 KEY_PROJECTIONS = ("k_proj", "key_proj", "wk")  # separate key projections (fused qkv: transformers' helper)
 
 
-class RankError(KVCompileError):
-    """Another rank of the tensor-parallel group failed; this rank stops too rather than wait for it.
-    ``rank`` is the failing rank (global), ``error`` its error as ``"Type: message"``."""
-
-    def __init__(self, message: str, rank: int, error: str):
-        super().__init__(message)
-        self.rank, self.error = rank, error
 
 
 def _dist():
@@ -78,7 +71,7 @@ def _group_of(t, shard_dim: int | None = None):
     from torch.distributed.tensor import Shard
     dims = [i for i, p in enumerate(t.placements) if isinstance(p, Shard) and (shard_dim is None or p.dim == shard_dim)]
     if len(dims) != 1:
-        raise KVCompileError(
+        raise UnsupportedError(
             f"kvcompile cannot tell which dimension of this {mesh.ndim}-D device mesh is the tensor-parallel one "
             f"(placements {t.placements}, dimension names {names or 'none'}): name it 'tp' (init_device_mesh(..., "
             f"mesh_dim_names=(..., 'tp'))), or shard the key projection over one mesh dimension only")
@@ -132,7 +125,7 @@ def sharding(model, attention_modules, kv_heads: int, head_dim: int) -> Sharding
         if rows % head_dim or rows == 0:
             fewer = (f"fewer KV heads ({kv_heads}) than ranks ({world})" if kv_heads < world else
                      f"{kv_heads} KV heads, which {world} ranks cannot split evenly")
-            raise KVCompileError(
+            raise UnsupportedError(
                 f"tensor parallelism over {world} ranks: this model has {fewer}. Its key projection "
                 f"{name}.{proj[0]} is sharded by rows, so rank {rank} holds {rows} of the {kv_heads * head_dim} "
                 f"rows of keys ({rows / head_dim:g} heads of {head_dim}), not whole heads: neither the model's "
@@ -142,7 +135,7 @@ def sharding(model, attention_modules, kv_heads: int, head_dim: int) -> Sharding
         per_layer.append((name, rows // head_dim))
     heads = {h for _, h in per_layer}
     if len(heads) > 1:
-        raise KVCompileError(
+        raise UnsupportedError(
             f"tensor parallelism: this rank's attention layers compute different numbers of KV heads "
             f"({', '.join(f'{n}: {h}' for n, h in per_layer)}); kvcompile's cache has one head count for every "
             f"layer. Shard every layer's key and value projections alike.")
@@ -158,7 +151,7 @@ def _heads_from_plan(model, kv_heads: int, world: int, name: str) -> int:
         get_kv_heads_per_rank = None
     heads = get_kv_heads_per_rank(plan, kv_heads, world) if get_kv_heads_per_rank else None
     if heads is None:
-        raise KVCompileError(
+        raise UnsupportedError(
             f"tensor parallelism over {world} ranks: kvcompile cannot tell how many of the {kv_heads} KV heads "
             f"layer {name} computes on this rank (no separate key projection, and transformers' plan does not say, "
             f"or cannot split {kv_heads} heads over {world} ranks). Run with a tensor-parallel size that divides "
@@ -223,7 +216,7 @@ class Agreement:
         if any(r[1:] != rows[0][1:] for r in rows):
             said = "; ".join(f"rank {dist.get_global_rank(group, i) if hasattr(dist, 'get_global_rank') else i}: "
                              f"{_describe(r[1:])}" for i, r in enumerate(rows))
-            raise KVCompileError(
+            raise UnsupportedError(
                 f"{self.what}: the ranks of the tensor-parallel group were given different calls ({said}). Every "
                 f"rank runs its share of the same computation: pass every rank the same input_ids (and generate "
                 f"arguments), and its own cache from the same calls.")

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from kvcompile import ops as _ops  # noqa: F401  (registers torch.ops.kvcompile)
+from kvcompile.errors import UnsupportedError
 
 counters: Counter = Counter()
 
@@ -39,8 +40,6 @@ SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attentio
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-class KVCompileError(RuntimeError):
-    """The pass met a graph it cannot rewrite safely; the message says what was found and what to do."""
 
 
 # --------------------------------------------------------------------------- what the pass finds
@@ -877,7 +876,7 @@ def check_fused(gm: GraphModule, sites: list[Site]) -> None:
                     if not is_shape_query(u) and not (u.op == "call_function" and u.target in _KVC_OPS)
                     and not (u.op == "output" and cache.op != "placeholder")]
             if left:
-                raise KVCompileError(
+                raise UnsupportedError(
                     f"layer {s.layer}: the cache {_src(cache)} is still used by {', '.join(left)} after the rewrite; "
                     f"its contents live in the packed store, so this use would see a stand-in. Report this graph.")
     counters["checked_fused"] += len(sites)

@@ -32,7 +32,9 @@ from torch.fx import GraphModule, Node
 
 from kvcompile import paged_ops
 
-from .kv_cache import (KVCompileError, _arg, _copy_meta, _example, _impure, _op_name, _scale as sdpa_scale, _src,
+from kvcompile.errors import UnsupportedError
+
+from .kv_cache import (_arg, _copy_meta, _example, _impure, _op_name, _scale as sdpa_scale, _src,
                        _val, find_reads, is_shape_query, layer_name, replace_node, sdpa_args)
 
 counters: Counter = Counter()
@@ -74,7 +76,7 @@ def paged_caches(gm: GraphModule) -> dict[int, dict[str, Node]]:
         if hit is not None:
             _, layer, role = hit
             if role in out.setdefault(layer, {}):
-                raise KVCompileError(f"layer {layer}: two graph inputs stand for its {role} page pool")
+                raise UnsupportedError(f"layer {layer}: two graph inputs stand for its {role} page pool")
             out[layer][role] = n
     return out
 
@@ -102,14 +104,14 @@ def find_cache_uses(layer: int, role: str, cache: Node) -> tuple[Node, Node | No
             other.append(u)
     what = f"layer {layer}: the {'keys' if role == 'k' else 'values'} page pool {_src(cache)}"
     if other:
-        raise KVCompileError(f"{what} is used by {', '.join(f'{u.name} ({_op_name(u)})' for u in other)}; the paged "
+        raise UnsupportedError(f"{what} is used by {', '.join(f'{u.name} ({_op_name(u)})' for u in other)}; the paged "
                              f"pass rewrites index_copy_ writes and index_select reads only")
     if len(writes) != 1 or len(reads) > 1:
-        raise KVCompileError(f"{what} is written {len(writes)} times and read {len(reads)} times in one forward; the "
+        raise UnsupportedError(f"{what} is written {len(writes)} times and read {len(reads)} times in one forward; the "
                              f"paged pass expects one write through write_index and at most one read")
     for n, kind in [(writes[0], "index_copy_")] + [(r, "index_select") for r in reads]:
         if _arg(n, 1, "dim") not in (0,):
-            raise KVCompileError(f"{what}: {kind} along dim {_arg(n, 1, 'dim')}, not the pool's token axis 0")
+            raise UnsupportedError(f"{what}: {kind} along dim {_arg(n, 1, 'dim')}, not the pool's token axis 0")
     return writes[0], (reads[0] if reads else None)
 
 
@@ -137,7 +139,7 @@ def _scale(a: dict, q) -> float:
     """SDPA's scale as the generate pass reads it (``kv_cache._scale``), which must be a number here."""
     s = sdpa_scale(a, _val(q))
     if isinstance(s, Node):
-        raise KVCompileError(f"SDPA's scale {s.name} is not a number the paged pass can pass on")
+        raise UnsupportedError(f"SDPA's scale {s.name} is not a number the paged pass can pass on")
     return s
 
 
@@ -147,15 +149,15 @@ def match_layer(layer: int, k_cache: Node, v_cache: Node, sdpas: list[Node]) -> 
     v_write, v_read = find_cache_uses(layer, "v", v_cache)
     write_index = _arg(k_write, 2, "index")
     if _arg(v_write, 2, "index") is not write_index:
-        raise KVCompileError(f"layer {layer}: keys and values are written through different write indices")
+        raise UnsupportedError(f"layer {layer}: keys and values are written through different write indices")
     k_src, v_src = _arg(k_write, 3, "source"), _arg(v_write, 3, "source")
     if (k_read is None) != (v_read is None):
-        raise KVCompileError(f"layer {layer}: only one of the keys and values is read back from the page pool")
+        raise UnsupportedError(f"layer {layer}: only one of the keys and values is read back from the page pool")
     read_index = None
     if k_read is not None:
         read_index = _arg(k_read, 2, "index")
         if _arg(v_read, 2, "index") is not read_index:
-            raise KVCompileError(f"layer {layer}: keys and values are read through different read indices")
+            raise UnsupportedError(f"layer {layer}: keys and values are read through different read indices")
     # what SDPA must read: the pool through read_index, or (no request has a past) the chunk just written
     k_root, v_root = (k_read, v_read) if k_read is not None else (k_src, v_src)
     found = []
@@ -166,7 +168,7 @@ def match_layer(layer: int, k_cache: Node, v_cache: Node, sdpas: list[Node]) -> 
         if kr is k_root and vr is v_root:
             found.append(s)
     if len(found) != 1:
-        raise KVCompileError(
+        raise UnsupportedError(
             f"layer {layer}: {len(found)} scaled_dot_product_attention calls read its page pool "
             f"({'through read_index' if k_read is not None else 'chunk'}); the paged pass expects exactly one. The "
             f"compiled continuous-batching forward must use transformers' own 'sdpa' attention, with no graph "
@@ -174,18 +176,18 @@ def match_layer(layer: int, k_cache: Node, v_cache: Node, sdpas: list[Node]) -> 
     sdpa = found[0]
     a = sdpa_args(sdpa)
     if a.get("dropout_p", 0.0) not in (0, 0.0):
-        raise KVCompileError(f"layer {layer}: SDPA with dropout_p={a['dropout_p']} is not rewritten")
+        raise UnsupportedError(f"layer {layer}: SDPA with dropout_p={a['dropout_p']} is not rewritten")
     if a.get("is_causal", False) or a.get("attn_mask") is None:
-        raise KVCompileError(f"layer {layer}: SDPA reads the page pool without the ragged batch's attn_mask "
+        raise UnsupportedError(f"layer {layer}: SDPA reads the page pool without the ragged batch's attn_mask "
                              f"(is_causal={a.get('is_causal', False)}); the paged pass rewrites the masked read "
                              f"transformers' continuous batching makes")
     q, kc = _val(a["query"]), _val(k_cache)
     src = _val(k_src)
     if q is None or q.dim() != 4 or q.shape[0] != 1 or src is None or src.dim() != 3:
-        raise KVCompileError(f"layer {layer}: SDPA's query {None if q is None else list(q.shape)} / the written "
+        raise UnsupportedError(f"layer {layer}: SDPA's query {None if q is None else list(q.shape)} / the written "
                              f"keys {None if src is None else list(src.shape)} are not [1, Hq, T, D] / [T, H, D]")
     if str(q.shape[2]) != str(src.shape[0]) or q.shape[1] % kc.shape[1] or q.shape[3] != kc.shape[2]:
-        raise KVCompileError(f"layer {layer}: SDPA's query {list(q.shape)} does not match the written chunk "
+        raise UnsupportedError(f"layer {layer}: SDPA's query {list(q.shape)} does not match the written chunk "
                              f"{list(src.shape)} and the pool's heads {list(kc.shape[1:])}")
     return PagedSite(layer, k_cache, v_cache, k_write, v_write, write_index, k_src, v_src, k_read, v_read,
                      read_index, sdpa, a["query"], a["attn_mask"], _scale(a, a["query"]))
@@ -223,7 +225,7 @@ def check_rewritten(gm: GraphModule, caches: dict) -> None:
             left = [f"{u.name} ({_op_name(u)})" for u in n.users
                     if not is_shape_query(u) and not (u.op == "call_function" and u.target in mine)]
             if left:
-                raise KVCompileError(f"layer {layer}: the page pool {_src(n)} is still used by {', '.join(left)} "
+                raise UnsupportedError(f"layer {layer}: the page pool {_src(n)} is still used by {', '.join(left)} "
                                      f"after the paged rewrite; it is a stand-in. Report this graph.")
 
 
@@ -236,18 +238,18 @@ def rewrite_paged(gm: GraphModule) -> list[PagedSite]:
     counters["graphs_seen"] += 1
     for layer, pair in caches.items():
         if set(pair) != {"k", "v"}:
-            raise KVCompileError(f"layer {layer}: the graph takes only its {set(pair)} page pool")
+            raise UnsupportedError(f"layer {layer}: the graph takes only its {set(pair)} page pool")
     sdpas = find_reads(gm)
     sites = [match_layer(layer, pair["k"], pair["v"], sdpas) for layer, pair in sorted(caches.items())]
     if len({s.sdpa for s in sites}) != len(sites):
-        raise KVCompileError("two layers' page pools are read by the same SDPA call")
+        raise UnsupportedError("two layers' page pools are read by the same SDPA call")
     for s in sites:
         rewrite_site(gm, s)
     gm.graph.eliminate_dead_code(is_impure_node=_impure)
     check_rewritten(gm, caches)
     for s in sites:
         if s.k_read is not None and (s.k_read in gm.graph.nodes or s.v_read in gm.graph.nodes):
-            raise KVCompileError(f"layer {s.layer}: the full-precision read of the page pool is still in the graph "
+            raise UnsupportedError(f"layer {s.layer}: the full-precision read of the page pool is still in the graph "
                                  f"after the rewrite (another use of it remains)")
     gm.graph.lint()
     gm.recompile()

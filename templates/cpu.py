@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvcompile import quant as Q
+from kvcompile.errors import CacheDirError, CompilerError
 from kvcompile.store import (KVState, LayerSpec, Rope, apply_rope, check_rope_tables, chunk_needed,
                              dequantize_reference, hadamard, stored_chunk, with_chunk)
 
@@ -48,8 +49,6 @@ TILE = 32  # positions per tile (passed to the kernel as -DTILE)
 _MODEL_T = {"float32": 0, "bfloat16": 1, "float16": 2}
 
 
-class CompilerError(RuntimeError):
-    """No C compiler, or the kernel failed to build."""
 
 
 def compiler() -> str | None:
@@ -84,8 +83,6 @@ def defines(spec: LayerSpec) -> dict[str, int]:
     return out
 
 
-class CacheDirError(RuntimeError):
-    """The kernel cache directory cannot be created, written, or trusted."""
 
 
 def cache_dir() -> Path:
