@@ -714,15 +714,17 @@ def _decode_error(qr, k, v, w, vis, sc, state, spec, C, nslots, scale, uop, own)
         c, a, b = (t.repeat_interleave(Hq // H, dim=1).to(x.device) for t in (c, a, b))  # per query head
         mode = tensor_mode(qz, D, which == "v")
         off = 128.0 if mode != MODE_ELEM and qz.is_int and qz.bits < 8 else 0.0
-        ac, mag = (a * c).abs(), a.abs() * (c.abs() + 2 * off) + b.abs()
+        ac, mag, bb = (a * c).abs(), a.abs() * (c.abs() + 2 * off) + b.abs(), b.abs()
         # a poisoned group (NaN scale) is NaN only where attention_reference says; elsewhere it weighs nothing
-        ac, mag = (torch.where(torch.isfinite(t), t, 0.0) for t in (ac, mag))
-        return packed.view(B, 1, C, 1).to(x.device), ac, mag, mode
+        ac, mag, bb = (torch.where(torch.isfinite(t), t, 0.0) for t in (ac, mag, bb))
+        return packed.view(B, 1, C, 1).to(x.device), ac, mag, bb, mode
 
     ka = torch.where(torch.isfinite(k), k, 0.0).abs()
-    pk, ac, mag, mode = terms("k", k)
-    dq = (qr - qr.to(torch.bfloat16).double()).abs()  # the kernel's query rounding, exactly
-    if mode != MODE_ELEM:  # TILE
+    pk, ac, mag, bb, mode = terms("k", k)
+    bmax = torch.finfo(torch.bfloat16).max
+    qc = qr.clamp(-bmax, bmax)  # the kernel saturates the query at bf16's largest (exact elsewhere) ...
+    dq = (qc - qc.to(torch.bfloat16).double()).abs() + (qr - qc).abs()  # ... and rounds it to bf16
+    if mode != MODE_ELEM:  # TILE (the b sum(q) term reads the saturated query: |q - qc| times |b| too)
         xq, xk = ac, gamma(4 * D + 16) * mag
     else:  # the element rounded to bf16 after fl(fl(a c) + b), and the sums of |qb kb|
         xq = ka * (1 + 2.0 ** -7) + 2.1 * u * (ac + ka)
@@ -731,9 +733,11 @@ def _decode_error(qr, k, v, w, vis, sc, state, spec, C, nslots, scale, uop, own)
     err_k = (torch.where(pk, 0.0, ka) @ (uop * qr.abs()).transpose(-1, -2)).transpose(-1, -2) \
         + dq @ torch.where(pk, xq, 0.0).transpose(-1, -2) \
         + qr.abs() @ torch.where(pk, xk, (uop + kg) * ka).transpose(-1, -2)
+    if mode != MODE_ELEM:
+        err_k = err_k + (qr - qc).abs() @ torch.where(pk, bb, 0.0).transpose(-1, -2)
     E = (torch.where(vis, scale * err_k, 0).amax(-1) + 8 * u * torch.where(vis, sc.abs(), 0).amax(-1)
          + 2.0 ** -21)
-    pv, ac, mag, mode = terms("v", v)
+    pv, ac, mag, _, mode = terms("v", v)
     va = v.abs()
     if mode != MODE_ELEM:  # TILE, GROUPS: p' = bf16(fl(p a)); sums of p' (c + OFF), p' and p b over the N keys
         x1, x2 = (2.0 ** -8 + 2 * u) * ac, mag

@@ -51,6 +51,7 @@ from .attention import _bf16, _dot, _full_tile, _merge_kernel, _online_step
 from .common import INTERPRET, SCALE_CODES, run
 from .store import _boundary, _e4m3_value, _kind, as_bytes, nonempty
 
+BF16_MAX = tl.constexpr(3.3895313892515355e38)  # torch.finfo(torch.bfloat16).max
 MODE_TILE, MODE_ELEM, MODE_GROUPS = 0, 1, 2
 MODES = {MODE_TILE: "tile", MODE_ELEM: "elem", MODE_GROUPS: "groups"}
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_configs.json")
@@ -103,7 +104,9 @@ def config_table() -> dict:
 
 def tile_config(spec: LayerSpec, gqa: int) -> dict:
     """The tile (BLOCK_N tokens, warps, pipeline stages) for this layout: the table's entry for the keys' and
-    values' formats, head_dim and GQA group, else the table's rule for the bytes a token carries."""
+    values' formats, head_dim and GQA group, else the table's rule: tiles of about ``tile_bytes`` bytes of codes,
+    at most ``max_block_n`` tokens (``elem_max_block_n`` where a tensor is dequantized per element: its scales
+    and values spread over the tile take registers; int2 KIVI at 256 spilled 1.1 KB per thread on sm_90)."""
     table = config_table()
     key = f"{format_key(spec.policy.key)}/{format_key(spec.policy.value)};D={spec.head_dim};G={gqa}"
     if key in table["configs"]:
@@ -111,7 +114,9 @@ def tile_config(spec: LayerSpec, gqa: int) -> dict:
     bits = spec.policy.key.bits + spec.policy.value.bits  # bytes of codes per token: bits * D / 8
     per_token = bits * spec.head_dim // 8
     rule = table["default"]
-    block_n = max(16, min(rule["max_block_n"], triton.next_power_of_2(max(1, rule["tile_bytes"] // per_token))))
+    modes = decode_layout(spec, 1, False) or ()
+    top = rule["elem_max_block_n"] if MODE_ELEM in modes else rule["max_block_n"]  # ELEM tiles hold fp32 scales
+    block_n = max(16, min(top, triton.next_power_of_2(max(1, rule["tile_bytes"] // per_token))))
     return dict(block_n=block_n, warps=rule["warps"], stages=rule["stages"], source="rule")
 
 
@@ -185,7 +190,7 @@ def _decode_kernel(
     V_MODE: tl.constexpr, V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_E4M3: tl.constexpr,
     V_CHANNEL: tl.constexpr, V_G: tl.constexpr, V_SFMT: tl.constexpr,
     G: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
-    CHUNK: tl.constexpr, FULL: tl.constexpr, STAGES: tl.constexpr,
+    CHUNK: tl.constexpr, FULL: tl.constexpr, STAGES: tl.constexpr, NGV: tl.constexpr, WGV: tl.constexpr,
 ):
     """Program (b*H + h, split): rows = the G query heads of KV head h (padded to M = 16).
 
@@ -227,20 +232,24 @@ def _decode_kernel(
         # the query in slot order (channel PK u + i), fp32 and rounded to bf16; the rows' sums for TILE
         qok = row_ok[:, None]
         qb_ptr = q_ptr + b.to(tl.int64) * sq_b + hq.to(tl.int64)[:, None] * sq_h
-        q0 = tl.load(qb_ptr + PK * uk[None, :], mask=qok, other=0.0)
+        # (a query beyond bf16's range saturates there, as the elements do: inf would turn finite scores to NaN)
+        q0 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :], mask=qok, other=0.0), -BF16_MAX), BF16_MAX)
         qb0 = _bf16(q0)
         qsum = tl.sum(q0, 1)
         qbsum = tl.sum(qb0.to(tl.float32), 1)
         if PK > 1:
-            q1 = tl.load(qb_ptr + PK * uk[None, :] + 1, mask=qok, other=0.0)
+            q1 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :] + 1, mask=qok, other=0.0), -BF16_MAX),
+                             BF16_MAX)
             qb1 = _bf16(q1)
             qsum += tl.sum(q1, 1)
             qbsum += tl.sum(qb1.to(tl.float32), 1)
         else:
             qb1 = qb0
         if PK > 2:
-            q2 = tl.load(qb_ptr + PK * uk[None, :] + 2, mask=qok, other=0.0)
-            q3 = tl.load(qb_ptr + PK * uk[None, :] + 3, mask=qok, other=0.0)
+            q2 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :] + 2, mask=qok, other=0.0), -BF16_MAX),
+                             BF16_MAX)
+            q3 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :] + 3, mask=qok, other=0.0), -BF16_MAX),
+                             BF16_MAX)
             qb2 = _bf16(q2)
             qb3 = _bf16(q3)
             qsum += tl.sum(q2, 1) + tl.sum(q3, 1)
@@ -265,9 +274,7 @@ def _decode_kernel(
         acc1 = tl.zeros([M, UV], tl.float32)
         acc2 = tl.zeros([M, UV], tl.float32)
         acc3 = tl.zeros([M, UV], tl.float32)
-        NGV: tl.constexpr = D // V_G  # GROUPS values: per group of channels, [groups, rows, group's U-columns]
-        WGV: tl.constexpr = V_G // PV
-        gv = tl.arange(0, NGV)
+        gv = tl.arange(0, NGV)  # GROUPS values: per group of channels, [groups, rows, group's U-columns]
         wv = tl.arange(0, WGV)
         accg0 = tl.zeros([NGV, M, WGV], tl.float32)
         accg1 = tl.zeros([NGV, M, WGV], tl.float32)
@@ -518,6 +525,16 @@ def _spread(x, PER: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, CHANNE
 
 
 @triton.jit
+def _bf16_saturated(x, SFMT: tl.constexpr):
+    """A dequantized element in bf16. With fp32 scales an element can lie beyond bf16's largest (fp32's range),
+    which rounding would make inf: it saturates there instead, as every conversion of the store does
+    (``quant.saturate``; within bf16's rounding error of the element). fp16 and fp8 scales cannot get there."""
+    if SFMT == 1:
+        x = tl.minimum(tl.maximum(x, -BF16_MAX), BF16_MAX)
+    return _bf16(x)
+
+
+@triton.jit
 def _elem_qk(raw, qt, byte, I: tl.constexpr, s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl,
              PER: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, CHANNEL: tl.constexpr,
              G: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr, SFMT: tl.constexpr):
@@ -526,9 +543,9 @@ def _elem_qk(raw, qt, byte, I: tl.constexpr, s_ptr, z_ptr, blk, row, j0, jend, k
     once. A poisoned group's NaN reaches the scores, where ``_online_step``'s rule takes it."""
     a, b = _elem_compact(s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl, I, PER, U, BLOCK_N, BS,
                          CHANNEL, G, KIND, BITS, E4M3, SFMT)
-    k = _bf16(_code_f32(byte, I, BITS, KIND, E4M3) * _spread(a, PER, U, BLOCK_N, CHANNEL, G)
-              + _spread(b, PER, U, BLOCK_N, CHANNEL, G))
-    return _dot(k, qt, raw)
+    k = _code_f32(byte, I, BITS, KIND, E4M3) * _spread(a, PER, U, BLOCK_N, CHANNEL, G) + _spread(b, PER, U, BLOCK_N,
+                                                                                                  CHANNEL, G)
+    return _dot(_bf16_saturated(k, SFMT), qt, raw)
 
 
 @triton.jit
@@ -543,8 +560,9 @@ def _elem_pv(acc, hit, alpha, pb, vis, byte, I: tl.constexpr, s_ptr, z_ptr, blk,
     a, b = _elem_compact(s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl, I, PER, U, BLOCK_N, BS,
                          CHANNEL, G, KIND, BITS, E4M3, SFMT)
     nan = (a != a) | (b != b)
-    v = _bf16(_code_f32(byte, I, BITS, KIND, E4M3) * _spread(tl.where(nan, 0.0, a), PER, U, BLOCK_N, CHANNEL, G)
-              + _spread(tl.where(nan, 0.0, b), PER, U, BLOCK_N, CHANNEL, G))
+    v = _bf16_saturated(_code_f32(byte, I, BITS, KIND, E4M3) * _spread(tl.where(nan, 0.0, a), PER, U, BLOCK_N,
+                                                                        CHANNEL, G)
+                        + _spread(tl.where(nan, 0.0, b), PER, U, BLOCK_N, CHANNEL, G), SFMT)
     acc = _dot(pb, v, acc * alpha[:, None])
     if tl.max(tl.max(nan.to(tl.int32), 1), 0) > 0:
         poisoned = _spread(nan.to(tl.float32), PER, U, BLOCK_N, CHANNEL, G).to(tl.bfloat16)
@@ -563,8 +581,10 @@ def decode_config(policy, head_dim: int, sink: int, flush: int, ring: int, block
         kw.update({pre + "MODE": tensor_mode(q, D, pre == "V_"), pre + "KIND": _kind(q), pre + "BITS": q.bits,
                    pre + "E4M3": q.format == "fp8_e4m3", pre + "CHANNEL": q.axis == "channel",
                    pre + "G": q.group_for(D), pre + "SFMT": SCALE_CODES[q.scale_dtype]})
+    groups = kw["V_MODE"] == MODE_GROUPS  # values' groups and each group's columns per slot (GROUPS only)
     kw.update(G=gqa, M=max(16, triton.next_power_of_2(gqa)), BLOCK_N=block_n, MASK_KIND=mask_kind, DOT=dot,
-              CHUNK=chunk, FULL=full, STAGES=stages)
+              CHUNK=chunk, FULL=full, STAGES=stages, NGV=D // kw["V_G"] if groups else 1,
+              WGV=kw["V_G"] // (8 // kw["V_BITS"]) if groups else 16)
     key = (f"decode[k={policy.key.key()}:{MODES[kw['K_MODE']]};v={policy.value.key()}:{MODES[kw['V_MODE']]};"
            f"S={sink};R={policy.residual};F={flush};W={ring};BS={block};D={D};gqa={gqa};bn={block_n};"
            f"stages={stages};mask={mask_kind};dot={dot};chunk={int(chunk)};full={int(full)}]")

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from kvcompile import quant as Q
+from kvcompile.errors import ArgumentError
 from kvcompile.store import (CapacityError, KVState, LayerSpec, Rope, _state_capacity_check, check_chunk, check_kv,
                              hadamard, rotate, stored_chunk)
 
@@ -59,11 +60,12 @@ def check_devices(state: KVState, **tensors: Tensor | None) -> None:
     named = [(f"state.{f}", t) for f, t in zip(state._fields, state)] + list(tensors.items())
     for name, t in named:
         if t is not None and t.device != dev:
-            raise ValueError(f"kvcompile's Triton kernels read every tensor on one device: {name} is on {t.device}, "
-                             f"the store on {dev}. Move it there (.to({str(dev)!r})).")
+            raise ArgumentError(f"kvcompile's Triton kernels read every tensor on one device: {name} is on "
+                                f"{t.device}, the store on {dev}. Move it there (.to({str(dev)!r})).")
     if dev.type != "cuda" and not _common.INTERPRET and _common._compiler is None:
-        raise ValueError(f"kvcompile's Triton kernels run on CUDA tensors; this store is on {dev}. Use the C kernels "
-                         f"there (kvcompile.ops.set_kernels('cpu')), or TRITON_INTERPRET=1 for Triton's interpreter.")
+        raise ArgumentError(f"kvcompile's Triton kernels run on CUDA tensors; this store is on {dev}. Use the C "
+                            f"kernels there (kvcompile.ops.set_kernels('cpu')), or TRITON_INTERPRET=1 for Triton's "
+                            f"interpreter.")
 
 
 def _check_state(state: KVState, spec: LayerSpec) -> None:
@@ -128,14 +130,14 @@ def plan(state: KVState, spec: LayerSpec, q_shape, mask: Tensor | None = None, t
     """The kernel and tiles ``attention`` uses for queries of shape ``q_shape`` (host-known sizes only);
     ``chunk``: the queries' own keys and values are read from the chunk (``stored_chunk`` gave them)."""
     if kernel not in ("auto", "decode", "general"):
-        raise ValueError(f"attention kernel={kernel!r} is not valid: expected 'auto', 'decode' or 'general'")
+        raise ArgumentError(f"attention kernel={kernel!r} is not valid: expected 'auto', 'decode' or 'general'")
     B, Hq, n, D = q_shape
     G = Hq // spec.heads
     device = device or state.lengths.device
     positions = _attention.position_bound(state, spec, mask)
     layout = _decode.decode_layout(spec, n, rope) if kernel != "general" else None
     if kernel == "decode" and layout is None:
-        raise ValueError(f"the decode kernel does not serve {n} queries over {spec.name}"
+        raise ArgumentError(f"the decode kernel does not serve {n} queries over {spec.name}"
                          f"{' with pre-RoPE keys' if rope else ''} (templates.decode.decode_layout)")
     if layout is not None:
         block_n, nsplit = _decode.decode_tiles(spec, G, B, positions, device, tiles and (tiles[1], tiles[2]))

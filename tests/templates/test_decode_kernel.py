@@ -185,7 +185,7 @@ def test_tiles_come_from_the_config_table_or_its_rule(monkeypatch):
     about ``tile_bytes`` bytes of codes (so int2 tiles hold more tokens than int8), within the bounds. Splits
     follow the batch and the positions, never a capacity: about 4 programs per SM, no split under 4 tiles."""
     table = decode.config_table()
-    assert {"tile_bytes", "max_block_n", "warps", "stages"} <= set(table["default"])
+    assert {"tile_bytes", "max_block_n", "elem_max_block_n", "warps", "stages"} <= set(table["default"])
     for entry in table["configs"].values():
         assert {"block_n", "warps", "stages"} <= set(entry)
     rule = table["default"]
@@ -194,6 +194,8 @@ def test_tiles_come_from_the_config_table_or_its_rule(monkeypatch):
     assert all(c["source"] == "rule" for c in got.values())
     assert got[8]["block_n"] < got[4]["block_n"] < got[2]["block_n"] <= rule["max_block_n"]
     assert got[8]["block_n"] * 2 * 128 <= rule["tile_bytes"]
+    kivi2 = decode.tile_config(_spec(Policy.kivi(2, group=32, residual=0), 128), 5)  # per-element keys: capped
+    assert kivi2["block_n"] == rule["elem_max_block_n"] < got[2]["block_n"]
     monkeypatch.setattr(decode, "INTERPRET", False)
     spec = _spec(tok[4], 128)
     bn = decode.tile_config(spec, 4)["block_n"]

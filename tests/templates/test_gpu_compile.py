@@ -21,7 +21,8 @@ SCRIPT = textwrap.dedent("""
     cases = [  # (policy, head_dim, dtype, gqa, n, mask, packed tokens per block, tiles[, kernel])
         (Policy.fp8(residual=0), 128, "bfloat16", 4, 1, None, None, None),
         (Policy.kivi(4, group=32, residual=16, sink=4), 128, "bfloat16", 4, 64, None, None, None),  # own chunk
-        (Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0), 128, "bfloat16", 4, 1, None, 16, None),
+        (Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0), 128, "bfloat16", 4, 1, None, 16, None,
+         "general"),
         (Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0), 128, "bfloat16", 4, 1, None, None, None),
         (Policy(Quant("int2", "token"), Quant("int2", "token"), residual=0), 128, "bfloat16", 4, 1, None, None, None),
         (Policy.kivi(4, group=32, residual=128, sink=4), 128, "bfloat16", 8, 17, torch.ones(1, dtype=torch.bool),
@@ -30,12 +31,10 @@ SCRIPT = textwrap.dedent("""
          64, "float16", 3, 1, torch.zeros(1), 16, None),
         (Policy.kivi(2, group=16, residual=8, sink=2), 64, "float32", 2, 1, None, 32, (1, 64, 3),
          "general"),  # tile cut to 32
-        # the decode kernel (templates.decode): scales on tiles (fp8, int4), per element (KIVI: per-channel keys,
-        # token groups; fp32 scales), the full-precision program with the query's own token and a mask, tiles
-        # over several blocks, and the general kernel on a decode call as before
-        (Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0), 128, "bfloat16", 4, 1, None, None, None,
-         "general"),
-        (Policy.kivi(2, group=32, residual=0), 128, "bfloat16", 4, 1, None, 256, None, "decode"),
+        # the decode kernel (templates.decode; the four above too): scales on tiles (fp8, int4, int2), per group
+        # (KIVI's values), per element (KIVI's per-channel keys, fp32 scales, per-channel values), the
+        # full-precision program with the query's own token and masks, a tile over two blocks
+        (Policy.kivi(4, group=32, residual=0), 128, "bfloat16", 4, 1, None, 256, None, "decode"),
         (Policy(Quant("int8", "token", 32, False, "float32"), Quant("fp8_e5m2", "token", 16), residual=4, sink=2),
          128, "bfloat16", 8, 1, torch.zeros(1), None, None, "decode"),
         (Policy(Quant("int4", "token", scale_dtype="fp8_e4m3"), Quant("int2", "channel", 32, scale_dtype="fp8_e4m3"),
@@ -77,7 +76,7 @@ def test_kernels_compile_for_sm90():
         pytest.skip(f"Triton's NVIDIA backend is not available: {e}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "0"  # silences Triton 3.9's notice; launches pass enable_fp_fusion anyway
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "compiled" in r.stdout and "_attn_kernel" in r.stdout and "_merge_kernel" in r.stdout, r.stdout
     assert "_flush_kernel" in r.stdout and "_copy_kernel" in r.stdout, r.stdout
@@ -88,8 +87,8 @@ def test_kernels_compile_for_sm90():
     # loop (a decode with no residual reads its own token from the chunk)
     assert "rope: [(False, 128), (True, 64), (True, 128)]" in r.stdout, r.stdout
     # the decode kernel: (key mode, value mode, full-precision program, own token, mask kind, tile over blocks);
-    # mode 0: scales on tiles, 1: per element
+    # mode 0: scales on tiles, 1: per element, 2: per group
     decode = r.stdout.split("decode:")[1]
-    for want in ("(0, 0, True, True, 0, False)", "(1, 1, True, True, 0, False)", "(1, 1, True, False, 2, False)",
+    for want in ("(0, 0, True, True, 0, False)", "(1, 2, True, True, 0, False)", "(1, 2, True, False, 2, False)",
                  "(0, 1, True, True, 1, True)"):
         assert want in decode, r.stdout
