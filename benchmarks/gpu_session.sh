@@ -71,7 +71,7 @@ step() {  # step NAME SECONDS COMMAND...: run with at most SECONDS (and never pa
     log "start $name (at most $t s): $*"
     timeout --signal=INT --kill-after=10 "$t" "$@" >"$OUT/$name.txt" 2>&1
     local rc=$?
-    log "end $name: exit $rc$([ $rc = 124 ] && echo ' (cut off)')"
+    log "end $name: exit $rc$( { [ $rc = 124 ] || [ $rc = 137 ]; } && echo ' (cut off)')"
     tail -n 60 "$OUT/$name.txt"
     return $rc
 }
