@@ -146,13 +146,19 @@ class PeakRSS:
 
 class PeakCUDA:
     """GPU memory: the allocator's high-water mark during the run, minus what was allocated before it
-    (``mark()``/``decode_added`` as for ``PeakRSS``)."""
+    (``mark()``/``decode_added`` as for ``PeakRSS``).
+
+    When the run raises, ``__exit__`` measures nothing and lets that error through: on the first GPU run
+    (2026-12-04) a store's device assert was hidden behind this class's own ``AttributeError`` (no ``mark()``
+    yet), and a synchronize after a device-side error would raise a second, unrelated CUDA error."""
 
     def __enter__(self):
         gc.collect()
         torch.cuda.synchronize()
         self.base = torch.cuda.memory_allocated()
         self.before_mark = 0
+        self.mark_base = None
+        self.added = self.decode_added = None
         torch.cuda.reset_peak_memory_stats()
         return self
 
@@ -162,11 +168,13 @@ class PeakCUDA:
         self.mark_base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
+        if exc_type is not None:
+            return False  # the run's own error, unchanged
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         self.added = max(peak, self.before_mark) - self.base
-        self.decode_added = peak - self.mark_base
+        self.decode_added = None if self.mark_base is None else peak - self.mark_base
 
 
 # Llama-shaped configs with random weights, for the GPU variant (no weights are downloaded)

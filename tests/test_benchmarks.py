@@ -44,3 +44,29 @@ def test_json_mode_cost_smoke():
     for r in rows:
         assert r["reply"].startswith("{") and r["tokens"] == 6 and r["mask"]["median_us"] > 0
     assert '"title' in rows[1]["reply"]  # the schema's first property, begun
+
+
+def test_a_failing_run_reports_its_own_error_not_the_memory_meters(monkeypatch):
+    """``cpu_decode.py --device cuda`` on the first GPU run: a store's device assert surfaced as
+    ``AttributeError: 'PeakCUDA' object has no attribute 'mark_base'``. Both meters now let the run's own error
+    through, whether it comes before ``mark()`` or after it (CUDA's allocator counters faked: no GPU here)."""
+    import pytest
+    import torch
+
+    counters = {"now": 100, "peak": 100}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: counters["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: counters["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: counters.update(peak=counters["now"]))
+    for meter in (cpu_decode.PeakCUDA, cpu_decode.PeakRSS):
+        for marked in (False, True):
+            with pytest.raises(ValueError, match="the run's own error"):
+                with meter() as mem:
+                    if marked:
+                        mem.mark()
+                    raise ValueError("the run's own error")
+    with cpu_decode.PeakCUDA() as mem:  # and a run that succeeds still measures
+        counters.update(now=160, peak=190)
+        mem.mark()
+        counters.update(now=170, peak=230)
+    assert (mem.added, mem.decode_added) == (130, 70)

@@ -24,19 +24,17 @@ from store_checks import bad_store, scrambled
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def check(q, state, spec, mask=None, scale=None, tiles=None, chunk=(None, None)):
+def check(q, state, spec, mask=None, scale=None, tiles=None, chunk=(None, None), kernel="auto"):
     """Run the kernel and assert it is within the derived bound of float64 attention, elementwise.
-    ``chunk``: the queries' own (k_new, v_new), read in full precision."""
-    B, Hq, n, D = q.shape
-    nsplit = (tiles or kattn.default_tiles(spec, n, Hq // spec.heads, torch.device(DEV), B,
-                                           kattn.position_bound(state, spec, mask)))[2]
+    ``chunk``: the queries' own (k_new, v_new), read in full precision. ``kernel``: as ``launch.attention``'s
+    (a decode call runs the decode kernel where it serves the layout; "general" forces the other one)."""
     k_new, v_new = (None if x is None else x.to(DEV) for x in chunk)
     got = launch.attention(q.to(DEV), type(state)(*[t.to(DEV) for t in state]), spec,
-                           None if mask is None else mask.to(DEV), scale, tiles=tiles, k_new=k_new, v_new=v_new)
+                           None if mask is None else mask.to(DEV), scale, tiles=tiles, k_new=k_new, v_new=v_new,
+                           kernel=kernel)
     assert got.dtype == q.dtype and got.shape == q.shape
-    want, bound = kattn.reference_and_bound(q, state, spec, mask, scale, nsplit=nsplit,
-                                            dot=launch.dot_precision(torch.device(DEV)), k_new=chunk[0],
-                                            v_new=chunk[1])
+    want, bound = launch.reference_and_bound(q, state, spec, mask, scale, tiles=tiles, k_new=chunk[0],
+                                             v_new=chunk[1], kernel=kernel, device=DEV)
     err = (got.cpu().double() - want).abs()
     bad = err > bound
     assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs outside the bound; worst error "
@@ -165,8 +163,9 @@ def test_positions_past_a_narrow_mask_are_invisible():
     q = torch.randn(2, 2, 1, 32, generator=g)
     check(q, state, spec, mask=torch.ones(2, 1, 1, 37, dtype=torch.bool))
     check(q, state, spec, mask=torch.randn(1, 2, 1, 21, generator=g))
-    full = launch.attention(q, state, spec)  # sees all 60 positions: a different answer for row 1
-    narrow = launch.attention(q, state, spec, mask=torch.zeros(1, 1, 1, 37))
+    dq, dstate = q.to(DEV), type(state)(*[t.to(DEV) for t in state])
+    full = launch.attention(dq, dstate, spec).cpu()  # sees all 60 positions: a different answer for row 1
+    narrow = launch.attention(dq, dstate, spec, mask=torch.zeros(1, 1, 1, 37, device=DEV)).cpu()
     assert torch.equal(full[0], narrow[0]) and not torch.allclose(full[1], narrow[1])
 
 
@@ -183,16 +182,16 @@ def test_a_query_that_sees_nothing_returns_zeros():
     torch.testing.assert_close(got[1, :, 0], v[1, 0, 5].expand(2, -1))
 
 
-def test_the_bound_catches_one_wrong_code():
+@pytest.mark.parametrize("kernel", ["general", "decode"])
+def test_the_bound_catches_one_wrong_code(kernel):
     """The check is sharp enough to fail: flip one stored key code of one position and it must fire."""
-    dot = launch.dot_precision(torch.device(DEV))
-    # one int8 code off by one step (fp32 operands); tf32 operands (CUDA) loosen the bound ~2**13-fold, so
-    # there the code is off by 64 steps
-    spec, state, bad, q = one_wrong_code(1 if dot == "ieee" else 64)
-    check(q, state, spec)
-    got = launch.attention(q.to(DEV), type(bad)(*[t.to(DEV) for t in bad]), spec).cpu()
-    nsplit = kattn.default_tiles(spec, 1, 2, torch.device(DEV), 1, kattn.position_bound(state, spec, None))[2]
-    want, bound = kattn.reference_and_bound(q, state, spec, nsplit=nsplit, dot=dot)
+    exact = kernel == "general" and launch.dot_precision(torch.device(DEV)) == "ieee"
+    # one int8 code off by one step (fp32 operands); bf16 operands (the decode kernel; the general one's packed
+    # positions on CUDA) loosen the bound to about 2**-7 of each score, so there it is off by 128, half its range
+    spec, state, bad, q = one_wrong_code(1 if exact else 128)
+    check(q, state, spec, kernel=kernel)
+    got = launch.attention(q.to(DEV), type(bad)(*[t.to(DEV) for t in bad]), spec, kernel=kernel).cpu()
+    want, bound = launch.reference_and_bound(q, state, spec, kernel=kernel, device=DEV)
     assert ((got.double() - want).abs() > bound).any()
 
 
@@ -251,17 +250,14 @@ def test_attention_kernel_non_finite_values_poison_what_the_reference_says(polic
     g = torch.Generator().manual_seed(4)
 
     def one(q, mask=None, chunk=(None, None)):
-        nsplit = kattn.default_tiles(spec, q.shape[2], G, torch.device(DEV), B,
-                                     kattn.position_bound(state, spec, mask))[2]
         got = launch.attention(q.to(DEV), type(state)(*[t.to(DEV) for t in state]), spec,
                                None if mask is None else mask.to(DEV), None,
                                k_new=None if chunk[0] is None else chunk[0].to(DEV),
                                v_new=None if chunk[1] is None else chunk[1].to(DEV)).cpu()
         ref = attention_reference(q, state, spec, mask, None, torch.float64, k_new=chunk[0], v_new=chunk[1])
         assert_nan_pattern(got, ref, spec.name)
-        want, tol = kattn.reference_and_bound(q, state, spec, mask, None, nsplit=nsplit,
-                                              dot=launch.dot_precision(torch.device(DEV)), k_new=chunk[0],
-                                              v_new=chunk[1])
+        want, tol = launch.reference_and_bound(q, state, spec, mask, None, k_new=chunk[0], v_new=chunk[1],
+                                               device=DEV)
         assert torch.equal(want.isnan(), ref.isnan())
         ok = ~want.isnan()
         assert ((got.double() - want).abs()[ok] <= tol[ok]).all(), spec.name
