@@ -19,7 +19,7 @@ import kvcompile.templates
 
 # serving: transformers' continuous batching over kvcompile's store, and the OpenAI-compatible server on it
 SERVING = {"kvcompile.serving", "kvcompile.pool", "kvcompile.engine", "kvcompile.window", "kvcompile.sampling",
-           "kvcompile.paged_ops", "kvcompile.passes.paged", "kvcompile.serve", "kvcompile.structured"}
+           "kvcompile.paged_ops", "kvcompile.passes.paged", "kvcompile.serve", "kvcompile.json_mode"}
 # above both: the package's top level (it wires serving in), the command line, and the planner (which sizes
 # serving pools with serving's own functions)
 ABOVE = {"kvcompile", "kvcompile.__main__", "kvcompile.cli", "kvcompile.plan"}

@@ -224,6 +224,33 @@ def chat(base, name, content="Hi", max_tokens=4, **kw):
                             "max_tokens": max_tokens, **kw})
 
 
+def test_a_request_id_already_running_is_refused(tiny_server):
+    """A client's X-Request-ID names its request to the server (transformers' handlers take it as the request's
+    id): a second request under the id of one still running is refused with a 400 saying so, and the id is free
+    again once the first is done."""
+    base, name = tiny_server
+    # no max_tokens: the reply may take what the cache holds (thousands of tokens, tens of seconds on this model)
+    body = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{base}/v1/chat/completions", json=body, headers={"X-Request-ID": "dup"}) as r:
+            assert r.status_code == 200
+            chunks = 0
+            for line in r.iter_lines():  # the first is running: three pieces of its reply are out
+                chunks += line.startswith("data: {")
+                if chunks >= 3:
+                    break
+            second = httpx.post(f"{base}/v1/chat/completions", timeout=120, headers={"X-Request-ID": "dup"},
+                                json={"model": name, "messages": [{"role": "user", "content": "Hi"}],
+                                      "max_tokens": 4})
+    assert second.status_code == 400 and second.json()["error"]["code"] == "duplicate_request_id", second.text
+    t0 = time.time()
+    while stats(base)["requests"] and time.time() - t0 < 30:
+        time.sleep(0.2)
+    again = httpx.post(f"{base}/v1/chat/completions", timeout=120, headers={"X-Request-ID": "dup"},
+                       json={"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    assert again.status_code == 200, again.text
+
+
 @pytest.mark.parametrize("asks", [{}, {"logprobs": True, "top_logprobs": 5}])
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(tiny_server, asks):
     """A streaming client that disconnects mid-reply has its request cancelled: its pages and slot come back, and
