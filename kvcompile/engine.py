@@ -52,7 +52,8 @@ _BASE_UPDATE = inspect.unwrap(tcache.PagedAttentionCache.update)
 
 # --------------------------------------------------------------------------- the batch
 class _Plan:
-    """One forward's ragged batch: requests in order, grouped by query length (one kernel call per group).
+    """One forward's ragged batch: requests in order, in groups (one kernel call per group): the decoding requests
+    together, each prefill chunk alone.
     ``entries``: (request_id, slot, past, n, skip); a skipped entry (a warmup request of a compiled forward)
     takes its ``n`` rows of the batch but is neither stored nor attended (its rows stay zeros)."""
 
@@ -62,10 +63,13 @@ class _Plan:
         groups, start = {}, 0
         for _, slot, _, n, skip in entries:
             if not skip:
-                groups.setdefault(n, []).append((slot, start))
+                # decode rows attend together (the C kernel computes each row alone); a prefill chunk attends
+                # alone: attention over a group pads its rows to the longest, and a row would get other bits
+                # beside others than alone (docs/usage.md, "What a batch changes")
+                groups.setdefault((n, None if n == 1 else slot), []).append((slot, start))
             start += n
         self.groups = []
-        for n, members in groups.items():
+        for (n, _), members in groups.items():
             members.sort()  # by slot: rows that are a range of slots are read and written in place (append_rows)
             rows = [slot for slot, _ in members]
             idx = [t for _, s0 in members for t in range(s0, s0 + n)]
@@ -149,6 +153,18 @@ SWAP = threading.RLock()  # held while a transformers name is swapped (below), a
                            # cache is built beside (``capacity``), so that it never sees a swapped name
 
 
+def _mask_blocks(cbc, dtype: torch.dtype, page_size: int) -> int:
+    """The pages whose tokens transformers' ragged mask ``[max_batch_tokens, pages x page_size + max_batch_tokens]``
+    (one, in ``dtype``) can read in half of the memory transformers counts as available for its cache."""
+    from transformers.generation.continuous_batching.requests import get_device_and_memory_breakdown
+
+    _, total, reserved, allocated = get_device_and_memory_breakdown()
+    available = (total - max(allocated, reserved)) * (cbc.max_memory_percent or 0.9)
+    m = cbc.max_batch_tokens or tcache.PagedAttentionMemoryHandler._default_max_batch_tokens
+    tokens = available / 2 / (m * dtype.itemsize) - m
+    return max(1, int(tokens // page_size))
+
+
 @contextlib.contextmanager
 def _swapped(module, name: str, value):
     """``module.name`` is ``value`` for the block (transformers builds its cache's parts by module-level name)."""
@@ -172,9 +188,13 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
         # specs (the rank's own), and its sizes come from the budget, the same on every rank (checked below;
         # its own check all-reduces a tensor on the cache's device, which is meta here)
         window = slots * max(s.ring + s.sink for s in specs)  # tokens the slots hold outside the pages
+        # every layer exact (Policy.full()): transformers' own SDPA reads the pages back through its read
+        # indices, as from its own cache (``read_exact``), under its ragged mask -- its arithmetic, bit for bit
+        self.exact = all(s.policy.exact for s in specs)
+        sdpa = compiled or self.exact  # transformers' SDPA runs, and so allocates its mask
         try:
             with _swapped(tcache, "PagedAttentionMemoryHandler",
-                          functools.partial(KVCompileMemoryHandler, compiled=compiled, window_tokens=window)):
+                          functools.partial(KVCompileMemoryHandler, compiled=sdpa, window_tokens=window)):
                 super().__init__(_paged_layers(config), continuous_batching_config, "meta", _OneRank(), dtype,
                                  model_supports_logits_to_keep)
         except MemoryError as e:
@@ -419,6 +439,9 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
         # Compiled: indices of transformers' lengths, which the traced graph takes (the rewritten ops ignore
         # their values; transformers' own would point into pages a windowed request does not hold)
         self._pending.append((request_id, past_length, query_length))
+        if self.exact:  # transformers' own indices: its SDPA reads the pages through them (read_exact)
+            return super().extend_read_and_write_indices(request_id, past_length, query_length, read_index,
+                                                         write_index)
         if self.compiled:
             for w in write_index:
                 w.extend([0] * query_length)
@@ -462,6 +485,8 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
         as they came (``kvcompile_paged`` reads the chunk in full precision, the rest from the store).
         Compiled: transformers' own paged update, traced over the stand-ins (kvcompile's pass rewrites it)."""
         if not self.compiled:
+            if self.exact:
+                return self._exact_update(key_states, value_states, layer_idx, kwargs)
             kwargs[CACHE_KWARG] = self  # what this layer's attention reads (``paged_attention``)
             return self._eager_update(key_states, value_states, layer_idx)
         if not torch.compiler.is_compiling():
@@ -475,6 +500,35 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
     def _eager_update(self, key_states, value_states, layer_idx):
         self.store_layer(layer_idx, key_states, value_states)
         return key_states, value_states
+
+    @torch.compiler.disable
+    def _exact_update(self, key_states, value_states, layer_idx, kwargs):
+        """Every layer exact: store, then return what transformers' own update returns -- the chunk as it came
+        when no request has a past, else the batch's sequences read back through its read index, ``[1, H,
+        T_read, D]`` as a transposed view of ``[T_read, H, D]`` (``read_exact``)."""
+        self.store_layer(layer_idx, key_states, value_states)
+        read_index = kwargs["read_index"][self._allocator.index]
+        if read_index.numel() == 0:
+            return key_states, value_states
+        k, v = self.read_exact(layer_idx, read_index)
+        return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+
+    def read_exact(self, layer_idx: int, read_index: torch.Tensor):
+        """An exact layer's pages as transformers' ``index_select(k_cache, 0, read_index)`` reads its own:
+        ``k, v [T, H, D]`` (contiguous). A physical index is ``page * block_physical_stride + offset`` (the page
+        is block ``page - first`` of the layer's pool, the offset its row); an index outside the pool (the read
+        trash padding rows read) gives zeros, as transformers' zeroed, never written trash sector does."""
+        st = self.stores[layer_idx]
+        stride = self._allocator.block_physical_stride
+        idx = read_index.to(st.device).long()
+        blk, row = idx // stride - self._first_page, idx % stride
+        inside = (blk >= 0) & (blk < st.blocks) & (row < st.spec.block)
+        blk, row = blk.clamp(0, max(st.blocks - 1, 0)), row.clamp(max=st.spec.block - 1)
+        out = []
+        for pool in (st.state.k_codes, st.state.v_codes):  # [NB, H, BS, D] in the model's dtype
+            x = pool[blk, :, row]  # [T, H, D]
+            out.append(torch.where(inside.view(-1, 1, 1), x, torch.zeros((), dtype=x.dtype, device=x.device)))
+        return out[0], out[1]
 
     def store_layer(self, layer_idx: int, key_states, value_states) -> None:
         """Store the forward's new keys and values ``[1, H, T, D]`` in their requests' rows of the layer's
@@ -491,7 +545,8 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
             k, v = _gather(key_states, idx, R, n), _gather(value_states, idx, R, n)
             # the rows' state (views of the store's rows when their slots are consecutive), read by ``attend``
             work.append((n, rows, idx, st.append_rows(rows, k, v, store), k, v))
-        self._work[layer_idx] = work
+        if not self.exact:  # (an exact layer is read by transformers' SDPA, not ``attend``)
+            self._work[layer_idx] = work
 
     def attend(self, layer_idx: int, query: torch.Tensor, scaling) -> torch.Tensor:
         """Attention of the batch's queries ``[1, Hq, T, D]`` over their requests' rows: ``[1, T, Hq, D]``."""
@@ -650,6 +705,12 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
         self._slots = slots_for(self._specs, budget, opts.max_requests, opts.request_tokens, self._max_tokens)
         self.budget = budget
         self._blocks = pool_blocks(self._specs, budget, self._slots, self._max_tokens)
+        if all(s.policy.exact for s in self._specs) and opts.budget is None and not asked.num_blocks:
+            # transformers' own SDPA runs (Policy.full()), with its ragged mask over every page's tokens: the
+            # default budget's pages are cut to what its mask leaves room for, as transformers' own sizing
+            # removes sectors to pay for its masks (a small model's default budget buys ~10^6 tokens of pages,
+            # whose mask at 8192 batch tokens would be tens of GiB)
+            self._blocks = min(self._blocks, _mask_blocks(asked, model.dtype, self._specs[0].block))
         if model.config._attn_implementation not in ("sdpa", ATTN):
             raise UnsupportedError(f"kvcompile serving needs a model loaded with attn_implementation='sdpa' "
                                  f"(this one uses {model.config._attn_implementation!r})")
@@ -698,8 +759,10 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
         """Eager: the model's attention is ``kvcompile_paged`` while this manager or another runs on it
         (``_ATTN_HOLDERS``: the last to stop puts ``sdpa`` back, not the first, whose restoring would leave
         the others' forwards reading their chunks alone). Compiled: transformers' own SDPA is traced, and
-        kvcompile's pass rewrites it; the two kinds cannot share one model at once."""
-        compiled = getattr(self, "_compiled", None) is not None
+        kvcompile's pass rewrites it; every layer exact: transformers' own SDPA runs, over the pages read back
+        (``read_exact``). A model's attention is one or the other: managers of both kinds cannot share it."""
+        # ("compiled" below: the model's attention stays transformers' own SDPA)
+        compiled = getattr(self, "_compiled", None) is not None or all(s.policy.exact for s in self._specs)
         with _ATTN_LOCK:
             holders = _ATTN_HOLDERS.setdefault(model, weakref.WeakKeyDictionary())
             impl = model.config._attn_implementation
@@ -708,7 +771,8 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
                                      f"(this one uses {impl!r})")
             others = {c for m, c in holders.items() if m is not self}
             if others and others != {compiled}:
-                mine, theirs = ("a compiled", "an eager") if compiled else ("an eager", "a compiled")
+                mine, theirs = (("a compiled or exact", "an eager") if compiled else
+                                ("an eager", "a compiled or exact (Policy.full())"))
                 raise UnsupportedError(
                     f"kvcompile serving: another continuous-batching manager runs {theirs} forward on this "
                     f"model; {mine} one cannot run beside it (the two read the model's attention differently). "

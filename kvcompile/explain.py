@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .backend import Analyzed, Options, compile_graph
-from .errors import UnsupportedError
+from .backend import Analyzed, Options, carried, compile_graph
+from .errors import ArgumentTypeError, UnsupportedError
 from .hf_model import is_hf, trace_inputs
 from .policy import Policy
 from .report import Explanation, SiteReport  # noqa: F401  (the report's classes, where users found them)
@@ -30,7 +30,7 @@ def explain(model, *args, policy: Policy | None = None, **kwargs) -> Explanation
         if applied is not None and is_hf(model):
             fn, kwargs = trace_inputs(model, applied)
             return _trace(fn, (), kwargs, pol)
-        raise TypeError("kvcompile.explain(model, *example_inputs): pass example inputs to trace this model")
+        raise ArgumentTypeError("kvcompile.explain(model, *example_inputs): pass example inputs to trace this model")
     fn = model._orig_mod if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else model
     if is_hf(fn) and applied is not None:
         fn = type(fn).forward.__get__(fn)
@@ -53,7 +53,10 @@ def _trace(fn, args, kwargs, policy) -> Explanation:
             if isinstance(cur, Analyzed):
                 return cur.report
             cur = cur.__cause__ or cur.__context__
-        raise
+        inner = carried(e)
+        if inner is None:
+            raise
+        raise inner from e
     raise UnsupportedError("explain: the traced call did not reach the kvcompile backend")
 
 

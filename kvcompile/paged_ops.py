@@ -104,6 +104,25 @@ def _(q, k_cache, v_cache, token, read_index, mask, scale):
     return q.new_empty(q.shape)  # contiguous, as the implementation returns
 
 
+def _paged_read(k_cache: Tensor, v_cache: Tensor, token: Tensor, read_index: Tensor) -> tuple[Tensor, Tensor]:
+    """An exact layer (``Policy.full()``): what ``torch.index_select(pool, 0, read_index)`` reads from
+    transformers' own pool, read from the layer's store (``PagedKVCompileCache.read_exact``): ``k, v [T, H,
+    D]``, for transformers' own SDPA."""
+    cache, layer = _layer(k_cache, v_cache)
+    calls["paged_read"] += 1
+    return cache.read_exact(layer, read_index)
+
+
+paged_read = torch.library.custom_op("kvcompile::paged_read", mutates_args=())(_paged_read)
+
+
+@paged_read.register_fake
+def _(k_cache, v_cache, token, read_index):
+    shape = (read_index.shape[0], *k_cache.shape[1:])
+    return k_cache.new_empty(shape), v_cache.new_empty(shape)
+
+
 # the kvcompile backend's compiler="eager" calls these directly instead of through the dispatcher
 ops.PLAIN[torch.ops.kvcompile.paged_store.default] = _paged_store
 ops.PLAIN[torch.ops.kvcompile.paged_attention.default] = _paged_attention
+ops.PLAIN[torch.ops.kvcompile.paged_read.default] = _paged_read

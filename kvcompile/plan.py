@@ -26,7 +26,6 @@ import sympy as sp
 
 from .accounting import full_precision_bytes_per_token
 from .errors import KVCompileError, PlanError, WeightsUnknown
-from .evaluate import scheme_policy
 from .hf import model_shape, windowed_layers
 from .policy import Policy
 from .pool import (check_shared_tokens, pages_for, request_limit, requests_held, shared_pages, size_pool,
@@ -362,6 +361,7 @@ class ServingRow:
 def default_serving_policies() -> dict[str, Policy]:
     """The rows ``kvcompile plan --serving`` shows: the serving policies (no full-precision window per
     request: ``kvcompile.evaluate``'s serving schemes) and the policies with one, for comparison."""
+    from .presets import scheme_policy
     return {
         "full precision (kvcompile)": Policy.full(),
         "int8 per token": Policy.int8(),

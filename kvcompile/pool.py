@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .accounting import full_precision_bytes_per_token as fp_bytes
-from .errors import UnsupportedError
+from .errors import ArgumentError, UnsupportedError
 from .hf import _text_config, model_shape, windowed_layers
 from .policy import Policy
 from .store import DTYPE_NAMES, KVStore, LayerSpec
@@ -118,7 +118,7 @@ def requests_held(pages: int, need: int, shared: int = 0) -> int:
 
 def check_shared_tokens(shared_tokens: int, request_tokens: int) -> None:
     if not isinstance(shared_tokens, int) or isinstance(shared_tokens, bool) or not 0 <= shared_tokens < request_tokens:
-        raise ValueError(f"kvcompile serving: shared_tokens={shared_tokens!r}: expected a number of tokens from 0 to "
+        raise ArgumentError(f"kvcompile serving: shared_tokens={shared_tokens!r}: expected a number of tokens from 0 to "
                          f"request_tokens - 1 = {request_tokens - 1} (the prompt prefix every request shares)")
 
 
@@ -146,7 +146,9 @@ def slots_for(specs: list[LayerSpec], budget: int, max_requests: int | None, req
         pool_blocks(specs, budget, max_requests, max_tokens)
         return max_requests
     if request_tokens is None:
-        return default_slots(specs, budget)
+        slots = default_slots(specs, budget)
+        pool_blocks(specs, budget, slots, max_tokens)  # one slot's window and sinks may take the whole budget
+        return slots
     slots = most_slots(specs, budget, request_tokens, shared_tokens, max_tokens)
     if slots < 1:
         one = pool_nbytes(specs, 1, request_pages(specs, request_tokens), max_tokens)
@@ -191,9 +193,14 @@ def pool_blocks(specs: list[LayerSpec], budget: int, slots: int, max_tokens: int
     if width < blocks:  # the tables stop at ``width`` columns: past them a block costs only its own bytes
         blocks = width + (budget - cost(width)) // (cost(width + 1) - cost(width))
     if blocks < 1:
+        least = cost(1)
         raise UnsupportedError(
-            f"kvcompile serving: a budget of {budget:,} bytes does not hold one block after {slots} request slots "
-            f"({fixed:,} bytes of full-precision rings, sinks and lengths); raise the budget or lower max_requests.")
+            f"kvcompile serving: a budget of {budget:,} bytes does not hold one block after {slots} request "
+            f"slot{'s' if slots > 1 else ''} ({fixed:,} bytes of full-precision rings, sinks and lengths: "
+            f"up to {max(s.ring for s in specs)} window and {max(s.sink for s in specs)} sink tokens a layer per "
+            f"slot) and so serves no request; "
+            f"raise the budget to at least {least:,} bytes ({-(-least // 2**20)} MiB)"
+            + (", or lower max_requests" if slots > 1 else ", or use a policy with a smaller window or fewer sinks"))
     return int(blocks)
 
 
@@ -249,7 +256,7 @@ def size_pool(specs: list[LayerSpec], budget: int, request_tokens: int, slots: i
     request of ``max_tokens`` tokens needs (``table_width``)."""
     for name, v in (("budget", budget), ("request_tokens", request_tokens), ("slots", slots)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ValueError(f"kvcompile serving: {name}={v!r}: expected a positive integer")
+            raise ArgumentError(f"kvcompile serving: {name}={v!r}: expected a positive integer")
     check_shared_tokens(shared_tokens, request_tokens)
     shared_tokens = shared_tokens if shares_pages(specs) else 0
     slots = slots_for(specs, budget, slots, request_tokens, max_tokens, shared_tokens)

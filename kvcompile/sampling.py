@@ -31,6 +31,8 @@ import torch
 from transformers.generation.continuous_batching.cb_logits_processors import (ContinuousBatchingLogitsProcessor,
                                                                               ContinuousBatchingLogitsProcessorList)
 
+from .errors import ArgumentError, KeyNotFound, UnsupportedError
+
 NO_TOP_K = 2**31 - 1  # a per-request top_k that keeps every token (transformers' warper clamps it to the vocabulary)
 
 
@@ -55,7 +57,8 @@ def request_sampling(body: dict, defaults) -> dict:
     p = float(p if p is not None else (defaults.top_p if defaults.top_p is not None else 1.0))
     k = int(k if k is not None else (defaults.top_k or 0))
     seed = body.get("seed")
-    return {"greedy": 0, "temperature": t, "top_p": p, "top_k": k or NO_TOP_K,
+    # every argument travels as an int32 of the processors' rows: a top_k past NO_TOP_K keeps every token too
+    return {"greedy": 0, "temperature": t, "top_p": p, "top_k": min(k, NO_TOP_K) or NO_TOP_K,
             "seed": -1 if seed is None else seed % 2**31}
 
 
@@ -139,7 +142,7 @@ class Asked:
         with self._lock:
             missing = [i for i in range(start, stop) if i not in self.entries]
             if missing:
-                raise KeyError(f"no log probabilities recorded for tokens {missing} of the reply")
+                raise KeyNotFound(f"no log probabilities recorded for tokens {missing} of the reply")
             return [self.entries[i] for i in range(start, stop)]
 
     def take_prompt(self) -> list:
@@ -148,7 +151,7 @@ class Asked:
         with self._lock:
             missing = [i for i in range(1, len(self.prompt)) if i not in self.prompt_entries]
             if missing:
-                raise KeyError(f"no log probabilities recorded for prompt tokens {missing[:8]}")
+                raise KeyNotFound(f"no log probabilities recorded for prompt tokens {missing[:8]}")
             return [self.prompt_entries[i] for i in range(1, len(self.prompt))]
 
     def _entry(self, token: int, logits: torch.Tensor) -> tuple:
@@ -217,7 +220,8 @@ class Requests:
         """Keep ``options`` for request ``request_id``, with a handle of its own (set on them)."""
         with self._lock:
             if request_id in self._by_id:
-                raise ValueError(f"request {request_id!r} is already running")
+                raise ArgumentError(f"request {request_id!r} is already running: its id is in the server's table; "
+                                    f"give each running request an id of its own")
             options.handle = next(self._ids) % 2**31
             self._by_id[request_id] = self._by_handle[options.handle] = options
             return options
@@ -403,7 +407,7 @@ def sampling_manager(model, gen_config, cb_config, requests: Requests | None = N
                               requests=cb.requests if requests is None else requests, decider=decider)
     kinds = sorted(set(routed.supported_keys) - {name for name, _, kwarg in REQUEST_ARGS if kwarg} - {PROMPT_ROWS})
     if kinds != ["temperature", "top_k", "top_p"]:
-        raise RuntimeError(f"transformers' continuous batching made per-request processors for {kinds}, expected "
-                           f"temperature, top_k and top_p: this transformers version samples differently")
+        raise UnsupportedError(f"transformers' continuous batching made per-request processors for {kinds}, "
+                               f"expected temperature, top_k and top_p: this transformers version samples differently")
     cb.logit_processor, cb.requests = routed, routed.requests
     return cb

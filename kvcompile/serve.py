@@ -38,6 +38,7 @@ poll, not when the reply it will never read is done.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import json
@@ -47,7 +48,7 @@ import time
 
 import torch
 
-from .errors import ArgumentError, KVCompileError
+from .errors import ArgumentError, KVCompileError, UnsupportedError
 from .sampling import MAX_TOP_LOGPROBS, Asked, RequestOptions, Requests, request_sampling, sampling_manager
 
 
@@ -58,8 +59,6 @@ def require_server_transformers() -> None:
     """Refuse, saying what to install, a transformers whose OpenAI-compatible server this module is not built on:
     it subclasses that server's handlers, model manager and generation state, which 5.25 rewrote."""
     import transformers
-
-    from .errors import UnsupportedError
 
     found = transformers.__version__
     if ".".join(found.split(".")[:2]) != SERVER_TRANSFORMERS:
@@ -150,6 +149,11 @@ async def watch_client(work: asyncio.Future, client, cancel, poll_s: float = DIS
     raise ClientDisconnected("the client disconnected before its reply was ready; the request was cancelled")
 
 
+class ServerStopping(KVCompileError):
+    """The server is shutting down (``GracefulServer``): a request still running when its grace period ended, or
+    one that came after. Answered 503 with OpenAI's error body (a stream: an error event, then its end)."""
+
+
 # --------------------------------------------------------------------------- checking requests
 class RequestError(ArgumentError):
     """A request the server will not run: answered ``status`` with OpenAI's error body."""
@@ -171,6 +175,7 @@ def _openai_errors(app) -> None:
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
+    from transformers.cli.serving.utils import CBWorkerDeadError
 
     @app.exception_handler(RequestError)
     async def _ours(_request, exc: RequestError):
@@ -190,6 +195,16 @@ def _openai_errors(app) -> None:
     async def _gone(_request, exc: ClientDisconnected):
         return JSONResponse(error_body(str(exc), code="client_disconnected", type_="client_disconnected"),
                             status_code=499)  # nginx's "client closed request"; the client is gone, nobody reads it
+
+    @app.exception_handler(CBWorkerDeadError)
+    async def _dead(_request, exc: CBWorkerDeadError):  # transformers' answers {"error": "..."}: OpenAI's shape here
+        return JSONResponse(error_body(" ".join(str(exc).split())[:1000], code="engine_stopped", type_="server_error"),
+                            status_code=503)
+
+    @app.exception_handler(ServerStopping)
+    async def _stopping(_request, exc: ServerStopping):
+        return JSONResponse(error_body(str(exc), code="server_shutting_down", type_="server_error"),
+                            status_code=503)
 
     @app.exception_handler(HTTPException)
     async def _http(_request, exc: HTTPException):
@@ -215,6 +230,9 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+SEEDS = (-2**63, 2**63 - 1)  # the seeds a request may give: a signed 64-bit integer (OpenAI's int64; vLLM's range)
+
+
 def check_common(body: dict) -> None:
     """The fields both endpoints share, checked where transformers' handlers would take them as they come
     (``int(...)``, ``float(...)``: a 500 on a string, a negative ``max_tokens`` generating nothing)."""
@@ -236,10 +254,13 @@ def check_common(body: dict) -> None:
         if v is not None and not (_is_number(v) and (lo < v if lo_open else lo <= v) and v <= hi):
             side = "(" if lo_open else "["
             raise RequestError(f"'{name}' must be a number in {side}{lo}, {hi}], got {v!r}", name)
-    if body.get("seed") is not None and not _is_int(body["seed"]):
-        raise RequestError(f"'seed' must be an integer, got {body['seed']!r}", "seed")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise RequestError(f"'stream' must be true or false, got {body['stream']!r}", "stream")
+    seed = body.get("seed")
+    if seed is not None and not (_is_int(seed) and SEEDS[0] <= seed <= SEEDS[1]):
+        raise RequestError(f"'seed' must be an integer from {SEEDS[0]} to {SEEDS[1]} (64 bits), got {seed!r}"[:200],
+                           "seed")
+    for name in ("stream", "parallel_tool_calls", "store"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise RequestError(f"'{name}' must be true or false, got {body[name]!r}"[:200], name)
     tk = body.get("top_k")
     if tk is not None and not (_is_int(tk) and tk >= 0):
         raise RequestError(f"'top_k' must be an integer >= 0 (0: no top-k filter), got {tk!r}", "top_k")
@@ -252,14 +273,37 @@ def check_common(body: dict) -> None:
             isinstance(k, str) and k.isdigit() and _is_number(v) and -100 <= v <= 100 for k, v in bias.items())):
         raise RequestError("'logit_bias' must map token ids (as strings) to numbers in [-100, 100]", "logit_bias")
     check_supported(body)
-    gc = body.get("generation_config")
-    if gc is not None:
-        try:
-            from transformers import GenerationConfig
-            GenerationConfig(**json.loads(gc))
-        except Exception as e:  # noqa: BLE001 -- whatever transformers refuses, the client is told why
-            raise RequestError(f"'generation_config' must be a JSON object of generation options: {e}",
-                               "generation_config") from None
+    check_generation_config(body.get("generation_config"))
+
+
+# what transformers' continuous batching reads of a request's ``generation_config`` (transformers' extension: a JSON
+# string): the rest of it was silently ignored (the engine samples as the request's own fields say)
+GENERATION_CONFIG_FIELDS = ("max_new_tokens", "eos_token_id")
+
+
+def check_generation_config(gc) -> None:
+    if gc is None:
+        return
+    try:
+        parsed = json.loads(gc) if isinstance(gc, str) else None
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise RequestError("'generation_config' must be a JSON object written as a string, e.g. "
+                           "'{\"max_new_tokens\": 16}'", "generation_config")
+    others = sorted(k for k in parsed if k not in GENERATION_CONFIG_FIELDS)
+    if others:
+        raise RequestError(f"'generation_config' sets {', '.join(others)}"[:200] + f", which this server does not apply "
+                           f"(it takes {' and '.join(GENERATION_CONFIG_FIELDS)} from it); give the request's own "
+                           f"fields instead (temperature, top_p, top_k, max_tokens, stop, ...)", "generation_config")
+    m, eos = parsed.get("max_new_tokens"), parsed.get("eos_token_id")
+    if m is not None and not (_is_int(m) and m >= 1):
+        raise RequestError(f"'generation_config': max_new_tokens must be an integer >= 1, got {m!r}"[:200],
+                           "generation_config")
+    ids = eos if isinstance(eos, list) else [eos]
+    if eos is not None and not (ids and all(_is_int(t) and 0 <= t < 2**31 for t in ids)):
+        raise RequestError(f"'generation_config': eos_token_id must be a token id or a list of them, got {eos!r}"[:200],
+                           "generation_config")
 
 
 # What a request may ask that transformers' continuous batching would not do: its handlers take these fields
@@ -275,7 +319,7 @@ UNSUPPORTED = {
     "tool_choice": (lambda v: v in ("auto", "none"), "a reply is never forced to call a tool: 'auto' or 'none'"),
     "functions": (lambda v: not v, "the deprecated 'functions': give them as 'tools'"),
     "function_call": (lambda v: v in ("auto", "none"), "a reply is never forced to call a function"),
-    "modalities": (lambda v: isinstance(v, list) and set(v) <= {"text"}, "replies are text"),
+    "modalities": (lambda v: isinstance(v, list) and all(x == "text" for x in v), "replies are text"),
     "audio": (lambda v: not v, "replies are text"),
     "web_search_options": (lambda v: False, "the model cannot search the web"),
 }
@@ -390,6 +434,10 @@ def check_chat(body: dict) -> None:
         raise RequestError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     logprobs_asked(body, chat=True)
     response_schema(body.get("response_format"))
+    for name, neutral in (("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None, ""))):
+        if body.get(name) not in neutral:  # completions' fields (best_of was taken as candidates per choice)
+            raise RequestError(f"'{name}' is a field of completions (/v1/completions), not of chat completions; "
+                               f"leave it out", name)
 
 
 def response_schema(fmt, param: str = "response_format") -> dict | None:
@@ -467,6 +515,43 @@ def check_completion(body: dict) -> None:
         raise RequestError(f"'echo' must be true or false, got {echo!r}", "echo")
 
 
+def check_input_items(items: list) -> None:
+    """A Responses API ``input`` list, as transformers' handler reads it: content parts of one user message when
+    its first item has no ``role`` (checked as a chat message's), else messages (checked as chat messages) and
+    the items of an earlier response (``function_call``, ``function_call_output``, ``reasoning``)."""
+    def fail(what, at="input"):
+        raise RequestError(what, at)
+
+    if not all(isinstance(item, dict) for item in items):
+        fail("'input' items must be objects")
+    if "role" not in items[0]:  # one user message of these content parts
+        try:
+            check_chat({"messages": [{"role": "user", "content": items}]})
+        except RequestError as e:
+            fail(e.message.replace("messages[0].content", "input"))
+        return
+    strings = {"function_call": ("call_id", "name", "arguments"), "function_call_output": ("call_id", "output")}
+    for i, item in enumerate(items):
+        kind = item.get("type")
+        if "role" in item:
+            try:
+                check_chat({"messages": [item]})
+            except RequestError as e:
+                fail(e.message.replace("messages[0]", f"input[{i}]"))
+        elif kind in strings:
+            missing = [k for k in strings[kind] if not isinstance(item.get(k), str)]
+            if missing:
+                fail(f"input[{i}] of type {kind!r} needs {', '.join(missing)} as strings")
+        elif kind == "reasoning":
+            parts = item.get("content") or []
+            if not (isinstance(parts, list) and all(isinstance(c, dict) and isinstance(c.get("text"), str)
+                                                    for c in parts)):
+                fail(f"input[{i}] of type 'reasoning': its content must be a list of {{'text': ...}} parts")
+        else:
+            fail(f"input[{i}] must be a message (with 'role') or an item of type 'function_call', "
+                 f"'function_call_output' or 'reasoning'; got type {kind!r}")
+
+
 def check_response(body: dict) -> None:
     """A Responses API request (``/v1/responses``): its ``input`` (a string, or a list of items whose messages
     are checked as chat messages), ``instructions``, ``max_output_tokens``; what the server cannot do is a 400:
@@ -476,20 +561,20 @@ def check_response(body: dict) -> None:
     if not ((isinstance(inp, str) and inp) or (isinstance(inp, list) and inp)):
         raise RequestError(f"'input' must be a non-empty string or list of input items, got {inp!r}"[:200], "input")
     if isinstance(inp, list):
-        if not all(isinstance(item, dict) for item in inp):
-            raise RequestError("'input' items must be objects", "input")
-        messages = [item for item in inp if "role" in item]
-        if messages:
-            try:
-                check_chat({"messages": messages})
-            except RequestError as e:
-                raise RequestError(e.message.replace("messages[", "input message["), "input") from None
+        check_input_items(inp)
     if body.get("instructions") is not None and not isinstance(body["instructions"], str):
         raise RequestError("'instructions' must be a string", "instructions")
     v = body.get("max_output_tokens")
     if v is not None and not (_is_int(v) and v >= 1):
         raise RequestError(f"'max_output_tokens' must be an integer >= 1, got {v!r}", "max_output_tokens")
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    text = body.get("text")
+    if text is not None and not isinstance(text, dict):
+        raise RequestError(f"'text' must be an object (e.g. {{\"format\": {{\"type\": \"json_object\"}}}}), got "
+                           f"{type(text).__name__}", "text")
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise RequestError("'tools' must be a list of tool objects", "tools")
+    fmt = (text or {}).get("format")
     for name, fine, does in (
             ("previous_response_id", body.get("previous_response_id") is None,
              "this server stores no responses; send the whole conversation as 'input'"),
@@ -695,8 +780,9 @@ async def n_choices(handle, body: dict, request_id: str, n: int, best: int = 1):
             ask = {k: v for k, v in body.items() if k != "best_of"} | {"n": 1} | ({} if p is None else {"prompt": p})
             if per > n and ask.get("logprobs") is None:
                 ask["logprobs"] = 0  # each candidate's own log probabilities rank it (not given back)
-            if seed is not None:  # seeded choices take seed, seed + 1, ...: the same seed would give equal replies
-                ask["seed"] = seed + len(asks)
+            if seed is not None:  # seeded choices take seed, seed + 1, ... (wrapping around the 64-bit range): the
+                # same seed would give equal replies
+                ask["seed"] = (seed + len(asks) - SEEDS[0]) % 2**64 + SEEDS[0]
             asks.append(ask)
     replies = await asyncio.gather(*(handle(b, f"{request_id}-{i}") for i, b in enumerate(asks)))
     if body.get("stream"):
@@ -920,6 +1006,9 @@ def _checked_handlers():
 
         class Checked(handler_cls):
             async def handle_request(self, body: dict, request_id: str):
+                # a field given as null is a field not given (OpenAI's reading; transformers' handlers took some
+                # nulls as values: ``**None`` for chat_template_kwargs)
+                body = {k: v for k, v in body.items() if v is not None}
                 check_common(body)
                 if body["model"] in getattr(self.model_manager, "kvcompile_names", ()):  # the served model's names
                     body = {**body, "model": self.model_manager.force_model}
@@ -946,6 +1035,8 @@ def _checked_handlers():
                 n, best = body.get("n") or 1, body.get("best_of") or 1
                 one = functools.partial(self._one_choice, extensions=extensions)
                 if n == best == 1 and (chat or len(completion_prompts(body.get("prompt"))) == 1):
+                    if not chat:  # one prompt: a string, or its token ids (not a list of one string)
+                        body = {**body, "prompt": completion_prompts(body["prompt"])[0]}
                     return await one(body, request_id)
                 return await n_choices(one, body, request_id, n, best=max(best, n))
 
@@ -1100,20 +1191,86 @@ def checked_state(decider=None, **kw):
     each request to the cache (``fit_to_cache``) before it is queued. Each request's options are in its
     ``requests`` (``sampling.Requests``), by request id, while it runs. ``decider``: under tensor parallelism, the
     process group whose first rank picks every token (``sampling.RoutedProcessors``)."""
-    from transformers.cli.serving.utils import CBGenerateManager, GenerationState
+    from transformers.cli.serving.utils import CBGenerateManager, GenerationState, _StreamError
+
+    class Stopped(_StreamError):
+        """Put on a stream's queue when the server stops its request (``end_all``): transformers' stream sends its
+        message as an error event (``data: {"error": msg}``, so no quotes in it) and ends."""
 
     class CheckedCBGenerateManager(CBGenerateManager):
         def __init__(self, cb_config, requests: Requests, decider=None):
             super().__init__(cb_config)
             self.requests, self.decider = requests, decider
+            self._open: dict = {}  # the requests in flight (``_in_flight``)
+            self.stopping: str | None = None  # why the server is stopping (``end_all``); None: it serves
+            self.disconnected = 0  # requests cancelled because their client went away
 
         def init_cb(self, model, gen_config) -> None:
             """transformers starts its continuous-batching manager with the first request's generation config and
             applies that config's sampling to every later request. Here it starts sampling per request
             (``sampling_manager``) and each request is added with its own (``RequestOptions.sampling``)."""
             if self._cb is None:
-                self._cb = sampling_manager(model, gen_config, self._cb_config, self.requests, self.decider)
-                self._cb.start()
+                cb = sampling_manager(model, gen_config, self._cb_config, self.requests, self.decider)
+                # the cache is built here, not in the batching thread: what cannot be built is raised to the caller
+                # (``start_engine``: at start-up) rather than left to fail every request
+                cb.batch_processor = cb._create_batch_processor()
+                cb.start()
+                self._cb = cb
+
+        # ---- requests in flight, which ``end_all`` ends when the server stops (``GracefulServer``)
+        def _in_flight(self) -> dict:
+            """Request id: ``(how to end it: a function of the reason, whether it streams)`` for the requests still
+            running. A stream whose request is done (transformers dropped its result handler) is left out: it ends
+            by itself; a reply waited for leaves when it resolves (``_ending``)."""
+            open_ = self._open
+            router = getattr(self._cb, "output_router", None)
+            if router is not None:
+                with router._lock:
+                    running = set(router.result_handlers)
+                for rid in [r for r, (_, streams) in open_.items() if streams and r not in running]:
+                    del open_[rid]
+            return open_
+
+        def _refuse_if_stopping(self) -> None:
+            if self.stopping is not None:
+                raise ServerStopping(self.stopping)
+
+        def end_all(self, why: str) -> int:
+            """End every request in flight now, cleanly (the server is stopping): each is cancelled (its pages and
+            slot come back); a stream gets an error event saying ``why`` and its end, a reply waited for a 503; a
+            request that comes later is refused alike. How many were ended."""
+            self.stopping = why
+            ended = list(self._in_flight().values())
+            for end, _ in ended:
+                end(why)
+            self._in_flight().clear()
+            return len(ended)
+
+        def _ending(self, request_id: str, work: asyncio.Future) -> asyncio.Future:
+            """``work`` (a reply waited for) as a future that ``end_all`` may end first, with ``ServerStopping``."""
+            out = asyncio.get_running_loop().create_future()
+
+            def finished(w):
+                self._in_flight().pop(request_id, None)
+                if out.done():
+                    return
+                if w.cancelled():
+                    out.cancel()
+                elif w.exception() is not None:
+                    out.set_exception(w.exception())
+                else:
+                    out.set_result(w.result())
+
+            def end(why):
+                if not out.done():
+                    self.cancel(request_id)
+                    work.cancel()
+                    out.set_exception(ServerStopping(why))
+
+            work.add_done_callback(finished)
+            if not work.done():
+                self._in_flight()[request_id] = (end, False)
+            return out
 
         def _options(self, model, request_id: str) -> RequestOptions:
             """The request's options (a request from a handler of transformers' that kvcompile's do not wrap has
@@ -1124,6 +1281,7 @@ def checked_state(decider=None, **kw):
             return options
 
         def generate_streaming(self, model, processor, inputs, gen_config, request_id, **kw):
+            self._refuse_if_stopping()
             options = self._options(model, request_id)
             prompt_inputs(inputs, options)
             fit_to_cache(self._cb, model, inputs, gen_config, options)
@@ -1141,6 +1299,12 @@ def checked_state(decider=None, **kw):
                 stream_with_logprobs(streamer, asked, options.echo_offset)
             if options.stop:
                 streamer._queue = StopAt(queue, options.stop, lambda: self.cancel(request_id))
+
+            def end(why):
+                self.cancel(request_id)
+                queue.put_nowait(Stopped(why))  # transformers' stream sends it as an error event, then ends
+
+            self._in_flight()[request_id] = (end, True)
             return queue, streamer
 
         def _generate_until_stop(self, model, processor, inputs, gen_config, request_id) -> asyncio.Future:
@@ -1159,8 +1323,10 @@ def checked_state(decider=None, **kw):
             async def gathered():
                 parts = []
                 while (item := await queue.get()) is not None:
+                    if isinstance(item, Stopped):
+                        raise ServerStopping(item.msg)
                     if not isinstance(item, str):  # transformers' stream error
-                        raise RuntimeError(f"generation failed for {request_id}: {getattr(item, 'msg', item)}")
+                        raise UnsupportedError(f"generation failed for {request_id}: {getattr(item, 'msg', item)}")
                     parts.append(item)
                 return "".join(parts), len(inputs["input_ids"]), list(ids)
 
@@ -1170,6 +1336,7 @@ def checked_state(decider=None, **kw):
             """transformers' non-streaming generation (it waits on a future its result handler resolves), with the
             client watched while it waits: a client that disconnects has its request cancelled (``watch_client``),
             as transformers' streaming handler does for a streaming one."""
+            self._refuse_if_stopping()
             options = self._options(model, request_id)
             if options.asked is not None:  # the reply's log probabilities are read with it (_asked)
                 options.tokenizer = getattr(processor, "tokenizer", processor)._tokenizer
@@ -1181,10 +1348,16 @@ def checked_state(decider=None, **kw):
                 prepare_asked(options.asked, model, processor)
                 work = asyncio.ensure_future(
                     super().generate_non_streaming(model, processor, inputs, gen_config, request_id))
+            reply = self._ending(request_id, work)  # which the server's stop may end first (end_all)
             client = _CLIENT.get()
             if client is None:  # not called from an HTTP request
-                return await work
-            return await watch_client(work, client, lambda: self.cancel_for_disconnect(request_id))
+                return await reply
+
+            def gone():
+                self.cancel_for_disconnect(request_id)
+                work.cancel()
+
+            return await watch_client(reply, client, gone)
 
         def cancel(self, request_id: str) -> None:
             """Cancel the request (the CB loop frees its pages and slot at its next step) and drop the result
@@ -1198,7 +1371,7 @@ def checked_state(decider=None, **kw):
 
         def cancel_for_disconnect(self, request_id: str) -> None:
             self.cancel(request_id)
-            self.disconnected = getattr(self, "disconnected", 0) + 1
+            self.disconnected += 1
 
     class CheckedGenerationState(GenerationState):
         def __init__(self, **kw):
@@ -1307,6 +1480,10 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
     load_route = next(r for r in app.router.routes if getattr(r, "path", None) == "/load_model")
     app.router.routes.remove(load_route)
 
+    # transformers' /reset unloads every model: this server's one model, which every request after it needs (the
+    # engine still running on it); there is nothing to reset
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/reset"]
+
     # transformers' transcription route answered a text model's server with a 500 (or loaded audio it cannot read)
     app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) != "/v1/audio/transcriptions"]
 
@@ -1371,25 +1548,145 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
     return app, manager, state
 
 
-def run(model_dir: str, policy, host: str = "127.0.0.1", port: int = 8000, **kw) -> None:
-    """Serve until stopped; launched by torchrun with several processes, sharded over them
-    (``run_tensor_parallel``)."""
+def start_engine(manager, state, model_dir: str) -> None:
+    """Start the continuous-batching engine and build its cache now, not at the first request: a configuration
+    that cannot serve one request (a budget that holds no block once the slots are paid, buffers for
+    ``max_batch_tokens`` that do not fit in memory) is refused at start-up, saying why, instead of answering
+    every request with a 500. The engine samples per request (``init_cb``), so the model's own generation
+    config is what it starts with."""
+    model, _ = manager.load_model_and_processor(model_dir)
+    gen = state.get_manager(model_dir, use_cb=True)
+    gen.init_cb(model, model.generation_config)
+    first_request(gen._cb)
+
+
+STARTUP_REQUEST_S = 900  # the first request builds the kernels (a second or two each; minutes on a loaded machine)
+
+
+def first_request(cb, timeout_s: float = STARTUP_REQUEST_S) -> None:
+    """Run one request of two tokens through the started engine ``cb``: the CPU kernels of every layer's store
+    layout are built now (a missing C compiler, an unwritable kernel cache, a layout the kernels refuse are said at
+    start-up), and none is built -- nor killed halfway by a stop signal sent to the process group -- while clients
+    wait."""
+    rid = "kvcompile-startup"
+    held: list = []  # what the engine logs meanwhile: its traceback of an error kvcompile says in one line is dropped
+
+    class Hold(logging.Filter):
+        def filter(self, record):
+            held.append(record)
+            return False
+
+    cb_logger, hold = logging.getLogger("ContinuousBatchingLogger"), Hold()
+    cb_logger.addFilter(hold)
+    error = None
+    try:
+        cb.add_request([0, 0], request_id=rid, max_new_tokens=2, streaming=False)
+        deadline = time.monotonic() + timeout_s
+        while error is None:
+            out = cb.get_result(request_id=rid, timeout=1)
+            fatal = cb.background_thread_status.fatal_error
+            if fatal is None and out is not None and out.error is not None:  # the engine's own error comes next
+                stop = time.monotonic() + 5
+                while cb.background_thread_status.fatal_error is None and cb.is_running() and time.monotonic() < stop:
+                    time.sleep(0.05)
+                fatal = cb.background_thread_status.fatal_error
+            if fatal is not None or (out is not None and out.error is not None):
+                error = fatal or out.error
+            elif out is not None and out.is_finished():
+                break
+            elif time.monotonic() > deadline or not cb.is_running():
+                error = f"no reply to a request of two tokens within {timeout_s} s"
+    finally:
+        cb_logger.removeFilter(hold)
+        if not isinstance(error, KVCompileError):  # anything else keeps its log (a defect's traceback)
+            for record in held:
+                cb_logger.handle(record)
+    if error is not None:
+        raise UnsupportedError(f"kvcompile serve: the engine could not serve a first request at start-up: "
+                               + (str(error) if isinstance(error, (str, KVCompileError)) else
+                                  f"{type(error).__name__}: {error}"))
+
+
+SHUTDOWN_GRACE_S = 10.0  # default seconds requests in flight may take to finish once the server is told to stop
+ENDING_S = 2.0  # then, seconds the ended requests' last events and responses get to go out before the server exits
+
+
+def serve_http(app, state, host: str, port: int, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+    """Serve ``app`` with uvicorn until SIGTERM or SIGINT, then stop as operators expect of a server: it stops
+    accepting connections at once (uvicorn closes its sockets), lets the requests in flight finish for up to
+    ``grace_s`` seconds, then ends those still running cleanly (``end_all``: a stream gets an error event and its
+    end, a reply waited for a 503 in OpenAI's shape; their pages come back) and returns -- no reset connection,
+    no traceback, and the caller exits 0. A second signal ends them at once. (uvicorn alone waits for every
+    request without limit, ignores a second SIGTERM, and a second SIGINT drops the connections, logging a
+    traceback for each request cut.)"""
+    import signal
+
     import uvicorn
 
+    class GracefulServer(uvicorn.Server):
+        deadline: float | None = None  # monotonic time at which requests still in flight are ended
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's, but the signals are not raised again once the server has stopped (the process would die
+            # by SIGTERM, or raise KeyboardInterrupt): a server stopped by a signal is a normal exit
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig, frame) -> None:
+            now = time.monotonic()
+            if self.deadline is None:
+                self.should_exit, self.deadline = True, now + grace_s
+                print(f"kvcompile serve: stopping; requests in flight have {grace_s:g} s to finish (a second "
+                      f"signal ends them now)", flush=True)
+            else:
+                self.deadline = min(self.deadline, now)
+
+        async def shutdown(self, sockets=None):
+            async def end_in_time():
+                while time.monotonic() < (self.deadline or 0):
+                    await asyncio.sleep(0.05)
+                gen = getattr(state, "_cb_manager", None)
+                ended = gen.end_all(f"the server is shutting down: this reply was ended before it was complete, "
+                                    f"{grace_s:g} s after the server was told to stop") if gen is not None else 0
+                if ended:
+                    print(f"kvcompile serve: ended {ended} request(s) still running", flush=True)
+                await asyncio.sleep(ENDING_S)
+                self.force_exit = True  # uvicorn stops waiting for connections that are still open
+
+            ender = asyncio.ensure_future(end_in_time())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                ender.cancel()
+
+    GracefulServer(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+
+
+def run(model_dir: str, policy, host: str = "127.0.0.1", port: int = 8000, grace_s: float = SHUTDOWN_GRACE_S,
+        **kw) -> None:
+    """Serve until stopped (``serve_http``: ``grace_s`` seconds for the requests in flight); launched by torchrun
+    with several processes, sharded over them (``run_tensor_parallel``)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return run_tensor_parallel(model_dir, policy, host, port, **kw)
+        return run_tensor_parallel(model_dir, policy, host, port, grace_s, **kw)
     app, manager, state = build_app(model_dir, policy, **kw)
-    sharing = app.state.prefix_sharing
-    print(f"kvcompile serve: {model_dir} under {policy} on http://{host}:{port}/v1 (model name: "
-          f"{manager.kvcompile_names[0]!r}; prefix sharing {'on' if sharing else 'off'})", flush=True)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        start_engine(manager, state, model_dir)
+        sharing = app.state.prefix_sharing
+        print(f"kvcompile serve: {model_dir} under {policy} on http://{host}:{port}/v1 (model name: "
+              f"{manager.kvcompile_names[0]!r}; prefix sharing {'on' if sharing else 'off'})", flush=True)
+        serve_http(app, state, host, port, grace_s)
     finally:
         state.shutdown()
         manager.shutdown()
 
 
-def run_tensor_parallel(model_dir: str, policy, host: str, port: int, **kw) -> None:
+def run_tensor_parallel(model_dir: str, policy, host: str, port: int, grace_s: float = SHUTDOWN_GRACE_S,
+                        **kw) -> None:
     """``torchrun --nproc_per_node N -m kvcompile serve ...``: the model sharded over the N ranks (``tp_plan=
     "auto"``, each rank's cache holding its KV heads), transformers' continuous batching on every rank. Rank 0
     serves HTTP and is the engine's driver: the requests it adds reach the other ranks' engines at their next
@@ -1399,7 +1696,6 @@ def run_tensor_parallel(model_dir: str, policy, host: str, port: int, **kw) -> N
     log probabilities are asked carries that to every rank, whose forwards keep the same rows for them
     (``engine.PagedKVCompileCache.prompt_rows``); rank 0 records them."""
     import torch.distributed as dist
-    import uvicorn
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -1408,11 +1704,11 @@ def run_tensor_parallel(model_dir: str, policy, host: str, port: int, **kw) -> N
         app, manager, state = build_app(model_dir, policy, tensor_parallel=True, **kw)
         model, _ = manager.load_model_and_processor(model_dir)
         if rank == 0:
-            state.get_manager(model_dir, use_cb=True).init_cb(model, model.generation_config)
+            start_engine(manager, state, model_dir)
             print(f"kvcompile serve: {model_dir} under {policy}, sharded over {world} ranks, on "
                   f"http://{host}:{port}/v1 (model name: {manager.kvcompile_names[0]!r}; prefix sharing "
                   f"{'on' if app.state.prefix_sharing else 'off'})", flush=True)
-            uvicorn.run(app, host=host, port=port, log_level="warning")
+            serve_http(app, state, host, port, grace_s)
         else:
             cb = sampling_manager(model, model.generation_config, app.state.cb_config, decider=dist.group.WORLD)
             cb.start()

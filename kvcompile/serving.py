@@ -76,7 +76,7 @@ from dataclasses import replace
 import torch
 
 from .backend import Options
-from .errors import UnsupportedError
+from .errors import ArgumentError, UnsupportedError
 from .hf import model_shape
 from .policy import Policy
 from .pool import (DEFAULT_BUDGET, DEFAULT_SLOTS, PoolSize, ServingOptions, check_shared_tokens,  # noqa: F401
@@ -108,9 +108,9 @@ def configure(model, *, budget: int | None = None, max_requests: int | None = No
         raise UnsupportedError("kvcompile.serving.configure: this model was not prepared by kvcompile.apply")
     for name, v in (("budget", budget), ("max_requests", max_requests), ("request_tokens", request_tokens)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ValueError(f"kvcompile.serving.configure({name}={v!r}): expected a positive integer")
+            raise ArgumentError(f"kvcompile.serving.configure({name}={v!r}): expected a positive integer")
     if max_requests is not None and request_tokens is not None:
-        raise ValueError(f"kvcompile.serving.configure(max_requests={max_requests}, request_tokens={request_tokens})"
+        raise ArgumentError(f"kvcompile.serving.configure(max_requests={max_requests}, request_tokens={request_tokens})"
                          f": both give the number of request slots; pass one of them")
     if budget is not None:  # what the budget cannot hold is said now, not at the first request
         slots_for(layer_specs(model.config, opts, next(model.parameters()).dtype), budget, max_requests,
@@ -225,14 +225,30 @@ def init_continuous_batching(model, generation_config=None, continuous_batching_
 
     from .engine import KVCompileBatchingManager as cls
 
+    check_transformers()
     cached = getattr(model, "_cached_continuous_batching_manager", None)
     if isinstance(cached, cls):
         cached.switch_to_cb_friendly_attn(model)
         return cached
     gen = generation_config if generation_config is not None else model.generation_config
     if gen is None:
-        raise ValueError("A GenerationConfig must be provided or set in the model.")
+        raise ArgumentError("A GenerationConfig must be provided or set in the model.")
     if gen.eos_token_id is None:
         gen.eos_token_id = -1
     cbc = continuous_batching_config if continuous_batching_config is not None else ContinuousBatchingConfig()
     return cls(model, gen, cbc, workload_hints)
+
+
+def check_transformers() -> None:
+    """kvcompile's serving subclasses the continuous batching of transformers 5.24 (its cache allocators, memory
+    handler and page accounting); another release's engine is refused at the call, saying what to install."""
+    import importlib.util
+
+    import transformers
+
+    if importlib.util.find_spec("transformers.generation.continuous_batching.cache_allocators") is None:
+        raise UnsupportedError(
+            f"kvcompile serving (generate_batch, init_continuous_batching, kvcompile serve) is built on the "
+            f"continuous batching of transformers 5.24, and transformers {transformers.__version__} has another "
+            f"one (no continuous_batching.cache_allocators). Install transformers 5.24 for serving (pip install "
+            f"'kvcompile[serve]'); apply, generate and the backend work with this release.")

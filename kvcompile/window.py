@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .store import DTYPES
+from .errors import ArgumentError, UnsupportedError
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,9 @@ class WindowSpec:
         for name in ("window", "heads", "head_dim", "block"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"WindowSpec {name}={v!r}: expected a positive integer")
+                raise ArgumentError(f"WindowSpec {name}={v!r}: expected a positive integer")
         if self.dtype not in DTYPES:
-            raise ValueError(f"WindowSpec dtype={self.dtype!r}: expected one of {sorted(DTYPES)}")
+            raise ArgumentError(f"WindowSpec dtype={self.dtype!r}: expected one of {sorted(DTYPES)}")
 
     ring = property(lambda self: self.window)  # tokens a slot holds outside the pages
     sink = 0
@@ -107,7 +108,7 @@ class WindowRing:
         pass
 
     def set_length(self, b: int, length: int) -> None:
-        raise RuntimeError(f"WindowRing.set_length({b}, {length}): a sliding-window layer's tokens are not in "
+        raise UnsupportedError(f"WindowRing.set_length({b}, {length}): a sliding-window layer's tokens are not in "
                            f"pages, so no request starts from shared pages (prefix sharing is off for this model)")
 
     def clear(self, rows: Sequence[int]) -> None:

@@ -20,6 +20,10 @@ import kvcompile.templates
 # serving: transformers' continuous batching over kvcompile's store, and the OpenAI-compatible server on it
 SERVING = {"kvcompile.serving", "kvcompile.pool", "kvcompile.engine", "kvcompile.window", "kvcompile.sampling",
            "kvcompile.paged_ops", "kvcompile.passes.paged", "kvcompile.serve", "kvcompile.json_mode"}
+# the vLLM plugin: vLLM's attention backend over the core's pages (kvcompile.pages); vLLM loads it by entry point
+VLLM = {"kvcompile.vllm", "kvcompile.vllm.backend", "kvcompile.vllm.config", "kvcompile.vllm.cpu",
+        "kvcompile.vllm.cuda"}
+INTEGRATIONS = SERVING | VLLM
 # above both: the package's top level (it wires serving in), the command line, and the planner (which sizes
 # serving pools with serving's own functions)
 ABOVE = {"kvcompile", "kvcompile.__main__", "kvcompile.cli", "kvcompile.plan"}
@@ -31,6 +35,8 @@ def package_modules() -> dict[str, pathlib.Path]:
     for pkg in (kvcompile, kvcompile.passes, kvcompile.templates):
         for f in pathlib.Path(pkg.__path__[0]).glob("*.py"):
             out[pkg.__name__ if f.stem == "__init__" else f"{pkg.__name__}.{f.stem}"] = f
+    for f in (pathlib.Path(kvcompile.__path__[0]) / "vllm").glob("*.py"):  # (a package; vLLM need not be here)
+        out["kvcompile.vllm" if f.stem == "__init__" else f"kvcompile.vllm.{f.stem}"] = f
     return out
 
 
@@ -79,8 +85,8 @@ def test_the_reader_finds_imports_at_every_level():
 
 
 def test_the_sets_name_real_modules(graph):
-    assert SERVING | ABOVE <= set(graph)
-    assert len(set(graph) - SERVING - ABOVE) >= 25  # the core: policy, quant, store, kernels, pass, apply, backend
+    assert INTEGRATIONS | ABOVE <= set(graph)
+    assert len(set(graph) - INTEGRATIONS - ABOVE) >= 25  # the core: policy, quant, store, kernels, pass, apply, backend
     assert "kvcompile.serving" in graph["kvcompile"]  # the top level wires serving in
 
 
@@ -101,9 +107,15 @@ def _path(graph, start: str, targets: set[str]) -> list[str] | None:
 
 
 def test_the_core_reaches_nothing_of_serving(graph):
-    """No core module imports serving, directly or through another module, at any level."""
-    reached = {m: p for m in sorted(set(graph) - SERVING - ABOVE) if (p := _path(graph, m, SERVING))}
-    assert not reached, "the core imports serving: " + "; ".join(" -> ".join(p) for p in reached.values())
+    """No core module imports serving or the vLLM plugin, directly or through another module, at any level."""
+    reached = {m: p for m in sorted(set(graph) - INTEGRATIONS - ABOVE) if (p := _path(graph, m, INTEGRATIONS))}
+    assert not reached, "the core imports an integration: " + "; ".join(" -> ".join(p) for p in reached.values())
+
+
+def test_the_vllm_plugin_stands_on_the_core_alone(graph):
+    """The plugin builds on the core's small interface, not on kvcompile's own serving engine."""
+    reached = {m: p for m in sorted(VLLM) if (p := _path(graph, m, SERVING))}
+    assert not reached, "the vLLM plugin imports serving: " + "; ".join(" -> ".join(p) for p in reached.values())
 
 
 def test_the_import_graph_has_no_cycle(graph):

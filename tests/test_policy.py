@@ -17,6 +17,8 @@ NAMES = [f"model.layers.{i}.self_attn" for i in range(6)]
     (dict(axis="channel"), "Quant.group"),
     (dict(format="fp8_e4m3", symmetric=False), "Quant.symmetric"),
     (dict(scale_dtype="bfloat16"), "Quant.scale_dtype"),
+    (dict(axis="channel", group=2**40), "Quant.group"),  # tokens per scale: a block of 2**40 tokens
+    (dict(axis="token", group=2048), "Quant.group"),  # channels per scale: wider than any model's head
 ])
 def test_quant_rejects_bad_fields(kwargs, field):
     with pytest.raises(PolicyError, match=field.replace(".", r"\.")) as e:
@@ -29,10 +31,37 @@ def test_quant_rejects_bad_fields(kwargs, field):
     (dict(sink=-2), "Policy.sink"),
     (dict(key="int4"), "Policy.key"),
     (dict(rotate=1), "Policy.rotate"),
+    (dict(sink=10**9), "Policy.sink"),
+    (dict(residual=10**12), "Policy.residual"),
 ])
 def test_policy_rejects_bad_fields(kwargs, field):
     with pytest.raises(PolicyError, match=field.replace(".", r"\.")):
         Policy(**kwargs)
+
+
+@pytest.mark.parametrize("where, value", [("sink", 10**9), ("residual", 10**12), ("key.group", 2**40),
+                                          ("value.group", 4096)])
+def test_sizes_past_any_model_are_refused_where_written_and_when_loaded(where, value, tmp_path):
+    """A sink or window longer than any model's positions, a group wider than a head: refused by the constructor,
+    and by ``Policy.load`` with the file and field named -- not later, as an allocator error."""
+    from kvcompile.policy import MAX_HEAD_DIM, MAX_TOKENS
+
+    d = Policy.kivi(4).to_dict()
+    if "." in where:
+        side, name = where.split(".")
+        d[side][name] = value
+    else:
+        d[where] = value
+    path = tmp_path / "p.json"
+    path.write_text(__import__("json").dumps(d))
+    limit = f"{MAX_HEAD_DIM}" if where == "value.group" else f"{MAX_TOKENS:,}"
+    at, field = (f", at {where.split('.')[0]}", "Quant.group") if "." in where else ("", f"Policy.{where}")
+    with pytest.raises(PolicyError, match=rf"^policy file '{re.escape(str(path))}'{at}: {field}={value} is not "
+                                          rf"valid: expected .*{limit}"):
+        Policy.load(path)
+    # the largest values allowed are taken
+    assert Policy.kivi(4, sink=MAX_TOKENS, residual=MAX_TOKENS).sink == MAX_TOKENS
+    assert Quant("int4", "token", MAX_HEAD_DIM).group == MAX_HEAD_DIM
 
 
 def test_defaults_and_symmetric_resolution():
@@ -67,8 +96,27 @@ def test_group_must_divide_head_dim_when_applied():
     p.check(128)
     with pytest.raises(PolicyError, match=r"group=64 does not divide head_dim=32"):
         p.check(32)
-    with pytest.raises(PolicyError, match="power-of-two head_dim"):
-        Policy.kivi(4, rotate=True).check(96)
+    Policy.kivi(4, rotate=True).check(96)  # heads that are not a power of two rotate in blocks (test_head_sizes)
+
+
+def test_kivis_default_value_group_fits_the_head_and_says_so():
+    """Policy.kivi's default group (32) fits a head it does not divide (Quant.fit: the largest power of two that
+    does); the key's per-channel group (tokens) is untouched, a group given explicitly is never changed, and the
+    fit travels through policy files."""
+    p = Policy.kivi(4)
+    assert (p.key.group, p.value.group, p.key.fit, p.value.fit) == (32, 32, False, True)
+    assert [p.value.group_for(d) for d in (64, 80, 96, 112, 120, 128, 256)] == [32, 16, 32, 16, 8, 32, 32]
+    assert p.value.key() == "int4.token.32~.asym.f16" and "v=int4.token.32~" in str(p)
+    assert p.for_head_dim(80).value == Quant("int4", "token", 16) and p.for_head_dim(128).value.group == 32
+    assert Policy.kivi(4, group=32) != p and not Policy.kivi(4, group=32).value.fit
+    with pytest.raises(PolicyError, match=r"group=32 does not divide head_dim=80"):
+        Policy.kivi(4, group=32).check(80)
+    p.check(80)
+    assert Policy.from_dict(p.to_dict()) == p and "fit" not in Policy.kivi(4, group=32).to_dict()["value"]
+    with pytest.raises(PolicyError, match=r"Quant.fit=True is not valid"):
+        Quant("int4", "channel", 32, fit=True)
+    with pytest.raises(PolicyError, match=r"Quant.fit='yes' is not valid"):
+        Quant("int4", "token", 32, fit="yes")
 
 
 def test_override_resolution_order_and_selectors():

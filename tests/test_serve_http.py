@@ -431,6 +431,62 @@ def test_bad_input_is_a_4xx_in_openais_shape_and_the_server_stays_up(tiny_server
     assert httpx.get(f"{base}/health", timeout=10).json() == {"status": "ok"}
 
 
+# Fields a client can send that the server once answered with a 500 (or worse), found by fuzzing every field
+# with every kind of value: endpoint -> [(fields, the field the 400 names)]
+FOUND = {
+    "chat/completions": [
+        ({"seed": 2**64}, "seed"), ({"seed": -2**63 - 1}, "seed"),  # torch.manual_seed's ValueError
+        ({"seed": 2**64, "stream": True}, "seed"),
+        ({"best_of": 10**30}, "best_of"),  # a completions field: 10**30 requests built in memory (18 GB), no answer
+        ({"modalities": [[]]}, "modalities"),  # unhashable: TypeError
+        ({"generation_config": '{"top_k": 3}'}, "generation_config"),  # silently not applied
+        ({"generation_config": "[1]"}, "generation_config"),
+        ({"parallel_tool_calls": "x"}, "parallel_tool_calls"),
+    ],
+    "completions": [({"seed": 2**64}, "seed"), ({"seed": 2**64, "stream": True}, "seed")],
+    "responses": [
+        ({"input": [{}]}, "input"),  # KeyError
+        ({"input": [{"role": "user", "content": "Hi"}, {"type": "function_call"}]}, "input"),
+        ({"text": 1}, "text"), ({"tools": 0}, "tools"),  # AttributeError, TypeError
+        ({"parallel_tool_calls": 1}, "parallel_tool_calls"),  # pydantic's ValidationError
+    ],
+}
+FINE = {  # and those it now serves
+    "chat/completions": [{"top_k": 2**64, "temperature": 1.0}, {"chat_template_kwargs": None},  # top_k: the engine died
+                         {"seed": 2**63 - 1, "n": 2, "temperature": 1.0}, {"seed": -2**63, "temperature": 1.0}],
+    "completions": [{"prompt": ["The capital of France is"]}],  # a list of one string: TypeError
+    "responses": [{"parallel_tool_calls": False}],
+}
+
+
+def test_every_field_that_cannot_be_honoured_is_a_4xx_naming_it(tiny_server):
+    """Each field that once reached a 500 (or stopped the engine for every later request) is a 400 naming it, or
+    served; the real openai client sees the 400; transformers' /reset (which unloaded the served model) is gone;
+    and the server serves as before."""
+    from openai import BadRequestError, OpenAI
+
+    base, name = tiny_server
+    good = {"chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+            "completions": {"prompt": "Hi", "max_tokens": 2}, "responses": {"input": "Hi", "max_output_tokens": 2}}
+    for endpoint, cases in FOUND.items():
+        for fields, param in cases:
+            r = httpx.post(f"{base}/v1/{endpoint}", timeout=60, json={"model": name, **good[endpoint], **fields})
+            assert r.status_code == 400, (endpoint, fields, r.status_code, r.text)
+            assert_openai_error(r, param)
+    for endpoint, cases in FINE.items():
+        for fields in cases:
+            r = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={"model": name, **good[endpoint], **fields})
+            assert r.status_code == 200, (endpoint, fields, r.text)
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=60, max_retries=0)
+    with pytest.raises(BadRequestError, match="'seed' must be an integer from"):
+        client.chat.completions.create(model=name, messages=good["chat/completions"]["messages"], max_tokens=2,
+                                       seed=2**64)
+    with pytest.raises(BadRequestError, match="'seed' must be an integer from"):
+        list(client.completions.create(model=name, prompt="Hi", max_tokens=2, seed=2**64, stream=True))
+    assert httpx.post(f"{base}/reset", timeout=30).status_code == 404
+    assert chat(base, name, max_tokens=3).json()["usage"]["completion_tokens"] == 3
+
+
 def test_a_reply_without_max_tokens_is_capped_to_what_the_cache_holds(tiny_server):
     base, name = tiny_server
     assert chat(base, name).status_code == 200  # the cache exists from here on

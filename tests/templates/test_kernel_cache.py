@@ -151,6 +151,21 @@ def test_a_cache_dir_that_is_a_file_is_a_clear_error(template, tmp_path, monkeyp
     assert isinstance(e.value, cpu.CacheDirError)
 
 
+@pytest.mark.parametrize("at", ["library", "digest"])
+def test_a_directory_at_a_kernels_name_is_a_clear_error(template, tmp_path, monkeypatch, at):
+    """Something that is not a file where the library or its digest goes: said, with what to do (it was a raw
+    IsADirectoryError from the build's rename)."""
+    so = built(template, 1, tmp_path / "probe", monkeypatch)
+    d = fresh_dir(tmp_path / "cache", monkeypatch)
+    blocked = d / (so.name if at == "library" else so.name + ".sha256")
+    (blocked / "inside").mkdir(parents=True)
+    with pytest.raises(RuntimeError, match=rf"cannot write the CPU kernel {blocked} into its cache directory "
+                                           rf"\(KVCOMPILE_CACHE_DIR={tmp_path / 'cache'}\): a directory is there\. "
+                                           rf"Remove {blocked}, or set KVCOMPILE_CACHE_DIR") as e:
+        cpu.compile_template(template, key(1))
+    assert isinstance(e.value, cpu.CacheDirError)
+
+
 def test_a_cache_dir_that_cannot_be_created_is_a_clear_error(template, tmp_path, monkeypatch):
     """The cache directory's parent exists but cannot be written (a read-only mount, another user's)."""
     monkeypatch.setenv("KVCOMPILE_CACHE_DIR", str(tmp_path / "ro" / "cache"))
