@@ -178,6 +178,8 @@ class RequestOptions:
     prompt_ids:   a prompt given as token ids, generated from them (not from its decoded text)
     echo_offset:  characters of an echoed prompt before the reply (its tokens' text offsets start there)
     tokenizer:    the model's tokenizer (``tokenizers.Tokenizer``), once generated: decodes the recorded tokens
+    client:       the HTTP connection it came on (a Starlette ``Request``), watched for its client going away;
+                  None: not from HTTP
     """
 
     fields: dict = field(default_factory=dict)
@@ -190,6 +192,7 @@ class RequestOptions:
     prompt_ids: list | None = None
     echo_offset: int = 0
     tokenizer: object = None
+    client: object = None
     handle: int = -1  # its handle in its server's ``Requests`` (what the processors read per row); -1: none
 
     def processor_kwargs(self) -> dict:

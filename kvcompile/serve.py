@@ -103,8 +103,9 @@ _CLIENT: contextvars.ContextVar = contextvars.ContextVar("kvcompile_client", def
 
 class ClientConnection:
     """ASGI middleware (outermost): each HTTP request runs with its connection at hand (``_CLIENT``: a Starlette
-    ``Request`` over the server's own ``receive``), so that the generation manager, which transformers' handlers
-    call without the request, can tell whether the client is still there (``watch_client``)."""
+    ``Request`` over the server's own ``receive``; transformers' routes call its handlers without it). The
+    handler puts it in the request's options (``RequestOptions.client``), where the generation manager finds it
+    to tell whether the client is still there (``watch_client``)."""
 
     def __init__(self, app):
         self.app = app
@@ -1152,6 +1153,7 @@ def _checked_handlers():
                 options.stop = [stop] if isinstance(stop, str) else list(stop or ())
                 options.open_length = all(body.get(f) is None for f in max_fields)
                 options.max_field, options.prompt_field = max_fields[0], prompt_field
+                options.client = _CLIENT.get()  # its connection (``ClientConnection``), watched while it waits
                 requests = self.generation_state.requests
                 if requests.of(request_id) is not None:
                     raise RequestError(f"a request with id {request_id!r} is running already: give each request its "
@@ -1349,7 +1351,7 @@ def checked_state(decider=None, **kw):
                 work = asyncio.ensure_future(
                     super().generate_non_streaming(model, processor, inputs, gen_config, request_id))
             reply = self._ending(request_id, work)  # which the server's stop may end first (end_all)
-            client = _CLIENT.get()
+            client = options.client
             if client is None:  # not called from an HTTP request
                 return await reply
 
@@ -1541,9 +1543,9 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
                 "max_batch_tokens": cb.continuous_batching_config.max_batch_tokens,
                 # non-streaming requests cancelled because their client disconnected (watch_client)
                 "disconnected": getattr(state._cb_manager, "disconnected", 0),
-                # requests whose tokens are being recorded (log probabilities, penalties; none once every
-                # reply is out)
-                "records_open": state.requests.asking()}
+                # requests whose options the server holds (``sampling.Requests``: none once every reply is out
+                # or its client gone), and those of them whose tokens are recorded (log probabilities, penalties)
+                "options_held": len(state.requests), "records_open": state.requests.asking()}
 
     return app, manager, state
 
