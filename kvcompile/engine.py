@@ -153,6 +153,13 @@ SWAP = threading.RLock()  # held while a transformers name is swapped (below), a
                            # cache is built beside (``capacity``), so that it never sees a swapped name
 
 
+def all_exact(specs) -> bool:
+    """Every layer stored exactly (``Policy.full()``) in the pages, so transformers' own SDPA can read them back
+    (``PagedKVCompileCache.read_exact``). A sliding-window layer (``WindowSpec``) has no pages and no policy: a
+    model with one takes kvcompile's attention, as before that path."""
+    return all(isinstance(s, LayerSpec) and s.policy.exact for s in specs)
+
+
 def _mask_blocks(cbc, dtype: torch.dtype, page_size: int) -> int:
     """The pages whose tokens transformers' ragged mask ``[max_batch_tokens, pages x page_size + max_batch_tokens]``
     (one, in ``dtype``) can read in half of the memory transformers counts as available for its cache."""
@@ -190,7 +197,7 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
         window = slots * max(s.ring + s.sink for s in specs)  # tokens the slots hold outside the pages
         # every layer exact (Policy.full()): transformers' own SDPA reads the pages back through its read
         # indices, as from its own cache (``read_exact``), under its ragged mask -- its arithmetic, bit for bit
-        self.exact = all(s.policy.exact for s in specs)
+        self.exact = all_exact(specs)
         sdpa = compiled or self.exact  # transformers' SDPA runs, and so allocates its mask
         try:
             with _swapped(tcache, "PagedAttentionMemoryHandler",
@@ -705,7 +712,7 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
         self._slots = slots_for(self._specs, budget, opts.max_requests, opts.request_tokens, self._max_tokens)
         self.budget = budget
         self._blocks = pool_blocks(self._specs, budget, self._slots, self._max_tokens)
-        if all(s.policy.exact for s in self._specs) and opts.budget is None and not asked.num_blocks:
+        if all_exact(self._specs) and opts.budget is None and not asked.num_blocks:
             # transformers' own SDPA runs (Policy.full()), with its ragged mask over every page's tokens: the
             # default budget's pages are cut to what its mask leaves room for, as transformers' own sizing
             # removes sectors to pay for its masks (a small model's default budget buys ~10^6 tokens of pages,
@@ -762,7 +769,7 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
         kvcompile's pass rewrites it; every layer exact: transformers' own SDPA runs, over the pages read back
         (``read_exact``). A model's attention is one or the other: managers of both kinds cannot share it."""
         # ("compiled" below: the model's attention stays transformers' own SDPA)
-        compiled = getattr(self, "_compiled", None) is not None or all(s.policy.exact for s in self._specs)
+        compiled = getattr(self, "_compiled", None) is not None or all_exact(self._specs)
         with _ATTN_LOCK:
             holders = _ATTN_HOLDERS.setdefault(model, weakref.WeakKeyDictionary())
             impl = model.config._attn_implementation
