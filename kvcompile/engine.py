@@ -39,7 +39,7 @@ from .backend import Options, compile_graph, kvcompile_backend
 from .errors import UnsupportedError
 from .pool import (DEFAULT_BUDGET, ServingOptions, layer_specs, full_precision_bytes_per_token, make_stores,
                    pool_blocks, request_limit, request_pages, shares_pages, slots_for)
-from .sampling import PROMPT_ROWS, RECORDS
+from .sampling import PROMPT_ROWS, Requests
 from .store import LayerSpec, state_nbytes
 from .window import WindowRing, WindowSpec, window_attention
 
@@ -89,7 +89,6 @@ def _gather(x: torch.Tensor, idx: torch.Tensor, rows: int, n: int) -> torch.Tens
     return x[0].index_select(1, idx).view(H, rows, n, D).transpose(0, 1).contiguous()
 
 
-
 def _prompt_places(paged_cache) -> list[tuple[int, str, int]]:
     """The rows of the forward about to run whose logits give a prompt token's log probability, for requests
     that ask for them (``PagedKVCompileCache.prompt_rows``): ``(row, the request's id, the place in its prompt
@@ -134,8 +133,8 @@ class KVCompileMemoryHandler(tcache.PagedAttentionMemoryHandler):
     transformers allocates none."""
 
     def __init__(self, *args, compiled: bool, window_tokens: int, **kwargs):
+        self.compiled, self.window_tokens = compiled, window_tokens  # (before transformers' __init__ sizes anything)
         super().__init__(*args, **kwargs)
-        self.compiled, self.window_tokens = compiled, window_tokens
         self.trash_bytes = 0  # the trash sectors are on the meta device too
 
     @property
@@ -148,7 +147,6 @@ class KVCompileMemoryHandler(tcache.PagedAttentionMemoryHandler):
         per_token = self.io_multiplier * self.num_attention_masks * self.activation_dtype.itemsize
         return (super().attention_mask_bytes(max_batch_tokens, num_sectors)
                 + per_token * max_batch_tokens * self.window_tokens)
-
 
 
 SWAP = threading.RLock()  # held while a transformers name is swapped (below), and while transformers' own
@@ -191,7 +189,7 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
 
     def __init__(self, config, continuous_batching_config, device, distributed_helper, dtype=torch.float16,
                  model_supports_logits_to_keep=False, *, specs: list[LayerSpec], slots: int, blocks: int,
-                 compiled: bool = False, max_tokens: int | None = None):
+                 compiled: bool = False, max_tokens: int | None = None, requests: Requests | None = None):
         # transformers' own tensor is only counted, never used: it lives on the meta device
         # transformers builds its page accounting for this rank alone: its heads are counted in kvcompile's
         # specs (the rank's own), and its sizes come from the budget, the same on every rank (checked below;
@@ -239,6 +237,8 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
                                  f"has {blocks} blocks")
         self.max_decode_fast_path_length = 0  # no block tables: attention reads kvcompile's own
         self.specs, self.slots, self.blocks = specs, slots, blocks  # blocks: of each paged layer's pool
+        # the options of the requests a server runs (``sampling.Requests``: its manager's): prompt log probabilities
+        self.requests = requests if requests is not None else Requests()
         self.stores = make_stores(specs, slots, blocks, self.device, max_tokens)
         # transformers' allocator hands out the pages and shares or frees them; page p is block p - first
         # of every layer's pool (its page ids start after the pool's reserved sectors)
@@ -435,9 +435,9 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
             out = forward(*args, **kwargs)
             logits = out.logits[0, rows.to(out.logits.device)]
         for row, (_, rid, place) in zip(logits, wanted):
-            asked = RECORDS.prompt_asked(rid)  # None on the other ranks, or once its reply is gone
-            if asked is not None:
-                asked.took_prompt(place, row)
+            options = self.requests.of(rid)  # None on the other ranks, or once its reply is gone
+            if options is not None and options.asked is not None:
+                options.asked.took_prompt(place, row)
         return out
 
     # ---- the batch
@@ -592,7 +592,6 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
         return work
 
 
-
 # --------------------------------------------------------------------------- the attention
 def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """A continuous-batching forward's layer reads the cache that stored its keys (``CACHE_KWARG``, set by the
@@ -739,6 +738,17 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
         cb.page_size = self._specs[0].block
         cb.num_blocks = self._blocks
         self._use_prefix_sharing = cb.allow_block_sharing
+        # the options of the requests a server adds (``sampling.Requests``: kvcompile serve gives its own, through
+        # ``sampling.sampling_manager``); empty for generate_batch and the manager API
+        self.requests = Requests()
+
+    def add_request(self, input_ids, request_id=None, *args, **kwargs):
+        """transformers' ``add_request``; a request the server holds options for (``self.requests``) is added
+        with their per-request arguments (``RequestOptions.processor_kwargs``: its sampling, its handle)."""
+        options = None if request_id is None else self.requests.of(request_id)
+        if options is not None:
+            kwargs = {**options.processor_kwargs(), **kwargs}
+        return super().add_request(input_ids, request_id, *args, **kwargs)
 
     @staticmethod
     def _varlen_config(model, asked):
@@ -805,7 +815,8 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
             bp.reset()
             return bp
         factory = functools.partial(PagedKVCompileCache, specs=self._specs, slots=self._slots, blocks=self._blocks,
-                                    max_tokens=self._max_tokens, compiled=self._compiled is not None)
+                                    max_tokens=self._max_tokens, compiled=self._compiled is not None,
+                                    requests=self.requests)
         with _swapped(continuous_api, "PagedAttentionCache", factory):
             bp = super()._create_batch_processor()
         if self._offload_space:
@@ -815,7 +826,6 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
         bp.cache._scheduler = weakref.ref(bp.scheduler)
         self.cache = bp.cache
         return bp
-
 
 
 class KVCompileOffloading(OffloadingManager):

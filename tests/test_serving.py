@@ -342,7 +342,7 @@ def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(policy, monkeypatch
     (``exact_products``) and every prompt prefilled in one forward, alone or all together, a request gets the same
     tokens alone on one thread and beside the others on three, under ``Policy.full()`` and under quantized
     policies (docs/usage.md, "What a batch changes"). Two prompts of one length prefill in the same forward."""
-    from kvcompile.sampling import RECORDS, Asked, sampling_manager
+    from kvcompile.sampling import Asked, RequestOptions, sampling_manager
     from kvcompile.templates import cpu
 
     if isinstance(policy, str):
@@ -358,15 +358,20 @@ def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(policy, monkeypatch
     manager = sampling_manager(model, GEN, cbc)
     manager.start()
 
+    runs = iter(range(10**6))
+
     def run(batch):
-        handles = [RECORDS.open(Asked(top=0)) for _ in batch]
-        ids = [manager.add_request(p, max_new_tokens=NEW, record=h) for p, h in zip(batch, handles)]
+        # each request's options in the engine's table, by request id, as the server adds them
+        ids = [f"r{next(runs)}" for _ in batch]
+        options = [manager.requests.add(rid, RequestOptions(asked=Asked(top=0))) for rid in ids]
+        for p, rid in zip(batch, ids):
+            manager.add_request(p, request_id=rid, max_new_tokens=NEW)
         for _ in ids:
             r = manager.get_result(timeout=120)
             assert r is not None and r.error is None, r
-        out = [RECORDS.take(h, 0, NEW) for h in handles]
-        for h in handles:
-            RECORDS.close(h)
+        out = [o.asked.take(0, NEW) for o in options]
+        for rid in ids:
+            manager.requests.remove(rid)
         return out
 
     try:
