@@ -390,7 +390,8 @@ def make_stores(specs: list[LayerSpec], slots: int, blocks: int, device="cpu",
     the block table at ``table_width``. Its tensors are exactly what ``pool_nbytes`` counts."""
     out, width = [], table_width(specs, blocks, max_tokens)
     for s in specs:
-        st = KVStore(s, slots, device, max_blocks=blocks, blocks=blocks)
+        # the rows whole: the budget pays for every slot's window and sinks up front
+        st = KVStore(s, slots, device, max_blocks=blocks, blocks=blocks, whole_rows=True)
         st.state = st.state._replace(table=torch.full((slots, width), -1, dtype=torch.int32, device=device))
         out.append(st)
     return out

@@ -445,6 +445,7 @@ typedef struct {
     const int64_t *Ls, *ns;
     const int32_t *table; /* [B, mb] block ids */
     int64_t mb, nblk;
+    int64_t ws, ss; /* ring and sink rows allocated per (sequence, head): the rows' strides (a store grows them) */
 } call_t;
 
 /* Flush tokens per task: BLK, but at most a block (so a task never straddles two) and at least a flush group
@@ -462,12 +463,12 @@ static void flush_task(const call_t *a, int64_t task) {
     const int64_t slot = t * TB / BS, pb = S + slot * BS;         /* the block, and the position of its row 0 */
     const int64_t kb = (int64_t)a->table[b * a->mb + slot] * H + h; /* (block, head) */
     if (which == 0) {
-        const src_t src = {a->k + b * a->ks_b + h * a->ks_h, a->ks_t, a->k_res + bh * (int64_t)W * ROW, L};
+        const src_t src = {a->k + b * a->ks_b + h * a->ks_h, a->ks_t, a->k_res + bh * a->ws * ROW, L};
         flush_range(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, &src, S + lo, S + hi, pb,
                     a->k_codes + kb * BS * K_RB, a->k_scale + kb * K_NSCALE * K_SBYTES,
                     a->k_zero + (K_FMT == 1 ? kb * K_NSCALE * K_SBYTES : 0));
     } else {
-        const src_t src = {a->v + b * a->vs_b + h * a->vs_h, a->vs_t, a->v_res + bh * (int64_t)W * ROW, L};
+        const src_t src = {a->v + b * a->vs_b + h * a->vs_h, a->vs_t, a->v_res + bh * a->ws * ROW, L};
         flush_range(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SFMT, &src, S + lo, S + hi, pb,
                     a->v_codes + kb * BS * V_RB, a->v_scale + kb * V_NSCALE * V_SBYTES,
                     a->v_zero + (V_FMT == 1 ? kb * V_NSCALE * V_SBYTES : 0));
@@ -479,14 +480,14 @@ static void copy_task(const call_t *a, int64_t bh) {
     const int64_t b = bh / H, h = bh % H, L = a->Ls[b], L2 = L + a->ns[b];
     const char *kx = a->k + b * a->ks_b + h * a->ks_h, *vx = a->v + b * a->vs_b + h * a->vs_h;
     for (int64_t p = L; p < L2 && p < S; p++) {
-        memcpy(a->k_sink + (bh * S + p) * ROW, kx + (p - L) * a->ks_t, ROW);
-        memcpy(a->v_sink + (bh * S + p) * ROW, vx + (p - L) * a->vs_t, ROW);
+        memcpy(a->k_sink + (bh * a->ss + p) * ROW, kx + (p - L) * a->ks_t, ROW);
+        memcpy(a->v_sink + (bh * a->ss + p) * ROW, vx + (p - L) * a->vs_t, ROW);
     }
     int64_t p = L > S ? L : S;
     const int64_t q1 = boundary(L2);
     for (p = p > q1 ? p : q1; p < L2; p++) {
-        memcpy(a->k_res + (bh * W + p % W) * ROW, kx + (p - L) * a->ks_t, ROW);
-        memcpy(a->v_res + (bh * W + p % W) * ROW, vx + (p - L) * a->vs_t, ROW);
+        memcpy(a->k_res + (bh * a->ws + p % W) * ROW, kx + (p - L) * a->ks_t, ROW);
+        memcpy(a->v_res + (bh * a->ws + p % W) * ROW, vx + (p - L) * a->vs_t, ROW);
     }
 }
 
@@ -496,13 +497,17 @@ static void copy_task(const call_t *a, int64_t bh) {
  * n_new: int32 [B] tokens each row appends, or NULL for n. table: int32 [B, mb] each row's block ids (-1:
  * none), naming blocks of a pool of nb. Returns 0; or -1 - b when n_new[b] is not in [0, n]; or 1 + b when
  * a block row b would write is not reserved (a table entry < 0, or past the table's mb columns); or
- * 1 + B + b when one names no block of the pool (>= nb). Nothing is written unless it returns 0. */
+ * 1 + B + b when one names no block of the pool (>= nb). Nothing is written unless it returns 0.
+ * ws, ss: the ring slots and sink rows allocated per (sequence, head) -- k_res is [B, H, ws, D], k_sink
+ * [B, H, ss, D]: a store grows them as its sequences do (at most W and S), and every slot p % W and sink p the
+ * call writes is below them. */
 int64_t kvc_store(
         const void *k, const void *v, int64_t ks_b, int64_t ks_h, int64_t ks_t, int64_t vs_b, int64_t vs_h,
         int64_t vs_t,
         uint8_t *k_codes, void *k_scale, void *k_zero, uint8_t *v_codes, void *v_scale, void *v_zero,
         void *k_res, void *v_res, void *k_sink, void *v_sink, int32_t *lengths, const int32_t *table,
-        const int32_t *n_new, int64_t B, int64_t n, int64_t mb, int64_t nb, int64_t nthreads) {
+        const int32_t *n_new, int64_t B, int64_t n, int64_t mb, int64_t nb, int64_t nthreads, int64_t ws,
+        int64_t ss) {
     int64_t stack[2 * B_STACK];
     int64_t *Ls = B <= B_STACK ? stack : (int64_t *)malloc(sizeof(int64_t) * 2 * B), *ns = Ls + B;
     int64_t rc = 0;
@@ -529,7 +534,7 @@ int64_t kvc_store(
         const call_t a = {(const char *)k, (const char *)v, ks_b * ESZ, ks_h * ESZ, ks_t * ESZ, vs_b * ESZ,
                           vs_h * ESZ, vs_t * ESZ, k_codes, v_codes, (char *)k_scale, (char *)k_zero,
                           (char *)v_scale, (char *)v_zero, (char *)k_res, (char *)v_res, (char *)k_sink,
-                          (char *)v_sink, Ls, ns, table, mb, nblk};
+                          (char *)v_sink, Ls, ns, table, mb, nblk, ws, ss};
         const int64_t ntask = B * H * 2 * nblk;
         if (nthreads > 1 && work * H * D >= 16384) {
 #pragma omp parallel num_threads(nthreads)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from kvcompile import quant as Q
-from kvcompile.store import KVState, LayerSpec, _state_capacity_check, check_kv, rotate
+from kvcompile.store import KVState, LayerSpec, _state_capacity_check, check_kv, rotate, row_widths
 
 from .cpu import available_threads, compile_template, defines
 
@@ -41,7 +41,7 @@ def build(spec: LayerSpec):
     lib = compile_template(SOURCE, key(spec))
     fn = lib.kvc_store
     P, I = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [P, P] + [I] * 6 + [P] * 13 + [I] * 5
+    fn.argtypes = [P, P] + [I] * 6 + [P] * 13 + [I] * 7
     fn.restype = I
     for name in ("kvc_round_f16", "kvc_fp8_encode"):  # the numerics helpers (tests)
         getattr(lib, name).argtypes = [P, P, I, I]
@@ -94,7 +94,7 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
     rc = fn(_ptr(k), _ptr(v), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
             *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(), _ptr(table),
             None if nn is None else nn.data_ptr(), B, n, table.shape[1], state.k_codes.shape[0],
-            available_threads())
+            available_threads(), *row_widths(state, spec, nn if nn is not None else n))
     if rc > B:
         b = rc - 1 - B
         bad = [x for x in table[b].tolist() if x >= state.k_codes.shape[0]]
