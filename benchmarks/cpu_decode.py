@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import gc
 import json
 import statistics
@@ -147,13 +146,19 @@ class PeakRSS:
 
 class PeakCUDA:
     """GPU memory: the allocator's high-water mark during the run, minus what was allocated before it
-    (``mark()``/``decode_added`` as for ``PeakRSS``)."""
+    (``mark()``/``decode_added`` as for ``PeakRSS``).
+
+    When the run raises, ``__exit__`` measures nothing and lets that error through: on the first GPU run
+    (2026-12-04) a store's device assert was hidden behind this class's own ``AttributeError`` (no ``mark()``
+    yet), and a synchronize after a device-side error would raise a second, unrelated CUDA error."""
 
     def __enter__(self):
         gc.collect()
         torch.cuda.synchronize()
         self.base = torch.cuda.memory_allocated()
         self.before_mark = 0
+        self.mark_base = None
+        self.added = self.decode_added = None
         torch.cuda.reset_peak_memory_stats()
         return self
 
@@ -163,11 +168,13 @@ class PeakCUDA:
         self.mark_base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
+        if exc_type is not None:
+            return False  # the run's own error, unchanged
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         self.added = max(peak, self.before_mark) - self.base
-        self.decode_added = peak - self.mark_base
+        self.decode_added = None if self.mark_base is None else peak - self.mark_base
 
 
 # Llama-shaped configs with random weights, for the GPU variant (no weights are downloaded)
@@ -322,7 +329,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill the prompt in chunks of this many tokens (default: all at once)")
-    ap.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="put the table on top of docs/results.md, the results record")
     ap.add_argument("--smoke", action="store_true", help="tiny random Llama; checks the script runs")
     args = ap.parse_args(argv)
     started = time.time()
@@ -406,10 +413,11 @@ def main(argv=None):
     if args.record:
         dev = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
         cmd = "python benchmarks/cpu_decode.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        with open(Path(__file__).with_name("RESULTS.md"), "a") as f:
-            f.write(f"\n## {datetime.date.today().isoformat()} -- end to end, {dev}\n\n`{cmd}` (torch "
-                    f"{torch.__version__}, transformers {transformers.__version__}, {time.time() - started:.0f} s)"
-                    f"\n\n```\n{table}\n```\n")
+        if str(Path(__file__).resolve().parent.parent) not in sys.path:  # run as a script: benchmarks.record
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from benchmarks.record import record
+        record(f"end to end, {dev} (benchmarks/cpu_decode.py)", f"`{cmd}` (torch {torch.__version__}, transformers "
+               f"{transformers.__version__}, {time.time() - started:.0f} s)\n\n```\n{table}\n```")
     return rows
 
 

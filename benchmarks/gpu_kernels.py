@@ -1,28 +1,33 @@
-"""Decode-attention kernels on a GPU: correctness first, then time / bandwidth / speedup against bf16 SDPA.
+"""The Triton kernels on a GPU: correctness of every layout first, then decode, prefill and store timings against
+bf16 SDPA, with the targets of issue 43 printed as met or missed.
 
-    python benchmarks/gpu_kernels.py            # on a CUDA machine (H200: about 2-3 minutes)
-    python benchmarks/gpu_kernels.py --record   # ... and append the run to benchmarks/RESULTS.md
-    python benchmarks/gpu_kernels.py --smoke    # tiny sizes; on a machine without CUDA through TRITON_INTERPRET=1
+    python benchmarks/gpu_kernels.py                   # on a CUDA machine (an H200: about 4 minutes)
+    python benchmarks/gpu_kernels.py --quick           # correctness of 3 layouts, decode at batch 8 x 32K (~1 min)
+    python benchmarks/gpu_kernels.py --record          # ... and put the run on top of docs/results.md
+    python benchmarks/gpu_kernels.py --smoke           # tiny sizes; without CUDA through TRITON_INTERPRET=1
+    python benchmarks/gpu_kernels.py --quick --tile int4=256,4,3   # try a decode tile (BLOCK_N, warps, stages)
 
-1. Correctness on the device: for every benchmarked format (and a few more layouts), over blocks of 16 tokens
-   handed out in a scrambled order, the store kernels must equal ``store_reference`` bit for bit and the
-   attention kernel must be within the derived bound of float64 attention
-   (``templates.attention.reference_and_bound``, with tf32 operands). Any failure stops the run.
-2. Timing: decode attention (one query token, 32 query heads over 8 KV heads, head_dim 128) at batch 1/8/32 and
-   context 4K/32K/128K for fp8, int8, int4, int2 and bf16 ``F.scaled_dot_product_attention`` (the first of the
-   flash / efficient / cuDNN / math backends that accepts GQA) on the same lengths. Times are triton's
-   ``do_bench_cudagraph`` medians (a CUDA graph per call, so the numbers are the GPU's, not Python's launch
-   overhead). GB/s is over the bytes the call actually moves: every byte of the store (every sequence holds the
-   context in whole blocks, its block table a random permutation of the pool: codes, scales, zero points, block
-   table, ring, sinks), the query, the output and the split-K workspace
-   (written, then read). Speedup is bf16 SDPA time / kernel time.
-3. Growth with context: each kernel's time per 1K tokens of context (4K to 128K) against bf16 SDPA's, beside
-   its bytes against bf16's (the target: a slope proportional to the cache's bytes).
-4. Tile length: at batch 8, 32K, the decode time of KIVI int4/int2, int4 and fp8 at BLOCK_N 16, 32 and 64
-   against the launcher's default (static SASS says the default KIVI tile spills registers under Triton 3.6).
+1. **Correctness on the device.** For every layout below, over blocks handed out in a scrambled order, the store
+   kernels must equal ``store_reference`` bit for bit, and attention -- the decode kernel (one query) and the
+   general one (four queries: chunked prefill) -- must be within the derived bound of float64 attention
+   (``launch.reference_and_bound``: bf16 operands where the kernels use them). Any failure stops the run.
+2. **Decode.** One query token, 32 query heads over 8 KV heads, head_dim 128, bf16 queries, at batch 1/8/32 and
+   context 4K/32K/128K, each format against bf16 ``F.scaled_dot_product_attention`` (flash) on the same
+   lengths. Times are CUDA-graph medians (``triton.testing.do_bench_cudagraph``); GB/s is over the bytes the call
+   moves (every byte of the store -- codes, scales, zero points, block table, ring, sinks -- the query, the
+   output and the split workspace, written and read); % of the H200's 4.8 TB/s. Then the growth per 1K tokens
+   against bf16's, the old general kernel at batch 8 x 32K, and the targets.
+3. **Prefill.** A prompt of 8K/16K/32K tokens prefilled in 4K chunks over the quantized past (each chunk's
+   attention reads its own chunk in full precision and the earlier ones packed), against SDPA flash over the
+   whole prompt (causal): total attention time.
+4. **Store.** Quantize-on-write: a decode append (one token, batch 32) and a 4K-token chunk, GB/s over the
+   bytes read and written.
 """
+from __future__ import annotations
+
 import argparse
 import datetime
+import json
 import os
 import sys
 import time
@@ -36,41 +41,51 @@ import torch.nn.functional as F  # noqa: E402
 
 from kvcompile import Policy, Quant  # noqa: E402
 from kvcompile.store import KVStore, LayerSpec, state_nbytes  # noqa: E402
-from kvcompile.templates import attention as kattn  # noqa: E402
+from kvcompile.templates import decode as kdecode  # noqa: E402
 from kvcompile.templates import launch  # noqa: E402
 
-FORMATS = {  # name -> policy; every position packed (no residual, no sinks) so the table measures the kernel
-    "fp8": Policy(Quant("fp8_e4m3", "token"), Quant("fp8_e4m3", "token")),
-    "int8": Policy(Quant("int8", "token"), Quant("int8", "token")),
-    "int4": Policy(Quant("int4", "token"), Quant("int4", "token")),
-    "int2": Policy(Quant("int2", "token"), Quant("int2", "token")),
+FORMATS = {  # name -> policy; every position packed (no residual, no sinks), so the table measures the kernel
+    "fp8": Policy(Quant("fp8_e4m3", "token"), Quant("fp8_e4m3", "token"), residual=0),
+    "int8": Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0),
+    "int4": Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0),
+    "int2": Policy(Quant("int2", "token"), Quant("int2", "token"), residual=0),
     "int4-kivi": Policy.kivi(4, group=32, residual=0),  # per-channel keys, 32-groups: 1 bit/elem of scales
     "int2-kivi": Policy.kivi(2, group=32, residual=0),
 }
-TARGET_SPEEDUP_32K = {"fp8": 1.9, "int8": 1.9, "int4": 3.5, "int2": 6.0}
+EXTRA = {  # correctness only: sinks, a residual ring, rotation, fp8 scales, per-channel values, fp32 scales
+    "kivi4+res+sink+rot": Policy.kivi(4, group=16, residual=8, sink=2, rotate=True),
+    "fp8e5m2/int3": Policy(Quant("fp8_e5m2", "token"), Quant("int3", "channel", 8), residual=3),
+    "int4 fp8-scales/int2 chan": Policy(Quant("int4", "token", None, False, "fp8_e4m3"),
+                                        Quant("int2", "channel", 16), residual=0, sink=4),
+    "int8 f32-scales": Policy(Quant("int8", "token", 32, False, "float32"), Quant("int8", "token", 32), residual=5),
+}
+# issue 43's targets: speedup over bf16 SDPA at these (batch, context); 65 % of HBM peak at batch 8 x 32K
+TARGETS = {"fp8": 1.7, "int8": 1.7, "int4": 2.8, "int4-kivi": 2.8, "int2": 4.0, "int2-kivi": 4.0}
+TARGET_SHAPES = ((8, 32768), (32, 131072))
+LAUNCH_BOUND = (1, 4096, 0.8)  # batch 1 x 4K: at least 0.8x SDPA for every format
+PEAK_SHARE, SLOPE_FACTOR, PREFILL_TARGET = 0.65, 1.2, 0.7
 NOMINAL_TBPS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}
 
 
+def fmt_ctx(c: int) -> str:
+    return f"{c // 1024}K" if c >= 1024 and c % 1024 == 0 else str(c)
+
+
 # --------------------------------------------------------------------------- 1. correctness
-def check_correctness(device: str, B: int, H: int, G: int, D: int, C: int, names=None) -> list[str]:
-    """Store exactness and attention bound for each format (or ``names``); returns a line per layout."""
-    dot = launch.dot_precision(torch.device(device))
-    extra = {
-        "kivi4+res+sink+rot": Policy.kivi(4, group=16, residual=8, sink=2, rotate=True),
-        "fp8e5m2/int3": Policy(Quant("fp8_e5m2", "token"), Quant("int3", "channel", 8), residual=3),
-    }
+def check_correctness(device: str, B: int, H: int, G: int, D: int, C: int, names=None,
+                      block: int = 16) -> list[str]:
+    """Store exactness and attention bounds (decode and chunked-prefill kernels) per layout; a line each."""
     lines = []
     g = torch.Generator().manual_seed(0)
     lengths = [C, C * 2 // 3 + 1][:B] + [C // 3] * max(0, B - 2)
-    for name, policy in {**FORMATS, **extra}.items():
+    for name, policy in {**FORMATS, **EXTRA}.items():
         if names is not None and name not in names:
             continue
-        # blocks of 16 packed tokens handed out in a scrambled order: the kernels must follow the block table
-        spec = LayerSpec(policy, H, D, "bfloat16", max(16, policy.flush))
+        spec = LayerSpec(policy, H, D, "bfloat16", max(block, policy.flush))
         ref = KVStore(spec, B, blocks=B * (spec.blocks_for(C) + 1))
         ref.free = [ref.free[i] for i in torch.randperm(len(ref.free), generator=g).tolist()]
         got = ref.copy(device)
-        L = 0
+        L, kernels = 0, set()
         for n in (C // 2, 1, 1, C - C // 2 - 2):  # prefill, decode, decode, chunk
             k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
             n_new = torch.tensor([max(0, min(n, x - L)) for x in lengths], dtype=torch.int32)
@@ -84,19 +99,21 @@ def check_correctness(device: str, B: int, H: int, G: int, D: int, C: int, names
                     raise SystemExit(f"FAIL store {name}: {field} differs from the reference after {L} tokens")
             for nq in (1, 4):
                 q = torch.randn(B, H * G, nq, D, generator=g).to(torch.bfloat16)
+                pl = launch.plan(got.state, spec, q.shape)
+                kernels.add("decode" if pl.decode else "general")
                 out = launch.attention(q.to(device), got.state, spec).cpu()
-                nsplit = kattn.default_tiles(spec, nq, G, torch.device(device), B,
-                                             kattn.position_bound(got.state, spec, None))[2]
-                want, bound = kattn.reference_and_bound(q, ref.state, spec, nsplit=nsplit, dot=dot)
+                want, bound = launch.reference_and_bound(q, ref.state, spec, device=device)
                 err = (out.double() - want).abs()
-                if (err > bound).any():
-                    raise SystemExit(f"FAIL attention {name} n={nq} after {L} tokens: max error {err.max():.3g}, "
+                if (err > bound).any() or not torch.equal(out.isnan(), want.isnan()):
+                    raise SystemExit(f"FAIL attention {name} n={nq} ({'decode' if pl.decode else 'general'} "
+                                     f"kernel) after {L} tokens: max error {err.max():.3g}, "
                                      f"{int((err > bound).sum())} outputs outside the derived bound")
-        lines.append(f"ok  {name:20s} store exact, attention within bound ({spec.policy.key_str()})")
+        lines.append(f"ok  {name:26s} store exact, attention within bound ({'+'.join(sorted(kernels))} kernels; "
+                     f"{spec.policy.key_str()})")
     return lines
 
 
-# --------------------------------------------------------------------------- 2. timing
+# --------------------------------------------------------------------------- 2. decode timing
 def filled_state(spec: LayerSpec, device: str, B: int, L: int):
     """A store of ``B`` sequences holding L tokens each, of random (finite) codes: timing does not depend on
     the values. Each sequence's blocks are a random permutation of the pool's (as a serving pool's would be
@@ -108,8 +125,10 @@ def filled_state(spec: LayerSpec, device: str, B: int, L: int):
             continue
         if t.dtype == torch.uint8:
             t.copy_(torch.randint(0, 119, t.shape, dtype=torch.uint8, device=device))  # < 0x77: finite fp8
+        elif t.dtype == torch.int8:
+            t.copy_(torch.randint(-8, 8, t.shape, dtype=torch.int8, device=device))
         else:
-            t.fill_(0.01)
+            t.copy_(torch.rand(t.shape, device=device).to(t.dtype) * 0.02 + 0.001)
     for t in state[6:10]:
         if t.numel():
             t.normal_()
@@ -118,7 +137,7 @@ def filled_state(spec: LayerSpec, device: str, B: int, L: int):
 
 
 def bench(fn, smoke: bool) -> float:
-    """Median milliseconds of fn()."""
+    """Median milliseconds of fn() (a CUDA graph's replays on a GPU; one call in the interpreter)."""
     fn()
     if smoke:
         t0 = time.perf_counter()
@@ -126,86 +145,85 @@ def bench(fn, smoke: bool) -> float:
         return (time.perf_counter() - t0) * 1e3
     import triton.testing as tt
     torch.cuda.synchronize()
-    try:
-        return float(tt.do_bench_cudagraph(fn, rep=60, return_mode="median"))
-    except Exception:  # a call that cannot be captured: time it eagerly (recorded in the table)
-        return float(tt.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+    return float(tt.do_bench_cudagraph(fn, rep=40, return_mode="median"))
 
 
-def sdpa_backend(q, k, v):
-    """The first SDPA backend that runs GQA decode here, and a closure calling it."""
+def sdpa(q, k, v, causal: bool = False):
+    """bf16 SDPA on its flash backend (GQA through ``enable_gqa``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                    SDPBackend.MATH):
-        def fn(backend=backend):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        try:
-            fn()
-            return backend.name.lower(), fn
-        except RuntimeError:
-            continue
-    raise RuntimeError("no SDPA backend accepts this GQA decode shape")
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
-def time_table(device: str, batches, contexts, Hq: int, H: int, D: int, formats, smoke: bool):
+def decode_bytes(spec: LayerSpec, state, q, slots: int) -> int:
+    """Bytes a decode call moves: the store, the query and output (bf16), the split workspace (fp32, written
+    and read)."""
+    B, Hq, _, D = q.shape
+    return state_nbytes(state) + 2 * q.numel() * 2 + 2 * B * Hq * slots * (D + 2) * 4
+
+
+def time_decode(device: str, batches, contexts, Hq: int, H: int, D: int, formats, smoke: bool, block: int,
+                tiles=None):
+    """Rows (batch, context, kernel, ms, bytes, speedup over SDPA). ``tiles``: name -> (BLOCK_N, warps, stages)."""
     rows = []
     for B in batches:
         for ctx in contexts:
             q = torch.randn(B, Hq, 1, D, dtype=torch.bfloat16, device=device)
             k = torch.randn(B, H, ctx, D, dtype=torch.bfloat16, device=device)
             v = torch.randn(B, H, ctx, D, dtype=torch.bfloat16, device=device)
-            backend, sdpa = sdpa_backend(q, k, v)
-            t_ref = bench(sdpa, smoke)
-            bytes_ref = 2 * k.numel() * 2 + 2 * q.numel() * 2
-            rows.append((B, ctx, f"bf16 sdpa ({backend})", t_ref, bytes_ref, 1.0))
+            t_ref = bench(lambda: sdpa(q, k, v), smoke)
+            rows.append((B, ctx, "bf16 sdpa (flash)", t_ref, 2 * k.numel() * 2 + 2 * q.numel() * 2, 1.0))
             del k, v
             for name in formats:
-                spec = LayerSpec(FORMATS[name], H, D, "bfloat16")
+                spec = LayerSpec(FORMATS[name], H, D, "bfloat16", max(block, FORMATS[name].flush))
                 state = filled_state(spec, device, B, ctx)
-                nsplit = kattn.default_tiles(spec, 1, Hq // H, torch.device(device), B,
-                                             kattn.position_bound(state, spec, None))[2]
-                moved = state_nbytes(state) + 2 * q.numel() * 2 + (2 * B * Hq * nsplit * (128 + 2) * 4 if nsplit > 1 else 0)
-                t = bench(lambda: launch.attention(q, state, spec), smoke)
-                rows.append((B, ctx, name, t, moved, t_ref / t))
+                saved = kdecode.tile_config
+                if tiles and name in tiles:
+                    bn, w, st = tiles[name]
+                    kdecode.tile_config = lambda *a, _t=(bn, w, st): dict(block_n=_t[0], warps=_t[1], stages=_t[2],
+                                                                         source="--tile")
+                try:
+                    pl = launch.plan(state, spec, q.shape)
+                    t = bench(lambda: launch.attention(q, state, spec), smoke)
+                finally:
+                    kdecode.tile_config = saved
+                rows.append((B, ctx, name, t, decode_bytes(spec, state, q, pl.slots), t_ref / t))
                 del state
             if device == "cuda":
                 torch.cuda.empty_cache()
     return rows
 
 
-def tile_sweep(device: str, B: int, ctx: int, Hq: int, H: int, D: int, formats, blocks, smoke: bool):
-    """Decode time per tile length (BLOCK_N) against the launcher's default, same shape and splits. Static
-    SASS (benchmarks/gpu_sass.py) says the KIVI decode tile of 32 x 128 needs 255 registers and spills 72 B
-    per thread under Triton 3.6 (none with 16 rows, none under 3.9): this measures what that costs."""
+def time_general(device: str, B: int, ctx: int, Hq: int, H: int, D: int, formats, smoke: bool, block: int):
+    """The general kernel on the same decode calls (what every decode ran before the decode kernel)."""
     rows = []
     q = torch.randn(B, Hq, 1, D, dtype=torch.bfloat16, device=device)
     for name in formats:
-        spec = LayerSpec(FORMATS[name], H, D, "bfloat16")
+        spec = LayerSpec(FORMATS[name], H, D, "bfloat16", max(block, FORMATS[name].flush))
         state = filled_state(spec, device, B, ctx)
-        bq, default_n, nsplit = kattn.default_tiles(spec, 1, Hq // H, torch.device(device), B,
-                                                    kattn.position_bound(state, spec, None))
-        times = {bn: bench(lambda: launch.attention(q, state, spec, tiles=(bq, bn, nsplit)), smoke) for bn in blocks}
-        if default_n not in times:  # the default is timed once, among the others when it is one of them
-            times[default_n] = bench(lambda: launch.attention(q, state, spec), smoke)
-        rows += [(name, bn, bn == default_n, times[bn], times[default_n] / times[bn]) for bn in blocks]
+        pl = launch.plan(state, spec, q.shape, kernel="general")
+        t = bench(lambda: launch.attention(q, state, spec, kernel="general"), smoke)
+        rows.append((B, ctx, name + " (general kernel)", t, decode_bytes(spec, state, q, pl.slots), None))
         del state
     return rows
 
 
-def render_sweep(rows, B: int, ctx: int) -> str:
-    out = (f"Tile length (BLOCK_N) check, batch {B}, context {f'{ctx // 1024}K' if ctx >= 1024 else ctx}:\n\n"
-           "| kernel | BLOCK_N | time (ms) | default's time / this |\n|---|---:|---:|---:|\n")
-    return out + "\n".join(f"| {name} | {bn}{' (default)' if d else ''} | {t:.4f} | {r:.2f}x |"
-                            for name, bn, d, t, r in rows)
+def render_decode(rows, peak_tbps: float | None) -> str:
+    out = ["| batch | context | kernel | time (ms) | GB moved | GB/s | % of peak | speedup vs bf16 |",
+           "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for B, ctx, name, t, nbytes, speedup in rows:
+        gbps = nbytes / (t * 1e-3) / 1e9
+        peak = f"{100 * gbps / (peak_tbps * 1e3):.0f}%" if peak_tbps else "-"
+        sp = "-" if speedup is None else f"{speedup:.2f}x"
+        out.append(f"| {B} | {fmt_ctx(ctx)} | {name} | {t:.4f} | {nbytes / 1e9:.3f} | {gbps:.0f} | {peak} | {sp} |")
+    return "\n".join(out)
 
 
-def render_slopes(rows) -> str:
-    """Issue 6's "slope proportional to the cache's bytes", per batch: each kernel's time growth per 1K tokens
-    of context between the shortest and longest context, as a multiple of bf16 SDPA's, beside its bytes as a
-    multiple of bf16's (the bytes moved at the longest context)."""
+def slopes(rows):
+    """{(batch, kernel): (growth ms per 1K tokens, x bf16's growth, bytes x bf16's)} between the shortest and
+    longest context of each batch."""
     by = {(B, ctx, name): (t, nbytes) for B, ctx, name, t, nbytes, _ in rows}
-    lines = ["| batch | kernel | growth (ms per 1K tokens) | x bf16's growth | bytes x bf16 |", "|---:|---|---:|---:|---:|"]
+    out = {}
     for B in sorted({r[0] for r in rows}):
         ctxs = sorted({r[1] for r in rows if r[0] == B})
         if len(ctxs) < 2:
@@ -214,64 +232,229 @@ def render_slopes(rows) -> str:
         names = [r[2] for r in rows if r[0] == B and r[1] == hi]
         ref = next(n for n in names if n.startswith("bf16"))
         grow = {n: (by[(B, hi, n)][0] - by[(B, lo, n)][0]) / ((hi - lo) / 1024) for n in names if (B, lo, n) in by}
-        for n in names:
-            if n in grow:
-                lines.append(f"| {B} | {n} | {grow[n]:.5f} | {grow[n] / grow[ref]:.3f} | "
-                             f"{by[(B, hi, n)][1] / by[(B, hi, ref)][1]:.3f} |")
-    return "Growth with context (target: a slope proportional to the bytes):\n\n" + "\n".join(lines)
+        for n in grow:
+            out[(B, n)] = (grow[n], grow[n] / grow[ref], by[(B, hi, n)][1] / by[(B, hi, ref)][1])
+    return out
 
 
-def render(rows, card: str, peak_tbps: float | None) -> str:
-    head = "| batch | context | kernel | time (ms) | GB moved | GB/s | % of peak | speedup vs bf16 |\n"
-    head += "|---:|---:|---|---:|---:|---:|---:|---:|\n"
-    lines = []
-    for B, ctx, name, t, nbytes, speedup in rows:
-        gbps = nbytes / (t * 1e-3) / 1e9
-        peak = f"{100 * gbps / (peak_tbps * 1e3):.0f}%" if peak_tbps else "-"
-        target = ""
-        if ctx == 32768 and name in TARGET_SPEEDUP_32K:
-            target = " (target %.1fx: %s)" % (TARGET_SPEEDUP_32K[name], "met" if speedup >= TARGET_SPEEDUP_32K[name] else "MISSED")
-        lines.append(f"| {B} | {f'{ctx // 1024}K' if ctx >= 1024 else ctx} | {name} | {t:.4f} | {nbytes / 1e9:.3f} | {gbps:.0f} | {peak} | "
-                     f"{speedup:.2f}x{target} |")
-    return head + "\n".join(lines)
+def render_slopes(sl) -> str:
+    lines = ["| batch | kernel | growth (ms per 1K tokens) | x bf16's growth | bytes x bf16 | target (<= 1.2 x bytes) |",
+             "|---:|---|---:|---:|---:|---|"]
+    for (B, n), (g, gx, bx) in sl.items():
+        tgt = "-" if n.startswith("bf16") else ("met" if gx <= SLOPE_FACTOR * bx else "MISSED")
+        lines.append(f"| {B} | {n} | {g:.5f} | {gx:.3f} | {bx:.3f} | {tgt} |")
+    return "\n".join(lines)
+
+
+def targets(rows, sl, peak_tbps, prefill_rows) -> list[str]:
+    """Issue 43's targets, each met or MISSED, with the number."""
+    by = {(B, ctx, name): (t, nbytes, sp) for B, ctx, name, t, nbytes, sp in rows}
+    out = []
+    for (B, ctx) in TARGET_SHAPES:
+        for name, want in TARGETS.items():
+            if (B, ctx, name) in by:
+                sp = by[(B, ctx, name)][2]
+                out.append(f"{'met   ' if sp >= want else 'MISSED'} decode {name} at {B} x {fmt_ctx(ctx)}: "
+                           f"{sp:.2f}x bf16 SDPA (target >= {want}x)")
+    B, ctx, want = LAUNCH_BOUND
+    for name in TARGETS:
+        if (B, ctx, name) in by:
+            sp = by[(B, ctx, name)][2]
+            out.append(f"{'met   ' if sp >= want else 'MISSED'} decode {name} at {B} x {fmt_ctx(ctx)} "
+                       f"(launch-bound): {sp:.2f}x (target >= {want}x)")
+    if peak_tbps:
+        for name in TARGETS:
+            if (8, 32768, name) in by:
+                t, nbytes, _ = by[(8, 32768, name)]
+                share = nbytes / (t * 1e-3) / (peak_tbps * 1e12)
+                out.append(f"{'met   ' if share >= PEAK_SHARE else 'MISSED'} decode {name} at 8 x 32K: "
+                           f"{100 * share:.0f}% of HBM peak on the bytes moved (target >= {100 * PEAK_SHARE:.0f}%)")
+    for (B, n), (g, gx, bx) in sl.items():
+        if n in TARGETS:
+            out.append(f"{'met   ' if gx <= SLOPE_FACTOR * bx else 'MISSED'} growth {n} at batch {B}: "
+                       f"{gx:.3f}x bf16's per 1K tokens (target <= {SLOPE_FACTOR} x bytes ratio {bx:.3f} = "
+                       f"{SLOPE_FACTOR * bx:.3f})")
+    for T, name, t, t_ref, _ in prefill_rows:
+        if name in TARGETS:
+            out.append(f"{'met   ' if t_ref / t >= PREFILL_TARGET else 'MISSED'} prefill {name} at "
+                       f"{fmt_ctx(T)}: {t_ref / t:.2f}x SDPA flash (target >= {PREFILL_TARGET}x)")
+    return out
+
+
+# --------------------------------------------------------------------------- 3. prefill, 4. store
+def time_prefill(device: str, prompts, chunk: int, Hq: int, H: int, D: int, formats, smoke: bool, block: int):
+    """Rows (prompt, kernel, ms, SDPA's ms, ms of storing the prompt): chunked prefill attention over the
+    quantized past, summed over the chunks, against SDPA flash over the whole prompt."""
+    rows = []
+    for T in prompts:
+        q = torch.randn(1, Hq, T, D, dtype=torch.bfloat16, device=device)
+        k = torch.randn(1, H, T, D, dtype=torch.bfloat16, device=device)
+        v = torch.randn(1, H, T, D, dtype=torch.bfloat16, device=device)
+        t_ref = bench(lambda: sdpa(q, k, v, causal=True), smoke)
+        rows.append((T, "bf16 sdpa (flash, causal)", t_ref, t_ref, None))
+        for name in formats:
+            spec = LayerSpec(FORMATS[name], H, D, "bfloat16", max(block, FORMATS[name].flush))
+            store = KVStore(spec, 1, device, blocks=spec.blocks_for(T) + 1)
+            steps = []
+            for a in range(0, T, chunk):  # the state after each chunk's append, and that chunk's attention
+                store.append(k[:, :, a:a + chunk], v[:, :, a:a + chunk], kernel=launch.store)
+                st = type(store.state)(*[t.clone() for t in store.state])
+                steps.append((st, q[:, :, a:a + chunk], k[:, :, a:a + chunk], v[:, :, a:a + chunk]))
+
+            def prefill():
+                for st, qc, kc, vc in steps:
+                    launch.attention(qc, st, spec, k_new=kc, v_new=vc)
+
+            t = bench(prefill, smoke)
+            fresh = KVStore(spec, 1, device, blocks=spec.blocks_for(T) + 1)
+            fresh.reserve(T)  # every block the prompt writes, so the kernels alone run in the timed calls
+            empty = fresh.state
+
+            def write():  # quantize-on-write of the whole prompt, chunk by chunk, from an empty sequence
+                empty.lengths.zero_()
+                for a in range(0, T, chunk):
+                    launch.store(empty, spec, k[:, :, a:a + chunk], v[:, :, a:a + chunk])
+
+            rows.append((T, name, t, t_ref, bench(write, smoke)))
+            del steps
+        del q, k, v
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def render_prefill(rows) -> str:
+    out = ["| prompt | kernel | attention (ms) | x SDPA flash | store of the prompt (ms) |", "|---:|---|---:|---:|---:|"]
+    for T, name, t, t_ref, t_store in rows:
+        st = "-" if t_store is None else f"{t_store:.3f}"
+        out.append(f"| {fmt_ctx(T)} | {name} | {t:.3f} | {t_ref / t:.2f}x | {st} |")
+    return "\n".join(out)
+
+
+def time_store(device: str, B: int, ctx: int, n: int, H: int, D: int, formats, smoke: bool, block: int):
+    """Rows (batch, appended tokens, kernel, ms, bytes): one append of ``n`` tokens to stores holding ``ctx``."""
+    rows = []
+    for name in formats:
+        spec = LayerSpec(FORMATS[name], H, D, "bfloat16", max(block, FORMATS[name].flush))
+        state = filled_state(spec, device, B, ctx + n)
+        state.lengths.fill_(ctx)
+        k = torch.randn(B, H, n, D, dtype=torch.bfloat16, device=device)
+        v = torch.randn(B, H, n, D, dtype=torch.bfloat16, device=device)
+        L0 = state.lengths.clone()
+
+        def append():
+            state.lengths.copy_(L0)  # the same append each time (the lengths advance in the kernel launch)
+            launch.store(state, spec, k, v)
+
+        t = bench(append, smoke)
+        moved = 2 * k.numel() * 2 + spec.exact_nbytes(B, n) - B * spec.row_nbytes()  # read chunk, write codes
+        rows.append((B, n, name, t, max(moved, 1)))
+    return rows
+
+
+def render_store(rows) -> str:
+    out = ["| batch | tokens appended | kernel | time (ms) | GB/s (chunk read + codes written) |",
+           "|---:|---:|---|---:|---:|"]
+    for B, n, name, t, moved in rows:
+        out.append(f"| {B} | {n} | {name} | {t:.4f} | {moved / (t * 1e-3) / 1e9:.0f} |")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- main
+def parse_tiles(items) -> dict:
+    out = {}
+    for item in items or []:
+        name, vals = item.split("=")
+        out[name] = tuple(int(x) for x in vals.split(","))
+    return out
 
 
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes (automatic without CUDA)")
-    p.add_argument("--record", action="store_true", help="append this run to benchmarks/RESULTS.md")
+    p.add_argument("--quick", action="store_true", help="3 layouts' correctness, decode at batch 8 x 32K")
+    p.add_argument("--record", action="store_true", help="put this run on top of docs/results.md, the results record")
+    p.add_argument("--out", default=None, help="also write the report (markdown) and rows (json) here")
+    p.add_argument("--tile", nargs="*", metavar="FORMAT=BLOCK_N,WARPS,STAGES", help="decode tiles to try")
+    p.add_argument("--block", type=int, default=64, help="packed tokens per block of the timed stores")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     smoke = args.smoke or not cuda
     device = "cuda" if cuda else "cpu"
+    tiles = parse_tiles(args.tile)
     started = time.time()
-    if smoke:
-        checks = check_correctness(device, B=2, H=2, G=2, D=32, C=40,
-                                   names=["int2", "int4-kivi", "kivi4+res+sink+rot"])
-        rows = time_table(device, [1], [256, 512], Hq=8, H=2, D=128, formats=["fp8", "int4-kivi"], smoke=True)
-        sweep_at = (1, 256)
-        sweep = tile_sweep(device, *sweep_at, Hq=8, H=2, D=128, formats=["int4-kivi"], blocks=[16], smoke=True)
-        card, peak = ("cpu (Triton interpreter)" if not cuda else torch.cuda.get_device_name()), None
+    card = torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)"
+    peak = next((v for k, v in NOMINAL_TBPS.items() if k in card), None) if cuda else None
+    sections = []
+
+    def log(msg):
+        print(f"[{time.time() - started:6.1f}s] {msg}", flush=True)
+
+    if smoke:  # every step once, at sizes the interpreter runs in about a minute
+        checks = check_correctness(device, B=2, H=1, G=2, D=64, C=34, names=["int2", "kivi4+res+sink+rot"])
+        log("correctness done")
+        rows = time_decode(device, [1], [128], Hq=2, H=1, D=64, formats=["int4-kivi"], smoke=True, block=16,
+                           tiles=tiles)
+        general = time_general(device, 1, 128, 2, 1, 64, ["int4"], True, 16)
+        prefill = time_prefill(device, [48], 32, 2, 1, 64, ["int4"], True, 16)
+        store = time_store(device, 1, 32, 1, 1, 64, ["int4"], True, 16)
+    elif args.quick:
+        checks = check_correctness(device, B=3, H=8, G=4, D=128, C=300, names=["int4", "int2-kivi", "fp8"])
+        log("correctness done")
+        rows = time_decode(device, [8], [32768], 32, 8, 128, list(FORMATS), False, args.block, tiles)
+        general, prefill, store = [], [], []
     else:
         checks = check_correctness(device, B=3, H=8, G=4, D=128, C=300)
-        card = torch.cuda.get_device_name()
-        peak = next((v for k, v in NOMINAL_TBPS.items() if k in card), None)
-        rows = time_table(device, [1, 8, 32], [4096, 32768, 131072], Hq=32, H=8, D=128, formats=list(FORMATS),
-                          smoke=False)
-        sweep_at = (8, 32768)
-        sweep = tile_sweep(device, *sweep_at, Hq=32, H=8, D=128, formats=["int4-kivi", "int2-kivi", "int4", "fp8"],
-                           blocks=[16, 32, 64], smoke=False)
-    table = render(rows, card, peak) + "\n\n" + render_slopes(rows) + "\n\n" + render_sweep(sweep, *sweep_at)
-    report = (f"## {datetime.date.today().isoformat()} -- {card}\n\n"
-              f"`python benchmarks/gpu_kernels.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
-              f" (torch {torch.__version__}, triton {__import__('triton').__version__}, "
-              f"{time.time() - started:.0f} s{', smoke: timings are single interpreter calls, not GPU numbers' if smoke else ''})\n\n"
-              + "\n".join("    " + c for c in checks) + "\n\n" + table + "\n")
-    print(report)
+        log("correctness done")
+        rows = time_decode(device, [1, 8, 32], [4096, 32768, 131072], 32, 8, 128, list(FORMATS), False,
+                           args.block, tiles)
+        log("decode table done")
+        general = time_general(device, 8, 32768, 32, 8, 128, list(FORMATS), False, args.block)
+        log("general kernel done")
+        prefill = time_prefill(device, [8192, 16384, 32768], 4096, 32, 8, 128, ["int8", "int4", "int4-kivi"],
+                               False, args.block)
+        log("prefill done")
+        store = time_store(device, 32, 32768, 1, 8, 128, list(FORMATS), False, args.block)
+        store += time_store(device, 1, 28672, 4096, 8, 128, list(FORMATS), False, args.block)
+        log("store done")
+    sl = {} if smoke else slopes(rows)
+    sections.append("Decode (one query; 32 query heads over 8 KV heads, head_dim 128, bf16):\n\n"
+                    + render_decode(rows + general, peak))
+    if sl:
+        sections.append("Growth with context (target: at most 1.2 x the bytes ratio x bf16's):\n\n" + render_slopes(sl))
+    if prefill:
+        sections.append("Prefill in 4K chunks over the quantized past (batch 1), against SDPA flash over the whole "
+                        "prompt:\n\n" + render_prefill(prefill))
+    if store:
+        sections.append("Store (quantize-on-write):\n\n" + render_store(store))
+    tg = targets(rows, sl, peak, prefill)
+    if tg and not smoke:
+        sections.append("Targets (issue 43):\n\n" + "\n".join("    " + t for t in tg))
+    cfg = kdecode.config_table()
+    head = (f"## {datetime.date.today().isoformat()} -- {card}\n\n"
+            f"`python benchmarks/gpu_kernels.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
+            f"(torch {torch.__version__}, triton {__import__('triton').__version__}, {time.time() - started:.0f} s; "
+            f"decode tiles: {cfg['source']}{', smoke: timings are single interpreter calls, not GPU numbers' if smoke else ''})")
+    report = head + "\n\n" + "\n".join("    " + c for c in checks) + "\n\n" + "\n\n".join(sections) + "\n"
+    print(report, flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(report)
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump({"decode": rows, "general": general, "prefill": prefill, "store": store, "targets": tg}, f)
     if args.record:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), "a") as f:
-            f.write("\n" + report)
+        _results_record()(f"decode attention on {card} (benchmarks/gpu_kernels.py)", report.split("\n", 1)[1])
     return report
+
+
+def _results_record():
+    """``benchmarks.record.record``, whether this file runs as a script or as ``benchmarks.gpu_kernels``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.record import record
+    return record
 
 
 if __name__ == "__main__":

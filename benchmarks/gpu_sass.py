@@ -1,18 +1,27 @@
-"""Static cost of the Triton decode kernels for sm_90, without a GPU: SASS instructions and registers per thread.
+"""Static cost of the Triton decode kernels for sm_90, without a GPU: registers, spills and the loop's SASS
+instructions per byte it reads.
 
-Not a speed measurement: instruction counts are a proxy for the work a kernel does per tile (the loop body is
-unrolled over a tile), useful to judge a change to the dequantization while no GPU is at hand. Each policy's
-decode specialization (``n=1``, the benchmark's head_dim and GQA), specialized as Triton's JIT specializes a
-launch with these arguments (16-byte-divisible pointers and strides: vectorized loads), is compiled by Triton's
-own ptxas and read back with the cuobjdump Triton ships.
+Not a speed measurement: a model of the kernel before it runs. At 4.8 TB/s an H200 SM receives about 18 bytes
+a clock and issues 128 thread-instructions a clock, so a loop that issues more than about 7 instructions per
+byte it reads cannot keep up with memory (10.8 at the issue's 65 % of peak). Each policy's decode
+specialization (one query token, the benchmark's head_dim and GQA, bf16, CUDA's operand precision) is built
+as ``launch.attention`` builds it on a GPU -- specialized as Triton's JIT specializes a launch (16-byte
+divisible pointers and strides: vectorized loads) -- by Triton's own ptxas, and read back with the cuobjdump
+Triton ships. "Loop" is the packed-tile loop (the longest backward branch), "per byte" its instructions times
+the program's threads over the bytes one iteration reads (codes, scales, zero points: ``LayerSpec``'s bytes per
+token times BLOCK_N).
 
-    python benchmarks/gpu_sass.py                 # every policy below, D=128, GQA 4, bf16
-    python benchmarks/gpu_sass.py --smoke         # one policy (the test suite runs this)
+    python benchmarks/gpu_sass.py                          # both kernels, every policy, the config table's tiles
+    python benchmarks/gpu_sass.py --kernel decode --sweep  # every candidate tile; --write-configs keeps the best
+    python benchmarks/gpu_sass.py --smoke                  # one policy (checks the script runs)
+
+Triton 3.6 (the GPU image's) from another folder: ``PYTHONPATH=/tmp/triton36 python benchmarks/gpu_sass.py``.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -20,96 +29,168 @@ import sys
 import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # before the kernels are defined: compile for the GPU, do not interpret
+os.environ["KVCOMPILE_DOT"] = "tf32"  # CUDA's operand precision for full-precision tiles (not the CPU's "ieee")
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 
 from kvcompile import Policy, Quant  # noqa: E402
 from kvcompile.store import LayerSpec  # noqa: E402
-from kvcompile.templates import common, launch  # noqa: E402
+from kvcompile.templates import common, decode, launch  # noqa: E402
 
-POLICIES = {
-    "fp8 e4m3": Policy(Quant("fp8_e4m3", "token"), Quant("fp8_e4m3", "token"), residual=0),
+POLICIES = {  # the timing table's formats (benchmarks/gpu_kernels.py): every position packed
+    "fp8": Policy(Quant("fp8_e4m3", "token"), Quant("fp8_e4m3", "token"), residual=0),
     "fp8 e5m2": Policy(Quant("fp8_e5m2", "token"), Quant("fp8_e5m2", "token"), residual=0),
     "int8": Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0),
-    "int4 per token": Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0),
-    "KIVI int4": Policy.kivi(4, residual=0),
-    "KIVI int2": Policy.kivi(2, residual=0),
+    "int4": Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0),
+    "int2": Policy(Quant("int2", "token"), Quant("int2", "token"), residual=0),
+    "int4-kivi": Policy.kivi(4, group=32, residual=0),
+    "int2-kivi": Policy.kivi(2, group=32, residual=0),
 }
+CANDIDATES = {"block_n": (64, 128, 256), "warps": (4, 8), "stages": (3,)}  # --stages adds more
+ISSUE_PER_BYTE = 128 / (4.8e12 / 132 / 1.98e9)  # thread-instructions an SM issues per byte at full bandwidth
 
 
 def tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def decode_kernel(policy: Policy, head_dim: int, gqa: int, arch: int, block_n: int | None = None,
-                  warps: int | None = None):
-    """The compiled ``_attn_kernel`` of one decode call (B=2, 2 kv heads, 4096 tokens, the default block);
-    ``block_n`` and ``warps`` override the launcher's choice of tile length and warps."""
+def compiled_decode(policy: Policy, head_dim: int, gqa: int, kernel: str, arch: int = 90, tile=None):
+    """The compiled attention kernel of one decode call (B=2, 2 kv heads, 4096 tokens, the default block) as
+    ``launch.attention(kernel=...)`` builds it, and its launch options. ``tile`` = (block_n, warps, stages)
+    overrides the decode kernel's config (the general kernel takes block_n and warps)."""
     from kvcompile.templates import attention as kattn
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     target, got = GPUTarget("cuda", arch, 32), []
 
-    def compiler(kernel, args, options):
-        sig, constexprs, attrs = common._signature(kernel, args)
-        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
-                                  target=target, options=dict(options))
-        got.append((kernel.__name__, compiled))
+    def compiler(k, args, options):
+        sig, constexprs, attrs = common._signature(k, args)
+        c = triton.compile(ASTSource(fn=k, signature=sig, constexprs=constexprs, attrs=attrs), target=target,
+                           options=dict(options))
+        got.append((k.__name__, c, args, options))
 
-    previous, common._compiler = common._compiler, compiler
-    previous_warps = kattn.num_warps
-    if warps:
-        kattn.num_warps = lambda *a: warps
+    spec = LayerSpec(policy, 2, head_dim, "bfloat16")
+    saved = common._compiler, kattn.num_warps, decode.tile_config
+    common._compiler = compiler
+    tiles = None
+    if tile and kernel == "decode":
+        decode.tile_config = lambda *a: dict(block_n=tile[0], warps=tile[1], stages=tile[2], source="sweep")
+    elif tile:
+        kattn.num_warps = lambda *a: tile[1]
+        tiles = (1, tile[0], 2)
     try:
-        spec = LayerSpec(policy, 2, head_dim, "bfloat16")
         state = spec.allocate(2, 4096)
-        k, v = torch.randn(2, 2, 2, 1, head_dim)
-        launch.store(state, spec, k, v)
-        tiles = None
-        if block_n:
-            tiles = kattn.default_tiles(spec, 1, gqa, torch.device("cpu"), 2, kattn.position_bound(state, spec, None))
-            tiles = (tiles[0], block_n, tiles[2])
-        launch.attention(torch.randn(2, 2 * gqa, 1, head_dim), state, spec, None, k_new=k, v_new=v, tiles=tiles)
+        launch.attention(torch.randn(2, 2 * gqa, 1, head_dim), state, spec, kernel=kernel, tiles=tiles)
     finally:
-        common._compiler, kattn.num_warps = previous, previous_warps
-    return next(c for name, c in got if name == "_attn_kernel")
+        common._compiler, kattn.num_warps, decode.tile_config = saved
+    name = "_decode_kernel" if kernel == "decode" else "_attn_kernel"
+    _, c, args, options = next(g for g in got if g[0] == name)
+    return spec, c, args, options
 
 
 def sass_stats(compiled) -> dict:
+    """Registers, stack, instructions, and the longest loop's instructions and op counts."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         sass = subprocess.run([tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
         res = subprocess.run([tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
-    ops = [m.split(".")[0] for m in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass)]
-    regs = re.search(r"REG:(\d+)", res)
-    stack = re.search(r"STACK:(\d+)", res)
-    return {"instructions": len(ops), "ops": collections.Counter(ops),
+    ops = []
+    for line in sass.splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*)", line)
+        if m:
+            ops.append((int(m.group(1), 16), m.group(2).split(".")[0], m.group(3)))
+    loop = (0, -1)
+    for addr, op, rest in ops:
+        t = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if t and int(t.group(1), 16) < addr and addr - int(t.group(1), 16) > loop[1] - loop[0]:
+            loop = (int(t.group(1), 16), addr)
+    body = [op for addr, op, _ in ops if loop[0] <= addr <= loop[1]]
+    regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
+    return {"instructions": len(ops), "loop": len(body), "ops": collections.Counter(body),
             "registers": int(regs.group(1)) if regs else None, "stack": int(stack.group(1)) if stack else None}
+
+
+def tile_bytes(spec: LayerSpec, block_n: int) -> int:
+    """Bytes one loop iteration reads for one KV head: BLOCK_N tokens' codes, scales and zero points."""
+    return block_n * spec.block_nbytes() // (spec.block * spec.heads)
+
+
+def measure(name: str, head_dim: int, gqa: int, kernel: str, tile=None) -> dict:
+    spec, c, args, options = compiled_decode(POLICIES[name], head_dim, gqa, kernel, tile=tile)
+    st = sass_stats(c)
+    block_n = args["BLOCK_N"]
+    threads = 32 * options.get("num_warps", 4)
+    st.update(policy=name, kernel=kernel, block_n=block_n, warps=options.get("num_warps", 4),
+              stages=args.get("STAGES", options.get("num_stages", 3)),
+              per_byte=st["loop"] * threads / tile_bytes(spec, block_n))
+    return st
+
+
+def row(st: dict) -> str:
+    alu = sum(st["ops"][o] for o in ("IADD3", "LOP3", "IMAD", "SHF", "ISETP", "SEL", "PRMT", "LEA", "VIADD"))
+    return (f"| {st['policy']} | {st['kernel']} | {st['block_n']} | {st['warps']} | {st['stages']} | "
+            f"{st['registers']} | {st['stack']} | {st['instructions']} | {st['loop']} | {st['ops']['HMMA']} | "
+            f"{st['ops']['FFMA'] + st['ops']['FMUL'] + st['ops']['FADD']} | {alu} | {st['per_byte']:.2f} |")
+
+
+HEAD = ("| policy | kernel | BLOCK_N | warps | stages | registers | stack B | instructions | loop | HMMA | "
+        "FFMA+FMUL+FADD | int ALU | loop instr / byte |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--gqa", type=int, default=4)
-    ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--policies", nargs="+", choices=sorted(POLICIES), default=list(POLICIES))
-    ap.add_argument("--block-n", type=int, help="tile length (default: the launcher's)")
-    ap.add_argument("--warps", type=int, help="warps per program (default: the launcher's)")
+    ap.add_argument("--kernel", choices=["decode", "general", "both"], default="both")
+    ap.add_argument("--sweep", action="store_true", help="every candidate tile of the decode kernel")
+    ap.add_argument("--write-configs", action="store_true",
+                    help="with --sweep: write the best tile per policy (no spill, fewest instructions per byte) "
+                         "into templates/decode_configs.json")
+    ap.add_argument("--stages", type=int, nargs="+", default=None, help="pipeline depths to sweep (default 3)")
     ap.add_argument("--smoke", action="store_true", help="one policy, to check the script runs")
     args = ap.parse_args(argv)
     names = args.policies[:1] if args.smoke else args.policies
-    print(f"_attn_kernel, decode (n=1), head_dim={args.head_dim}, gqa={args.gqa}, sm_{args.arch}, "
-          f"triton {triton.__version__}, block_n {args.block_n or 'default'}, warps {args.warps or 'default'}: "
-          f"SASS per thread (static, not timed)")
-    print(f"{'policy':16} {'instructions':>12} {'FFMA':>6} {'int ALU':>8} {'registers':>9} {'stack B':>7}")
+    kernels = ["general", "decode"] if args.kernel == "both" else [args.kernel]
+    print(f"decode (n=1), head_dim={args.head_dim}, gqa={args.gqa}, bf16, sm_90, triton {triton.__version__}: "
+          f"SASS per thread (static, not timed); full bandwidth leaves {ISSUE_PER_BYTE:.1f} instructions per byte\n")
+    print(HEAD)
+    best = {}
     for name in names:
-        st = sass_stats(decode_kernel(POLICIES[name], args.head_dim, args.gqa, args.arch, args.block_n, args.warps))
-        alu = sum(st["ops"][o] for o in ("IADD3", "LOP3", "IMAD", "SHF", "ISETP", "SEL", "PRMT", "LEA", "VIADD"))
-        print(f"{name:16} {st['instructions']:>12} {st['ops']['FFMA']:>6} {alu:>8} {st['registers'] or '?':>9} "
-              f"{st['stack'] if st['stack'] is not None else '?':>7}")
+        for kernel in kernels:
+            if kernel == "decode" and args.sweep:
+                for bn in CANDIDATES["block_n"]:
+                    for w in CANDIDATES["warps"]:
+                        for s in args.stages or CANDIDATES["stages"]:
+                            st = measure(name, args.head_dim, args.gqa, "decode", (bn, w, s))
+                            print(row(st), flush=True)
+                            ok = not st["stack"] and st["registers"] is not None and st["registers"] < 255
+                            if ok and (name not in best or st["per_byte"] < best[name]["per_byte"]):
+                                best[name] = st
+            else:
+                print(row(measure(name, args.head_dim, args.gqa, kernel)), flush=True)
+    if args.sweep:
+        print("\nbest per policy (no spill, fewest loop instructions per byte):\n\n" + HEAD)
+        for st in best.values():
+            print(row(st))
+    if args.write_configs and best:
+        path = decode.CONFIGS
+        with open(path) as f:
+            table = json.load(f)
+        for name, st in best.items():
+            spec = LayerSpec(POLICIES[name], 2, args.head_dim, "bfloat16")
+            key = (f"{decode.format_key(spec.policy.key)}/{decode.format_key(spec.policy.value)};"
+                   f"D={args.head_dim};G={args.gqa}")
+            table["configs"][key] = {"block_n": st["block_n"], "warps": st["warps"], "stages": st["stages"],
+                                     "why": f"static: {st['per_byte']:.2f} loop instructions per byte, "
+                                            f"{st['registers']} registers, no spill (triton {triton.__version__})"}
+        with open(path, "w") as f:
+            json.dump(table, f, indent=2)
+            f.write("\n")
+        print(f"\nwrote {len(best)} entries to {path}")
 
 
 if __name__ == "__main__":

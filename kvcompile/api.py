@@ -16,13 +16,18 @@ How the pieces fit (each has its module):
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .backend import COMPILERS, Options, compile_graph
-from .errors import UnsupportedError
+from . import standin
+from .backend import COMPILERS, Options, compile_graph, unwrapped
+from .errors import ArgumentError, ArgumentTypeError, UnsupportedError
+from .hf import KVCompileCache
+from .hf_model import apply_hf, is_hf, layer_names, opaque
+from .modules import apply_module, stores
 from .policy import Policy, PolicyError
 from .tp import agreed
 
@@ -45,6 +50,10 @@ class Applied:
     layer_names: list[str]
     reports: list = field(default_factory=list)
     sharding: object = None  # kvcompile.tp.Sharding of a tensor-parallel model (this rank's group and KV heads)
+    settings: dict = field(default_factory=dict)  # apply's keyword arguments as given (pickling applies them again)
+    added: frozenset = frozenset()  # the model's attributes apply set, and ...
+    replaced: dict = field(default_factory=dict)  # ... what those it replaced were before (``reduce_applied``)
+    kv_heads: int | None = None  # the KV heads this rank caches per layer (a transformers model's; set by apply)
 
 
 def _raise_recompile_limit() -> None:
@@ -59,7 +68,7 @@ def _raise_recompile_limit() -> None:
 
 def _check_applicable(model, policy, max_cache_len, compiler, prefill="auto") -> None:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"kvcompile.apply(model, policy): model={type(model).__name__} is not a torch.nn.Module")
+        raise ArgumentTypeError(f"kvcompile.apply(model, policy): model={type(model).__name__} is not a torch.nn.Module")
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or getattr(model, "_compiled_call_impl", None):
         raise UnsupportedError(
             "kvcompile.apply got a model that is already compiled (torch.compile / module.compile()); apply "
@@ -74,7 +83,7 @@ def _check_applicable(model, policy, max_cache_len, compiler, prefill="auto") ->
                           f"kvcompile.Policy (e.g. Policy.kivi(4))")
     if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
                                       or max_cache_len < 1):
-        raise ValueError(f"kvcompile.apply(max_cache_len={max_cache_len!r}): expected a positive number of tokens "
+        raise ArgumentError(f"kvcompile.apply(max_cache_len={max_cache_len!r}): expected a positive number of tokens "
                          f"(the most a sequence may hold), or None (the default) for caches that grow without limit")
     if compiler != "auto" and compiler not in COMPILERS:
         raise UnsupportedError(f"compiler={compiler!r} is not valid: expected 'auto' or one of {COMPILERS}")
@@ -111,42 +120,85 @@ def apply(model: nn.Module, policy: Policy, *, max_cache_len: int | None = None,
     "auto" (the default) is "eager" with compiler="eager" (whose graphs run as Python anyway) and "compiled"
     with Inductor. Decode steps and later chunks always run compiled: they read what the store holds.
     """
-    from .hf_model import apply_hf, is_hf, layer_names
-    from .modules import apply_module
-
     _check_applicable(model, policy, max_cache_len, compiler, prefill)
+    given_compiler = compiler
     if compiler == "auto":
         p = next(iter(model.parameters()), None)
         compiler = "inductor" if p is not None and p.device.type == "cuda" else "eager"
     _raise_recompile_limit()
     if is_hf(model):
-        applied = Applied(policy, compiler, max_cache_len, layer_names(model))
+        settings = dict(max_cache_len=max_cache_len, compiler=given_compiler, dynamic=dynamic, prefill=prefill)
+        applied = Applied(policy, compiler, max_cache_len, layer_names(model), settings=settings)
+        before = dict(model.__dict__)
         model._kvcompile = applied
         try:
-            return apply_hf(model, policy, max_cache_len, compiler, dynamic, applied, _backend_for(applied), prefill)
+            apply_hf(model, policy, max_cache_len, compiler, dynamic, applied, _backend_for(applied), prefill)
         except Exception:
             del model._kvcompile
             raise
+        applied.added = frozenset(k for k, v in model.__dict__.items() if k not in before or v is not before[k])
+        applied.replaced = {k: before[k] for k in applied.added if k in before}
+        model.__reduce_ex__ = _reducer(model)
+        return model
     if max_cache_len is not None:
-        raise ValueError("kvcompile.apply(max_cache_len=...) is for transformers models; a module's caches are "
+        raise ArgumentError("kvcompile.apply(max_cache_len=...) is for transformers models; a module's caches are "
                          "limited by its own cache buffers' length")
     names = apply_module(model, policy)
-    applied = Applied(policy, compiler, None, names)
+    applied = Applied(policy, compiler, None, names, settings=dict(compiler=given_compiler, dynamic=dynamic),
+                      added=frozenset({"_kvcompile"}))
     model._kvcompile = applied
-    return _opaque(torch.compile(model, backend=_backend_for(applied), fullgraph=True, dynamic=dynamic))
+    compiled = _opaque(torch.compile(model, backend=_backend_for(applied), fullgraph=True, dynamic=dynamic))
+    compiled.__reduce_ex__ = _reducer(model)
+    return compiled
+
+
+# --------------------------------------------------------------------------- pickling an applied model
+# An applied model's forward (and a transformers model's generation hooks) are closures over compiled code,
+# which pickle cannot write. ``pickle``, ``torch.save``, ``copy.deepcopy`` and ``copy.copy`` of what apply
+# returned write instead the unmodified model's state and apply's arguments, and loading applies kvcompile
+# again: what comes back is an applied model with the same policy and settings (its graphs compile again on
+# first use). A transformers model's caches are created per call, so none travels with it; a gpt-fast-style
+# module's cache buffers come back empty (zeros, as its setup_caches leaves them): their tokens are not kept.
+def _reducer(model):
+    """The ``__reduce_ex__`` of what apply returned (an attribute of the instance, which pickle and copy read
+    before the class's): rebuild the unmodified ``model`` from its state, then ``apply``. Holds the model weakly
+    (no reference cycle through the instance's own attribute)."""
+    ref = weakref.ref(model)
+
+    def __reduce_ex__(protocol):
+        m = ref()
+        applied = m._kvcompile
+        state = {k: v for k, v in m.__dict__.items() if k not in applied.added and k != "__reduce_ex__"}
+        state.update(applied.replaced)
+        return _restore_applied, (type(m), state, applied.policy, applied.settings)
+    return __reduce_ex__
+
+
+def _restore_applied(cls, state: dict, policy: Policy, settings: dict) -> nn.Module:
+    """What ``_reducer`` wrote, loaded: the unmodified model (``nn.Module.__setstate__``; a module's cache stand-ins
+    become zero buffers of their shape again), applied again."""
+    from .hf_model import is_hf
+
+    model = cls.__new__(cls)
+    model.__setstate__(state)
+    if not is_hf(model):
+        for mod in model.modules():
+            for name, buf in list(mod.named_buffers(recurse=False)):
+                if standin.is_standin(buf):
+                    setattr(mod, name, torch.zeros(buf.shape, dtype=buf.dtype, device=buf.device))
+    return apply(model, policy, **settings)
 
 
 def _opaque(compiled: nn.Module) -> nn.Module:
     """``compiled`` (an applied module), made opaque to a ``torch.compile`` around it: Dynamo would otherwise trace
     the module's own forward with the outer compile's backend, without kvcompile's pass, and its cache writes would
     go to the stand-ins. Its forward runs as kvcompile compiled it instead (``hf_model.opaque``)."""
-    from .hf_model import opaque
-
     inner = compiled.forward
 
     @opaque  # (around a function of its own: disabling ``inner`` itself would unwrap it to the module's forward)
     def run(*args, **kwargs):
-        return inner(*args, **kwargs)
+        with unwrapped():
+            return inner(*args, **kwargs)
 
     def forward(*args, **kwargs):
         return run(*args, **kwargs)
@@ -168,9 +220,6 @@ def _backend_for(applied: Applied):
 def nbytes(obj) -> int:
     """Bytes the kvcompile caches of ``obj`` hold: a ``KVCompileCache`` (what ``generate`` or ``forward``
     returned), or a module ``apply`` prepared (its stores: blocks in use, windows, sinks, tables)."""
-    from .hf import KVCompileCache
-    from .modules import stores
-
     if isinstance(obj, KVCompileCache):
         return obj.nbytes
     if isinstance(obj, torch._dynamo.eval_frame.OptimizedModule):
@@ -180,7 +229,7 @@ def nbytes(obj) -> int:
         if found:
             return sum(s.nbytes for s in found.values())
         if getattr(obj, "_kvcompile", None) is not None:
-            raise TypeError("this transformers model's caches are created per call: pass the cache generate or "
+            raise ArgumentTypeError("this transformers model's caches are created per call: pass the cache generate or "
                             "forward returned (out.past_key_values / out.cache) to kvcompile.nbytes")
-    raise TypeError(f"kvcompile.nbytes: {type(obj).__name__} holds no kvcompile cache (pass a KVCompileCache, or a "
+    raise ArgumentTypeError(f"kvcompile.nbytes: {type(obj).__name__} holds no kvcompile cache (pass a KVCompileCache, or a "
                     f"module prepared by kvcompile.apply)")

@@ -16,31 +16,46 @@ rewritten into a stand-in (no full-precision memory), and a cache whose first to
 The rewritten graph goes to Inductor (``compiler="inductor"``, the backend's default) or runs as is
 (``compiler="eager"``: no code generation, seconds to compile; the graph then calls kvcompile's functions
 directly rather than through the operator dispatcher).
+
+Errors: Dynamo wraps whatever a backend raises in its own ``BackendCompilerFailed`` (torch/_dynamo/
+output_graph.py, ``call_user_compiler``), so a kvcompile error found while compiling is returned instead, as a
+graph that raises it (``_raising``): the call being compiled raises it as itself, with the traceback of where
+compiling found it. What fails while Dynamo traces (before the backend) reaches kvcompile's own entry points
+wrapped, and they unwrap it (``unwrapped``).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import sys
 from dataclasses import dataclass
 
 import torch
 
-from . import ops, standin
-from .errors import UnsupportedError
+from . import extension, ops, standin
+from .errors import KVCompileError, UnsupportedError
 from .passes import analyze, rewrite
-from .passes.paged import rewrite_paged
-from .passes.kv_cache import Site, _example
+from .passes.kv_cache import Site, _arg, _example, _op_name, _walk_to_cache, find_reads, layer_name, sdpa_args
 from .policy import Policy, PolicyError
+from .report import site_reports
 from .store import DTYPE_NAMES, LayerSpec
 
 COMPILERS = ("inductor", "eager")
+# torch.compile's modes, as Inductor reads them (torch._inductor.list_mode_options); the backend honours each
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass(frozen=True)
 class Options:
     """The backend's options: ``policy`` (a ``kvcompile.Policy``, needed for caches kvcompile did not
-    allocate) and ``compiler`` ("inductor" or "eager"). Validated at construction."""
+    allocate), ``compiler`` ("inductor" or "eager") and ``mode`` (torch.compile's, for Inductor: "reduce-overhead"
+    and "max-autotune" run the graph as CUDA graphs between kvcompile's ops, ``cudagraph_patches``; None is
+    "default"). ``torch.compile`` takes ``mode=`` or ``options=``, not both: ``options={"policy": p, "mode":
+    "reduce-overhead"}`` gives both. Validated at construction."""
 
     policy: Policy | None = None
     compiler: str = "inductor"
+    mode: str | None = None
 
     def __post_init__(self):
         if self.policy is not None and not isinstance(self.policy, Policy):
@@ -48,17 +63,53 @@ class Options:
                               f"(e.g. kvcompile.Policy.kivi(4))")
         if self.compiler not in COMPILERS:
             raise UnsupportedError(f"options['compiler']={self.compiler!r} is not valid: expected one of {COMPILERS}")
+        if self.mode is not None and self.mode not in MODES:
+            raise UnsupportedError(f"mode={self.mode!r} is not valid for the kvcompile backend: expected one of "
+                                   f"{MODES} (or None)")
+        if self.compiler == "eager" and self.mode not in (None, "default"):
+            raise UnsupportedError(f"mode={self.mode!r} asks Inductor for {'CUDA graphs' if self.cudagraphs else 'autotuning'}, "
+                                   f"but options['compiler']='eager' runs the graph without Inductor: use "
+                                   f"compiler='inductor' (the default) with this mode, or no mode")
+
+    @property
+    def cudagraphs(self) -> bool:
+        return self.mode is not None and bool(_mode_options(self.mode).get("triton.cudagraphs"))
 
     @staticmethod
     def parse(options) -> "Options":
         if isinstance(options, Options):
             return options
         options = dict(options or {})
-        unknown = set(options) - {"policy", "compiler"}
+        unknown = set(options) - {"policy", "compiler", "mode"}
         if unknown:
             raise UnsupportedError(f"unknown kvcompile backend option(s) {sorted(unknown)}: expected 'policy' "
-                                 f"(a kvcompile.Policy) and 'compiler' (one of {COMPILERS})")
-        return Options(options.get("policy"), options.get("compiler", "inductor"))
+                                 f"(a kvcompile.Policy), 'compiler' (one of {COMPILERS}) and 'mode' (one of {MODES})")
+        return Options(options.get("policy"), options.get("compiler", "inductor"), options.get("mode"))
+
+
+def _mode_options(mode: str) -> dict:
+    from torch._inductor import list_mode_options
+    return list_mode_options(mode)
+
+
+def cudagraph_patches(mode: str) -> dict:
+    """Inductor's config for ``mode``, and, where it records CUDA graphs, a graph partitioned around kvcompile's
+    ops (``ops.HOST_OPS``): they do host-side work at every call (the store's block manager: reserving blocks,
+    lengths, the layer's store looked up from its cache tensor), which a recorded graph would replay without,
+    so they run between the recorded partitions. A torch without graph partitions is refused: a CUDA graph
+    over the whole graph would be silently wrong."""
+    patches = dict(_mode_options(mode))
+    if patches.get("triton.cudagraphs"):
+        from torch._inductor import config
+        if not hasattr(config, "graph_partition") or not hasattr(config, "custom_should_partition_ops"):
+            raise UnsupportedError(
+                f"mode={mode!r} records CUDA graphs, and kvcompile's ops must run outside them (they update the "
+                f"store's block tables on the host); this torch ({torch.__version__}) has no Inductor graph "
+                f"partitions (torch._inductor.config.custom_should_partition_ops) to keep them out. Use torch >= "
+                f"2.9, or mode='default' / 'max-autotune-no-cudagraphs'.")
+        patches.update(graph_partition=True,
+                       custom_should_partition_ops=sorted(set(config.custom_should_partition_ops) | set(ops.HOST_OPS)))
+    return patches
 
 
 class Analyzed(Exception):
@@ -157,6 +208,47 @@ def check_analysis(gm, analysis) -> None:
                                 if analysis.skipped else ""))
 
 
+def concatenated_reads(gm) -> list[str]:
+    """The layers whose SDPA reads keys the graph concatenates along the sequence axis (``torch.cat`` at dim 2)
+    from tensors it never writes in place: transformers' DynamicCache (the default cache) or a hand-written
+    ``cat((past_k, k), -2)``. Such a cache grows by new tensors in full precision, so no store can take it over.
+    A sliding-window ring concatenates too once full (its chunk after its window), but into a buffer it then
+    writes in place (``copy_``): the model's own ring, which kvcompile leaves alone, is not counted."""
+    out = []
+    for read in find_reads(gm):
+        root, _, _, chain = _walk_to_cache(sdpa_args(read)["key"])
+        last = chain[-1] if chain else None
+        if root is not None or last is None or _op_name(last) != "cat" or _arg(last, 1, "dim") not in (2, -2):
+            continue
+        if not any(_buffer(x) for x in _arg(last, 0, "tensors")):
+            out.append(layer_name(read))
+    return list(dict.fromkeys(out))
+
+
+_IN_PLACE = ("copy_", "index_copy_", "index_put_", "setitem")
+
+
+def _buffer(x) -> bool:
+    """Whether graph node ``x`` is (a slice of) a tensor the graph writes in place, or a cache tensor kvcompile
+    leaves to the model: a static buffer, not a cache that grows by concatenation."""
+    while isinstance(x, torch.fx.Node) and x.op == "call_function" and _op_name(x) == "getitem":
+        x = x.args[0]
+    if not isinstance(x, torch.fx.Node):
+        return False
+    if x.op == "placeholder" and standin.left(_example(x)) is not None:
+        return True
+    return any(_op_name(u) in _IN_PLACE and u.args and u.args[0] is x for u in x.users)
+
+
+CONCATENATED = (
+    "torch.compile(..., backend='kvcompile') was given a policy, but {layers} read a KV cache that the graph grows "
+    "by concatenation (torch.cat along the sequence: transformers' DynamicCache, the default cache, or a "
+    "hand-written cat of past keys), which kvcompile cannot quantize in place: the policy would not apply. For a "
+    "transformers model use kvcompile.apply(model, policy) (generate and forward, every mode), or pass a cache "
+    "written in place: generate(..., cache_implementation='static') with model.forward compiled by the backend, "
+    "or a kvcompile.hf.KVCompileCache.")
+
+
 def src_name(n) -> str:
     ga = n.meta.get("grapharg")
     return ga.source.name if ga is not None else n.name
@@ -174,18 +266,69 @@ def no_read_message(gm, cache_node, unpaired=()) -> str:
 
 
 def compile_graph(gm, example_inputs, options=None, *, report=None, analyze_only=False):
-    """The backend: rewrite cache sites in the Dynamo graph ``gm``, then compile the rest (``_finish``)."""
-    from .explain import site_reports
+    """The backend: rewrite cache sites in the Dynamo graph ``gm``, then compile the rest (``_finish``); the
+    rewrites integrations registered (``extension.add_graph_rewrite``) run first. A kvcompile error found on the way comes back as a graph that raises it (``_raising``); with
+    ``analyze_only`` (``explain``), it and ``Analyzed`` are raised here."""
+    try:
+        return _compile_graph(gm, example_inputs, options, report, analyze_only)
+    except KVCompileError as e:
+        if analyze_only:
+            raise
+        return _raising(e)
 
+
+def _raising(error: KVCompileError):
+    """A compiled graph that raises ``error``, with the traceback compiling gave it, whenever it is called: the
+    call Dynamo compiled it for, and every later call its guards send to it (each would compile to the same
+    failure)."""
+    tb = error.__traceback__
+
+    def failed(*args):
+        raise error.with_traceback(tb)
+
+    return failed
+
+
+def carried(exc: BaseException) -> KVCompileError | None:
+    """The kvcompile error an exception from Dynamo carries, or None: Dynamo keeps what a backend raised as
+    ``inner_exception`` and what failed while it traced as the ``__cause__`` or ``__context__`` of its own."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KVCompileError):
+            return exc
+        seen.add(id(exc))
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None
+
+
+@contextlib.contextmanager
+def unwrapped():
+    """Around a call of a compiled function: a kvcompile error that Dynamo wrapped (``carried``) is raised as
+    itself, Dynamo's exception kept as its cause."""
+    try:
+        yield
+    except torch._dynamo.exc.TorchDynamoException as e:
+        inner = carried(e)
+        if inner is None:
+            raise
+        raise inner from e
+
+
+def _compile_graph(gm, example_inputs, options, report, analyze_only):
     opts = Options.parse(options)
     gm = _own_copy(gm)  # Dynamo still reads its graph (placeholders, graphargs) after the backend returns
-    rewrite_paged(gm)  # a compiled continuous-batching forward over kvcompile's paged cache (passes/paged.py)
+    extension.rewrite_graph(gm)  # e.g. a compiled continuous-batching forward's page pools (kvcompile.serving)
     analysis = analyze(gm, left=lambda ph: standin.left(_example(ph)))
     check_analysis(gm, analysis)
+    cat = concatenated_reads(gm) if opts.policy is not None else []
+    why = CONCATENATED.format(layers=", ".join(cat[:3]) + (f" and {len(cat) - 3} more" if len(cat) > 3 else ""))
+    if cat and not analyze_only:
+        raise UnsupportedError(why)
     sites = analysis.sites
     specs, owned = bind(sites, analysis, opts)
     ex = site_reports(sites, specs, owned, analysis.skipped + analysis.unpaired_writes)
     if analyze_only:
+        ex.notes += [why] if cat else []  # (explain reports it; compiling refuses it)
         raise Analyzed(ex)
     if report is not None:
         report(ex)
@@ -211,12 +354,85 @@ def _finish(gm, example_inputs, opts: Options):
         return gm.forward
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs)  # called like Dynamo calls a backend's result: compiled(*args)
+    patches = cudagraph_patches(opts.mode) if opts.mode is not None else None
+    # called like Dynamo calls a backend's result: compiled(*args)
+    return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 @torch._dynamo.register_backend(name="kvcompile")
 def kvcompile_backend(gm, example_inputs, options=None, mode=None):
-    """``torch.compile(model, backend="kvcompile", options={"policy": p, "compiler": "inductor"|"eager"})``.
+    """``torch.compile(model, backend="kvcompile", options={"policy": p, "compiler": "inductor"|"eager"})``, or
+    ``torch.compile(model, backend="kvcompile", mode="reduce-overhead")`` (the policy then comes from a kvcompile
+    cache the model is given). ``mode`` is torch.compile's (transformers' ``CompileConfig`` passes one too) and is
+    honoured (``Options.mode``)."""
+    opts = Options.parse(options)
+    if mode is not None and mode != opts.mode:
+        if opts.mode is not None:
+            raise UnsupportedError(f"the kvcompile backend got mode={mode!r} and options['mode']={opts.mode!r}: "
+                                   f"give one")
+        opts = Options(opts.policy, opts.compiler, mode)
+    return compile_graph(gm, example_inputs, opts)
 
-    ``mode`` is accepted (transformers' ``CompileConfig`` passes one) and has no effect."""
-    return compile_graph(gm, example_inputs, options)
+
+# --------------------------------------------------------------------------- generate on a compiled module
+# torch.compile(model) returns a wrapper whose forward is compiled; every other attribute is the original model's.
+# So torch.compile(model, backend="kvcompile", options={"policy": ...}).generate(...) runs the original model's
+# generate, whose forward calls never reach the wrapper: uncompiled, over transformers' full-precision
+# DynamicCache, and the backend never sees a graph it could refuse. The wrapper's attribute lookup is the one
+# place such a call passes through, so kvcompile refuses it there, when the call is made.
+UNCOMPILED_ENTRIES = ("generate", "generate_batch", "init_continuous_batching")
+
+UNCOMPILED = (
+    "torch.compile(model, backend='kvcompile') compiles the model's forward only: {name}(...) on the compiled "
+    "module runs the original model's {name}, which calls the original forward, uncompiled, over transformers' "
+    "full-precision cache, so the policy would not apply. Use kvcompile.apply(model, policy) instead (generate, "
+    "generate_batch and forward then quantize, every mode), or compile the forward generate calls: model.forward "
+    "= torch.compile(model.forward, backend='kvcompile', options=...) and generate(..., "
+    "cache_implementation='static').")
+
+
+def compiled_by_kvcompile(module) -> bool:
+    """Whether ``module`` is a ``torch.compile`` wrapper (``OptimizedModule``) whose backend is kvcompile's. Follows
+    Dynamo's chain of wrapped backends (``_torchdynamo_orig_backend``) to the one ``torch.compile`` made."""
+    x = getattr(getattr(module, "dynamo_ctx", None), "callback", None)
+    for _ in range(8):
+        if x is None:
+            return False
+        if getattr(x, "compiler_fn", None) is kvcompile_backend or x is kvcompile_backend:
+            return True
+        x = getattr(x, "_torchdynamo_orig_backend", None)
+    return False
+
+
+def _uncompiled(name: str):
+    def refuse(*args, **kwargs):
+        raise UnsupportedError(UNCOMPILED.format(name=name))
+    return refuse
+
+
+def _install_generate_guard() -> None:
+    """``OptimizedModule.__getattr__`` (its lookup of the original model's attributes), wrapped: ``generate`` and
+    transformers' continuous batching on a module compiled by the kvcompile backend refuse when called, unless
+    the original model was prepared by ``kvcompile.apply`` (its generate is kvcompile's)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    lookup = OptimizedModule.__getattr__
+    if getattr(lookup, "_kvcompile", False):
+        return
+
+    @functools.wraps(lookup)
+    def __getattr__(self, name):
+        value = lookup(self, name)
+        if name in UNCOMPILED_ENTRIES and callable(value) and compiled_by_kvcompile(self):
+            orig = self._orig_mod
+            if getattr(orig, "_kvcompile", None) is None and "transformers" in sys.modules:
+                from transformers import PreTrainedModel
+                if isinstance(orig, PreTrainedModel):
+                    return _uncompiled(name)
+        return value
+
+    __getattr__._kvcompile = True
+    OptimizedModule.__getattr__ = __getattr__
+
+
+_install_generate_guard()

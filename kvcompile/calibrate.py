@@ -1,6 +1,7 @@
 """Per-layer bits for a byte budget: measure each layer's sensitivity, then solve a knapsack.
 
-    policy = kvcompile.calibrate(model, budget=5.0)              # average bits per element, all in
+    policy = kvcompile.calibrate(model, budget=3.0)              # the bytes of a uniform 3-bit cache
+    policy = kvcompile.calibrate(model, bits_per_element=3.8)    # or average bits per element, all in
     policy = kvcompile.calibrate(model, bytes_per_token=7144)    # or exact bytes per cached token
 
 1. Sensitivity (``measure``). For every layer ``i``, side (keys or values) and candidate ``c``, the model runs
@@ -35,7 +36,7 @@ import math
 import numbers
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Sequence
@@ -45,7 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .accounting import bytes_per_token as _bytes_per_token, cache_bytes as _cache_bytes
-from .errors import BudgetError
+from .errors import ArgumentError, BudgetError
 from .evaluate import scored_logits, text_windows
 from .hf import model_shape
 from .policy import Policy, PolicyError, Quant, read_json_file
@@ -63,11 +64,16 @@ def default_candidates(head_dim: int | None = None) -> tuple[Policy, ...]:
     bytes of uniform 3-bit they took SmolLM2's loss delta from +0.0036 (groups of 32 only) to +0.0009, and
     int2 in groups of 64 is what leaves a choice at the bytes of uniform 2-bit (+0.058 uniform, +0.010
     calibrated; docs/results.md). ``head_dim``: only the candidates that fit it (a value group of 64 channels
-    needs a head of a multiple of 64)."""
+    needs a head of a multiple of 64), the groups of 32 fitted to it (``Quant.fit``: a head of 80 takes values in
+    groups of 16, as ``Policy.kivi``'s default does)."""
     def kivi(bits, group=32):
         return Policy.kivi(bits, group=group, sink=4, rotate=True)
     cands = kivi(2, 64), kivi(2), kivi(3, 64), kivi(3), kivi(4, 64), kivi(4), kivi(8)
-    return cands if head_dim is None else tuple(c for c in cands if _fits(c, head_dim))
+    if head_dim is None:
+        return cands
+    fitted = (replace(c, value=replace(c.value, fit=True)).for_head_dim(head_dim) if c.value.group == 32 else c
+              for c in cands)
+    return tuple(c for c in fitted if _fits(c, head_dim))
 
 
 def _fits(policy: Policy, head_dim: int) -> bool:
@@ -266,7 +272,7 @@ def solve(costs: Sequence[Sequence[int]], values: Sequence[Sequence[float]], bud
     from the cheapest: ties go to the more accurate). Raises ``BudgetError`` if nothing fits.
     """
     if len(costs) != len(values) or any(len(c) != len(v) or not c for c, v in zip(costs, values)):
-        raise ValueError("solve: costs and values need the same non-empty choices per group")
+        raise ArgumentError("solve: costs and values need the same non-empty choices per group")
     low = [min(c) for c in costs]
     room = budget - sum(low)
     if room < 0:
@@ -310,20 +316,61 @@ class Allocation:
     predicted_kl: float  # summed sensitivity of the choice
 
 
-def budget_bytes(shape, context: int, budget=None, bytes_per_token=None) -> Fraction:
-    """The budget in bytes per token: ``bytes_per_token``, or ``budget`` bits per cached element (keys and values
-    of every layer, everything the store holds counted) times the elements per token, over 8."""
-    if (budget is None) == (bytes_per_token is None):
-        raise PolicyError("give exactly one budget: budget= (average bits per element, all in) or "
-                          "bytes_per_token= (exact bytes per cached token)")
-    v = budget if bytes_per_token is None else bytes_per_token
-    what = "budget (bits per element)" if bytes_per_token is None else "bytes_per_token"
+# The three ways to give a budget; each is turned into exact bytes per token by ``budget_bytes``.
+BUDGETS = {"budget": "bits of a uniform cache", "bits_per_element": "average bits per element, all in",
+           "bytes_per_token": "exact bytes per cached token"}
+
+
+def budget_bytes(shape, candidates, context: int, dtype=torch.bfloat16, budget=None, bits_per_element=None,
+                 bytes_per_token=None) -> Fraction:
+    """The budget in exact bytes per token, from exactly one of:
+
+    budget: the bytes of a uniform cache of that many bits in the candidates' layout -- what "a 3-bit cache"
+        means: 3-bit codes with the scales, zero points, full-precision residual and sinks such a cache holds at
+        ``context`` tokens. It is the bytes of the uniform candidate of that width (keys and values of as many
+        bits; of several, the last listed: for the defaults, ``budget=3`` is the bytes of ``Policy.kivi(3,
+        sink=4, rotate=True)``, groups of 32); between two widths, in proportion (2.5: halfway between the 2- and
+        3-bit caches' bytes); beyond the narrowest or the widest, their bytes with the codes' bits less or more.
+    bits_per_element: average bits per cached element (keys and values of every layer), everything the store
+        holds counted (scales, zero points, residual, sinks): times the elements per token, over 8.
+    bytes_per_token: as it is.
+    """
+    given = {k: v for k, v in (("budget", budget), ("bits_per_element", bits_per_element),
+                               ("bytes_per_token", bytes_per_token)) if v is not None}
+    if len(given) != 1:
+        raise PolicyError(f"give exactly one budget, not {' and '.join(given) or 'none'}: budget= (bits of a uniform "
+                          f"cache, e.g. 3 for the bytes of a 3-bit cache), bits_per_element= (average bits per "
+                          f"element, scales, residual and sinks counted) or bytes_per_token= (exact bytes per cached "
+                          f"token)")
+    (name, v), = given.items()
     if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
-        raise PolicyError(f"{what}={v!r}: expected a positive finite number")
-    if bytes_per_token is not None:
-        return Fraction(v)
+        raise PolicyError(f"{name}={v!r} ({BUDGETS[name]}): expected a positive finite number")
     layers, kv_heads, head_dim = shape
-    return Fraction(v) * 2 * layers * kv_heads * head_dim / 8
+    per_bit = Fraction(2 * layers * kv_heads * head_dim, 8)  # bytes per token of one bit per element
+    if name == "bytes_per_token":
+        return Fraction(v)
+    if name == "bits_per_element":
+        return Fraction(v) * per_bit
+    widths = uniform_bytes(shape, candidates, context, dtype)
+    if not widths:
+        raise PolicyError(f"budget={v!r} counts bits of a uniform cache, but no candidate stores keys and values in "
+                          f"the same number of bits; give bits_per_element= or bytes_per_token= instead")
+    b, ws = Fraction(v), sorted(widths)
+    lo = max([w for w in ws if w <= b], default=ws[0])
+    hi = min([w for w in ws if w >= b], default=ws[-1])
+    if lo == hi or not lo <= b <= hi:  # a width itself, or beyond the narrowest or the widest
+        return widths[lo] + (b - lo) * per_bit
+    return widths[lo] + (b - lo) / (hi - lo) * (widths[hi] - widths[lo])
+
+
+def uniform_bytes(shape, candidates, context: int, dtype=torch.bfloat16) -> dict[int, Fraction]:
+    """Bits -> exact bytes per token of the uniform candidate of that width (keys and values in as many bits; of
+    several, the last listed), every layer at it, one sequence of ``context`` tokens."""
+    layers, kv_heads, head_dim = shape
+    dt = DTYPE_NAMES[dtype] if isinstance(dtype, torch.dtype) else dtype
+    cands = check_candidates(default_candidates(head_dim) if candidates is None else candidates)
+    return {c.key.bits: Fraction(LayerSpec(c, kv_heads, head_dim, dt).nbytes(1, context) * layers, context)
+            for c in cands if c.key.quantized and c.key.bits == c.value.bits}
 
 
 def _sequence_budget(cap: Fraction, context: int) -> int:
@@ -335,7 +382,7 @@ def _sequence_budget(cap: Fraction, context: int) -> int:
     return near if abs(x - near) <= 1e-9 * max(1, near) else math.floor(x)
 
 
-def bits_per_element(bpt: float, shape) -> float:
+def bits_per_element_of(bpt: float, shape) -> float:
     """Bytes per token as average bits per cached element (keys and values, all layers)."""
     layers, kv_heads, head_dim = shape
     return bpt * 8 / (2 * layers * kv_heads * head_dim)
@@ -355,37 +402,40 @@ def _pairs(cands, shape, context: int, dtype):
 
 
 def check_budget(shape, candidates=None, budget=None, bytes_per_token=None, context: int = 2048,
-                 dtype=torch.bfloat16) -> Fraction:
-    """The budget in bytes per token, or a ``BudgetError`` saying the minimum if no choice of the candidates
-    fits it (a check that needs no measurement: run it first)."""
+                 dtype=torch.bfloat16, bits_per_element=None) -> Fraction:
+    """The budget in bytes per token (``budget_bytes``), or a ``BudgetError`` saying the minimum if no choice of the
+    candidates fits it (a check that needs no measurement: run it first)."""
     if not isinstance(context, int) or isinstance(context, bool) or context < 1:
         raise PolicyError(f"context={context!r}: expected a positive number of tokens per sequence")
-    cap = budget_bytes(shape, context, budget, bytes_per_token)
+    cap = budget_bytes(shape, candidates, context, dtype, budget, bits_per_element, bytes_per_token)
     cands = check_candidates(default_candidates(shape[2]) if candidates is None else candidates)
     pairs, leaves, cost = _pairs(cands, shape, context, dtype)
     low = Fraction(cost[pairs[0]] * shape[0], context)
     if _sequence_budget(cap, context) < cost[pairs[0]] * shape[0]:
-        what = (f"{float(cap):,.1f} bytes per token" if bytes_per_token is not None else
-                f"{budget:g} bits per element ({float(cap):,.1f} bytes per token)")
+        what = (f"{budget:g} bits (the bytes of a uniform {budget:g}-bit cache of these candidates: "
+                f"{float(cap):,.1f} bytes per token)" if budget is not None else
+                f"{bits_per_element:g} bits per element ({float(cap):,.1f} bytes per token)"
+                if bits_per_element is not None else f"{float(cap):,.1f} bytes per token")
         raise BudgetError(
             f"a budget of {what} at {context:,} tokens is below the cheapest choice of these candidates, every "
             f"layer at {leaves[pairs[0]]}: {float(low):,.1f} bytes per token, "
-            f"{bits_per_element(float(low), shape):.3f} bits per element (scales, zero points, residual and "
+            f"{bits_per_element_of(float(low), shape):.3f} bits per element (scales, zero points, residual and "
             f"sinks counted); give at least that, cheaper candidates, or a longer context", low)
     return cap
 
 
 def allocate(sens: Sensitivity, shape, budget=None, bytes_per_token=None, context: int = 2048,
-             dtype=torch.bfloat16) -> Allocation:
+             dtype=torch.bfloat16, bits_per_element=None) -> Allocation:
     """The per-layer policy that minimises the summed sensitivity within the budget (module docstring).
 
-    shape: ``(layers, kv_heads, head_dim)``; budget: bits per element (all in) or ``bytes_per_token``, both
-    counted exactly at ``context`` tokens per sequence in ``dtype`` (the full-precision parts' dtype).
+    shape: ``(layers, kv_heads, head_dim)``; the budget: ``budget`` (bits of a uniform cache of the candidates),
+    ``bits_per_element`` (all in) or ``bytes_per_token`` (``budget_bytes``), counted exactly at ``context``
+    tokens per sequence in ``dtype`` (the full-precision parts' dtype).
     """
     layers, kv_heads, head_dim = shape
     if len(sens.keys) != layers:
         raise PolicyError(f"the sensitivities were measured on {len(sens.keys)} layers, the model has {layers}")
-    cap = check_budget(shape, sens.candidates, budget, bytes_per_token, context, dtype)
+    cap = check_budget(shape, sens.candidates, budget, bytes_per_token, context, dtype, bits_per_element)
     pairs, leaves, cost = _pairs(sens.candidates, shape, context, dtype)
     values = [[sens.keys[i][a] + sens.values[i][b] for a, b in pairs] for i in range(layers)]
     budget_seq = _sequence_budget(cap, context)
@@ -415,20 +465,23 @@ def _as_policy(leaves: list[Policy]) -> Policy:
 
 
 # --------------------------------------------------------------------------- the user's verb
-def calibrate(model, data=None, budget: float | None = None, *, bytes_per_token: float | None = None,
-              candidates=None, context: int = 2048, tokens: int = TOKENS, window: int = WINDOW, tokenizer=None,
-              chunk: int = 64, dtype=torch.bfloat16, progress: bool = True) -> Policy:
+def calibrate(model, data=None, budget: float | None = None, *, bits_per_element: float | None = None,
+              bytes_per_token: float | None = None, candidates=None, context: int = 2048, tokens: int = TOKENS,
+              window: int = WINDOW, tokenizer=None, chunk: int = 64, dtype=torch.bfloat16,
+              progress: bool = True) -> Policy:
     """A per-layer ``Policy`` that minimises the loss within a byte budget (module docstring).
 
-    budget: average bits per cached element, everything the store holds counted (codes, scales, zero points,
-        the full-precision residual and sinks) at ``context`` tokens per sequence; or ``bytes_per_token``.
+    budget: bits of a uniform cache: ``budget=3`` gives the policy that loses least in the bytes a uniform 3-bit
+        cache of the candidates holds (for the defaults ``Policy.kivi(3, sink=4, rotate=True)``: codes, scales,
+        residual and sinks) at ``context`` tokens per sequence (``budget_bytes``). Or ``bits_per_element``
+        (average bits per cached element, everything the store holds counted) or ``bytes_per_token``.
     data: the calibration set: token ids (int64, ``[W, N]`` windows or a 1-D run cut into ``window``-token
         windows), a string (tokenized with ``tokenizer``), or None for ``calibration_text()`` (standard
         library docstrings, disjoint from ``kvcompile eval``'s held-out text); ``tokens`` tokens of it are used.
     candidates: per-layer policies from the least to the most accurate (default ``default_candidates()``).
     """
     shape = model_shape(model.config)
-    cap = check_budget(shape, candidates, budget, bytes_per_token, context, dtype)  # before the measurement
+    cap = check_budget(shape, candidates, budget, bytes_per_token, context, dtype, bits_per_element)  # before measuring
     windows = _windows(model, data, tokens, window, tokenizer)
     sens = measure(model, windows, candidates, chunk, progress=progress)
     return allocate(sens, shape, bytes_per_token=cap, context=context, dtype=dtype).policy
@@ -478,7 +531,7 @@ def format_allocation(alloc: Allocation, sens: Sensitivity, shape) -> str:
                   f"and the summed sensitivity (KL, nats/token)",
               f"{'policy':<{w}}{'bytes/token':>13}{'bits/elem':>11}{'sum KL':>11}", "-" * (w + 35)]
     for name, bpt, kl in rows:
-        lines.append(f"{name:<{w}}{bpt:>13,.1f}{bits_per_element(bpt, shape):>11.3f}{kl:>11.2e}")
+        lines.append(f"{name:<{w}}{bpt:>13,.1f}{bits_per_element_of(bpt, shape):>11.3f}{kl:>11.2e}")
     return "\n".join(lines)
 
 

@@ -3,7 +3,7 @@
     kvcompile demo                      # SmolLM2, default policy: bytes saved, loss delta, tokens/s, a reply
     kvcompile eval --out results/       # the quality table: loss delta per scheme and width, passkey
     kvcompile plan --preset llama3-8b   # concurrent sequences per GPU, exact bytes per token
-    kvcompile calibrate --budget 5 --out policy.json   # per-layer bits for a byte budget, as a policy file
+    kvcompile calibrate --budget 3 --out policy.json   # per-layer bits in the bytes of a 3-bit cache, as a file
 """
 from __future__ import annotations
 
@@ -67,60 +67,36 @@ _FRACTION = _number(float, "a fraction in (0, 1]", 0, low_open=True, high=1)
 
 
 def default_policy():
-    """The demo's policy: 4-bit KIVI with 4 attention-sink tokens in full precision and a Hadamard rotation.
-
-    Measured on SmolLM2 (docs/eval.json): +0.0011 nats/token on held-out text (the best 4-bit policy there),
-    passkey retrieval equal to full precision at 1K-8K, 0.37x the bf16 bytes at 2K context.
-    """
-    from .policy import Policy
-    return Policy.kivi(4, sink=4, rotate=True)
+    """The demo's policy (``kvcompile.presets.default_policy``)."""
+    from .presets import default_policy as default
+    return default()
 
 
 def _entry_policy(text: str):
-    """``SCHEME:BITS`` -> its policy; a ``UsageError`` that lists the choices for anything else."""
-    from .evaluate import SCHEMES, parse_entry, scheme_policy
+    """``SCHEME:BITS`` -> its policy (``presets.entry_policy``); a ``UsageError`` that lists the choices otherwise."""
+    from .presets import entry_policy
     try:
-        name, bits = parse_entry(text)
-        pol = scheme_policy(name, bits)
+        return entry_policy(text)
     except ValueError as e:
         raise UsageError(f"{e}") from None
-    if pol is None:
-        widths = [b for b in (2, 3, 4, 8) if SCHEMES[name](b) is not None]
-        raise UsageError(f"scheme {name!r} has no {bits}-bit policy: use {name}:{' or '.join(map(str, widths))}")
-    return pol
 
 
 def _spelled(text: str) -> str:
-    """The short forms people type for a preset, as ``SCHEME:BITS``: a scheme with one width alone (``int8``,
-    ``fp8`` -> ``int8:8``, ``fp8:8``), or its width written on (``kivi4`` -> ``kivi:4``). Anything else as given."""
-    import re
-
-    from .evaluate import SCHEMES
-    if ":" in text:
-        return text
-    if text in SCHEMES:
-        widths = [b for b in (2, 3, 4, 8) if SCHEMES[text](b) is not None]
-        if len(widths) == 1:
-            return f"{text}:{widths[0]}"
-        raise UsageError(f"{text!r} needs a width, as SCHEME:BITS: {', '.join(f'{text}:{b}' for b in widths)}")
-    m = re.fullmatch(r"(.+?)[:_-]*(\d+)", text)
-    if m and m.group(1) in SCHEMES:
-        return f"{m.group(1)}:{m.group(2)}"
-    return text
+    """``presets.spelled``, its errors as a ``UsageError``."""
+    from .presets import spelled
+    try:
+        return spelled(text)
+    except ValueError as e:
+        raise UsageError(f"{e}") from None
 
 
 def _policy_arg(text: str):
-    """``default``, ``full``, ``SCHEME:BITS`` (or a short form: ``int8``, ``fp8``, ``kivi4``; ``_spelled``) or a
-    policy file (``*.json``, written by ``Policy.save`` or ``calibrate``)."""
-    from .evaluate import is_policy_file
-    from .policy import Policy, PolicyError
-    if text == "default":
-        return default_policy()
-    if text == "full":
-        return Policy.full()
+    """``default``, ``full``, ``SCHEME:BITS`` (or a short form: ``int8``, ``fp8``, ``kivi4``) or a policy file
+    (``*.json``, written by ``Policy.save`` or ``calibrate``): ``kvcompile.presets.named``."""
+    from .presets import named
     try:
-        return Policy.load(text) if is_policy_file(text) else _entry_policy(_spelled(text))
-    except (UsageError, PolicyError) as e:
+        return named(text)
+    except ValueError as e:
         raise argparse.ArgumentTypeError(_one_line(e)) from None
 
 
@@ -599,12 +575,13 @@ def cmd_calibrate(args) -> int:
     from .hf import model_shape
 
     _check_writable_file(args.out, "--out")
-    given = [o for o, v in (("--budget", args.budget), ("--bytes-per-token", args.bytes_per_token),
-                            ("--bytes-of", args.bytes_of)) if v is not None]
+    given = [o for o, v in (("--budget", args.budget), ("--bits-per-element", args.bits_per_element),
+                            ("--bytes-per-token", args.bytes_per_token), ("--bytes-of", args.bytes_of))
+             if v is not None]
     if len(given) != 1:
-        raise UsageError(f"{' and '.join(given) or 'no budget'} given: pass exactly one of --budget BITS (average "
-                         f"bits per cached element, scales and residual counted), --bytes-per-token N, or --bytes-of "
-                         f"SCHEME:BITS")
+        raise UsageError(f"{' and '.join(given) or 'no budget'} given: pass exactly one of --budget BITS (the bytes "
+                         f"of a uniform cache of that many bits), --bits-per-element BITS (average bits per cached "
+                         f"element, scales and residual counted), --bytes-per-token N, or --bytes-of SCHEME:BITS")
     if args.save_sensitivity is not None:
         _check_writable_file(args.save_sensitivity, "--save-sensitivity")
     saved = None
@@ -628,7 +605,8 @@ def cmd_calibrate(args) -> int:
     bpt = args.bytes_per_token
     if args.bytes_of is not None:  # exact: a float quotient could fall a hair below the policy's own bytes
         bpt = Fraction(cache_bytes(args.bytes_of[1], *shape, args.context), args.context)
-    cap = C.check_budget(shape, cands, args.budget, bpt, args.context)  # before the measurement
+    cap = C.check_budget(shape, cands, args.budget, bpt, args.context,
+                         bits_per_element=args.bits_per_element)  # before the measurement
     t0 = time.perf_counter()
     if saved is None:
         try:
@@ -798,8 +776,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "passes over the calibration windows, about 70 minutes on one thread of this project's shared "
                     "2-core CPU (59 minutes measured for 361 passes, before int2 in groups of 64 was added).")
     c.add_argument("--budget", type=_number(float, "a positive number of bits", 0, low_open=True), default=None,
-                   help="average bits per cached element, everything the store holds counted (codes, scales, zero "
-                        "points, residual and sinks) at --context tokens (default: none; give one budget)")
+                   help="bits of a uniform cache: the bytes a uniform cache of that many bits in the candidates' "
+                        "layout holds at --context tokens (3: the bytes of kivi+rot+sink:3 with the default "
+                        "candidates; 2.5: halfway between the 2- and 3-bit caches') (default: none; give one budget)")
+    c.add_argument("--bits-per-element", type=_number(float, "a positive number of bits", 0, low_open=True),
+                   default=None, help="the budget in average bits per cached element, everything the store holds "
+                                      "counted (codes, scales, zero points, residual and sinks) at --context tokens "
+                                      "(default: none)")
     c.add_argument("--bytes-per-token", type=_number(float, "a positive number of bytes", 0, low_open=True),
                    default=None, help="the budget in exact bytes per cached token at --context (default: none)")
     c.add_argument("--bytes-of", type=_budget_of, default=None, metavar="SCHEME:BITS",

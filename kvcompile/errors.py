@@ -26,6 +26,19 @@ class ArgumentTypeError(KVCompileError, TypeError):
     """An argument of the wrong type."""
 
 
+class IndexOutOfRange(KVCompileError, IndexError):
+    """An index outside what it indexes: a sequence of the batch, a block of the pool."""
+
+
+class KeyNotFound(KVCompileError, KeyError):
+    """A lookup of something kvcompile holds no record of: a store layout by name, a request's log
+    probabilities."""
+
+
+class Unimplemented(KVCompileError, NotImplementedError):
+    """A case kvcompile's kernels or integrations do not implement (yet): a head size, an output format."""
+
+
 class PolicyError(KVCompileError, ValueError):
     """A policy that cannot be built or applied."""
 

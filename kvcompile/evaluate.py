@@ -27,7 +27,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -36,94 +36,18 @@ from tqdm.auto import tqdm
 from .accounting import bytes_per_token, full_precision_bytes_per_token
 from . import ops
 from .hf import KVCompileCache, KVCompileLayer, model_shape
+from .api import apply
 from .hf_model import cache_kwarg
-from .policy import Policy, PolicyError, Quant
+from .policy import Policy, PolicyError
+from .presets import SCHEMES, is_policy_file, naive, parse_entry, scheme_policy  # noqa: F401  (this module's names too)
 from .store import dequantize_reference
+from .errors import ArgumentError
 
 # --------------------------------------------------------------------------- the policies compared
-# Each scheme maps a bit width to a policy (None: that width is not meaningful for the scheme).
-
-
-def naive(bits: int) -> Policy:
-    """The naive scheme: symmetric round-to-nearest of each head's key and value at every token."""
-    q = Quant(f"int{bits}", "token", None, symmetric=True)
-    return Policy(q, q)
-
-
-def _kivi(bits, **kw):
-    return Policy.kivi(bits, **kw)
-
-
-def _tok(bits, symmetric=False, sink=0, scale_dtype="float16"):
-    q = Quant(f"int{bits}", "token", None, symmetric=symmetric, scale_dtype=scale_dtype)
-    return Policy(q, q, residual=0, sink=sink, rotate=True)
-
-
-def _only(bits_wanted: int, make: Callable[[], Policy]) -> Callable[[int], Policy | None]:
-    return lambda bits: make() if bits == bits_wanted else None
-
-
-SCHEMES: dict[str, Callable[[int], Policy | None]] = {
-    "naive": naive,
-    "kivi": lambda b: _kivi(b),
-    "kivi+rot": lambda b: _kivi(b, rotate=True),
-    "fp8": _only(8, lambda: Policy.fp8("fp8_e4m3", residual=128)),
-    "fp8-r0": _only(8, lambda: Policy.fp8("fp8_e4m3", residual=0)),
-    "int8": _only(8, lambda: Policy.int8()),
-    # The policy's other tools, one at a time and combined (only widths below 8 are meaningful for them):
-    # sinks keep the first tokens (the attention sink, whose huge key would set the scale of its whole
-    # channel group) in full precision; g16 halves the group size (twice the scale overhead); l0 keeps the
-    # first layer at 8 bits (per-layer override).
-    "kivi+sink": lambda b: _kivi(b, sink=4) if b < 8 else None,
-    "kivi-g16": lambda b: _kivi(b, group=16) if b < 8 else None,
-    "kivi+rot+sink": lambda b: _kivi(b, sink=4, rotate=True),
-    "kivi+sink+l0": lambda b: _kivi(b, sink=4).override({0: _kivi(8, sink=4)}) if b < 8 else None,
-    # Bits moved from values to keys at the bytes of 2-bit KIVI: keys int3 and values int2, both in groups of
-    # 64 (half the scale overhead), an 80-token residual (so the ring, residual + group - 1, is no longer
-    # than KIVI's 128 + 31); bytes/token at or below kivi+rot+sink:2 at every length. Keys are the side
-    # that 2-bit passkey retrieval is sensitive to (docs/eval.txt).
-    "kivi-k3v2": _only(2, lambda: Policy(Quant("int3", "channel", 64), Quant("int2", "token", 64), residual=80,
-                                         sink=4, rotate=True)),
-    # Pre-RoPE keys (KVQuant; Policy.pre_rope): per-channel key scales fit the outlier channels before the
-    # rotary embedding smears them over channel pairs. Only the compiled path stores them (the FX pass finds the
-    # embedding), so these need the compiled model; +rot rotates values only (keys cannot be Hadamard-rotated).
-    "kivi+pre+sink": lambda b: _kivi(b, sink=4, pre_rope=True) if b < 8 else None,
-    "kivi+pre+rot+sink": lambda b: _kivi(b, sink=4, rotate=True, pre_rope=True) if b < 8 else None,
-    # 8-bit formats with the same tools: rotation spreads the keys' outlier channels over the head.
-    "int8+rot": _only(8, lambda: Policy.int8(rotate=True)),
-    "fp8+rot+sink": _only(8, lambda: Policy.fp8("fp8_e4m3", residual=128, sink=4, rotate=True)),
-    # Serving policies (kvcompile.serving): no full-precision window per request. Keys and values per token
-    # over the whole head (one scale, and a zero point unless +sym, per 64 channels) after the Hadamard
-    # rotation, which spreads the keys' outlier channels so that per-token keys quantize; residual 0 and a
-    # flush group of 1, so a request slot holds no ring. +sink keeps the first 4 tokens in full precision.
-    "tok+rot": lambda b: _tok(b),
-    "tok+rot+sym": lambda b: _tok(b, symmetric=True),
-    "tok+rot+sink": lambda b: _tok(b, sink=4),
-    "tok+rot+sym+sink": lambda b: _tok(b, symmetric=True, sink=4),
-    "fp8-r0+rot": _only(8, lambda: Policy.fp8("fp8_e4m3", residual=0, rotate=True)),
-    # fp8 scales (Quant.scale_dtype="fp8_e4m3"): each group's scale rounded up to one byte, an int8 zero point;
-    # half the scale overhead of the fp16 scale and zero point.
-    "kivi+rot+sink+fp8s": lambda b: _kivi(b, sink=4, rotate=True, scale_dtype="fp8_e4m3") if b < 8 else None,
-    "kivi-r0+rot+sink+fp8s": lambda b: (_kivi(b, residual=0, sink=4, rotate=True, scale_dtype="fp8_e4m3")
-                                        if b < 8 else None),
-    "tok+rot+fp8s": lambda b: _tok(b, scale_dtype="fp8_e4m3"),
-    # ... and groups of 64 (keys: 64 tokens a channel; values: the whole head of SmolLM2), a quarter of the
-    # fp16 scales' overhead: the most requests per byte of the KIVI layouts once requests are long enough for
-    # the window (residual + group - 1 = 191 tokens) to be a small part of them (docs/results.md, long requests)
-    "kivi-g64+rot+sink+fp8s": lambda b: (_kivi(b, group=64, sink=4, rotate=True, scale_dtype="fp8_e4m3")
-                                         if b < 8 else None),
-}
+# The schemes (and their spellings) are kvcompile.presets'; the evaluation's defaults are these.
 DEFAULT_SCHEMES = ("naive", "kivi", "kivi+rot", "kivi+sink", "kivi-g16", "kivi+rot+sink", "kivi+sink+l0", "kivi-k3v2",
                    "fp8", "fp8-r0", "int8")
 DEFAULT_BITS = (2, 3, 4, 8)
-
-
-def scheme_policy(name: str, bits: int) -> Policy | None:
-    try:
-        make = SCHEMES[name]
-    except KeyError:
-        raise ValueError(f"unknown scheme {name!r}: expected one of {sorted(SCHEMES)}") from None
-    return make(bits)
 
 
 # --------------------------------------------------------------------------- an incrementally updated view
@@ -201,7 +125,6 @@ def compiled_copy(model, policy: Policy):
     windows). On SmolLM2 this path gives kivi+rot+sink:2 2.43819 against the eager path's 2.4383."""
     import copy
 
-    from .api import apply
     return apply(copy.deepcopy(model), policy, compiler="eager")
 
 
@@ -226,7 +149,7 @@ def text_windows(tok, text: str, n: int, count: int, what: str = "the text") -> 
     """``count`` windows of ``n`` tokens, evenly spaced over ``text``: int64 ``[count, n]``."""
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     if len(ids) < n:
-        raise ValueError(f"{what} has {len(ids)} tokens, fewer than one window of {n}")
+        raise ArgumentError(f"{what} has {len(ids)} tokens, fewer than one window of {n}")
     last = len(ids) - n
     starts = [round(i * last / max(count - 1, 1)) for i in range(count)] if count > 1 else [0]
     return torch.stack([ids[s:s + n] for s in starts])
@@ -318,7 +241,7 @@ def passkey_layout(tok, trial: PasskeyTrial) -> tuple[list[int], list[int], int,
     unit = enc(_FILLER)
     room = trial.length - PASSKEY_NEW_TOKENS - len(intro) - len(needle) - len(question)
     if room < len(unit):
-        raise ValueError(f"passkey length {trial.length} leaves no room for filler")
+        raise ArgumentError(f"passkey length {trial.length} leaves no room for filler")
     filler = (unit * (room // len(unit) + 1))[:room]
     # The needle goes at a sentence boundary of the filler, at the trial's depth.
     at = round(trial.depth * (room // len(unit))) * len(unit)
@@ -414,7 +337,7 @@ def passkey_retrieved_shared(model, tok, trials: list[PasskeyTrial], policy: Pol
     order = sorted(range(len(trials)), key=lambda i: trials[i].depth)
     layouts = {i: passkey_layout(tok, trials[i]) for i in order}
     if len({trials[i].length for i in order}) > 1:
-        raise ValueError("passkey_retrieved_shared needs trials of one length")
+        raise ArgumentError("passkey_retrieved_shared needs trials of one length")
     out = [False] * len(trials)
     trunk, fed = None, 0
     for i in order:
@@ -474,19 +397,6 @@ def packed_accuracy(details: list[dict]) -> tuple[float | None, int]:
 
 
 # --------------------------------------------------------------------------- the whole evaluation
-def parse_entry(entry: str) -> tuple[str, int]:
-    """``"kivi:4"`` -> ``("kivi", 4)``."""
-    name, _, bits = entry.rpartition(":")
-    if not name or not bits.isdigit():
-        raise ValueError(f"{entry!r}: expected SCHEME:BITS, e.g. kivi:4 (schemes: {', '.join(SCHEMES)})")
-    return name, int(bits)
-
-
-def is_policy_file(entry: str) -> bool:
-    """An entry that names a policy file (``Policy.save``, ``kvcompile calibrate``), not ``SCHEME:BITS``."""
-    return entry.endswith(".json")
-
-
 def entry_policy(entry: str, config) -> tuple[str, float, Policy | None]:
     """``(scheme, bits, policy)`` of an entry: ``"kivi:4"`` -> ``("kivi", 4, its policy or None)``; a policy file
     -> ``(its file name, the mean stored bits per element over the model's layers, the policy)``."""
@@ -525,7 +435,7 @@ def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int
     for entry in passkey:  # refused before the loss rows run, not after
         if entry != "full" and not entry.startswith("best:") and stores_pre_rope(entry_policy(entry, model.config)[2]
                                                                                  or Policy.full()):
-            raise ValueError(_PASSKEY_PRE_ROPE.format(entry=entry))
+            raise ArgumentError(_PASSKEY_PRE_ROPE.format(entry=entry))
     W = heldout_windows(tok, window, windows)
     if entries is not None:  # explicit "scheme:bits" list (or policy files) instead of the product
         pairs = [entry_policy(e, model.config) for e in entries]
@@ -573,13 +483,13 @@ def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int
             if name == "best":  # the measured best scheme of that width, by loss delta
                 cands = [r for r in res["rows"] if r["bits"] == b and r["scheme"] in SCHEMES]  # not policy files
                 if not cands:
-                    raise ValueError(f"{entry!r}: no {b}-bit scheme was evaluated")
+                    raise ArgumentError(f"{entry!r}: no {b}-bit scheme was evaluated")
                 name = min(cands, key=lambda r: r["loss_delta"])["scheme"]
             pol = scheme_policy(name, b)
             if pol is None:
-                raise ValueError(f"{entry!r}: scheme {name!r} has no {b}-bit policy")
+                raise ArgumentError(f"{entry!r}: scheme {name!r} has no {b}-bit policy")
         if stores_pre_rope(pol):
-            raise ValueError(_PASSKEY_PRE_ROPE.format(entry=f"{entry} ({name}:{b})"))
+            raise ArgumentError(_PASSKEY_PRE_ROPE.format(entry=f"{entry} ({name}:{b})"))
         t0 = time.perf_counter()
         details: dict = {}
 

@@ -26,6 +26,7 @@ alike: the pass must never route a ring's writes to a packed store.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 
@@ -34,9 +35,9 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer
 
 from . import ops, standin
-from .errors import KVCompileWarning
+from .errors import ArgumentError, ArgumentTypeError, KVCompileWarning, Unimplemented, UnsupportedError
 from .policy import Policy
-from .store import RopeError, RopeTable, DTYPE_NAMES, KVStore, LayerSpec, normal_tensors
+from .store import RopeError, RopeTable, DTYPE_NAMES, KVStore, LayerSpec, dequantize_reference, normal_tensors
 
 
 def _text_config(config):
@@ -102,6 +103,17 @@ def _ring_is_smaller(policy: Policy, window: int, capacity: int, kv_heads: int, 
 CAPACITY_STEP = 256  # the stand-ins' width (the attention mask's) grows in steps of this many tokens
 
 
+def _copy_attributes(obj, memo: dict, keep: tuple = ()):
+    """A new object of ``obj``'s class whose attributes are deep copies of ``obj``'s (those named in ``keep``: the
+    same objects), for ``__deepcopy__``. Run it outside inference mode (``normal_tensors``): a copy made inside
+    ``torch.inference_mode`` is written in place by later calls, as the original is."""
+    new = type(obj).__new__(type(obj))
+    memo[id(obj)] = new
+    for k, v in obj.__dict__.items():
+        new.__dict__[k] = v if k in keep else copy.deepcopy(v, memo)
+    return new
+
+
 def _tracing() -> bool:
     return torch.compiler.is_dynamo_compiling()
 
@@ -133,6 +145,15 @@ class KVCompileLayer(StaticLayer):
         self.store: KVStore | None = None
         self.expected = 0  # tokens each sequence is expected to reach (KVCompileCache.expect)
         self.rope_table = None  # pre_rope: the cos/sin per position, shared by the cache's layers
+        # every layer of the cache is exact (KVCompileCache.exact): eagerly, this layer is a DynamicLayer over the
+        # paged store -- it returns the tokens held, no more, and sizes the mask as DynamicLayer does
+        self.dynamic = False
+
+    @property
+    def is_compileable(self) -> bool:
+        """A StaticLayer's (masks are built for a static width), except where this layer is read eagerly as a
+        DynamicLayer (``dynamic``): transformers then builds the masks it builds for a DynamicCache."""
+        return not (self.dynamic and not _tracing())
 
     def expect(self, tokens: int) -> None:
         self.expected = max(self.expected, tokens)
@@ -144,12 +165,12 @@ class KVCompileLayer(StaticLayer):
     def initialize(self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
         """Create the (empty) packed store and the stand-ins."""
         if _tracing():
-            raise RuntimeError(
+            raise UnsupportedError(
                 f"KVCompileCache layer {self.name!r} is first used inside torch.compile: its packed store must be "
                 f"created outside the graph. Create the cache with batch_size=... (or call "
                 f"cache.early_initialization(...)) before the compiled call, or use kvcompile.apply, which does it.")
         if dtype not in DTYPE_NAMES:
-            raise TypeError(f"KVCompileCache: the model's dtype {dtype} has no kvcompile store; supported: "
+            raise ArgumentTypeError(f"KVCompileCache: the model's dtype {dtype} has no kvcompile store; supported: "
                             f"{sorted(DTYPE_NAMES.values(), key=str)}")
         self.device = torch.device(device)
         self.batch_size, self.num_heads, self.k_head_dim, self.v_head_dim = batch_size, num_heads, head_dim, head_dim
@@ -161,6 +182,9 @@ class KVCompileLayer(StaticLayer):
         if self.expected:
             self.store.expect(self.expected)
         self.cumulative_length = torch.zeros((), dtype=torch.int64, device=self.device)
+        # a fixed address, as transformers' StaticLayer marks its own: the compiled graph adds to it in place, and
+        # CUDA graphs skip a graph that mutates an input of no fixed address (mode="reduce-overhead")
+        torch._dynamo.mark_static_address(self.cumulative_length)
         self._standins(CAPACITY_STEP)
         self.is_initialized = True
 
@@ -173,14 +197,29 @@ class KVCompileLayer(StaticLayer):
         self.values = standin.make_standin(shape, self.dtype, self.device)
         torch._dynamo.mark_dynamic(self.keys, 2)
         torch._dynamo.mark_dynamic(self.values, 2)
-        standin.register(self.keys, self.values, self.store, self.name, owned=True)
+        # fixed addresses: CUDA graphs then pass kvcompile's ops these very tensors (the store is looked up by
+        # identity), never copies into a recorded graph's input buffers
+        torch._dynamo.mark_static_address(self.keys)
+        torch._dynamo.mark_static_address(self.values)
+        standin.register(self.keys, self.values, self.store, self.name, owned=True, appends=True)
         self.batch_size = self.store.batch
+
+    @normal_tensors
+    def __deepcopy__(self, memo) -> "KVCompileLayer":
+        """An independent layer holding the same tokens (transformers' prompt-reuse recipe deep-copies a cache
+        per continuation): the store copied (``KVStore.copy``: blocks, ring, sinks, tables), and new stand-ins
+        registered to the copy. The stand-ins themselves are never copied: a copy of a stand-in is a tensor no
+        store stands behind."""
+        new = _copy_attributes(self, memo, keep=("policy", "spec", "keys", "values"))
+        if self.is_initialized:
+            new._standins(self.keys.shape[2])
+        return new
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, Dk = key_states.shape
         Dv = value_states.shape[-1]
         if Dv != Dk:
-            raise NotImplementedError(
+            raise Unimplemented(
                 f"kvcompile needs keys and values of the same head_dim; layer {self.name!r} has {Dk} and {Dv}")
         self.initialize(B, H, Dk, key_states.dtype, key_states.device)
 
@@ -213,6 +252,8 @@ class KVCompileLayer(StaticLayer):
         self.ensure(n)
         held = self.store.lengths[0]
         ops._store(self.keys, self.values, key_states, value_states, pos.cpu(), self.spec_name)
+        if self.dynamic:  # what DynamicLayer returns (its torch.cat): the tokens held, contiguous, as written
+            return self.store.exact_view(held + n)
         width = self.keys.shape[2]
         if held == 0:  # a first prefill reads only its own chunk, in full precision: no view to dequantize
             pad = (0, 0, 0, width - n)
@@ -225,6 +266,8 @@ class KVCompileLayer(StaticLayer):
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         n = _query_length(query_length)
+        if self.dynamic and not _tracing():  # DynamicLayer's: the tokens held and the query's
+            return (self.store.lengths[0] if self.is_initialized else 0) + n, 0
         self.ensure(n)
         return (self.keys.shape[2] if self.is_initialized else _width(n)), 0
 
@@ -301,6 +344,13 @@ class RingLayer(StaticSlidingWindowLayer):
         with torch.inference_mode(False):
             super().lazy_initialization(key_states, value_states)
 
+    @normal_tensors
+    def __deepcopy__(self, memo) -> "RingLayer":
+        """A copy of the ring, registered as the model's own like the original."""
+        new = _copy_attributes(self, memo)
+        new._leave()
+        return new
+
     def _leave(self):
         if self.is_initialized:
             standin.leave(self.keys, self.values, RING_REASON.format(w=self.max_cache_len))
@@ -330,6 +380,24 @@ class RingLayer(StaticSlidingWindowLayer):
     reserved_nbytes = nbytes
 
 
+def _exact_layers(config, policies: list[Policy], names: list[str], max_cache_len: int | None) -> list:
+    """For a cache whose every layer is exact: the layers of the ``DynamicCache`` transformers makes for
+    ``config`` (what the unmodified model's ``generate`` uses), each plain ``DynamicLayer`` a ``KVCompileLayer``
+    (``dynamic``: read eagerly as a DynamicLayer), the others (sliding-window layers) transformers' own."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    own = DynamicCache(config=config).layers
+    if len(own) != len(policies):  # (a config transformers builds no layers for: every layer full attention)
+        own = [DynamicLayer() for _ in policies]
+    layers = []
+    for layer, p, n in zip(own, policies, names):
+        if type(layer) is DynamicLayer:
+            layer = KVCompileLayer(p, n, max_cache_len)
+            layer.dynamic = True
+        layers.append(layer)
+    return layers
+
+
 class KVCompileCache(Cache):
     """A transformers Cache storing every layer per ``policy`` (per-layer overrides resolved by layer name).
 
@@ -338,7 +406,9 @@ class KVCompileCache(Cache):
     >>> cache.nbytes        # bytes the cache really holds
 
     max_cache_len: the most tokens a sequence may hold (``CapacityError`` beyond); None (the default): the
-    cache grows as long as memory lasts. With ``batch_size`` (and optionally ``dtype``, ``device``) the
+    cache grows as long as memory lasts. Every layer exact (``Policy.full()``, ``exact``): the layers of the
+    ``DynamicCache`` transformers makes, its full-attention ones paged stores that an eager forward reads as
+    ``DynamicLayer``s (``model_arithmetic=False`` keeps the compiled path's layout instead). With ``batch_size`` (and optionally ``dtype``, ``device``) the
     stores are created at once, which ``torch.compile`` needs (nothing may be allocated inside the graph);
     otherwise on the first eager update (``kvcompile.apply`` does it before each compiled call).
 
@@ -350,21 +420,21 @@ class KVCompileCache(Cache):
 
     def __init__(self, config, policy: Policy, max_cache_len: int | None = None, layer_names: list[str] | None = None,
                  batch_size: int | None = None, dtype: torch.dtype | None = None, device=None,
-                 kv_heads: int | None = None):
+                 kv_heads: int | None = None, model_arithmetic: bool = True):
         if max_cache_len is not None and (not isinstance(max_cache_len, int) or isinstance(max_cache_len, bool)
                                           or max_cache_len < 1):
-            raise ValueError(f"KVCompileCache max_cache_len={max_cache_len!r} is not valid: expected a positive "
+            raise ArgumentError(f"KVCompileCache max_cache_len={max_cache_len!r} is not valid: expected a positive "
                              f"number of tokens, or None for a cache that grows without limit")
         n_layers, model_kv_heads, head_dim = model_shape(config)
         # kv_heads: the KV heads this process's attention computes -- under tensor parallelism its share of the
         # model's (kvcompile.tp); default: the config's
         if kv_heads is not None and (not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads < 1):
-            raise ValueError(f"KVCompileCache kv_heads={kv_heads!r} is not valid: expected a positive number of KV "
+            raise ArgumentError(f"KVCompileCache kv_heads={kv_heads!r} is not valid: expected a positive number of KV "
                              f"heads (this rank's share under tensor parallelism), or None for the config's")
         kv_heads = kv_heads or model_kv_heads
         names = layer_names or [f"model.layers.{i}.self_attn" for i in range(n_layers)]
         if not isinstance(policy, Policy):
-            raise TypeError(f"KVCompileCache(config, policy): policy={policy!r} is not a kvcompile.Policy")
+            raise ArgumentTypeError(f"KVCompileCache(config, policy): policy={policy!r} is not a kvcompile.Policy")
         policy.check(head_dim)
         self.policies = policy.resolve(names)
         self.explicit_dtype = dtype is not None
@@ -374,14 +444,18 @@ class KVCompileCache(Cache):
             dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         windows = windowed_layers(config)
         horizon = max_cache_len or getattr(_text_config(config), "max_position_embeddings", None) or 2 ** 20
-        layers = []
-        for i, (p, n) in enumerate(zip(self.policies, names)):
+        # every layer exact (Policy.full()): the layers of the DynamicCache transformers would make, each plain
+        # DynamicLayer a KVCompileLayer over a paged store, which an eager forward reads as a DynamicLayer
+        # (model_arithmetic=False: the layout a compiled graph reads even then -- what explain traces)
+        self.exact = model_arithmetic and all(p.exact for p in self.policies)
+        layers = _exact_layers(config, self.policies, names, max_cache_len) if self.exact else []
+        for i, (p, n) in enumerate(zip(self.policies, names) if not self.exact else ()):
             w = windows.get(i)
             if w is not None and w < horizon and _ring_is_smaller(p, w, horizon, kv_heads, head_dim, dtype):
                 layers.append(RingLayer(max_cache_len=horizon, sliding_window=w))
             else:
                 layers.append(KVCompileLayer(p, n, max_cache_len))
-        if all(not isinstance(layer, KVCompileLayer) for layer in layers):
+        if not self.exact and all(not isinstance(layer, KVCompileLayer) for layer in layers):
             sizes = sorted({windows[i] for i in range(len(layers))})
             warnings.warn(
                 f"every attention layer of this model attends over a window of {', '.join(map(str, sizes))} "
@@ -401,6 +475,11 @@ class KVCompileCache(Cache):
         self.shape = (kv_heads, head_dim)
         if batch_size is not None:
             self.early_initialization(batch_size, kv_heads, head_dim, dtype, device or "cpu")
+
+    def __copy__(self) -> "KVCompileCache":
+        """``copy.copy`` gives an independent cache too: two caches sharing one store would each append into the
+        other's sequences (transformers' own ``copy.copy`` of a cache shares its layers)."""
+        return copy.deepcopy(self)
 
     @property
     def max_cache_len(self) -> int | None:
@@ -424,26 +503,26 @@ class KVCompileCache(Cache):
         the KV heads the model's attention computes here (under tensor parallelism, this rank's share)."""
         if heads is not None and heads != self.shape[0]:
             if any(layer.is_initialized for layer in self.layers):
-                raise ValueError(
+                raise ArgumentError(
                     f"this KVCompileCache holds {self.shape[0]} KV heads per layer, but the model's attention "
                     f"computes {heads} here (under tensor parallelism: this rank's share of the model's heads): "
                     f"create the cache with kv_heads={heads}, or pass no cache (kvcompile.apply creates one per rank)")
             self.shape = (heads, self.shape[1])
         if not self.is_initialized:
             if self.explicit_dtype and self.dtype != dtype:
-                raise ValueError(
+                raise ArgumentError(
                     f"this KVCompileCache stores {self.dtype}, but the model runs in {dtype}: create the cache for "
                     f"the model as it is now (dtype={dtype}, or no dtype: the model's)")
             self.early_initialization(batch, *self.shape, dtype, device)
         first = next((layer for layer in self.layers if isinstance(layer, KVCompileLayer)), None)
         if first is not None:
             if first.store.batch != batch:
-                raise ValueError(
+                raise ArgumentError(
                     f"this KVCompileCache holds {first.store.batch} sequences but the call passes a batch of {batch}: "
                     f"a cache belongs to one batch (create one per batch, or reorder it with "
                     f"cache.batch_select_indices)")
             if first.dtype != dtype or first.device != torch.device(device):
-                raise ValueError(
+                raise ArgumentError(
                     f"this KVCompileCache stores {first.dtype} on {first.device}, but the model runs in {dtype} on "
                     f"{torch.device(device)}: create the cache for the model as it is now (kvcompile.apply's "
                     f"caches are created per call, so after model.to(...) pass no cache, or a new one)")
@@ -485,7 +564,7 @@ class KVCompileCache(Cache):
         applied model calls it with its ``max_length``. Only the allocation changes: ``nbytes`` still counts
         what the sequences hold, ``reserved_nbytes`` what is allocated."""
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
-            raise ValueError(f"KVCompileCache.expect(tokens={tokens!r}): expected a whole number of tokens >= 0")
+            raise ArgumentError(f"KVCompileCache.expect(tokens={tokens!r}): expected a whole number of tokens >= 0")
         for layer in self.layers:
             if isinstance(layer, KVCompileLayer):
                 layer.expect(tokens)
@@ -503,12 +582,37 @@ class KVCompileCache(Cache):
     def get_seq_length(self, layer_idx: int = 0):
         return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
 
-    def crop(self, tokens_to_remove: int) -> None:
+    def __iter__(self):
+        """``(keys, values, sliding_window)`` per layer, as transformers' ``DynamicCache`` yields them (so that
+        ``DynamicCache(cache)`` copies it into a full-precision cache): what each layer holds, ``[B, H, L, D]`` in
+        the model's dtype and space -- a store's tokens dequantized (``dequantize_reference``: under
+        ``Policy.full()`` the values written), a ring's window as transformers holds it (with its window
+        length). ``layer.keys`` of a store's layer is a stand-in, not its contents."""
         for layer in self.layers:
-            if isinstance(layer, KVCompileLayer):
-                layer.crop(tokens_to_remove)
-            elif layer.is_initialized:
-                layer.crop(tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove - self.tokens)
+            if not layer.is_initialized:
+                yield None, None, None
+            elif isinstance(layer, KVCompileLayer):
+                k, v = dequantize_reference(layer.store.state, layer.spec, layer.dtype, end=max(layer.store.lengths))
+                yield k, v, None
+            elif isinstance(layer, RingLayer):
+                held = min(int(layer.cumulative_length_int), layer.max_cache_len)
+                yield (layer.keys[:, :, :held], layer.values[:, :, :held],
+                       torch.tensor(layer.max_cache_len, dtype=torch.int64))
+            else:  # a layer transformers keeps itself, as its own caches yield it
+                yield layer.keys, layer.values, getattr(layer, "_sliding_window_tensor", None)
+
+    def to_legacy_cache(self) -> tuple:
+        """``((keys, values), ...)`` per layer, what each holds (``__iter__``): the tuple format transformers'
+        ``DynamicCache.to_legacy_cache`` returned, for code that reads a cache that way."""
+        return tuple((k, v) for k, v, _ in self)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Negative (or 0): remove that many tokens from the end (transformers 5.2x); positive: keep that many (the
+        older convention). Every layer the same count: transformers' rings take only the negative form."""
+        remove = tokens_to_remove if tokens_to_remove <= 0 else min(0, tokens_to_remove - self.tokens)
+        for layer in self.layers:
+            if isinstance(layer, KVCompileLayer) or layer.is_initialized:
+                layer.crop(remove)
 
     @property
     def is_initialized(self) -> bool:

@@ -21,9 +21,9 @@ import warnings
 
 import torch
 
-from . import serving, tp
+from . import extension, tp
 from .hf import CAPACITY_STEP, KVCompileCache, KVCompileWarning, _text_config, model_shape
-from .errors import UnsupportedError
+from .errors import ArgumentError, UnsupportedError
 from .policy import Policy, PolicyError
 
 
@@ -119,9 +119,11 @@ _LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None) or geta
 
 def call_compiled(compiled, what: str, *args, **kwargs):
     """``compiled(*args, **kwargs)``, with Dynamo's recompile-limit failure turned into an error that says
-    what happened and what to do."""
+    what happened and what to do, and a kvcompile error Dynamo wrapped raised as itself (``backend.unwrapped``)."""
+    from .backend import unwrapped
     try:
-        return compiled(*args, **kwargs)
+        with unwrapped():
+            return compiled(*args, **kwargs)
     except _LIMIT_HIT as e:
         cfg = torch._dynamo.config
         limit = getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", "?"))
@@ -185,8 +187,9 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
     modules = dict(model.named_modules())
     shard = applied.sharding = tp.sharding(model, [(n, modules[n]) for n in names if n in modules], kv_heads,
                                            head_dim)
-    heads = shard.heads if shard is not None else kv_heads
-    pre_rope = any(p.pre_rope for p in policy.resolve(names))
+    heads = applied.kv_heads = shard.heads if shard is not None else kv_heads
+    resolved = policy.resolve(names)  # each layer's policy: a cache the caller passes must hold the same
+    pre_rope = any(p.pre_rope for p in resolved)
     if pre_rope:
         check_pre_rope(model)
     # with compiler="eager" the compiled graph runs as Python anyway: a first prefill gains nothing from tracing.
@@ -195,8 +198,10 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
     orig_forward = model.forward
     compiled = torch.compile(orig_forward, backend=backend, fullgraph=True, dynamic=dynamic)
 
-    def new_cache():
-        return KVCompileCache(cfg, policy, max_cache_len, layer_names=names, kv_heads=heads)
+    def new_cache(limit: int | None = None):
+        """The model's cache; ``limit``: a caller's own cache length (a StaticCache taken over), within apply's."""
+        limit = min(x for x in (limit, max_cache_len) if x) if (limit or max_cache_len) else None
+        return KVCompileCache(cfg, policy, limit, layer_names=names, kv_heads=heads)
 
     graph_threads = {}  # torch's thread count for this model's compiled calls (``_threads``)
 
@@ -205,15 +210,13 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
         if cache_kw != "past_key_values" and "past_key_values" in kwargs:
             kwargs.setdefault(cache_kw, kwargs.pop("past_key_values"))
         cache = kwargs.get(cache_kw)
-        if cache is not None and serving.is_paged(cache):  # transformers' continuous batching (kvcompile.serving)
+        owner = getattr(cache, "kvcompile_forward", None)
+        if owner is not None:  # a cache that runs the forward itself (extension.ForwardOwner: kvcompile.serving's)
             # (transformers compiles its own forward around this call, so this part stays traceable)
-            if pre_rope:
-                raise UnsupportedError(
-                    "continuous batching (generate_batch, transformers serve) on a model applied with a pre_rope "
-                    "policy: its attention receives keys after their rotary embedding, so it cannot store them "
-                    "pre-RoPE. Apply a policy without pre_rope for serving.")
+            if getattr(cache, "exact", False):  # transformers' own arithmetic (threads included), as in ``run``
+                return owner(orig_forward, *args, **kwargs)
             with _threads(next(model.parameters()), graph_threads if getattr(cache, "compiled", False) else None):
-                return serving.paged_forward(orig_forward, cache, *args, **kwargs)
+                return owner(orig_forward, *args, **kwargs)
         return run(*args, **kwargs)
 
     @opaque
@@ -232,15 +235,22 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
         if ids is None:
             ids = kwargs.get("inputs_embeds")
         if ids is None:
-            raise ValueError(f"{type(model).__name__}.forward under kvcompile: pass input_ids or inputs_embeds")
+            raise ArgumentError(f"{type(model).__name__}.forward under kvcompile: pass input_ids or inputs_embeds")
         if cache is None:
             cache = new_cache()
+        take_over(cache, new_cache)
         kwargs[cache_kw] = cache
         if isinstance(cache, KVCompileCache):
+            check_cache_policy(cache, resolved)
             p = next(model.parameters())
             cache.prepare(ids.shape[0], ids.shape[1], p.dtype, p.device, heads)
             if pre_rope:
                 cache.set_positions(kwargs.get("position_ids"), ids.shape[1])
+            if cache.exact:
+                # Every layer exact (Policy.full()): the unmodified model's forward, its attention over the paged
+                # store read as the DynamicCache it would have had -- its arithmetic, threads included, so its
+                # results bit for bit (a compiled graph's are not: masks, head replication, Inductor's fusions)
+                return orig_forward(*args, **kwargs)
             if eager_prefill and ids.shape[1] > 1 and cache.tokens == 0:
                 # A first prefill into an empty cache attends only to its own tokens, in full precision, and
                 # stores them: the cache's eager path does exactly that (the same kernels store), so it runs
@@ -248,11 +258,13 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
                 # decode steps and later chunks, which read what the store holds.
                 with _threads(ids):
                     return orig_forward(*args, **kwargs)
-        elif type(cache).__name__ in ("DynamicCache", "QuantizedCache", "OffloadedCache"):
+        elif type(cache).__name__ == "PagedAttentionCache":
             raise UnsupportedError(
-                f"this model was prepared by kvcompile.apply but was given a {type(cache).__name__}, which grows by "
-                f"concatenation in full precision and cannot be quantized in place. Pass no cache (a kvcompile "
-                f"cache is created and returned, to pass back on the next call), or a kvcompile.hf.KVCompileCache.")
+                "this model was prepared by kvcompile.apply but was given transformers' own PagedAttentionCache, which "
+                "stores keys and values in full precision. Use model.generate_batch / model.init_continuous_batching "
+                "on the applied model (they build kvcompile's paged cache).")
+        elif type(cache).__name__ in ("DynamicCache", "QuantizedCache", "OffloadedCache"):
+            raise UnsupportedError(refused_cache(cache))
         mark_dynamic(args, kwargs)
         with _threads(ids, graph_threads):
             return call_compiled(compiled, f"{type(model).__name__}.forward under kvcompile", *args, **kwargs)
@@ -268,8 +280,11 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
         horizon = kwargs.get("max_cache_length", args[2] if len(args) > 2 else generation_config.max_length)
         given = model_kwargs.get(cache_kw)
         if given is not None or generation_config.use_cache is False:
-            if isinstance(given, KVCompileCache) and isinstance(horizon, int):
-                given.expect(horizon)
+            take_over(given, new_cache)
+            if isinstance(given, KVCompileCache):
+                check_cache_policy(given, resolved)
+                if isinstance(horizon, int):
+                    given.expect(horizon)
             return orig_prepare(generation_config, model_kwargs, *args, **kwargs)
         impl = generation_config.cache_implementation
         if impl not in _CACHES_REPLACED:
@@ -285,13 +300,64 @@ def apply_hf(model, policy: Policy, max_cache_len: int | None, compiler: str, dy
         guard = tp.Guard(shard, cache_kw, f"{type(model).__name__}.forward under kvcompile")
         orig_forward, compiled, forward = guard.run(orig_forward), guard.run(compiled), guard.call(forward)
     model.forward = forward
-    serving.install(model, policy, names, heads)  # generate_batch, transformers serve (heads: the rank's)
     model._prepare_cache_for_generation = prepare_cache_for_generation
     # generate must not compile the forward again (it is compiled already, by kvcompile)
     model._valid_auto_compile_criteria = lambda *a, **k: False
     if hasattr(model.generation_config, "disable_compile"):
         model.generation_config.disable_compile = True
+    extension.applied(model, applied)  # integrations attach here (kvcompile.serving: generate_batch, serve)
     return model
+
+
+def take_over(cache, new_cache) -> None:
+    """An empty transformers ``DynamicCache`` or ``StaticCache`` the caller passes (transformers' recipes create one:
+    ``DynamicCache(config=model.config)``, ``StaticCache(config=..., max_cache_len=...)``, then fill it with a
+    forward or ``generate``) becomes, in place, the applied model's ``KVCompileCache`` (``new_cache``; a
+    StaticCache's length its limit): the caller's object is the cache that fills up, as with transformers' own
+    cache, and it quantizes as the model was applied, with no full-precision copy. A DynamicCache holding tokens,
+    or one that offloads, is refused (``refused_cache``); a StaticCache holding tokens is taken over by the
+    compiled graph as the backend takes any (``kvcompile.backend``)."""
+    from transformers.cache_utils import DynamicCache, StaticCache
+
+    kind = type(cache)
+    if kind not in (DynamicCache, StaticCache) or getattr(cache, "offloading", False) or cache.get_seq_length() != 0:
+        return
+    limit = max((layer.max_cache_len for layer in cache.layers), default=None) if kind is StaticCache else None
+    fresh = new_cache(limit)
+    cache.__class__ = KVCompileCache
+    cache.__dict__.clear()
+    cache.__dict__.update(fresh.__dict__)
+
+
+def refused_cache(cache) -> str:
+    """Why a full-precision transformers cache given to an applied model is refused, and what to do."""
+    name = type(cache).__name__
+    if getattr(cache, "offloading", False):
+        why = "offloads its layers to the CPU, which kvcompile's cache does not do"
+    elif name == "DynamicCache":
+        why = (f"already holds {cache.get_seq_length()} tokens, kept in full precision by the unmodified model (an "
+               f"empty one becomes the model's kvcompile cache)")
+    else:
+        why = "quantizes with its own scheme, in full precision between steps"
+    return (f"this model was prepared by kvcompile.apply but was given a {name} that {why}; kvcompile cannot take "
+            f"it over. Pass no cache (a kvcompile cache is created and returned, to pass back on the next call), an "
+            f"empty DynamicCache(), or a kvcompile.hf.KVCompileCache.")
+
+
+def check_cache_policy(cache: KVCompileCache, resolved: list) -> None:
+    """A ``KVCompileCache`` the caller passes must store every layer as the model was applied: its compiled
+    graphs read each layer's layout from its cache (two policies in one model would be two models)."""
+    if cache.policies == resolved:
+        return
+    diff = next(i for i, (a, b) in enumerate(zip(cache.policies, resolved)) if a != b) \
+        if len(cache.policies) == len(resolved) else None
+    where = (f"layer {diff}: the cache has {cache.policies[diff]}, the model {resolved[diff]}" if diff is not None
+             else f"the cache has {len(cache.policies)} layers, the model {len(resolved)}")
+    raise ArgumentError(
+        f"this KVCompileCache was created with the policy {cache.policy}, but the model was applied with another "
+        f"({where}). A cache stores layers as the model it is given to was applied: pass no cache (the model "
+        f"creates one with its policy), or create it with the policy given to kvcompile.apply "
+        f"(KVCompileCache(model.config, policy)).")
 
 
 def check_pre_rope(model) -> None:
@@ -315,7 +381,8 @@ def trace_inputs(model, applied):
     p = next(model.parameters())
     shard = getattr(applied, "sharding", None)
     cache = KVCompileCache(model.config, applied.policy, applied.max_cache_len, applied.layer_names,
-                           batch_size=1, dtype=p.dtype, device=p.device, kv_heads=shard.heads if shard else None)
+                           batch_size=1, dtype=p.dtype, device=p.device, kv_heads=shard.heads if shard else None,
+                           model_arithmetic=False)  # what the pass does with the graph, Policy.full()'s too
     ids = torch.zeros(1, 2, dtype=torch.long, device=p.device)
     return type(model).forward.__get__(model), {"input_ids": ids, cache_kwarg(model): cache, "use_cache": True}
 

@@ -19,6 +19,7 @@ against the meta-schema first, as llguidance would read some of those as somethi
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import torch
@@ -68,12 +69,15 @@ def grammar(schema: dict | None = None) -> str:
         raise SchemaError("'x-guidance' (llguidance's options) is set by the server (whitespace runs of at most "
                           f"{MAX_SPACE} bytes, every keyword followed or refused); leave it out of the schema")
     _check_meta(schema)
+    # the options go into the schema's text rather than through ``overrides``: with overrides llguidance reads
+    # the schema and writes it back, and its reader is not correctly rounded (a const of 1801439850948199.0 came
+    # back as 1801439850948199.2); its grammar keeps the text as given, and numbers are read exactly from it
     try:  # (a request's JSON may spell a lone surrogate, "\\ud800", which llguidance would write as bad UTF-8)
-        text = json.dumps(_real_dates(schema), ensure_ascii=False).encode()
+        text = json.dumps({**_real_dates(_exact_numbers(schema)), "x-guidance": OPTIONS}, ensure_ascii=False).encode()
     except UnicodeEncodeError as e:
         raise SchemaError(f"the schema holds {e.object[e.start:e.end]!r}, half of a surrogate pair, which no "
                           f"UTF-8 text can write") from None
-    out = LLMatcher.grammar_from_json_schema(text.decode(), overrides=OPTIONS)
+    out = LLMatcher.grammar_from_json_schema(text.decode())
     refused = LLMatcher.validate_grammar(out)
     if refused:
         raise SchemaError(f"the schema is not followed here: {refused} (docs/usage.md lists the keywords and "
@@ -103,6 +107,65 @@ def _real_dates(node):
         else:
             out["pattern"] = exact
     return out
+
+
+_UNREAD = frozenset({"default", "examples", "title", "description", "$comment"})  # data nothing is checked against
+
+
+def _exact_numbers(node, where: str = "", written: bool = False):
+    """``node`` with every number llguidance would read as another number refused (``SchemaError``), an integral
+    one given as an integer (``5.0`` as ``5``, equal in JSON Schema), which it reads exactly. llguidance 1.9.1
+    reads a schema's numbers as serde_json does by default, not correctly rounded (``_llguidance_reads``): about
+    one random double in five comes out a step away, and a const, an enum member or a bound would then be another
+    number than the schema's. Values replies write (``written``: const and enum members) that are whole and beyond
+    2**53 are refused too: llguidance writes them through a double as integer digits (9223372036854775809 as
+    9223372036854776000, 1e300 as 1 and 300 zeros)."""
+    if isinstance(node, list):
+        return [_exact_numbers(x, f"{where}[{i}]", written) for i, x in enumerate(node)]
+    if isinstance(node, dict):
+        return {k: v if k in _UNREAD else _exact_numbers(v, f"{where}[{k!r}]", written or k in ("const", "enum"))
+                for k, v in node.items()}
+    if isinstance(node, bool) or not isinstance(node, (int, float)):
+        return node
+    if written and node == int(node) and abs(node) > 2**53:
+        raise SchemaError(f"the number {node!r} at schema{where} is a value replies write, and llguidance (the "
+                          f"JSON engine) writes such a value through a double, with the digits of an integer: "
+                          f"an integer beyond 2**53 ({2**53}) in magnitude or a whole double that large would be "
+                          f"written as another number; a const or enum takes numbers up to 2**53")
+    if isinstance(node, float) and node.is_integer() and abs(node) < 2**63:
+        node = int(node)
+    read = _llguidance_reads(json.dumps(node))
+    if read != node:
+        near = next(x for x in (float(f"{node:.{k}g}") for k in range(15, 0, -1))
+                    if _llguidance_reads(json.dumps(x)) == x)
+        raise SchemaError(f"the number {node!r} at schema{where or ' (the top level)'} would be read by llguidance "
+                          f"(the JSON engine) as {read!r}, and replies would follow that number instead: it reads "
+                          f"numbers of up to 15 significant digits and 22 decimal places exactly; round it (to "
+                          f"{near!r}, for instance)")
+    return node
+
+
+def _llguidance_reads(text: str) -> float | int | None:
+    """The number llguidance 1.9.1 takes ``text`` (a JSON number) for: serde_json's default reading, the digits
+    as one 64-bit integer, then as a double multiplied or divided by a power of ten (exact for at most 15
+    digits and exponents up to 22, a step off for about one double in five beyond). None where the digits
+    overflow 64 bits. Checked against llguidance's own reading in tests/test_json_mode.py."""
+    sign, body = (-1, text[1:]) if text.startswith("-") else (1, text)
+    digits, _, exp = body.lower().partition("e")
+    whole, _, frac = digits.partition(".")
+    significand, power = int(whole + frac), (int(exp) if exp else 0) - len(frac)
+    if significand >= 2**64:
+        return None
+    if not frac and not exp:  # an integer: read exactly (i64, or u64 when positive)
+        return sign * significand if sign * significand >= -2**63 else None
+    x = float(significand)
+    while abs(power) > 308 and x != 0.0:  # (serde's table of powers ends at 1e308)
+        if power > 0:
+            return sign * math.inf
+        x, power = x / 1e308, power + 308
+    if x != 0.0:
+        x = x * float(f"1e{power}") if power >= 0 else x / float(f"1e{-power}")
+    return sign * x
 
 
 def _check_meta(schema: dict) -> None:

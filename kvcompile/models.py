@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import cachedir
 from .errors import ModelNotFound
 
 DEFAULT_MODEL = "smollm2"
@@ -24,11 +25,8 @@ _CONVERTED_NAME = "SmolLM2-135M-Instruct"
 
 
 def cache_dir() -> Path:
-    """Where converted models live: ``$KVCOMPILE_CACHE``, else ``$XDG_CACHE_HOME/kvcompile``, else ~/.cache."""
-    if os.environ.get("KVCOMPILE_CACHE"):
-        return Path(os.environ["KVCOMPILE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvcompile"
+    """Where converted models live: kvcompile's cache folder (``kvcompile.cachedir``: ``$KVCOMPILE_CACHE_DIR``)."""
+    return cachedir.root()
 
 
 def find_gguf() -> Path:

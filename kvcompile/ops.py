@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from . import standin
+from .errors import ArgumentError, UnsupportedError
 from .store import (KVState, KVStore, LayerSpec, attention_reference, check_chunk, cover, dequantize_reference,
                     store_reference)
 
@@ -46,10 +47,10 @@ KERNELS = ("auto", "triton", "cpu", "inductor", "reference")
 def _check_kernels(name, what: str, fix: str = "") -> None:
     """Refuse a kernel family that does not exist, or Triton where it cannot run; ``what`` names the setting."""
     if not isinstance(name, str) or name not in KERNELS:
-        raise ValueError(f"{what}={name!r} is not valid: expected one of {', '.join(KERNELS)} "
+        raise ArgumentError(f"{what}={name!r} is not valid: expected one of {', '.join(KERNELS)} "
                          f"(auto: Triton on CUDA, the C kernels on the CPU){fix}")
     if name == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(f"{what}='triton' needs CUDA, or TRITON_INTERPRET=1 set before kvcompile is imported "
+        raise UnsupportedError(f"{what}='triton' needs CUDA, or TRITON_INTERPRET=1 set before kvcompile is imported "
                            f"(Triton's interpreter, slow: for tests); no GPU is visible here. Use 'cpu' or 'auto'.")
 
 
@@ -148,7 +149,7 @@ def backend(device: torch.device) -> Backend:
     name = kernels(device)
     b = BACKENDS[name]
     if device.type not in b.devices:
-        raise RuntimeError(f"kvcompile kernels {name!r} run on {'/'.join(b.devices)} tensors, but this cache is on "
+        raise UnsupportedError(f"kvcompile kernels {name!r} run on {'/'.join(b.devices)} tensors, but this cache is on "
                            f"{device}: choose kernels that run there (kvcompile.ops.set_kernels('auto'))")
     return b
 
@@ -187,7 +188,7 @@ def _positions_at(st: KVStore, pos: Tensor, k_cache: Tensor, v_cache: Tensor) ->
     first = int(pos.reshape(-1)[0])
     L = st.lengths
     if len(set(L)) != 1:
-        raise RuntimeError(f"kvcompile cache write at position {first} into sequences of different lengths {L}: "
+        raise UnsupportedError(f"kvcompile cache write at position {first} into sequences of different lengths {L}: "
                            f"a write by position needs every sequence at the same length")
     if first == L[0]:
         return
@@ -204,7 +205,7 @@ def _positions_at(st: KVStore, pos: Tensor, k_cache: Tensor, v_cache: Tensor) ->
                 f"without pre_rope.")
         st.append(k_cache[:, :, :first], v_cache[:, :, :first], kernel=backend(k_cache.device).store)
         return
-    raise RuntimeError(
+    raise UnsupportedError(
         f"kvcompile cache write at position {first}, but the cache holds {L[0]} tokens: positions must continue "
         f"where the cache ends (or go back: the cache is cropped there). Reset the cache (cache.reset()) before "
         f"a new sequence.")
@@ -218,11 +219,13 @@ def _store(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, pos: Tensor, 
     ``cos, sin`` as the model computed them: ``k`` is the keys before their rotary embedding (a pre_rope
     policy, the pass found the embedding); the store keeps them so and captures cos/sin per position."""
     st = store_for(k_cache, v_cache, spec)
-    _positions_at(st, pos, k_cache, v_cache)
+    slot = standin.lookup(k_cache)
+    if slot is None or not slot.appends:
+        _positions_at(st, pos, k_cache, v_cache)
     if st.spec.policy.pre_rope:
         st.write_keys(bool(rope))
     elif rope:
-        raise ValueError(f"kvcompile.store got pre-RoPE keys ({rope}) for the layout {spec}, which stores "
+        raise ArgumentError(f"kvcompile.store got pre-RoPE keys ({rope}) for the layout {spec}, which stores "
                          f"post-RoPE keys")
     if rope:
         form, rd = rope.split(":")
@@ -246,7 +249,7 @@ def _attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, token: Tensor, mask:
     ``attention_reference`` for the exact semantics of ``mask`` and the chunk). ``token``: ``store``'s."""
     st = store_for(k_cache, v_cache, spec)
     check_chunk(q, k_new, v_new, st.spec)
-    mask = cover(mask, st.state)
+    mask = cover(mask, st.state, max(st.lengths, default=0))  # (the host's lengths: no device sync)
     rope = st.rope()  # pre-RoPE keys: attention rotates them (None otherwise, and no argument is passed)
     kw = {"rope": rope} if rope is not None else {}
     return backend(q.device).attention(q, st.state, st.spec, mask, scale, k_new=k_new, v_new=v_new, **kw)
@@ -258,6 +261,21 @@ attention = torch.library.custom_op("kvcompile::attention", mutates_args=())(_at
 @attention.register_fake
 def _(q, k_cache, v_cache, token, mask, scale, spec, k_new=None, v_new=None):
     return q.new_empty(q.shape)  # contiguous, like every implementation's output (not q's strides)
+
+
+def _exact_view(k_cache: Tensor, v_cache: Tensor, token: Tensor, spec: str) -> tuple[Tensor, Tensor]:
+    """For an exact layout (``Policy.exact``): the store behind ``k_cache`` as a full-precision cache of its shape
+    ``[B, H, C, D]`` -- the values written, zeros past each length (``KVStore.exact_view``) -- for the graph's
+    own attention to read. ``token``: ``store``'s (orders the read after the write)."""
+    return store_for(k_cache, v_cache, spec).exact_view(k_cache.shape[2])
+
+
+exact_view = torch.library.custom_op("kvcompile::exact_view", mutates_args=())(_exact_view)
+
+
+@exact_view.register_fake
+def _(k_cache, v_cache, token, spec):
+    return k_cache.new_empty(k_cache.shape), v_cache.new_empty(v_cache.shape)  # contiguous, as KVStore's
 
 
 def _new_standin(shape: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -274,11 +292,17 @@ def _(shape, dtype, device):
     return torch.empty_strided(shape, [1] * len(shape), dtype=dtype, device=device)
 
 
+# kvcompile's operators that do host-side work at every call (the store's block manager, the store looked up from
+# its cache tensor, the serving cache's plan of the batch): a CUDA graph must never record them
+# (``backend.cudagraph_patches`` partitions the graph around them)
+HOST_OPS = ("kvcompile::store", "kvcompile::attention", "kvcompile::standin", "kvcompile::exact_view",
+            "kvcompile::paged_store", "kvcompile::paged_attention", "kvcompile::paged_read")
+
 # What a graph that runs as plain Python (the kvcompile backend's compiler="eager") may call instead of the
 # registered operators: the same functions without the dispatcher's per-call work. Inductor and AOTAutograd
 # need the operators themselves.
 PLAIN = {torch.ops.kvcompile.store.default: _store, torch.ops.kvcompile.attention.default: _attention,
-         torch.ops.kvcompile.standin.default: _new_standin}
+         torch.ops.kvcompile.standin.default: _new_standin, torch.ops.kvcompile.exact_view.default: _exact_view}
 
 
 def dequantized(k_cache: Tensor, v_cache: Tensor, spec: str, positions: int) -> tuple[Tensor, Tensor]:

@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops
+from .errors import UnsupportedError
 
 _PAGED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # stand-in -> (weakref to the cache, layer_idx, "k" | "v")
 calls: Counter = Counter()  # how often each op ran (its real implementation, not its fake)
@@ -59,8 +60,6 @@ def lookup(t) -> tuple | None:
 
 
 def _layer(k_cache: Tensor, v_cache: Tensor):
-    from .errors import UnsupportedError
-
     k, v = lookup(k_cache), lookup(v_cache)
     if k is None or v is None:
         raise UnsupportedError("kvcompile.paged op called with tensors that are not a live PagedKVCompileCache's "
@@ -105,6 +104,25 @@ def _(q, k_cache, v_cache, token, read_index, mask, scale):
     return q.new_empty(q.shape)  # contiguous, as the implementation returns
 
 
+def _paged_read(k_cache: Tensor, v_cache: Tensor, token: Tensor, read_index: Tensor) -> tuple[Tensor, Tensor]:
+    """An exact layer (``Policy.full()``): what ``torch.index_select(pool, 0, read_index)`` reads from
+    transformers' own pool, read from the layer's store (``PagedKVCompileCache.read_exact``): ``k, v [T, H,
+    D]``, for transformers' own SDPA."""
+    cache, layer = _layer(k_cache, v_cache)
+    calls["paged_read"] += 1
+    return cache.read_exact(layer, read_index)
+
+
+paged_read = torch.library.custom_op("kvcompile::paged_read", mutates_args=())(_paged_read)
+
+
+@paged_read.register_fake
+def _(k_cache, v_cache, token, read_index):
+    shape = (read_index.shape[0], *k_cache.shape[1:])
+    return k_cache.new_empty(shape), v_cache.new_empty(shape)
+
+
 # the kvcompile backend's compiler="eager" calls these directly instead of through the dispatcher
 ops.PLAIN[torch.ops.kvcompile.paged_store.default] = _paged_store
 ops.PLAIN[torch.ops.kvcompile.paged_attention.default] = _paged_attention
+ops.PLAIN[torch.ops.kvcompile.paged_read.default] = _paged_read

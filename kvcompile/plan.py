@@ -24,8 +24,12 @@ from pathlib import Path
 
 import sympy as sp
 
-from .errors import PlanError, WeightsUnknown
+from .accounting import full_precision_bytes_per_token
+from .errors import KVCompileError, PlanError, WeightsUnknown
+from .hf import model_shape, windowed_layers
 from .policy import Policy
+from .pool import (check_shared_tokens, pages_for, request_limit, requests_held, shared_pages, size_pool,
+                   specs_for, transformers_pages)
 from .store import ROW_TOKENS, LayerSpec
 
 GB = 10 ** 9
@@ -97,9 +101,6 @@ def shape_from_config(path_or_config, weight_bytes: float | None = None, name: s
     ``weight_bytes`` defaults to the size of the folder's ``*.safetensors`` / ``*.bin`` files. A path is read
     from the local disk only (nothing is downloaded); a path that is not a readable config is a ``PlanError``.
     """
-    from .hf import model_shape, windowed_layers
-    from .serving import request_limit
-
     folder = None
     cfg = path_or_config
     if isinstance(cfg, (str, Path)):
@@ -155,7 +156,6 @@ def layer_bytes_expr(policy: Policy, kv_heads: int, head_dim: int, dtype_bytes: 
 
 def ring_bytes_expr(shape: ModelShape, window: int, context=C):
     """Bytes of transformers' full-precision ring for one windowed layer: the last ``min(window, C)`` tokens."""
-    from .accounting import full_precision_bytes_per_token
     dtype = {2: "bfloat16", 4: "float32"}[shape.dtype_bytes]
     return full_precision_bytes_per_token(1, shape.kv_heads, shape.head_dim, dtype) * sp.Min(window, context)
 
@@ -332,7 +332,6 @@ class TransformersPool:
 
     @property
     def requests(self) -> int:
-        from .serving import requests_held, shared_pages
         return requests_held(self.pages, self.pages_per_request, shared_pages(self.shared_tokens, self.page_size))
 
     def as_dict(self):
@@ -364,7 +363,7 @@ class ServingRow:
 def default_serving_policies() -> dict[str, Policy]:
     """The rows ``kvcompile plan --serving`` shows: the serving policies (no full-precision window per
     request: ``kvcompile.evaluate``'s serving schemes) and the policies with one, for comparison."""
-    from .evaluate import scheme_policy
+    from .presets import scheme_policy
     return {
         "full precision (kvcompile)": Policy.full(),
         "int8 per token": Policy.int8(),
@@ -387,9 +386,10 @@ def _serving_shape(shape: ModelShape) -> str:
     """The model dtype's name, for a shape kvcompile serving takes (a sharded shape is one rank's: its KV heads,
     and the budget is that rank's)."""
     if shape.windows:
-        raise PlanError(f"kvcompile serving supports full-attention layers only, and {shape.name} has "
-                        f"{len(shape.windows)} attending over a sliding or chunked window: plan its cache without "
-                        f"--serving")
+        raise PlanError(f"kvcompile plan --serving plans models whose every layer attends to every token; "
+                        f"{shape.name} has {len(shape.windows)} layers attending over a sliding or chunked window "
+                        f"(transformers' engine keeps those in pages of their own, which the planner does not model "
+                        f"yet): plan its cache without --serving")
     return _DTYPE_NAMES[shape.dtype_bytes]
 
 
@@ -402,7 +402,6 @@ def _check_count(name: str, v, allow_none: bool = False) -> None:
 
 def _token_bytes(shape: ModelShape) -> int:
     """Bytes of one token in transformers' paged cache: every layer's keys and values in the model dtype."""
-    from .accounting import full_precision_bytes_per_token
     return full_precision_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, _serving_shape(shape))
 
 
@@ -411,8 +410,6 @@ def transformers_pool(shape: ModelShape, budget: int, request_tokens: int,
     """transformers' own paged cache for ``budget`` bytes: its pages (``kvcompile.serving.transformers_pages``)
     and the requests of ``request_tokens`` tokens they hold (``ceil(request_tokens / page_size)`` pages each;
     the whole pages of a ``shared_tokens`` prompt prefix once: ``kvcompile.serving.pages_held``)."""
-    from .serving import pages_for, transformers_pages
-
     for name, v in (("budget", budget), ("request_tokens", request_tokens), ("page_size", page_size)):
         _check_count(name, v)
     _check_shared(shared_tokens, request_tokens)
@@ -423,7 +420,6 @@ def transformers_pool(shape: ModelShape, budget: int, request_tokens: int,
 
 
 def _check_shared(shared_tokens: int, request_tokens: int) -> None:
-    from .serving import check_shared_tokens
     try:
         check_shared_tokens(shared_tokens, request_tokens)
     except ValueError as e:
@@ -435,9 +431,6 @@ def serving_pool(label: str, policy: Policy, shape: ModelShape, budget: int, req
     """kvcompile's serving pool for ``budget`` bytes under ``policy``: its slots (``max_requests``, as
     ``kvcompile serve --max-requests``; None: the most requests of ``request_tokens`` tokens the budget
     holds), pool blocks (= the pages transformers' scheduler hands out), tokens, and concurrent requests."""
-    from .errors import KVCompileError
-    from .serving import size_pool, specs_for
-
     for name, v in (("budget", budget), ("request_tokens", request_tokens)):
         _check_count(name, v)
     _check_count("max_requests", max_requests, allow_none=True)

@@ -24,6 +24,7 @@ FORMAT_BITS = {
     "none": 0,  # full precision: the element keeps the model's dtype
 }
 AXES = ("token", "channel")
+KIVI_GROUP = 32  # Policy.kivi's default: tokens per key scale, channels per value scale (fitting the head)
 SCALE_DTYPES = ("float16", "float32", "fp8_e4m3")
 # Upper bounds on sizes, so that a value no model can use fails where it is written, not later as an allocator
 # error: no model holds more positions than MAX_TOKENS (the longest context today, Llama 4 Scout's, is 10M
@@ -61,6 +62,9 @@ class Quant:
     scale_dtype: "float16" (default; 16 bits per scale and per zero point), "float32" (exact, twice the
                overhead) or "fp8_e4m3" (8 bits per scale, rounded up to fp8, and an int8 zero point: half the
                overhead; ``kvcompile.quant`` gives the rule).
+    fit:       axis="token" only: ``group`` is the most channels a scale covers, and a head whose head_dim it does
+               not divide takes the largest power of two that does (32 -> 16 for head_dim 80, 8 for 120).
+               ``Policy.kivi``'s default group fits; a group given explicitly is kept or refused (``check``).
     """
 
     format: str = "int8"
@@ -68,6 +72,7 @@ class Quant:
     group: int | None = None
     symmetric: bool | None = None
     scale_dtype: str = "float16"
+    fit: bool = False
 
     def __post_init__(self):
         # isinstance first: an unhashable value (a list) must fail here with the field's name, not as a raw
@@ -89,6 +94,9 @@ class Quant:
             _fail("Quant.group", None, 'axis="channel" needs a token group size, e.g. group=32')
         if not isinstance(self.scale_dtype, str) or self.scale_dtype not in SCALE_DTYPES:
             _fail("Quant.scale_dtype", self.scale_dtype, f"expected one of {SCALE_DTYPES}")
+        if not isinstance(self.fit, bool) or (self.fit and (self.axis != "token" or self.group is None)):
+            _fail("Quant.fit", self.fit, 'expected True (the group shrinks to divide head_dim; axis="token" with a '
+                                         'group only) or False')
         # a real bool only: bool("no") and bool("false") are True, so a string here would silently mean the
         # opposite of what it says
         if self.symmetric is not None and not isinstance(self.symmetric, bool):
@@ -128,8 +136,19 @@ class Quant:
         return self.scale_dtype == "fp8_e4m3"
 
     def group_for(self, head_dim: int) -> int:
-        """The resolved group size for a head of ``head_dim`` channels."""
-        return head_dim if (self.group is None and self.axis == "token") else int(self.group or 1)
+        """The resolved group size for a head of ``head_dim`` channels (``fit``: the largest power of two up to
+        ``group`` that divides it)."""
+        if self.group is None and self.axis == "token":
+            return head_dim
+        g = int(self.group or 1)
+        while self.fit and head_dim % g:
+            g //= 2
+        return g
+
+    def for_head_dim(self, head_dim: int) -> "Quant":
+        """This format with its group resolved for ``head_dim`` (``fit`` made explicit): the layout a store of
+        that head size uses."""
+        return replace(self, group=self.group_for(head_dim), fit=False) if self.fit else self
 
     def check(self, head_dim: int, what: str = "Quant") -> None:
         """Validate against a model's head dimension (called when a policy is applied)."""
@@ -155,7 +174,7 @@ class Quant:
         if not self.quantized:
             return "none"
         sym = "sym" if self.symmetric else "asym"
-        g = "head" if self.group is None else str(self.group)
+        g = "head" if self.group is None else f"{self.group}{'~' if self.fit else ''}"
         sd = {"float16": "f16", "float32": "f32", "fp8_e4m3": "e4m3"}[self.scale_dtype]
         return f"{self.format}.{self.axis}.{g}.{sym}.{sd}"
 
@@ -171,8 +190,10 @@ class Policy:
     residual:   the most recent tokens kept in full precision (KIVI's streaming window).
     sink:       the first tokens kept in full precision (attention sinks).
     rotate:     apply an orthonormal Hadamard rotation over head_dim to keys, values and queries before
-                quantization (exact in full precision; it spreads outlier channels). With ``pre_rope`` it
-                applies to values only (docs/design.md, "Pre-RoPE keys").
+                quantization (exact in full precision; it spreads outlier channels): block-diagonal, in blocks
+                of the largest power of two dividing head_dim (the whole head when it is one; 16 channels for
+                head_dim 80, 32 for 96; ``kvcompile.store.rotation_block``). With ``pre_rope`` it applies to
+                values only (docs/design.md, "Pre-RoPE keys").
     pre_rope:   store keys before the rotary embedding (KVQuant): per-channel key scales fit the sharp outlier
                 channels there; attention rotates each dequantized key by its position. Only the compiled path
                 can (the FX pass finds the rotary embedding on the key write); a layer whose rotary embedding
@@ -206,15 +227,18 @@ class Policy:
 
     # ------------------------------------------------------------------ presets
     @classmethod
-    def kivi(cls, bits: int = 4, group: int = 32, residual: int = 128, scale_dtype: str = "float16",
+    def kivi(cls, bits: int = 4, group: int | None = None, residual: int = 128, scale_dtype: str = "float16",
              **kw) -> "Policy":
         """KIVI: keys per channel, values per token, asymmetric, recent tokens in full precision.
-        ``scale_dtype="fp8_e4m3"``: half the scale overhead (``Quant.scale_dtype``)."""
+        ``group``: tokens per key scale and channels per value scale; by default 32, the value groups fitting
+        the head (``Quant.fit``: 16 channels for head_dim 80). ``scale_dtype="fp8_e4m3"``: half the scale
+        overhead (``Quant.scale_dtype``)."""
         if not isinstance(bits, int) or isinstance(bits, bool) or bits not in (2, 3, 4, 8):
             _fail("Policy.kivi(bits)", bits, "expected 2, 3, 4 or 8")
         fmt = f"int{bits}"
+        fit, group = group is None, KIVI_GROUP if group is None else group
         return cls(Quant(fmt, "channel", group, scale_dtype=scale_dtype),
-                   Quant(fmt, "token", group, scale_dtype=scale_dtype), residual=residual, **kw)
+                   Quant(fmt, "token", group, scale_dtype=scale_dtype, fit=fit), residual=residual, **kw)
 
     @classmethod
     def fp8(cls, format: str = "fp8_e4m3", residual: int = 128, **kw) -> "Policy":
@@ -280,13 +304,14 @@ class Policy:
             _fail("Policy.check(head_dim)", head_dim, "expected the model's head dimension, a positive int")
         self.key.check(head_dim, "Policy.key")
         self.value.check(head_dim, "Policy.value")
-        if self.rotate and not _is_pow2(head_dim):
-            raise PolicyError(
-                f"Policy.rotate=True needs a power-of-two head_dim for the Hadamard rotation; found {head_dim}. "
-                f"Use rotate=False for this model."
-            )
         for sel, pol in self.overrides:
             pol.check(head_dim)
+
+    def for_head_dim(self, head_dim: int) -> "Policy":
+        """This (base) policy with its groups resolved for ``head_dim`` (``Quant.for_head_dim``): the layout a
+        store of that head size uses (``LayerSpec`` keeps this form)."""
+        k, v = self.key.for_head_dim(head_dim), self.value.for_head_dim(head_dim)
+        return self if (k, v) == (self.key, self.value) else replace(self, key=k, value=v)
 
     @property
     def flush(self) -> int:
@@ -363,6 +388,14 @@ class Policy:
         """A name that spells out this (base) policy, used for op and kernel specialization."""
         return (f"k={self.key.key()};v={self.value.key()};r={self.residual};s={self.sink};"
                 f"rot={int(self.rotate)}" + (";pre=1" if self.pre_rope else ""))
+
+    @property
+    def exact(self) -> bool:
+        """Whether this (base) policy stores keys and values exactly as the model wrote them: no format, no
+        rotation, keys not pre-RoPE (``Policy.full()``). Such a layer keeps the model's own attention arithmetic
+        over the paged store (docs/design.md, "Policy.full() is the model's arithmetic"), so its results are the
+        unmodified model's bit for bit."""
+        return not (self.key.quantized or self.value.quantized or self.rotate or self.pre_rope)
 
     @property
     def rotates_keys(self) -> bool:
@@ -543,7 +576,7 @@ def _show_selector(sel) -> str:
 
 
 # --------------------------------------------------------------------------- policy files
-_QUANT_FIELDS = ("format", "axis", "group", "symmetric", "scale_dtype")
+_QUANT_FIELDS = ("format", "axis", "group", "symmetric", "scale_dtype", "fit")
 _LEAF_FIELDS = ("key", "value", "residual", "sink", "rotate", "pre_rope")
 
 
@@ -561,9 +594,13 @@ def _jsonable(x: Any) -> bool:
         return False
 
 
+def _quant_to_dict(q: Quant) -> dict:
+    return {**{f: getattr(q, f) for f in _QUANT_FIELDS if f != "fit"},
+            **({"fit": True} if q.fit else {})}  # (absent: False, as files before it was added)
+
+
 def _leaf_to_dict(pol: "Policy") -> dict:
-    return {"key": {f: getattr(pol.key, f) for f in _QUANT_FIELDS},
-            "value": {f: getattr(pol.value, f) for f in _QUANT_FIELDS},
+    return {"key": _quant_to_dict(pol.key), "value": _quant_to_dict(pol.value),
             "residual": pol.residual, "sink": pol.sink, "rotate": pol.rotate,
             **({"pre_rope": True} if pol.pre_rope else {})}  # (absent: False, as files before it was added)
 

@@ -92,6 +92,7 @@ import torch
 from torch import Tensor
 
 from .policy import Quant
+from .errors import ArgumentError
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
@@ -162,7 +163,7 @@ def _to_groups(x: Tensor, q: Quant) -> tuple[Tensor, int]:
         return x.reshape(*lead, T, D // g, g), g
     g = q.group
     if T % g:
-        raise ValueError(f"per-channel quantization needs whole token groups: got {T} tokens, group {g}")
+        raise ArgumentError(f"per-channel quantization needs whole token groups: got {T} tokens, group {g}")
     return x.reshape(*lead, T // g, g, D).transpose(-1, -2), g
 
 
@@ -189,7 +190,7 @@ def quantize(x: Tensor, q: Quant) -> tuple[Tensor, Tensor, Tensor | None]:
     Saturating, and poisoning groups that hold NaN or +-inf: module docstring.
     """
     if not q.quantized:
-        raise ValueError("quantize() called with format 'none'")
+        raise ArgumentError("quantize() called with format 'none'")
     T, D = x.shape[-2:]
     xg, _ = _to_groups(x.float(), q)
     sdt = SCALE_TORCH_DTYPE[q.scale_dtype]

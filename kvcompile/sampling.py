@@ -20,6 +20,7 @@ import logging
 import threading
 
 import torch
+from .errors import ArgumentError, KeyNotFound, UnsupportedError
 
 NO_TOP_K = 2**31 - 1  # a per-request top_k that keeps every token (transformers' warper clamps it to the vocabulary)
 _SAMPLING: contextvars.ContextVar = contextvars.ContextVar("kvcompile_sampling", default=None)
@@ -183,7 +184,7 @@ class Records:
             a = self._open[handle]
             missing = [i for i in range(1, len(a.prompt)) if i not in a.prompt_entries]
             if missing:
-                raise KeyError(f"no log probabilities recorded for prompt tokens {missing[:8]}")
+                raise KeyNotFound(f"no log probabilities recorded for prompt tokens {missing[:8]}")
             return [a.prompt_entries[i] for i in range(1, len(a.prompt))]
 
     def get(self, handle: int) -> Asked | None:
@@ -197,7 +198,7 @@ class Records:
             entries = self._open[handle].entries
             missing = [i for i in range(start, stop) if i not in entries]
             if missing:
-                raise KeyError(f"no log probabilities recorded for tokens {missing} of the reply")
+                raise KeyNotFound(f"no log probabilities recorded for tokens {missing} of the reply")
             return [entries[i] for i in range(start, stop)]
 
     def __len__(self) -> int:
@@ -380,7 +381,7 @@ def sampling_manager(model, gen_config, cb_config):
     procs = cb.logit_processor
     kinds = sorted(procs.supported_keys)
     if kinds != ["temperature", "top_k", "top_p"]:
-        raise RuntimeError(f"transformers' continuous batching made per-request processors for {kinds}, expected "
+        raise UnsupportedError(f"transformers' continuous batching made per-request processors for {kinds}, expected "
                            f"temperature, top_k and top_p: this transformers version samples differently")
     add_request_args(procs)
     add = cb.add_request
@@ -390,7 +391,7 @@ def sampling_manager(model, gen_config, cb_config):
         asked = RECORDS.get(kwargs.get("record", -1))
         if asked is not None and asked.prompt is not None:
             if kwargs.get("request_id") is None:
-                raise ValueError("a request whose prompt log probabilities are asked needs its request_id")
+                raise ArgumentError("a request whose prompt log probabilities are asked needs its request_id")
             RECORDS.watch_prompt(kwargs["request_id"], asked)  # before the engine can schedule it
             # carried by the request to every rank's engine: each keeps the same rows of every forward
             kwargs[PROMPT_ROWS] = len(asked.prompt)

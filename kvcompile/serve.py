@@ -1323,7 +1323,7 @@ def checked_state(**kw):
                     if isinstance(item, Stopped):
                         raise ServerStopping(item.msg)
                     if not isinstance(item, str):  # transformers' stream error
-                        raise RuntimeError(f"generation failed for {request_id}: {getattr(item, 'msg', item)}")
+                        raise UnsupportedError(f"generation failed for {request_id}: {getattr(item, 'msg', item)}")
                     parts.append(item)
                 return "".join(parts), len(inputs["input_ids"]), list(ids)
 
@@ -1512,7 +1512,7 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
             return {"manager": type(cb).__name__ if cb is not None else None, "cache": None}
         sched = getattr(bp, "scheduler", None)
         return {"manager": type(cb).__name__, "cache": type(cache).__name__, "policy": str(policy),
-                "budget": cb.budget, "allocated": cache.allocated_nbytes, "blocks": cache.stores[0].blocks,
+                "budget": cb.budget, "allocated": cache.allocated_nbytes, "blocks": cache.blocks,
                 "free_blocks": cache.free_blocks_count, "slots": cache.slots, "requests": len(cache.slot_of),
                 # transformers' side: the pages its allocators hand out and hold, its scheduler's requests
                 # (dict views copied at once: the batching thread changes them while this reads)

@@ -47,6 +47,10 @@ class Slot:
     role: str  # "k" or "v"
     layer: str
     owned: bool
+    # writes always continue the store (a KVCompileCache layer: the positions it traces are its own count, kept in
+    # step with the store by its crop, reset and reorder), so the store op need not read them: on a GPU each read
+    # is a device-to-host sync, two per layer and decode step
+    appends: bool = False
 
 
 _SLOTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -68,12 +72,12 @@ def is_standin(t: Tensor) -> bool:
             and t.untyped_storage().nbytes() < t.numel() * t.element_size())
 
 
-def register(k: Tensor, v: Tensor, store: KVStore, layer: str, owned: bool) -> KVStore:
+def register(k: Tensor, v: Tensor, store: KVStore, layer: str, owned: bool, appends: bool = False) -> KVStore:
     """Give the cache tensors ``k, v [B, H, C, D]`` the packed store ``store`` (a new stand-in pair of a growing
-    cache is registered to the store its predecessors had)."""
+    cache is registered to the store its predecessors had); ``appends``: see ``Slot``."""
     name = store.spec.register()
-    _SLOTS[k] = Slot(store, store.spec, name, "k", layer, owned)
-    _SLOTS[v] = Slot(store, store.spec, name, "v", layer, owned)
+    _SLOTS[k] = Slot(store, store.spec, name, "k", layer, owned, appends)
+    _SLOTS[v] = Slot(store, store.spec, name, "v", layer, owned, appends)
     return store
 
 

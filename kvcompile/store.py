@@ -54,6 +54,7 @@ Hadamard mixes channels).
 """
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ import torch
 from torch import Tensor
 
 from . import quant as Q
-from .errors import CapacityError, RopeError
+from .errors import ArgumentError, CapacityError, IndexOutOfRange, KeyNotFound, RopeError, UnsupportedError
 from .policy import Policy, PolicyError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -156,6 +157,8 @@ class LayerSpec:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise PolicyError(f"LayerSpec.{f}={v!r} is not valid: expected a positive integer")
         self.policy.check(self.head_dim)
+        # groups that fit the head (Quant.fit) resolved: the layout, its name and its kernels are this head size's
+        object.__setattr__(self, "policy", self.policy.for_head_dim(self.head_dim))
         bt = self.block_tokens
         if bt is not None and (not isinstance(bt, int) or isinstance(bt, bool) or bt < 16 or bt & (bt - 1)
                                or bt % self.flush):
@@ -202,7 +205,7 @@ class LayerSpec:
         try:
             return _SPECS[name]
         except KeyError:
-            raise KeyError(f"no kvcompile store layout named {name!r} was created in this process") from None
+            raise KeyNotFound(f"no kvcompile store layout named {name!r} was created in this process") from None
 
     def register(self) -> str:
         _SPECS[self.name] = self
@@ -326,7 +329,7 @@ def rope_pairing(form: str, rotary_dim: int, D: int) -> tuple[list[int], list[fl
     "half": ``cat(-x2, x1)`` over halves of the rotary dims (transformers' ``rotate_half``);
     "pairs": ``(x0, x1) -> (x0 c - x1 s, x1 c + x0 s)`` over adjacent pairs (gpt-fast)."""
     if form not in ROPE_FORMS or not (0 < rotary_dim <= D) or rotary_dim % 2:
-        raise ValueError(f"rope form {form!r} over {rotary_dim} of {D} channels is not valid: expected one of "
+        raise ArgumentError(f"rope form {form!r} over {rotary_dim} of {D} channels is not valid: expected one of "
                          f"{ROPE_FORMS} over an even number of channels <= {D}")
     perm, sign = list(range(D)), [0.0] * D
     h = rotary_dim // 2
@@ -344,12 +347,12 @@ def check_rope_tables(cos: Tensor, sin: Tensor, perm: Tensor, offset: Tensor, B:
     offsets ``[B]`` (``Rope``), and, with ``partners``, every partner channel lies in the head (a read of the
     partners: callers on a GPU, or that checked these partners before, pass False)."""
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or perm.shape != (D,) or offset.shape != (B,):
-        raise ValueError(f"rope tables must be cos, sin [T, {D}], perm [{D}] and offsets [{B}]; got "
+        raise ArgumentError(f"rope tables must be cos, sin [T, {D}], perm [{D}] and offsets [{B}]; got "
                          f"{list(cos.shape)}, {list(sin.shape)}, {list(perm.shape)}, {list(offset.shape)}")
     if cos.shape[0] == 0:
-        raise ValueError("rope tables: the cos/sin table is empty (no rotary position was captured)")
+        raise ArgumentError("rope tables: the cos/sin table is empty (no rotary position was captured)")
     if partners and not bool(((perm >= 0) & (perm < D)).all()):
-        raise ValueError(f"rope tables: a partner channel outside the head [0, {D}): {perm.tolist()}")
+        raise ArgumentError(f"rope tables: a partner channel outside the head [0, {D}): {perm.tolist()}")
 
 
 def apply_rope(k: Tensor, rope: Rope, positions: Tensor) -> Tensor:
@@ -477,16 +480,16 @@ class KVStore:
     """
 
     def __init__(self, spec: LayerSpec, batch: int, device="cpu", max_tokens: int | None = None,
-                 max_blocks: int | None = None, blocks: int = 0, whole_rows: bool = False):
+                 max_blocks: int | None = None, blocks: int = 0, table_width: int = 0, whole_rows: bool = False):
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-            raise ValueError(f"KVStore batch={batch!r} is not valid: expected a positive integer")
+            raise ArgumentError(f"KVStore batch={batch!r} is not valid: expected a positive integer")
         self.spec, self.device = spec, torch.device(device)
         self.max_tokens, self.max_blocks = max_tokens, max_blocks
         blocks = min(blocks, max_blocks) if max_blocks is not None else blocks
         # the rings and sinks grow with the sequences (``_grow_rows``); ``whole_rows``: allocated whole now (a
         # serving pool, whose budget pays for every slot's window and sinks up front)
         self.state = KVState(*spec.pool(blocks, self.device),
-                             *spec.rows(batch, 0, self.device, tokens=None if whole_rows else 0))
+                             *spec.rows(batch, table_width, self.device, tokens=None if whole_rows else 0))
         self.refs = [0] * blocks
         self.free = list(range(blocks - 1, -1, -1))  # a stack: the lowest ids are handed out first
         self.lengths = [0] * batch                   # host mirror of state.lengths
@@ -626,18 +629,18 @@ class KVStore:
         prefix) and frees it; the store never takes, copies on write or frees a block. Only a block with no
         sequence writing into it may be shared (a complete block, whose tokens are all packed)."""
         if self.used_blocks:
-            raise RuntimeError("KVStore.engine_owns_blocks: the store already holds blocks")
+            raise UnsupportedError("KVStore.engine_owns_blocks: the store already holds blocks")
         self.engine_blocks = True
 
     def set_tables(self, tables: dict[int, list[int]]) -> None:
         """Sequence ``b``'s blocks become ``tables[b]`` (pool block ids, in order; ``engine_owns_blocks``)."""
         if not self.engine_blocks:
-            raise RuntimeError("KVStore.set_tables: the store owns its blocks (see engine_owns_blocks)")
+            raise UnsupportedError("KVStore.set_tables: the store owns its blocks (see engine_owns_blocks)")
         changed = [b for b, t in tables.items() if self.tables[b] != t]
         for b in changed:
             blocks = list(tables[b])
             if blocks and not (0 <= min(blocks) and max(blocks) < self.blocks):
-                raise IndexError(f"KVStore.set_tables: blocks {blocks} outside the pool's {self.blocks}")
+                raise IndexOutOfRange(f"KVStore.set_tables: blocks {blocks} outside the pool's {self.blocks}")
             self.tables[b] = blocks
         if changed:
             self._sync_rows(changed)
@@ -648,9 +651,9 @@ class KVStore:
         no sinks)."""
         sp = self.spec
         if sp.ring or sp.sink:
-            raise RuntimeError(f"KVStore.set_length: {sp.policy} keeps tokens outside the blocks (ring, sinks)")
+            raise UnsupportedError(f"KVStore.set_length: {sp.policy} keeps tokens outside the blocks (ring, sinks)")
         if sp.blocks_for(length) > len(self.tables[b]) or self.lengths[b]:
-            raise RuntimeError(f"KVStore.set_length({b}, {length}): the sequence holds {self.lengths[b]} tokens "
+            raise UnsupportedError(f"KVStore.set_length({b}, {length}): the sequence holds {self.lengths[b]} tokens "
                                f"in {len(self.tables[b])} blocks")
         self.lengths[b] = length
         self.state.lengths[b] = length
@@ -659,7 +662,7 @@ class KVStore:
         """Block ``dst[i]`` becomes a copy of block ``src[i]`` (copy on write; an engine forking a sequence copies
         the blocks it does not share)."""
         if len(src) != len(dst):
-            raise ValueError(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
+            raise ArgumentError(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
         if not src:
             return
         s = torch.tensor(list(src), dtype=torch.long, device=self.device)
@@ -675,7 +678,7 @@ class KVStore:
         free until written: ``nbytes`` counts what the sequences hold, ``reserved_nbytes`` the allocation.
         A store limited to ``max_blocks`` takes no more than that."""
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
-            raise ValueError(f"KVStore.expect tokens={tokens!r} is not valid: expected a whole number of tokens >= 0")
+            raise ArgumentError(f"KVStore.expect tokens={tokens!r} is not valid: expected a whole number of tokens >= 0")
         if self.max_tokens is not None:
             tokens = min(tokens, self.max_tokens)
         need = sum(max(0, self.spec.blocks_for(tokens) - len(t)) for t in self.tables)
@@ -689,7 +692,7 @@ class KVStore:
         the blocks the append will write, and copy any of them that is shared with another sequence."""
         ns = [n_new] * self.batch if isinstance(n_new, int) else [int(x) for x in n_new]
         if len(ns) != self.batch:
-            raise ValueError(f"reserve: {len(ns)} counts for a store of {self.batch} sequences")
+            raise ArgumentError(f"reserve: {len(ns)} counts for a store of {self.batch} sequences")
         sp = self.spec
         self._grow_rows(max((L + n for L, n in zip(self.lengths, ns)), default=0))
         if self.max_tokens is not None:
@@ -724,13 +727,37 @@ class KVStore:
         self.copy_blocks(olds, news)
         self._sync_rows([b for b, *_ in plans])
 
+    def append_rows(self, rows: Tensor, k: Tensor, v: Tensor, kernel=None) -> KVState:
+        """Append ``k, v [R, H, n, D]`` to sequences ``rows`` (``[R]``, ascending) only, the others untouched (a
+        serving engine's group of requests with ``n`` new tokens each): reserve, then store with
+        ``kernel(state, spec, k, v, None)`` (default: ``store_reference``) on the rows' state, which is returned
+        for the attention that reads them (``ops.Backend.attention``): the pool's fields, and the rows' own --
+        views of the store's when ``rows`` are consecutive, else copies whose writes are put back."""
+        n, ids = k.shape[2], rows.tolist()
+        counts = [0] * self.batch
+        for b in ids:
+            counts[b] = n
+        self.reserve(counts)
+        state, own = self.state, len(POOL_FIELDS)
+        if ids == list(range(ids[0], ids[0] + len(ids))):  # in place
+            sub = KVState(*state[:own], *(t[ids[0]:ids[0] + len(ids)] for t in state[own:]))
+            (kernel or store_reference)(sub, self.spec, k, v, None)
+        else:  # gathered, and the rows' written fields put back
+            sub = KVState(*state[:own], *(t.index_select(0, rows) for t in state[own:]))
+            (kernel or store_reference)(sub, self.spec, k, v, None)
+            for t, s in zip(state[own:-1], sub[own:-1]):  # (the table is the store's to write, not the kernel's)
+                t.index_copy_(0, rows, s)
+        for b in ids:
+            self.lengths[b] += n
+        return sub
+
     def append(self, k: Tensor, v: Tensor, n_new: Tensor | None = None, kernel=None) -> None:
         """Append ``k, v [B, H, n, D]`` (row ``b``: its first ``n_new[b]`` tokens): reserve, then store with
         ``kernel(state, spec, k, v, n_new)`` (default: ``store_reference``)."""
         n = k.shape[2]
         ns = [n] * self.batch if n_new is None else [int(x) for x in n_new.tolist()]
         if any(x < 0 or x > n for x in ns):
-            raise ValueError(f"n_new={ns} must be within [0, {n}] for a chunk of {n} tokens")
+            raise ArgumentError(f"n_new={ns} must be within [0, {n}] for a chunk of {n} tokens")
         self.reserve(ns)
         (kernel or store_reference)(self.state, self.spec, k, v, n_new)
         self.lengths = [L + x for L, x in zip(self.lengths, ns)]
@@ -741,7 +768,7 @@ class KVStore:
         ``select``, ``fork`` and ``crop``; 0 after ``reset``. Set before its first write."""
         offsets = [int(x) for x in offsets]
         if len(offsets) != self.batch:
-            raise ValueError(f"set_rope_offsets: {len(offsets)} offsets for a store of {self.batch} sequences")
+            raise ArgumentError(f"set_rope_offsets: {len(offsets)} offsets for a store of {self.batch} sequences")
         if offsets != self.rope_offset:
             self.rope_offset, self._rope_offset_t = offsets, None
 
@@ -777,6 +804,36 @@ class KVStore:
         tb = self.rope_table
         return Rope(tb.cos, tb.sin, tb.perm, self._rope_offset_t)
 
+    def exact_view(self, width: int) -> tuple[Tensor, Tensor]:
+        """Positions ``[0, width)`` of every sequence as ``k, v [B, H, width, D]``, contiguous, in the model's
+        dtype, for an exact layout (``Policy.exact``: every token is in the blocks as the model wrote it): the
+        values written, bit for bit, and zeros past each sequence's length -- what a full-precision cache of
+        ``width`` slots holds (a ``StaticCache``; a ``DynamicCache`` when ``width`` is the length). The
+        model's own attention reads it (``Policy.full()`` keeps the model's arithmetic)."""
+        sp = self.spec
+        if not sp.policy.exact:
+            raise ArgumentError(f"KVStore.exact_view: the layout {sp.name} does not hold the values as written")
+        B, H, D, BS = self.batch, sp.heads, sp.head_dim, sp.block
+        k_pool, v_pool = self.state.k_codes, self.state.v_codes
+        if width == 0 or not k_pool.shape[0]:
+            z = torch.zeros(B, H, width, D, dtype=sp.torch_dtype, device=self.device)
+            return z, z.clone()
+        p = torch.arange(width, device=self.device)
+        table = self.state.table
+        cols = -(-width // BS)
+        if table.shape[1] < cols:  # slots past every sequence's blocks (a static width): nothing written there
+            table = torch.nn.functional.pad(table, (0, cols - table.shape[1]), value=-1)
+        blk = table[:, p // BS].long().clamp(min=0)  # [B, width]; a slot with no block is masked below
+        row = (p % BS).expand(B, width)
+        out = []
+        for pool in (k_pool, v_pool):
+            x = pool.permute(1, 0, 2, 3)[:, blk, row].permute(1, 0, 2, 3).contiguous()  # [B, H, width, D]
+            if min(self.lengths) < width:  # zeros past each length, as a zero-filled static cache holds
+                live = p.view(1, 1, width, 1) < self.state.lengths.view(B, 1, 1, 1)
+                x = torch.where(live, x, torch.zeros((), dtype=x.dtype, device=x.device))
+            out.append(x)
+        return out[0], out[1]
+
     def crop(self, length: int) -> None:
         """Every sequence keeps its first ``length`` tokens (sequences shorter than that are unchanged).
 
@@ -800,7 +857,7 @@ class KVStore:
         sequence writes into a shared one (``reserve`` copies it then). The batch becomes ``len(index)``."""
         idx = torch.as_tensor(index, dtype=torch.long).reshape(-1)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.batch):
-            raise IndexError(f"select: index {idx.tolist()} outside the store's {self.batch} sequences")
+            raise IndexOutOfRange(f"select: index {idx.tolist()} outside the store's {self.batch} sequences")
         ix = idx.tolist()
         tables = [list(self.tables[i]) for i in ix]
         for t in tables:
@@ -818,6 +875,14 @@ class KVStore:
             table = torch.full((len(ix), self.state.table.shape[1]), -1, dtype=torch.int32, device=self.device)
         self.state = KVState(*self.state[:6], *rows, table)
         self._sync_rows()
+
+    def __deepcopy__(self, memo) -> "KVStore":
+        """``copy.deepcopy``: ``copy`` (every tensor cloned), with the cos/sin table copied once for all the stores
+        of a cache that share it (``memo``)."""
+        out = self.copy()
+        memo[id(self)] = out
+        out.rope_table = copy.deepcopy(self.rope_table, memo)
+        return out
 
     @normal_tensors
     def copy(self, device=None) -> "KVStore":
@@ -874,7 +939,7 @@ class KVStore:
         table from now on; an engine hands them out), its ring, sinks and length to row ``b``."""
         n = saved.pool[0].shape[0]
         if len(blocks) < n:
-            raise RuntimeError(f"KVStore.restore: {n} blocks saved, {len(blocks)} given")
+            raise UnsupportedError(f"KVStore.restore: {n} blocks saved, {len(blocks)} given")
         self.clear([b])
         self.tables[b] = list(blocks)
         self._share(self.tables[b])
@@ -932,36 +997,46 @@ def _state_capacity_check(state: KVState, spec: LayerSpec, lengths: Tensor, n_ne
 
 
 # --------------------------------------------------------------------------- rotation
-@functools.lru_cache(maxsize=None)
-def _hadamard_cpu(D: int) -> Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < D:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(D)
-
-
-def hadamard(D: int, device=None, dtype=torch.float32) -> Tensor:
-    """Orthonormal (Sylvester) Hadamard matrix [D, D] (built in float64); symmetric, its own inverse."""
-    return _hadamard_cpu(D).to(device=device, dtype=dtype)
+def rotation_block(D: int) -> int:
+    """Channels one Hadamard block mixes: the largest power of two dividing ``D`` (``D`` itself when it is one;
+    16 for 80 and 112, 32 for 96, 8 for 120). The rotation is block-diagonal: ``D / block`` Sylvester
+    Hadamard blocks along the diagonal, what a fast Walsh-Hadamard transform of log2(block) butterfly stages
+    computes. Each block is orthonormal, so the rotation is exact in full precision and its own inverse."""
+    return D & -D
 
 
 @functools.lru_cache(maxsize=None)
 def _signs_cpu(D: int) -> Tensor:
-    return _hadamard_cpu(D) * math.sqrt(D)  # the +-1 Sylvester matrix, float64
+    """The rotation's +-1 (and 0) matrix [D, D], float64: block-diagonal Sylvester blocks (``rotation_block``)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < rotation_block(D):
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return torch.block_diag(*[h] * (D // h.shape[0]))
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_cpu(D: int) -> Tensor:
+    return _signs_cpu(D) / math.sqrt(rotation_block(D))
+
+
+def hadamard(D: int, device=None, dtype=torch.float32) -> Tensor:
+    """The orthonormal rotation matrix [D, D] (built in float64): block-diagonal Sylvester Hadamard blocks of
+    ``rotation_block(D)`` channels (one block when ``D`` is a power of two); symmetric, its own inverse."""
+    return _hadamard_cpu(D).to(device=device, dtype=dtype)
 
 
 def _rotate(x: Tensor) -> Tensor:
-    """``x @ H`` computed as ``(x @ S) / sqrt(D)`` with ``S`` the +-1 matrix, in float64, rounded once to
-    ``x``'s dtype. Why float64: a float32 ``x @ H`` rounds a row differently depending on what else is in
-    the matmul (1 row vs 2 -- gemv vs gemm -- or the strides of size-1 dimensions), so a KV head stored
-    alone (a tensor-parallel rank's) got other full-precision bits than the same head stored beside
+    """``x @ H`` computed as ``(x @ S) / sqrt(block)`` with ``S`` the +-1 (block-diagonal) matrix, in float64,
+    rounded once to ``x``'s dtype. Why float64: a float32 ``x @ H`` rounds a row differently depending on what
+    else is in the matmul (1 row vs 2 -- gemv vs gemm -- or the strides of size-1 dimensions), so a KV head
+    stored alone (a tensor-parallel rank's) got other full-precision bits than the same head stored beside
     others. In float64 the products are exact and the sums of D <= 256 float32 values are exact unless the
     values' magnitudes span more than 2**21 (and then differ in the last float64 bit at most, which the
     rounding to float32 absorbs but at a tie), so a row's result does not depend on the batch around it.
     Cost: 2x the fp32 matmul for a decode token (14 -> 28 us for 8 heads x 128 on one core), 4x for a
     2,048-token prefill chunk (9 -> 39 ms); rotating policies only."""
     D = x.shape[-1]
-    return Q.saturate((x.double() @ _signs_cpu(D).to(x.device)) * (1 / math.sqrt(D)), x.dtype)
+    return Q.saturate((x.double() @ _signs_cpu(D).to(x.device)) * (1 / math.sqrt(rotation_block(D))), x.dtype)
 
 
 def rotate(x: Tensor, spec: LayerSpec, keys: bool = False) -> Tensor:
@@ -983,7 +1058,7 @@ def check_kv(spec: LayerSpec, k: Tensor, v: Tensor, batch: int) -> None:
     """``k, v`` must be ``[batch, heads, n, head_dim]`` of one shape (the one check every store path makes)."""
     B, H, n, D = k.shape if k.dim() == 4 else (None,) * 4
     if (B, H, D) != (batch, spec.heads, spec.head_dim) or v.shape != k.shape:
-        raise ValueError(f"store expects k, v of shape [{batch}, {spec.heads}, n, {spec.head_dim}]; "
+        raise ArgumentError(f"store expects k, v of shape [{batch}, {spec.heads}, n, {spec.head_dim}]; "
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")
 
 
@@ -1000,7 +1075,7 @@ def store_reference(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new
         n_new = torch.full((B,), n, dtype=torch.int32)
     n_new = n_new.to(torch.int32).cpu()
     if bool(((n_new < 0) | (n_new > n)).any()):
-        raise ValueError(f"n_new={n_new.tolist()} must be within [0, {n}] for a chunk of {n} tokens")
+        raise ArgumentError(f"n_new={n_new.tolist()} must be within [0, {n}] for a chunk of {n} tokens")
     lengths_cpu = state.lengths.cpu()
     _state_capacity_check(state, spec, lengths_cpu, n_new)
     k, v = rotate(k, spec, keys=True), rotate(v, spec)
@@ -1067,7 +1142,7 @@ def _write_quantized(codes, scale, zero, q, x: Tensor, table: list[int], start: 
 def crop_reference(store: "KVStore", length: int) -> None:
     """``KVStore.crop``'s specification (see its docstring): every sequence keeps ``min(L, length)`` tokens."""
     if not isinstance(length, int) or isinstance(length, bool) or length < 0:
-        raise ValueError(f"crop(length={length!r}): expected a number of tokens >= 0")
+        raise ArgumentError(f"crop(length={length!r}): expected a number of tokens >= 0")
     sp, st = store.spec, store.state
     S, W = sp.sink, max(sp.ring, 1)
     rows = []
@@ -1194,13 +1269,13 @@ def stored_chunk(spec: LayerSpec, k_new: Tensor | None, v_new: Tensor | None, n:
 
 def check_chunk(q: Tensor, k_new: Tensor | None, v_new: Tensor | None, spec: LayerSpec) -> None:
     if (k_new is None) != (v_new is None):
-        raise ValueError("attention takes the chunk's keys and values together (k_new and v_new), or neither")
+        raise ArgumentError("attention takes the chunk's keys and values together (k_new and v_new), or neither")
     if k_new is None:
         return
     B, _, n, D = q.shape
     want = (B, spec.heads, n, spec.head_dim)
     if tuple(k_new.shape) != want or tuple(v_new.shape) != want:
-        raise ValueError(f"k_new and v_new must be the {n} queries' own keys and values, of shape {list(want)}; "
+        raise ArgumentError(f"k_new and v_new must be the {n} queries' own keys and values, of shape {list(want)}; "
                          f"got {list(k_new.shape)} and {list(v_new.shape)}")
 
 
@@ -1228,10 +1303,13 @@ def positions(state: KVState, mask: Tensor | None) -> int:
     return int(state.lengths.max()) if state.lengths.numel() else 0
 
 
-def cover(mask: Tensor | None, state: KVState) -> Tensor | None:
+def cover(mask: Tensor | None, state: KVState, longest: int | None = None) -> Tensor | None:
     """``mask`` widened to every position a sequence holds: positions past its width are invisible (what SDPA
-    over ``cache[:, :, :width]`` computes). Kernels take masks at least as wide as the longest sequence."""
-    longest = int(state.lengths.max()) if state.lengths.numel() else 0
+    over ``cache[:, :, :width]`` computes). Kernels take masks at least as wide as the longest sequence.
+    ``longest``: that length, when the caller knows it (``KVStore.lengths``, on the host); else read from
+    ``state``."""
+    if longest is None:
+        longest = int(state.lengths.max()) if state.lengths.numel() else 0
     if mask is None or mask.shape[-1] >= longest:
         return mask
     fill = False if mask.dtype == torch.bool else float("-inf")
@@ -1276,7 +1354,7 @@ def attention_reference(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     B, Hq, n, D = q.shape
     H = spec.heads
     if Hq % H:
-        raise ValueError(f"query heads {Hq} are not a multiple of the cache's kv heads {H}")
+        raise ArgumentError(f"query heads {Hq} are not a multiple of the cache's kv heads {H}")
     check_chunk(q, k_new, v_new, spec)
     mask = cover(mask, state)
     C = positions(state, mask)
@@ -1336,7 +1414,7 @@ class QuantizedKV:
     def __init__(self, policy: Policy, batch: int, heads: int, capacity: int | None = None, head_dim: int = 64,
                  dtype=torch.float32, device="cpu"):
         if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
-            raise ValueError(f"QuantizedKV capacity={capacity!r} is not valid: expected a positive number of "
+            raise ArgumentError(f"QuantizedKV capacity={capacity!r} is not valid: expected a positive number of "
                              f"tokens, or None for no limit")
         self.spec = LayerSpec(policy, heads, head_dim, DTYPE_NAMES[dtype])
         self.store = KVStore(self.spec, batch, device, max_tokens=capacity)

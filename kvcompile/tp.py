@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from .errors import RankError, UnsupportedError
+from .hf import KVCompileCache, KVCompileLayer
+from .store import CapacityError
 
 KEY_PROJECTIONS = ("k_proj", "key_proj", "wk")  # separate key projections (fused qkv: transformers' helper)
 
@@ -282,7 +284,6 @@ class Guard:
 
 
 def _held(cache) -> int:
-    from .hf import KVCompileCache
     if isinstance(cache, KVCompileCache):
         return cache.tokens
     if cache is None:
@@ -296,14 +297,12 @@ def _held(cache) -> int:
 def check_capacity(cache, n: int) -> None:
     """The ``CapacityError`` the store would raise inside the model for ``n`` more tokens, raised before it
     runs (where the ranks can still agree that one of them cannot go on)."""
-    from .hf import KVCompileCache, KVCompileLayer
     if not isinstance(cache, KVCompileCache) or n < 0:
         return
     for layer in cache.layers:
         if isinstance(layer, KVCompileLayer) and layer.is_initialized and layer.limit is not None:
             for b, L in enumerate(layer.store.lengths):
                 if L + n > layer.limit:
-                    from .store import CapacityError
                     raise CapacityError(
                         f"KV cache overflow: sequence {b} holds {L} tokens and appends {n}, but the cache is "
                         f"limited to {layer.limit} tokens. Allow a larger cache (max_cache_len) or shorten the "

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from kvcompile import ops as _ops  # noqa: F401  (registers torch.ops.kvcompile)
-from kvcompile.errors import UnsupportedError
+from kvcompile.errors import KVCompileError, UnsupportedError
 
 counters: Counter = Counter()
 
@@ -852,6 +852,38 @@ def replace_read(gm: GraphModule, site: Site, token: Node) -> Node:
     return att
 
 
+def replace_read_exact(gm: GraphModule, site: Site, token: Node) -> Node:
+    """For an exact layout (``Policy.exact``): the cache tensors, as the read uses them, -> ``kvcompile.exact_view(
+    k_cache, v_cache, token, spec)``, the values written (zeros past each length) in a full-precision tensor of the
+    cache's shape. The read itself -- head replication, slices, the mask, SDPA and its arguments -- stays the
+    graph's own, so the layer computes what the unmodified model computes over a full-precision cache of that
+    width, bit for bit."""
+    g = gm.graph
+    order = _order(gm)
+    early = [u.name for c in (site.k_cache, site.v_cache) for u in c.users
+             if u is not token and not is_shape_query(u) and order[u] < order[token]]
+    if early:  # (the pass accepted the site: its read chains follow both writes, so this is a bug of the pass)
+        raise KVCompileError(f"layer {site.layer}: {', '.join(early)} read the cache before its store")
+    with g.inserting_before(token.next):  # (inserting_after would put each new node before the last one)
+        view = g.call_function(torch.ops.kvcompile.exact_view.default,
+                               (site.k_cache, site.v_cache, token, site.spec_name))
+        k, v = (g.call_function(operator.getitem, (view, i)) for i in (0, 1))
+    for n in (view, k, v):
+        _copy_meta(n, site.read)
+    for cache, full in ((site.k_cache, k), (site.v_cache, v)):
+        ex = _val(cache)
+        if ex is not None:
+            full.meta["example_value"] = ex
+        for u in list(cache.users):
+            if u is not token and u is not view and not is_shape_query(u):
+                u.replace_input_with(cache, full)
+    counters["exact_view"] += 1
+    counters["exact_causal_prefix"] += site.causal_prefix  # (its SDPA over view[:, :, :n] stays, is_causal=True)
+    counters["attention_rewritten"] += 1  # (rewritten: it reads the store; attention_op counts kvcompile's attention)
+    counters[f"gqa_{site.repeat}"] += 1
+    return view
+
+
 def _impure(n: Node) -> bool:
     if n.is_impure():
         return True
@@ -865,7 +897,8 @@ def _impure(n: Node) -> bool:
     return False
 
 
-_KVC_OPS = {torch.ops.kvcompile.store.default, torch.ops.kvcompile.attention.default}
+_KVC_OPS = {torch.ops.kvcompile.store.default, torch.ops.kvcompile.attention.default,
+            torch.ops.kvcompile.exact_view.default}
 
 
 def check_fused(gm: GraphModule, sites: list[Site]) -> None:
@@ -886,9 +919,13 @@ def rewrite(gm: GraphModule, sites: list[Site]) -> GraphModule:
     """Rewrite every site (each must have ``spec_name`` set): writes into a store, reads from it, and caches
     the graph allocates into stand-ins."""
     allocated = {c for s in sites for c in (s.k_cache, s.v_cache) if c.op != "placeholder"}
+    from kvcompile.store import LayerSpec
     for s in sites:
         token = replace_writes(gm, s)
-        replace_read(gm, s, token)
+        if LayerSpec.from_name(s.spec_name).policy.exact:
+            replace_read_exact(gm, s, token)
+        else:
+            replace_read(gm, s, token)
     for c in allocated:
         new = replace_allocation(gm, c)
         for s in sites:  # the sites now name the stand-in

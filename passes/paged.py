@@ -24,6 +24,7 @@ variant) is an error naming what was found: never a graph that would read the st
 """
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from dataclasses import dataclass
 
@@ -207,6 +208,9 @@ def rewrite_site(gm: GraphModule, s: PagedSite) -> None:
         w.replace_all_uses_with(cache)  # index_copy_ returns the pool itself
         g.erase_node(w)
         counters["write_index_copy_"] += 1
+    if getattr(paged_ops.lookup(_example(s.k_cache))[0], "exact", False):
+        _read_exact(g, s, token)
+        return
     with g.inserting_before(s.sdpa):
         q = g.call_method("contiguous", (s.query,))
         att = g.call_function(torch.ops.kvcompile.paged_attention.default,
@@ -217,9 +221,31 @@ def rewrite_site(gm: GraphModule, s: PagedSite) -> None:
     counters["layers_without_read"] += s.k_read is None
 
 
+def _read_exact(g, s: PagedSite, token: Node) -> None:
+    """Every layer exact (``Policy.full()``): the two reads through ``read_index`` -> ``paged_read``, the values
+    transformers' own pool would give; the SDPA (and everything between) stays transformers' own, so the layer
+    computes what transformers' compiled forward computes, bit for bit."""
+    if s.k_read is not None:
+        with g.inserting_before(token.next):
+            pair = g.call_function(torch.ops.kvcompile.paged_read.default,
+                                   (s.k_cache, s.v_cache, token, s.read_index))
+            k, v = (g.call_function(operator.getitem, (pair, i)) for i in (0, 1))
+        for new, old in ((pair, s.k_read), (k, s.k_read), (v, s.v_read)):
+            _copy_meta(new, old)
+        for new, old in ((k, s.k_read), (v, s.v_read)):
+            if "example_value" in old.meta:
+                new.meta["example_value"] = old.meta["example_value"]
+            old.replace_all_uses_with(new)
+            g.erase_node(old)
+        counters["read_index_select"] += 2
+    counters["exact_layers"] += 1
+    counters["layers_without_read"] += s.k_read is None
+
+
 def check_rewritten(gm: GraphModule, caches: dict) -> None:
     """After the rewrite: the stand-ins are used by kvcompile's paged ops (and shape queries) only."""
-    mine = {torch.ops.kvcompile.paged_store.default, torch.ops.kvcompile.paged_attention.default}
+    mine = {torch.ops.kvcompile.paged_store.default, torch.ops.kvcompile.paged_attention.default,
+            torch.ops.kvcompile.paged_read.default}
     for layer, pair in caches.items():
         for n in pair.values():
             left = [f"{u.name} ({_op_name(u)})" for u in n.users

@@ -45,9 +45,33 @@ from kvcompile.store import KVState, LayerSpec, Rope, apply_rope, check_rope_tab
 
 from .common import INTERPRET, SCALE_CODES, run
 from .store import _boundary, _e4m3_value, _kind, as_bytes, nonempty
+from kvcompile.errors import ArgumentError
 
 
 # --------------------------------------------------------------------------- tiles
+_INTERP = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _bf16(x):
+    """fp32 -> bf16 rounded to nearest even, as the GPU converts. Triton's interpreter truncates instead, so
+    there the rounding is done on the bits (NaN stays NaN)."""
+    if _INTERP:
+        b = x.to(tl.int32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return tl.where(x != x, x.to(tl.bfloat16), r)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _dot(a, b, acc):
+    """``tl.dot`` of bf16 tiles with fp32 accumulation. Triton's interpreter multiplies bf16 bit patterns
+    (triton-lang/triton#11584, still so in 3.9), so there the same exact products run on fp32 copies."""
+    if _INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
 @triton.jit
 def _fp8_decode(code, E4M3: tl.constexpr):
     """fp32 value of fp8 bit patterns (int32 in [0, 256)) through an fp16 conversion; for e4m3 the value
@@ -166,7 +190,10 @@ def _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c
     that is not finite makes its row's ``l_i`` NaN (nothing undoes it) and takes no part in the softmax; a
     visible non-finite value makes its channel of ``acc`` NaN; hidden positions never reach ``acc`` (their
     values are zeroed before the product, as 0 * NaN would poison the row)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT) * sm_scale
+    if DOT == "bf16":  # operands rounded to bf16, fp32 accumulation (the tensor cores' fast path)
+        s = _dot(_bf16(q), tl.trans(_bf16(k)), None) * sm_scale
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT) * sm_scale
     vis = row_ok[:, None] & kv_ok[None, :]
     if MASK_KIND == 0:
         vis = vis & (p[None, :] <= qpos[:, None])
@@ -188,12 +215,20 @@ def _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c
     l_i = tl.where(bad, float("nan"), l_i)
     vfin = tl.abs(v) < float("inf")
     if tl.max(tl.max(tl.where(vfin, 0, 1), 1), 0) > 0:  # a NaN or inf value in the tile (rare)
-        hit = tl.dot(vis.to(tl.float32), tl.where(vfin, 0.0, 1.0), input_precision=DOT)  # visible ones, per channel
-        acc = acc * alpha[:, None] + tl.dot(pr, tl.where(vfin, v, 0.0), input_precision=DOT)
+        # visible ones, per channel (0/1 operands: exact in any precision)
+        hit = tl.dot(vis.to(tl.float32), tl.where(vfin, 0.0, 1.0), input_precision="ieee")
+        acc = acc * alpha[:, None] + _pv(pr, tl.where(vfin, v, 0.0), DOT)
         acc = tl.where(hit > 0, float("nan"), acc)
     else:
-        acc = acc * alpha[:, None] + tl.dot(pr, v, input_precision=DOT)
+        acc = acc * alpha[:, None] + _pv(pr, v, DOT)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _pv(p, v, DOT: tl.constexpr):
+    if DOT == "bf16":
+        return _dot(_bf16(p), _bf16(v), None)
+    return tl.dot(p, v, input_precision=DOT)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -218,6 +253,7 @@ def _attn_kernel(
     V_SFMT: tl.constexpr,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr, CHUNK: tl.constexpr, ROPE: tl.constexpr,
+    PDOT: tl.constexpr,
 ):
     """Program (b*H + h, query block, split): rows = BLOCK_Q queries x G heads sharing KV head h.
 
@@ -306,7 +342,7 @@ def _attn_kernel(
         v = _packed_tile(vch + blk * svc_nb, vs + vs0, vz + vs0, idx, kv_ok, svc_t, svs_t,
                          D, DB, BLOCK_N, V_KIND, V_BITS, V_E4M3, V_CHANNEL, V_G, V_SFMT)
         acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c,
-                                     sm_scale, MASK_KIND, DOT)
+                                     sm_scale, MASK_KIND, PDOT)
     if CHUNK:
         kcn = kn + (b.to(tl.int64) * H + h) * n * D
         vcn = vn + (b.to(tl.int64) * H + h) * n * D
@@ -370,12 +406,16 @@ def _merge_kernel(out_ptr, ws_acc, ws_ml, nsplit, NSPLIT_B: tl.constexpr, DB: tl
 @functools.lru_cache(maxsize=None)
 def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, block: int, gqa: int, block_q: int,
                      block_n: int, split: bool, mask_kind: int, dot: str, chunk: bool = False,
-                     rope: bool = False) -> tuple[str, dict]:
+                     rope: bool = False, pdot: str | None = None) -> tuple[str, dict]:
     """The constexprs of one ``_attn_kernel`` specialization, and the key that spells it out (memoised).
     ``block``: packed tokens per block (``LayerSpec.block``), a multiple of ``block_n``. ``rope``: the keys are
-    pre-RoPE, rotated by their positions in the kernel."""
+    pre-RoPE, rotated by their positions in the kernel. ``dot``: operand precision of the full-precision
+    positions' products; ``pdot`` (default ``dot``): of the packed positions' ("bf16": rounded to bf16, fp32
+    accumulation), except where both keys and values are stored in full precision (format "none")."""
+    if pdot is None or not (policy.key.quantized or policy.value.quantized):
+        pdot = dot
     if block % block_n:
-        raise ValueError(f"attention tile of {block_n} tokens does not divide the store's blocks of {block}")
+        raise ArgumentError(f"attention tile of {block_n} tokens does not divide the store's blocks of {block}")
     D = head_dim
     kw = dict(D=D, DB=max(16, triton.next_power_of_2(D)), S=sink, R=policy.residual, F=flush, W=ring, BS=block)
     for pre, q in (("K_", policy.key), ("V_", policy.value)):
@@ -384,10 +424,11 @@ def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, bl
                    pre + "G": q.group_for(D) if q.quantized else 1, pre + "SFMT": SCALE_CODES[q.scale_dtype]})
     gp = triton.next_power_of_2(gqa)
     kw.update(G=gqa, GP=gp, BLOCK_Q=block_q, BLOCK_M=max(16, gp * block_q), BLOCK_N=block_n, SPLIT=split,
-              MASK_KIND=mask_kind, DOT=dot, CHUNK=chunk, ROPE=rope)
+              MASK_KIND=mask_kind, DOT=dot, CHUNK=chunk, ROPE=rope, PDOT=pdot)
     key = (f"attention[k={policy.key.key()};v={policy.value.key()};S={sink};R={policy.residual};F={flush};"
            f"W={ring};BS={block};D={D};gqa={gqa};bq={block_q};bn={block_n};split={int(split)};mask={mask_kind};"
-           f"dot={dot};chunk={int(chunk)}{';rope=1' if rope else ''}]")  # keys without ROPE read as before
+           f"dot={dot};chunk={int(chunk)}{';rope=1' if rope else ''}"
+           f"{'' if pdot == dot else ';pdot=' + pdot}]")  # keys without ROPE or PDOT read as before
     return key, kw
 
 
@@ -443,7 +484,8 @@ def rope_tensors(rope: Rope | None, B: int, D: int, device: torch.device) -> tup
 
 def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float,
                      dot: str, tiles: tuple[int, int, int] | None = None,
-                     chunk: tuple[Tensor, Tensor] | None = None, rope: Rope | None = None) -> Tensor:
+                     chunk: tuple[Tensor, Tensor] | None = None, rope: Rope | None = None,
+                     pdot: str | None = None) -> Tensor:
     """Attention of ``q [B, Hq, n, D]`` (fp32, already rotated) over ``state``; returns fp32 [B, Hq, n, D].
 
     ``chunk``: the queries' own keys and values, fp32 [B, H, n, D] contiguous, as stored (rotated, rounded to
@@ -465,7 +507,7 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
     block_n = min(block_n, spec.block)
     mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
     _, kw = attention_config(spec.policy, D, spec.sink, spec.flush, spec.ring, spec.block, G, block_q, block_n,
-                             nsplit > 1, mask_kind, dot, chunk is not None, rope is not None)
+                             nsplit > 1, mask_kind, dot, chunk is not None, rope is not None, pdot)
     DB = kw["DB"]
     q = q.contiguous()
     dev = q.device
@@ -514,10 +556,12 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
 
 
 # --------------------------------------------------------------------------- what the kernel must equal
+UNIT_ROUNDOFF = {"ieee": 0.0, "tf32": 2.0 ** -11, "bf16": 2.0 ** -8}  # of a dot's operands, per precision
 def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = None,
                         scale: float | None = None, *, nsplit: int, dot: str = "ieee",
                         k_new: Tensor | None = None, v_new: Tensor | None = None,
-                        rope: Rope | None = None) -> tuple[Tensor, Tensor]:
+                        rope: Rope | None = None, decode: bool = False,
+                        pdot: str | None = None) -> tuple[Tensor, Tensor]:
     """float64 attention over the reference's dequantized store (``attention_reference`` in float64), and an
     elementwise bound on ``|launch.attention(...) - it|`` derived from the kernel's fp32 arithmetic.
 
@@ -537,17 +581,35 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
        BLOCK_N-long dot, one rescale-and-add per tile and one per split: relative error gamma_(3N + 2 NSPLIT + 4)
        each (the rescale factors themselves multiply acc and l alike and cancel in acc / l); plus u for the
        division and 2 u_op for tf32 operands of p v. Cross terms are covered by the factor (1 + 2**-10).
-    4. Rotation back (fp32 ``out @ H``): sum_i e_i / sqrt(D) + gamma_D sum_i (|o_i| + e_i) / sqrt(D).
+    4. Rotation back (fp32 ``out @ H``, H block-diagonal in blocks of b = ``rotation_block(D)`` channels, b = D
+       for a power of two): over each output's block, sum_i e_i / sqrt(b) + gamma_b sum_i (|o_i| + e_i) / sqrt(b).
     5. Rounding to q's dtype: + u_t (|o| + e) with u_t = 2**-8 (bf16) or 2**-11 (fp16), plus half the
        subnormal spacing (2**-25 for fp16) where the output is subnormal.
     A query that sees no key must return exactly 0. Where ``attention_reference``'s rule for non-finite values
     makes an output NaN, both the expected value and the bound are NaN (callers compare that pattern).
+
+    ``decode=True``: the kernel that ran is ``templates.decode``'s (``nsplit`` counts its programs per sequence,
+    the full-precision one included). Its full-precision positions are as above; at its packed positions,
+    with ``x = a c + b`` each element (``decode.affine_terms``; ``OFF`` = 128 where integer codes narrower than a
+    byte entered the dots as ``128 + c``) and u_b = 2**-8 (bf16's unit roundoff), steps 1 and 3 become, per
+    element (``_decode_error``):
+
+    - mode TILE keys: the query's rounding to bf16 (computed exactly) times ``|a c|`` (``b sum(q)`` uses the
+      fp32 query), and the tensor cores' fp32 sums of ``|q|(|c| + OFF)``, the ``OFF`` and ``b`` row sums alike
+      (gamma_(4D+16): a margin for accumulation that need not round to nearest);
+    - mode ELEM keys: each element rounded to bf16 after ``fl(fl(a c) + b)`` (u_b |k| + 2u (|a c| + |k|)), the
+      query's rounding times that element, and the same accumulation term;
+    - values, TILE: ``p a`` rounded to bf16 (u_b + 2u, times ``|a c|``), the accumulations of ``p' (c + OFF)``,
+      of ``p'`` and of ``p b`` over the N keys (gamma_(4N + 8 NSPLIT + 16) times ``|a|(|c| + 2 OFF) + |b|``);
+      ELEM: the values and the weights rounded to bf16 (2 u_b + u_b**2 of ``|v|``) and the same accumulation
+      term over ``|a c| + |b| + |v|``. The weights' error of step 2 multiplies ``|v|`` in both (one weight per
+      key multiplies all of a key's terms).
     """
-    from kvcompile.store import dequantize_reference, hadamard, positions, with_chunk
+    from kvcompile.store import dequantize_reference, hadamard, positions, rotation_block, with_chunk
 
     B, Hq, n, D = q.shape
     H, C = spec.heads, positions(state, mask)
-    u, uop = 2.0 ** -24, (2.0 ** -11 if dot == "tf32" else 0.0)
+    u, uop = 2.0 ** -24, UNIT_ROUNDOFF[dot]
 
     def gamma(k):
         return k * u / (1 - k * u)
@@ -586,14 +648,38 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     vis = vis & torch.isfinite(sc)
     sc = sc.masked_fill(~vis, float("-inf"))
     w = torch.softmax(sc, dim=-1).nan_to_num(0.0)
-    term = scale * (gamma(D) + 2 * uop) * (qr.abs() @ k.abs().transpose(-1, -2))
-    E = (torch.where(vis, term, 0).amax(-1) + 6 * u * torch.where(vis, sc.abs(), 0).amax(-1) + 2.0 ** -21)
     N = vis.sum(-1).double()
-    rel = (torch.expm1(2 * E) + gamma(6 * N + 4 * nsplit + 9) + 2 * uop) * (1 + 2.0 ** -10)
-    o = w @ v
-    e = rel.unsqueeze(-1) * (w @ v.abs())
+    if not decode and pdot not in (None, dot) and (spec.policy.key.quantized or spec.policy.value.quantized):
+        # the general kernel with its packed positions' operands in ``pdot``: per position, u_op and the sums
+        # (tensor cores: gamma_4D) of step 1, and 2 u_op of the p v operands in step 3
+        from .decode import packed_positions
+        from kvcompile.store import chunk_needed
+        pk = packed_positions(state, spec, C, n if k_new is not None and chunk_needed(spec, n) else 0)
+        pk = pk.view(B, 1, C, 1).to(q.device)
+        uo = torch.where(pk, UNIT_ROUNDOFF[pdot], uop)
+        kg = torch.where(pk, gamma(4 * D), gamma(4 * D) if uop else gamma(D))
+        term = scale * (qr.abs() @ (k.abs() * (kg + 2 * uo)).transpose(-1, -2))
+        E = (torch.where(vis, term, 0).amax(-1) + 6 * u * torch.where(vis, sc.abs(), 0).amax(-1) + 2.0 ** -21)
+        N = vis.sum(-1).double()
+        o = w @ v
+        e = ((torch.expm1(2 * E) + gamma(6 * N + 4 * nsplit + 9)).unsqueeze(-1) * (w @ v.abs())
+             + w @ (2 * uo * v.abs())) * (1 + 2.0 ** -10)
+    elif not decode:
+        term = scale * (gamma(D) + 2 * uop) * (qr.abs() @ k.abs().transpose(-1, -2))
+        E = (torch.where(vis, term, 0).amax(-1) + 6 * u * torch.where(vis, sc.abs(), 0).amax(-1) + 2.0 ** -21)
+        N = vis.sum(-1).double()
+        rel = (torch.expm1(2 * E) + gamma(6 * N + 4 * nsplit + 9) + 2 * uop) * (1 + 2.0 ** -10)
+        o = w @ v
+        e = rel.unsqueeze(-1) * (w @ v.abs())
+    else:
+        from kvcompile.store import chunk_needed  # the kernel reads the query's own token from the chunk
+        o, e = _decode_error(qr, k, v, w, vis, sc, state, spec, C, nsplit, scale, uop,
+                             int(k_new is not None and chunk_needed(spec, n)))
     if spec.policy.rotate:
-        e = ((e.sum(-1, keepdim=True) + gamma(D) * (o.abs() + e).sum(-1, keepdim=True)) / D ** 0.5).expand_as(o)
+        b = rotation_block(D)
+        eb, ob = e.unflatten(-1, (D // b, b)), o.unflatten(-1, (D // b, b))
+        e = ((eb.sum(-1, keepdim=True) + gamma(b) * (ob.abs() + eb).sum(-1, keepdim=True)) / b ** 0.5)
+        e = e.expand_as(eb).flatten(-2)
         o = o @ Hm
     if q.dtype != torch.float32:
         ut = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[q.dtype]
@@ -605,3 +691,67 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
         nan_at = nan_at.any(-1, keepdim=True).expand_as(nan_at)
     return (o.masked_fill(empty, 0.0).masked_fill(nan_at, float("nan")),
             e.masked_fill(empty, 0.0).masked_fill(nan_at, float("nan")))
+
+
+def _decode_error(qr, k, v, w, vis, sc, state, spec, C, nslots, scale, uop, own):
+    """Steps 1-3 of ``reference_and_bound`` for ``templates.decode``'s kernel: (output, its error bound) before
+    rotation and rounding.
+
+    Scores: per key, ``sum_d dq_d XQ_d + |q_d| XK_d`` (times the scale), ``dq`` the query's rounding (to bf16 at
+    packed positions: computed exactly; ``u_op |q|`` at full-precision ones), ``XQ`` what it multiplies and
+    ``XK`` the element's own rounding and the accumulation. Values: per output channel,
+    ``sum_n w_n (rho X1 + gam X2)``, and ``(e^2E - 1) sum_n w_n |v_n|`` for the weights' error: in mode TILE the
+    kernel sums ``p' c`` and ``p b`` with one ``p`` per key, so that error multiplies ``|v|`` there too."""
+    from .decode import MODE_ELEM, affine_terms, tensor_mode
+
+    u = 2.0 ** -24
+    B, Hq, n, D = qr.shape
+    H = spec.heads
+    N = vis.sum(-1).double()
+
+    def gamma(x):
+        return x * u / (1 - x * u)
+
+    def terms(which, x):
+        """Per element [B, Hq, C, D]: (packed-position mask, |a c|, |a| (|c| + 2 OFF) + |b|, the mode)."""
+        qz = spec.policy.key if which == "k" else spec.policy.value
+        c, a, b, packed = affine_terms(state, spec, which, C, own)
+        c, a, b = (t.repeat_interleave(Hq // H, dim=1).to(x.device) for t in (c, a, b))  # per query head
+        mode = tensor_mode(qz, D, which == "v")
+        off = 128.0 if mode != MODE_ELEM and qz.is_int and qz.bits < 8 else 0.0
+        ac, mag, bb = (a * c).abs(), a.abs() * (c.abs() + 2 * off) + b.abs(), b.abs()
+        # a poisoned group (NaN scale) is NaN only where attention_reference says; elsewhere it weighs nothing
+        ac, mag, bb = (torch.where(torch.isfinite(t), t, 0.0) for t in (ac, mag, bb))
+        return packed.view(B, 1, C, 1).to(x.device), ac, mag, bb, mode
+
+    ka = torch.where(torch.isfinite(k), k, 0.0).abs()
+    pk, ac, mag, bb, mode = terms("k", k)
+    bmax = torch.finfo(torch.bfloat16).max
+    qc = qr.clamp(-bmax, bmax)  # the kernel saturates the query at bf16's largest (exact elsewhere) ...
+    dq = (qc - qc.to(torch.bfloat16).double()).abs() + (qr - qc).abs()  # ... and rounds it to bf16
+    if mode != MODE_ELEM:  # TILE (the b sum(q) term reads the saturated query: |q - qc| times |b| too)
+        xq, xk = ac, gamma(4 * D + 16) * mag
+    else:  # the element rounded to bf16 after fl(fl(a c) + b), and the sums of |qb kb|
+        xq = ka * (1 + 2.0 ** -7) + 2.1 * u * (ac + ka)
+        xk = (2.0 ** -8 + 3 * u) * ka + 2.1 * u * ac + gamma(4 * D + 16) * 1.01 * ka
+    kg = gamma(4 * D) if uop else gamma(D)  # full-precision positions: tensor cores (tf32) or IEEE sums
+    err_k = (torch.where(pk, 0.0, ka) @ (uop * qr.abs()).transpose(-1, -2)).transpose(-1, -2) \
+        + dq @ torch.where(pk, xq, 0.0).transpose(-1, -2) \
+        + qr.abs() @ torch.where(pk, xk, (uop + kg) * ka).transpose(-1, -2)
+    if mode != MODE_ELEM:
+        err_k = err_k + (qr - qc).abs() @ torch.where(pk, bb, 0.0).transpose(-1, -2)
+    E = (torch.where(vis, scale * err_k, 0).amax(-1) + 8 * u * torch.where(vis, sc.abs(), 0).amax(-1)
+         + 2.0 ** -21)
+    pv, ac, mag, _, mode = terms("v", v)
+    va = v.abs()
+    if mode != MODE_ELEM:  # TILE, GROUPS: p' = bf16(fl(p a)); sums of p' (c + OFF), p' and p b over the N keys
+        x1, x2 = (2.0 ** -8 + 2 * u) * ac, mag
+    else:  # p and the element rounded to bf16, and the sums
+        x1, x2 = (2.0 ** -7 + 2.0 ** -15) * va + 2.1 * u * ac, ac + mag + va
+    o = w @ v
+    gp = gamma(4 * N + 8 * nslots + 16).unsqueeze(-1)
+    gf = gamma(6 * N + 4 * nslots + 9).unsqueeze(-1)
+    e = (torch.expm1(2 * E).unsqueeze(-1) * (w @ va) + w @ torch.where(pv, x1, 2 * uop * va)
+         + gp * (w @ torch.where(pv, x2, 0.0)) + gf * (w @ torch.where(pv, 0.0, va))
+         + (gamma(3 * N + 2 * nslots + 6) + 2 * u).unsqueeze(-1) * (w @ va)) * (1 + 2.0 ** -10)
+    return o, e

@@ -11,6 +11,7 @@ import functools
 import os
 
 import torch
+from kvcompile.errors import ArgumentTypeError, UnsupportedError
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -45,7 +46,7 @@ def check_interpreter(version: str | None = None) -> None:
     found = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
     if found < INTERPRETER_MIN:
         want = ".".join(map(str, INTERPRETER_MIN))
-        raise RuntimeError(
+        raise UnsupportedError(
             f"TRITON_INTERPRET=1 with Triton {version}: its interpreter cannot run kvcompile's kernels (a scalar "
             f"loaded from memory arrives as a one-element array, which loop bounds reject); Triton >= {want} is "
             f"needed to run them on the CPU. Upgrade Triton (pip install 'triton>={want}'), use kvcompile's C "
@@ -100,7 +101,7 @@ def _signature(kernel, args: dict):
         elif isinstance(value, float):
             sig[name] = "fp32"
         else:
-            raise TypeError(f"{kernel.__name__}: cannot type argument {name}={value!r}")
+            raise ArgumentTypeError(f"{kernel.__name__}: cannot type argument {name}={value!r}")
     return sig, constexprs, attrs
 
 

@@ -2,8 +2,9 @@
 
 Triton's CPU path here is an interpreter, so on the CPU kvcompile generates C instead: the template is
 compiled once per layout (``-D`` definitions spell the layout out: formats, axes, groups, head_dim, regions;
-the head counts are arguments), with ``-O3 -march=native -fopenmp``, cached on disk under
-``~/.cache/kvcompile/cpu`` (``KVCOMPILE_CACHE_DIR`` moves it) keyed by the source, the flags, the compiler and
+the head counts are arguments), with ``-O3 -march=native -fopenmp``, cached on disk in the ``cpu`` folder of
+kvcompile's cache folder (``~/.cache/kvcompile/cpu``; ``KVCOMPILE_CACHE_DIR`` moves it: ``kvcompile.cachedir``)
+keyed by the source, the flags, the compiler and
 the CPU's features, and called through ctypes. Building one layout's decode kernel takes a few seconds (the
 store kernel, under one); a process that finds it on disk loads it at once.
 
@@ -32,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvcompile import cachedir
 from kvcompile import quant as Q
-from kvcompile.errors import CacheDirError, CompilerError
+from kvcompile.errors import ArgumentError, CacheDirError, CompilerError
 from kvcompile.store import (KVState, LayerSpec, Rope, apply_rope, check_rope_tables, chunk_needed,
                              dequantize_reference, hadamard, row_widths, stored_chunk, with_chunk)
 
@@ -86,13 +88,9 @@ def defines(spec: LayerSpec) -> dict[str, int]:
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels are kept: ``$KVCOMPILE_CACHE_DIR/cpu``, else ``~/.cache/kvcompile/cpu``."""
-    return Path(os.environ.get("KVCOMPILE_CACHE_DIR", Path.home() / ".cache" / "kvcompile")) / "cpu"
-
-
-def _named() -> str:
-    env = os.environ.get("KVCOMPILE_CACHE_DIR")
-    return f"KVCOMPILE_CACHE_DIR={env}" if env else "the default: KVCOMPILE_CACHE_DIR is not set"
+    """Where compiled kernels are kept: the ``cpu`` folder of kvcompile's cache folder (``kvcompile.cachedir``:
+    ``$KVCOMPILE_CACHE_DIR/cpu``, else ``$XDG_CACHE_HOME/kvcompile/cpu``, else ``~/.cache/kvcompile/cpu``)."""
+    return cachedir.root() / "cpu"
 
 
 def private_cache_dir() -> Path:
@@ -105,7 +103,7 @@ def private_cache_dir() -> Path:
     against corruption and truncation, not against planting.) Raises ``CacheDirError`` saying what was found
     and what to do."""
     d = cache_dir()
-    named = _named()
+    named = cachedir.named()
     redirect = "set KVCOMPILE_CACHE_DIR to a directory of your own (it is created, private to you, if missing)"
     try:
         for p in reversed([d, *d.parents]):
@@ -233,7 +231,7 @@ def _build(cc: str, path_src: Path, dflags: list, path: Path) -> None:
     try:
         tmp_dir = tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-")
     except OSError as e:
-        raise CacheDirError(f"kvcompile cannot write to its kernel cache directory {path.parent} ({_named()}): "
+        raise CacheDirError(f"kvcompile cannot write to its kernel cache directory {path.parent} ({cachedir.named()}): "
                             f"{e.strerror or e}. Make it writable, or set KVCOMPILE_CACHE_DIR to a directory of "
                             f"your own.") from None
     with tmp_dir as tmp:
@@ -251,7 +249,7 @@ def _build(cc: str, path_src: Path, dflags: list, path: Path) -> None:
             except OSError as e:  # something that is not a file is at that name (a directory): said, not raw
                 what = "a directory is there" if os.path.isdir(dst) else (e.strerror or str(e))
                 raise CacheDirError(f"kvcompile cannot write the CPU kernel {dst} into its cache directory "
-                                    f"({_named()}): {what}. Remove {dst}, or set KVCOMPILE_CACHE_DIR to a "
+                                    f"({cachedir.named()}): {what}. Remove {dst}, or set KVCOMPILE_CACHE_DIR to a "
                                     f"directory of your own.") from None
 
 
@@ -263,9 +261,9 @@ def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
     fn = lib.kvc_attention
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     compact = hasattr(lib, "kvc_rope_compact")  # older copies (benchmarks' "before") lack the compact table
-    lib.row_strides = hasattr(lib, "kvc_row_strides")  # and the rows' widths (they take whole rows)
+    lib.row_strides = hasattr(lib, "kvc_row_strides")  # and the rows' widths (older copies take whole rows)
     fn.argtypes = ([P] * 12 + [P, I, I] + [I, I] * lib.row_strides + [P, I, I, I, I, P, I, I, I, I, F, I, I, P, P]
-                   + [P, P, I, P, P] + [P, I] * compact)
+                   + [P, P, I, P, P] + [P, I] * compact + [ctypes.POINTER(I)])  # (older copies ignore the pool strides)
     fn.restype = I
     if compact:
         lib.kvc_rope_width.argtypes = [P]
@@ -320,6 +318,27 @@ def _ptr(t: Tensor) -> int | None:
     return t.data_ptr() if t.numel() else None
 
 
+def pool_strides(state: KVState, what: str = "the CPU kernels") -> ctypes.Array:
+    """The kernels' ``pool_sb``: bytes from one block to the next in each pool field (``k_codes .. v_zero``), after
+    checking the layout they read. A field is ``[NB, H, rows, X]`` whose blocks may lie any distance apart (a pool
+    of its own, ``LayerSpec.pool``, or one field of a serving engine's pages, ``kvcompile.pages``) but whose every
+    block is dense (``[H, rows, X]`` contiguous); the per-sequence tensors (rings, sinks, lengths, table) are
+    contiguous. A ``ValueError`` naming the field otherwise."""
+    out = (ctypes.c_int64 * 6)()
+    for i, (name, t) in enumerate(zip(KVState._fields[:6], state[:6])):
+        if not t.numel():
+            continue
+        if t.dim() != 4 or t.stride()[1:] != (t.shape[2] * t.shape[3], t.shape[3], 1):
+            raise ArgumentError(f"{what} read {name} as [blocks, heads, rows, X] with each block dense; got shape "
+                             f"{list(t.shape)} with strides {list(t.stride())} (as LayerSpec.pool or "
+                             f"kvcompile.pages.PageLayout.views make it)")
+        out[i] = t.stride(0) * t.element_size()
+    for name, t in zip(KVState._fields[6:], state[6:]):
+        if not t.is_contiguous():
+            raise ArgumentError(f"{what} need a contiguous {name} (as KVStore or LayerSpec.allocate makes it)")
+    return out
+
+
 # ---- how many threads the kernels may use now
 #
 # A kernel's OpenMP team finishes when its slowest thread does. When other processes keep the cores busy, a
@@ -338,7 +357,7 @@ def _threads_from_env() -> int | None:
     if env in ("", "auto"):
         return None
     if not env.isdigit() or int(env) < 1:
-        raise ValueError(f"KVCOMPILE_THREADS={env!r}: expected a whole number of threads >= 1, or 'auto' (the "
+        raise ArgumentError(f"KVCOMPILE_THREADS={env!r}: expected a whole number of threads >= 1, or 'auto' (the "
                          f"default: as many as the cores other processes leave free); unset it or set one of those")
     return int(env)
 
@@ -473,7 +492,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     source: the C template (a benchmark passes edited copies of it)."""
     why = check_decode(q, spec)
     if why:
-        raise ValueError(f"the CPU decode kernel cannot take this call: {why}")
+        raise ArgumentError(f"the CPU decode kernel cannot take this call: {why}")
     B, Hq, n, D = q.shape
     G = Hq // spec.heads
     lib = _kernel_for(spec, source)
@@ -481,12 +500,10 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     if spec.policy.rotates_keys:
         qf = qf @ hadamard(D, q.device)
     qf = qf.contiguous()
-    for t in state:
-        if not t.is_contiguous():
-            raise ValueError("the CPU kernels need a contiguous store (as KVStore or LayerSpec.allocate makes it)")
+    sb = pool_strides(state)
     table = state.table
     if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != B:
-        raise ValueError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} {list(table.shape)}")
+        raise ArgumentError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} {list(table.shape)}")
     m = None
     msb = msh = msi = mw = 0
     if mask is not None:
@@ -499,7 +516,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
         while mk.dim() < 4:
             mk = mk.unsqueeze(0)
         if mk.shape[-2] not in (1, n):
-            raise ValueError(f"mask of shape {tuple(mask.shape)} does not match {n} query tokens")
+            raise ArgumentError(f"mask of shape {tuple(mask.shape)} does not match {n} query tokens")
         m = mk.expand(B, Hq, n, mk.shape[-1])
         msb, msh, msi = (m.stride(0), m.stride(1), m.stride(2))
         if m.stride(3) != 1:
@@ -513,8 +530,8 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     ra = None if rope is None else _rope_args(rope, B, D)
     widths = row_widths(state, spec)
     if not lib.row_strides and widths != (spec.ring, spec.sink):
-        raise ValueError(f"this copy of the CPU decode kernel ({source}) takes rings and sinks allocated whole; "
-                         f"the store's have grown to {widths} of {(spec.ring, spec.sink)}")
+        raise UnsupportedError(f"this copy of the CPU decode kernel ({source}) takes rings and sinks allocated "
+                               f"whole; the store's have grown to {widths} of {(spec.ring, spec.sink)}")
     bad = lib.kvc_attention(
         qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(),
         _ptr(table), table.shape[1], state.k_codes.shape[0], *(widths if lib.row_strides else ()),
@@ -522,10 +539,10 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
         out.data_ptr(), B, spec.heads, G, n, float(scale if scale is not None else D ** -0.5),
         nsplit or splits(state.lengths, 1 if rope is not None else spec.heads, threads), threads,
         None if kn is None else kn.data_ptr(), None if vn is None else vn.data_ptr(),
-        *_rope_ptrs(lib, ra))
+        *_rope_ptrs(lib, ra), sb)
     if bad:
         b = bad - 1
-        raise ValueError(f"the block table of sequence {b} ({int(state.lengths[b])} tokens) does not name a block of "
+        raise ArgumentError(f"the block table of sequence {b} ({int(state.lengths[b])} tokens) does not name a block of "
                          f"the pool ({state.k_codes.shape[0]} blocks) for each of its "
                          f"{spec.blocks_for(int(state.lengths[b]))} packed blocks: {table[b].tolist()}")
     if pol.rotate:
@@ -633,7 +650,7 @@ def rope_rows(k: Tensor, spec: LayerSpec, rope: Rope, p0: int = 0, b: int = 0, s
     lib = _kernel_for(spec, source)
     kf = k.float().contiguous()
     if kf.dim() != 2 or kf.shape[1] != D:
-        raise ValueError(f"rope_rows: expected key rows [N, {D}], got {list(k.shape)}")
+        raise ArgumentError(f"rope_rows: expected key rows [N, {D}], got {list(k.shape)}")
     ra = _rope_args(rope, rope.offset.numel(), D)
     cos, sin, T, perm, _, *cc = _rope_ptrs(lib, ra, compact)
     out = torch.empty_like(kf)
@@ -649,7 +666,7 @@ def dequant_keys(state: KVState, spec: LayerSpec, block: int, head: int, natural
     lib = _kernel_for(spec, source)
     pool = [t[block, head] if t.numel() else t for t in (state.k_codes, state.k_scale, state.k_zero)]
     if not all(t.is_contiguous() for t in pool):
-        raise ValueError("dequant_keys: the store's keys must be contiguous")
+        raise ArgumentError("dequant_keys: the store's keys must be contiguous")
     out = torch.empty(BS, D)
     lib.kvc_dequant_keys(*[_ptr(t) for t in pool], 0, BS, int(natural), out.data_ptr())
     return out
@@ -665,7 +682,7 @@ def rope_keys(state: KVState, spec: LayerSpec, block: int, head: int, rope: Rope
     lib = _kernel_for(spec, source)
     pool = [t[block, head] if t.numel() else t for t in (state.k_codes, state.k_scale, state.k_zero)]
     if not all(t.is_contiguous() for t in pool):
-        raise ValueError("rope_keys: the store's keys must be contiguous")
+        raise ArgumentError("rope_keys: the store's keys must be contiguous")
     ra = _rope_args(rope, rope.offset.numel(), D)
     cos, sin, T, perm, _, *cc = _rope_ptrs(lib, ra, compact)
     out = torch.empty(BS, D)
@@ -718,7 +735,7 @@ def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor |
     B, Hq, n, D = q.shape
     H = spec.heads
     if Hq % H:
-        raise ValueError(f"query heads {Hq} are not a multiple of the cache's kv heads {H}")
+        raise ArgumentError(f"query heads {Hq} are not a multiple of the cache's kv heads {H}")
     lengths = state.lengths.to(torch.int64)
     Lmax = int(lengths.max()) if B else 0
     qf = q.float()

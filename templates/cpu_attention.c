@@ -662,21 +662,28 @@ static inline void gather_model(const void *base, const int64_t *rows, int nt, f
 #define K_SBYTES (K_SFMT == 1 ? 4 : (K_SFMT == 2 ? 1 : 2)) /* per scale, and per zero point */
 #define V_SBYTES (V_SFMT == 1 ? 4 : (V_SFMT == 2 ? 1 : 2))
 
-/* Prefetch the bytes one tile of rows [r0, r0 + nt) of (block, head) kb reads: codes, scales, zero points. */
+/* Prefetch the bytes one tile of rows [r0, r0 + nt) of one (block, head) reads: codes, scales, zero points
+ * (codes, scale, zero: that (block, head)'s first byte of each). */
 static inline __attribute__((always_inline)) void prefetch_tile(
-        int fmt, int bits, int axis, int group, int sbytes, const uint8_t *codes, const void *scale,
-        const void *zero, int64_t kb, int64_t r0, int nt) {
+        int fmt, int bits, int axis, int group, int sbytes, const char *codes, const char *scale,
+        const char *zero, int64_t r0, int nt) {
     const int64_t rb = fmt == 0 ? D * (MODEL_T == 0 ? 4 : 2) : D * bits / 8;
-    const char *c = (const char *)codes + (kb * BS + r0) * rb;
+    const char *c = codes + r0 * rb;
     for (int64_t o = 0; o < nt * rb; o += 64) __builtin_prefetch(c + o, 0, 3);
     if (fmt == 0) return;
     const int64_t per_row = axis == 1 ? D : D / group;             /* scales per scale row */
-    const int64_t rows = axis == 1 ? BS / group : BS;               /* scale rows per (block, head) */
     const int64_t s0 = axis == 1 ? r0 / group : r0, ns = axis == 1 ? (nt + group - 1) / group : nt;
-    const int64_t off = (kb * rows + s0) * per_row * sbytes, len = ns * per_row * sbytes;
-    for (int64_t o = 0; o < len; o += 64) __builtin_prefetch((const char *)scale + off + o, 0, 3);
+    const int64_t off = s0 * per_row * sbytes, len = ns * per_row * sbytes;
+    for (int64_t o = 0; o < len; o += 64) __builtin_prefetch(scale + off + o, 0, 3);
     if (fmt == 1)
-        for (int64_t o = 0; o < len; o += 64) __builtin_prefetch((const char *)zero + off + o, 0, 3);
+        for (int64_t o = 0; o < len; o += 64) __builtin_prefetch(zero + off + o, 0, 3);
+}
+
+/* The first byte of (block blk, head h) in a pool field whose blocks lie sb bytes apart, each [H, rows, ...]
+ * with a head's part per_head bytes long: pools of their own (sb = H * per_head) or fields of one engine's
+ * pages (sb = the page's bytes). */
+static inline const char *at_block(const void *base, int64_t sb, int64_t blk, int64_t h, int64_t per_head) {
+    return (const char *)base + blk * sb + h * per_head;
 }
 
 typedef struct {
@@ -815,7 +822,8 @@ int64_t kvc_attention(
         const float *k_new, const float *v_new, /* [B, H, n, D] fp32 as stored (rotated, model dtype), or NULL */
         const float *rope_cos, const float *rope_sin, int64_t rope_T, /* pre-RoPE keys: [T, D] each, or NULL */
         const int32_t *rope_perm, const int32_t *rope_off,              /* [D] partner channels, [B] offsets */
-        const float *rope_cc, int64_t rope_Tc) { /* the compact table [Tc, rd] of rows 0 .. Tc - 1, or NULL, 0 */
+        const float *rope_cc, int64_t rope_Tc, /* the compact table [Tc, rd] of rows 0 .. Tc - 1, or NULL, 0 */
+        const int64_t *pool_sb) { /* bytes from one block to the next in k_codes, k_scale, k_zero, v_*: [6] */
     /* ns: splits of each (sequence, kv head)'s positions, merged at the end (templates/cpu.py chooses). A task
      * is one split of one kv head; with pre-RoPE keys, one split of every kv head, walked tile by tile with the
      * heads inside, so that a tile's cos/sin rows (shared by the heads; compact: half as many bytes per position
@@ -898,33 +906,41 @@ int64_t kvc_attention(
                         bad = 1 + b;
                         continue;
                     }
-                    const int64_t kb = blk * H + h; /* (block, head) */
+                    /* (block, head)'s bytes in each field; the fields' blocks lie pool_sb[f] bytes apart */
+                    const char *kc = at_block(k_codes, pool_sb[0], blk, h, BS * K_ROW_BYTES);
+                    const char *ks = at_block(k_scale, pool_sb[1], blk, h, K_NSCALE * K_SBYTES);
+                    const char *kz = K_FMT == 1 ? at_block(k_zero, pool_sb[2], blk, h, K_NSCALE * K_SBYTES) : k_zero;
+                    const char *vc = at_block(v_codes, pool_sb[3], blk, h, BS * V_ROW_BYTES);
+                    const char *vs = at_block(v_scale, pool_sb[4], blk, h, V_NSCALE * V_SBYTES);
+                    const char *vz = V_FMT == 1 ? at_block(v_zero, pool_sb[5], blk, h, V_NSCALE * V_SBYTES) : v_zero;
                     /* the same rows of the next block, one block ahead: no hardware prefetcher follows the jump */
                     const int64_t nxt = p0 + BS < p_end && slot + 1 < mb ? table[b * mb + slot + 1] : -1;
                     if (nxt >= 0 && nxt < nb) {
                         const int nn = p_end - (p0 + BS) < PT ? p_end - (p0 + BS) : PT;
-                        prefetch_tile(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SBYTES, k_codes, k_scale, k_zero, nxt * H + h,
+                        prefetch_tile(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SBYTES,
+                                      at_block(k_codes, pool_sb[0], nxt, h, BS * K_ROW_BYTES),
+                                      at_block(k_scale, pool_sb[1], nxt, h, K_NSCALE * K_SBYTES),
+                                      K_FMT == 1 ? at_block(k_zero, pool_sb[2], nxt, h, K_NSCALE * K_SBYTES) : k_zero,
                                       r0, nn);
-                        prefetch_tile(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SBYTES, v_codes, v_scale, v_zero, nxt * H + h,
+                        prefetch_tile(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SBYTES,
+                                      at_block(v_codes, pool_sb[3], nxt, h, BS * V_ROW_BYTES),
+                                      at_block(v_scale, pool_sb[4], nxt, h, V_NSCALE * V_SBYTES),
+                                      V_FMT == 1 ? at_block(v_zero, pool_sb[5], nxt, h, V_NSCALE * V_SBYTES) : v_zero,
                                       r0, nn);
                     }
                     /* pre-RoPE keys in natural order, rotated (as each row is dequantized where the wide natural
                      * path and an in-place form allow, unless the queries' own chunk replaces rows below), else in
                      * plane order */
-                    const uint8_t *kc = k_codes + kb * BS * K_ROW_BYTES;
-                    const char *ks = (const char *)k_scale + kb * K_NSCALE * K_SBYTES;
-                    const char *kz = (const char *)k_zero + (K_FMT == 1 ? kb * K_NSCALE * K_SBYTES : 0);
                     const int fused = NAT_WIDE(K_FMT, K_BITS, K_AXIS, K_GROUP) && rope_cos && rope.rd &&
                                       !(k_new && p0 + nt > L - n);
                     if (fused)
-                        dequant_nat_wide(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, kc, ks, kz, r0, nt, kt, &rope, p0);
+                        dequant_nat_wide(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, (const uint8_t *)kc, ks, kz, r0, nt,
+                                         kt, &rope, p0);
                     else if (rope_cos)
-                        dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, kc, ks, kz, r0, nt, kt, 1);
+                        dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, (const uint8_t *)kc, ks, kz, r0, nt, kt, 1);
                     else
-                        dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, kc, ks, kz, r0, nt, kt, 0);
-                    dequant_packed(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SFMT, v_codes + kb * BS * V_ROW_BYTES,
-                                   (const char *)v_scale + kb * V_NSCALE * V_SBYTES,
-                                   (const char *)v_zero + (V_FMT == 1 ? kb * V_NSCALE * V_SBYTES : 0), r0, nt, vt, 0);
+                        dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, (const uint8_t *)kc, ks, kz, r0, nt, kt, 0);
+                    dequant_packed(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SFMT, (const uint8_t *)vc, vs, vz, r0, nt, vt, 0);
                     if (k_new) /* the queries' own chunk, in full precision where it is already packed */
                         for (int t = 0; t < nt; t++) {
                             const int64_t j = p0 + t - (L - n);

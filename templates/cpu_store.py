@@ -22,7 +22,8 @@ from torch import Tensor
 from kvcompile import quant as Q
 from kvcompile.store import KVState, LayerSpec, _state_capacity_check, check_kv, rotate, row_widths
 
-from .cpu import available_threads, compile_template, defines
+from .cpu import available_threads, compile_template, defines, pool_strides
+from kvcompile.errors import ArgumentError, IndexOutOfRange
 
 SOURCE = "cpu_store.c"
 _BY_ID: dict[int, tuple] = {}  # id(spec) -> (spec, kernel); the spec is held, so its id is not reused
@@ -41,7 +42,7 @@ def build(spec: LayerSpec):
     lib = compile_template(SOURCE, key(spec))
     fn = lib.kvc_store
     P, I = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [P, P] + [I] * 6 + [P] * 13 + [I] * 7
+    fn.argtypes = [P, P] + [I] * 6 + [P] * 13 + [I] * 5 + [ctypes.POINTER(I), I, I]
     fn.restype = I
     for name in ("kvc_round_f16", "kvc_fp8_encode"):  # the numerics helpers (tests)
         getattr(lib, name).argtypes = [P, P, I, I]
@@ -60,13 +61,13 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
 
     ``n_new`` (int [B], optional): row ``b`` appends only its first ``n_new[b]`` tokens (ragged batches).
     Every block the append writes must be reserved in ``state.table`` (``KVStore.reserve``), else
-    ``CapacityError`` and nothing is written. All tensors on the CPU and contiguous (as ``KVStore`` and
-    ``LayerSpec.allocate`` make them).
+    ``CapacityError`` and nothing is written. All tensors on the CPU; the pool fields' blocks each dense, at any
+    distance apart (``cpu.pool_strides``: pools of their own, or views of an engine's pages), the rest contiguous.
     """
     check_kv(spec, k, v, state.lengths.shape[0])
     B, H, n, D = k.shape
     if k.device.type != "cpu" or v.device.type != "cpu" or state.lengths.device.type != "cpu":
-        raise ValueError("the CPU store kernel takes CPU tensors")
+        raise ArgumentError("the CPU store kernel takes CPU tensors")
     fn = build(spec)
     if spec.policy.rotate:
         k, v = rotate(k, spec, keys=True), rotate(v, spec)
@@ -79,26 +80,25 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
         k = k.contiguous()
     if v.stride(3) != 1 and n:
         v = v.contiguous()
-    for t in state:
-        if not t.is_contiguous():
-            raise ValueError("the CPU store kernel needs a contiguous store (as KVStore or LayerSpec.allocate "
-                             "makes it)")
+    sb = pool_strides(state, "the CPU store kernel")
     table = state.table
     if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != B:
-        raise ValueError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} "
+        raise ArgumentError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} "
                          f"{list(table.shape)}")
     nn = None
     if n_new is not None:
         nn = n_new.to(device="cpu", dtype=torch.int32).contiguous()
     ks, vs = k.stride(), v.stride()
+    # the rows' widths, checked to reach every position written (an n_new outside [0, n] is the kernel's to report)
+    widths = row_widths(state, spec, n if nn is None else nn.clamp(0, n))
     rc = fn(_ptr(k), _ptr(v), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
             *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(), _ptr(table),
             None if nn is None else nn.data_ptr(), B, n, table.shape[1], state.k_codes.shape[0],
-            available_threads(), *row_widths(state, spec, nn if nn is not None else n))
+            available_threads(), sb, *widths)
     if rc > B:
         b = rc - 1 - B
         bad = [x for x in table[b].tolist() if x >= state.k_codes.shape[0]]
-        raise IndexError(f"the block table of sequence {b} names block {bad[0]}, but the pool holds "
+        raise IndexOutOfRange(f"the block table of sequence {b} names block {bad[0]}, but the pool holds "
                          f"{state.k_codes.shape[0]} blocks")
     if rc > 0:
         _state_capacity_check(state, spec, state.lengths,
@@ -107,4 +107,4 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
                              f"reference check does not see")
     if rc < 0:
         b = -1 - rc
-        raise ValueError(f"n_new[{b}]={int(nn[b])} is outside [0, {n}]: a row appends at most the chunk's {n} tokens")
+        raise ArgumentError(f"n_new[{b}]={int(nn[b])} is outside [0, {n}]: a row appends at most the chunk's {n} tokens")

@@ -17,42 +17,67 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from kvcompile import quant as Q
+from kvcompile.errors import ArgumentError
 from kvcompile.store import (CapacityError, KVState, LayerSpec, Rope, _state_capacity_check, check_chunk, check_kv,
                              hadamard, rotate, row_widths, stored_chunk)
 
 from . import attention as _attention
+from . import common as _common
+from . import decode as _decode
 from . import store as _store
+from kvcompile.errors import ArgumentError, ArgumentTypeError, Unimplemented
 
 MAX_HEAD_DIM = 256  # one head is a single tile in registers
 UNRESERVED = ("kvcompile KV cache overflow: an append writes packed tokens into a block that is not reserved in "
               "its sequence's block table (state.table: -1, past the table, or not in the pool). Reserve the "
               "blocks first (KVStore.reserve; KVStore.append does), or allocate a larger store.")
+# The same, for ``torch._assert_async`` on CUDA, which refuses messages of 255 characters or more ("Message
+# length must be smaller than 255": every GPU store raised that on the first H200 run, 2026-12-04).
+UNRESERVED_DEVICE = ("kvcompile KV cache overflow: an append wrote into a block its sequence's table does not "
+                     "reserve. Reserve blocks first (KVStore.reserve), or allocate a larger store.")
 
 
 def check_supported(spec: LayerSpec) -> None:
     """Raise for a layout the Triton kernels do not implement (never fall back silently)."""
     if spec.head_dim > MAX_HEAD_DIM:
-        raise NotImplementedError(
+        raise Unimplemented(
             f"kvcompile's Triton kernels hold one head in registers and support head_dim <= {MAX_HEAD_DIM}; "
             f"policy {spec.policy.key_str()} was applied to head_dim={spec.head_dim}. Use the reference "
             f"kernels for this layer (kvcompile.ops.set_kernels('reference'))."
         )
 
 
+def check_devices(state: KVState, **tensors: Tensor | None) -> None:
+    """Every tensor a kernel reads must be on the store's device (``state.lengths``'s), and that device one the
+    kernels run on: CUDA, or the CPU under Triton's interpreter (or ``common.compile_only``). A tensor elsewhere
+    fails here with its name, not inside Triton ("Pointer argument cannot be accessed from Triton")."""
+    dev = state.lengths.device
+    named = [(f"state.{f}", t) for f, t in zip(state._fields, state)] + list(tensors.items())
+    for name, t in named:
+        if t is not None and t.device != dev:
+            raise ArgumentError(f"kvcompile's Triton kernels read every tensor on one device: {name} is on "
+                                f"{t.device}, the store on {dev}. Move it there (.to({str(dev)!r})).")
+    if dev.type != "cuda" and not _common.INTERPRET and _common._compiler is None:
+        raise ArgumentError(f"kvcompile's Triton kernels run on CUDA tensors; this store is on {dev}. Use the C "
+                            f"kernels there (kvcompile.ops.set_kernels('cpu')), or TRITON_INTERPRET=1 for Triton's "
+                            f"interpreter.")
+
+
 def _check_state(state: KVState, spec: LayerSpec) -> None:
     """The kernels index the last dimension with unit stride and everything else through strides."""
     for name, t in zip(state._fields, state):
         if t.numel() and t.dim() > 1 and t.stride(-1) != 1:
-            raise ValueError(f"kvcompile store tensor {name} of layout {spec.name} has stride {t.stride()}: the "
+            raise ArgumentError(f"kvcompile store tensor {name} of layout {spec.name} has stride {t.stride()}: the "
                              f"Triton kernels need a unit stride along the last dimension (use spec.allocate()).")
     B, table = state.lengths.shape[0], state.table
     if table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != B:
-        raise ValueError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} "
+        raise ArgumentError(f"the store's block table must be int32 [{B}, blocks]; got {table.dtype} "
                          f"{list(table.shape)}")
 
 
@@ -73,9 +98,10 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
     host = dev.type == "cpu" and state.table.device.type == "cpu"
     if host:  # the reference's checks, where reading lengths and the table costs no device sync
         if bool(((n_new < 0) | (n_new > n)).any()):
-            raise ValueError(f"n_new={n_new.tolist()} must be within [0, {n}] for a chunk of {n} tokens")
+            raise ArgumentError(f"n_new={n_new.tolist()} must be within [0, {n}] for a chunk of {n} tokens")
         _state_capacity_check(state, spec, state.lengths, n_new)
         row_widths(state, spec, n_new)  # the rings and sinks reach every position written (a grown store's)
+    check_devices(state, k=k, v=v)
     if n == 0:
         return
     dt = spec.torch_dtype
@@ -83,29 +109,98 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
     v = Q.saturate(rotate(v, spec), dt).contiguous()
     err = _store.launch_store(state, spec, k, v, n_new)
     if not host:  # no host sync on CUDA: an unreserved block is not written, and the device raises
-        torch._assert_async(err == 0, UNRESERVED)
+        torch._assert_async(err == 0, UNRESERVED_DEVICE)
     elif int(err):  # a table entry outside the pool (the reference check passed)
         raise CapacityError(UNRESERVED)
 
 
+class Plan(NamedTuple):
+    """What ``attention`` launches for a call: the decode kernel (``templates.decode``) or the general one
+    (``templates.attention``), with its tiles. ``nsplit``: the partial results merged per query row (the
+    decode kernel's full-precision program included), as ``reference_and_bound`` counts them."""
+
+    decode: bool
+    block_q: int
+    block_n: int
+    nsplit: int
+    positions: int
+    slots: int
+
+
+def plan(state: KVState, spec: LayerSpec, q_shape, mask: Tensor | None = None, tiles=None, rope: bool = False,
+         kernel: str = "auto", device: torch.device | None = None, chunk: bool = False) -> Plan:
+    """The kernel and tiles ``attention`` uses for queries of shape ``q_shape`` (host-known sizes only);
+    ``chunk``: the queries' own keys and values are read from the chunk (``stored_chunk`` gave them)."""
+    if kernel not in ("auto", "decode", "general"):
+        raise ArgumentError(f"attention kernel={kernel!r} is not valid: expected 'auto', 'decode' or 'general'")
+    B, Hq, n, D = q_shape
+    G = Hq // spec.heads
+    device = device or state.lengths.device
+    positions = _attention.position_bound(state, spec, mask)
+    layout = _decode.decode_layout(spec, n, rope) if kernel != "general" else None
+    if kernel == "decode" and layout is None:
+        raise ArgumentError(f"the decode kernel does not serve {n} queries over {spec.name}"
+                         f"{' with pre-RoPE keys' if rope else ''} (templates.decode.decode_layout)")
+    if layout is not None:
+        block_n, nsplit = _decode.decode_tiles(spec, G, B, positions, device, tiles and (tiles[1], tiles[2]))
+        full = spec.sink > 0 or spec.ring > 0 or chunk
+        return Plan(True, 1, block_n, nsplit, positions, nsplit + int(full))
+    bq, bn, ns = tiles or _attention.default_tiles(spec, n, G, device, B, positions)
+    return Plan(False, bq, min(bn, spec.block), ns, positions, ns)
+
+
+def stored_chunk_needed(spec: LayerSpec, n: int) -> bool:
+    from kvcompile.store import chunk_needed
+    return chunk_needed(spec, n)
+
+
+def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = None,
+                        scale: float | None = None, *, tiles=None, k_new: Tensor | None = None,
+                        v_new: Tensor | None = None, rope: Rope | None = None, kernel: str = "auto",
+                        device=None) -> tuple[Tensor, Tensor]:
+    """``templates.attention.reference_and_bound`` for what ``attention`` runs on ``device`` (default: the
+    state's) with these arguments: the kernel, its splits and operand precision as ``plan`` chooses them.
+    """
+    device = torch.device(device) if device is not None else state.lengths.device
+    pl = plan(state, spec, q.shape, mask, tiles, rope is not None, kernel, device,
+              k_new is not None and stored_chunk_needed(spec, q.shape[2]))
+    return _attention.reference_and_bound(q, state, spec, mask, scale, nsplit=pl.slots,
+                                          dot=dot_precision(device), k_new=k_new, v_new=v_new, rope=rope,
+                                          decode=pl.decode, pdot=packed_precision(device))
+
+
+def packed_precision(device: torch.device) -> str:
+    """Operand precision of the general kernel's products at packed positions (prefill over the quantized
+    past): bf16 on CUDA (the tensor cores' fast path, fp32 accumulation), else ``dot_precision``'s.
+    ``KVCOMPILE_PACKED_DOT=ieee|tf32|bf16`` overrides (the interpreter runs the GPU's bf16 path with it). The
+    decode kernel's packed positions are always bf16."""
+    return os.environ.get("KVCOMPILE_PACKED_DOT") or ("bf16" if device.type == "cuda" else dot_precision(device))
+
+
 def dot_precision(device: torch.device) -> str:
-    """Operand precision of the two matrix products: tf32 tensor cores on CUDA (operands rounded to 10
-    mantissa bits, fp32 accumulation), exact fp32 elsewhere. ``KVCOMPILE_DOT=ieee|tf32`` overrides."""
+    """Operand precision of the two matrix products at full-precision positions (sinks, the ring, the queries'
+    own chunk, format "none"): tf32 tensor cores on CUDA (operands rounded to 10 mantissa bits, fp32
+    accumulation), exact fp32 elsewhere. ``KVCOMPILE_DOT=ieee|tf32`` overrides. Packed positions:
+    ``packed_precision``."""
     return os.environ.get("KVCOMPILE_DOT") or ("tf32" if device.type == "cuda" else "ieee")
 
 
 def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = None,
               scale: float | None = None, *, tiles: tuple[int, int, int] | None = None,
-              k_new: Tensor | None = None, v_new: Tensor | None = None, rope: Rope | None = None) -> Tensor:
+              k_new: Tensor | None = None, v_new: Tensor | None = None, rope: Rope | None = None,
+              kernel: str = "auto") -> Tensor:
     """``kvcompile.store.attention_reference`` with Triton kernels.
 
     q: [B, Hq, n, D], the last n tokens' queries (already stored); Hq a multiple of the store's heads.
     mask: None (causal), or bool / float broadcastable to [B, Hq, n, P] over absolute key positions 0 .. P-1;
     positions past P are invisible (``kvcompile.store.cover``).
-    Returns [B, Hq, n, D] in q's dtype. ``tiles`` = (BLOCK_Q, BLOCK_N, NSPLIT) overrides the tiling.
+    Returns [B, Hq, n, D] in q's dtype. ``tiles`` = (BLOCK_Q, BLOCK_N, NSPLIT) overrides the tiling (the decode
+    kernel takes BLOCK_N and NSPLIT from it).
     k_new, v_new: [B, H, n, D], the queries' own chunk, read in full precision at positions [L - n, L).
     rope (``KVStore.rope``): the store holds pre-RoPE keys; the kernel rotates each key it reads by its
     position (``kvcompile.store.apply_rope``).
+    kernel: "auto" (``plan``: the decode kernel where it serves the call, else the general one), "decode" or
+    "general" (to compare them; "decode" raises where it cannot serve the call).
     """
     check_supported(spec)
     _check_state(state, spec)
@@ -113,18 +208,26 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     H = spec.heads
     batch = state.lengths.shape[0]
     if B != batch or D != spec.head_dim or Hq % H:
-        raise ValueError(f"attention expects q of shape [{batch}, k*{H}, n, {spec.head_dim}]; got {tuple(q.shape)}")
+        raise ArgumentError(f"attention expects q of shape [{batch}, k*{H}, n, {spec.head_dim}]; got {tuple(q.shape)}")
     if mask is not None:
         if not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
-            raise TypeError(f"attention mask must be bool or floating point; got {mask.dtype}")
+            raise ArgumentTypeError(f"attention mask must be bool or floating point; got {mask.dtype}")
         mask = mask.expand(B, Hq, n, mask.shape[-1])  # positions past its width are invisible (the kernel)
     check_chunk(q, k_new, v_new, spec)
+    check_devices(state, q=q, mask=mask, k_new=k_new, v_new=v_new)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     qr = q.float()
     if spec.policy.rotates_keys:  # as the reference: the query rotated in fp32, the output un-rotated in fp32
         qr = qr @ hadamard(D, q.device)
     chunk = stored_chunk(spec, k_new, v_new, n)
-    out = _attention.launch_attention(qr, state, spec, mask, scale, dot_precision(q.device), tiles, chunk, rope)
+    pl = plan(state, spec, q.shape, mask, tiles, rope is not None, kernel, q.device, chunk is not None)
+    if pl.decode:
+        out = _decode.launch_decode(qr, state, spec, mask, scale, dot_precision(q.device), pl.block_n, pl.nsplit,
+                                    chunk)
+    else:
+        out = _attention.launch_attention(qr, state, spec, mask, scale, dot_precision(q.device),
+                                          (pl.block_q, pl.block_n, pl.nsplit), chunk, rope,
+                                          packed_precision(q.device))
     if spec.policy.rotate:
         out = out @ hadamard(D, q.device)
         out = torch.where(torch.isfinite(out), out, float("nan"))  # as the reference: inf -> NaN

@@ -194,20 +194,21 @@ def _quantize(x, valid, AXIS: tl.constexpr, KIND: tl.constexpr, BITS: tl.constex
             y = tl.minimum(tl.maximum(y, 0.0), float(QMAX))
             y = tl.where(tl.expand_dims(bad, AXIS), 0.0, y)  # a poisoned group's codes are 0
             return y.to(tl.int32), tl.where(bad, _nan_scale(scale, SFMT), scale), tl.where(bad, 0, z.to(tl.int32))
-        mn = tl.where(mn < -ZMAX, -ZMAX, mn)
-        mn = tl.where(mn > ZMAX, ZMAX, mn)
-        zero = _round_scale(mn, False, SFMT == 0)
-        zf = zero.to(tl.float32)
-        r = tl.math.div_rn(mx - zf, float(QMAX))
-        r = tl.where(r < 0.0, 0.0, r)
-        r = tl.where(r > SMAX, SMAX, r)
-        scale, sf = _scale_up(r, SFMT)
-        sf = tl.where(sf == 0.0, 1.0, sf)
-        y = _rne(tl.math.div_rn(x - tl.expand_dims(zf, AXIS), tl.expand_dims(sf, AXIS)))
-        y = tl.minimum(tl.maximum(y, 0.0), float(QMAX))
-        y = tl.where(tl.expand_dims(bad, AXIS), 0.0, y)  # a poisoned group's codes are 0
-        nan = _nan_scale(scale, SFMT)
-        return y.to(tl.int32), tl.where(bad, nan, scale), tl.where(bad, nan, zero)
+        else:  # (an else, not the code after the return: Triton compiles both and refuses unequal return types)
+            mn = tl.where(mn < -ZMAX, -ZMAX, mn)
+            mn = tl.where(mn > ZMAX, ZMAX, mn)
+            zero = _round_scale(mn, False, SFMT == 0)
+            zf = zero.to(tl.float32)
+            r = tl.math.div_rn(mx - zf, float(QMAX))
+            r = tl.where(r < 0.0, 0.0, r)
+            r = tl.where(r > SMAX, SMAX, r)
+            scale, sf = _scale_up(r, SFMT)
+            sf = tl.where(sf == 0.0, 1.0, sf)
+            y = _rne(tl.math.div_rn(x - tl.expand_dims(zf, AXIS), tl.expand_dims(sf, AXIS)))
+            y = tl.minimum(tl.maximum(y, 0.0), float(QMAX))
+            y = tl.where(tl.expand_dims(bad, AXIS), 0.0, y)  # a poisoned group's codes are 0
+            nan = _nan_scale(scale, SFMT)
+            return y.to(tl.int32), tl.where(bad, nan, scale), tl.where(bad, nan, zero)
     elif KIND == 1:
         QS: tl.constexpr = (1 << (BITS - 1)) - 1
         bad = tl.max(tl.where(valid & ~fin, 1, 0), axis=AXIS) > 0

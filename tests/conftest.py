@@ -2,6 +2,10 @@
 
 Triton kernels run on the CPU through Triton's interpreter, which must be switched on before any kernel is
 defined, so it is set here, before the tests import kvcompile. On a machine with a GPU the real kernels run.
+
+The CUDA subset: ``pytest --device cuda`` runs the tests marked ``device`` -- and only them -- with their
+models and tensors on the GPU (they take the ``device`` fixture; without the switch it is the CPU, and they
+run in the CPU suite like any other test). Without a CUDA device the switch is refused, saying so.
 """
 import os
 
@@ -11,12 +15,28 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hypothesis import settings  # noqa: E402
+import profiles  # noqa: E402,F401  (tests/profiles.py: loads the hypothesis profile, fast or thorough)
 
-# Numerics tests draw shapes at random; each example can take seconds in the interpreter, so no deadline.
-settings.register_profile("kvcompile", deadline=None, max_examples=25, derandomize=False)
-settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True, print_blob=True)
-settings.load_profile("ci" if os.environ.get("CI") else "kvcompile")
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", choices=("cpu", "cuda"),
+                     help="cuda: run the CUDA subset (the tests marked 'device') on the GPU, and nothing else")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "device: runs on the device --device names (pytest --device cuda: the CUDA "
+                                       "subset, these tests only); the test takes the `device` fixture")
+    if config.getoption("--device") == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(
+            f"--device cuda: no CUDA device is visible (torch {torch.__version__}: torch.cuda.is_available() is "
+            f"False), so the CUDA subset cannot run here. Run it on a machine with a GPU, or leave out --device for "
+            f"the CPU suite.")
+
+
+@pytest.fixture(scope="session")
+def device(request) -> torch.device:
+    """Where a ``device``-marked test puts its models and tensors: ``--device`` (the CPU by default)."""
+    return torch.device(request.config.getoption("--device"))
 
 
 @pytest.fixture(scope="session")
@@ -133,10 +153,17 @@ LONGEST_FILES = {"passes/test_model_families.py": 237, "test_serve_http.py": 187
                  "test_generate.py": 164, "test_api.py": 162, "templates/test_attention_kernel.py": 155,
                  "test_smollm2.py": 149, "test_serve_load.py": 134, "templates/test_cpu_kernels.py": 112,
                  "test_serving_compiled.py": 78, "test_serving.py": 73, "test_tp.py": 72, "test_cli.py": 66,
-                 "templates/test_store_kernel.py": 63, "test_prerope.py": 55}
+                 "templates/test_store_kernel.py": 63, "test_prerope.py": 55,
+                 # estimated from runs on the loaded machine (2026-12-04), at about a sixth of their time there
+                 "templates/test_kernels_head_sizes.py": 160, "test_head_sizes.py": 120, "test_hf_cache.py": 60,
+                 "test_device.py": 150, "test_exact.py": 120, "test_benchmark_gpu_e2e.py": 25}
 
 
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--device") == "cuda":  # the CUDA subset: the tests marked `device`, no others
+        keep = [item for item in items if item.get_closest_marker("device") is not None]
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("device") is None])
+        items[:] = keep
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     here = os.path.dirname(__file__)

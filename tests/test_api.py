@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensor
 import transformers
@@ -23,11 +23,13 @@ from transformers.cache_utils import DynamicCache, StaticCache
 
 import kvcompile
 from kvcompile import CapacityError, KVCompileError, Policy, PolicyError, Quant
+from kvcompile.errors import UnsupportedError
 from kvcompile.hf_model import cache_kwarg as _cache_kwarg
 from kvcompile.hf import KVCompileCache
 from kvcompile import standin
 from kvcompile.store import KVStore, LayerSpec
 from kvcompile.passes import counters
+import profiles
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -98,7 +100,7 @@ def policies(draw):
                   sink=draw(st.sampled_from((0, 2))), rotate=draw(st.booleans()))
 
 
-@settings(max_examples=8)
+@profiles.MODEL
 @given(policy=policies(), layers=st.integers(1, 2), kv_heads=st.sampled_from((1, 2)), ratio=st.sampled_from((1, 2)),
        head_dim=st.sampled_from((8, 16)), batch=st.integers(1, 2), prefill=st.integers(1, 9),
        steps=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
@@ -124,7 +126,7 @@ def test_policy_full_equals_the_unmodified_model():
     ids = torch.randint(3, 64, (2, 9))
     want, _ = chunks(plain, ids, 5, DynamicCache(config=plain.config))
     got, _ = chunks(kvcompile.apply(model, Policy.full(), max_cache_len=16, compiler="eager", prefill="compiled"), ids, 5)
-    torch.testing.assert_close(got, want)
+    assert torch.equal(got, want)  # bit for bit (tests/test_exact.py)
 
 
 # --------------------------------------------------------------------------- generate
@@ -282,8 +284,13 @@ def test_backend_without_a_policy_says_how_to_pass_one():
     static = StaticCache(config=model.config, max_cache_len=12)
     static.early_initialization(1, 2, 8, torch.float32, "cpu")
     compiled = torch.compile(model, backend="kvcompile", fullgraph=True, options={"compiler": "eager"})
-    with pytest.raises(Exception, match=r"options=\{'policy'"):
-        compiled(torch.randint(3, 64, (1, 3)), use_cache=True, **{_cache_kwarg(model): static})
+    ids = torch.randint(3, 64, (1, 3))
+    for _ in range(2):  # twice in a row: the same error, not Dynamo's BackendCompilerFailed around it
+        with pytest.raises(PolicyError, match=r"options=\{'policy'") as e:
+            compiled(ids, use_cache=True, **{_cache_kwarg(model): static})
+        assert type(e.value) is PolicyError
+        # its traceback still leads to where compiling found it
+        assert "bind" in [f.name for f in e.traceback]
 
 
 @pytest.mark.slow
@@ -384,6 +391,19 @@ def test_error_model_without_sdpa():
     model.config._attn_implementation = "eager"
     with pytest.raises(KVCompileError, match="no scaled_dot_product_attention read"):
         kvcompile.apply(model, Policy.int8())
+
+
+def test_error_found_while_compiling_reaches_the_caller_as_itself(monkeypatch):
+    """A layout the Triton kernels cannot run is found when the first call compiles (binding the layer's store):
+    the call raises kvcompile's error as itself, not Dynamo's BackendCompilerFailed around it, and again on the
+    next call."""
+    monkeypatch.setattr(kvcompile.ops, "_KERNELS", "triton")  # what KVCOMPILE_KERNELS=triton selects
+    model = kvcompile.apply(tiny(layers=1, head_dim=512), Policy.int8(), compiler="eager", prefill="compiled")
+    for _ in range(2):
+        with pytest.raises(UnsupportedError, match=r"Triton kernels do not support the layout .*head_dim") as e:
+            with torch.no_grad():
+                model(torch.randint(3, 64, (1, 4)), use_cache=True)
+        assert type(e.value) is UnsupportedError
 
 
 def test_error_model_class_without_sdpa():
@@ -561,11 +581,18 @@ def test_error_sequence_longer_than_capacity():
             applied(torch.randint(3, 64, (1, 9)), use_cache=True)
 
 
-def test_error_dynamic_cache_given_to_an_applied_model():
-    applied = kvcompile.apply(tiny(), Policy.int8(), compiler="eager", prefill="compiled")
-    with pytest.raises(KVCompileError, match="DynamicCache"):
-        applied(torch.randint(3, 64, (1, 3)), use_cache=True,
-                **{_cache_kwarg(applied): DynamicCache(config=applied.config)})
+def test_error_dynamic_cache_holding_tokens_given_to_an_applied_model():
+    """An empty DynamicCache becomes the model's kvcompile cache (tests/test_hf_cache.py); one that holds the
+    unmodified model's full-precision tokens is refused, saying what to pass instead."""
+    model = tiny()
+    plain = twin(model)
+    applied = kvcompile.apply(model, Policy.int8(), compiler="eager", prefill="compiled")
+    ids = torch.randint(3, 64, (1, 3))
+    with torch.no_grad():
+        held = cache_of(plain(ids, use_cache=True, **{_cache_kwarg(plain): DynamicCache(config=plain.config)}))
+        with pytest.raises(KVCompileError, match=r"a DynamicCache that already holds 3 tokens, kept in full precision "
+                                                 r"by the unmodified model.*Pass no cache"):
+            applied(ids, use_cache=True, **{_cache_kwarg(applied): held})
 
 
 # --------------------------------------------------------------------------- the Triton kernels, end to end
@@ -620,3 +647,96 @@ def test_error_model_on_the_meta_device():
 def test_error_unknown_prefill_and_a_module_limit():
     with pytest.raises(KVCompileError, match=r"prefill='lazy' is not valid"):
         kvcompile.apply(tiny(), Policy.int8(), prefill="lazy")
+
+
+# --------------------------------------------------------------------------- generate on a module compiled by the backend
+def test_generate_on_a_module_compiled_by_the_backend_is_refused_when_called():
+    """torch.compile(model, backend="kvcompile", options=...) compiles the forward only: its generate would run the
+    original model, uncompiled, over transformers' full-precision DynamicCache, the policy silently not applied. It
+    is refused when called, saying what to do; a compiled forward over a DynamicCache (the default cache) is refused
+    by the backend. A forward without a cache runs (nothing to quantize), and an applied model compiled again
+    generates as kvcompile does."""
+    ids = torch.randint(3, 64, (1, 6))
+    options = {"policy": Policy.int8(), "compiler": "eager"}
+    compiled = torch.compile(tiny(), backend="kvcompile", options=options)
+    with torch.no_grad():
+        with pytest.raises(KVCompileError, match=r"compiles the model's forward only: generate\(\.\.\.\) on the "
+                                                 r"compiled module runs the original model's generate.*kvcompile.apply"):
+            compiled.generate(ids, max_new_tokens=2)
+        with pytest.raises(KVCompileError, match=r"generate_batch"):
+            compiled.generate_batch([[5, 6, 7]])
+        with pytest.raises(Exception, match=r"grows by concatenation \(torch.cat along the sequence: "
+                                            r"transformers' DynamicCache"):
+            compiled(ids)
+        compiled(ids, use_cache=False)
+        ex = kvcompile.explain(tiny(), ids, policy=Policy.int8())  # explain says it rather than refusing
+        assert not ex.sites and any("grows by concatenation" in n for n in ex.notes)
+        recipe = tiny()  # transformers' recipe without its static cache: the default cache reaches the backend
+        recipe.forward = torch.compile(recipe.forward, backend="kvcompile", options=options)
+        with pytest.raises(Exception, match=r"grows by concatenation"):
+            recipe.generate(ids, max_new_tokens=2)
+        applied = kvcompile.apply(tiny(), Policy.int8(), compiler="eager")
+        want = applied.generate(ids, max_new_tokens=4, do_sample=False)
+        again = torch.compile(applied, backend="kvcompile", options=options)
+        assert torch.equal(again.generate(ids, max_new_tokens=4, do_sample=False), want)
+
+
+# --------------------------------------------------------------------------- pickling an applied model
+def _round_trip(how, obj, tmp_path):
+    import copy
+    import pickle
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(obj))
+    if how == "torch.save":
+        torch.save(obj, tmp_path / "model.pt")
+        return torch.load(tmp_path / "model.pt", weights_only=False)  # (a whole model, as the unmodified one needs)
+    return {"deepcopy": copy.deepcopy, "copy": copy.copy}[how](obj)
+
+
+@pytest.mark.parametrize("policy", [Policy.full(), Policy.kivi(4, group=4, residual=4)], ids=["full", "kivi"])
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy", "copy"])
+def test_an_applied_model_pickles_and_loads_back_applied(how, policy, tmp_path):
+    """pickle, torch.save, copy.deepcopy and copy.copy of an applied transformers model give an applied model (the
+    same policy and settings), whose generate is the original's: tokens and logits, and under Policy.full() the
+    unmodified model's. The copy's weights are its own (deepcopy, pickle) and the original still works."""
+    model = tiny()
+    ref = twin(model)
+    kvcompile.apply(model, policy, compiler="eager", max_cache_len=48)
+    ids = torch.randint(3, 64, (1, 12), generator=torch.Generator().manual_seed(2))
+    gen = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = model.generate(ids, **gen)
+        loaded = _round_trip(how, model, tmp_path)
+        assert type(loaded) is type(model) and loaded is not model
+        assert loaded._kvcompile.policy == policy and loaded._kvcompile.settings == model._kvcompile.settings
+        got = loaded.generate(ids, **gen)
+        assert isinstance(got.past_key_values, KVCompileCache)
+        assert torch.equal(got.sequences, want.sequences) and torch.equal(torch.stack(got.logits),
+                                                                        torch.stack(want.logits))
+        if policy == Policy.full():
+            plain = ref.generate(ids, **gen)
+            assert torch.equal(got.sequences, plain.sequences)
+            assert torch.equal(torch.stack(got.logits), torch.stack(plain.logits))
+        shared = loaded.lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
+        assert shared == (how == "copy")
+        assert torch.equal(model.generate(ids, **gen).sequences, want.sequences)
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_an_applied_module_pickles_and_loads_back_applied(how, tmp_path):
+    """A gpt-fast-style module (apply returns it compiled): loaded back applied, its cache buffers empty (as
+    setup_caches leaves them), and it generates the original's tokens."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpt_fast_model", EXAMPLES / "gpt_fast_model.py")
+    gf = importlib.util.module_from_spec(spec)
+    sys.modules["gpt_fast_model"] = gf  # dataclasses look their module up
+    spec.loader.exec_module(gf)
+    torch.manual_seed(0)
+    m = gf.Transformer(gf.ModelArgs()).eval()
+    m.setup_caches(max_batch_size=1, max_seq_length=64)
+    applied = kvcompile.apply(m, Policy.int8())
+    prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    want = gf.generate(applied, prompt, 8)
+    loaded = _round_trip(how, applied, tmp_path)
+    assert loaded._kvcompile.policy == Policy.int8() and kvcompile.nbytes(loaded) < kvcompile.nbytes(applied)
+    assert torch.equal(gf.generate(loaded, prompt, 8), want)

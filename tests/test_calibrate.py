@@ -1,17 +1,20 @@
 """Per-layer bits for a byte budget: the knapsack, the sensitivities, the budget, policy files and the CLI."""
+import argparse
 import itertools
 import json
 import math
 import re
 import sys
+from fractions import Fraction
 
 import pytest
 import torch
 import transformers
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import kvcompile
+import profiles
 from kvcompile import Policy, PolicyError, Quant, cli
 from kvcompile import evaluate as E
 from kvcompile.calibrate import (BudgetError, allocate, calibration_text, check_candidates, default_candidates,
@@ -47,7 +50,7 @@ def _instance(draw):
     return costs, values, draw(st.integers(0, 100))
 
 
-@settings(max_examples=300, deadline=None)
+@profiles.CHEAP
 @given(_instance())
 def test_solve_is_optimal_against_brute_force(inst):
     costs, values, budget = inst
@@ -62,7 +65,7 @@ def test_solve_is_optimal_against_brute_force(inst):
     assert sum(vs[j] for vs, j in zip(values, pick)) == want
 
 
-@settings(max_examples=200, deadline=None)
+@profiles.CHEAP
 @given(_instance(), st.integers(1, 6))
 def test_solve_with_coarse_units_still_fits_the_budget(inst, max_states):
     # fewer states than the budget spans: costs are rounded up, so the choice may be worse but never over
@@ -101,6 +104,10 @@ def sens(tiny, windows):
 
 def _bpt(policy):
     return kvcompile.bytes_per_token(policy, *SHAPE, CONTEXT)
+
+
+def _exact_bpt(policy, shape=SHAPE, context=CONTEXT):
+    return Fraction(kvcompile.cache_bytes(policy, *shape, context), context)
 
 
 def test_measure_gives_each_layer_side_and_candidate(sens):
@@ -148,13 +155,41 @@ def test_budget_at_the_bottom_takes_the_cheapest_everywhere(sens):
     assert a.policy == CANDS[0] and a.choice == ((0, 0),) * LAYERS
 
 
-def test_bits_budget_counts_everything_the_store_holds(sens):
+def test_bits_per_element_counts_everything_the_store_holds(sens):
     # the uniform 4-bit candidate's all-in bits per element, as a budget, affords exactly its bytes
     bits = _bpt(CANDS[1]) * 8 / (2 * LAYERS * KV_HEADS * HEAD_DIM)
     assert bits > 4  # scales, zero points, residual and sinks are counted
-    a = allocate(sens, SHAPE, budget=bits, context=CONTEXT)
+    a = allocate(sens, SHAPE, bits_per_element=bits, context=CONTEXT)
     assert _bpt(CANDS[1]) - 1e-9 <= a.bytes_per_token <= _bpt(CANDS[1])  # float rounding of bits only
     assert a.predicted_kl <= sum(sens.keys[i][1] + sens.values[i][1] for i in range(LAYERS))
+
+
+def test_a_budget_in_bits_is_the_bytes_of_a_uniform_cache_of_those_bits(sens):
+    """budget=4 is what a uniform 4-bit cache of the candidates holds (scales, residual and sinks included), so it
+    affords exactly the 4-bit candidate everywhere or a better mix; the widths the candidates have are exact, the
+    others in proportion (codes are linear in bits)."""
+    per_bit = Fraction(2 * LAYERS * KV_HEADS * HEAD_DIM, 8)  # bytes per token of one bit per element
+    for bits, cand in ((2, CANDS[0]), (4, CANDS[1]), (8, CANDS[2])):
+        assert CAL.budget_bytes(SHAPE, CANDS, CONTEXT, budget=bits) == _exact_bpt(cand)
+        a = allocate(sens, SHAPE, budget=bits, context=CONTEXT)
+        assert a.bytes_per_token <= _bpt(cand)
+        assert a.predicted_kl <= sum(sens.keys[i][CANDS.index(cand)] + sens.values[i][CANDS.index(cand)]
+                                     for i in range(LAYERS))
+    assert CAL.budget_bytes(SHAPE, CANDS, CONTEXT, budget=3) == (_exact_bpt(CANDS[0]) + _exact_bpt(CANDS[1])) / 2
+    assert CAL.budget_bytes(SHAPE, CANDS, CONTEXT, budget=9) == _exact_bpt(CANDS[2]) + per_bit
+    assert allocate(sens, SHAPE, budget=2, context=CONTEXT).policy == CANDS[0]
+    with pytest.raises(PolicyError, match=r"no candidate stores keys and values in the same number of bits"):
+        CAL.budget_bytes(SHAPE, [Policy(CANDS[0].key, CANDS[1].value, residual=16, sink=4, rotate=True)], CONTEXT,
+                         budget=3)
+
+
+def test_the_default_candidates_budget_of_3_is_the_bytes_of_uniform_3_bit_kivi():
+    """What a user means by calibrate(model, budget=3.0): the bytes of `kivi+rot+sink:3` (groups of 32), whatever the
+    model's shape, although the default candidates also have a cheaper 3-bit layout (groups of 64)."""
+    for shape in ((30, 3, 64), (32, 8, 128), (28, 4, 96), (32, 32, 80)):  # SmolLM2, Llama 3 8B, Phi-3, Phi-2
+        for bits in (2, 3, 4, 8):
+            want = _exact_bpt(Policy.kivi(bits, sink=4, rotate=True), shape, 2048)
+            assert CAL.budget_bytes(shape, None, 2048, budget=bits) == want
 
 
 def test_a_too_small_budget_says_the_minimum(sens):
@@ -163,13 +198,18 @@ def test_a_too_small_budget_says_the_minimum(sens):
         allocate(sens, SHAPE, bytes_per_token=lo - 0.01, context=CONTEXT)
     assert float(e.value.minimum) == lo
     with pytest.raises(BudgetError, match=r"3 bits per element .*below the cheapest.* bits per element"):
-        allocate(sens, SHAPE, budget=3, context=CONTEXT)
+        allocate(sens, SHAPE, bits_per_element=3, context=CONTEXT)
+    with pytest.raises(BudgetError, match=r"a budget of 1.5 bits \(the bytes of a uniform 1.5-bit cache of these "
+                                          r"candidates: .*below the cheapest"):
+        allocate(sens, SHAPE, budget=1.5, context=CONTEXT)
 
 
 @pytest.mark.parametrize("kw, gist", [
-    (dict(), "exactly one budget"),
-    (dict(budget=4, bytes_per_token=100), "exactly one budget"),
-    (dict(budget=-1), "budget .bits per element.=-1"),
+    (dict(), "exactly one budget, not none"),
+    (dict(budget=4, bytes_per_token=100), "exactly one budget, not budget and bytes_per_token"),
+    (dict(budget=4, bits_per_element=4), "exactly one budget"),
+    (dict(budget=-1), r"budget=-1 \(bits of a uniform cache\)"),
+    (dict(bits_per_element=0), r"bits_per_element=0 \(average bits per element, all in\)"),
     (dict(budget=float("nan")), "positive finite"),
     (dict(bytes_per_token=True), "bytes_per_token=True"),
     (dict(bytes_per_token="100"), "bytes_per_token='100'"),
@@ -189,6 +229,10 @@ def test_default_candidates_fit_the_head():
     for c in small:
         c.check(32)
     assert [c.key.format for c in small] == ["int2", "int3", "int4", "int8"]
+    phi2 = default_candidates(80)  # Phi-2's head: the groups of 32 fit it, as Policy.kivi's default does
+    assert [(c.key.format, c.key.group, c.value.group_for(80)) for c in phi2] == [
+        ("int2", 32, 16), ("int3", 32, 16), ("int4", 32, 16), ("int8", 32, 16)]
+    assert phi2[1] == Policy.kivi(3, sink=4, rotate=True).for_head_dim(80)
     check_candidates(default_candidates())
 
 
@@ -252,7 +296,7 @@ _selector = (st.integers(-8, 8)
              | st.sampled_from(["model.layers.0", "model.layers.3.self_attn", "re:layers\\.[0-3]\\.", "re:^model"]))
 
 
-@settings(max_examples=100, deadline=None)
+@profiles.CHEAP
 @given(_leaf, st.lists(st.tuples(_selector, _leaf | st.none()), max_size=4))
 def test_save_load_round_trip(tmp_path_factory, base, overrides):
     p = base
@@ -350,7 +394,10 @@ def test_cli_calibrate_then_eval_and_plan_read_the_file(tiny_dir, tmp_path, caps
 @pytest.mark.parametrize("args, gist", [
     ([], "no budget given: pass exactly one of --budget"),
     (["--budget", "4", "--bytes-per-token", "100"], "--budget and --bytes-per-token given"),
-    (["--budget", "1"], r"1 bits per element .* below the cheapest choice .* bits per element"),
+    (["--budget", "1"], r"1 bits \(the bytes of a uniform 1-bit cache .* below the cheapest choice .* bits per "
+                        r"element"),
+    (["--bits-per-element", "1"], r"1 bits per element .* below the cheapest choice"),
+    (["--budget", "3", "--bits-per-element", "4"], "--budget and --bits-per-element given"),
     (["--bytes-of", "kivi:5"], "argument --bytes-of"),
 ])
 def test_cli_calibrate_errors_are_one_line(tiny_dir, tmp_path, capsys, args, gist):
@@ -369,5 +416,5 @@ def test_cli_calibrate_errors_are_one_line(tiny_dir, tmp_path, capsys, args, gis
 def test_cli_policy_options_read_policy_files(tmp_path):
     p = Policy.kivi(3, sink=4, rotate=True).override({0: Policy.int8()}).save(tmp_path / "p.json")
     assert cli._policy_arg(str(p)) == Policy.load(p)
-    with pytest.raises(Exception, match="no such file"):
+    with pytest.raises(argparse.ArgumentTypeError, match="no such file"):  # argparse's: exit status 2
         cli._policy_arg(str(tmp_path / "missing.json"))

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcompile import Policy, Quant
+from kvcompile import Policy, PolicyError, Quant
 from kvcompile import evaluate as E
 from kvcompile.store import dequantize_reference
 
@@ -286,5 +286,6 @@ def test_pre_rope_rows_are_measured_through_the_applied_model(tiny):
     q_post = E.heldout_loss(tiny, W, post, chunk=16)
     assert all(math.isfinite(x) for x in q_pre) and q_pre != pytest.approx(q_post, abs=1e-6)
     assert E.heldout_loss(tiny, W, Policy.full(), chunk=16) == full  # the copy left the model as it was
-    with pytest.raises(Exception, match="pre_rope"):
+    with pytest.raises(PolicyError, match="fast eager cache cannot store keys before the rotary embedding") as e:
         E.heldout_loss(tiny, W, pre, chunk=16)
+    assert type(e.value) is PolicyError

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import math
 import re
 import uuid
 
@@ -16,7 +17,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcompile.json_mode import MAX_SPACE, DeadEnd, JsonConstraint, SchemaError, grammar, tokenizer_info
+from kvcompile.json_mode import (MAX_SPACE, DeadEnd, JsonConstraint, SchemaError, _llguidance_reads, grammar,
+                                 tokenizer_info)
 from kvcompile.sampling import seeded_draw
 
 TOKENIZERS = ["smol_tokenizer", "tiny_tokenizer"]
@@ -232,8 +234,8 @@ def test_a_reply_under_a_drawn_schema_validates(smol_tokenizer, schema, seed, mo
     nesting: a reply picked under one validates against it (or llguidance finds that no document does)."""
     try:
         grammar(schema)
-    except SchemaError as e:  # a part whose enum, const, type and bounds leave no value, which is required
-        assert "nsatisfiable" in str(e), e
+    except SchemaError as e:  # a part whose enum, const, type and bounds leave no value, which is required; or
+        assert "nsatisfiable" in str(e) or refused_for_a_number(e, schema), e  # a number llguidance misreads
         return
     validate(loads(walk(smol_tokenizer, schema, seed, mode)), schema)
 
@@ -243,7 +245,7 @@ def test_a_reply_under_a_drawn_schema_validates_with_a_tiny_tokenizer(tiny_token
     try:
         grammar(schema)
     except SchemaError as e:
-        assert "nsatisfiable" in str(e), e
+        assert "nsatisfiable" in str(e) or refused_for_a_number(e, schema), e
         return
     validate(loads(walk(tiny_tokenizer, schema, seed, mode)), schema)
 
@@ -278,6 +280,75 @@ def test_a_schema_takes_what_jsonschema_takes(smol_tokenizer, text, prefix, whol
     if whole:
         validate(loads(text), PET)
     assert accepts(smol_tokenizer, PET, text) == (prefix, whole)
+
+
+def llguidance_echo(number) -> float | int:
+    """The number llguidance's own reader makes of ``number`` (it writes back a schema it was given options
+    for)."""
+    from llguidance import LLMatcher
+
+    out = LLMatcher.grammar_from_json_schema(json.dumps({"const": number}), overrides={"lenient": False})
+    return json.loads(out)["grammars"][0]["json_schema"]["const"]
+
+
+@given(st.floats(allow_nan=False, allow_infinity=False) | st.integers(-2**63, 2**64 - 1)
+       | st.floats(-1e6, 1e6).map(lambda x: round(x, 7)))
+def test_the_model_of_llguidances_number_reader_is_its_reader(number):
+    assert _llguidance_reads(json.dumps(number)) == llguidance_echo(number)
+
+
+@pytest.mark.parametrize("value", [1801439850948199.0, 0.30000000000000004, 2.0, -0.5, 2**53, -2.0**53, 1e-300])
+def test_a_const_number_is_followed_to_its_last_digit(smol_tokenizer, value):
+    """A const is the number written, not one a step away: llguidance reads 1801439850948199.0 as
+    1801439850948199.25, so an integral one goes to it as an integer; 0.30000000000000004 it reads exactly."""
+    schema = {"type": "object", "properties": {"a": {"const": value}}, "required": ["a"],
+              "additionalProperties": False}
+    assert loads(walk(smol_tokenizer, schema, 0, "greedy")) == {"a": value}
+    if isinstance(value, float) and not value.is_integer():
+        assert accepts(smol_tokenizer, schema, json.dumps({"a": math.nextafter(value, math.inf)}))[1] is False
+        assert accepts(smol_tokenizer, schema, json.dumps({"a": math.nextafter(value, -math.inf)}))[1] is False
+
+
+@pytest.mark.parametrize("value, read", [(123456789012345.67, 123456789012345.69),
+                                         (-2.5e-308, -2.5000000000000003e-308)])
+def test_a_number_llguidance_would_read_as_another_is_refused(value, read):
+    """Where llguidance would follow another number than the schema's, the schema is refused, saying which
+    number, where, what it would be read as, and a rounding that is read exactly."""
+    assert llguidance_echo(value) == read != value
+    schema = {"type": "object", "properties": {"x": {"type": "number", "maximum": 1, "enum": [0, value]}}}
+    with pytest.raises(SchemaError, match=rf"the number {re.escape(repr(value))} at schema\['properties'\]\['x'\]"
+                                          rf"\['enum'\]\[1\] would be read by llguidance .* as {re.escape(repr(read))}"):
+        grammar(schema)
+    rounded = float(_suggestion(schema))
+    assert llguidance_echo(rounded) == rounded and abs(rounded - value) <= abs(value) * 1e-14 + 1e-300
+    grammar({**schema, "properties": {"x": {"enum": [0, rounded]}}})
+
+
+@pytest.mark.parametrize("value", [2**53 + 1, 2**63 + 1, 1e300, -2.0**60])
+def test_a_const_beyond_2_53_is_refused(value):
+    """llguidance writes a const or enum number through a double, as integer digits: 2**63 + 1 as
+    9223372036854776000, 1e300 as 1 and 300 zeros (another number than the double 1e300). Refused."""
+    with pytest.raises(SchemaError, match=r"a const or enum takes numbers up to 2\*\*53"):
+        grammar({"type": "object", "properties": {"a": {"const": value}}})
+
+
+def _suggestion(schema) -> str:
+    try:
+        grammar(schema)
+    except SchemaError as e:
+        return re.search(r"\(to (\S+), for instance\)", str(e))[1]
+    raise AssertionError("not refused")
+
+
+def refused_for_a_number(e: SchemaError, schema) -> bool:
+    """``e`` refuses a number of ``schema`` that llguidance does read as another, or a whole one beyond 2**53
+    that replies would write."""
+    m = re.match(r"the number (\S+) at schema", str(e))
+    if not (m and m[1] in json.dumps(schema) + repr(schema)):
+        return False
+    x = float(m[1])
+    return llguidance_echo(x) != x or ("const or enum takes numbers up to 2**53" in str(e) and x.is_integer()
+                                       and abs(x) > 2**53)
 
 
 BOUNDED = {"type": "object", "properties": {

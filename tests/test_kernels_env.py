@@ -21,7 +21,7 @@ def test_unknown_kernels_value_fails_at_import(value):
     r = _import_with(value)
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("ValueError: the environment variable KVCOMPILE_KERNELS=")
+    assert last.startswith("kvcompile.errors.ArgumentError: the environment variable KVCOMPILE_KERNELS=")
     assert repr(value) in last and ALLOWED in last and "unset it" in last
 
 

@@ -17,12 +17,28 @@ def test_a_local_directory_is_used_as_is(tmp_path):
     assert models.resolve(tmp_path) == tmp_path
 
 
-def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("KVCOMPILE_CACHE", str(tmp_path / "c"))
-    assert models.cache_dir() == tmp_path / "c"
-    monkeypatch.delenv("KVCOMPILE_CACHE")
+def test_one_cache_folder_for_models_and_kernels_follows_one_variable(monkeypatch, tmp_path):
+    """KVCOMPILE_CACHE_DIR names the folder of both the converted model and the compiled kernels; unset, the XDG
+    rule; the old KVCOMPILE_CACHE is still honoured, with a FutureWarning naming the new variable, and loses to
+    KVCOMPILE_CACHE_DIR when both are set."""
+    import warnings
+
+    from kvcompile.templates import cpu
+    for var in ("KVCOMPILE_CACHE_DIR", "KVCOMPILE_CACHE"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert models.cache_dir() == tmp_path / "x" / "kvcompile"
+    assert models.cache_dir() == tmp_path / "x" / "kvcompile" and cpu.cache_dir() == models.cache_dir() / "cpu"
+    monkeypatch.setenv("KVCOMPILE_CACHE_DIR", str(tmp_path / "c"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert models.cache_dir() == tmp_path / "c" and cpu.cache_dir() == tmp_path / "c" / "cpu"
+    monkeypatch.setenv("KVCOMPILE_CACHE", str(tmp_path / "old"))
+    assert models.cache_dir() == tmp_path / "c"  # the new variable wins, silently
+    monkeypatch.delenv("KVCOMPILE_CACHE_DIR")
+    with pytest.warns(FutureWarning, match=rf"KVCOMPILE_CACHE is deprecated: set KVCOMPILE_CACHE_DIR={tmp_path}/old"):
+        assert models.cache_dir() == tmp_path / "old"
+    with pytest.warns(FutureWarning):
+        assert cpu.cache_dir() == tmp_path / "old" / "cpu"
 
 
 def test_a_conversion_finished_meanwhile_by_another_process_is_kept(monkeypatch, tmp_path, tiny_dir):
@@ -34,7 +50,7 @@ def test_a_conversion_finished_meanwhile_by_another_process_is_kept(monkeypatch,
 
     import transformers
 
-    monkeypatch.setenv("KVCOMPILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVCOMPILE_CACHE_DIR", str(tmp_path / "cache"))
     target = models.converted_path()
     tiny = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir)
     tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)

@@ -300,7 +300,7 @@ def test_long_requests_amortise_kivis_window():
 
 
 def test_per_layer_bits_for_long_requests_hold_6x_at_2_bits():
-    """The policy `kvcompile calibrate --budget 2.66 --context 8192` chose from 2- and 3-bit KIVI (groups of 64,
+    """The policy `kvcompile calibrate --bits-per-element 2.66 --context 8192` chose from 2- and 3-bit KIVI (groups of 64,
     one-byte scales, residual 64; docs/results.md, "2 bits at 6x"): 3-bit codes on 11 of the 60 layer sides, and
     6x transformers' requests of 8K tokens per byte, and 137 of them in 4 GiB where transformers holds 22."""
     from pathlib import Path

@@ -96,8 +96,27 @@ def test_group_must_divide_head_dim_when_applied():
     p.check(128)
     with pytest.raises(PolicyError, match=r"group=64 does not divide head_dim=32"):
         p.check(32)
-    with pytest.raises(PolicyError, match="power-of-two head_dim"):
-        Policy.kivi(4, rotate=True).check(96)
+    Policy.kivi(4, rotate=True).check(96)  # heads that are not a power of two rotate in blocks (test_head_sizes)
+
+
+def test_kivis_default_value_group_fits_the_head_and_says_so():
+    """Policy.kivi's default group (32) fits a head it does not divide (Quant.fit: the largest power of two that
+    does); the key's per-channel group (tokens) is untouched, a group given explicitly is never changed, and the
+    fit travels through policy files."""
+    p = Policy.kivi(4)
+    assert (p.key.group, p.value.group, p.key.fit, p.value.fit) == (32, 32, False, True)
+    assert [p.value.group_for(d) for d in (64, 80, 96, 112, 120, 128, 256)] == [32, 16, 32, 16, 8, 32, 32]
+    assert p.value.key() == "int4.token.32~.asym.f16" and "v=int4.token.32~" in str(p)
+    assert p.for_head_dim(80).value == Quant("int4", "token", 16) and p.for_head_dim(128).value.group == 32
+    assert Policy.kivi(4, group=32) != p and not Policy.kivi(4, group=32).value.fit
+    with pytest.raises(PolicyError, match=r"group=32 does not divide head_dim=80"):
+        Policy.kivi(4, group=32).check(80)
+    p.check(80)
+    assert Policy.from_dict(p.to_dict()) == p and "fit" not in Policy.kivi(4, group=32).to_dict()["value"]
+    with pytest.raises(PolicyError, match=r"Quant.fit=True is not valid"):
+        Quant("int4", "channel", 32, fit=True)
+    with pytest.raises(PolicyError, match=r"Quant.fit='yes' is not valid"):
+        Quant("int4", "token", 32, fit="yes")
 
 
 def test_override_resolution_order_and_selectors():

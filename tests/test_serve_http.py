@@ -773,6 +773,46 @@ def test_a_shared_system_prompt_is_read_from_shared_pages(tiny_dir):
         stop_server(proc)
 
 
+def test_a_sliding_window_model_is_served(tiny_dir, tmp_path):
+    """A Gemma 3 (two of three layers over a 32-token window) served under KIVI 4-bit: a greedy chat's reply is
+    kvcompile's own generate of the same prompt under the policy (the full-attention layer quantized in the
+    pages, the sliding layers' windows in the slots' rings, as transformers keeps them), and the cache is all
+    back afterwards."""
+    import transformers
+
+    from kvcompile.api import apply
+    from kvcompile.evaluate import scheme_policy
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, sliding_window=32,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    transformers.Gemma3ForCausalLM(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    proc, base = start_server("--model", tmp_path, "--policy", "kivi:4", "--budget-mib", 2, "--max-requests", 4)
+    try:
+        content = "Tell me about the sea and the hills, " * 8  # longer than the window
+        r = chat(base, str(tmp_path), content, max_tokens=16, temperature=0)
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        s = stats(base)
+        assert s["cache"] == "PagedKVCompileCache" and s["requests"] == 0 and s["free_blocks"] == s["blocks"]
+    finally:
+        stop_server(proc)
+    model = apply(transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval(),
+                  scheme_policy("kivi", 4))  # what --policy kivi:4 serves
+    ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    assert ids.shape[1] > 32 and reply["usage"]["prompt_tokens"] == ids.shape[1]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=16, do_sample=False)
+    want = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert reply["choices"][0]["message"]["content"] == want
+
+
 def test_the_server_shares_pages_only_where_the_policy_allows(tiny_dir, monkeypatch):
     """``kvcompile serve`` turns transformers' prefix sharing on for a window-free policy, off for KIVI (whose
     window lives outside the pages) and off with ``--no-prefix-sharing``; the CLI passes the flag on."""

@@ -118,13 +118,16 @@ def test_the_manager_runs_on_kvcompiles_store_and_finished_requests_free_their_b
     model = applied(Policy.full())
     got, cache, seen = run_manager(model, prompts())
     assert got == want
-    assert isinstance(cache, serving.cache_class()) and seen["impl"] == serving.ATTN
+    # Policy.full(): transformers' own SDPA reads the pages back (its arithmetic: test_exact.py)
+    assert isinstance(cache, serving.cache_class()) and seen["impl"] == "sdpa"
     blocks = cache.stores[0].blocks
     assert blocks == cache.num_blocks  # one kvcompile block per transformers page
     assert seen["free_after"] == blocks and seen["slots_after"] == {}  # every block and slot back
     assert all(st.used_blocks == 0 and st.lengths == [0] * cache.slots for st in cache.stores)
-    # the keys went through the store: the 150-token prompt filled packed blocks of the pool
-    assert cache.stores[1].state.k_codes.abs().sum() > 0
+    # the keys went through the store: the 150-token prompt's packed tokens filled whole blocks of the pool
+    st = cache.stores[1]
+    written = int((st.state.k_codes.flatten(1) != 0).any(1).sum())
+    assert written >= (150 - st.spec.ring) // st.spec.block, (written, st.spec.block)
     # transformers' own full-precision cache tensor was never allocated
     assert cache.cache_tensor.device.type == "meta"
 
@@ -229,8 +232,9 @@ def test_two_threads_batching_on_one_model(policy, one_kernel_thread):
 def test_generate_while_a_manager_runs_is_refused_and_the_manager_goes_on():
     """While a manager runs, the model's attention is kvcompile's paged one, which serves only the manager's
     forwards: plain ``generate`` in another thread is refused saying what to do, and the manager's requests get
-    their tokens all the same; once it stops, ``generate`` runs again."""
-    model = applied(Policy.full())
+    their tokens all the same; once it stops, ``generate`` runs again. (int8: under Policy.full() the attention
+    stays transformers' own.)"""
+    model = applied(Policy.int8())
     p = prompts()[4]
     with torch.no_grad():
         want_cb = tokens(model.generate_batch(prompts(), GEN, continuous_batching_config=WHOLE, progress_bar=False))
@@ -918,12 +922,13 @@ def _step_allocations(policy, context: int, batch: int = 2):
         return step_allocations(manager, bp)
 
 
-@pytest.mark.parametrize("policy", [Policy.full(), Policy.int8(), KIVI], ids=["full", "int8", "kivi4"])
+@pytest.mark.parametrize("policy", [Policy.int8(), KIVI], ids=["int8", "kivi4"])
 def test_a_decode_step_materialises_no_full_precision_copy_of_the_cache(policy):
     """A decode step over kvcompile's paged store allocates the same tensors at 256 and at 2048 tokens of
     context (the kernels read the packed blocks where they lie), where transformers' own paged path allocates
     at least one full-precision copy of every layer's keys and values per step (its read through the read
-    indices) -- which is what this accounting sees, so it would see one on kvcompile's path too."""
+    indices) -- which is what this accounting sees, so it would see one on kvcompile's path too. (Not
+    Policy.full(): it reads the pages back as transformers' own path does, to compute exactly what it computes.)"""
     short, long_ = 256, 2048
     cfg = tiny().config
     # one full-precision copy of every layer's keys and values of the batch's extra context: what a step that
@@ -935,3 +940,120 @@ def test_a_decode_step_materialises_no_full_precision_copy_of_the_cache(policy):
     assert b.total - a.total < 0.05 * copy_growth, (a.total, b.total, b.largest_op, copy_growth)
     one_layer = 2 * 2 * long_ * cfg.num_key_value_heads * cfg.head_dim * 4
     assert b.largest < one_layer / 8, (b.largest, b.largest_op, one_layer)
+
+
+# --------------------------------------------------------------------------- sliding-window layers (Gemma 3)
+def gemma3():
+    """A tiny random Gemma 3: its first and last layers attend over a 16-token window, the middle one to every
+    token (untied embeddings and this width make its greedy tokens vary, so that a wrong window shows)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=False,
+        attn_implementation="sdpa")
+    return transformers.Gemma3ForCausalLM(cfg).eval()
+
+
+def windowed_prompts():
+    """Prompts shorter and longer than the window; the 45-token one is prefilled in two forwards (32 tokens a
+    forward), the second reading the first's window; 24 new tokens slide every window further."""
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(3, 64, (n,), generator=g).tolist() for n in (3, 20, 45, 9)]
+
+
+WINDOW_GEN = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+def test_a_sliding_window_model_gives_transformers_own_continuous_batching_tokens():
+    """Gemma 3 under Policy.full(): exactly the tokens of transformers' own continuous batching (its sliding
+    allocator's rings) and of plain generate. The sliding layers keep each request's window in its slot's ring,
+    in full precision; the full-attention layer is in kvcompile's pages."""
+    ps, cbc = windowed_prompts(), cb_config(max_batch_tokens=32)
+    ref = gemma3()
+    with torch.no_grad():
+        want = tokens(ref.generate_batch(ps, WINDOW_GEN, continuous_batching_config=cbc, progress_bar=False))
+        assert want == [generated(ref, p, WINDOW_GEN) for p in ps]  # the premise: transformers' two paths agree
+        model = kvcompile.apply(gemma3(), Policy.full())
+        got, cache, _ = run_manager(model, ps, cbc)  # (run_manager's requests: NEW tokens each)
+        assert got == [w[:NEW] for w in want]
+        got = tokens(model.generate_batch(ps, WINDOW_GEN, continuous_batching_config=cbc, progress_bar=False))
+    assert got == want
+    from kvcompile.window import WindowRing
+
+    assert [type(st).__name__ for st in cache.stores] == ["WindowRing", "KVStore", "WindowRing"]
+    assert isinstance(cache.stores[0], WindowRing) and cache.stores[0].k.shape[2] == 16  # the window, no more
+    assert cache.cache_tensor.device.type == "meta" and list(cache.cache_allocators) == ["full_attention"]
+    specs = serving.layer_specs(model.config, model._kvcompile_serving, torch.float32)
+    assert cache.allocated_nbytes == serving.pool_nbytes(specs, cache.slots, cache.stores[1].blocks, 512)
+
+
+def test_a_sliding_window_model_quantizes_its_full_attention_layers():
+    """Under a 2-bit policy the full-attention layer is quantized into kvcompile's pages and the sliding layers
+    keep their windows as transformers keeps them: exactly kvcompile's own generate under the policy (whose
+    cache keeps transformers' ring for a sliding layer at this horizon), not the full-precision tokens."""
+    from kvcompile.hf import KVCompileCache
+
+    ps, policy = windowed_prompts(), Policy.kivi(2, group=4, residual=4)
+    model = kvcompile.apply(gemma3(), policy)
+    assert KVCompileCache(model.config, policy).rings == {0: 16, 2: 16}  # generate's cache: the same layers
+    with torch.no_grad():
+        got = tokens(model.generate_batch(ps, WINDOW_GEN, continuous_batching_config=cb_config(max_batch_tokens=128),
+                                          progress_bar=False))
+        want = [generated(model, p, WINDOW_GEN) for p in ps]
+        full = [generated(gemma3(), p, WINDOW_GEN) for p in ps]
+    assert got == want
+    assert got != full  # the full-attention layer's cache really is 2-bit
+
+
+def test_sliding_window_models_refused_where_not_served():
+    """A compiled continuous-batching forward over sliding-window layers, and a model whose every layer slides
+    (nothing left to quantize), are refused at the call, saying what to do."""
+    import transformers
+
+    model = kvcompile.apply(gemma3(), Policy.int8())
+    with pytest.raises(KVCompileError, match="sliding-window layers, which a compiled continuous-batching forward"):
+        model.init_continuous_batching(GEN, cb_config(varlen_compile_config=serving.compile_config()))
+    assert model.config._attn_implementation == "sdpa"
+    cfg = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=16,
+                                        layer_types=["sliding_attention"] * 2, attn_implementation="sdpa")
+    slides = kvcompile.apply(transformers.Gemma3ForCausalLM(cfg).eval(), Policy.int8())
+    with pytest.raises(KVCompileError, match="every attention layer of this model attends over a sliding window"):
+        slides.init_continuous_batching(GEN, cb_config())
+
+
+def test_a_sliding_window_models_rings_fork_and_go_to_host_memory_and_back():
+    """The row operations on the rings: parallel sampling forks a request after its prefill (each child gets a
+    copy of its parent's windows; sampled from one seed: transformers' own engine's tokens, children that differ),
+    and a request evicted when the pages run out is copied to host memory with its windows and back (every
+    request then gives plain generate's tokens, as with nothing evicted)."""
+    ps = windowed_prompts()
+    fork = GenerationConfig(max_new_tokens=NEW, do_sample=True, eos_token_id=-1, pad_token_id=0,
+                            num_return_sequences=3)
+    with torch.no_grad():
+        want = tokens(gemma3().generate_batch(ps[1:3], fork, continuous_batching_config=cb_config(seed=7),
+                                              progress_bar=False))
+        model = kvcompile.apply(gemma3(), Policy.full())
+        got = tokens(model.generate_batch(ps[1:3], fork, continuous_batching_config=cb_config(seed=7),
+                                          progress_bar=False))
+    assert len(got) == 6 and got == want
+    assert len({tuple(t) for t in got[:3]}) > 1
+    # three requests that grow to 160 tokens over pages for two of them: one is evicted, its windows go along
+    g = torch.Generator().manual_seed(5)
+    long_ = [torch.randint(3, 64, (60,), generator=g).tolist() for _ in range(3)]
+    gen = GenerationConfig(max_new_tokens=100, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    specs = serving.layer_specs(model.config, model._kvcompile_serving, torch.float32)
+    serving.configure(model, max_requests=3, budget=3 * sum(s.row_nbytes() for s in specs)
+                      + 5 * sum(s.block_nbytes() + 12 for s in specs))
+    with torch.no_grad():
+        want = [generated(gemma3(), p, gen) for p in long_]
+        got = tokens(model.generate_batch(long_, gen, continuous_batching_config=cb_config(cpu_offload_space=0.01),
+                                          progress_bar=False, persistent_manager=True))
+    manager = model._cached_continuous_batching_manager
+    offload = manager.batch_processor.offloading_manager
+    manager.stop(block=True, timeout=30)
+    assert offload.offloaded >= 1 and offload.restored == offload.offloaded  # the path under test ran
+    assert got == want

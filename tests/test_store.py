@@ -66,6 +66,30 @@ def test_appending_in_any_chunks_equals_appending_at_once(policy, data):
         assert torch.equal(a, b)
 
 
+@given(policies(), st.data())
+def test_appending_to_some_rows_equals_appending_to_all_with_the_others_empty(policy, data):
+    """``KVStore.append_rows`` (a serving engine's group of requests, consecutive slots or not) stores exactly
+    what ``append`` stores with the other sequences given no token, and returns the rows' state."""
+    B, H, D, n = 4, 2, 16, data.draw(st.integers(1, 9))
+    spec = LayerSpec(policy, H, D, "float32")
+    rows = sorted(data.draw(st.sets(st.integers(0, B - 1), min_size=1)))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 31 - 1)))
+    past = torch.randn(2, B, H, 7, D, generator=g)
+    k, v = torch.randn(2, len(rows), H, n, D, generator=g)
+    some, every = KVStore(spec, B), KVStore(spec, B)
+    for st_ in (some, every):
+        st_.append(past[0], past[1])
+    sub = some.append_rows(torch.tensor(rows), k, v)
+    full_k, full_v = torch.zeros(2, B, H, n, D)
+    full_k[rows], full_v[rows] = k, v
+    every.append(full_k, full_v, torch.tensor([n if b in rows else 0 for b in range(B)]))
+    assert some.lengths == every.lengths and some.tables == every.tables
+    for a, b, name in zip(some.state, every.state, some.state._fields):
+        assert torch.equal(a, b), name
+    for a, b, name in zip(sub[6:], every.state[6:], sub._fields[6:]):
+        assert torch.equal(a, b[rows]), name  # the rows' own fields, as stored
+
+
 @pytest.mark.parametrize("L", [0, 1, 31, 32, 33, 159, 160, 161, 256])
 def test_regions_at_boundary_lengths(L):
     """Sinks and the residual are exact; the packed region is within the format's bound; the rest is zero."""

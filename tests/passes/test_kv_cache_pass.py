@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import kvcompile
 import zoo
 from kvcompile import KVCompileError, Policy, Quant
+from kvcompile.errors import UnsupportedError
 from kvcompile.passes import analyze, counters
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -162,9 +163,13 @@ def test_analyze_reads_a_causal_prefix_only_over_the_query_length():
             assert not a.sites and "is_causal=True over a cache longer than the query" in a.skipped[0].reason
 
 
-def test_causal_prefix_read_is_rewritten_with_the_mask_it_stands_for():
+@pytest.mark.parametrize("policy, counter", [(Policy.int8(residual=64), "mask_causal_prefix"),
+                                             (Policy.full(), "exact_causal_prefix")], ids=["int8-window", "full"])
+def test_causal_prefix_read_is_rewritten_with_the_mask_it_stands_for(policy, counter):
     """The rewritten read equals SDPA over the slice exactly: also on a second call, where the slice holds the
-    first call's tokens (what the original graph reads), not the new ones."""
+    first call's tokens (what the original graph reads), not the new ones. (int8 with a window longer than the
+    tokens: kvcompile's attention with the causal mask, over full-precision values; Policy.full(): the graph's
+    own SDPA over the slice of ``exact_view``.)"""
     def make(kc, vc):
         def f(q, k, v, pos):
             kc.index_copy_(2, pos, k)
@@ -176,12 +181,12 @@ def test_causal_prefix_read_is_rewritten_with_the_mask_it_stands_for():
     torch.manual_seed(4)
     eager = make(*_cache())
     compiled = torch.compile(make(*_cache()), backend="kvcompile", fullgraph=True,
-                             options={"policy": Policy.full(), "compiler": "eager"})
+                             options={"policy": policy, "compiler": "eager"})
     for start in (0, 3):
         q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
         pos = torch.arange(start, start + 3)
         torch.testing.assert_close(compiled(q, k, v, pos), eager(q, k, v, pos))
-    assert counters["mask_causal_prefix"] == 1 and counters["graphs_rewritten"] == 1
+    assert counters[counter] == 1 and counters["graphs_rewritten"] == 1
 
 
 def test_analyze_pairs_a_read_only_with_its_queries_own_chunk():
@@ -268,14 +273,20 @@ def _with_attention(cls):
 
 def test_error_no_sdpa_read_says_what_was_found():
     model = kvcompile.apply(_with_attention(_ManualAttention), POLICY, compiler="eager")
-    with pytest.raises(Exception, match=r"no scaled_dot_product_attention read found.*(matmul|softmax)"):
+    with pytest.raises(UnsupportedError, match=r"no scaled_dot_product_attention read found.*(matmul|softmax)") as e:
         zoo.run(model, torch.randint(0, 64, (1, 4)), 4)
+    assert type(e.value) is UnsupportedError  # found while compiling, raised as itself (not Dynamo's wrapper)
+    with pytest.raises(UnsupportedError, match=r"no scaled_dot_product_attention read found") as e:  # so is explain
+        kvcompile.explain(_with_attention(_ManualAttention), torch.randint(0, 64, (1, 4)), torch.arange(4),
+                          policy=POLICY)
+    assert type(e.value) is UnsupportedError
 
 
 def test_error_write_that_cannot_be_paired_with_a_read():
     model = kvcompile.apply(_with_attention(_UnreadCache), POLICY, compiler="eager")
-    with pytest.raises(Exception, match=r"cannot pair its write with an attention read"):
+    with pytest.raises(UnsupportedError, match=r"cannot pair its write with an attention read") as e:
         zoo.run(model, torch.randint(0, 64, (1, 4)), 4)
+    assert type(e.value) is UnsupportedError
 
 
 def test_error_unsupported_model_dtype_for_kernels():
@@ -315,10 +326,11 @@ def test_error_sequence_longer_than_capacity():
     model = zoo.Decoder(capacity=8)
     model.causal = torch.tril(torch.ones(16, 8, dtype=torch.bool))  # mask rows past the capacity: the store fails
     model = kvcompile.apply(model, Policy.int8(), compiler="eager")
-    with pytest.raises(Exception, match="KV cache overflow"):
+    with pytest.raises(kvcompile.CapacityError, match="KV cache overflow") as e:
         with torch.no_grad():
             model(torch.randint(0, 64, (1, 6)), torch.arange(6), 0)
             model(torch.randint(0, 64, (1, 3)), torch.arange(6, 9), 6)
+    assert type(e.value) is kvcompile.CapacityError
 
 
 # --------------------------------------------------------------------------- the gpt-fast-style example

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcompile import Policy, Quant
 from kvcompile import quant as Q
 from kvcompile.store import CapacityError, KVState, KVStore, LayerSpec, store_reference
 from kvcompile.templates import cpu, cpu_store
+import profiles
 from store_checks import around, assert_same_store, quants, scrambled, tie_rows, with_history
 
 
@@ -72,7 +73,7 @@ def store_cases(draw):
             draw(st.integers(0, 2**31 - 1)))
 
 
-@settings(max_examples=20)
+@profiles.KERNEL
 @given(store_cases())
 def test_cpu_store_equals_reference(case):
     policy, B, H, D, dtype, history, chunks, ragged, in_model_dtype, threads, block, seed = case

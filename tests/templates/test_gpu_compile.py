@@ -18,17 +18,28 @@ SCRIPT = textwrap.dedent("""
     from kvcompile.templates import common, launch
 
     log = []
-    cases = [  # (policy, head_dim, dtype, gqa, n, mask, packed tokens per block, tiles)
+    cases = [  # (policy, head_dim, dtype, gqa, n, mask, packed tokens per block, tiles[, kernel])
         (Policy.fp8(residual=0), 128, "bfloat16", 4, 1, None, None, None),
         (Policy.kivi(4, group=32, residual=16, sink=4), 128, "bfloat16", 4, 64, None, None, None),  # own chunk
-        (Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0), 128, "bfloat16", 4, 1, None, 16, None),
+        (Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0), 128, "bfloat16", 4, 1, None, 16, None,
+         "general"),
         (Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0), 128, "bfloat16", 4, 1, None, None, None),
         (Policy(Quant("int2", "token"), Quant("int2", "token"), residual=0), 128, "bfloat16", 4, 1, None, None, None),
         (Policy.kivi(4, group=32, residual=128, sink=4), 128, "bfloat16", 8, 17, torch.ones(1, dtype=torch.bool),
          None, None),
         (Policy(Quant("int3", "token", 16, True), Quant("fp8_e5m2", "channel", 16), residual=5, rotate=True),
          64, "float16", 3, 1, torch.zeros(1), 16, None),
-        (Policy.kivi(2, group=16, residual=8, sink=2), 64, "float32", 2, 1, None, 32, (1, 64, 3)),  # tile cut to 32
+        (Policy.kivi(2, group=16, residual=8, sink=2), 64, "float32", 2, 1, None, 32, (1, 64, 3),
+         "general"),  # tile cut to 32
+        # the decode kernel (templates.decode; the four above too): scales on tiles (fp8, int4, int2), per group
+        # (KIVI's values), per element (KIVI's per-channel keys, fp32 scales, per-channel values), the
+        # full-precision program with the query's own token and masks, a tile over two blocks
+        (Policy.kivi(4, group=32, residual=0), 128, "bfloat16", 4, 1, None, 256, None, "decode"),
+        (Policy(Quant("int8", "token", 32, False, "float32"), Quant("fp8_e5m2", "token", 16), residual=4, sink=2),
+         128, "bfloat16", 8, 1, torch.zeros(1), None, None, "decode"),
+        (Policy(Quant("int4", "token", scale_dtype="fp8_e4m3"), Quant("int2", "channel", 32, scale_dtype="fp8_e4m3"),
+                residual=0), 64,
+         "float16", 2, 1, torch.ones(1, dtype=torch.bool), 32, (1, 64, 2), "decode"),  # a tile over 2 blocks
         # pre-RoPE keys, rotated in the kernel: decode (sinks, codes, ring) and a prefill reading its own chunk
         (Policy.kivi(2, group=32, residual=16, sink=4, pre_rope=True), 128, "bfloat16", 4, 1, None, None, None),
         (Policy(Quant("int4", "channel", 32), Quant("int4", "token"), residual=16, sink=4, rotate=True,
@@ -36,7 +47,7 @@ SCRIPT = textwrap.dedent("""
         (Policy.fp8(residual=0, pre_rope=True), 64, "float16", 2, 1, torch.ones(1, dtype=torch.bool), 16, None),
     ]
     with common.compile_only(90, log):
-        for policy, D, dt, G, n, mask, block, tiles in cases:
+        for policy, D, dt, G, n, mask, block, tiles, *kernel in cases:
             spec = LayerSpec(policy, 2, D, dt, block)
             state = spec.allocate(2, 4096)
             k, v = torch.randn(2, 2, 2, n, D)
@@ -46,12 +57,15 @@ SCRIPT = textwrap.dedent("""
                 rope = Rope(torch.ones(8, D), torch.zeros(8, D), torch.tensor(perm, dtype=torch.int32),
                             torch.zeros(2, dtype=torch.int32))
             launch.store(state, spec, k, v)
-            launch.attention(torch.randn(2, 2 * G, n, D), state, spec, mask, k_new=k, v_new=v, tiles=tiles, rope=rope)
+            launch.attention(torch.randn(2, 2 * G, n, D), state, spec, mask, k_new=k, v_new=v, tiles=tiles, rope=rope,
+                             kernel=kernel[0] if kernel else "auto")
     names = sorted({name for name, _ in log})
     print("compiled", len(log), names, "chunk:", sum(bool(c.get("CHUNK")) for _, c in log),
           "rope:", sorted({(bool(c.get("CHUNK")), c["D"]) for n, c in log if n == "_attn_kernel" and c.get("ROPE")}),
           "blocks:", sorted({c["BS"] for _, c in log if "BS" in c}),
-          "tiles:", sorted({(c["BS"], c["BLOCK_N"]) for n, c in log if n == "_attn_kernel"}))
+          "tiles:", sorted({(c["BS"], c["BLOCK_N"]) for n, c in log if n == "_attn_kernel"}),
+          "decode:", sorted({(c["K_MODE"], c["V_MODE"], c["FULL"], c["CHUNK"], c["MASK_KIND"], c["BLOCK_N"] > c["BS"])
+                             for n, c in log if n == "_decode_kernel"}))
 """)
 
 
@@ -62,13 +76,19 @@ def test_kernels_compile_for_sm90():
         pytest.skip(f"Triton's NVIDIA backend is not available: {e}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "0"  # silences Triton 3.9's notice; launches pass enable_fp_fusion anyway
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "compiled" in r.stdout and "_attn_kernel" in r.stdout and "_merge_kernel" in r.stdout, r.stdout
     assert "_flush_kernel" in r.stdout and "_copy_kernel" in r.stdout, r.stdout
     assert "chunk: 0" not in r.stdout, r.stdout  # the loop over the queries' own chunk compiles too
-    assert "blocks: [16, 32, 64]" in r.stdout, r.stdout  # paged layouts with 16, 32 and 64 tokens per block
+    assert "blocks: [16, 32, 64, 256]" in r.stdout, r.stdout  # paged layouts of 16 to 256 tokens per block
     assert "(32, 32)" in r.stdout and "(16, 16)" in r.stdout, r.stdout  # tiles cut to the block
     # pre-RoPE keys rotated in the kernel (tl.gather of the partner channels) lower, with and without the chunk's
     # loop (a decode with no residual reads its own token from the chunk)
     assert "rope: [(False, 128), (True, 64), (True, 128)]" in r.stdout, r.stdout
+    # the decode kernel: (key mode, value mode, full-precision program, own token, mask kind, tile over blocks);
+    # mode 0: scales on tiles, 1: per element, 2: per group
+    decode = r.stdout.split("decode:")[1]
+    for want in ("(0, 0, True, True, 0, False)", "(1, 2, True, True, 0, False)", "(1, 2, True, False, 2, False)",
+                 "(0, 1, True, True, 1, True)"):
+        assert want in decode, r.stdout

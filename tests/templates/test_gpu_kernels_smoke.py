@@ -1,15 +1,18 @@
 """benchmarks/gpu_kernels.py runs end to end at tiny size (on the CPU through the interpreter): its
-correctness stage passes and it prints a table, so the GPU run is one command away."""
+correctness stage passes and it prints every table, so the GPU run is one command away."""
 import importlib.util
 import pathlib
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_kernels.py"
 
 
-def test_gpu_benchmark_smoke_run():
+def test_gpu_benchmark_smoke_run(tmp_path):
     spec = importlib.util.spec_from_file_location("gpu_kernels", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    report = mod.main(["--smoke"])
-    assert report.count("store exact, attention within bound") == 3
-    assert "| 1 | 256 | bf16 sdpa" in report and "| 1 | 256 | int4-kivi |" in report
+    report = mod.main(["--smoke", "--out", str(tmp_path / "kernels.md")])
+    assert report.count("store exact, attention within bound (decode+general kernels") == 2
+    assert "| 1 | 128 | bf16 sdpa (flash) |" in report and "| 1 | 128 | int4-kivi |" in report
+    assert "| 1 | 128 | int4 (general kernel) |" in report
+    assert "| 48 | int4 |" in report and "| 1 | 1 | int4 |" in report  # prefill, store
+    assert (tmp_path / "kernels.md").read_text() == report and (tmp_path / "kernels.json").exists()

@@ -5,7 +5,6 @@ import torch
 
 from kvcompile import Policy, Quant, ops, standin
 from kvcompile.store import KVStore, LayerSpec
-from kvcompile.templates import attention as kattn
 from kvcompile.templates import launch
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,8 +49,7 @@ def test_compiled_ops_with_triton_kernels_equal_reference(policy, triton_kernels
         L += n
         for a, b in zip(ref.state, got.state):
             assert torch.equal(a, b.cpu())
-        want, bound = kattn.reference_and_bound(q, ref.state, spec, None, 0.125, nsplit=3 if n == 1 else 1,
-                                                dot=launch.dot_precision(torch.device(DEV)))
+        want, bound = launch.reference_and_bound(q, ref.state, spec, None, 0.125, device=DEV)
         assert ((out.cpu().double() - want).abs() <= bound).all()
     assert calls == ["store", "attention"] * 4
 

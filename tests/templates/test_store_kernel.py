@@ -6,7 +6,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcompile import Policy, Quant
@@ -14,6 +14,7 @@ from kvcompile import quant as Q
 from kvcompile.store import CapacityError, KVStore, LayerSpec, store_reference
 from kvcompile.templates import launch
 from kvcompile.templates import store as kstore
+import profiles
 from store_checks import around, assert_same_store, bits, quants, scrambled, tie_rows, with_history
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,7 +34,7 @@ def store_cases(draw):
     return policy, B, H, D, dtype, history, chunks, ragged, block, draw(st.integers(0, 2**31 - 1))
 
 
-@settings(max_examples=30)
+@profiles.KERNEL
 @given(store_cases())
 def test_store_kernel_equals_reference(case):
     """Ragged histories and chunks over scrambled block tables: every row spans several blocks, handed out in
@@ -85,7 +86,8 @@ def test_store_kernel_rounds_ties_to_even(fmt, sym):
 def test_store_kernel_unreserved_block_raises_like_the_reference():
     """An append whose packed tokens need a block the table does not hold fails before anything is written,
     with the reference's message; appends within the reserved (scrambled) blocks equal the reference."""
-    spec, ref, got, g, _ = with_history(Policy.kivi(4, group=4, residual=2), 1, 1, 16, "float32", [6], [12], 5)
+    spec, ref, got, g, _ = with_history(Policy.kivi(4, group=4, residual=2), 1, 1, 16, "float32", [6], [12], 5,
+                                        DEV)
     k, v = torch.randn(1, 1, 12, 16, generator=g), torch.randn(1, 1, 12, 16, generator=g)
     ref.append(k, v)
     got.append(k.to(DEV), v.to(DEV), kernel=launch.store)
@@ -96,7 +98,7 @@ def test_store_kernel_unreserved_block_raises_like_the_reference():
     before = [t.clone() for t in state]
     with pytest.raises(CapacityError, match="holds 18 tokens and appends 4, which needs 2 blocks of 16 packed "
                                             "tokens, but 1 are reserved"):  # not reserved: KVStore.reserve skipped
-        launch.store(state, spec, torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16))
+        launch.store(state, spec, torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16))  # host: fails before a kernel
     assert all(torch.equal(a, b) for a, b in zip(before, state))
 
 
@@ -123,7 +125,7 @@ def test_store_kernel_never_writes_an_unreserved_block():
     if DEV == "cpu":  # the launcher raises on the host; on CUDA the device asserts (ending the CUDA context)
         bad = spec.allocate(1, 48)._replace(table=torch.tensor([[0, 5, 1]], dtype=torch.int32))
         with pytest.raises(CapacityError, match="not in the pool"):
-            launch.store(bad, spec, k, v)
+            launch.store(bad, spec, k, v)  # host: DEV is the CPU here
 
 
 @pytest.mark.parametrize("block", [16, 32, 64])
@@ -161,7 +163,8 @@ def test_store_kernel_follows_forks_crops_and_reorders(block):
 def test_unsupported_head_dim_names_the_policy():
     spec = LayerSpec(Policy.kivi(4), 1, 512)
     with pytest.raises(NotImplementedError, match=r"head_dim <= 256.*k=int4\.channel\.32"):
-        launch.store(spec.allocate(1, 64), spec, torch.zeros(1, 1, 1, 512), torch.zeros(1, 1, 1, 512))
+        launch.store(spec.allocate(1, 64), spec, torch.zeros(1, 1, 1, 512),  # host: refused before any kernel
+                     torch.zeros(1, 1, 1, 512))
 
 
 def test_specialization_keys_spell_out_the_format():

@@ -1,0 +1,323 @@
+"""vLLM's own KV cache and kvcompile's policies inside vLLM, side by side at one KV memory size.
+
+    MODEL=$(.venv/bin/python -c "from kvcompile import models; print(models.convert_default(log=lambda *a: None))")
+    /path/to/vllm-env/bin/python benchmarks/vllm_side_by_side.py --model $MODEL --kv-mib 256 --eager \
+        --calibrated benchmarks/results/calibrate/smollm2_cal2.json \
+        --out benchmarks/results/vllm_side_by_side.json --plot docs/vllm_side_by_side.png
+
+Run in the vLLM environment (docs/vllm.md). For each contender -- vLLM ``auto`` (the model's dtype), vLLM
+``fp8``, and kvcompile policies named in ``additional_config`` -- three engines start:
+
+- **capacity**, an ``LLM`` in this process, bf16 (``--capacity-dtype``), ``--kv-mib`` of KV memory, requests up to
+  8K tokens: vLLM's own block count and the concurrency it reports for 8K-token requests; for 1K-token requests
+  the same formula (blocks / pages per request);
+- **quality**, an ``LLM`` in this process, fp32 (as ``kvcompile eval``): held-out loss on the texts ``kvcompile
+  eval`` scores (``kvcompile.evaluate.heldout_windows``: windows of ``--window`` tokens from Python's own docs;
+  the loss of the second half of each window, from vLLM's prompt log probabilities of one prefill), and passkey
+  retrieval (``kvcompile.evaluate``'s prompts; greedy answers through vLLM);
+- **serving**, vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``, vLLM's default processes),
+  ``--serve-dtype`` (fp32: bf16 matmuls on a CPU without AVX-512 BF16 made a 2 x 1K-token prefill take 130 s
+  here), ``--kv-mib`` of KV memory, requests of ``--prompt`` + ``--new`` tokens: as many streaming requests at once
+  as vLLM reports it holds (``--max-concurrency`` caps it), each a different held-out window, read to the end with
+  the ``openai`` client: generated tokens/s over the whole level, and decode tokens/s once every request has its
+  first token.
+
+A contender that vLLM or kvcompile refuses at start-up is reported with the reason (on this CPU vLLM's ``fp8``
+needs AVX-512; kvcompile refuses windows, KIVI's per-channel keys, sinks and per-layer policies: docs/vllm.md).
+kvcompile's own numbers for the same policies, where ``docs/eval.json`` has them, are put beside vLLM's; that
+protocol feeds the second half in chunks of 64 and reads a chunk's own keys in full precision, where vLLM reads
+every position from the pages (docs/vllm.md), so small differences are expected.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.serve_load import launch  # noqa: E402
+
+CONTENDERS = [  # (label, kvcompile policy name or None, vLLM engine arguments)
+    ("vLLM auto", None, {}),
+    ("vLLM fp8", None, {"kv_cache_dtype": "fp8"}),
+    ("kvcompile int8", "int8", {}),
+    ("kvcompile fp8-r0", "fp8-r0", {}),
+    ("kvcompile tok+rot:4", "tok+rot:4", {}),
+    ("kvcompile tok+rot:2", "tok+rot:2", {}),
+    ("kvcompile kivi+rot+sink:4", "kivi+rot+sink:4", {}),
+    ("kvcompile kivi+rot+sink:2", "kivi+rot+sink:2", {}),
+]
+
+
+def reason(e: BaseException) -> str:
+    """The refusal's own message: the first error in the chain that names kvcompile or vLLM's reason."""
+    chain = []
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for err in chain:
+        if type(err).__module__.startswith("kvcompile") or isinstance(err, NotImplementedError):
+            return f"{type(err).__name__}: {err}"
+    return f"{type(chain[-1]).__name__}: {chain[-1]}"
+
+
+def extra_args(policy, engine):
+    return {**engine, **({"additional_config": {"kvcompile": {"policy": policy}}} if policy else {})}
+
+
+# --------------------------------------------------------------------------- quality
+def quality(args, tok, policy, engine) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvcompile.evaluate import PASSKEY_NEW_TOKENS, heldout_windows, passkey_prompt, passkey_trials
+    try:
+        llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=max(args.passkey + [args.window + 1]),
+                  seed=0, distributed_executor_backend="uni", kv_cache_memory_bytes=args.quality_kv_mib << 20,
+                  **extra_args(policy, engine))
+    except Exception as e:  # noqa: BLE001  (a refusal at start-up: reported, the next contender runs)
+        return {"refused": reason(e)}
+    try:
+        windows = heldout_windows(tok, args.window, args.windows)
+        half = args.window // 2
+        outs = llm.generate([TokensPrompt(prompt_token_ids=w.tolist()) for w in windows],
+                            SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        losses = []
+        for w, o in zip(windows.tolist(), outs):
+            lps = [o.prompt_logprobs[p][w[p]].logprob for p in range(half, len(w))]
+            losses.append(-sum(lps) / len(lps))
+        trials = passkey_trials(args.passkey, args.trials, seed=0)
+        prompts = [TokensPrompt(prompt_token_ids=passkey_prompt(tok, t)[0]) for t in trials]
+        answers = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=PASSKEY_NEW_TOKENS),
+                               use_tqdm=False)
+        found = {}
+        for t, a in zip(trials, answers):
+            found.setdefault(t.length, []).append(str(t.key) in a.outputs[0].text)
+        return {"loss": sum(losses) / len(losses), "loss_per_window": losses,
+                "passkey": {str(L): sum(v) / len(v) for L, v in found.items()}}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+# --------------------------------------------------------------------------- capacity
+def capacity(args, policy, engine) -> dict:
+    """vLLM's own count for ``--kv-mib`` of KV memory in ``--capacity-dtype``: its KV tokens and the concurrency it
+    reports for requests of ``--long`` (8K) tokens; 1K requests by the same formula (blocks / pages per request)."""
+    from vllm import LLM
+    try:
+        llm = LLM(model=args.model, dtype=args.capacity_dtype, enforce_eager=True, max_model_len=args.long, seed=0,
+                  distributed_executor_backend="uni", kv_cache_memory_bytes=args.kv_mib << 20,
+                  **extra_args(policy, engine))
+    except Exception as e:  # noqa: BLE001
+        return {"refused": reason(e)}
+    try:
+        cc = llm.llm_engine.vllm_config.cache_config  # what vLLM logs as its KV cache size and concurrency
+        return {"dtype": args.capacity_dtype, "blocks": cc.num_gpu_blocks, "kv_tokens": cc.kv_cache_size_tokens,
+                "concurrency_8k": cc.kv_cache_max_concurrency,
+                "concurrency_1k": cc.num_gpu_blocks / math.ceil(1024 / args.block)}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+# --------------------------------------------------------------------------- serving
+def server_command(args, policy, engine):
+    def command(port):
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host",
+               "127.0.0.1", "--port", str(port), "--dtype", args.serve_dtype, "--max-model-len",
+               str(args.prompt + args.new), "--kv-cache-memory-bytes", str(args.kv_mib << 20), "--seed", "0"]
+        if args.eager:
+            cmd.append("--enforce-eager")
+        if engine.get("kv_cache_dtype"):
+            cmd += ["--kv-cache-dtype", engine["kv_cache_dtype"]]
+        if policy:
+            cmd += ["--additional-config", json.dumps({"kvcompile": {"policy": policy}})]
+        return cmd
+    return command
+
+
+async def one_level(base, model, prompts, new) -> dict:
+    from openai import AsyncOpenAI
+    client = AsyncOpenAI(base_url=base, api_key="unused", timeout=3600, max_retries=0)
+    firsts, ends, tokens = [], [], []
+
+    async def one(p):
+        n, first = 0, None
+        stream = await client.completions.create(model=model, prompt=p, max_tokens=new, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.choices and first is None:  # the first token (its text may be empty)
+                first = time.perf_counter()
+            if chunk.usage:
+                n = chunk.usage.completion_tokens
+        firsts.append(first)
+        ends.append(time.perf_counter())
+        tokens.append(n)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[one(p) for p in prompts])
+    t1, all_first = max(ends), max(f for f in firsts if f is not None)
+    total = sum(tokens)
+    return {"requests": len(prompts), "generated_tokens": total, "seconds": t1 - t0,
+            "tokens_per_s": total / (t1 - t0),
+            "decode_tokens_per_s": (total - len(prompts)) / (t1 - all_first) if t1 > all_first else None,
+            "time_to_first_token_s": sorted(f - t0 for f in firsts)[len(firsts) // 2]}
+
+
+def serving(args, tok, policy, engine) -> dict:
+    from kvcompile.evaluate import heldout_windows
+    try:
+        proc, port, log = launch(server_command(args, policy, engine), "/v1/models", "vllm server",
+                                 startup_s=args.startup_s)
+    except RuntimeError as e:
+        text = str(e)
+        m = re.search(r"(kvcompile[^\n]*cannot be kept in pages[^\n]*|Refused: [^\n]*|PolicyError: [^\n]*|"
+                      r"NotImplementedError: [^\n]*)", text)
+        return {"refused": m.group(1) if m else text[-500:]}
+    try:
+        log.seek(0)
+        out = log.read()
+        kv_tokens = int(re.search(r"KV cache size: ([\d,]+) tokens", out).group(1).replace(",", ""))
+        reported = float(re.search(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.,]+)x", out)
+                         .group(1).replace(",", ""))
+        res = {"dtype": args.serve_dtype, "kv_tokens": kv_tokens, "reported_concurrency": reported}
+        c = max(1, min(int(reported), args.max_concurrency))
+        windows = heldout_windows(tok, args.prompt, c)
+        base = f"http://127.0.0.1:{port}/v1"
+        res["level"] = asyncio.run(one_level(base, args.model, [w.tolist() for w in windows], args.new))
+        return res
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except Exception:  # noqa: BLE001
+            proc.kill()
+        log.close()
+
+
+# --------------------------------------------------------------------------- the table and the plot
+def kvcompile_eval_loss(policy: str | None):
+    """kvcompile's own eval of ``policy`` on SmolLM2 (docs/eval.json), where it is there: (loss, loss delta)."""
+    path = ROOT / "docs" / "eval.json"
+    if not path.exists():
+        return None
+    rows = json.loads(path.read_text())["rows"]
+    name, _, bits = (policy or "full:16").rpartition(":")
+    if policy in ("int8", "fp8-r0"):
+        name, bits = policy, "8"
+    if policy and policy.endswith(".json"):
+        name, bits = Path(policy).name, None
+    for r in rows:
+        if r["scheme"] == name and (bits is None or str(r["bits"]) == bits):
+            return r["loss"], r["loss_delta"]
+    return None
+
+
+def table(results) -> str:
+    base = next((r for r in results if r["label"] == "vLLM auto"), None)
+    lines = ["| contender | KV tokens | 1K requests | 8K requests | x vLLM auto | held-out loss | delta | "
+             "kvcompile eval delta | passkey | tokens/s at max concurrency (requests) | decode tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        c, q, s = r["capacity"], r["quality"], r["serving"]
+        why = c.get("refused") or q.get("refused") or s.get("refused")
+        if why:
+            lines.append(f"| {r['label']} | refused: {why[:200]} |" + " |" * 9)
+            continue
+        ratio = c["kv_tokens"] / base["capacity"]["kv_tokens"] if base and "kv_tokens" in base["capacity"] else float("nan")
+        delta = q["loss"] - base["quality"]["loss"] if base and "loss" in base["quality"] else float("nan")
+        ev = kvcompile_eval_loss(r["policy"])
+        ev_delta = "" if ev is None else f"{ev[1]:+.4f}"
+        lv = s["level"]
+        pk = " ".join(f"{k}: {v:.2f}" for k, v in q["passkey"].items())
+        decode = "" if lv["decode_tokens_per_s"] is None else f"{lv['decode_tokens_per_s']:.1f}"
+        lines.append(f"| {r['label']} | {c['kv_tokens']:,} | {c['concurrency_1k']:.2f} | {c['concurrency_8k']:.2f} | "
+                     f"{ratio:.2f} | {q['loss']:.4f} | {delta:+.4f} | {ev_delta} | {pk} | "
+                     f"{lv['tokens_per_s']:.1f} ({lv['requests']}) | {decode} |")
+    return "\n".join(lines)
+
+
+def plot(results, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ok = [r for r in results if "kv_tokens" in r["capacity"] and "loss" in r["quality"] and "level" in r["serving"]]
+    base = next(r for r in ok if r["label"] == "vLLM auto")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    labels = [r["label"].replace("kvcompile ", "") for r in ok]
+    axes[0].bar(labels, [r["capacity"]["kv_tokens"] / base["capacity"]["kv_tokens"] for r in ok])
+    axes[0].set_title("tokens vLLM holds in the same KV memory, x vLLM auto")
+    axes[1].bar(labels, [r["quality"]["loss"] - base["quality"]["loss"] for r in ok])
+    axes[1].set_title("held-out loss - vLLM auto's (nats/token)")
+    axes[2].bar(labels, [r["serving"]["level"]["decode_tokens_per_s"] or 0 for r in ok])
+    axes[2].set_title("decode tokens/s at each one's max concurrency")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=35)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a Hugging Face model directory vLLM loads")
+    ap.add_argument("--kv-mib", type=int, default=256, help="KV memory of the capacity and serving engines (MiB)")
+    ap.add_argument("--capacity-dtype", default="bfloat16", help="the model dtype vLLM's capacity is counted in")
+    ap.add_argument("--serve-dtype", default="float32",
+                    help="the server's dtype (bf16 matmuls are slow on a CPU without AVX-512 BF16)")
+    ap.add_argument("--quality-kv-mib", type=int, default=512, help="KV memory of the quality engines (MiB)")
+    ap.add_argument("--long", type=int, default=8192, help="the long requests' tokens (vLLM's reported concurrency)")
+    ap.add_argument("--window", type=int, default=2048)
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--passkey", type=int, nargs="*", default=[1024, 2048])
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens of each decode request")
+    ap.add_argument("--new", type=int, default=32, help="tokens each decode request generates")
+    ap.add_argument("--max-concurrency", type=int, default=64)
+    ap.add_argument("--block", type=int, default=128, help="vLLM's block size (128 on the CPU)")
+    ap.add_argument("--eager", action="store_true", help="serve with --enforce-eager")
+    ap.add_argument("--calibrated", help="a policy file from `kvcompile calibrate`, as one more contender")
+    ap.add_argument("--only", nargs="*", help="run only these contenders (labels)")
+    ap.add_argument("--startup-s", type=int, default=900)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--plot", type=Path)
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the quality engines, in this process
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(args.model)
+    contenders = list(CONTENDERS) + ([(f"kvcompile calibrated ({Path(args.calibrated).name})", args.calibrated, {})]
+                                     if args.calibrated else [])
+    if args.only:
+        contenders = [c for c in contenders if c[0] in args.only]
+    results = []
+    for label, policy, engine in contenders:
+        t0 = time.time()
+        cap = capacity(args, policy, engine)
+        q = quality(args, tok, policy, engine) if "refused" not in cap else {"refused": cap["refused"]}
+        s = serving(args, tok, policy, engine) if "refused" not in q else {"refused": q["refused"]}
+        results.append({"label": label, "policy": policy, "engine": engine, "capacity": cap, "quality": q,
+                        "serving": s, "seconds": time.time() - t0})
+        print(f"{label}: {json.dumps({'capacity': cap, 'quality': q, 'serving': s})[:800]}", flush=True)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+                                            "results": results}, indent=1))
+    print(table(results))
+    if args.plot:
+        plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()

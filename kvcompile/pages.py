@@ -1,0 +1,385 @@
+"""Packed KV pages inside a serving engine's own cache: the core interface an engine integration builds on.
+
+A paged serving engine (vLLM; later kvcompile's own serving) owns each layer's cache as fixed-size pages -- one
+flat byte buffer per layer, page ``i`` holding ``block`` consecutive tokens of one sequence for every kv head --
+and gives each sequence a block table (its pages, in order) and a length. It allocates, shares (prefix caching),
+frees and evicts pages itself; kvcompile only says how big a page is and what is in it, writes tokens into it
+and attends over it:
+
+    layout = PageLayout(policy, heads=8, head_dim=128, dtype="bfloat16", block=128)
+    layout.page_bytes                    # what the engine allocates per page (a multiple of heads * block)
+    pools = layout.views(pages)          # the store's pool tensors, viewed in place in the engine's buffer
+    store(layout, pages, k, v, lengths, table)                    # quantize on write, at the tokens' slots
+    out = attention(layout, pages, q, lengths, table, k, v)       # the queries over their sequences' pages
+
+A page holds exactly the ``KVStore`` block of ``LayerSpec(policy, heads, head_dim, dtype, block_tokens=block)``
+(``kvcompile.store``): the packed codes of keys and values, and their scales and zero points, per kv head -- the
+same bytes, field by field, that the reference store writes into a block of its own pool. The fields lie one after
+the other in the page, each ``[heads, rows, X]`` dense and starting at a multiple of ``ALIGN`` bytes (``fields``);
+the kernels read them in place (``cpu.pool_strides``: a field's blocks are one page apart). Position ``p`` of a
+sequence lives in page ``table[p // block]``, row ``p % block``: the engine's own slot for it.
+
+**What fits in a page.** A page holds packed tokens only. A policy that keeps tokens in full precision beside its
+packed blocks -- a recent window (``residual``), per-channel key groups (KIVI: up to ``group - 1`` tokens wait in
+full precision until their group is complete), attention sinks -- has per-sequence state that lives outside the
+blocks, which an engine's fixed-size pages do not hold; pre-RoPE keys need the rotary embedding, which an engine
+applies before the cache sees the keys. ``refusal(policy, block)`` says which (a ``Refusal``), and
+``PageLayout`` refuses them (``PageError``, with the reason and what to use instead), never storing something
+other than what was asked.
+
+The batch forms (``store``, ``attention``) take ``[B, H, n, D]`` chunks of equal length; the ragged forms
+(``store_ragged``, ``attention_ragged``) take an engine's flat batch: ``[T, H, D]`` tokens, request ``i`` owning
+tokens ``query_start[i] .. query_start[i + 1]``, the last ``n_i`` of its ``seq_lens[i]`` positions. Kernels:
+``kvcompile.ops.backend`` (the C kernels on the CPU, Triton on CUDA, or the reference), as everywhere else.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import ops
+from .errors import ArgumentError, UnsupportedError
+from .policy import Policy
+from .store import DTYPE_NAMES, DTYPES, POOL_FIELDS, KVState, LayerSpec, check_chunk
+
+ALIGN = 16  # bytes: each field of a page starts at a multiple of this (every element type the fields hold)
+_VIEWS = WeakIdKeyDictionary()  # an engine's buffer -> {layout: ((where it lies), its pool views)}
+
+
+class Refusal(enum.Enum):
+    """Why a policy's cache cannot live in an engine's fixed-size pages (``refusal``)."""
+
+    WINDOW = "residual"        # a full-precision window of recent tokens per sequence
+    PER_CHANNEL = "channel"    # per-channel groups: the newest tokens wait in full precision for their group
+    SINKS = "sink"             # the first tokens of each sequence in full precision
+    PRE_ROPE = "pre_rope"      # keys stored before the rotary embedding the engine has already applied
+    OVERRIDES = "overrides"    # per-layer choices: a layout is one layer's (resolve the policy first)
+    BLOCK = "block"            # the engine's page size is not a block kvcompile's kernels take
+
+
+class PageError(UnsupportedError):
+    """A policy (or page size) whose cache cannot live in an engine's pages; ``kind`` is the ``Refusal``."""
+
+    def __init__(self, message: str, kind: Refusal):
+        super().__init__(message)
+        self.kind = kind
+
+
+def refusal(policy: Policy, block: int) -> tuple[Refusal, str] | None:
+    """Why ``policy`` (one layer's, no overrides) cannot be kept in pages of ``block`` tokens, as
+    ``(kind, reason)``; None when it can. The reason says what was found and what to use instead."""
+    per_token = ("a per-token policy with no window and no sinks, e.g. Policy.int8(), "
+                 "Policy.fp8(residual=0), or the presets int8, fp8-r0, tok+rot:4, tok+rot:2")
+    if policy.overrides:
+        return Refusal.OVERRIDES, ("a page layout is one layer's: resolve the per-layer policy first "
+                                   "(policy.resolve(layer names)) and make one layout per layer")
+    if policy.pre_rope:
+        return Refusal.PRE_ROPE, ("pre_rope=True stores keys before the rotary embedding, but an engine's cache "
+                                  "receives keys after it: use the same policy with pre_rope=False")
+    if policy.residual:
+        return Refusal.WINDOW, (f"residual={policy.residual} keeps each sequence's newest tokens in full precision "
+                                f"beside its packed blocks, and a page holds only packed tokens: use {per_token}")
+    if policy.flush > 1:
+        return Refusal.PER_CHANNEL, (f"per-channel groups of {policy.flush} tokens (KIVI keys) keep up to "
+                                     f"{policy.flush - 1} tokens per sequence in full precision until their group "
+                                     f"is complete, and a page holds only packed tokens: use {per_token}")
+    if policy.sink:
+        return Refusal.SINKS, (f"sink={policy.sink} keeps each sequence's first tokens in full precision beside its "
+                               f"packed blocks, and a page holds only packed tokens: use {per_token}")
+    if not (isinstance(block, int) and not isinstance(block, bool) and block >= 16 and not block & (block - 1)):
+        return Refusal.BLOCK, (f"pages of {block!r} tokens: kvcompile's kernels take blocks of a power of two >= 16 "
+                               f"tokens; give the engine such a block size (e.g. 16, 32, 64 or 128)")
+    return None
+
+
+class Field(NamedTuple):
+    """One pool field inside a page: ``name`` (``POOL_FIELDS``), its byte ``offset`` in the page, its per-page
+    ``shape`` ``(heads, rows, X)`` and ``dtype``; ``shape`` is None for a field the policy does not store."""
+
+    name: str
+    offset: int
+    shape: tuple | None
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _esize(self.dtype) if self.shape else 0
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """How one layer's packed cache lives in an engine's pages of ``block`` tokens.
+
+    policy:   the layer's policy (resolved: no overrides); ``refusal`` says which ones pages cannot hold.
+    heads:    the kv heads the engine keeps in this layer's cache (a tensor-parallel rank's own).
+    head_dim: channels per head.
+    dtype:    the model's dtype, "float32", "bfloat16" or "float16" (what unquantized codes are kept in).
+    block:    tokens per page (the engine's block size): a power of two >= 16.
+    """
+
+    policy: Policy
+    heads: int
+    head_dim: int
+    dtype: str
+    block: int
+
+    def __post_init__(self):
+        if isinstance(self.dtype, torch.dtype):
+            if self.dtype not in DTYPE_NAMES:
+                raise ArgumentError(f"PageLayout.dtype={self.dtype}: expected one of {sorted(DTYPES)} (the model's "
+                                    f"dtype)")
+            object.__setattr__(self, "dtype", DTYPE_NAMES[self.dtype])
+        if not isinstance(self.policy, Policy):
+            raise ArgumentError(f"PageLayout.policy={self.policy!r}: expected a kvcompile.Policy")
+        why = refusal(self.policy, self.block)
+        if why is not None:
+            raise PageError(f"kvcompile policy {self.policy} cannot be kept in pages of {self.block!r} tokens: "
+                            f"{why[1]}.", why[0])
+        self.spec  # validates heads, head_dim, dtype and the policy against head_dim (PolicyError)
+
+    @functools.cached_property
+    def spec(self) -> LayerSpec:
+        """The store layout whose blocks the pages hold (``block_tokens`` = the page's tokens)."""
+        return LayerSpec(self.policy, self.heads, self.head_dim, self.dtype, block_tokens=self.block)
+
+    @functools.cached_property
+    def fields(self) -> tuple[Field, ...]:
+        """The pool fields in ``POOL_FIELDS`` order, each at an ``ALIGN``-byte offset of the page."""
+        out, at = [], 0
+        shapes = [s for which in ("k", "v") for s in self.spec._block_shapes(which)]
+        for name, (shape, dt) in zip(POOL_FIELDS, shapes):
+            f = Field(name, at, shape, dt)
+            out.append(f)
+            at = -(-(at + f.nbytes) // ALIGN) * ALIGN
+        return tuple(out)
+
+    @property
+    def content_bytes(self) -> int:
+        """Bytes of a page's fields, their alignment padding included (``LayerSpec.block_nbytes`` plus padding)."""
+        return max(f.offset + f.nbytes for f in self.fields)
+
+    @property
+    def token_head_bytes(self) -> int:
+        """Bytes per (kv head, token) of a page: ``page_bytes / (heads * block)``. An engine that sizes a page as
+        heads x block x C (vLLM's ``state_content_bytes``) takes this as C."""
+        return -(-self.content_bytes // (self.heads * self.block))
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: the fields, padded to a whole ``heads * block * token_head_bytes``."""
+        return self.heads * self.block * self.token_head_bytes
+
+    # ---- the engine's buffer
+    def _bytes(self, pages: Tensor) -> Tensor:
+        """``pages`` as ``uint8 [NB, page_bytes]``, in place (each page ``page_bytes`` dense bytes, its dimensions in
+        any order; pages any distance apart)."""
+        if not isinstance(pages, Tensor) or pages.dtype not in (torch.uint8, torch.int8) or pages.dim() < 2:
+            raise ArgumentError(f"pages: expected the engine's uint8 or int8 buffer [pages, ...] of {self.page_bytes} "
+                                f"bytes a page; got {_show(pages)}")
+        inner = pages.shape[1:]
+        if math.prod(inner) != self.page_bytes or not _dense(inner, pages.stride()[1:]):
+            raise ArgumentError(f"pages: each page must be {self.page_bytes} dense bytes (this layout's page_bytes: "
+                                f"{self.policy}, {self.heads} heads x {self.block} tokens x {self.token_head_bytes} "
+                                f"bytes); got {_show(pages)}")
+        u8 = pages if pages.dtype == torch.uint8 else pages.view(torch.uint8)
+        return u8.as_strided((u8.shape[0], self.page_bytes), (u8.stride(0), 1))
+
+    def views(self, pages: Tensor) -> tuple[Tensor, ...]:
+        """The store's pool tensors (``KVState``'s first six, ``POOL_FIELDS`` order) viewed in place in the
+        engine's buffer ``pages`` (``[NB, ...]`` uint8 or int8, each page ``page_bytes`` dense bytes, e.g. vLLM's
+        ``[NB, heads, block, token_head_bytes]``): field ``f`` is ``[NB, heads, rows, X]`` of its dtype, page ``i``
+        its block ``i``; a field the policy does not store is an empty tensor, as ``LayerSpec.pool`` gives.
+        Made once per buffer (an engine passes each layer's the same every step) and layout."""
+        where = (pages.data_ptr(), tuple(pages.shape), pages.stride(), pages.dtype)
+        known = _VIEWS.get(pages, {}).get(self)
+        if known is not None and known[0] == where:
+            return known[1]
+        views = self._views(pages)
+        _VIEWS.setdefault(pages, {})[self] = (where, views)
+        return views
+
+    def _views(self, pages: Tensor) -> tuple[Tensor, ...]:
+        flat = self._bytes(pages)
+        out = []
+        for f in self.fields:
+            if f.shape is None:
+                out.append(torch.empty(0, dtype=f.dtype, device=pages.device))
+                continue
+            es = _esize(f.dtype)
+            if flat.stride(0) % es or (flat.storage_offset() + f.offset) % es:
+                raise ArgumentError(f"pages: field {f.name} ({f.dtype}) would start at a byte not aligned to its "
+                                    f"{es}-byte elements (pages {flat.stride(0)} bytes apart, offset "
+                                    f"{flat.storage_offset()}); give the pages an aligned buffer")
+            part = flat[:, f.offset:f.offset + f.nbytes].view(f.dtype)
+            out.append(part.view(flat.shape[0], *f.shape))
+        return tuple(out)
+
+    def state(self, pages: Tensor, lengths: Tensor, table: Tensor) -> KVState:
+        """A ``KVState`` over the pages: the pool views, no rings or sinks (pages hold none), ``lengths`` (int32
+        ``[B]``, tokens each sequence holds) and ``table`` (int32 ``[B, MB]``, each sequence's pages in order),
+        both as given (the store advances ``lengths`` in place)."""
+        B, H, D, dt = lengths.shape[0], self.heads, self.head_dim, DTYPES[self.dtype]
+        none = torch.empty(B, H, 0, D, dtype=dt, device=pages.device)
+        return KVState(*self.views(pages), none, none, none, none, lengths, table)
+
+
+def _dense(shape, strides) -> bool:
+    """Whether a tensor of ``shape`` and ``strides`` covers one run of contiguous elements, its dimensions in any
+    order (an engine may order a page's heads, tokens and bytes as its kernels like)."""
+    run = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(shape, strides) if sz > 1):
+        if stride != run:
+            return False
+        run *= size
+    return True
+
+
+def _esize(dt: torch.dtype) -> int:
+    return torch.empty((), dtype=dt).element_size()
+
+
+def _show(t) -> str:
+    if not isinstance(t, Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {list(t.shape)} strides {list(t.stride())}"
+
+
+def _rows(lengths: Tensor, table: Tensor, B: int, device) -> tuple[Tensor, Tensor]:
+    if lengths.shape != (B,) or table.dim() != 2 or table.shape[0] != B:
+        raise ArgumentError(f"lengths must be [{B}] and table [{B}, pages per sequence]; got {list(lengths.shape)} "
+                            f"and {list(table.shape)}")
+    return (lengths.to(device=device, dtype=torch.int32).contiguous(),
+            table.to(device=device, dtype=torch.int32).contiguous())
+
+
+def prepare(layout: PageLayout, device) -> None:
+    """Build the kernels ``layout``'s calls will run on ``device`` now (the C compiler takes a few seconds a
+    kernel, once per layout and machine), so that an engine's first request does not wait for them."""
+    if ops.kernels(torch.device(device)) == "cpu":
+        from .templates import cpu, cpu_store
+        cpu_store.build(layout.spec)
+        cpu.build(tuple(sorted(cpu.defines(layout.spec).items())))
+
+
+# --------------------------------------------------------------------------- equal-length chunks
+def store(layout: PageLayout, pages: Tensor, k: Tensor, v: Tensor, lengths: Tensor, table: Tensor,
+          n_new: Tensor | None = None) -> None:
+    """Quantize ``k, v [B, H, n, D]`` (the model's keys and values) into the pages, in place.
+
+    ``lengths`` int ``[B]``: tokens sequence ``b`` held before (its new tokens go at positions ``lengths[b] ..``,
+    i.e. page ``table[b][p // block]``, row ``p % block``); ``table`` int ``[B, MB]``: its pages, which must cover
+    every position written (``CapacityError`` otherwise; nothing is written). ``n_new`` int ``[B]``: row ``b``
+    stores only its first ``n_new[b]`` tokens (default: all ``n``). The bytes are exactly those
+    ``kvcompile.store.store_reference`` writes into a store of ``layout.spec`` with the same table."""
+    B = k.shape[0]
+    lengths, table = _rows(lengths, table, B, pages.device)
+    st = layout.state(pages, lengths.clone(), table)
+    ops.backend(pages.device).store(st, layout.spec, k, v, n_new)
+
+
+def attention(layout: PageLayout, pages: Tensor, q: Tensor, lengths: Tensor, table: Tensor,
+              k_new: Tensor | None = None, v_new: Tensor | None = None, scale: float | None = None) -> Tensor:
+    """Attention of ``q [B, Hq, n, D]`` -- the last ``n`` tokens of each sequence, already stored -- over the
+    sequences' pages, causally; ``[B, Hq, n, D]`` in q's dtype. ``lengths`` int ``[B]``: tokens each sequence holds
+    (the queries' own included); ``table`` int ``[B, MB]``: its pages. ``k_new, v_new [B, H, n, D]``: the queries'
+    own keys and values, read in full precision at their positions (a prefill attends to itself unquantized);
+    without them every position is read from the pages. ``kvcompile.store.attention_reference``'s contract over
+    the store the pages hold (a query that sees no key gets zeros; non-finite values as it says)."""
+    B = q.shape[0]
+    lengths, table = _rows(lengths, table, B, pages.device)
+    check_chunk(q, k_new, v_new, layout.spec)
+    st = layout.state(pages, lengths, table)
+    return ops.backend(pages.device).attention(q, st, layout.spec, None, scale, k_new=k_new, v_new=v_new)
+
+
+# --------------------------------------------------------------------------- an engine's flat batch
+class Ragged(NamedTuple):
+    """A flat batch of ``T`` tokens from ``B`` sequences (how engines batch), prepared once for every layer.
+
+    query_start: int ``[B + 1]``, sequence ``i`` owns tokens ``query_start[i] .. query_start[i + 1]``
+    seq_lens:    int ``[B]``, positions each sequence holds once its tokens are stored
+    table:       int32 ``[B, MB]``, each sequence's pages in order
+    n:           host list of each sequence's token count; before: host list of the positions each held before
+    """
+
+    query_start: Tensor
+    seq_lens: Tensor
+    table: Tensor
+    n: list
+    before: list
+
+    @classmethod
+    def of(cls, query_start: Tensor, seq_lens: Tensor, table: Tensor) -> "Ragged":
+        qs = query_start.to("cpu", torch.int64).tolist()
+        sl = seq_lens.to("cpu", torch.int64).tolist()
+        B = len(sl)
+        if len(qs) != B + 1 or table.dim() != 2 or table.shape[0] < B:
+            raise ArgumentError(f"a flat batch needs query_start [B + 1], seq_lens [B] and a table of B rows; got "
+                                f"{len(qs)}, {B} and {list(table.shape)}")
+        n = [b - a for a, b in zip(qs, qs[1:])]
+        before = [L - x for L, x in zip(sl, n)]
+        if any(x < 0 for x in n) or any(x < 0 for x in before):
+            raise ArgumentError(f"a flat batch's sequences must hold at least their own tokens: query lengths {n}, "
+                                f"seq_lens {sl}")
+        return cls(query_start, seq_lens, table[:B].to(torch.int32), n, before)
+
+    def groups(self) -> dict[int, list[int]]:
+        """The sequences grouped by their token count (each group is one equal-length call)."""
+        out: dict[int, list[int]] = {}
+        for i, x in enumerate(self.n):
+            if x:
+                out.setdefault(x, []).append(i)
+        return out
+
+    def padded(self, x: Tensor) -> Tensor:
+        """``x [T, H, D]`` as ``[B, H, nmax, D]`` (zeros past a sequence's own tokens); a view when every sequence
+        has the same count."""
+        B, nmax = len(self.n), max(self.n, default=0)
+        T, H, D = x.shape
+        if all(c == nmax for c in self.n) and T >= B * nmax:
+            return x[:B * nmax].view(B, nmax, H, D).transpose(1, 2)
+        out = x.new_zeros(B, nmax, H, D)
+        rows = torch.repeat_interleave(torch.arange(B), torch.tensor(self.n))
+        cols = torch.cat([torch.arange(c) for c in self.n]) if B else torch.zeros(0, dtype=torch.long)
+        out[rows.to(x.device), cols.to(x.device)] = x[:sum(self.n)]
+        return out.transpose(1, 2)
+
+
+def store_ragged(layout: PageLayout, pages: Tensor, k: Tensor, v: Tensor, batch: Ragged) -> None:
+    """``store`` for a flat batch: ``k, v [T, H, D]``, sequence ``i``'s tokens at its positions
+    ``seq_lens[i] - n_i ..`` (``Ragged``). Tokens past the batch's (an engine's padding) are not stored."""
+    if not batch.n:
+        return
+    kp, vp = batch.padded(k), batch.padded(v)
+    before = torch.tensor(batch.before, dtype=torch.int32)
+    n_new = torch.tensor(batch.n, dtype=torch.int32)
+    store(layout, pages, kp, vp, before, batch.table, n_new)
+
+
+def attention_ragged(layout: PageLayout, pages: Tensor, q: Tensor, k: Tensor | None, v: Tensor | None,
+                     batch: Ragged, scale: float | None = None, out: Tensor | None = None) -> Tensor:
+    """``attention`` for a flat batch: ``q [T, Hq, D]``, and ``k, v [T, H, D]`` the same tokens' own keys and
+    values (read in full precision at their positions; None: from the pages). Sequences with the same token count
+    are one call (a decode step's sequences all together: the decode kernel). Returns ``out [T, Hq, D]`` (written
+    in place when given; rows past the batch's tokens are left as they are)."""
+    T, Hq, D = q.shape
+    if out is None:
+        out = q.new_zeros(T, Hq, D)
+    qs = batch.query_start.to("cpu", torch.int64).tolist()
+    for n, rows in batch.groups().items():
+        idx = torch.tensor([qs[i] + j for i in rows for j in range(n)], device=q.device)
+        def take(x):
+            return x.index_select(0, idx).view(len(rows), n, x.shape[1], D).transpose(1, 2)
+        sel = torch.tensor(rows, device=batch.table.device)
+        got = attention(layout, pages, take(q), batch.seq_lens.index_select(0, sel.to(batch.seq_lens.device)),
+                        batch.table.index_select(0, sel), take(k) if k is not None else None,
+                        take(v) if v is not None else None, scale)
+        out.index_copy_(0, idx, got.transpose(1, 2).reshape(len(rows) * n, Hq, D).to(out.dtype))
+    return out

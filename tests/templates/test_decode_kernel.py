@@ -1,0 +1,235 @@
+"""The bandwidth decode kernel (``templates.decode``) against float64 attention over the reference store.
+
+The bound is ``templates.attention.reference_and_bound(..., decode=True)``: derived from the kernel's bf16
+operands and fp32 accumulation (``launch.reference_and_bound`` picks it for whatever ``launch.attention``
+runs). Every layout the kernel serves is drawn: fp8, int8, int4, int2; scales on the score and probability
+tiles (one scale per token-head) and per element (per-channel keys and values, token groups, fp32 scales);
+sinks, a residual ring, the query's own token from the chunk; masks; tiles that lie in one block and tiles
+that span several; splits.
+"""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompile import Policy, Quant
+from kvcompile.store import attention_reference
+from kvcompile.templates import decode, launch
+from attention_checks import filled
+from nonfinite_checks import assert_nan_pattern
+from store_checks import bad_store
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check(q, state, spec, mask=None, scale=None, tiles=None, chunk=(None, None)):
+    """The decode kernel's output within its derived bound of float64 attention, elementwise, with exactly the
+    reference's NaN pattern."""
+    k_new, v_new = (None if x is None else x.to(DEV) for x in chunk)
+    got = launch.attention(q.to(DEV), type(state)(*[t.to(DEV) for t in state]), spec,
+                           None if mask is None else mask.to(DEV), scale, tiles=tiles, k_new=k_new, v_new=v_new,
+                           kernel="decode").cpu()
+    assert got.dtype == q.dtype and got.shape == q.shape
+    want, bound = launch.reference_and_bound(q, state, spec, mask, scale, tiles=tiles, k_new=chunk[0],
+                                             v_new=chunk[1], kernel="decode", device=DEV)
+    assert torch.equal(got.isnan(), want.isnan()), spec.name
+    ok = ~want.isnan()
+    err = (got.double() - want).abs()
+    bad = ok & (err > bound)
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs outside the bound; worst error "
+                           f"{err[bad].max():.3g} vs bound {bound[bad][err[bad].argmax()]:.3g}; {spec.name}")
+    return err, bound
+
+
+TOK = dict(axis="token")
+LAYOUTS = [  # (policy, head_dim, G): every mode and format; ragged rows around tile and split boundaries
+    (Policy(Quant("fp8_e4m3", **TOK), Quant("fp8_e4m3", **TOK), residual=0), 64, 4),
+    (Policy(Quant("fp8_e5m2", **TOK), Quant("int8", "token", None, True), residual=3, sink=2), 64, 3),
+    (Policy(Quant("int8", **TOK), Quant("int8", **TOK), residual=0), 64, 1),
+    (Policy(Quant("int4", **TOK), Quant("int4", **TOK), residual=0), 64, 8),
+    (Policy(Quant("int2", **TOK), Quant("int2", "token", None, True), residual=0), 64, 2),
+    (Policy.kivi(4, group=16, residual=8, sink=2), 64, 4),  # per-channel keys, token groups of 16
+    (Policy.kivi(2, group=32, residual=0), 128, 4),
+    (Policy.kivi(4, group=32, residual=0), 64, 4),  # values in token groups of 32: GROUPS
+    (Policy(Quant("fp8_e4m3", "channel", 8), Quant("int8", "token", 16, True, "fp8_e4m3"), residual=0, sink=1), 64,
+     2),
+    (Policy(Quant("int4", "token", None, False, "fp8_e4m3"), Quant("int2", "channel", 16, False, "fp8_e4m3"),
+            residual=0), 64, 2),  # fp8 scales with int8 zero points; per-channel values
+    (Policy(Quant("int8", "token", 16, False, "float32"), Quant("fp8_e5m2", "token", 16, scale_dtype="float32"),
+            residual=2), 32, 3),  # fp32 scales: elementwise
+]
+
+
+@pytest.mark.parametrize("policy,D,G", LAYOUTS, ids=[f"{p.key_str()}-D{d}-G{g}" for p, d, g in LAYOUTS])
+def test_decode_kernel_grid(policy, D, G):
+    lengths = [1, 15, 17, 40, 63]
+    spec, state = filled(policy, lengths, 2, D)
+    assert launch.plan(state, spec, (len(lengths), 2 * G, 1, D)).decode
+    g = torch.Generator().manual_seed(D + G)
+    q = torch.randn(len(lengths), 2 * G, 1, D, generator=g)
+    check(q, state, spec)
+    check(q.to(torch.bfloat16), state, spec, tiles=(1, 32, 2))  # a bf16 query: no rounding of the query
+    keep = torch.rand(len(lengths), 1, 1, 70, generator=g) > 0.3
+    check(q, state, spec, mask=keep, tiles=(1, 64, 1))
+    soft = torch.where(torch.rand(1, 2 * G, 1, 50, generator=g) > 0.2, torch.randn(1, 2 * G, 1, 50, generator=g),
+                       -torch.inf)
+    check(q, state, spec, mask=soft, scale=0.3)
+
+
+@st.composite
+def quants(draw, D):
+    fmt = draw(st.sampled_from(["int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"]))
+    per = 8 // int(fmt[-1]) if fmt.startswith("int") else 1
+    axis = draw(st.sampled_from(["token", "channel"]))
+    if axis == "token":
+        group = draw(st.sampled_from([None] + [g for g in (per, 8, 16, 32) if per <= g <= D]))
+    else:
+        group = draw(st.sampled_from([1, 2, 4, 16]))
+    sym = True if fmt.startswith("fp8") else draw(st.booleans())
+    return Quant(fmt, axis, group, sym, draw(st.sampled_from(["float16", "float16", "float32", "fp8_e4m3"])))
+
+
+@st.composite
+def decode_cases(draw):
+    D = draw(st.sampled_from([64, 128]))
+    policy = Policy(draw(quants(D)), draw(quants(D)), residual=draw(st.sampled_from([0, 0, 3, 16])),
+                    sink=draw(st.sampled_from([0, 2])), rotate=draw(st.booleans()))
+    B, H, G = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3, 4, 8]))
+    lengths = [draw(st.integers(1, 90)) for _ in range(B)]
+    tiles = draw(st.sampled_from([None, (1, 16, 1), (1, 32, 2), (1, 64, 3), (1, 128, 1)]))
+    mask = draw(st.sampled_from([None, None, "bool", "float"]))
+    dtype = draw(st.sampled_from(["float32", "bfloat16"]))
+    own = draw(st.booleans())
+    block = draw(st.sampled_from([16, 64, 256]))  # tiles of 32-128 tokens span several 16-token blocks
+    return policy, B, H, G, D, lengths, tiles, mask, dtype, own, block, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=12)
+@given(decode_cases())
+def test_decode_kernel_equals_float64_attention(case):
+    policy, B, H, G, D, lengths, tiles, mask_kind, dtype, own, block, seed = case
+    g = torch.Generator().manual_seed(seed)
+    spec, state, *chunk = filled(policy, lengths, H, D, dtype, seed, own=1, block=block)
+    C = max(lengths) + 4
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(B, 1, 1, C, generator=g) > 0.3
+    elif mask_kind == "float":
+        mask = torch.where(torch.rand(1, H * G, 1, C, generator=g) > 0.3, torch.randn(C, generator=g), -torch.inf)
+    q = torch.randn(B, H * G, 1, D, generator=g).to(spec.torch_dtype)
+    check(q, state, spec, mask, scale=float(torch.rand((), generator=g)) + 0.05, tiles=tiles,
+          chunk=chunk if own else (None, None))
+
+
+@pytest.mark.parametrize("policy", [
+    Policy(Quant("int8", "channel", 4), Quant("int4", "token", 16), residual=3, sink=2),  # ELEM both
+    Policy(Quant("fp8_e4m3", "token"), Quant("int4", "token"), residual=2, sink=1),  # TILE both
+    Policy(Quant("int4", "channel", 4, scale_dtype="fp8_e4m3"), Quant("int8", "channel", 4, scale_dtype="fp8_e4m3"),
+           residual=0, sink=2),  # fp8 scales: a poisoned group's scale byte is 0x7F
+])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on NaN operands
+def test_decode_kernel_non_finite_values_poison_what_the_reference_says(policy):
+    """NaN, +inf and -inf keys and values in sinks, packed groups' edges and the residual ring: NaN exactly
+    where ``attention_reference`` is (a poisoned group: its NaN scale), never inf, the rest within the bound;
+    masks hide some of them."""
+    B, H, G, D, L = 2, 1, 2, 32, 40
+    spec, store, k, v = bad_store(policy, "float32", B, H, D, L)
+    state = store.state
+    assert launch.plan(state, spec, (B, H * G, 1, D)).decode
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(B, H * G, 1, D, generator=g)
+    keep = torch.rand(B, 1, 1, L + 2, generator=g) > 0.5
+    for mask in (None, keep, torch.where(keep, torch.randn(B, 1, 1, L + 2, generator=g), -torch.inf)):
+        got = launch.attention(q.to(DEV), type(state)(*[t.to(DEV) for t in state]), spec,
+                               None if mask is None else mask.to(DEV), kernel="decode").cpu()
+        assert_nan_pattern(got, attention_reference(q, state, spec, mask, None, torch.float64), spec.name)
+        check(q, state, spec, mask)
+
+
+def test_which_layouts_the_decode_kernel_serves():
+    """``launch.attention`` runs the decode kernel for one query over the layouts it serves, and the general one
+    otherwise (prefill, pre-RoPE keys, int3, format "none", slots narrower than a dot operand, a group inside a
+    byte); ``kernel="decode"`` refuses the rest with the reason."""
+    tok = Quant("int4", "token")
+    assert decode.tensor_mode(tok, 128) == decode.MODE_TILE
+    assert decode.tensor_mode(Quant("fp8_e4m3", "token", scale_dtype="fp8_e4m3"), 64) == decode.MODE_TILE
+    assert decode.tensor_mode(Quant("int4", "token", scale_dtype="float32"), 64) == decode.MODE_ELEM
+    assert decode.tensor_mode(Quant("int4", "channel", 32), 128) == decode.MODE_ELEM
+    assert decode.tensor_mode(Quant("int2", "token", 8), 64) == decode.MODE_ELEM
+    kivi_v = Quant("int4", "token", 32)  # values: a batched product per group; keys: per element
+    assert decode.tensor_mode(kivi_v, 128, values=True) == decode.MODE_GROUPS
+    assert decode.tensor_mode(kivi_v, 128) == decode.MODE_ELEM
+    assert decode.tensor_mode(Quant("int2", "token", 32), 128, values=True) == decode.MODE_ELEM  # 8 bytes a group
+    for q, D in ((Quant("int3", "token"), 128), (Quant("none"), 128), (Quant("int2", "token"), 32),
+                 (Quant("int4", "token", 1), 128), (tok, 96)):
+        assert decode.tensor_mode(q, D) is None, (q, D)
+    spec = _spec(Policy(tok, tok, residual=0), 128)
+    assert decode.decode_layout(spec, 1, False) == (decode.MODE_TILE, decode.MODE_TILE)
+    assert decode.decode_layout(spec, 2, False) is None and decode.decode_layout(spec, 1, True) is None
+    state = spec.allocate(1, 64)
+    assert launch.plan(state, spec, (1, 4, 1, 128)).decode and not launch.plan(state, spec, (1, 4, 3, 128)).decode
+    assert not launch.plan(state, spec, (1, 4, 1, 128), kernel="general").decode
+    with pytest.raises(ValueError, match="decode kernel does not serve 3 queries"):
+        launch.plan(state, spec, (1, 4, 3, 128), kernel="decode")
+    with pytest.raises(ValueError, match="kernel='fast' is not valid"):
+        launch.plan(state, spec, (1, 4, 1, 128), kernel="fast")
+
+
+def _spec(policy, D, block=None):
+    from kvcompile.store import LayerSpec
+    return LayerSpec(policy, 2, D, "bfloat16", block)
+
+
+def test_tiles_come_from_the_config_table_or_its_rule(monkeypatch):
+    """The table (``templates/decode_configs.json``) names tiles per layout; other layouts get the rule: tiles of
+    about ``tile_bytes`` bytes of codes (so int2 tiles hold more tokens than int8), within the bounds. Splits
+    follow the batch and the positions, never a capacity: about 4 programs per SM, no split under 4 tiles."""
+    table = decode.config_table()
+    assert {"tile_bytes", "max_block_n", "elem_max_block_n", "warps", "stages"} <= set(table["default"])
+    for entry in table["configs"].values():
+        assert {"block_n", "warps", "stages"} <= set(entry)
+    rule = table["default"]
+    tok = {b: Policy(Quant(f"int{b}", "token"), Quant(f"int{b}", "token"), residual=0) for b in (8, 4, 2)}
+    got = {b: decode.tile_config(_spec(tok[b], 128), 5) for b in tok}  # G=5: no table entry
+    assert all(c["source"] == "rule" for c in got.values())
+    assert got[8]["block_n"] < got[4]["block_n"] < got[2]["block_n"] <= rule["max_block_n"]
+    assert got[8]["block_n"] * 2 * 128 <= rule["tile_bytes"]
+    kivi2 = decode.tile_config(_spec(Policy.kivi(2, group=32, residual=0), 128), 5)  # per-element keys: capped
+    assert kivi2["block_n"] == rule["elem_max_block_n"] < got[2]["block_n"]
+    monkeypatch.setattr(decode, "INTERPRET", False)
+    spec = _spec(tok[4], 128)
+    bn = decode.tile_config(spec, 4)["block_n"]
+    assert decode.decode_tiles(spec, 4, 1, 1 << 20, torch.device("cpu"))[1] == 8  # 4 SMs off CUDA: 16 programs
+    assert decode.decode_tiles(spec, 4, 64, 1 << 20, torch.device("cpu"))[1] == 1  # the batch fills the GPU
+    assert decode.decode_tiles(spec, 4, 1, 2 * bn, torch.device("cpu"))[1] == 1  # no split under 4 tiles
+    kivi = _spec(Policy.kivi(4, group=32, residual=0), 128)
+    assert decode.decode_tiles(kivi, 4, 1, 4096, torch.device("cpu"), (16, 2)) == (32, 2)  # whole groups
+
+
+def test_decode_keys_spell_out_the_specialization():
+    key, kw = decode.decode_config(Policy.kivi(4, group=32, residual=16, sink=4), 128, 4, 32, 47, 64, 4, 128, 3,
+                                   0, "tf32", False, True)
+    assert key == ("decode[k=int4.channel.32.asym.f16:elem;v=int4.token.32.asym.f16:groups;S=4;R=16;F=32;W=47;"
+                   "BS=64;D=128;gqa=4;bn=128;stages=3;mask=0;dot=tf32;chunk=0;full=1]")
+    assert kw["M"] == 16 and kw["K_CHANNEL"] and not kw["V_CHANNEL"] and kw["V_G"] == 32 and kw["FULL"]
+
+
+@pytest.mark.parametrize("n", [5, 12])
+def test_prefill_with_bf16_operands_over_the_quantized_past(n, monkeypatch):
+    """The general kernel as it runs on CUDA (``launch.packed_precision``): a chunked prefill whose packed
+    positions' products take bf16 operands, within the bound derived for them; the full-precision positions
+    keep theirs. ``n = 12`` also reads its own chunk in full precision."""
+    from attention_checks import LENGTHS, MIXED
+    monkeypatch.setenv("KVCOMPILE_PACKED_DOT", "bf16")
+    H, G, D = 2, 3, 64
+    spec, state, *chunk = filled(MIXED, LENGTHS, H, D, own=n)
+    q = torch.randn(len(LENGTHS), H * G, n, D, generator=torch.Generator().manual_seed(n))
+    pl = launch.plan(state, spec, q.shape)
+    assert not pl.decode
+    got = launch.attention(q.to(DEV), type(state)(*[t.to(DEV) for t in state]), spec,
+                           k_new=chunk[0].to(DEV), v_new=chunk[1].to(DEV)).cpu()
+    want, bound = launch.reference_and_bound(q, state, spec, k_new=chunk[0], v_new=chunk[1], device=DEV)
+    assert ((got.double() - want).abs() <= bound).all()
+    monkeypatch.setenv("KVCOMPILE_PACKED_DOT", "ieee")  # the same call with exact operands: a tighter bound
+    tight = launch.reference_and_bound(q, state, spec, k_new=chunk[0], v_new=chunk[1])[1]
+    assert (tight <= bound * (1 + 1e-9)).all() and (tight < bound).any()

@@ -1,0 +1,325 @@
+"""``kvcompile.pages``: a policy's packed blocks inside an engine's fixed-size pages.
+
+What a page holds is the reference store's block, byte for byte: each test stores the same keys and values
+through the pages (the kernels ``kvcompile.ops`` picks: the C kernels here) and through
+``store_reference`` into a store of ``layout.spec`` with the same block table, and compares every field of
+every page with that block. Attention over the pages is checked against float64 attention over the reference's
+dequantized store within the bound derived for the kernels (``templates.attention.reference_and_bound``).
+Pages are handed out scrambled, and laid out as an engine lays them out (vLLM: ``[pages, heads, block, C]`` bytes,
+another layer's page between two of this layer's).
+"""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcompile import Policy, Quant
+from kvcompile import pages as P
+from kvcompile.errors import KVCompileError, UnsupportedError
+from kvcompile.store import KVState, attention_reference, store_reference
+from kvcompile.templates import attention as kattn
+from kvcompile.templates import cpu
+
+PER_TOKEN = [
+    Policy.int8(),
+    Policy(Quant("int4", "token"), Quant("int4", "token")),
+    Policy(Quant("int2", "token", 32), Quant("int2", "token", 32), rotate=True),
+    Policy(Quant("int3", "token"), Quant("int3", "token", symmetric=True)),
+    Policy.fp8(residual=0),
+    Policy.fp8("fp8_e5m2", residual=0),
+    Policy(Quant("int4", "token", scale_dtype="fp8_e4m3"), Quant("int8", "token", scale_dtype="float32")),
+    Policy(Quant("int8", "token"), Quant("none")),
+    Policy.full(),
+]
+
+
+def bits(t):
+    if t.dtype.is_floating_point:
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+    return t
+
+
+def engine_pages(layout, n_pages, interleave=1):
+    """An engine's int8 buffer for one layer, as vLLM views it: ``[pages, heads, block, C]``; with
+    ``interleave > 1`` other layers' pages lie between this layer's (a block-outermost layout)."""
+    H, BS, C = layout.heads, layout.block, layout.token_head_bytes
+    raw = torch.zeros(n_pages * interleave * layout.page_bytes, dtype=torch.int8)
+    return raw.as_strided((n_pages, H, BS, C), (interleave * layout.page_bytes, BS * C, C, 1))
+
+
+def reference_state(layout, n_pages, lengths, table):
+    """A store of ``layout.spec`` with pools of its own (``LayerSpec.pool``) and the engine's tables."""
+    sp = layout.spec
+    rows = sp.rows(len(lengths), table.shape[1])
+    rows[-1].copy_(table)
+    rows[-2].copy_(torch.tensor(lengths, dtype=torch.int32))
+    return KVState(*sp.pool(n_pages), *rows)
+
+
+def assert_pages_hold(layout, pages, ref):
+    """Every field of every page equals the reference pool's block, bit for bit."""
+    for name, got, want in zip(P.POOL_FIELDS, layout.views(pages), ref[:6]):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert torch.equal(bits(got), bits(want)), (name, layout.policy, int((bits(got) != bits(want)).sum()))
+
+
+def scrambled_table(B, per_row, n_pages, seed):
+    perm = torch.randperm(n_pages, generator=torch.Generator().manual_seed(seed))[:B * per_row]
+    return perm.view(B, per_row).to(torch.int32)
+
+
+# --------------------------------------------------------------------------- the layout
+@pytest.mark.parametrize("policy", PER_TOKEN, ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("heads,head_dim,block", [(1, 64, 16), (2, 128, 128), (3, 32, 32)])
+def test_a_page_holds_the_block_and_nothing_overlaps(policy, dtype, heads, head_dim, block):
+    lay = P.PageLayout(policy, heads, head_dim, dtype, block)
+    assert lay.spec.block == block
+    assert lay.page_bytes == heads * block * lay.token_head_bytes
+    live = [f for f in lay.fields if f.shape]
+    assert sum(f.nbytes for f in live) == lay.spec.block_nbytes()  # a page holds the block: no more, no less
+    assert all(f.offset % P.ALIGN == 0 for f in live)
+    ends = sorted((f.offset, f.offset + f.nbytes) for f in live)
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))
+    assert ends[-1][1] <= lay.page_bytes < lay.spec.block_nbytes() + 6 * P.ALIGN + heads * block
+
+
+def test_int8_pages_are_about_half_of_bf16():
+    """int8 keys and values with an fp16 scale and zero point per token-head: 2 * (D + 4) bytes per token-head
+    where bf16 takes 4 * D (vLLM's own page: its C is 2 * head_size * 2)."""
+    lay = P.PageLayout(Policy.int8(), 8, 128, "bfloat16", 128)
+    assert lay.token_head_bytes == 2 * (128 + 4)
+    assert lay.page_bytes / (8 * 128 * 4 * 128) == pytest.approx(0.516, abs=1e-3)
+
+
+def test_layouts_are_values():
+    lay = P.PageLayout(Policy.int8(), 2, 64, torch.bfloat16, 16)
+    assert lay.dtype == "bfloat16" and lay == P.PageLayout(Policy.int8(), 2, 64, "bfloat16", 16)
+    assert pickle.loads(pickle.dumps(lay)) == lay and hash(lay) == hash(P.PageLayout(Policy.int8(), 2, 64,
+                                                                                        "bfloat16", 16))
+
+
+@pytest.mark.parametrize("policy,block,kind", [
+    (Policy.kivi(4), 128, P.Refusal.WINDOW),
+    (Policy.kivi(4, residual=0), 128, P.Refusal.PER_CHANNEL),
+    (Policy.fp8(), 128, P.Refusal.WINDOW),
+    (Policy(Quant("int4"), Quant("int4"), sink=4), 128, P.Refusal.SINKS),
+    (Policy(Quant("int4"), Quant("int4"), pre_rope=True), 128, P.Refusal.PRE_ROPE),
+    (Policy.int8().override({0: Policy.full()}), 128, P.Refusal.OVERRIDES),
+    (Policy.int8(), 48, P.Refusal.BLOCK),
+    (Policy.int8(), 8, P.Refusal.BLOCK),
+])
+def test_what_pages_cannot_hold_is_refused_with_the_reason(policy, block, kind):
+    found, reason = P.refusal(policy, block)
+    assert found is kind
+    with pytest.raises(P.PageError) as e:
+        P.PageLayout(policy, 2, 64, "float32", block)
+    assert e.value.kind is kind and isinstance(e.value, UnsupportedError) and isinstance(e.value, KVCompileError)
+    assert isinstance(e.value, RuntimeError) and reason in str(e.value)
+    assert any(w in reason for w in ("use ", "give ", "resolve "))  # what to do instead
+
+
+def test_a_bad_buffer_is_refused_at_the_call():
+    lay = P.PageLayout(Policy.int8(), 2, 64, "float32", 16)
+    with pytest.raises(ValueError, match="dense bytes"):
+        lay.views(torch.zeros(4, 2, 16, lay.token_head_bytes + 1, dtype=torch.int8))
+    nhd = torch.zeros(4, 16, 2, lay.token_head_bytes, dtype=torch.int8).transpose(1, 2)  # tokens outside heads
+    assert lay.views(nhd)[0].shape == (4, 2, 16, 64)  # still one page of dense bytes: kvcompile's own field order
+    gap = torch.zeros(4, 2, 32, lay.token_head_bytes, dtype=torch.int8)[:, :, :16]
+    with pytest.raises(ValueError, match="dense bytes"):
+        lay.views(gap)
+    with pytest.raises(ValueError, match="uint8 or int8"):
+        lay.views(torch.zeros(4, lay.page_bytes // 4, dtype=torch.float32))
+    with pytest.raises(ValueError, match="policy"):
+        P.PageLayout("int8", 2, 64, "float32", 16)
+
+
+def test_views_are_the_engines_bytes():
+    lay = P.PageLayout(Policy(Quant("int4"), Quant("int8")), 2, 32, "float32", 16)
+    pages = engine_pages(lay, 3, interleave=2)
+    k_codes, k_scale, k_zero, v_codes, *_ = lay.views(pages)
+    assert k_codes.shape == (3, 2, 16, 16) and k_scale.shape == (3, 2, 16, 1) and v_codes.shape == (3, 2, 16, 32)
+    k_scale[2, 1, 5, 0] = 1.5
+    flat = pages[2].reshape(-1).view(torch.uint8)
+    f = lay.fields[1]
+    at = f.offset + (1 * 16 + 5) * 2
+    assert flat[at:at + 2].view(torch.float16).item() == 1.5
+
+
+# --------------------------------------------------------------------------- the bytes
+@st.composite
+def batches(draw):
+    policy = draw(st.sampled_from(PER_TOKEN))
+    H, D = draw(st.sampled_from([(1, 64), (2, 32), (3, 64)]))
+    block = draw(st.sampled_from([16, 32]))
+    dtype = draw(st.sampled_from(["float32", "bfloat16", "float16"]))
+    lengths = draw(st.lists(st.integers(1, 70), min_size=1, max_size=4))
+    steps = draw(st.lists(st.integers(1, 40), min_size=1, max_size=4))  # chunk sizes, cycled
+    return policy, H, D, block, dtype, lengths, steps, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=25, deadline=None)
+@given(batches())
+def test_pages_hold_exactly_what_the_reference_stores(case):
+    """Sequences of ragged lengths stored in chunks of drawn sizes (a prefill, chunked prefill, decode steps),
+    through the engine's flat batches (``store_ragged``), into scrambled pages between another layer's pages."""
+    policy, H, D, block, dtype, lengths, steps, seed = case
+    lay = P.PageLayout(policy, H, D, dtype, block)
+    g = torch.Generator().manual_seed(seed)
+    B, per_row = len(lengths), -(-max(lengths) // block)
+    n_pages = B * per_row + 3
+    table = scrambled_table(B, per_row, n_pages, seed)
+    pages = engine_pages(lay, n_pages, interleave=2)
+    ref = reference_state(lay, n_pages, [0] * B, table)
+    k = torch.randn(B, H, max(lengths), D, generator=g)
+    k[..., 3] *= 8
+    v = torch.randn(B, H, max(lengths), D, generator=g)
+    held, i = [0] * B, 0
+    while held != lengths:
+        step = steps[i % len(steps)]
+        i += 1
+        n = [min(step, L - h) for L, h in zip(lengths, held)]
+        live = [b for b in range(B) if n[b]]
+        qs = torch.tensor([0] + [sum(n[b] for b in live[:j + 1]) for j in range(len(live))])
+        kk = torch.cat([k[b, :, held[b]:held[b] + n[b]].transpose(0, 1) for b in live]).to(lay.spec.torch_dtype)
+        vv = torch.cat([v[b, :, held[b]:held[b] + n[b]].transpose(0, 1) for b in live]).to(lay.spec.torch_dtype)
+        batch = P.Ragged.of(qs, torch.tensor([held[b] + n[b] for b in live]), table[live])
+        P.store_ragged(lay, pages, kk, vv, batch)
+        chunk = max(n)
+        kp = torch.zeros(B, H, chunk, D, dtype=kk.dtype)
+        vp = torch.zeros_like(kp)
+        for b in live:
+            kp[b, :, :n[b]] = k[b, :, held[b]:held[b] + n[b]]
+            vp[b, :, :n[b]] = v[b, :, held[b]:held[b] + n[b]]
+        store_reference(ref, lay.spec, kp, vp, torch.tensor(n))
+        held = [h + x for h, x in zip(held, n)]
+    assert_pages_hold(lay, pages, ref)
+
+
+# --------------------------------------------------------------------------- attention
+def check_attention(lay, pages, ref, q, k_new, v_new, prefill):
+    got = P.attention(lay, pages, q, ref.lengths, ref.table, k_new, v_new, scale=0.3)
+    nsplit = max(int(ref.lengths.max()), 1) if prefill else \
+        cpu.splits(ref.lengths, lay.heads, cpu.threads_for(ref.lengths, lay.heads))
+    want, tol = kattn.reference_and_bound(q, ref, lay.spec, None, 0.3, nsplit=nsplit, k_new=k_new, v_new=v_new)
+    err = (got.double() - want).abs()
+    assert not (err > tol).any(), (lay.policy, float(err.max()), float(tol.min()))
+    return got
+
+
+@pytest.mark.parametrize("policy", PER_TOKEN[:-1], ids=str)
+def test_attention_over_pages_is_the_kernels_attention(policy):
+    """Decode (the C decode kernel, reading the pages in place) and a chunk of many queries (the prefill path),
+    both with the queries' own keys and values read in full precision, against float64 attention over what the
+    reference stored."""
+    H, G, D, block = 2, 4, 64, 16
+    lay = P.PageLayout(policy, H, D, "float32", block)
+    lengths = [1, 17, 40, 70]
+    g = torch.Generator().manual_seed(3)
+    B, per_row = len(lengths), -(-max(lengths) // block)
+    table = scrambled_table(B, per_row, B * per_row + 2, 3)
+    pages = engine_pages(lay, B * per_row + 2)
+    ref = reference_state(lay, B * per_row + 2, [0] * B, table)
+    k = torch.randn(B, H, max(lengths), D, generator=g)
+    v = torch.randn(B, H, max(lengths), D, generator=g)
+    n_new = torch.tensor(lengths)
+    P.store(lay, pages, k, v, torch.zeros(B, dtype=torch.int32), table, n_new)
+    store_reference(ref, lay.spec, k, v, n_new)
+    assert_pages_hold(lay, pages, ref)
+    own = [k[b:b + 1, :, L - 1:L] for b, L in enumerate(lengths)]
+    k1 = torch.cat(own)
+    v1 = torch.cat([v[b:b + 1, :, L - 1:L] for b, L in enumerate(lengths)])
+    q = torch.randn(B, H * G, 1, D, generator=g)
+    assert cpu.check_decode(q, lay.spec) is None
+    check_attention(lay, pages, ref, q, k1, v1, prefill=False)
+    # the last 20 tokens of the sequences that have them, as one prefill chunk
+    rows = [b for b, L in enumerate(lengths) if L >= 20]
+    sub = KVState(*ref[:10], ref.lengths[rows], ref.table[rows])
+    kc = torch.stack([k[b, :, lengths[b] - 20:lengths[b]] for b in rows])
+    vc = torch.stack([v[b, :, lengths[b] - 20:lengths[b]] for b in rows])
+    q20 = torch.randn(len(rows), H * G, 20, D, generator=g)
+    check_attention(lay, pages, sub, q20, kc, vc, prefill=True)
+
+
+def test_ragged_attention_is_each_sequences_attention():
+    """A flat batch mixing decodes and chunks of several lengths gives each sequence exactly the attention of
+    the equal-length call for it alone (the kernels see the same rows), and writes nothing past the batch."""
+    H, G, D, block = 2, 2, 32, 16
+    lay = P.PageLayout(Policy(Quant("int4"), Quant("int4")), H, D, "float32", block)
+    g = torch.Generator().manual_seed(5)
+    seq = [30, 5, 41, 17]   # positions held after this step
+    new = [1, 5, 9, 1]      # this step's tokens: decode, a first prefill, a chunk, decode
+    B, per_row = len(seq), 3
+    table = scrambled_table(B, per_row, 14, 5)
+    pages = engine_pages(lay, 14)
+    k = torch.randn(B, H, max(seq), D, generator=g)
+    v = torch.randn(B, H, max(seq), D, generator=g)
+    P.store(lay, pages, k, v, torch.zeros(B, dtype=torch.int32), table, torch.tensor(seq))
+    T = sum(new)
+    qs = torch.tensor([0, 1, 6, 15, 16])
+    q = torch.randn(T + 3, H * G, D, generator=g)  # 3 rows of padding past the batch
+    kk = torch.cat([k[b, :, L - n:L].transpose(0, 1) for b, (L, n) in enumerate(zip(seq, new))])
+    vv = torch.cat([v[b, :, L - n:L].transpose(0, 1) for b, (L, n) in enumerate(zip(seq, new))])
+    out = torch.full((T + 3, H * G, D), 7.0)
+    P.attention_ragged(lay, pages, q, kk, vv, P.Ragged.of(qs, torch.tensor(seq), table), out=out)
+    assert torch.equal(out[T:], torch.full((3, H * G, D), 7.0))
+    for b, (L, n) in enumerate(zip(seq, new)):
+        a = int(qs[b])
+        alone = P.attention(lay, pages, q[a:a + n].transpose(0, 1)[None], torch.tensor([L]), table[b:b + 1],
+                            k[b:b + 1, :, L - n:L], v[b:b + 1, :, L - n:L])
+        assert torch.equal(out[a:a + n], alone[0].transpose(0, 1)), b
+
+
+def test_full_precision_pages_attend_as_the_reference():
+    """``Policy.full()`` pages hold the keys and values themselves (the model's dtype)."""
+    lay = P.PageLayout(Policy.full(), 2, 32, "float32", 16)
+    pages = engine_pages(lay, 4)
+    k, v = torch.randn(1, 2, 40, 32), torch.randn(1, 2, 40, 32)
+    table = torch.tensor([[2, 0, 3]], dtype=torch.int32)
+    P.store(lay, pages, k, v, torch.zeros(1, dtype=torch.int32), table)
+    kc = lay.views(pages)[0]
+    assert torch.equal(kc[0, :, 8], k[0, :, 24]) and torch.equal(kc[3, 1, 7], k[0, 1, 39])
+    q = torch.randn(1, 4, 1, 32)
+    got = P.attention(lay, pages, q, torch.tensor([40]), table)
+    ref = reference_state(lay, 4, [0], table)
+    store_reference(ref, lay.spec, k, v)
+    assert torch.allclose(got, attention_reference(q, ref, lay.spec), atol=1e-6)
+
+
+def test_a_table_that_misses_a_page_writes_nothing():
+    lay = P.PageLayout(Policy.int8(), 1, 32, "float32", 16)
+    pages = engine_pages(lay, 2)
+    from kvcompile.errors import CapacityError
+    with pytest.raises(CapacityError):
+        P.store(lay, pages, torch.randn(1, 1, 20, 32), torch.randn(1, 1, 20, 32), torch.zeros(1, dtype=torch.int32),
+                torch.tensor([[1, -1]], dtype=torch.int32))
+    assert not pages.any()
+
+
+# --------------------------------------------------------------------------- the CUDA path's kernels
+def test_triton_kernels_read_and_write_pages_as_the_c_kernels_do():
+    """On CUDA ``kvcompile.ops`` runs the Triton kernels over the same page views (here in Triton's interpreter):
+    the pages hold the reference's bytes and attention is within the bound."""
+    from kvcompile import ops
+    lay = P.PageLayout(Policy(Quant("int4"), Quant("int8", "token", 16)), 1, 32, "float32", 16)
+    table = torch.tensor([[3, 0], [1, 2]], dtype=torch.int32)
+    pages = engine_pages(lay, 4, interleave=2)
+    ref = reference_state(lay, 4, [0, 0], table)
+    g = torch.Generator().manual_seed(9)
+    k, v = torch.randn(2, 1, 24, 32, generator=g), torch.randn(2, 1, 24, 32, generator=g)
+    n = torch.tensor([24, 19])
+    ops.set_kernels("triton")
+    try:
+        P.store(lay, pages, k, v, torch.zeros(2, dtype=torch.int32), table, n)
+        store_reference(ref, lay.spec, k, v, n)
+        assert_pages_hold(lay, pages, ref)
+        q = torch.randn(2, 2, 1, 32, generator=g)
+        got = P.attention(lay, pages, q, ref.lengths, ref.table)
+    finally:
+        ops.set_kernels("auto")
+    want, tol = kattn.reference_and_bound(q, ref, lay.spec, None, None, nsplit=24)
+    assert not ((got.double() - want).abs() > tol).any()

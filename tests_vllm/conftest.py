@@ -1,0 +1,79 @@
+"""Tests of the vLLM plugin (``kvcompile.vllm``), run in an environment with vLLM's CPU build (``.ci/run`` makes
+it: vLLM pins transformers below the 5.24 that ``kvcompile[test]`` pins, so the two cannot share one).
+
+Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor), so a test can reach
+vLLM's own cache tensors and watch what the backend receives; ``test_serve.py`` runs ``vllm serve`` as users do, in
+vLLM's default processes. The model is a tiny random Llama with a byte-level BPE tokenizer trained here on
+Python's own documentation (``pydoc_data``): nothing is downloaded.
+"""
+from __future__ import annotations
+
+import gc
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared machine: let the OS place the threads
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+KV_BYTES = 32 << 20  # each engine's KV memory (vLLM's kv_cache_memory_bytes)
+MAX_LEN = 1024
+
+
+def make_tiny(path, vocab: int = 512, seed: int = 0):
+    """A 2-layer random Llama (4 query heads, 2 kv heads of 64 channels) and its tokenizer, saved in ``path``."""
+    import transformers
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(list(topics.values()), trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>")
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   max_position_embeddings=4096, bos_token_id=tok.bos_token_id,
+                                   eos_token_id=tok.eos_token_id, initializer_range=0.1)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    return str(make_tiny(tmp_path_factory.mktemp("tiny")))
+
+
+def engine(model: str, policy=None, dtype: str = "float32", **kw):
+    """An ``LLM`` in this process, with ``policy`` (a name or a policy object) in its ``additional_config``."""
+    from vllm import LLM
+    extra = {"additional_config": {"kvcompile": {"policy": policy}}} if policy is not None else {}
+    args = dict(model=model, dtype=dtype, enforce_eager=True, max_model_len=MAX_LEN, seed=0,
+                distributed_executor_backend="uni", kv_cache_memory_bytes=KV_BYTES)
+    return LLM(**{**args, **kw, **extra})
+
+
+def close(llm) -> None:
+    """Shut an in-process engine down and free its cache before the next one starts."""
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def caches(llm) -> dict:
+    """The engine's per-layer cache tensors (vLLM's own, as bound to its attention layers), by layer name."""
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    ctx = runner.compilation_config.static_forward_context
+    return {name: layer.kv_cache for name, layer in ctx.items() if hasattr(layer, "kv_cache")}
+
+
+def impls(llm) -> dict:
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    ctx = runner.compilation_config.static_forward_context
+    return {name: layer.impl for name, layer in ctx.items() if hasattr(layer, "impl")}

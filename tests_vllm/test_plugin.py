@@ -1,0 +1,241 @@
+"""The plugin in vLLM's engine: exactness under ``Policy.full()``, pages that hold exactly what kvcompile's
+reference store writes, attention within the derived bound, prefix caching, preemption.
+
+Each engine starts once per module (a start takes 10-40 s on a shared 2-core machine) and serves several tests.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from kvcompile import Policy, Quant
+from kvcompile import pages as P
+from kvcompile.store import KVState, store_reference
+from kvcompile.templates import attention as kattn
+from kvcompile.vllm import backend, cpu
+from conftest import KV_BYTES, caches, close, engine, impls
+
+# Prompts of several lengths: the long ones span pages of 128 tokens (vLLM's CPU block), and 24 new tokens carry
+# some of them across a page boundary.
+TEXT = ("The class statement creates a class object and binds it to a name in the local namespace. "
+        "A function definition defines a user-defined function object. The import statement finds a module, "
+        "loads it and initializes it if necessary; it then defines a name or names in the local namespace. ")
+PROMPTS = ["def foo(x):", "The class statement", TEXT * 2, "import os\nimport sys\n" * 9, TEXT[:150],
+           "for i in range(10):\n    print(i)"]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
+
+
+def run(llm, prompts=PROMPTS, sp=GREEDY):
+    """Each prompt's generated token ids and, per step, its top log probabilities ``{token: logprob}``."""
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [{t: lp.logprob for t, lp in step.items()} for step in (o.outputs[0].logprobs or [])]) for o in outs]
+
+
+@contextlib.contextmanager
+def vllms_own_backend():
+    """vLLM's own CPU attention backend class for engines built inside (the plugin's override undone)."""
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    load_general_plugins()  # the plugin has registered (it would otherwise register inside, undoing this)
+    enum = AttentionBackendEnum.CPU_ATTN
+    assert enum.get_path() == "kvcompile.vllm.cpu.CPUBackend"
+    register_backend(enum, enum.value)
+    selector._cached_get_attn_backend.cache_clear()  # vLLM keeps the class it chose per layer kind
+    try:
+        yield
+    finally:
+        register_backend(enum, "kvcompile.vllm.cpu.CPUBackend")
+        selector._cached_get_attn_backend.cache_clear()
+
+
+# --------------------------------------------------------------------------- Policy.full() and no policy
+@pytest.fixture(scope="module")
+def vllms_own(tiny):
+    with vllms_own_backend():
+        llm = engine(tiny)
+        assert type(next(iter(impls(llm).values()))).__module__.startswith("vllm.")
+        out = run(llm)
+        close(llm)
+    return out
+
+
+@pytest.mark.parametrize("policy", [None, "full", {"kvcompile_policy": 1, "key": {"format": "none"},
+                                                   "value": {"format": "none"}}], ids=["none", "full", "full-object"])
+def test_full_and_no_policy_give_vllms_own_tokens_and_logprobs(tiny, vllms_own, policy):
+    llm = engine(tiny, policy)
+    try:
+        assert all(isinstance(i, cpu.CPUBackendImpl) and i.layout is None for i in impls(llm).values())
+        got = run(llm)
+    finally:
+        close(llm)
+    assert [t for t, _ in got] == [t for t, _ in vllms_own]
+    assert got == vllms_own  # log probabilities too, exactly
+
+
+# --------------------------------------------------------------------------- quantized pages
+class Recorder:
+    """What the backend was given to store and attend, per layer: each store call's keys, values and batch
+    (replayed through the reference store), and each attention call checked against the bound as it happens."""
+
+    def __init__(self, checks: int = 6):
+        self.stores: dict[str, list] = {}
+        self.checked, self.worst, self.checks = 0, 0.0, checks
+
+    def install(self, monkeypatch):
+        store, attend = cpu.CPUBackendImpl.do_kv_cache_update, cpu.CPUBackendImpl.forward
+        rec = self
+
+        def do_kv_cache_update(impl, layer, key, value, kv_cache, slot_mapping):
+            meta = backend._metadata(layer)
+            if meta is not None and impl.layout is not None:
+                T = meta.num_actual_tokens
+                rec.stores.setdefault(layer.layer_name, []).append(
+                    (key[:T].clone(), value[:T].clone(), meta.query_start_loc.clone(), meta.seq_lens.clone(),
+                     meta.block_table.clone()))
+            return store(impl, layer, key, value, kv_cache, slot_mapping)
+
+        def forward(impl, layer, query, key, value, kv_cache, meta, output, *a, **kw):
+            out = attend(impl, layer, query, key, value, kv_cache, meta, output, *a, **kw)
+            if meta is not None and impl.layout is not None and rec.checked < rec.checks:
+                rec.check(impl, query, key, value, kv_cache, meta, out)
+            return out
+
+        monkeypatch.setattr(cpu.CPUBackendImpl, "do_kv_cache_update", do_kv_cache_update)
+        monkeypatch.setattr(cpu.CPUBackendImpl, "forward", forward)
+
+    def check(self, impl, query, key, value, kv_cache, meta, out):
+        """Each sequence's outputs against float64 attention over what its pages hold (its own tokens' too: the
+        backend reads every position from them), within ``reference_and_bound``'s bound taken at its loosest
+        (every key its own split)."""
+        lay = impl.layout
+        qs = meta.query_start_loc.tolist()
+        for i, L in enumerate(meta.seq_lens.tolist()):
+            a, b = qs[i], qs[i + 1]
+            st = lay.state(kv_cache, torch.tensor([L], dtype=torch.int32), meta.block_table[i:i + 1].to(torch.int32))
+            q = query[a:b].transpose(0, 1)[None]
+            want, tol = kattn.reference_and_bound(q, st, lay.spec, None, impl.scale, nsplit=L)
+            err = (out[a:b].transpose(0, 1)[None].double() - want).abs()
+            assert not (err > tol).any(), (lay.policy, i, float((err - tol).max()))
+            self.worst = max(self.worst, float((err / tol.clamp(min=1e-30)).max()))
+        self.checked += 1
+
+
+def replay(lay: P.PageLayout, calls: list, n_pages: int) -> list:
+    """The reference store's pools after the same writes: every recorded call's sequences appended with
+    ``store_reference`` (each sequence's tokens padded into a ``[B, H, n, D]`` chunk here, apart from the
+    plugin's own batching) into pools of ``n_pages`` blocks, under the same block tables."""
+    sp = lay.spec
+    pool = sp.pool(n_pages)
+    for key, value, qsl, seq_lens, table in calls:
+        qs, sl = qsl.tolist(), seq_lens.tolist()
+        B = len(sl)
+        n = [qs[i + 1] - qs[i] for i in range(B)]
+        kp = torch.zeros(B, sp.heads, max(n), sp.head_dim, dtype=key.dtype)
+        vp = torch.zeros_like(kp)
+        for i in range(B):
+            kp[i, :, :n[i]] = key[qs[i]:qs[i + 1]].transpose(0, 1)
+            vp[i, :, :n[i]] = value[qs[i]:qs[i + 1]].transpose(0, 1)
+        rows = sp.rows(B, table.shape[1])
+        st = KVState(*pool, *rows[:4], torch.tensor([L - x for L, x in zip(sl, n)], dtype=torch.int32),
+                     table[:B].to(torch.int32))
+        store_reference(st, sp, kp, vp, torch.tensor(n))
+    return pool
+
+
+def bits(t):
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]) if t.dtype.is_floating_point \
+        else t
+
+
+QUANTIZED = {
+    # int4 keys, int2 values in groups of 32 channels, rotated: named as a policy object
+    "int4-int2-rot": (Policy(Quant("int4", "token"), Quant("int2", "token", 32), rotate=True).to_dict(), "float32"),
+    # fp8 keys and int8 values with fp32 scales, in a bf16 model
+    "fp8-int8-bf16": (Policy(Quant("fp8_e4m3", "token"), Quant("int8", "token", scale_dtype="float32")).to_dict(),
+                      "bfloat16"),
+    "int8": ("int8", "float32"),  # a preset by name
+}
+
+
+@pytest.mark.parametrize("name", list(QUANTIZED))
+def test_pages_hold_the_reference_stores_bytes_and_attention_is_within_the_bound(tiny, monkeypatch, name):
+    policy, dtype = QUANTIZED[name]
+    rec = Recorder()
+    rec.install(monkeypatch)
+    llm = engine(tiny, policy, dtype=dtype)
+    try:
+        lays = {n: i.layout for n, i in impls(llm).items()}
+        assert all(lay is not None and lay.policy == backend.policy_of({"kvcompile": {"policy": policy}})
+                   for lay in lays.values())
+        n_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        page = next(iter(lays.values())).page_bytes
+        assert n_blocks == KV_BYTES // (len(lays) * page)  # vLLM's capacity follows the packed page
+        out = run(llm)
+        assert all(len(t) == 24 for t, _ in out)
+        kv = caches(llm)
+        for layer, lay in lays.items():
+            pool = replay(lay, rec.stores[layer], kv[layer].shape[0])
+            for field, got, want in zip(P.POOL_FIELDS, lay.views(kv[layer]), pool):
+                assert torch.equal(bits(got), bits(want)), (name, layer, field)
+        assert rec.checked == rec.checks and rec.worst <= 1
+    finally:
+        close(llm)
+
+
+# --------------------------------------------------------------------------- prefix caching and preemption
+SHARED = [TEXT + TEXT[:150] + f" Example {i}: " for i in range(6)]  # 150 tokens in common: a whole page of 128
+GROWING = [TEXT + f" Example {i}:" for i in range(8)]      # ~108 tokens: 48 more need a second page
+LONG = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+def tokens(outs):
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_prefix_caching_and_preemption_change_no_greedy_output(tiny):
+    """int8 pages with prefix caching on and room for every request; then with prefix caching off, prefills cut into
+    chunks of 64 tokens, and room for 5 pages, where 8 requests that each grow into a second page make vLLM preempt
+    some (free their pages, recompute them later): the same tokens for every request, and no request lost."""
+    roomy = engine(tiny, "int8")
+    try:
+        assert roomy.llm_engine.vllm_config.cache_config.enable_prefix_caching
+        first = roomy.generate(SHARED, LONG, use_tqdm=False)
+        again = roomy.generate(SHARED[:3], LONG, use_tqdm=False)  # their prompts' first page is cached now
+        grown = roomy.generate(GROWING, LONG, use_tqdm=False)
+    finally:
+        close(roomy)
+    assert sum(o.num_cached_tokens for o in first) >= 5 * 128  # after the first, each read the shared page
+    assert all(o.num_cached_tokens >= 128 for o in again)
+    assert tokens(again) == tokens(first[:3])
+    lay = P.PageLayout(Policy.int8(), 2, 64, "float32", 128)
+    tight = engine(tiny, "int8", enable_prefix_caching=False, disable_log_stats=False, max_model_len=256,
+                   max_num_batched_tokens=64, kv_cache_memory_bytes=5 * 2 * lay.page_bytes)
+    try:
+        assert tight.llm_engine.vllm_config.cache_config.num_gpu_blocks == 5
+        uncached = tight.generate(SHARED[:3], LONG, use_tqdm=False)
+        assert all(o.num_cached_tokens == 0 for o in uncached)
+        second = tight.generate(GROWING, LONG, use_tqdm=False)
+        preempted = sum(m.value for m in tight.get_metrics() if m.name == "vllm:num_preemptions")
+    finally:
+        close(tight)
+    assert tokens(uncached) == tokens(first[:3])
+    assert preempted > 0
+    assert len(second) == len(GROWING) and all(o.finished and len(o.outputs[0].token_ids) == 48 for o in second)
+    assert tokens(second) == tokens(grown)
+
+
+# --------------------------------------------------------------------------- refusals
+def test_a_policy_pages_cannot_hold_is_refused_at_start_up(tiny):
+    with pytest.raises(Exception) as e:
+        engine(tiny, "kivi+rot+sink:4")
+    chain, err = [], e.value
+    while err is not None:
+        chain.append(str(err))
+        err = err.__cause__ or err.__context__
+    text = " | ".join(chain)
+    assert "residual=128" in text and "page holds only packed tokens" in text and "tok+rot:4" in text, text

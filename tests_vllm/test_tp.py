@@ -1,0 +1,31 @@
+"""Tensor parallelism through vLLM (``tensor_parallel_size=2``, two CPU worker processes): each rank's pages hold
+its own kv heads (vLLM counts twice the blocks in the same memory per rank), and the greedy tokens are the
+unsharded run's. (The log probabilities differ from the unsharded run's in their last digits, as vLLM's own do:
+its all-reduce sums the ranks' partial products in another order.)"""
+from __future__ import annotations
+
+from vllm import SamplingParams
+
+from kvcompile import Policy
+from kvcompile import pages as P
+from conftest import KV_BYTES, close, engine
+
+PROMPTS = ["def foo(x):", "The class statement", "import os\nimport sys\n" * 9]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def test_two_ranks_hold_their_own_heads_and_give_the_unsharded_tokens(tiny):
+    one = engine(tiny, "int8")
+    try:
+        want = [list(o.outputs[0].token_ids) for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        close(one)
+    two = engine(tiny, "int8", tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        blocks = two.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        got = [list(o.outputs[0].token_ids) for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        close(two)
+    rank_page = P.PageLayout(Policy.int8(), 1, 64, "float32", 128).page_bytes  # 1 of the model's 2 kv heads
+    assert blocks == KV_BYTES // (2 * rank_page)
+    assert got == want
