@@ -1067,7 +1067,8 @@ def store_reference(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new
 
     ``n_new`` (int [B], optional): row ``b`` appends only its first ``n_new[b]`` tokens (ragged batches);
     the default appends all ``n``. Tokens go at positions ``lengths[b] ...``; ``lengths`` advances. Every
-    row's table must already hold the blocks the append writes (``KVStore.reserve``), else ``CapacityError``.
+    row's table must already hold the blocks the append writes, and its ring and sinks reach the positions it
+    writes (``KVStore.reserve`` sees to both), else ``CapacityError``.
     """
     check_kv(spec, k, v, state.lengths.shape[0])
     B, H, n, D = k.shape
@@ -1078,6 +1079,7 @@ def store_reference(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new
         raise ArgumentError(f"n_new={n_new.tolist()} must be within [0, {n}] for a chunk of {n} tokens")
     lengths_cpu = state.lengths.cpu()
     _state_capacity_check(state, spec, lengths_cpu, n_new)
+    row_widths(state, spec, n_new)  # the rings and sinks reach every position written (``KVStore.reserve`` grows them)
     k, v = rotate(k, spec, keys=True), rotate(v, spec)
     for b in range(B):
         L, nb = int(lengths_cpu[b]), int(n_new[b])
