@@ -476,7 +476,9 @@ class KVStore:
     max_tokens: the most tokens a sequence may hold (``CapacityError`` beyond; None: no limit).
     max_blocks: the most blocks the pool may hold (``CapacityError`` when an append needs more; None: the
                 pool grows, doubling, as long as memory lasts).
-    The state (``.state``) is replaced when the pool grows: read it at each use, never keep it.
+    whole_rows: allocate every sequence's full-precision window and sinks now (a serving pool, whose budget pays
+                for them up front); by default they grow as the sequences reach them (``LayerSpec.row_widths``).
+    The state (``.state``) is replaced when the pool or the rows grow: read it at each use, never keep it.
     """
 
     def __init__(self, spec: LayerSpec, batch: int, device="cpu", max_tokens: int | None = None,
