@@ -50,6 +50,13 @@ WARMUP_PREFIX = "__warmup_"  # transformers' warmup request ids (continuous_batc
 _BASE_UPDATE = inspect.unwrap(tcache.PagedAttentionCache.update)
 
 
+def all_exact(specs) -> bool:
+    """Whether every layer is a store under an exact policy (``Policy.full()``): transformers' own SDPA then reads
+    the pages back (``read_exact``). A sliding-window layer's ring (``WindowSpec``, which has no policy) is read by
+    kvcompile's window attention, so a model with one takes kvcompile's attention for every layer."""
+    return all(not isinstance(s, WindowSpec) and s.policy.exact for s in specs)
+
+
 # --------------------------------------------------------------------------- the batch
 class _Plan:
     """One forward's ragged batch: requests in order, in groups (one kernel call per group): the decoding requests
@@ -192,7 +199,7 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
         window = slots * max(s.ring + s.sink for s in specs)  # tokens the slots hold outside the pages
         # every layer exact (Policy.full()): transformers' own SDPA reads the pages back through its read
         # indices, as from its own cache (``read_exact``), under its ragged mask -- its arithmetic, bit for bit
-        self.exact = all(s.policy.exact for s in specs)
+        self.exact = all_exact(specs)
         sdpa = compiled or self.exact  # transformers' SDPA runs, and so allocates its mask
         try:
             with _swapped(tcache, "PagedAttentionMemoryHandler",
@@ -706,7 +713,7 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
         self._slots = slots_for(self._specs, budget, opts.max_requests, opts.request_tokens, self._max_tokens)
         self.budget = budget
         self._blocks = pool_blocks(self._specs, budget, self._slots, self._max_tokens)
-        if all(s.policy.exact for s in self._specs) and opts.budget is None and not asked.num_blocks:
+        if all_exact(self._specs) and opts.budget is None and not asked.num_blocks:
             # transformers' own SDPA runs (Policy.full()), with its ragged mask over every page's tokens: the
             # default budget's pages are cut to what its mask leaves room for, as transformers' own sizing
             # removes sectors to pay for its masks (a small model's default budget buys ~10^6 tokens of pages,
@@ -752,7 +759,7 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
         kvcompile's pass rewrites it; every layer exact: transformers' own SDPA runs, over the pages read back
         (``read_exact``). A model's attention is one or the other: managers of both kinds cannot share it."""
         # ("compiled" below: the model's attention stays transformers' own SDPA)
-        compiled = getattr(self, "_compiled", None) is not None or all(s.policy.exact for s in self._specs)
+        compiled = getattr(self, "_compiled", None) is not None or all_exact(self._specs)
         with _ATTN_LOCK:
             holders = _ATTN_HOLDERS.setdefault(model, weakref.WeakKeyDictionary())
             impl = model.config._attn_implementation
