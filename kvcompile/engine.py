@@ -39,7 +39,7 @@ from .backend import Options, compile_graph, kvcompile_backend
 from .errors import UnsupportedError
 from .pool import (DEFAULT_BUDGET, ServingOptions, layer_specs, full_precision_bytes_per_token, make_stores,
                    pool_blocks, request_limit, request_pages, shares_pages, slots_for)
-from .sampling import PROMPT_ROWS, RECORDS
+from .sampling import PROMPT_ROWS, Requests
 from .store import LayerSpec, state_nbytes
 from .window import WindowRing, WindowSpec, window_attention
 
@@ -48,13 +48,6 @@ CACHE_KWARG = "kvcompile_cache"  # the keyword by which a layer's attention rece
 WARMUP_PREFIX = "__warmup_"  # transformers' warmup request ids (continuous_batching.requests)
 # transformers' update is wrapped in torch.compiler.disable; the compiled path traces the function itself
 _BASE_UPDATE = inspect.unwrap(tcache.PagedAttentionCache.update)
-
-
-def all_exact(specs) -> bool:
-    """Whether every layer is a store under an exact policy (``Policy.full()``): transformers' own SDPA then reads
-    the pages back (``read_exact``). A sliding-window layer's ring (``WindowSpec``, which has no policy) is read by
-    kvcompile's window attention, so a model with one takes kvcompile's attention for every layer."""
-    return all(not isinstance(s, WindowSpec) and s.policy.exact for s in specs)
 
 
 # --------------------------------------------------------------------------- the batch
@@ -94,7 +87,6 @@ def _gather(x: torch.Tensor, idx: torch.Tensor, rows: int, n: int) -> torch.Tens
     """``x [1, H, T, D]`` -> ``[rows, H, n, D]``: the tokens ``idx`` (rows x n, request by request)."""
     H, D = x.shape[1], x.shape[3]
     return x[0].index_select(1, idx).view(H, rows, n, D).transpose(0, 1).contiguous()
-
 
 
 def _prompt_places(paged_cache) -> list[tuple[int, str, int]]:
@@ -141,8 +133,8 @@ class KVCompileMemoryHandler(tcache.PagedAttentionMemoryHandler):
     transformers allocates none."""
 
     def __init__(self, *args, compiled: bool, window_tokens: int, **kwargs):
+        self.compiled, self.window_tokens = compiled, window_tokens  # (before transformers' __init__ sizes anything)
         super().__init__(*args, **kwargs)
-        self.compiled, self.window_tokens = compiled, window_tokens
         self.trash_bytes = 0  # the trash sectors are on the meta device too
 
     @property
@@ -157,9 +149,15 @@ class KVCompileMemoryHandler(tcache.PagedAttentionMemoryHandler):
                 + per_token * max_batch_tokens * self.window_tokens)
 
 
-
 SWAP = threading.RLock()  # held while a transformers name is swapped (below), and while transformers' own
                            # cache is built beside (``capacity``), so that it never sees a swapped name
+
+
+def all_exact(specs) -> bool:
+    """Every layer stored exactly (``Policy.full()``) in the pages, so transformers' own SDPA can read them back
+    (``PagedKVCompileCache.read_exact``). A sliding-window layer (``WindowSpec``) has no pages and no policy: a
+    model with one takes kvcompile's attention, as before that path."""
+    return all(isinstance(s, LayerSpec) and s.policy.exact for s in specs)
 
 
 def _mask_blocks(cbc, dtype: torch.dtype, page_size: int) -> int:
@@ -191,7 +189,7 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
 
     def __init__(self, config, continuous_batching_config, device, distributed_helper, dtype=torch.float16,
                  model_supports_logits_to_keep=False, *, specs: list[LayerSpec], slots: int, blocks: int,
-                 compiled: bool = False, max_tokens: int | None = None):
+                 compiled: bool = False, max_tokens: int | None = None, requests: Requests | None = None):
         # transformers' own tensor is only counted, never used: it lives on the meta device
         # transformers builds its page accounting for this rank alone: its heads are counted in kvcompile's
         # specs (the rank's own), and its sizes come from the budget, the same on every rank (checked below;
@@ -239,6 +237,8 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
                                  f"has {blocks} blocks")
         self.max_decode_fast_path_length = 0  # no block tables: attention reads kvcompile's own
         self.specs, self.slots, self.blocks = specs, slots, blocks  # blocks: of each paged layer's pool
+        # the options of the requests a server runs (``sampling.Requests``: its manager's): prompt log probabilities
+        self.requests = requests if requests is not None else Requests()
         self.stores = make_stores(specs, slots, blocks, self.device, max_tokens)
         # transformers' allocator hands out the pages and shares or frees them; page p is block p - first
         # of every layer's pool (its page ids start after the pool's reserved sectors)
@@ -435,9 +435,9 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
             out = forward(*args, **kwargs)
             logits = out.logits[0, rows.to(out.logits.device)]
         for row, (_, rid, place) in zip(logits, wanted):
-            asked = RECORDS.prompt_asked(rid)  # None on the other ranks, or once its reply is gone
-            if asked is not None:
-                asked.took_prompt(place, row)
+            options = self.requests.of(rid)  # None on the other ranks, or once its reply is gone
+            if options is not None and options.asked is not None:
+                options.asked.took_prompt(place, row)
         return out
 
     # ---- the batch
@@ -592,7 +592,6 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
         return work
 
 
-
 # --------------------------------------------------------------------------- the attention
 def paged_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """A continuous-batching forward's layer reads the cache that stored its keys (``CACHE_KWARG``, set by the
@@ -739,6 +738,17 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
         cb.page_size = self._specs[0].block
         cb.num_blocks = self._blocks
         self._use_prefix_sharing = cb.allow_block_sharing
+        # the options of the requests a server adds (``sampling.Requests``: kvcompile serve gives its own, through
+        # ``sampling.sampling_manager``); empty for generate_batch and the manager API
+        self.requests = Requests()
+
+    def add_request(self, input_ids, request_id=None, *args, **kwargs):
+        """transformers' ``add_request``; a request the server holds options for (``self.requests``) is added
+        with their per-request arguments (``RequestOptions.processor_kwargs``: its sampling, its handle)."""
+        options = None if request_id is None else self.requests.of(request_id)
+        if options is not None:
+            kwargs = {**options.processor_kwargs(), **kwargs}
+        return super().add_request(input_ids, request_id, *args, **kwargs)
 
     @staticmethod
     def _varlen_config(model, asked):
@@ -805,7 +815,8 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
             bp.reset()
             return bp
         factory = functools.partial(PagedKVCompileCache, specs=self._specs, slots=self._slots, blocks=self._blocks,
-                                    max_tokens=self._max_tokens, compiled=self._compiled is not None)
+                                    max_tokens=self._max_tokens, compiled=self._compiled is not None,
+                                    requests=self.requests)
         with _swapped(continuous_api, "PagedAttentionCache", factory):
             bp = super()._create_batch_processor()
         if self._offload_space:
@@ -815,7 +826,6 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
         bp.cache._scheduler = weakref.ref(bp.scheduler)
         self.cache = bp.cache
         return bp
-
 
 
 class KVCompileOffloading(OffloadingManager):

@@ -18,9 +18,10 @@ transformers' manager applied its first request's to all), and a field asking fo
 (``UNSUPPORTED``: a forced ``tool_choice`` ...) is a 400 rather than ignored. ``stop`` strings end a reply,
 streaming or not (``StopAt``); ``n`` choices are ``n`` requests in the batch (``n_choices``), streamed as one stream
 or not. Log probabilities, penalties, a logit bias and JSON mode (``kvcompile.json_mode``, on llguidance) are done
-per request where its tokens are picked (``kvcompile.sampling.Records``); a completion's prompt may be token
-ids (``prompt_inputs``), and its ``echo`` puts the prompt in front, with its log probabilities when asked
-(``serving.paged_forward`` records them as the prefill computes them). The Responses API (``/v1/responses``) is
+per request where its tokens are picked (``kvcompile.sampling``: each request's options in one
+``RequestOptions``, kept in the server's ``Requests`` by request id while it runs); a completion's prompt may be
+token ids (``prompt_inputs``), and its ``echo`` puts the prompt in front, with its log probabilities when asked
+(the engine's cache records them as the prefill computes them). The Responses API (``/v1/responses``) is
 checked (``check_response``) and sampled per request alike, and answers with one JSON object unless asked to
 stream. Launched by torchrun with several processes, the model is sharded over them (``run_tensor_parallel``).
 
@@ -48,8 +49,7 @@ import time
 import torch
 
 from .errors import ArgumentError, KVCompileError, UnsupportedError
-from .sampling import (MAX_TOP_LOGPROBS, RECORDS, Asked, decide_on, request_context, request_sampling,
-                       sampling_manager)
+from .sampling import MAX_TOP_LOGPROBS, Asked, RequestOptions, Requests, request_sampling, sampling_manager
 
 
 SERVER_TRANSFORMERS = "5.24"  # the transformers release whose server (transformers.cli.serving) this module extends
@@ -103,8 +103,9 @@ _CLIENT: contextvars.ContextVar = contextvars.ContextVar("kvcompile_client", def
 
 class ClientConnection:
     """ASGI middleware (outermost): each HTTP request runs with its connection at hand (``_CLIENT``: a Starlette
-    ``Request`` over the server's own ``receive``), so that the generation manager, which transformers' handlers
-    call without the request, can tell whether the client is still there (``watch_client``)."""
+    ``Request`` over the server's own ``receive``; transformers' routes call its handlers without it). The
+    handler puts it in the request's options (``RequestOptions.client``), where the generation manager finds it
+    to tell whether the client is still there (``watch_client``)."""
 
     def __init__(self, app):
         self.app = app
@@ -601,10 +602,10 @@ def cache_token_limit(cb, model) -> int:
     return min(limit, positions) if positions else limit
 
 
-def fit_to_cache(cb, model, inputs: dict, gen_config, param: str) -> None:
+def fit_to_cache(cb, model, inputs: dict, gen_config, options: RequestOptions) -> None:
     """Refuse (400) a request that the cache cannot hold whole; cap a reply whose length the client left open
-    (``gen_config._kvcompile_open``) to what the cache holds after its prompt."""
-    n = len(inputs["input_ids"])
+    (``options.open_length``) to what the cache holds after its prompt."""
+    n, param = len(inputs["input_ids"]), options.prompt_field
     limit = cache_token_limit(cb, model)
     if n == 0:
         raise RequestError("the prompt has no tokens", param)
@@ -612,10 +613,10 @@ def fit_to_cache(cb, model, inputs: dict, gen_config, param: str) -> None:
         raise RequestError(f"prompt of {n} tokens exceeds what this server's cache holds for one request "
                            f"({limit} tokens, prompt and reply together); shorten it", param,
                            code="context_length_exceeded")
-    if getattr(gen_config, "_kvcompile_open", False):
+    if options.open_length:
         gen_config.max_new_tokens = min(gen_config.max_new_tokens, limit - n)
     elif n + gen_config.max_new_tokens > limit:
-        field = getattr(gen_config, "_kvcompile_max_field", "max_tokens")
+        field = options.max_field
         raise RequestError(f"prompt of {n} tokens plus {field}={gen_config.max_new_tokens} exceeds what this "
                            f"server's cache holds for one request ({limit} tokens); lower {field} to at most "
                            f"{limit - n}", field, code="context_length_exceeded")
@@ -732,7 +733,7 @@ def completion_logprobs(tokens: list[dict]) -> dict:
             "text_offset": [t["offset"] for t in tokens]}
 
 
-def stream_with_logprobs(streamer, handle: int, offset: int = 0) -> None:
+def stream_with_logprobs(streamer, asked: Asked, offset: int = 0) -> None:
     """Make transformers' ``CBStreamer`` put ``TokenText`` on its queue: each piece of text with the
     log-probability entries of the tokens decoded into it (a token whose text the decoder holds back, part of a
     character, goes with the next piece). The decoding is the streamer's own (its decode stream, step by
@@ -751,7 +752,7 @@ def stream_with_logprobs(streamer, handle: int, offset: int = 0) -> None:
             text = streamer._decode_stream.step(streamer._tokenizer, token_id)
             if text is None:
                 continue
-            entries = RECORDS.take(handle, pending[0], pending[-1] + 1)
+            entries = asked.take(pending[0], pending[-1] + 1)
             pending.clear()
             tokens = token_entries(streamer._tokenizer, entries, offset)
             offset = tokens[-1]["offset"] + len(tokens[-1]["token"])
@@ -867,22 +868,16 @@ async def _merged_streams(streams, request_id: str):
 
 
 EXTENSIONS = ("top_k",)  # request fields beyond OpenAI's that kvcompile serve reads (vLLM's spelling)
-_EXTENSIONS: contextvars.ContextVar = contextvars.ContextVar("kvcompile_extensions", default={})
-# a request that asks more of its tokens (``asked_of``): {"handle": its ``RECORDS`` handle, "logprobs": whether its
-# reply gives them, "tokenizer": set when it is generated}
-_ASKED: contextvars.ContextVar = contextvars.ContextVar("kvcompile_asked", default=None)
-# a completion's prompt given as token ids: generated from them, not from its text (``prompt_inputs``)
-_PROMPT_IDS: contextvars.ContextVar = contextvars.ContextVar("kvcompile_prompt_ids", default=None)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")  # what ``request_sampling`` reads of a request
 
 
-def prompt_inputs(inputs, asked: dict | None) -> None:
-    """The request's input ids, as it is generated: a prompt of token ids (``_PROMPT_IDS``) in place of the
-    tokenized text that transformers' handler made of its decoding; and, where the prompt's log probabilities
-    are asked (``asked``, its ``_ASKED``), the ids they are recorded for."""
-    ids = _PROMPT_IDS.get()
-    if ids is not None:
-        inputs["input_ids"], inputs["attention_mask"] = list(ids), [1] * len(ids)
-    a = None if asked is None else RECORDS.get(asked["handle"])
+def prompt_inputs(inputs, options: RequestOptions) -> None:
+    """The request's input ids, as it is generated: a prompt of token ids (``options.prompt_ids``) in place of
+    the tokenized text that transformers' handler made of its decoding; and, where the prompt's log
+    probabilities are asked, the ids they are recorded for."""
+    if options.prompt_ids is not None:
+        inputs["input_ids"], inputs["attention_mask"] = list(options.prompt_ids), [1] * len(options.prompt_ids)
+    a = options.asked
     if a is not None and a.prompt is not None:
         a.prompt = list(inputs["input_ids"])
 
@@ -902,13 +897,12 @@ def asked_of(body: dict, chat: bool) -> Asked | None:
     return asked if asked.top is not None or asked.adjusts or asked.json_mode else None
 
 
-def prepare_asked(asked: dict | None, model, processor) -> None:
+def prepare_asked(a: Asked | None, model, processor) -> None:
     """What a request asks of its tokens, for the model it runs on: a logit bias naming a token the model does
     not have is refused (400); JSON mode gets its constraint over the model's vocabulary, ending at its
     end-of-sequence token."""
-    if asked is None:
+    if a is None:
         return
-    a = RECORDS.get(asked["handle"])
     vocab = model.config.get_text_config().vocab_size
     bad = sorted(t for t in a.bias if t >= vocab)
     if bad:
@@ -966,10 +960,10 @@ def with_choice(sse: str, **fields) -> str:
     return f"data: {json.dumps(chunk)}\n\n"
 
 
-def echo_logprobs(tokenizer, asked: Asked, handle: int) -> dict:
+def echo_logprobs(tokenizer, asked: Asked) -> dict:
     """A completion's ``logprobs`` for its echoed prompt (``completion_logprobs``): the first token with none,
     as OpenAI's echo gives it."""
-    lp = completion_logprobs(token_entries(tokenizer, [(asked.prompt[0], None, [])] + RECORDS.take_prompt(handle)))
+    lp = completion_logprobs(token_entries(tokenizer, [(asked.prompt[0], None, [])] + asked.take_prompt()))
     lp["top_logprobs"][0] = None
     return lp
 
@@ -979,18 +973,17 @@ def failure_body(failed: str) -> dict:
     return error_body(f"generation failed for this request ({failed}); the server goes on", type_="server_error")
 
 
-async def _closing(stream, handle: int):
+async def _closing(stream, asked: Asked | None, release):
     """A streamed reply's events (and, if its token picking failed, an error event at its end); once it ends
-    (or its client goes away) the request's record is closed and the reply's own stream closed (transformers'
-    stream then cancels its request)."""
+    (or its client goes away) ``release()`` drops the request's options from the server's table and the reply's
+    own stream is closed (transformers' stream then cancels its request)."""
     try:
         async for part in stream:
             yield part
-        asked = RECORDS.get(handle)
         if asked is not None and asked.failed is not None:
             yield f"data: {json.dumps(failure_body(asked.failed))}\n\n"
     finally:
-        RECORDS.close(handle)
+        release()
         close = getattr(stream, "aclose", None)
         if close is not None:
             await close()
@@ -1036,24 +1029,24 @@ def _checked_handlers():
                     fmt = (body.get("text") or {}).get("format") or {}
                     if fmt.get("type") in ("json_object", "json_schema"):
                         body = {k: v for k, v in body.items() if k != "text"}
-                        return await self._asked({**body, "response_format": fmt}, request_id)
-                    return await super().handle_request(body, request_id)
+                        return await self._asked({**body, "response_format": fmt}, request_id, RequestOptions())
+                    return await self._run(body, request_id, RequestOptions())
                 # fields of ours that transformers' handler would answer 422 (unexpected): read here, passed aside
-                token = _EXTENSIONS.set({k: body[k] for k in EXTENSIONS if k in body})
+                extensions = {k: body[k] for k in EXTENSIONS if k in body}
                 body = {k: v for k, v in body.items() if k not in EXTENSIONS}
-                try:
-                    n, best = body.get("n") or 1, body.get("best_of") or 1
-                    if n == best == 1 and (chat or len(completion_prompts(body.get("prompt"))) == 1):
-                        if not chat:  # one prompt: a string, or its token ids (not a list of one string)
-                            body = {**body, "prompt": completion_prompts(body["prompt"])[0]}
-                        return await self._one_choice(body, request_id)
-                    return await n_choices(self._one_choice, body, request_id, n, best=max(best, n))
-                finally:
-                    _EXTENSIONS.reset(token)
+                n, best = body.get("n") or 1, body.get("best_of") or 1
+                one = functools.partial(self._one_choice, extensions=extensions)
+                if n == best == 1 and (chat or len(completion_prompts(body.get("prompt"))) == 1):
+                    if not chat:  # one prompt: a string, or its token ids (not a list of one string)
+                        body = {**body, "prompt": completion_prompts(body["prompt"])[0]}
+                    return await one(body, request_id)
+                return await n_choices(one, body, request_id, n, best=max(best, n))
 
-            async def _one_choice(self, body: dict, request_id: str):
-                """One choice. A completion's prompt of token ids is generated from those ids (``prompt_inputs``);
-                its text, for transformers' handler and the echo, is their decoding."""
+            async def _one_choice(self, body: dict, request_id: str, extensions: dict):
+                """One choice (its options start with the request's ``extensions``). A completion's prompt of token
+                ids is generated from those ids (``prompt_inputs``); its text, for transformers' handler and the
+                echo, is their decoding."""
+                options = RequestOptions(fields=dict(extensions))
                 if not chat and isinstance(body.get("prompt"), list):
                     ids = completion_prompts(body["prompt"])[0]
                     _, model, processor = self._resolve_model(dict(body))
@@ -1062,25 +1055,21 @@ def _checked_handlers():
                         raise RequestError(f"'prompt' holds the token id {max(ids)}, past the model's vocabulary "
                                            f"(ids 0 to {vocab - 1})", "prompt")
                     body = {**body, "prompt": getattr(processor, "tokenizer", processor).decode(ids)}
-                    token = _PROMPT_IDS.set(ids)
-                    try:
-                        return await self._echoed(body, request_id)
-                    finally:
-                        _PROMPT_IDS.reset(token)
-                return await self._echoed(body, request_id)
+                    options.prompt_ids = ids
+                return await self._echoed(body, request_id, options)
 
-            async def _echoed(self, body: dict, request_id: str):
+            async def _echoed(self, body: dict, request_id: str, options: RequestOptions):
                 """One choice (``_asked``); a completion asking for ``echo`` has its prompt in front of its text
                 (streamed: the first piece), and with ``logprobs`` the prompt tokens' log probabilities in front
                 of its own."""
                 if chat or not body.get("echo"):
-                    return await self._asked(body, request_id)
+                    return await self._asked(body, request_id, options)
                 prompt, nothing = body["prompt"], body.get("max_tokens") == 0
                 if nothing and body.get("stream"):  # the prompt alone, as one reply's events
-                    return await self._streamed_prompt(body, request_id)
+                    return await self._streamed_prompt(body, request_id, options)
                 # max_tokens 0 (the prompt alone, as OpenAI scores a text): one token is generated, then dropped
                 reply = await self._asked({k: v for k, v in body.items() if k != "echo"}
-                                          | ({"max_tokens": 1} if nothing else {}), request_id,
+                                          | ({"max_tokens": 1} if nothing else {}), request_id, options,
                                           echo=body.get("logprobs") is not None)
                 if isinstance(reply, StreamingResponse):
                     if body.get("logprobs") is None:  # with them, _asked streams the prompt once it is scored
@@ -1099,14 +1088,14 @@ def _checked_handlers():
                 choice["text"] = prompt + choice["text"]
                 return JSONResponse(out)
 
-            async def _streamed_prompt(self, body: dict, request_id: str):
+            async def _streamed_prompt(self, body: dict, request_id: str, options: RequestOptions):
                 """A streamed completion of the prompt alone (echo, ``max_tokens`` 0): the reply it gives
                 unstreamed, sent as a stream's events -- the prompt (and its log probabilities), then the end
                 with the usage."""
                 from fastapi.responses import StreamingResponse
                 from openai.types import CompletionUsage
 
-                reply = await self._echoed({**body, "stream": False}, request_id)
+                reply = await self._echoed({**body, "stream": False}, request_id, options)
                 if reply.status_code != 200:
                     return reply
                 out = json.loads(reply.body)
@@ -1120,52 +1109,68 @@ def _checked_handlers():
 
                 return StreamingResponse(events(), media_type="text/event-stream")
 
-            async def _asked(self, body: dict, request_id: str, echo: bool = False):
-                """transformers' handler for one choice. A request that asks more of its tokens (``asked_of``: log
-                probabilities, penalties, a logit bias) is added with a ``RECORDS`` handle: its tokens are adjusted
-                and recorded as they are picked, and its log probabilities given in the reply -- streamed, with
-                each piece of text (``stream_with_logprobs``, ``_build_chunk_sse``); not, for every token of the
-                reply (``usage.completion_tokens``). ``echo``: the prompt's log probabilities too, in front
-                (recorded as the prefill computes them: ``serving.paged_forward``)."""
-                asked = asked_of(body, chat)
+            async def _asked(self, body: dict, request_id: str, options: RequestOptions, echo: bool = False):
+                """One choice. A request that asks more of its tokens (``asked_of``: log probabilities,
+                penalties, a logit bias, JSON mode) has them in its options (``RequestOptions.asked``): its tokens
+                are adjusted and recorded as they are picked, and its log probabilities given in the reply --
+                streamed, with each piece of text (``stream_with_logprobs``, ``_build_chunk_sse``); not, for
+                every token of the reply (``usage.completion_tokens``). ``echo``: the prompt's log probabilities
+                too, in front (recorded as the prefill computes them: ``engine.PagedKVCompileCache``)."""
+                asked = options.asked = asked_of(body, chat)
                 if echo:
                     asked.prompt = []  # its ids once the request is generated (prompt_inputs)
+                    options.echo_offset = len(body["prompt"])
                 # done here: transformers' handler would log them as ignored (or map them to config it never reads)
                 body = {k: v for k, v in body.items() if k not in ASKED_FIELDS}
+                reply = await self._run(body, request_id, options)
                 if asked is None:
-                    return await super().handle_request(body, request_id)
-                handle = RECORDS.open(asked)
-                token = _ASKED.set(ctx := {"handle": handle, "logprobs": asked.top is not None, "tokenizer": None,
-                                           "offset": len(body["prompt"]) if echo else 0})
+                    return reply
+                if isinstance(reply, StreamingResponse):
+                    if echo:
+                        def prompt_chunk():
+                            sse = self._build_chunk_sse(request_id, body["model"], text=body["prompt"])
+                            return with_choice(sse, logprobs=echo_logprobs(options.tokenizer, asked))
+                        reply.body_iterator = _after(prompt_chunk, reply.body_iterator, scored=True)
+                    return reply
+                if reply.status_code == 200 and asked.failed is not None:
+                    return JSONResponse(failure_body(asked.failed), status_code=500)
+                if reply.status_code != 200 or asked.top is None:
+                    return reply
+                out = json.loads(reply.body)
+                tokens = token_entries(options.tokenizer, asked.take(0, out["usage"]["completion_tokens"]),
+                                       options.echo_offset)
+                lp = logprobs_of(tokens)
+                if echo:  # the prompt's tokens first
+                    lp = {k: v + lp[k] for k, v in echo_logprobs(options.tokenizer, asked).items()}
+                out["choices"][0]["logprobs"] = lp
+                return JSONResponse(out)
+
+            async def _run(self, body: dict, request_id: str, options: RequestOptions):
+                """transformers' handler for one request, its options kept in the server's table under its id
+                (``sampling.Requests``: the generation manager, the engine and its processors read them there)
+                until its reply is out: a streamed reply's end, or its client going away."""
+                stop = body.get("stop")
+                options.fields.update({k: body[k] for k in SAMPLING_FIELDS if k in body})
+                options.stop = [stop] if isinstance(stop, str) else list(stop or ())
+                options.open_length = all(body.get(f) is None for f in max_fields)
+                options.max_field, options.prompt_field = max_fields[0], prompt_field
+                options.client = _CLIENT.get()  # its connection (``ClientConnection``), watched while it waits
+                requests = self.generation_state.requests
+                if requests.of(request_id) is not None:
+                    raise RequestError(f"a request with id {request_id!r} is running already: give each request its "
+                                       f"own X-Request-ID", code="duplicate_request_id")
+                requests.add(request_id, options)
                 streams = False
                 try:
                     reply = await super().handle_request(body, request_id)
                     if isinstance(reply, StreamingResponse):
-                        it = reply.body_iterator
-                        if echo:
-                            def prompt_chunk():
-                                sse = self._build_chunk_sse(request_id, body["model"], text=body["prompt"])
-                                return with_choice(sse, logprobs=echo_logprobs(ctx["tokenizer"], asked, handle))
-                            it = _after(prompt_chunk, it, scored=True)
-                        reply.body_iterator, streams = _closing(it, handle), True
-                        return reply
-                    if reply.status_code == 200 and asked.failed is not None:
-                        return JSONResponse(failure_body(asked.failed), status_code=500)
-                    if reply.status_code != 200 or asked.top is None:
-                        return reply
-                    out = json.loads(reply.body)
-                    tokenizer = _ASKED.get()["tokenizer"]
-                    tokens = token_entries(tokenizer, RECORDS.take(handle, 0, out["usage"]["completion_tokens"]),
-                                           ctx["offset"])
-                    lp = logprobs_of(tokens)
-                    if echo:  # the prompt's tokens first
-                        lp = {k: v + lp[k] for k, v in echo_logprobs(tokenizer, asked, handle).items()}
-                    out["choices"][0]["logprobs"] = lp
-                    return JSONResponse(out)
+                        reply.body_iterator = _closing(reply.body_iterator, options.asked,
+                                                       functools.partial(requests.remove, request_id))
+                        streams = True
+                    return reply
                 finally:
-                    _ASKED.reset(token)
                     if not streams:
-                        RECORDS.close(handle)
+                        requests.remove(request_id)
 
             def _build_chunk_sse(self, *args, **kw):
                 """transformers' streamed chunk; a piece of text with its tokens' log probabilities
@@ -1173,20 +1178,6 @@ def _checked_handlers():
                 sse = super()._build_chunk_sse(*args, **kw)
                 tokens = getattr(kw.get("content", kw.get("text")), "tokens", None)
                 return sse if tokens is None else with_choice(sse, logprobs=logprobs_of(tokens))
-
-            def _build_generation_config(self, body, model_generation_config, use_cb=False):
-                gen = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
-                gen._kvcompile_sampling = request_sampling({**body, **_EXTENSIONS.get()}, model_generation_config)
-                asked = _ASKED.get()
-                if asked is not None:
-                    gen._kvcompile_sampling["record"] = asked["handle"]
-                    gen._kvcompile_asked = asked
-                stop = body.get("stop")
-                gen._kvcompile_stop = [stop] if isinstance(stop, str) else list(stop or ())
-                gen._kvcompile_open = all(body.get(f) is None for f in max_fields)
-                gen._kvcompile_max_field = max_fields[0]
-                gen._kvcompile_prompt = prompt_field
-                return gen
 
         # transformers' handler logs the fields it ignores; those this server reads are not ignored
         Checked._unused_fields = set(handler_cls._unused_fields) - HANDLED_FIELDS
@@ -1198,9 +1189,11 @@ def _checked_handlers():
             checked(ResponseHandler, check_response, "input", ("max_output_tokens",), True))
 
 
-def checked_state(**kw):
-    """transformers' ``GenerationState`` whose continuous-batching generation manager fits each request to the
-    cache (``fit_to_cache``) before it is queued."""
+def checked_state(decider=None, **kw):
+    """transformers' ``GenerationState`` whose continuous-batching generation manager samples per request and fits
+    each request to the cache (``fit_to_cache``) before it is queued. Each request's options are in its
+    ``requests`` (``sampling.Requests``), by request id, while it runs. ``decider``: under tensor parallelism, the
+    process group whose first rank picks every token (``sampling.RoutedProcessors``)."""
     from transformers.cli.serving.utils import CBGenerateManager, GenerationState, _StreamError
 
     class Stopped(_StreamError):
@@ -1208,12 +1201,19 @@ def checked_state(**kw):
         message as an error event (``data: {"error": msg}``, so no quotes in it) and ends."""
 
     class CheckedCBGenerateManager(CBGenerateManager):
+        def __init__(self, cb_config, requests: Requests, decider=None):
+            super().__init__(cb_config)
+            self.requests, self.decider = requests, decider
+            self._open: dict = {}  # the requests in flight (``_in_flight``)
+            self.stopping: str | None = None  # why the server is stopping (``end_all``); None: it serves
+            self.disconnected = 0  # requests cancelled because their client went away
+
         def init_cb(self, model, gen_config) -> None:
             """transformers starts its continuous-batching manager with the first request's generation config and
             applies that config's sampling to every later request. Here it starts sampling per request
-            (``sampling_manager``) and each request is added with its own (``request_sampling``)."""
+            (``sampling_manager``) and each request is added with its own (``RequestOptions.sampling``)."""
             if self._cb is None:
-                cb = sampling_manager(model, gen_config, self._cb_config)
+                cb = sampling_manager(model, gen_config, self._cb_config, self.requests, self.decider)
                 # the cache is built here, not in the batching thread: what cannot be built is raised to the caller
                 # (``start_engine``: at start-up) rather than left to fail every request
                 cb.batch_processor = cb._create_batch_processor()
@@ -1225,7 +1225,7 @@ def checked_state(**kw):
             """Request id: ``(how to end it: a function of the reason, whether it streams)`` for the requests still
             running. A stream whose request is done (transformers dropped its result handler) is left out: it ends
             by itself; a reply waited for leaves when it resolves (``_ending``)."""
-            open_ = self.__dict__.setdefault("_open", {})
+            open_ = self._open
             router = getattr(self._cb, "output_router", None)
             if router is not None:
                 with router._lock:
@@ -1235,9 +1235,8 @@ def checked_state(**kw):
             return open_
 
         def _refuse_if_stopping(self) -> None:
-            why = getattr(self, "stopping", None)
-            if why is not None:
-                raise ServerStopping(why)
+            if self.stopping is not None:
+                raise ServerStopping(self.stopping)
 
         def end_all(self, why: str) -> int:
             """End every request in flight now, cleanly (the server is stopping): each is cancelled (its pages and
@@ -1276,26 +1275,33 @@ def checked_state(**kw):
                 self._in_flight()[request_id] = (end, False)
             return out
 
+        def _options(self, model, request_id: str) -> RequestOptions:
+            """The request's options (a request from a handler of transformers' that kvcompile's do not wrap has
+            none: it decodes as the manager's processors default, greedily), its sampling set from the model's
+            generation config as ``generate`` reads it."""
+            options = self.requests.of(request_id) or RequestOptions()
+            options.sampling = request_sampling(options.fields, model.generation_config)
+            return options
+
         def generate_streaming(self, model, processor, inputs, gen_config, request_id, **kw):
             self._refuse_if_stopping()
-            prompt_inputs(inputs, getattr(gen_config, "_kvcompile_asked", None))
-            fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
-            stops = getattr(gen_config, "_kvcompile_stop", None)
-            asked = getattr(gen_config, "_kvcompile_asked", None)
+            options = self._options(model, request_id)
+            prompt_inputs(inputs, options)
+            fit_to_cache(self._cb, model, inputs, gen_config, options)
+            asked = options.asked
             prepare_asked(asked, model, processor)
-            logprobs = asked is not None and asked["logprobs"]
-            for field, on in (("stop", stops), ("logprobs", logprobs)):
+            logprobs = asked is not None and asked.top is not None
+            for field, on in (("stop", options.stop), ("logprobs", logprobs)):
                 if on and kw.get("response_parser") is not None:
                     raise RequestError(f"'{field}' is not supported for this model's replies (its chat template's "
                                        f"tool-call parser reads the reply as it streams); leave it out", field)
-            with request_context(gen_config):
-                queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id, **kw)
+            queue, streamer = super().generate_streaming(model, processor, inputs, gen_config, request_id, **kw)
             # installed before the event loop (this thread) can deliver the request's first output
             if logprobs:
-                asked["tokenizer"] = streamer._tokenizer
-                stream_with_logprobs(streamer, asked["handle"], asked.get("offset", 0))
-            if stops:
-                streamer._queue = StopAt(queue, stops, lambda: self.cancel(request_id))
+                options.tokenizer = streamer._tokenizer
+                stream_with_logprobs(streamer, asked, options.echo_offset)
+            if options.stop:
+                streamer._queue = StopAt(queue, options.stop, lambda: self.cancel(request_id))
 
             def end(why):
                 self.cancel(request_id)
@@ -1334,21 +1340,19 @@ def checked_state(**kw):
             client watched while it waits: a client that disconnects has its request cancelled (``watch_client``),
             as transformers' streaming handler does for a streaming one."""
             self._refuse_if_stopping()
-            asked = getattr(gen_config, "_kvcompile_asked", None)
-            if asked is not None:  # the reply's log probabilities are read with it (_asked)
-                asked["tokenizer"] = getattr(processor, "tokenizer", processor)._tokenizer
-            if getattr(gen_config, "_kvcompile_stop", None):  # fitted and prepared as it is streamed
+            options = self._options(model, request_id)
+            if options.asked is not None:  # the reply's log probabilities are read with it (_asked)
+                options.tokenizer = getattr(processor, "tokenizer", processor)._tokenizer
+            if options.stop:  # fitted and prepared as it is streamed
                 work = self._generate_until_stop(model, processor, inputs, gen_config, request_id)
             else:
-                prompt_inputs(inputs, asked)
-                fit_to_cache(self._cb, model, inputs, gen_config, getattr(gen_config, "_kvcompile_prompt", None))
-                prepare_asked(asked, model, processor)
-                # the task copies the context: its add_request sees this request's sampling
-                with request_context(gen_config):
-                    work = asyncio.ensure_future(
-                        super().generate_non_streaming(model, processor, inputs, gen_config, request_id))
+                prompt_inputs(inputs, options)
+                fit_to_cache(self._cb, model, inputs, gen_config, options)
+                prepare_asked(options.asked, model, processor)
+                work = asyncio.ensure_future(
+                    super().generate_non_streaming(model, processor, inputs, gen_config, request_id))
             reply = self._ending(request_id, work)  # which the server's stop may end first (end_all)
-            client = _CLIENT.get()
+            client = options.client
             if client is None:  # not called from an HTTP request
                 return await reply
 
@@ -1370,14 +1374,22 @@ def checked_state(**kw):
 
         def cancel_for_disconnect(self, request_id: str) -> None:
             self.cancel(request_id)
-            self.disconnected = getattr(self, "disconnected", 0) + 1
+            self.disconnected += 1
 
     class CheckedGenerationState(GenerationState):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.requests = Requests()  # the options of the requests this server runs, by request id
+
         def get_manager(self, model_id: str, use_cb: bool = False):
-            m = super().get_manager(model_id, use_cb=use_cb)
-            if type(m) is CBGenerateManager:  # made by transformers' get_manager: the same, checking requests
-                m.__class__ = CheckedCBGenerateManager
-            return m
+            """transformers' manager per model; the continuous-batching one is ``CheckedCBGenerateManager``
+            (made here, where transformers would make its own, so transformers' method returns it)."""
+            if use_cb and (self._cb_manager is None or self._cb_model_id != model_id):
+                if self._cb_manager is not None:
+                    self._cb_manager.stop()
+                self._cb_manager = CheckedCBGenerateManager(self._cb_config, self.requests, decider)
+                self._cb_model_id = model_id
+            return super().get_manager(model_id, use_cb=use_cb)
 
     return CheckedGenerationState(**kw)
 
@@ -1458,7 +1470,9 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
                                     attn_implementation="sdpa", continuous_batching=True, model_timeout=-1,
                                     force_model=model_dir)
     manager.kvcompile_names = names = model_names(model_dir, served_names)
-    state = checked_state(continuous_batching=True, compile=False, cb_config=cb_config)
+    # sharded (torchrun): the first rank picks every token for all (sampling.RoutedProcessors)
+    decider = torch.distributed.group.WORLD if tensor_parallel else None
+    state = checked_state(decider, continuous_batching=True, compile=False, cb_config=cb_config)
     app = openai_app(manager, state, checked=True)
     app.state.prefix_sharing = cb_config.allow_block_sharing  # set when the model was loaded (force_model)
     app.state.cb_config = cb_config
@@ -1530,9 +1544,9 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
                 "max_batch_tokens": cb.continuous_batching_config.max_batch_tokens,
                 # non-streaming requests cancelled because their client disconnected (watch_client)
                 "disconnected": getattr(state._cb_manager, "disconnected", 0),
-                # requests whose tokens are being recorded (log probabilities, penalties; none once every
-                # reply is out)
-                "records_open": len(RECORDS)}
+                # requests whose options the server holds (``sampling.Requests``: none once every reply is out
+                # or its client gone), and those of them whose tokens are recorded (log probabilities, penalties)
+                "options_held": len(state.requests), "records_open": state.requests.asking()}
 
     return app, manager, state
 
@@ -1681,13 +1695,12 @@ def run_tensor_parallel(model_dir: str, policy, host: str, port: int, grace_s: f
     serves HTTP and is the engine's driver: the requests it adds reach the other ranks' engines at their next
     step (transformers broadcasts them), which step with it; every rank starts its engine at startup, with the
     same configuration. Rank 0 picks every token -- by its records: penalties, a logit bias, JSON mode, log
-    probabilities -- and the other ranks take it (``sampling.decide_on``). A request whose prompt's log
-    probabilities are asked carries that to every rank, whose forwards keep the same rows for them
-    (``serving.prompt_rows``); rank 0 records them."""
+    probabilities -- and the other ranks take it (``sampling.RoutedProcessors``' decider). A request whose prompt's
+    log probabilities are asked carries that to every rank, whose forwards keep the same rows for them
+    (``engine.PagedKVCompileCache.prompt_rows``); rank 0 records them."""
     import torch.distributed as dist
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    decide_on(dist.group.WORLD)
     rank, world = dist.get_rank(), dist.get_world_size()
     app = manager = state = None
     try:
@@ -1700,7 +1713,7 @@ def run_tensor_parallel(model_dir: str, policy, host: str, port: int, grace_s: f
                   f"{'on' if app.state.prefix_sharing else 'off'})", flush=True)
             serve_http(app, state, host, port, grace_s)
         else:
-            cb = sampling_manager(model, model.generation_config, app.state.cb_config)
+            cb = sampling_manager(model, model.generation_config, app.state.cb_config, decider=dist.group.WORLD)
             cb.start()
             while cb.is_running():
                 time.sleep(0.5)

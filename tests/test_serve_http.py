@@ -224,6 +224,98 @@ def chat(base, name, content="Hi", max_tokens=4, **kw):
                             "max_tokens": max_tokens, **kw})
 
 
+def test_a_request_id_already_running_is_refused(tiny_server):
+    """A client's X-Request-ID names its request to the server (transformers' handlers take it as the request's
+    id): a second request under the id of one still running is refused with a 400 saying so, and the id is free
+    again once the first is done."""
+    base, name = tiny_server
+    # no max_tokens: the reply may take what the cache holds (thousands of tokens, tens of seconds on this model)
+    body = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{base}/v1/chat/completions", json=body, headers={"X-Request-ID": "dup"}) as r:
+            assert r.status_code == 200
+            # the first is running: three pieces of its reply are out (its lines' iterator is kept: httpx closes
+            # the stream when one is dropped)
+            lines, chunks = r.iter_lines(), 0
+            while chunks < 3:
+                chunks += next(lines).startswith("data: {")
+            second = httpx.post(f"{base}/v1/chat/completions", timeout=120, headers={"X-Request-ID": "dup"},
+                                json={"model": name, "messages": [{"role": "user", "content": "Hi"}],
+                                      "max_tokens": 4})
+    assert second.status_code == 400 and second.json()["error"]["code"] == "duplicate_request_id", second.text
+    t0 = time.time()
+    while stats(base)["requests"] and time.time() - t0 < 30:
+        time.sleep(0.2)
+    again = httpx.post(f"{base}/v1/chat/completions", timeout=120, headers={"X-Request-ID": "dup"},
+                       json={"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    assert again.status_code == 200, again.text
+
+
+def test_concurrent_requests_each_get_their_own_options(tiny_server):
+    """Each request's options travel in its own object (``sampling.RequestOptions``, in the server's table by request
+    id): two requests running at once with different options -- one greedy with a logit bias that forces token 1234
+    and 2 alternatives per token, one sampled with a seed, an extension field (``top_k``) and 4 alternatives --
+    each get their own, streamed or not: the first all 1234, the second the same tokens as when it ran alone. The
+    table holds both while they run and nothing once they are done or their clients have gone."""
+    import concurrent.futures
+    import contextlib
+
+    from transformers import AutoTokenizer
+
+    from kvcompile.serve import token_bytes
+
+    base, name = tiny_server
+    forced = list(token_bytes(AutoTokenizer.from_pretrained(name).backend_tokenizer, 1234))
+    biased = {"logit_bias": {"1234": 100}, "logprobs": True, "top_logprobs": 2}
+    seeded = {"temperature": 1.5, "seed": 99, "top_k": 40, "logprobs": True, "top_logprobs": 4}
+
+    def entries(r) -> list:
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["content"]
+
+    def check(got: list, alone: list, fields: dict) -> None:
+        """``got``: a reply's first tokens' entries (at least as many as ``alone``'s, its reply alone)."""
+        got = got[:len(alone)]
+        assert len(got) == len(alone) and all(len(e["top_logprobs"]) == fields["top_logprobs"] for e in got)
+        if fields is biased:
+            assert all(e["bytes"] == forced for e in got)
+        else:  # seeded: its tokens depend on its seed alone (``seeded_draw``), not on what runs beside it
+            assert [e["bytes"] for e in got] == [e["bytes"] for e in alone]
+
+    alone = {id(f): entries(chat(base, name, content="Tell me a story", max_tokens=6, **f)) for f in (biased, seeded)}
+    check(alone[id(biased)], alone[id(biased)], biased)
+    assert [e["bytes"] for e in alone[id(seeded)]] != [forced] * 6  # the check below can fail
+    # finished: both at once, not streamed
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        replies = [(f, pool.submit(chat, base, name, content="Tell me a story", max_tokens=6, **f))
+                   for f in (biased, seeded)]
+        for f, r in replies:
+            check(entries(r.result()), alone[id(f)], f)
+    idle = stats(base)
+    assert idle["options_held"] == idle["records_open"] == 0 and idle["requests"] == 0, idle
+    # running: both streamed at once, with no max_tokens (thousands of tokens: they run until their clients go)
+    got, lines = {id(biased): [], id(seeded): []}, {}
+    with httpx.Client(timeout=60) as client, contextlib.ExitStack() as open_:
+        for f in (biased, seeded):
+            body = {"model": name, "messages": [{"role": "user", "content": "Tell me a story"}], "stream": True, **f}
+            r = open_.enter_context(client.stream("POST", f"{base}/v1/chat/completions", json=body))
+            assert r.status_code == 200
+            lines[id(f)] = r.iter_lines()  # kept until the end: httpx closes a stream whose iterator is dropped
+        for key, it in lines.items():
+            while len(got[key]) < 6:
+                line = next(it)
+                if line.startswith("data: {"):
+                    got[key] += (json.loads(line[6:])["choices"][0].get("logprobs") or {}).get("content") or []
+        held = stats(base)  # both still running
+    del lines  # the clients have gone away (their streams closed)
+    for f in (biased, seeded):
+        check(got[id(f)], alone[id(f)], f)
+    assert held["options_held"] == held["records_open"] == 2 and held["requests"] == 2, held
+    wait_idle(base, idle, 30)
+    now = stats(base)
+    assert now["options_held"] == now["records_open"] == 0, now
+
+
 @pytest.mark.parametrize("asks", [{}, {"logprobs": True, "top_logprobs": 5}])
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(tiny_server, asks):
     """A streaming client that disconnects mid-reply has its request cancelled: its pages and slot come back, and

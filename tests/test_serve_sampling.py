@@ -1,5 +1,5 @@
 """``kvcompile serve``'s per-request sampling (``kvcompile.sampling``) without a server: which requests sample
-(``request_sampling``), and the processor list that picks each row's token (``add_request_args``): greedy rows
+(``request_sampling``), and the processor list that picks each row's token (``RoutedProcessors``): greedy rows
 their argmax, sampling rows a token their filters keep, seeded rows the same token whatever else is in the
 batch; rows whose request asks for log probabilities record their token's and its alternatives'."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from kvcompile.sampling import NO_TOP_K, RECORDS, Asked, add_request_args, request_sampling, seeded_draw
+from kvcompile.sampling import (NO_TOP_K, Asked, RequestOptions, Requests, RoutedProcessors, request_sampling,
+                                seeded_draw)
 
 GREEDY = {"greedy": 1, "temperature": 1.0, "top_p": 1.0, "top_k": NO_TOP_K, "seed": -1}
 
@@ -38,17 +39,39 @@ def test_a_request_samples_as_generate_would_read_it(body, config, want):
     assert got == want and all(type(got[k]) is type(want[k]) for k in want)  # CB checks the types
 
 
+TABLE = Requests()  # a server's table of its requests' options, which the processors read per row
+
+
 def processors():
-    lst = ContinuousBatchingLogitsProcessorList(
+    lst = RoutedProcessors(
         LogitsProcessorList([TemperatureLogitsWarper(0.5), TopKLogitsWarper(1), TopPLogitsWarper(0.5)]),
-        per_request_processors=True)
-    add_request_args(lst)
+        per_request_processors=True, requests=TABLE)
+    assert isinstance(lst, ContinuousBatchingLogitsProcessorList)
     return lst
 
 
+_IDS: dict[int, str] = {}  # handle: request id
+
+
+def opened(asked: Asked) -> int:
+    """A request asking ``asked`` of its tokens, in the table: its handle."""
+    rid = f"req-{len(_IDS)}"
+    handle = TABLE.add(rid, RequestOptions(asked=asked)).handle
+    _IDS[handle] = rid
+    return handle
+
+
+def closed(handle: int) -> None:
+    TABLE.remove(_IDS.pop(handle))
+
+
+def take(handle: int, start: int, stop: int) -> list:
+    return TABLE.by_handle(handle).asked.take(start, stop)
+
+
 def arguments(rows: list[dict], steps: list[int], handles=None) -> torch.Tensor:
-    """The argument rows transformers fills: temperature, top_k, top_p, greedy, seed, step, record (a
-    ``RECORDS`` handle, -1: none)."""
+    """The argument rows transformers fills: temperature, top_k, top_p, greedy, seed, step, record (a handle in
+    ``TABLE``, -1: none)."""
     a = torch.empty(7, len(rows), dtype=torch.int32)
     a[0] = torch.tensor([r["temperature"] for r in rows], dtype=torch.float32).view(torch.int32)
     a[1] = torch.tensor([r["top_k"] for r in rows], dtype=torch.int32)
@@ -111,26 +134,26 @@ def test_rows_that_ask_record_their_tokens_log_probabilities():
     torch.manual_seed(2)
     V = 300
     scores = torch.randn(4, V) * 2
-    h3, h0, h5 = RECORDS.open(Asked(top=3)), RECORDS.open(Asked(top=0)), RECORDS.open(Asked(top=5))
+    h3, h0, h5 = opened(Asked(top=3)), opened(Asked(top=0)), opened(Asked(top=5))
     try:
         rows = [GREEDY, sampled(seed=5, temperature=1.5), GREEDY, sampled(top_k=4)]
         got = picks(processors(), scores, rows, [4, 0, 9, 2], handles=[h3, h0, -1, h5])
         logp = torch.log_softmax(scores, -1)
         for row, handle, step, top in ((0, h3, 4, 3), (1, h0, 0, 0), (3, h5, 2, 5)):
-            [(token, lp, alternatives)] = RECORDS.take(handle, step, step + 1)
+            [(token, lp, alternatives)] = take(handle, step, step + 1)
             assert token == got[row] and lp == pytest.approx(float(logp[row, token]), abs=1e-6)
             want = logp[row].topk(top)
             assert [i for i, _ in alternatives] == want.indices.tolist()
             assert [v for _, v in alternatives] == pytest.approx(want.values.tolist(), abs=1e-6)
         assert alternatives[0][1] >= alternatives[-1][1]
         with pytest.raises(KeyError, match=r"tokens \[3\]"):
-            RECORDS.take(h3, 3, 5)  # the token before was never picked
+            take(h3, 3, 5)  # the token before was never picked
     finally:
         for h in (h3, h0, h5):
-            RECORDS.close(h)
-    assert len(RECORDS) == 0
+            closed(h)
+    assert len(TABLE) == 0
     picks(processors(), scores[:1], [GREEDY], [5], handles=[h3])  # a closed record takes nothing
-    assert len(RECORDS) == 0
+    assert len(TABLE) == 0
 
 
 def test_penalties_and_a_logit_bias_adjust_a_rows_logits():
@@ -143,12 +166,12 @@ def test_penalties_and_a_logit_bias_adjust_a_rows_logits():
     steps = 4
 
     def run(asked, rows=(GREEDY, GREEDY)):
-        h = RECORDS.open(asked)
+        h = opened(asked)
         try:
             picked = [picks(processors(), scores, list(rows), [k, k], handles=[h, -1]) for k in range(steps)]
             return [p[0] for p in picked], [p[1] for p in picked], asked
         finally:
-            RECORDS.close(h)
+            closed(h)
 
     mine, other, _ = run(Asked())
     assert mine == other == [10] * steps
@@ -181,16 +204,16 @@ def test_a_request_whose_token_picking_fails_ends_and_the_others_go_on():
     scores = torch.randn(3, 50)
     bad, fine = Asked(json_mode=True), Asked(top=1)
     bad.json, bad.eos = Broken(), 9
-    hb, hf = RECORDS.open(bad), RECORDS.open(fine)
+    hb, hf = opened(bad), opened(fine)
     try:
         for step in range(2):
             got = picks(processors(), scores, [GREEDY, GREEDY, GREEDY], [step] * 3, handles=[hb, hf, -1])
             assert got == [9, int(scores[1].argmax()), int(scores[2].argmax())]
         assert bad.failed == "RuntimeError: broken constraint"
-        assert fine.failed is None and [e[0] for e in RECORDS.take(hf, 0, 2)] == [got[1]] * 2
+        assert fine.failed is None and [e[0] for e in take(hf, 0, 2)] == [got[1]] * 2
     finally:
-        RECORDS.close(hb)
-        RECORDS.close(hf)
+        closed(hb)
+        closed(hf)
 
 
 def json_row(tokenizer, schema, prefix: str) -> Asked:
@@ -219,7 +242,7 @@ def test_a_json_row_picks_from_the_tokens_that_keep_its_json(tiny_tokenizer):
     assert 2 <= int(allowed.sum()) < 10
     scores[0, ~allowed] += 5  # what the model likes best does not fit
     masked = scores[0].masked_fill(~allowed, float("-inf"))
-    h = RECORDS.open(asked)
+    h = opened(asked)
     try:
         got = picks(processors(), scores, [GREEDY, GREEDY, sampled(top_k=2)], [step, 0, 0], handles=[h, -1, -1])
         assert got[0] == int(masked.argmax()) and got[1] == int(scores[1].argmax())
@@ -238,7 +261,7 @@ def test_a_json_row_picks_from_the_tokens_that_keep_its_json(tiny_tokenizer):
                       handles=[-1, h, -1])[1]
         assert alone == mixed == seeded_draw(restricted, 21, step)
     finally:
-        RECORDS.close(h)
+        closed(h)
 
 
 def test_a_json_row_ends_on_the_end_token_once_its_object_is_whole(tiny_tokenizer):
@@ -247,10 +270,10 @@ def test_a_json_row_ends_on_the_end_token_once_its_object_is_whole(tiny_tokenize
     asked = json_row(tiny_tokenizer, None, '{"a": 1}')
     scores = torch.zeros(1, len(tiny_tokenizer))
     scores[0, tiny_tokenizer.eos_token_id] = -30.0
-    h = RECORDS.open(asked)
+    h = opened(asked)
     try:
         step = len(asked.tokens)
         for row in (GREEDY, sampled(), sampled(seed=1)):
             assert picks(processors(), scores, [row], [step], handles=[h]) == [tiny_tokenizer.eos_token_id]
     finally:
-        RECORDS.close(h)
+        closed(h)
