@@ -30,7 +30,7 @@ from .hf import model_shape, windowed_layers
 from .policy import Policy
 from .pool import (check_shared_tokens, pages_for, request_limit, requests_held, shared_pages, size_pool,
                    specs_for, transformers_pages)
-from .store import LayerSpec
+from .store import ROW_TOKENS, LayerSpec
 
 GB = 10 ** 9
 GiB = 2 ** 30
@@ -140,7 +140,7 @@ def _read_config(p: Path):
 
 # --------------------------------------------------------------------------- bytes per sequence
 def layer_bytes_expr(policy: Policy, kv_heads: int, head_dim: int, dtype_bytes: int = 2, context=C):
-    """Exact bytes of one layer's store for one sequence of ``context`` tokens, as sympy.
+    """Exact bytes of one layer's store for one sequence of ``context`` tokens, as sympy (``LayerSpec.nbytes``).
 
     The store's own numbers (``LayerSpec``: bytes of a block, of a sequence's window and sinks, tokens per
     block) times the symbolic count of blocks: ``ceil(packed / BS)`` with ``packed = Q(C) - S =
@@ -149,7 +149,9 @@ def layer_bytes_expr(policy: Policy, kv_heads: int, head_dim: int, dtype_bytes: 
     spec = LayerSpec(policy, kv_heads, head_dim, {2: "bfloat16", 4: "float32"}[dtype_bytes])
     S, R, F = spec.sink, policy.residual, spec.flush
     packed = sp.floor(sp.Max(0, context - S - R) / F) * F
-    return spec.row_nbytes() + sp.ceiling(packed / spec.block) * (spec.block_nbytes() + 4)
+    grown = sp.ceiling(context / ROW_TOKENS) * ROW_TOKENS  # the window and sinks as far as they have grown
+    rows = spec.position_nbytes() * (sp.Min(spec.ring, grown) + sp.Min(S, grown)) + 4  # (LayerSpec.row_widths)
+    return rows + sp.ceiling(packed / spec.block) * (spec.block_nbytes() + 4)
 
 
 def ring_bytes_expr(shape: ModelShape, window: int, context=C):

@@ -275,7 +275,8 @@ def make_stores(specs: list[LayerSpec], slots: int, blocks: int, device="cpu",
         if isinstance(s, WindowSpec):
             out.append(WindowRing(s, slots, device))
             continue
-        out.append(KVStore(s, slots, device, max_blocks=blocks, blocks=blocks, table_width=width))
+        # the rows whole: the budget pays for every slot's window and sinks up front (``pool_nbytes``)
+        out.append(KVStore(s, slots, device, max_blocks=blocks, blocks=blocks, table_width=width, whole_rows=True))
     return out
 
 

@@ -294,9 +294,10 @@ def check_generation_config(gc) -> None:
                            "'{\"max_new_tokens\": 16}'", "generation_config")
     others = sorted(k for k in parsed if k not in GENERATION_CONFIG_FIELDS)
     if others:
-        raise RequestError(f"'generation_config' sets {', '.join(others)}"[:200] + f", which this server does not apply "
-                           f"(it takes {' and '.join(GENERATION_CONFIG_FIELDS)} from it); give the request's own "
-                           f"fields instead (temperature, top_p, top_k, max_tokens, stop, ...)", "generation_config")
+        raise RequestError(f"'generation_config' sets {', '.join(others)}"[:200]
+                           + f", which this server does not apply (it takes {' and '.join(GENERATION_CONFIG_FIELDS)} "
+                           f"from it); give the request's own fields instead (temperature, top_p, top_k, max_tokens, "
+                           f"stop, ...)", "generation_config")
     m, eos = parsed.get("max_new_tokens"), parsed.get("eos_token_id")
     if m is not None and not (_is_int(m) and m >= 1):
         raise RequestError(f"'generation_config': max_new_tokens must be an integer >= 1, got {m!r}"[:200],

@@ -70,6 +70,7 @@ from .policy import Policy, PolicyError
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 BLOCK_TOKENS = 64  # packed tokens per block, unless the policy's flush group is larger (then one group)
+ROW_TOKENS = 64  # a store's rings and sinks grow in steps of this many positions (``LayerSpec.row_widths``)
 
 
 def normal_tensors(fn):
@@ -228,14 +229,27 @@ class LayerSpec:
         return [torch.zeros((blocks, *shape) if shape else (0,), dtype=dt, device=device)
                 for which in ("k", "v") for shape, dt in self._block_shapes(which)]
 
+    def row_widths(self, tokens: int | None = None) -> tuple[int, int]:
+        """``(ring slots, sink rows)`` a store allocates per (sequence, head) while its sequences hold at most
+        ``tokens`` tokens (None: the whole window and sinks): both grow in steps of ``ROW_TOKENS`` positions up
+        to the policy's ``ring`` and ``sink``, so a 24-token sequence under 100,000 sinks holds 64 sink rows, not
+        100,000. Enough: while ``L <= ring`` every position ``p < L`` has slot ``p % ring = p``. The one place
+        this rule is written; ``KVStore`` allocates by it and ``nbytes`` counts by it."""
+        if tokens is None:
+            return self.ring, self.sink
+        step = -(-max(tokens, 0) // ROW_TOKENS) * ROW_TOKENS
+        return min(self.ring, step), min(self.sink, step)
+
     @normal_tensors
-    def rows(self, batch: int, table_width: int = 0, device="cpu") -> list[Tensor]:
-        """Zero-filled per-sequence tensors (ring, sinks, lengths; the table filled with -1), ``ROW_FIELDS``."""
+    def rows(self, batch: int, table_width: int = 0, device="cpu", tokens: int | None = None) -> list[Tensor]:
+        """Zero-filled per-sequence tensors (ring, sinks, lengths; the table filled with -1), ``ROW_FIELDS``;
+        the ring and sinks as wide as sequences of ``tokens`` tokens need (``row_widths``; None: all of them)."""
         H, D, dt = self.heads, self.head_dim, self.torch_dtype
-        return [torch.zeros(batch, H, self.ring, D, dtype=dt, device=device),
-                torch.zeros(batch, H, self.ring, D, dtype=dt, device=device),
-                torch.zeros(batch, H, self.sink, D, dtype=dt, device=device),
-                torch.zeros(batch, H, self.sink, D, dtype=dt, device=device),
+        ring, sink = self.row_widths(tokens)
+        return [torch.zeros(batch, H, ring, D, dtype=dt, device=device),
+                torch.zeros(batch, H, ring, D, dtype=dt, device=device),
+                torch.zeros(batch, H, sink, D, dtype=dt, device=device),
+                torch.zeros(batch, H, sink, D, dtype=dt, device=device),
                 torch.zeros(batch, dtype=torch.int32, device=device),
                 torch.full((batch, table_width), -1, dtype=torch.int32, device=device)]
 
@@ -253,21 +267,29 @@ class LayerSpec:
         return sum(math.prod(shape) * _esize(dt) for which in ("k", "v") for shape, dt in self._block_shapes(which)
                    if shape)
 
-    def row_nbytes(self) -> int:
-        """Bytes each sequence holds besides its blocks: ring and sinks of keys and values, its length."""
-        return 2 * self.heads * self.head_dim * (self.ring + self.sink) * _esize(self.torch_dtype) + 4
+    def position_nbytes(self) -> int:
+        """Bytes of one position of a sequence's ring or sinks: its key and value, every kv head, model dtype."""
+        return 2 * self.heads * self.head_dim * _esize(self.torch_dtype)
+
+    def row_nbytes(self, tokens: int | None = None) -> int:
+        """Bytes each sequence holds besides its blocks: ring and sinks of keys and values (as wide as
+        ``row_widths(tokens)``: None, the whole window and sinks), its length."""
+        return sum(self.row_widths(tokens)) * self.position_nbytes() + 4
 
     def exact_nbytes(self, batch: int, tokens: int) -> int:
         """The bytes ``batch`` sequences of ``tokens`` tokens need, counted token by token (no whole blocks, no
-        table): what a store holding them cannot go below. ``nbytes`` is at most one block (and its table
-        entry) more per sequence."""
+        table, window and sinks only as far as the tokens reach): what a store holding them cannot go below.
+        ``nbytes`` is at most one block (and its table entry) and ``ROW_TOKENS`` window and sink rows more per
+        sequence."""
         packed = self.boundary(tokens) - self.sink
-        return batch * (self.row_nbytes() + packed * self.block_nbytes() // self.block)
+        rows = (min(self.ring, tokens) + min(self.sink, tokens)) * self.position_nbytes()
+        return batch * (rows + 4 + packed * self.block_nbytes() // self.block)
 
     def nbytes(self, batch: int, tokens: int) -> int:
         """Exact bytes a store of ``batch`` sequences of ``tokens`` tokens each holds (``KVStore.nbytes``):
-        per sequence, its fixed part, its blocks, and one table entry (int32) per block."""
-        return batch * (self.row_nbytes() + self.blocks_for(tokens) * (self.block_nbytes() + 4))
+        per sequence, its fixed part (``row_nbytes(tokens)``), its blocks, and one table entry (int32) per
+        block."""
+        return batch * (self.row_nbytes(tokens) + self.blocks_for(tokens) * (self.block_nbytes() + 4))
 
 
 def _esize(dt: torch.dtype) -> int:
@@ -454,17 +476,22 @@ class KVStore:
     max_tokens: the most tokens a sequence may hold (``CapacityError`` beyond; None: no limit).
     max_blocks: the most blocks the pool may hold (``CapacityError`` when an append needs more; None: the
                 pool grows, doubling, as long as memory lasts).
-    The state (``.state``) is replaced when the pool grows: read it at each use, never keep it.
+    whole_rows: allocate every sequence's full-precision window and sinks now (a serving pool, whose budget pays
+                for them up front); by default they grow as the sequences reach them (``LayerSpec.row_widths``).
+    The state (``.state``) is replaced when the pool or the rows grow: read it at each use, never keep it.
     """
 
     def __init__(self, spec: LayerSpec, batch: int, device="cpu", max_tokens: int | None = None,
-                 max_blocks: int | None = None, blocks: int = 0, table_width: int = 0):
+                 max_blocks: int | None = None, blocks: int = 0, table_width: int = 0, whole_rows: bool = False):
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ArgumentError(f"KVStore batch={batch!r} is not valid: expected a positive integer")
         self.spec, self.device = spec, torch.device(device)
         self.max_tokens, self.max_blocks = max_tokens, max_blocks
         blocks = min(blocks, max_blocks) if max_blocks is not None else blocks
-        self.state = KVState(*spec.pool(blocks, self.device), *spec.rows(batch, table_width, self.device))
+        # the rings and sinks grow with the sequences (``_grow_rows``); ``whole_rows``: allocated whole now (a
+        # serving pool, whose budget pays for every slot's window and sinks up front)
+        self.state = KVState(*spec.pool(blocks, self.device),
+                             *spec.rows(batch, table_width, self.device, tokens=None if whole_rows else 0))
         self.refs = [0] * blocks
         self.free = list(range(blocks - 1, -1, -1))  # a stack: the lowest ids are handed out first
         self.lengths = [0] * batch                   # host mirror of state.lengths
@@ -496,11 +523,33 @@ class KVStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the sequences hold: their blocks (a shared block counted once), rings, sinks, lengths and
-        table entries. Within one block per sequence of ``LayerSpec.nbytes`` for their lengths."""
+        """Bytes the sequences hold: their blocks (a shared block counted once), rings and sinks (as far as they
+        have grown), lengths and table entries. Within one block per sequence of ``LayerSpec.nbytes`` for their
+        lengths."""
         sp = self.spec
-        return (self.batch * sp.row_nbytes() + self.used_blocks * sp.block_nbytes()
+        return (state_nbytes(self.state[6:11]) + self.used_blocks * sp.block_nbytes()
                 + 4 * sum(len(t) for t in self.tables))
+
+    # ---- rows
+    def _grow_rows(self, tokens: int) -> None:
+        """Widen the rings and sinks for sequences of up to ``tokens`` tokens (``LayerSpec.row_widths``): new
+        tensors, what the old ones held copied in (a few times per sequence: once per ``ROW_TOKENS`` tokens, up to
+        the window and the sinks)."""
+        ring, sink = self.spec.row_widths(tokens)
+        st = self.state
+        if ring <= st.k_res.shape[2] and sink <= st.k_sink.shape[2]:
+            return
+        ring, sink = max(ring, st.k_res.shape[2]), max(sink, st.k_sink.shape[2])
+        with torch.inference_mode(False):  # (``normal_tensors``)
+            rows = []
+            for t, w in zip(st[6:10], (ring, ring, sink, sink)):
+                if t.shape[2] == w:
+                    rows.append(t)
+                    continue
+                new = t.new_zeros(t.shape[0], t.shape[1], w, t.shape[3])
+                new[:, :, :t.shape[2]] = t
+                rows.append(new)
+        self.state = KVState(*st[:6], *rows, *st[10:])
 
     @property
     def reserved_nbytes(self) -> int:
@@ -638,6 +687,7 @@ class KVStore:
         if self.max_blocks is not None:
             need = min(need, self.max_blocks - self.used_blocks)
         self._grow(need, exact=True)
+        self._grow_rows(tokens)
 
     def reserve(self, n_new: int | Sequence[int]) -> None:
         """Make room for each sequence to append ``n_new`` (one count, or one per sequence) tokens: reserve
@@ -646,6 +696,7 @@ class KVStore:
         if len(ns) != self.batch:
             raise ArgumentError(f"reserve: {len(ns)} counts for a store of {self.batch} sequences")
         sp = self.spec
+        self._grow_rows(max((L + n for L, n in zip(self.lengths, ns)), default=0))
         if self.max_tokens is not None:
             for b, (L, n) in enumerate(zip(self.lengths, ns)):
                 if L + n > self.max_tokens:
@@ -898,8 +949,10 @@ class KVStore:
         for t, s in zip(self.state[:6], saved.pool):
             if t.numel() and n:
                 t.index_copy_(0, dst, s.to(self.device))
-        for t, s in zip(self.state[6:10], saved.row):
-            t[b] = s.to(self.device)
+        self._grow_rows(saved.length)
+        for t, s in zip(self.state[6:10], saved.row):  # the rows as far as the sequence reaches (both hold that)
+            w = min(t.shape[2], s.shape[1])
+            t[b, :, :w] = s[:, :w].to(self.device)
         self.lengths[b], self.state.lengths[b] = saved.length, saved.length
         self.rope_offset[b], self._rope_offset_t = saved.rope_offset, None
         self._sync_rows([b])
@@ -915,6 +968,21 @@ class KVStore:
         self.rope_keys = None
         self.state.lengths.zero_()
         self.state.table.fill_(-1)
+
+
+def row_widths(state: KVState, spec: LayerSpec, n_new: Tensor | int = 0) -> tuple[int, int]:
+    """``(ring slots, sink rows)`` allocated per (sequence, head) in ``state`` -- the strides a kernel takes for
+    the rows --, checked to hold every position its sequences reach after appending ``n_new`` (one count, or
+    one per sequence): a narrower row would be written or read past its end."""
+    ring, sink = state.k_res.shape[2], state.k_sink.shape[2]
+    if state.lengths.numel():
+        ends = state.lengths.cpu().long() + (n_new.cpu().long() if isinstance(n_new, Tensor) else int(n_new))
+        need_ring, need_sink = min(spec.ring, int(ends.max())), min(spec.sink, int(ends.max()))
+        if ring < need_ring or sink < need_sink:
+            raise CapacityError(f"the store's rows hold {ring} ring slots and {sink} sinks per sequence, but its "
+                                f"sequences reach {int(ends.max())} tokens ({need_ring} and {need_sink} needed): "
+                                f"grow them first (KVStore.reserve)")
+    return ring, sink
 
 
 def _state_capacity_check(state: KVState, spec: LayerSpec, lengths: Tensor, n_new: Tensor) -> None:
@@ -1001,7 +1069,8 @@ def store_reference(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new
 
     ``n_new`` (int [B], optional): row ``b`` appends only its first ``n_new[b]`` tokens (ragged batches);
     the default appends all ``n``. Tokens go at positions ``lengths[b] ...``; ``lengths`` advances. Every
-    row's table must already hold the blocks the append writes (``KVStore.reserve``), else ``CapacityError``.
+    row's table must already hold the blocks the append writes, and its ring and sinks reach the positions it
+    writes (``KVStore.reserve`` sees to both), else ``CapacityError``.
     """
     check_kv(spec, k, v, state.lengths.shape[0])
     B, H, n, D = k.shape
@@ -1012,6 +1081,7 @@ def store_reference(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new
         raise ArgumentError(f"n_new={n_new.tolist()} must be within [0, {n}] for a chunk of {n} tokens")
     lengths_cpu = state.lengths.cpu()
     _state_capacity_check(state, spec, lengths_cpu, n_new)
+    row_widths(state, spec, n_new)  # the rings and sinks reach every position written (``KVStore.reserve`` grows them)
     k, v = rotate(k, spec, keys=True), rotate(v, spec)
     for b in range(B):
         L, nb = int(lengths_cpu[b]), int(n_new[b])

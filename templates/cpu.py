@@ -37,7 +37,7 @@ from kvcompile import cachedir
 from kvcompile import quant as Q
 from kvcompile.errors import ArgumentError, CacheDirError, CompilerError
 from kvcompile.store import (KVState, LayerSpec, Rope, apply_rope, check_rope_tables, chunk_needed,
-                             dequantize_reference, hadamard, stored_chunk, with_chunk)
+                             dequantize_reference, hadamard, row_widths, stored_chunk, with_chunk)
 
 from .common import SCALE_CODES
 
@@ -261,8 +261,9 @@ def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
     fn = lib.kvc_attention
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     compact = hasattr(lib, "kvc_rope_compact")  # older copies (benchmarks' "before") lack the compact table
-    fn.argtypes = ([P] * 12 + [P, I, I] + [P, I, I, I, I, P, I, I, I, I, F, I, I, P, P] + [P, P, I, P, P]
-                   + [P, I] * compact + [ctypes.POINTER(I)])  # (older copies ignore the pool strides)
+    lib.row_strides = hasattr(lib, "kvc_row_strides")  # and the rows' widths (older copies take whole rows)
+    fn.argtypes = ([P] * 12 + [P, I, I] + [I, I] * lib.row_strides + [P, I, I, I, I, P, I, I, I, I, F, I, I, P, P]
+                   + [P, P, I, P, P] + [P, I] * compact + [ctypes.POINTER(I)])  # (older copies ignore the pool strides)
     fn.restype = I
     if compact:
         lib.kvc_rope_width.argtypes = [P]
@@ -527,9 +528,13 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     threads = threads_for(state.lengths, spec.heads)
     pol = spec.policy
     ra = None if rope is None else _rope_args(rope, B, D)
+    widths = row_widths(state, spec)
+    if not lib.row_strides and widths != (spec.ring, spec.sink):
+        raise UnsupportedError(f"this copy of the CPU decode kernel ({source}) takes rings and sinks allocated "
+                               f"whole; the store's have grown to {widths} of {(spec.ring, spec.sink)}")
     bad = lib.kvc_attention(
         qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(),
-        _ptr(table), table.shape[1], state.k_codes.shape[0],
+        _ptr(table), table.shape[1], state.k_codes.shape[0], *(widths if lib.row_strides else ()),
         None if m is None else m.data_ptr(), msb, msh, msi, mw,
         out.data_ptr(), B, spec.heads, G, n, float(scale if scale is not None else D ** -0.5),
         nsplit or splits(state.lengths, 1 if rope is not None else spec.heads, threads), threads,

@@ -813,6 +813,7 @@ int64_t kvc_attention(
         const int32_t *lengths,
         const int32_t *table,        /* [B, mb] block ids of each sequence's packed tokens */
         int64_t mb, int64_t nb,
+        int64_t ws, int64_t ss,      /* ring slots and sink rows allocated per (b, h): [B, H, ws, D], [B, H, ss, D] */
         const float *mask,           /* additive, or NULL for causal; indexed [b, hq, i, p]; p >= mask_w: hidden */
         int64_t mask_sb, int64_t mask_sh, int64_t mask_si, int64_t mask_w,
         float *out,                  /* [B, H*G, n, D] fp32 */
@@ -889,7 +890,7 @@ int64_t kvc_attention(
                 if (tile < t_sink) {
                     p0 = tile * TILE;
                     nt = s_end - p0 < TILE ? s_end - p0 : TILE;
-                    for (int t = 0; t < nt; t++) rows[t] = bh * S + p0 + t;
+                    for (int t = 0; t < nt; t++) rows[t] = bh * ss + p0 + t;
                     gather_model(k_sink, rows, nt, kt);
                     gather_model(v_sink, rows, nt, vt);
                     if (rope_cos) rope_tile(&rope, kt, kr, nt, p0);
@@ -957,7 +958,7 @@ int64_t kvc_attention(
                 } else {
                     p0 = r_beg + (tile - t_sink - t_pack) * TILE;
                     nt = L - p0 < TILE ? L - p0 : TILE;
-                    for (int t = 0; t < nt; t++) rows[t] = bh * W + (p0 + t) % W;
+                    for (int t = 0; t < nt; t++) rows[t] = bh * ws + (p0 + t) % W;
                     gather_model(k_res, rows, nt, kt);
                     gather_model(v_res, rows, nt, vt);
                     if (rope_cos) rope_tile(&rope, kt, kr, nt, p0);
@@ -1014,6 +1015,10 @@ void kvc_fp8_decode(const uint8_t *codes, float *out, int64_t N, int64_t e5m2) {
 /* The compact table of the full one cs, sn [T, D] with partners perm (see rope_row_compact), written into cc [T, rd]
  * (rd = kvc_rope_width(perm)) for the rows 0 .. Tc - 1 whose values repeat exactly as the form's do; returns Tc (0 when
  * the form has no compact rotation). One pass over the table: templates/cpu.py calls it once per table and version. */
+/* Present in the copies whose kvc_attention takes the rows' widths (ws, ss): older ones (a benchmark's "before")
+ * take rings and sinks allocated whole, [B, H, W, D] and [B, H, S, D]. */
+int64_t kvc_row_strides(void) { return 1; }
+
 int64_t kvc_rope_width(const int32_t *perm) {
     int span = 0;
     const int form = rope_form(perm, &span);

@@ -446,6 +446,7 @@ typedef struct {
     const int32_t *table; /* [B, mb] block ids */
     int64_t mb, nblk;
     const int64_t *sb; /* bytes from one block to the next in k_codes, k_scale, k_zero, v_codes, v_scale, v_zero */
+    int64_t ws, ss; /* ring and sink rows allocated per (sequence, head): the rows' strides (a store grows them) */
 } call_t;
 
 /* Flush tokens per task: BLK, but at most a block (so a task never straddles two) and at least a flush group
@@ -465,12 +466,12 @@ static void flush_task(const call_t *a, int64_t task) {
      * each [H, rows, ...] */
     const int64_t blk = a->table[b * a->mb + slot];
     if (which == 0) {
-        const src_t src = {a->k + b * a->ks_b + h * a->ks_h, a->ks_t, a->k_res + bh * (int64_t)W * ROW, L};
+        const src_t src = {a->k + b * a->ks_b + h * a->ks_h, a->ks_t, a->k_res + bh * a->ws * ROW, L};
         flush_range(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, &src, S + lo, S + hi, pb,
                     a->k_codes + blk * a->sb[0] + h * BS * K_RB, a->k_scale + blk * a->sb[1] + h * K_NSCALE * K_SBYTES,
                     a->k_zero + (K_FMT == 1 ? blk * a->sb[2] + h * K_NSCALE * K_SBYTES : 0));
     } else {
-        const src_t src = {a->v + b * a->vs_b + h * a->vs_h, a->vs_t, a->v_res + bh * (int64_t)W * ROW, L};
+        const src_t src = {a->v + b * a->vs_b + h * a->vs_h, a->vs_t, a->v_res + bh * a->ws * ROW, L};
         flush_range(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SFMT, &src, S + lo, S + hi, pb,
                     a->v_codes + blk * a->sb[3] + h * BS * V_RB, a->v_scale + blk * a->sb[4] + h * V_NSCALE * V_SBYTES,
                     a->v_zero + (V_FMT == 1 ? blk * a->sb[5] + h * V_NSCALE * V_SBYTES : 0));
@@ -482,14 +483,14 @@ static void copy_task(const call_t *a, int64_t bh) {
     const int64_t b = bh / H, h = bh % H, L = a->Ls[b], L2 = L + a->ns[b];
     const char *kx = a->k + b * a->ks_b + h * a->ks_h, *vx = a->v + b * a->vs_b + h * a->vs_h;
     for (int64_t p = L; p < L2 && p < S; p++) {
-        memcpy(a->k_sink + (bh * S + p) * ROW, kx + (p - L) * a->ks_t, ROW);
-        memcpy(a->v_sink + (bh * S + p) * ROW, vx + (p - L) * a->vs_t, ROW);
+        memcpy(a->k_sink + (bh * a->ss + p) * ROW, kx + (p - L) * a->ks_t, ROW);
+        memcpy(a->v_sink + (bh * a->ss + p) * ROW, vx + (p - L) * a->vs_t, ROW);
     }
     int64_t p = L > S ? L : S;
     const int64_t q1 = boundary(L2);
     for (p = p > q1 ? p : q1; p < L2; p++) {
-        memcpy(a->k_res + (bh * W + p % W) * ROW, kx + (p - L) * a->ks_t, ROW);
-        memcpy(a->v_res + (bh * W + p % W) * ROW, vx + (p - L) * a->vs_t, ROW);
+        memcpy(a->k_res + (bh * a->ws + p % W) * ROW, kx + (p - L) * a->ks_t, ROW);
+        memcpy(a->v_res + (bh * a->ws + p % W) * ROW, vx + (p - L) * a->vs_t, ROW);
     }
 }
 
@@ -500,14 +501,17 @@ static void copy_task(const call_t *a, int64_t bh) {
  * none), naming blocks of a pool of nb. pool_sb: int64 [6] bytes from one block to the next in k_codes,
  * k_scale, k_zero, v_codes, v_scale, v_zero (each block's part of a field is [H, rows, ...], dense). Returns 0; or -1 - b when n_new[b] is not in [0, n]; or 1 + b when
  * a block row b would write is not reserved (a table entry < 0, or past the table's mb columns); or
- * 1 + B + b when one names no block of the pool (>= nb). Nothing is written unless it returns 0. */
+ * 1 + B + b when one names no block of the pool (>= nb). Nothing is written unless it returns 0.
+ * ws, ss: the ring slots and sink rows allocated per (sequence, head) -- k_res is [B, H, ws, D], k_sink
+ * [B, H, ss, D]: a store grows them as its sequences do (at most W and S), and every slot p % W and sink p the
+ * call writes is below them. */
 int64_t kvc_store(
         const void *k, const void *v, int64_t ks_b, int64_t ks_h, int64_t ks_t, int64_t vs_b, int64_t vs_h,
         int64_t vs_t,
         uint8_t *k_codes, void *k_scale, void *k_zero, uint8_t *v_codes, void *v_scale, void *v_zero,
         void *k_res, void *v_res, void *k_sink, void *v_sink, int32_t *lengths, const int32_t *table,
         const int32_t *n_new, int64_t B, int64_t n, int64_t mb, int64_t nb, int64_t nthreads,
-        const int64_t *pool_sb) {
+        const int64_t *pool_sb, int64_t ws, int64_t ss) {
     int64_t stack[2 * B_STACK];
     int64_t *Ls = B <= B_STACK ? stack : (int64_t *)malloc(sizeof(int64_t) * 2 * B), *ns = Ls + B;
     int64_t rc = 0;
@@ -534,7 +538,7 @@ int64_t kvc_store(
         const call_t a = {(const char *)k, (const char *)v, ks_b * ESZ, ks_h * ESZ, ks_t * ESZ, vs_b * ESZ,
                           vs_h * ESZ, vs_t * ESZ, k_codes, v_codes, (char *)k_scale, (char *)k_zero,
                           (char *)v_scale, (char *)v_zero, (char *)k_res, (char *)v_res, (char *)k_sink,
-                          (char *)v_sink, Ls, ns, table, mb, nblk, pool_sb};
+                          (char *)v_sink, Ls, ns, table, mb, nblk, pool_sb, ws, ss};
         const int64_t ntask = B * H * 2 * nblk;
         if (nthreads > 1 && work * H * D >= 16384) {
 #pragma omp parallel num_threads(nthreads)

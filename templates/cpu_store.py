@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from kvcompile import quant as Q
-from kvcompile.store import KVState, LayerSpec, _state_capacity_check, check_kv, rotate
+from kvcompile.store import KVState, LayerSpec, _state_capacity_check, check_kv, rotate, row_widths
 
 from .cpu import available_threads, compile_template, defines, pool_strides
 from kvcompile.errors import ArgumentError, IndexOutOfRange
@@ -42,7 +42,7 @@ def build(spec: LayerSpec):
     lib = compile_template(SOURCE, key(spec))
     fn = lib.kvc_store
     P, I = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [P, P] + [I] * 6 + [P] * 13 + [I] * 5 + [ctypes.POINTER(I)]
+    fn.argtypes = [P, P] + [I] * 6 + [P] * 13 + [I] * 5 + [ctypes.POINTER(I), I, I]
     fn.restype = I
     for name in ("kvc_round_f16", "kvc_fp8_encode"):  # the numerics helpers (tests)
         getattr(lib, name).argtypes = [P, P, I, I]
@@ -89,10 +89,12 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
     if n_new is not None:
         nn = n_new.to(device="cpu", dtype=torch.int32).contiguous()
     ks, vs = k.stride(), v.stride()
+    # the rows' widths, checked to reach every position written (an n_new outside [0, n] is the kernel's to report)
+    widths = row_widths(state, spec, n if nn is None else nn.clamp(0, n))
     rc = fn(_ptr(k), _ptr(v), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
             *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(), _ptr(table),
             None if nn is None else nn.data_ptr(), B, n, table.shape[1], state.k_codes.shape[0],
-            available_threads(), sb)
+            available_threads(), sb, *widths)
     if rc > B:
         b = rc - 1 - B
         bad = [x for x in table[b].tolist() if x >= state.k_codes.shape[0]]

@@ -110,8 +110,9 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     sc_scale = scale if scale is not None else 1.0 / math.sqrt(D)
 
     regions = []  # (key planes, value planes, positions [B, R], valid [B, R]); planes: ([B,H,R,D/per]..., per)
-    if S:
-        p = torch.arange(S, device=dev).view(1, S).expand(B, S)
+    Sa, Wa = state.k_sink.shape[2], state.k_res.shape[2]  # the rows as far as they have grown (a KVStore's grow)
+    if Sa:
+        p = torch.arange(Sa, device=dev).view(1, Sa).expand(B, Sa)
         regions.append((([state.k_sink.float()], 1), ([state.v_sink.float()], 1), p, p < L))
     chunk = stored_chunk(spec, k_new, v_new, n) if Cq else None
     if Cq:
@@ -130,8 +131,8 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     if chunk is not None:  # the chunk's packed positions, as stored (sinks and ring hold it already)
         p = L - n + torch.arange(n, device=dev).view(1, n)
         regions.append((([chunk[0]], 1), ([chunk[1]], 1), p, (p >= S) & (p < qb)))
-    if W:
-        w = torch.arange(W, device=dev).view(1, W)
+    if Wa:
+        w = torch.arange(Wa, device=dev).view(1, Wa)
         p = w + W * torch.div(L - 1 - w, W, rounding_mode="floor")  # the newest position in slot w
         regions.append((([state.k_res.float()], 1), ([state.v_res.float()], 1), p, (p >= qb) & (p >= S) & (p >= 0)))
 

@@ -25,7 +25,7 @@ from torch import Tensor
 from kvcompile import quant as Q
 from kvcompile.errors import ArgumentError
 from kvcompile.store import (CapacityError, KVState, LayerSpec, Rope, _state_capacity_check, check_chunk, check_kv,
-                             hadamard, rotate, stored_chunk)
+                             hadamard, rotate, row_widths, stored_chunk)
 
 from . import attention as _attention
 from . import common as _common
@@ -100,6 +100,7 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
         if bool(((n_new < 0) | (n_new > n)).any()):
             raise ArgumentError(f"n_new={n_new.tolist()} must be within [0, {n}] for a chunk of {n} tokens")
         _state_capacity_check(state, spec, state.lengths, n_new)
+        row_widths(state, spec, n_new)  # the rings and sinks reach every position written (a grown store's)
     check_devices(state, k=k, v=v)
     if n == 0:
         return

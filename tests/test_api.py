@@ -459,7 +459,7 @@ def test_windowed_layers_keep_transformers_ring_where_it_holds_fewer_bytes():
     assert long.rings == {0: 128, 2: 128} and store(512) > ring
     assert KVCompileCache(model.config, policy).rings == {0: 128, 2: 128}  # no limit: max_position_embeddings
     standins = 2 * 4 * (1 + 2 + 256 + 8 - 3)  # the quantized layer's two stand-ins (kvcompile.standin)
-    assert long.nbytes == 2 * ring + store(0) + standins  # empty: the rings, and one sequence's window and sinks
+    assert long.nbytes == 2 * ring + store(0) + standins  # empty: the rings, one sequence
     short = KVCompileCache(model.config, policy, 150, batch_size=1, dtype=torch.float32)
     assert short.rings == {} and store(150) < ring  # the window never slides far in 150 tokens: quantize
     edge = next(c for c in range(129, 512) if store(c) > ring)  # the first capacity at which the ring wins

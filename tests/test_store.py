@@ -611,3 +611,39 @@ def test_finite_keys_near_the_dtype_max_give_finite_attention(policy, dtype):
     out = attention_reference(q.to(dtype), st.state, spec)
     assert torch.isfinite(out).all()
     assert_nan_pattern(out, oracle(q.to(dtype), st.state, spec))
+
+
+@pytest.mark.parametrize("policy", [Policy.kivi(4, sink=100_000), Policy.kivi(2, group=8, residual=150, sink=70,
+                                                                               rotate=True),
+                                    Policy.int8(residual=100), Policy.full()], ids=str)
+def test_sinks_and_window_grow_with_the_tokens_written_not_at_creation(policy):
+    """A store allocates its sinks and full-precision window as its sequences reach them (``LayerSpec.row_widths``:
+    steps of ``ROW_TOKENS`` positions, up to the policy's), not when it is created: 100,000 sinks cost a 24-token
+    sequence 64 positions. What it holds, and what attention reads from it, are bit for bit those of a store whose
+    rows are allocated whole (``whole_rows``, as a serving pool's are); its bytes are ``LayerSpec.nbytes``'."""
+    B, H, D = 2, 2, 16
+    spec = LayerSpec(policy, H, D, "float32", max(16, policy.flush))
+    lazy, whole = KVStore(spec, B), KVStore(spec, B, whole_rows=True)
+    assert lazy.reserved_nbytes == lazy.nbytes == B * 4  # at creation: the lengths, no sink, no window
+    assert whole.reserved_nbytes == B * spec.row_nbytes() == B * ((spec.ring + spec.sink) * spec.position_nbytes() + 4)
+    g = torch.Generator().manual_seed(0)
+    for n, n_new in [(24, [24, 24]), (1, [1, 0]), (45, [45, 40]), (70, [3, 70]), (130, [130, 130]), (1, [1, 1])]:
+        k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
+        n_new = torch.tensor(n_new)
+        lazy.append(k, v, n_new)
+        whole.append(k, v, n_new)
+        longest = max(lazy.lengths)
+        ring, sink = spec.row_widths(longest)
+        assert (ring, sink) == (min(spec.ring, -(-longest // 64) * 64), min(spec.sink, -(-longest // 64) * 64))
+        assert lazy.state.k_res.shape[2] == lazy.state.v_res.shape[2] == ring
+        assert lazy.state.k_sink.shape[2] == lazy.state.v_sink.shape[2] == sink
+        assert whole.nbytes - lazy.nbytes == B * (spec.row_nbytes() - spec.row_nbytes(longest))
+        for a, b in zip(dequantize_reference(lazy.state, spec), dequantize_reference(whole.state, spec)):
+            assert torch.equal(a, b)
+        q = torch.randn(B, 2 * H, 1, D, generator=g)  # a decode step's queries: every stored token
+        assert torch.equal(kc.store.attention_reference(q, lazy.state, spec),
+                           kc.store.attention_reference(q, whole.state, spec))
+    assert lazy.lengths == [204, 265]
+    one = KVStore(spec, 1)  # the issue's case: a 24-token sequence under 100,000 sinks
+    one.append(*torch.randn(2, 1, H, 24, D, generator=g))
+    assert one.nbytes == spec.nbytes(1, 24) and one.state.k_sink.shape[2] == min(spec.sink, 64)

@@ -422,8 +422,10 @@ def test_short_contexts_run_on_one_thread(monkeypatch):
     assert cpu.threads_for(torch.tensor([160], dtype=torch.int32), 2) == 1
     long = torch.tensor([8192] * 4, dtype=torch.int32)
     assert cpu.threads_for(long, 3) == n_threads
-    assert cpu.splits(long, 3, 2) == 1  # 12 (sequence, head) pairs already keep two threads busy
-    assert cpu.splits(torch.tensor([8192], dtype=torch.int32), 1, 2) == 4
+    # the pieces a sequence is cut into do not follow the threads nor the batch (a row's bits would): always two
+    for lengths, heads, threads in ((long, 3, 2), (torch.tensor([8192], dtype=torch.int32), 1, 2),
+                                    (torch.tensor([160], dtype=torch.int32), 2, 1)):
+        assert cpu.splits(lengths, heads, threads) == cpu.DECODE_SPLITS == 2
 
 
 # --------------------------------------------------------------------------- non-finite and huge values

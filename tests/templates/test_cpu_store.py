@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvcompile import Policy, Quant
 from kvcompile import quant as Q
-from kvcompile.store import CapacityError, KVState, KVStore, LayerSpec, store_reference
+from kvcompile.store import CapacityError, KVState, KVStore, LayerSpec, dequantize_reference, store_reference
 from kvcompile.templates import cpu, cpu_store
 import profiles
 from store_checks import around, assert_same_store, quants, scrambled, tie_rows, with_history
@@ -185,6 +185,31 @@ def test_cpu_store_takes_strided_chunks():
         k = torch.randn(2, n, 3, 32, generator=g).transpose(1, 2)
         v = torch.randn(2, n, 3, 32, generator=g).transpose(1, 2)
         append_both(ref, got, k, v)
+
+
+@pytest.mark.parametrize("policy", [Policy.kivi(2, group=8, residual=150, sink=70, rotate=True),
+                                    Policy.int8(residual=100), Policy.full()], ids=str)
+def test_the_kernels_take_rings_and_sinks_as_far_as_they_have_grown(policy):
+    """A store's sinks and window grow with its sequences (``LayerSpec.row_widths``), so the kernels take the rows'
+    allocated widths as their strides: through every growth (ragged appends sliding past the window), the store
+    kernel writes bit for bit what the reference does, and a grown store holds, and the decode kernel reads from it,
+    exactly what a store allocated whole does."""
+    B, H, D = 2, 2, 16
+    spec = LayerSpec(policy, H, D, "float32", max(16, policy.flush))
+    ref, got, whole = KVStore(spec, B), KVStore(spec, B), KVStore(spec, B, whole_rows=True)
+    g = torch.Generator().manual_seed(1)
+    for n, n_new in [(24, [24, 24]), (1, [1, 0]), (45, [45, 40]), (70, [3, 70]), (130, [130, 130]), (1, [1, 1])]:
+        k, v = chunk(g, B, H, n, D, 1.0)
+        append_both(ref, got, k, v, torch.tensor(n_new))
+        whole.append(k, v, torch.tensor(n_new), kernel=cpu_store.store)
+        assert got.state.k_res.shape[2] == spec.row_widths(max(got.lengths))[0] <= whole.state.k_res.shape[2]
+        assert got.state.k_sink.shape[2] == spec.row_widths(max(got.lengths))[1] <= whole.state.k_sink.shape[2]
+        for a, b in zip(dequantize_reference(got.state, spec), dequantize_reference(whole.state, spec)):
+            assert torch.equal(a, b)
+        q = torch.randn(B, 2 * H, 1, D, generator=g)
+        assert torch.equal(cpu.attention(q, got.state, spec, None, None, nsplit=2),
+                           cpu.attention(q, whole.state, spec, None, None, nsplit=2))
+    assert got.lengths == [204, 265]
 
 
 def test_cpu_store_unreserved_write_raises_like_the_reference_and_writes_nothing():
