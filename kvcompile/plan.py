@@ -163,13 +163,16 @@ def ring_bytes_expr(shape: ModelShape, window: int, context=C):
 def sequence_bytes_expr(policy: Policy, shape: ModelShape, context=C):
     """Exact bytes of one sequence's whole cache (every layer, per-layer overrides resolved). A windowed layer
     holds its store or, where that is fewer bytes and the window is shorter than the context, transformers'
-    ring of the window (as ``KVCompileCache`` chooses)."""
+    ring of the window (as ``KVCompileCache`` chooses); under ``Policy.full()`` always the ring (the model's own
+    layer)."""
     names = [f"model.layers.{i}.self_attn" for i in range(shape.layers)]
     windows = dict(shape.windows)
     terms = []
     for i, p in enumerate(policy.resolve(names)):
         store = layer_bytes_expr(p, shape.kv_heads, shape.head_dim, shape.dtype_bytes, context)
-        if i in windows:
+        if i in windows and p.exact:  # Policy.full(): the model's own sliding-window layer, which keeps the
+            store = ring_bytes_expr(shape, windows[i] - 1, context)  # window's last tokens but one
+        elif i in windows:
             w = windows[i]
             store = sp.Piecewise((store, context <= w), (sp.Min(store, ring_bytes_expr(shape, w, context)), True))
         terms.append(store)

@@ -114,8 +114,8 @@ def test_windowed_layers_plan_what_the_cache_allocates(policy):
     for cap in (8, 16, 17, 30, 64, 300):
         cache = KVCompileCache(cfg, policy, cap, batch_size=1, dtype=torch.bfloat16)
         x = torch.randn(1, 2, cap, 8, dtype=torch.bfloat16)
-        for i, layer in enumerate(cache.layers):  # every layer holds a sequence of `cap` tokens
-            layer.update(x, x) if isinstance(layer, KVCompileLayer) else None
+        for layer in cache.layers:  # every layer holds a sequence of `cap` tokens (under Policy.full() the
+            layer.update(x, x)       # windowed ones are transformers' own sliding-window layers)
         held = sum(layer.store.nbytes if isinstance(layer, KVCompileLayer)
                    else layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
         assert expr.subs(P.C, cap) == held, (cap, cache.rings)
