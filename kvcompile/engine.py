@@ -162,14 +162,15 @@ def all_exact(specs) -> bool:
 
 def _mask_blocks(cbc, dtype: torch.dtype, page_size: int, budget: int) -> int:
     """The pages whose tokens transformers' ragged mask ``[max_batch_tokens, pages x page_size + max_batch_tokens]``
-    (one, in ``dtype``) can read at a cost of at most the cache's ``budget`` -- and at most half of the memory
-    transformers counts as available for its cache: the mask never costs more than the pages it reads."""
+    (one, in ``dtype``) can read with its pages' columns costing at most the cache's ``budget`` (the batch's own
+    ``max_batch_tokens`` columns come on top, as in transformers' engine), and the whole mask at most half of the
+    memory transformers counts as available for its cache."""
     from transformers.generation.continuous_batching.requests import get_device_and_memory_breakdown
 
     _, total, reserved, allocated = get_device_and_memory_breakdown()
     available = (total - max(allocated, reserved)) * (cbc.max_memory_percent or 0.9)
     m = cbc.max_batch_tokens or tcache.PagedAttentionMemoryHandler._default_max_batch_tokens
-    tokens = min(available / 2, budget) / (m * dtype.itemsize) - m
+    tokens = min(available / 2 / (m * dtype.itemsize) - m, budget / (m * dtype.itemsize))
     return max(1, int(tokens // page_size))
 
 
@@ -717,7 +718,8 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
             # transformers' own SDPA runs (Policy.full()), with its ragged mask over every page's tokens: the
             # default budget's pages are cut to what its mask leaves room for, as transformers' own sizing
             # removes sectors to pay for its masks (a small model's default budget buys ~10^6 tokens of pages,
-            # whose mask at 8192 batch tokens would be tens of GiB): the mask costs at most the budget
+            # whose mask at 8192 batch tokens would be tens of GiB): the pages' part of the mask costs at most
+            # the budget
             self._blocks = min(self._blocks, _mask_blocks(asked, model.dtype, self._specs[0].block, budget))
         if model.config._attn_implementation not in ("sdpa", ATTN):
             raise UnsupportedError(f"kvcompile serving needs a model loaded with attn_implementation='sdpa' "

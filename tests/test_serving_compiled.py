@@ -176,8 +176,9 @@ def test_compiled_forwards_with_another_backend_or_path_are_refused():
 def test_a_compiled_forward_whose_mask_does_not_fit_is_refused_with_what_to_lower():
     """A compiled forward traces transformers' SDPA, whose ragged mask (max_batch_tokens x every page's tokens)
     transformers allocates: with its default 8192 batch tokens over the default budget's million tokens of this
-    tiny model's pages it does not fit, and the error says what to lower. A smaller budget fits."""
-    model = kvcompile.apply(tiny(), Policy.full())
+    tiny model's pages it does not fit, and the error says what to lower. A smaller budget fits, and compiled
+    equals eager."""
+    model = kvcompile.apply(tiny(), KIVI)
     cbc = ContinuousBatchingConfig(varlen_compile_config=serving.compile_config("eager"))
     with pytest.raises(KVCompileError, match=r"attention mask takes max_batch_tokens x .* = 8192 x .*lower "
                                               r"max_batch_tokens"):
@@ -185,6 +186,15 @@ def test_a_compiled_forward_whose_mask_does_not_fit_is_refused_with_what_to_lowe
     serving.configure(model, budget=2**20)
     got = run(model, ContinuousBatchingConfig(varlen_compile_config=serving.compile_config("eager")),
               prompts()[:2])
+    assert got == run(kvcompile.apply(tiny(), KIVI), cb_config(), prompts()[:2])
+
+
+def test_policy_full_compiled_with_transformers_defaults_fits():
+    """Under Policy.full() the default budget's pages are cut so that the mask's columns for them cost at most the
+    budget (an 8192-token batch over a million tokens of pages would take tens of GiB): the obvious compiled call
+    runs, with transformers' own tokens."""
+    model = kvcompile.apply(tiny(), Policy.full())
+    got = run(model, ContinuousBatchingConfig(varlen_compile_config=serving.compile_config("eager")), prompts()[:2])
     assert got == run(tiny(), cb_config(), prompts()[:2])
 
 
