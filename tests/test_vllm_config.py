@@ -98,9 +98,11 @@ def test_per_layer_policies_are_refused_naming_the_alternative():
 
 # --------------------------------------------------------------------------- the import graph
 CORE = {"kvcompile", "kvcompile.errors", "kvcompile.policy", "kvcompile.presets", "kvcompile.pages", "kvcompile.store",
-        "kvcompile.quant", "kvcompile.ops", "kvcompile.standin", "kvcompile.templates", "kvcompile.templates.cpu",
+        "kvcompile.quant", "kvcompile.ops", "kvcompile.standin", "kvcompile.cachedir", "kvcompile.templates",
+        "kvcompile.templates.cpu",
         "kvcompile.templates.cpu_store", "kvcompile.templates.common", "kvcompile.templates.launch",
-        "kvcompile.templates.attention", "kvcompile.templates.store", "kvcompile.templates.inductor"}
+        "kvcompile.templates.attention", "kvcompile.templates.decode", "kvcompile.templates.store",
+        "kvcompile.templates.inductor"}
 
 
 def _imports(path: Path, package: str) -> set[str]:

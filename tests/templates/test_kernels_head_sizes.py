@@ -60,19 +60,22 @@ def test_the_rotation_is_orthonormal_and_block_diagonal(D):
     assert torch.equal(H[:b, :b], sylvester / b ** 0.5)  # each block (a power of two: the whole head) is Sylvester's
 
 
-def _stores_match(kernel, policy, D, seed=0):
-    """The same appends (a prefill in chunks, then decode steps) through the reference and through ``kernel``,
-    into scrambled blocks: equal bit for bit after each."""
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _stores_match(kernel, policy, D, seed=0, triton=False):
+    """The same appends (a prefill in chunks, then decode steps) through the reference and through ``kernel``
+    (a Triton kernel's store and inputs on DEV), into scrambled blocks: equal bit for bit after each."""
     spec = LayerSpec(short_window(policy), 2, D)
     ref = scrambled(spec, 3, 3 * (spec.blocks_for(110) + 1), seed)
-    got = ref.copy()
+    got = ref.copy(DEV if triton else "cpu")
     g = torch.Generator().manual_seed(seed)
     for n in (33, 40, 1, 1, 30):
         k = torch.randn(3, 2, n, D, generator=g)
         k[..., 3] *= 8
         v = torch.randn(3, 2, n, D, generator=g)
         ref.append(k, v)
-        got.append(k, v, kernel=kernel)
+        got.append(k.to(DEV if triton else "cpu"), v.to(DEV if triton else "cpu"), kernel=kernel)
         assert_same_store(ref.state, got.state, ref.spec)
 
 
@@ -103,7 +106,7 @@ def test_triton_kernels_at_non_power_of_two_heads(name, D):
     kernels differently, each head padded to its tile of 128 channels."""
     from kvcompile.templates import launch
     from test_attention_kernel import check
-    _stores_match(launch.store, PRESETS[name], D)
+    _stores_match(launch.store, PRESETS[name], D, triton=True)
     spec, state = filled(short_window(PRESETS[name]), LENGTHS, 2, D, chunk=33)
     g = torch.Generator().manual_seed(D)
     check(torch.randn(4, 4, 1, D, generator=g), state, spec)
