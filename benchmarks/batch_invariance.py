@@ -23,7 +23,10 @@ CONFIGS = (("full", 2048, False), ("tok+rot:4", 2048, False), ("tok+rot:4", 2048
 
 
 def exact_products(model):
-    """Linear layers in float64, rounded once to the model's float32 (as ``tests/test_serving.py`` does)."""
+    """``model`` with its linear layers computed in float64 and rounded once to its float32: what a row gets no
+    longer depends on the other rows of the product. (torch's float32 products on the CPU do -- one row alone,
+    two and four rows give other last bits --, in the unmodified model and in transformers' engine alike: the
+    model's own dependence on the batch; tests/test_serving.py takes it away to see kvcompile's.)"""
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
             def forward(x, m=m):

@@ -233,28 +233,13 @@ class Case:
 
 
 def tensor_bytes(obj) -> int:
-    """Bytes of every distinct storage reachable from a cache (quanto's packed tensors counted by their parts)."""
-    seen, total, stack, visited = set(), 0, [obj], set()
-    while stack:
-        o = stack.pop()
-        if id(o) in visited:
-            continue
-        visited.add(id(o))
-        if isinstance(o, torch.Tensor):
-            if type(o) is not torch.Tensor and hasattr(o, "__tensor_flatten__"):
-                names, _ = o.__tensor_flatten__()
-                stack.extend(getattr(o, n) for n in names)
-                continue
-            if o.numel() and o.untyped_storage().data_ptr() not in seen:
-                seen.add(o.untyped_storage().data_ptr())
-                total += o.untyped_storage().nbytes()
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif hasattr(o, "__dict__") and not isinstance(o, (type, torch.nn.Module)):
-            stack.extend(vars(o).values())
-    return total
+    """Bytes of every distinct storage reachable from a cache: ``benchmarks/cpu_decode.py``'s count (quanto's
+    packed tensors counted by their parts), importable whether this file runs as a script or as a module."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.cpu_decode import tensor_bytes as count
+    return count(obj)
 
 
 def bytes_per_sequence(name: str, cfg, tokens: int, dtype, measured: dict) -> int | None:

@@ -320,17 +320,10 @@ def test_a_prompt_split_across_forwards_is_generates_chunked_prefill():
 
 
 def exact_products(model):
-    """``model`` with its linear layers computed in float64 and rounded once to its float32: what a row gets no
-    longer depends on the other rows of the product. (torch's float32 products on the CPU do -- one row alone,
-    two and four rows give other last bits --, in the unmodified model and in transformers' engine alike: the
-    model's own dependence on the batch, which these tests take away to see kvcompile's.)"""
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear):
-            def forward(x, m=m):
-                bias = None if m.bias is None else m.bias.double()
-                return torch.nn.functional.linear(x.double(), m.weight.double(), bias).to(x.dtype)
-            m.forward = forward
-    return model
+    """``model`` with its linear layers in float64, rounded once (``benchmarks/batch_invariance.py``'s, which
+    says why: torch's float32 products give a row other last bits beside other rows)."""
+    from benchmarks.batch_invariance import exact_products as exact
+    return exact(model)
 
 
 @pytest.mark.parametrize("policy", [Policy.kivi(2, group=4, residual=4, sink=2, rotate=True), "tok+rot:4"],
