@@ -180,7 +180,6 @@ def test_two_threads_batching_on_one_model(policy, one_kernel_thread):
     the long one runs. Each gets exactly the tokens it gets alone: no forward reads the other manager's cache,
     and the first manager to stop does not take the model's attention from the one still running."""
     import threading
-    import time
 
     model = applied(policy)
     long_gen = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=-1, pad_token_id=0)
@@ -192,9 +191,28 @@ def test_two_threads_batching_on_one_model(policy, one_kernel_thread):
         want_short = tokens(model.generate_batch(short_prompts, short_gen, continuous_batching_config=WHOLE,
                                                  progress_bar=False))
     got, errors = {"short": []}, []
-    short_running, forwards_after_a_stop = threading.Event(), []
-    hook = model.model.register_forward_pre_hook(
-        lambda *_: None if short_running.is_set() or not got["short"] else forwards_after_a_stop.append(1))
+    # The long call's forwards run in its manager's thread: the first forward seen before any short call started
+    # names it. Its third forward waits until the first short call has stopped, and the second short call waits
+    # until the long call has run a forward after that stop: so the long call surely runs on after a short
+    # manager stopped, whatever the machine's load (the two otherwise race).
+    long_thread, long_forwards, short_started = [], [], threading.Event()
+    long_running, short_stopped, short_running = threading.Event(), threading.Event(), threading.Event()
+    forwards_after_a_stop, long_ran_after_a_stop = [], threading.Event()
+
+    def pre_forward(*_):
+        me = threading.get_ident()
+        if not long_thread and not short_started.is_set():
+            long_thread.append(me)
+        if long_thread and me == long_thread[0]:
+            long_forwards.append(1)
+            long_running.set()
+            if len(long_forwards) == 3 and not short_stopped.wait(timeout=120):
+                errors.append(AssertionError("no short call stopped within 120 s of the long call's start"))
+            if short_stopped.is_set() and not short_running.is_set():
+                forwards_after_a_stop.append(1)
+                long_ran_after_a_stop.set()
+
+    hook = model.model.register_forward_pre_hook(pre_forward)
 
     def long_call():
         try:
@@ -206,13 +224,17 @@ def test_two_threads_batching_on_one_model(policy, one_kernel_thread):
 
     def short_calls():
         try:
+            assert long_running.wait(timeout=120), "the long call never ran a forward"
+            short_started.set()
             with torch.no_grad():
-                for _ in range(3):
+                for i in range(3):
                     short_running.set()
                     got["short"].append(tokens(model.generate_batch(
                         short_prompts, short_gen, continuous_batching_config=WHOLE, progress_bar=False)))
                     short_running.clear()
-                    time.sleep(0.2)  # the long call's forwards run on while no short one holds the model
+                    short_stopped.set()
+                    if i == 0:  # the next short call starts once the long one has run alone
+                        assert long_ran_after_a_stop.wait(timeout=120), "the long call stopped with the short one"
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
