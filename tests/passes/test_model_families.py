@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
 import transformers
+from tiers import slow_after
 from transformers.cache_utils import StaticCache
 
 import kvcompile
@@ -107,7 +108,7 @@ def prefill_mask_skipped(model) -> bool:
     return getattr(model.config, "layer_types", None) is not None
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", slow_after(1, FAMILIES))
 def test_family_compiles_and_equals_the_reference(family):
     model = tiny_or_skip(family)
     ref = twin(model)
@@ -132,7 +133,7 @@ def test_family_compiles_and_equals_the_reference(family):
     assert not dynamo_utils.counters["graph_break"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", slow_after(1, FAMILIES))
 def test_family_generate_batched_with_left_padding(family):
     """With padding the prefill mask is materialized (no shortcut): the usual masked read, per row."""
     model = tiny_or_skip(family)
@@ -152,6 +153,7 @@ def test_family_generate_batched_with_left_padding(family):
     assert not dynamo_utils.counters["graph_break"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["Qwen2", "Qwen3"])
 def test_backend_with_a_static_cache_under_generate(family):
     """The standard entry point: the model's forward compiled by the kvcompile backend, a transformers
@@ -181,8 +183,8 @@ WINDOWED = {"Mistral": dict(sliding_window=4),
             "Llama4Text": dict(attention_chunk_size=4, layer_types=["chunked_attention", "full_attention"])}
 
 
-@pytest.mark.parametrize("prompt", [3, 12])
-@pytest.mark.parametrize("family", list(WINDOWED))
+@pytest.mark.parametrize("prompt", slow_after(1, [3, 12]))
+@pytest.mark.parametrize("family", slow_after(1, WINDOWED))
 def test_sliding_window_layers_equal_the_models_own_cache(family, prompt):
     """With a window shorter than the sequence (every Mistral layer; Gemma 3's sliding layers and Llama 4's
     chunked ones beside a full one) and a prompt shorter than the window (it slides during decode) or longer
@@ -209,6 +211,7 @@ def test_sliding_window_layers_equal_the_models_own_cache(family, prompt):
     assert rewritten == (set() if family == "Mistral" else {"model.layers.1.self_attn"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", [3, 12])
 def test_backend_with_a_static_cache_of_sliding_layers(prompt):
     """The backend over a transformers StaticCache whose sliding layers are StaticSlidingWindowLayer rings:
@@ -233,6 +236,7 @@ def test_backend_with_a_static_cache_of_sliding_layers(prompt):
     assert counters["reads_skipped"] >= counters["graphs_rewritten"] and counters["unpaired_writes"] == 0
 
 
+@pytest.mark.slow
 def test_backend_with_a_ring_kvcompile_did_not_see_allocated():
     """A ring allocated before kvcompile was imported is not registered as the model's own: the pass shadows
     it until the window fills, then meets the roll and says what happened and what to do."""

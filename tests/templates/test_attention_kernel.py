@@ -20,6 +20,7 @@ from kvcompile.templates import launch
 import profiles
 from attention_checks import LENGTHS, MIXED, ROTATED, filled, one_wrong_code
 from store_checks import bad_store, scrambled
+from tiers import slow_after
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -43,7 +44,7 @@ def check(q, state, spec, mask=None, scale=None, tiles=None, chunk=(None, None),
 
 
 # each GQA group size once, and 3 (a group that pads its tile) at both head sizes: the interpreter takes ~15 s a case
-@pytest.mark.parametrize("gqa, D", [(1, 128), (3, 64), (3, 128), (4, 64), (8, 128)])
+@pytest.mark.parametrize("gqa, D", slow_after(1, [(1, 128), (3, 64), (3, 128), (4, 64), (8, 128)]))
 def test_attention_kernel_grid(gqa, D):
     H, C = 2, 48  # C: the masks' width
     g = torch.Generator().manual_seed(gqa * D)
@@ -106,7 +107,7 @@ def test_attention_kernel_equals_float64_attention(case):
           chunk=chunk if own else (None, None))
 
 
-@pytest.mark.parametrize("block", [16, 32, 64])
+@pytest.mark.parametrize("block", slow_after(1, [16, 32, 64]))
 def test_attention_kernel_reads_forked_cropped_stores(block):
     """Attention over a KVStore that forked (``select([0, 0, 1])``: rows 0 and 1 share blocks, then each copies
     the block it writes), was cropped into packed storage and appended to again, its blocks handed out in a
@@ -232,12 +233,12 @@ from kvcompile.store import attention_reference  # noqa: E402
 from nonfinite_checks import NONFINITE_POLICIES, assert_nan_pattern  # noqa: E402
 
 
-@pytest.mark.parametrize("policy,dtype", [
+@pytest.mark.parametrize("policy,dtype", slow_after(1, [
     (Policy(Quant("int4", "channel", 4), Quant("int8", "token", 8), residual=3, sink=2), "float32"),
     (Policy(Quant("fp8_e4m3", "channel", 4, scale_dtype="float32"), Quant("fp8_e5m2", "token", 8), residual=2,
             sink=1, rotate=True), "bfloat16"),
     (NONFINITE_POLICIES[3], "float32"),  # fp8 scales, int8 zero points
-])
+]))
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on NaN operands
 def test_attention_kernel_non_finite_values_poison_what_the_reference_says(policy, dtype):
     """The Triton kernel: NaN, +inf and -inf keys and values in sinks, packed groups' edges

@@ -151,6 +151,7 @@ def cases(draw):
     return policy, B, H, G, D, C, lengths, n, mask, dtype, chunk, nsplit, own, block, draw(st.integers(0, 2**31 - 1))
 
 
+@pytest.mark.slow
 @profiles.KERNEL
 @given(cases())
 def test_cpu_attention_equals_float64_attention(case):

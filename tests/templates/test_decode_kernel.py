@@ -18,6 +18,7 @@ from kvcompile.templates import decode, launch
 from attention_checks import filled
 from nonfinite_checks import assert_nan_pattern
 from store_checks import bad_store
+from tiers import slow_after
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -60,7 +61,7 @@ LAYOUTS = [  # (policy, head_dim, G): every mode and format; ragged rows around 
 ]
 
 
-@pytest.mark.parametrize("policy,D,G", LAYOUTS, ids=[f"{p.key_str()}-D{d}-G{g}" for p, d, g in LAYOUTS])
+@pytest.mark.parametrize("policy,D,G", slow_after(1, LAYOUTS), ids=[f"{p.key_str()}-D{d}-G{g}" for p, d, g in LAYOUTS])
 def test_decode_kernel_grid(policy, D, G):
     lengths = [1, 15, 17, 40, 63]
     spec, state = filled(policy, lengths, 2, D)
@@ -104,6 +105,7 @@ def decode_cases(draw):
     return policy, B, H, G, D, lengths, tiles, mask, dtype, own, block, draw(st.integers(0, 2**31 - 1))
 
 
+@pytest.mark.slow
 @settings(max_examples=12)
 @given(decode_cases())
 def test_decode_kernel_equals_float64_attention(case):
@@ -121,12 +123,12 @@ def test_decode_kernel_equals_float64_attention(case):
           chunk=chunk if own else (None, None))
 
 
-@pytest.mark.parametrize("policy", [
+@pytest.mark.parametrize("policy", slow_after(1, [
     Policy(Quant("int8", "channel", 4), Quant("int4", "token", 16), residual=3, sink=2),  # ELEM both
     Policy(Quant("fp8_e4m3", "token"), Quant("int4", "token"), residual=2, sink=1),  # TILE both
     Policy(Quant("int4", "channel", 4, scale_dtype="fp8_e4m3"), Quant("int8", "channel", 4, scale_dtype="fp8_e4m3"),
            residual=0, sink=2),  # fp8 scales: a poisoned group's scale byte is 0x7F
-])
+]))
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on NaN operands
 def test_decode_kernel_non_finite_values_poison_what_the_reference_says(policy):
     """NaN, +inf and -inf keys and values in sinks, packed groups' edges and the residual ring: NaN exactly
@@ -214,7 +216,7 @@ def test_decode_keys_spell_out_the_specialization():
     assert kw["M"] == 16 and kw["K_CHANNEL"] and not kw["V_CHANNEL"] and kw["V_G"] == 32 and kw["FULL"]
 
 
-@pytest.mark.parametrize("n", [5, 12])
+@pytest.mark.parametrize("n", slow_after(1, [5, 12]))
 def test_prefill_with_bf16_operands_over_the_quantized_past(n, monkeypatch):
     """The general kernel as it runs on CUDA (``launch.packed_precision``): a chunked prefill whose packed
     positions' products take bf16 operands, within the bound derived for them; the full-precision positions

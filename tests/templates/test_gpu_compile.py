@@ -69,6 +69,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90():
     try:
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401

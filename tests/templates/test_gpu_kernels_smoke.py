@@ -3,9 +3,12 @@ correctness stage passes and it prints every table, so the GPU run is one comman
 import importlib.util
 import pathlib
 
+import pytest
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_kernels.py"
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_smoke_run(tmp_path):
     spec = importlib.util.spec_from_file_location("gpu_kernels", SCRIPT)
     mod = importlib.util.module_from_spec(spec)

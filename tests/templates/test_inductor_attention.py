@@ -11,6 +11,7 @@ from kvcompile.store import LayerSpec, attention_reference
 from kvcompile.templates import inductor
 from attention_checks import filled
 from store_checks import scrambled
+from tiers import slow_after
 
 # Both sides accumulate in fp32 over at most C=96 positions of O(1) values; a few fp32 ulps of the output.
 TOL = 2e-6
@@ -52,8 +53,8 @@ def test_inductor_attention_equals_reference(case):
     assert (got.double() - expect).abs().max() <= TOL * (1 + expect.abs().max())
 
 
-@pytest.mark.parametrize("policy", [Policy.kivi(4, group=8, residual=8), Policy.fp8(residual=4),
-                                    Policy.kivi(3, group=8, residual=0, sink=2, rotate=True)])
+@pytest.mark.parametrize("policy", slow_after(1, [Policy.kivi(4, group=8, residual=8), Policy.fp8(residual=4),
+                                                 Policy.kivi(3, group=8, residual=0, sink=2, rotate=True)]))
 def test_compiled_inductor_attention_equals_reference(policy):
     """Compiled decode over a forked store with scrambled blocks of 16 equals the reference, and the gather
     through the table, the unpacking and the dequantization stay folded into the reductions' loads: no
@@ -81,6 +82,7 @@ def test_compiled_inductor_attention_equals_reference(policy):
     assert sizes and max(torch.Size(s).numel() for s in sizes) < limit, sizes
 
 
+@pytest.mark.slow
 def test_op_dispatches_to_the_compiled_template_on_cpu():
     """kernels "inductor": attention runs the template compiled once per store layout."""
     from kvcompile import ops
@@ -126,6 +128,7 @@ def test_inductor_attention_non_finite_values_poison_what_the_reference_says(pol
             assert_close(inductor.attention(q, store.state, spec, mask, 0.3), want, TOL, spec.name)
 
 
+@pytest.mark.slow
 def test_compiled_inductor_attention_non_finite_values():
     """The same rule compiled: decode over a store holding NaN and inf values in every region (keys finite, so
     that only the channels they poison are NaN)."""

@@ -21,6 +21,7 @@ from kvcompile.templates import cpu, cpu_store, inductor
 
 from attention_checks import filled
 from store_checks import assert_same_store, scrambled
+from tiers import slow_after
 
 PRESETS = {"kivi2": Policy.kivi(2), "kivi3+sink+rot": Policy.kivi(3, sink=4, rotate=True),
            "kivi4+rot": Policy.kivi(4, rotate=True), "kivi8": Policy.kivi(8), "fp8": Policy.fp8(),
@@ -88,7 +89,7 @@ C_CASES = ([(name, D) for D in (80, 96) for name in PRESETS]
 
 
 @pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler on this machine")
-@pytest.mark.parametrize("name, D", C_CASES)
+@pytest.mark.parametrize("name, D", slow_after(1, C_CASES))
 def test_c_kernels_at_every_head_size(name, D):
     from test_cpu_kernels import check
     _stores_match(cpu_store.store, PRESETS[name], D)
@@ -99,8 +100,8 @@ def test_c_kernels_at_every_head_size(name, D):
     check(torch.randn(4, 4, 3, D, generator=g), state, spec, prefill=True)
 
 
-@pytest.mark.parametrize("D", [80, 96])
-@pytest.mark.parametrize("name", ["kivi2", "kivi3+sink+rot", "fp8", "int8+rot"])
+@pytest.mark.parametrize("D", slow_after(1, [80, 96]))
+@pytest.mark.parametrize("name", slow_after(1, ["kivi2", "kivi3+sink+rot", "fp8", "int8+rot"]))
 def test_triton_kernels_at_non_power_of_two_heads(name, D):
     """Through Triton's interpreter on the CPU (about 15 s a case): the formats and groups that reach the
     kernels differently, each head padded to its tile of 128 channels."""

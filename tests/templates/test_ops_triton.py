@@ -2,6 +2,7 @@
 equal the reference dispatch (store: bit for bit; attention: within the derived bound of float64)."""
 import pytest
 import torch
+from tiers import slow_after
 
 from kvcompile import Policy, Quant, ops, standin
 from kvcompile.store import KVStore, LayerSpec
@@ -22,10 +23,10 @@ def step(k_cache, v_cache, k, v, q, pos, name: str):
     return torch.ops.kvcompile.attention(q, k_cache, v_cache, tok, None, 0.125, name)
 
 
-@pytest.mark.parametrize("policy", [
+@pytest.mark.parametrize("policy", slow_after(1, [
     Policy.kivi(4, group=8, residual=4, sink=1),
     Policy(Quant("fp8_e4m3", "token"), Quant("int3", "token", 16), residual=3, rotate=True),
-])
+]))
 def test_compiled_ops_with_triton_kernels_equal_reference(policy, triton_kernels, monkeypatch):
     calls = []  # proof that the ops reached the Triton launchers, not the reference
     for fn in ("store", "attention"):

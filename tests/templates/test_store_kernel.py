@@ -16,6 +16,7 @@ from kvcompile.templates import launch
 from kvcompile.templates import store as kstore
 import profiles
 from store_checks import around, assert_same_store, bits, quants, scrambled, tie_rows, with_history
+from tiers import slow_after
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -53,7 +54,7 @@ def test_store_kernel_equals_reference(case):
         assert_same_store(ref.state, got.state, spec)
 
 
-@pytest.mark.parametrize("policy", [Policy.kivi(2, group=4, residual=3, sink=2), Policy.fp8(residual=0)])
+@pytest.mark.parametrize("policy", slow_after(1, [Policy.kivi(2, group=4, residual=3, sink=2), Policy.fp8(residual=0)]))
 def test_store_kernel_decode_steps_cross_every_boundary(policy):
     """Token by token through sinks, the residual, several flushes, block ends and the ring's wrap-around."""
     B, H, D, C = 2, 1, 16, 40
@@ -128,7 +129,7 @@ def test_store_kernel_never_writes_an_unreserved_block():
             launch.store(bad, spec, k, v)  # host: DEV is the CPU here
 
 
-@pytest.mark.parametrize("block", [16, 32, 64])
+@pytest.mark.parametrize("block", slow_after(1, [16, 32, 64]))
 def test_store_kernel_follows_forks_crops_and_reorders(block):
     """KVStore's life on the kernel, against the reference store: a ragged history over scrambled blocks,
     ``select([0, 0, 1])`` (two rows share every block until one is written: the append copies the shared last
@@ -228,7 +229,7 @@ def test_fp16_directed_rounding_equals_reference():
 from nonfinite_checks import BAD, NONFINITE_POLICIES, bad_inputs  # noqa: E402
 
 
-@pytest.mark.parametrize("policy,dtype", [
+@pytest.mark.parametrize("policy,dtype", slow_after(1, [
     (Policy(Quant("int4", "channel", 4), Quant("int8", "token", 8), residual=3, sink=2), "float16"),
     (Policy(Quant("int3", "token", None, True, "float32"), Quant("int2", "channel", 4, True), residual=0, sink=1),
      "bfloat16"),
@@ -236,7 +237,7 @@ from nonfinite_checks import BAD, NONFINITE_POLICIES, bad_inputs  # noqa: E402
      "float32"),
     (NONFINITE_POLICIES[3], "bfloat16"),  # fp8 scales, int8 zero points
     (NONFINITE_POLICIES[4], "float16"),
-])
+]))
 def test_store_kernel_non_finite_and_huge_inputs_equal_reference(policy, dtype):
     """The Triton store: NaN, +inf and -inf in sinks, on packed groups' first and
     last tokens and channels and in the residual window, among values up to the model dtype's largest, are

@@ -22,6 +22,7 @@ from kvcompile.templates import attention as kattn
 from kvcompile.templates import launch
 from kvcompile.templates.common import run
 from attention_checks import filled
+from tiers import slow_after
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -79,7 +80,8 @@ CASES = [
 LENGTHS = [4, 29, 43]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].key_str()}-{c[2]}{c[3]}of{c[1]}")
+@pytest.mark.parametrize("case", slow_after(1, CASES, several=False),
+                         ids=lambda c: f"{c[0].key_str()}-{c[2]}{c[3]}of{c[1]}")
 def test_triton_pre_rope_attention_equals_float64_attention(case):
     """Decode (split-K: one and three splits) and chunked prefill reading its own chunk, over ragged rows that
     cross the sinks, packed blocks and the ring, with per-sequence rotary offsets (some keys' positions clamp to
@@ -201,6 +203,7 @@ def test_rope_tables_are_checked():
 
 
 # --------------------------------------------------------------------------- the compiled model
+@pytest.mark.slow
 def test_compiled_pre_rope_model_on_triton_kernels_equals_the_reference_kernels(monkeypatch):
     """A tiny Llama applied with a quantized pre_rope policy: prefill then decode on the Triton kernels (the
     interpreter on the CPU) gives the reference kernels' logits and tokens, and the kernel was handed the
