@@ -30,6 +30,7 @@ from kvcompile import standin
 from kvcompile.store import KVStore, LayerSpec
 from kvcompile.passes import counters
 import profiles
+from tiers import slow_after
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -130,6 +131,7 @@ def test_policy_full_equals_the_unmodified_model():
 
 
 # --------------------------------------------------------------------------- generate
+@pytest.mark.slow
 def test_generate_greedy_and_sampling_batched_with_left_padding():
     policy = Policy.kivi(4, group=4, residual=4)
     model = tiny(layers=2)
@@ -156,6 +158,7 @@ def test_generate_greedy_and_sampling_batched_with_left_padding():
     assert not dynamo_utils.counters["graph_break"]
 
 
+@pytest.mark.slow
 def test_generate_continues_a_conversation_in_the_same_cache():
     """Multi-turn use: a second generate over the first turn's output plus new tokens, with the same cache,
     prefills only the new tokens and equals the reference cache used the same way."""
@@ -178,6 +181,7 @@ def test_generate_continues_a_conversation_in_the_same_cache():
     assert cache.tokens == rc.tokens == 9 + 6 + 5 + 6 - 1  # the last generated token is never fed back
 
 
+@pytest.mark.slow
 def test_forward_returns_a_cache_that_reports_its_bytes():
     applied = kvcompile.apply(tiny(), Policy.kivi(4, group=4, residual=4), max_cache_len=32, compiler="eager", prefill="compiled")
     with torch.no_grad():
@@ -229,6 +233,7 @@ def test_explain_lists_every_site():
     assert "2 cache site(s) rewritten" in str(ex)
 
 
+@pytest.mark.slow
 def test_backend_option_with_a_kvcompile_cache_equals_reference():
     policy = Policy.int8(residual=2)
     model = tiny()
@@ -242,6 +247,7 @@ def test_backend_option_with_a_kvcompile_cache_equals_reference():
     assert counters["attention_rewritten"] == 2 * 2
 
 
+@pytest.mark.slow
 def test_backend_with_a_full_precision_static_cache_quantizes_but_says_memory_is_not_saved():
     policy = Policy.int8(residual=2)
     model = tiny()
@@ -261,6 +267,7 @@ def test_backend_with_a_full_precision_static_cache_quantizes_but_says_memory_is
     assert any("still allocated" in n for n in ex.notes)
 
 
+@pytest.mark.slow
 def test_backend_with_a_lazily_initialized_static_cache_allocates_a_standin():
     """A StaticCache allocating on its first update does so inside the compiled graph: the pass rewrites the
     allocation into a stand-in (no full-precision tensor is created) whose store the first write creates, and the
@@ -316,6 +323,7 @@ def test_eager_graphs_call_kvcompile_functions_without_the_dispatcher():
     assert "kvcompile::store" in {e.name for e in direct.events()}
 
 
+@pytest.mark.slow
 def test_inductor_compiles_the_rest_of_the_graph():
     policy = Policy.full().override({0: Policy.kivi(4, group=4, residual=4)})
     model = tiny(layers=1)
@@ -332,6 +340,7 @@ def test_inductor_compiles_the_rest_of_the_graph():
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_shapes_changing_in_one_process_still_rewrite():
     """Models of other head sizes and cache lengths in one process (no dynamo reset in between): Dynamo
     makes those sizes dynamic for the shared modeling code, and the graph then holds shape queries
@@ -349,6 +358,7 @@ def test_shapes_changing_in_one_process_still_rewrite():
     assert counters["reads_skipped"] == 0
 
 
+@pytest.mark.slow
 def test_many_shapes_in_one_process_compile_past_dynamos_default_limit():
     """Each (batch, capacity) is a prefill and a decode graph, shared by every applied model of the class:
     four policies over eight shapes went past the old limit of 64 in the decode benchmark. Five shapes, two
@@ -363,6 +373,7 @@ def test_many_shapes_in_one_process_compile_past_dynamos_default_limit():
     assert len(applied._kvcompile.reports) == 10 > 8
 
 
+@pytest.mark.slow
 def test_error_recompile_limit_says_what_to_do():
     """A user's own lower recompile limit, met by a new batch size (one prefill and one decode graph each;
     new lengths compile nothing)."""
@@ -467,6 +478,7 @@ def test_windowed_layers_keep_transformers_ring_where_it_holds_fewer_bytes():
     assert KVCompileCache(model.config, policy, edge).rings == {0: 128, 2: 128}
 
 
+@pytest.mark.slow
 def test_windowed_model_compiled_equals_the_reference_cache():
     """apply on a model with sliding layers: the rings are the model's own (the pass leaves their reads and
     writes alone and says so), the full layer is quantized, and generate equals the eager reference cache,
@@ -505,6 +517,7 @@ def test_error_apply_twice_and_to_a_compiled_model():
 OUTER = "kvcompile.apply has compiled this model's forward already"
 
 
+@pytest.mark.slow
 def test_torch_compile_around_an_applied_transformers_model_leaves_its_forward_to_kvcompile():
     """A user's reflex, torch.compile around the applied model (or transformers' recipe, model.forward =
     torch.compile(model.forward)): traced by another backend, the forward would lose kvcompile's pass. It runs as
@@ -526,6 +539,7 @@ def test_torch_compile_around_an_applied_transformers_model_leaves_its_forward_t
                            ref.generate(ids[:1], max_new_tokens=8, do_sample=False))
 
 
+@pytest.mark.slow
 def test_torch_compile_around_an_applied_module_leaves_its_forward_to_kvcompile():
     """The same for a gpt-fast-style module, whose apply returns a compiled module: compiled again at the top,
     inside another compiled module, or in place (module.compile()), it gives the tokens it gives alone."""
@@ -596,6 +610,7 @@ def test_error_dynamic_cache_holding_tokens_given_to_an_applied_model():
 
 
 # --------------------------------------------------------------------------- the Triton kernels, end to end
+@pytest.mark.slow
 def test_tiny_llama_through_the_pass_runs_the_triton_kernels(monkeypatch):
     from kvcompile import ops
     from kvcompile.templates import launch
@@ -650,6 +665,7 @@ def test_error_unknown_prefill_and_a_module_limit():
 
 
 # --------------------------------------------------------------------------- generate on a module compiled by the backend
+@pytest.mark.slow
 def test_generate_on_a_module_compiled_by_the_backend_is_refused_when_called():
     """torch.compile(model, backend="kvcompile", options=...) compiles the forward only: its generate would run the
     original model, uncompiled, over transformers' full-precision DynamicCache, the policy silently not applied. It
@@ -694,7 +710,7 @@ def _round_trip(how, obj, tmp_path):
 
 
 @pytest.mark.parametrize("policy", [Policy.full(), Policy.kivi(4, group=4, residual=4)], ids=["full", "kivi"])
-@pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy", "copy"])
+@pytest.mark.parametrize("how", slow_after(1, ["pickle", "torch.save", "deepcopy", "copy"]))
 def test_an_applied_model_pickles_and_loads_back_applied(how, policy, tmp_path):
     """pickle, torch.save, copy.deepcopy and copy.copy of an applied transformers model give an applied model (the
     same policy and settings), whose generate is the original's: tokens and logits, and under Policy.full() the
@@ -722,6 +738,7 @@ def test_an_applied_model_pickles_and_loads_back_applied(how, policy, tmp_path):
         assert torch.equal(model.generate(ids, **gen).sequences, want.sequences)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["pickle", "deepcopy"])
 def test_an_applied_module_pickles_and_loads_back_applied(how, tmp_path):
     """A gpt-fast-style module (apply returns it compiled): loaded back applied, its cache buffers empty (as

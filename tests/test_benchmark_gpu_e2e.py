@@ -2,9 +2,12 @@
 its JSON, and cuts off at its budget: the GPU run is one call with no second chance."""
 import json
 
+import pytest
+
 from benchmarks import gpu_e2e
 
 
+@pytest.mark.slow
 def test_decode_and_first_token_cases_run_and_are_recorded(tmp_path):
     out = tmp_path / "e2e.json"
     got = gpu_e2e.main(["--device", "cpu", "--tiny", "--only", "kvc-kivi4-apply", "--shapes", "2x256", "max@256",

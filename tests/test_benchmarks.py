@@ -9,6 +9,7 @@ from kvcompile import Policy
 from kvcompile.store import LayerSpec
 
 
+@pytest.mark.slow
 def test_cpu_decode_smoke(tmp_path):
     out = tmp_path / "smoke.json"
     png = tmp_path / "smoke.png"
@@ -46,6 +47,7 @@ def test_json_mode_cost_smoke():
     assert '"title' in rows[1]["reply"]  # the schema's first property, begun
 
 
+@pytest.mark.slow
 def test_a_failing_run_reports_its_own_error_not_the_memory_meters(monkeypatch):
     """``cpu_decode.py --device cuda`` on the first GPU run: a store's device assert surfaced as
     ``AttributeError: 'PeakCUDA' object has no attribute 'mark_base'``. Both meters now let the run's own error

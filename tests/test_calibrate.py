@@ -247,6 +247,7 @@ def test_candidates_must_share_residual_sinks_and_rotation():
         check_candidates([Policy.kivi(2), Policy.kivi(4, pre_rope=True)])
 
 
+@pytest.mark.slow
 def test_calibrate_returns_a_policy_the_cache_and_apply_take(tiny, windows, sens, monkeypatch):
     budget = (_bpt(CANDS[0]) + _bpt(CANDS[1])) / 2
     pol = kvcompile.calibrate(tiny, windows, bytes_per_token=budget, candidates=CANDS, context=CONTEXT, chunk=16,
@@ -368,6 +369,7 @@ def test_load_of_no_file_or_a_directory(tmp_path):
 
 
 # --------------------------------------------------------------------------- the command
+@pytest.mark.slow
 def test_cli_calibrate_then_eval_and_plan_read_the_file(tiny_dir, tmp_path, capsys):
     out = tmp_path / "pol.json"
     assert cli.main(["calibrate", "--model", str(tiny_dir), "--bytes-of", "kivi+rot+sink:3", "--tokens", "512",

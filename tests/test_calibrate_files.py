@@ -7,6 +7,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from tiers import slow_after
 
 import kvcompile.calibrate  # noqa: F401  (the module; kvcompile.calibrate is also the function)
 from kvcompile import Policy, PolicyError, cli
@@ -73,6 +74,7 @@ def test_no_file_or_a_directory(tmp_path):
         C.Sensitivity.load(tmp_path)
 
 
+@pytest.mark.slow
 def test_cli_saves_then_allocates_from_the_file_without_measuring(tiny_dir, tmp_path, capsys, monkeypatch):
     sfile, p3 = tmp_path / "sens.json", tmp_path / "p3.json"
     assert cli.main(["calibrate", "--model", str(tiny_dir), "--bytes-of", "kivi+rot+sink:3", "--tokens", "512",
@@ -118,7 +120,7 @@ def test_cli_sensitivity_of_another_model_is_refused(tiny_dir, tmp_path, capsys)
     assert "measured on a model of 3 layers, but --model has 2" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("bits", slow_after(1, [2, 3]))
 def test_shipped_smollm2_policies_come_from_the_shipped_measurement(bits):
     # docs/results.md: `kvcompile calibrate --sensitivity .../smollm2_sensitivity.json --bytes-of
     # kivi+rot+sink:BITS` gives the policy files whose held-out rows it reports

@@ -18,6 +18,7 @@ def test_plan_reproduces_the_textbook_counts(capsys):
     assert seqs == {"16-bit": 52, "8-bit": 104, "4-bit": 208, "2-bit": 416}
 
 
+@pytest.mark.slow
 def test_plan_70b_in_45_gib(capsys, tmp_path):
     cli.main(["plan", "--preset", "llama3-70b", "--available-gb", "45", "--gib", "--context", "4096",
               "--json", str(tmp_path / "p.json"), "--plot", str(tmp_path / "p.png")])
@@ -102,6 +103,7 @@ def test_plan_from_a_config(capsys, tiny_dir):
     assert "2 layers x 2 KV heads x 32" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_eval_writes_table_json_and_plot(capsys, tmp_path, tiny_dir):
     out = tmp_path / "res"
     cli.main(["eval", "--model", str(tiny_dir), "--entries", "kivi:2", "naive:4", "--window", "128", "--windows",
@@ -118,6 +120,7 @@ def test_eval_writes_table_json_and_plot(capsys, tmp_path, tiny_dir):
     assert len(json.loads((tmp_path / "m" / "eval.json").read_text())["rows"]) == 3
 
 
+@pytest.mark.slow
 def test_eval_of_a_policy_file_with_the_default_passkey(tmp_path, tiny_dir):
     """The obvious call, a policy file and nothing else: the default passkey entries are full precision and
     best:BITS only of the widths the run evaluates (a policy file is none of them), so it runs; best:2 picks
@@ -134,6 +137,7 @@ def test_eval_of_a_policy_file_with_the_default_passkey(tmp_path, tiny_dir):
     assert list(json.loads((out / "eval.json").read_text())["passkey"]) == ["naive:2"]
 
 
+@pytest.mark.slow
 def test_eval_passkey_only_with_a_prefill_chunk(capsys, tmp_path, tiny_dir):
     out = tmp_path / "pk"
     cli.main(["eval", "--model", str(tiny_dir), "--entries", "none", "--passkey", "kivi+rot+sink:2",
@@ -147,6 +151,7 @@ def test_eval_passkey_only_with_a_prefill_chunk(capsys, tmp_path, tiny_dir):
     assert "kivi+rot+sink:2@chunk64" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_demo_prints_bytes_loss_speed_and_reply(capsys, tiny_dir):
     cli.main(["demo", "--model", str(tiny_dir), "--max-new-tokens", "4", "--capacity", "512", "--loss-window",
               "256", "--compiler", "eager"])
@@ -380,6 +385,7 @@ def test_serve_on_another_transformers_release_says_which_to_install(tiny_dir, m
     assert "found transformers 5.25.0" in err[0] and "pip install 'transformers==5.24.*'" in err[0], err
 
 
+@pytest.mark.slow
 def test_user_errors_through_the_command_itself(bad_files, tiny_dir, tmp_path):
     """``python -m kvcompile`` in its own process, offline variables unset (nothing may be downloaded): the same
     one line and exit status 2, for a parser error, a config that is a hub id, and a bad policy."""

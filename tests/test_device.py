@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiers import slow_after
 from transformers import GenerationConfig
 
 import kvcompile
@@ -73,7 +74,7 @@ def family_model(family):
 FAMILIES = ["Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma3Text", "GPTNeoX", "GPTBigCode", "Mixtral"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", slow_after(1, FAMILIES))
 def test_apply_across_families_on_the_device(family, device):
     """``apply`` with KIVI int4 on each family, on the device: greedy decoding (logits within the bound of the
     unmodified model's along the same tokens), every layer's store on the device and holding packed blocks."""
@@ -111,6 +112,7 @@ def kivi_pair(device):
     return ref, kvcompile.apply(model, KIVI, compiler="eager")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_generate_modes_under_kivi_on_the_device(kivi_pair, mode, device):
     from test_generate import PROMPT
@@ -127,6 +129,7 @@ def test_generate_modes_under_kivi_on_the_device(kivi_pair, mode, device):
     assert all(on(device, layer.store) for layer in got.past_key_values.layers)
 
 
+@pytest.mark.slow
 def test_backend_in_transformers_static_cache_recipe(device):
     """transformers' recipe: the forward compiled by the backend (Inductor), ``cache_implementation="static"``.
     ``mode="reduce-overhead"`` records CUDA graphs between kvcompile's ops on a GPU (none skipped), and gives the
@@ -153,6 +156,7 @@ def test_backend_in_transformers_static_cache_recipe(device):
         assert not any(skips.values()), skips
 
 
+@pytest.mark.slow
 def test_backend_over_a_gpt_fast_modules_static_buffers(device):
     """gpt-fast's recipe: its model (cache buffers written by ``k_out[:, :, input_pos] = k``) compiled whole by
     the backend, decoding one token per call. The store shadows the buffers; with ``mode="reduce-overhead"`` the
@@ -182,6 +186,7 @@ def test_backend_over_a_gpt_fast_modules_static_buffers(device):
     assert torch.equal(runs[0], runs[1])
 
 
+@pytest.mark.slow
 def test_continuous_batching_on_the_device(device, monkeypatch):
     """The manager API under KIVI int4 with the model on the device: every request gets the tokens kvcompile's
     own ``generate`` gives it (the same stored bytes, the same kernels; fp32, and on the CPU one kernel thread,

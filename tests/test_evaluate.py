@@ -10,6 +10,7 @@ from kvcompile import evaluate as E
 from kvcompile.store import dequantize_reference
 
 import transformers  # noqa: E402
+from tiers import slow_after  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +209,8 @@ def _fresh_logprobs(model, tok, trials, policy, chunk):
     return out
 
 
-@pytest.mark.parametrize("policy", [Policy.kivi(2, residual=16, sink=2), Policy.fp8(residual=8)], ids=str)
+@pytest.mark.parametrize("policy", slow_after(1, [Policy.kivi(2, residual=16, sink=2), Policy.fp8(residual=8)]),
+                         ids=str)
 def test_shared_trunk_gives_the_numbers_of_separate_runs_when_quantized(tiny, policy):
     # The trunk must stop at a chunk boundary: a prefill split at the needle instead would store (and attend
     # to) other values than the protocol's aligned chunks, and quantized results would depend on the depth.
@@ -270,6 +272,7 @@ def test_merge_joins_passkey_lengths_of_one_protocol():
     assert m["passkey"]["kivi:2"]["accuracy"] == {"2048": 1.0}
 
 
+@pytest.mark.slow
 def test_pre_rope_rows_are_measured_through_the_applied_model(tiny):
     """``kvcompile eval`` measures a pre_rope policy through ``compiled_copy`` (only the pass stores keys before
     the rotary embedding): in full precision that is the model's own loss, quantized it is not post-RoPE's,

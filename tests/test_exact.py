@@ -27,6 +27,7 @@ from kvcompile.hf import KVCompileCache
 from kvcompile.hf_model import cache_kwarg
 from kvcompile.passes import counters
 from test_generate import PROMPT, tiny
+from tiers import slow_after
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["fp32", "bf16", "fp16"]
@@ -76,7 +77,7 @@ MODES = {
 
 
 @pytest.mark.device
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", slow_after(1, DTYPES), ids=DTYPE_IDS)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_generate_modes_give_the_unmodified_models_logits(dtype, mode, device):
     ref, model = twins(dtype, device)
@@ -84,7 +85,7 @@ def test_generate_modes_give_the_unmodified_models_logits(dtype, mode, device):
 
 
 @pytest.mark.device
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", slow_after(1, DTYPES), ids=DTYPE_IDS)
 def test_left_padded_batch_assisted_decoding_and_a_continued_chat(dtype, device):
     ref, model = twins(dtype, device)
     ids = torch.randint(3, 64, (3, 9), generator=torch.Generator().manual_seed(2))
@@ -124,6 +125,7 @@ def test_sliding_window_layers_are_transformers_own(device):
     assert layers[1].store.lengths[0] == got.sequences.shape[1] - 1
 
 
+@pytest.mark.slow
 @pytest.mark.device
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -143,7 +145,7 @@ def test_backend_over_a_static_cache_is_the_unmodified_compiled_model(dtype, com
 
 
 @pytest.mark.device
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", slow_after(1, [torch.bfloat16, torch.float16]), ids=["bf16", "fp16"])
 def test_a_gpt_fast_module_is_itself(dtype, device):
     """A gpt-fast-style module (cache buffers, ``repeat_interleave``, a boolean mask over the whole cache) applied
     with Policy.full() gives its own logits: its buffers become a paged store that the graph's SDPA reads back
@@ -203,6 +205,7 @@ def cb_logprobs(model, **kw):
     return [(r.generated_tokens, r.logprobs) for r in out.values()]
 
 
+@pytest.mark.slow
 @pytest.mark.device
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_continuous_batching_is_transformers_own(dtype, device):
@@ -214,6 +217,7 @@ def test_continuous_batching_is_transformers_own(dtype, device):
     assert paged_ops.calls["paged_attention"] == calls  # transformers' attention, not kvcompile's
 
 
+@pytest.mark.slow
 @pytest.mark.device
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_compiled_continuous_batching_is_transformers_own_compiled(dtype, device):

@@ -19,6 +19,7 @@ def _run(monkeypatch, name, *args):
     runpy.run_path(str(EXAMPLES / name), run_name="__main__")
 
 
+@pytest.mark.slow
 def test_plan_concurrency(monkeypatch, capsys, tmp_path):
     """Llama 3 8B at 8K tokens on an 80 GB GPU (16.1 GB of weights, 90 %): the textbook 52 sequences at 16 bits
     and 208 at 4, and 159 with KIVI 4-bit's real layout; its bytes per sequence, as the printed expression in
@@ -51,6 +52,7 @@ def test_per_layer_policy(monkeypatch, capsys, tiny_dir):
     assert len(re.findall(r"^(plain 2-bit KIVI|per-layer mix) +loss delta [+-]\d\.\d{4} nats/token$", out, re.M)) == 2
 
 
+@pytest.mark.slow
 def test_hf_generate(monkeypatch, capsys, tiny_dir):
     """Two turns of a chat in one cache: the second turn's cache holds the first's tokens and more; the report
     names both layers' cache sites."""
@@ -61,6 +63,7 @@ def test_hf_generate(monkeypatch, capsys, tiny_dir):
     assert len(held) == 2 and held[1] > held[0] + 3, held
 
 
+@pytest.mark.slow
 def test_serve_client(monkeypatch, capsys, tiny_dir):
     _run(monkeypatch, "serve_client.py", "--model", str(tiny_dir), "--max-tokens", "4")
     out = capsys.readouterr().out
@@ -68,6 +71,7 @@ def test_serve_client(monkeypatch, capsys, tiny_dir):
         assert line in out, out
 
 
+@pytest.mark.slow
 def test_generate_tp_under_torchrun(tiny_dir):
     """examples/generate_tp.py as the README runs it, under torchrun with 2 ranks (gloo on loopback): every rank
     generates exactly the tokens the unsharded model generates under the same policy, and holds its share of

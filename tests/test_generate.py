@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
+from tiers import slow_after
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, TextIteratorStreamer
 
 import kvcompile
@@ -118,6 +119,7 @@ def test_batched_prompts_with_left_padding(models):
     same(ref, model, input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=2, do_sample=False)
 
 
+@pytest.mark.slow
 def test_assisted_generation_with_an_assistant_applied_or_not():
     ref, model = pair()
     plain_assistant = tiny(layers=1, seed=5)
@@ -176,6 +178,7 @@ def test_a_conversation_grows_past_the_first_allocation_without_recompiling():
     assert graphs() == before  # turns 2-5: longer prompts, a wider cache, nothing compiled
 
 
+@pytest.mark.slow
 def test_a_changing_load_compiles_nothing_more(monkeypatch):
     """On a busy machine the cores other processes leave free change from call to call. torch's thread count
     is one of Dynamo's guards, so a compiled model keeps the count its first compiled call took: a load that
@@ -201,6 +204,7 @@ def test_a_changing_load_compiles_nothing_more(monkeypatch):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_one_prefill_and_one_decode_graph_serve_every_length():
     """Five prompt lengths over several thousand tokens, each in a fresh cache: one prefill and one decode graph
     in all (prefill="compiled"; by default on the CPU a first prefill runs eagerly, and only the decode graph is
@@ -220,6 +224,7 @@ def test_one_prefill_and_one_decode_graph_serve_every_length():
     assert not dynamo_utils.counters["graph_break"]
 
 
+@pytest.mark.slow
 def test_cache_bytes_grow_with_the_tokens_written():
     """A sequence holds what it has written: after N tokens, within one block (and its table entry) of the
     token-exact accounting for N per layer, not a cache of max_position_embeddings."""
@@ -238,6 +243,7 @@ def test_cache_bytes_grow_with_the_tokens_written():
     assert held < 0.5 * fp32 * 714 and held < fp32 * 8192 / 20
 
 
+@pytest.mark.slow
 def test_generate_allocates_its_pool_once():
     """generate tells the cache how far it goes (max_length): each layer's pool is allocated once, for every
     sequence to reach it, instead of doubling (a copy of the pool each time) while decoding; a chat continued in
@@ -313,13 +319,14 @@ def windowed_pair(policy):
     return windowed(16, types), kvcompile.apply(windowed(16, types), policy)
 
 
-@pytest.mark.parametrize("first, then, make, policy", [
+@pytest.mark.parametrize("first, then, make, policy", slow_after(3, [
     (torch.inference_mode, torch.no_grad, pair, Policy.full()),
     (torch.no_grad, torch.inference_mode, pair, Policy.full()),
     (torch.inference_mode, torch.no_grad, windowed_pair, Policy.full()),
     (torch.inference_mode, torch.no_grad, pair, KIVI),
     (torch.inference_mode, torch.no_grad, windowed_pair, KIVI),
-], ids=["full-inference-then-no_grad", "full-no_grad-then-inference", "full-gemma3-rings", "kivi", "kivi-gemma3-rings"])
+]), ids=["full-inference-then-no_grad", "full-no_grad-then-inference", "full-gemma3-rings", "kivi",
+       "kivi-gemma3-rings"])
 def test_a_chat_begun_in_one_grad_mode_goes_on_in_the_other(first, then, make, policy):
     """A cache made under ``torch.inference_mode`` and written again under ``torch.no_grad`` (or the other way
     round), as transformers' own cache allows: under Policy.full() the unmodified model's tokens, under KIVI the
@@ -376,6 +383,7 @@ def test_wrong_batch_for_a_cache_is_said_at_the_call():
 
 
 # --------------------------------------------------------------------------- threads
+@pytest.mark.slow
 def test_two_threads_generating_on_two_applied_models():
     ref_a, a = pair(seed=1)
     ref_b, b = pair(KIVI, seed=2)
@@ -433,6 +441,7 @@ def test_an_eager_cache_while_another_thread_compiles():
 
 
 # --------------------------------------------------------------------------- the backend in transformers' recipes
+@pytest.mark.slow
 def test_backend_on_a_compiled_forward_with_generates_static_cache():
     """transformers' recipe: the forward compiled by the backend, generate(cache_implementation="static"). The
     StaticCache initializes inside the compiled prefill: its allocation becomes a stand-in, and every token is

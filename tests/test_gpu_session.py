@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh"
 
 
@@ -16,6 +18,7 @@ def run(tmp_path, *args, budget="5"):
     return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_session_script_imports_kvcompile_from_the_tree_and_stops_at_its_budget(tmp_path):
     r = run(tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]

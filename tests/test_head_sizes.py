@@ -54,6 +54,7 @@ def test_full_policy_gives_the_unmodified_models_tokens(name):
     assert torch.equal(got.sequences, want.sequences) and torch.equal(logits(got), logits(want))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("name", CONFIGS)
 def test_a_quantized_layer_compiled_equals_the_eager_reference(name, preset):
@@ -71,6 +72,7 @@ def test_a_quantized_layer_compiled_equals_the_eager_reference(name, preset):
     assert len(kvcompile.explain(model).sites) == 2  # both layers rewritten (layer 1 stored in full precision)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_layer_quantized_stays_within_the_bound(name):
     model = tiny(name)

@@ -23,6 +23,7 @@ import kvcompile
 from kvcompile import KVCompileError, Policy
 from kvcompile.hf import KVCompileCache
 from test_generate import PROMPT, pair, windowed_pair
+from tiers import slow_after
 
 KIVI8 = Policy.kivi(8, group=4, residual=4)  # tokens past the 4-token window and whole groups of 4 are packed
 SUFFIXES = ([3, 4, 5, 6, 7, 8, 9, 10, 11], [7, 8], [30, 31, 32, 33, 34, 35])
@@ -71,7 +72,7 @@ def test_prompt_reuse_recipe_gives_the_unmodified_models_tokens(full, duplicate)
     assert cache.get_seq_length() == PROMPT.shape[1]  # the prompt cache itself never grew
 
 
-@pytest.mark.parametrize("duplicate", [copy.deepcopy, copy.copy], ids=["deepcopy", "copy"])
+@pytest.mark.parametrize("duplicate", slow_after(1, [copy.deepcopy, copy.copy]), ids=["deepcopy", "copy"])
 def test_a_copied_quantized_cache_holds_the_same_tokens(kivi, duplicate):
     """Each continuation from a copy equals the continuation from a prompt cache built afresh (a copy is
     lossless and independent: the continuations before it wrote into their own copies), and stays within the
@@ -90,7 +91,7 @@ def test_a_copied_quantized_cache_holds_the_same_tokens(kivi, duplicate):
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
-@pytest.mark.parametrize("policy", [Policy.full(), KIVI8], ids=["full", "kivi8"])
+@pytest.mark.parametrize("policy", slow_after(1, [Policy.full(), KIVI8]), ids=["full", "kivi8"])
 def test_prompt_reuse_with_sliding_window_rings(policy):
     """Gemma 3's windowed layers keep transformers' ring (under a quantized policy kvcompile's RingLayer): a copy's
     ring is the model's own too (the pass must leave it alone), and the prefix is longer than the window (16), so
@@ -114,6 +115,7 @@ def test_prompt_reuse_with_sliding_window_rings(policy):
                 assert torch.equal(got.sequences, again.sequences) and torch.equal(logits(got), logits(again))
 
 
+@pytest.mark.slow
 def test_a_copy_of_a_cache_of_pre_rope_keys_has_its_own_rotary_table():
     """Pre-RoPE keys: the cache's layers share one cos/sin table; a copy shares one of its own (a continuation
     that captures new positions into it leaves the prompt cache's as it was), and continues as a fresh cache."""

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from tiers import slow_after
 
 ALLOWED = "auto, triton, cpu, inductor, reference"
 
@@ -16,7 +17,7 @@ def _import_with(value: str, code: str = "import kvcompile"):
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("value", ["cpuu", "CPU", " cpu"])
+@pytest.mark.parametrize("value", slow_after(1, ["cpuu", "CPU", " cpu"]))
 def test_unknown_kernels_value_fails_at_import(value):
     r = _import_with(value)
     assert r.returncode != 0
@@ -34,6 +35,7 @@ def test_triton_kernels_without_a_gpu_or_interpreter_fail_at_import():
     assert "KVCOMPILE_KERNELS='triton' needs CUDA, or TRITON_INTERPRET=1" in r.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_empty_kernels_value_means_auto():
     # an empty variable (KVCOMPILE_KERNELS= in a shell) is unset, not a family named '' that ran the reference
     r = _import_with("", "import kvcompile, torch; print(kvcompile.ops.kernels(torch.device('cpu')))")

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import slow_after
 
 from kvcompile import Policy, Quant
 from kvcompile import pages as P
@@ -162,6 +163,7 @@ def batches(draw):
     return policy, H, D, block, dtype, lengths, steps, draw(st.integers(0, 2**31 - 1))
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(batches())
 def test_pages_hold_exactly_what_the_reference_stores(case):
@@ -211,7 +213,7 @@ def check_attention(lay, pages, ref, q, k_new, v_new, prefill):
     return got
 
 
-@pytest.mark.parametrize("policy", PER_TOKEN[:-1], ids=str)
+@pytest.mark.parametrize("policy", slow_after(1, PER_TOKEN[:-1]), ids=str)
 def test_attention_over_pages_is_the_kernels_attention(policy):
     """Decode (the C decode kernel, reading the pages in place) and a chunk of many queries (the prefill path),
     both with the queries' own keys and values read in full precision, against float64 attention over what the
@@ -245,6 +247,7 @@ def test_attention_over_pages_is_the_kernels_attention(policy):
     check_attention(lay, pages, sub, q20, kc, vc, prefill=True)
 
 
+@pytest.mark.slow
 def test_ragged_attention_is_each_sequences_attention():
     """A flat batch mixing decodes and chunks of several lengths gives each sequence exactly the attention of
     the equal-length call for it alone (the kernels see the same rows), and writes nothing past the batch."""
@@ -274,6 +277,7 @@ def test_ragged_attention_is_each_sequences_attention():
         assert torch.equal(out[a:a + n], alone[0].transpose(0, 1)), b
 
 
+@pytest.mark.slow
 def test_full_precision_pages_attend_as_the_reference():
     """``Policy.full()`` pages hold the keys and values themselves (the model's dtype)."""
     lay = P.PageLayout(Policy.full(), 2, 32, "float32", 16)

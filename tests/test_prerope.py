@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "passes"))
 sys.path.insert(0, os.path.dirname(__file__))
 import zoo  # noqa: E402
 from nonfinite_checks import assert_close  # noqa: E402
+from tiers import slow_after  # noqa: E402
 
 TOL = 2e-6  # the Inductor and C kernels' tolerance against the reference (tests/templates)
 
@@ -222,6 +223,7 @@ def applied_full():
     return ref, m
 
 
+@pytest.mark.slow
 def test_full_precision_pre_rope_equals_the_unmodified_model_left_padded(applied_full):
     ref, m = applied_full
     ids = torch.randint(1, 64, (3, 9))
@@ -235,6 +237,7 @@ def test_full_precision_pre_rope_equals_the_unmodified_model_left_padded(applied
     assert "keys pre-RoPE (half:16)" in str(kvcompile.explain(m))
 
 
+@pytest.mark.slow
 def test_full_precision_pre_rope_beam_search_and_crop(applied_full):
     ref, m = applied_full
     ids = torch.randint(1, 64, (2, 6))
@@ -261,6 +264,7 @@ def test_full_precision_pre_rope_beam_search_and_crop(applied_full):
     assert cache.reserved_nbytes >= sum(layer.reserved_nbytes for layer in cache.layers) + table.nbytes
 
 
+@pytest.mark.slow
 def test_quantized_pre_rope_compiled_equals_the_reference_kernels():
     """The compiled model on the C kernels against the same model on the reference kernels (both pre-RoPE), and
     both away from post-RoPE storage (the keys are stored otherwise)."""
@@ -367,7 +371,7 @@ def _gpt_fast_run(model, ids, steps, seed=1):
     return torch.cat(out, 1)
 
 
-@pytest.mark.parametrize("heads_first", [False, True], ids=["gpt-fast", "heads-first"])
+@pytest.mark.parametrize("heads_first", slow_after(1, [False, True]), ids=["gpt-fast", "heads-first"])
 def test_gpt_fast_full_precision_pre_rope_equals_the_unmodified_model(heads_first):
     """gpt-fast's apply_rotary_emb (complex multiply of adjacent pairs, in fp32, before the transpose; or the
     same after it) is recognised: keys are stored pre-RoPE ("pairs"), their rotation by the captured cos/sin

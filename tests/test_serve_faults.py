@@ -20,6 +20,9 @@ from test_serve_http import start_server, stop_server
 from benchmarks.serve_load import free_port
 from kvcompile import Policy
 
+# every test starts the server (or the CLI) in a process of its own: tens of seconds each
+pytestmark = pytest.mark.slow
+
 CLI_S = 600  # a refused start: the CLI imports torch and transformers and loads the model (minutes on a busy machine)
 
 

@@ -20,6 +20,7 @@ import time
 import httpx
 import pytest
 import torch
+from tiers import slow_after
 
 from benchmarks import serve_load
 from benchmarks.serve_load import free_port
@@ -224,6 +225,7 @@ def chat(base, name, content="Hi", max_tokens=4, **kw):
                             "max_tokens": max_tokens, **kw})
 
 
+@pytest.mark.slow
 def test_a_request_id_already_running_is_refused(tiny_server):
     """A client's X-Request-ID names its request to the server (transformers' handlers take it as the request's
     id): a second request under the id of one still running is refused with a 400 saying so, and the id is free
@@ -316,7 +318,7 @@ def test_concurrent_requests_each_get_their_own_options(tiny_server):
     assert now["options_held"] == now["records_open"] == 0, now
 
 
-@pytest.mark.parametrize("asks", [{}, {"logprobs": True, "top_logprobs": 5}])
+@pytest.mark.parametrize("asks", slow_after(1, [{}, {"logprobs": True, "top_logprobs": 5}]))
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(tiny_server, asks):
     """A streaming client that disconnects mid-reply has its request cancelled: its pages and slot come back, and
     its record of log probabilities when it asked for them."""
@@ -370,7 +372,7 @@ def wait_idle(base, idle, bound_s):
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("endpoint", slow_after(1, ["chat", "completions"]))
 def test_a_non_streaming_client_that_gives_up_has_its_request_cancelled(tiny_server, endpoint):
     """A non-streaming client that times out (its connection closed) has its request cancelled: its pages and
     slot come back long before the reply it was allowed would have been generated, and the server serves the
@@ -463,6 +465,7 @@ def assert_openai_error(r, param=None):
     return err
 
 
+@pytest.mark.slow
 def test_bad_input_is_a_4xx_in_openais_shape_and_the_server_stays_up(tiny_server):
     from openai import BadRequestError, OpenAI
 
@@ -552,6 +555,7 @@ def test_every_field_that_cannot_be_honoured_is_a_4xx_naming_it(tiny_server):
     assert chat(base, name, max_tokens=3).json()["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.slow
 def test_a_reply_without_max_tokens_is_capped_to_what_the_cache_holds(tiny_server):
     base, name = tiny_server
     assert chat(base, name).status_code == 200  # the cache exists from here on
@@ -571,6 +575,7 @@ def reply(base, name, **kw) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
+@pytest.mark.slow
 def test_each_request_samples_as_it_asks(tiny_server):
     """transformers' continuous batching applies the first request's sampling to every request after it (a
     temperature asked later was dropped; a greedy request after a sampled first one sampled). Here each request
@@ -686,7 +691,7 @@ def streamed_text(r) -> tuple[str, str | None]:
     return text, reason
 
 
-@pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
+@pytest.mark.parametrize("endpoint", slow_after(1, ["chat/completions", "completions"]))
 def test_a_reply_ends_at_its_first_stop_string(tiny_server, endpoint):
     """``stop`` ends a reply before the first stop string (not sent), streaming or not, finish_reason "stop", and
     the request gives its pages back; a stop string that never appears, or an empty list, changes nothing."""
@@ -714,7 +719,7 @@ def test_a_reply_ends_at_its_first_stop_string(tiny_server, endpoint):
     wait_idle(base, None, 30)
 
 
-@pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
+@pytest.mark.parametrize("endpoint", slow_after(1, ["chat/completions", "completions"]))
 def test_n_choices(tiny_server, endpoint):
     """``n`` choices, each a request of its own in the batch: sampled ones differ, greedy ones equal the one-choice
     reply, streamed or not; usage counts every choice's tokens and the prompt once."""
@@ -746,6 +751,7 @@ def test_n_choices(tiny_server, endpoint):
     wait_idle(base, None, 30)
 
 
+@pytest.mark.slow
 def test_best_of_returns_the_candidates_with_the_most_likely_tokens(tiny_server):
     """A completion's ``best_of``: that many candidates per prompt (sampled, seeded), of which the ``n`` with the
     highest mean log probability per generated token are the choices, best first -- the same candidates asked
@@ -802,6 +808,7 @@ def test_a_client_that_disconnects_from_n_streamed_choices_frees_them_all(tiny_s
     wait_idle(base, idle, 30)
 
 
+@pytest.mark.slow
 def test_a_seed_gives_the_same_reply_whatever_runs_beside_it(tiny_server):
     """A seeded request's reply depends on its seed alone (``seeded_draw``): the same seed twice, once alone and
     once while other sampled requests stream beside it, gives the same reply; n seeded choices differ from each
@@ -826,6 +833,7 @@ def test_a_seed_gives_the_same_reply_whatever_runs_beside_it(tiny_server):
     assert len(set(three)) == 3 and choices() == three
 
 
+@pytest.mark.slow
 def test_a_shared_system_prompt_is_read_from_shared_pages(tiny_dir):
     """Chats that begin with the same system prompt read its pages from the first chat's instead of computing
     them (``prefix_tokens`` in the stats); under the full-precision store a chat asked again, most of it read
@@ -865,6 +873,7 @@ def test_a_shared_system_prompt_is_read_from_shared_pages(tiny_dir):
         stop_server(proc)
 
 
+@pytest.mark.slow
 def test_a_sliding_window_model_is_served(tiny_dir, tmp_path):
     """A Gemma 3 (two of three layers over a 32-token window) served under KIVI 4-bit: a greedy chat's reply is
     kvcompile's own generate of the same prompt under the policy (the full-attention layer quantized in the
@@ -905,6 +914,7 @@ def test_a_sliding_window_model_is_served(tiny_dir, tmp_path):
     assert reply["choices"][0]["message"]["content"] == want
 
 
+@pytest.mark.slow
 def test_the_server_shares_pages_only_where_the_policy_allows(tiny_dir, monkeypatch):
     """``kvcompile serve`` turns transformers' prefix sharing on for a window-free policy, off for KIVI (whose
     window lives outside the pages) and off with ``--no-prefix-sharing``; the CLI passes the flag on."""
@@ -1047,6 +1057,7 @@ def test_bad_log_probability_fields_are_a_400(tiny_server, endpoint, fields, par
     assert_openai_error(httpx.post(f"{base}/v1/{endpoint}", timeout=120, json=body), param)
 
 
+@pytest.mark.slow
 def test_penalties_and_a_logit_bias_as_openai_applies_them(tiny_server):
     """Greedy completions with ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` give the
     unmodified model's greedy tokens under OpenAI's formula (``logit + bias - frequency * count - presence *
@@ -1099,6 +1110,7 @@ def test_penalties_and_a_logit_bias_as_openai_applies_them(tiny_server):
 
 
 # --------------------------------------------------------------------------- the Responses API
+@pytest.mark.slow
 def test_responses_through_the_openai_client(tiny_server):
     """``client.responses.create``: one JSON response unless asked to stream (OpenAI's default; transformers'
     handler streamed regardless), its greedy text the chat endpoint's for the same conversation, streamed the
@@ -1145,6 +1157,7 @@ def test_responses_through_the_openai_client(tiny_server):
 
 
 # --------------------------------------------------------------------------- sharded over two processes
+@pytest.mark.slow
 def test_serving_sharded_over_two_processes(tiny_dir):
     """``torchrun --nproc_per_node 2 -m kvcompile serve``: the model sharded over two gloo ranks (each rank's
     cache its KV heads), rank 0 serving HTTP. Under ``Policy.full()`` greedy replies, asked at once, are the
@@ -1279,6 +1292,7 @@ def test_a_completion_echoes_its_prompt(tiny_server):
     assert_openai_error(httpx.post(f"{base}/v1/completions", timeout=120, json={**body, "echo": "yes"}), "echo")
 
 
+@pytest.mark.slow
 def test_a_completion_echoes_its_prompts_log_probabilities(tiny_server):
     """``echo`` with ``logprobs``, as evaluation harnesses score a text (lm-evaluation-harness sends token ids and
     max_tokens 1): the prompt's tokens lead the reply's log probabilities, the first with none, each one the
@@ -1388,6 +1402,7 @@ def test_the_model_is_found_by_its_names(tiny_server):
     assert_openai_error(chat(base, "gpt-4o"), None)
 
 
+@pytest.mark.slow
 def test_served_model_names(tiny_dir):
     """``kvcompile serve --served-model-name tiny t2``: requests may name the model ``tiny`` or ``t2`` (or its
     directory), ``/v1/models`` lists ``tiny``."""
@@ -1489,6 +1504,7 @@ def test_a_completion_of_token_ids(tiny_server):
 
 
 # --------------------------------------------------------------------------- JSON mode
+@pytest.mark.slow
 def test_json_mode_replies_with_one_json_object(tiny_server):
     """``response_format: {"type": "json_object"}``: every reply is a prefix of one JSON object (the random model
     left to itself rarely closes one within max_tokens), ended at the object's close with the end-of-sequence
@@ -1568,6 +1584,7 @@ def test_the_openai_clients_parse_fills_a_pydantic_model(tiny_server, pet_model)
     assert stats(base)["records_open"] == 0
 
 
+@pytest.mark.slow
 def test_the_openai_clients_parse_keeps_a_models_bounds(tiny_server, bounded_model):
     """A pydantic model whose fields bound their values (numbers with ge / lt, lengths, a pattern, a date, a
     datetime, a UUID, a discriminated union): the random model's reply, pushed to close its strings and
@@ -1595,6 +1612,7 @@ def test_the_openai_clients_parse_keeps_a_models_bounds(tiny_server, bounded_mod
     assert stats(base)["records_open"] == 0
 
 
+@pytest.mark.slow
 def test_a_request_whose_token_picking_fails_gets_an_error_and_the_server_goes_on(tiny_dir, monkeypatch):
     """In process (so that the JSON constraint can be broken for the test): the broken request's client gets a
     500 in OpenAI's shape naming the failure -- streamed, an error event at the end -- and the server answers

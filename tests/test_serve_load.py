@@ -11,8 +11,11 @@ from test_serve_http import start_server, stats, stop_server
 
 from benchmarks import serve_load
 
+# servers under load: the benchmark loads the real SmolLM2 in two servers, the out-of-pages test streams 300
+# tokens to 4 clients (30 s and more each)
+pytestmark = pytest.mark.slow
 
-@pytest.mark.slow  # loads the real SmolLM2 in two servers
+
 def test_serve_load_smoke(tmp_path):
     out = tmp_path / "load.json"
     rows = serve_load.main(["--smoke", "--out", str(out)])

@@ -23,6 +23,7 @@ import kvcompile
 from kvcompile import KVCompileError, Policy
 from kvcompile import serving
 from test_generate import tiny
+from tiers import slow_after
 
 torch.set_num_threads(1)
 
@@ -132,6 +133,7 @@ def test_the_manager_runs_on_kvcompiles_store_and_finished_requests_free_their_b
     assert cache.cache_tensor.device.type == "meta"
 
 
+@pytest.mark.slow
 def test_a_request_longer_than_the_models_positions_widens_its_table():
     """A slot's block table is as wide as a request of the model's positions needs (``table_width``); a request
     past them (transformers' engine does not refuse one) widens its store's table and decodes as transformers'
@@ -173,6 +175,7 @@ def one_kernel_thread(monkeypatch):
     monkeypatch.setattr(cpu, "FIXED_THREADS", 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [Policy.full(), KIVI], ids=["full", "kivi4"])
 def test_two_threads_batching_on_one_model(policy, one_kernel_thread):
     """Two threads each call ``generate_batch`` on the same applied model, as transformers' own engine allows
@@ -251,6 +254,7 @@ def test_two_threads_batching_on_one_model(policy, one_kernel_thread):
     assert model.config._attn_implementation == "sdpa"  # put back once both are done
 
 
+@pytest.mark.slow
 def test_generate_while_a_manager_runs_is_refused_and_the_manager_goes_on():
     """While a manager runs, the model's attention is kvcompile's paged one, which serves only the manager's
     forwards: plain ``generate`` in another thread is refused saying what to do, and the manager's requests get
@@ -279,7 +283,7 @@ def test_generate_while_a_manager_runs_is_refused_and_the_manager_goes_on():
 WHOLE = cb_config(max_batch_tokens=512, num_blocks=16)
 
 
-@pytest.mark.parametrize("policy", [KIVI, KIVI2], ids=["kivi4", "kivi2"])
+@pytest.mark.parametrize("policy", slow_after(1, [KIVI, KIVI2]), ids=["kivi4", "kivi2"])
 def test_quantized_policy_gives_kvcompiles_own_generate_tokens(reference, policy):
     """The same stored bytes as kvcompile's generate under the policy, so the same tokens; and not the
     unquantized model's everywhere at 2 bits (the cache really is quantized), while close at 4 bits."""
@@ -308,6 +312,7 @@ def kivi_fp8s(bits):
     kivi_fp8s(2).override({1: kivi_fp8s(3)}),  # bits per layer, as calibrate writes them: blocks differ in bytes
 ], ids=["int8", "fp8", "kivi3", "kivi4-rot-sink", "kivi2-r0-fp8-scales", "kivi4-head-groups-fp8-scales",
         "per-layer-bits"])
+@pytest.mark.slow
 def test_every_format_serves_kvcompiles_own_generate_tokens(policy):
     """Integers per token, fp8, 3-bit codes, sinks, the Hadamard rotation, fp8 scales, bits chosen per layer:
     continuous batching gives what kvcompile's generate gives under the same policy (three prompts of 1, 19
@@ -320,6 +325,7 @@ def test_every_format_serves_kvcompiles_own_generate_tokens(policy):
     assert got == want
 
 
+@pytest.mark.slow
 def test_a_prompt_split_across_forwards_is_generates_chunked_prefill():
     """A prompt longer than a forward's token budget is prefilled in chunks, the later reading the earlier as
     stored: under a quantized policy continuous batching gives exactly kvcompile's generate with
@@ -350,6 +356,7 @@ def exact_products(model):
 
 @pytest.mark.parametrize("policy", [Policy.kivi(2, group=4, residual=4, sink=2, rotate=True), "tok+rot:4"],
                          ids=["kivi2+rot+sink", "tok+rot:4"])
+@pytest.mark.slow
 def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(policy, monkeypatch):
     """What kvcompile computes for a request does not depend on what else is in the batch, nor on the threads the
     machine's load leaves its kernels: its store codes each row alone, its decode attention cuts every sequence
@@ -401,6 +408,7 @@ def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(policy, monkeypatch
     assert together == alone  # every token, and its log probability (the logits) to the last bit
 
 
+@pytest.mark.slow
 def test_under_the_full_policy_a_batch_changes_only_what_it_changes_in_transformers_own_engine():
     """``Policy.full()`` serves through transformers' own attention (its SDPA over the whole forward's tokens, the
     pages read back: its engine's arithmetic bit for bit), and so a request's logits depend on the batch as they
@@ -424,6 +432,7 @@ def test_under_the_full_policy_a_batch_changes_only_what_it_changes_in_transform
         assert run(ours, batch) == want, len(batch)
 
 
+@pytest.mark.slow
 def test_requests_wait_for_a_slot_and_all_complete(reference):
     """Two slots for six requests: the others wait (as for pages), every request completes with the tokens
     transformers' own engine gives, and every slot and block is free at the end."""
@@ -435,6 +444,7 @@ def test_requests_wait_for_a_slot_and_all_complete(reference):
     assert seen["free_after"] == cache.stores[0].blocks and seen["slots_after"] == {}
 
 
+@pytest.mark.slow
 def test_requests_wait_for_pages_in_a_tight_budget(reference):
     """A budget of three slots and four 64-token blocks (256 tokens: the 150-token prompt and its 12 new tokens
     need three): transformers' scheduler holds requests back by the pages kvcompile's pool has, the pool never
@@ -463,6 +473,7 @@ def eviction_setup(policy):
     return model, ps, gen
 
 
+@pytest.mark.slow
 def test_requests_evicted_when_pages_run_out_are_prefilled_again(monkeypatch):
     """Five blocks for three requests that each grow to 160 tokens (three blocks): transformers' scheduler
     evicts a starved request (its soft reset: cache freed, request re-queued and prefilled again), kvcompile's
@@ -485,6 +496,7 @@ def test_requests_evicted_when_pages_run_out_are_prefilled_again(monkeypatch):
     assert got == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [Policy.full(), KIVI], ids=["full", "kivi"])
 def test_evicted_requests_offloaded_to_host_memory_go_on_exactly(policy):
     """``ContinuousBatchingConfig(cpu_offload_space=...)``: a request transformers evicts is copied out as its
@@ -507,6 +519,7 @@ def test_evicted_requests_offloaded_to_host_memory_go_on_exactly(policy):
     assert got == want
 
 
+@pytest.mark.slow
 def test_an_offload_space_too_small_for_a_request_evicts_it_as_before():
     """Host memory for less than one request's packed cache: the evicted request is soft reset (freed,
     re-queued, prefilled again), as transformers does, and still gives the unmodified model's tokens."""
@@ -550,6 +563,7 @@ def test_a_saved_row_comes_back_exactly_into_other_blocks_after_its_row_is_reuse
     assert all(torch.equal(b, a[2]) for b, a in zip(before, after))
 
 
+@pytest.mark.slow
 def test_a_request_cancelled_mid_stream_frees_its_blocks():
     """A streaming request cancelled after a few tokens (a client that went away): its slot and blocks return
     to the pool while another request keeps running to completion. The other request asks for 100 tokens, so
@@ -594,6 +608,7 @@ def test_a_request_cancelled_mid_stream_frees_its_blocks():
                                                                                  "max_new_tokens": more}))
 
 
+@pytest.mark.slow
 def test_parallel_sampling_forks_rows(reference):
     """num_return_sequences: transformers forks a request after its prefill, sharing its complete pages with
     the children and copying the last one (kvcompile copies that block's contents in every layer). Sampling
@@ -610,6 +625,7 @@ def test_parallel_sampling_forks_rows(reference):
     assert len({tuple(t) for t in got[:3]}) > 1  # the children of one prompt went their own ways
 
 
+@pytest.mark.slow
 def test_greedy_forks_copy_a_windowed_policys_pages_and_rows():
     """A policy with a full-precision window shares no pages: transformers gives each child fresh pages and
     lists them for copying; the child's row (window, length) is copied with them. Children sampled with
@@ -635,6 +651,7 @@ def shared_prefix_prompts():
     return [head + t for t in tails] + [torch.randint(3, 64, (30,), generator=g).tolist()]
 
 
+@pytest.mark.slow
 def test_prompts_that_begin_alike_share_pages_with_transformers_own_tokens():
     """Prefix sharing (transformers' default, allow_block_sharing=True) over kvcompile's pages: a request whose
     prompt begins with pages an earlier request wrote starts with those pages instead of computing them.
@@ -653,6 +670,7 @@ def test_prompts_that_begin_alike_share_pages_with_transformers_own_tokens():
     assert len(cache._allocator.ledger.cached_blocks) > 0  # the prompts' pages stay cached for later requests
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [Policy.int8(), "tok+rot:4"], ids=["int8", "tok+rot:4"])
 def test_a_quantized_policy_without_a_window_shares_pages(policy):
     """Packed pages are shared as they are: each request gives kvcompile's own generate tokens for it."""
@@ -667,6 +685,7 @@ def test_a_quantized_policy_without_a_window_shares_pages(policy):
     assert got == want
 
 
+@pytest.mark.slow
 def test_shared_pages_hold_more_requests_at_once(monkeypatch):
     """Five pages for three requests of 150 shared tokens + 10 of their own + 12 new (three pages each, nine
     in all): with prefix sharing the two shared pages are held once, so all three hold their whole prompts at
@@ -835,6 +854,7 @@ def test_slots_sized_for_a_request_length_are_the_ones_plan_counts():
         serving.configure(model, request_tokens=0)
 
 
+@pytest.mark.slow
 def test_full_policy_on_slots_sized_for_the_requests(reference):
     """Slots sized for requests of 170 tokens (the longest here: 150 + 12): the six requests run on the
     slots the budget holds such requests for, with transformers' own tokens."""
@@ -965,6 +985,7 @@ def _step_allocations(policy, context: int, batch: int = 2):
         return step_allocations(manager, bp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [Policy.int8(), KIVI], ids=["int8", "kivi4"])
 def test_a_decode_step_materialises_no_full_precision_copy_of_the_cache(policy):
     """A decode step over kvcompile's paged store allocates the same tensors at 256 and at 2048 tokens of
@@ -1010,6 +1031,7 @@ def windowed_prompts():
 WINDOW_GEN = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=-1, pad_token_id=0)
 
 
+@pytest.mark.slow
 def test_a_sliding_window_model_gives_transformers_own_continuous_batching_tokens():
     """Gemma 3 under Policy.full(): exactly the tokens of transformers' own continuous batching (its sliding
     allocator's rings) and of plain generate. The sliding layers keep each request's window in its slot's ring,
@@ -1033,6 +1055,7 @@ def test_a_sliding_window_model_gives_transformers_own_continuous_batching_token
     assert cache.allocated_nbytes == serving.pool_nbytes(specs, cache.slots, cache.stores[1].blocks, 512)
 
 
+@pytest.mark.slow
 def test_a_sliding_window_model_quantizes_its_full_attention_layers():
     """Under a 2-bit policy the full-attention layer is quantized into kvcompile's pages and the sliding layers
     keep their windows as transformers keeps them: exactly kvcompile's own generate under the policy (whose
@@ -1068,6 +1091,7 @@ def test_sliding_window_models_refused_where_not_served():
         slides.init_continuous_batching(GEN, cb_config())
 
 
+@pytest.mark.slow
 def test_a_sliding_window_models_rings_fork_and_go_to_host_memory_and_back():
     """The row operations on the rings: parallel sampling forks a request after its prefill (each child gets a
     copy of its parent's windows; sampled from one seed: transformers' own engine's tokens, children that differ),

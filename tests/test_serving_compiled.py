@@ -57,6 +57,7 @@ def test_full_policy_compiled_gives_transformers_own_tokens(own_tokens):
     assert paged.counters["graphs_rewritten"] > before[0].get("graphs_rewritten", 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [Policy.int8(), KIVI, KIVI2], ids=["int8", "kivi4", "kivi2"])
 def test_quantized_compiled_gives_the_eager_kvcompile_path_tokens(own_tokens, policy):
     """Token for token what kvcompile's eager serving path (the ``kvcompile_paged`` attention) gives under the
@@ -70,6 +71,7 @@ def test_quantized_compiled_gives_the_eager_kvcompile_path_tokens(own_tokens, po
 
 
 
+@pytest.mark.slow
 def test_compiled_forwards_share_prompt_prefixes(monkeypatch):
     """Prefix sharing under a compiled forward: the matched requests' rows start with the shared pages (the
     traced update's read indices cover them; the rewritten ops read the row). transformers' own tokens."""
@@ -87,6 +89,7 @@ def test_compiled_forwards_share_prompt_prefixes(monkeypatch):
     assert got == want
     assert sum(found) >= 3 * 128
 
+@pytest.mark.slow
 def test_every_layer_is_rewritten_and_the_stand_ins_stay_tiny():
     """The pass's report: both layers' two writes, two reads and SDPA replaced; the page-pool views the graph
     takes are stand-ins of a few hundred bytes, and transformers' own cache tensor is never allocated."""
@@ -117,6 +120,7 @@ def test_every_layer_is_rewritten_and_the_stand_ins_stay_tiny():
         assert [r["module"].endswith(f"layers.{i}.self_attn") for i, r in enumerate(rep)] == [True, True]
 
 
+@pytest.mark.slow
 def test_one_model_graph_for_a_run_of_mixed_batches(monkeypatch):
     """Padded inputs (T to 16-token steps, read indices to the pool's size) over prefill chunks and decodes of
     several sizes: the model is traced twice for the whole run (the warmup's size static, then one dynamic
@@ -173,6 +177,7 @@ def test_compiled_forwards_with_another_backend_or_path_are_refused():
     model.init_continuous_batching(GEN, cb_config(varlen_compile_config=CompileConfig(backend="kvcompile")))
 
 
+@pytest.mark.slow
 def test_a_compiled_forward_whose_mask_does_not_fit_is_refused_with_what_to_lower():
     """A compiled forward traces transformers' SDPA, whose ragged mask (max_batch_tokens x every page's tokens)
     transformers allocates: with its default 8192 batch tokens over the default budget's million tokens of this
@@ -189,6 +194,7 @@ def test_a_compiled_forward_whose_mask_does_not_fit_is_refused_with_what_to_lowe
     assert got == run(kvcompile.apply(tiny(), KIVI), cb_config(), prompts()[:2])
 
 
+@pytest.mark.slow
 def test_policy_full_compiled_with_transformers_defaults_fits():
     """Under Policy.full() the default budget's pages are cut so that the mask's columns for them cost at most the
     budget (an 8192-token batch over a million tokens of pages would take tens of GiB): the obvious compiled call
@@ -309,6 +315,7 @@ def test_the_pass_refuses_what_it_cannot_match():
         _capture(no_mask, kc, vc, k, widx)
 
 
+@pytest.mark.slow
 def test_an_eager_and_a_compiled_manager_do_not_share_a_model_at_once():
     """An eager manager switches the model's attention to kvcompile's; a compiled one traces transformers' own
     SDPA. While one kind holds the model the other is refused at its construction, saying what to do; once

@@ -111,6 +111,7 @@ def _append_all(stores, k, v, lengths, first):
             st.append(k[:, :, a:b], v[:, :, a:b], n_new, kernel=kernel)
 
 
+@pytest.mark.slow
 @profiles.KERNEL
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on NaN operands
 @given(cases())

@@ -111,6 +111,7 @@ def job(tmp_path_factory) -> Job:
 
 
 # --------------------------------------------------------------------------- tokens
+@pytest.mark.slow
 def test_full_policy_gives_the_unsharded_models_tokens(job):
     for r, got in enumerate(job.ranks("full")):
         assert (got["world"], got["heads"]) == (2, 1), got  # 2 KV heads over 2 ranks: one each
@@ -118,12 +119,14 @@ def test_full_policy_gives_the_unsharded_models_tokens(job):
         assert got["sampled"] == job.refs["sampled"], r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_quantized_tokens_equal_the_unsharded_kvcompile_models(job, family):
     for r, got in enumerate(job.ranks(f"quant_{family}")):
         assert got["tokens"] == job.refs[family]["tokens"], r
 
 
+@pytest.mark.slow
 def test_continuous_batching_under_tensor_parallelism(job):
     """transformers' continuous batching on every rank over kvcompile's pages of the rank's heads: under
     Policy.full() exactly transformers' own engine's tokens (sharded and not); quantized, exactly kvcompile's
@@ -150,6 +153,7 @@ def test_continuous_batching_under_tensor_parallelism(job):
         assert off["tokens"] == off["want"], r
 
 
+@pytest.mark.slow
 def test_a_model_sharded_by_the_user_with_parallelize_module(job):
     for r, got in enumerate(job.ranks("user_mesh")):
         assert got["heads"] == 1
@@ -163,6 +167,7 @@ def _heads(t: torch.Tensor, r: int, h: int) -> torch.Tensor:
     return t[:, r * h:(r + 1) * h] if t.dim() >= 3 else t
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_each_rank_stores_its_heads_as_an_unsharded_store_does(job, family):
     """Every layer: an unsharded store fed what the ranks' stores received (their heads side by side, the
@@ -185,6 +190,7 @@ def test_each_rank_stores_its_heads_as_an_unsharded_store_does(job, family):
                 assert torch.equal(a, _heads(b, r, h)), (family, i, r, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_layer_0_holds_the_unsharded_models_own_bits(job, family):
     """Layer 0's keys and values come from the embedding through the rank's rows of k_proj and v_proj, with
@@ -207,6 +213,7 @@ def per_rank_constant(store: dict, es: int = 4) -> int:
     return 4 * B + 4 * sum(len(t) for t in store["tables"]) + 2 * (B + store["width"] + 16 - 3) * es
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_each_ranks_bytes_are_a_world_th_of_the_unsharded_plus_constants(job, family):
     ref = job.refs[family]
@@ -220,6 +227,7 @@ def test_each_ranks_bytes_are_a_world_th_of_the_unsharded_plus_constants(job, fa
         assert got["nbytes"] < 0.65 * ref["nbytes"]  # (the constants are large next to these tiny stores)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_the_planners_per_gpu_bytes_are_a_ranks_store_bytes(job, family):
     """``kvcompile plan --tp 2``'s bytes per sequence on one GPU are what a rank's stores hold."""
@@ -231,6 +239,7 @@ def test_the_planners_per_gpu_bytes_are_a_ranks_store_bytes(job, family):
 
 
 # --------------------------------------------------------------------------- errors
+@pytest.mark.slow
 def test_an_error_on_one_rank_is_raised_on_every_rank(job):
     r0, r1 = job.ranks("errors")
     # rank 1's own errors
@@ -254,6 +263,7 @@ def test_an_error_on_one_rank_is_raised_on_every_rank(job):
         assert max(got[c + ".s"] for c in ("policy", "capacity", "wrong_cache", "different_input")) < 10
 
 
+@pytest.mark.slow
 def test_kv_heads_that_do_not_split_into_whole_heads_are_refused(job):
     for r, got in enumerate(job.ranks("gqa")):
         # transformers shards k_proj by rows whatever the heads (it does not replicate KV heads): the sharded
