@@ -18,8 +18,8 @@ import kvcompile.passes
 import kvcompile.templates
 
 # serving: transformers' continuous batching over kvcompile's store, and the OpenAI-compatible server on it
-SERVING = {"kvcompile.serving", "kvcompile.pool", "kvcompile.engine", "kvcompile.window", "kvcompile.sampling",
-           "kvcompile.paged_ops", "kvcompile.passes.paged", "kvcompile.serve", "kvcompile.json_mode"}
+SERVING = {"kvcompile.serving", "kvcompile.pool", "kvcompile.engine", "kvcompile.scheduler", "kvcompile.window",
+           "kvcompile.sampling", "kvcompile.paged_ops", "kvcompile.passes.paged", "kvcompile.serve", "kvcompile.json_mode"}
 # the vLLM plugin: vLLM's attention backend over the core's pages (kvcompile.pages); vLLM loads it by entry point
 VLLM = {"kvcompile.vllm", "kvcompile.vllm.backend", "kvcompile.vllm.config", "kvcompile.vllm.cpu",
         "kvcompile.vllm.cuda"}

@@ -251,6 +251,37 @@ def test_a_request_id_already_running_is_refused(tiny_server):
     assert again.status_code == 200, again.text
 
 
+def test_seeded_replies_to_long_prompts_are_the_same_alone_and_concurrent(tiny_dir):
+    """A seed makes a sampled reply depend on the request alone, also when its prompt is longer than a forward
+    (``--max-batch-tokens``): under a quantized policy each prompt is prefilled in pieces at fixed positions,
+    whatever else runs (``kvcompile.scheduler``), so six seeded requests with prompts of 60-odd tokens at 24 tokens
+    a forward get the same replies one at a time and all at once, under a 2-bit policy. (With transformers' own
+    schedulers, which cut a prompt where the forward's room runs out, they differ.)"""
+    import concurrent.futures
+
+    proc, base = start_server("--model", tiny_dir, "--policy", "tok+rot:2", "--no-prefix-sharing", "--budget-mib", 4, "--max-requests", 6,
+                              "--max-batch-tokens", 24)
+    try:
+        name = str(tiny_dir)
+        words = "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak".split()
+        contents = [f"Story {i}: " + " ".join(words[(i + j) % len(words)] for j in range(45)) for i in range(6)]
+
+        def reply(i):
+            r = chat(base, name, content=contents[i], max_tokens=8, temperature=1.0, seed=1000 + i)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["usage"]["prompt_tokens"] > 2 * 24, body["usage"]  # prefilled in pieces
+            return body["choices"][0]["message"]["content"]
+
+        alone = [reply(i) for i in range(6)]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            together = list(pool.map(reply, range(6)))
+        assert together == alone
+        assert len(set(alone)) > 1  # replies that are not all one text, so a difference could be seen
+    finally:
+        stop_server(proc)
+
+
 def test_concurrent_requests_each_get_their_own_options(tiny_server):
     """Each request's options travel in its own object (``sampling.RequestOptions``, in the server's table by request
     id): two requests running at once with different options -- one greedy with a logit bias that forces token 1234
