@@ -19,7 +19,8 @@ import kvcompile.templates
 
 # serving: transformers' continuous batching over kvcompile's store, and the OpenAI-compatible server on it
 SERVING = {"kvcompile.serving", "kvcompile.pool", "kvcompile.engine", "kvcompile.window", "kvcompile.sampling",
-           "kvcompile.paged_ops", "kvcompile.passes.paged", "kvcompile.serve", "kvcompile.json_mode"}
+           "kvcompile.paged_ops", "kvcompile.passes.paged", "kvcompile.serve", "kvcompile.openai_server",
+           "kvcompile.json_mode"}
 # the vLLM plugin: vLLM's attention backend over the core's pages (kvcompile.pages); vLLM loads it by entry point
 VLLM = {"kvcompile.vllm", "kvcompile.vllm.backend", "kvcompile.vllm.config", "kvcompile.vllm.cpu",
         "kvcompile.vllm.cuda"}
@@ -142,3 +143,4 @@ def test_the_core_alone_installs_nothing_for_serving(monkeypatch):
     monkeypatch.undo()
     wired = kvcompile.apply(transformers.LlamaForCausalLM(cfg).eval(), Policy.int8())
     assert "init_continuous_batching" in vars(wired) and wired._kvcompile_serving.kv_heads == 1
+
