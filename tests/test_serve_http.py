@@ -112,7 +112,7 @@ def test_the_server_does_not_log_as_ignored_the_fields_it_honours():
 
     from transformers.utils import logging as hf_logging
 
-    from kvcompile.serve import _checked_handlers
+    from kvcompile.openai_server import CheckedChatCompletionHandler, CheckedCompletionHandler
 
     seen = []
 
@@ -123,11 +123,10 @@ def test_the_server_does_not_log_as_ignored_the_fields_it_honours():
     catch = Catch()
     hf_logging.get_logger("transformers").addHandler(catch)
     try:
-        chat, completion, _ = _checked_handlers()
-        chat(model_manager=None, generation_state=None)._validate_request(
+        CheckedChatCompletionHandler(model_manager=None, generation_state=None)._validate_request(
             {"model": "m", "messages": [], "n": 2, "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.5,
              "response_format": {"type": "json_object"}, "tool_choice": "none", "user": "u1"})
-        completion(model_manager=None, generation_state=None)._validate_request(
+        CheckedCompletionHandler(model_manager=None, generation_state=None)._validate_request(
             {"model": "m", "prompt": "x", "n": 2, "best_of": 3, "echo": True, "logprobs": 1,
              "presence_penalty": 0.5})
     finally:
@@ -940,7 +939,7 @@ def test_the_server_shares_pages_only_where_the_policy_allows(tiny_dir, monkeypa
     """``kvcompile serve`` turns transformers' prefix sharing on for a window-free policy, off for KIVI (whose
     window lives outside the pages) and off with ``--no-prefix-sharing``; the CLI passes the flag on."""
     from kvcompile import Policy, cli
-    from kvcompile.serve import build_app
+    from kvcompile.openai_server import build_app
 
     for policy, share, want in ((Policy.full(), True, True), (Policy.int8(), False, False),
                                 (Policy.kivi(4), True, False)):
@@ -951,7 +950,7 @@ def test_the_server_shares_pages_only_where_the_policy_allows(tiny_dir, monkeypa
             state.shutdown()
             manager.shutdown()
     seen = {}
-    monkeypatch.setattr("kvcompile.serve.run", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr("kvcompile.openai_server.run", lambda *a, **kw: seen.update(kw))
     assert cli.main(["serve", "--model", str(tiny_dir), "--no-prefix-sharing"]) == 0
     assert seen["prefix_sharing"] is False
     assert cli.main(["serve", "--model", str(tiny_dir)]) == 0 and seen["prefix_sharing"] is True
@@ -1426,7 +1425,7 @@ def test_served_model_names(tiny_dir):
 
     from kvcompile import Policy
     from kvcompile.cli import build_parser
-    from kvcompile.serve import build_app
+    from kvcompile.openai_server import build_app
 
     assert build_parser().parse_args(["serve", "--served-model-name", "tiny", "t2"]).served_model_name == ["tiny",
                                                                                                            "t2"]
@@ -1634,7 +1633,7 @@ def test_a_request_whose_token_picking_fails_gets_an_error_and_the_server_goes_o
 
     from kvcompile import Policy
     from kvcompile.json_mode import JsonConstraint
-    from kvcompile.serve import build_app
+    from kvcompile.openai_server import build_app
 
     app, manager, state = build_app(str(tiny_dir), Policy.full(), budget=2**21, max_requests=4)
     works = JsonConstraint.mask_
