@@ -128,7 +128,7 @@ def serve_transformers(model_dir: str, port: int, budget: int, max_batch_tokens:
     from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.serving.utils import GenerationState
 
-    from kvcompile.serve import openai_app
+    from kvcompile.openai_server import openai_app
     from kvcompile.serving import full_precision_bytes_per_token
 
     page = 256

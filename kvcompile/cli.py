@@ -861,7 +861,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_serve(args) -> int:
     from .models import resolve
-    from .serve import run
+    from .openai_server import run
 
     policy = args.policy or default_policy()
     path = resolve(args.model)

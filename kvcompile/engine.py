@@ -40,6 +40,7 @@ from .errors import UnsupportedError
 from .pool import (DEFAULT_BUDGET, ServingOptions, layer_specs, full_precision_bytes_per_token, make_stores,
                    pool_blocks, request_limit, request_pages, shares_pages, slots_for)
 from .sampling import PROMPT_ROWS, Requests
+from .scheduler import SCHEDULERS
 from .store import LayerSpec, state_nbytes
 from .window import WindowRing, WindowSpec, window_attention
 
@@ -820,7 +821,11 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
         factory = functools.partial(PagedKVCompileCache, specs=self._specs, slots=self._slots, blocks=self._blocks,
                                     max_tokens=self._max_tokens, compiled=self._compiled is not None,
                                     requests=self.requests)
-        with _swapped(continuous_api, "PagedAttentionCache", factory):
+        # a quantized policy's prompts are cut at fixed positions, whatever else runs (kvcompile.scheduler)
+        quantized = any(isinstance(s, LayerSpec) and not s.policy.exact for s in self._specs)
+        schedulers = SCHEDULERS if quantized else continuous_api.SCHEDULER_MAPPING
+        with _swapped(continuous_api, "PagedAttentionCache", factory), \
+                _swapped(continuous_api, "SCHEDULER_MAPPING", schedulers):
             bp = super()._create_batch_processor()
         if self._offload_space:
             old = bp.offloading_manager

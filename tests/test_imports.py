@@ -18,8 +18,9 @@ import kvcompile.passes
 import kvcompile.templates
 
 # serving: transformers' continuous batching over kvcompile's store, and the OpenAI-compatible server on it
-SERVING = {"kvcompile.serving", "kvcompile.pool", "kvcompile.engine", "kvcompile.window", "kvcompile.sampling",
-           "kvcompile.paged_ops", "kvcompile.passes.paged", "kvcompile.serve", "kvcompile.json_mode"}
+SERVING = {"kvcompile.serving", "kvcompile.pool", "kvcompile.engine", "kvcompile.scheduler", "kvcompile.window",
+           "kvcompile.sampling", "kvcompile.paged_ops", "kvcompile.passes.paged", "kvcompile.serve",
+           "kvcompile.openai_server", "kvcompile.json_mode"}
 # the vLLM plugin: vLLM's attention backend over the core's pages (kvcompile.pages); vLLM loads it by entry point
 VLLM = {"kvcompile.vllm", "kvcompile.vllm.backend", "kvcompile.vllm.config", "kvcompile.vllm.cpu",
         "kvcompile.vllm.cuda"}
@@ -142,3 +143,54 @@ def test_the_core_alone_installs_nothing_for_serving(monkeypatch):
     monkeypatch.undo()
     wired = kvcompile.apply(transformers.LlamaForCausalLM(cfg).eval(), Policy.int8())
     assert "init_continuous_batching" in vars(wired) and wired._kvcompile_serving.kv_heads == 1
+
+
+# --------------------------------------------------------------------------- classes
+# Classes built inside a function, as "module: function.Class" -> why it must be so. None: every class is an
+# ordinary module-level class (it pickles, its name says where it lives, and what it closes over is visible in
+# its constructor). An entry here names the reason a class must close over a function's local state.
+NESTED_CLASSES: dict[str, str] = {}
+
+
+def classes_in_functions(source: str) -> list[str]:
+    """The classes ``source`` builds inside a function, at any depth: each ``class`` statement and each
+    three-argument ``type(name, bases, namespace)`` call in a function's body, by qualified name
+    (``Outer.method.Class``; a ``type`` call as ``function.type()``) with its line."""
+    found = []
+
+    def visit(node, qualname: str, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, ast.ClassDef):
+                found.append(f"{qualname}.{child.name}:{child.lineno}")
+            elif (in_function and isinstance(child, ast.Call) and isinstance(child.func, ast.Name)
+                  and child.func.id == "type" and len(child.args) == 3):
+                found.append(f"{qualname}.type():{child.lineno}")
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                is_function = not isinstance(child, ast.ClassDef)
+                visit(child, f"{qualname}.{child.name}".lstrip("."), in_function or is_function)
+            else:
+                visit(child, qualname, in_function)
+
+    visit(ast.parse(source), "", False)
+    return found
+
+
+def test_the_reader_finds_classes_built_in_functions():
+    src = ("class Top:\n    class Inner:\n        pass\n    def m(self):\n        class InMethod: pass\n"
+           "def f():\n    if True:\n        class InBranch(int): pass\n    def g():\n        class Deeper: pass\n"
+           "    return type('Made', (object,), {})\n"
+           "async def h():\n    class InAsync: pass\n"
+           "x = type(3)\n")
+    assert classes_in_functions(src) == ["Top.m.InMethod:5", "f.InBranch:8", "f.g.Deeper:10", "f.type():11",
+                                         "h.InAsync:13"]
+
+
+def test_no_class_is_built_inside_a_function():
+    """Every class of the package (kvcompile, its passes and templates, the vLLM plugin) is a module-level class
+    (a class nested in a class is module-level too); ``NESTED_CLASSES`` names any exception and its reason."""
+    nested = {f"{name}: {c.rsplit(':', 1)[0]}": c.rsplit(":", 1)[1] for name, f in package_modules().items()
+              for c in classes_in_functions(f.read_text())}
+    unexplained = {k: line for k, line in nested.items() if k not in NESTED_CLASSES}
+    assert not unexplained, "classes built inside functions (line): " + ", ".join(
+        f"{k} ({line})" for k, line in unexplained.items())
+    assert set(NESTED_CLASSES) <= set(nested), "NESTED_CLASSES names classes that are not built in functions"

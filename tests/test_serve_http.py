@@ -113,7 +113,7 @@ def test_the_server_does_not_log_as_ignored_the_fields_it_honours():
 
     from transformers.utils import logging as hf_logging
 
-    from kvcompile.serve import _checked_handlers
+    from kvcompile.openai_server import CheckedChatCompletionHandler, CheckedCompletionHandler
 
     seen = []
 
@@ -124,11 +124,10 @@ def test_the_server_does_not_log_as_ignored_the_fields_it_honours():
     catch = Catch()
     hf_logging.get_logger("transformers").addHandler(catch)
     try:
-        chat, completion, _ = _checked_handlers()
-        chat(model_manager=None, generation_state=None)._validate_request(
+        CheckedChatCompletionHandler(model_manager=None, generation_state=None)._validate_request(
             {"model": "m", "messages": [], "n": 2, "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.5,
              "response_format": {"type": "json_object"}, "tool_choice": "none", "user": "u1"})
-        completion(model_manager=None, generation_state=None)._validate_request(
+        CheckedCompletionHandler(model_manager=None, generation_state=None)._validate_request(
             {"model": "m", "prompt": "x", "n": 2, "best_of": 3, "echo": True, "logprobs": 1,
              "presence_penalty": 0.5})
     finally:
@@ -251,6 +250,37 @@ def test_a_request_id_already_running_is_refused(tiny_server):
     again = httpx.post(f"{base}/v1/chat/completions", timeout=120, headers={"X-Request-ID": "dup"},
                        json={"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     assert again.status_code == 200, again.text
+
+
+def test_seeded_replies_to_long_prompts_are_the_same_alone_and_concurrent(tiny_dir):
+    """A seed makes a sampled reply depend on the request alone, also when its prompt is longer than a forward
+    (``--max-batch-tokens``): under a quantized policy each prompt is prefilled in pieces at fixed positions,
+    whatever else runs (``kvcompile.scheduler``), so six seeded requests with prompts of 60-odd tokens at 24 tokens
+    a forward get the same replies one at a time and all at once, under a 2-bit policy. (With transformers' own
+    schedulers, which cut a prompt where the forward's room runs out, they differ.)"""
+    import concurrent.futures
+
+    proc, base = start_server("--model", tiny_dir, "--policy", "tok+rot:2", "--no-prefix-sharing", "--budget-mib", 4, "--max-requests", 6,
+                              "--max-batch-tokens", 24)
+    try:
+        name = str(tiny_dir)
+        words = "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak".split()
+        contents = [f"Story {i}: " + " ".join(words[(i + j) % len(words)] for j in range(45)) for i in range(6)]
+
+        def reply(i):
+            r = chat(base, name, content=contents[i], max_tokens=8, temperature=1.0, seed=1000 + i)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["usage"]["prompt_tokens"] > 2 * 24, body["usage"]  # prefilled in pieces
+            return body["choices"][0]["message"]["content"]
+
+        alone = [reply(i) for i in range(6)]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            together = list(pool.map(reply, range(6)))
+        assert together == alone
+        assert len(set(alone)) > 1  # replies that are not all one text, so a difference could be seen
+    finally:
+        stop_server(proc)
 
 
 def test_concurrent_requests_each_get_their_own_options(tiny_server):
@@ -919,7 +949,7 @@ def test_the_server_shares_pages_only_where_the_policy_allows(tiny_dir, monkeypa
     """``kvcompile serve`` turns transformers' prefix sharing on for a window-free policy, off for KIVI (whose
     window lives outside the pages) and off with ``--no-prefix-sharing``; the CLI passes the flag on."""
     from kvcompile import Policy, cli
-    from kvcompile.serve import build_app
+    from kvcompile.openai_server import build_app
 
     for policy, share, want in ((Policy.full(), True, True), (Policy.int8(), False, False),
                                 (Policy.kivi(4), True, False)):
@@ -930,7 +960,7 @@ def test_the_server_shares_pages_only_where_the_policy_allows(tiny_dir, monkeypa
             state.shutdown()
             manager.shutdown()
     seen = {}
-    monkeypatch.setattr("kvcompile.serve.run", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr("kvcompile.openai_server.run", lambda *a, **kw: seen.update(kw))
     assert cli.main(["serve", "--model", str(tiny_dir), "--no-prefix-sharing"]) == 0
     assert seen["prefix_sharing"] is False
     assert cli.main(["serve", "--model", str(tiny_dir)]) == 0 and seen["prefix_sharing"] is True
@@ -1410,7 +1440,7 @@ def test_served_model_names(tiny_dir):
 
     from kvcompile import Policy
     from kvcompile.cli import build_parser
-    from kvcompile.serve import build_app
+    from kvcompile.openai_server import build_app
 
     assert build_parser().parse_args(["serve", "--served-model-name", "tiny", "t2"]).served_model_name == ["tiny",
                                                                                                            "t2"]
@@ -1621,7 +1651,7 @@ def test_a_request_whose_token_picking_fails_gets_an_error_and_the_server_goes_o
 
     from kvcompile import Policy
     from kvcompile.json_mode import JsonConstraint
-    from kvcompile.serve import build_app
+    from kvcompile.openai_server import build_app
 
     app, manager, state = build_app(str(tiny_dir), Policy.full(), budget=2**21, max_requests=4)
     works = JsonConstraint.mask_

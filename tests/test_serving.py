@@ -354,17 +354,20 @@ def exact_products(model):
     return exact(model)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("forward", [512, 40], ids=["whole-prompts", "prompts-in-pieces"])
 @pytest.mark.parametrize("policy", [Policy.kivi(2, group=4, residual=4, sink=2, rotate=True), "tok+rot:4"],
                          ids=["kivi2+rot+sink", "tok+rot:4"])
-@pytest.mark.slow
-def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(policy, monkeypatch):
+def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(policy, forward, monkeypatch):
     """What kvcompile computes for a request does not depend on what else is in the batch, nor on the threads the
     machine's load leaves its kernels: its store codes each row alone, its decode attention cuts every sequence
-    into the same pieces, and a prefill chunk attends alone. So with the model's own products made batch-invariant
-    (``exact_products``) and every prompt prefilled in one forward, alone or all together, a request gets the same
-    tokens alone on one thread and beside the others on three, under quantized policies (docs/usage.md, "What a
-    batch changes"; ``Policy.full()`` runs transformers' own attention instead: the test below). Two prompts of
-    one length prefill in the same forward."""
+    into the same pieces, a prefill piece attends alone, and a prompt longer than a forward is cut at the same
+    positions whatever else runs (``kvcompile.scheduler``). So with the model's own products made batch-invariant
+    (``exact_products``), a request gets the same tokens alone on one thread and beside the others on three,
+    under quantized policies -- with every prompt prefilled in one forward (512 tokens a forward), and with the
+    prompts of 70 and 150 tokens prefilled in pieces of 40 while the others prefill and decode beside them
+    (docs/usage.md, "What a batch changes"; ``Policy.full()`` runs transformers' own attention instead: the test
+    below). Two prompts of one length prefill in the same forward."""
     from kvcompile.sampling import Asked, RequestOptions, sampling_manager
     from kvcompile.templates import cpu
 
@@ -375,7 +378,7 @@ def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(policy, monkeypatch
     ps = prompts() + [prompts()[2][::-1]]  # 19 tokens, as the third
     # room for every prompt at once; no prefix sharing: the batched requests would find the pages their own prompts
     # left alone, and read their tokens as stored (a quantized policy's: quantized), where alone they computed them
-    cbc = cb_config(num_blocks=16, max_batch_tokens=512, allow_block_sharing=False)
+    cbc = cb_config(num_blocks=16, max_batch_tokens=forward, allow_block_sharing=False)
     monkeypatch.setattr(cpu, "MIN_TILES_PER_THREAD", 1)  # threads even for these short rows
     # the server's engine: each token's log probability is recorded (its logits' bits, to the float's last bit)
     manager = sampling_manager(model, GEN, cbc)

@@ -24,8 +24,9 @@ Everything else is vLLM's: the scheduler, the metadata builder (query start offs
 tables), sampling. Under ``Policy.full()``, or when no policy is named, every method is vLLM's own backend's --
 the same pages, kernels and arithmetic -- so tokens and log probabilities are vLLM's exactly.
 
-``kvcompile_backend`` makes one of vLLM's backends kvcompile's; ``cpu.py`` (vLLM's ``CPU_ATTN``) and ``cuda.py``
-(``FLASH_ATTN``, ``TRITON_ATTN``) are the ones ``kvcompile.vllm.register`` puts in vLLM's registry.
+A vLLM backend is made kvcompile's by mixing ``KVCompileBackend`` into it and ``KVCompileImpl`` into its
+implementation; ``cpu.py`` (vLLM's ``CPU_ATTN``) and ``cuda.py`` (``FLASH_ATTN``, ``TRITON_ATTN``) hold the ones
+``kvcompile.vllm.register`` puts in vLLM's registry.
 """
 from __future__ import annotations
 
@@ -150,24 +151,12 @@ def customized(spec, backend_customize):
     return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=lay.token_head_bytes)
 
 
-def kvcompile_backend(base):
-    """vLLM's attention backend ``base`` with kvcompile's pages when a quantizing policy is named: its
-    implementation with ``KVCompileImpl`` mixed in, its spec customized (``customized``); its name stays
-    ``base``'s (vLLM looks backends up by it)."""
-    impl = type(f"KVCompile{base.get_impl_cls().__name__}", (KVCompileImpl, base.get_impl_cls()),
-                {"__module__": __name__, "__doc__": f"vLLM's {base.get_name()} implementation over kvcompile's "
-                                                     f"pages when a quantizing policy is named."})
+class KVCompileBackend:
+    """What kvcompile adds to a vLLM attention backend (mixed in before it): its spec is kvcompile's page when a
+    quantizing policy is named (``customized``). Each backend's class also names its implementation
+    (``get_impl_cls``: vLLM's with ``KVCompileImpl`` mixed in); its name (``get_name``) stays vLLM's backend's,
+    which vLLM looks backends up by."""
 
-    class Backend(base):
-        @staticmethod
-        def get_impl_cls():
-            return impl
-
-        @classmethod
-        def customize_spec(cls, spec):
-            return customized(spec, super().customize_spec)
-
-    Backend.__name__ = Backend.__qualname__ = f"KVCompile{base.__name__}"
-    Backend.__module__ = __name__
-    Backend.__doc__ = f"vLLM's {base.get_name()} backend with kvcompile's pages (``kvcompile_backend``)."
-    return Backend, impl
+    @classmethod
+    def customize_spec(cls, spec):
+        return customized(spec, super().customize_spec)

@@ -3,8 +3,18 @@ kvcompile's generated C kernels (``kvcompile.ops``). ``kvcompile.vllm.register``
 place of vLLM's own class; with no policy named (or ``Policy.full()``) it is vLLM's own, every call."""
 from __future__ import annotations
 
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from .backend import kvcompile_backend
+from .backend import KVCompileBackend, KVCompileImpl
 
-CPUBackend, CPUBackendImpl = kvcompile_backend(CPUAttentionBackend)
+
+class CPUBackendImpl(KVCompileImpl, CPUAttentionBackendImpl):
+    """vLLM's CPU_ATTN implementation over kvcompile's pages when a quantizing policy is named."""
+
+
+class CPUBackend(KVCompileBackend, CPUAttentionBackend):
+    """vLLM's CPU_ATTN backend with kvcompile's pages."""
+
+    @staticmethod
+    def get_impl_cls():
+        return CPUBackendImpl

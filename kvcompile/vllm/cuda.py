@@ -6,10 +6,31 @@ attention as the CPU backend, whose tests run the Triton kernels over page views
 """
 from __future__ import annotations
 
-from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
-from .backend import kvcompile_backend
+from .backend import KVCompileBackend, KVCompileImpl
 
-FlashBackend, FlashBackendImpl = kvcompile_backend(FlashAttentionBackend)
-TritonBackend, TritonBackendImpl = kvcompile_backend(TritonAttentionBackend)
+
+class FlashBackendImpl(KVCompileImpl, FlashAttentionImpl):
+    """vLLM's FLASH_ATTN implementation over kvcompile's pages when a quantizing policy is named."""
+
+
+class FlashBackend(KVCompileBackend, FlashAttentionBackend):
+    """vLLM's FLASH_ATTN backend with kvcompile's pages."""
+
+    @staticmethod
+    def get_impl_cls():
+        return FlashBackendImpl
+
+
+class TritonBackendImpl(KVCompileImpl, TritonAttentionImpl):
+    """vLLM's TRITON_ATTN implementation over kvcompile's pages when a quantizing policy is named."""
+
+
+class TritonBackend(KVCompileBackend, TritonAttentionBackend):
+    """vLLM's TRITON_ATTN backend with kvcompile's pages."""
+
+    @staticmethod
+    def get_impl_cls():
+        return TritonBackendImpl
