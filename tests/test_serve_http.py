@@ -252,6 +252,7 @@ def test_a_request_id_already_running_is_refused(tiny_server):
     assert again.status_code == 200, again.text
 
 
+@pytest.mark.slow
 def test_seeded_replies_to_long_prompts_are_the_same_alone_and_concurrent(tiny_dir):
     """A seed makes a sampled reply depend on the request alone, also when its prompt is longer than a forward
     (``--max-batch-tokens``): under a quantized policy each prompt is prefilled in pieces at fixed positions,
