@@ -19,7 +19,8 @@ import time
 
 import torch
 
-CONFIGS = (("full", 2048, False), ("tok+rot:4", 2048, False), ("tok+rot:4", 2048, True), ("tok+rot:4", 256, True))
+CONFIGS = (("full", 2048, False), ("tok+rot:4", 2048, False), ("tok+rot:4", 2048, True), ("tok+rot:4", 256, True),
+           ("tok+rot:4", 256, False))
 
 
 def exact_products(model):

@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .errors import ArgumentError
+from .pool import MAX_BATCH_TOKENS
 
 DEMO_PROMPT = "What is the capital of France? Answer in one sentence, then name one famous landmark there."
 
@@ -424,7 +425,8 @@ def cmd_plan(args) -> int:
     if not args.serving:
         given = [o for o, v in (("--budget-mib", args.budget_mib), ("--max-requests", args.max_requests),
                                 ("--dtype", args.dtype), ("--page-size", args.page_size),
-                                ("--shared-tokens", args.shared_tokens)) if v is not None]
+                                ("--shared-tokens", args.shared_tokens),
+                                ("--max-batch-tokens", args.max_batch_tokens)) if v is not None]
         if given:
             raise UsageError(f"{' and '.join(given)} {'sizes' if len(given) == 1 else 'size'} the serving pool "
                              f"(kvcompile serve): add --serving")
@@ -531,7 +533,7 @@ def _plan_serving(args, shape) -> int:
     policies = {**P.default_serving_policies(), **{text: pol for text, pol in args.policy or ()}}
     try:
         theirs, rows, left_out = P.plan_serving(shape, budget, args.context, policies, args.max_requests, page,
-                                                args.shared_tokens or 0)
+                                                args.shared_tokens or 0, args.max_batch_tokens or MAX_BATCH_TOKENS)
     except P.PlanError as e:
         raise UsageError(f"{e} (--budget-mib {budget / 2**20:g}, --request-tokens {args.context}"
                          + (f", --max-requests {args.max_requests}" if args.max_requests else "")
@@ -547,7 +549,8 @@ def _plan_serving(args, shape) -> int:
     if args.plot:
         try:
             png = P.plot_serving(shape, budget, Path(args.plot).expanduser(), policies, page_size=page,
-                                 max_requests=args.max_requests, shared_tokens=args.shared_tokens or 0)
+                                 max_requests=args.max_requests, shared_tokens=args.shared_tokens or 0,
+                                 max_batch_tokens=args.max_batch_tokens or MAX_BATCH_TOKENS)
         except OSError as e:
             raise UsageError(f"could not write {e.filename or args.plot}: {e.strerror or _one_line(e)}") from None
         print(f"wrote {png}")
@@ -759,6 +762,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--shared-tokens", type=_POSITIVE_INT, default=None,
                     help="with --serving: every request begins with the same prompt of this many tokens (a system "
                          "prompt), whose whole pages are held once where pages are shared (default: none)")
+    pl.add_argument("--max-batch-tokens", type=_POSITIVE_INT, default=None,
+                    help="with --serving: tokens a forward takes, as kvcompile serve --max-batch-tokens: under a "
+                         "quantized policy a shared prompt is read from shared pages in whole pieces of this many "
+                         f"tokens (default: {MAX_BATCH_TOKENS})")
     pl.add_argument("--plot", default=None,
                     help="write a PNG of sequences vs context here (with --serving: requests held vs tokens per "
                          "request, and over transformers' own) (default: none)")
@@ -840,9 +847,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="size the request slots for requests of this many tokens (prompt and reply): as many "
                              "as the budget holds at once, as kvcompile plan --serving --request-tokens counts them "
                              "(default: off, see --max-requests)")
-    s.add_argument("--max-batch-tokens", type=_POSITIVE_INT, default=256,
-                   help="tokens one forward of the engine takes: decoding requests' next tokens and chunks of "
-                        "prompts being prefilled (default: %(default)s; larger on a GPU)")
+    s.add_argument("--max-batch-tokens", type=_POSITIVE_INT, default=MAX_BATCH_TOKENS,
+                   help="tokens one forward of the engine takes: decoding requests' next tokens and pieces of "
+                        "prompts being prefilled; under a quantized policy prompts are cut into pieces of this "
+                        "many tokens, and share pages in whole pieces (default: %(default)s; larger on a GPU)")
     s.add_argument("--cpu-offload-mib", type=_NONNEG_INT, default=0,
                    help="host memory, in MiB, for the caches of requests evicted when the pages run out: kept "
                         "packed as they were and copied back when the request is scheduled again; per rank under "

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import math
 import threading
 import warnings
 import weakref
@@ -37,8 +38,8 @@ from transformers.generation.continuous_batching.offloading_manager import Offlo
 from . import ops, paged_ops, standin
 from .backend import Options, compile_graph, kvcompile_backend
 from .errors import UnsupportedError
-from .pool import (DEFAULT_BUDGET, ServingOptions, layer_specs, full_precision_bytes_per_token, make_stores,
-                   pool_blocks, request_limit, request_pages, shares_pages, slots_for)
+from .pool import (DEFAULT_BUDGET, ServingOptions, full_precision_bytes_per_token, layer_specs, make_stores,
+                   pool_blocks, quantizes, request_limit, request_pages, shareable_tokens, shares_pages, slots_for)
 from .sampling import PROMPT_ROWS, Requests
 from .scheduler import SCHEDULERS
 from .store import LayerSpec, state_nbytes
@@ -200,7 +201,7 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
         window = slots * max(s.ring + s.sink for s in specs)  # tokens the slots hold outside the pages
         # every layer exact (Policy.full()): transformers' own SDPA reads the pages back through its read
         # indices, as from its own cache (``read_exact``), under its ragged mask -- its arithmetic, bit for bit
-        self.exact = all_exact(specs)
+        self.exact, self.quantized = all_exact(specs), quantizes(specs)
         sdpa = compiled or self.exact  # transformers' SDPA runs, and so allocates its mask
         try:
             with _swapped(tcache, "PagedAttentionMemoryHandler",
@@ -393,6 +394,11 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
             return 0
         if self.prompt_rows(request_id):
             return 0  # its prompt's log probabilities are asked: every prompt token is computed
+        if self.quantized:  # only pages it would have computed itself (see shareable)
+            shareable = self.shareable(prompt_ids)
+            if not shareable:
+                return 0
+            prompt_ids = prompt_ids[:shareable + 1]  # transformers matches the pages before the last token
         n = super().search_prefix_match(request_id, prompt_ids)
         if n:
             self.prefix_tokens += n
@@ -402,6 +408,21 @@ class PagedKVCompileCache(tcache.PagedAttentionCache):
                 st.set_tables({slot: self._table(request_id)})
                 st.set_length(slot, n)
         return n
+
+    def shareable(self, prompt_ids: list[int]) -> int:
+        """Under a quantized policy, the tokens of ``prompt_ids`` a request may take from shared pages: those it
+        would have computed itself (``pool.shareable_tokens``). Only pages that prompts' pieces completed are
+        shared (``count_new_complete_blocks``): a decoded token was computed reading its predecessors as stored,
+        where a prompt's piece reads them in full precision."""
+        matched = min(len(a.match_prefix_blocks(prompt_ids)) * a.tokens_per_page
+                      for a in self.cache_allocators.values())
+        page = math.lcm(*(a.tokens_per_page for a in self.cache_allocators.values()))
+        return shareable_tokens(matched, page, self.max_batch_tokens)
+
+    def count_new_complete_blocks(self, state, request_len: int) -> dict[str, int]:
+        if self.quantized and state.generated_tokens:  # a decode step's page is never shared (see shareable)
+            return {}
+        return super().count_new_complete_blocks(state, request_len)
 
     def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst):
         src = self.slot_of[src_state.request_id]
@@ -822,8 +843,7 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
                                     max_tokens=self._max_tokens, compiled=self._compiled is not None,
                                     requests=self.requests)
         # a quantized policy's prompts are cut at fixed positions, whatever else runs (kvcompile.scheduler)
-        quantized = any(isinstance(s, LayerSpec) and not s.policy.exact for s in self._specs)
-        schedulers = SCHEDULERS if quantized else continuous_api.SCHEDULER_MAPPING
+        schedulers = SCHEDULERS if quantizes(self._specs) else continuous_api.SCHEDULER_MAPPING
         with _swapped(continuous_api, "PagedAttentionCache", factory), \
                 _swapped(continuous_api, "SCHEDULER_MAPPING", schedulers):
             bp = super()._create_batch_processor()

@@ -28,6 +28,7 @@ import time
 import torch
 
 from .errors import UnsupportedError
+from .pool import MAX_BATCH_TOKENS
 from .sampling import Asked, RequestOptions, Requests, request_sampling, sampling_manager
 from .serve import (ASKED_FIELDS, EXTENSIONS, SAMPLING_FIELDS, SHUTDOWN_GRACE_S, ClientDisconnected, EvictionCounter,
                     RequestError, ServerStopping, StopAt, asked_of, cache_token_limit, check_chat, check_common,
@@ -62,6 +63,7 @@ def openai_app(manager, state, *, checked: bool = False):
     """transformers' OpenAI-compatible FastAPI app (its handlers, as ``transformers serve`` builds them) over a
     model manager and a generation state. ``checked``: the chat and completion handlers check each request
     first (``CheckedHandler``), and errors answer in OpenAI's shape."""
+    require_server_transformers()  # at each call: the release may have changed since this module loaded
     chat, completion, response = ((CheckedChatCompletionHandler, CheckedCompletionHandler, CheckedResponseHandler)
                                   if checked else (ChatCompletionHandler, CompletionHandler, ResponseHandler))
     app = build_server(
@@ -638,7 +640,7 @@ class KVCompileModelManager(ModelManager):
 
 
 def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests: int | None = None,
-              request_tokens: int | None = None, max_batch_tokens: int = 256, dtype: torch.dtype = torch.float32,
+              request_tokens: int | None = None, max_batch_tokens: int = MAX_BATCH_TOKENS, dtype: torch.dtype = torch.float32,
               prefix_sharing: bool = True, tensor_parallel: bool = False, served_names: list[str] | tuple = (),
               offload: int = 0):
     """The FastAPI app (and its model manager) serving ``model_dir`` (a local Hugging Face directory) with
@@ -650,6 +652,7 @@ def build_app(model_dir: str, policy, *, budget: int | None = None, max_requests
     first of them the one ``/v1/models`` lists; ``offload``: bytes of host memory that hold the caches of
     requests evicted when pages run out, packed as they were, until they are scheduled again (0: an evicted
     request is prefilled again; ``serving.KVCompileOffloading``)."""
+    require_server_transformers()  # before loading the model
     cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens, cpu_offload_space=offload / 2 ** 30)
 
     manager = KVCompileModelManager(policy, cb_config, budget=budget, max_requests=max_requests,
@@ -806,6 +809,7 @@ def run(model_dir: str, policy, host: str = "127.0.0.1", port: int = 8000, grace
         **kw) -> None:
     """Serve until stopped (``serve_http``: ``grace_s`` seconds for the requests in flight); launched by torchrun
     with several processes, sharded over them (``run_tensor_parallel``)."""
+    require_server_transformers()  # before loading the model or listening
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return run_tensor_parallel(model_dir, policy, host, port, grace_s, **kw)
     app, manager, state = build_app(model_dir, policy, **kw)

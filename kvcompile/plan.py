@@ -28,8 +28,8 @@ from .accounting import full_precision_bytes_per_token
 from .errors import KVCompileError, PlanError, WeightsUnknown
 from .hf import model_shape, windowed_layers
 from .policy import Policy
-from .pool import (check_shared_tokens, pages_for, request_limit, requests_held, shared_pages, size_pool,
-                   specs_for, transformers_pages)
+from .pool import (MAX_BATCH_TOKENS, check_shared_tokens, pages_for, request_limit, requests_held, shared_pages,
+                   size_pool, specs_for, transformers_pages)
 from .store import ROW_TOKENS, LayerSpec
 
 GB = 10 ** 9
@@ -430,10 +430,12 @@ def _check_shared(shared_tokens: int, request_tokens: int) -> None:
 
 
 def serving_pool(label: str, policy: Policy, shape: ModelShape, budget: int, request_tokens: int,
-                 max_requests: int | None = None, shared_tokens: int = 0) -> ServingRow:
+                 max_requests: int | None = None, shared_tokens: int = 0,
+                 max_batch_tokens: int = MAX_BATCH_TOKENS) -> ServingRow:
     """kvcompile's serving pool for ``budget`` bytes under ``policy``: its slots (``max_requests``, as
     ``kvcompile serve --max-requests``; None: the most requests of ``request_tokens`` tokens the budget
-    holds), pool blocks (= the pages transformers' scheduler hands out), tokens, and concurrent requests."""
+    holds), pool blocks (= the pages transformers' scheduler hands out), tokens, and concurrent requests
+    (``shared_tokens`` shared as ``pool.shareable_tokens`` says, at ``max_batch_tokens`` a forward)."""
     for name, v in (("budget", budget), ("request_tokens", request_tokens)):
         _check_count(name, v)
     _check_count("max_requests", max_requests, allow_none=True)
@@ -444,7 +446,8 @@ def serving_pool(label: str, policy: Policy, shape: ModelShape, budget: int, req
     names = [f"model.layers.{i}.self_attn" for i in range(shape.layers)]
     specs = specs_for(policy.resolve(names), shape.kv_heads, shape.head_dim, dtype)
     try:
-        size = size_pool(specs, budget, request_tokens, max_requests, shared_tokens, shape.max_positions)
+        size = size_pool(specs, budget, request_tokens, max_requests, shared_tokens, shape.max_positions,
+                         max_batch_tokens)
     except KVCompileError as e:
         raise PlanError(f"{label}: {str(e).removeprefix('kvcompile serving: ')}") from None
     if size.requests < 1:
@@ -457,7 +460,8 @@ def serving_pool(label: str, policy: Policy, shape: ModelShape, budget: int, req
 
 
 def plan_serving(shape: ModelShape, budget: int, request_tokens: int, policies: dict | None = None,
-                 max_requests: int | None = None, page_size: int = PAGE_SIZE, shared_tokens: int = 0):
+                 max_requests: int | None = None, page_size: int = PAGE_SIZE, shared_tokens: int = 0,
+                 max_batch_tokens: int = MAX_BATCH_TOKENS):
     """transformers' paged cache and kvcompile's serving pool under each policy, for one byte budget:
     ``(TransformersPool, rows, left_out)``; ``left_out``: ``(label, why)`` of the policies whose pool holds no
     request (a ``PlanError`` when that is every policy). ``shared_tokens``: every request begins with the
@@ -466,7 +470,8 @@ def plan_serving(shape: ModelShape, budget: int, request_tokens: int, policies: 
     rows, left_out = [], []
     for k, v in (policies or default_serving_policies()).items():
         try:
-            rows.append(serving_pool(k, v, shape, budget, request_tokens, max_requests, shared_tokens))
+            rows.append(serving_pool(k, v, shape, budget, request_tokens, max_requests, shared_tokens,
+                                     max_batch_tokens))
         except PlanError as e:
             left_out.append((k, str(e).removeprefix(f"{k}: ")))
     if not rows:
@@ -498,7 +503,9 @@ def format_serving_table(theirs: TransformersPool, rows: list[ServingRow], shape
         lines.append(f"every request begins with the same {theirs.shared_tokens:,}-token prompt, whose whole pages are "
                      f"held once (prefix sharing): by transformers, and by kvcompile under "
                      + ("; ".join(sharing) if sharing else "none of these policies")
-                     + " (a policy with a full-precision window or sinks shares no pages)")
+                     + " (a policy with a full-precision window or sinks shares no pages; a quantized one reads "
+                     "a shared prompt in whole pieces of --max-batch-tokens, so its reply is the one it gets "
+                     "alone)")
     w = max([len("policy")] + [len(r.label) for r in rows]) + 2
     lines.append(f"{'policy':<{w}}{'block':>6}{'slots':>7}{'blocks':>8}{'tokens':>10}{'requests':>10}"
                  f"{'x tokens':>10}{'x requests':>12}{'bytes allocated':>18}")
@@ -523,7 +530,7 @@ SERVING_PLOT_TOKENS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 def plot_serving(shape: ModelShape, budget: int, path, policies: dict | None = None,
                  request_tokens=SERVING_PLOT_TOKENS, page_size: int = PAGE_SIZE, max_requests: int | None = None,
-                 shared_tokens: int = 0) -> Path:
+                 shared_tokens: int = 0, max_batch_tokens: int = MAX_BATCH_TOKENS) -> Path:
     """Concurrent requests one byte budget holds against the request's length, for transformers' own paged
     cache and kvcompile's pool under each policy (left), and each policy's count over transformers' (right),
     sized as ``plan_serving`` sizes them; lengths up to the model's positions. A length at which a pool holds no
@@ -542,7 +549,7 @@ def plot_serving(shape: ModelShape, budget: int, path, policies: dict | None = N
 
     def ratio(label, pol, n):  # at a budget of LARGE of transformers' requests: whole requests do not round it
         big = LARGE * transformers_pool(shape, 1, n, page_size).pages_per_request * page_size * token_bytes
-        return (held(lambda: serving_pool(label, pol, shape, big, n, None, shared_tokens))
+        return (held(lambda: serving_pool(label, pol, shape, big, n, None, shared_tokens, max_batch_tokens))
                 / held(lambda: transformers_pool(shape, big, n, page_size, shared_tokens)))
 
     LARGE, token_bytes = 1000, _token_bytes(shape)
@@ -554,7 +561,8 @@ def plot_serving(shape: ModelShape, budget: int, path, policies: dict | None = N
     theirs = [held(lambda: transformers_pool(shape, budget, n, page_size, shared_tokens)) for n in request_tokens]
     ax.plot(request_tokens, theirs, "k--", marker="s", ms=3, label="transformers' PagedAttentionCache")
     for label, pol in policies.items():
-        ours = [held(lambda: serving_pool(label, pol, shape, budget, n, max_requests, shared_tokens))
+        ours = [held(lambda: serving_pool(label, pol, shape, budget, n, max_requests, shared_tokens,
+                                          max_batch_tokens))
                 for n in request_tokens]
         ax.plot(request_tokens, ours, marker="o", ms=3, label=label)
         rx.plot(request_tokens, [ratio(label, pol, n) for n in request_tokens], marker="o", ms=3, label=label)

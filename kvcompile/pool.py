@@ -7,6 +7,7 @@ for the pool's blocks (transformers' pages: ``page_size`` is the block) and for 
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 
@@ -95,10 +96,30 @@ def request_pages(specs: list[LayerSpec], tokens: int) -> int:
     return max(s.blocks_for(tokens) for s in specs)
 
 
+MAX_BATCH_TOKENS = 256  # kvcompile serve's --max-batch-tokens: a forward's tokens, a quantized prompt's pieces
+
+
 def shared_pages(shared_tokens: int, page_size: int) -> int:
     """Pages of a ``shared_tokens``-token prefix every request shares: transformers' prefix sharing matches
     whole pages, so only the complete ones."""
     return shared_tokens // page_size
+
+
+def shareable_tokens(tokens: int, page_size: int, piece: int | None) -> int:
+    """Of a prompt prefix of ``tokens`` tokens found in the cache, those a request reads from shared pages:
+    whole pages, and under a quantized policy (``piece``: the forward's token budget, ``max_batch_tokens``;
+    None for a policy that stores every layer exactly) whole pieces too. A quantized prompt is prefilled in
+    pieces at multiples of the budget, each reading the earlier ones as stored (``kvcompile.scheduler``), so
+    pages holding a prompt's first pieces hold the very codes the request's own pieces would store, and a
+    request that takes them gets the reply it gets computing them itself; a match ending inside a piece would
+    have it read as stored what its own piece reads in full precision."""
+    return tokens - tokens % (math.lcm(page_size, piece) if piece else page_size)
+
+
+def quantizes(specs) -> bool:
+    """Some layer is stored quantized (a sliding-window layer's ring is full precision): a prompt's numbers then
+    depend on where its pieces fall and which pages it shares."""
+    return any(isinstance(s, LayerSpec) and not s.policy.exact for s in specs)
 
 
 def pages_held(n: int, need: int, shared: int = 0) -> int:
@@ -249,16 +270,19 @@ class PoolSize:
 
 
 def size_pool(specs: list[LayerSpec], budget: int, request_tokens: int, slots: int | None = None,
-              shared_tokens: int = 0, max_tokens: int | None = None) -> PoolSize:
+              shared_tokens: int = 0, max_tokens: int | None = None,
+              max_batch_tokens: int = MAX_BATCH_TOKENS) -> PoolSize:
     """The pool ``budget`` bytes buy with ``slots`` request rows; ``slots=None``: the most requests of
     ``request_tokens`` tokens the budget holds (``most_slots``), their first ``shared_tokens`` tokens a
-    prompt prefix they share where the policy shares pages (``shares_pages``); block tables as wide as a
-    request of ``max_tokens`` tokens needs (``table_width``)."""
+    prompt prefix they share where the policy shares pages (``shares_pages``; what of it they read from shared
+    pages: ``shareable_tokens`` at ``max_batch_tokens`` a forward); block tables as wide as a request of
+    ``max_tokens`` tokens needs (``table_width``)."""
     for name, v in (("budget", budget), ("request_tokens", request_tokens), ("slots", slots)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ArgumentError(f"kvcompile serving: {name}={v!r}: expected a positive integer")
     check_shared_tokens(shared_tokens, request_tokens)
-    shared_tokens = shared_tokens if shares_pages(specs) else 0
+    shared_tokens = (shareable_tokens(shared_tokens, specs[0].block, max_batch_tokens if quantizes(specs) else None)
+                     if shares_pages(specs) else 0)
     slots = slots_for(specs, budget, slots, request_tokens, max_tokens, shared_tokens)
     blocks = pool_blocks(specs, budget, slots, max_tokens)
     return PoolSize(budget, slots, blocks, specs[0].block, request_tokens,

@@ -24,7 +24,7 @@ from __future__ import annotations
 from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 from transformers.generation.continuous_batching.scheduler import FIFOScheduler, PrefillFirstScheduler, Scheduler
 
-__all__ = ["FixedPieces", "SCHEDULERS"]
+__all__ = ["SCHEDULERS", "FixedPieces"]
 
 
 class FixedPieces(Scheduler):

@@ -79,9 +79,9 @@ from .backend import Options
 from .errors import ArgumentError, UnsupportedError
 from .hf import model_shape
 from .policy import Policy
-from .pool import (DEFAULT_BUDGET, DEFAULT_SLOTS, PoolSize, ServingOptions, check_shared_tokens,  # noqa: F401
-                   default_slots, full_precision_bytes_per_token, layer_specs, make_stores, most_slots, pages_for,
-                   pages_held, pool_blocks, pool_nbytes, request_limit, request_pages, requests_held, serving_windows,
+from .pool import (DEFAULT_BUDGET, DEFAULT_SLOTS, MAX_BATCH_TOKENS, PoolSize, ServingOptions,  # noqa: F401
+                   check_shared_tokens, default_slots, full_precision_bytes_per_token, layer_specs, make_stores,
+                   most_slots, pages_for, pages_held, pool_blocks, pool_nbytes, request_limit, request_pages, requests_held, serving_windows,
                    shared_pages, shares_pages, size_pool, slots_for, specs_for, table_width, transformers_pages)
 from .store import KVStore, state_nbytes
 
@@ -120,7 +120,8 @@ def configure(model, *, budget: int | None = None, max_requests: int | None = No
 
 def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = torch.bfloat16,
              request_tokens: int = 1024, page_size: int = 256, layer_names=None,
-             max_requests: int | None = None, shared_tokens: int = 0) -> dict:
+             max_requests: int | None = None, shared_tokens: int = 0,
+             max_batch_tokens: int = MAX_BATCH_TOKENS) -> dict:
     """For one byte ``budget``: what kvcompile's serving cache and transformers' own paged cache hold, counted
     from the tensors each allocates (both are allocated here, on the CPU).
 
@@ -131,7 +132,8 @@ def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = tor
       writes (``request_pages``) and a slot, whose full-precision ring and sinks are part of the budget.
       ``max_requests``: the slots (as ``configure``); None: sized to the requests (``size_pool``).
       ``shared_tokens``: the first tokens of every request are the same prompt, whose whole pages they
-      share (``pages_held``) in transformers' engine and, where the policy ``shares_pages``, in kvcompile's;
+      share (``pages_held``) in transformers' engine and, where the policy ``shares_pages``, in kvcompile's
+      (``pool.shareable_tokens`` of them, at ``max_batch_tokens`` a forward);
     - ``allocated``: bytes of the tensors allocated (kvcompile: pools, rings, sinks, lengths and block
       tables, as wide as a request of the model's positions needs; transformers: its tensor, with its two
       trash sectors; ``data``: without them).
@@ -150,7 +152,7 @@ def capacity(model_config, policy: Policy, budget: int, dtype: torch.dtype = tor
     names = layer_names or [f"model.layers.{i}.self_attn" for i in range(layers)]
     specs = layer_specs(model_config, ServingOptions(policy, names, kv), dtype)
     limit = request_limit(model_config)
-    size = size_pool(specs, budget, request_tokens, max_requests, shared_tokens, limit)
+    size = size_pool(specs, budget, request_tokens, max_requests, shared_tokens, limit, max_batch_tokens)
     stores = make_stores(specs, size.slots, size.blocks, max_tokens=limit)
     paged = next(st for st in stores if isinstance(st, KVStore))  # (a sliding-window layer's rings hold no blocks)
     blocks, slots = paged.state.k_codes.shape[0], paged.state.lengths.numel()  # as allocated

@@ -64,7 +64,9 @@ def test_plan_serving_with_a_shared_system_prompt(capsys, tmp_path):
     shared = {r["label"]: r for r in data["rows"]}
     assert data["shared_tokens"] == 515
     assert shared["tok+rot:4"]["requests"] == 16 and alone["tok+rot:4"]["requests"] == 4
-    assert shared["tok+rot:4"]["shared_tokens"] == 515 and shared["KIVI 4-bit G32 R128"]["shared_tokens"] == 0
+    # read from shared pages: its whole 256-token pieces (a quantized prompt's pieces at the default 256 tokens
+    # a forward: pool.shareable_tokens)
+    assert shared["tok+rot:4"]["shared_tokens"] == 512 and shared["KIVI 4-bit G32 R128"]["shared_tokens"] == 0
     assert shared["KIVI 4-bit G32 R128"]["requests"] == alone["KIVI 4-bit G32 R128"]["requests"]
 
 

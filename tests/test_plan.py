@@ -144,17 +144,17 @@ def _small_config(layers=4):
 
 
 def _check_planner_equals_allocation(cfg, policy, budget, tokens, dtype, max_requests=None, page_size=256,
-                                     shared_tokens=0):
+                                     shared_tokens=0, max_batch_tokens=P.MAX_BATCH_TOKENS):
     import torch
     from kvcompile import serving
 
     shape = P.shape_from_config(cfg, weight_bytes=0)
     if dtype == torch.float32:
         shape = replace(shape, dtype_bytes=4)
-    row = P.serving_pool("p", policy, shape, budget, tokens, max_requests, shared_tokens)
+    row = P.serving_pool("p", policy, shape, budget, tokens, max_requests, shared_tokens, max_batch_tokens)
     theirs = P.transformers_pool(shape, budget, tokens, page_size, shared_tokens)
     got = serving.capacity(cfg, policy, budget, dtype, request_tokens=tokens, page_size=page_size,
-                           max_requests=max_requests, shared_tokens=shared_tokens)
+                           max_requests=max_requests, shared_tokens=shared_tokens, max_batch_tokens=max_batch_tokens)
     ours, tf = got["kvcompile"], got["transformers"]
     assert (row.slots, row.blocks, row.block_tokens, row.tokens, row.requests, row.nbytes) == (
         ours["slots"], ours["blocks"], ours["block_tokens"], ours["tokens"], ours["requests"], ours["allocated"])
@@ -229,10 +229,12 @@ def test_a_budget_of_exactly_n_requests(name):
 
 @pytest.mark.parametrize("name", ["int8", "kivi2", "tok+rot:4", "tok+rot+sink:4"])
 def test_a_shared_prompt_prefix_is_held_once(name):
-    """Requests of 300 tokens whose first 200 are the same prompt: its 3 whole 64-token pages are held once,
-    so N requests take 3 + 2N pages (N x 5 unshared) -- where the policy shares pages (no window, no sinks);
-    a policy with a window or sinks plans as unshared. transformers' 256-token pages: none of it is a whole
-    page. Planner == allocation, and the exact budget of N requests."""
+    """Requests of 300 tokens whose first 200 are the same prompt: at 64 tokens a forward its 3 whole 64-token
+    pages are held once, so N requests take 3 + 2N pages (N x 5 unshared) -- where the policy shares pages (no
+    window, no sinks); a policy with a window or sinks plans as unshared. At 256 tokens a forward (the default)
+    a quantized policy reads a shared prompt in whole 256-token pieces (``pool.shareable_tokens``): none of the
+    200. transformers' 256-token pages: none of it is a whole page. Planner == allocation, and the exact budget
+    of N requests."""
     import torch
     from kvcompile.serving import shares_pages, specs_for
 
@@ -242,10 +244,14 @@ def test_a_shared_prompt_prefix_is_held_once(name):
     assert share == (name in ("int8", "tok+rot:4"))
     pages = 3 + 2 * n if share else {"kivi2": 3}.get(name, 5) * n  # KIVI: 300 tokens in 3 blocks and its window
     exact = sum(n * s.row_nbytes() + pages * s.block_nbytes() + 4 * n * pages for s in specs)
-    row, _ = _check_planner_equals_allocation(cfg, policy, exact, 300, torch.bfloat16, shared_tokens=200)
-    assert (row.requests, row.slots, row.blocks, row.shared_tokens) == (n, n, pages, 200 if share else 0)
-    row, _ = _check_planner_equals_allocation(cfg, policy, exact - 1, 300, torch.bfloat16, shared_tokens=200)
+    row, _ = _check_planner_equals_allocation(cfg, policy, exact, 300, torch.bfloat16, shared_tokens=200,
+                                              max_batch_tokens=64)
+    assert (row.requests, row.slots, row.blocks, row.shared_tokens) == (n, n, pages, 192 if share else 0)
+    row, _ = _check_planner_equals_allocation(cfg, policy, exact - 1, 300, torch.bfloat16, shared_tokens=200,
+                                              max_batch_tokens=64)
     assert row.requests == n - 1
+    row, _ = _check_planner_equals_allocation(cfg, policy, exact, 300, torch.bfloat16, shared_tokens=200)
+    assert row.shared_tokens == 0 and (row.requests < n if share else row.requests == n)
     page = 4 * 2 * 3 * 64 * 2 * 256
     _, theirs = _check_planner_equals_allocation(cfg, policy, 5 * page, 700, torch.bfloat16, shared_tokens=600)
     assert (theirs.pages, theirs.requests) == (5, 3)  # 700 tokens take 3 pages; the first 2 are shared

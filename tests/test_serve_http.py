@@ -256,12 +256,14 @@ def test_a_request_id_already_running_is_refused(tiny_server):
 def test_seeded_replies_to_long_prompts_are_the_same_alone_and_concurrent(tiny_dir):
     """A seed makes a sampled reply depend on the request alone, also when its prompt is longer than a forward
     (``--max-batch-tokens``): under a quantized policy each prompt is prefilled in pieces at fixed positions,
-    whatever else runs (``kvcompile.scheduler``), so six seeded requests with prompts of 60-odd tokens at 24 tokens
-    a forward get the same replies one at a time and all at once, under a 2-bit policy. (With transformers' own
-    schedulers, which cut a prompt where the forward's room runs out, they differ.)"""
+    whatever else runs (``kvcompile.scheduler``), and reads from shared pages (prefix sharing is on; the chat
+    template makes the prompts begin alike) only what it would have computed itself: so six seeded requests with
+    prompts of 60-odd tokens at 24 tokens a forward get the same replies one at a time and all at once, under a
+    2-bit policy. (With transformers' own schedulers, which cut a prompt where the forward's room runs out, or
+    with pages shared wherever they match, they differ: both checked.)"""
     import concurrent.futures
 
-    proc, base = start_server("--model", tiny_dir, "--policy", "tok+rot:2", "--no-prefix-sharing", "--budget-mib", 4, "--max-requests", 6,
+    proc, base = start_server("--model", tiny_dir, "--policy", "tok+rot:2", "--budget-mib", 4, "--max-requests", 6,
                               "--max-batch-tokens", 24)
     try:
         name = str(tiny_dir)

@@ -347,6 +347,24 @@ def test_a_prompt_split_across_forwards_is_generates_chunked_prefill():
                 assert (split != whole) if quantized else (split == whole), (policy, chunk)
 
 
+def recorded(manager, batch, ids) -> list[list[tuple]]:
+    """Run ``batch`` (prompts, under request ids ``ids``) on a started ``sampling.sampling_manager``: each reply's
+    tokens with their log probabilities (its logits' bits, to the float's last bit), recorded as the server
+    records them (each request's options in the engine's table, by request id)."""
+    from kvcompile.sampling import Asked, RequestOptions
+
+    options = [manager.requests.add(rid, RequestOptions(asked=Asked(top=0))) for rid in ids]
+    for p, rid in zip(batch, ids):
+        manager.add_request(p, request_id=rid, max_new_tokens=NEW)
+    for _ in ids:
+        r = manager.get_result(timeout=120)
+        assert r is not None and r.error is None, r
+    out = [o.asked.take(0, NEW) for o in options]
+    for rid in ids:
+        manager.requests.remove(rid)
+    return out
+
+
 def exact_products(model):
     """``model`` with its linear layers in float64, rounded once (``benchmarks/batch_invariance.py``'s, which
     says why: torch's float32 products give a row other last bits beside other rows)."""
@@ -368,7 +386,7 @@ def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(policy, forward, mo
     prompts of 70 and 150 tokens prefilled in pieces of 40 while the others prefill and decode beside them
     (docs/usage.md, "What a batch changes"; ``Policy.full()`` runs transformers' own attention instead: the test
     below). Two prompts of one length prefill in the same forward."""
-    from kvcompile.sampling import Asked, RequestOptions, sampling_manager
+    from kvcompile.sampling import sampling_manager
     from kvcompile.templates import cpu
 
     if isinstance(policy, str):
@@ -387,18 +405,7 @@ def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(policy, forward, mo
     runs = iter(range(10**6))
 
     def run(batch):
-        # each request's options in the engine's table, by request id, as the server adds them
-        ids = [f"r{next(runs)}" for _ in batch]
-        options = [manager.requests.add(rid, RequestOptions(asked=Asked(top=0))) for rid in ids]
-        for p, rid in zip(batch, ids):
-            manager.add_request(p, request_id=rid, max_new_tokens=NEW)
-        for _ in ids:
-            r = manager.get_result(timeout=120)
-            assert r is not None and r.error is None, r
-        out = [o.asked.take(0, NEW) for o in options]
-        for rid in ids:
-            manager.requests.remove(rid)
-        return out
+        return recorded(manager, batch, [f"r{next(runs)}" for _ in batch])
 
     try:
         with torch.no_grad():
@@ -686,6 +693,54 @@ def test_a_quantized_policy_without_a_window_shares_pages(policy):
         want = [generated(model, p) for p in shared_prefix_prompts()]
     assert cache.prefix_tokens >= 3 * 128
     assert got == want
+
+
+@pytest.mark.slow
+def test_under_a_quantized_policy_shared_pages_are_the_ones_a_prompt_would_compute():
+    """Under a quantized policy a prompt takes from shared pages only what it would have computed itself: the
+    match ends where one of its pieces ends (a multiple of the forward's token budget and of the page), and
+    pages that a decode step completed are never shared (a decoded token read its predecessors as stored). So
+    with the model's own products made batch-invariant, every reply -- its tokens and their log probabilities,
+    to the last bit -- is the one it gets with prefix sharing off: at 64 tokens a forward the four prompts that
+    begin with the same 150 tokens share their two whole pages; at 40 they share none (a match of 128 tokens
+    would end inside a piece); and a second turn that repeats the first turn's prompt and reply shares the page
+    the first prompt filled, not the page its reply completed."""
+    from kvcompile.evaluate import scheme_policy
+    from kvcompile.sampling import sampling_manager
+
+    model = exact_products(applied(scheme_policy("tok+rot", 2)))  # 2 bits a token-head, no window: shared pages
+
+    def serve(turns, size, share):
+        """Each list of prompts in turn, in one engine (later turns find the pages earlier ones left): each
+        reply's tokens with their log probabilities, and the tokens read from shared pages."""
+        manager = sampling_manager(model, GEN, cb_config(num_blocks=32, max_batch_tokens=size,
+                                                         allow_block_sharing=share))
+        manager.start()
+        try:
+            got = []
+            for n, batch in enumerate(turns):
+                got.append(recorded(manager, batch, [f"t{n}r{i}" for i in range(len(batch))]))
+            return got, manager.batch_processor.cache.prefix_tokens
+        finally:
+            manager.stop(block=True, timeout=30)
+
+    ps = shared_prefix_prompts()
+    first = torch.randint(3, 64, (120,), generator=torch.Generator().manual_seed(21)).tolist()
+    more = torch.randint(3, 64, (30,), generator=torch.Generator().manual_seed(22)).tolist()
+    with torch.no_grad():
+        for size, shared in ((64, 3 * 128), (40, 0)):
+            got, prefix = serve([ps], size, share=True)
+            want, none = serve([ps], size, share=False)
+            assert got == want, size
+            assert prefix == shared and none == 0, (size, prefix)
+        # two turns: 120 prompt tokens (a whole page, and 56 of the next) and 12 decoded, which complete the
+        # second page; the second turn repeats them and goes on
+        ((reply,),), _ = serve([[first]], 64, share=False)
+        second = first + [entry[0] for entry in reply] + more
+        got, prefix = serve([[first], [second]], 64, share=True)
+        want, _ = serve([[first], [second]], 64, share=False)
+    assert got == want
+    assert prefix == 64  # the first page only
 
 
 @pytest.mark.slow
