@@ -279,8 +279,8 @@ class LayerSpec:
     def exact_nbytes(self, batch: int, tokens: int) -> int:
         """The bytes ``batch`` sequences of ``tokens`` tokens need, counted token by token (no whole blocks, no
         table, window and sinks only as far as the tokens reach): what a store holding them cannot go below.
-        ``nbytes`` is at most one block (and its table entry) and ``ROW_TOKENS`` window and sink rows more per
-        sequence."""
+        ``nbytes`` is at most one block (and its table entry) more per sequence, and ``ROW_TOKENS - 1`` more
+        positions each of its window and its sinks (they grow in steps: ``row_widths``)."""
         packed = self.boundary(tokens) - self.sink
         rows = (min(self.ring, tokens) + min(self.sink, tokens)) * self.position_nbytes()
         return batch * (rows + 4 + packed * self.block_nbytes() // self.block)
