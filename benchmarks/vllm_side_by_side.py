@@ -50,6 +50,7 @@ CONTENDERS = [  # (label, kvcompile policy name or None, vLLM engine arguments)
     ("vLLM auto", None, {}),
     ("vLLM fp8", None, {"kv_cache_dtype": "fp8"}),
     ("kvcompile int8", "int8", {}),
+    ("kvcompile int8 sym+rot", "tok+rot+sym:8", {}),  # one fp16 scale a token-head (vLLM's int8 layout)
     ("kvcompile fp8-r0", "fp8-r0", {}),
     ("kvcompile tok+rot:4", "tok+rot:4", {}),
     ("kvcompile tok+rot:2", "tok+rot:2", {}),
@@ -225,6 +226,20 @@ def kvcompile_eval_loss(policy: str | None):
     return None
 
 
+def capacity_table(results) -> str:
+    base = next((r["capacity"] for r in results if r["label"] == "vLLM auto"), {})
+    lines = ["| contender | KV tokens | 1K requests | 8K requests | x vLLM auto |", "|---|---|---|---|---|"]
+    for r in results:
+        c = r["capacity"]
+        if "refused" in c:
+            lines.append(f"| {r['label']} | refused: {c['refused'][:200]} | | | |")
+            continue
+        ratio = f"{c['kv_tokens'] / base['kv_tokens']:.3f}" if "kv_tokens" in base else "-"
+        lines.append(f"| {r['label']} | {c['kv_tokens']:,} | {c['concurrency_1k']:.2f} | {c['concurrency_8k']:.2f} "
+                     f"| {ratio} |")
+    return "\n".join(lines)
+
+
 def table(results) -> str:
     base = next((r for r in results if r["label"] == "vLLM auto"), None)
     lines = ["| contender | KV tokens | 1K requests | 8K requests | x vLLM auto | held-out loss | delta | "
@@ -289,6 +304,8 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="serve with --enforce-eager")
     ap.add_argument("--calibrated", help="a policy file from `kvcompile calibrate`, as one more contender")
     ap.add_argument("--only", nargs="*", help="run only these contenders (labels)")
+    ap.add_argument("--capacity-only", action="store_true",
+                    help="vLLM's own capacity count alone (about a minute a contender; no quality or serving)")
     ap.add_argument("--startup-s", type=int, default=900)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
@@ -305,8 +322,11 @@ def main() -> None:
     for label, policy, engine in contenders:
         t0 = time.time()
         cap = capacity(args, policy, engine)
-        q = quality(args, tok, policy, engine) if "refused" not in cap else {"refused": cap["refused"]}
-        s = serving(args, tok, policy, engine) if "refused" not in q else {"refused": q["refused"]}
+        if args.capacity_only:
+            q = s = {"not_measured": "--capacity-only"}
+        else:
+            q = quality(args, tok, policy, engine) if "refused" not in cap else {"refused": cap["refused"]}
+            s = serving(args, tok, policy, engine) if "refused" not in q else {"refused": q["refused"]}
         results.append({"label": label, "policy": policy, "engine": engine, "capacity": cap, "quality": q,
                         "serving": s, "seconds": time.time() - t0})
         print(f"{label}: {json.dumps({'capacity': cap, 'quality': q, 'serving': s})[:800]}", flush=True)
@@ -314,7 +334,7 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
                                             "results": results}, indent=1))
-    print(table(results))
+    print(capacity_table(results) if args.capacity_only else table(results))
     if args.plot:
         plot(results, args.plot)
 
