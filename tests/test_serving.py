@@ -347,6 +347,21 @@ def test_a_prompt_split_across_forwards_is_generates_chunked_prefill():
                 assert (split != whole) if quantized else (split == whole), (policy, chunk)
 
 
+@pytest.mark.parametrize("scheduler", ["fifo", "prefill_first"])
+def test_a_quantized_prompts_pieces_are_generates_whatever_runs_beside_it(scheduler):
+    """Under a quantized policy both of transformers' schedulers cut a prompt at multiples of the forward's token
+    budget (``kvcompile.scheduler``): the 150-token prompt beside five others, all at 40 tokens a forward, gets
+    kvcompile's ``generate`` tokens with ``prefill_chunk_size=40``, as do the others (the shorter ones whole)."""
+    kivi2 = Policy.kivi(2, group=8, residual=8, sink=4, rotate=True)
+    model = applied(kivi2)
+    chunked = GenerationConfig(**{**GEN.to_dict(), "prefill_chunk_size": 40})
+    with torch.no_grad():
+        got = tokens(model.generate_batch(prompts(), GEN, progress_bar=False, continuous_batching_config=cb_config(
+            max_batch_tokens=40, num_blocks=16, scheduler_type=scheduler)))
+        want = [generated(model, p, chunked) for p in prompts()]
+    assert got == want
+
+
 def recorded(manager, batch, ids) -> list[list[tuple]]:
     """Run ``batch`` (prompts, under request ids ``ids``) on a started ``sampling.sampling_manager``: each reply's
     tokens with their log probabilities (its logits' bits, to the float's last bit), recorded as the server
