@@ -12,8 +12,9 @@ forward rather than being cut shorter.
 To make room, the prompts' pieces are scheduled before the decode steps (as transformers' ``prefill_first``
 scheduler does): a prompt's next piece can then always take the whole forward. A decode step left out of a forward
 runs in the next one and computes what it would have (a decode row attends alone). When the cache is below
-transformers' safety margin (few free pages), decode steps go first and at most one piece joins them, as in
-transformers' own schedulers, so that running requests free pages before new ones take more.
+transformers' safety margin (few free pages), decode steps go first and a piece runs only in a forward with no
+decode step (transformers' own rule there: past its first request it takes decode steps only), so that running
+requests finish and free pages before prompts take more.
 
 When no layer is quantized (``Policy.full()``; a sliding-window layer's ring is full precision) the engine keeps
 transformers' own scheduler: the earlier pieces are read exactly, so where a prompt is cut changes nothing
@@ -54,7 +55,7 @@ class FixedPieces(Scheduler):
                 pieces.append(state)
                 left -= need
             ordered = pieces + decoding
-        else:  # few free pages: the decode steps, and one piece if it fits beside them
+        else:  # few free pages: the decode steps; the first piece, which transformers takes only if none decodes
             left -= sum(len(s.tokens_to_process) for s in decoding)
             if prefilling and self._piece_bound(prefilling[0]) <= left:
                 pieces.append(prefilling[0])
