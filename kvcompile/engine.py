@@ -845,7 +845,8 @@ class KVCompileBatchingManager(ContinuousBatchingManager):
         # a quantized policy's prompts are cut at fixed positions, whatever else runs (kvcompile.scheduler)
         schedulers = SCHEDULERS if quantizes(self._specs) else continuous_api.SCHEDULER_MAPPING
         with _swapped(continuous_api, "PagedAttentionCache", factory), \
-                _swapped(continuous_api, "SCHEDULER_MAPPING", schedulers):
+                _swapped(continuous_api, "SCHEDULER_MAPPING", schedulers), \
+                _swapped(continuous_api, "FIFOScheduler", schedulers["fifo"]):  # its fallback for an unknown name
             bp = super()._create_batch_processor()
         if self._offload_space:
             old = bp.offloading_manager

@@ -347,11 +347,12 @@ def test_a_prompt_split_across_forwards_is_generates_chunked_prefill():
                 assert (split != whole) if quantized else (split == whole), (policy, chunk)
 
 
-@pytest.mark.parametrize("scheduler", ["fifo", "prefill_first"])
+@pytest.mark.parametrize("scheduler", ["fifo", "prefill_first", "no-such-scheduler"])
 def test_a_quantized_prompts_pieces_are_generates_whatever_runs_beside_it(scheduler):
     """Under a quantized policy both of transformers' schedulers cut a prompt at multiples of the forward's token
-    budget (``kvcompile.scheduler``): the 150-token prompt beside five others, all at 40 tokens a forward, gets
-    kvcompile's ``generate`` tokens with ``prefill_chunk_size=40``, as do the others (the shorter ones whole)."""
+    budget (``kvcompile.scheduler``), and so does the ``fifo`` transformers falls back to for a name it does not
+    know: the 150-token prompt beside five others, all at 40 tokens a forward, gets kvcompile's ``generate``
+    tokens with ``prefill_chunk_size=40``, as do the others (the shorter ones whole)."""
     kivi2 = Policy.kivi(2, group=8, residual=8, sink=4, rotate=True)
     model = applied(kivi2)
     chunked = GenerationConfig(**{**GEN.to_dict(), "prefill_chunk_size": 40})
