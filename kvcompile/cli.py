@@ -869,12 +869,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_serve(args) -> int:
     from .models import resolve
-    from .serve import require_server_transformers
-
-    # openai_server checks the release when first imported; in a process that imported it already (a test run),
-    # only this call refuses another release before the model loads and the port is taken
-    require_server_transformers()
-    from .openai_server import run
+    from .openai_server import run  # run checks the transformers release before loading the model or listening
 
     policy = args.policy or default_policy()
     path = resolve(args.model)

@@ -81,8 +81,9 @@ from .hf import model_shape
 from .policy import Policy
 from .pool import (DEFAULT_BUDGET, DEFAULT_SLOTS, MAX_BATCH_TOKENS, PoolSize, ServingOptions,  # noqa: F401
                    check_shared_tokens, default_slots, full_precision_bytes_per_token, layer_specs, make_stores,
-                   most_slots, pages_for, pages_held, pool_blocks, pool_nbytes, request_limit, request_pages, requests_held, serving_windows,
-                   shared_pages, shares_pages, size_pool, slots_for, specs_for, table_width, transformers_pages)
+                   most_slots, pages_for, pages_held, pool_blocks, pool_nbytes, request_limit, request_pages,
+                   requests_held, serving_windows, shared_pages, shares_pages, size_pool, slots_for, specs_for,
+                   table_width, transformers_pages)
 from .store import KVStore, state_nbytes
 
 # the engine's public names, imported from it on first use (it imports transformers' continuous batching)
