@@ -47,17 +47,15 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     import kvcompile
+    from benchmarks.serve_batch import greedy, random_prompts
     from kvcompile.models import load
     from kvcompile.presets import named
 
-    g = torch.Generator().manual_seed(0)
-    lengths = [40 + (560 * i) // max(1, args.requests - 1) for i in range(args.requests)]
-    prompts = [torch.randint(100, 20000, (n,), generator=g).tolist() for n in lengths]
-    gen = GenerationConfig(max_new_tokens=args.new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    lengths, prompts = random_prompts(args.requests, 40, 600)
+    gen = greedy(args.new)
     blocks = args.requests * -(-(max(lengths) + args.new) // 64) + 8
 
     rows = []

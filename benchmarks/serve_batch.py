@@ -15,6 +15,20 @@ import time
 import torch
 
 
+def random_prompts(n: int, shortest: int, longest: int, seed: int = 0) -> tuple[list[int], list[list[int]]]:
+    """``n`` prompts of random token ids, their lengths spread evenly from ``shortest`` to ``longest``:
+    ``(lengths, prompts)``."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [shortest + ((longest - shortest) * i) // max(1, n - 1) for i in range(n)]
+    return lengths, [torch.randint(100, 20000, (k,), generator=g).tolist() for k in lengths]
+
+
+def greedy(new: int):
+    """``new`` greedy tokens a request, never ended early (no end-of-sequence token)."""
+    from transformers import GenerationConfig
+    return GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=8)
@@ -23,17 +37,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     import kvcompile
     from kvcompile import Policy
     from kvcompile.models import load
 
-    g = torch.Generator().manual_seed(0)
-    lengths = [16 + (384 * i) // max(1, args.requests - 1) for i in range(args.requests)]
-    prompts = [torch.randint(100, 20000, (n,), generator=g).tolist() for n in lengths]
-    gen = GenerationConfig(max_new_tokens=args.new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    _, prompts = random_prompts(args.requests, 16, 400)
+    gen = greedy(args.new)
 
     def cbc():
         return ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=256)
