@@ -26,7 +26,13 @@ A contender that vLLM or kvcompile refuses at start-up is reported with the reas
 needs AVX-512; kvcompile refuses windows, KIVI's per-channel keys, sinks and per-layer policies: docs/vllm.md).
 kvcompile's own numbers for the same policies, where ``docs/eval.json`` has them, are put beside vLLM's; that
 protocol feeds the second half in chunks of 64 and reads a chunk's own keys in full precision, where vLLM reads
-every position from the pages (docs/vllm.md), so small differences are expected.
+every position from the pages (docs/vllm.md), so it is another measurement. ``kvcompile eval --own stored``
+measures what vLLM computes; ``--quality-only --eval-stored EVAL_JSON`` runs only the quality engines and puts
+that run's losses beside vLLM's:
+
+    kvcompile eval --own stored --entries int8:8 tok+rot:4 --passkey --out /tmp/stored
+    /path/to/vllm-env/bin/python benchmarks/vllm_side_by_side.py --model $MODEL --quality-only --passkey \
+        --only "vLLM auto" "kvcompile int8" "kvcompile tok+rot:4" --eval-stored /tmp/stored/eval.json
 """
 from __future__ import annotations
 
@@ -99,7 +105,7 @@ def quality(args, tok, policy, engine) -> dict:
         trials = passkey_trials(args.passkey, args.trials, seed=0)
         prompts = [TokensPrompt(prompt_token_ids=passkey_prompt(tok, t)[0]) for t in trials]
         answers = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=PASSKEY_NEW_TOKENS),
-                               use_tqdm=False)
+                               use_tqdm=False) if prompts else []
         found = {}
         for t, a in zip(trials, answers):
             found.setdefault(t.length, []).append(str(t.key) in a.outputs[0].text)
@@ -209,9 +215,9 @@ def serving(args, tok, policy, engine) -> dict:
 
 
 # --------------------------------------------------------------------------- the table and the plot
-def kvcompile_eval_loss(policy: str | None):
-    """kvcompile's own eval of ``policy`` on SmolLM2 (docs/eval.json), where it is there: (loss, loss delta)."""
-    path = ROOT / "docs" / "eval.json"
+def kvcompile_eval_loss(policy: str | None, path: Path = ROOT / "docs" / "eval.json"):
+    """kvcompile's own eval of ``policy`` on SmolLM2 (``path``, an eval.json; by default docs/eval.json), where it
+    is there: (loss, loss delta)."""
     if not path.exists():
         return None
     rows = json.loads(path.read_text())["rows"]
@@ -237,6 +243,27 @@ def capacity_table(results) -> str:
         ratio = f"{c['kv_tokens'] / base['kv_tokens']:.3f}" if "kv_tokens" in base else "-"
         lines.append(f"| {r['label']} | {c['kv_tokens']:,} | {c['concurrency_1k']:.2f} | {c['concurrency_8k']:.2f} "
                      f"| {ratio} |")
+    return "\n".join(lines)
+
+
+def quality_table(results, stored: Path | None) -> str:
+    """Held-out loss through vLLM beside ``kvcompile eval`` of the same policy on the same windows: with
+    ``--own stored`` (``stored``, an eval.json: every position read as stored, as vLLM's pages are read) and as
+    docs/eval.json has it (each call's own tokens in full precision)."""
+    base = next((r["quality"]["loss"] for r in results if r["label"] == "vLLM auto" and "loss" in r["quality"]), None)
+    lines = ["| contender | loss through vLLM | delta | kvcompile eval --own stored | delta | vLLM - eval | "
+             "kvcompile eval (own full) delta |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        q = r["quality"]
+        if "loss" not in q:
+            lines.append(f"| {r['label']} | refused: {q.get('refused', '?')[:160]} |" + " |" * 5)
+            continue
+        ev = kvcompile_eval_loss(r["policy"], stored) if stored else None
+        full = kvcompile_eval_loss(r["policy"])
+        delta = f"{q['loss'] - base:+.5f}" if base is not None else ""
+        cells = [f"{ev[0]:.5f}", f"{ev[1]:+.5f}", f"{q['loss'] - ev[0]:+.5f}"] if ev else ["", "", ""]
+        lines.append(f"| {r['label']} | {q['loss']:.5f} | {delta} | " + " | ".join(cells)
+                     + f" | {'' if full is None else f'{full[1]:+.5f}'} |")
     return "\n".join(lines)
 
 
@@ -306,10 +333,17 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="run only these contenders (labels)")
     ap.add_argument("--capacity-only", action="store_true",
                     help="vLLM's own capacity count alone (about a minute a contender; no quality or serving)")
+    ap.add_argument("--quality-only", action="store_true",
+                    help="only the quality engines (held-out loss, passkey): no capacity, no serving")
+    ap.add_argument("--eval-stored", type=Path,
+                    help="an eval.json of `kvcompile eval --own stored` on the same model and windows, put beside "
+                         "vLLM's losses (--quality-only's table)")
     ap.add_argument("--startup-s", type=int, default=900)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
+    if args.quality_only and args.capacity_only:
+        ap.error("--quality-only and --capacity-only: choose one")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the quality engines, in this process
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from transformers import AutoTokenizer
@@ -321,10 +355,14 @@ def main() -> None:
     results = []
     for label, policy, engine in contenders:
         t0 = time.time()
-        cap = capacity(args, policy, engine)
-        if args.capacity_only:
+        if args.quality_only:
+            cap = s = {"not_measured": "--quality-only"}
+            q = quality(args, tok, policy, engine)
+        elif args.capacity_only:
+            cap = capacity(args, policy, engine)
             q = s = {"not_measured": "--capacity-only"}
         else:
+            cap = capacity(args, policy, engine)
             q = quality(args, tok, policy, engine) if "refused" not in cap else {"refused": cap["refused"]}
             s = serving(args, tok, policy, engine) if "refused" not in q else {"refused": q["refused"]}
         results.append({"label": label, "policy": policy, "engine": engine, "capacity": cap, "quality": q,
@@ -334,7 +372,8 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
                                             "results": results}, indent=1))
-    print(capacity_table(results) if args.capacity_only else table(results))
+    print(capacity_table(results) if args.capacity_only else
+          quality_table(results, args.eval_stored) if args.quality_only else table(results))
     if args.plot:
         plot(results, args.plot)
 

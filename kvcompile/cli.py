@@ -271,7 +271,8 @@ def cmd_demo(args) -> int:
 
 
 EVAL_DEFAULTS = dict(model=None, schemes=None, bits=None, entries=None, window=2048, windows=4, chunk=64,
-                     passkey=None, passkey_lengths=[1024, 2048, 4096, 8192], passkey_chunk=2048, trials=20, seed=0)
+                     passkey=None, passkey_lengths=[1024, 2048, 4096, 8192], passkey_chunk=2048, trials=20, seed=0,
+                     own="full")
 # passkey entries when --passkey is not given: best:BITS of the widths the run evaluates
 EVAL_PASSKEY = ("full", "best:4", "best:2")
 _ROW_KEYS = ("scheme", "bits", "bytes_per_token_bf16", "ratio_to_bf16", "loss", "loss_delta")
@@ -359,9 +360,21 @@ def cmd_eval(args) -> int:
                              f"drop {'it' if len(given) == 1 else 'them'}, or run without --merge")
         results = [_read_eval_json(p) for p in args.merge]
         _check_out(args.out)
-        res = merge(results)
+        try:
+            res = merge(results)
+        except ArgumentError as e:
+            raise UsageError(f"--merge: {e}") from None
     else:
         pairs = _eval_pairs(args)
+        if args.own != "full":
+            from .evaluate import stores_pre_rope
+            for name, b, pol in pairs:
+                if pol is not None and stores_pre_rope(pol):
+                    label = name if name.endswith(".json") else f"{name}:{b}"
+                    raise UsageError(f"--own {args.own}: {label} stores keys before the rotary embedding "
+                                     f"(pre_rope), which only the compiled model measures, and --own {args.own} "
+                                     f"is measured through the eager cache (an engine that reads every position "
+                                     f"from its pages refuses pre_rope policies too); drop {label} or --own")
         if args.passkey is None:  # not given: full, and best:BITS of the widths the run evaluates
             widths = {b for _, b, _ in pairs}
             args.passkey = [e for e in EVAL_PASSKEY if not e.startswith("best:") or int(e[5:]) in widths]
@@ -390,7 +403,7 @@ def cmd_eval(args) -> int:
         res = run(model, tok, args.schemes or list(DEFAULT_SCHEMES), args.bits or list(DEFAULT_BITS), args.window,
                   args.windows, args.chunk, args.passkey, args.passkey_lengths, args.trials, args.seed,
                   progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr, flush=True),
-                  out_dir=args.out, entries=entries, passkey_chunk=args.passkey_chunk)
+                  out_dir=args.out, entries=entries, passkey_chunk=args.passkey_chunk, own=args.own)
         res["command"] = "kvcompile " + " ".join(args.argv)
     print(format_table(res))
     try:
@@ -695,6 +708,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out windows, evenly spaced over the text (default: %(default)s)")
     e.add_argument("--chunk", type=_POSITIVE_INT, default=D["chunk"],
                    help="tokens fed through the cache per call in the scored half (default: %(default)s)")
+    e.add_argument("--own", choices=("full", "stored"), default=D["own"],
+                   help="how each call of the held-out loss reads its own tokens' keys and values: full (in full "
+                        "precision, as kvcompile's generate and serving do) or stored (as stored, like every "
+                        "earlier position: what kvcompile inside vLLM computes) (default: %(default)s)")
     e.add_argument("--passkey", nargs="*", default=D["passkey"], metavar="ENTRY",
                    help='passkey entries: "full", SCHEME:BITS, a policy file, or best:BITS (the SCHEME:BITS of that '
                         'width with the lowest loss delta); none after --passkey: no passkey (default: full, and '

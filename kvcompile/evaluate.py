@@ -4,6 +4,10 @@ Held-out loss: windows of ``N`` tokens from ``pydoc_data.topics`` (ships with Py
 downloaded). The first half of each window is prefilled through the cache, the second half is fed through
 it in chunks of 64 tokens, and the loss is the mean cross-entropy over the second half. Every token the
 model attends to has gone through the policy's store, so the number includes what a real decode sees.
+Each call reads its own tokens' keys and values in full precision, as kvcompile's engines do (``own="full"``),
+or as stored like every earlier position (``own="stored"``: what an engine that reads every position from its
+pages computes, kvcompile inside vLLM; for a policy such pages hold -- per-token groups, no window or sinks --
+the split into calls then changes nothing but the order of sums).
 
 Passkey retrieval: a random 5-digit key hidden at a random depth in filler; the model must continue "The
 pass key is" with it. The prompt is ``L - PASSKEY_NEW_TOKENS`` tokens, so prompt and answer fit in ``L``
@@ -52,7 +56,10 @@ DEFAULT_BITS = (2, 3, 4, 8)
 
 # --------------------------------------------------------------------------- an incrementally updated view
 class _EvalLayer(KVCompileLayer):
-    """A ``KVCompileLayer`` whose dequantized view is kept and refreshed where an append changed it."""
+    """A ``KVCompileLayer`` whose dequantized view is kept and refreshed where an append changed it. ``own``: how
+    a chunk reads its own keys and values (``OWN``)."""
+
+    own = "full"
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -69,14 +76,16 @@ class _EvalLayer(KVCompileLayer):
         # tokens in [boundary(L), L) may have moved ring -> packed; [_chunk, L) holds the last chunk's own
         # full-precision values, written below (so the new chunk's positions need no dequantizing now)
         a = min(L, self.spec.boundary(L), self._chunk)
-        if a < L:
-            k, v = dequantize_reference(self.store.state, self.spec, key_states.dtype, start=a, end=L)
-            self._k[:, :, a:L] = k
-            self._v[:, :, a:L] = v
-        # the chunk attends to itself in full precision (as KVCompileLayer.update and the compiled path)
-        self._k[:, :, L:L + n] = key_states
-        self._v[:, :, L:L + n] = value_states
-        self._chunk = L
+        own = self.own == "full"
+        end = L if own else L + n  # "stored": the chunk's own positions are read as stored, like the others
+        if a < end:
+            k, v = dequantize_reference(self.store.state, self.spec, key_states.dtype, start=a, end=end)
+            self._k[:, :, a:end] = k
+            self._v[:, :, a:end] = v
+        if own:  # the chunk attends to itself in full precision (as KVCompileLayer.update and the compiled path)
+            self._k[:, :, L:L + n] = key_states
+            self._v[:, :, L:L + n] = value_states
+        self._chunk = L if own else L + n
         # Only the positions held: attention over the whole capacity would spend most of its FLOPs on
         # masked slots (at 8K capacity, chunked prefill cost 4x the attention it needs).
         return self._k[:, :, :L + n], self._v[:, :, :L + n]
@@ -94,22 +103,50 @@ class _EvalLayer(KVCompileLayer):
 
 
 class _EvalCache(KVCompileCache):
-    def __init__(self, config, policy: Policy, max_cache_len: int):
+    def __init__(self, config, policy: Policy, max_cache_len: int, own: str = "full"):
         super().__init__(config, policy, max_cache_len)
         self.layers = [_EvalLayer(p, layer.name, max_cache_len) if isinstance(layer, KVCompileLayer) else layer
                        for p, layer in zip(self.policies, self.layers)]
+        for layer in self.layers:
+            if isinstance(layer, _EvalLayer):
+                layer.own = own
 
 
-def make_cache(model, policy: Policy, max_cache_len: int, fast: bool = True) -> KVCompileCache:
+# How a chunk fed through the cache reads its own keys and values:
+OWN = {
+    "full": "in full precision, as the model computed them (kvcompile's own engines: generate, its serving)",
+    "stored": "as stored, like every earlier position (an engine that reads every position from its pages: "
+              "kvcompile inside vLLM)",
+}
+
+
+def check_own(own) -> None:
+    if own not in OWN:
+        raise ArgumentError(f"own={own!r}: expected one of {', '.join(map(repr, OWN))} (how a chunk reads its own "
+                            f"keys and values: " + "; ".join(f"{k}: {v}" for k, v in OWN.items()) + ")")
+
+
+def make_cache(model, policy: Policy, max_cache_len: int, fast: bool = True, own: str = "full") -> KVCompileCache:
     """The cache the evaluation feeds: ``_EvalCache`` (same numerics, faster) or the plain reference one.
     A pre_rope policy only goes through the plain one, inside the applied model (``compiled_copy``): the fast
-    cache's eager updates receive rotated keys, so it refuses rather than store them post-RoPE."""
+    cache's eager updates receive rotated keys, so it refuses rather than store them post-RoPE. ``own``: how a
+    chunk reads its own keys and values (``OWN``); "stored" is the fast cache's only."""
+    check_own(own)
+    if own != "full" and (not fast or stores_pre_rope(policy)):
+        raise ArgumentError(
+            f"own={own!r} is measured through the evaluation's fast eager cache only, which cannot store keys "
+            f"before the rotary embedding (pre_rope=True in {policy}); an engine that reads every position from "
+            f"its pages receives keys after the rotary embedding, and refuses pre_rope policies too"
+            if stores_pre_rope(policy) else
+            f"own={own!r} is measured through the evaluation's fast eager cache only: pass fast=True")
     if fast and stores_pre_rope(policy):
         raise PolicyError(
             f"the evaluation's fast eager cache cannot store keys before the rotary embedding (pre_rope=True in "
             f"{policy}): only the compiled model can. Measure it through evaluate.compiled_copy(model, policy) "
             f"with fast=False, as `kvcompile eval` does.")
-    return (_EvalCache if fast else KVCompileCache)(model.config, policy, max_cache_len)
+    if fast:
+        return _EvalCache(model.config, policy, max_cache_len, own)
+    return KVCompileCache(model.config, policy, max_cache_len)
 
 
 def stores_pre_rope(policy: Policy) -> bool:
@@ -157,17 +194,20 @@ def text_windows(tok, text: str, n: int, count: int, what: str = "the text") -> 
 
 @torch.no_grad()
 def heldout_loss(model, windows: torch.Tensor, policy: Policy, chunk: int = 64, batch: int = 4,
-                 fast: bool = True, progress: bool = False) -> list[float]:
+                 fast: bool = True, progress: bool = False, own: str = "full") -> list[float]:
     """Mean loss (nats/token) on the second half of each window, fed through a cache with ``policy``.
 
     windows: int64 ``[W, N]``. The first ``N/2`` tokens are prefilled in one call; the rest go through
-    the cache ``chunk`` tokens at a time. Returns one number per window.
+    the cache ``chunk`` tokens at a time. ``own``: how each call reads its own tokens' keys and values
+    (``OWN``: "full", kvcompile's engines; "stored", an engine reading every position from its pages).
+    Returns one number per window.
     """
+    check_own(own)
     W, N = windows.shape
     nll = torch.zeros(W, dtype=torch.float64)
     bar = tqdm(total=W * (1 + math.ceil((N - N // 2) / chunk)), disable=not progress, leave=False,
                desc=f"loss {policy}"[:60])
-    for rows, s, pred in scored_logits(model, windows, policy, chunk, batch, fast, on_call=bar.update):
+    for rows, s, pred in scored_logits(model, windows, policy, chunk, batch, fast, on_call=bar.update, own=own):
         nll[rows] += F.cross_entropy(pred.reshape(-1, pred.shape[-1]), windows[rows, s:s + pred.shape[1]].reshape(-1),
                                      reduction="none").view(len(pred), -1).double().sum(1)
     bar.close()
@@ -175,18 +215,18 @@ def heldout_loss(model, windows: torch.Tensor, policy: Policy, chunk: int = 64, 
 
 
 def scored_logits(model, windows: torch.Tensor, policy: Policy, chunk: int = 64, batch: int = 4, fast: bool = True,
-                  on_call=None):
+                  on_call=None, own: str = "full"):
     """The held-out protocol's predictions: yields ``(rows, s, pred)`` where ``pred``, float32 ``[b, c, V]``,
     predicts tokens ``windows[rows, s:s + c]`` of the second half, fed through a cache with ``policy``.
 
     The first ``N/2`` tokens of each window are prefilled in one call, the rest go through the cache ``chunk``
-    tokens at a time; ``on_call(rows)`` after each model call (progress)."""
+    tokens at a time; ``on_call(rows)`` after each model call (progress); ``own``: see ``heldout_loss``."""
     W, N = windows.shape
     half = N // 2
     for w0 in range(0, W, batch):
         rows = slice(w0, min(w0 + batch, W))
         ids = windows[rows]
-        cache = make_cache(model, policy, N, fast)
+        cache = make_cache(model, policy, N, fast, own)
         # Position p's logits predict token p + 1: the prefill's last one predicts the first target.
         prev = _forward(model, ids[:, :half], cache, keep=1)
         if on_call:
@@ -423,14 +463,16 @@ def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int
         window: int = 2048, windows: int = 4, chunk: int = 64, passkey: Iterable[str] = (),
         passkey_lengths=(1024, 2048, 4096, 8192), passkey_trials_n: int = 20, seed: int = 0,
         progress: bool = True, log=print, fast: bool = True, out_dir=None,
-        entries: Iterable[str] | None = None, passkey_chunk: int = 2048) -> dict:
+        entries: Iterable[str] | None = None, passkey_chunk: int = 2048, own: str = "full") -> dict:
     """Loss delta of every ``scheme x bits`` over full precision, and passkey accuracy of the ``passkey``
     entries: ``"full"``, ``"scheme:bits"`` or ``"best:bits"`` (the lowest loss delta of that width).
     ``entries``: ``"scheme:bits"`` strings or policy files (``*.json``, ``Policy.save``) to evaluate instead of
     ``schemes x bits`` (``[]``: passkey only); ``passkey`` entries may be policy files too.
     ``out_dir``: write ``eval.partial.json`` there after every row. ``passkey_chunk``: the prompt is prefilled
-    through the cache in aligned chunks of this many tokens (see ``passkey_retrieved``).
+    through the cache in aligned chunks of this many tokens (see ``passkey_retrieved``). ``own``: how the
+    held-out loss's calls read their own keys and values (``OWN``; passkey prompts always as ``"full"``).
     Returns a JSON-ready dict (see ``write``)."""
+    check_own(own)
     layers, kv_heads, head_dim = model_shape(model.config)
     for entry in passkey:  # refused before the loss rows run, not after
         if entry != "full" and not entry.startswith("best:") and stores_pre_rope(entry_policy(entry, model.config)[2]
@@ -443,9 +485,12 @@ def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int
         pairs = [(name, b, scheme_policy(name, b)) for b in bits for name in schemes]
     todo = [("full", 16, Policy.full())] if pairs else []
     todo += [t for t in pairs if t[2] is not None]
+    for name, b, pol in todo if own != "full" else ():  # refused before any row runs, not at the row
+        if stores_pre_rope(pol):
+            make_cache(model, pol, window, True, own)  # raises: says why
     fp_bpt = full_precision_bytes_per_token(layers, kv_heads, head_dim)
     res = {"model": getattr(model.config, "_name_or_path", "") or "model",
-           "window": window, "windows": windows, "chunk": chunk, "seed": seed,
+           "window": window, "windows": windows, "chunk": chunk, "seed": seed, "own": own,
            "full_precision_bytes_per_token_bf16": fp_bpt, "rows": [], "passkey": {},
            "cache_path": "reference store (KVCompileCache numerics, incremental view)" if fast
            else "reference store (KVCompileCache)"}
@@ -457,7 +502,7 @@ def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int
             losses = heldout_loss(compiled_copy(model, pol), W, pol, chunk, fast=False, progress=progress)
             torch._dynamo.reset()  # the copy's graphs go with it
         else:
-            losses = heldout_loss(model, W, pol, chunk, fast=fast, progress=progress)
+            losses = heldout_loss(model, W, pol, chunk, fast=fast, progress=progress, own=own)
         if base is None:
             base = losses
         deltas = [x - y for x, y in zip(losses, base)]
@@ -517,8 +562,15 @@ def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int
 
 
 def merge(results: list[dict]) -> dict:
-    """One result from several runs (rows and passkey entries; later runs win on duplicates)."""
+    """One result from several runs (rows and passkey entries; later runs win on duplicates). Runs whose loss
+    rows read a chunk's own keys and values differently (``own``) are not one table: refused."""
+    owns = {r.get("own", "full") for r in results if r["rows"]}
+    if len(owns) > 1:
+        raise ArgumentError(f"these runs measured the held-out loss under different protocols (own: "
+                            f"{', '.join(sorted(owns))}): their rows are not comparable; merge runs of one protocol")
     out = dict(results[0])
+    if owns:
+        out["own"] = owns.pop()
     rows, pk = {}, {}
     per_length = ("accuracy", "accuracy_needle_packed", "needle_packed_trials", "bytes_per_token_bf16",
                   "trials_detail")
@@ -561,6 +613,8 @@ def format_table(res: dict) -> str:
         ps = " ".join(f"{int(round(v * 100))}" for v in acc["accuracy"].values()) if acc else ""
         lines.append(f"{r['scheme']:<14}{r['bits']:>5}{r['bytes_per_token_bf16']:>13,.0f}{r['ratio_to_bf16']:>8.3f}"
                      f"{r['loss']:>9.4f}{r['loss_delta']:>+11.5f}  {ps}")
+    if res["rows"] and res.get("own", "full") != "full":
+        lines.append(f"loss: each call read its own tokens' keys and values {OWN[res['own']]}")
     if pk:
         lines += ["", "passkey retrieval (% of trials; 'packed': only trials whose needle is in quantized storage)",
                   f"{'entry':<28}{'chunk':>6}{'trials':>7}  {'length':>6}{'retrieved':>10}{'packed':>12}"

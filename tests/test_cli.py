@@ -123,6 +123,20 @@ def test_eval_writes_table_json_and_plot(capsys, tmp_path, tiny_dir):
 
 
 @pytest.mark.slow
+def test_eval_own_stored_is_recorded_and_measured(tmp_path, tiny_dir):
+    common = ["eval", "--model", str(tiny_dir), "--entries", "naive:2", "--window", "64", "--windows", "1",
+              "--passkey", "--no-progress"]
+    rows = {}
+    for own in ("full", "stored"):
+        assert cli.main(common + ["--own", own, "--out", str(tmp_path / own)]) == 0
+        res = json.loads((tmp_path / own / "eval.json").read_text())
+        assert res["own"] == own
+        rows[own] = {r["scheme"]: r["loss"] for r in res["rows"]}
+    assert rows["full"]["full"] == rows["stored"]["full"]  # nothing stored quantized: one protocol
+    assert rows["full"]["naive"] != rows["stored"]["naive"]
+
+
+@pytest.mark.slow
 def test_eval_of_a_policy_file_with_the_default_passkey(tmp_path, tiny_dir):
     """The obvious call, a policy file and nothing else: the default passkey entries are full precision and
     best:BITS only of the widths the run evaluates (a policy file is none of them), so it runs; best:2 picks
@@ -281,6 +295,14 @@ BAD_INPUTS = {
     "eval_merge_not_an_eval": ("eval --merge {tmp}/norows.json", r"is not an eval\.json written by kvcompile eval"),
     "eval_merge_with_run_options": ("eval --merge {tmp}/norows.json --window 128",
                                     r"--merge re-renders earlier runs .*: --window would have no effect"),
+    "eval_own_unknown": ("eval --own pages", r"argument --own: invalid choice: 'pages' \(choose from 'full', 'stored'\)"),
+    "eval_own_stored_pre_rope": ("eval --entries int8:8 kivi+pre+sink:4 --own stored",
+                                 r"--own stored: kivi\+pre\+sink:4 stores keys before the rotary embedding"),
+    "eval_merge_two_protocols": ("eval --merge {tmp}/own_full.json {tmp}/own_stored.json",
+                                 r"--merge: these runs measured the held-out loss under different protocols "
+                                 r"\(own: full, stored\)"),
+    "eval_merge_with_own": ("eval --merge {tmp}/own_full.json --own stored",
+                            r"--merge re-renders earlier runs .*: --own would have no effect"),
     # demo
     "demo_model_not_a_model": ("demo --model {tmp}/notmodel", r"is not a local Hugging Face model directory"),
     "demo_policy_without_bits": ("demo --policy kivi", r"argument --policy: 'kivi' needs a width, as SCHEME:BITS"),
@@ -315,6 +337,9 @@ def bad_files(tmp_path_factory, tiny_dir):
     (d / "notmodel" / "notes.txt").write_text("not a model")
     (d / "bad.json").write_text("{not json")
     (d / "norows.json").write_text(json.dumps({"a": 1}))
+    row = {"scheme": "int8", "bits": 8, "bytes_per_token_bf16": 1, "ratio_to_bf16": 1, "loss": 1.0, "loss_delta": 0}
+    (d / "own_full.json").write_text(json.dumps({"window": 64, "windows": 1, "rows": [row]}))  # before --own: full
+    (d / "own_stored.json").write_text(json.dumps({"window": 64, "windows": 1, "rows": [row], "own": "stored"}))
     (d / "notype.json").write_text(json.dumps({"hidden_size": 8}))
     (d / "afile").write_text("a file")
     (d / "noweights").mkdir()

@@ -59,6 +59,80 @@ def test_incremental_view_is_the_reference_view(tiny, policy):
                 assert layer.get_mask_sizes(5) == (int(layer.cumulative_length) + 5, 0)
 
 
+@pytest.mark.parametrize("policy", POLICIES, ids=str)
+def test_stored_view_reads_every_position_as_stored(tiny, policy):
+    # own="stored": no exception for the chunk just appended -- every position, its own included, is the store's
+    ids = torch.randint(0, 512, (2, 150))
+    cache = E.make_cache(tiny, policy, 160, own="stored")
+    with torch.no_grad():
+        tiny(input_ids=ids[:, :37], use_cache=True, **{E.cache_kwarg(tiny): cache})
+        for s in range(37, 150, 11):
+            tiny(input_ids=ids[:, s:s + 11], use_cache=True, **{E.cache_kwarg(tiny): cache})
+            for layer in cache.layers:
+                n = int(layer.cumulative_length)
+                k, v = dequantize_reference(layer.store.state, layer.spec, torch.float32, end=n)
+                assert torch.equal(k, layer._k[:, :, :n]) and torch.equal(v, layer._v[:, :, :n])
+
+
+def _round_trip_attention(policy):
+    """An attention that reads each key and value as a per-token policy stores it, wherever the position: the
+    model run once over the whole window computes what own="stored" specifies, with no cache at all."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from kvcompile import quant as Q
+
+    def trip(x, q):
+        return Q.dequantize(*Q.quantize(x, q), q, x.dtype) if q.quantized else x
+
+    def attend(module, query, key, value, *args, **kwargs):
+        return sdpa_attention_forward(module, query, trip(key, policy.key), trip(value, policy.value), *args, **kwargs)
+    return attend
+
+
+@pytest.mark.parametrize("policy", [Policy.int8(), Policy(Quant("int4", "token"), Quant("int4", "token", 32)),
+                                    Policy(Quant("int2", "token"), Quant("none"))], ids=str)
+def test_stored_loss_is_the_model_reading_every_position_as_stored(tiny, policy, monkeypatch):
+    # An engine that reads every position from its pages (kvcompile inside vLLM) computes this, however it splits
+    # the window into calls; kvcompile's own convention (own="full") reads each call's own tokens unquantized.
+    W = torch.randint(0, 512, (2, 96))
+    stored = {c: E.heldout_loss(tiny, W, policy, chunk=c, own="stored") for c in (1, 16, 48)}
+    full = {c: E.heldout_loss(tiny, W, policy, chunk=c) for c in (16, 48)}
+    import transformers
+    monkeypatch.setitem(transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "kvtrip",
+                        transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    transformers.AttentionInterface.register("kvtrip", _round_trip_attention(policy))
+    monkeypatch.setattr(tiny.config, "_attn_implementation", "kvtrip")
+    with torch.no_grad():
+        lg = tiny(input_ids=W).logits
+    want = F.cross_entropy(lg[:, 47:-1].transpose(1, 2), W[:, 48:], reduction="none").mean(1).tolist()
+    tol = 1e-5  # float32 sums in another order
+    for c in stored:
+        assert stored[c] == pytest.approx(want, abs=tol), c
+    # the tolerance tells the protocols apart: "full" reads each call's own tokens unquantized
+    for c in (16, 48):
+        assert max(abs(a - b) for a, b in zip(full[c], want)) > 2 * tol, c
+
+
+def test_stored_is_refused_where_it_cannot_be_measured(tiny):
+    W = torch.randint(0, 512, (1, 32))
+    with pytest.raises(E.ArgumentError, match="own='pages'.*'full', 'stored'"):
+        E.heldout_loss(tiny, W, Policy.int8(), own="pages")
+    with pytest.raises(E.ArgumentError, match="fast eager cache only: pass fast=True"):
+        E.heldout_loss(tiny, W, Policy.int8(), fast=False, own="stored")
+    with pytest.raises(E.ArgumentError, match="pre_rope=True"):
+        E.heldout_loss(tiny, W, Policy.kivi(4, pre_rope=True, residual=0), own="stored")
+
+
+def test_merge_refuses_rows_of_two_protocols():
+    row = {"scheme": "int8", "bits": 8, "loss": 1.0, "loss_delta": 0.0}
+    a = {"window": 64, "windows": 1, "rows": [row], "passkey": {}}
+    b = dict(a, own="stored")
+    assert E.merge([b, dict(b, rows=[dict(row, scheme="naive")])])["own"] == "stored"
+    assert E.merge([a, dict(a, passkey={"full:16": {}})])["own"] == "full"  # runs older than own read "full"
+    assert E.merge([b, {"window": 64, "windows": 1, "rows": [], "passkey": {}}])["own"] == "stored"
+    with pytest.raises(E.ArgumentError, match="different protocols \\(own: full, stored\\)"):
+        E.merge([a, b])
+
+
 def test_fast_and_reference_cache_give_the_same_loss(tiny):
     W = torch.randint(0, 512, (2, 128))
     pol = Policy.kivi(2, residual=16)
