@@ -91,8 +91,9 @@ def test_presets_pages_cannot_hold_are_refused(name, kind):
     assert e.value.kind is kind
 
 
-def test_per_layer_policies_are_refused_naming_the_alternative():
-    with pytest.raises(Refused, match="per layer.*uniform policy"):
+def test_a_layout_is_one_layers():
+    # a per-layer policy is resolved per layer by the plugin (KVCompileImpl.bind) before it asks for a layout
+    with pytest.raises(KVCompileError, match="one layer's policy; resolve"):
         layout_for(Policy.int8().override({0: Policy(Quant("int4"), Quant("int4"))}), 2, 64, torch.float32, 128)
 
 

@@ -159,6 +159,12 @@ QUANTIZED = {
     "fp8-int8-bf16": (Policy(Quant("fp8_e4m3", "token"), Quant("int8", "token", scale_dtype="float32")).to_dict(),
                       "bfloat16"),
     "int8": ("int8", "float32"),  # a preset by name
+    # a policy per layer: 2-bit rotated keys and values, the last layer int8 (pages of two sizes)
+    "per-layer": (Policy(Quant("int2", "token"), Quant("int2", "token"), rotate=True)
+                  .override({-1: Policy.int8()}).to_dict(), "float32"),
+    # the first layer in full precision (vLLM's own page and kernels), the other 4-bit
+    "per-layer-full": (Policy(Quant("int4", "token"), Quant("int4", "token"), rotate=True)
+                       .override({"model.layers.0": None}).to_dict(), "bfloat16"),
 }
 
 
@@ -170,15 +176,21 @@ def test_pages_hold_the_reference_stores_bytes_and_attention_is_within_the_bound
     llm = engine(tiny, policy, dtype=dtype)
     try:
         lays = {n: i.layout for n, i in impls(llm).items()}
-        assert all(lay is not None and lay.policy == backend.policy_of({"kvcompile": {"policy": policy}})
-                   for lay in lays.values())
+        named = backend.policy_of({"kvcompile": {"policy": policy}})
+        want = named.resolve(list(lays)) if named.overrides else [named] * len(lays)
+        assert [lay.policy if lay is not None else Policy.full() for lay in lays.values()] == want
         n_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
-        page = next(iter(lays.values())).page_bytes
-        assert n_blocks == KV_BYTES // (len(lays) * page)  # vLLM's capacity follows the packed page
+        kv = caches(llm)
+        pages = [kv[n].numel() * kv[n].element_size() // n_blocks for n in lays]  # each layer's page, as allocated
+        assert pages == [lay.page_bytes if lay is not None else 2 * 2 * 128 * 64 * kv[n].element_size()
+                         for n, lay in lays.items()]  # a full-precision layer: vLLM's own K and V page
+        assert n_blocks == KV_BYTES // sum(pages)  # vLLM's capacity follows the packed pages
         out = run(llm)
         assert all(len(t) == 24 for t, _ in out)
-        kv = caches(llm)
         for layer, lay in lays.items():
+            if lay is None:
+                assert layer not in rec.stores  # vLLM's own layer: kvcompile stored nothing
+                continue
             pool = replay(lay, rec.stores[layer], kv[layer].shape[0])
             for field, got, want in zip(P.POOL_FIELDS, lay.views(kv[layer]), pool):
                 assert torch.equal(bits(got), bits(want)), (name, layer, field)
@@ -239,6 +251,26 @@ def test_a_policy_pages_cannot_hold_is_refused_at_start_up(tiny):
         err = err.__cause__ or err.__context__
     text = " | ".join(chain)
     assert "residual=128" in text and "page holds only packed tokens" in text and "tok+rot:4" in text, text
+
+
+def _chain(err) -> str:
+    chain = []
+    while err is not None:
+        chain.append(str(err))
+        err = err.__cause__ or err.__context__
+    return " | ".join(chain)
+
+
+@pytest.mark.parametrize("policy,said", [
+    # one layer's choice pages cannot hold: refused when the layers are built, with the reason
+    (Policy(Quant("int4"), Quant("int4"), rotate=True).override({1: Policy.kivi(4)}), "residual=128"),
+    # a selector that names no layer of this model
+    (Policy.int8().override({5: Policy(Quant("int4"), Quant("int4"))}), "matches none of the 2 attention layers"),
+], ids=["kivi-layer", "no-such-layer"])
+def test_a_per_layer_policy_is_checked_at_start_up(tiny, policy, said):
+    with pytest.raises(Exception) as e:
+        engine(tiny, policy.to_dict())
+    assert said in _chain(e.value), _chain(e.value)
 
 
 # --------------------------------------------------------------------------- quality: kvcompile eval's protocol

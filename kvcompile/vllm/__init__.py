@@ -27,3 +27,23 @@ def register() -> None:
     kind = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
     for name, path in BACKENDS.get(kind, {}).items():
         register_backend(AttentionBackendEnum[name], path)
+    _per_layer_pages()
+
+
+def _per_layer_pages() -> None:
+    """Let a per-layer policy give each layer its own page: vLLM asks each attention layer for its spec
+    (``Attention.get_kv_cache_spec``) and then its backend class (``customize_spec``, which sees no layer);
+    the layer's answer passes through ``backend.layer_spec``. Idempotent."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    if getattr(Attention.get_kv_cache_spec, "kvcompile", False):
+        return
+    own = Attention.get_kv_cache_spec
+
+    def get_kv_cache_spec(self, vllm_config):
+        from .backend import layer_spec
+        return layer_spec(self, own(self, vllm_config), vllm_config)
+
+    get_kv_cache_spec.kvcompile = True
+    get_kv_cache_spec.__doc__ = own.__doc__
+    Attention.get_kv_cache_spec = get_kv_cache_spec

@@ -5,7 +5,8 @@ and evicts (preemption) them itself. This backend changes two things, through vL
 
 - **the page**: ``customize_spec`` declares each page to hold ``kvcompile.pages.PageLayout.page_bytes`` bytes
   (``state_content_bytes`` per kv head and token, as uint8), so vLLM's capacity accounting, its block manager and
-  its reported concurrency follow the packed size;
+  its reported concurrency follow the packed size; under a per-layer policy each layer declares its own page
+  (``layer_spec``, through vLLM's ``Attention.get_kv_cache_spec``: ``customize_spec`` sees no layer);
 - **the write and the read**: ``do_kv_cache_update`` quantizes the step's keys and values into their pages
   (``kvcompile.pages.store_ragged``: sequence ``i``'s tokens at positions ``seq_lens[i] - n_i ..``, page
   ``block_table[i][p // block_size]``, row ``p % block_size`` -- the slots vLLM assigned), and ``forward`` attends
@@ -84,6 +85,8 @@ class KVCompileImpl:
     (``Attention.__init__``), so one constructor serves them all."""
 
     layout: pages.PageLayout | None = None
+    per_layer: Policy | None = None  # a policy with overrides: the layout is chosen by ``bind``
+    _bound = False
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                  logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None, **extra):
@@ -98,19 +101,45 @@ class KVCompileImpl:
             return  # no KV cache: vLLM's own
         if policy is not None and attn_type != AttentionType.DECODER and policy != Policy.full():
             refuse(f"an {attn_type} attention layer (cross-attention)", "use no kvcompile policy for this model")
-        device = torch.device(cfg.device_config.device_type)
-        self.layout = layout_for(policy, num_kv_heads, head_size, cfg.model_config.dtype,
-                                 cfg.cache_config.block_size, kv_cache_dtype=kv_cache_dtype,
-                                 sliding_window=sliding_window, alibi=alibi_slopes is not None,
-                                 softcap=logits_soft_cap or 0.0, sinks=extra.get("sinks") is not None,
-                                 kv_sharing=kv_sharing_target_layer_name is not None)
-        if self.layout is None:
+        self._device = torch.device(cfg.device_config.device_type)
+        self._layer = dict(heads=num_kv_heads, head_dim=head_size, dtype=cfg.model_config.dtype,
+                           block=cfg.cache_config.block_size, kv_cache_dtype=kv_cache_dtype,
+                           sliding_window=sliding_window, alibi=alibi_slopes is not None,
+                           softcap=logits_soft_cap or 0.0, sinks=extra.get("sinks") is not None,
+                           kv_sharing=kv_sharing_target_layer_name is not None)
+        if policy is not None and policy.overrides:
+            # A policy per layer: which layer this is, vLLM says only when it asks the layer for its page
+            # (``layer_spec``). Every policy the layers may get is checked now, so a refusal comes at start-up.
+            choices = [policy.base()] + [p for _, p in policy.overrides]
+            quantizes = [self._layout_of(p) is not None for p in choices]
+            self.per_layer = policy
+        else:
+            self.layout = self._layout_of(policy)
+            quantizes = [self.layout is not None]
+        if not any(quantizes):
             return
         from vllm.config import CUDAGraphMode
-        if device.type == "cuda" and cfg.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+        if self._device.type == "cuda" and cfg.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
             refuse("vLLM captures CUDA graphs, and kvcompile's attention reads each step's batch on the host",
                    "start vLLM with enforce_eager=True (--enforce-eager)")
-        pages.prepare(self.layout, device)
+        if self.layout is not None:
+            pages.prepare(self.layout, self._device)
+
+    def _layout_of(self, policy):
+        lay = self._layer
+        return layout_for(policy, lay["heads"], lay["head_dim"], lay["dtype"], lay["block"],
+                          **{k: v for k, v in lay.items() if k not in ("heads", "head_dim", "dtype", "block")})
+
+    def bind(self, name: str, names: list[str]) -> None:
+        """Choose this layer's layout from the per-layer policy: the layer ``name`` among the model's cached
+        attention layers ``names`` (in order; what ``Policy.resolve`` takes). Once; later calls keep it."""
+        if self.per_layer is None or self._bound:
+            return
+        policies = self.per_layer.resolve(names)
+        self.layout = self._layout_of(policies[names.index(name)])
+        self._bound = True
+        if self.layout is not None:
+            pages.prepare(self.layout, self._device)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if self.layout is None:
@@ -139,12 +168,35 @@ class KVCompileImpl:
         return output
 
 
+def cached_layers(vllm_config) -> list[str]:
+    """The names of the model's attention layers kvcompile's implementations serve, in the model's order (vLLM
+    registers each layer as it is built)."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    return [name for name, layer in ctx.items()
+            if isinstance(getattr(layer, "impl", None), KVCompileImpl) and layer.impl.per_layer is not None]
+
+
+def layer_spec(layer, spec, vllm_config):
+    """The spec of one attention layer (vLLM's ``Attention.get_kv_cache_spec``, which ``kvcompile.vllm.register``
+    wraps), with its own page under a per-layer policy: the layer's layout is chosen here, where vLLM first names
+    the layer, and its page declared as ``customized`` declares a uniform policy's. vLLM keeps layers of one kind
+    with pages of different sizes in one group, each layer's tensor of its own page size."""
+    impl = getattr(layer, "impl", None)
+    if spec is None or not isinstance(impl, KVCompileImpl) or impl.per_layer is None:
+        return spec
+    impl.bind(layer.layer_name, cached_layers(vllm_config))
+    if impl.layout is None:  # this layer in full precision: vLLM's own page
+        return spec
+    return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=impl.layout.token_head_bytes)
+
+
 def customized(spec, backend_customize):
     """``spec`` as vLLM's backend would give it, then made kvcompile's page (uint8, ``state_content_bytes`` per
-    kv head and token) when this process's engine named a quantizing policy."""
+    kv head and token) when this process's engine named a quantizing policy (a per-layer policy's pages are
+    declared per layer, by ``layer_spec``)."""
     spec = backend_customize(spec)
     policy = _ACTIVE.policy
-    if policy is None or policy == Policy.full() or spec.state_content_bytes is not None:
+    if policy is None or policy == Policy.full() or policy.overrides or spec.state_content_bytes is not None:
         return spec
     dtype = spec.dtype
     lay = pages.PageLayout(policy, spec.num_kv_heads, spec.head_size, dtype, spec.block_size)

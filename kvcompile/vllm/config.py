@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from kvcompile import pages
-from kvcompile.errors import PolicyError, UnsupportedError
+from kvcompile.errors import ArgumentError, PolicyError, UnsupportedError
 from kvcompile.policy import Policy
 from kvcompile.presets import named
 
@@ -63,10 +63,8 @@ def layout_for(policy: Policy | None, heads: int, head_dim: int, dtype: torch.dt
     is refused (``Refused``, or ``kvcompile.pages.PageError``), with the reason and what to do instead."""
     if policy is None or policy == Policy.full():
         return None
-    if policy.overrides:
-        refuse(f"the policy {policy} chooses per layer, and vLLM's attention backend declares one page layout "
-                f"for every layer (its customize_spec sees no layer)",
-                "name a uniform policy (calibrate's per-layer bits run through kvcompile's own `kvcompile serve`)")
+    if policy.overrides:  # the plugin resolves a per-layer policy first (KVCompileImpl.bind)
+        raise ArgumentError(f"layout_for takes one layer's policy; resolve {policy} per layer first")
     if kv_cache_dtype != "auto":
         refuse(f"kv_cache_dtype={kv_cache_dtype!r} asks vLLM to quantize the cache itself as well",
                 "leave kv_cache_dtype at 'auto' with a kvcompile policy (or drop the policy to use vLLM's own)")
