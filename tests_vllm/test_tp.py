@@ -4,9 +4,10 @@ unsharded run's. (The log probabilities differ from the unsharded run's in their
 its all-reduce sums the ranks' partial products in another order.)"""
 from __future__ import annotations
 
+import pytest
 from vllm import SamplingParams
 
-from kvcompile import Policy
+from kvcompile import Policy, Quant
 from kvcompile import pages as P
 from conftest import KV_BYTES, close, engine
 
@@ -14,18 +15,23 @@ PROMPTS = ["def foo(x):", "The class statement", "import os\nimport sys\n" * 9]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def test_two_ranks_hold_their_own_heads_and_give_the_unsharded_tokens(tiny):
-    one = engine(tiny, "int8")
+PER_LAYER = Policy(Quant("int4"), Quant("int4"), rotate=True).override({1: Policy.int8()})
+
+
+@pytest.mark.parametrize("policy", [Policy.int8(), PER_LAYER], ids=["int8", "per-layer"])
+def test_two_ranks_hold_their_own_heads_and_give_the_unsharded_tokens(tiny, policy):
+    one = engine(tiny, policy.to_dict())
     try:
         want = [list(o.outputs[0].token_ids) for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
     finally:
         close(one)
-    two = engine(tiny, "int8", tensor_parallel_size=2, distributed_executor_backend="mp")
+    two = engine(tiny, policy.to_dict(), tensor_parallel_size=2, distributed_executor_backend="mp")
     try:
         blocks = two.llm_engine.vllm_config.cache_config.num_gpu_blocks
         got = [list(o.outputs[0].token_ids) for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)]
     finally:
         close(two)
-    rank_page = P.PageLayout(Policy.int8(), 1, 64, "float32", 128).page_bytes  # 1 of the model's 2 kv heads
-    assert blocks == KV_BYTES // (2 * rank_page)
+    # each rank's page of each layer: 1 of the model's 2 kv heads
+    rank_pages = [P.PageLayout(p, 1, 64, "float32", 128).page_bytes for p in policy.resolve(["0", "1"])]
+    assert blocks == KV_BYTES // sum(rank_pages)
     assert got == want
