@@ -267,10 +267,13 @@ def quality_table(results, stored: Path | None) -> str:
     return "\n".join(lines)
 
 
-def table(results) -> str:
+def table(results, stored: Path | None = None) -> str:
+    """The whole run's table; the kvcompile eval column is ``stored``'s (``kvcompile eval --own stored``, what vLLM
+    computes) when given, else docs/eval.json's (kvcompile's own protocol)."""
     base = next((r for r in results if r["label"] == "vLLM auto"), None)
+    what = "kvcompile eval --own stored delta" if stored else "kvcompile eval delta"
     lines = ["| contender | KV tokens | 1K requests | 8K requests | x vLLM auto | held-out loss | delta | "
-             "kvcompile eval delta | passkey | tokens/s at max concurrency (requests) | decode tokens/s |",
+             f"{what} | passkey | tokens/s at max concurrency (requests) | decode tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         c, q, s = r["capacity"], r["quality"], r["serving"]
@@ -280,7 +283,7 @@ def table(results) -> str:
             continue
         ratio = c["kv_tokens"] / base["capacity"]["kv_tokens"] if base and "kv_tokens" in base["capacity"] else float("nan")
         delta = q["loss"] - base["quality"]["loss"] if base and "loss" in base["quality"] else float("nan")
-        ev = kvcompile_eval_loss(r["policy"])
+        ev = kvcompile_eval_loss(r["policy"], stored) if stored else kvcompile_eval_loss(r["policy"])
         ev_delta = "" if ev is None else f"{ev[1]:+.4f}"
         lv = s["level"]
         pk = " ".join(f"{k}: {v:.2f}" for k, v in q["passkey"].items())
@@ -337,7 +340,7 @@ def main() -> None:
                     help="only the quality engines (held-out loss, passkey): no capacity, no serving")
     ap.add_argument("--eval-stored", type=Path,
                     help="an eval.json of `kvcompile eval --own stored` on the same model and windows, put beside "
-                         "vLLM's losses (--quality-only's table)")
+                         "vLLM's losses")
     ap.add_argument("--startup-s", type=int, default=900)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
@@ -373,7 +376,7 @@ def main() -> None:
             args.out.write_text(json.dumps({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
                                             "results": results}, indent=1))
     print(capacity_table(results) if args.capacity_only else
-          quality_table(results, args.eval_stored) if args.quality_only else table(results))
+          quality_table(results, args.eval_stored) if args.quality_only else table(results, args.eval_stored))
     if args.plot:
         plot(results, args.plot)
 
