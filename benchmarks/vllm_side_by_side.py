@@ -267,6 +267,21 @@ def quality_table(results, stored: Path | None) -> str:
     return "\n".join(lines)
 
 
+def serving_table(results) -> str:
+    lines = ["| contender | KV tokens (serving dtype) | vLLM's concurrency | requests at once | generated tokens/s | "
+             "decode tokens/s |", "|---|---|---|---|---|---|"]
+    for r in results:
+        s = r["serving"]
+        if "level" not in s:
+            lines.append(f"| {r['label']} | refused: {s.get('refused', '?')[:160]} | | | | |")
+            continue
+        lv = s["level"]
+        decode = "" if lv["decode_tokens_per_s"] is None else f"{lv['decode_tokens_per_s']:.1f}"
+        lines.append(f"| {r['label']} | {s['kv_tokens']:,} | {s['reported_concurrency']:.2f} | {lv['requests']} | "
+                     f"{lv['tokens_per_s']:.1f} | {decode} |")
+    return "\n".join(lines)
+
+
 def table(results, stored: Path | None = None) -> str:
     """The whole run's table; the kvcompile eval column is ``stored``'s (``kvcompile eval --own stored``, what vLLM
     computes) when given, else docs/eval.json's (kvcompile's own protocol)."""
@@ -314,6 +329,23 @@ def plot(results, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_serving(results, path: Path) -> None:
+    """``--serving-only``'s plot: requests each serves at once and the decode tokens/s it gets at that level."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ok = [r for r in results if "level" in r["serving"]]
+    labels = [r["label"].replace("kvcompile ", "") for r in ok]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].bar(labels, [r["serving"]["level"]["requests"] for r in ok])
+    axes[0].set_title("streaming requests served at once")
+    axes[1].bar(labels, [r["serving"]["level"]["decode_tokens_per_s"] or 0 for r in ok])
+    axes[1].set_title("decode tokens/s at that level")
+    fig.suptitle(f"vllm serve, {ok[0]['serving']['dtype'] if ok else ''}, the same KV memory")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a Hugging Face model directory vLLM loads")
@@ -338,6 +370,8 @@ def main() -> None:
                     help="vLLM's own capacity count alone (about a minute a contender; no quality or serving)")
     ap.add_argument("--quality-only", action="store_true",
                     help="only the quality engines (held-out loss, passkey): no capacity, no serving")
+    ap.add_argument("--serving-only", action="store_true",
+                    help="only the serving runs (vllm serve at each one's reported concurrency, streaming clients)")
     ap.add_argument("--eval-stored", type=Path,
                     help="an eval.json of `kvcompile eval --own stored` on the same model and windows, put beside "
                          "vLLM's losses")
@@ -345,8 +379,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
-    if args.quality_only and args.capacity_only:
-        ap.error("--quality-only and --capacity-only: choose one")
+    if sum((args.quality_only, args.capacity_only, args.serving_only)) > 1:
+        ap.error("--quality-only, --capacity-only and --serving-only: choose one")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the quality engines, in this process
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from transformers import AutoTokenizer
@@ -358,7 +392,10 @@ def main() -> None:
     results = []
     for label, policy, engine in contenders:
         t0 = time.time()
-        if args.quality_only:
+        if args.serving_only:
+            cap = q = {"not_measured": "--serving-only"}
+            s = serving(args, tok, policy, engine)
+        elif args.quality_only:
             cap = s = {"not_measured": "--quality-only"}
             q = quality(args, tok, policy, engine)
         elif args.capacity_only:
@@ -375,10 +412,10 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
                                             "results": results}, indent=1))
-    print(capacity_table(results) if args.capacity_only else
+    print(capacity_table(results) if args.capacity_only else serving_table(results) if args.serving_only else
           quality_table(results, args.eval_stored) if args.quality_only else table(results, args.eval_stored))
     if args.plot:
-        plot(results, args.plot)
+        (plot_serving if args.serving_only else plot)(results, args.plot)
 
 
 if __name__ == "__main__":
