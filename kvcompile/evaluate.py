@@ -76,16 +76,16 @@ class _EvalLayer(KVCompileLayer):
         # tokens in [boundary(L), L) may have moved ring -> packed; [_chunk, L) holds the last chunk's own
         # full-precision values, written below (so the new chunk's positions need no dequantizing now)
         a = min(L, self.spec.boundary(L), self._chunk)
-        own = self.own == "full"
-        end = L if own else L + n  # "stored": the chunk's own positions are read as stored, like the others
+        unquantized = self.own == "full"
+        end = L if unquantized else L + n  # "stored": the chunk's own positions are read as stored, like the others
         if a < end:
             k, v = dequantize_reference(self.store.state, self.spec, key_states.dtype, start=a, end=end)
             self._k[:, :, a:end] = k
             self._v[:, :, a:end] = v
-        if own:  # the chunk attends to itself in full precision (as KVCompileLayer.update and the compiled path)
+        if unquantized:  # the chunk attends to itself in full precision (as KVCompileLayer.update, the compiled path)
             self._k[:, :, L:L + n] = key_states
             self._v[:, :, L:L + n] = value_states
-        self._chunk = L if own else L + n
+        self._chunk = L if unquantized else L + n
         # Only the positions held: attention over the whole capacity would spend most of its FLOPs on
         # masked slots (at 8K capacity, chunked prefill cost 4x the attention it needs).
         return self._k[:, :, :L + n], self._v[:, :, :L + n]
