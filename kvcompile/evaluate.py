@@ -120,10 +120,21 @@ OWN = {
 }
 
 
-def check_own(own) -> None:
+def check_own(own, policy: Policy | None = None, fast: bool = True) -> None:
+    """``own`` is one of ``OWN``, and ``policy`` (when given) can be measured so through the cache ``fast``
+    picks: "stored" only through the fast eager cache, which cannot store pre-RoPE keys."""
     if own not in OWN:
         raise ArgumentError(f"own={own!r}: expected one of {', '.join(map(repr, OWN))} (how a chunk reads its own "
                             f"keys and values: " + "; ".join(f"{k}: {v}" for k, v in OWN.items()) + ")")
+    if own == "full" or policy is None:
+        return
+    if stores_pre_rope(policy):
+        raise ArgumentError(
+            f"own={own!r} is measured through the evaluation's fast eager cache only, which cannot store keys "
+            f"before the rotary embedding (pre_rope=True in {policy}); an engine that reads every position from "
+            f"its pages receives keys after the rotary embedding, and refuses pre_rope policies too")
+    if not fast:
+        raise ArgumentError(f"own={own!r} is measured through the evaluation's fast eager cache only: pass fast=True")
 
 
 def make_cache(model, policy: Policy, max_cache_len: int, fast: bool = True, own: str = "full") -> KVCompileCache:
@@ -131,14 +142,7 @@ def make_cache(model, policy: Policy, max_cache_len: int, fast: bool = True, own
     A pre_rope policy only goes through the plain one, inside the applied model (``compiled_copy``): the fast
     cache's eager updates receive rotated keys, so it refuses rather than store them post-RoPE. ``own``: how a
     chunk reads its own keys and values (``OWN``); "stored" is the fast cache's only."""
-    check_own(own)
-    if own != "full" and (not fast or stores_pre_rope(policy)):
-        raise ArgumentError(
-            f"own={own!r} is measured through the evaluation's fast eager cache only, which cannot store keys "
-            f"before the rotary embedding (pre_rope=True in {policy}); an engine that reads every position from "
-            f"its pages receives keys after the rotary embedding, and refuses pre_rope policies too"
-            if stores_pre_rope(policy) else
-            f"own={own!r} is measured through the evaluation's fast eager cache only: pass fast=True")
+    check_own(own, policy, fast)
     if fast and stores_pre_rope(policy):
         raise PolicyError(
             f"the evaluation's fast eager cache cannot store keys before the rotary embedding (pre_rope=True in "
@@ -202,7 +206,7 @@ def heldout_loss(model, windows: torch.Tensor, policy: Policy, chunk: int = 64, 
     (``OWN``: "full", kvcompile's engines; "stored", an engine reading every position from its pages).
     Returns one number per window.
     """
-    check_own(own)
+    check_own(own, policy, fast)
     W, N = windows.shape
     nll = torch.zeros(W, dtype=torch.float64)
     bar = tqdm(total=W * (1 + math.ceil((N - N // 2) / chunk)), disable=not progress, leave=False,
@@ -485,9 +489,8 @@ def run(model, tok, schemes: Iterable[str] = DEFAULT_SCHEMES, bits: Iterable[int
         pairs = [(name, b, scheme_policy(name, b)) for b in bits for name in schemes]
     todo = [("full", 16, Policy.full())] if pairs else []
     todo += [t for t in pairs if t[2] is not None]
-    for name, b, pol in todo if own != "full" else ():  # refused before any row runs, not at the row
-        if stores_pre_rope(pol):
-            make_cache(model, pol, window, True, own)  # raises: says why
+    for _, _, pol in todo:  # refused before any row runs, not at the row
+        check_own(own, pol)
     fp_bpt = full_precision_bytes_per_token(layers, kv_heads, head_dim)
     res = {"model": getattr(model.config, "_name_or_path", "") or "model",
            "window": window, "windows": windows, "chunk": chunk, "seed": seed, "own": own,

@@ -32,6 +32,7 @@ implementation; ``cpu.py`` (vLLM's ``CPU_ATTN``) and ``cuda.py`` (``FLASH_ATTN``
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -102,11 +103,12 @@ class KVCompileImpl:
         if policy is not None and attn_type != AttentionType.DECODER and policy != Policy.full():
             refuse(f"an {attn_type} attention layer (cross-attention)", "use no kvcompile policy for this model")
         self._device = torch.device(cfg.device_config.device_type)
-        self._layer = dict(heads=num_kv_heads, head_dim=head_size, dtype=cfg.model_config.dtype,
-                           block=cfg.cache_config.block_size, kv_cache_dtype=kv_cache_dtype,
-                           sliding_window=sliding_window, alibi=alibi_slopes is not None,
-                           softcap=logits_soft_cap or 0.0, sinks=extra.get("sinks") is not None,
-                           kv_sharing=kv_sharing_target_layer_name is not None)
+        # this layer's layout for a (resolved) policy
+        self._layout_of = functools.partial(
+            layout_for, heads=num_kv_heads, head_dim=head_size, dtype=cfg.model_config.dtype,
+            block=cfg.cache_config.block_size, kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window,
+            alibi=alibi_slopes is not None, softcap=logits_soft_cap or 0.0, sinks=extra.get("sinks") is not None,
+            kv_sharing=kv_sharing_target_layer_name is not None)
         if policy is not None and policy.overrides:
             # A policy per layer: which layer this is, vLLM says only when it asks the layer for its page
             # (``layer_spec``). Every policy the layers may get is checked now, so a refusal comes at start-up.
@@ -124,11 +126,6 @@ class KVCompileImpl:
                    "start vLLM with enforce_eager=True (--enforce-eager)")
         if self.layout is not None:
             pages.prepare(self.layout, self._device)
-
-    def _layout_of(self, policy):
-        lay = self._layer
-        return layout_for(policy, lay["heads"], lay["head_dim"], lay["dtype"], lay["block"],
-                          **{k: v for k, v in lay.items() if k not in ("heads", "head_dim", "dtype", "block")})
 
     def bind(self, name: str, names: list[str]) -> None:
         """Choose this layer's layout from the per-layer policy: the layer ``name`` among the model's cached
