@@ -6,8 +6,9 @@ it in chunks of 64 tokens, and the loss is the mean cross-entropy over the secon
 model attends to has gone through the policy's store, so the number includes what a real decode sees.
 Each call reads its own tokens' keys and values in full precision, as kvcompile's engines do (``own="full"``),
 or as stored like every earlier position (``own="stored"``: what an engine that reads every position from its
-pages computes, kvcompile inside vLLM; for a policy such pages hold -- per-token groups, no window or sinks --
-the split into calls then changes nothing but the order of sums).
+pages computes, kvcompile inside vLLM; the split into calls then changes nothing but the order of sums -- a
+policy with a window or per-channel groups is fed one token a call, ``one_at_a_time``, so that each token reads
+the store as it stood when it was the newest, as the vLLM plugin's window cache gives).
 
 Passkey retrieval: a random 5-digit key hidden at a random depth in filler; the model must continue "The
 pass key is" with it. The prompt is ``L - PASSKEY_NEW_TOKENS`` tokens, so prompt and answer fit in ``L``
@@ -120,6 +121,15 @@ OWN = {
 }
 
 
+def one_at_a_time(policy: Policy) -> bool:
+    """Whether some layer of ``policy`` keeps tokens in full precision beside its packed ones (a window, per-channel
+    groups waiting to fill, sinks): then which positions a token reads in full precision depends on how the tokens
+    were split into calls, unless each call holds one token, which ``own="stored"`` does (an engine that reads
+    every position as stored computes this split-free attention: kvcompile inside vLLM)."""
+    policies = [policy.base()] + [p for _, p in policy.overrides]
+    return any(p.residual or p.sink or p.flush > 1 for p in policies)
+
+
 def check_own(own, policy: Policy | None = None, fast: bool = True) -> None:
     """``own`` is one of ``OWN``, and ``policy`` (when given) can be measured so through the cache ``fast``
     picks: "stored" only through the fast eager cache, which cannot store pre-RoPE keys."""
@@ -224,19 +234,29 @@ def scored_logits(model, windows: torch.Tensor, policy: Policy, chunk: int = 64,
     predicts tokens ``windows[rows, s:s + c]`` of the second half, fed through a cache with ``policy``.
 
     The first ``N/2`` tokens of each window are prefilled in one call, the rest go through the cache ``chunk``
-    tokens at a time; ``on_call(rows)`` after each model call (progress); ``own``: see ``heldout_loss``."""
+    tokens at a time; ``on_call(rows)`` after each model call (progress); ``own``: see ``heldout_loss``. Under
+    ``own="stored"`` a policy that keeps tokens in full precision beside its packed ones (``one_at_a_time``) is
+    fed one token a call, the prefill too: every token then reads the store as it stood when it was the newest."""
     W, N = windows.shape
     half = N // 2
+    single = own == "stored" and one_at_a_time(policy)
     for w0 in range(0, W, batch):
         rows = slice(w0, min(w0 + batch, W))
         ids = windows[rows]
         cache = make_cache(model, policy, N, fast, own)
         # Position p's logits predict token p + 1: the prefill's last one predicts the first target.
-        prev = _forward(model, ids[:, :half], cache, keep=1)
+        if single:
+            for p in range(half):
+                prev = _forward(model, ids[:, p:p + 1], cache, keep=1)
+        else:
+            prev = _forward(model, ids[:, :half], cache, keep=1)
         if on_call:
             on_call(len(ids))
         for s in range(half, N, chunk):
-            lg = _forward(model, ids[:, s:s + chunk], cache)
+            if single:
+                lg = torch.cat([_forward(model, ids[:, p:p + 1], cache) for p in range(s, min(s + chunk, N))], 1)
+            else:
+                lg = _forward(model, ids[:, s:s + chunk], cache)
             pred = torch.cat([prev, lg[:, :-1]], 1).float()  # predicts tokens s .. s + chunk - 1
             prev = lg[:, -1:]
             if on_call:

@@ -21,11 +21,13 @@ sequence lives in page ``table[p // block]``, row ``p % block``: the engine's ow
 
 **What fits in a page.** A page holds packed tokens only. A policy that keeps tokens in full precision beside its
 packed blocks -- a recent window (``residual``), per-channel key groups (KIVI: up to ``group - 1`` tokens wait in
-full precision until their group is complete), attention sinks -- has per-sequence state that lives outside the
-blocks, which an engine's fixed-size pages do not hold; pre-RoPE keys need the rotary embedding, which an engine
-applies before the cache sees the keys. ``refusal(policy, block)`` says which (a ``Refusal``), and
-``PageLayout`` refuses them (``PageError``, with the reason and what to use instead), never storing something
-other than what was asked.
+full precision until their group is complete) -- needs a second cache from the engine: each sequence's newest
+``window_tokens`` positions in full precision, in pages of their own (``PageLayout(..., window=True)``;
+``store_windowed`` and ``attention_windowed``, below; vLLM manages it as a sliding-window layer). Sinks (the first
+tokens in full precision) have no such place, and pre-RoPE keys need the rotary embedding, which an engine applies
+before the cache sees the keys. ``refusal(policy, block, window)`` says which (a ``Refusal``), and ``PageLayout``
+refuses them (``PageError``, with the reason and what to use instead), never storing something other than what
+was asked.
 
 The batch forms (``store``, ``attention``) take ``[B, H, n, D]`` chunks of equal length; the ragged forms
 (``store_ragged``, ``attention_ragged``) take an engine's flat batch: ``[T, H, D]`` tokens, request ``i`` owning
@@ -34,6 +36,7 @@ tokens ``query_start[i] .. query_start[i + 1]``, the last ``n_i`` of its ``seq_l
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
@@ -72,9 +75,11 @@ class PageError(UnsupportedError):
         self.kind = kind
 
 
-def refusal(policy: Policy, block: int) -> tuple[Refusal, str] | None:
+def refusal(policy: Policy, block: int, window: bool = False) -> tuple[Refusal, str] | None:
     """Why ``policy`` (one layer's, no overrides) cannot be kept in pages of ``block`` tokens, as
-    ``(kind, reason)``; None when it can. The reason says what was found and what to use instead."""
+    ``(kind, reason)``; None when it can. ``window``: the engine also keeps each sequence's newest tokens in full
+    precision, in pages of its own (``window_tokens``), so a recent window and per-channel groups can be kept. The
+    reason says what was found and what to use instead."""
     per_token = ("a per-token policy with no window and no sinks, e.g. Policy.int8(), "
                  "Policy.fp8(residual=0), or the presets int8, fp8-r0, tok+rot:4, tok+rot:2")
     if policy.overrides:
@@ -83,19 +88,23 @@ def refusal(policy: Policy, block: int) -> tuple[Refusal, str] | None:
     if policy.pre_rope:
         return Refusal.PRE_ROPE, ("pre_rope=True stores keys before the rotary embedding, but an engine's cache "
                                   "receives keys after it: use the same policy with pre_rope=False")
-    if policy.residual:
+    if policy.sink:
+        return Refusal.SINKS, (f"sink={policy.sink} keeps each sequence's first tokens in full precision beside its "
+                               f"packed blocks, which an engine's pages do not hold (a window's pages keep only the "
+                               f"newest tokens): use the same policy with sink=0, e.g. kivi+rot:4")
+    if not window and policy.residual:
         return Refusal.WINDOW, (f"residual={policy.residual} keeps each sequence's newest tokens in full precision "
                                 f"beside its packed blocks, and a page holds only packed tokens: use {per_token}")
-    if policy.flush > 1:
+    if not window and policy.flush > 1:
         return Refusal.PER_CHANNEL, (f"per-channel groups of {policy.flush} tokens (KIVI keys) keep up to "
                                      f"{policy.flush - 1} tokens per sequence in full precision until their group "
                                      f"is complete, and a page holds only packed tokens: use {per_token}")
-    if policy.sink:
-        return Refusal.SINKS, (f"sink={policy.sink} keeps each sequence's first tokens in full precision beside its "
-                               f"packed blocks, and a page holds only packed tokens: use {per_token}")
     if not (isinstance(block, int) and not isinstance(block, bool) and block >= 16 and not block & (block - 1)):
         return Refusal.BLOCK, (f"pages of {block!r} tokens: kvcompile's kernels take blocks of a power of two >= 16 "
                                f"tokens; give the engine such a block size (e.g. 16, 32, 64 or 128)")
+    if block % policy.flush:
+        return Refusal.BLOCK, (f"pages of {block} tokens do not hold whole per-channel groups of {policy.flush} "
+                               f"tokens; give the engine a block size that is a multiple of {policy.flush}")
     return None
 
 
@@ -122,6 +131,9 @@ class PageLayout:
     head_dim: channels per head.
     dtype:    the model's dtype, "float32", "bfloat16" or "float16" (what unquantized codes are kept in).
     block:    tokens per page (the engine's block size): a power of two >= 16.
+    window:   the engine keeps each sequence's newest ``window_tokens`` in full precision in a second cache of
+              pages (``window_views``), which lets a layout hold a recent window (``residual``) and per-channel
+              key groups (KIVI); ``store_windowed`` and ``attention_windowed`` then write and read both.
     """
 
     policy: Policy
@@ -129,6 +141,7 @@ class PageLayout:
     head_dim: int
     dtype: str
     block: int
+    window: bool = False
 
     def __post_init__(self):
         if isinstance(self.dtype, torch.dtype):
@@ -138,7 +151,7 @@ class PageLayout:
             object.__setattr__(self, "dtype", DTYPE_NAMES[self.dtype])
         if not isinstance(self.policy, Policy):
             raise ArgumentError(f"PageLayout.policy={self.policy!r}: expected a kvcompile.Policy")
-        why = refusal(self.policy, self.block)
+        why = refusal(self.policy, self.block, self.window)
         if why is not None:
             raise PageError(f"kvcompile policy {self.policy} cannot be kept in pages of {self.block!r} tokens: "
                             f"{why[1]}.", why[0])
@@ -175,6 +188,36 @@ class PageLayout:
     def page_bytes(self) -> int:
         """Bytes of one page: the fields, padded to a whole ``heads * block * token_head_bytes``."""
         return self.heads * self.block * self.token_head_bytes
+
+    @property
+    def window_tokens(self) -> int:
+        """Positions per sequence the window cache must keep, its newest: ``residual + flush - 1`` (the store's
+        ring; 0 for a layout without a window). A query at position ``p`` reads positions ``> p - window_tokens``
+        from it, and every packed position before those from the pages."""
+        return self.spec.ring if self.window else 0
+
+    def window_page_bytes(self, block: int) -> int:
+        """Bytes of one page of ``block`` tokens of the window cache: every kv head's keys and values in the
+        model's dtype."""
+        return 2 * self.heads * block * self.head_dim * _esize(DTYPES[self.dtype])
+
+    def window_views(self, window: Tensor, block: int) -> tuple[Tensor, Tensor]:
+        """Keys and values ``[NB, H, block, D]`` (model dtype) viewed in place in the engine's window cache
+        ``window`` (``[NB, ...]``, each page at least ``window_page_bytes(block)`` dense bytes from its start;
+        pages any distance apart). What they hold is ``kvcompile.store.as_stored``: the policy's rotated space."""
+        if not isinstance(window, Tensor) or window.dim() < 2:
+            raise ArgumentError(f"window: expected the engine's window cache [pages, ...]; got {_show(window)}")
+        dt, H, D = DTYPES[self.dtype], self.heads, self.head_dim
+        es = _esize(dt)
+        u8 = window.view(torch.uint8) if window.dtype != torch.uint8 else window
+        inner = u8.shape[1:]
+        if math.prod(inner) < self.window_page_bytes(block) or not _dense(inner, u8.stride()[1:]) \
+                or u8.stride(0) % es or u8.storage_offset() % es:
+            raise ArgumentError(f"window: each page must hold {self.window_page_bytes(block)} dense bytes "
+                                f"({block} tokens of {H} heads' keys and values, {self.dtype}); got {_show(window)}")
+        flat = u8.as_strided((u8.shape[0], self.window_page_bytes(block)), (u8.stride(0), 1)).view(dt)
+        kv = flat.view(u8.shape[0], 2, H, block, D)
+        return kv[:, 0], kv[:, 1]
 
     # ---- the engine's buffer
     def _bytes(self, pages: Tensor) -> Tensor:
@@ -382,4 +425,119 @@ def attention_ragged(layout: PageLayout, pages: Tensor, q: Tensor, k: Tensor | N
                         batch.table.index_select(0, sel), take(k) if k is not None else None,
                         take(v) if v is not None else None, scale)
         out.index_copy_(0, idx, got.transpose(1, 2).reshape(len(rows) * n, Hq, D).to(out.dtype))
+    return out
+
+
+# --------------------------------------------------------------------------- a window of full-precision tokens
+# With ``PageLayout.window`` the engine keeps a second cache: each sequence's newest ``window_tokens`` positions in
+# full precision (``as_stored``: what the store's ring holds), in pages of ``wblock`` tokens under a block table of
+# their own (``wbatch``: the same sequences and lengths as ``batch``). The packed pages take every whole
+# ``flush``-group as soon as its last token is written, so a page is final once all its positions are; a query at
+# position ``p`` reads the store as it stood when ``p`` was its newest token -- positions ``< Q(p + 1)`` packed, the
+# rest in full precision (``kvcompile.store``'s ``Q``) -- which is what decoding one token at a time gives, whatever
+# the engine's chunks, cached prefixes or recomputations.
+def _positions(batch: Ragged, spans: list[tuple[int, int, int]], block: int, device):
+    """For spans ``(sequence, lo, hi)``: (span index, page id, row in the page, position) of every position, as
+    tensors on ``device`` (pages from ``batch.table``)."""
+    rows, pos = [], []
+    for r, (i, lo, hi) in enumerate(spans):
+        rows += [r] * (hi - lo)
+        pos += range(lo, hi)
+    rows_t = torch.tensor(rows, dtype=torch.long)
+    pos_t = torch.tensor(pos, dtype=torch.long)
+    seqs = torch.tensor([spans[r][0] for r in rows], dtype=torch.long)
+    table = batch.table.to("cpu", torch.long)
+    page = table[seqs, pos_t // block] if pos else pos_t
+    return rows_t.to(device), page.to(device), (pos_t % block).to(device), pos_t.to(device)
+
+
+def _ring(layout: PageLayout, window: Tensor, wblock: int, wbatch: Ragged, spans, width: int, dtype):
+    """Rings ``[len(spans), H, width, D]`` (slot ``p % width``) holding each span's positions ``[lo, hi)`` from the
+    window cache, as the store's ring would."""
+    wk, wv = layout.window_views(window, wblock)
+    H, D = layout.heads, layout.head_dim
+    rk = wk.new_zeros(len(spans), H, width, D)
+    rv = torch.zeros_like(rk)
+    if width and any(hi > lo for _, lo, hi in spans):
+        r, page, row, pos = _positions(wbatch, spans, wblock, wk.device)
+        slot = pos % width
+        rk[r, :, slot] = wk[page, :, row]
+        rv[r, :, slot] = wv[page, :, row]
+    return rk, rv
+
+
+def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: int, k: Tensor, v: Tensor,
+                   batch: Ragged, wbatch: Ragged) -> None:
+    """``store_ragged`` for a layout with a window: the tokens ``k, v [T, H, D]`` go in full precision into the
+    window cache (``wbatch``'s pages of ``wblock`` tokens), and every ``flush``-group they complete into the packed
+    pages (``batch``'s) -- the bytes ``kvcompile.store.store_reference`` writes for those positions."""
+    if not layout.window:
+        raise ArgumentError("store_windowed takes a layout with window=True; use store_ragged")
+    if not batch.n:
+        return
+    sp = layout.spec
+    wk, wv = layout.window_views(window, wblock)
+    spans = [(i, b, b + n) for i, (b, n) in enumerate(zip(batch.before, batch.n)) if n]
+    r, page, row, pos = _positions(wbatch, spans, wblock, k.device)
+    qs = batch.query_start.to("cpu", torch.long)
+    src = qs[torch.tensor([spans[x][0] for x in r.tolist()], dtype=torch.long)] if len(r) else r.cpu()
+    src = (src + pos.cpu() - torch.tensor([spans[x][1] for x in r.tolist()], dtype=torch.long)).to(k.device)
+    from .store import as_stored
+    wk[page, :, row] = as_stored(k.index_select(0, src).transpose(0, 1)[None], sp, wk.dtype, keys=True)[0] \
+        .transpose(0, 1)
+    wv[page, :, row] = as_stored(v.index_select(0, src).transpose(0, 1)[None], sp, wv.dtype)[0].transpose(0, 1)
+    # the groups this write completes, packed now: a store of the same layout without the recent window packs
+    # every whole group at once (the bytes of a group depend on its tokens alone), its ring the window's newest
+    eager = dataclasses.replace(layout.policy, residual=0)
+    sp0 = LayerSpec(eager, layout.heads, layout.head_dim, layout.dtype, block_tokens=layout.block)
+    held = [(i, sp0.boundary(b), b) for i, b in enumerate(batch.before)]
+    rk, rv = _ring(layout, window, wblock, wbatch, held, sp0.ring, wk.dtype)
+    B, H, D = len(batch.n), layout.heads, layout.head_dim
+    none = torch.empty(B, H, 0, D, dtype=wk.dtype, device=pages.device)
+    st = KVState(*layout.views(pages), rk, rv, none, none, torch.tensor(batch.before, dtype=torch.int32,
+                 device=pages.device), batch.table.to(pages.device))
+    ops.backend(pages.device).store(st, sp0, batch.padded(k), batch.padded(v),
+                                    torch.tensor(batch.n, dtype=torch.int32))
+
+
+def attention_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: int, q: Tensor, batch: Ragged,
+                       wbatch: Ragged, scale: float | None = None, out: Tensor | None = None) -> Tensor:
+    """``attention_ragged`` for a layout with a window, after ``store_windowed``: each query at position ``p``
+    attends to positions ``< Q(p + 1)`` packed and the rest in full precision -- the store as it stood when ``p``
+    was its newest token. A sequence's queries are cut where ``Q`` moves, and pieces of equal length are one
+    kernel call (a decode step's sequences all together)."""
+    if not layout.window:
+        raise ArgumentError("attention_windowed takes a layout with window=True; use attention_ragged")
+    T, Hq, D = q.shape
+    if out is None:
+        out = q.new_zeros(T, Hq, D)
+    sp = layout.spec
+    qs = batch.query_start.to("cpu", torch.int64).tolist()
+    pieces: dict[int, list[tuple[int, int, int]]] = {}  # length -> [(sequence, first position, end)]
+    for i, (b, n) in enumerate(zip(batch.before, batch.n)):
+        a = b
+        while a < b + n:
+            e = a + 1  # [a, e): queries whose store ends at Q(e) alike
+            while e < b + n and sp.boundary(e + 1) == sp.boundary(a + 1):
+                e += 1
+            pieces.setdefault(e - a, []).append((i, a, e))
+            a = e
+    W = sp.ring
+    for n, group in pieces.items():
+        idx = torch.tensor([qs[i] + (p - batch.before[i]) for i, a, e in group for p in range(a, e)],
+                           device=q.device)
+
+        def take(x):
+            return x.index_select(0, idx).view(len(group), n, x.shape[1], D).transpose(1, 2)
+        seqs = torch.tensor([i for i, _, _ in group])
+        rk, rv = _ring(layout, window, wblock, wbatch, [(i, sp.boundary(e), e) for i, a, e in group], W,
+                       DTYPES[layout.dtype])
+        none = rk.new_empty(len(group), layout.heads, 0, D)
+        st = KVState(*layout.views(pages), rk, rv, none, none,
+                     torch.tensor([e for _, _, e in group], dtype=torch.int32, device=pages.device),
+                     batch.table.index_select(0, seqs.to(batch.table.device)).to(pages.device))
+        # the queries' own positions too come from the window cache (or, once packed, from the pages): a query whose
+        # own token is already packed (no window, a group it completed) reads it packed, as the store holds it
+        got = ops.backend(pages.device).attention(take(q), st, sp, None, scale)
+        out.index_copy_(0, idx, got.transpose(1, 2).reshape(len(group) * n, Hq, D).to(out.dtype))
     return out

@@ -112,6 +112,21 @@ def test_stored_loss_is_the_model_reading_every_position_as_stored(tiny, policy,
         assert max(abs(a - b) for a, b in zip(full[c], want)) > 2 * tol, c
 
 
+def test_a_windowed_policy_is_measured_stored_one_token_a_call(tiny):
+    # A window or per-channel key groups: which positions a token reads in full precision depends on the split into
+    # calls, so "stored" feeds one token a call (each token reads the store as it stood when it was the newest: what
+    # the vLLM plugin's window cache computes, tests_vllm); any chunk then gives the same numbers, "full" others.
+    assert E.one_at_a_time(Policy.kivi(4)) and E.one_at_a_time(Policy.kivi(4, residual=0))
+    assert E.one_at_a_time(Policy.int8().override({1: Policy.fp8()})) and E.one_at_a_time(Policy.int8(sink=4))
+    assert not E.one_at_a_time(Policy.int8()) and not E.one_at_a_time(Policy.full())
+    W = torch.randint(0, 512, (2, 96))
+    policy = Policy.kivi(4, group=16, residual=16)
+    stored = [E.heldout_loss(tiny, W, policy, chunk=c, own="stored") for c in (5, 48)]
+    assert stored[0] == stored[1]  # the same calls, one token each
+    full = E.heldout_loss(tiny, W, policy, chunk=48)
+    assert max(abs(a - b) for a, b in zip(full, stored[0])) > 1e-4
+
+
 def test_stored_is_refused_where_it_cannot_be_measured(tiny):
     W = torch.randint(0, 512, (1, 32))
     with pytest.raises(E.ArgumentError, match="own='pages'.*'full', 'stored'"):

@@ -23,7 +23,7 @@ SERVING = {"kvcompile.serving", "kvcompile.pool", "kvcompile.engine", "kvcompile
            "kvcompile.openai_server", "kvcompile.json_mode"}
 # the vLLM plugin: vLLM's attention backend over the core's pages (kvcompile.pages); vLLM loads it by entry point
 VLLM = {"kvcompile.vllm", "kvcompile.vllm.backend", "kvcompile.vllm.config", "kvcompile.vllm.cpu",
-        "kvcompile.vllm.cuda"}
+        "kvcompile.vllm.cuda", "kvcompile.vllm.window"}
 INTEGRATIONS = SERVING | VLLM
 # above both: the package's top level (it wires serving in), the command line, and the planner (which sizes
 # serving pools with serving's own functions)

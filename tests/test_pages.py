@@ -10,6 +10,7 @@ another layer's page between two of this layer's).
 """
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import pytest
@@ -122,6 +123,21 @@ def test_what_pages_cannot_hold_is_refused_with_the_reason(policy, block, kind):
     assert e.value.kind is kind and isinstance(e.value, UnsupportedError) and isinstance(e.value, KVCompileError)
     assert isinstance(e.value, RuntimeError) and reason in str(e.value)
     assert any(w in reason for w in ("use ", "give ", "resolve "))  # what to do instead
+
+
+@pytest.mark.parametrize("policy,kind", [
+    (Policy.kivi(4), None), (Policy.kivi(2, residual=0), None), (Policy.fp8(), None), (Policy.int8(residual=16), None),
+    (Policy.kivi(4, sink=4), P.Refusal.SINKS),  # a window cache keeps the newest positions, not the first
+    (Policy(Quant("int4"), Quant("int4"), pre_rope=True, residual=8), P.Refusal.PRE_ROPE),
+])
+def test_a_window_cache_holds_windows_and_key_groups_not_sinks(policy, kind):
+    assert (P.refusal(policy, 128, window=True) or (None,))[0] is kind
+    assert P.refusal(policy, 128)[0] is (kind or (P.Refusal.WINDOW if policy.residual else P.Refusal.PER_CHANNEL))
+    if kind is None:
+        lay = P.PageLayout(policy, 2, 64, "bfloat16", 128, window=True)
+        assert lay.window_tokens == policy.residual + policy.flush - 1
+        assert lay.page_bytes == P.PageLayout(Policy(policy.key, policy.value), 2, 64, "bfloat16", 128,
+                                              window=policy.flush > 1).page_bytes  # the window costs no page byte
 
 
 def test_a_bad_buffer_is_refused_at_the_call():
@@ -327,3 +343,106 @@ def test_triton_kernels_read_and_write_pages_as_the_c_kernels_do():
         ops.set_kernels("auto")
     want, tol = kattn.reference_and_bound(q, ref, lay.spec, None, None, nsplit=24, decode=True)  # (the decode kernel)
     assert not ((got.double() - want).abs() > tol).any()
+
+
+# --------------------------------------------------------------------------- a window of full-precision tokens
+def window_pages(layout, n_pages, wblock, pad=0):
+    """An engine's window cache as vLLM lays it out: ``[pages, heads, block, 2 * D]`` of the model's dtype, each
+    page padded by ``pad`` bytes (vLLM pads a window page to its packed page)."""
+    dt = getattr(torch, layout.dtype)
+    es = torch.empty((), dtype=dt).element_size()
+    per_page = layout.window_page_bytes(wblock) // es + pad // es
+    raw = torch.zeros(n_pages * per_page, dtype=dt)
+    H, D = layout.heads, layout.head_dim
+    return raw.as_strided((n_pages, H, wblock, 2 * D), (per_page, wblock * 2 * D, 2 * D, 1))
+
+
+WINDOWED = [  # (policy, model dtype, packed block, window block)
+    (Policy.kivi(4), "float32", 64, 32),
+    (Policy.kivi(2, rotate=True), "bfloat16", 32, 16),
+    (Policy.kivi(3, residual=0), "float16", 64, 32),  # key groups only: 31 positions wait
+    (Policy.fp8(residual=24), "bfloat16", 32, 16),    # a window of per-token groups
+]
+
+
+@pytest.mark.parametrize("case", range(len(WINDOWED)))
+def test_a_window_cache_gives_each_token_the_store_as_it_stood_when_it_was_newest(case):
+    """Chunks of every size (a long prefill, decode steps, chunks that straddle groups and pages) from two
+    sequences in one flat batch: each query's output is ``attention_reference`` over the reference store built one
+    token at a time, read right after its own token was appended; every page of completed groups holds the
+    reference's bytes (a store without the window: a group's bytes depend on its tokens alone; the reference with
+    the window has them too once they leave it); the window pages hold the newest positions as the ring does."""
+    policy, dtype, block, wblock = WINDOWED[case]
+    H, Hq, D, n_pages = 2, 4, 64, 48
+    lay = P.PageLayout(policy, H, D, dtype, block, window=True)
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(case)
+    pages = engine_pages(lay, n_pages, interleave=2)
+    window = window_pages(lay, n_pages, wblock, pad=64)
+    table = scrambled_table(2, 12, n_pages, seed=case)
+    wtable = scrambled_table(2, 24, n_pages, seed=case + 100)
+    kept = {i: [torch.zeros(0, H, D, dtype=dt)] * 2 + [torch.zeros(0, Hq, D, dtype=dt), []] for i in (0, 1)}
+    held = [0, 0]
+    for ns in [(70, 13), (1, 31), (33, 1), (1, 1), (40, 2), (1, 1), (1, 64), (5, 1)]:
+        k = torch.randn(sum(ns), H, D, generator=g).to(dt)
+        v, q = torch.randn(sum(ns), H, D, generator=g).to(dt), torch.randn(sum(ns), Hq, D, generator=g).to(dt)
+        qs = torch.tensor([0, ns[0], sum(ns)])
+        seq = torch.tensor([held[0] + ns[0], held[1] + ns[1]])
+        batch, wbatch = P.Ragged.of(qs, seq, table), P.Ragged.of(qs, seq, wtable)
+        P.store_windowed(lay, pages, window, wblock, k, v, batch, wbatch)
+        out = P.attention_windowed(lay, pages, window, wblock, q, batch, wbatch, 0.125)
+        for i in (0, 1):
+            a, b = int(qs[i]), int(qs[i + 1])
+            kk, vv, qq, oo = kept[i]
+            kept[i] = [torch.cat([kk, k[a:b]]), torch.cat([vv, v[a:b]]), torch.cat([qq, q[a:b]]), oo + [out[a:b]]]
+            held[i] += ns[i]
+    sp = lay.spec
+    eager = P.PageLayout(dataclasses.replace(policy, residual=0), H, D, dtype, block, window=policy.flush > 1)
+    wk, wv = lay.window_views(window, wblock)
+    for i in (0, 1):
+        kk, vv, qq, outs = kept[i]
+        got = torch.cat(outs)
+        ref = reference_state(lay, n_pages, [0], table[i:i + 1])
+        for p in range(held[i]):
+            def one(x):
+                return x[p:p + 1].transpose(0, 1)[None]
+            store_reference(ref, sp, one(kk), one(vv))
+            want = attention_reference(one(qq), ref, sp, None, 0.125)  # its own token as stored too
+            assert torch.allclose(got[p].float(), want[0, :, 0].float(), rtol=0, atol=2e-6 if dtype == "float32"
+                                  else 4e-3), (p, float((got[p].float() - want[0, :, 0].float()).abs().max()))
+        done = sp.boundary(held[i]) // block  # pages wholly packed in the reference store too
+        for name, mine, theirs in zip(P.POOL_FIELDS, lay.views(pages), ref[:6]):
+            if not mine.numel():  # a field the policy does not store
+                assert not theirs.numel()
+                continue
+            for j in range(done):
+                assert torch.equal(bits(mine[table[i, j]]), bits(theirs[table[i, j]])), (name, i, j)
+        whole = reference_state(eager, n_pages, [0], table[i:i + 1])
+        store_reference(whole, eager.spec, kk.transpose(0, 1)[None], vv.transpose(0, 1)[None])
+        full = held[i] // policy.flush * policy.flush
+        for name, mine, theirs in zip(P.POOL_FIELDS, lay.views(pages), whole[:6]):
+            if not mine.numel():
+                continue
+            for j in range(-(-full // block)):
+                rows = min(block, full - j * block)
+                m, t = mine[table[i, j]], theirs[table[i, j]]
+                if name.endswith("scale") or name.endswith("zero"):
+                    if policy.key.axis == "channel" and name.startswith("k"):
+                        rows = rows // policy.flush
+                assert torch.equal(bits(m[:, :rows]), bits(t[:, :rows])), (name, i, j)
+        from kvcompile.store import as_stored
+        for p in range(max(0, held[i] - lay.window_tokens), held[i]):
+            page, row = wtable[i, p // wblock], p % wblock
+            assert torch.equal(wk[page, :, row], as_stored(kk[p:p + 1].transpose(0, 1)[None], sp, dt, keys=True)[0, :, 0])
+            assert torch.equal(wv[page, :, row], as_stored(vv[p:p + 1].transpose(0, 1)[None], sp, dt)[0, :, 0])
+
+
+def test_a_window_cache_is_checked_at_the_call():
+    found, reason = P.refusal(Policy.kivi(4, group=64), 32, window=True)
+    assert found is P.Refusal.BLOCK and "whole per-channel groups of 64" in reason
+    lay = P.PageLayout(Policy.kivi(4), 2, 64, "bfloat16", 64, window=True)
+    with pytest.raises(ValueError, match="dense bytes"):
+        lay.window_views(torch.zeros(4, 2, 16, 64, dtype=torch.bfloat16), 32)  # a page of half the window
+    plain = P.PageLayout(Policy.int8(), 2, 64, "bfloat16", 64)
+    with pytest.raises(ValueError, match="window=True"):
+        P.store_windowed(plain, None, None, 32, None, None, None, None)

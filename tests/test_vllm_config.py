@@ -82,13 +82,19 @@ def test_what_a_layer_cannot_run_is_refused_with_the_reason(kw, what):
     assert isinstance(e.value, UnsupportedError) and "additional_config" in str(e.value)
 
 
-@pytest.mark.parametrize("name,kind", [("kivi+rot+sink:4", P.Refusal.WINDOW), ("kivi-r0+rot+sink+fp8s:4",
-                                                                              P.Refusal.PER_CHANNEL),
-                                       ("fp8", P.Refusal.WINDOW), ("tok+rot+sink:4", P.Refusal.SINKS)])
+@pytest.mark.parametrize("name,kind", [("kivi+rot+sink:4", P.Refusal.SINKS), ("tok+rot+sink:4", P.Refusal.SINKS)])
 def test_presets_pages_cannot_hold_are_refused(name, kind):
     with pytest.raises(P.PageError) as e:
         layout_for(policy_of({"kvcompile": {"policy": name}}), 2, 64, torch.bfloat16, 128)
     assert e.value.kind is kind
+
+
+@pytest.mark.parametrize("name", ["kivi:4", "kivi+rot:2", "kivi-g16:4", "fp8"])
+def test_a_window_or_key_groups_get_a_window_cache(name):
+    policy = policy_of({"kvcompile": {"policy": name}})
+    lay = layout_for(policy, 2, 64, torch.bfloat16, 128)
+    assert lay.window and lay.window_tokens == policy.residual + policy.flush - 1 > 0
+    assert not layout_for(Policy.int8(), 2, 64, torch.bfloat16, 128).window  # per-token, no window: pages alone
 
 
 def test_a_layout_is_one_layers():

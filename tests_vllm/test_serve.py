@@ -92,11 +92,11 @@ def test_vllm_serve_answers_the_openai_client(server):
 def test_vllm_serve_refuses_a_policy_pages_cannot_hold(tiny, tmp_path):
     log_path = tmp_path / "refused.log"
     with open(log_path, "w") as log:
-        proc = serve(tiny, "kivi:4", free_port(), log)
+        proc = serve(tiny, "kivi+rot+sink:4", free_port(), log)
         try:
             rc = proc.wait(START_S)
         finally:
             if proc.poll() is None:
                 proc.kill()
     out = open(log_path).read()
-    assert rc != 0 and "residual=128" in out and "page holds only packed tokens" in out, out[-3000:]
+    assert rc != 0 and "sink=4" in out and "kivi+rot:4" in out, out[-3000:]

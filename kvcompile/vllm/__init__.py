@@ -28,6 +28,27 @@ def register() -> None:
     for name, path in BACKENDS.get(kind, {}).items():
         register_backend(AttentionBackendEnum[name], path)
     _per_layer_pages()
+    _window_caches()
+
+
+def _window_caches() -> None:
+    """Give each attention layer whose layout keeps a window its window cache (``window.py``) as it is built:
+    vLLM's ``Attention.__init__`` registers the layer in the forward context, and the window cache beside it.
+    Idempotent."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    if getattr(Attention.__init__, "kvcompile", False):
+        return
+    own = Attention.__init__
+
+    def __init__(self, *args, **kwargs):
+        own(self, *args, **kwargs)
+        from .window import attach
+        attach(self)
+
+    __init__.kvcompile = True
+    __init__.__doc__ = own.__doc__
+    Attention.__init__ = __init__
 
 
 def _per_layer_pages() -> None:

@@ -21,6 +21,11 @@ another run read packed, and greedy tokens drift apart (seen on the test model: 
 from its sixth token on). Read from the pages, a token sees exactly the packed keys and values of the positions
 before it and its own, whatever the split, so vLLM's scheduling changes no output.
 
+A policy with a recent window or KIVI's per-channel key groups keeps its full-precision positions in a window
+cache beside the pages, which vLLM manages as a sliding-window layer (``window.py``); the write and the read then
+take both (``pages.store_windowed``, ``pages.attention_windowed``: each token reads the store as it stood when it
+was the newest, which again no split of the work changes).
+
 Everything else is vLLM's: the scheduler, the metadata builder (query start offsets, sequence lengths, block
 tables), sampling. Under ``Policy.full()``, or when no policy is named, every method is vLLM's own backend's --
 the same pages, kernels and arithmetic -- so tokens and log probabilities are vLLM's exactly.
@@ -39,7 +44,7 @@ import torch
 from kvcompile import pages
 from kvcompile.policy import Policy
 
-from .config import layout_for, policy_of, refuse
+from .config import layout_for, policy_of, refuse, windowed
 from ..errors import Unimplemented
 
 
@@ -54,16 +59,18 @@ class _Active:
 _ACTIVE = _Active()
 
 
-_LAST: list = []  # [(metadata, its Ragged)]: the step's flat batch, made once for every layer
+_LAST: list = []  # [(metadata, its Ragged)]: the step's flat batches, made once for every layer
 
 
 def ragged(meta) -> pages.Ragged:
     """The step's flat batch (``kvcompile.pages.Ragged``) from vLLM's attention metadata, made once per step: the
-    layers of a cache group share one metadata object."""
-    if _LAST and _LAST[0][0] is meta:
-        return _LAST[0][1]
+    layers of a cache group share one metadata object (two groups under a windowed policy: its packed pages and
+    its window caches)."""
+    for m, batch in _LAST:
+        if m is meta:
+            return batch
     batch = pages.Ragged.of(meta.query_start_loc, meta.seq_lens, meta.block_table)
-    _LAST[:] = [(meta, batch)]
+    _LAST[:] = [(meta, batch)] + _LAST[:1]
     return batch
 
 
@@ -87,6 +94,7 @@ class KVCompileImpl:
 
     layout: pages.PageLayout | None = None
     per_layer: Policy | None = None  # a policy with overrides: the layout is chosen by ``bind``
+    window = None  # a windowed layout's window cache (window.py), attached when the layer is built
     _bound = False
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
@@ -113,7 +121,14 @@ class KVCompileImpl:
             # A policy per layer: which layer this is, vLLM says only when it asks the layer for its page
             # (``layer_spec``). Every policy the layers may get is checked now, so a refusal comes at start-up.
             choices = [policy.base()] + [p for _, p in policy.overrides]
-            quantizes = [self._layout_of(p) is not None for p in choices]
+            lays = [self._layout_of(p) for p in choices]
+            if any(lay is not None and lay.window for lay in lays):
+                refuse(f"a per-layer policy with a window or per-channel key groups in some layers ({policy}): vLLM "
+                       f"keeps every cache group of its pool in pages of one size, so the window caches would pad "
+                       f"each layer's page to the largest", "give every layer the same windowed policy, or choose "
+                       "per layer among per-token policies (kvcompile calibrate --candidates tok+rot:2 tok+rot:4 "
+                       "...)")
+            quantizes = [lay is not None for lay in lays]
             self.per_layer = policy
         else:
             self.layout = self._layout_of(policy)
@@ -145,7 +160,19 @@ class KVCompileImpl:
         if meta is None:
             return
         T = meta.num_actual_tokens
+        if self.layout.window:
+            wmeta, wcache = self._window()
+            pages.store_windowed(self.layout, kv_cache, wcache, self.window.block, key[:T], value[:T], ragged(meta),
+                                 ragged(wmeta))
+            return
         pages.store_ragged(self.layout, kv_cache, key[:T], value[:T], ragged(meta))
+
+    def _window(self):
+        """This step's metadata for the window cache's group, and its pages."""
+        wmeta = _metadata(self.window)
+        if wmeta is None:
+            raise Unimplemented(f"kvcompile: no attention metadata for {self.window.layer_name} this step")
+        return wmeta, self.window.kv_cache
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -160,6 +187,12 @@ class KVCompileImpl:
         # every position is read from the pages, the queries' own too (stored by do_kv_cache_update): what a token
         # attends to is then the same however vLLM splits the work (a cached prefix, chunked prefill, a preempted
         # request recomputed), so those never change a request's output
+        if self.layout.window:
+            # each query reads the store as it stood when it was the newest token: the same whatever the split
+            wmeta, wcache = self._window()
+            pages.attention_windowed(self.layout, kv_cache, wcache, self.window.block, query[:T],
+                                     ragged(attn_metadata), ragged(wmeta), self.scale, out=output[:T])
+            return output
         pages.attention_ragged(self.layout, kv_cache, query[:T], None, None, ragged(attn_metadata), self.scale,
                                out=output[:T])
         return output
@@ -193,10 +226,13 @@ def customized(spec, backend_customize):
     declared per layer, by ``layer_spec``)."""
     spec = backend_customize(spec)
     policy = _ACTIVE.policy
-    if policy is None or policy == Policy.full() or policy.overrides or spec.state_content_bytes is not None:
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    if policy is None or policy == Policy.full() or policy.overrides or spec.state_content_bytes is not None \
+            or isinstance(spec, SlidingWindowSpec):  # a window cache (window.py) is full precision
         return spec
     dtype = spec.dtype
-    lay = pages.PageLayout(policy, spec.num_kv_heads, spec.head_size, dtype, spec.block_size)
+    lay = pages.PageLayout(policy, spec.num_kv_heads, spec.head_size, dtype, spec.block_size,
+                           window=windowed(policy))
     return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=lay.token_head_bytes)
 
 
