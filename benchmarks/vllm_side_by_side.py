@@ -59,8 +59,10 @@ CONTENDERS = [  # (label, kvcompile policy name or None, vLLM engine arguments)
     ("kvcompile fp8-r0", "fp8-r0", {}),
     ("kvcompile tok+rot:4", "tok+rot:4", {}),
     ("kvcompile tok+rot:2", "tok+rot:2", {}),
-    ("kvcompile kivi+rot:4", "kivi+rot:4", {}),  # a window of 128 tokens and key groups: the window cache
-    ("kvcompile kivi+rot:2", "kivi+rot:2", {}),
+    ("kvcompile kivi+rot:4", "kivi+rot:4", {}),  # a window of 128 tokens and key groups: a sliding window cache
+    ("kvcompile kivi-r0+rot:4", "kivi-r0+rot:4", {}),  # KIVI's key groups alone: a ring for the pending group
+    ("kvcompile kivi-r0+rot+fp8s:4", "kivi-r0+rot+fp8s:4", {}),
+    ("kvcompile kivi-r0+rot+fp8s:2", "kivi-r0+rot+fp8s:2", {"block_size": 256}),  # a ring fits a 256-token page
     ("kvcompile kivi+rot+sink:4", "kivi+rot+sink:4", {}),  # sinks: refused
 ]
 
@@ -162,6 +164,8 @@ def server_command(args, policy, engine):
             cmd.append("--enforce-eager")
         if engine.get("kv_cache_dtype"):
             cmd += ["--kv-cache-dtype", engine["kv_cache_dtype"]]
+        if engine.get("block_size"):
+            cmd += ["--block-size", str(engine["block_size"])]
         if policy:
             cmd += ["--additional-config", json.dumps({"kvcompile": {"policy": policy}})]
         return cmd

@@ -430,82 +430,111 @@ def attention_ragged(layout: PageLayout, pages: Tensor, q: Tensor, k: Tensor | N
 
 # --------------------------------------------------------------------------- a window of full-precision tokens
 # With ``PageLayout.window`` the engine keeps a second cache: each sequence's newest ``window_tokens`` positions in
-# full precision (``as_stored``: what the store's ring holds), in pages of ``wblock`` tokens under a block table of
-# their own (``wbatch``: the same sequences and lengths as ``batch``). The packed pages take every whole
-# ``flush``-group as soon as its last token is written, so a page is final once all its positions are; a query at
-# position ``p`` reads the store as it stood when ``p`` was its newest token -- positions ``< Q(p + 1)`` packed, the
-# rest in full precision (``kvcompile.store``'s ``Q``) -- which is what decoding one token at a time gives, whatever
-# the engine's chunks, cached prefixes or recomputations.
-def _positions(batch: Ragged, spans: list[tuple[int, int, int]], block: int, device):
-    """For spans ``(sequence, lo, hi)``: (span index, page id, row in the page, position) of every position, as
-    tensors on ``device`` (pages from ``batch.table``)."""
-    rows, pos = [], []
-    for r, (i, lo, hi) in enumerate(spans):
-        rows += [r] * (hi - lo)
-        pos += range(lo, hi)
-    rows_t = torch.tensor(rows, dtype=torch.long)
-    pos_t = torch.tensor(pos, dtype=torch.long)
-    seqs = torch.tensor([spans[r][0] for r in rows], dtype=torch.long)
-    table = batch.table.to("cpu", torch.long)
-    page = table[seqs, pos_t // block] if pos else pos_t
-    return rows_t.to(device), page.to(device), (pos_t % block).to(device), pos_t.to(device)
+# full precision (``as_stored``: what the store's ring holds), under a block table of its own (``wbatch``: the same
+# sequences and lengths as ``batch``), either
+#   - as a sliding window (``ring=False``): pages of ``wblock`` tokens, position ``p`` in page
+#     ``wtable[p // wblock]``, row ``p % wblock`` (the engine frees pages behind the window), or
+#   - as a ring (``ring=True``): one page of ``wblock >= window_tokens`` slots per sequence, ``wtable[0]``, position
+#     ``p`` in slot ``p % wblock`` (only the newest ``wblock`` positions are kept).
+# The packed pages take every whole ``flush``-group as soon as its last token is written, so a page is final once
+# all its positions are; a query at position ``p`` reads the store as it stood when ``p`` was its newest token --
+# positions ``< Q(p + 1)`` packed, the rest in full precision (``kvcompile.store``'s ``Q``) -- which is what
+# decoding one token at a time gives, whatever the engine's chunks, cached prefixes or recomputations.
+class Recent(NamedTuple):
+    """What a step's windowed attention reads in full precision, per sequence: ``k[i], v[i] [H, n, D]`` (the store's
+    space and dtype) for positions ``lo[i] .. lo[i] + n`` -- the window cache's positions before the step (read
+    before the step's write) and the step's own tokens. Made by ``store_windowed``, read by ``attention_windowed``."""
+
+    k: list
+    v: list
+    lo: list
 
 
-def _ring(layout: PageLayout, window: Tensor, wblock: int, wbatch: Ragged, spans, width: int, dtype):
-    """Rings ``[len(spans), H, width, D]`` (slot ``p % width``) holding each span's positions ``[lo, hi)`` from the
-    window cache, as the store's ring would."""
-    wk, wv = layout.window_views(window, wblock)
-    H, D = layout.heads, layout.head_dim
-    rk = wk.new_zeros(len(spans), H, width, D)
-    rv = torch.zeros_like(rk)
-    if width and any(hi > lo for _, lo, hi in spans):
-        r, page, row, pos = _positions(wbatch, spans, wblock, wk.device)
-        slot = pos % width
-        rk[r, :, slot] = wk[page, :, row]
-        rv[r, :, slot] = wv[page, :, row]
-    return rk, rv
+def _locate(wbatch: Ragged, seqs: Tensor, pos: Tensor, wblock: int, ring: bool) -> tuple[Tensor, Tensor]:
+    """(page, row) of positions ``pos`` of sequences ``seqs`` in the window cache."""
+    table = wbatch.table.to("cpu", torch.long)
+    if ring:
+        return table[seqs, torch.zeros_like(pos)], pos % wblock
+    return table[seqs, pos // wblock], pos % wblock
 
 
 def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: int, k: Tensor, v: Tensor,
-                   batch: Ragged, wbatch: Ragged) -> None:
+                   batch: Ragged, wbatch: Ragged, ring: bool = False) -> Recent:
     """``store_ragged`` for a layout with a window: the tokens ``k, v [T, H, D]`` go in full precision into the
-    window cache (``wbatch``'s pages of ``wblock`` tokens), and every ``flush``-group they complete into the packed
-    pages (``batch``'s) -- the bytes ``kvcompile.store.store_reference`` writes for those positions."""
+    window cache (``wbatch``'s pages; ``ring``: see above), and every ``flush``-group they complete into the packed
+    pages (``batch``'s) -- the bytes ``kvcompile.store.store_reference`` writes for those positions. Returns what
+    ``attention_windowed`` reads for the same step (``Recent``)."""
     if not layout.window:
         raise ArgumentError("store_windowed takes a layout with window=True; use store_ragged")
-    if not batch.n:
-        return
-    sp = layout.spec
-    wk, wv = layout.window_views(window, wblock)
-    spans = [(i, b, b + n) for i, (b, n) in enumerate(zip(batch.before, batch.n)) if n]
-    r, page, row, pos = _positions(wbatch, spans, wblock, k.device)
-    qs = batch.query_start.to("cpu", torch.long)
-    src = qs[torch.tensor([spans[x][0] for x in r.tolist()], dtype=torch.long)] if len(r) else r.cpu()
-    src = (src + pos.cpu() - torch.tensor([spans[x][1] for x in r.tolist()], dtype=torch.long)).to(k.device)
     from .store import as_stored
-    wk[page, :, row] = as_stored(k.index_select(0, src).transpose(0, 1)[None], sp, wk.dtype, keys=True)[0] \
-        .transpose(0, 1)
-    wv[page, :, row] = as_stored(v.index_select(0, src).transpose(0, 1)[None], sp, wv.dtype)[0].transpose(0, 1)
-    # the groups this write completes, packed now: a store of the same layout without the recent window packs
-    # every whole group at once (the bytes of a group depend on its tokens alone), its ring the window's newest
+    sp = layout.spec
     eager = dataclasses.replace(layout.policy, residual=0)
     sp0 = LayerSpec(eager, layout.heads, layout.head_dim, layout.dtype, block_tokens=layout.block)
-    held = [(i, sp0.boundary(b), b) for i, b in enumerate(batch.before)]
-    rk, rv = _ring(layout, window, wblock, wbatch, held, sp0.ring, wk.dtype)
+    wk, wv = layout.window_views(window, wblock)
+    dt, dev = wk.dtype, k.device
+    qs = batch.query_start.to("cpu", torch.long).tolist()
+    own = [(as_stored(k[qs[i]:qs[i] + n].transpose(0, 1)[None], sp, dt, keys=True)[0],
+            as_stored(v[qs[i]:qs[i] + n].transpose(0, 1)[None], sp, dt)[0]) for i, n in enumerate(batch.n)]
+
+    def write():  # the step's tokens into the window cache (a ring keeps only its newest ``wblock``)
+        for i, (c, n) in enumerate(zip(batch.before, batch.n)):
+            first = max(c, c + n - wblock) if ring else c
+            pos = torch.arange(first, c + n)
+            page, row = _locate(wbatch, torch.full_like(pos, i), pos, wblock, ring)
+            wk[page.to(dev), :, row.to(dev)] = own[i][0][:, first - c:].transpose(0, 1)
+            wv[page.to(dev), :, row.to(dev)] = own[i][1][:, first - c:].transpose(0, 1)
+
+    # A sliding window's pages can be another request's in this very step (vLLM hands a prompt's pages to the
+    # prefix cache as soon as they are scheduled): written first, then read. A ring is its request's alone, and
+    # the step's tokens may overwrite slots it still reads: read first.
+    if not ring:
+        write()
+    recent = Recent([], [], [])  # the full-precision positions this step reads: those before it, then its own
+    for i, (c, n) in enumerate(zip(batch.before, batch.n)):
+        lo = min(sp0.boundary(c), sp.boundary(c + 1)) if n else c
+        pos = torch.arange(lo, c)
+        page, row = _locate(wbatch, torch.full_like(pos, i), pos, wblock, ring)
+        recent.k.append(torch.cat([wk[page.to(dev), :, row.to(dev)].transpose(0, 1), own[i][0]], 1))
+        recent.v.append(torch.cat([wv[page.to(dev), :, row.to(dev)].transpose(0, 1), own[i][1]], 1))
+        recent.lo.append(lo)
+    if ring:
+        write()
+    if not any(batch.n):
+        return recent
+    # the groups this write completes, packed now: a store of the same layout without the recent window packs
+    # every whole group at once (the bytes of a group depend on its tokens alone), its ring the pending group
+    held = [(i, sp0.boundary(c), c) for i, c in enumerate(batch.before)]
+    rk, rv = _ring(layout, recent, held, sp0.ring, dt)
     B, H, D = len(batch.n), layout.heads, layout.head_dim
-    none = torch.empty(B, H, 0, D, dtype=wk.dtype, device=pages.device)
+    none = torch.empty(B, H, 0, D, dtype=dt, device=pages.device)
     st = KVState(*layout.views(pages), rk, rv, none, none, torch.tensor(batch.before, dtype=torch.int32,
                  device=pages.device), batch.table.to(pages.device))
     ops.backend(pages.device).store(st, sp0, batch.padded(k), batch.padded(v),
                                     torch.tensor(batch.n, dtype=torch.int32))
+    return recent
 
 
-def attention_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: int, q: Tensor, batch: Ragged,
-                       wbatch: Ragged, scale: float | None = None, out: Tensor | None = None) -> Tensor:
-    """``attention_ragged`` for a layout with a window, after ``store_windowed``: each query at position ``p``
-    attends to positions ``< Q(p + 1)`` packed and the rest in full precision -- the store as it stood when ``p``
-    was its newest token. A sequence's queries are cut where ``Q`` moves, and pieces of equal length are one
-    kernel call (a decode step's sequences all together)."""
+def _ring(layout: PageLayout, recent: Recent, spans, width: int, dtype):
+    """Rings ``[len(spans), H, width, D]`` (slot ``p % width``, as the store's) holding each span ``(sequence, lo,
+    hi)``'s positions ``[lo, hi)`` from ``recent``."""
+    H, D = layout.heads, layout.head_dim
+    dev = recent.k[0].device if recent.k else None
+    rk = torch.zeros(len(spans), H, width, D, dtype=dtype, device=dev)
+    rv = torch.zeros_like(rk)
+    for r, (i, lo, hi) in enumerate(spans):
+        if hi > lo and width:
+            slot = torch.arange(lo, hi, device=dev) % width
+            rk[r][:, slot] = recent.k[i][:, lo - recent.lo[i]:hi - recent.lo[i]]
+            rv[r][:, slot] = recent.v[i][:, lo - recent.lo[i]:hi - recent.lo[i]]
+    return rk, rv
+
+
+def attention_windowed(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, recent: Recent,
+                       scale: float | None = None, out: Tensor | None = None) -> Tensor:
+    """``attention_ragged`` for a layout with a window, after ``store_windowed`` (its ``recent``): each query at
+    position ``p`` attends to positions ``< Q(p + 1)`` packed and the rest in full precision -- the store as it stood
+    when ``p`` was its newest token. A sequence's queries are cut where ``Q`` moves, and pieces of equal length are
+    one kernel call (a decode step's sequences all together)."""
     if not layout.window:
         raise ArgumentError("attention_windowed takes a layout with window=True; use attention_ragged")
     T, Hq, D = q.shape
@@ -522,22 +551,18 @@ def attention_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock
                 e += 1
             pieces.setdefault(e - a, []).append((i, a, e))
             a = e
-    W = sp.ring
     for n, group in pieces.items():
         idx = torch.tensor([qs[i] + (p - batch.before[i]) for i, a, e in group for p in range(a, e)],
                            device=q.device)
-
-        def take(x):
-            return x.index_select(0, idx).view(len(group), n, x.shape[1], D).transpose(1, 2)
         seqs = torch.tensor([i for i, _, _ in group])
-        rk, rv = _ring(layout, window, wblock, wbatch, [(i, sp.boundary(e), e) for i, a, e in group], W,
-                       DTYPES[layout.dtype])
+        rk, rv = _ring(layout, recent, [(i, sp.boundary(e), e) for i, a, e in group], sp.ring, DTYPES[layout.dtype])
         none = rk.new_empty(len(group), layout.heads, 0, D)
         st = KVState(*layout.views(pages), rk, rv, none, none,
                      torch.tensor([e for _, _, e in group], dtype=torch.int32, device=pages.device),
                      batch.table.index_select(0, seqs.to(batch.table.device)).to(pages.device))
-        # the queries' own positions too come from the window cache (or, once packed, from the pages): a query whose
-        # own token is already packed (no window, a group it completed) reads it packed, as the store holds it
-        got = ops.backend(pages.device).attention(take(q), st, sp, None, scale)
+        # the queries' own positions too come from the ring (or, once packed, from the pages): a query whose own
+        # token is already packed (no window, a group it completed) reads it packed, as the store holds it
+        qn = q.index_select(0, idx).view(len(group), n, Hq, D).transpose(1, 2)
+        got = ops.backend(pages.device).attention(qn, st, sp, None, scale)
         out.index_copy_(0, idx, got.transpose(1, 2).reshape(len(group) * n, Hq, D).to(out.dtype))
     return out

@@ -82,6 +82,10 @@ SCHEMES: dict[str, Callable[[int], Policy | None]] = {
     "kivi+rot+sink+fp8s": lambda b: _kivi(b, sink=4, rotate=True, scale_dtype="fp8_e4m3") if b < 8 else None,
     "kivi-r0+rot+sink+fp8s": lambda b: (_kivi(b, residual=0, sink=4, rotate=True, scale_dtype="fp8_e4m3")
                                         if b < 8 else None),
+    # KIVI's groups without a window or sinks: what an engine's pages hold with a ring for the pending key group
+    # alone (kvcompile inside vLLM: docs/vllm.md), with fp16 or one-byte scales
+    "kivi-r0+rot": lambda b: _kivi(b, residual=0, rotate=True) if b < 8 else None,
+    "kivi-r0+rot+fp8s": lambda b: _kivi(b, residual=0, rotate=True, scale_dtype="fp8_e4m3") if b < 8 else None,
     "tok+rot+fp8s": lambda b: _tok(b, scale_dtype="fp8_e4m3"),
     # ... and groups of 64 (keys: 64 tokens a channel; values: the whole head of SmolLM2), a quarter of the
     # fp16 scales' overhead: the most requests per byte of the KIVI layouts once requests are long enough for

@@ -357,11 +357,14 @@ def window_pages(layout, n_pages, wblock, pad=0):
     return raw.as_strided((n_pages, H, wblock, 2 * D), (per_page, wblock * 2 * D, 2 * D, 1))
 
 
-WINDOWED = [  # (policy, model dtype, packed block, window block)
-    (Policy.kivi(4), "float32", 64, 32),
-    (Policy.kivi(2, rotate=True), "bfloat16", 32, 16),
-    (Policy.kivi(3, residual=0), "float16", 64, 32),  # key groups only: 31 positions wait
-    (Policy.fp8(residual=24), "bfloat16", 32, 16),    # a window of per-token groups
+WINDOWED = [  # (policy, model dtype, packed block, window block, ring)
+    (Policy.kivi(4), "float32", 64, 32, False),
+    (Policy.kivi(2, rotate=True), "bfloat16", 32, 16, False),
+    (Policy.kivi(3, residual=0), "float16", 64, 32, False),  # key groups only: 31 positions wait
+    (Policy.fp8(residual=24), "bfloat16", 32, 16, False),    # a window of per-token groups
+    (Policy.kivi(4, residual=0), "float32", 64, 32, True),   # the pending key group in a ring of 32 slots
+    (Policy.kivi(2, residual=0, rotate=True), "bfloat16", 32, 48, True),
+    (Policy.kivi(4, residual=40), "float16", 64, 80, True),  # a window in a ring (of more slots than needed)
 ]
 
 
@@ -372,7 +375,7 @@ def test_a_window_cache_gives_each_token_the_store_as_it_stood_when_it_was_newes
     token at a time, read right after its own token was appended; every page of completed groups holds the
     reference's bytes (a store without the window: a group's bytes depend on its tokens alone; the reference with
     the window has them too once they leave it); the window pages hold the newest positions as the ring does."""
-    policy, dtype, block, wblock = WINDOWED[case]
+    policy, dtype, block, wblock, ring = WINDOWED[case]
     H, Hq, D, n_pages = 2, 4, 64, 48
     lay = P.PageLayout(policy, H, D, dtype, block, window=True)
     dt = getattr(torch, dtype)
@@ -380,7 +383,7 @@ def test_a_window_cache_gives_each_token_the_store_as_it_stood_when_it_was_newes
     pages = engine_pages(lay, n_pages, interleave=2)
     window = window_pages(lay, n_pages, wblock, pad=64)
     table = scrambled_table(2, 12, n_pages, seed=case)
-    wtable = scrambled_table(2, 24, n_pages, seed=case + 100)
+    wtable = scrambled_table(2, 1 if ring else 24, n_pages, seed=case + 100)
     kept = {i: [torch.zeros(0, H, D, dtype=dt)] * 2 + [torch.zeros(0, Hq, D, dtype=dt), []] for i in (0, 1)}
     held = [0, 0]
     for ns in [(70, 13), (1, 31), (33, 1), (1, 1), (40, 2), (1, 1), (1, 64), (5, 1)]:
@@ -389,8 +392,8 @@ def test_a_window_cache_gives_each_token_the_store_as_it_stood_when_it_was_newes
         qs = torch.tensor([0, ns[0], sum(ns)])
         seq = torch.tensor([held[0] + ns[0], held[1] + ns[1]])
         batch, wbatch = P.Ragged.of(qs, seq, table), P.Ragged.of(qs, seq, wtable)
-        P.store_windowed(lay, pages, window, wblock, k, v, batch, wbatch)
-        out = P.attention_windowed(lay, pages, window, wblock, q, batch, wbatch, 0.125)
+        recent = P.store_windowed(lay, pages, window, wblock, k, v, batch, wbatch, ring=ring)
+        out = P.attention_windowed(lay, pages, q, batch, recent, 0.125)
         for i in (0, 1):
             a, b = int(qs[i]), int(qs[i + 1])
             kk, vv, qq, oo = kept[i]
@@ -432,7 +435,7 @@ def test_a_window_cache_gives_each_token_the_store_as_it_stood_when_it_was_newes
                 assert torch.equal(bits(m[:, :rows]), bits(t[:, :rows])), (name, i, j)
         from kvcompile.store import as_stored
         for p in range(max(0, held[i] - lay.window_tokens), held[i]):
-            page, row = wtable[i, p // wblock], p % wblock
+            page, row = (wtable[i, 0] if ring else wtable[i, p // wblock]), p % wblock
             assert torch.equal(wk[page, :, row], as_stored(kk[p:p + 1].transpose(0, 1)[None], sp, dt, keys=True)[0, :, 0])
             assert torch.equal(wv[page, :, row], as_stored(vv[p:p + 1].transpose(0, 1)[None], sp, dt)[0, :, 0])
 
@@ -446,3 +449,28 @@ def test_a_window_cache_is_checked_at_the_call():
     plain = P.PageLayout(Policy.int8(), 2, 64, "bfloat16", 64)
     with pytest.raises(ValueError, match="window=True"):
         P.store_windowed(plain, None, None, 32, None, None, None, None)
+    with pytest.raises(ValueError, match="window=True"):
+        P.attention_windowed(plain, None, None, None, None)
+
+
+@pytest.mark.parametrize("policy", [Policy.kivi(4, residual=40), Policy.kivi(2, residual=0, rotate=True)], ids=str)
+def test_a_prefix_written_in_the_same_step_is_read_after_its_write(policy):
+    """An engine may give a request a cached prefix whose pages another request writes in the same step (vLLM
+    caches a prompt's pages as soon as they are scheduled): sequence 1 shares sequence 0's first two packed pages
+    and its window pages up to position 64, and arrives with those 64 positions cached while sequence 0 writes
+    them. Its outputs are sequence 0's (to float32 rounding: the kernel calls group the two differently)."""
+    H, Hq, D, block, wblock, n_pages = 2, 4, 64, 32, 16, 32
+    lay = P.PageLayout(policy, H, D, "float32", block, window=True)
+    g = torch.Generator().manual_seed(5)
+    pages = engine_pages(lay, n_pages)
+    window = window_pages(lay, n_pages, wblock)
+    table = torch.tensor([[3, 7, 1, 9], [3, 7, 4, 12]], dtype=torch.int32)  # the first two pages shared
+    wtable = torch.tensor([[0, 2, 5, 6, 8, 10, 11], [0, 2, 5, 6, 13, 14, 15]], dtype=torch.int32)
+    k, v, q = (torch.randn(100, h, D, generator=g) for h in (H, H, Hq))
+    qs = torch.tensor([0, 100, 136])
+    seq = torch.tensor([100, 100])
+    kk, vv, qq = (torch.cat([x, x[64:]]) for x in (k, v, q))
+    batch, wbatch = P.Ragged.of(qs, seq, table), P.Ragged.of(qs, seq, wtable)
+    recent = P.store_windowed(lay, pages, window, wblock, kk, vv, batch, wbatch)
+    out = P.attention_windowed(lay, pages, qq, batch, recent, 0.125)
+    assert (out[100:] - out[64:100]).abs().max() < 1e-5

@@ -327,6 +327,8 @@ WINDOWED = {  # name: (policy, dtype, engine arguments)
     "kivi:4": ("kivi:4", "float32", {"block_size": 256}),  # float32 windows: a window page of 32 tokens needs 256
     "kivi+rot:2-bf16": ("kivi+rot:2", "bfloat16", {"block_size": 256}),
     "fp8-bf16": ("fp8", "bfloat16", {}),  # a window of 128 tokens beside per-token fp8
+    # key groups without a window: the pending group in a ring of 32 slots per request
+    "kivi-r0:4-bf16": (Policy.kivi(4, residual=0, rotate=True).to_dict(), "bfloat16", {}),
 }
 
 
@@ -343,12 +345,11 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
     over both); at the end the packed pages hold the reference store's bytes for every group the sequence has
     completed (packed as soon as complete), the window pages its newest positions as the reference's ring holds
     them; and the tokens are those of the same engine with the prompt prefilled in one piece."""
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import CircularBufferSpec, SlidingWindowSpec
 
-    from kvcompile.presets import named
     from kvcompile.store import as_stored
     policy_name, dtype, kw = WINDOWED[name]
-    policy = named(policy_name)
+    policy = backend.policy_of({"kvcompile": {"policy": policy_name}})
     rec = Recorder(checks=0)
     rec.install(monkeypatch)
     prompt = TEXT * 5  # ~300 tokens
@@ -362,9 +363,13 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
         assert lay.window and lay.policy == policy and lay.window_tokens == policy.residual + policy.flush - 1
         w = wins[next(iter(lays)) + window.SUFFIX]
         spec = w.get_kv_cache_spec(llm.llm_engine.vllm_config)
-        assert isinstance(spec, SlidingWindowSpec) and spec.sliding_window == lay.window_tokens
-        assert spec.page_size_bytes == lay.page_bytes and w.block % 32 == 0 \
-            and lay.window_page_bytes(w.block) <= lay.page_bytes < lay.window_page_bytes(w.block + 32)
+        assert spec.page_size_bytes == lay.page_bytes and w.block % 32 == 0
+        if policy.residual:  # a sliding window as long as the window, as many tokens a page as fit
+            assert isinstance(spec, SlidingWindowSpec) and spec.sliding_window == lay.window_tokens and not w.ring
+            assert lay.window_page_bytes(w.block) <= lay.page_bytes < lay.window_page_bytes(w.block + 32)
+        else:  # key groups alone: a ring of the pending group's slots, one page a request
+            assert isinstance(spec, CircularBufferSpec) and w.ring and w.block == 32
+            assert spec.max_memory_usage_bytes(llm.llm_engine.vllm_config) == lay.page_bytes
         n_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
         assert n_blocks == KV_BYTES // (len(lays) * lay.page_bytes)  # a packed and a window layer share each block
         chunked = llm.generate([prompt], one, use_tqdm=False)[0]
@@ -390,9 +395,9 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
                 assert torch.equal(bits(got[page]), bits(want[page])), (name, layer, field, j)
         wk, wv = lay.window_views(kv[layer + window.SUFFIX], wins[layer + window.SUFFIX].block)
         wtable = rec.windows[layer][-1][:1]
-        B = wins[layer + window.SUFFIX].block
+        B, ring = wins[layer + window.SUFFIX].block, wins[layer + window.SUFFIX].ring
         for p in range(L - lay.window_tokens, L):
-            page, row = int(wtable[0, p // B]), p % B
+            page, row = int(wtable[0, 0 if ring else p // B]), p % B
             want_k = as_stored(k[p:p + 1].transpose(0, 1)[None], sp, wk.dtype, keys=True)[0, :, 0]
             want_v = as_stored(v[p:p + 1].transpose(0, 1)[None], sp, wv.dtype)[0, :, 0]
             assert torch.equal(wk[page, :, row], want_k) and torch.equal(wv[page, :, row], want_v), (name, p)
@@ -404,36 +409,42 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
     assert list(again.outputs[0].token_ids) == list(chunked.outputs[0].token_ids)
 
 
-def test_a_windowed_policy_survives_prefix_caching_and_preemption(tiny):
-    """KIVI int4 (a window of 128 tokens and key groups of 32; float32, so pages of 256 tokens): requests that share
-    a cached prefix of a whole page (its window's pages come from the cache too), then prefills cut into chunks of
+@pytest.mark.parametrize("policy,pages", [(Policy.kivi(4), 12), (Policy.kivi(4, residual=0, rotate=True), 7)],
+                         ids=["window", "key-groups-ring"])
+def test_a_windowed_policy_survives_prefix_caching_and_preemption(tiny, policy, pages):
+    """KIVI int4 (a window of 128 tokens and key groups of 32, or the key groups alone in a ring; float32, so pages of
+    256 tokens): requests that share
+    a cached prefix of a whole page (its window's pages come from the cache too; a ring has nothing pending at a
+    page's end), then prefills cut into chunks of
     64 tokens without prefix caching, and room for so few pages that vLLM preempts and recomputes requests: every
     request's greedy tokens are the same. (In bfloat16 a recomputed request can take another token than its
     first run under any quantizing policy, int8 too: the recompute's prefill rounds differently from the decode
     steps it replaces, and this random model's top tokens are close; vLLM's own bfloat16 pages did not.)"""
     shared = [TEXT * 3 + f" Example {i}: " for i in range(4)]  # ~310 tokens in common: a whole page of 256
     kw = dict(dtype="float32", block_size=256)
-    roomy = engine(tiny, "kivi:4", **kw)
+    # requests that grow into a second page of 256 tokens (a ring does not grow: the packed pages must)
+    growing = GROWING if policy.residual else [TEXT * 2 + f" Example {i}:" for i in range(8)]
+    roomy = engine(tiny, policy.to_dict(), **kw)
     try:
         first = roomy.generate(shared, LONG, use_tqdm=False)
         again = roomy.generate(shared[:2], LONG, use_tqdm=False)
-        grown = roomy.generate(GROWING, LONG, use_tqdm=False)
+        grown = roomy.generate(growing, LONG, use_tqdm=False)
     finally:
         close(roomy)
     assert all(o.num_cached_tokens >= 256 for o in again)
     assert tokens(again) == tokens(first[:2])
-    lay = P.PageLayout(Policy.kivi(4), 2, 64, "float32", 256, window=True)
-    tight = engine(tiny, "kivi:4", enable_prefix_caching=False, disable_log_stats=False, max_model_len=384,
-                   max_num_batched_tokens=64, kv_cache_memory_bytes=12 * 2 * lay.page_bytes, **kw)
+    lay = P.PageLayout(policy, 2, 64, "float32", 256, window=True)
+    tight = engine(tiny, policy.to_dict(), enable_prefix_caching=False, disable_log_stats=False, max_model_len=384,
+                   max_num_batched_tokens=64, kv_cache_memory_bytes=pages * 2 * lay.page_bytes, **kw)
     try:
         uncached = tight.generate(shared[:2], LONG, use_tqdm=False)
-        second = tight.generate(GROWING, LONG, use_tqdm=False)
+        second = tight.generate(growing, LONG, use_tqdm=False)
         preempted = sum(m.value for m in tight.get_metrics() if m.name == "vllm:num_preemptions")
     finally:
         close(tight)
     assert all(o.num_cached_tokens == 0 for o in uncached) and tokens(uncached) == tokens(first[:2])
     assert preempted > 0
-    assert len(second) == len(GROWING) and all(o.finished and len(o.outputs[0].token_ids) == 48 for o in second)
+    assert len(second) == len(growing) and all(o.finished and len(o.outputs[0].token_ids) == 48 for o in second)
     assert tokens(second) == tokens(grown)
 
 

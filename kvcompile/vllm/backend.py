@@ -95,6 +95,7 @@ class KVCompileImpl:
     layout: pages.PageLayout | None = None
     per_layer: Policy | None = None  # a policy with overrides: the layout is chosen by ``bind``
     window = None  # a windowed layout's window cache (window.py), attached when the layer is built
+    _recent = None  # (metadata, pages.Recent): the step's full-precision positions, from its store to its attention
     _bound = False
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
@@ -162,8 +163,9 @@ class KVCompileImpl:
         T = meta.num_actual_tokens
         if self.layout.window:
             wmeta, wcache = self._window()
-            pages.store_windowed(self.layout, kv_cache, wcache, self.window.block, key[:T], value[:T], ragged(meta),
-                                 ragged(wmeta))
+            recent = pages.store_windowed(self.layout, kv_cache, wcache, self.window.block, key[:T], value[:T],
+                                          ragged(meta), ragged(wmeta), ring=self.window.ring)
+            self._recent = (meta, recent)  # what this step's attention reads in full precision
             return
         pages.store_ragged(self.layout, kv_cache, key[:T], value[:T], ragged(meta))
 
@@ -189,9 +191,12 @@ class KVCompileImpl:
         # request recomputed), so those never change a request's output
         if self.layout.window:
             # each query reads the store as it stood when it was the newest token: the same whatever the split
-            wmeta, wcache = self._window()
-            pages.attention_windowed(self.layout, kv_cache, wcache, self.window.block, query[:T],
-                                     ragged(attn_metadata), ragged(wmeta), self.scale, out=output[:T])
+            meta, recent = self._recent or (None, None)
+            if meta is not attn_metadata:
+                raise Unimplemented(f"kvcompile: {layer.layer_name} attends before storing this step's tokens")
+            pages.attention_windowed(self.layout, kv_cache, query[:T], ragged(attn_metadata), recent, self.scale,
+                                     out=output[:T])
+            self._recent = None
             return output
         pages.attention_ragged(self.layout, kv_cache, query[:T], None, None, ragged(attn_metadata), self.scale,
                                out=output[:T])
@@ -226,9 +231,9 @@ def customized(spec, backend_customize):
     declared per layer, by ``layer_spec``)."""
     spec = backend_customize(spec)
     policy = _ACTIVE.policy
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
     if policy is None or policy == Policy.full() or policy.overrides or spec.state_content_bytes is not None \
-            or isinstance(spec, SlidingWindowSpec):  # a window cache (window.py) is full precision
+            or not isinstance(spec, FullAttentionSpec):  # a window cache (window.py) is full precision
         return spec
     dtype = spec.dtype
     lay = pages.PageLayout(policy, spec.num_kv_heads, spec.head_size, dtype, spec.block_size,
