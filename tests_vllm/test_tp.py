@@ -18,20 +18,26 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PER_LAYER = Policy(Quant("int4"), Quant("int4"), rotate=True).override({1: Policy.int8()})
 
 
-@pytest.mark.parametrize("policy", [Policy.int8(), PER_LAYER], ids=["int8", "per-layer"])
+KIVI_RING = Policy.kivi(4, residual=0, rotate=True)  # key groups: each rank's pending group in a ring of its own
+
+
+@pytest.mark.parametrize("policy", [Policy.int8(), PER_LAYER, KIVI_RING], ids=["int8", "per-layer", "kivi-ring"])
 def test_two_ranks_hold_their_own_heads_and_give_the_unsharded_tokens(tiny, policy):
-    one = engine(tiny, policy.to_dict())
+    block = 256 if policy is KIVI_RING else 128  # float32: a ring of 32 slots fits a packed page of 256 tokens
+    kw = {"block_size": block}
+    one = engine(tiny, policy.to_dict(), **kw)
     try:
         want = [list(o.outputs[0].token_ids) for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
     finally:
         close(one)
-    two = engine(tiny, policy.to_dict(), tensor_parallel_size=2, distributed_executor_backend="mp")
+    two = engine(tiny, policy.to_dict(), tensor_parallel_size=2, distributed_executor_backend="mp", **kw)
     try:
         blocks = two.llm_engine.vllm_config.cache_config.num_gpu_blocks
         got = [list(o.outputs[0].token_ids) for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)]
     finally:
         close(two)
     # each rank's page of each layer: 1 of the model's 2 kv heads
-    rank_pages = [P.PageLayout(p, 1, 64, "float32", 128).page_bytes for p in policy.resolve(["0", "1"])]
+    rank_pages = [P.PageLayout(p, 1, 64, "float32", block, window=p.flush > 1).page_bytes
+                  for p in policy.resolve(["0", "1"])]  # (a ring's pages share the packed pages' blocks)
     assert blocks == KV_BYTES // sum(rank_pages)
     assert got == want
