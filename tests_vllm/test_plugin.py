@@ -296,7 +296,7 @@ def vllm_loss(llm, windows) -> list[float]:
     return got
 
 
-@pytest.mark.parametrize("name", ["full", "int8", "tok+rot:4", "tok+rot+sym:2", "kivi:4"])
+@pytest.mark.parametrize("name", ["full", "int8", "tok+rot:4", "tok+rot+sym:2", "kivi:4", "kivi-r0+rot+fp8s:4"])
 def test_loss_through_vllm_is_kvcompile_eval_reading_every_position_as_stored(tiny, hf_and_windows, name):
     """The quality a user measures through vLLM is what ``kvcompile eval --own stored`` reports for the same policy
     and text (every position read as stored, the queries' own too, as the plugin reads its pages). Not to the last
