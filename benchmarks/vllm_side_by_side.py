@@ -92,7 +92,7 @@ def quality(args, tok, policy, engine) -> dict:
     try:
         llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=max(args.passkey + [args.window + 1]),
                   seed=0, distributed_executor_backend="uni", kv_cache_memory_bytes=args.quality_kv_mib << 20,
-                  **extra_args(policy, engine))
+                  **{"block_size": args.quality_block, **extra_args(policy, engine)})
     except Exception as e:  # noqa: BLE001  (a refusal at start-up: reported, the next contender runs)
         return {"refused": reason(e)}
     try:
@@ -371,6 +371,9 @@ def main() -> None:
     ap.add_argument("--serve-dtype", default="float32",
                     help="the server's dtype (bf16 matmuls are slow on a CPU without AVX-512 BF16)")
     ap.add_argument("--quality-kv-mib", type=int, default=512, help="KV memory of the quality engines (MiB)")
+    ap.add_argument("--quality-block", type=int, default=128,
+                    help="the quality engines' block size: a page's size changes no byte a policy stores, and in "
+                         "float32 a KIVI ring fits only pages of 256 tokens")
     ap.add_argument("--long", type=int, default=8192, help="the long requests' tokens (vLLM's reported concurrency)")
     ap.add_argument("--window", type=int, default=2048)
     ap.add_argument("--windows", type=int, default=4)
