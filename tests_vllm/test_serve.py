@@ -27,7 +27,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(model: str, policy: str, port: int, log):
+def serve(model: str, policy: str, port: int, log, *extra: str):
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_WAIT_POLICY="passive")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default processes
     # vllm-cpu 0.32.0's `vllm` command fails before it parses anything (it asks for the version of a distribution
@@ -35,7 +35,8 @@ def serve(model: str, policy: str, port: int, log):
     # argument parser and run_server as `vllm serve`
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port",
            str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-           "--kv-cache-memory-bytes", str(KV_BYTES), "--additional-config", json.dumps({"kvcompile": {"policy": policy}})]
+           "--kv-cache-memory-bytes", str(KV_BYTES), "--additional-config", json.dumps({"kvcompile": {"policy": policy}}),
+           *extra]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -87,6 +88,36 @@ def test_vllm_serve_answers_the_openai_client(server):
     blocks = KV_BYTES // (2 * lay.page_bytes)
     m = re.search(r"Maximum concurrency for 512 tokens per request: ([\d.,]+)x", open(log_path).read())
     assert m and float(m.group(1).replace(",", "")) == pytest.approx(blocks * 128 / 512, abs=0.01)
+
+
+def test_vllm_serve_runs_kivis_key_groups_in_a_ring(tiny, tmp_path):
+    """KIVI without its window through the server (vLLM's default processes): the ring of each layer lives in the
+    engine process's pool, the answers stream as they answer whole, and vLLM's concurrency counts one ring page a
+    request beside its packed pages (float32: pages of 256 tokens, where a ring of 32 slots fits)."""
+    from openai import OpenAI
+    port, log_path = free_port(), tmp_path / "ring.log"
+    with open(log_path, "w") as log:
+        proc = serve(tiny, "kivi-r0+rot:4", port, log, "--block-size", "256")
+        try:
+            wait_ready(proc, f"http://127.0.0.1:{port}", log_path)
+            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+            model = client.models.list().data[0].id
+            prompt = "The class statement creates a class object. " * 8
+            whole = client.completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0)
+            pieces = [c.choices[0].text for c in client.completions.create(model=model, prompt=prompt, max_tokens=40,
+                                                                            temperature=0, stream=True)]
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    assert whole.usage.completion_tokens == 40 and "".join(pieces) == whole.choices[0].text
+    lay = P.PageLayout(named("kivi-r0+rot:4"), 2, 64, "float32", 256, window=True)
+    blocks = KV_BYTES // (2 * lay.page_bytes)  # a packed and a ring layer share each block
+    m = re.search(r"Maximum concurrency for 512 tokens per request: ([\d.,]+)x", open(log_path).read())
+    assert m and float(m.group(1).replace(",", "")) == pytest.approx(blocks / (512 // 256 + 1), abs=0.01)
 
 
 def test_vllm_serve_refuses_a_policy_pages_cannot_hold(tiny, tmp_path):
