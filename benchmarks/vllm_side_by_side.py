@@ -164,8 +164,9 @@ def server_command(args, policy, engine):
             cmd.append("--enforce-eager")
         if engine.get("kv_cache_dtype"):
             cmd += ["--kv-cache-dtype", engine["kv_cache_dtype"]]
-        if engine.get("block_size"):
-            cmd += ["--block-size", str(engine["block_size"])]
+        block = engine.get("block_size") or args.serve_block
+        if block:
+            cmd += ["--block-size", str(block)]
         if policy:
             cmd += ["--additional-config", json.dumps({"kvcompile": {"policy": policy}})]
         return cmd
@@ -370,6 +371,8 @@ def main() -> None:
     ap.add_argument("--capacity-dtype", default="bfloat16", help="the model dtype vLLM's capacity is counted in")
     ap.add_argument("--serve-dtype", default="float32",
                     help="the server's dtype (bf16 matmuls are slow on a CPU without AVX-512 BF16)")
+    ap.add_argument("--serve-block", type=int, help="the servers' block size (default: vLLM's, 128 on the CPU; in "
+                                                      "float32 a KIVI ring fits only pages of 256 tokens)")
     ap.add_argument("--quality-kv-mib", type=int, default=512, help="KV memory of the quality engines (MiB)")
     ap.add_argument("--quality-block", type=int, default=128,
                     help="the quality engines' block size: a page's size changes no byte a policy stores, and in "
