@@ -40,6 +40,16 @@ def serve(model: str, policy: str, port: int, log, *extra: str):
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
+def stop(proc) -> None:
+    """Stop a server: terminate, then kill if it has not exited in a minute."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_ready(proc, base: str, log_path) -> None:
     deadline = time.time() + START_S
     while time.time() < deadline:
@@ -64,12 +74,7 @@ def server(tiny, tmp_path_factory):
             wait_ready(proc, f"http://127.0.0.1:{port}", log_path)
             yield f"http://127.0.0.1:{port}/v1", log_path
         finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
 
 
 def test_vllm_serve_answers_the_openai_client(server):
@@ -107,12 +112,7 @@ def test_vllm_serve_runs_kivis_key_groups_in_a_ring(tiny, tmp_path):
             pieces = [c.choices[0].text for c in client.completions.create(model=model, prompt=prompt, max_tokens=40,
                                                                             temperature=0, stream=True)]
         finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
     assert whole.usage.completion_tokens == 40 and "".join(pieces) == whole.choices[0].text
     lay = P.PageLayout(named("kivi-r0+rot:4"), 2, 64, "float32", 256, window=True)
     blocks = KV_BYTES // (2 * lay.page_bytes)  # a packed and a ring layer share each block
