@@ -441,21 +441,36 @@ def attention_ragged(layout: PageLayout, pages: Tensor, q: Tensor, k: Tensor | N
 # positions ``< Q(p + 1)`` packed, the rest in full precision (``kvcompile.store``'s ``Q``) -- which is what
 # decoding one token at a time gives, whatever the engine's chunks, cached prefixes or recomputations.
 class Recent(NamedTuple):
-    """What a step's windowed attention reads in full precision, per sequence: ``k[i], v[i] [H, n, D]`` (the store's
-    space and dtype) for positions ``lo[i] .. lo[i] + n`` -- the window cache's positions before the step (read
-    before the step's write) and the step's own tokens. Made by ``store_windowed``, read by ``attention_windowed``."""
+    """What a step's windowed attention reads in full precision: ``k, v [N, H, D]`` (the store's space and dtype),
+    the window cache's positions each sequence held before the step (read before the step's write), then the
+    step's own tokens in batch order; sequence ``i``'s positions ``lo[i] .. before[i]`` start at row ``start[i]``,
+    its own at row ``own + query_start[i]``. Made by ``store_windowed``, read by ``attention_windowed``."""
 
-    k: list
-    v: list
+    k: Tensor
+    v: Tensor
     lo: list
+    start: list
+    own: int
+    before: list
+    query_start: list
+
+    def rows(self, spans) -> tuple[list, list, list]:
+        """For spans ``(sequence, lo, hi)``: (span index, position, row of ``k``/``v``) of every position."""
+        span, pos, row = [], [], []
+        for r, (i, lo, hi) in enumerate(spans):
+            c = self.before[i]
+            for p in range(lo, hi):
+                span.append(r)
+                pos.append(p)
+                row.append(self.start[i] + p - self.lo[i] if p < c else self.own + self.query_start[i] + p - c)
+        return span, pos, row
 
 
-def _locate(wbatch: Ragged, seqs: Tensor, pos: Tensor, wblock: int, ring: bool) -> tuple[Tensor, Tensor]:
+def _locate(wbatch: Ragged, seqs: list, pos: list, wblock: int, ring: bool) -> tuple[Tensor, Tensor]:
     """(page, row) of positions ``pos`` of sequences ``seqs`` in the window cache."""
     table = wbatch.table.to("cpu", torch.long)
-    if ring:
-        return table[seqs, torch.zeros_like(pos)], pos % wblock
-    return table[seqs, pos // wblock], pos % wblock
+    s, p = torch.tensor(seqs, dtype=torch.long), torch.tensor(pos, dtype=torch.long)
+    return table[s, torch.zeros_like(p) if ring else p // wblock], p % wblock
 
 
 def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: int, k: Tensor, v: Tensor,
@@ -473,30 +488,41 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
     wk, wv = layout.window_views(window, wblock)
     dt, dev = wk.dtype, k.device
     qs = batch.query_start.to("cpu", torch.long).tolist()
-    own = [(as_stored(k[qs[i]:qs[i] + n].transpose(0, 1)[None], sp, dt, keys=True)[0],
-            as_stored(v[qs[i]:qs[i] + n].transpose(0, 1)[None], sp, dt)[0]) for i, n in enumerate(batch.n)]
+    T = qs[-1] if qs else 0
+    own_k = as_stored(k[:T].transpose(0, 1)[None], sp, dt, keys=True)[0].transpose(0, 1)  # [T, H, D]
+    own_v = as_stored(v[:T].transpose(0, 1)[None], sp, dt)[0].transpose(0, 1)
 
     def write():  # the step's tokens into the window cache (a ring keeps only its newest ``wblock``)
+        seqs, pos, src = [], [], []
         for i, (c, n) in enumerate(zip(batch.before, batch.n)):
             first = max(c, c + n - wblock) if ring else c
-            pos = torch.arange(first, c + n)
-            page, row = _locate(wbatch, torch.full_like(pos, i), pos, wblock, ring)
-            wk[page.to(dev), :, row.to(dev)] = own[i][0][:, first - c:].transpose(0, 1)
-            wv[page.to(dev), :, row.to(dev)] = own[i][1][:, first - c:].transpose(0, 1)
+            seqs += [i] * (c + n - first)
+            pos += range(first, c + n)
+            src += range(qs[i] + first - c, qs[i] + n)
+        if pos:
+            page, row = _locate(wbatch, seqs, pos, wblock, ring)
+            idx = torch.tensor(src, device=dev)
+            wk[page.to(dev), :, row.to(dev)] = own_k.index_select(0, idx)
+            wv[page.to(dev), :, row.to(dev)] = own_v.index_select(0, idx)
 
     # A sliding window's pages can be another request's in this very step (vLLM hands a prompt's pages to the
     # prefix cache as soon as they are scheduled): written first, then read. A ring is its request's alone, and
     # the step's tokens may overwrite slots it still reads: read first.
     if not ring:
         write()
-    recent = Recent([], [], [])  # the full-precision positions this step reads: those before it, then its own
-    for i, (c, n) in enumerate(zip(batch.before, batch.n)):
-        lo = min(sp0.boundary(c), sp.boundary(c + 1)) if n else c
-        pos = torch.arange(lo, c)
-        page, row = _locate(wbatch, torch.full_like(pos, i), pos, wblock, ring)
-        recent.k.append(torch.cat([wk[page.to(dev), :, row.to(dev)].transpose(0, 1), own[i][0]], 1))
-        recent.v.append(torch.cat([wv[page.to(dev), :, row.to(dev)].transpose(0, 1), own[i][1]], 1))
-        recent.lo.append(lo)
+    lo = [min(sp0.boundary(c), sp.boundary(c + 1)) if n else c for c, n in zip(batch.before, batch.n)]
+    seqs, pos, start = [], [], []
+    for i, c in enumerate(batch.before):  # the positions before the step that it reads
+        start.append(len(pos))
+        seqs += [i] * (c - lo[i])
+        pos += range(lo[i], c)
+    if pos:
+        page, row = _locate(wbatch, seqs, pos, wblock, ring)
+        held_k, held_v = wk[page.to(dev), :, row.to(dev)], wv[page.to(dev), :, row.to(dev)]
+    else:
+        held_k = held_v = own_k[:0]
+    recent = Recent(torch.cat([held_k, own_k]), torch.cat([held_v, own_v]), lo, start, len(pos),
+                    list(batch.before), qs)
     if ring:
         write()
     if not any(batch.n):
@@ -518,14 +544,16 @@ def _ring(layout: PageLayout, recent: Recent, spans, width: int, dtype):
     """Rings ``[len(spans), H, width, D]`` (slot ``p % width``, as the store's) holding each span ``(sequence, lo,
     hi)``'s positions ``[lo, hi)`` from ``recent``."""
     H, D = layout.heads, layout.head_dim
-    dev = recent.k[0].device if recent.k else None
+    dev = recent.k.device
     rk = torch.zeros(len(spans), H, width, D, dtype=dtype, device=dev)
     rv = torch.zeros_like(rk)
-    for r, (i, lo, hi) in enumerate(spans):
-        if hi > lo and width:
-            slot = torch.arange(lo, hi, device=dev) % width
-            rk[r][:, slot] = recent.k[i][:, lo - recent.lo[i]:hi - recent.lo[i]]
-            rv[r][:, slot] = recent.v[i][:, lo - recent.lo[i]:hi - recent.lo[i]]
+    span, pos, row = recent.rows(spans)
+    if width and pos:
+        r = torch.tensor(span, device=dev)
+        slot = torch.tensor(pos, device=dev) % width
+        idx = torch.tensor(row, device=dev)
+        rk[r, :, slot] = recent.k.index_select(0, idx)
+        rv[r, :, slot] = recent.v.index_select(0, idx)
     return rk, rv
 
 
