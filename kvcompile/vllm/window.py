@@ -51,7 +51,7 @@ def window_block(layout, backend, ring: bool) -> int:
 
 
 class WindowLayer(AttentionLayerBase):
-    """vLLM's view of one attention layer's window cache: a sliding-window layer that never runs (module
+    """vLLM's view of one attention layer's window cache: a ring or a sliding-window layer that never runs (module
     docstring). ``owner``: vLLM's ``Attention`` whose implementation is kvcompile's with a windowed layout."""
 
     def __init__(self, owner):
