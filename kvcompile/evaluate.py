@@ -43,6 +43,7 @@ from . import ops
 from .hf import KVCompileCache, KVCompileLayer, model_shape
 from .api import apply
 from .hf_model import cache_kwarg
+from .pages import needs_window
 from .policy import Policy, PolicyError
 from .presets import SCHEMES, is_policy_file, naive, parse_entry, scheme_policy  # noqa: F401  (this module's names too)
 from .store import dequantize_reference
@@ -127,7 +128,7 @@ def one_at_a_time(policy: Policy) -> bool:
     were split into calls, unless each call holds one token, which ``own="stored"`` does (an engine that reads
     every position as stored computes this split-free attention: kvcompile inside vLLM)."""
     policies = [policy.base()] + [p for _, p in policy.overrides]
-    return any(p.residual or p.sink or p.flush > 1 for p in policies)
+    return any(needs_window(p) or p.sink for p in policies)
 
 
 def check_own(own, policy: Policy | None = None, fast: bool = True) -> None:

@@ -75,6 +75,13 @@ class PageError(UnsupportedError):
         self.kind = kind
 
 
+def needs_window(policy: Policy) -> bool:
+    """Whether ``policy`` (one layer's) keeps positions in full precision beside its packed ones that an engine's
+    window cache can hold: a recent window (``residual``) or per-channel groups waiting to fill (``flush > 1``);
+    ``window_tokens`` of them, the store's ring."""
+    return bool(policy.residual) or policy.flush > 1
+
+
 def refusal(policy: Policy, block: int, window: bool = False) -> tuple[Refusal, str] | None:
     """Why ``policy`` (one layer's, no overrides) cannot be kept in pages of ``block`` tokens, as
     ``(kind, reason)``; None when it can. ``window``: the engine also keeps each sequence's newest tokens in full
@@ -188,6 +195,14 @@ class PageLayout:
     def page_bytes(self) -> int:
         """Bytes of one page: the fields, padded to a whole ``heads * block * token_head_bytes``."""
         return self.heads * self.block * self.token_head_bytes
+
+    @functools.cached_property
+    def packing_spec(self) -> LayerSpec:
+        """``spec`` without the recent window: its store packs every whole ``flush``-group at once (a group's bytes
+        depend on its tokens alone, so they are ``spec``'s), keeping only the pending group in its ring -- how
+        ``store_windowed`` fills the pages."""
+        return LayerSpec(dataclasses.replace(self.policy, residual=0), self.heads, self.head_dim, self.dtype,
+                         block_tokens=self.block)
 
     @property
     def window_tokens(self) -> int:
@@ -482,9 +497,7 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
     if not layout.window:
         raise ArgumentError("store_windowed takes a layout with window=True; use store_ragged")
     from .store import as_stored
-    sp = layout.spec
-    eager = dataclasses.replace(layout.policy, residual=0)
-    sp0 = LayerSpec(eager, layout.heads, layout.head_dim, layout.dtype, block_tokens=layout.block)
+    sp, sp0 = layout.spec, layout.packing_spec
     wk, wv = layout.window_views(window, wblock)
     dt, dev = wk.dtype, k.device
     qs = batch.query_start.to("cpu", torch.long).tolist()
@@ -531,10 +544,8 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
     # every whole group at once (the bytes of a group depend on its tokens alone), its ring the pending group
     held = [(i, sp0.boundary(c), c) for i, c in enumerate(batch.before)]
     rk, rv = _ring(layout, recent, held, sp0.ring, dt)
-    B, H, D = len(batch.n), layout.heads, layout.head_dim
-    none = torch.empty(B, H, 0, D, dtype=dt, device=pages.device)
-    st = KVState(*layout.views(pages), rk, rv, none, none, torch.tensor(batch.before, dtype=torch.int32,
-                 device=pages.device), batch.table.to(pages.device))
+    st = layout.state(pages, torch.tensor(batch.before, dtype=torch.int32, device=pages.device),
+                      batch.table.to(pages.device))._replace(k_res=rk, v_res=rv)
     ops.backend(pages.device).store(st, sp0, batch.padded(k), batch.padded(v),
                                     torch.tensor(batch.n, dtype=torch.int32))
     return recent
@@ -584,10 +595,9 @@ def attention_windowed(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragg
                            device=q.device)
         seqs = torch.tensor([i for i, _, _ in group])
         rk, rv = _ring(layout, recent, [(i, sp.boundary(e), e) for i, a, e in group], sp.ring, DTYPES[layout.dtype])
-        none = rk.new_empty(len(group), layout.heads, 0, D)
-        st = KVState(*layout.views(pages), rk, rv, none, none,
-                     torch.tensor([e for _, _, e in group], dtype=torch.int32, device=pages.device),
-                     batch.table.index_select(0, seqs.to(batch.table.device)).to(pages.device))
+        st = layout.state(pages, torch.tensor([e for _, _, e in group], dtype=torch.int32, device=pages.device),
+                          batch.table.index_select(0, seqs.to(batch.table.device)).to(pages.device)
+                          )._replace(k_res=rk, v_res=rv)
         # the queries' own positions too come from the ring (or, once packed, from the pages): a query whose own
         # token is already packed (no window, a group it completed) reads it packed, as the store holds it
         qn = q.index_select(0, idx).view(len(group), n, Hq, D).transpose(1, 2)

@@ -44,7 +44,7 @@ import torch
 from kvcompile import pages
 from kvcompile.policy import Policy
 
-from .config import layout_for, policy_of, refuse, windowed
+from .config import layout_for, policy_of, refuse
 from ..errors import Unimplemented
 
 
@@ -237,7 +237,7 @@ def customized(spec, backend_customize):
         return spec
     dtype = spec.dtype
     lay = pages.PageLayout(policy, spec.num_kv_heads, spec.head_size, dtype, spec.block_size,
-                           window=windowed(policy))
+                           window=pages.needs_window(policy))
     return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=lay.token_head_bytes)
 
 

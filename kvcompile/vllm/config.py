@@ -77,10 +77,4 @@ def layout_for(policy: Policy | None, heads: int, head_dim: int, dtype: torch.dt
             refuse(f"the model's attention has {what}, which kvcompile's attention does not compute",
                     "use no kvcompile policy for this model")
     # a window or per-channel key groups: their full-precision positions in a window cache (window.py)
-    return pages.PageLayout(policy, heads, head_dim, dtype, block, window=windowed(policy))
-
-
-def windowed(policy: Policy) -> bool:
-    """Whether ``policy`` keeps positions in full precision beside its packed pages: a recent window
-    (``residual``) or per-channel key groups waiting to fill (``flush > 1``)."""
-    return bool(policy.residual) or policy.flush > 1
+    return pages.PageLayout(policy, heads, head_dim, dtype, block, window=pages.needs_window(policy))
