@@ -396,6 +396,14 @@ class Ragged(NamedTuple):
                 out.setdefault(x, []).append(i)
         return out
 
+    def tokens(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(row of the flat batch, sequence, position) of every token, as int64 CPU tensors."""
+        n = torch.tensor(self.n, dtype=torch.long)
+        seq = torch.repeat_interleave(torch.arange(len(self.n)), n)
+        first = torch.tensor(self.query_start.to("cpu", torch.int64).tolist()[:len(self.n)], dtype=torch.long)
+        j = torch.arange(len(seq)) - (torch.cumsum(n, 0) - n)[seq]  # each token's index within its sequence
+        return first[seq] + j, seq, torch.tensor(self.before, dtype=torch.long)[seq] + j
+
     def padded(self, x: Tensor) -> Tensor:
         """``x [T, H, D]`` as ``[B, H, nmax, D]`` (zeros past a sequence's own tokens); a view when every sequence
         has the same count."""
@@ -421,15 +429,38 @@ def store_ragged(layout: PageLayout, pages: Tensor, k: Tensor, v: Tensor, batch:
     store(layout, pages, kp, vp, before, batch.table, n_new)
 
 
+# Read from the pages, every query of a flat batch is computed as the decode step of its own position would compute
+# it: one row of the decode kernel, over the positions up to its own. The kernels' result for a row depends on that
+# row's length alone (not on the batch beside it: ``templates.cpu.splits``), so a token's attention is the same bits
+# however the engine cut the work -- decoded, in a prompt prefilled whole or in chunks, after a cached prefix, or
+# recomputed after preemption. (One call over a prompt's queries would round differently from the decode steps,
+# and in bf16/fp16 that difference, carried through the layers, changed greedy tokens after a recomputation.) A
+# prefill thus costs the decode kernel's reads, quadratic in the prompt (docs/vllm.md measures it).
+ROWS_PER_CALL = 4096  # query rows x kv heads per kernel call (bounds the kernel's per-row scratch)
+
+
+def _rows_per_call(layout: PageLayout) -> int:
+    return max(1, ROWS_PER_CALL // layout.heads)
+
+
 def attention_ragged(layout: PageLayout, pages: Tensor, q: Tensor, k: Tensor | None, v: Tensor | None,
                      batch: Ragged, scale: float | None = None, out: Tensor | None = None) -> Tensor:
     """``attention`` for a flat batch: ``q [T, Hq, D]``, and ``k, v [T, H, D]`` the same tokens' own keys and
-    values (read in full precision at their positions; None: from the pages). Sequences with the same token count
-    are one call (a decode step's sequences all together: the decode kernel). Returns ``out [T, Hq, D]`` (written
-    in place when given; rows past the batch's tokens are left as they are)."""
+    values (read in full precision at their positions: sequences with the same token count are one call; None:
+    every position from the pages, each query one decode row, above). Returns ``out [T, Hq, D]`` (written in
+    place when given; rows past the batch's tokens are left as they are)."""
     T, Hq, D = q.shape
     if out is None:
         out = q.new_zeros(T, Hq, D)
+    if k is None and v is None:  # every query its own decode row (see ROWS_PER_CALL)
+        idx, seq, pos = batch.tokens()
+        table = batch.table.index_select(0, seq.to(batch.table.device))
+        for a in range(0, len(idx), _rows_per_call(layout)):
+            r = slice(a, a + _rows_per_call(layout))
+            got = attention(layout, pages, q.index_select(0, idx[r].to(q.device)).unsqueeze(2), pos[r] + 1, table[r],
+                            None, None, scale)
+            out.index_copy_(0, idx[r].to(out.device), got.squeeze(2).to(out.dtype))
+        return out
     qs = batch.query_start.to("cpu", torch.int64).tolist()
     for n, rows in batch.groups().items():
         idx = torch.tensor([qs[i] + j for i in rows for j in range(n)], device=q.device)
@@ -469,16 +500,17 @@ class Recent(NamedTuple):
     before: list
     query_start: list
 
-    def rows(self, spans) -> tuple[list, list, list]:
-        """For spans ``(sequence, lo, hi)``: (span index, position, row of ``k``/``v``) of every position."""
-        span, pos, row = [], [], []
-        for r, (i, lo, hi) in enumerate(spans):
-            c = self.before[i]
-            for p in range(lo, hi):
-                span.append(r)
-                pos.append(p)
-                row.append(self.start[i] + p - self.lo[i] if p < c else self.own + self.query_start[i] + p - c)
-        return span, pos, row
+    def rows(self, seq: Tensor, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """For spans ``(seq[r], lo[r], hi[r])`` (int64 CPU tensors): (span, position, row of ``k``/``v``) of every
+        position of every span, int64 CPU tensors."""
+        cnt = (hi - lo).clamp_min(0)
+        span = torch.repeat_interleave(torch.arange(len(cnt)), cnt)
+        pos = lo[span] + torch.arange(len(span)) - (torch.cumsum(cnt, 0) - cnt)[span]
+        i = seq[span]
+        before = torch.tensor(self.before, dtype=torch.long)[i]
+        held = torch.tensor(self.start, dtype=torch.long)[i] + pos - torch.tensor(self.lo, dtype=torch.long)[i]
+        own = self.own + torch.tensor(self.query_start[:len(self.before)], dtype=torch.long)[i] + pos - before
+        return span, pos, torch.where(pos < before, held, own)
 
 
 def _locate(wbatch: Ragged, seqs: list, pos: list, wblock: int, ring: bool) -> tuple[Tensor, Tensor]:
@@ -542,8 +574,9 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
         return recent
     # the groups this write completes, packed now: a store of the same layout without the recent window packs
     # every whole group at once (the bytes of a group depend on its tokens alone), its ring the pending group
-    held = [(i, sp0.boundary(c), c) for i, c in enumerate(batch.before)]
-    rk, rv = _ring(layout, recent, held, sp0.ring, dt)
+    c = torch.tensor(batch.before, dtype=torch.long)
+    rk, rv = _ring(layout, recent, torch.arange(len(c)), torch.tensor([sp0.boundary(x) for x in batch.before]), c,
+                   sp0.ring, dt)
     st = layout.state(pages, torch.tensor(batch.before, dtype=torch.int32, device=pages.device),
                       batch.table.to(pages.device))._replace(k_res=rk, v_res=rv)
     ops.backend(pages.device).store(st, sp0, batch.padded(k), batch.padded(v),
@@ -551,56 +584,50 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
     return recent
 
 
-def _ring(layout: PageLayout, recent: Recent, spans, width: int, dtype):
-    """Rings ``[len(spans), H, width, D]`` (slot ``p % width``, as the store's) holding each span ``(sequence, lo,
-    hi)``'s positions ``[lo, hi)`` from ``recent``."""
+def _ring(layout: PageLayout, recent: Recent, seq: Tensor, lo: Tensor, hi: Tensor, width: int, dtype):
+    """Rings ``[len(seq), H, width, D]`` (slot ``p % width``, as the store's) holding positions ``[lo[r], hi[r])`` of
+    sequence ``seq[r]`` from ``recent``."""
     H, D = layout.heads, layout.head_dim
     dev = recent.k.device
-    rk = torch.zeros(len(spans), H, width, D, dtype=dtype, device=dev)
+    rk = torch.zeros(len(seq), H, width, D, dtype=dtype, device=dev)
     rv = torch.zeros_like(rk)
-    span, pos, row = recent.rows(spans)
-    if width and pos:
-        r = torch.tensor(span, device=dev)
-        slot = torch.tensor(pos, device=dev) % width
-        idx = torch.tensor(row, device=dev)
+    span, pos, row = recent.rows(seq, lo, hi)
+    if width and len(pos):
+        r, slot, idx = span.to(dev), (pos % width).to(dev), row.to(dev)
         rk[r, :, slot] = recent.k.index_select(0, idx)
         rv[r, :, slot] = recent.v.index_select(0, idx)
     return rk, rv
+
+
+RING_BYTES = 64 << 20  # the per-row rings one windowed call builds, at most (about)
 
 
 def attention_windowed(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, recent: Recent,
                        scale: float | None = None, out: Tensor | None = None) -> Tensor:
     """``attention_ragged`` for a layout with a window, after ``store_windowed`` (its ``recent``): each query at
     position ``p`` attends to positions ``< Q(p + 1)`` packed and the rest in full precision -- the store as it stood
-    when ``p`` was its newest token. A sequence's queries are cut where ``Q`` moves, and pieces of equal length are
-    one kernel call (a decode step's sequences all together)."""
+    when ``p`` was its newest token -- as one decode row of its own (``attention_ragged``'s rule), with a ring of
+    its own holding its full-precision positions."""
     if not layout.window:
         raise ArgumentError("attention_windowed takes a layout with window=True; use attention_ragged")
     T, Hq, D = q.shape
     if out is None:
         out = q.new_zeros(T, Hq, D)
     sp = layout.spec
-    qs = batch.query_start.to("cpu", torch.int64).tolist()
-    pieces: dict[int, list[tuple[int, int, int]]] = {}  # length -> [(sequence, first position, end)]
-    for i, (b, n) in enumerate(zip(batch.before, batch.n)):
-        a = b
-        while a < b + n:
-            e = a + 1  # [a, e): queries whose store ends at Q(e) alike
-            while e < b + n and sp.boundary(e + 1) == sp.boundary(a + 1):
-                e += 1
-            pieces.setdefault(e - a, []).append((i, a, e))
-            a = e
-    for n, group in pieces.items():
-        idx = torch.tensor([qs[i] + (p - batch.before[i]) for i, a, e in group for p in range(a, e)],
-                           device=q.device)
-        seqs = torch.tensor([i for i, _, _ in group])
-        rk, rv = _ring(layout, recent, [(i, sp.boundary(e), e) for i, a, e in group], sp.ring, DTYPES[layout.dtype])
-        st = layout.state(pages, torch.tensor([e for _, _, e in group], dtype=torch.int32, device=pages.device),
-                          batch.table.index_select(0, seqs.to(batch.table.device)).to(pages.device)
-                          )._replace(k_res=rk, v_res=rv)
-        # the queries' own positions too come from the ring (or, once packed, from the pages): a query whose own
+    idx, seq, pos = batch.tokens()
+    L = pos + 1
+    lo = torch.tensor([sp.boundary(x) for x in L.tolist()], dtype=torch.long)
+    table = batch.table.index_select(0, seq.to(batch.table.device)).to(pages.device)
+    dt = DTYPES[layout.dtype]
+    ring_row = 2 * layout.heads * max(sp.ring, 1) * D * _esize(dt)
+    step = max(1, min(_rows_per_call(layout), RING_BYTES // ring_row))
+    for a in range(0, len(idx), step):
+        r = slice(a, a + step)
+        # the query's own position too comes from its ring (or, once packed, from the pages): a query whose own
         # token is already packed (no window, a group it completed) reads it packed, as the store holds it
-        qn = q.index_select(0, idx).view(len(group), n, Hq, D).transpose(1, 2)
-        got = ops.backend(pages.device).attention(qn, st, sp, None, scale)
-        out.index_copy_(0, idx, got.transpose(1, 2).reshape(len(group) * n, Hq, D).to(out.dtype))
+        rk, rv = _ring(layout, recent, seq[r], lo[r], L[r], sp.ring, dt)
+        st = layout.state(pages, L[r].to(device=pages.device, dtype=torch.int32), table[r])._replace(k_res=rk, v_res=rv)
+        rows = idx[r].to(q.device)
+        got = ops.backend(pages.device).attention(q.index_select(0, rows).unsqueeze(2), st, sp, None, scale)
+        out.index_copy_(0, rows.to(out.device), got.squeeze(2).to(out.dtype))
     return out

@@ -458,7 +458,7 @@ def test_a_prefix_written_in_the_same_step_is_read_after_its_write(policy):
     """An engine may give a request a cached prefix whose pages another request writes in the same step (vLLM
     caches a prompt's pages as soon as they are scheduled): sequence 1 shares sequence 0's first two packed pages
     and its window pages up to position 64, and arrives with those 64 positions cached while sequence 0 writes
-    them. Its outputs are sequence 0's (to float32 rounding: the kernel calls group the two differently)."""
+    them. Its outputs are sequence 0's, bit for bit."""
     H, Hq, D, block, wblock, n_pages = 2, 4, 64, 32, 16, 32
     lay = P.PageLayout(policy, H, D, "float32", block, window=True)
     g = torch.Generator().manual_seed(5)
@@ -473,4 +473,66 @@ def test_a_prefix_written_in_the_same_step_is_read_after_its_write(policy):
     batch, wbatch = P.Ragged.of(qs, seq, table), P.Ragged.of(qs, seq, wtable)
     recent = P.store_windowed(lay, pages, window, wblock, kk, vv, batch, wbatch)
     out = P.attention_windowed(lay, pages, qq, batch, recent, 0.125)
-    assert (out[100:] - out[64:100]).abs().max() < 1e-5
+    assert torch.equal(out[100:], out[64:100])
+
+
+# --------------------------------------------------------------------------- however the work is cut
+CUTS = {  # a sequence's 150 tokens, as an engine may hand them over (beside another sequence's in each step)
+    "whole": [150],
+    "chunks": [64, 64, 22],        # chunked prefill
+    "cached": [128, 1, 21],        # a prefix from elsewhere, then the rest
+    "recomputed": [100] + [1] * 20 + [30],  # prefilled, decoded, preempted and recomputed in one piece
+    "decoded": [1] * 150,
+}
+EXACT = [  # (policy, window, ring)
+    (Policy.int8(), False, False),
+    (Policy(Quant("int4", "token"), Quant("int4", "token"), rotate=True), False, False),
+    (Policy.fp8(residual=0), False, False),
+    (Policy.kivi(4), True, False),
+    (Policy.kivi(2, residual=0, rotate=True), True, True),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("case", range(len(EXACT)), ids=lambda c: str(EXACT[c][0]))
+def test_a_tokens_attention_is_the_same_bits_however_the_work_is_cut(case, dtype):
+    """The same sequence handed over whole, in chunks, after a prefix, decoded, or prefilled again after decode
+    steps (what vLLM does to a preempted request), each step beside another sequence's tokens: every query's output
+    is the same bits, in every dtype (in bf16 a rounding difference between a prefill and a decode step, carried
+    through the layers, changed greedy tokens after a recomputation)."""
+    policy, windowed, ring = EXACT[case]
+    H, Hq, D, block, wblock, n_pages = 2, 4, 64, 32, (48 if ring else 16), 64
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(case)
+    k, v, q = (torch.randn(150, h, D, generator=g).to(dt) for h in (H, H, Hq))
+    ko, vo, qo = (torch.randn(150, h, D, generator=g).to(dt) for h in (H, H, Hq))  # the other sequence's
+    results = {}
+    for name, cut in CUTS.items():
+        lay = P.PageLayout(policy, H, D, dtype, block, window=windowed)
+        pages = engine_pages(lay, n_pages, interleave=2)
+        table = scrambled_table(2, 12, n_pages, seed=case)
+        if windowed:
+            window = window_pages(lay, n_pages, wblock)
+            wtable = scrambled_table(2, 1 if ring else 20, n_pages, seed=case + 1)
+        held, oheld, outs = 0, 0, []
+        for n in cut:
+            other = 1 if n > 1 else 2  # the other sequence decodes beside a chunk, or takes two beside a decode
+            sl = slice(held, held + n)
+            o = slice(oheld % 140, oheld % 140 + other)  # (its keys: any)
+            kk, vv, qq = (torch.cat([x[sl], y[o]]) for x, y in ((k, ko), (v, vo), (q, qo)))
+            qs = torch.tensor([0, n, n + other])
+            oheld += other
+            seq = torch.tensor([held + n, oheld])
+            batch = P.Ragged.of(qs, seq, table)
+            if windowed:
+                recent = P.store_windowed(lay, pages, window, wblock, kk, vv, batch, P.Ragged.of(qs, seq, wtable),
+                                          ring=ring)
+                out = P.attention_windowed(lay, pages, qq, batch, recent, 0.125)
+            else:
+                P.store_ragged(lay, pages, kk, vv, batch)
+                out = P.attention_ragged(lay, pages, qq, None, None, batch, 0.125)
+            outs.append(out[:n])
+            held += n
+        results[name] = torch.cat(outs)
+    for name, got in results.items():
+        assert torch.equal(bits(got), bits(results["decoded"])), (name, int((got != results["decoded"]).sum()))

@@ -212,11 +212,13 @@ def tokens(outs):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_prefix_caching_and_preemption_change_no_greedy_output(tiny):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_prefix_caching_and_preemption_change_no_greedy_output(tiny, dtype):
     """int8 pages with prefix caching on and room for every request; then with prefix caching off, prefills cut into
     chunks of 64 tokens, and room for 5 pages, where 8 requests that each grow into a second page make vLLM preempt
-    some (free their pages, recompute them later): the same tokens for every request, and no request lost."""
-    roomy = engine(tiny, "int8")
+    some (free their pages, recompute them later): the same tokens for every request, and no request lost -- in
+    every dtype (each token's attention is the same bits however the work is cut: ``kvcompile.pages``)."""
+    roomy = engine(tiny, "int8", dtype=dtype)
     try:
         assert roomy.llm_engine.vllm_config.cache_config.enable_prefix_caching
         first = roomy.generate(SHARED, LONG, use_tqdm=False)
@@ -227,8 +229,8 @@ def test_prefix_caching_and_preemption_change_no_greedy_output(tiny):
     assert sum(o.num_cached_tokens for o in first) >= 5 * 128  # after the first, each read the shared page
     assert all(o.num_cached_tokens >= 128 for o in again)
     assert tokens(again) == tokens(first[:3])
-    lay = P.PageLayout(Policy.int8(), 2, 64, "float32", 128)
-    tight = engine(tiny, "int8", enable_prefix_caching=False, disable_log_stats=False, max_model_len=256,
+    lay = P.PageLayout(Policy.int8(), 2, 64, dtype, 128)
+    tight = engine(tiny, "int8", dtype=dtype, enable_prefix_caching=False, disable_log_stats=False, max_model_len=256,
                    max_num_batched_tokens=64, kv_cache_memory_bytes=5 * 2 * lay.page_bytes)
     try:
         assert tight.llm_engine.vllm_config.cache_config.num_gpu_blocks == 5
@@ -409,19 +411,20 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
     assert list(again.outputs[0].token_ids) == list(chunked.outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("policy,pages", [(Policy.kivi(4), 12), (Policy.kivi(4, residual=0, rotate=True), 7)],
-                         ids=["window", "key-groups-ring"])
-def test_a_windowed_policy_survives_prefix_caching_and_preemption(tiny, policy, pages):
+@pytest.mark.parametrize("policy,pages,dtype", [(Policy.kivi(4), 12, "float32"),
+                                                (Policy.kivi(4, residual=0, rotate=True), 7, "float32"),
+                                                (Policy.kivi(4), 12, "bfloat16"),
+                                                (Policy.kivi(4, residual=0, rotate=True), 7, "float16")],
+                         ids=["window", "key-groups-ring", "window-bf16", "key-groups-ring-fp16"])
+def test_a_windowed_policy_survives_prefix_caching_and_preemption(tiny, policy, pages, dtype):
     """KIVI int4 (a window of 128 tokens and key groups of 32, or the key groups alone in a ring; float32, so pages of
     256 tokens): requests that share
     a cached prefix of a whole page (its window's pages come from the cache too; a ring has nothing pending at a
     page's end), then prefills cut into chunks of
     64 tokens without prefix caching, and room for so few pages that vLLM preempts and recomputes requests: every
-    request's greedy tokens are the same. (In bfloat16 a recomputed request can take another token than its
-    first run under any quantizing policy, int8 too: the recompute's prefill rounds differently from the decode
-    steps it replaces, and this random model's top tokens are close; vLLM's own bfloat16 pages did not.)"""
+    request's greedy tokens are the same, in float32 and in 16-bit models."""
     shared = [TEXT * 3 + f" Example {i}: " for i in range(4)]  # ~310 tokens in common: a whole page of 256
-    kw = dict(dtype="float32", block_size=256)
+    kw = dict(dtype=dtype, block_size=256)
     # requests that grow into a second page of 256 tokens (a ring does not grow: the packed pages must)
     growing = GROWING if policy.residual else [TEXT * 2 + f" Example {i}:" for i in range(8)]
     roomy = engine(tiny, policy.to_dict(), **kw)
@@ -433,7 +436,7 @@ def test_a_windowed_policy_survives_prefix_caching_and_preemption(tiny, policy, 
         close(roomy)
     assert all(o.num_cached_tokens >= 256 for o in again)
     assert tokens(again) == tokens(first[:2])
-    lay = P.PageLayout(policy, 2, 64, "float32", 256, window=True)
+    lay = P.PageLayout(policy, 2, 64, dtype, 256, window=True)
     tight = engine(tiny, policy.to_dict(), enable_prefix_caching=False, disable_log_stats=False, max_model_len=384,
                    max_num_batched_tokens=64, kv_cache_memory_bytes=pages * 2 * lay.page_bytes, **kw)
     try:
