@@ -127,12 +127,14 @@ def capacity(args, policy, engine) -> dict:
     try:
         llm = LLM(model=args.model, dtype=args.capacity_dtype, enforce_eager=True, max_model_len=args.long, seed=0,
                   distributed_executor_backend="uni", kv_cache_memory_bytes=args.kv_mib << 20,
+                  **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
                   **extra_args(policy, engine))
     except Exception as e:  # noqa: BLE001
         return {"refused": reason(e)}
     try:
         cc = llm.llm_engine.vllm_config.cache_config  # what vLLM logs as its KV cache size and concurrency
         return {"dtype": args.capacity_dtype, "blocks": cc.num_gpu_blocks, "kv_tokens": cc.kv_cache_size_tokens,
+                "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
                 "concurrency_8k": cc.kv_cache_max_concurrency,
                 "concurrency_1k": concurrency(llm, 1024)}
     finally:
@@ -387,6 +389,9 @@ def main() -> None:
     ap.add_argument("--max-concurrency", type=int, default=64)
     ap.add_argument("--block", type=int, default=128, help="vLLM's block size (128 on the CPU)")
     ap.add_argument("--eager", action="store_true", help="serve with --enforce-eager")
+    ap.add_argument("--max-num-batched-tokens", type=int,
+                    help="vLLM's tokens per step, for the capacity engines (default: vLLM's; it bounds what vLLM "
+                         "charges a sliding-window cache group, so a windowed policy's reported concurrency)")
     ap.add_argument("--calibrated", help="a policy file from `kvcompile calibrate`, as one more contender")
     ap.add_argument("--only", nargs="*", help="run only these contenders (labels)")
     ap.add_argument("--capacity-only", action="store_true",

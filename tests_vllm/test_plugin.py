@@ -341,12 +341,13 @@ def windows_of(llm) -> dict:
 
 
 @pytest.mark.parametrize("name", list(WINDOWED))
-def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stood(tiny, monkeypatch, name):
+def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stood(tiny, monkeypatch, caplog, name):
     """One long prompt prefilled in chunks of 64 tokens, then decoded: each layer gets a window cache that vLLM
     manages as a sliding-window layer (its group, its pages, padded to the packed page; the pool's blocks counted
     over both); at the end the packed pages hold the reference store's bytes for every group the sequence has
     completed (packed as soon as complete), the window pages its newest positions as the reference's ring holds
-    them; and the tokens are those of the same engine with the prompt prefilled in one piece."""
+    them; and the tokens are those of the same engine with the prompt prefilled in one piece. A sliding window's
+    admission charge is said in the log at start-up."""
     from vllm.v1.kv_cache_interface import CircularBufferSpec, SlidingWindowSpec
 
     from kvcompile.store import as_stored
@@ -356,7 +357,8 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
     rec.install(monkeypatch)
     prompt = TEXT * 5  # ~300 tokens
     one = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    llm = engine(tiny, policy_name, dtype=dtype, max_num_batched_tokens=64, enable_prefix_caching=False, **kw)
+    with caplog.at_level("WARNING", logger="kvcompile.vllm"):
+        llm = engine(tiny, policy_name, dtype=dtype, max_num_batched_tokens=64, enable_prefix_caching=False, **kw)
     try:
         lays = {n: i.layout for n, i in impls(llm).items()}
         wins = windows_of(llm)
@@ -369,6 +371,10 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
         if policy.residual:  # a sliding window as long as the window, as many tokens a page as fit
             assert isinstance(spec, SlidingWindowSpec) and spec.sliding_window == lay.window_tokens and not w.ring
             assert lay.window_page_bytes(w.block) <= lay.page_bytes < lay.window_page_bytes(w.block + 32)
+            pages_charged = -(-(lay.window_tokens - 1 + 64) // w.block) + 1
+            assert (f"a window of {lay.window_tokens} full-precision tokens" in caplog.text
+                    and f"max_num_batched_tokens=64), at most max_model_len: {pages_charged} window pages"
+                    in caplog.text), caplog.text
         else:  # key groups alone: a ring of the pending group's slots, one page a request
             assert isinstance(spec, CircularBufferSpec) and w.ring and w.block == 32
             assert spec.max_memory_usage_bytes(llm.llm_engine.vllm_config) == lay.page_bytes

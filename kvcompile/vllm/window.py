@@ -18,6 +18,8 @@ to the packed page (``page_size_padded``).
 """
 from __future__ import annotations
 
+import logging
+
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import MultipleOf
@@ -28,6 +30,8 @@ from ..errors import ArgumentError
 from .config import refuse
 
 SUFFIX = ".kvcompile_window"
+log = logging.getLogger("kvcompile.vllm")
+_told: set = set()
 
 
 def window_block(layout, backend, ring: bool) -> int:
@@ -72,10 +76,21 @@ class WindowLayer(AttentionLayerBase):
         if self.ring:
             return CircularBufferSpec(block_size=self.block, num_kv_heads=lay.heads, head_size=lay.head_dim,
                                       dtype=vllm_config.model_config.dtype, page_size_padded=lay.page_bytes)
-        return SlidingWindowSpec(block_size=self.block, num_kv_heads=lay.heads, head_size=lay.head_dim,
+        spec = SlidingWindowSpec(block_size=self.block, num_kv_heads=lay.heads, head_size=lay.head_dim,
                                  dtype=vllm_config.model_config.dtype, sliding_window=lay.window_tokens,
                                  page_size_padded=lay.page_bytes)
-
+        step = vllm_config.scheduler_config.max_num_batched_tokens
+        said = (id(vllm_config), lay.window_tokens, step)
+        if said not in _told:  # once per engine and window, not per layer
+            _told.add(said)
+            pages = spec.max_admission_blocks_per_request(max_in_flight_tokens=vllm_config.max_in_flight_tokens,
+                                                          max_model_len=vllm_config.model_config.max_model_len)
+            log.warning("kvcompile: %s keeps a window of %d full-precision tokens, which vLLM manages as a "
+                        "sliding-window layer and charges each request, for admission, the window plus every token "
+                        "one step may schedule (max_num_batched_tokens=%d), at most max_model_len: %d window pages of %d "
+                        "tokens a request. A smaller --max-num-batched-tokens raises the concurrency vLLM reports "
+                        "(docs/vllm.md)", lay.policy, lay.window_tokens, step, pages, self.block)
+        return spec
 
 def attach(layer) -> None:
     """Give ``layer`` (an ``Attention`` just built) its window cache when its layout keeps a window."""
