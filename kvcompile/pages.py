@@ -555,7 +555,9 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
     # the step's tokens may overwrite slots it still reads: read first.
     if not ring:
         write()
-    lo = [min(sp0.boundary(c), sp.boundary(c + 1)) if n else c for c, n in zip(batch.before, batch.n)]
+    held_to = torch.tensor(batch.before, dtype=torch.long)  # positions each sequence held before the step
+    lo = torch.where(torch.tensor(batch.n) > 0, torch.minimum(sp0.boundary(held_to), sp.boundary(held_to + 1)),
+                     held_to).tolist()
     seqs, pos, start = [], [], []
     for i, c in enumerate(batch.before):  # the positions before the step that it reads
         start.append(len(pos))
@@ -574,9 +576,7 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
         return recent
     # the groups this write completes, packed now: a store of the same layout without the recent window packs
     # every whole group at once (the bytes of a group depend on its tokens alone), its ring the pending group
-    c = torch.tensor(batch.before, dtype=torch.long)
-    rk, rv = _ring(layout, recent, torch.arange(len(c)), torch.tensor([sp0.boundary(x) for x in batch.before]), c,
-                   sp0.ring, dt)
+    rk, rv = _ring(layout, recent, torch.arange(len(held_to)), sp0.boundary(held_to), held_to, sp0.ring, dt)
     st = layout.state(pages, torch.tensor(batch.before, dtype=torch.int32, device=pages.device),
                       batch.table.to(pages.device))._replace(k_res=rk, v_res=rv)
     ops.backend(pages.device).store(st, sp0, batch.padded(k), batch.padded(v),
@@ -616,7 +616,7 @@ def attention_windowed(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragg
     sp = layout.spec
     idx, seq, pos = batch.tokens()
     L = pos + 1
-    lo = torch.tensor([sp.boundary(x) for x in L.tolist()], dtype=torch.long)
+    lo = sp.boundary(L)
     table = batch.table.index_select(0, seq.to(batch.table.device)).to(pages.device)
     dt = DTYPES[layout.dtype]
     ring_row = 2 * layout.heads * max(sp.ring, 1) * D * _esize(dt)

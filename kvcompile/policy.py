@@ -332,11 +332,14 @@ class Policy:
             return 0
         return self.boundary(tokens) - self.sink
 
-    def boundary(self, tokens: int) -> int:
+    def boundary(self, tokens):
         """Q(L): once a sequence holds ``L = tokens`` tokens, its positions ``[sink, Q(L))`` are in packed
         storage (the store's layout, ``kvcompile.store``): ``sink + floor(max(0, L - sink - residual) / flush) *
-        flush``. The one place this rule is written."""
-        return self.sink + (max(0, tokens - self.sink - self.residual) // self.flush) * self.flush
+        flush``. The one place this rule is written. ``tokens``: an int, or an integer tensor (Q of each)."""
+        f = self.flush
+        if hasattr(tokens, "clamp_min"):  # a tensor (this module does not import torch)
+            return self.sink + (tokens - self.sink - self.residual).clamp_min(0) // f * f
+        return self.sink + (max(0, tokens - self.sink - self.residual) // f) * f
 
     def noop_reason(self, max_tokens: int, layer_names: Iterable[str] | None = None) -> str | None:
         """Why this policy quantizes nothing for sequences of up to ``max_tokens`` tokens, or None if it does.
