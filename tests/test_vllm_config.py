@@ -39,6 +39,7 @@ def test_a_policy_file_and_a_policy_object(tmp_path):
     path = pol.save(tmp_path / "policy.json")
     assert policy_of({"kvcompile": {"policy": str(path)}}) == pol
     assert policy_of({"kvcompile": {"policy": pol.to_dict()}}) == pol
+    assert policy_of({"kvcompile": {"policy": pol}}) is pol  # the Policy itself, as a Python user passes it
     assert policy_of(json.loads(json.dumps({"kvcompile": {"policy": pol.to_dict()}}))) == pol  # as --additional-config
 
 

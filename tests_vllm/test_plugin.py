@@ -433,7 +433,7 @@ def test_a_windowed_policy_survives_prefix_caching_and_preemption(tiny, policy, 
     kw = dict(dtype=dtype, block_size=256)
     # requests that grow into a second page of 256 tokens (a ring does not grow: the packed pages must)
     growing = GROWING if policy.residual else [TEXT * 2 + f" Example {i}:" for i in range(8)]
-    roomy = engine(tiny, policy.to_dict(), **kw)
+    roomy = engine(tiny, policy, **kw)  # the Policy itself (the tight engine below: its to_dict())
     try:
         first = roomy.generate(shared, LONG, use_tqdm=False)
         again = roomy.generate(shared[:2], LONG, use_tqdm=False)

@@ -36,11 +36,13 @@ def policy_of(additional_config: Mapping[str, Any] | None) -> Policy | None:
                           f'{{"kvcompile": {{"policy": "int8"}}}}')
     value = entry["policy"]
     where = f"{WHERE}['policy']"
+    if isinstance(value, Policy):  # LLM(..., additional_config={"kvcompile": {"policy": Policy.kivi(4)}})
+        return value
     if isinstance(value, Mapping):
         return Policy.from_dict(dict(value), where)
     if not isinstance(value, str):
         raise PolicyError(f"{where}: found {type(value).__name__} {value!r}; expected a policy name (a preset such as "
-                          f"'int8', 'tok+rot:4', 'full'), a policy file *.json, or a policy object (Policy.to_dict)")
+                          f"'int8', 'tok+rot:4', 'full'), a policy file *.json, a Policy, or its Policy.to_dict()")
     try:
         return named(value)
     except PolicyError as e:
