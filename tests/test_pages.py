@@ -345,6 +345,33 @@ def test_triton_kernels_read_and_write_pages_as_the_c_kernels_do():
     assert not ((got.double() - want).abs() > tol).any()
 
 
+def test_triton_kernels_serve_an_engines_flat_batch():
+    """The forms vLLM calls, on CUDA's kernels (here Triton's interpreter): a flat batch of a 29-token prompt and
+    another sequence's first token, every query one decode row -- each within the decode kernel's bound of
+    attention over the reference store as it stood when that query's token was the newest."""
+    from kvcompile import ops
+    lay = P.PageLayout(Policy(Quant("int4"), Quant("int8", "token", 16)), 1, 32, "float32", 16)
+    table = scrambled_table(2, 2, 6, seed=3)
+    pages = engine_pages(lay, 6)
+    g = torch.Generator().manual_seed(3)
+    k, v, q = (torch.randn(30, h, 32, generator=g) for h in (1, 1, 2))
+    qs, seq = torch.tensor([0, 29, 30]), torch.tensor([29, 1])
+    batch = P.Ragged.of(qs, seq, table)
+    ops.set_kernels("triton")
+    try:
+        P.store_ragged(lay, pages, k, v, batch)
+        out = P.attention_ragged(lay, pages, q, None, None, batch)
+    finally:
+        ops.set_kernels("auto")
+    for i, (a, n) in enumerate([(0, 29), (29, 1)]):
+        for j in range(n):
+            ref = reference_state(lay, 6, [0], table[i:i + 1])
+            store_reference(ref, lay.spec, k[a:a + j + 1].transpose(0, 1)[None], v[a:a + j + 1].transpose(0, 1)[None])
+            qq = q[a + j].view(1, 2, 1, 32)
+            want, tol = kattn.reference_and_bound(qq, ref, lay.spec, None, None, nsplit=24, decode=True)
+            assert not ((out[a + j].view(1, 2, 1, 32).double() - want).abs() > tol).any(), (i, j)
+
+
 # --------------------------------------------------------------------------- a window of full-precision tokens
 def window_pages(layout, n_pages, wblock, pad=0):
     """An engine's window cache as vLLM lays it out: ``[pages, heads, block, 2 * D]`` of the model's dtype, each
