@@ -398,11 +398,10 @@ class Ragged(NamedTuple):
 
     def tokens(self) -> tuple[Tensor, Tensor, Tensor]:
         """(row of the flat batch, sequence, position) of every token, as int64 CPU tensors."""
-        n = torch.tensor(self.n, dtype=torch.long)
-        seq = torch.repeat_interleave(torch.arange(len(self.n)), n)
-        first = torch.tensor(self.query_start.to("cpu", torch.int64).tolist()[:len(self.n)], dtype=torch.long)
-        j = torch.arange(len(seq)) - (torch.cumsum(n, 0) - n)[seq]  # each token's index within its sequence
-        return first[seq] + j, seq, torch.tensor(self.before, dtype=torch.long)[seq] + j
+        before = torch.tensor(self.before, dtype=torch.long)
+        seq, pos = _spans(before, before + torch.tensor(self.n, dtype=torch.long))
+        first = self.query_start.to("cpu", torch.long)[:len(self.n)]
+        return first[seq] + pos - before[seq], seq, pos
 
     def padded(self, x: Tensor) -> Tensor:
         """``x [T, H, D]`` as ``[B, H, nmax, D]`` (zeros past a sequence's own tokens); a view when every sequence
@@ -416,6 +415,13 @@ class Ragged(NamedTuple):
         cols = torch.cat([torch.arange(c) for c in self.n]) if B else torch.zeros(0, dtype=torch.long)
         out[rows.to(x.device), cols.to(x.device)] = x[:sum(self.n)]
         return out.transpose(1, 2)
+
+
+def _spans(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
+    """(span, position) of every position of the spans ``[lo[r], hi[r])``, span by span (int64 CPU tensors)."""
+    cnt = (hi - lo).clamp_min(0)
+    span = torch.repeat_interleave(torch.arange(len(cnt)), cnt)
+    return span, lo[span] + torch.arange(len(span)) - (torch.cumsum(cnt, 0) - cnt)[span]
 
 
 def store_ragged(layout: PageLayout, pages: Tensor, k: Tensor, v: Tensor, batch: Ragged) -> None:
@@ -437,10 +443,34 @@ def store_ragged(layout: PageLayout, pages: Tensor, k: Tensor, v: Tensor, batch:
 # and in bf16/fp16 that difference, carried through the layers, changed greedy tokens after a recomputation.) A
 # prefill thus costs the decode kernel's reads, quadratic in the prompt (docs/vllm.md measures it).
 ROWS_PER_CALL = 4096  # query rows x kv heads per kernel call (bounds the kernel's per-row scratch)
+RING_BYTES = 64 << 20  # the per-row rings one windowed call builds, at most (about)
 
 
-def _rows_per_call(layout: PageLayout) -> int:
-    return max(1, ROWS_PER_CALL // layout.heads)
+def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, scale: float | None, out: Tensor,
+                recent: Recent | None = None) -> Tensor:
+    """Every query of ``batch`` as one decode row over the positions up to its own (with ``recent``: and a ring
+    of its own holding its full-precision positions, ``attention_windowed``), into ``out``."""
+    sp = layout.spec
+    idx, seq, pos = batch.tokens()
+    L = pos + 1
+    table = batch.table.index_select(0, seq.to(batch.table.device)).to(pages.device)
+    step = max(1, ROWS_PER_CALL // layout.heads)
+    if recent is not None:
+        dt = DTYPES[layout.dtype]
+        lo = sp.boundary(L)
+        step = max(1, min(step, RING_BYTES // (2 * layout.heads * max(sp.ring, 1) * layout.head_dim * _esize(dt))))
+    for a in range(0, len(idx), step):
+        r = slice(a, a + step)
+        st = layout.state(pages, L[r].to(device=pages.device, dtype=torch.int32), table[r])
+        if recent is not None:
+            # the query's own position too comes from its ring (or, once packed, from the pages): a query whose own
+            # token is already packed (no window, a group it completed) reads it packed, as the store holds it
+            rk, rv = _ring(layout, recent, seq[r], lo[r], L[r], sp.ring, dt)
+            st = st._replace(k_res=rk, v_res=rv)
+        rows = idx[r].to(q.device)
+        got = ops.backend(pages.device).attention(q.index_select(0, rows).unsqueeze(2), st, sp, None, scale)
+        out.index_copy_(0, rows.to(out.device), got.squeeze(2).to(out.dtype))
+    return out
 
 
 def attention_ragged(layout: PageLayout, pages: Tensor, q: Tensor, k: Tensor | None, v: Tensor | None,
@@ -453,14 +483,7 @@ def attention_ragged(layout: PageLayout, pages: Tensor, q: Tensor, k: Tensor | N
     if out is None:
         out = q.new_zeros(T, Hq, D)
     if k is None and v is None:  # every query its own decode row (see ROWS_PER_CALL)
-        idx, seq, pos = batch.tokens()
-        table = batch.table.index_select(0, seq.to(batch.table.device))
-        for a in range(0, len(idx), _rows_per_call(layout)):
-            r = slice(a, a + _rows_per_call(layout))
-            got = attention(layout, pages, q.index_select(0, idx[r].to(q.device)).unsqueeze(2), pos[r] + 1, table[r],
-                            None, None, scale)
-            out.index_copy_(0, idx[r].to(out.device), got.squeeze(2).to(out.dtype))
-        return out
+        return _each_query(layout, pages, q, batch, scale, out)
     qs = batch.query_start.to("cpu", torch.int64).tolist()
     for n, rows in batch.groups().items():
         idx = torch.tensor([qs[i] + j for i in rows for j in range(n)], device=q.device)
@@ -494,30 +517,27 @@ class Recent(NamedTuple):
 
     k: Tensor
     v: Tensor
-    lo: list
-    start: list
+    lo: Tensor           # the int64 CPU tensors here: one entry per sequence
+    start: Tensor
     own: int
-    before: list
-    query_start: list
+    before: Tensor
+    query_start: Tensor
 
     def rows(self, seq: Tensor, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """For spans ``(seq[r], lo[r], hi[r])`` (int64 CPU tensors): (span, position, row of ``k``/``v``) of every
         position of every span, int64 CPU tensors."""
-        cnt = (hi - lo).clamp_min(0)
-        span = torch.repeat_interleave(torch.arange(len(cnt)), cnt)
-        pos = lo[span] + torch.arange(len(span)) - (torch.cumsum(cnt, 0) - cnt)[span]
+        span, pos = _spans(lo, hi)
         i = seq[span]
-        before = torch.tensor(self.before, dtype=torch.long)[i]
-        held = torch.tensor(self.start, dtype=torch.long)[i] + pos - torch.tensor(self.lo, dtype=torch.long)[i]
-        own = self.own + torch.tensor(self.query_start[:len(self.before)], dtype=torch.long)[i] + pos - before
+        before = self.before[i]
+        held = self.start[i] + pos - self.lo[i]
+        own = self.own + self.query_start[i] + pos - before
         return span, pos, torch.where(pos < before, held, own)
 
 
-def _locate(wbatch: Ragged, seqs: list, pos: list, wblock: int, ring: bool) -> tuple[Tensor, Tensor]:
-    """(page, row) of positions ``pos`` of sequences ``seqs`` in the window cache."""
+def _locate(wbatch: Ragged, seqs: Tensor, pos: Tensor, wblock: int, ring: bool) -> tuple[Tensor, Tensor]:
+    """(page, row) of positions ``pos`` of sequences ``seqs`` (int64 CPU tensors) in the window cache."""
     table = wbatch.table.to("cpu", torch.long)
-    s, p = torch.tensor(seqs, dtype=torch.long), torch.tensor(pos, dtype=torch.long)
-    return table[s, torch.zeros_like(p) if ring else p // wblock], p % wblock
+    return table[seqs, torch.zeros_like(pos) if ring else pos // wblock], pos % wblock
 
 
 def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: int, k: Tensor, v: Tensor,
@@ -532,21 +552,19 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
     sp, sp0 = layout.spec, layout.packing_spec
     wk, wv = layout.window_views(window, wblock)
     dt, dev = wk.dtype, k.device
-    qs = batch.query_start.to("cpu", torch.long).tolist()
-    T = qs[-1] if qs else 0
+    qs = batch.query_start.to("cpu", torch.long)[:len(batch.n) + 1]
+    T = int(qs[-1]) if len(qs) else 0
+    held_to = torch.tensor(batch.before, dtype=torch.long)  # positions each sequence held before the step
+    n = torch.tensor(batch.n, dtype=torch.long)
     own_k = as_stored(k[:T].transpose(0, 1)[None], sp, dt, keys=True)[0].transpose(0, 1)  # [T, H, D]
     own_v = as_stored(v[:T].transpose(0, 1)[None], sp, dt)[0].transpose(0, 1)
 
     def write():  # the step's tokens into the window cache (a ring keeps only its newest ``wblock``)
-        seqs, pos, src = [], [], []
-        for i, (c, n) in enumerate(zip(batch.before, batch.n)):
-            first = max(c, c + n - wblock) if ring else c
-            seqs += [i] * (c + n - first)
-            pos += range(first, c + n)
-            src += range(qs[i] + first - c, qs[i] + n)
-        if pos:
+        end = held_to + n
+        seqs, pos = _spans(torch.maximum(held_to, end - wblock) if ring else held_to, end)
+        if len(pos):
             page, row = _locate(wbatch, seqs, pos, wblock, ring)
-            idx = torch.tensor(src, device=dev)
+            idx = (qs[seqs] + pos - held_to[seqs]).to(dev)
             wk[page.to(dev), :, row.to(dev)] = own_k.index_select(0, idx)
             wv[page.to(dev), :, row.to(dev)] = own_v.index_select(0, idx)
 
@@ -555,21 +573,17 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
     # the step's tokens may overwrite slots it still reads: read first.
     if not ring:
         write()
-    held_to = torch.tensor(batch.before, dtype=torch.long)  # positions each sequence held before the step
-    lo = torch.where(torch.tensor(batch.n) > 0, torch.minimum(sp0.boundary(held_to), sp.boundary(held_to + 1)),
-                     held_to).tolist()
-    seqs, pos, start = [], [], []
-    for i, c in enumerate(batch.before):  # the positions before the step that it reads
-        start.append(len(pos))
-        seqs += [i] * (c - lo[i])
-        pos += range(lo[i], c)
-    if pos:
+    # the positions before the step that it reads
+    lo = torch.where(n > 0, torch.minimum(sp0.boundary(held_to), sp.boundary(held_to + 1)), held_to)
+    seqs, pos = _spans(lo, held_to)
+    if len(pos):
         page, row = _locate(wbatch, seqs, pos, wblock, ring)
         held_k, held_v = wk[page.to(dev), :, row.to(dev)], wv[page.to(dev), :, row.to(dev)]
     else:
         held_k = held_v = own_k[:0]
-    recent = Recent(torch.cat([held_k, own_k]), torch.cat([held_v, own_v]), lo, start, len(pos),
-                    list(batch.before), qs)
+    count = held_to - lo
+    recent = Recent(torch.cat([held_k, own_k]), torch.cat([held_v, own_v]), lo, torch.cumsum(count, 0) - count,
+                    len(pos), held_to, qs[:-1])
     if ring:
         write()
     if not any(batch.n):
@@ -577,10 +591,9 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
     # the groups this write completes, packed now: a store of the same layout without the recent window packs
     # every whole group at once (the bytes of a group depend on its tokens alone), its ring the pending group
     rk, rv = _ring(layout, recent, torch.arange(len(held_to)), sp0.boundary(held_to), held_to, sp0.ring, dt)
-    st = layout.state(pages, torch.tensor(batch.before, dtype=torch.int32, device=pages.device),
+    st = layout.state(pages, held_to.to(device=pages.device, dtype=torch.int32),
                       batch.table.to(pages.device))._replace(k_res=rk, v_res=rv)
-    ops.backend(pages.device).store(st, sp0, batch.padded(k), batch.padded(v),
-                                    torch.tensor(batch.n, dtype=torch.int32))
+    ops.backend(pages.device).store(st, sp0, batch.padded(k), batch.padded(v), n.to(torch.int32))
     return recent
 
 
@@ -599,9 +612,6 @@ def _ring(layout: PageLayout, recent: Recent, seq: Tensor, lo: Tensor, hi: Tenso
     return rk, rv
 
 
-RING_BYTES = 64 << 20  # the per-row rings one windowed call builds, at most (about)
-
-
 def attention_windowed(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, recent: Recent,
                        scale: float | None = None, out: Tensor | None = None) -> Tensor:
     """``attention_ragged`` for a layout with a window, after ``store_windowed`` (its ``recent``): each query at
@@ -613,21 +623,4 @@ def attention_windowed(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragg
     T, Hq, D = q.shape
     if out is None:
         out = q.new_zeros(T, Hq, D)
-    sp = layout.spec
-    idx, seq, pos = batch.tokens()
-    L = pos + 1
-    lo = sp.boundary(L)
-    table = batch.table.index_select(0, seq.to(batch.table.device)).to(pages.device)
-    dt = DTYPES[layout.dtype]
-    ring_row = 2 * layout.heads * max(sp.ring, 1) * D * _esize(dt)
-    step = max(1, min(_rows_per_call(layout), RING_BYTES // ring_row))
-    for a in range(0, len(idx), step):
-        r = slice(a, a + step)
-        # the query's own position too comes from its ring (or, once packed, from the pages): a query whose own
-        # token is already packed (no window, a group it completed) reads it packed, as the store holds it
-        rk, rv = _ring(layout, recent, seq[r], lo[r], L[r], sp.ring, dt)
-        st = layout.state(pages, L[r].to(device=pages.device, dtype=torch.int32), table[r])._replace(k_res=rk, v_res=rv)
-        rows = idx[r].to(q.device)
-        got = ops.backend(pages.device).attention(q.index_select(0, rows).unsqueeze(2), st, sp, None, scale)
-        out.index_copy_(0, rows.to(out.device), got.squeeze(2).to(out.dtype))
-    return out
+    return _each_query(layout, pages, q, batch, scale, out, recent)

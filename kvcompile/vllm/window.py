@@ -97,6 +97,7 @@ class WindowLayer(AttentionLayerBase):
                         "(docs/vllm.md)", lay.policy, lay.window_tokens, step, pages, self.block)
         return spec
 
+
 def attach(layer) -> None:
     """Give ``layer`` (an ``Attention`` just built) its window cache when its layout keeps a window."""
     impl = getattr(layer, "impl", None)
