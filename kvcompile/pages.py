@@ -24,10 +24,13 @@ packed blocks -- a recent window (``residual``), per-channel key groups (KIVI: u
 full precision until their group is complete) -- needs a second cache from the engine: each sequence's newest
 ``window_tokens`` positions in full precision, in pages of their own (``PageLayout(..., window=True)``;
 ``store_windowed`` and ``attention_windowed``, below; vLLM manages it as a sliding-window layer). Sinks (the first
-tokens in full precision) have no such place, and pre-RoPE keys need the rotary embedding, which an engine applies
-before the cache sees the keys. ``refusal(policy, block, window)`` says which (a ``Refusal``), and ``PageLayout``
-refuses them (``PageError``, with the reason and what to use instead), never storing something other than what
-was asked.
+``sink`` tokens in full precision) live at the start of each sequence's first page, which then holds nothing else:
+packed position ``p`` (``j = p - sink``) lives in page ``table[1 + j // block]``, row ``j % block``, so a page's
+packed tokens lag its own positions by ``block - sink`` and wait that long in the window cache (a window of
+``residual >= block - sink``), and every page is final once its own positions are written (``packing_spec``).
+Pre-RoPE keys need the rotary embedding, which an engine applies before the cache sees the keys.
+``refusal(policy, block, window)`` says what pages cannot hold (a ``Refusal``), and ``PageLayout`` refuses it
+(``PageError``, with the reason and what to use instead), never storing something other than what was asked.
 
 The batch forms (``store``, ``attention``) take ``[B, H, n, D]`` chunks of equal length; the ragged forms
 (``store_ragged``, ``attention_ragged``) take an engine's flat batch: ``[T, H, D]`` tokens, request ``i`` owning
@@ -95,10 +98,18 @@ def refusal(policy: Policy, block: int, window: bool = False) -> tuple[Refusal, 
     if policy.pre_rope:
         return Refusal.PRE_ROPE, ("pre_rope=True stores keys before the rotary embedding, but an engine's cache "
                                   "receives keys after it: use the same policy with pre_rope=False")
-    if policy.sink:
-        return Refusal.SINKS, (f"sink={policy.sink} keeps each sequence's first tokens in full precision beside its "
-                               f"packed blocks, which an engine's pages do not hold (a window's pages keep only the "
-                               f"newest tokens): use the same policy with sink=0, e.g. kivi+rot:4")
+    if policy.sink and not (window and policy.residual >= block - policy.sink):
+        # the sinks take a sequence's first page, so its packed tokens start a page later and wait that long in
+        # the window cache: a window shorter than that would leave positions neither packed nor in the window
+        fit = 1 << (policy.residual + policy.sink).bit_length() - 1 if policy.residual + policy.sink >= 16 else 0
+        how = (f"give the engine pages of at most {fit} tokens, or a window of residual >= {block - policy.sink}"
+               if fit else f"a window of residual >= {block - policy.sink}, e.g. kivi+rot+sink:4 (residual 128)")
+        if not window:
+            how = "keep a window cache beside the pages (window=True)"
+        return Refusal.SINKS, (f"sink={policy.sink} keeps each sequence's first tokens in full precision in its first "
+                               f"page, so its packed tokens are kept one page ({block} tokens) later and wait in the "
+                               f"window cache until then, which residual={policy.residual} does not cover: {how}, "
+                               f"or use the same policy with sink=0")
     if not window and policy.residual:
         return Refusal.WINDOW, (f"residual={policy.residual} keeps each sequence's newest tokens in full precision "
                                 f"beside its packed blocks, and a page holds only packed tokens: use {per_token}")
@@ -163,6 +174,10 @@ class PageLayout:
             raise PageError(f"kvcompile policy {self.policy} cannot be kept in pages of {self.block!r} tokens: "
                             f"{why[1]}.", why[0])
         self.spec  # validates heads, head_dim, dtype and the policy against head_dim (PolicyError)
+        if self.sink_bytes > self.page_bytes:
+            raise PageError(f"kvcompile policy {self.policy} cannot be kept in pages of {self.block} tokens: its "
+                            f"{self.policy.sink} sinks in full precision ({self.sink_bytes} bytes) do not fit the "
+                            f"first page ({self.page_bytes} bytes): use fewer sinks or larger pages.", Refusal.SINKS)
 
     @functools.cached_property
     def spec(self) -> LayerSpec:
@@ -200,9 +215,19 @@ class PageLayout:
     def packing_spec(self) -> LayerSpec:
         """``spec`` without the recent window: its store packs every whole ``flush``-group at once (a group's bytes
         depend on its tokens alone, so they are ``spec``'s), keeping only the pending group in its ring -- how
-        ``store_windowed`` fills the pages."""
-        return LayerSpec(dataclasses.replace(self.policy, residual=0), self.heads, self.head_dim, self.dtype,
+        ``store_windowed`` fills the pages. With sinks it keeps a window of ``block - sink`` tokens: packed
+        position ``j`` (``sink + j``) lives in the sequence's page ``1 + j // block`` (``state``), which the engine
+        gives it once the sequence reaches ``sink + j + block - sink`` tokens, so a group is packed when that page
+        is its and final once the page's own positions are all written (what prefix caching needs)."""
+        lag = max(0, self.block - self.policy.sink) if self.policy.sink else 0
+        return LayerSpec(dataclasses.replace(self.policy, residual=lag), self.heads, self.head_dim, self.dtype,
                          block_tokens=self.block)
+
+    @property
+    def sink_bytes(self) -> int:
+        """Bytes of a sequence's sinks at the start of its first page: keys then values ``[heads, sink, head_dim]``
+        in the model's dtype (0 without sinks). That page holds nothing else: packed tokens start in the next."""
+        return 2 * self.heads * self.policy.sink * self.head_dim * _esize(DTYPES[self.dtype])
 
     @property
     def window_tokens(self) -> int:
@@ -279,13 +304,43 @@ class PageLayout:
             out.append(part.view(flat.shape[0], *f.shape))
         return tuple(out)
 
+    def sinks(self, pages: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values ``[NB, H, sink, D]`` (model dtype, the store's space) at the start of every page, viewed
+        in place: a sequence's sinks are those of its first page."""
+        flat, dt = self._bytes(pages), DTYPES[self.dtype]
+        if flat.stride(0) % _esize(dt) or flat.storage_offset() % _esize(dt):
+            raise ArgumentError(f"pages: the sinks ({self.dtype}) would start at a byte not aligned to their elements "
+                                f"(pages {flat.stride(0)} bytes apart); give the pages an aligned buffer")
+        kv = flat[:, :self.sink_bytes].view(dt).view(flat.shape[0], 2, self.heads, self.policy.sink, self.head_dim)
+        return kv[:, 0], kv[:, 1]
+
     def state(self, pages: Tensor, lengths: Tensor, table: Tensor) -> KVState:
-        """A ``KVState`` over the pages: the pool views, no rings or sinks (pages hold none), ``lengths`` (int32
-        ``[B]``, tokens each sequence holds) and ``table`` (int32 ``[B, MB]``, each sequence's pages in order),
-        both as given (the store advances ``lengths`` in place)."""
+        """A ``KVState`` over the pages: the pool views, no rings (pages hold none), ``lengths`` (int32 ``[B]``,
+        tokens each sequence holds) and ``table`` (int32 ``[B, MB]``, each sequence's pages in order), both as given
+        (the store advances ``lengths`` in place). With sinks: each sequence's sinks, copied from its first page
+        (``sinks``; ``_put_sinks`` writes them back), and its packed blocks from its second page on."""
         B, H, D, dt = lengths.shape[0], self.heads, self.head_dim, DTYPES[self.dtype]
         none = torch.empty(B, H, 0, D, dtype=dt, device=pages.device)
-        return KVState(*self.views(pages), none, none, none, none, lengths, table)
+        if not self.policy.sink:
+            return KVState(*self.views(pages), none, none, none, none, lengths, table)
+        first = table[:, 0].long().clamp_min(0)
+        ks, vs = self.sinks(pages)
+        # the packed blocks from the second page on (the first moved to the end keeps the table's width; a
+        # sequence's packed tokens never reach its last page: they lag it by a page)
+        shifted = torch.cat([table[:, 1:], table[:, :1]], 1)
+        return KVState(*self.views(pages), none, none, ks.index_select(0, first), vs.index_select(0, first), lengths,
+                       shifted)
+
+    def _put_sinks(self, pages: Tensor, st: KVState, table: Tensor, which: Tensor) -> None:
+        """Write back the sinks of sequences ``which`` (bool ``[B]``: those whose sinks this store wrote) from
+        ``st`` into their first pages."""
+        if not self.policy.sink or not bool(which.any()):
+            return
+        rows = which.nonzero().squeeze(1).to(pages.device)
+        ks, vs = self.sinks(pages)
+        first = table[:, 0].long().to(pages.device).index_select(0, rows)
+        ks[first] = st.k_sink.index_select(0, rows)
+        vs[first] = st.v_sink.index_select(0, rows)
 
 
 def _dense(shape, strides) -> bool:
@@ -340,6 +395,7 @@ def store(layout: PageLayout, pages: Tensor, k: Tensor, v: Tensor, lengths: Tens
     lengths, table = _rows(lengths, table, B, pages.device)
     st = layout.state(pages, lengths.clone(), table)
     ops.backend(pages.device).store(st, layout.spec, k, v, n_new)
+    layout._put_sinks(pages, st, table, (lengths < layout.policy.sink) & ((n_new > 0) if n_new is not None else True))
 
 
 def attention(layout: PageLayout, pages: Tensor, q: Tensor, lengths: Tensor, table: Tensor,
@@ -575,6 +631,7 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
         write()
     # the positions before the step that it reads
     lo = torch.where(n > 0, torch.minimum(sp0.boundary(held_to), sp.boundary(held_to + 1)), held_to)
+    lo = torch.minimum(lo, held_to)  # (a sequence still short of its sinks reads none of its positions from here)
     seqs, pos = _spans(lo, held_to)
     if len(pos):
         page, row = _locate(wbatch, seqs, pos, wblock, ring)
@@ -591,9 +648,10 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
     # the groups this write completes, packed now: a store of the same layout without the recent window packs
     # every whole group at once (the bytes of a group depend on its tokens alone), its ring the pending group
     rk, rv = _ring(layout, recent, torch.arange(len(held_to)), sp0.boundary(held_to), held_to, sp0.ring, dt)
-    st = layout.state(pages, held_to.to(device=pages.device, dtype=torch.int32),
-                      batch.table.to(pages.device))._replace(k_res=rk, v_res=rv)
+    table = batch.table.to(pages.device)
+    st = layout.state(pages, held_to.to(device=pages.device, dtype=torch.int32), table)._replace(k_res=rk, v_res=rv)
     ops.backend(pages.device).store(st, sp0, batch.padded(k), batch.padded(v), n.to(torch.int32))
+    layout._put_sinks(pages, st, table, (held_to < layout.policy.sink) & (n > 0))
     return recent
 
 

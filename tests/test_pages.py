@@ -127,17 +127,32 @@ def test_what_pages_cannot_hold_is_refused_with_the_reason(policy, block, kind):
 
 @pytest.mark.parametrize("policy,kind", [
     (Policy.kivi(4), None), (Policy.kivi(2, residual=0), None), (Policy.fp8(), None), (Policy.int8(residual=16), None),
-    (Policy.kivi(4, sink=4), P.Refusal.SINKS),  # a window cache keeps the newest positions, not the first
+    (Policy.kivi(4, sink=4), None), (Policy.fp8(sink=4, rotate=True), None),  # sinks in the first page
+    (Policy.kivi(4, residual=0, sink=4), P.Refusal.SINKS),  # packed tokens a page later: no window holds them
+    (Policy.kivi(4, residual=64, sink=4), P.Refusal.SINKS),
     (Policy(Quant("int4"), Quant("int4"), pre_rope=True, residual=8), P.Refusal.PRE_ROPE),
 ])
-def test_a_window_cache_holds_windows_and_key_groups_not_sinks(policy, kind):
+def test_a_window_cache_holds_windows_key_groups_and_sinks(policy, kind):
     assert (P.refusal(policy, 128, window=True) or (None,))[0] is kind
-    assert P.refusal(policy, 128)[0] is (kind or (P.Refusal.WINDOW if policy.residual else P.Refusal.PER_CHANNEL))
+    alone = P.Refusal.SINKS if policy.sink else P.Refusal.WINDOW if policy.residual else P.Refusal.PER_CHANNEL
+    assert P.refusal(policy, 128)[0] is (kind or alone)
     if kind is None:
         lay = P.PageLayout(policy, 2, 64, "bfloat16", 128, window=True)
         assert lay.window_tokens == policy.residual + policy.flush - 1
         assert lay.page_bytes == P.PageLayout(Policy(policy.key, policy.value), 2, 64, "bfloat16", 128,
                                               window=policy.flush > 1).page_bytes  # the window costs no page byte
+    elif kind is P.Refusal.SINKS:  # what would hold them: smaller pages, or a longer window
+        reason = P.refusal(policy, 128, window=True)[1]
+        assert f"residual >= {128 - policy.sink}" in reason
+        if policy.residual:
+            assert "pages of at most 64 tokens" in reason and P.refusal(policy, 64, window=True) is None
+
+
+def test_sinks_that_do_not_fit_the_first_page_are_refused():
+    with pytest.raises(P.PageError, match=r"its 40 sinks in full precision \(20480 bytes\) do not fit the first "
+                                          r"page \(4096 bytes\): use fewer sinks or larger pages") as e:
+        P.PageLayout(Policy.kivi(3, residual=40, sink=40), 2, 64, "bfloat16", 32, window=True)
+    assert e.value.kind is P.Refusal.SINKS
 
 
 def test_a_bad_buffer_is_refused_at_the_call():
@@ -392,6 +407,11 @@ WINDOWED = [  # (policy, model dtype, packed block, window block, ring)
     (Policy.kivi(4, residual=0), "float32", 64, 32, True),   # the pending key group in a ring of 32 slots
     (Policy.kivi(2, residual=0, rotate=True), "bfloat16", 32, 48, True),
     (Policy.kivi(4, residual=40), "float16", 64, 80, True),  # a window in a ring (of more slots than needed)
+    # sinks in each sequence's first page, its packed tokens from the second on
+    (Policy.kivi(4, sink=4), "float32", 64, 32, False),
+    (Policy.kivi(2, rotate=True, sink=4), "bfloat16", 32, 16, False),
+    (Policy.fp8(residual=30, sink=3), "float16", 32, 16, False),  # per-token groups: the window covers 29
+    (Policy.kivi(3, residual=40, sink=6), "bfloat16", 32, 16, False),
 ]
 
 
@@ -426,13 +446,16 @@ def test_a_window_cache_gives_each_token_the_store_as_it_stood_when_it_was_newes
             kk, vv, qq, oo = kept[i]
             kept[i] = [torch.cat([kk, k[a:b]]), torch.cat([vv, v[a:b]]), torch.cat([qq, q[a:b]]), oo + [out[a:b]]]
             held[i] += ns[i]
-    sp = lay.spec
-    eager = P.PageLayout(dataclasses.replace(policy, residual=0), H, D, dtype, block, window=policy.flush > 1)
+    sp, S = lay.spec, policy.sink
+    # what the pages pack at once: every whole group (with sinks, those a page behind the newest token)
+    eager = P.PageLayout(lay.packing_spec.policy, H, D, dtype, block, window=P.needs_window(lay.packing_spec.policy))
     wk, wv = lay.window_views(window, wblock)
     for i in (0, 1):
         kk, vv, qq, outs = kept[i]
         got = torch.cat(outs)
-        ref = reference_state(lay, n_pages, [0], table[i:i + 1])
+        # the reference's block j is in the sequence's page j (with sinks: page j + 1, its first page the sinks')
+        tref = torch.cat([table[i:i + 1, 1:], table[i:i + 1, :1]], 1) if S else table[i:i + 1]
+        ref = reference_state(lay, n_pages, [0], tref)
         for p in range(held[i]):
             def one(x):
                 return x[p:p + 1].transpose(0, 1)[None]
@@ -440,22 +463,27 @@ def test_a_window_cache_gives_each_token_the_store_as_it_stood_when_it_was_newes
             want = attention_reference(one(qq), ref, sp, None, 0.125)  # its own token as stored too
             assert torch.allclose(got[p].float(), want[0, :, 0].float(), rtol=0, atol=2e-6 if dtype == "float32"
                                   else 4e-3), (p, float((got[p].float() - want[0, :, 0].float()).abs().max()))
-        done = sp.boundary(held[i]) // block  # pages wholly packed in the reference store too
+        done = (sp.boundary(held[i]) - S) // block  # pages wholly packed in the reference store too
         for name, mine, theirs in zip(P.POOL_FIELDS, lay.views(pages), ref[:6]):
             if not mine.numel():  # a field the policy does not store
                 assert not theirs.numel()
                 continue
             for j in range(done):
-                assert torch.equal(bits(mine[table[i, j]]), bits(theirs[table[i, j]])), (name, i, j)
-        whole = reference_state(eager, n_pages, [0], table[i:i + 1])
+                assert torch.equal(bits(mine[tref[0, j]]), bits(theirs[tref[0, j]])), (name, i, j)
+        if S:  # the sinks, in full precision at the start of the first page
+            for mine, theirs in zip(lay.sinks(pages), (ref.k_sink, ref.v_sink)):
+                assert torch.equal(bits(mine[table[i, 0]]), bits(theirs[0])), i
+        whole = reference_state(eager, n_pages, [0], tref)
         store_reference(whole, eager.spec, kk.transpose(0, 1)[None], vv.transpose(0, 1)[None])
-        full = held[i] // policy.flush * policy.flush
+        full = eager.spec.boundary(held[i]) - S
+        assert full == (held[i] // policy.flush * policy.flush if not S else
+                        max(0, held[i] - block) // policy.flush * policy.flush)
         for name, mine, theirs in zip(P.POOL_FIELDS, lay.views(pages), whole[:6]):
             if not mine.numel():
                 continue
             for j in range(-(-full // block)):
                 rows = min(block, full - j * block)
-                m, t = mine[table[i, j]], theirs[table[i, j]]
+                m, t = mine[tref[0, j]], theirs[tref[0, j]]
                 if name.endswith("scale") or name.endswith("zero"):
                     if policy.key.axis == "channel" and name.startswith("k"):
                         rows = rows // policy.flush
@@ -465,6 +493,47 @@ def test_a_window_cache_gives_each_token_the_store_as_it_stood_when_it_was_newes
             page, row = (wtable[i, 0] if ring else wtable[i, p // wblock]), p % wblock
             assert torch.equal(wk[page, :, row], as_stored(kk[p:p + 1].transpose(0, 1)[None], sp, dt, keys=True)[0, :, 0])
             assert torch.equal(wv[page, :, row], as_stored(vv[p:p + 1].transpose(0, 1)[None], sp, dt)[0, :, 0])
+
+
+def test_triton_kernels_keep_sinks_and_a_window_as_the_c_kernels_do():
+    """The CUDA path of a windowed layout with sinks (Triton, in the interpreter here): a prompt in two chunks beside
+    decode steps of another sequence write the same sinks, packed pages and window as the C kernels (both bit-exact
+    to the reference store), and every query's attention agrees with the C kernels' to float32 rounding."""
+    from kvcompile import ops
+    lay = P.PageLayout(Policy.kivi(4, residual=30, sink=2, group=16), 1, 32, "float32", 32, window=True)
+    g = torch.Generator().manual_seed(11)
+    table, wtable = scrambled_table(2, 5, 12, seed=3), scrambled_table(2, 5, 12, seed=4)
+    steps = [(50, 1), (20, 1), (1, 1), (1, 1)]
+    data = [tuple(torch.randn(sum(ns), h, 32, generator=g) for h in (1, 1, 2)) for ns in steps]
+    results = {}
+    for kernels in ("cpu", "triton"):
+        pages, window = engine_pages(lay, 12), window_pages(lay, 12, 16)
+        held, outs = [0, 0], []
+        ops.set_kernels(kernels)
+        try:
+            for ns, (k, v, q) in zip(steps, data):
+                qs, seq = torch.tensor([0, ns[0], sum(ns)]), torch.tensor([held[0] + ns[0], held[1] + ns[1]])
+                recent = P.store_windowed(lay, pages, window, 16, k, v, P.Ragged.of(qs, seq, table),
+                                          P.Ragged.of(qs, seq, wtable))
+                outs.append(P.attention_windowed(lay, pages, q, P.Ragged.of(qs, seq, table), recent, 0.125))
+                held = seq.tolist()
+        finally:
+            ops.set_kernels("auto")
+        results[kernels] = (pages.clone(), window.clone(), torch.cat(outs))
+    (pc, wc, _), (pt, wt, ot) = results["cpu"], results["triton"]
+    assert torch.equal(pc, pt) and torch.equal(wc, wt)
+    assert lay.sinks(pt)[0][table[0, 0]].abs().sum() > 0  # the sinks were written
+    # each query of the first sequence within the decode kernel's bound of the reference store as it stood
+    tref = torch.cat([table[:1, 1:], table[:1, :1]], 1)
+    ref = reference_state(lay, 12, [0], tref)
+    rows = [0] + [sum(map(sum, steps[:i])) for i in range(1, len(steps))]
+    at = [r + j for r, ns in zip(rows, steps) for j in range(ns[0])]
+    k0, v0, q0 = (torch.cat([d[x][:ns[0]] for d, ns in zip(data, steps)]) for x in range(3))
+    for p, row in enumerate(at):
+        store_reference(ref, lay.spec, k0[p:p + 1].transpose(0, 1)[None], v0[p:p + 1].transpose(0, 1)[None])
+        qq = q0[p].view(1, 2, 1, 32)
+        want, tol = kattn.reference_and_bound(qq, ref, lay.spec, None, 0.125, nsplit=24, decode=True)
+        assert not ((ot[row].view(1, 2, 1, 32).double() - want).abs() > tol).any(), p
 
 
 def test_a_window_cache_is_checked_at_the_call():
@@ -480,7 +549,8 @@ def test_a_window_cache_is_checked_at_the_call():
         P.attention_windowed(plain, None, None, None, None)
 
 
-@pytest.mark.parametrize("policy", [Policy.kivi(4, residual=40), Policy.kivi(2, residual=0, rotate=True)], ids=str)
+@pytest.mark.parametrize("policy", [Policy.kivi(4, residual=40), Policy.kivi(2, residual=0, rotate=True),
+                                    Policy.kivi(4, residual=40, sink=4)], ids=str)
 def test_a_prefix_written_in_the_same_step_is_read_after_its_write(policy):
     """An engine may give a request a cached prefix whose pages another request writes in the same step (vLLM
     caches a prompt's pages as soon as they are scheduled): sequence 1 shares sequence 0's first two packed pages
@@ -517,6 +587,7 @@ EXACT = [  # (policy, window, ring)
     (Policy.fp8(residual=0), False, False),
     (Policy.kivi(4), True, False),
     (Policy.kivi(2, residual=0, rotate=True), True, True),
+    (Policy.kivi(4, rotate=True, sink=4), True, False),
 ]
 
 

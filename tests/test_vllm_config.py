@@ -83,14 +83,18 @@ def test_what_a_layer_cannot_run_is_refused_with_the_reason(kw, what):
     assert isinstance(e.value, UnsupportedError) and "additional_config" in str(e.value)
 
 
-@pytest.mark.parametrize("name,kind", [("kivi+rot+sink:4", P.Refusal.SINKS), ("tok+rot+sink:4", P.Refusal.SINKS)])
-def test_presets_pages_cannot_hold_are_refused(name, kind):
+@pytest.mark.parametrize("name,block,kind", [
+    ("kivi+rot+sink:4", 256, P.Refusal.SINKS),  # its packed tokens would wait 252 tokens; its window is 128
+    ("tok+rot+sink:4", 128, P.Refusal.SINKS),   # no window for them to wait in
+])
+def test_presets_pages_cannot_hold_are_refused(name, block, kind):
     with pytest.raises(P.PageError) as e:
-        layout_for(policy_of({"kvcompile": {"policy": name}}), 2, 64, torch.bfloat16, 128)
+        layout_for(policy_of({"kvcompile": {"policy": name}}), 2, 64, torch.bfloat16, block)
     assert e.value.kind is kind
 
 
-@pytest.mark.parametrize("name", ["kivi:4", "kivi+rot:2", "kivi-g16:4", "fp8"])
+@pytest.mark.parametrize("name", ["kivi:4", "kivi+rot:2", "kivi-g16:4", "fp8", "kivi+rot+sink:4", "kivi+sink:2",
+                                  "fp8+rot+sink:8"])
 def test_a_window_or_key_groups_get_a_window_cache(name):
     policy = policy_of({"kvcompile": {"policy": name}})
     lay = layout_for(policy, 2, 64, torch.bfloat16, 128)

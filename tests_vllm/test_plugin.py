@@ -248,10 +248,16 @@ def test_prefix_caching_and_preemption_change_no_greedy_output(tiny, dtype):
 
 # --------------------------------------------------------------------------- refusals
 def test_a_policy_pages_cannot_hold_is_refused_at_start_up(tiny):
+    # sinks take a request's first page, so its packed tokens wait a page in the window: 124 tokens at pages of 128
+    with pytest.raises(Exception) as e:
+        engine(tiny, Policy.kivi(4, residual=0, sink=4), dtype="bfloat16")
+    text = _chain(e.value)
+    assert "sink=4" in text and "residual >= 124" in text and "kivi+rot+sink:4" in text, text
+    # float32: the window needs pages of 256 tokens, whose sinks need a window of 252: the message says both
     with pytest.raises(Exception) as e:
         engine(tiny, "kivi+rot+sink:4")
     text = _chain(e.value)
-    assert "sink=4" in text and "kivi+rot:4" in text, text
+    assert "block_size=256" in text and "residual >= 252" in text and "bfloat16" in text, text
 
 
 def _chain(err) -> str:
@@ -298,7 +304,12 @@ def vllm_loss(llm, windows) -> list[float]:
     return got
 
 
-@pytest.mark.parametrize("name", ["full", "int8", "tok+rot:4", "tok+rot+sym:2", "kivi:4", "kivi-r0+rot+fp8s:4"])
+# float32 windows need pages of 256 tokens, and sinks beside them a window of 252 (kivi+rot+sink:4 keeps 128)
+SINKS_256 = Policy.kivi(4, sink=4, residual=252, rotate=True)
+
+
+@pytest.mark.parametrize("name", ["full", "int8", "tok+rot:4", "tok+rot+sym:2", "kivi:4", "kivi-r0+rot+fp8s:4",
+                                  "kivi+rot+sink-r252:4"])
 def test_loss_through_vllm_is_kvcompile_eval_reading_every_position_as_stored(tiny, hf_and_windows, name):
     """The quality a user measures through vLLM is what ``kvcompile eval --own stored`` reports for the same policy
     and text (every position read as stored, the queries' own too, as the plugin reads its pages). Not to the last
@@ -310,12 +321,12 @@ def test_loss_through_vllm_is_kvcompile_eval_reading_every_position_as_stored(ti
     from kvcompile.presets import named
     model, W = hf_and_windows
     kw = {"block_size": 256} if name.startswith("kivi") else {}  # float32 windows need pages of 256 tokens
-    llm = engine(tiny, None if name == "full" else name, max_model_len=W.shape[1] + 1, **kw)
+    policy = SINKS_256 if name == "kivi+rot+sink-r252:4" else named(name)
+    llm = engine(tiny, None if name == "full" else policy, max_model_len=W.shape[1] + 1, **kw)
     try:
         through = vllm_loss(llm, W)
     finally:
         close(llm)
-    policy = named(name)
     stored = heldout_loss(model, W, policy, chunk=64, own="stored")
     tol = 2e-5 if name == "full" else 3e-4  # float32 sums in another order; and the codes they flip
     assert through == pytest.approx(stored, abs=tol)
@@ -331,6 +342,9 @@ WINDOWED = {  # name: (policy, dtype, engine arguments)
     "fp8-bf16": ("fp8", "bfloat16", {}),  # a window of 128 tokens beside per-token fp8
     # key groups without a window: the pending group in a ring of 32 slots per request
     "kivi-r0:4-bf16": (Policy.kivi(4, residual=0, rotate=True).to_dict(), "bfloat16", {}),
+    # sinks in each request's first page, its packed tokens from the second page on
+    "kivi+rot+sink:4-bf16": ("kivi+rot+sink:4", "bfloat16", {}),
+    "fp8+rot+sink-fp16": ("fp8+rot+sink:8", "float16", {}),
 }
 
 
@@ -392,15 +406,21 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
         v = torch.cat([c[1] for c in calls]).view(-1, lay.heads, lay.head_dim)
         assert k.shape[0] == L
         table = calls[-1][4][:1].to(torch.int32)
-        sp = lay.spec
+        sp, S = lay.spec, policy.sink
+        if S:  # the reference's block j is the request's page j + 1: its first page holds the sinks
+            table = torch.cat([table[:, 1:], table[:, :1]], 1)
         ref = KVState(*sp.pool(kv[layer].shape[0]), *sp.rows(1, table.shape[1])[:4],
                       torch.zeros(1, dtype=torch.int32), table)
         store_reference(ref, sp, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
         for field, got, want in zip(P.POOL_FIELDS, lay.views(kv[layer]), ref[:6]):
             assert got.numel() or not want.numel()  # empty: a field the policy does not store
-            for j in range(sp.boundary(L) // lay.block if got.numel() else 0):  # pages packed in the reference too
+            for j in range((sp.boundary(L) - S) // lay.block if got.numel() else 0):  # packed in the reference too
                 page = int(table[0, j])
                 assert torch.equal(bits(got[page]), bits(want[page])), (name, layer, field, j)
+        if S:
+            first = int(calls[-1][4][0, 0])
+            for got, want in zip(lay.sinks(kv[layer]), (ref.k_sink, ref.v_sink)):
+                assert torch.equal(bits(got[first]), bits(want[0])), (name, layer)
         wk, wv = lay.window_views(kv[layer + window.SUFFIX], wins[layer + window.SUFFIX].block)
         wtable = rec.windows[layer][-1][:1]
         B, ring = wins[layer + window.SUFFIX].block, wins[layer + window.SUFFIX].ring
@@ -417,12 +437,13 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
     assert list(again.outputs[0].token_ids) == list(chunked.outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("policy,pages,dtype", [(Policy.kivi(4), 12, "float32"),
-                                                (Policy.kivi(4, residual=0, rotate=True), 7, "float32"),
-                                                (Policy.kivi(4), 12, "bfloat16"),
-                                                (Policy.kivi(4, residual=0, rotate=True), 7, "float16")],
-                         ids=["window", "key-groups-ring", "window-bf16", "key-groups-ring-fp16"])
-def test_a_windowed_policy_survives_prefix_caching_and_preemption(tiny, policy, pages, dtype):
+@pytest.mark.parametrize("policy,pages,dtype,block", [(Policy.kivi(4), 12, "float32", 256),
+                                                      (Policy.kivi(4, residual=0, rotate=True), 7, "float32", 256),
+                                                      (Policy.kivi(4), 12, "bfloat16", 256),
+                                                      (Policy.kivi(4, residual=0, rotate=True), 7, "float16", 256),
+                                                      (Policy.kivi(4, sink=4, rotate=True), 24, "bfloat16", 128)],
+                         ids=["window", "key-groups-ring", "window-bf16", "key-groups-ring-fp16", "sinks-bf16"])
+def test_a_windowed_policy_survives_prefix_caching_and_preemption(tiny, policy, pages, dtype, block):
     """KIVI int4 (a window of 128 tokens and key groups of 32, or the key groups alone in a ring; float32, so pages of
     256 tokens): requests that share
     a cached prefix of a whole page (its window's pages come from the cache too; a ring has nothing pending at a
@@ -430,7 +451,7 @@ def test_a_windowed_policy_survives_prefix_caching_and_preemption(tiny, policy, 
     64 tokens without prefix caching, and room for so few pages that vLLM preempts and recomputes requests: every
     request's greedy tokens are the same, in float32 and in 16-bit models."""
     shared = [TEXT * 3 + f" Example {i}: " for i in range(4)]  # ~310 tokens in common: a whole page of 256
-    kw = dict(dtype=dtype, block_size=256)
+    kw = dict(dtype=dtype, block_size=block)
     # requests that grow into a second page of 256 tokens (a ring does not grow: the packed pages must)
     growing = GROWING if policy.residual else [TEXT * 2 + f" Example {i}:" for i in range(8)]
     roomy = engine(tiny, policy, **kw)  # the Policy itself (the tight engine below: its to_dict())
@@ -442,7 +463,7 @@ def test_a_windowed_policy_survives_prefix_caching_and_preemption(tiny, policy, 
         close(roomy)
     assert all(o.num_cached_tokens >= 256 for o in again)
     assert tokens(again) == tokens(first[:2])
-    lay = P.PageLayout(policy, 2, 64, dtype, 256, window=True)
+    lay = P.PageLayout(policy, 2, 64, dtype, block, window=True)
     tight = engine(tiny, policy.to_dict(), enable_prefix_caching=False, disable_log_stats=False, max_model_len=384,
                    max_num_batched_tokens=64, kv_cache_memory_bytes=pages * 2 * lay.page_bytes, **kw)
     try:

@@ -130,4 +130,5 @@ def test_vllm_serve_refuses_a_policy_pages_cannot_hold(tiny, tmp_path):
             if proc.poll() is None:
                 proc.kill()
     out = open(log_path).read()
-    assert rc != 0 and "sink=4" in out and "kivi+rot:4" in out, out[-3000:]
+    # (float32: KIVI's window needs pages of 256 tokens, whose sinks need a longer window; bfloat16 holds them)
+    assert rc != 0 and "4 sinks" in out and "residual >= 252" in out and "bfloat16" in out, out[-3000:]

@@ -50,10 +50,15 @@ def window_block(layout, backend, ring: bool, lookahead: int = 0) -> int:
         need = 1 << (need - 1).bit_length()
         drafts = (f" (its window and the {lookahead} speculative tokens a step may store, in whole blocks of {base})"
                   if ring and lookahead else "")
+        fix = f"start vLLM with block_size={need} (--block-size {need}) or larger"
+        S, R = layout.policy.sink, layout.policy.residual
+        if S and R < need - S:  # its sinks would then be refused: say the way out that works
+            fix = (f"with its {S} sinks, pages of {need} tokens need a window of residual >= {need - S} (the sinks "
+                   f"take a request's first page): {fix} and such a window, or run the model in bfloat16 or "
+                   f"float16 (full-precision tokens of half the bytes)")
         refuse(f"{layout.policy} keeps {want if ring else 'a window of'} full-precision tokens{drafts} in pages the size of "
                f"its packed pages, and a packed page of {layout.block} tokens ({layout.page_bytes} bytes) holds "
-               f"{'only ' + str(fit) if ring else 'fewer than ' + str(base)} of them",
-               f"start vLLM with block_size={need} (--block-size {need}) or larger")
+               f"{'only ' + str(fit) if ring else 'fewer than ' + str(base)} of them", fix)
     return want if ring else fit
 
 
