@@ -395,7 +395,8 @@ def store(layout: PageLayout, pages: Tensor, k: Tensor, v: Tensor, lengths: Tens
     lengths, table = _rows(lengths, table, B, pages.device)
     st = layout.state(pages, lengths.clone(), table)
     ops.backend(pages.device).store(st, layout.spec, k, v, n_new)
-    layout._put_sinks(pages, st, table, (lengths < layout.policy.sink) & ((n_new > 0) if n_new is not None else True))
+    wrote = (n_new.to(lengths.device) > 0) if n_new is not None else torch.ones_like(lengths, dtype=torch.bool)
+    layout._put_sinks(pages, st, table, (lengths < layout.policy.sink) & wrote)
 
 
 def attention(layout: PageLayout, pages: Tensor, q: Tensor, lengths: Tensor, table: Tensor,

@@ -246,6 +246,25 @@ def test_prefix_caching_and_preemption_change_no_greedy_output(tiny, dtype):
     assert tokens(second) == tokens(grown)
 
 
+def test_kivis_default_preset_runs_as_the_docs_spell_it(tiny):
+    """``LLM(model, additional_config={"kvcompile": {"policy": "kivi+rot+sink:4"}})`` and nothing else that
+    matters (vLLM's dtype "auto" runs this float32 checkpoint in bfloat16 on the CPU; its pages of 128 tokens): KIVI
+    with its window and sinks, each layer's sinks at the start of a request's first page."""
+    from vllm import LLM
+    llm = LLM(model=tiny, additional_config={"kvcompile": {"policy": "kivi+rot+sink:4"}},
+              kv_cache_memory_bytes=KV_BYTES, max_model_len=1024)  # (the test machine's memory)
+    try:
+        lays = {n: i.layout for n, i in impls(llm).items()}
+        out = llm.generate([TEXT * 3], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        kv = caches(llm)
+    finally:
+        close(llm)
+    assert len(out[0].outputs[0].token_ids) == 24
+    for name, lay in lays.items():
+        assert lay.policy.sink == 4 and lay.window and lay.block == 128 and lay.dtype == "bfloat16", name
+        assert any(bool(lay.sinks(kv[name])[0][p].any()) for p in range(kv[name].shape[0])), name  # written
+
+
 # --------------------------------------------------------------------------- refusals
 def test_a_policy_pages_cannot_hold_is_refused_at_start_up(tiny):
     # sinks take a request's first page, so its packed tokens wait a page in the window: 124 tokens at pages of 128
