@@ -185,9 +185,13 @@ def time_decode(device: str, batches, contexts, Hq: int, H: int, D: int, formats
                 try:
                     pl = launch.plan(state, spec, q.shape)
                     t = bench(lambda: launch.attention(q, state, spec), smoke)
+                    # the row-invariant splits an engine's flat batch runs with (kvcompile.pages): their cost
+                    pli = launch.plan(state, spec, q.shape, invariant=True)
+                    ti = bench(lambda: launch.attention(q, state, spec, invariant=True), smoke)
                 finally:
                     kdecode.tile_config = saved
                 rows.append((B, ctx, name, t, decode_bytes(spec, state, q, pl.slots), t_ref / t))
+                rows.append((B, ctx, name + " (row-invariant)", ti, decode_bytes(spec, state, q, pli.slots), t_ref / ti))
                 del state
             if device == "cuda":
                 torch.cuda.empty_cache()

@@ -81,8 +81,10 @@ def kernels(device: torch.device) -> str:
 @dataclass(frozen=True)
 class Backend:
     """One family of kernels: ``store(state, spec, k, v, n_new)`` appends (blocks reserved by the caller),
-    ``attention(q, state, spec, mask, scale, k_new, v_new, rope)`` reads; both with ``store_reference``'s and
-    ``attention_reference``'s contracts. ``devices``: the device types it runs on."""
+    ``attention(q, state, spec, mask, scale, k_new, v_new, rope, invariant)`` reads; both with
+    ``store_reference``'s and ``attention_reference``'s contracts. ``invariant``: each row's result depends on
+    that row alone, not on the batch beside it (the reference and the C kernels always; Triton's decode kernel
+    when asked: ``templates.launch.attention``). ``devices``: the device types it runs on."""
 
     store: Callable
     attention: Callable
@@ -99,7 +101,12 @@ def _cpu_store(state, spec, k, v, n_new=None):
     cpu_store.store(state, spec, k, v, n_new)
 
 
-def _cpu_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None):
+def _reference_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False):
+    return attention_reference(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope)
+
+
+def _cpu_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False):
+    # (a row's result never depends on the batch: the C decode kernel's splits follow its own length)
     from .templates import cpu
     if cpu.check_decode(q, spec) is None:  # decode: the C kernel reads the packed bytes where they lie
         return cpu.attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope)
@@ -110,8 +117,9 @@ def _triton_store(state, spec, k, v, n_new=None):
     _triton().store(state, spec, k, v, n_new)
 
 
-def _triton_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None):
-    return _triton().attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope)
+def _triton_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False):
+    return _triton().attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope,
+                               invariant=invariant)
 
 
 def _fused_attention(q, state, mask, scale, spec_name, k_new=None, v_new=None, rope=None):
@@ -130,13 +138,13 @@ def _compiled_attention(spec_name: str):
     return torch.compile(fn, fullgraph=True)
 
 
-def _inductor_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None):
+def _inductor_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False):
     return _compiled_attention(spec.name)(q, list(state), mask, scale, spec.name, k_new, v_new,
                                           list(rope) if rope is not None else None)
 
 
 BACKENDS = {
-    "reference": Backend(store_reference, attention_reference, ("cpu", "cuda")),
+    "reference": Backend(store_reference, _reference_attention, ("cpu", "cuda")),
     "cpu": Backend(_cpu_store, _cpu_attention, ("cpu",)),
     "inductor": Backend(_cpu_store, _inductor_attention, ("cpu",)),
     "triton": Backend(_triton_store, _triton_attention, ("cuda", "cpu")),  # CPU: Triton's interpreter (tests)

@@ -494,7 +494,8 @@ def store_ragged(layout: PageLayout, pages: Tensor, k: Tensor, v: Tensor, batch:
 
 # Read from the pages, every query of a flat batch is computed as the decode step of its own position would compute
 # it: one row of the decode kernel, over the positions up to its own. The kernels' result for a row depends on that
-# row's length alone (not on the batch beside it: ``templates.cpu.splits``), so a token's attention is the same bits
+# row's length alone (not on the batch beside it: ``templates.cpu.splits``; on CUDA the Triton decode kernel's
+# row-invariant splits, ``invariant=True``), so a token's attention is the same bits
 # however the engine cut the work -- decoded, in a prompt prefilled whole or in chunks, after a cached prefix, or
 # recomputed after preemption. (One call over a prompt's queries would round differently from the decode steps,
 # and in bf16/fp16 that difference, carried through the layers, changed greedy tokens after a recomputation.) A
@@ -525,7 +526,8 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
             rk, rv = _ring(layout, recent, seq[r], lo[r], L[r], sp.ring, dt)
             st = st._replace(k_res=rk, v_res=rv)
         rows = idx[r].to(q.device)
-        got = ops.backend(pages.device).attention(q.index_select(0, rows).unsqueeze(2), st, sp, None, scale)
+        got = ops.backend(pages.device).attention(q.index_select(0, rows).unsqueeze(2), st, sp, None, scale,
+                                                  invariant=True)
         out.index_copy_(0, rows.to(out.device), got.squeeze(2).to(out.dtype))
     return out
 

@@ -383,20 +383,35 @@ def _attn_kernel(
 
 
 @triton.jit
-def _merge_kernel(out_ptr, ws_acc, ws_ml, nsplit, NSPLIT_B: tl.constexpr, DB: tl.constexpr):
+def _merge_kernel(out_ptr, ws_acc, ws_ml, nsplit, NSPLIT_B: tl.constexpr, DB: tl.constexpr,
+                  IN_ORDER: tl.constexpr):
     """out[r] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the splits of row r (zeros if empty;
-    NaN where a split's sum or accumulator is, and wherever the result is not finite)."""
+    NaN where a split's sum or accumulator is, and wherever the result is not finite). IN_ORDER: the sums run
+    split by split, in order, so an empty split (m = -inf, l = 0, acc = 0) adds exact zeros and a row's result does
+    not depend on how many splits the launch has (``decode_tiles``' row-invariant splits); else as a tree."""
     r = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, NSPLIT_B)
     c = tl.arange(0, DB)
     ok = sp < nsplit
     w = r * nsplit + sp
     m = tl.load(ws_ml + w * 2, mask=ok, other=float("-inf"))
-    l = tl.load(ws_ml + w * 2 + 1, mask=ok, other=0.0)
     M = tl.max(m, 0)
-    scale = tl.exp(m - tl.where(M == float("-inf"), 0.0, M))
-    lsum = tl.sum(scale * l, 0)  # NaN when a split's sum is (a NaN row), whatever its weight
-    acc = tl.sum(scale[:, None] * tl.load(ws_acc + w[:, None] * DB + c[None, :], mask=ok[:, None], other=0.0), 0)
+    M0 = tl.where(M == float("-inf"), 0.0, M)
+    if IN_ORDER:
+        lsum = tl.zeros([1], tl.float32)
+        acc = tl.zeros([DB], tl.float32)
+        for s in range(0, nsplit):
+            ws = r * nsplit + s
+            one = tl.exp(tl.load(ws_ml + ws * 2 + tl.zeros([1], tl.int64)) - M0)
+            lsum += one * tl.load(ws_ml + ws * 2 + 1 + tl.zeros([1], tl.int64))
+            acc += one * tl.load(ws_acc + ws * DB + c)
+        lsum = tl.sum(lsum, 0)
+    else:
+        l = tl.load(ws_ml + w * 2 + 1, mask=ok, other=0.0)
+        scale = tl.exp(m - M0)
+        lsum = tl.sum(scale * l, 0)  # NaN when a split's sum is (a NaN row), whatever its weight
+        acc = tl.sum(scale[:, None] * tl.load(ws_acc + w[:, None] * DB + c[None, :], mask=ok[:, None], other=0.0),
+                     0)
     out = tl.math.div_rn(acc, tl.where(lsum == 0.0, 1.0, lsum))
     out = tl.where(lsum == 0.0, 0.0, out)
     tl.store(out_ptr + r * DB + c, tl.where(tl.abs(out) < float("inf"), out, float("nan")))
@@ -551,7 +566,8 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
         num_warps=num_warps(kw["BLOCK_M"], block_n, DB))
     if nsplit > 1:
         run(_merge_kernel, (B * Hq * n,), dict(out_ptr=out, ws_acc=ws_acc, ws_ml=ws_ml, nsplit=nsplit,
-                                               NSPLIT_B=max(16, triton.next_power_of_2(nsplit)), DB=DB))
+                                               NSPLIT_B=max(16, triton.next_power_of_2(nsplit)), DB=DB,
+                                               IN_ORDER=False))
     return out[..., :D]
 
 

@@ -183,7 +183,7 @@ def _decode_kernel(
     sr_b, sr_h, sr_t, ssk_b, ssk_h, ssk_t,  # rings, sinks
     st_b,  # block table [B, MB]
     sm_b, sm_h, sm_c, P,  # mask [B, Hq, 1, P]
-    H, Hq, sm_scale, nsplit,
+    H, Hq, sm_scale, nsplit, split_min, split_max,
     D: tl.constexpr, S: tl.constexpr, R: tl.constexpr, F: tl.constexpr, W: tl.constexpr, BS: tl.constexpr,
     K_MODE: tl.constexpr, K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_E4M3: tl.constexpr,
     K_CHANNEL: tl.constexpr, K_G: tl.constexpr, K_SFMT: tl.constexpr,
@@ -191,6 +191,7 @@ def _decode_kernel(
     V_CHANNEL: tl.constexpr, V_G: tl.constexpr, V_SFMT: tl.constexpr,
     G: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
     CHUNK: tl.constexpr, FULL: tl.constexpr, STAGES: tl.constexpr, NGV: tl.constexpr, WGV: tl.constexpr,
+    INVARIANT: tl.constexpr,
 ):
     """Program (b*H + h, split): rows = the G query heads of KV head h (padded to M = 16).
 
@@ -220,7 +221,10 @@ def _decode_kernel(
             stop = tl.minimum(tl.minimum(QL, end), tl.maximum(L - 1, S))
         else:
             stop = tl.minimum(QL, end)
-        per = tl.cdiv(tl.cdiv(tl.maximum(stop - S, 0), nsplit), BLOCK_N) * BLOCK_N
+        if INVARIANT:  # the row's own splits (``row_split``): a split past its positions is empty
+            per = tl.maximum(split_min, tl.cdiv(tl.cdiv(tl.maximum(stop - S, 0), split_max), BLOCK_N) * BLOCK_N)
+        else:
+            per = tl.cdiv(tl.cdiv(tl.maximum(stop - S, 0), nsplit), BLOCK_N) * BLOCK_N
         lo = S + split * per
         hi = tl.minimum(lo + per, stop)
         PK: tl.constexpr = 8 // K_BITS
@@ -597,19 +601,26 @@ def _sm_count(device: torch.device) -> int:
 
 
 def decode_tiles(spec: LayerSpec, gqa: int, batch: int, positions: int, device: torch.device,
-                 tiles: tuple[int, int] | None = None) -> tuple[int, int]:
+                 tiles: tuple[int, int] | None = None, invariant: bool = False) -> tuple[int, int]:
     """(BLOCK_N, NSPLIT) from host-known sizes only (``positions``: ``attention.position_bound``).
 
     BLOCK_N: the config table's (``tile_config``), or 16 in the interpreter (each op costs Python time; small
     tiles also make short test rows cross tiles), at least a per-channel group (a tile holds whole groups, whose
     scales it loads once). NSPLIT: about 4 programs per SM (132 on an H200) so that enough bytes are in flight,
-    but no split shorter than 4 tiles; 3 in the interpreter. ``tiles`` overrides both."""
+    but no split shorter than 4 tiles; 3 in the interpreter. ``tiles`` overrides both.
+
+    ``invariant``: each row's splits depend on that row alone (``row_split``: a share of its packed positions
+    of at least ``SPLIT_MIN_TILES`` tiles, at most ``SPLIT_MAX`` of them), so that a row's result is the same
+    bits in any batch (the merge then sums in order); NSPLIT is the most any row of ``positions`` needs, and a
+    shorter row's last splits are empty."""
     if tiles is not None:
         block_n, nsplit = tiles
     else:
         block_n = 16 if INTERPRET else tile_config(spec, gqa)["block_n"]
         nsplit = None
     block_n = max([block_n] + [q.group for q in (spec.policy.key, spec.policy.value) if q.axis == "channel"])
+    if invariant:  # the most splits any row of at most ``positions`` positions has
+        return block_n, min(SPLIT_MAX, -(-max(positions - spec.sink, 1) // (SPLIT_MIN_TILES * block_n)))
     if nsplit is None:
         if INTERPRET:
             nsplit = 3
@@ -619,8 +630,22 @@ def decode_tiles(spec: LayerSpec, gqa: int, batch: int, positions: int, device: 
     return block_n, nsplit
 
 
+# Row-invariant splits (``decode_tiles(..., invariant=True)``): a row of ``n`` packed positions is cut in splits of
+# ``max(SPLIT_MIN_TILES tiles, its n / SPLIT_MAX rounded up to whole tiles)``, so at most SPLIT_MAX of them.
+SPLIT_MIN_TILES = 2 if INTERPRET else 4
+SPLIT_MAX = 8 if INTERPRET else 64
+
+
+def row_split(n: int, block_n: int) -> tuple[int, int]:
+    """(splits, positions per split) of a row of ``n`` packed positions under row-invariant splits (the kernel
+    computes the same from the row's own length)."""
+    per = max(SPLIT_MIN_TILES * block_n, -(-(-(-n // SPLIT_MAX)) // block_n) * block_n)
+    return max(1, -(-n // per)), per
+
+
 def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float, dot: str,
-                  block_n: int, nsplit: int, chunk: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                  block_n: int, nsplit: int, chunk: tuple[Tensor, Tensor] | None = None,
+                  invariant: bool = False) -> Tensor:
     """Decode attention of ``q [B, Hq, 1, D]`` (fp32, rotated) over ``state``; fp32 [B, Hq, 1, D].
 
     ``dot``: operand precision of the full-precision positions' products (the packed ones are bf16).
@@ -664,13 +689,14 @@ def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | Non
         svc_nb=svc[0], svc_h=svc[1], svc_t=svc[2], svs_nb=svs[0], svs_h=svs[1], svs_t=svs[2],
         sr_b=sr[0], sr_h=sr[1], sr_t=sr[2], ssk_b=ssk[0], ssk_h=ssk[1], ssk_t=ssk[2], st_b=state.table.stride(0),
         sm_b=mstr[0], sm_h=mstr[1], sm_c=mstr[3], P=P,
-        H=H, Hq=Hq, sm_scale=float(scale), nsplit=nsplit, **kw,
+        H=H, Hq=Hq, sm_scale=float(scale), nsplit=nsplit, INVARIANT=invariant, split_min=SPLIT_MIN_TILES * block_n,
+        split_max=SPLIT_MAX, **kw,
     )
     # fp contraction on: a fused multiply-add rounds once where two operations round twice, which the bound
     # allows for (the decode kernel is not bit-exact with anything; the store kernels keep it off)
     run(_decode_kernel, (B * H, slots), args, num_warps=cfg["warps"], enable_fp_fusion=True)
     run(_merge_kernel, (B * Hq,), dict(out_ptr=out, ws_acc=ws_acc, ws_ml=ws_ml, nsplit=slots,
-                                       NSPLIT_B=max(16, triton.next_power_of_2(slots)), DB=D))
+                                       NSPLIT_B=max(16, triton.next_power_of_2(slots)), DB=D, IN_ORDER=invariant))
     return out
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from kvcompile import quant as Q
-from kvcompile.errors import ArgumentError
+from kvcompile.errors import ArgumentError, UnsupportedError
 from kvcompile.store import (CapacityError, KVState, LayerSpec, Rope, _state_capacity_check, check_chunk, check_kv,
                              hadamard, rotate, row_widths, stored_chunk)
 
@@ -128,9 +128,11 @@ class Plan(NamedTuple):
 
 
 def plan(state: KVState, spec: LayerSpec, q_shape, mask: Tensor | None = None, tiles=None, rope: bool = False,
-         kernel: str = "auto", device: torch.device | None = None, chunk: bool = False) -> Plan:
+         kernel: str = "auto", device: torch.device | None = None, chunk: bool = False,
+         invariant: bool = False) -> Plan:
     """The kernel and tiles ``attention`` uses for queries of shape ``q_shape`` (host-known sizes only);
-    ``chunk``: the queries' own keys and values are read from the chunk (``stored_chunk`` gave them)."""
+    ``chunk``: the queries' own keys and values are read from the chunk (``stored_chunk`` gave them);
+    ``invariant``: the decode kernel's row-invariant splits (``decode.decode_tiles``)."""
     if kernel not in ("auto", "decode", "general"):
         raise ArgumentError(f"attention kernel={kernel!r} is not valid: expected 'auto', 'decode' or 'general'")
     B, Hq, n, D = q_shape
@@ -142,7 +144,8 @@ def plan(state: KVState, spec: LayerSpec, q_shape, mask: Tensor | None = None, t
         raise ArgumentError(f"the decode kernel does not serve {n} queries over {spec.name}"
                          f"{' with pre-RoPE keys' if rope else ''} (templates.decode.decode_layout)")
     if layout is not None:
-        block_n, nsplit = _decode.decode_tiles(spec, G, B, positions, device, tiles and (tiles[1], tiles[2]))
+        block_n, nsplit = _decode.decode_tiles(spec, G, B, positions, device, tiles and (tiles[1], tiles[2]),
+                                               invariant)
         full = spec.sink > 0 or spec.ring > 0 or chunk
         return Plan(True, 1, block_n, nsplit, positions, nsplit + int(full))
     bq, bn, ns = tiles or _attention.default_tiles(spec, n, G, device, B, positions)
@@ -157,13 +160,13 @@ def stored_chunk_needed(spec: LayerSpec, n: int) -> bool:
 def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = None,
                         scale: float | None = None, *, tiles=None, k_new: Tensor | None = None,
                         v_new: Tensor | None = None, rope: Rope | None = None, kernel: str = "auto",
-                        device=None) -> tuple[Tensor, Tensor]:
+                        device=None, invariant: bool = False) -> tuple[Tensor, Tensor]:
     """``templates.attention.reference_and_bound`` for what ``attention`` runs on ``device`` (default: the
     state's) with these arguments: the kernel, its splits and operand precision as ``plan`` chooses them.
     """
     device = torch.device(device) if device is not None else state.lengths.device
     pl = plan(state, spec, q.shape, mask, tiles, rope is not None, kernel, device,
-              k_new is not None and stored_chunk_needed(spec, q.shape[2]))
+              k_new is not None and stored_chunk_needed(spec, q.shape[2]), invariant)
     return _attention.reference_and_bound(q, state, spec, mask, scale, nsplit=pl.slots,
                                           dot=dot_precision(device), k_new=k_new, v_new=v_new, rope=rope,
                                           decode=pl.decode, pdot=packed_precision(device))
@@ -188,7 +191,7 @@ def dot_precision(device: torch.device) -> str:
 def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = None,
               scale: float | None = None, *, tiles: tuple[int, int, int] | None = None,
               k_new: Tensor | None = None, v_new: Tensor | None = None, rope: Rope | None = None,
-              kernel: str = "auto") -> Tensor:
+              kernel: str = "auto", invariant: bool = False) -> Tensor:
     """``kvcompile.store.attention_reference`` with Triton kernels.
 
     q: [B, Hq, n, D], the last n tokens' queries (already stored); Hq a multiple of the store's heads.
@@ -201,6 +204,9 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     position (``kvcompile.store.apply_rope``).
     kernel: "auto" (``plan``: the decode kernel where it serves the call, else the general one), "decode" or
     "general" (to compare them; "decode" raises where it cannot serve the call).
+    invariant: each row's result depends on that row alone, not on the batch beside it (the decode kernel's
+    row-invariant splits and an in-order merge: ``decode.decode_tiles``), as the C kernels' always does; one
+    query per row (an engine's flat batch, each query a row: ``kvcompile.pages``). Else the splits fill the GPU.
     """
     check_supported(spec)
     _check_state(state, spec)
@@ -220,10 +226,13 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     if spec.policy.rotates_keys:  # as the reference: the query rotated in fp32, the output un-rotated in fp32
         qr = qr @ hadamard(D, q.device)
     chunk = stored_chunk(spec, k_new, v_new, n)
-    pl = plan(state, spec, q.shape, mask, tiles, rope is not None, kernel, q.device, chunk is not None)
+    pl = plan(state, spec, q.shape, mask, tiles, rope is not None, kernel, q.device, chunk is not None, invariant)
+    if invariant and not pl.decode:
+        raise UnsupportedError(f"row-invariant attention runs on the decode kernel, which does not serve {n} queries "
+                               f"a row over {spec.name}: give each query a row of its own (kvcompile.pages does)")
     if pl.decode:
         out = _decode.launch_decode(qr, state, spec, mask, scale, dot_precision(q.device), pl.block_n, pl.nsplit,
-                                    chunk)
+                                    chunk, invariant)
     else:
         out = _attention.launch_attention(qr, state, spec, mask, scale, dot_precision(q.device),
                                           (pl.block_q, pl.block_n, pl.nsplit), chunk, rope,

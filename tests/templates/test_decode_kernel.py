@@ -235,3 +235,37 @@ def test_prefill_with_bf16_operands_over_the_quantized_past(n, monkeypatch):
     monkeypatch.setenv("KVCOMPILE_PACKED_DOT", "ieee")  # the same call with exact operands: a tighter bound
     tight = launch.reference_and_bound(q, state, spec, k_new=chunk[0], v_new=chunk[1])[1]
     assert (tight <= bound * (1 + 1e-9)).all() and (tight < bound).any()
+
+
+@pytest.mark.parametrize("policy", [Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0),
+                                    Policy.kivi(4, group=16, residual=8, sink=2)], ids=["int4", "kivi-sinks-ring"])
+def test_row_invariant_splits_give_a_row_the_same_bits_in_any_batch(policy):
+    """``launch.attention(..., invariant=True)`` (what ``kvcompile.pages`` asks for: an engine's rows must not
+    depend on the batch beside them): a row's output is the same bits alone, beside a much longer row (the launch
+    then has more splits and the short row's last ones are empty; the full-precision slot moves), and beside
+    shorter ones -- and within the bound. The launch's own splits (about 4 programs an SM on a GPU, so they follow
+    the batch) give the same row other bits with another split count: what the invariant splits remove."""
+    lengths = [70, 300, 5, 130]
+    spec, state = filled(policy, lengths, 2, 64)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 4, 1, 64, generator=g)
+
+    def rows(idx):  # a batch of these rows, its table as wide as its longest row needs (the launch's bound)
+        sel = torch.tensor(idx)
+        width = spec.blocks_for(max(lengths[i] for i in idx))
+        return state._replace(k_res=state.k_res[sel], v_res=state.v_res[sel], k_sink=state.k_sink[sel],
+                              v_sink=state.v_sink[sel], lengths=state.lengths[sel],
+                              table=state.table[sel, :width].contiguous())
+
+    alone = launch.attention(q[[0]], rows([0]), spec, invariant=True)
+    assert launch.plan(rows([0]), spec, (1, 4, 1, 64), invariant=True).nsplit < \
+        launch.plan(rows([0, 1]), spec, (2, 4, 1, 64), invariant=True).nsplit  # other launches
+    for idx in ([0, 1], [2, 0], [3, 0, 1, 2]):
+        got = launch.attention(q[idx], rows(idx), spec, invariant=True)
+        assert torch.equal(got[idx.index(0)], alone[0]), idx
+    got = launch.attention(q, state, spec, invariant=True)
+    want, bound = launch.reference_and_bound(q, state, spec, invariant=True, device=DEV)
+    assert not ((got.double() - want).abs() > bound).any()
+    two = launch.attention(q[[0]], rows([0]), spec, tiles=(1, 16, 2))
+    five = launch.attention(q[[0]], rows([0]), spec, tiles=(1, 16, 5))
+    assert not torch.equal(two, five)

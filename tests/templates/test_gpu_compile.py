@@ -59,13 +59,22 @@ SCRIPT = textwrap.dedent("""
             launch.store(state, spec, k, v)
             launch.attention(torch.randn(2, 2 * G, n, D), state, spec, mask, k_new=k, v_new=v, tiles=tiles, rope=rope,
                              kernel=kernel[0] if kernel else "auto")
+        # row-invariant decode (kvcompile.pages: an engine's rows): the row's own splits, the merge in order
+        for policy in (Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0, rotate=True),
+                       Policy.kivi(4, group=32, residual=128, sink=4)):
+            spec = LayerSpec(policy, 2, 128, "bfloat16", 64)
+            state = spec.allocate(2, 4096)
+            launch.store(state, spec, *torch.randn(2, 2, 2, 1, 128))
+            launch.attention(torch.randn(2, 8, 1, 128), state, spec, invariant=True)
     names = sorted({name for name, _ in log})
     print("compiled", len(log), names, "chunk:", sum(bool(c.get("CHUNK")) for _, c in log),
           "rope:", sorted({(bool(c.get("CHUNK")), c["D"]) for n, c in log if n == "_attn_kernel" and c.get("ROPE")}),
           "blocks:", sorted({c["BS"] for _, c in log if "BS" in c}),
           "tiles:", sorted({(c["BS"], c["BLOCK_N"]) for n, c in log if n == "_attn_kernel"}),
           "decode:", sorted({(c["K_MODE"], c["V_MODE"], c["FULL"], c["CHUNK"], c["MASK_KIND"], c["BLOCK_N"] > c["BS"])
-                             for n, c in log if n == "_decode_kernel"}))
+                             for n, c in log if n == "_decode_kernel"}),
+          "invariant:", sum(bool(c.get("INVARIANT")) for n, c in log if n == "_decode_kernel"),
+          sum(bool(c.get("IN_ORDER")) for n, c in log if n == "_merge_kernel"))
 """)
 
 
@@ -95,3 +104,4 @@ def test_kernels_compile_for_sm90():
     assert "(0, 0, True, True, 0, " in decode, r.stdout
     for want in ("(1, 2, True, True, 0, False)", "(1, 2, True, False, 2, False)", "(0, 1, True, True, 1, True)"):
         assert want in decode, r.stdout
+    assert "invariant: 2 2" in r.stdout, r.stdout  # row-invariant splits and the in-order merge lower too
