@@ -520,7 +520,8 @@ def _speculate(tiny, policy, block):
     return want, got, drafts
 
 
-@pytest.mark.parametrize("policy,block", [("kivi-r0+rot+fp8s:4", 512), ("kivi:4", 256)], ids=["ring", "window"])
+@pytest.mark.parametrize("policy,block", [("kivi-r0+rot+fp8s:4", 512), ("kivi:4", 256), (SINKS_256, 256)],
+                         ids=["ring", "window", "window-sinks"])
 def test_speculative_decoding_changes_no_greedy_token(tiny, policy, block):
     """n-gram speculation stores each step's drafts before vLLM knows which it accepts: a ring sized for the window
     alone lost pending key-group positions to rejected drafts and changed a request's tokens. The ring now has room
