@@ -62,7 +62,8 @@ CONTENDERS = [  # (label, kvcompile policy name or None, vLLM engine arguments)
     ("kvcompile kivi+rot:4", "kivi+rot:4", {}),  # a window of 128 tokens and key groups: a sliding window cache
     ("kvcompile kivi-r0+rot:4", "kivi-r0+rot:4", {}),  # KIVI's key groups alone: a ring for the pending group
     ("kvcompile kivi-r0+rot+fp8s:4", "kivi-r0+rot+fp8s:4", {}),
-    ("kvcompile kivi-r0+rot+fp8s:2", "kivi-r0+rot+fp8s:2", {"block_size": 256}),  # a ring fits a 256-token page
+    # its ring fits a page of 256 tokens in bf16, of 512 in float32 (the quality engines and the servers)
+    ("kvcompile kivi-r0+rot+fp8s:2", "kivi-r0+rot+fp8s:2", {"min_block": {"bfloat16": 256, "float32": 512}}),
     ("kvcompile kivi+rot+sink:4", "kivi+rot+sink:4", {}),  # sinks: refused
 ]
 
@@ -79,8 +80,13 @@ def reason(e: BaseException) -> str:
     return f"{type(chain[-1]).__name__}: {chain[-1]}"
 
 
-def extra_args(policy, engine):
-    return {**engine, **({"additional_config": {"kvcompile": {"policy": policy}}} if policy else {})}
+def extra_args(policy, engine, dtype: str, block: int | None = None):
+    """The engine arguments of a contender in ``dtype``: its own, its policy, and a block size of at least
+    ``block`` (the phase's) and the contender's smallest page in that dtype (``min_block``)."""
+    block = max(block or 0, engine.get("min_block", {}).get(dtype, 0)) or None
+    own = {k: v for k, v in engine.items() if k != "min_block"}
+    return {**own, **({"block_size": block} if block else {}),
+            **({"additional_config": {"kvcompile": {"policy": policy}}} if policy else {})}
 
 
 # --------------------------------------------------------------------------- quality
@@ -92,7 +98,7 @@ def quality(args, tok, policy, engine) -> dict:
     try:
         llm = LLM(model=args.model, dtype="float32", enforce_eager=True, max_model_len=max(args.passkey + [args.window + 1]),
                   seed=0, distributed_executor_backend="uni", kv_cache_memory_bytes=args.quality_kv_mib << 20,
-                  **{"block_size": args.quality_block, **extra_args(policy, engine)})
+                  **extra_args(policy, engine, "float32", args.quality_block))
     except Exception as e:  # noqa: BLE001  (a refusal at start-up: reported, the next contender runs)
         return {"refused": reason(e)}
     try:
@@ -128,7 +134,7 @@ def capacity(args, policy, engine) -> dict:
         llm = LLM(model=args.model, dtype=args.capacity_dtype, enforce_eager=True, max_model_len=args.long, seed=0,
                   distributed_executor_backend="uni", kv_cache_memory_bytes=args.kv_mib << 20,
                   **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}),
-                  **extra_args(policy, engine))
+                  **extra_args(policy, engine, args.capacity_dtype))
     except Exception as e:  # noqa: BLE001
         return {"refused": reason(e)}
     try:
@@ -166,7 +172,7 @@ def server_command(args, policy, engine):
             cmd.append("--enforce-eager")
         if engine.get("kv_cache_dtype"):
             cmd += ["--kv-cache-dtype", engine["kv_cache_dtype"]]
-        block = engine.get("block_size") or args.serve_block
+        block = extra_args(None, engine, args.serve_dtype, args.serve_block).get("block_size")
         if block:
             cmd += ["--block-size", str(block)]
         if policy:
