@@ -102,10 +102,13 @@ def refusal(policy: Policy, block: int, window: bool = False) -> tuple[Refusal, 
         # the sinks take a sequence's first page, so its packed tokens start a page later and wait that long in
         # the window cache: a window shorter than that would leave positions neither packed nor in the window
         fit = 1 << (policy.residual + policy.sink).bit_length() - 1 if policy.residual + policy.sink >= 16 else 0
-        how = (f"give the engine pages of at most {fit} tokens, or a window of residual >= {block - policy.sink}"
-               if fit else f"a window of residual >= {block - policy.sink}, e.g. kivi+rot+sink:4 (residual 128)")
-        if not window:
-            how = "keep a window cache beside the pages (window=True)"
+        eg = " (e.g. kivi+rot+sink:4's 128)" if block - policy.sink <= 128 else ""
+        how = (f"a window of residual >= {block - policy.sink}{eg}"
+               f"{'' if window else ', kept in a window cache (window=True)'}")
+        if fit and policy.residual:
+            how = f"give the engine pages of at most {fit} tokens, or use {how}"
+        else:
+            how = f"use {how}"
         return Refusal.SINKS, (f"sink={policy.sink} keeps each sequence's first tokens in full precision in its first "
                                f"page, so its packed tokens are kept one page ({block} tokens) later and wait in the "
                                f"window cache until then, which residual={policy.residual} does not cover: {how}, "
@@ -150,8 +153,9 @@ class PageLayout:
     dtype:    the model's dtype, "float32", "bfloat16" or "float16" (what unquantized codes are kept in).
     block:    tokens per page (the engine's block size): a power of two >= 16.
     window:   the engine keeps each sequence's newest ``window_tokens`` in full precision in a second cache of
-              pages (``window_views``), which lets a layout hold a recent window (``residual``) and per-channel
-              key groups (KIVI); ``store_windowed`` and ``attention_windowed`` then write and read both.
+              pages (``window_views``), which lets a layout hold a recent window (``residual``), per-channel
+              key groups (KIVI) and, beside a window of at least ``block - sink`` tokens, sinks (in each
+              sequence's first page); ``store_windowed`` and ``attention_windowed`` then write and read both.
     """
 
     policy: Policy
