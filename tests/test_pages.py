@@ -591,38 +591,25 @@ EXACT = [  # (policy, window, ring)
 ]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("case", range(len(EXACT)), ids=lambda c: str(EXACT[c][0]))
-def test_a_tokens_attention_is_the_same_bits_however_the_work_is_cut(case, dtype):
-    """The same sequence handed over whole, in chunks, after a prefix, decoded, or prefilled again after decode
-    steps (what vLLM does to a preempted request), each step beside another sequence's tokens: every query's output
-    is the same bits, in every dtype (in bf16 a rounding difference between a prefill and a decode step, carried
-    through the layers, changed greedy tokens after a recomputation)."""
-    policy, windowed, ring = EXACT[case]
-    H, Hq, D, block, wblock, n_pages = 2, 4, 64, 32, (48 if ring else 16), 64
-    dt = getattr(torch, dtype)
-    g = torch.Generator().manual_seed(case)
-    k, v, q = (torch.randn(150, h, D, generator=g).to(dt) for h in (H, H, Hq))
-    ko, vo, qo = (torch.randn(150, h, D, generator=g).to(dt) for h in (H, H, Hq))  # the other sequence's
+def cut_outputs(lay, cuts, mine, other, n_pages, table, wtable=None, wblock=16, ring=False):
+    """Every query's output when the sequence ``mine`` = (k, v, q) ``[T, heads, D]`` is handed over as each of
+    ``cuts`` says (token counts per step), each step beside the tokens of another sequence (``other``: a decode
+    token beside a chunk, two beside a decode), on fresh pages of ``lay`` (and a window cache with a windowed
+    layout): {cut: [T, Hq, D] on the CPU}. The tensors' device is where the kernels run."""
+    (k, v, q), (ko, vo, qo) = mine, other
     results = {}
-    for name, cut in CUTS.items():
-        lay = P.PageLayout(policy, H, D, dtype, block, window=windowed)
-        pages = engine_pages(lay, n_pages, interleave=2)
-        table = scrambled_table(2, 12, n_pages, seed=case)
-        if windowed:
-            window = window_pages(lay, n_pages, wblock)
-            wtable = scrambled_table(2, 1 if ring else 20, n_pages, seed=case + 1)
+    for name, cut in cuts.items():
+        pages = engine_pages(lay, n_pages, interleave=2).to(k.device)
+        window = window_pages(lay, n_pages, wblock).to(k.device) if lay.window else None
         held, oheld, outs = 0, 0, []
         for n in cut:
-            other = 1 if n > 1 else 2  # the other sequence decodes beside a chunk, or takes two beside a decode
-            sl = slice(held, held + n)
-            o = slice(oheld % 140, oheld % 140 + other)  # (its keys: any)
+            two = 1 if n > 1 else 2
+            sl, o = slice(held, held + n), slice(oheld % (ko.shape[0] - 2), oheld % (ko.shape[0] - 2) + two)
             kk, vv, qq = (torch.cat([x[sl], y[o]]) for x, y in ((k, ko), (v, vo), (q, qo)))
-            qs = torch.tensor([0, n, n + other])
-            oheld += other
-            seq = torch.tensor([held + n, oheld])
+            oheld += two
+            qs, seq = torch.tensor([0, n, n + two]), torch.tensor([held + n, oheld])
             batch = P.Ragged.of(qs, seq, table)
-            if windowed:
+            if lay.window:
                 recent = P.store_windowed(lay, pages, window, wblock, kk, vv, batch, P.Ragged.of(qs, seq, wtable),
                                           ring=ring)
                 out = P.attention_windowed(lay, pages, qq, batch, recent, 0.125)
@@ -631,6 +618,24 @@ def test_a_tokens_attention_is_the_same_bits_however_the_work_is_cut(case, dtype
                 out = P.attention_ragged(lay, pages, qq, None, None, batch, 0.125)
             outs.append(out[:n])
             held += n
-        results[name] = torch.cat(outs)
+        results[name] = torch.cat(outs).cpu()
+    return results
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("case", range(len(EXACT)), ids=lambda c: str(EXACT[c][0]))
+def test_a_tokens_attention_is_the_same_bits_however_the_work_is_cut(case, dtype):
+    """The same sequence handed over whole, in chunks, after a prefix, decoded, or prefilled again after decode
+    steps (what vLLM does to a preempted request), each step beside another sequence's tokens: every query's output
+    is the same bits, in every dtype (in bf16 a rounding difference between a prefill and a decode step, carried
+    through the layers, changed greedy tokens after a recomputation)."""
+    policy, windowed, ring = EXACT[case]
+    H, Hq, D, block, n_pages = 2, 4, 64, 32, 64
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(case)
+    mine, other = ([torch.randn(150, h, D, generator=g).to(dt) for h in (H, H, Hq)] for _ in range(2))
+    lay = P.PageLayout(policy, H, D, dtype, block, window=windowed)
+    results = cut_outputs(lay, CUTS, mine, other, n_pages, scrambled_table(2, 12, n_pages, seed=case),
+                          scrambled_table(2, 1 if ring else 20, n_pages, seed=case + 1), 48 if ring else 16, ring)
     for name, got in results.items():
         assert torch.equal(bits(got), bits(results["decoded"])), (name, int((got != results["decoded"]).sum()))
