@@ -246,26 +246,27 @@ def test_row_invariant_splits_give_a_row_the_same_bits_in_any_batch(policy):
     shorter ones -- and within the bound. The launch's own splits (about 4 programs an SM on a GPU, so they follow
     the batch) give the same row other bits with another split count: what the invariant splits remove."""
     lengths = [70, 300, 5, 130]
-    spec, state = filled(policy, lengths, 2, 64)
+    spec, host = filled(policy, lengths, 2, 64)
     g = torch.Generator().manual_seed(3)
-    q = torch.randn(4, 4, 1, 64, generator=g)
+    qh = torch.randn(4, 4, 1, 64, generator=g)
 
-    def rows(idx):  # a batch of these rows, its table as wide as its longest row needs (the launch's bound)
+    def rows(idx, dev):  # a batch of these rows on ``dev``, its table as wide as its longest row needs (the bound)
         sel = torch.tensor(idx)
         width = spec.blocks_for(max(lengths[i] for i in idx))
-        return state._replace(k_res=state.k_res[sel], v_res=state.v_res[sel], k_sink=state.k_sink[sel],
-                              v_sink=state.v_sink[sel], lengths=state.lengths[sel],
-                              table=state.table[sel, :width].contiguous())
+        st = host._replace(k_res=host.k_res[sel], v_res=host.v_res[sel], k_sink=host.k_sink[sel],
+                           v_sink=host.v_sink[sel], lengths=host.lengths[sel], table=host.table[sel, :width].contiguous())
+        return type(st)(*[t.to(dev) for t in st]), qh[sel].to(dev)
 
-    alone = launch.attention(q[[0]], rows([0]), spec, invariant=True)
-    assert launch.plan(rows([0]), spec, (1, 4, 1, 64), invariant=True).nsplit < \
-        launch.plan(rows([0, 1]), spec, (2, 4, 1, 64), invariant=True).nsplit  # other launches
+    def attend(idx, invariant=True, tiles=None):
+        st, q = rows(idx, DEV)
+        return launch.attention(q.to(DEV), st, spec, tiles=tiles, invariant=invariant).cpu()
+
+    alone = attend([0], invariant=True)
+    assert launch.plan(rows([0], "cpu")[0], spec, (1, 4, 1, 64), invariant=True).nsplit < \
+        launch.plan(rows([0, 1], "cpu")[0], spec, (2, 4, 1, 64), invariant=True).nsplit  # other launches
     for idx in ([0, 1], [2, 0], [3, 0, 1, 2]):
-        got = launch.attention(q[idx], rows(idx), spec, invariant=True)
-        assert torch.equal(got[idx.index(0)], alone[0]), idx
-    got = launch.attention(q, state, spec, invariant=True)
-    want, bound = launch.reference_and_bound(q, state, spec, invariant=True, device=DEV)
+        assert torch.equal(attend(idx, invariant=True)[idx.index(0)], alone[0]), idx
+    got = attend([0, 1, 2, 3], invariant=True)
+    want, bound = launch.reference_and_bound(qh, *rows([0, 1, 2, 3], "cpu")[:1], spec, invariant=True, device=DEV)
     assert not ((got.double() - want).abs() > bound).any()
-    two = launch.attention(q[[0]], rows([0]), spec, tiles=(1, 16, 2))
-    five = launch.attention(q[[0]], rows([0]), spec, tiles=(1, 16, 5))
-    assert not torch.equal(two, five)
+    assert not torch.equal(attend([0], False, (1, 16, 2)), attend([0], False, (1, 16, 5)))

@@ -31,7 +31,7 @@ LAUNCHERS = {
     "kattn.launch_attention": ["q", "state", "spec", "mask", "scale", "dot", "tiles", "chunk", "rope"],
     "kstore.launch_store": ["state", "spec", "k", "v", "n_new"],
 }
-NOT_TENSORS = {"spec", "scale", "dot", "tiles", "kernel", "nsplit", "**"}  # **: constexprs
+NOT_TENSORS = {"spec", "scale", "dot", "tiles", "kernel", "nsplit", "invariant", "**"}  # **: constexprs
 
 
 def _bindings(scope: ast.AST) -> dict[str, list[ast.AST]]:
