@@ -299,23 +299,14 @@ class PageLayout:
             if f.shape is None:
                 out.append(torch.empty(0, dtype=f.dtype, device=pages.device))
                 continue
-            es = _esize(f.dtype)
-            if flat.stride(0) % es or (flat.storage_offset() + f.offset) % es:
-                raise ArgumentError(f"pages: field {f.name} ({f.dtype}) would start at a byte not aligned to its "
-                                    f"{es}-byte elements (pages {flat.stride(0)} bytes apart, offset "
-                                    f"{flat.storage_offset()}); give the pages an aligned buffer")
-            part = flat[:, f.offset:f.offset + f.nbytes].view(f.dtype)
-            out.append(part.view(flat.shape[0], *f.shape))
+            out.append(_typed(flat, f.offset, f.shape, f.dtype, f"field {f.name}"))
         return tuple(out)
 
     def sinks(self, pages: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values ``[NB, H, sink, D]`` (model dtype, the store's space) at the start of every page, viewed
         in place: a sequence's sinks are those of its first page."""
-        flat, dt = self._bytes(pages), DTYPES[self.dtype]
-        if flat.stride(0) % _esize(dt) or flat.storage_offset() % _esize(dt):
-            raise ArgumentError(f"pages: the sinks ({self.dtype}) would start at a byte not aligned to their elements "
-                                f"(pages {flat.stride(0)} bytes apart); give the pages an aligned buffer")
-        kv = flat[:, :self.sink_bytes].view(dt).view(flat.shape[0], 2, self.heads, self.policy.sink, self.head_dim)
+        kv = _typed(self._bytes(pages), 0, (2, self.heads, self.policy.sink, self.head_dim), DTYPES[self.dtype],
+                    "the sinks")
         return kv[:, 0], kv[:, 1]
 
     def state(self, pages: Tensor, lengths: Tensor, table: Tensor) -> KVState:
@@ -345,6 +336,17 @@ class PageLayout:
         first = table[:, 0].long().to(pages.device).index_select(0, rows)
         ks[first] = st.k_sink.index_select(0, rows)
         vs[first] = st.v_sink.index_select(0, rows)
+
+
+def _typed(flat: Tensor, offset: int, shape: tuple, dtype: torch.dtype, what: str) -> Tensor:
+    """``[NB, *shape]`` of ``dtype`` viewed in place at byte ``offset`` of every page of ``flat`` (uint8
+    ``[NB, page_bytes]``); an error naming ``what`` when its elements would not be aligned."""
+    es = _esize(dtype)
+    if flat.stride(0) % es or (flat.storage_offset() + offset) % es:
+        raise ArgumentError(f"pages: {what} ({dtype}) would start at a byte not aligned to its {es}-byte elements "
+                            f"(pages {flat.stride(0)} bytes apart, offset {flat.storage_offset()}); give the pages an "
+                            f"aligned buffer")
+    return flat[:, offset:offset + math.prod(shape) * es].view(dtype).view(flat.shape[0], *shape)
 
 
 def _dense(shape, strides) -> bool:

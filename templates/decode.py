@@ -221,7 +221,7 @@ def _decode_kernel(
             stop = tl.minimum(tl.minimum(QL, end), tl.maximum(L - 1, S))
         else:
             stop = tl.minimum(QL, end)
-        if INVARIANT:  # the row's own splits (``row_split``): a split past its positions is empty
+        if INVARIANT:  # the row's own splits (SPLIT_MIN_TILES, SPLIT_MAX): one past its positions is empty
             per = tl.maximum(split_min, tl.cdiv(tl.cdiv(tl.maximum(stop - S, 0), split_max), BLOCK_N) * BLOCK_N)
         else:
             per = tl.cdiv(tl.cdiv(tl.maximum(stop - S, 0), nsplit), BLOCK_N) * BLOCK_N
@@ -609,9 +609,9 @@ def decode_tiles(spec: LayerSpec, gqa: int, batch: int, positions: int, device: 
     scales it loads once). NSPLIT: about 4 programs per SM (132 on an H200) so that enough bytes are in flight,
     but no split shorter than 4 tiles; 3 in the interpreter. ``tiles`` overrides both.
 
-    ``invariant``: each row's splits depend on that row alone (``row_split``: a share of its packed positions
-    of at least ``SPLIT_MIN_TILES`` tiles, at most ``SPLIT_MAX`` of them), so that a row's result is the same
-    bits in any batch (the merge then sums in order); NSPLIT is the most any row of ``positions`` needs, and a
+    ``invariant``: each row's splits depend on that row alone (the kernel's INVARIANT: a share of its packed
+    positions of at least ``SPLIT_MIN_TILES`` tiles, at most ``SPLIT_MAX`` of them), so that a row's result is the
+    same bits in any batch (the merge then sums in order); NSPLIT is the most any row of ``positions`` needs, and a
     shorter row's last splits are empty."""
     if tiles is not None:
         block_n, nsplit = tiles
@@ -634,13 +634,6 @@ def decode_tiles(spec: LayerSpec, gqa: int, batch: int, positions: int, device: 
 # ``max(SPLIT_MIN_TILES tiles, its n / SPLIT_MAX rounded up to whole tiles)``, so at most SPLIT_MAX of them.
 SPLIT_MIN_TILES = 2 if INTERPRET else 4
 SPLIT_MAX = 8 if INTERPRET else 64
-
-
-def row_split(n: int, block_n: int) -> tuple[int, int]:
-    """(splits, positions per split) of a row of ``n`` packed positions under row-invariant splits (the kernel
-    computes the same from the row's own length)."""
-    per = max(SPLIT_MIN_TILES * block_n, -(-(-(-n // SPLIT_MAX)) // block_n) * block_n)
-    return max(1, -(-n // per)), per
 
 
 def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float, dot: str,
