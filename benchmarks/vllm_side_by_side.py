@@ -64,7 +64,8 @@ CONTENDERS = [  # (label, kvcompile policy name or None, vLLM engine arguments)
     ("kvcompile kivi-r0+rot+fp8s:4", "kivi-r0+rot+fp8s:4", {}),
     # its ring fits a page of 256 tokens in bf16, of 512 in float32 (the quality engines and the servers)
     ("kvcompile kivi-r0+rot+fp8s:2", "kivi-r0+rot+fp8s:2", {"min_block": {"bfloat16": 256, "float32": 512}}),
-    ("kvcompile kivi+rot+sink:4", "kivi+rot+sink:4", {}),  # sinks: refused
+    ("kvcompile kivi+rot+sink:4", "kivi+rot+sink:4", {}),  # KIVI's default preset: sinks in the first page
+    ("kvcompile kivi+rot+sink+fp8s:4", "kivi+rot+sink+fp8s:4", {}),  # the same with one-byte scales
 ]
 
 

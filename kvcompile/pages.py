@@ -567,7 +567,8 @@ def attention_ragged(layout: PageLayout, pages: Tensor, q: Tensor, k: Tensor | N
 # full precision (``as_stored``: what the store's ring holds), under a block table of its own (``wbatch``: the same
 # sequences and lengths as ``batch``), either
 #   - as a sliding window (``ring=False``): pages of ``wblock`` tokens, position ``p`` in page
-#     ``wtable[p // wblock]``, row ``p % wblock`` (the engine frees pages behind the window), or
+#     ``wtable[p // wblock]``, row ``p % wblock`` (the engine frees pages behind the window, and may give a step
+#     no page -- its ``null_page`` -- for positions no later step reads: those are not written), or
 #   - as a ring (``ring=True``): one page of ``wblock >= window_tokens`` slots per sequence, ``wtable[0]``, position
 #     ``p`` in slot ``p % wblock`` (only the newest ``wblock`` positions are kept).
 # The packed pages take every whole ``flush``-group as soon as its last token is written, so a page is final once
@@ -606,11 +607,12 @@ def _locate(wbatch: Ragged, seqs: Tensor, pos: Tensor, wblock: int, ring: bool) 
 
 
 def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: int, k: Tensor, v: Tensor,
-                   batch: Ragged, wbatch: Ragged, ring: bool = False) -> Recent:
+                   batch: Ragged, wbatch: Ragged, ring: bool = False, null_page: int | None = None) -> Recent:
     """``store_ragged`` for a layout with a window: the tokens ``k, v [T, H, D]`` go in full precision into the
-    window cache (``wbatch``'s pages; ``ring``: see above), and every ``flush``-group they complete into the packed
-    pages (``batch``'s) -- the bytes ``kvcompile.store.store_reference`` writes for those positions. Returns what
-    ``attention_windowed`` reads for the same step (``Recent``)."""
+    window cache (``wbatch``'s pages; ``ring``: see above; positions on page ``null_page`` are not written, and
+    reading one is an error), and every ``flush``-group they complete into the packed pages (``batch``'s) -- the
+    bytes ``kvcompile.store.store_reference`` writes for those positions. Returns what ``attention_windowed`` reads
+    for the same step (``Recent``)."""
     if not layout.window:
         raise ArgumentError("store_windowed takes a layout with window=True; use store_ragged")
     from .store import as_stored
@@ -627,8 +629,11 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
     def write():  # the step's tokens into the window cache (a ring keeps only its newest ``wblock``)
         end = held_to + n
         seqs, pos = _spans(torch.maximum(held_to, end - wblock) if ring else held_to, end)
+        page, row = _locate(wbatch, seqs, pos, wblock, ring)
+        if null_page is not None:
+            given = page != null_page
+            seqs, pos, page, row = seqs[given], pos[given], page[given], row[given]
         if len(pos):
-            page, row = _locate(wbatch, seqs, pos, wblock, ring)
             idx = (qs[seqs] + pos - held_to[seqs]).to(dev)
             wk[page.to(dev), :, row.to(dev)] = own_k.index_select(0, idx)
             wv[page.to(dev), :, row.to(dev)] = own_v.index_select(0, idx)
@@ -644,6 +649,11 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
     seqs, pos = _spans(lo, held_to)
     if len(pos):
         page, row = _locate(wbatch, seqs, pos, wblock, ring)
+        if null_page is not None and bool((page == null_page).any()):
+            i = int((page == null_page).nonzero()[0])
+            raise ArgumentError(f"the window cache has no page for position {int(pos[i])} of sequence "
+                                f"{int(seqs[i])}, which this step reads (its window: the {layout.window_tokens} "
+                                f"positions before its newest); the engine freed or never gave that page")
         held_k, held_v = wk[page.to(dev), :, row.to(dev)], wv[page.to(dev), :, row.to(dev)]
     else:
         held_k = held_v = own_k[:0]

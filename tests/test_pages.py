@@ -573,6 +573,42 @@ def test_a_prefix_written_in_the_same_step_is_read_after_its_write(policy):
     assert torch.equal(out[100:], out[64:100])
 
 
+def test_a_window_page_the_engine_did_not_give_is_neither_written_nor_read():
+    """An engine may give a long chunk window pages only for the positions later steps read (vLLM's null block for
+    the rest): a chunk of 130 tokens, then decode steps, with the window pages of positions 0-63 the null page. The
+    null page is never written, every output is that of the same steps with every page given, and a step whose
+    window would read the null page is refused with what it misses."""
+    H, Hq, D, block, wblock, n_pages, NULL = 2, 4, 64, 32, 16, 24, 0
+    lay = P.PageLayout(Policy.kivi(4, residual=40), H, D, "float32", block, window=True)  # a window of 71
+    g = torch.Generator().manual_seed(9)
+    k, v, q = (torch.randn(134, h, D, generator=g) for h in (H, H, Hq))
+    table = torch.tensor([[3, 7, 1, 9, 11]], dtype=torch.int32)
+    given = torch.tensor([[2, 5, 6, 8, 10, 12, 13, 14, 15]], dtype=torch.int32)
+    gaps = given.clone()
+    gaps[0, :4] = NULL  # positions 0-63: the chunk's own queries read them from the step, no later step does
+
+    def run(wtable, cuts=(130, 1, 1, 1, 1)):
+        pages, window = engine_pages(lay, n_pages), window_pages(lay, n_pages, wblock)
+        window[NULL] = float("nan")  # whatever the null page holds is never read, and it is never written
+        outs, held = [], 0
+        for n in cuts:
+            batch, wbatch = (P.Ragged.of(torch.tensor([0, n]), torch.tensor([held + n]), t) for t in (table, wtable))
+            recent = P.store_windowed(lay, pages, window, wblock, k[held:held + n], v[held:held + n], batch,
+                                      wbatch, null_page=NULL)
+            outs.append(P.attention_windowed(lay, pages, q[held:held + n], batch, recent, 0.125))
+            held += n
+        return torch.cat(outs), window
+
+    want, _ = run(given)
+    got, window = run(gaps)
+    assert torch.equal(got, want)
+    assert window[NULL].isnan().all()
+    short = given.clone()
+    short[0, 7] = NULL  # positions 112-127, in the window of the first decode step (position 130)
+    with pytest.raises(ValueError, match="no page for position 112 of sequence 0, which this step reads"):
+        run(short)
+
+
 # --------------------------------------------------------------------------- however the work is cut
 CUTS = {  # a sequence's 150 tokens, as an engine may hand them over (beside another sequence's in each step)
     "whole": [150],

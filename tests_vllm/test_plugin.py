@@ -379,8 +379,8 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
     manages as a sliding-window layer (its group, its pages, padded to the packed page; the pool's blocks counted
     over both); at the end the packed pages hold the reference store's bytes for every group the sequence has
     completed (packed as soon as complete), the window pages its newest positions as the reference's ring holds
-    them; and the tokens are those of the same engine with the prompt prefilled in one piece. A sliding window's
-    admission charge is said in the log at start-up."""
+    them; and the tokens are those of the same engine with the prompt prefilled in one piece. The pages a request
+    may hold are said in the log at start-up."""
     from vllm.v1.kv_cache_interface import CircularBufferSpec, SlidingWindowSpec
 
     from kvcompile.store import as_stored
@@ -390,7 +390,7 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
     rec.install(monkeypatch)
     prompt = TEXT * 5  # ~300 tokens
     one = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    with caplog.at_level("WARNING", logger="kvcompile.vllm"):
+    with caplog.at_level("INFO", logger="kvcompile.vllm"):
         llm = engine(tiny, policy_name, dtype=dtype, max_num_batched_tokens=64, enable_prefix_caching=False, **kw)
     try:
         lays = {n: i.layout for n, i in impls(llm).items()}
@@ -404,10 +404,10 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
         if policy.residual:  # a sliding window as long as the window, as many tokens a page as fit
             assert isinstance(spec, SlidingWindowSpec) and spec.sliding_window == lay.window_tokens and not w.ring
             assert lay.window_page_bytes(w.block) <= lay.page_bytes < lay.window_page_bytes(w.block + 32)
+            # steps of 64 tokens: every page from the window to the newest token, as vLLM's own sliding window
             pages_charged = -(-(lay.window_tokens - 1 + 64) // w.block) + 1
-            assert (f"a window of {lay.window_tokens} full-precision tokens" in caplog.text
-                    and f"max_num_batched_tokens=64), at most max_model_len: {pages_charged} window pages"
-                    in caplog.text), caplog.text
+            assert (f"a window of {lay.window_tokens} full-precision tokens in vLLM's pages, at most "
+                    f"{pages_charged} window pages of {w.block} tokens a request" in caplog.text), caplog.text
         else:  # key groups alone: a ring of the pending group's slots, one page a request
             assert isinstance(spec, CircularBufferSpec) and w.ring and w.block == 32
             assert spec.max_memory_usage_bytes(llm.llm_engine.vllm_config) == lay.page_bytes
@@ -454,6 +454,57 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
     finally:
         close(whole)
     assert list(again.outputs[0].token_ids) == list(chunked.outputs[0].token_ids)
+
+
+def test_a_window_cache_holds_a_few_pages_however_long_the_chunk(tiny, monkeypatch):
+    """KIVI int4 with its window (bf16, pages of 128 tokens: window pages of 32) and a prompt of ~900 tokens
+    prefilled in chunks of 512: a step is given window pages only for what later steps read (its newest window, and
+    the window before the last packed page boundary it reaches), vLLM's null block for the rest. A request never
+    holds more window pages than the bound vLLM is told -- and counts in its reported concurrency -- which is below
+    what vLLM's own sliding window charges (a page for every 32 tokens of the chunk); the tokens are those of the
+    prompt prefilled in chunks of 64 tokens; and the same prompt again hits the prefix cache, with the same tokens."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    rec = Recorder(checks=0)
+    rec.install(monkeypatch)
+    held = []  # the window pages a request holds after each allocation, as vLLM's block manager counts them
+    allocate = window.WindowManager.allocate_new_blocks
+
+    def counted(manager, request_id, *a):
+        out = allocate(manager, request_id, *a)
+        held.append(sum(not b.is_null for b in manager.req_to_blocks[request_id]))
+        return out
+    monkeypatch.setattr(window.WindowManager, "allocate_new_blocks", counted)
+    prompt = TEXT * 12  # ~900 tokens
+    one = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm = engine(tiny, "kivi+rot:4", dtype="bfloat16", max_num_batched_tokens=512, max_model_len=2048)
+    try:
+        cfg = llm.llm_engine.vllm_config
+        name = next(iter(impls(llm)))
+        lay, w = impls(llm)[name].layout, windows_of(llm)[name + window.SUFFIX]
+        spec = w.get_kv_cache_spec(cfg)
+        args = dict(max_in_flight_tokens=cfg.max_in_flight_tokens, max_model_len=cfg.model_config.max_model_len)
+        bound = spec.max_admission_blocks_per_request(**args)
+        own = SlidingWindowSpec(block_size=w.block, num_kv_heads=lay.heads, head_size=lay.head_dim,
+                                dtype=spec.dtype, sliding_window=lay.window_tokens)
+        assert w.block == 32 and bound < own.max_admission_blocks_per_request(**args)
+        assert spec.max_memory_usage_bytes(cfg) == bound * lay.page_bytes  # what vLLM's concurrency divides by
+        first = llm.generate([prompt], one, use_tqdm=False)[0]
+        again = llm.generate([prompt], one, use_tqdm=False)[0]
+    finally:
+        close(llm)
+    assert len(first.prompt_token_ids) > 800 and again.num_cached_tokens >= 768
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    assert 0 < max(held) <= bound
+    rows = [t[0] for t in rec.windows[name]]  # the worker's tables: the null block (0) before a page given
+    gaps = [r for r in rows if (r[:int(r.nonzero().max())] == 0).any()]
+    assert gaps, "no step skipped a window page"
+    small = engine(tiny, "kivi+rot:4", dtype="bfloat16", max_num_batched_tokens=64, enable_prefix_caching=False,
+                   max_model_len=2048)
+    try:
+        chunked = small.generate([prompt], one, use_tqdm=False)[0]
+    finally:
+        close(small)
+    assert list(chunked.outputs[0].token_ids) == list(first.outputs[0].token_ids)
 
 
 @pytest.mark.parametrize("policy,pages,dtype,block", [(Policy.kivi(4), 12, "float32", 256),

@@ -57,6 +57,7 @@ class _Active:
 
 
 _ACTIVE = _Active()
+NULL_BLOCK = 0  # vLLM's null block (``BlockPool.null_block``, the first of the pool): a table entry with no page
 
 
 _LAST: list = []  # [(metadata, its Ragged)]: the step's flat batches, made once for every layer
@@ -164,7 +165,7 @@ class KVCompileImpl:
         if self.layout.window:
             wmeta, wcache = self._window()
             recent = pages.store_windowed(self.layout, kv_cache, wcache, self.window.block, key[:T], value[:T],
-                                          ragged(meta), ragged(wmeta), ring=self.window.ring)
+                                          ragged(meta), ragged(wmeta), ring=self.window.ring, null_page=NULL_BLOCK)
             self._recent = (meta, recent)  # what this step's attention reads in full precision
             return
         pages.store_ragged(self.layout, kv_cache, key[:T], value[:T], ragged(meta))

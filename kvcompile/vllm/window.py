@@ -8,9 +8,13 @@ cache, from its one pool and counted in its capacity:
 
 - key groups alone (``residual=0``): a ring per request (``CircularBufferSpec``: one page for the request's
   lifetime, slot ``p % block``). A cached prefix ends at a page's end, a group's, so nothing of it is pending.
-- a recent window: a sliding-window layer of the window's length (``SlidingWindowSpec``, as Gemma's windowed
-  layers): its own block table, pages freed behind the window, shared through the prefix cache (a cached prefix
-  brings its window's pages), recomputed after preemption.
+- a recent window: a sliding-window layer of the window's length (``WindowSpec``, vLLM's ``SlidingWindowSpec``
+  with a manager of ours, ``WindowManager``): its own block table, pages freed behind the window, shared through
+  the prefix cache (a cached prefix brings its window's pages), recomputed after preemption. Unlike a model's
+  sliding-window layer it gives a step pages only for the positions later steps read -- the step's newest
+  ``window`` positions and those before the last packed page boundary it reaches, where a prefix-cache hit on the
+  same text lands -- because the step's own queries read its tokens from the step's own keys and values
+  (``pages.Recent``); a prompt's chunk of thousands of tokens then holds a few window pages, not one per 32 tokens.
 
 The companion never runs: its attention layer writes and reads both caches (``pages.store_windowed``,
 ``pages.attention_windowed``). vLLM keeps the groups of one pool in pages of one size: the window's page is padded
@@ -18,12 +22,16 @@ to the packed page (``page_size_padded``).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backend import MultipleOf
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import CircularBufferSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from .backend import KVCompileImpl
 from ..errors import ArgumentError
@@ -31,7 +39,6 @@ from .config import refuse
 
 SUFFIX = ".kvcompile_window"
 log = logging.getLogger("kvcompile.vllm")
-_told: set = set()
 
 
 def window_block(layout, backend, ring: bool, lookahead: int = 0) -> int:
@@ -62,6 +69,113 @@ def window_block(layout, backend, ring: bool, lookahead: int = 0) -> int:
     return want if ring else fit
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WindowSpec(SlidingWindowSpec):
+    """vLLM's sliding-window spec for a window cache whose steps are given pages only for the positions later steps
+    read (``WindowManager``), so a request holds ``max_admission_blocks_per_request`` pages at most however many
+    tokens a step schedules (vLLM's own sliding window charges the window plus every token a step may schedule).
+
+    sliding_window: the window, ``PageLayout.window_tokens``: a query at ``p`` reads positions ``> p - window``.
+    lookahead:      speculative tokens a step may store before vLLM knows which it accepts.
+    align:          tokens of a packed page: where a prefix-cache hit lands.
+    steps:          steps vLLM keeps in flight at once (its ``max_concurrent_batches``).
+    """
+
+    lookahead: int = 0
+    align: int = 0
+    steps: int = 1
+
+    @property
+    def hit_blocks(self) -> int:
+        """Window pages a prefix-cache hit needs just before it (vLLM's rule for a sliding window)."""
+        return cdiv(self.sliding_window - 1, self.block_size)
+
+    def kept_from(self, end: int) -> int:
+        """The first position a step whose tokens end at ``end`` keeps: its newest window (drafts beside), and the
+        pages a hit needs before the last packed page boundary it reaches, so a request with the same text hits
+        the prefix cache there."""
+        keep = end - (self.sliding_window - 1) - self.lookahead
+        if self.align:
+            keep = min(keep, (end - 1) // self.align * self.align - self.hit_blocks * self.block_size)
+        return max(0, keep)
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        """Pages a request holds at most: the window the steps in flight read (vLLM frees behind the processed
+        tokens) and what each step in flight keeps -- or, where steps schedule fewer tokens than that, vLLM's own
+        sliding window's bound (every page from the window to the newest token)."""
+        B, span = self.block_size, self.sliding_window - 1 + self.lookahead
+        if self.align:
+            span = max(span, self.align + self.hit_blocks * B)
+        read = cdiv(self.sliding_window - 1 + 2 * self.lookahead, B) + 1
+        kept = cdiv(span + self.lookahead, B) + 1
+        every = super().max_admission_blocks_per_request(max_in_flight_tokens + self.steps * self.lookahead,
+                                                         max_model_len + self.lookahead)
+        return min(read + self.steps * kept, every)
+
+
+class WindowManager(SlidingWindowManager):
+    """vLLM's sliding-window manager for a ``WindowSpec``: a step's new pages before ``kept_from`` are vLLM's null
+    block (positions no later step reads: ``pages.store_windowed`` skips them, and a prefix-cache hit never lands
+    after them), and the pages behind the window are freed across those gaps."""
+
+    def __init__(self, kv_cache_spec: WindowSpec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self._freed: dict[str, int] = {}  # per request: its pages before this index are freed or null
+
+    def _first(self, end: int) -> int:
+        return self.kv_cache_spec.kept_from(end) // self.block_size
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                                   num_local_computed_tokens, num_tokens_main_model, apply_admission_cap=False,
+                                   prefill_end=0) -> int:
+        if apply_admission_cap:  # vLLM's gate for a whole request: its rule, capped at the bound
+            return super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks,
+                                                      total_computed_tokens, num_local_computed_tokens,
+                                                      num_tokens_main_model, True, prefill_end)
+        held = len(self.req_to_blocks.get(request_id, ()))  # pages in the table, null ones too
+        # what allocate_new_blocks takes: pages from the first one kept (or the table's end) to the newest token
+        new = max(cdiv(num_tokens, self.block_size)
+                  - max(held + len(new_computed_blocks), self._first(num_tokens_main_model)), 0)
+        if request_id in self.num_cached_block:  # a running request has no new prefix-cache hits
+            return new
+        # cached pages of a hit that are free now are taken from the free queue: they count as allocated
+        skipped = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        return new + self._get_num_evictable_blocks(new_computed_blocks[max(0, skipped - held):])
+
+    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
+        # what this returns is what the worker appends to the request's block table: the null pages too, in place
+        # (a sliding window's hits are whole pages, so vLLM copies no page on write here)
+        blocks = self.req_to_blocks[request_id]
+        first = min(self._first(num_tokens_main_model), cdiv(num_tokens, self.block_size))
+        gap = [self._null_block] * max(0, first - len(blocks))
+        blocks.extend(gap)
+        return gap + super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+
+    def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None) -> None:
+        # vLLM's own stops at the first null page it meets going back; a step's gap would hide the pages before it
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        end = min(self.get_num_skipped_tokens(processed_computed_tokens) // self.block_size, len(blocks))
+        start = self._freed.get(request_id, 0)
+        if end <= start:
+            return
+        freed = [b for b in blocks[start:end] if not b.is_null]
+        blocks[start:end] = [self._null_block] * (end - start)
+        self._freed[request_id] = end
+        if freed:
+            self.block_pool.free_blocks(reversed(freed))  # the newest first, as vLLM frees
+
+    def pop_blocks_for_free(self, request_id):
+        self._freed.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
+
+
+# vLLM fills its registry of cache kinds only while it is empty: its own kinds first, then this one
+KVCacheSpecRegistry._ensure_registered()
+KVCacheSpecRegistry.register(WindowSpec, WindowManager, uniform_type_base_spec=SlidingWindowSpec)
+
+
 class WindowLayer(AttentionLayerBase):
     """vLLM's view of one attention layer's window cache: a ring or a sliding-window layer that never runs (module
     docstring). ``owner``: vLLM's ``Attention`` whose implementation is kvcompile's with a windowed layout."""
@@ -75,8 +189,8 @@ class WindowLayer(AttentionLayerBase):
         # end is a page's, so a group's: nothing pending); a window: a sliding window, which a cached prefix brings
         self.ring = owner.impl.layout.policy.residual == 0
         spec = get_current_vllm_config().speculative_config
-        self.block = window_block(owner.impl.layout, owner.get_attn_backend(), self.ring,
-                                  (spec.num_speculative_tokens or 0) if spec is not None else 0)
+        self.lookahead = (spec.num_speculative_tokens or 0) if spec is not None else 0
+        self.block = window_block(owner.impl.layout, owner.get_attn_backend(), self.ring, self.lookahead)
 
     def get_attn_backend(self):
         return self.owner.get_attn_backend()
@@ -86,20 +200,19 @@ class WindowLayer(AttentionLayerBase):
         if self.ring:
             return CircularBufferSpec(block_size=self.block, num_kv_heads=lay.heads, head_size=lay.head_dim,
                                       dtype=vllm_config.model_config.dtype, page_size_padded=lay.page_bytes)
-        spec = SlidingWindowSpec(block_size=self.block, num_kv_heads=lay.heads, head_size=lay.head_dim,
-                                 dtype=vllm_config.model_config.dtype, sliding_window=lay.window_tokens,
-                                 page_size_padded=lay.page_bytes)
-        step = vllm_config.scheduler_config.max_num_batched_tokens
-        said = (id(vllm_config), lay.window_tokens, step)
-        if said not in _told:  # once per engine and window, not per layer
-            _told.add(said)
+        spec = WindowSpec(block_size=self.block, num_kv_heads=lay.heads, head_size=lay.head_dim,
+                          dtype=vllm_config.model_config.dtype, sliding_window=lay.window_tokens,
+                          page_size_padded=lay.page_bytes, lookahead=self.lookahead, align=lay.block,
+                          steps=vllm_config.max_concurrent_batches)
+        ctx = vllm_config.compilation_config.static_forward_context
+        if not any(getattr(w, "said", False) for w in ctx.values() if isinstance(w, WindowLayer)):
+            self.said = True  # once per engine (its layers' windows are alike: a mix is refused), not per layer
             pages = spec.max_admission_blocks_per_request(max_in_flight_tokens=vllm_config.max_in_flight_tokens,
                                                           max_model_len=vllm_config.model_config.max_model_len)
-            log.warning("kvcompile: %s keeps a window of %d full-precision tokens, which vLLM manages as a "
-                        "sliding-window layer and charges each request, for admission, the window plus every token "
-                        "one step may schedule (max_num_batched_tokens=%d), at most max_model_len: %d window pages of %d "
-                        "tokens a request. A smaller --max-num-batched-tokens raises the concurrency vLLM reports "
-                        "(docs/vllm.md)", lay.policy, lay.window_tokens, step, pages, self.block)
+            log.info("kvcompile: %s keeps a window of %d full-precision tokens in vLLM's pages, at most %d window "
+                     "pages of %d tokens a request. A prefix-cache hit needs the window before it, which is kept at "
+                     "the last page boundary of each prefill chunk and everywhere a request decoded (docs/vllm.md)",
+                     lay.policy, lay.window_tokens, pages, self.block)
         return spec
 
 
