@@ -579,15 +579,21 @@ class Recent(NamedTuple):
     """What a step's windowed attention reads in full precision: ``k, v [N, H, D]`` (the store's space and dtype),
     the window cache's positions each sequence held before the step (read before the step's write), then the
     step's own tokens in batch order; sequence ``i``'s positions ``lo[i] .. before[i]`` start at row ``start[i]``,
-    its own at row ``own + query_start[i]``. Made by ``store_windowed``, read by ``attention_windowed``."""
+    its own at row ``own + query_start[i]``. Made by ``store_windowed``, read by ``attention_windowed``.
 
-    k: Tensor
-    v: Tensor
+    Or, when the window cache itself holds every position the step reads once its tokens are written (a decode
+    step; ``store_windowed`` checks), ``k`` and ``v`` are None and ``cache`` says where they are: the window's
+    keys and values ``[pages, H, wblock, D]`` (``PageLayout.window_views``), each sequence's window table (int64,
+    on their device), ``wblock`` and ``ring`` -- the rings are then gathered straight from the cache."""
+
+    k: Tensor | None
+    v: Tensor | None
     lo: Tensor           # the int64 CPU tensors here: one entry per sequence
-    start: Tensor
+    start: Tensor | None
     own: int
     before: Tensor
     query_start: Tensor
+    cache: tuple | None = None
 
     def rows(self, seq: Tensor, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """For spans ``(seq[r], lo[r], hi[r])`` (int64 CPU tensors): (span, position, row of ``k``/``v``) of every
@@ -638,14 +644,19 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
             wk[page.to(dev), :, row.to(dev)] = own_k.index_select(0, idx)
             wv[page.to(dev), :, row.to(dev)] = own_v.index_select(0, idx)
 
+    # the positions before the step that it reads
+    lo = torch.where(n > 0, torch.minimum(sp0.boundary(held_to), sp.boundary(held_to + 1)), held_to)
+    lo = torch.minimum(lo, held_to)  # (a sequence still short of its sinks reads none of its positions from here)
+    if _in_cache(wbatch, null_page, lo, held_to + n, wblock, ring):  # a decode step: the rings come from the cache
+        write()
+        wtable = wbatch.table.to(device=dev, dtype=torch.long)
+        recent = Recent(None, None, lo, None, 0, held_to, qs[:-1], (wk, wv, wtable, wblock, ring))
+        return _pack(layout, pages, batch, recent, held_to, n, k, v, dt)
     # A sliding window's pages can be another request's in this very step (vLLM hands a prompt's pages to the
     # prefix cache as soon as they are scheduled): written first, then read. A ring is its request's alone, and
     # the step's tokens may overwrite slots it still reads: read first.
     if not ring:
         write()
-    # the positions before the step that it reads
-    lo = torch.where(n > 0, torch.minimum(sp0.boundary(held_to), sp.boundary(held_to + 1)), held_to)
-    lo = torch.minimum(lo, held_to)  # (a sequence still short of its sinks reads none of its positions from here)
     seqs, pos = _spans(lo, held_to)
     if len(pos):
         page, row = _locate(wbatch, seqs, pos, wblock, ring)
@@ -662,11 +673,39 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
                     len(pos), held_to, qs[:-1])
     if ring:
         write()
+    return _pack(layout, pages, batch, recent, held_to, n, k, v, dt)
+
+
+def _in_cache(wbatch: Ragged, null_page: int | None, lo: Tensor, end: Tensor, wblock: int, ring: bool) -> bool:
+    """Whether, once a step's tokens are written, the window cache holds every position ``[lo[i], end[i])`` of
+    each sequence in it: a ring its newest ``wblock`` positions, a sliding window every page given."""
+    live = end > lo
+    if not bool(live.any()):
+        return False
+    if ring:
+        return bool((lo >= end - wblock)[live].all())
+    seqs, pos = _spans(lo, end)
+    table = wbatch.table.to("cpu", torch.long)
+    if len(pos) and int((pos // wblock).max()) >= table.shape[1]:
+        return False
+    return null_page is None or not bool((table[seqs, pos // wblock] == null_page).any())
+
+
+def _pack(layout: PageLayout, pages: Tensor, batch: Ragged, recent: Recent, held_to: Tensor, n: Tensor, k: Tensor,
+          v: Tensor, dt) -> Recent:
+    """The groups a step's write completes, packed now: a store of the same layout without the recent window packs
+    every whole group at once (the bytes of a group depend on its tokens alone), its ring the pending group."""
     if not any(batch.n):
         return recent
-    # the groups this write completes, packed now: a store of the same layout without the recent window packs
-    # every whole group at once (the bytes of a group depend on its tokens alone), its ring the pending group
-    rk, rv = _ring(layout, recent, torch.arange(len(held_to)), sp0.boundary(held_to), held_to, sp0.ring, dt)
+    sp0 = layout.packing_spec
+    # the pending group's positions, for the sequences whose write completes a group (the others pack nothing, and
+    # what the store writes into their rings is not kept: the window cache holds their positions)
+    done = (sp0.boundary(held_to + n) > sp0.boundary(held_to)).nonzero().flatten()
+    some, sv = _ring(layout, recent, done, sp0.boundary(held_to)[done], held_to[done], sp0.ring, dt)
+    rk = some.new_zeros(len(held_to), *some.shape[1:])
+    rv = torch.zeros_like(rk)
+    if len(done):
+        rk[done.to(rk.device)], rv[done.to(rk.device)] = some, sv
     table = batch.table.to(pages.device)
     st = layout.state(pages, held_to.to(device=pages.device, dtype=torch.int32), table)._replace(k_res=rk, v_res=rv)
     ops.backend(pages.device).store(st, sp0, batch.padded(k), batch.padded(v), n.to(torch.int32))
@@ -676,8 +715,24 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
 
 def _ring(layout: PageLayout, recent: Recent, seq: Tensor, lo: Tensor, hi: Tensor, width: int, dtype):
     """Rings ``[len(seq), H, width, D]`` (slot ``p % width``, as the store's) holding positions ``[lo[r], hi[r])`` of
-    sequence ``seq[r]`` from ``recent``."""
+    sequence ``seq[r]`` from ``recent`` (from the window cache itself: the slots before ``lo[r]`` then hold older
+    positions, or whatever the cache holds there -- never read)."""
     H, D = layout.heads, layout.head_dim
+    if recent.cache is not None:
+        wk, wv, wtable, wblock, ring = recent.cache
+        dev = wk.device
+        if not width:
+            return (torch.zeros(len(seq), H, 0, D, dtype=dtype, device=dev),) * 2
+        if ring and wblock == width:  # the cache's ring is the kernels' (slot p % width): copied as it lies
+            page = wtable[seq.to(dev), 0]
+            return wk.index_select(0, page), wv.index_select(0, page)
+        start = (hi - width).unsqueeze(1)
+        pos = (start + (torch.arange(width) - start) % width).clamp_min(0)  # [rows, width]: slot j's position
+        rows = seq.unsqueeze(1)
+        page = wtable[rows.to(dev), 0 if ring else (pos // wblock).to(dev)]
+        at = (pos % wblock).to(dev)
+        return (wk.transpose(1, 2)[page, at].transpose(1, 2).contiguous(),
+                wv.transpose(1, 2)[page, at].transpose(1, 2).contiguous())
     dev = recent.k.device
     rk = torch.zeros(len(seq), H, width, D, dtype=dtype, device=dev)
     rv = torch.zeros_like(rk)

@@ -139,12 +139,20 @@ static inline float model_at(const void *base, int64_t i) {
 #endif
 }
 
-/* An fp8 e4m3 scale's value; its NaN code (0x7F, a poisoned group) gives NaN. Once per group: not vectorized. */
-static inline float e4m3_to_f32(uint8_t b) {
+/* An fp8 e4m3 scale's value; its NaN code (0x7F, a poisoned group) gives NaN. */
+static float e4m3_decode(uint8_t b) {
     const int e = (b >> 3) & 15, m = b & 7;
     const float v = e ? __builtin_ldexpf((float)(8 + m), e - 10) : __builtin_ldexpf((float)m, -9);
     return (b & 0x7F) == 0x7F ? __builtin_nanf("") : v;
 }
+
+/* ... read from a table of the 256 codes, filled when the library loads (a per-channel key group decodes D of
+ * them a tile, and a call to ldexpf each cost as much as the tile's dot products) */
+static float e4m3_table[256];
+__attribute__((constructor)) static void fill_e4m3_table(void) {
+    for (int b = 0; b < 256; b++) e4m3_table[b] = e4m3_decode((uint8_t)b);
+}
+static inline float e4m3_to_f32(uint8_t b) { return e4m3_table[b]; }
 
 /* A stored scale as fp32: sfmt 0 fp16, 1 fp32, 2 fp8 e4m3. */
 static inline float scale_at(const void *base, int64_t i, int sfmt) {

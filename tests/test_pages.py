@@ -609,6 +609,54 @@ def test_a_window_page_the_engine_did_not_give_is_neither_written_nor_read():
         run(short)
 
 
+@pytest.mark.parametrize("kernels", ["cpu", "reference"])
+@pytest.mark.parametrize("policy,ring,wblock", [(Policy.kivi(4, residual=0, rotate=True), True, 31),
+                                                (Policy.kivi(4, residual=0, rotate=True), True, 48),
+                                                (Policy.kivi(2, residual=0), True, 32),
+                                                (Policy.kivi(4, residual=40, sink=4), False, 16)],
+                         ids=["ring-31-the-kernels", "ring-48", "ring-32", "window-sinks"])
+def test_decode_steps_read_their_rings_from_the_window_cache_with_the_same_bits(policy, ring, wblock, kernels,
+                                                                                 monkeypatch):
+    """A decode step (every position it reads still in the window cache once its tokens are written) takes its
+    rings from the window cache itself -- a ring of the store's own slots as it lies, others gathered into them --
+    instead of from the positions it read before its write: the outputs, the packed pages and the window cache are the same bits either way, for a
+    prefill, decode steps and a short chunk."""
+    from kvcompile import ops
+    H, Hq, D, block, n_pages = 2, 4, 64, 32, 40
+    lay = P.PageLayout(policy, H, D, "float32", block, window=True)
+    g = torch.Generator().manual_seed(3)
+    k, v, q = (torch.randn(2, 120, h, D, generator=g) for h in (H, H, Hq))
+    table, wtable = scrambled_table(2, 8, n_pages, seed=1), scrambled_table(2, 1 if ring else 10, n_pages, seed=2)
+    cuts = [(70, 50)] + [(1, 1)] * 20 + [(3, 1), (1, 2)] + [(1, 1)] * 10
+    used = []
+
+    def run():
+        pages, window = engine_pages(lay, n_pages), window_pages(lay, n_pages, wblock)
+        held, outs = [0, 0], []
+        for ns in cuts:
+            take = [slice(held[i], held[i] + ns[i]) for i in (0, 1)]
+            kk, vv, qq = (torch.cat([x[0, take[0]], x[1, take[1]]]) for x in (k, v, q))
+            qs, seq = torch.tensor([0, ns[0], sum(ns)]), torch.tensor([held[0] + ns[0], held[1] + ns[1]])
+            batch, wbatch = P.Ragged.of(qs, seq, table), P.Ragged.of(qs, seq, wtable)
+            recent = P.store_windowed(lay, pages, window, wblock, kk, vv, batch, wbatch, ring=ring)
+            used.append(recent.cache is not None)
+            outs.append(P.attention_windowed(lay, pages, qq, batch, recent, 0.125))
+            held = [held[0] + ns[0], held[1] + ns[1]]
+        return torch.cat(outs), pages, window
+
+    ops.set_kernels(kernels)
+    try:
+        fast = run()
+        # the decode steps read the cache; a ring's prefill, what it held (it outgrows the ring)
+        assert sum(used) >= 30 and used[0] == (not ring), used
+        monkeypatch.setattr(P, "_in_cache", lambda *a: False)
+        slow = run()
+    finally:
+        ops.set_kernels("auto")
+    for a, b in zip(fast, slow):
+        assert torch.equal(bits(a), bits(b))
+
+
 # --------------------------------------------------------------------------- however the work is cut
 CUTS = {  # a sequence's 150 tokens, as an engine may hand them over (beside another sequence's in each step)
     "whole": [150],

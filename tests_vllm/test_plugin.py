@@ -440,9 +440,9 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
             first = int(calls[-1][4][0, 0])
             for got, want in zip(lay.sinks(kv[layer]), (ref.k_sink, ref.v_sink)):
                 assert torch.equal(bits(got[first]), bits(want[0])), (name, layer)
-        wk, wv = lay.window_views(kv[layer + window.SUFFIX], wins[layer + window.SUFFIX].block)
+        wk, wv = lay.window_views(kv[layer + window.SUFFIX], wins[layer + window.SUFFIX].slots)
         wtable = rec.windows[layer][-1][:1]
-        B, ring = wins[layer + window.SUFFIX].block, wins[layer + window.SUFFIX].ring
+        B, ring = wins[layer + window.SUFFIX].slots, wins[layer + window.SUFFIX].ring  # a ring: slot p % slots
         for p in range(L - lay.window_tokens, L):
             page, row = int(wtable[0, 0 if ring else p // B]), p % B
             want_k = as_stored(k[p:p + 1].transpose(0, 1)[None], sp, wk.dtype, keys=True)[0, :, 0]

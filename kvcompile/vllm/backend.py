@@ -164,7 +164,7 @@ class KVCompileImpl:
         T = meta.num_actual_tokens
         if self.layout.window:
             wmeta, wcache = self._window()
-            recent = pages.store_windowed(self.layout, kv_cache, wcache, self.window.block, key[:T], value[:T],
+            recent = pages.store_windowed(self.layout, kv_cache, wcache, self.window.slots, key[:T], value[:T],
                                           ragged(meta), ragged(wmeta), ring=self.window.ring, null_page=NULL_BLOCK)
             self._recent = (meta, recent)  # what this step's attention reads in full precision
             return

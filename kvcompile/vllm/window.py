@@ -7,7 +7,7 @@ such attention layer gets a companion, ``<layer>.kvcompile_window``, that vLLM m
 cache, from its one pool and counted in its capacity:
 
 - key groups alone (``residual=0``): a ring per request (``CircularBufferSpec``: one page for the request's
-  lifetime, slot ``p % block``). A cached prefix ends at a page's end, a group's, so nothing of it is pending.
+  lifetime, slot ``p % slots``: the window and any speculative tokens). A cached prefix ends at a page's end, a group's, so nothing of it is pending.
 - a recent window: a sliding-window layer of the window's length (``WindowSpec``, vLLM's ``SlidingWindowSpec``
   with a manager of ours, ``WindowManager``): its own block table, pages freed behind the window, shared through
   the prefix cache (a cached prefix brings its window's pages), recomputed after preemption. Unlike a model's
@@ -191,6 +191,9 @@ class WindowLayer(AttentionLayerBase):
         spec = get_current_vllm_config().speculative_config
         self.lookahead = (spec.num_speculative_tokens or 0) if spec is not None else 0
         self.block = window_block(owner.impl.layout, owner.get_attn_backend(), self.ring, self.lookahead)
+        # a ring's slots (position p in slot p % slots): the positions it must hold, so that without speculation it
+        # is the kernels' own ring, read where it lies (``pages.store_windowed``); vLLM's page has ``block`` of them
+        self.slots = owner.impl.layout.window_tokens + self.lookahead if self.ring else self.block
 
     def get_attn_backend(self):
         return self.owner.get_attn_backend()
