@@ -606,9 +606,9 @@ class Recent(NamedTuple):
         return span, pos, torch.where(pos < before, held, own)
 
 
-def _locate(wbatch: Ragged, seqs: Tensor, pos: Tensor, wblock: int, ring: bool) -> tuple[Tensor, Tensor]:
-    """(page, row) of positions ``pos`` of sequences ``seqs`` (int64 CPU tensors) in the window cache."""
-    table = wbatch.table.to("cpu", torch.long)
+def _locate(table: Tensor, seqs: Tensor, pos: Tensor, wblock: int, ring: bool) -> tuple[Tensor, Tensor]:
+    """(page, row) of positions ``pos`` of sequences ``seqs`` in the window cache whose table is ``table`` (int64
+    CPU tensors all)."""
     return table[seqs, torch.zeros_like(pos) if ring else pos // wblock], pos % wblock
 
 
@@ -632,10 +632,12 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
     own_k = as_stored(k[:T].transpose(0, 1)[None], sp, dt, keys=True)[0].transpose(0, 1)  # [T, H, D]
     own_v = as_stored(v[:T].transpose(0, 1)[None], sp, dt)[0].transpose(0, 1)
 
+    wtab = wbatch.table.to("cpu", torch.long)  # the window's table, where the write and the reads find pages
+
     def write():  # the step's tokens into the window cache (a ring keeps only its newest ``wblock``)
         end = held_to + n
         seqs, pos = _spans(torch.maximum(held_to, end - wblock) if ring else held_to, end)
-        page, row = _locate(wbatch, seqs, pos, wblock, ring)
+        page, row = _locate(wtab, seqs, pos, wblock, ring)
         if null_page is not None:
             given = page != null_page
             seqs, pos, page, row = seqs[given], pos[given], page[given], row[given]
@@ -647,9 +649,9 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
     # the positions before the step that it reads
     lo = torch.where(n > 0, torch.minimum(sp0.boundary(held_to), sp.boundary(held_to + 1)), held_to)
     lo = torch.minimum(lo, held_to)  # (a sequence still short of its sinks reads none of its positions from here)
-    if _in_cache(wbatch, null_page, lo, held_to + n, wblock, ring):  # a decode step: the rings come from the cache
+    if _in_cache(wtab, null_page, lo, held_to + n, wblock, ring):  # a decode step: the rings come from the cache
         write()
-        wtable = wbatch.table.to(device=dev, dtype=torch.long)
+        wtable = wtab.to(dev)
         recent = Recent(None, None, lo, None, 0, held_to, qs[:-1], (wk, wv, wtable, wblock, ring))
         return _pack(layout, pages, batch, recent, held_to, n, k, v, dt)
     # A sliding window's pages can be another request's in this very step (vLLM hands a prompt's pages to the
@@ -659,7 +661,7 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
         write()
     seqs, pos = _spans(lo, held_to)
     if len(pos):
-        page, row = _locate(wbatch, seqs, pos, wblock, ring)
+        page, row = _locate(wtab, seqs, pos, wblock, ring)
         if null_page is not None and bool((page == null_page).any()):
             i = int((page == null_page).nonzero()[0])
             raise ArgumentError(f"the window cache has no page for position {int(pos[i])} of sequence "
@@ -676,19 +678,19 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
     return _pack(layout, pages, batch, recent, held_to, n, k, v, dt)
 
 
-def _in_cache(wbatch: Ragged, null_page: int | None, lo: Tensor, end: Tensor, wblock: int, ring: bool) -> bool:
-    """Whether, once a step's tokens are written, the window cache holds every position ``[lo[i], end[i])`` of
-    each sequence in it: a ring its newest ``wblock`` positions, a sliding window every page given."""
+def _in_cache(table: Tensor, null_page: int | None, lo: Tensor, end: Tensor, wblock: int, ring: bool) -> bool:
+    """Whether, once a step's tokens are written, the window cache (its table: int64 CPU) holds every position
+    ``[lo[i], end[i])`` of each sequence in it: a ring its newest ``wblock`` positions, a sliding window every
+    page given."""
     live = end > lo
     if not bool(live.any()):
         return False
     if ring:
         return bool((lo >= end - wblock)[live].all())
     seqs, pos = _spans(lo, end)
-    table = wbatch.table.to("cpu", torch.long)
     if len(pos) and int((pos // wblock).max()) >= table.shape[1]:
         return False
-    return null_page is None or not bool((table[seqs, pos // wblock] == null_page).any())
+    return null_page is None or not bool((_locate(table, seqs, pos, wblock, ring)[0] == null_page).any())
 
 
 def _pack(layout: PageLayout, pages: Tensor, batch: Ragged, recent: Recent, held_to: Tensor, n: Tensor, k: Tensor,
