@@ -72,3 +72,28 @@ def test_a_failing_run_reports_its_own_error_not_the_memory_meters(monkeypatch):
         mem.mark()
         counters.update(now=170, peak=230)
     assert (mem.added, mem.decode_added) == (130, 70)
+
+
+def test_vllm_fp8_quality_smoke(tiny_dir, tmp_path):
+    """The fp8 comparison runs every contender over the same windows and pairs each with vLLM fp8's; vLLM's
+    rounding is e4m3 with saturation, and the bytes are the plugin's pages'."""
+    import torch
+
+    from benchmarks import vllm_fp8_quality as bench
+
+    x = torch.tensor([0.0, 1e-4, 0.3, -2.7, 500.0, -1e6])
+    assert torch.equal(bench.vllm_fp8(x, 1.0), x.clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    assert torch.equal(bench.vllm_fp8(x, 2.0), (x / 2).clamp(-448, 448).to(torch.float8_e4m3fn).float() * 2)
+    res = bench.main(["--model", str(tiny_dir), "--windows", "2", "--window", "256", "--calibration", "1",
+                      "--out", str(tmp_path / "fp8.json"), "--plot", str(tmp_path / "fp8.png")])
+    assert (tmp_path / "fp8.png").read_bytes()[:4] == b"\x89PNG"
+    rows = {r["label"]: r for r in res["results"]}
+    assert list(rows) == list(bench.CONTENDERS) and res["head_dim"] == 32
+    assert rows["vLLM fp8 (scale 1.0)"]["minus_vllm_fp8"] == 0
+    for r in rows.values():
+        assert len(r["delta_per_window"]) == 2 and all(abs(d) < 1 for d in r["delta_per_window"])
+    # int8 rounds each head's keys to 255 steps of its own range: closer than fp8's 3-bit mantissa
+    assert abs(rows["kvcompile int8 (Policy.int8: scale and zero point)"]["delta"]) < \
+        abs(rows["vLLM fp8 (scale 1.0)"]["delta"])
+    # head_dim 32: an fp16 scale a token-head is 2 bytes over 32 one-byte codes
+    assert rows["kvcompile fp8-r0 (fp16 scale a token-head)"]["bytes_per_element"] == {"32": 1 + 2 / 32, "128": 1 + 2 / 128}
