@@ -81,10 +81,13 @@ def kernels(device: torch.device) -> str:
 @dataclass(frozen=True)
 class Backend:
     """One family of kernels: ``store(state, spec, k, v, n_new)`` appends (blocks reserved by the caller),
-    ``attention(q, state, spec, mask, scale, k_new, v_new, rope, invariant)`` reads; both with
+    ``attention(q, state, spec, mask, scale, k_new, v_new, rope, invariant, groups)`` reads; both with
     ``store_reference``'s and ``attention_reference``'s contracts. ``invariant``: each row's result depends on
     that row alone, not on the batch beside it (the reference and the C kernels always; Triton's decode kernel
-    when asked: ``templates.launch.attention``). ``devices``: the device types it runs on."""
+    when asked: ``templates.launch.attention``). ``groups``: offsets of runs of rows that are one sequence's
+    positions in ascending order (a prompt's queries as decode rows), which a kernel may read shared tiles once
+    for (the C kernels: ``templates.cpu.attention``); the result is the same bits without it. ``devices``: the
+    device types it runs on."""
 
     store: Callable
     attention: Callable
@@ -101,15 +104,17 @@ def _cpu_store(state, spec, k, v, n_new=None):
     cpu_store.store(state, spec, k, v, n_new)
 
 
-def _reference_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False):
+def _reference_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
+                         groups=None):
     return attention_reference(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope)
 
 
-def _cpu_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False):
+def _cpu_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
+                   groups=None):
     # (a row's result never depends on the batch: the C decode kernel's splits follow its own length)
     from .templates import cpu
     if cpu.check_decode(q, spec) is None:  # decode: the C kernel reads the packed bytes where they lie
-        return cpu.attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope)
+        return cpu.attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope, groups=groups)
     return cpu.prefill_attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope)
 
 
@@ -117,7 +122,8 @@ def _triton_store(state, spec, k, v, n_new=None):
     _triton().store(state, spec, k, v, n_new)
 
 
-def _triton_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False):
+def _triton_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
+                      groups=None):
     return _triton().attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope,
                                invariant=invariant)
 
@@ -138,7 +144,8 @@ def _compiled_attention(spec_name: str):
     return torch.compile(fn, fullgraph=True)
 
 
-def _inductor_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False):
+def _inductor_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
+                        groups=None):
     return _compiled_attention(spec.name)(q, list(state), mask, scale, spec.name, k_new, v_new,
                                           list(rope) if rope is not None else None)
 

@@ -510,6 +510,17 @@ ROWS_PER_CALL = 4096  # query rows x kv heads per kernel call (bounds the kernel
 RING_BYTES = 64 << 20  # the per-row rings one windowed call builds, at most (about)
 
 
+def _runs(seq: Tensor) -> Tensor | None:
+    """Offsets (int32) of the runs of one sequence among rows whose sequences are ``seq`` (a flat batch's tokens:
+    each sequence's adjacent, in order of position), which the kernels may read shared tiles once for
+    (``ops.Backend``); None when no run has two rows (a decode step)."""
+    n = len(seq)
+    if n < 2 or bool((seq[1:] != seq[:-1]).all()):
+        return None
+    start = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), seq[1:] != seq[:-1]])).flatten()
+    return torch.cat([start, torch.tensor([n])]).to(torch.int32)
+
+
 def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, scale: float | None, out: Tensor,
                 recent: Recent | None = None) -> Tensor:
     """Every query of ``batch`` as one decode row over the positions up to its own (with ``recent``: and a ring
@@ -533,7 +544,7 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
             st = st._replace(k_res=rk, v_res=rv)
         rows = idx[r].to(q.device)
         got = ops.backend(pages.device).attention(q.index_select(0, rows).unsqueeze(2), st, sp, None, scale,
-                                                  invariant=True)
+                                                  invariant=True, groups=_runs(seq[r]))
         out.index_copy_(0, rows.to(out.device), got.squeeze(2).to(out.dtype))
     return out
 

@@ -270,6 +270,9 @@ def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
         lib.kvc_rope_width.restype = I
         lib.kvc_rope_compact.argtypes = [P, P, I, P, P]
         lib.kvc_rope_compact.restype = I
+    if hasattr(lib, "kvc_attention_rows"):  # a prompt's rows sharing their tiles (older copies lack it)
+        lib.kvc_attention_rows.argtypes = [P] * 12 + [P, I, I, I, I, P, I, I, I, F, I, I, ctypes.POINTER(I), P, I]
+        lib.kvc_attention_rows.restype = I
     if hasattr(lib, "kvc_fp8_decode"):  # the decode the kernel uses (tests); older copies lack it
         lib.kvc_fp8_decode.argtypes = [P, P, I, I]
         lib.kvc_fp8_decode.restype = None
@@ -469,6 +472,33 @@ def splits(lengths: Tensor, heads: int, threads: int) -> int:
     return DECODE_SPLITS
 
 
+GROUP_ROWS = 32  # a prompt's rows that share their packed tiles: the kernel's tasks are such groups x kv heads
+
+
+def _capped(groups: Tensor, most: int = GROUP_ROWS) -> Tensor:
+    """``groups`` (run offsets) with every run cut into pieces of at most ``most`` rows."""
+    g = groups.tolist()
+    cuts = [torch.arange(a, b, most) for a, b in zip(g[:-1], g[1:])]
+    return torch.cat(cuts + [torch.tensor(g[-1:])]).to(torch.int32)
+
+
+def check_groups(groups: Tensor, state: KVState, n: int, mask, k_new, rope) -> None:
+    """``attention``'s ``groups`` describe its rows (``kvc_attention_rows`` reads tables and lengths by them)."""
+    B = state.lengths.shape[0]
+    if n != 1 or mask is not None or k_new is not None or rope is not None:
+        raise ArgumentError("row groups take one query a row, causal, keys after RoPE: no mask, no chunk of their "
+                            "own, no rotary tables")
+    if groups.dtype != torch.int32 or groups.dim() != 1 or len(groups) < 2 or int(groups[0]) != 0 \
+            or int(groups[-1]) != B or bool((groups[1:] <= groups[:-1]).any()):
+        raise ArgumentError(f"row groups must be int32 offsets from 0 to the {B} rows, increasing; got "
+                            f"{groups.tolist()}")
+    head = torch.repeat_interleave(groups[:-1].long(), (groups[1:] - groups[:-1]).long())
+    L = state.lengths.long()
+    rising = L[1:] > L[:-1]
+    if not bool((state.table == state.table[head]).all()) or not bool(rising[(head[1:] == head[:-1])].all()):
+        raise ArgumentError("the rows of a group must share their block table and have lengths in ascending order")
+
+
 def check_decode(q: Tensor, spec: LayerSpec) -> str | None:
     """Why the decode kernel cannot take this call (None when it can)."""
     B, Hq, n, D = q.shape
@@ -485,11 +515,15 @@ def check_decode(q: Tensor, spec: LayerSpec) -> str | None:
 
 def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float | None,
               nsplit: int | None = None, k_new: Tensor | None = None, v_new: Tensor | None = None,
-              source: Path = SOURCE, rope: Rope | None = None) -> Tensor:
+              source: Path = SOURCE, rope: Rope | None = None, groups: Tensor | None = None) -> Tensor:
     """Same contract as ``kvcompile.store.attention_reference``, for at most ``ROWS_MAX`` query rows per kv head.
 
     nsplit: pieces each (sequence, kv head)'s positions are cut into (default: ``splits``; tests vary it).
-    source: the C template (a benchmark passes edited copies of it)."""
+    source: the C template (a benchmark passes edited copies of it).
+    groups: int32 ``[g + 1]`` offsets: rows ``groups[i] .. groups[i + 1] - 1`` are positions of one sequence in
+    ascending order with the same block table (one query a row, causal, no rotary tables: a prompt's queries,
+    ``kvcompile.pages``). The kernel then dequantizes a packed tile once for up to ``GROUP_ROWS`` of a group's
+    rows (``kvc_attention_rows``) -- the same bits as without ``groups``."""
     why = check_decode(q, spec)
     if why:
         raise ArgumentError(f"the CPU decode kernel cannot take this call: {why}")
@@ -532,14 +566,22 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     if not lib.row_strides and widths != (spec.ring, spec.sink):
         raise UnsupportedError(f"this copy of the CPU decode kernel ({source}) takes rings and sinks allocated "
                                f"whole; the store's have grown to {widths} of {(spec.ring, spec.sink)}")
-    bad = lib.kvc_attention(
-        qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(),
-        _ptr(table), table.shape[1], state.k_codes.shape[0], *(widths if lib.row_strides else ()),
-        None if m is None else m.data_ptr(), msb, msh, msi, mw,
-        out.data_ptr(), B, spec.heads, G, n, float(scale if scale is not None else D ** -0.5),
-        nsplit or splits(state.lengths, 1 if rope is not None else spec.heads, threads), threads,
-        None if kn is None else kn.data_ptr(), None if vn is None else vn.data_ptr(),
-        *_rope_ptrs(lib, ra), sb)
+    ns = nsplit or splits(state.lengths, 1 if rope is not None else spec.heads, threads)
+    if groups is not None and hasattr(lib, "kvc_attention_rows"):
+        check_groups(groups, state, n, mask, kn, rope)
+        groups = _capped(groups)
+        bad = lib.kvc_attention_rows(
+            qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(), _ptr(table), table.shape[1],
+            state.k_codes.shape[0], *widths, out.data_ptr(), B, spec.heads, G,
+            float(scale if scale is not None else D ** -0.5), ns, threads, sb, groups.data_ptr(), len(groups) - 1)
+    else:
+        bad = lib.kvc_attention(
+            qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(),
+            _ptr(table), table.shape[1], state.k_codes.shape[0], *(widths if lib.row_strides else ()),
+            None if m is None else m.data_ptr(), msb, msh, msi, mw,
+            out.data_ptr(), B, spec.heads, G, n, float(scale if scale is not None else D ** -0.5), ns, threads,
+            None if kn is None else kn.data_ptr(), None if vn is None else vn.data_ptr(),
+            *_rope_ptrs(lib, ra), sb)
     if bad:
         b = bad - 1
         raise ArgumentError(f"the block table of sequence {b} ({int(state.lengths[b])} tokens) does not name a block of "

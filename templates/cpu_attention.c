@@ -21,6 +21,10 @@
  * blocks lie anywhere in the pool, so no hardware prefetcher follows a walk from one block to the next: each
  * packed tile prefetches the same rows of the sequence's next block (one block ahead).
  *
+ * kvc_attention_rows takes a prompt's queries as decode rows of their own positions (what the vLLM plugin's pages
+ * need: kvcompile/pages.py) with the runs of rows that are one sequence, and dequantizes each packed tile once for
+ * up to a group of them; every row gets the bits kvc_attention gives it.
+ *
  * Vector code is written with GCC/Clang vector extensions (8 floats; 16 for the products on AVX-512),
  * which compile to AVX2/AVX-512 on x86 and NEON on ARM. Three x86 intrinsics stand where GCC's generic
  * code is poor, each with a generic fallback: FMA for the products, vpmovzxbd to widen code bytes, and
@@ -702,6 +706,26 @@ typedef struct {
 
 static inline int64_t n_tiles(int64_t a, int64_t b, int64_t t) { return b > a ? (b - a + t - 1) / t : 0; }
 
+/* A row of length L: its sink [0, s_end), packed [S, p_end) and residual [r_beg, L) positions, and their tiles. */
+typedef struct {
+    int64_t L, s_end, p_end, r_beg, t_sink, t_pack, t_res, nt_all;
+} regions_t;
+
+static inline regions_t regions(int64_t L) {
+    regions_t x;
+    int64_t qb = L - S - R;
+    qb = S + (qb > 0 ? qb / FL : 0) * FL;
+    x.L = L;
+    x.s_end = L < S ? L : S;
+    x.p_end = qb < L ? qb : L;
+    x.r_beg = qb > S ? qb : S;
+    x.t_sink = n_tiles(0, x.s_end, TILE);
+    x.t_pack = n_tiles(S, x.p_end, PT);
+    x.t_res = n_tiles(x.r_beg, L, TILE);
+    x.nt_all = x.t_sink + x.t_pack + x.t_res;
+    return x;
+}
+
 /* Scores of one tile for every query row, softmax update, value accumulation. */
 static inline __attribute__((always_inline)) void attend_tile(
         partial_t *P, float qv[][D], float *acc_base, float *other_acc, float *kt, const float *vt,
@@ -811,6 +835,8 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 }
 
+static void merge(const partial_t *part, float *out, int64_t B, int64_t H, int64_t G, int64_t n, int64_t ns);
+
 /* Returns 0; or 1 + b when the block table of sequence b does not name a block of the pool (nb blocks) for
  * each of its packed positions (those tiles are skipped: the output is then meaningless). */
 int64_t kvc_attention(
@@ -847,15 +873,9 @@ int64_t kvc_attention(
     for (int64_t task = 0; task < ntask; task++) {
         const int64_t b = task / (ntask / B), split = task % ns;
         const int64_t h0 = rope_cos ? 0 : (task / ns) % H, h1 = rope_cos ? H : h0 + 1; /* the task's kv heads */
-        const int64_t L = lengths[b];
-        int64_t qb = L - S - R;
-        qb = S + (qb > 0 ? qb / FL : 0) * FL;
-        const int64_t s_end = L < S ? L : S;   /* sink [0, s_end) */
-        const int64_t p_end = qb < L ? qb : L;  /* packed [S, p_end) */
-        const int64_t r_beg = qb > S ? qb : S;  /* residual [r_beg, L) */
-        const int64_t t_sink = n_tiles(0, s_end, TILE), t_pack = n_tiles(S, p_end, PT);
-        const int64_t t_res = n_tiles(r_beg, L, TILE);
-        const int64_t nt_all = t_sink + t_pack + t_res;
+        const regions_t rg = regions(lengths[b]);
+        const int64_t L = rg.L, s_end = rg.s_end, p_end = rg.p_end, r_beg = rg.r_beg;
+        const int64_t t_sink = rg.t_sink, t_pack = rg.t_pack, nt_all = rg.nt_all;
         const int64_t tile0 = nt_all * split / ns, tile1 = nt_all * (split + 1) / ns;
 
         /* queries, natural and keys' plane order (one kv head; pre-RoPE keys read q itself: natural order) */
@@ -977,36 +997,171 @@ int64_t kvc_attention(
         }
     }
 
-    /* merge the splits; un-permute the values' plane order */
-    /* serial: B*H*rows*D numbers, less work than waking a thread */
-    for (int64_t bh = 0; bh < B * H; bh++) {
-        for (int64_t r = 0; r < GN; r++) {
-            float mx = -INFINITY;
-            for (int64_t s = 0; s < ns; s++) {
-                const float m = part[bh * ns + s].m[r];
-                mx = m > mx ? m : mx;
+    merge(part, out, B, H, G, n, ns);
+    free(part);
+    return bad;
+}
+
+/* The ns splits P[0 .. ns) of (sequence b, kv head h) merged in order, the values' plane order undone, into its
+ * rows of out. */
+static void merge_one(const partial_t *P, float *out, int64_t b, int64_t h, int64_t H, int64_t G, int64_t n,
+                      int64_t ns) {
+    const int64_t GN = G * n;
+    for (int64_t r = 0; r < GN; r++) {
+        float mx = -INFINITY;
+        for (int64_t s = 0; s < ns; s++) {
+            const float m = P[s].m[r];
+            mx = m > mx ? m : mx;
+        }
+        float l = 0.0f, acc_p[D], acc_n[D];
+        for (int d = 0; d < D; d++) acc_p[d] = acc_n[d] = 0.0f;
+        for (int64_t s = 0; s < ns; s++) {
+            const float w = mx == -INFINITY ? 0.0f : kexp(P[s].m[r] - mx);
+            l += w * P[s].l[r];
+            for (int d = 0; d < D; d++) {
+                acc_p[d] += w * P[s].acc_plane[r][d];
+                acc_n[d] += w * P[s].acc_nat[r][d];
             }
-            float l = 0.0f, acc_p[D], acc_n[D];
-            for (int d = 0; d < D; d++) acc_p[d] = acc_n[d] = 0.0f;
-            for (int64_t s = 0; s < ns; s++) {
-                const partial_t *P = part + bh * ns + s;
-                const float w = mx == -INFINITY ? 0.0f : kexp(P->m[r] - mx);
-                l += w * P->l[r];
-                for (int d = 0; d < D; d++) {
-                    acc_p[d] += w * P->acc_plane[r][d];
-                    acc_n[d] += w * P->acc_nat[r][d];
+        }
+        /* a query that sees no key gets zeros; a NaN sum (a non-finite score) makes the row NaN */
+        const float inv = l == 0.0f ? 0.0f : 1.0f / l;
+        float *dst = out + (((b * H + h) * G + r / n) * n + r % n) * D;
+        for (int d = 0; d < D; d++) dst[d] = acc_n[d] * inv;
+        for (int idx = 0; idx < D; idx++) dst[plane_channel(idx, V_PER)] += acc_p[idx] * inv;
+        for (int d = 0; d < D; d++) dst[d] = __builtin_fabsf(dst[d]) <= FLT_MAX ? dst[d] : NAN; /* inf: NaN */
+    }
+}
+
+/* Every (sequence, kv head)'s splits merged (merge_one). Serial: B*H*rows*D numbers, less work than waking a
+ * thread. */
+static void merge(const partial_t *part, float *out, int64_t B, int64_t H, int64_t G, int64_t n, int64_t ns) {
+    for (int64_t bh = 0; bh < B * H; bh++) merge_one(part + bh * ns, out, bh / H, bh % H, H, G, n, ns);
+}
+
+/* The split of a row's ns whose tiles include its tile tau (of nt_all): kvc_attention's cut. */
+static inline int64_t split_of(int64_t tau, int64_t nt_all, int64_t ns) {
+    int64_t s = 0;
+    while (s + 1 < ns && nt_all * (s + 1) / ns <= tau) s++;
+    return s;
+}
+
+/* A prompt's queries through the pages, each the decode row of its own position (one query a row: n = 1, causal,
+ * keys after RoPE -- no mask, no chunk of its own, no rotary tables). Rows [first[g], first[g + 1]) are positions
+ * of one sequence in ascending order and share its block table. Each row's output is the bits kvc_attention gives
+ * it -- its own splits of its own tiles, each split's tiles in order, merged the same way -- but a packed tile is
+ * dequantized once for every row of the group that reads it (kvc_attention: once a row, so a prompt of P tokens
+ * dequantized ~P^2/2 tiles' worth). A task is one group of one kv head; the rows' sinks and rings are their own.
+ * Arguments as kvc_attention's (n = 1), then first [ngroups + 1]. Returns as kvc_attention. */
+int64_t kvc_attention_rows(
+        const float *q, const uint8_t *k_codes, const void *k_scale, const void *k_zero,
+        const uint8_t *v_codes, const void *v_scale, const void *v_zero,
+        const void *k_res, const void *v_res, const void *k_sink, const void *v_sink,
+        const int32_t *lengths, const int32_t *table, int64_t mb, int64_t nb, int64_t ws, int64_t ss,
+        float *out, int64_t B, int64_t H, int64_t G, float sm_scale, int64_t ns, int64_t nthreads,
+        const int64_t *pool_sb, const int32_t *first, int64_t ngroups) {
+    const int64_t GN = G;
+    int64_t bad = 0, most = 0;
+    for (int64_t g = 0; g < ngroups; g++) most = first[g + 1] - first[g] > most ? first[g + 1] - first[g] : most;
+    /* each thread's scratch, reused task after task: its group's partials (merged into out as the task ends),
+     * queries and regions -- not a partial for every row of the call, whose fresh pages cost more than the
+     * dequantization saved */
+    const int64_t nth = nthreads > 0 ? nthreads : 1;
+    const size_t part_bytes = sizeof(partial_t) * most * ns, q_bytes = sizeof(float) * most * GN * D * 2;
+    const size_t per_thread = ((part_bytes + q_bytes + sizeof(regions_t) * most + 63) / 64) * 64;
+    char *scratch = (char *)aligned_alloc(64, per_thread * nth);
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
+    for (int64_t task = 0; task < ngroups * H; task++) {
+        const int64_t g = task / H, h = task % H, b0 = first[g], nr = first[g + 1] - b0;
+        char *mine = scratch + per_thread * omp_get_thread_num();
+        partial_t *part = (partial_t *)mine; /* row r's split s: part[r * ns + s] */
+        float *qn = (float *)(mine + part_bytes), *qp = qn + nr * GN * D;
+        regions_t *rg = (regions_t *)(mine + part_bytes + q_bytes);
+        int64_t tp_max = 0, p_end_max = S;
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t b = b0 + r, bh = b * H + h;
+            rg[r] = regions(lengths[b]);
+            tp_max = rg[r].t_pack > tp_max ? rg[r].t_pack : tp_max;
+            p_end_max = rg[r].p_end > p_end_max ? rg[r].p_end : p_end_max;
+            for (int64_t i = 0; i < GN; i++) {
+                const float *src = q + (bh * GN + i) * D;
+                for (int idx = 0; idx < D; idx++) {
+                    qn[(r * GN + i) * D + idx] = src[idx];
+                    qp[(r * GN + i) * D + idx] = src[plane_channel(idx, K_PER)];
                 }
             }
-            /* a query that sees no key gets zeros; a NaN sum (a non-finite score) makes the row NaN */
-            const float inv = l == 0.0f ? 0.0f : 1.0f / l;
-            const int64_t b = bh / H, h = bh % H;
-            float *dst = out + (((b * H + h) * G + r / n) * n + r % n) * D;
-            for (int d = 0; d < D; d++) dst[d] = acc_n[d] * inv;
-            for (int idx = 0; idx < D; idx++) dst[plane_channel(idx, V_PER)] += acc_p[idx] * inv;
-            for (int d = 0; d < D; d++) dst[d] = __builtin_fabsf(dst[d]) <= FLT_MAX ? dst[d] : NAN; /* inf: NaN */
+            for (int64_t sp = 0; sp < ns; sp++) {
+                partial_t *P = part + r * ns + sp;
+                for (int64_t i = 0; i < GN; i++) {
+                    P->m[i] = -INFINITY;
+                    P->l[i] = 0.0f;
+                    memset(P->acc_plane[i], 0, sizeof(float) * D);
+                    memset(P->acc_nat[i], 0, sizeof(float) * D);
+                }
+            }
         }
+        float kt[TILE * D] __attribute__((aligned(64))), vt[TILE * D] __attribute__((aligned(64)));
+        int64_t rows[TILE];
+        /* each row's sinks first (its tiles 0 .. t_sink - 1) */
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t b = b0 + r, bh = b * H + h;
+            for (int64_t tile = 0; tile < rg[r].t_sink; tile++) {
+                partial_t *P = part + r * ns + split_of(tile, rg[r].nt_all, ns);
+                const int64_t p0 = tile * TILE;
+                const int nt = rg[r].s_end - p0 < TILE ? rg[r].s_end - p0 : TILE;
+                for (int t = 0; t < nt; t++) rows[t] = bh * ss + p0 + t;
+                gather_model(k_sink, rows, nt, kt);
+                gather_model(v_sink, rows, nt, vt);
+                attend_tile(P, (float(*)[D])(qn + r * GN * D), &P->acc_nat[0][0], &P->acc_plane[0][0], kt, vt, nt, p0,
+                            GN, 1, rg[r].L, b, h, sm_scale, NULL, 0, 0, 0, 0);
+            }
+        }
+        /* the packed tiles, each dequantized once for the rows that read it: the longest row first, since a row
+         * zeroes the tile's keys past its own positions (attend_tile) and every later row reads fewer */
+        for (int64_t j = 0; j < tp_max; j++) {
+            const int64_t p0 = S + j * PT;
+            const int nt = p_end_max - p0 < PT ? p_end_max - p0 : PT;
+            const int64_t slot = (p0 - S) / BS, r0 = (p0 - S) % BS;
+            const int64_t blk = slot < mb ? table[b0 * mb + slot] : -1;
+            if (blk < 0 || blk >= nb) {
+#pragma omp atomic write
+                bad = 1 + b0;
+                continue;
+            }
+            const char *kc = at_block(k_codes, pool_sb[0], blk, h, BS * K_ROW_BYTES);
+            const char *ks = at_block(k_scale, pool_sb[1], blk, h, K_NSCALE * K_SBYTES);
+            const char *kz = K_FMT == 1 ? at_block(k_zero, pool_sb[2], blk, h, K_NSCALE * K_SBYTES) : k_zero;
+            const char *vc = at_block(v_codes, pool_sb[3], blk, h, BS * V_ROW_BYTES);
+            const char *vs = at_block(v_scale, pool_sb[4], blk, h, V_NSCALE * V_SBYTES);
+            const char *vz = V_FMT == 1 ? at_block(v_zero, pool_sb[5], blk, h, V_NSCALE * V_SBYTES) : v_zero;
+            dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, (const uint8_t *)kc, ks, kz, r0, nt, kt, 0);
+            dequant_packed(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SFMT, (const uint8_t *)vc, vs, vz, r0, nt, vt, 0);
+            for (int64_t r = nr - 1; r >= 0; r--) {
+                if (j >= rg[r].t_pack) continue;
+                const int64_t b = b0 + r;
+                partial_t *P = part + r * ns + split_of(rg[r].t_sink + j, rg[r].nt_all, ns);
+                const int nr_t = rg[r].p_end - p0 < PT ? rg[r].p_end - p0 : PT;
+                attend_tile(P, (float(*)[D])((K_FMT == 0 ? qn : qp) + r * GN * D), &P->acc_plane[0][0],
+                            &P->acc_nat[0][0], kt, vt, nr_t, p0, GN, 1, rg[r].L, b, h, sm_scale, NULL, 0, 0, 0, 0);
+            }
+        }
+        /* each row's residual positions from its own ring (its last tiles) */
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t b = b0 + r, bh = b * H + h;
+            for (int64_t k = 0; k < rg[r].t_res; k++) {
+                partial_t *P = part + r * ns + split_of(rg[r].t_sink + rg[r].t_pack + k, rg[r].nt_all, ns);
+                const int64_t p0 = rg[r].r_beg + k * TILE;
+                const int nt = rg[r].L - p0 < TILE ? rg[r].L - p0 : TILE;
+                for (int t = 0; t < nt; t++) rows[t] = bh * ws + (p0 + t) % W;
+                gather_model(k_res, rows, nt, kt);
+                gather_model(v_res, rows, nt, vt);
+                attend_tile(P, (float(*)[D])(qn + r * GN * D), &P->acc_nat[0][0], &P->acc_plane[0][0], kt, vt, nt, p0,
+                            GN, 1, rg[r].L, b, h, sm_scale, NULL, 0, 0, 0, 0);
+            }
+        }
+        for (int64_t r = 0; r < nr; r++) merge_one(part + r * ns, out, b0 + r, h, H, G, 1, ns);
     }
-    free(part);
+    free(scratch);
     return bad;
 }
 

@@ -97,3 +97,12 @@ def test_vllm_fp8_quality_smoke(tiny_dir, tmp_path):
         abs(rows["vLLM fp8 (scale 1.0)"]["delta"])
     # head_dim 32: an fp16 scale a token-head is 2 bytes over 32 one-byte codes
     assert rows["kvcompile fp8-r0 (fp16 scale a token-head)"]["bytes_per_element"] == {"32": 1 + 2 / 32, "128": 1 + 2 / 128}
+
+
+def test_cpu_prompt_rows_smoke():
+    """The prompt-rows benchmark checks that sharing tiles gives each row its own bits before it times them."""
+    from benchmarks import cpu_prompt_rows
+
+    rows = cpu_prompt_rows.main(["--smoke"])
+    assert [r["policy"] for r in rows] == cpu_prompt_rows.POLICIES
+    assert all(r["alone_ms"] > 0 and r["shared_ms"] > 0 for r in rows)

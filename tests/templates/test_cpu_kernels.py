@@ -122,6 +122,56 @@ def test_a_rows_decode_attention_does_not_depend_on_the_batch_or_the_threads(pol
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+PROMPT_POLICIES = {  # every region and code path of the shared-tile walk: sinks, rings, channel and token groups
+    "mixed": MIXED, "rotated": ROTATED, "int8": Policy.int8(),
+    "kivi-ring": Policy(Quant("int4", "channel", 32), Quant("int4", "token", 32), residual=0),
+    "keys-unquantized": Policy(Quant("none"), Quant("int8")),
+    "fp8": Policy(Quant("fp8_e4m3", "token"), Quant("fp8_e4m3", "token")),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(PROMPT_POLICIES))
+def test_a_prompts_rows_sharing_their_tiles_get_the_bits_each_row_gets_alone(name, dtype, monkeypatch):
+    """A prompt's queries through the pages are each the decode row of its own position (``kvcompile.pages``);
+    given the runs of rows that are one sequence (``groups``), the kernel dequantizes a packed tile once for a
+    group's rows (``kvc_attention_rows``). Every row's output is the bits it gets without them -- its own
+    splits, its own tiles in order -- whatever the splits and however the runs are cut into groups."""
+    H, D, G = 2, 64, 3
+    spec, state = filled(PROMPT_POLICIES[name], [300, 45], H, D, dtype=dtype, chunk=97)
+    seq = torch.tensor([0] * 300 + [1] * 45)
+    rows = kvcompile.store.KVState(*state[:6], *(t.index_select(0, seq) for t in state[6:]))
+    rows = rows._replace(lengths=torch.cat([torch.arange(1, 301), torch.arange(1, 46)]).to(torch.int32))
+    q = torch.randn(len(seq), H * G, 1, D, generator=torch.Generator().manual_seed(1)).to(getattr(torch, dtype))
+    runs = torch.tensor([0, 300, 345], dtype=torch.int32)
+    for nsplit in (1, 2, 3):
+        alone = cpu.attention(q, rows, spec, None, None, nsplit=nsplit)
+        for most in (32, 7, 1000):
+            monkeypatch.setattr(cpu, "GROUP_ROWS", most)
+            got = cpu.attention(q, rows, spec, None, None, nsplit=nsplit, groups=runs)
+            assert torch.equal(got.nan_to_num(), alone.nan_to_num()) and torch.equal(got.isnan(), alone.isnan()), \
+                (nsplit, most, (got.float() - alone.float()).abs().max())
+
+
+def test_row_groups_that_do_not_describe_the_rows_are_refused():
+    spec, state = filled(MIXED, [40, 20], 1, 64)
+    seq = torch.tensor([0] * 5 + [1] * 3)
+    rows = kvcompile.store.KVState(*state[:6], *(t.index_select(0, seq) for t in state[6:]))
+    rows = rows._replace(lengths=torch.tensor([1, 2, 3, 4, 5, 1, 2, 3], dtype=torch.int32))
+    q = torch.randn(8, 2, 1, 64)
+    ok = cpu.attention(q, rows, spec, None, None, groups=torch.tensor([0, 5, 8], dtype=torch.int32))
+    assert torch.equal(ok, cpu.attention(q, rows, spec, None, None))
+    with pytest.raises(kvcompile.errors.ArgumentError, match="share their block table"):
+        cpu.attention(q, rows, spec, None, None, groups=torch.tensor([0, 6, 8], dtype=torch.int32))  # two tables
+    backwards = rows._replace(lengths=torch.tensor([5, 4, 3, 2, 1, 1, 2, 3], dtype=torch.int32))
+    with pytest.raises(kvcompile.errors.ArgumentError, match="ascending"):
+        cpu.attention(q, backwards, spec, None, None, groups=torch.tensor([0, 5, 8], dtype=torch.int32))
+    with pytest.raises(kvcompile.errors.ArgumentError, match="offsets from 0"):
+        cpu.attention(q, rows, spec, None, None, groups=torch.tensor([0, 5], dtype=torch.int32))
+    with pytest.raises(kvcompile.errors.ArgumentError, match="one query a row"):
+        cpu.attention(q.expand(8, 2, 2, 64), rows, spec, None, None, groups=torch.tensor([0, 5, 8], dtype=torch.int32))
+
+
 @st.composite
 def quants(draw, D):
     fmt = draw(st.sampled_from(["int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2", "none"]))
