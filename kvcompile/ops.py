@@ -39,7 +39,7 @@ from torch import Tensor
 from . import standin
 from .errors import ArgumentError, UnsupportedError
 from .store import (KVState, KVStore, LayerSpec, attention_reference, check_chunk, cover, dequantize_reference,
-                    store_reference)
+                    own_rings, store_reference)
 
 KERNELS = ("auto", "triton", "cpu", "inductor", "reference")
 
@@ -86,8 +86,9 @@ class Backend:
     that row alone, not on the batch beside it (the reference and the C kernels always; Triton's decode kernel
     when asked: ``templates.launch.attention``). ``groups``: offsets of runs of rows that are one sequence's
     positions in ascending order (a prompt's queries as decode rows), which a kernel may read shared tiles once
-    for (the C kernels: ``templates.cpu.attention``); the result is the same bits without it. ``devices``: the
-    device types it runs on."""
+    for (the C kernels: ``templates.cpu.attention``); the result is the same bits without it. ``rings``: row ``b``
+    reads ring ``rings[b]`` of the state's ``k_res, v_res`` (rows of a group whose full-precision positions begin
+    at the same position share one), or None: its own. ``devices``: the device types it runs on."""
 
     store: Callable
     attention: Callable
@@ -105,17 +106,18 @@ def _cpu_store(state, spec, k, v, n_new=None):
 
 
 def _reference_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
-                         groups=None):
-    return attention_reference(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope)
+                         groups=None, rings=None):
+    return attention_reference(q, own_rings(state, rings), spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope)
 
 
 def _cpu_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
-                   groups=None):
+                   groups=None, rings=None):
     # (a row's result never depends on the batch: the C decode kernel's splits follow its own length)
     from .templates import cpu
     if cpu.check_decode(q, spec) is None:  # decode: the C kernel reads the packed bytes where they lie
-        return cpu.attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope, groups=groups)
-    return cpu.prefill_attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope)
+        return cpu.attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope, groups=groups,
+                             rings=rings)
+    return cpu.prefill_attention(q, own_rings(state, rings), spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope)
 
 
 def _triton_store(state, spec, k, v, n_new=None):
@@ -123,8 +125,8 @@ def _triton_store(state, spec, k, v, n_new=None):
 
 
 def _triton_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
-                      groups=None):
-    return _triton().attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope,
+                      groups=None, rings=None):
+    return _triton().attention(q, own_rings(state, rings), spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope,
                                invariant=invariant)
 
 
@@ -145,8 +147,8 @@ def _compiled_attention(spec_name: str):
 
 
 def _inductor_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
-                        groups=None):
-    return _compiled_attention(spec.name)(q, list(state), mask, scale, spec.name, k_new, v_new,
+                        groups=None, rings=None):
+    return _compiled_attention(spec.name)(q, list(own_rings(state, rings)), mask, scale, spec.name, k_new, v_new,
                                           list(rope) if rope is not None else None)
 
 

@@ -537,14 +537,25 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
     for a in range(0, len(idx), step):
         r = slice(a, a + step)
         st = layout.state(pages, L[r].to(device=pages.device, dtype=torch.int32), table[r])
+        runs, rings = _runs(seq[r]), None
         if recent is not None:
             # the query's own position too comes from its ring (or, once packed, from the pages): a query whose own
-            # token is already packed (no window, a group it completed) reads it packed, as the store holds it
-            rk, rv = _ring(layout, recent, seq[r], lo[r], L[r], sp.ring, dt)
+            # token is already packed (no window, a group it completed) reads it packed, as the store holds it.
+            # Rows of a run whose full precision begins at the same position share the ring of the last of them
+            # (it holds every position the others read).
+            s_, lo_, hi_ = seq[r], lo[r], L[r]
+            if runs is not None:
+                new = torch.ones(len(s_), dtype=torch.bool)
+                new[1:] = (s_[1:] != s_[:-1]) | (lo_[1:] != lo_[:-1])
+                first = new.nonzero().flatten()
+                last = torch.cat([first[1:] - 1, torch.tensor([len(s_) - 1])])
+                rings = (new.cumsum(0) - 1).to(torch.int32)
+                s_, lo_, hi_ = s_[first], lo_[first], hi_[last]
+            rk, rv = _ring(layout, recent, s_, lo_, hi_, sp.ring, dt)
             st = st._replace(k_res=rk, v_res=rv)
         rows = idx[r].to(q.device)
         got = ops.backend(pages.device).attention(q.index_select(0, rows).unsqueeze(2), st, sp, None, scale,
-                                                  invariant=True, groups=_runs(seq[r]))
+                                                  invariant=True, groups=runs, rings=rings)
         out.index_copy_(0, rows.to(out.device), got.squeeze(2).to(out.dtype))
     return out
 

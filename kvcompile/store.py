@@ -970,6 +970,15 @@ class KVStore:
         self.state.table.fill_(-1)
 
 
+def own_rings(state: KVState, rings: Tensor | None) -> KVState:
+    """``state`` with a ring of its own for every row: row ``b``'s is ring ``rings[b]`` of ``k_res, v_res`` (rows
+    that share rings, ``ops.Backend``'s ``rings``), or ``state`` itself for None."""
+    if rings is None:
+        return state
+    i = rings.to(device=state.k_res.device, dtype=torch.long)
+    return state._replace(k_res=state.k_res.index_select(0, i), v_res=state.v_res.index_select(0, i))
+
+
 def row_widths(state: KVState, spec: LayerSpec, n_new: Tensor | int = 0) -> tuple[int, int]:
     """``(ring slots, sink rows)`` allocated per (sequence, head) in ``state`` -- the strides a kernel takes for
     the rows --, checked to hold every position its sequences reach after appending ``n_new`` (one count, or

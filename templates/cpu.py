@@ -37,7 +37,7 @@ from kvcompile import cachedir
 from kvcompile import quant as Q
 from kvcompile.errors import ArgumentError, CacheDirError, CompilerError
 from kvcompile.store import (KVState, LayerSpec, Rope, apply_rope, check_rope_tables, chunk_needed,
-                             dequantize_reference, hadamard, row_widths, stored_chunk, with_chunk)
+                             dequantize_reference, hadamard, own_rings, row_widths, stored_chunk, with_chunk)
 
 from .common import SCALE_CODES
 
@@ -271,7 +271,7 @@ def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
         lib.kvc_rope_compact.argtypes = [P, P, I, P, P]
         lib.kvc_rope_compact.restype = I
     if hasattr(lib, "kvc_attention_rows"):  # a prompt's rows sharing their tiles (older copies lack it)
-        lib.kvc_attention_rows.argtypes = [P] * 12 + [P, I, I, I, I, P, I, I, I, F, I, I, ctypes.POINTER(I), P, I]
+        lib.kvc_attention_rows.argtypes = [P] * 12 + [P, I, I, I, I, P, I, I, I, F, I, I, ctypes.POINTER(I), P, I, P]
         lib.kvc_attention_rows.restype = I
     if hasattr(lib, "kvc_fp8_decode"):  # the decode the kernel uses (tests); older copies lack it
         lib.kvc_fp8_decode.argtypes = [P, P, I, I]
@@ -482,9 +482,14 @@ def _capped(groups: Tensor, most: int = GROUP_ROWS) -> Tensor:
     return torch.cat(cuts + [torch.tensor(g[-1:])]).to(torch.int32)
 
 
-def check_groups(groups: Tensor, state: KVState, n: int, mask, k_new, rope) -> None:
-    """``attention``'s ``groups`` describe its rows (``kvc_attention_rows`` reads tables and lengths by them)."""
+def check_groups(groups: Tensor, state: KVState, n: int, mask, k_new, rope, rings: Tensor | None = None) -> None:
+    """``attention``'s ``groups`` (and ``rings``) describe its rows (``kvc_attention_rows`` reads tables, lengths
+    and rings by them)."""
     B = state.lengths.shape[0]
+    if rings is not None and (rings.dtype != torch.int32 or rings.shape != (B,) or not rings.is_contiguous()
+                              or bool(((rings < 0) | (rings >= state.k_res.shape[0])).any())):
+        raise ArgumentError(f"rings must be int32 [{B}] indices of the state's {state.k_res.shape[0]} rings; got "
+                            f"{rings.dtype} {list(rings.shape)}")
     if n != 1 or mask is not None or k_new is not None or rope is not None:
         raise ArgumentError("row groups take one query a row, causal, keys after RoPE: no mask, no chunk of their "
                             "own, no rotary tables")
@@ -515,7 +520,8 @@ def check_decode(q: Tensor, spec: LayerSpec) -> str | None:
 
 def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float | None,
               nsplit: int | None = None, k_new: Tensor | None = None, v_new: Tensor | None = None,
-              source: Path = SOURCE, rope: Rope | None = None, groups: Tensor | None = None) -> Tensor:
+              source: Path = SOURCE, rope: Rope | None = None, groups: Tensor | None = None,
+              rings: Tensor | None = None) -> Tensor:
     """Same contract as ``kvcompile.store.attention_reference``, for at most ``ROWS_MAX`` query rows per kv head.
 
     nsplit: pieces each (sequence, kv head)'s positions are cut into (default: ``splits``; tests vary it).
@@ -523,13 +529,17 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     groups: int32 ``[g + 1]`` offsets: rows ``groups[i] .. groups[i + 1] - 1`` are positions of one sequence in
     ascending order with the same block table (one query a row, causal, no rotary tables: a prompt's queries,
     ``kvcompile.pages``). The kernel then dequantizes a packed tile once for up to ``GROUP_ROWS`` of a group's
-    rows (``kvc_attention_rows``) -- the same bits as without ``groups``."""
+    rows (``kvc_attention_rows``) -- the same bits as without ``groups``.
+    rings: int32 ``[B]``: row ``b`` reads ring ``rings[b]`` of the state's ``k_res, v_res`` (with ``groups``:
+    rows whose full-precision positions begin at the same position share one); None: its own."""
     why = check_decode(q, spec)
     if why:
         raise ArgumentError(f"the CPU decode kernel cannot take this call: {why}")
     B, Hq, n, D = q.shape
     G = Hq // spec.heads
     lib = _kernel_for(spec, source)
+    if rings is not None and (groups is None or not hasattr(lib, "kvc_attention_rows")):
+        state, rings = own_rings(state, rings), None
     qf = q.float()
     if spec.policy.rotates_keys:
         qf = qf @ hadamard(D, q.device)
@@ -568,12 +578,13 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
                                f"whole; the store's have grown to {widths} of {(spec.ring, spec.sink)}")
     ns = nsplit or splits(state.lengths, 1 if rope is not None else spec.heads, threads)
     if groups is not None and hasattr(lib, "kvc_attention_rows"):
-        check_groups(groups, state, n, mask, kn, rope)
+        check_groups(groups, state, n, mask, kn, rope, rings)
         groups = _capped(groups)
         bad = lib.kvc_attention_rows(
             qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(), _ptr(table), table.shape[1],
             state.k_codes.shape[0], *widths, out.data_ptr(), B, spec.heads, G,
-            float(scale if scale is not None else D ** -0.5), ns, threads, sb, groups.data_ptr(), len(groups) - 1)
+            float(scale if scale is not None else D ** -0.5), ns, threads, sb, groups.data_ptr(), len(groups) - 1,
+            None if rings is None else rings.data_ptr())
     else:
         bad = lib.kvc_attention(
             qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(),

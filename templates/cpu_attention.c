@@ -1051,14 +1051,16 @@ static inline int64_t split_of(int64_t tau, int64_t nt_all, int64_t ns) {
  * it -- its own splits of its own tiles, each split's tiles in order, merged the same way -- but a packed tile is
  * dequantized once for every row of the group that reads it (kvc_attention: once a row, so a prompt of P tokens
  * dequantized ~P^2/2 tiles' worth). A task is one group of one kv head; the rows' sinks and rings are their own.
- * Arguments as kvc_attention's (n = 1), then first [ngroups + 1]. Returns as kvc_attention. */
+ * Arguments as kvc_attention's (n = 1), then first [ngroups + 1] and ring_of [B]: row b reads the ring of row
+ * ring_of[b] of k_res, v_res (rows of one sequence whose full-precision positions begin at the same position
+ * share one), or NULL: its own. Returns as kvc_attention. */
 int64_t kvc_attention_rows(
         const float *q, const uint8_t *k_codes, const void *k_scale, const void *k_zero,
         const uint8_t *v_codes, const void *v_scale, const void *v_zero,
         const void *k_res, const void *v_res, const void *k_sink, const void *v_sink,
         const int32_t *lengths, const int32_t *table, int64_t mb, int64_t nb, int64_t ws, int64_t ss,
         float *out, int64_t B, int64_t H, int64_t G, float sm_scale, int64_t ns, int64_t nthreads,
-        const int64_t *pool_sb, const int32_t *first, int64_t ngroups) {
+        const int64_t *pool_sb, const int32_t *first, int64_t ngroups, const int32_t *ring_of) {
     const int64_t GN = G;
     int64_t bad = 0, most = 0;
     for (int64_t g = 0; g < ngroups; g++) most = first[g + 1] - first[g] > most ? first[g + 1] - first[g] : most;
@@ -1145,9 +1147,9 @@ int64_t kvc_attention_rows(
                             &P->acc_nat[0][0], kt, vt, nr_t, p0, GN, 1, rg[r].L, b, h, sm_scale, NULL, 0, 0, 0, 0);
             }
         }
-        /* each row's residual positions from its own ring (its last tiles) */
+        /* each row's residual positions from its ring (its last tiles) */
         for (int64_t r = 0; r < nr; r++) {
-            const int64_t b = b0 + r, bh = b * H + h;
+            const int64_t b = b0 + r, bh = (ring_of ? ring_of[b] : b) * H + h;
             for (int64_t k = 0; k < rg[r].t_res; k++) {
                 partial_t *P = part + r * ns + split_of(rg[r].t_sink + rg[r].t_pack + k, rg[r].nt_all, ns);
                 const int64_t p0 = rg[r].r_beg + k * TILE;

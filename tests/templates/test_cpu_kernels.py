@@ -153,6 +153,30 @@ def test_a_prompts_rows_sharing_their_tiles_get_the_bits_each_row_gets_alone(nam
                 (nsplit, most, (got.float() - alone.float()).abs().max())
 
 
+@pytest.mark.parametrize("name", ["mixed", "kivi-ring"])
+def test_rows_sharing_a_ring_get_the_bits_of_rows_with_their_own(name):
+    """With ``rings``, row ``b`` reads ring ``rings[b]``: rows whose full-precision positions begin at the same
+    position share one (the pages give a prompt's rows the ring of the last of them). Each row's output is the
+    bits it gets from a copy of its own, through the rows kernel and through every path that expands them."""
+    H, D, G = 2, 64, 3
+    spec, state = filled(PROMPT_POLICIES[name], [300, 45], H, D, chunk=97)
+    seq = torch.tensor([0] * 300 + [1] * 45)
+    rows = kvcompile.store.KVState(*state[:6], *(t.index_select(0, seq) for t in state[6:]))
+    rows = rows._replace(lengths=torch.cat([torch.arange(1, 301), torch.arange(1, 46)]).to(torch.int32))
+    # rings: each sequence's, scrambled with a decoy in between, and a few rows of sequence 0 on a copy
+    decoy = torch.randn_like(state.k_res[:1])
+    shared = rows._replace(k_res=torch.cat([state.k_res[1:], decoy, state.k_res[:1], state.k_res[:1]]),
+                           v_res=torch.cat([state.v_res[1:], decoy, state.v_res[:1], state.v_res[:1]]))
+    rings = torch.tensor([2] * 150 + [3] * 150 + [0] * 45, dtype=torch.int32)
+    q = torch.randn(len(seq), H * G, 1, D, generator=torch.Generator().manual_seed(2))
+    runs = torch.tensor([0, 300, 345], dtype=torch.int32)
+    own = cpu.attention(q, rows, spec, None, None, groups=runs)
+    assert torch.equal(cpu.attention(q, shared, spec, None, None, groups=runs, rings=rings), own)
+    assert torch.equal(cpu.attention(q, shared, spec, None, None, rings=rings), own)  # no groups: expanded
+    with pytest.raises(kvcompile.errors.ArgumentError, match="rings must be int32"):
+        cpu.attention(q, shared, spec, None, None, groups=runs, rings=torch.full((345,), 4, dtype=torch.int32))
+
+
 def test_row_groups_that_do_not_describe_the_rows_are_refused():
     spec, state = filled(MIXED, [40, 20], 1, 64)
     seq = torch.tensor([0] * 5 + [1] * 3)
