@@ -698,6 +698,33 @@ static inline const char *at_block(const void *base, int64_t sb, int64_t blk, in
     return (const char *)base + blk * sb + h * per_head;
 }
 
+/* The block of the pool (nb blocks) holding packed position p0 of sequence b, from its row of the block table (mb
+ * entries); -1 when the table names none there. */
+static inline int64_t block_of(const int32_t *table, int64_t b, int64_t mb, int64_t nb, int64_t p0) {
+    const int64_t slot = (p0 - S) / BS;
+    const int64_t blk = slot < mb ? table[b * mb + slot] : -1;
+    return blk >= 0 && blk < nb ? blk : -1;
+}
+
+/* (block blk, kv head h)'s first byte in each of the pool's fields -- key codes, scales, zero points, then the
+ * values' -- whose blocks lie pool_sb[f] bytes apart (pools of their own, or fields of one engine's pages). */
+typedef struct {
+    const char *kc, *ks, *kz, *vc, *vs, *vz;
+} block_t;
+
+static inline block_t block_at(const uint8_t *k_codes, const void *k_scale, const void *k_zero,
+                               const uint8_t *v_codes, const void *v_scale, const void *v_zero,
+                               const int64_t *pool_sb, int64_t blk, int64_t h) {
+    block_t x;
+    x.kc = at_block(k_codes, pool_sb[0], blk, h, BS * K_ROW_BYTES);
+    x.ks = at_block(k_scale, pool_sb[1], blk, h, K_NSCALE * K_SBYTES);
+    x.kz = K_FMT == 1 ? at_block(k_zero, pool_sb[2], blk, h, K_NSCALE * K_SBYTES) : (const char *)k_zero;
+    x.vc = at_block(v_codes, pool_sb[3], blk, h, BS * V_ROW_BYTES);
+    x.vs = at_block(v_scale, pool_sb[4], blk, h, V_NSCALE * V_SBYTES);
+    x.vz = V_FMT == 1 ? at_block(v_zero, pool_sb[5], blk, h, V_NSCALE * V_SBYTES) : (const char *)v_zero;
+    return x;
+}
+
 typedef struct {
     float m[ROWS_MAX], l[ROWS_MAX];
     float acc_plane[ROWS_MAX][D]; /* packed tiles, values' plane order */
@@ -927,34 +954,21 @@ int64_t kvc_attention(
                 } else if (tile < t_sink + t_pack) {
                     p0 = S + (tile - t_sink) * PT;
                     nt = p_end - p0 < PT ? p_end - p0 : PT;
-                    const int64_t slot = (p0 - S) / BS, r0 = (p0 - S) % BS; /* block slot, row in it */
-                    const int64_t blk = slot < mb ? table[b * mb + slot] : -1;
-                    if (blk < 0 || blk >= nb) {
+                    const int64_t slot = (p0 - S) / BS, r0 = (p0 - S) % BS, blk = block_of(table, b, mb, nb, p0);
+                    if (blk < 0) {
 #pragma omp atomic write
                         bad = 1 + b;
                         continue;
                     }
-                    /* (block, head)'s bytes in each field; the fields' blocks lie pool_sb[f] bytes apart */
-                    const char *kc = at_block(k_codes, pool_sb[0], blk, h, BS * K_ROW_BYTES);
-                    const char *ks = at_block(k_scale, pool_sb[1], blk, h, K_NSCALE * K_SBYTES);
-                    const char *kz = K_FMT == 1 ? at_block(k_zero, pool_sb[2], blk, h, K_NSCALE * K_SBYTES) : k_zero;
-                    const char *vc = at_block(v_codes, pool_sb[3], blk, h, BS * V_ROW_BYTES);
-                    const char *vs = at_block(v_scale, pool_sb[4], blk, h, V_NSCALE * V_SBYTES);
-                    const char *vz = V_FMT == 1 ? at_block(v_zero, pool_sb[5], blk, h, V_NSCALE * V_SBYTES) : v_zero;
+                    const block_t f = block_at(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, pool_sb, blk, h);
+                    const char *kc = f.kc, *ks = f.ks, *kz = f.kz, *vc = f.vc, *vs = f.vs, *vz = f.vz;
                     /* the same rows of the next block, one block ahead: no hardware prefetcher follows the jump */
                     const int64_t nxt = p0 + BS < p_end && slot + 1 < mb ? table[b * mb + slot + 1] : -1;
                     if (nxt >= 0 && nxt < nb) {
                         const int nn = p_end - (p0 + BS) < PT ? p_end - (p0 + BS) : PT;
-                        prefetch_tile(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SBYTES,
-                                      at_block(k_codes, pool_sb[0], nxt, h, BS * K_ROW_BYTES),
-                                      at_block(k_scale, pool_sb[1], nxt, h, K_NSCALE * K_SBYTES),
-                                      K_FMT == 1 ? at_block(k_zero, pool_sb[2], nxt, h, K_NSCALE * K_SBYTES) : k_zero,
-                                      r0, nn);
-                        prefetch_tile(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SBYTES,
-                                      at_block(v_codes, pool_sb[3], nxt, h, BS * V_ROW_BYTES),
-                                      at_block(v_scale, pool_sb[4], nxt, h, V_NSCALE * V_SBYTES),
-                                      V_FMT == 1 ? at_block(v_zero, pool_sb[5], nxt, h, V_NSCALE * V_SBYTES) : v_zero,
-                                      r0, nn);
+                        const block_t x = block_at(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, pool_sb, nxt, h);
+                        prefetch_tile(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SBYTES, x.kc, x.ks, x.kz, r0, nn);
+                        prefetch_tile(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SBYTES, x.vc, x.vs, x.vz, r0, nn);
                     }
                     /* pre-RoPE keys in natural order, rotated (as each row is dequantized where the wide natural
                      * path and an in-place form allow, unless the queries' own chunk replaces rows below), else in
@@ -1123,21 +1137,15 @@ int64_t kvc_attention_rows(
         for (int64_t j = 0; j < tp_max; j++) {
             const int64_t p0 = S + j * PT;
             const int nt = p_end_max - p0 < PT ? p_end_max - p0 : PT;
-            const int64_t slot = (p0 - S) / BS, r0 = (p0 - S) % BS;
-            const int64_t blk = slot < mb ? table[b0 * mb + slot] : -1;
-            if (blk < 0 || blk >= nb) {
+            const int64_t r0 = (p0 - S) % BS, blk = block_of(table, b0, mb, nb, p0);
+            if (blk < 0) { /* as kvc_attention: the tile is skipped and the call says which sequence */
 #pragma omp atomic write
                 bad = 1 + b0;
                 continue;
             }
-            const char *kc = at_block(k_codes, pool_sb[0], blk, h, BS * K_ROW_BYTES);
-            const char *ks = at_block(k_scale, pool_sb[1], blk, h, K_NSCALE * K_SBYTES);
-            const char *kz = K_FMT == 1 ? at_block(k_zero, pool_sb[2], blk, h, K_NSCALE * K_SBYTES) : k_zero;
-            const char *vc = at_block(v_codes, pool_sb[3], blk, h, BS * V_ROW_BYTES);
-            const char *vs = at_block(v_scale, pool_sb[4], blk, h, V_NSCALE * V_SBYTES);
-            const char *vz = V_FMT == 1 ? at_block(v_zero, pool_sb[5], blk, h, V_NSCALE * V_SBYTES) : v_zero;
-            dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, (const uint8_t *)kc, ks, kz, r0, nt, kt, 0);
-            dequant_packed(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SFMT, (const uint8_t *)vc, vs, vz, r0, nt, vt, 0);
+            const block_t f = block_at(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, pool_sb, blk, h);
+            dequant_packed(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, (const uint8_t *)f.kc, f.ks, f.kz, r0, nt, kt, 0);
+            dequant_packed(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SFMT, (const uint8_t *)f.vc, f.vs, f.vz, r0, nt, vt, 0);
             for (int64_t r = nr - 1; r >= 0; r--) {
                 if (j >= rg[r].t_pack) continue;
                 const int64_t b = b0 + r;
