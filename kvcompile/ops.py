@@ -81,7 +81,7 @@ def kernels(device: torch.device) -> str:
 @dataclass(frozen=True)
 class Backend:
     """One family of kernels: ``store(state, spec, k, v, n_new)`` appends (blocks reserved by the caller),
-    ``attention(q, state, spec, mask, scale, k_new, v_new, rope, invariant, groups)`` reads; both with
+    ``attention(q, state, spec, mask, scale, k_new, v_new, rope, invariant, groups, rings)`` reads; both with
     ``store_reference``'s and ``attention_reference``'s contracts. ``invariant``: each row's result depends on
     that row alone, not on the batch beside it (the reference and the C kernels always; Triton's decode kernel
     when asked: ``templates.launch.attention``). ``groups``: offsets of runs of rows that are one sequence's
