@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvcompile import models, pages, quant  # noqa: E402
 from kvcompile.evaluate import heldout_windows  # noqa: E402
+from kvcompile.hf import model_shape  # noqa: E402
 from kvcompile.policy import Policy, Quant  # noqa: E402
 
 E4M3_MAX = 448.0
@@ -145,8 +146,7 @@ def main(argv=None):
     base = losses(model, windows)
     bar.update()
     rows = []
-    hd = model.config.head_dim if getattr(model.config, "head_dim", None) else (
-        model.config.hidden_size // model.config.num_attention_heads)
+    hd = model_shape(model.config)[2]
     for label, (kind, fmt) in CONTENDERS.items():
         rounding.kind, rounding.fmt = kind, fmt
         got = losses(model, windows)

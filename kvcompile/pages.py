@@ -510,15 +510,23 @@ ROWS_PER_CALL = 4096  # query rows x kv heads per kernel call (bounds the kernel
 RING_BYTES = 64 << 20  # the per-row rings one windowed call builds, at most (about)
 
 
+def _starts(*keys: Tensor) -> Tensor:
+    """Which rows begin a run of equal ``keys`` (bool, one per row; the first row always)."""
+    new = torch.zeros(len(keys[0]), dtype=torch.bool)
+    new[:1] = True
+    for key in keys:
+        new[1:] |= key[1:] != key[:-1]
+    return new
+
+
 def _runs(seq: Tensor) -> Tensor | None:
     """Offsets (int32) of the runs of one sequence among rows whose sequences are ``seq`` (a flat batch's tokens:
     each sequence's adjacent, in order of position), which the kernels may read shared tiles once for
     (``ops.Backend``); None when no run has two rows (a decode step)."""
-    n = len(seq)
-    if n < 2 or bool((seq[1:] != seq[:-1]).all()):
+    new = _starts(seq)
+    if bool(new.all()):
         return None
-    start = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), seq[1:] != seq[:-1]])).flatten()
-    return torch.cat([start, torch.tensor([n])]).to(torch.int32)
+    return torch.cat([new.nonzero().flatten(), torch.tensor([len(seq)])]).to(torch.int32)
 
 
 def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, scale: float | None, out: Tensor,
@@ -545,8 +553,7 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
             # (it holds every position the others read).
             s_, lo_, hi_ = seq[r], lo[r], L[r]
             if runs is not None:
-                new = torch.ones(len(s_), dtype=torch.bool)
-                new[1:] = (s_[1:] != s_[:-1]) | (lo_[1:] != lo_[:-1])
+                new = _starts(s_, lo_)
                 first = new.nonzero().flatten()
                 last = torch.cat([first[1:] - 1, torch.tensor([len(s_) - 1])])
                 rings = (new.cumsum(0) - 1).to(torch.int32)

@@ -577,20 +577,20 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
         raise UnsupportedError(f"this copy of the CPU decode kernel ({source}) takes rings and sinks allocated "
                                f"whole; the store's have grown to {widths} of {(spec.ring, spec.sink)}")
     ns = nsplit or splits(state.lengths, 1 if rope is not None else spec.heads, threads)
+    sm = float(scale if scale is not None else D ** -0.5)
     if groups is not None and hasattr(lib, "kvc_attention_rows"):
         check_groups(groups, state, n, mask, kn, rope, rings)
         groups = _capped(groups)
         bad = lib.kvc_attention_rows(
             qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(), _ptr(table), table.shape[1],
-            state.k_codes.shape[0], *widths, out.data_ptr(), B, spec.heads, G,
-            float(scale if scale is not None else D ** -0.5), ns, threads, sb, groups.data_ptr(), len(groups) - 1,
-            None if rings is None else rings.data_ptr())
+            state.k_codes.shape[0], *widths, out.data_ptr(), B, spec.heads, G, sm, ns, threads, sb,
+            groups.data_ptr(), len(groups) - 1, None if rings is None else rings.data_ptr())
     else:
         bad = lib.kvc_attention(
             qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(),
             _ptr(table), table.shape[1], state.k_codes.shape[0], *(widths if lib.row_strides else ()),
             None if m is None else m.data_ptr(), msb, msh, msi, mw,
-            out.data_ptr(), B, spec.heads, G, n, float(scale if scale is not None else D ** -0.5), ns, threads,
+            out.data_ptr(), B, spec.heads, G, n, sm, ns, threads,
             None if kn is None else kn.data_ptr(), None if vn is None else vn.data_ptr(),
             *_rope_ptrs(lib, ra), sb)
     if bad:

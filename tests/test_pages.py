@@ -723,3 +723,13 @@ def test_a_tokens_attention_is_the_same_bits_however_the_work_is_cut(case, dtype
                           scrambled_table(2, 1 if ring else 20, n_pages, seed=case + 1), 48 if ring else 16, ring)
     for name, got in results.items():
         assert torch.equal(bits(got), bits(results["decoded"])), (name, int((got != results["decoded"]).sum()))
+
+
+def test_a_prompts_rows_are_given_to_the_kernels_as_runs_of_one_sequence():
+    """A flat batch's rows (each sequence's adjacent, in order of position) reach the kernels as runs of one
+    sequence (``groups``), and rows of a run whose full precision begins at the same position as one ring."""
+    seq = torch.tensor([0, 0, 0, 1, 2, 2])
+    assert P._runs(seq).tolist() == [0, 3, 4, 6]
+    assert P._runs(torch.tensor([0, 1, 2])) is None and P._runs(torch.tensor([5])) is None  # a decode step
+    lo = torch.tensor([0, 0, 32, 0, 0, 0])
+    assert P._starts(seq, lo).tolist() == [True, False, True, True, True, False]
