@@ -537,4 +537,6 @@ def format_allocation(alloc: Allocation, sens: Sensitivity, shape) -> str:
 
 def _short(q: Quant) -> str:
     """``int4/channel/32``: the format, its scales' axis and group (the rest is in the policy file)."""
+    if q.quantized and q.axis == "tensor":
+        return f"{q.format}/tensor"  # one fixed scale, no group
     return f"{q.format}/{q.axis}/{q.group or 'head'}" if q.quantized else "none"

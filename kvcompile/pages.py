@@ -91,7 +91,7 @@ def refusal(policy: Policy, block: int, window: bool = False) -> tuple[Refusal, 
     precision, in pages of its own (``window_tokens``), so a recent window and per-channel groups can be kept. The
     reason says what was found and what to use instead."""
     per_token = ("a per-token policy with no window and no sinks, e.g. Policy.int8(), "
-                 "Policy.fp8(residual=0), or the presets int8, fp8-r0, tok+rot:4, tok+rot:2")
+                 "Policy.fp8(residual=0), or the presets int8, fp8-r0, fp8-tensor+rot, tok+rot:4, tok+rot:2")
     if policy.overrides:
         return Refusal.OVERRIDES, ("a page layout is one layer's: resolve the per-layer policy first "
                                    "(policy.resolve(layer names)) and make one layout per layer")

@@ -23,7 +23,7 @@ FORMAT_BITS = {
     "int2": 2,
     "none": 0,  # full precision: the element keeps the model's dtype
 }
-AXES = ("token", "channel")
+AXES = ("token", "channel", "tensor")
 KIVI_GROUP = 32  # Policy.kivi's default: tokens per key scale, channels per value scale (fitting the head)
 SCALE_DTYPES = ("float16", "float32", "fp8_e4m3")
 # Upper bounds on sizes, so that a value no model can use fails where it is written, not later as an allocator
@@ -56,6 +56,10 @@ class Quant:
     axis:      "token"   -> one scale per token over ``group`` consecutive channels
                             (``group=None`` means the whole head: per-token-head).
                "channel" -> one scale per channel over ``group`` consecutive tokens (KIVI keys).
+               "tensor"  -> fp8 only: one scale for the whole tensor, 1.0, not stored -- each element is the
+                            format's nearest value, saturating (vLLM's fp8 cache without checkpoint scales):
+                            one byte per element and nothing else, so an engine's page holds as many tokens as
+                            vLLM's fp8. A token-head holding NaN or +-inf reads NaN (its codes are the NaN code).
     group:     a positive power of two; required for axis="channel".
     symmetric: absmax scaling with no zero point. ``None`` picks the format's natural choice:
                asymmetric (min/max) for integers, symmetric for fp8 (the only fp8 mode).
@@ -80,7 +84,18 @@ class Quant:
         if not isinstance(self.format, str) or self.format not in FORMAT_BITS:
             _fail("Quant.format", self.format, f"expected one of {sorted(FORMAT_BITS)}")
         if not isinstance(self.axis, str) or self.axis not in AXES:
-            _fail("Quant.axis", self.axis, 'expected "token" (one scale per token) or "channel" (one per channel)')
+            _fail("Quant.axis", self.axis, 'expected "token" (one scale per token), "channel" (one per channel) or '
+                                           '"tensor" (fp8: one fixed scale, not stored)')
+        if self.axis == "tensor" and self.quantized:
+            if not self.is_fp8:
+                _fail("Quant.axis", self.axis, f'"tensor" (one fixed scale, 1.0, not stored) is for fp8 formats only: '
+                                               f'{self.format} needs a scale that fits its values; use axis="token"')
+            if self.group is not None:
+                _fail("Quant.group", self.group, 'axis="tensor" has one scale for the whole tensor: leave group None')
+            if self.scale_dtype != "float16" or self.symmetric is False:
+                what = ("Quant.scale_dtype", self.scale_dtype) if self.scale_dtype != "float16" else \
+                    ("Quant.symmetric", self.symmetric)
+                _fail(*what, 'axis="tensor" stores no scale (it is 1.0) and no zero point: leave it at its default')
         if self.group is not None and not _is_pow2(self.group):
             _fail("Quant.group", self.group, "expected a positive power of two (an int, e.g. 32) or None for a "
                                              "whole head")
@@ -126,6 +141,12 @@ class Quant:
         return self.format != "none"
 
     @property
+    def stores_scale(self) -> bool:
+        """Whether the store keeps a scale per group (every quantized format but axis="tensor", whose scale is
+        1.0 and not stored)."""
+        return self.quantized and self.axis != "tensor"
+
+    @property
     def has_zero(self) -> bool:
         return self.is_int and not self.symmetric
 
@@ -138,7 +159,7 @@ class Quant:
     def group_for(self, head_dim: int) -> int:
         """The resolved group size for a head of ``head_dim`` channels (``fit``: the largest power of two up to
         ``group`` that divides it)."""
-        if self.group is None and self.axis == "token":
+        if self.group is None and self.axis != "channel":
             return head_dim
         g = int(self.group or 1)
         while self.fit and head_dim % g:
@@ -154,7 +175,7 @@ class Quant:
         """Validate against a model's head dimension (called when a policy is applied)."""
         if not self.quantized:
             return
-        if self.axis == "token":
+        if self.axis != "channel":
             g = self.group_for(head_dim)
             if head_dim % g:
                 raise PolicyError(
@@ -173,6 +194,8 @@ class Quant:
         """A short name that spells out this format (used in kernel and compile cache keys)."""
         if not self.quantized:
             return "none"
+        if self.axis == "tensor":
+            return f"{self.format}.tensor"
         sym = "sym" if self.symmetric else "asym"
         g = "head" if self.group is None else f"{self.group}{'~' if self.fit else ''}"
         sd = {"float16": "f16", "float32": "f32", "fp8_e4m3": "e4m3"}[self.scale_dtype]
@@ -241,11 +264,15 @@ class Policy:
                    Quant(fmt, "token", group, scale_dtype=scale_dtype, fit=fit), residual=residual, **kw)
 
     @classmethod
-    def fp8(cls, format: str = "fp8_e4m3", residual: int = 128, **kw) -> "Policy":
-        """fp8 keys and values with one scale per token-head; recent tokens in full precision."""
+    def fp8(cls, format: str = "fp8_e4m3", residual: int = 128, axis: str = "token", **kw) -> "Policy":
+        """fp8 keys and values with one scale per token-head (``axis="tensor"``: no scale stored, 1.0, vLLM's
+        fp8 arithmetic; with ``rotate=True`` the rotation spreads the keys' outlier channels first); recent
+        tokens in full precision."""
         if format not in ("fp8_e4m3", "fp8_e5m2"):
             _fail("Policy.fp8(format)", format, 'expected "fp8_e4m3" or "fp8_e5m2"')
-        return cls(Quant(format, "token"), Quant(format, "token"), residual=residual, **kw)
+        if axis not in ("token", "tensor"):
+            _fail("Policy.fp8(axis)", axis, 'expected "token" (a scale per token-head) or "tensor" (none stored)')
+        return cls(Quant(format, axis), Quant(format, axis), residual=residual, **kw)
 
     @classmethod
     def int8(cls, residual: int = 0, **kw) -> "Policy":

@@ -23,6 +23,11 @@ fp8 (``F`` = 448 for e4m3, 57344 for e5m2; always symmetric)::
     code  = bits of fp8_round_half_even(x / scale')       # |x / scale| <= F by construction
     x^    = float(code) * scale
 
+fp8 with one fixed scale (``axis="tensor"``: vLLM's fp8 cache without checkpoint scales; no scale is stored)::
+
+    code  = bits of fp8_round_half_even(clamp(x, -F, F))
+    x^    = float(code)
+
 **fp8 scales** (``scale_dtype="fp8_e4m3"``: one byte per scale, an int8 zero point; ``E = 448``, the largest
 e4m3 value). The scale is rounded up to fp8 e4m3 and the zero point is an integer, so that a group costs 16 bits
 (8 for symmetric and fp8 formats) instead of 32::
@@ -79,7 +84,9 @@ every element of the group dequantizes to NaN, in every format. Per token (axis=
 token's ``group`` channels (the whole head for ``group=None``); per channel (axis="channel", KIVI keys) one
 channel of ``group`` consecutive tokens. Every other group is exactly what it would be without it. (fp8
 could mark the element alone with its NaN code, but e4m3fn's NaN code needs a select in every kernel's
-decode -- 7% of the CPU decode kernel's time -- where a NaN scale costs nothing.) A finite input never
+decode -- 7% of the CPU decode kernel's time -- where a NaN scale costs nothing.) With one fixed scale
+(axis="tensor") there is no scale to mark: a token-head holding NaN or +-inf stores the NaN code (0x7F, in both
+fp8 formats) as every one of its codes, and the kernels of that format decode it to NaN. A finite input never
 produces a NaN scale or zero point.
 
 Packing: the codes of one row (one token of one head) form a little-endian bit stream: code ``i`` occupies
@@ -96,6 +103,7 @@ from .errors import ArgumentError
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+FP8_NAN = 0x7F  # a NaN code in both fp8 formats: a poisoned token-head's codes with a fixed scale (axis="tensor")
 SCALE_TORCH_DTYPE = {"float16": torch.float16, "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
 E4M3_MAX = 448.0
 INT_ZERO = (-128, 127)  # the zero point's range with fp8 scales (int8)
@@ -158,7 +166,7 @@ def _to_groups(x: Tensor, q: Quant) -> tuple[Tensor, int]:
     axis="channel": [..., T/g, D, g]        -> scale [..., T/g, D]   (T must be a multiple of g)
     """
     *lead, T, D = x.shape
-    if q.axis == "token":
+    if q.axis != "channel":  # token, or tensor (a fixed scale: groups of the whole head, for poisoning)
         g = q.group_for(D)
         return x.reshape(*lead, T, D // g, g), g
     g = q.group
@@ -168,14 +176,15 @@ def _to_groups(x: Tensor, q: Quant) -> tuple[Tensor, int]:
 
 
 def _from_groups(y: Tensor, q: Quant, T: int, D: int) -> Tensor:
-    if q.axis == "token":
+    if q.axis != "channel":
         return y.reshape(*y.shape[:-2], D)
     return y.transpose(-1, -2).flatten(-3, -2)
 
 
 def scale_shape(q: Quant, T: int, D: int) -> tuple[int, int]:
-    """Shape of the scale (and zero point) tensor for ``T`` tokens of ``D`` channels, trailing dims."""
-    if q.axis == "token":
+    """Shape of the scale (and zero point) tensor for ``T`` tokens of ``D`` channels, trailing dims (axis="tensor":
+    ``quantize``'s scale of ones, one a token-head, which the store does not keep)."""
+    if q.axis != "channel":
         return (T, D // q.group_for(D))
     return (T // q.group, D)
 
@@ -185,7 +194,7 @@ def quantize(x: Tensor, q: Quant) -> tuple[Tensor, Tensor, Tensor | None]:
     """Quantize ``x [..., T, D]`` (any float dtype) to ``(codes, scale, zero)``.
 
     codes: uint8 [..., T, D] (one unpacked code per element; ``pack`` makes the stored layout)
-    scale: q.scale_dtype [..., *scale_shape]
+    scale: q.scale_dtype [..., *scale_shape] (axis="tensor": float32 ones, the fixed scale, not stored)
     zero:  ``zero_dtype(q)`` [..., *scale_shape] for asymmetric integers, else None
     Saturating, and poisoning groups that hold NaN or +-inf: module docstring.
     """
@@ -197,6 +206,11 @@ def quantize(x: Tensor, q: Quant) -> tuple[Tensor, Tensor, Tensor | None]:
     zmax, smax = limits(q)
     poisoned = ~torch.isfinite(xg).all(-1)  # groups holding NaN or +-inf
     nan = torch.full((), float("nan"), dtype=sdt)
+    if q.axis == "tensor":  # one fixed scale, 1.0: the nearest fp8 value, saturating; a poisoned head all NaN codes
+        fmax = FP8_MAX[q.format]
+        codes = xg.clamp(-fmax, fmax).to(FP8_DTYPES[q.format]).view(torch.uint8)
+        codes = torch.where(poisoned.unsqueeze(-1), torch.tensor(FP8_NAN, dtype=torch.uint8, device=x.device), codes)
+        return _from_groups(codes, q, T, D), torch.ones(xg.shape[:-1], dtype=torch.float32, device=x.device), None
     if q.is_fp8:
         fmax = FP8_MAX[q.format]
         scale = round_to_dtype((xg.abs().amax(-1) / fmax).clamp(max=smax), sdt, "up")

@@ -89,6 +89,7 @@ class KVState(NamedTuple):
 
     k_codes:  uint8 [NB, H, BS, D*bits/8] the pool of packed blocks (model dtype [NB, H, BS, D] for "none")
     k_scale:  scale dtype [NB, H, BS, D/g] (axis="token") or [NB, H, BS/g, D] (axis="channel"); empty if none
+              (or axis="tensor": its scale is fixed)
     k_zero:   same shape as k_scale for asymmetric integers (int8 with fp8 scales), else empty
     v_*:      the same for values
     k_res:    model dtype [B, H, W, D] full-precision ring of the most recent tokens (slot p % W)
@@ -220,7 +221,7 @@ class LayerSpec:
         sdt, zdt = Q.SCALE_TORCH_DTYPE[q.scale_dtype], Q.zero_dtype(q)
         if not q.quantized:
             return [((H, BS, D), self.torch_dtype), (None, sdt), (None, zdt)]
-        ss = (H, *Q.scale_shape(q, BS, D))
+        ss = (H, *Q.scale_shape(q, BS, D)) if q.stores_scale else None  # axis="tensor": no scale is stored
         return [((H, BS, Q.packed_bytes(D, q.bits)), torch.uint8), (ss, sdt), (ss if q.has_zero else None, zdt)]
 
     @normal_tensors
@@ -1143,10 +1144,12 @@ def _write_quantized(codes, scale, zero, q, x: Tensor, table: list[int], start: 
         return
     cd, s, z = Q.quantize(x, q)
     packed = Q.pack(cd, q.bits)
-    per = 1 if q.axis == "token" else q.group  # tokens per scale row
+    per = q.group if q.axis == "channel" else 1  # tokens per scale row
     for j, r, o, c in _segments(start, T, BS):
         blk = table[j]
         codes[blk, :, r:r + c] = packed[:, o:o + c]
+        if not q.stores_scale:
+            continue
         scale[blk, :, r // per:(r + c) // per] = s[:, o // per:(o + c) // per]
         if z is not None:
             zero[blk, :, r // per:(r + c) // per] = z[:, o // per:(o + c) // per]
@@ -1199,7 +1202,10 @@ def _gather_packed(state: KVState, spec: LayerSpec, which: str, rows, j0: int, j
     c = paged(codes)[:, :, off:off + j1 - j0]
     if not q.quantized:
         return Q.saturate(c, dtype)
-    per = 1 if q.axis == "token" else q.group
+    if not q.stores_scale:  # axis="tensor": the fixed scale, 1.0
+        return Q.dequantize(Q.unpack(c, q.bits, D), c.new_ones((*c.shape[:-1], 1), dtype=torch.float32), None, q,
+                            dtype)
+    per = q.group if q.axis == "channel" else 1
     s = paged(scale)[:, :, off // per:(off + j1 - j0) // per]
     z = paged(zero)[:, :, off // per:(off + j1 - j0) // per] if q.has_zero else None
     return Q.dequantize(Q.unpack(c, q.bits, D), s, z, q, dtype)

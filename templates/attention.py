@@ -43,7 +43,7 @@ from torch import Tensor
 
 from kvcompile.store import KVState, LayerSpec, Rope, apply_rope, check_rope_tables
 
-from .common import INTERPRET, SCALE_CODES, run
+from .common import INTERPRET, run, scale_code
 from .store import _boundary, _e4m3_value, _kind, as_bytes, nonempty
 from kvcompile.errors import ArgumentError
 
@@ -80,7 +80,8 @@ def _fp8_decode(code, E4M3: tl.constexpr):
     An e5m2 byte is the high byte of the fp16 of the same value. e4m3's sign, exponent and mantissa moved
     into an fp16's places (exponent bias 15 against 7) make an fp16 of the value times 2**-8, subnormals
     included. Both are exact; three integer operations and one conversion per code. (Only finite codes are
-    stored: a group holding NaN or inf has a NaN scale instead.)"""
+    stored where there is a scale: a group holding NaN or inf has a NaN scale instead. With one fixed scale,
+    axis="tensor", it holds the NaN code, 0x7F: e5m2's is an fp16 NaN here, e4m3's the caller selects.)"""
     if E4M3:
         h = ((code << 7) & 0x3F80) | ((code << 8) & 0x8000)
     else:
@@ -96,7 +97,9 @@ def _packed_tile(codes_ptr, scale_ptr, zero_ptr, idx, tok_ok, sc_t, ss_t,
     """Dequantized fp32 ``[BLOCK_N, DB]`` tile of rows ``idx`` of one block; as
     ``quant.dequantize(quant.unpack(...))``. ``codes_ptr``/``scale_ptr``/``zero_ptr`` point at (block, h), so
     offsets within it fit 32 bits (the launcher keeps blocks small enough). SFMT 2: fp8 e4m3 scales read as
-    their bytes (0x7F: NaN, a poisoned group) and int8 zero points, ``x^ = (code - zero) * scale``."""
+    their bytes (0x7F: NaN, a poisoned group) and int8 zero points, ``x^ = (code - zero) * scale``. SFMT 3
+    (fp8, axis="tensor"): no scale is read, ``x^`` is the code's value, and the NaN code (a poisoned
+    token-head's) is NaN."""
     c = tl.arange(0, DB)
     ok = tok_ok[:, None] & (c < D)[None, :]
     row = idx[:, None] * sc_t  # within one block: int32
@@ -133,9 +136,13 @@ def _packed_tile(codes_ptr, scale_ptr, zero_ptr, idx, tok_ok, sc_t, ss_t,
         if SFMT == 2:
             sb = tl.load(scale_ptr + s_off, mask=s_ok, other=0).to(tl.int32)
             s = tl.where(sb == 0x7F, float("nan"), _e4m3_value(sb))
-        else:
+        elif SFMT != 3:  # (SFMT 3: one fixed scale, 1.0, not stored; scale_ptr is a placeholder, never read)
             s = tl.load(scale_ptr + s_off, mask=s_ok, other=0.0).to(tl.float32)
-        if KIND == 0 and SFMT == 2:
+        if SFMT == 3 and E4M3:  # the NaN code (0x7F, 0xFF: a poisoned token-head's) as NaN, not 480
+            x = tl.where((code & 0x7F) == 0x7F, float("nan"), _fp8_decode(code, E4M3) * 256.0)
+        elif SFMT == 3:  # e5m2's NaN codes are fp16 NaNs already
+            x = _fp8_decode(code, E4M3)
+        elif KIND == 0 and SFMT == 2:
             z = tl.load(zero_ptr + s_off, mask=s_ok, other=0).to(tl.float32)
             x = (code.to(tl.float32) - z) * s
         elif KIND == 0:
@@ -436,7 +443,7 @@ def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, bl
     for pre, q in (("K_", policy.key), ("V_", policy.value)):
         kw.update({pre + "KIND": _kind(q), pre + "BITS": q.bits, pre + "E4M3": q.format == "fp8_e4m3",
                    pre + "CHANNEL": q.quantized and q.axis == "channel",
-                   pre + "G": q.group_for(D) if q.quantized else 1, pre + "SFMT": SCALE_CODES[q.scale_dtype]})
+                   pre + "G": q.group_for(D) if q.quantized else 1, pre + "SFMT": scale_code(q)})
     gp = triton.next_power_of_2(gqa)
     kw.update(G=gqa, GP=gp, BLOCK_Q=block_q, BLOCK_M=max(16, gp * block_q), BLOCK_N=block_n, SPLIT=split,
               MASK_KIND=mask_kind, DOT=dot, CHUNK=chunk, ROPE=rope, PDOT=pdot)

@@ -18,6 +18,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Quant.scale_dtype as the kernels' compile-time code (C: K_SFMT/V_SFMT; Triton: SFMT): fp16, fp32, or an fp8
 # e4m3 scale with an int8 zero point.
 SCALE_CODES = {"float16": 0, "float32": 1, "fp8_e4m3": 2}
+FIXED_SCALE = 3  # the code of a format that stores no scale: fp8 with one fixed scale, 1.0 (Quant axis="tensor")
+
+
+def scale_code(q) -> int:
+    """``q``'s scale code for the kernels: ``SCALE_CODES[q.scale_dtype]``, or ``FIXED_SCALE`` for axis="tensor"
+    (its kernels see a per-token-head format whose scale is 1.0, not loaded, and decode the NaN code to NaN)."""
+    return FIXED_SCALE if q.quantized and not q.stores_scale else SCALE_CODES[q.scale_dtype]
 
 # fp-contraction off: a fused multiply-add rounds once where the reference (torch) rounds twice, e.g. in
 # dequantization ``code * scale + zero``; keeping two roundings makes the GPU agree with the specification.

@@ -39,7 +39,7 @@ from kvcompile.errors import ArgumentError, CacheDirError, CompilerError
 from kvcompile.store import (KVState, LayerSpec, Rope, apply_rope, check_rope_tables, chunk_needed,
                              dequantize_reference, hadamard, own_rings, row_widths, stored_chunk, with_chunk)
 
-from .common import SCALE_CODES
+from .common import scale_code
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 ROWS_MAX = 16  # query rows per kv head the decode kernel takes (passed to it as -DROWS_MAX)
@@ -81,7 +81,7 @@ def defines(spec: LayerSpec) -> dict[str, int]:
         out[f"{p}_BITS"] = q.bits if q.quantized else 8
         out[f"{p}_AXIS"] = 1 if q.axis == "channel" else 0
         out[f"{p}_GROUP"] = q.group_for(spec.head_dim) if q.quantized else 1
-        out[f"{p}_SFMT"] = SCALE_CODES[q.scale_dtype]
+        out[f"{p}_SFMT"] = scale_code(q)
     return out
 
 

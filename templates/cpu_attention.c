@@ -43,7 +43,9 @@
  *   K_BITS / V_BITS   8, 4, 3, 2 (ignored for none)
  *   K_AXIS / V_AXIS   0 token (groups of K_GROUP channels), 1 channel (groups of K_GROUP tokens)
  *   K_GROUP / V_GROUP
- *   K_SFMT / V_SFMT   scales (and zero points) stored as fp16 (0), fp32 (1), or fp8 e4m3 with an int8 zero point (2)
+ *   K_SFMT / V_SFMT   scales (and zero points) stored as fp16 (0), fp32 (1), or fp8 e4m3 with an int8 zero point (2);
+ *                     3: none stored (fp8 with one fixed scale, 1.0: Quant axis="tensor"; AXIS 0, GROUP D), a row
+ *                     of NaN codes (0x7F: a poisoned token-head, the only rows that hold that code) reads NaN
  */
 #include <float.h>
 #include <stdint.h>
@@ -162,6 +164,12 @@ static inline float e4m3_to_f32(uint8_t b) { return e4m3_table[b]; }
 static inline float scale_at(const void *base, int64_t i, int sfmt) {
     return sfmt == 1 ? ((const float *)base)[i]
                      : (sfmt == 2 ? e4m3_to_f32(((const uint8_t *)base)[i]) : (float)((const f16 *)base)[i]);
+}
+
+/* A per-token scale as fp32: scale_at, or with no scale stored (sfmt 3) 1.0 -- NaN for a poisoned row, whose
+ * codes are all the NaN code (finite values never encode to it: the store saturates them), so one byte says. */
+static inline float row_scale(const void *base, int64_t i, int sfmt, const uint8_t *row) {
+    return sfmt == 3 ? ((row[0] & 0x7F) == 0x7F ? __builtin_nanf("") : 1.0f) : scale_at(base, i, sfmt);
 }
 
 /* A stored zero point as the value it adds (x^ = code * s + z): stored as the scale is, or with fp8 scales an
@@ -613,7 +621,7 @@ static inline __attribute__((always_inline)) void dequant_packed(
             const int ng = D / group; /* at most D / 8 groups: each scale and zero point is converted once */
             float sg[D / 8], zg[D / 8];
             for (int gi = 0; gi < ng; gi++) {
-                const float s1 = scale_at(scale, qi * ng + gi, sfmt);
+                const float s1 = row_scale(scale, qi * ng + gi, sfmt, codes + qi * row_bytes);
                 sg[gi] = s1 * unit;
                 zg[gi] = fmt == 1 ? zero_at(zero, qi * ng + gi, sfmt, s1) : 0.0f;
             }
@@ -626,7 +634,7 @@ static inline __attribute__((always_inline)) void dequant_packed(
             const int ng = D / group;
             float sg[8] = {0}, zg[8] = {0};
             for (int gi = 0; gi < ng; gi++) {
-                const float s1 = scale_at(scale, qi * ng + gi, sfmt);
+                const float s1 = row_scale(scale, qi * ng + gi, sfmt, codes + qi * row_bytes);
                 sg[gi] = s1 * unit;
                 zg[gi] = fmt == 1 ? zero_at(zero, qi * ng + gi, sfmt, s1) : 0.0f;
             }
@@ -641,7 +649,7 @@ static inline __attribute__((always_inline)) void dequant_packed(
             const int ng = D / group;
             for (int idx = 0; idx < D; idx++) {
                 const int gi = plane_channel(idx, per) / group;
-                const float s1 = scale_at(scale, qi * ng + gi, sfmt), s = s1 * unit;
+                const float s1 = row_scale(scale, qi * ng + gi, sfmt, codes + qi * row_bytes), s = s1 * unit;
                 const float z = fmt == 1 ? zero_at(zero, qi * ng + gi, sfmt, s1) : 0.0f;
                 o[idx] = fmt == 1 ? o[idx] * s + z : o[idx] * s;
             }
@@ -671,8 +679,8 @@ static inline void gather_model(const void *base, const int64_t *rows, int nt, f
 #if BS % FL || BS & (BS - 1) || TILE & (TILE - 1) || TILE % 8
 #error "BS and TILE must be powers of two (TILE at least 8), BS a multiple of the flush group FL"
 #endif
-#define K_SBYTES (K_SFMT == 1 ? 4 : (K_SFMT == 2 ? 1 : 2)) /* per scale, and per zero point */
-#define V_SBYTES (V_SFMT == 1 ? 4 : (V_SFMT == 2 ? 1 : 2))
+#define K_SBYTES (K_SFMT == 1 ? 4 : (K_SFMT == 2 ? 1 : (K_SFMT == 3 ? 0 : 2))) /* per scale, and per zero point */
+#define V_SBYTES (V_SFMT == 1 ? 4 : (V_SFMT == 2 ? 1 : (V_SFMT == 3 ? 0 : 2)))
 
 /* Prefetch the bytes one tile of rows [r0, r0 + nt) of one (block, head) reads: codes, scales, zero points
  * (codes, scale, zero: that (block, head)'s first byte of each). */

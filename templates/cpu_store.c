@@ -45,7 +45,9 @@
  *   K_BITS / V_BITS   8, 4, 3, 2 (ignored for none)
  *   K_AXIS / V_AXIS   0 token (groups of K_GROUP channels), 1 channel (groups of K_GROUP tokens)
  *   K_GROUP / V_GROUP
- *   K_SFMT / V_SFMT   scales (and zero points) stored as fp16 (0), fp32 (1), or fp8 e4m3 with an int8 zero point (2)
+ *   K_SFMT / V_SFMT   scales (and zero points) stored as fp16 (0), fp32 (1), or fp8 e4m3 with an int8 zero point (2);
+ *                     3: no scale stored (fp8 with one fixed scale, 1.0: Quant axis="tensor"; AXIS 0, GROUP D), a
+ *                     poisoned token-head's codes are all 0x7F (the NaN code) instead of 0
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -191,6 +193,11 @@ static inline __attribute__((always_inline)) void group_params(
         int fmt, int bits, int sfmt, float mn, float mx, float amax, int bad, void *scale, void *zero, int64_t i,
         float *s_out, float *z_out) {
     float s, z = 0.0f;
+    if (sfmt == 3) { /* one fixed scale, 1.0, not stored; NaN marks a poisoned group for flush_range */
+        *s_out = bad ? __builtin_nanf("") : 1.0f;
+        *z_out = 0.0f;
+        return;
+    }
     const float smax = scale_cap(fmt, bits, sfmt), zmax = zero_cap(sfmt);
     if (bad) {
         if (sfmt == 1) {
@@ -380,8 +387,8 @@ static inline __attribute__((always_inline)) void flush_range(
                 }
             }
             encode(fmt, bits, sfmt, x, sv, zv, c, D);
-            if (anybad) /* a poisoned group's codes are 0 (its scale is NaN) */
-                for (int d = 0; d < D; d++) c[d] = sv[d] == sv[d] ? c[d] : 0;
+            if (anybad) /* a poisoned group's codes are 0 (its scale is NaN); with no scale stored, the NaN code */
+                for (int d = 0; d < D; d++) c[d] = sv[d] == sv[d] ? c[d] : (sfmt == 3 ? 0x7F : 0);
             pack_row(bits, c, codes + (p - pb) * rb);
         }
     } else {
@@ -428,8 +435,8 @@ static inline __attribute__((always_inline)) void flush_range(
 #if BS % FL || BS & (BS - 1)
 #error "BS must be a power of two and a multiple of the flush group FL"
 #endif
-#define K_SBYTES (K_SFMT == 1 ? 4 : (K_SFMT == 2 ? 1 : 2)) /* per scale, and per zero point */
-#define V_SBYTES (V_SFMT == 1 ? 4 : (V_SFMT == 2 ? 1 : 2))
+#define K_SBYTES (K_SFMT == 1 ? 4 : (K_SFMT == 2 ? 1 : (K_SFMT == 3 ? 0 : 2))) /* per scale, and per zero point */
+#define V_SBYTES (V_SFMT == 1 ? 4 : (V_SFMT == 2 ? 1 : (V_SFMT == 3 ? 0 : 2)))
 
 static inline int64_t boundary(int64_t L) {
     const int64_t e = L - S - R;
@@ -468,12 +475,14 @@ static void flush_task(const call_t *a, int64_t task) {
     if (which == 0) {
         const src_t src = {a->k + b * a->ks_b + h * a->ks_h, a->ks_t, a->k_res + bh * a->ws * ROW, L};
         flush_range(K_FMT, K_BITS, K_AXIS, K_GROUP, K_SFMT, &src, S + lo, S + hi, pb,
-                    a->k_codes + blk * a->sb[0] + h * BS * K_RB, a->k_scale + blk * a->sb[1] + h * K_NSCALE * K_SBYTES,
+                    a->k_codes + blk * a->sb[0] + h * BS * K_RB,
+                    K_SFMT == 3 ? a->k_scale : a->k_scale + blk * a->sb[1] + h * K_NSCALE * K_SBYTES,
                     a->k_zero + (K_FMT == 1 ? blk * a->sb[2] + h * K_NSCALE * K_SBYTES : 0));
     } else {
         const src_t src = {a->v + b * a->vs_b + h * a->vs_h, a->vs_t, a->v_res + bh * a->ws * ROW, L};
         flush_range(V_FMT, V_BITS, V_AXIS, V_GROUP, V_SFMT, &src, S + lo, S + hi, pb,
-                    a->v_codes + blk * a->sb[3] + h * BS * V_RB, a->v_scale + blk * a->sb[4] + h * V_NSCALE * V_SBYTES,
+                    a->v_codes + blk * a->sb[3] + h * BS * V_RB,
+                    V_SFMT == 3 ? a->v_scale : a->v_scale + blk * a->sb[4] + h * V_NSCALE * V_SBYTES,
                     a->v_zero + (V_FMT == 1 ? blk * a->sb[5] + h * V_NSCALE * V_SBYTES : 0));
     }
 }

@@ -24,7 +24,11 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
   instruction); the 128 is taken back from the row sums (``OFF``). Values in per-token groups of at least 16
   bytes' slots (KIVI's int4 values in 32-groups: mode GROUPS) scale the probabilities per group, one batched
   product per group. Other layouts (per-channel KIVI keys, smaller groups, fp32 scales) dequantize each element
-  into bf16 (mode ELEM: ``a c + b`` in fp32, rounded once).
+  into bf16 (mode ELEM: ``a c + b`` in fp32, rounded once). fp8 with one fixed scale (axis="tensor", none
+  stored) is TILE with ``a = 1``, nothing loaded; a poisoned token-head holds NaN codes instead of a NaN scale:
+  e4m3's (0x7F, which the bit trick reads as 480) is selected to NaN in the key tile, and in the value tile NaN
+  codes are read as zeros and counted per channel where visible (that channel of the row becomes NaN, as
+  ``attention_reference`` says) -- compile-time, so other formats pay nothing.
 - **No interleave**: a byte of int4 holds channels 2u and 2u+1 (``quant.pack``'s little-endian stream). The
   kernel keeps each of a byte's ``PER`` slots apart: slot ``i`` holds channels ``PER u + i``, u = 0..D/PER-1,
   and the query (and the output) are read (written) in that order. The dot product is the same sum in another
@@ -48,7 +52,7 @@ from kvcompile.policy import Quant
 from kvcompile.store import KVState, LayerSpec
 
 from .attention import _bf16, _dot, _full_tile, _merge_kernel, _online_step
-from .common import INTERPRET, SCALE_CODES, run
+from .common import INTERPRET, run, scale_code
 from .store import _boundary, _e4m3_value, _kind, as_bytes, nonempty
 
 BF16_MAX = tl.constexpr(3.3895313892515355e38)  # torch.finfo(torch.bfloat16).max
@@ -62,9 +66,10 @@ def tensor_mode(q: Quant, head_dim: int, values: bool = False) -> int | None:
     """How the decode kernel reads one tensor stored as ``q`` (None: it cannot; the general kernel runs).
 
     TILE: one scale per token-head (``group`` the whole head) with fp16 or fp8 scales (fp32 scales could
-    overflow fp32 once the ``128 + c`` offset multiplies them). GROUPS (values only): per-token groups of at
-    least 16 bytes' slots (KIVI's int4 values in 32-groups), the probabilities scaled per group, one batched
-    product per group. ELEM: any other grouping whose groups cover whole bytes. Formats: fp8, int8, int4, int2
+    overflow fp32 once the ``128 + c`` offset multiplies them), or none stored (fp8, axis="tensor": always TILE,
+    a scale of 1.0 and the NaN codes of a poisoned token-head handled there). GROUPS (values only): per-token
+    groups of at least 16 bytes' slots (KIVI's int4 values in 32-groups), the probabilities scaled per group, one
+    batched product per group. ELEM: any other grouping whose groups cover whole bytes. Formats: fp8, int8, int4, int2
     (int3's 3-byte units and format "none" are the general kernel's)."""
     if not q.quantized or q.format == "int3":
         return None
@@ -72,11 +77,12 @@ def tensor_mode(q: Quant, head_dim: int, values: bool = False) -> int | None:
     if head_dim & (head_dim - 1) or head_dim // per < 16:
         return None  # slots of D / PER channels: a power of two, at least one dot operand (16) wide
     g = q.group_for(head_dim)
-    if q.axis == "token" and g == head_dim and q.scale_dtype != "float32":
+    token = q.axis != "channel"  # axis="tensor" reads as per token-head, its scale 1.0 (not stored)
+    if token and g == head_dim and q.scale_dtype != "float32":
         return MODE_TILE
-    if values and q.axis == "token" and g // per >= 16 and q.scale_dtype != "float32":
+    if values and token and g // per >= 16 and q.scale_dtype != "float32":
         return MODE_GROUPS
-    if q.axis == "token" and g < per:
+    if token and g < per:
         return None  # a group inside a byte: its slots would need different scales
     return MODE_ELEM
 
@@ -149,12 +155,28 @@ def _code_tile(byte, I: tl.constexpr, BITS: tl.constexpr, KIND: tl.constexpr, E4
 
 
 @triton.jit
+def _fixed_nan(byte, E4M3: tl.constexpr):
+    """Where a byte holds an fp8 NaN code (int32 bytes): e4m3fn's 0x7F / 0xFF, e5m2's 0x7D-0x7F / 0xFD-0xFF. With
+    one fixed scale (SFMT 3) a poisoned token-head's codes are 0x7F; e4m3's decodes (``_code_f32``) to 480, not
+    NaN, so the kernel selects NaN there; e5m2's is an fp16 NaN already."""
+    if E4M3:
+        return (byte & 0x7F) == 0x7F
+    return (byte & 0x7F) > 0x7C
+
+
+@triton.jit
 def _affine(s_ptr, z_ptr, off, ok, KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr,
             SFMT: tl.constexpr):
     """``(a, b)`` fp32 with ``x^ = a * code + b`` (``quant.dequantize``), from the scale and zero point at
     ``off``: asymmetric ``(s, z)``, or ``(s, -z s)`` with fp8 scales and int8 zero points; symmetric
     ``(s, -2**(bits-1) s)``; fp8 ``(s, 0)`` (e4m3: ``256 s``, as ``_code_f32`` is over 2**8). A poisoned group's
-    NaN scale makes both NaN. Masked-out entries are (0, 0)."""
+    NaN scale makes both NaN. Masked-out entries are (0, 0). SFMT 3 (fp8, axis="tensor"): the fixed scale, 1.0,
+    nothing loaded (``s_ptr`` is a placeholder); its NaN codes are the caller's (``_fixed_nan``)."""
+    if SFMT == 3:
+        one = tl.where(ok, 1.0, 0.0) + tl.zeros_like(off).to(tl.float32)  # [off's shape]
+        if E4M3:
+            return one * 256.0, one * 0.0
+        return one, one * 0.0
     if SFMT == 2:
         sb = tl.load(s_ptr + off, mask=ok, other=0).to(tl.int32)
         s = tl.where(sb == 0x7F, float("nan"), _e4m3_value(sb))
@@ -319,7 +341,10 @@ def _decode_kernel(
             if K_MODE == 0:
                 ka, kb = _affine(ks, kz, blk * sks_nb + ksh + row * sks_t, kv_ok, K_KIND, K_BITS, K_E4M3, K_SFMT)
                 # tokens as the rows (M) of the products: the codes are the A operand, made in registers
-                raw = _dot(_code_tile(kbyte, 0, K_BITS, K_KIND, K_E4M3), qt0, None)
+                kt0 = _code_tile(kbyte, 0, K_BITS, K_KIND, K_E4M3)
+                if K_SFMT == 3 and K_E4M3:  # a NaN code (a poisoned token-head): its scores are NaN
+                    kt0 = tl.where(_fixed_nan(kbyte, True), float("nan"), kt0.to(tl.float32)).to(tl.bfloat16)
+                raw = _dot(kt0, qt0, None)
                 if PK > 1:
                     raw = _dot(_code_tile(kbyte, 1, K_BITS, K_KIND, K_E4M3), qt1, raw)
                 if PK > 2:
@@ -385,7 +410,14 @@ def _decode_kernel(
                 pa = _bf16(tl.where(vis, pr * va[None, :], 0.0))  # hidden positions: never NaN * 0
                 psum = psum * alpha + tl.sum(pa.to(tl.float32), 1)
                 bsum = bsum * alpha + tl.sum(tl.where(vis, pr * vb[None, :], 0.0), 1)
-                acc0 = _dot(pa, _code_tile(vbyte, 0, V_BITS, V_KIND, V_E4M3), acc0 * alpha[:, None])
+                vt0 = _code_tile(vbyte, 0, V_BITS, V_KIND, V_E4M3)
+                if V_SFMT == 3:  # NaN codes (a poisoned token-head) read as zeros, counted per channel where visible
+                    vnan = _fixed_nan(vbyte, V_E4M3)
+                    if tl.max(tl.max(vnan.to(tl.int32), 1), 0) > 0:
+                        hit0 = hit0 + _dot(vis.to(tl.float32).to(tl.bfloat16), vnan.to(tl.float32).to(tl.bfloat16),
+                                           None)
+                        vt0 = tl.where(vnan, 0.0, vt0.to(tl.float32)).to(tl.bfloat16)
+                acc0 = _dot(pa, vt0, acc0 * alpha[:, None])
                 if PV > 1:
                     acc1 = _dot(pa, _code_tile(vbyte, 1, V_BITS, V_KIND, V_E4M3), acc1 * alpha[:, None])
                 if PV > 2:
@@ -584,7 +616,7 @@ def decode_config(policy, head_dim: int, sink: int, flush: int, ring: int, block
     for pre, q in (("K_", policy.key), ("V_", policy.value)):
         kw.update({pre + "MODE": tensor_mode(q, D, pre == "V_"), pre + "KIND": _kind(q), pre + "BITS": q.bits,
                    pre + "E4M3": q.format == "fp8_e4m3", pre + "CHANNEL": q.axis == "channel",
-                   pre + "G": q.group_for(D), pre + "SFMT": SCALE_CODES[q.scale_dtype]})
+                   pre + "G": q.group_for(D), pre + "SFMT": scale_code(q)})
     groups = kw["V_MODE"] == MODE_GROUPS  # values' groups and each group's columns per slot (GROUPS only)
     kw.update(G=gqa, M=max(16, triton.next_power_of_2(gqa)), BLOCK_N=block_n, MASK_KIND=mask_kind, DOT=dot,
               CHUNK=chunk, FULL=full, STAGES=stages, NGV=D // kw["V_G"] if groups else 1,
@@ -729,12 +761,15 @@ def affine_terms(state: KVState, spec: LayerSpec, which: str, C: int, own: int =
     if q.is_fp8:
         c = c.view(Q.FP8_DTYPES[q.format])
     c = c.double()
-    srow = row if q.axis == "token" else row // q.group
-    s = scale[blk, :, srow].double()
-    z = zero[blk, :, srow].double() if q.has_zero else torch.zeros_like(s)
-    if q.axis == "token":
-        g = q.group_for(D)
-        s, z = s.repeat_interleave(g, -1), z.repeat_interleave(g, -1)
+    if not q.stores_scale:  # axis="tensor": the fixed scale, 1.0
+        s, z = torch.ones_like(c), torch.zeros_like(c)
+    else:
+        srow = row if q.axis != "channel" else row // q.group
+        s = scale[blk, :, srow].double()
+        z = zero[blk, :, srow].double() if q.has_zero else torch.zeros_like(s)
+        if q.axis != "channel":
+            g = q.group_for(D)
+            s, z = s.repeat_interleave(g, -1), z.repeat_interleave(g, -1)
     if q.has_zero and q.zero_counts_steps:
         a, b = s, -z * s
     elif q.has_zero:

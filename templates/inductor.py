@@ -66,11 +66,15 @@ def _plane_params(t: Tensor, q, D: int, per: int) -> list[Tensor]:
 
 
 def _dequantized_planes(codes, scale, zero, q, D: int) -> tuple[list[Tensor], int]:
-    """Packed region -> (``per`` fp32 planes [B, H, Cq, D/per], per)."""
+    """Packed region -> (``per`` fp32 planes [B, H, Cq, D/per], per). fp8 with one fixed scale (axis="tensor"):
+    the codes' values, no scale (``scale`` is unused); a poisoned token-head's NaN codes read NaN, as torch's fp8
+    conversion reads them."""
     if not q.quantized:
         return [codes.float()], 1
     planes = _planes(codes, q.bits, D)
     per = len(planes)
+    if not q.stores_scale:
+        return [c.to(torch.uint8).view(Q.FP8_DTYPES[q.format]).float() for c in planes], per
     s = _plane_params(scale, q, D, per)
     if q.is_fp8:
         return [c.to(torch.uint8).view(Q.FP8_DTYPES[q.format]).float() * si for c, si in zip(planes, s)], per
@@ -123,7 +127,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
                                        (state.v_codes, state.v_scale, state.v_zero, pol.value)):
             per_row = qz.group if qz.quantized and qz.axis == "channel" else 1  # tokens per scale row
             codes = _paged(codes, state.table, BS)
-            if qz.quantized:
+            if qz.stores_scale:  # (axis="tensor": none stored, the scale is 1.0)
                 scale = _paged(scale, state.table, BS, per_row)
                 zero = _paged(zero, state.table, BS, per_row) if qz.has_zero else zero
             planes.append(_dequantized_planes(codes, scale, zero, qz, D))

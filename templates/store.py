@@ -22,7 +22,8 @@ tokens an ``n``-token append can flush is ``ceil(n/F)*F``); each program reads `
 exits early when it has nothing to do, so a decode step is CUDA-graph capturable.
 
 Numerics, step for step as ``quant.quantize`` (all fp32, IEEE-exact on GPU and in the interpreter; saturating
-at ``quant.limits``; a group holding NaN or inf poisoned: NaN scale, codes 0):
+at ``quant.limits``; a group holding NaN or inf poisoned: NaN scale, codes 0 -- or, with one fixed scale that is
+not stored (fp8, axis="tensor": ``common.scale_code`` 3), every code of its token-head 0x7F, fp8's NaN):
 division by ``tl.math.div_rn`` (correctly rounded; plain ``/`` is approximate on NVIDIA GPUs); round half to
 even by adding and subtracting 1.5 * 2**23; fp16 directed rounding by correcting the round-to-nearest result one
 step through its int16 bit pattern; fp8 codes by integer arithmetic that replicates c10's
@@ -41,7 +42,7 @@ from kvcompile import quant as Q
 from kvcompile.policy import Quant
 from kvcompile.store import KVState, LayerSpec
 
-from .common import SCALE_CODES, run
+from .common import run, scale_code
 
 # 1.5 * 2**23: adding it to |y| < 2**22 leaves round_half_even(y) in the low bits (fp32 has 23 mantissa bits).
 _RNE_MAGIC = tl.constexpr(12582912.0)
@@ -169,7 +170,9 @@ def _quantize(x, valid, AXIS: tl.constexpr, KIND: tl.constexpr, BITS: tl.constex
     finite elements only (min/max never see a NaN); a group holding a NaN or +-inf is poisoned (NaN scale and
     zero point, codes 0). Clamps are written as selects that keep -0.0, as torch.clamp does.
     SFMT: the scale dtype, 0 fp16, 1 fp32, 2 fp8 e4m3 (scales returned as int32 bit patterns, zero points as
-    int32 counts of steps, each stored through a byte pointer).
+    int32 counts of steps, each stored through a byte pointer), 3 none (fp8 only, KIND 2: one fixed scale, 1.0,
+    not stored -- ``x`` clamped to the format's largest and encoded; a poisoned group's codes are all 0x7F,
+    ``quant.FP8_NAN``; the scale returned is 1.0, for the caller not to store).
     Returns (codes int32 like ``x``, scale [reduced] in the scale dtype, zero [reduced] or the scale again).
     """
     fin = tl.abs(x) < float("inf")  # False for NaN
@@ -222,6 +225,17 @@ def _quantize(x, valid, AXIS: tl.constexpr, KIND: tl.constexpr, BITS: tl.constex
         y = tl.where(tl.expand_dims(bad, AXIS), 0.0, y)  # a poisoned group's codes are 0
         scale = tl.where(bad, _nan_scale(scale, SFMT), scale)
         return y.to(tl.int32), scale, scale
+    elif SFMT == 3:  # fp8 with one fixed scale, 1.0, not stored (axis="tensor"): the nearest value, saturating
+        if E4M3:
+            FMAX: tl.constexpr = 448.0
+        else:
+            FMAX: tl.constexpr = 57344.0
+        bad = tl.max(tl.where(valid & ~fin, 1, 0), axis=AXIS) > 0
+        y = tl.where(xs < -FMAX, -FMAX, xs)
+        y = tl.where(y > FMAX, FMAX, y)
+        codes = tl.where(tl.expand_dims(bad, AXIS), 0x7F, _fp8_encode(y, E4M3))  # a poisoned group: NaN codes
+        one = tl.where(bad, 1.0, 1.0)  # the fixed scale (returned for the signature; never stored)
+        return codes, one, one
     else:
         if E4M3:
             FMAX: tl.constexpr = 448.0
@@ -278,7 +292,7 @@ def _flush_kernel(
     sx_b, sx_h, sx_t,  # chunk [B, H, n, D] (unit stride along D)
     sr_b, sr_h, sr_t,  # ring [B, H, W, D]
     sc_nb, sc_h, sc_t,  # codes [NB, H, BS, PB] (or [NB, H, BS, D] for "none")
-    ss_nb, ss_h, ss_t,  # scale / zero [NB, H, BS, D/g] (token) or [NB, H, BS/g, D] (channel)
+    ss_nb, ss_h, ss_t,  # scale / zero [NB, H, BS, D/g] (token) or [NB, H, BS/g, D] (channel); none for SFMT 3
     st_b, MB, NB,  # block table [B, MB]; blocks in the pool
     H,
     D: tl.constexpr, DB: tl.constexpr, S: tl.constexpr, R: tl.constexpr, F: tl.constexpr, W: tl.constexpr,
@@ -356,10 +370,11 @@ def _flush_kernel(
             codes = tl.reshape(codes3, (BLOCK_T, DB))
             gi = tl.arange(0, NG)
             s_ok = tok_ok[:, None] & (gi * G < D)[None, :]
-            s_off = blk.to(tl.int64)[:, None] * ss_nb + h.to(tl.int64) * ss_h + jr[:, None] * ss_t + gi[None, :]
-            tl.store(scale_ptr + s_off, scale, mask=s_ok)
-            if HAS_ZERO:
-                tl.store(zero_ptr + s_off, zero, mask=s_ok)
+            if SFMT != 3:  # (SFMT 3: the scale is fixed, and the pool holds none)
+                s_off = blk.to(tl.int64)[:, None] * ss_nb + h.to(tl.int64) * ss_h + jr[:, None] * ss_t + gi[None, :]
+                tl.store(scale_ptr + s_off, scale, mask=s_ok)
+                if HAS_ZERO:
+                    tl.store(zero_ptr + s_off, zero, mask=s_ok)
         _store_packed(cb, codes, unit_ok, BITS, DB, BLOCK_T)
 
 
@@ -426,9 +441,9 @@ def flush_config(q: Quant, head_dim: int, sink: int, residual: int, flush: int, 
     D = head_dim
     DB = triton.next_power_of_2(D)
     g = q.group_for(D) if q.quantized else 1
-    channel = q.quantized and q.axis == "channel"
+    channel = q.quantized and q.axis == "channel"  # (axis="tensor" is per token-head: group D, no scale stored)
     kw = dict(D=D, DB=DB, S=sink, R=residual, F=flush, W=ring, KIND=_kind(q), BITS=q.bits,
-              E4M3=q.format == "fp8_e4m3", SFMT=SCALE_CODES[q.scale_dtype], HAS_ZERO=q.has_zero,
+              E4M3=q.format == "fp8_e4m3", SFMT=scale_code(q), HAS_ZERO=q.has_zero,
               CHANNEL=channel, G=g, GB=triton.next_power_of_2(g) if not channel else g,
               ZMAX=Q.limits(q)[0] if q.quantized else 0.0, SMAX=Q.limits(q)[1] if q.quantized else 0.0)
     key = f"store.flush[{q.key()};D={D};S={sink};R={residual};F={flush};W={ring}]"

@@ -27,6 +27,7 @@ NONFINITE_POLICIES = [
            residual=0, sink=2),
     Policy(Quant("fp8_e5m2", "channel", 4, scale_dtype="fp8_e4m3"),
            Quant("int8", "token", None, True, "fp8_e4m3"), residual=3, rotate=True),
+    Policy(Quant("fp8_e4m3", "tensor"), Quant("fp8_e5m2", "tensor"), residual=2, sink=1),
 ]
 
 BAD = (float("nan"), float("inf"), -float("inf"))

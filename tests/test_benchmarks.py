@@ -97,6 +97,11 @@ def test_vllm_fp8_quality_smoke(tiny_dir, tmp_path):
         abs(rows["vLLM fp8 (scale 1.0)"]["delta"])
     # head_dim 32: an fp16 scale a token-head is 2 bytes over 32 one-byte codes
     assert rows["kvcompile fp8-r0 (fp16 scale a token-head)"]["bytes_per_element"] == {"32": 1 + 2 / 32, "128": 1 + 2 / 128}
+    # fp8 with no scale stored is vLLM's fp8 at scale 1.0: the same bytes, the same rounding, the same loss
+    tensor = rows["kvcompile fp8-tensor (no scale stored)"]
+    assert tensor["bytes_per_element"] == {"32": 1.0, "128": 1.0}
+    assert tensor["delta_per_window"] == rows["vLLM fp8 (scale 1.0)"]["delta_per_window"]
+    assert rows["kvcompile fp8-tensor+rot (no scale stored, rotated)"]["bytes_per_element"] == {"32": 1.0, "128": 1.0}
 
 
 def test_cpu_prompt_rows_smoke():

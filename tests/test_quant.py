@@ -350,3 +350,51 @@ def test_saturate_clamps_finite_values_only():
     y = Q.saturate(x, torch.float16)
     assert y[:4].tolist() == [65504.0, -65504.0, 65504.0, 1.5]
     assert y[4] == float("inf") and y[5] == -float("inf") and y[6].isnan()
+
+
+# --------------------------------------------------------------------------- fp8 with one fixed scale
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fixed_scale_fp8_is_vllms_fp8_cast(fmt, dtype):
+    """axis="tensor": each element is the format's nearest value, saturating, with no scale stored -- what vLLM's
+    fp8 cache stores without checkpoint scales (``x / 1.0`` clamped and cast), written here as vLLM writes it,
+    over values from the subnormal range to beyond the format's largest."""
+    q = Quant(fmt, "tensor")
+    F = Q.FP8_MAX[fmt]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 17, 64, generator=g) * torch.logspace(-12, 6, 17, base=2.0)[:, None]
+    big = min(F * 3, torch.finfo(dtype).max)  # beyond the format's largest, within the model dtype's
+    x[0, 0, :4] = torch.tensor([big, -big, F, -0.0])
+    x = x.to(dtype)
+    codes, scale, zero = Q.quantize(x, q)
+    vllm = x.float().clamp(-F, F).to(Q.FP8_DTYPES[fmt]).view(torch.uint8)
+    assert torch.equal(codes, vllm) and zero is None
+    assert scale.shape == (3, 17, 1) and (scale == 1).all()  # quantize's scale; a store keeps none
+    xh = Q.dequantize(codes, scale, zero, q)
+    assert torch.equal(xh, vllm.view(Q.FP8_DTYPES[fmt]).float())
+    assert torch.equal(Q.clipped(x, q), x.float().abs() > F + {"fp8_e4m3": 16.0, "fp8_e5m2": 4096.0}[fmt])
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_fixed_scale_fp8_poisons_exactly_its_token_head(fmt, bad):
+    """With no scale to mark, a token-head holding NaN or +-inf stores the NaN code in every channel and reads NaN
+    there, and nowhere else; finite values never encode to that code (they saturate)."""
+    q = Quant(fmt, "tensor")
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1)) * 1e6
+    x[1, 3, 7] = bad
+    codes, scale, zero = Q.quantize(x, q)
+    xh = Q.dequantize(codes, scale, zero, q)
+    head = torch.zeros_like(xh, dtype=torch.bool)
+    head[1, 3] = True
+    assert torch.equal(xh.isnan(), head) and (codes[head] == Q.FP8_NAN).all()
+    assert not (codes[~head] & 0x7F == 0x7F).any()
+
+
+def test_fixed_scale_is_refused_where_it_cannot_mean_anything():
+    from kvcompile.errors import PolicyError
+    for kw, said in [(dict(format="int8"), "fp8 formats only"), (dict(group=16), "leave group None"),
+                     (dict(scale_dtype="fp8_e4m3"), "stores no scale"), (dict(symmetric=False), "symmetric")]:
+        with pytest.raises(PolicyError, match=said):
+            Quant(**{"format": "fp8_e4m3", "axis": "tensor", **kw})
+    assert Quant("fp8_e4m3", "tensor").key() == "fp8_e4m3.tensor" and not Quant("fp8_e5m2", "tensor").stores_scale

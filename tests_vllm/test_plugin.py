@@ -162,6 +162,8 @@ QUANTIZED = {
     "fp8-int8-bf16": (Policy(Quant("fp8_e4m3", "token"), Quant("int8", "token", scale_dtype="float32")).to_dict(),
                       "bfloat16"),
     "int8": ("int8", "float32"),  # a preset by name
+    # fp8 with no scale stored (vLLM fp8's bytes), rotated, in a bf16 model: a preset by name
+    "fp8-tensor+rot-bf16": ("fp8-tensor+rot", "bfloat16"),
     # a policy per layer: 2-bit rotated keys and values, the last layer int8 (pages of two sizes)
     "per-layer": (Policy(Quant("int2", "token"), Quant("int2", "token"), rotate=True)
                   .override({-1: Policy.int8()}).to_dict(), "float32"),
@@ -327,7 +329,8 @@ def vllm_loss(llm, windows) -> list[float]:
 SINKS_256 = Policy.kivi(4, sink=4, residual=252, rotate=True)
 
 
-@pytest.mark.parametrize("name", ["full", "int8", "tok+rot:4", "tok+rot+sym:2", "kivi:4", "kivi-r0+rot+fp8s:4",
+@pytest.mark.parametrize("name", ["full", "int8", "fp8-tensor+rot", "tok+rot:4", "tok+rot+sym:2", "kivi:4",
+                                  "kivi-r0+rot+fp8s:4",
                                   "kivi+rot+sink-r252:4"])
 def test_loss_through_vllm_is_kvcompile_eval_reading_every_position_as_stored(tiny, hf_and_windows, name):
     """The quality a user measures through vLLM is what ``kvcompile eval --own stored`` reports for the same policy

@@ -70,6 +70,8 @@ def test_attention_kernel_grid(gqa, D):
 @st.composite
 def quants(draw, D):
     fmt = draw(st.sampled_from(["int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2", "none"]))
+    if fmt.startswith("fp8") and draw(st.integers(0, 2)) == 0:
+        return Quant(fmt, "tensor")  # one fixed scale (1.0), none stored
     axis = draw(st.sampled_from(["token", "channel"]))
     group = draw(st.sampled_from([None, 8, 16]) if axis == "token" else st.sampled_from([2, 4, 8]))
     return Quant(fmt, axis, group, True if fmt.startswith("fp8") else draw(st.booleans()),
@@ -241,6 +243,8 @@ from nonfinite_checks import NONFINITE_POLICIES, assert_nan_pattern  # noqa: E40
     (Policy(Quant("fp8_e4m3", "channel", 4, scale_dtype="float32"), Quant("fp8_e5m2", "token", 8), residual=2,
             sink=1, rotate=True), "bfloat16"),
     (NONFINITE_POLICIES[3], "float32"),  # fp8 scales, int8 zero points
+    (NONFINITE_POLICIES[5], "bfloat16"),  # one fixed scale, none stored: a poisoned token-head holds NaN codes
+    (Policy(Quant("fp8_e5m2", "tensor"), Quant("fp8_e4m3", "tensor"), residual=3, sink=2, rotate=True), "float32"),
 ]))
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on NaN operands
 def test_attention_kernel_non_finite_values_poison_what_the_reference_says(policy, dtype):
@@ -274,3 +278,62 @@ def test_attention_kernel_non_finite_values_poison_what_the_reference_says(polic
     own = torch.stack([k[b, :, int(lengths[b]) - 5:int(lengths[b])] for b in range(B)])
     own_v = torch.stack([v[b, :, int(lengths[b]) - 5:int(lengths[b])] for b in range(B)])
     one(torch.randn(B, H * G, 5, D, generator=g), chunk=(own, own_v))
+
+
+@pytest.mark.parametrize("kf,vf", [("fp8_e4m3", "fp8_e5m2"), ("fp8_e5m2", "fp8_e4m3")])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on NaN operands
+def test_fixed_scale_poisoned_token_head_reads_nan_there_and_nowhere_else(kf, vf):
+    """fp8 with one fixed scale (axis="tensor", no scale stored): an inf in one key of one head and a NaN in one
+    value of another head, written by the Triton store, make every code of exactly those two token-heads the NaN
+    code (0x7F) and no other code NaN; the Triton kernels read them as NaN. A query that sees only the poisoned
+    position gets NaN in the query heads of that KV head and a finite value elsewhere (the general kernel, one
+    query per position; the decode kernel, one position at a time), and one that sees neither is finite."""
+    B, H, G, D, L = 1, 2, 2, 32, 40
+    spec = LayerSpec(Policy(Quant(kf, "tensor"), Quant(vf, "tensor"), residual=0), H, D, block_tokens=16)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(B, H, L, D, generator=g), torch.randn(B, H, L, D, generator=g)
+    k[0, 0, 20, 0] = float("inf")  # key: token 20 of KV head 0
+    v[0, 1, 7, 5] = float("nan")  # value: token 7 of KV head 1
+    ref = scrambled(spec, B, 2 * spec.blocks_for(L), 1)
+    got = ref.copy(DEV)
+    ref.append(k, v)
+    got.append(k.to(DEV), v.to(DEV), kernel=launch.store)
+    from store_checks import assert_same_store
+    assert_same_store(ref.state, got.state, spec)
+    state = got.copy("cpu").state
+    assert spec.boundary(L) == L  # every position packed
+    table = state.table[0].long()
+    for codes, (pos, head) in ((state.k_codes, (20, 0)), (state.v_codes, (7, 1))):
+        per_pos = torch.stack([codes[table[p // 16], :, p % 16] for p in range(L)])  # [L, H, D]
+        nan_code = (per_pos & 0x7F) == Q.FP8_NAN
+        want = torch.zeros(L, H, dtype=torch.bool)
+        want[pos, head] = True
+        assert torch.equal(nan_code.all(-1), want) and torch.equal(nan_code.any(-1), want)
+        assert (per_pos[pos, head] == Q.FP8_NAN).all()
+    heads = torch.arange(H * G) // G  # each query head's KV head
+    # the general kernel: query i sees position i only, so its output is that position's value (or NaN)
+    q = torch.randn(B, H * G, L, D, generator=g)
+    only = torch.zeros(B, 1, L, L, dtype=torch.bool)
+    only[0, 0, torch.arange(L), torch.arange(L)] = True
+    out = launch.attention(q.to(DEV), type(state)(*[t.to(DEV) for t in state]), spec, only.to(DEV)).cpu()
+    want = torch.zeros(B, H * G, L, D, dtype=torch.bool)
+    want[0, heads == 0, 20] = True  # the poisoned key: its score is NaN, so the row is
+    want[0, heads == 1, 7] = True  # the poisoned value: every channel NaN
+    assert torch.equal(out.isnan(), want) and not out.isinf().any()
+    assert_nan_pattern(out, attention_reference(q, state, spec, only, None, torch.float64))
+    ok = ~want
+    want_v, bound = launch.reference_and_bound(q, state, spec, only, device=DEV)
+    assert ((out.double() - want_v).abs()[ok] <= bound[ok]).all()
+    # the decode kernel: a query that sees position 7, 20, or everything but those two
+    q1 = torch.randn(B, H * G, 1, D, generator=g)
+    for seen, bad_head in (([7, 3], 1), ([20, 11], 0), ([p for p in range(L) if p not in (7, 20)], -1)):
+        mask = torch.zeros(B, 1, 1, L, dtype=torch.bool)
+        mask[..., seen] = True
+        assert launch.plan(state, spec, q1.shape, mask).decode
+        out = launch.attention(q1.to(DEV), type(state)(*[t.to(DEV) for t in state]), spec, mask.to(DEV),
+                               kernel="decode").cpu()
+        want = (heads == bad_head).view(1, H * G, 1, 1).expand(B, H * G, 1, D)
+        assert torch.equal(out.isnan(), want) and not out.isinf().any(), seen
+        want_v, bound = launch.reference_and_bound(q1, state, spec, mask, kernel="decode", device=DEV)
+        assert torch.equal(want_v.isnan(), want)
+        assert ((out.double() - want_v).abs()[~want] <= bound[~want]).all(), seen

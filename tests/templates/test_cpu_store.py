@@ -91,6 +91,7 @@ def test_cpu_store_equals_reference(case):
 
 
 @pytest.mark.parametrize("policy", [Policy.kivi(2, group=4, residual=3, sink=2), Policy.fp8(residual=0),
+                                    Policy.fp8("fp8_e5m2", residual=2, axis="tensor"),
                                     Policy(Quant("int3", "channel", 8, True, "float32"), Quant("none"), residual=2)])
 def test_cpu_store_decode_steps_cross_every_boundary(policy):
     """Token by token through sinks, the residual, several flushes, block boundaries and the ring's

@@ -58,6 +58,9 @@ LAYOUTS = [  # (policy, head_dim, G): every mode and format; ragged rows around 
             residual=0), 64, 2),  # fp8 scales with int8 zero points; per-channel values
     (Policy(Quant("int8", "token", 16, False, "float32"), Quant("fp8_e5m2", "token", 16, scale_dtype="float32"),
             residual=2), 32, 3),  # fp32 scales: elementwise
+    # one fixed scale (1.0), none stored (axis="tensor"): on the tiles, as a per-token-head scale of 1
+    (Policy(Quant("fp8_e4m3", "tensor"), Quant("fp8_e5m2", "tensor"), residual=0, sink=1), 64, 2),
+    (Policy(Quant("fp8_e5m2", "tensor"), Quant("fp8_e4m3", "tensor"), residual=3, rotate=True), 128, 4),
 ]
 
 
@@ -80,6 +83,8 @@ def test_decode_kernel_grid(policy, D, G):
 @st.composite
 def quants(draw, D):
     fmt = draw(st.sampled_from(["int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"]))
+    if fmt.startswith("fp8") and draw(st.integers(0, 2)) == 0:
+        return Quant(fmt, "tensor")  # one fixed scale (1.0), none stored
     per = 8 // int(fmt[-1]) if fmt.startswith("int") else 1
     axis = draw(st.sampled_from(["token", "channel"]))
     if axis == "token":
@@ -128,6 +133,8 @@ def test_decode_kernel_equals_float64_attention(case):
     Policy(Quant("fp8_e4m3", "token"), Quant("int4", "token"), residual=2, sink=1),  # TILE both
     Policy(Quant("int4", "channel", 4, scale_dtype="fp8_e4m3"), Quant("int8", "channel", 4, scale_dtype="fp8_e4m3"),
            residual=0, sink=2),  # fp8 scales: a poisoned group's scale byte is 0x7F
+    Policy(Quant("fp8_e4m3", "tensor"), Quant("fp8_e5m2", "tensor"), residual=2, sink=1),  # NaN codes, no scale
+    Policy(Quant("fp8_e5m2", "tensor"), Quant("fp8_e4m3", "tensor"), residual=0, rotate=True),
 ]))
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on NaN operands
 def test_decode_kernel_non_finite_values_poison_what_the_reference_says(policy):
@@ -156,6 +163,9 @@ def test_which_layouts_the_decode_kernel_serves():
     assert decode.tensor_mode(tok, 128) == decode.MODE_TILE
     assert decode.tensor_mode(Quant("fp8_e4m3", "token", scale_dtype="fp8_e4m3"), 64) == decode.MODE_TILE
     assert decode.tensor_mode(Quant("int4", "token", scale_dtype="float32"), 64) == decode.MODE_ELEM
+    for fmt in ("fp8_e4m3", "fp8_e5m2"):  # one fixed scale, none stored: a tile scale of 1
+        assert decode.tensor_mode(Quant(fmt, "tensor"), 64) == decode.tensor_mode(Quant(fmt, "tensor"), 64, True) \
+            == decode.MODE_TILE
     assert decode.tensor_mode(Quant("int4", "channel", 32), 128) == decode.MODE_ELEM
     assert decode.tensor_mode(Quant("int2", "token", 8), 64) == decode.MODE_ELEM
     kivi_v = Quant("int4", "token", 32)  # values: a batched product per group; keys: per element
@@ -214,6 +224,10 @@ def test_decode_keys_spell_out_the_specialization():
     assert key == ("decode[k=int4.channel.32.asym.f16:elem;v=int4.token.32.asym.f16:groups;S=4;R=16;F=32;W=47;"
                    "BS=64;D=128;gqa=4;bn=128;stages=3;mask=0;dot=tf32;chunk=0;full=1]")
     assert kw["M"] == 16 and kw["K_CHANNEL"] and not kw["V_CHANNEL"] and kw["V_G"] == 32 and kw["FULL"]
+    key, kw = decode.decode_config(Policy.fp8("fp8_e5m2", residual=0, axis="tensor"), 128, 0, 1, 0, 16, 4, 64, 3, 0,
+                                   "tf32", False, False)
+    assert key.startswith("decode[k=fp8_e5m2.tensor:tile;v=fp8_e5m2.tensor:tile;")
+    assert kw["K_SFMT"] == kw["V_SFMT"] == 3 and kw["K_G"] == 128 and not kw["K_CHANNEL"]  # no scale, per head
 
 
 @pytest.mark.parametrize("n", slow_after(1, [5, 12]))

@@ -45,6 +45,10 @@ SCRIPT = textwrap.dedent("""
         (Policy(Quant("int4", "channel", 32), Quant("int4", "token"), residual=16, sink=4, rotate=True,
                 pre_rope=True), 128, "bfloat16", 4, 64, None, None, None),
         (Policy.fp8(residual=0, pre_rope=True), 64, "float16", 2, 1, torch.ones(1, dtype=torch.bool), 16, None),
+        # fp8 with one fixed scale, none stored (axis="tensor"): the store's saturating cast and NaN codes, the decode
+        # kernel's tiles (e4m3's NaN code selected) and the general kernel's prefill
+        (Policy.fp8(residual=4, sink=2, axis="tensor", rotate=True), 128, "bfloat16", 4, 1, None, None, None, "decode"),
+        (Policy.fp8("fp8_e5m2", residual=0, axis="tensor"), 64, "float16", 2, 5, None, 16, None),
     ]
     with common.compile_only(90, log):
         for policy, D, dt, G, n, mask, block, tiles, *kernel in cases:
@@ -74,7 +78,9 @@ SCRIPT = textwrap.dedent("""
           "decode:", sorted({(c["K_MODE"], c["V_MODE"], c["FULL"], c["CHUNK"], c["MASK_KIND"], c["BLOCK_N"] > c["BS"])
                              for n, c in log if n == "_decode_kernel"}),
           "invariant:", sum(bool(c.get("INVARIANT")) for n, c in log if n == "_decode_kernel"),
-          sum(bool(c.get("IN_ORDER")) for n, c in log if n == "_merge_kernel"))
+          sum(bool(c.get("IN_ORDER")) for n, c in log if n == "_merge_kernel"),
+          "fixed:", sorted({(n, c.get("E4M3", c.get("K_E4M3"))) for n, c in log
+                            if 3 in (c.get("SFMT"), c.get("K_SFMT"), c.get("V_SFMT"))}))
 """)
 
 
@@ -105,3 +111,6 @@ def test_kernels_compile_for_sm90():
     for want in ("(1, 2, True, True, 0, False)", "(1, 2, True, False, 2, False)", "(0, 1, True, True, 1, True)"):
         assert want in decode, r.stdout
     assert "invariant: 2 2" in r.stdout, r.stdout  # row-invariant splits and the in-order merge lower too
+    # one fixed scale, none stored (fp8 axis="tensor"): the store (both formats), the decode and the general kernel
+    assert ("fixed: [('_attn_kernel', False), ('_decode_kernel', True), ('_flush_kernel', False), "
+            "('_flush_kernel', True)]") in r.stdout, r.stdout

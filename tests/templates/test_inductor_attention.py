@@ -21,6 +21,8 @@ TOL = 2e-6
 def cases(draw):
     def quant():
         fmt = draw(st.sampled_from(["int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2", "none"]))
+        if fmt.startswith("fp8") and draw(st.integers(0, 2)) == 0:
+            return Quant(fmt, "tensor")  # one fixed scale (1.0), none stored
         axis = draw(st.sampled_from(["token", "channel"]))
         group = draw(st.sampled_from([None, 8, 16]) if axis == "token" else st.sampled_from([4, 8]))
         return Quant(fmt, axis, group, True if fmt.startswith("fp8") else draw(st.booleans()))
@@ -54,7 +56,9 @@ def test_inductor_attention_equals_reference(case):
 
 
 @pytest.mark.parametrize("policy", slow_after(1, [Policy.kivi(4, group=8, residual=8), Policy.fp8(residual=4),
-                                                 Policy.kivi(3, group=8, residual=0, sink=2, rotate=True)]))
+                                                 Policy.kivi(3, group=8, residual=0, sink=2, rotate=True),
+                                                 Policy(Quant("fp8_e4m3", "tensor"), Quant("fp8_e5m2", "tensor"),
+                                                        residual=4, rotate=True)]))
 def test_compiled_inductor_attention_equals_reference(policy):
     """Compiled decode over a forked store with scrambled blocks of 16 equals the reference, and the gather
     through the table, the unpacking and the dequantization stay folded into the reductions' loads: no
@@ -143,4 +147,25 @@ def test_compiled_inductor_attention_non_finite_values():
     q = torch.randn(B, 2 * H, 1, D, generator=torch.Generator().manual_seed(5))
     want = attention_reference(q, store.state, spec, None, None, torch.float64)
     assert want.isnan().any() and (~want.isnan()).any()
+    assert_close(fn(q, store.state), want, TOL, spec.name)
+
+
+def test_compiled_inductor_attention_reads_fixed_scale_nan_codes():
+    """fp8 with one fixed scale (axis="tensor", no scale stored), compiled: a NaN value in one packed token of
+    KV head 1 is stored as that token-head's NaN codes (0x7F), which read NaN -- every channel of the query heads
+    of KV head 1 that see it, and nothing of KV head 0's -- as attention_reference says."""
+    policy = Policy(Quant("fp8_e4m3", "tensor"), Quant("fp8_e5m2", "tensor"), residual=3, sink=1)
+    B, H, D, L = 2, 2, 16, 40
+    spec = LayerSpec(policy, H, D, block_tokens=16)
+    g = torch.Generator().manual_seed(6)
+    k, v = torch.randn(B, H, L, D, generator=g), torch.randn(B, H, L, D, generator=g)
+    v[0, 1, 7, 2] = float("nan")
+    store = scrambled(spec, B, 2 * B * spec.blocks_for(L), 6)
+    store.append(k, v, torch.tensor([L, L - 7]))
+    fn = torch.compile(lambda q, st: inductor.attention(q, st, spec, None, None), fullgraph=True)
+    q = torch.randn(B, 2 * H, 1, D, generator=g)
+    want = attention_reference(q, store.state, spec, None, None, torch.float64)
+    nan = torch.zeros_like(want, dtype=torch.bool)
+    nan[0, 2:] = True  # the query heads of KV head 1 in row 0
+    assert torch.equal(want.isnan(), nan)
     assert_close(fn(q, store.state), want, TOL, spec.name)

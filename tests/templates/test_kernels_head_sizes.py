@@ -25,7 +25,7 @@ from tiers import slow_after
 
 PRESETS = {"kivi2": Policy.kivi(2), "kivi3+sink+rot": Policy.kivi(3, sink=4, rotate=True),
            "kivi4+rot": Policy.kivi(4, rotate=True), "kivi8": Policy.kivi(8), "fp8": Policy.fp8(),
-           "int8+rot": Policy.int8(rotate=True), "full": Policy.full()}
+           "fp8-tensor": Policy.fp8(axis="tensor"), "int8+rot": Policy.int8(rotate=True), "full": Policy.full()}
 HEADS = (80, 96, 112, 120, 128, 256)
 LENGTHS = [1, 30, 77, 100]  # one row in the window only, the others across flushes and blocks
 
@@ -101,7 +101,7 @@ def test_c_kernels_at_every_head_size(name, D):
 
 
 @pytest.mark.parametrize("D", slow_after(1, [80, 96]))
-@pytest.mark.parametrize("name", slow_after(1, ["kivi2", "kivi3+sink+rot", "fp8", "int8+rot"]))
+@pytest.mark.parametrize("name", slow_after(1, ["kivi2", "kivi3+sink+rot", "fp8", "int8+rot", "fp8-tensor"]))
 def test_triton_kernels_at_non_power_of_two_heads(name, D):
     """Through Triton's interpreter on the CPU (about 15 s a case): the formats and groups that reach the
     kernels differently, each head padded to its tile of 128 channels."""

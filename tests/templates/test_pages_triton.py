@@ -18,7 +18,8 @@ CUTS = {"whole": [40], "chunks": [16, 16, 8], "cached": [32, 1, 7], "recomputed"
 @pytest.mark.parametrize("policy,windowed", [
     (Policy(Quant("int4", "token"), Quant("int4", "token"), rotate=True), False),
     (Policy.kivi(4, group=16, residual=20, sink=2, rotate=True), True),  # key groups, a window and sinks
-], ids=["tok+rot:4", "kivi+sinks"])
+    (Policy.fp8(residual=0, axis="tensor", rotate=True), False),  # one fixed scale, none stored
+], ids=["tok+rot:4", "kivi+sinks", "fp8-tensor+rot"])
 def test_a_tokens_attention_is_the_same_bits_however_the_work_is_cut_on_triton(policy, windowed):
     H, Hq, D, block, n_pages = 2, 4, 64, 16, 24
     g = torch.Generator().manual_seed(7)

@@ -54,7 +54,8 @@ def test_store_kernel_equals_reference(case):
         assert_same_store(ref.state, got.state, spec)
 
 
-@pytest.mark.parametrize("policy", slow_after(1, [Policy.kivi(2, group=4, residual=3, sink=2), Policy.fp8(residual=0)]))
+@pytest.mark.parametrize("policy", slow_after(1, [Policy.kivi(2, group=4, residual=3, sink=2), Policy.fp8(residual=0),
+                                                 Policy.fp8("fp8_e5m2", residual=2, axis="tensor", sink=1)]))
 def test_store_kernel_decode_steps_cross_every_boundary(policy):
     """Token by token through sinks, the residual, several flushes, block ends and the ring's wrap-around."""
     B, H, D, C = 2, 1, 16, 40
@@ -82,6 +83,30 @@ def test_store_kernel_rounds_ties_to_even(fmt, sym):
     store_reference(ref, spec, x, x)
     launch.store(got, spec, x.to(DEV), x.to(DEV))
     assert_same_store(ref, got, spec)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_store_kernel_fixed_scale_fp8_rounds_and_saturates_as_the_reference(fmt):
+    """axis="tensor" (one fixed scale, 1.0, not stored): each element becomes its nearest fp8 value, bit for bit as
+    the reference (torch's cast after a clamp to the format's largest) -- every fp8 value, every midpoint (ties to
+    even) and one fp32 ulp either side, subnormals, -0.0, and values beyond the largest, which saturate to it
+    (never NaN or inf). No scale is stored: the pool has none."""
+    D, fmax = 16, Q.FP8_MAX[fmt]
+    every = torch.arange(256, dtype=torch.uint8).view(Q.FP8_DTYPES[fmt]).float()
+    x = around(every[every.isfinite()])
+    beyond = torch.tensor([fmax + 1, fmax * 1.0001, fmax * 1.5, fmax * 2, 1e6, 1e30, 3e38])
+    x = torch.cat([x, beyond, -beyond, torch.tensor([0.0, -0.0, 2.0 ** -20, -(2.0 ** -30)])])
+    x = torch.cat([x, torch.zeros(-x.numel() % D)]).view(1, 1, -1, D)
+    T = x.shape[2]
+    spec = LayerSpec(Policy(Quant(fmt, "tensor"), Quant(fmt, "tensor"), residual=0), 1, D)
+    ref, got = spec.allocate(1, T), spec.allocate(1, T, DEV)
+    store_reference(ref, spec, x, x.flip(2))
+    launch.store(got, spec, x.to(DEV), x.flip(2).to(DEV))
+    assert_same_store(ref, got, spec)
+    assert got.k_scale.numel() == got.v_scale.numel() == got.k_zero.numel() == 0
+    codes = got.k_codes.cpu()
+    top = torch.tensor([fmax]).to(Q.FP8_DTYPES[fmt]).view(torch.uint8)
+    assert ((codes & 0x7F) == top).sum() > 2 * len(beyond) and not ((codes & 0x7F) > top).any()  # saturated
 
 
 def test_store_kernel_unreserved_block_raises_like_the_reference():
@@ -237,6 +262,8 @@ from nonfinite_checks import BAD, NONFINITE_POLICIES, bad_inputs  # noqa: E402
      "float32"),
     (NONFINITE_POLICIES[3], "bfloat16"),  # fp8 scales, int8 zero points
     (NONFINITE_POLICIES[4], "float16"),
+    (NONFINITE_POLICIES[5], "bfloat16"),  # one fixed scale, none stored: a poisoned token-head's codes are NaN codes
+    (Policy(Quant("fp8_e5m2", "tensor"), Quant("fp8_e4m3", "tensor"), residual=3, sink=2, rotate=True), "float32"),
 ]))
 def test_store_kernel_non_finite_and_huge_inputs_equal_reference(policy, dtype):
     """The Triton store: NaN, +inf and -inf in sinks, on packed groups' first and
