@@ -14,7 +14,10 @@ the scored ones).
 Every contender runs the same way: the model's attention (transformers' SDPA) reads keys and values rounded to
 the format, every position including the query's own -- what a store read at every position gives (``kvcompile
 eval --own stored``, and the plugin's pages). kvcompile's formats are rounded by ``kvcompile.quant`` (the
-reference the kernels are tested against, bit for bit), post-RoPE as the plugin stores them, without rotation.
+reference the kernels are tested against, bit for bit), post-RoPE as the plugin stores them, without rotation
+but for ``fp8-tensor+rot`` (the store's Hadamard rotation before the rounding, and back after: attention is
+unchanged by it in full precision). ``fp8-tensor`` is vLLM's fp8 arithmetic at scale 1.0 exactly, a check of
+the two written-out roundings against each other.
 Loss: the second half of each 2,048-token held-out window of ``kvcompile eval`` (``heldout_windows``), as a delta
 over full precision, per window, so that differences between contenders are paired. Bytes per element as vLLM's
 capacity counts them, head_dim 64 (SmolLM2) and 128.
@@ -38,6 +41,7 @@ from kvcompile import models, pages, quant  # noqa: E402
 from kvcompile.evaluate import heldout_windows  # noqa: E402
 from kvcompile.hf import model_shape  # noqa: E402
 from kvcompile.policy import Policy, Quant  # noqa: E402
+from kvcompile.store import _rotate  # noqa: E402
 
 E4M3_MAX = 448.0
 NAME = "kvcompile_fp8_sim"
@@ -69,6 +73,8 @@ CONTENDERS = {  # label -> (kind, format or None); the kind's arithmetic is belo
     "kvcompile fp8-r0 (fp16 scale a token-head)": ("kvcompile", Quant("fp8_e4m3", "token", symmetric=True)),
     "kvcompile fp8, one-byte scale a token-head": ("kvcompile", Quant("fp8_e4m3", "token", symmetric=True,
                                                                        scale_dtype="fp8_e4m3")),
+    "kvcompile fp8-tensor (no scale stored)": ("kvcompile", Quant("fp8_e4m3", "tensor")),
+    "kvcompile fp8-tensor+rot (no scale stored, rotated)": ("kvcompile-rot", Quant("fp8_e4m3", "tensor")),
     "kvcompile int8 symmetric (fp16 scale)": ("kvcompile", Quant("int8", "token", symmetric=True)),
     "kvcompile int8 (Policy.int8: scale and zero point)": ("kvcompile", Quant("int8", "token", symmetric=False)),
 }
@@ -91,6 +97,8 @@ class Rounding:
             return vllm_fp8(x, 1.0)
         if self.kind == "vllm-calibrated":
             return vllm_fp8(x, self.scales[(layer, which)])
+        if self.kind == "kvcompile-rot":  # the plugin's rotation (store._rotate, its own inverse) around the rounding
+            return _rotate(reference(_rotate(x), self.fmt))
         return reference(x, self.fmt)
 
 

@@ -57,6 +57,7 @@ CONTENDERS = [  # (label, kvcompile policy name or None, vLLM engine arguments)
     ("kvcompile int8", "int8", {}),
     ("kvcompile int8 sym+rot", "tok+rot+sym:8", {}),  # one fp16 scale a token-head (vLLM's int8 layout)
     ("kvcompile fp8-r0", "fp8-r0", {}),
+    ("kvcompile fp8-tensor+rot", "fp8-tensor+rot", {}),  # no scale stored: vLLM fp8's bytes, rotated first
     ("kvcompile tok+rot:4", "tok+rot:4", {}),
     ("kvcompile tok+rot:2", "tok+rot:2", {}),
     ("kvcompile kivi+rot:4", "kivi+rot:4", {}),  # a window of 128 tokens and key groups: a sliding window cache
@@ -248,9 +249,8 @@ def kvcompile_eval_loss(policy: str | None, path: Path = ROOT / "docs" / "eval.j
     if not path.exists():
         return None
     rows = json.loads(path.read_text())["rows"]
-    name, _, bits = (policy or "full:16").rpartition(":")
-    if policy in ("int8", "fp8-r0"):
-        name, bits = policy, "8"
+    from kvcompile.presets import spelled
+    name, _, bits = (spelled(policy) if policy else "full:16").rpartition(":")  # a short form: int8 -> int8:8
     if policy and policy.endswith(".json"):
         name, bits = Path(policy).name, None
     for r in rows:
