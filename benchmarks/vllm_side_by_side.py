@@ -259,6 +259,14 @@ def kvcompile_eval_loss(policy: str | None, path: Path = ROOT / "docs" / "eval.j
     return None
 
 
+def eval_row(r: dict, path: Path | None = None):
+    """kvcompile's eval of contender ``r``'s policy (``kvcompile_eval_loss``; vLLM ``auto``: full precision's), or
+    None for one of vLLM's own quantized caches (``kv_cache_dtype``), which kvcompile's eval does not run."""
+    if r["policy"] is None and r.get("engine", {}).get("kv_cache_dtype"):
+        return None
+    return kvcompile_eval_loss(r["policy"], path) if path else kvcompile_eval_loss(r["policy"])
+
+
 def capacity_table(results) -> str:
     base = next((r["capacity"] for r in results if r["label"] == "vLLM auto"), {})
     lines = ["| contender | KV tokens | 1K requests | 8K requests | x vLLM auto |", "|---|---|---|---|---|"]
@@ -285,8 +293,8 @@ def quality_table(results, stored: Path | None) -> str:
         if "loss" not in q:
             lines.append(f"| {r['label']} | refused: {q.get('refused', '?')[:160]} |" + " |" * 5)
             continue
-        ev = kvcompile_eval_loss(r["policy"], stored) if stored else None
-        full = kvcompile_eval_loss(r["policy"])
+        ev = eval_row(r, stored) if stored else None
+        full = eval_row(r)
         delta = f"{q['loss'] - base:+.5f}" if base is not None else ""
         cells = [f"{ev[0]:.5f}", f"{ev[1]:+.5f}", f"{q['loss'] - ev[0]:+.5f}"] if ev else ["", "", ""]
         lines.append(f"| {r['label']} | {q['loss']:.5f} | {delta} | " + " | ".join(cells)
@@ -325,7 +333,7 @@ def table(results, stored: Path | None = None) -> str:
             continue
         ratio = c["kv_tokens"] / base["capacity"]["kv_tokens"] if base and "kv_tokens" in base["capacity"] else float("nan")
         delta = q["loss"] - base["quality"]["loss"] if base and "loss" in base["quality"] else float("nan")
-        ev = kvcompile_eval_loss(r["policy"], stored) if stored else kvcompile_eval_loss(r["policy"])
+        ev = eval_row(r, stored)
         ev_delta = "" if ev is None else f"{ev[1]:+.4f}"
         lv = s["level"]
         pk = " ".join(f"{k}: {v:.2f}" for k, v in q["passkey"].items())
