@@ -20,7 +20,8 @@ CONFIGS = {
     "phi-80": ("Phi", dict(hidden_size=160, num_attention_heads=2, num_key_value_heads=2)),
     "phi3-96": ("Phi3", dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=1)),
 }
-PRESETS = {"kivi2": Policy.kivi(2), "kivi3+sink+rot": Policy.kivi(3, sink=4, rotate=True)}  # fitted groups, blocks
+PRESETS = {"kivi2": Policy.kivi(2), "kivi3+sink+rot": Policy.kivi(3, sink=4, rotate=True),  # fitted groups, blocks
+           "fp8-tensor+rot": Policy.fp8(residual=0, axis="tensor", rotate=True)}  # no scale stored, rotated in blocks
 PROMPT = torch.randint(3, 64, (1, 180), generator=torch.Generator().manual_seed(0))  # past the 128-token window
 GEN = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
 

@@ -388,20 +388,9 @@ def exact_products(model):
     return exact(model)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("forward", [512, 40], ids=["whole-prompts", "prompts-in-pieces"])
-@pytest.mark.parametrize("policy", [Policy.kivi(2, group=4, residual=4, sink=2, rotate=True), "tok+rot:4"],
-                         ids=["kivi2+rot+sink", "tok+rot:4"])
-def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(policy, forward, monkeypatch):
-    """What kvcompile computes for a request does not depend on what else is in the batch, nor on the threads the
-    machine's load leaves its kernels: its store codes each row alone, its decode attention cuts every sequence
-    into the same pieces, a prefill piece attends alone, and a prompt longer than a forward is cut at the same
-    positions whatever else runs (``kvcompile.scheduler``). So with the model's own products made batch-invariant
-    (``exact_products``), a request gets the same tokens alone on one thread and beside the others on three,
-    under quantized policies -- with every prompt prefilled in one forward (512 tokens a forward), and with the
-    prompts of 70 and 150 tokens prefilled in pieces of 40 while the others prefill and decode beside them
-    (docs/usage.md, "What a batch changes"; ``Policy.full()`` runs transformers' own attention instead: the test
-    below). Two prompts of one length prefill in the same forward."""
+def alone_and_together(policy, forward, monkeypatch):
+    """Each request's tokens and log probabilities run alone on one thread, then all of them together on three
+    (``test_a_request_gets_the_same_tokens_alone_and_in_a_batch``), the model's products exact."""
     from kvcompile.sampling import sampling_manager
     from kvcompile.templates import cpu
 
@@ -431,6 +420,32 @@ def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(policy, forward, mo
             together = run(ps)
     finally:
         manager.stop(block=True, timeout=30)
+    return alone, together
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("forward", [512, 40], ids=["whole-prompts", "prompts-in-pieces"])
+@pytest.mark.parametrize("policy", [Policy.kivi(2, group=4, residual=4, sink=2, rotate=True), "tok+rot:4"],
+                         ids=["kivi2+rot+sink", "tok+rot:4"])
+def test_a_request_gets_the_same_tokens_alone_and_in_a_batch(policy, forward, monkeypatch):
+    """What kvcompile computes for a request does not depend on what else is in the batch, nor on the threads the
+    machine's load leaves its kernels: its store codes each row alone, its decode attention cuts every sequence
+    into the same pieces, a prefill piece attends alone, and a prompt longer than a forward is cut at the same
+    positions whatever else runs (``kvcompile.scheduler``). So with the model's own products made batch-invariant
+    (``exact_products``), a request gets the same tokens alone on one thread and beside the others on three,
+    under quantized policies -- with every prompt prefilled in one forward (512 tokens a forward), and with the
+    prompts of 70 and 150 tokens prefilled in pieces of 40 while the others prefill and decode beside them
+    (docs/usage.md, "What a batch changes"; ``Policy.full()`` runs transformers' own attention instead: the test
+    below). Two prompts of one length prefill in the same forward."""
+    alone, together = alone_and_together(policy, forward, monkeypatch)
+    if together != alone:
+        # the control: the unmodified model's own arithmetic (Policy.full(): transformers' attention), products exact,
+        # the same requests. Where it too gives a request other bits beside others (seen on an Intel Xeon with AMX,
+        # not on the AMD EPYC), the difference is not kvcompile's to assert
+        full_alone, full_together = alone_and_together(Policy.full(), forward, monkeypatch)
+        if full_together != full_alone:
+            pytest.skip("the unmodified model (Policy.full(), exact products) also gives a request other log "
+                        "probabilities alone and in this batch on this CPU: its own ops are not batch-invariant here")
     assert together == alone  # every token, and its log probability (the logits) to the last bit
 
 
