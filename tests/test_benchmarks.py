@@ -111,3 +111,12 @@ def test_cpu_prompt_rows_smoke():
     rows = cpu_prompt_rows.main(["--smoke"])
     assert [r["policy"] for r in rows] == cpu_prompt_rows.POLICIES
     assert all(r["alone_ms"] > 0 and r["shared_ms"] > 0 for r in rows)
+
+
+def test_rotation_cost_smoke():
+    """The rotation-cost benchmark times the three fp8 policies' store and attention and the rotations."""
+    from benchmarks import rotation_cost
+
+    out = rotation_cost.main(["--requests", "1", "--tokens", "32"])
+    assert set(out) == set(rotation_cost.POLICIES) | {"rotations_ms"}
+    assert all(v["store_ms"] > 0 and v["attention_ms"] > 0 for k, v in out.items() if k != "rotations_ms")
