@@ -209,7 +209,7 @@ def quantize(x: Tensor, q: Quant) -> tuple[Tensor, Tensor, Tensor | None]:
     if q.axis == "tensor":  # one fixed scale, 1.0: the nearest fp8 value, saturating; a poisoned head all NaN codes
         fmax = FP8_MAX[q.format]
         codes = xg.clamp(-fmax, fmax).to(FP8_DTYPES[q.format]).view(torch.uint8)
-        codes = torch.where(poisoned.unsqueeze(-1), torch.tensor(FP8_NAN, dtype=torch.uint8, device=x.device), codes)
+        codes = codes.masked_fill(poisoned.unsqueeze(-1), FP8_NAN)
         return _from_groups(codes, q, T, D), torch.ones(xg.shape[:-1], dtype=torch.float32, device=x.device), None
     if q.is_fp8:
         fmax = FP8_MAX[q.format]

@@ -1202,12 +1202,12 @@ def _gather_packed(state: KVState, spec: LayerSpec, which: str, rows, j0: int, j
     c = paged(codes)[:, :, off:off + j1 - j0]
     if not q.quantized:
         return Q.saturate(c, dtype)
-    if not q.stores_scale:  # axis="tensor": the fixed scale, 1.0
-        return Q.dequantize(Q.unpack(c, q.bits, D), c.new_ones((*c.shape[:-1], 1), dtype=torch.float32), None, q,
-                            dtype)
-    per = q.group if q.axis == "channel" else 1
-    s = paged(scale)[:, :, off // per:(off + j1 - j0) // per]
-    z = paged(zero)[:, :, off // per:(off + j1 - j0) // per] if q.has_zero else None
+    if q.stores_scale:
+        per = q.group if q.axis == "channel" else 1
+        s = paged(scale)[:, :, off // per:(off + j1 - j0) // per]
+        z = paged(zero)[:, :, off // per:(off + j1 - j0) // per] if q.has_zero else None
+    else:  # axis="tensor": the fixed scale, 1.0
+        s, z = c.new_ones((*c.shape[:-1], 1), dtype=torch.float32), None
     return Q.dequantize(Q.unpack(c, q.bits, D), s, z, q, dtype)
 
 
