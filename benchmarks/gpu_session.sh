@@ -76,7 +76,7 @@ step() {  # step NAME SECONDS COMMAND...: run with at most SECONDS (and never pa
     return $rc
 }
 
-TESTS="test_decode_kernel.py test_pages_triton.py test_attention_kernel.py test_store_kernel.py test_ops_triton.py test_triton_prerope.py
+TESTS="test_decode_kernel.py test_pages_triton.py test_attention_kernel.py test_store_kernel.py test_rotate.py test_ops_triton.py test_triton_prerope.py
        test_kernel_devices.py test_device_messages.py"
 TEST_PATHS=()
 for t in $TESTS; do TEST_PATHS+=("$ROOT/tests/templates/$t"); done

@@ -4,9 +4,11 @@
 
 SmolLM2's layer (3 kv heads, 9 query heads, head_dim 64, float32), ``--requests`` prompts of ``--tokens`` tokens in
 pages of 128: the plugin's store (``kvcompile.pages.store_ragged``) and attention (``attention_ragged``, every query
-its own decode row) under ``fp8-r0``, ``fp8-tensor`` and ``fp8-tensor+rot``, and the four rotations a rotating
-policy adds around them (queries, keys, values and the output: ``kvcompile.store._rotate``, float64 in torch).
-Milliseconds per call, the mean of three after a warm-up.
+its own decode row) under ``fp8-r0``, ``fp8-tensor`` and ``fp8-tensor+rot``; and the rotation of the keys and
+values a rotating policy stores (the store's ``kvcompile.store._rotate``: the C kernel ``templates.cpu_rotate``),
+beside the pure-torch specification (``rotate_reference``: the transform in float64) and the float64 matrix
+product that computed it until 2026-12-06 (``(x @ S) / sqrt(block)``, then saturated). Milliseconds per call, the
+mean of three after a warm-up.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcompile import pages as P  # noqa: E402
 from kvcompile.presets import named  # noqa: E402
-from kvcompile.store import _rotate  # noqa: E402
+from kvcompile import quant as Q  # noqa: E402
+from kvcompile.store import _rotate, _signs_cpu, rotate_reference  # noqa: E402
 
 H, HQ, D = 3, 9, 64
 POLICIES = ["fp8-r0", "fp8-tensor", "fp8-tensor+rot"]
@@ -55,8 +58,10 @@ def main(argv=None) -> dict:
         out[name] = {"store_ms": ms(lambda: P.store_ragged(lay, buf, k, v, batch)),
                      "attention_ms": ms(lambda: P.attention_ragged(lay, buf, q, None, None, batch))}
         print(f"{name:16s} store {out[name]['store_ms']:7.1f} ms   attention {out[name]['attention_ms']:7.1f} ms")
-    out["rotations_ms"] = ms(lambda: (_rotate(q), _rotate(k), _rotate(v), _rotate(q)))
-    print(f"the four rotations (queries, keys, values, output): {out['rotations_ms']:.1f} ms")
+    matmul = lambda x: Q.saturate((x.double() @ _signs_cpu(D)) * (1 / D ** 0.5), x.dtype)  # noqa: E731 (D = 64)
+    out["rotations_ms"] = {name: ms(lambda: (f(k), f(v))) for name, f in
+                           (("kernel", _rotate), ("reference", rotate_reference), ("float64 matmul", matmul))}
+    print("rotating the keys and values: " + ", ".join(f"{n} {t:.1f} ms" for n, t in out["rotations_ms"].items()))
     return out
 
 

@@ -295,6 +295,25 @@ def _(k_cache, v_cache, token, spec):
     return k_cache.new_empty(k_cache.shape), v_cache.new_empty(v_cache.shape)  # contiguous, as KVStore's
 
 
+def _rotate(x: Tensor) -> Tensor:
+    """The rotation kernel of ``x``'s device (``kvcompile.store.rotate_reference``'s bits): the C kernel on the CPU,
+    the Triton kernel elsewhere. An operator so that a graph Dynamo traces (the "inductor" family's attention,
+    which rotates its chunk) holds the kernel itself, not the specification's torch operations."""
+    if x.device.type == "cpu":
+        from .templates.cpu_rotate import rotate as cpu_rotate
+        return cpu_rotate(x)
+    from .templates.rotate import rotate as triton_rotate
+    return triton_rotate(x)
+
+
+rotate = torch.library.custom_op("kvcompile::rotate", mutates_args=())(_rotate)
+
+
+@rotate.register_fake
+def _(x):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, as both kernels return
+
+
 def _new_standin(shape: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
     """A cache tensor the graph allocates (a lazily initialized StaticCache), as a stand-in: no
     full-precision memory; its store is created by the first ``store`` call that writes it."""

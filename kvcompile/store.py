@@ -57,6 +57,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -1037,18 +1038,50 @@ def hadamard(D: int, device=None, dtype=torch.float32) -> Tensor:
     return _hadamard_cpu(D).to(device=device, dtype=dtype)
 
 
-def _rotate(x: Tensor) -> Tensor:
-    """``x @ H`` computed as ``(x @ S) / sqrt(block)`` with ``S`` the +-1 (block-diagonal) matrix, in float64,
-    rounded once to ``x``'s dtype. Why float64: a float32 ``x @ H`` rounds a row differently depending on what
-    else is in the matmul (1 row vs 2 -- gemv vs gemm -- or the strides of size-1 dimensions), so a KV head
-    stored alone (a tensor-parallel rank's) got other full-precision bits than the same head stored beside
-    others. In float64 the products are exact and the sums of D <= 256 float32 values are exact unless the
-    values' magnitudes span more than 2**21 (and then differ in the last float64 bit at most, which the
-    rounding to float32 absorbs but at a tie), so a row's result does not depend on the batch around it.
-    Cost: 2x the fp32 matmul for a decode token (14 -> 28 us for 8 heads x 128 on one core), 4x for a
-    2,048-token prefill chunk (9 -> 39 ms); rotating policies only."""
+def rotate_reference(x: Tensor) -> Tensor:
+    """The rotation's specification: ``x @ H`` along the last dimension, computed by the fast Walsh-Hadamard
+    transform in float64 and rounded once to ``x``'s dtype (finite values saturate: ``quant.saturate``).
+
+    Each block of ``b = rotation_block(D)`` channels goes through log2(b) butterfly stages -- stage ``h``
+    (1, 2, 4, ...) replaces each pair ``(x[j], x[j + h])`` of a group of ``2h`` channels with their sum and
+    difference -- and the result is multiplied by ``1 / sqrt(b)``. Every step is one float64 operation in a fixed
+    order, so a row's result does not depend on the batch around it (a float32 ``x @ H`` rounds a row
+    differently as one row, gemv, than beside others, and a KV head stored alone -- a tensor-parallel rank's --
+    got other bits than beside the others). For float32 (or narrower) input the sums of up to 256 values are
+    exact unless the row's magnitudes span more than about 2**21, so the result is then also ``x @ H`` rounded
+    once; beyond that it is this tree's, bit for bit, on every device and in every kernel."""
     D = x.shape[-1]
-    return Q.saturate((x.double() @ _signs_cpu(D).to(x.device)) * (1 / math.sqrt(rotation_block(D))), x.dtype)
+    b = rotation_block(D)
+    shape = x.shape
+    y = x.double().reshape(-1, b)
+    N, h = y.shape[0], 1
+    while h < b:
+        y = y.view(N, b // (2 * h), 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), 2)
+        h *= 2
+    return Q.saturate(y.reshape(shape) * (1 / math.sqrt(b)), x.dtype)
+
+
+def _rotate(x: Tensor) -> Tensor:
+    """``rotate_reference(x)``'s bits, computed by the kernels that run for ``x`` (``kvcompile.ops.kernels``): the
+    Triton kernel ``templates.rotate`` (one launch) under "triton" -- on CUDA by default --, the C kernel
+    ``templates.cpu_rotate`` (one pass, ~7x faster than a float64 matrix product) on the CPU; the specification
+    itself under "reference". While Dynamo traces (the "inductor" family's attention rotates its chunk) the
+    kernel is the operator ``kvcompile::rotate``."""
+    if not x.numel():
+        return rotate_reference(x)
+    from .ops import kernels
+
+    family = kernels(x.device)
+    if family == "triton" and (x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        from .templates.rotate import rotate as kernel
+    elif family != "reference" and x.device.type == "cpu":
+        from .templates.cpu_rotate import rotate as kernel
+    else:
+        return rotate_reference(x)
+    if torch.compiler.is_compiling():
+        return torch.ops.kvcompile.rotate(x)
+    return kernel(x)
 
 
 def rotate(x: Tensor, spec: LayerSpec, keys: bool = False) -> Tensor:

@@ -21,6 +21,13 @@ SCALE_CODES = {"float16": 0, "float32": 1, "fp8_e4m3": 2}
 FIXED_SCALE = 3  # the code of a format that stores no scale: fp8 with one fixed scale, 1.0 (Quant axis="tensor")
 
 
+def inf_to_nan(out):
+    """``out`` with every infinity made NaN (the reference's rule for an attention output), in place: one pass
+    (``torch.where(torch.isfinite(out), out, nan)`` takes four, ~13x the time on a prefill's rows)."""
+    nan = float("nan")
+    return out.nan_to_num_(nan=nan, posinf=nan, neginf=nan)
+
+
 def scale_code(q) -> int:
     """``q``'s scale code for the kernels: ``SCALE_CODES[q.scale_dtype]``, or ``FIXED_SCALE`` for axis="tensor"
     (its kernels see a per-token-head format whose scale is 1.0, not loaded, and decode the NaN code to NaN)."""
@@ -31,7 +38,7 @@ def scale_code(q) -> int:
 OPTIONS = {"enable_fp_fusion": False}
 
 _TRITON_TYPES = {
-    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8", torch.int8: "i8",
+    torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8", torch.int8: "i8",
     torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1",
 }
 

@@ -39,7 +39,7 @@ from kvcompile.errors import ArgumentError, CacheDirError, CompilerError
 from kvcompile.store import (KVState, LayerSpec, Rope, apply_rope, check_rope_tables, chunk_needed,
                              dequantize_reference, hadamard, own_rings, row_widths, stored_chunk, with_chunk)
 
-from .common import scale_code
+from .common import inf_to_nan, scale_code
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 ROWS_MAX = 16  # query rows per kv head the decode kernel takes (passed to it as -DROWS_MAX)
@@ -600,7 +600,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
                          f"{spec.blocks_for(int(state.lengths[b]))} packed blocks: {table[b].tolist()}")
     if pol.rotate:
         out = out @ hadamard(D, q.device)
-    return Q.saturate(torch.where(torch.isfinite(out), out, float("nan")), q.dtype)  # as the reference
+    return Q.saturate(inf_to_nan(out), q.dtype)  # as the reference
 
 
 class _RopeArgs:
@@ -851,7 +851,7 @@ def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor |
         out = out.masked_fill(~visible.any(-1, keepdim=True), 0.0)  # a query row that sees no key gets zeros
     if spec.policy.rotate:
         out = out @ hadamard(D, q.device)
-    return Q.saturate(torch.where(torch.isfinite(out), out, float("nan")), q.dtype)  # inf -> NaN, as the reference
+    return Q.saturate(inf_to_nan(out), q.dtype)  # inf -> NaN, as the reference
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
  *
  * templates/cpu_store.py compiles this file once per layout with -D definitions (below) and calls kvc_store
  * through ctypes. The effects are exactly those of kvcompile.store.store_reference (after its rotation, which
- * stays in torch): an append of n_new[b] tokens to a sequence holding L = lengths[b] tokens
+ * templates/cpu_rotate.c does first): an append of n_new[b] tokens to a sequence holding L = lengths[b] tokens
  *
  *   1. writes the chunk's sinks (positions p < S) to k_sink / v_sink;
  *   2. flushes positions [Q(L), Q(L')) (L' = L + n_new[b]) into packed storage -- read from the residual

@@ -4,9 +4,9 @@
     attention(q, state, spec, mask, scale)   -> [B, Hq, n, D]   attention of the last n tokens' queries
                                                                 (``rope=``: pre-RoPE keys, rotated in the kernel)
 
-They check shapes, apply the policy's rotation in torch -- keys and values with ``kvcompile.store.rotate``
-as ``store_reference`` does; the query in and the output back out as fp32 products with the same Hadamard
-matrix, as ``attention_reference`` does -- and launch the kernels of ``templates.store`` /
+They check shapes, apply the policy's rotation -- keys and values with ``kvcompile.store.rotate`` as
+``store_reference`` does (on CUDA its Triton kernel, ``templates.rotate``: the specification's bits); the query in
+and the output back out as fp32 products with the same Hadamard matrix, as ``attention_reference`` does -- and launch the kernels of ``templates.store`` /
 ``templates.attention``. Kernels never rotate, so kernel and reference see identical inputs.
 Packed tokens live in blocks named by the state's block table (``kvcompile.store``): the kernels follow it.
 Nothing here reads a device tensor on the host when the state is on CUDA, so a decode step can be captured in
@@ -239,5 +239,5 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
                                           packed_precision(q.device))
     if spec.policy.rotate:
         out = out @ hadamard(D, q.device)
-        out = torch.where(torch.isfinite(out), out, float("nan"))  # as the reference: inf -> NaN
+        out = _common.inf_to_nan(out)  # as the reference: inf -> NaN
     return Q.saturate(out, q.dtype)

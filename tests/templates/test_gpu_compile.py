@@ -70,6 +70,10 @@ SCRIPT = textwrap.dedent("""
             state = spec.allocate(2, 4096)
             launch.store(state, spec, *torch.randn(2, 2, 2, 1, 128))
             launch.attention(torch.randn(2, 8, 1, 128), state, spec, invariant=True)
+        # the rotation (templates.rotate: what a rotating policy's store runs on CUDA), padded head sizes too
+        from kvcompile.templates import rotate
+        for D, dt in ((128, torch.bfloat16), (64, torch.float32), (80, torch.float16), (96, torch.float64)):
+            rotate.rotate(torch.randn(3, 5, D, dtype=dt))
     names = sorted({name for name, _ in log})
     print("compiled", len(log), names, "chunk:", sum(bool(c.get("CHUNK")) for _, c in log),
           "rope:", sorted({(bool(c.get("CHUNK")), c["D"]) for n, c in log if n == "_attn_kernel" and c.get("ROPE")}),
@@ -79,6 +83,7 @@ SCRIPT = textwrap.dedent("""
                              for n, c in log if n == "_decode_kernel"}),
           "invariant:", sum(bool(c.get("INVARIANT")) for n, c in log if n == "_decode_kernel"),
           sum(bool(c.get("IN_ORDER")) for n, c in log if n == "_merge_kernel"),
+          "rotate:", sorted((c["D"], c["OUT_F64"]) for n, c in log if n == "_rotate_kernel"),
           "fixed:", sorted({(n, c.get("E4M3", c.get("K_E4M3"))) for n, c in log
                             if 3 in (c.get("SFMT"), c.get("K_SFMT"), c.get("V_SFMT"))}))
 """)
@@ -111,6 +116,8 @@ def test_kernels_compile_for_sm90():
     for want in ("(1, 2, True, True, 0, False)", "(1, 2, True, False, 2, False)", "(0, 1, True, True, 1, True)"):
         assert want in decode, r.stdout
     assert "invariant: 2 2" in r.stdout, r.stdout  # row-invariant splits and the in-order merge lower too
+    # the rotation: fp32 out (the float32 rows), float64 out (bf16 / fp16 rows, for torch to round; float64 rows)
+    assert "rotate: [(64, False), (80, True), (96, True), (128, True)]" in r.stdout, r.stdout
     # one fixed scale, none stored (fp8 axis="tensor"): the store (both formats), the decode and the general kernel
     assert ("fixed: [('_attn_kernel', False), ('_decode_kernel', True), ('_flush_kernel', False), "
             "('_flush_kernel', True)]") in r.stdout, r.stdout
