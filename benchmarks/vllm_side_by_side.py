@@ -57,7 +57,8 @@ CONTENDERS = [  # (label, kvcompile policy name or None, vLLM engine arguments)
     ("kvcompile int8", "int8", {}),
     ("kvcompile int8 sym+rot", "tok+rot+sym:8", {}),  # one fp16 scale a token-head (vLLM's int8 layout)
     ("kvcompile fp8-r0", "fp8-r0", {}),
-    ("kvcompile fp8-tensor+rot", "fp8-tensor+rot", {}),  # no scale stored: vLLM fp8's bytes, rotated first
+    ("kvcompile fp8-tensor", "fp8-tensor", {}),  # no scale stored: vLLM fp8's bytes and arithmetic
+    ("kvcompile fp8-tensor+rot", "fp8-tensor+rot", {}),  # the same bytes, rotated first
     ("kvcompile tok+rot:4", "tok+rot:4", {}),
     ("kvcompile tok+rot:2", "tok+rot:2", {}),
     ("kvcompile kivi+rot:4", "kivi+rot:4", {}),  # a window of 128 tokens and key groups: a sliding window cache
