@@ -78,7 +78,7 @@ def main(argv=None) -> dict:
     unknown = [c for c in args.only if c not in known]
     if unknown:
         ap.error(f"unknown contenders {unknown}; choose among {list(known)}")
-    base = [a for a in (argv if argv is not None else sys.argv[1:])]
+    base = list(argv if argv is not None else sys.argv[1:])
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     results = []
     for i, label in enumerate(args.only, 1):
@@ -97,7 +97,8 @@ def main(argv=None) -> dict:
     print("\n| contender | seconds (each run) | prompt tokens/s |\n|---|---|---:|")
     for r in results:
         if "seconds" in r:
-            print(f"| {r['label']} | {' / '.join(f'{s:.2f}' for s in r['seconds'])} | {r['prompt_tokens_per_s']:,.0f} |")
+            runs = " / ".join(f"{s:.2f}" for s in r["seconds"])
+            print(f"| {r['label']} | {runs} | {r['prompt_tokens_per_s']:,.0f} |")
         else:
             print(f"| {r['label']} | failed: {r['failed'][-200:]!r} | |")
     if args.out:

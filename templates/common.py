@@ -38,8 +38,8 @@ def scale_code(q) -> int:
 OPTIONS = {"enable_fp_fusion": False}
 
 _TRITON_TYPES = {
-    torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8", torch.int8: "i8",
-    torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1",
+    torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
+    torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1",
 }
 
 _compiler = None  # set by compile_only(): called instead of launching

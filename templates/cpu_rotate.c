@@ -17,13 +17,13 @@
 #include <stdint.h>
 #include <omp.h>
 
-#if (BLK & (BLK - 1)) || D % BLK || BLK > 512
-#error "BLK must be a power of two dividing D, at most 512"
+#if (BLK & (BLK - 1)) || D % BLK || BLK > MAX_BLK
+#error "BLK must be a power of two dividing D, at most MAX_BLK (cpu_rotate.py)"
 #endif
 
+/* Stage h over the whole row: groups of 2h channels never straddle two blocks (2h divides BLK, BLK divides D). */
 static inline __attribute__((always_inline)) void stage(double *t, const int h) {
     for (int g = 0; g < D; g += 2 * h) {
-        if (g % BLK + 2 * h > BLK) continue; /* never: g is a multiple of 2h and 2h divides BLK */
         for (int j = g; j < g + h; j++) {
             double a = t[j], c = t[j + h];
             t[j] = a + c;
@@ -38,7 +38,7 @@ static inline __attribute__((always_inline)) void rotate_row(const void *src, co
     double t[D];
     for (int c = 0; c < D; c++) t[c] = in_f64 ? ((const double *)src)[c] : (double)((const float *)src)[c];
 #define ST(h) if ((h) < BLK) stage(t, (h));
-    ST(1) ST(2) ST(4) ST(8) ST(16) ST(32) ST(64) ST(128) ST(256)
+    ST(1) ST(2) ST(4) ST(8) ST(16) ST(32) ST(64) ST(128) ST(256) ST(512)
 #undef ST
     for (int c = 0; c < D; c++) {
         double v = t[c] * s;

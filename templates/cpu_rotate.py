@@ -1,10 +1,10 @@
 """The CPU rotation kernel: ``cpu_rotate.c`` specialized per head size, compiled with the system C compiler.
 
-``rotate(x)`` is ``kvcompile.store.rotate_reference(x)`` bit for bit -- the fast Walsh-Hadamard transform of
-each row in float64, scaled, rounded once to ``x``'s dtype with finite values saturating -- in one C call with
-no float64 tensor in between: 0.5 ms for the keys and values of 8 prompts of 256 tokens in SmolLM2's layer,
-where the float64 matrix product it replaced took 3.7 ms (``benchmarks/rotation_cost.py``, this 2-core CPU). Compiled once per ``(D, block)`` by
-``templates.cpu.compile_template`` and cached on disk.
+``rotate(x)`` is ``kvcompile.store.rotate_reference(x)`` bit for bit -- the fast Walsh-Hadamard transform of each
+row in float64, scaled, rounded once to ``x``'s dtype with finite values saturating -- in one C call with no float64
+tensor in between: 0.6 ms for the keys and values of 8 prompts of 256 tokens in SmolLM2's layer, where the float64
+matrix product it replaced took 4.3 ms (``benchmarks/rotation_cost.py``, this 2-core CPU). Compiled once per ``(D,
+block)`` by ``templates.cpu.compile_template`` and cached on disk.
 """
 from __future__ import annotations
 
@@ -20,13 +20,14 @@ from kvcompile.errors import ArgumentError
 from .cpu import available_threads, compile_template
 
 SOURCE = "cpu_rotate.c"
+MAX_BLOCK = 1024  # the largest rotation block the template spells stages for (a head of 1,024 channels)
 _F64_OUT = (torch.bfloat16, torch.float16)  # results the kernel hands torch in float64 to cast (one rounding)
 
 
 @functools.lru_cache(maxsize=None)
 def build(D: int, block: int):
     """The compiled rotation of ``D`` channels in Hadamard blocks of ``block`` (a ctypes function)."""
-    fn = compile_template(SOURCE, (("BLK", block), ("D", D))).kvc_rotate
+    fn = compile_template(SOURCE, (("BLK", block), ("D", D), ("MAX_BLK", MAX_BLOCK))).kvc_rotate
     P, I = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [P, I, P, I, I, ctypes.c_double, ctypes.c_double, I]
     fn.restype = None
@@ -43,6 +44,10 @@ def rotate(x: Tensor) -> Tensor:
         raise ArgumentError(f"the rotation takes float32, float64, bfloat16 or float16 tensors; got {x.dtype}")
     D = x.shape[-1]
     block = rotation_block(D)
+    if block > MAX_BLOCK:
+        raise ArgumentError(f"the CPU rotation kernel rotates blocks of at most {MAX_BLOCK} channels; head_dim {D} "
+                            f"makes blocks of {block}. Use the reference kernels (kvcompile.ops.set_kernels("
+                            f"'reference')) for this model.")
     src = x if x.dtype in (torch.float32, torch.float64) else x.float()  # bf16 / fp16 -> fp32 is exact
     src = src.contiguous()
     out_t = torch.float64 if x.dtype in _F64_OUT else x.dtype

@@ -1,12 +1,13 @@
 """The CPU store kernel: ``cpu_store.c`` specialized per store layout, compiled with the system C compiler.
 
-``store`` has exactly the contract and effects of ``kvcompile.store.store_reference`` -- the same codes,
-scales, zero points, sinks, ring slots and lengths, bit for bit, written into the blocks the state's block
-table names, and the same ``CapacityError`` when a block it would write is not reserved -- but does
-the whole append (every batch row, every head, keys and values) in one C call: no Python loop over rows, no
-small torch ops, no host synchronisation. Rotation (when the policy rotates) runs first, through ``kvcompile.store.rotate``
-as in the reference (on the CPU its C kernel, ``templates.cpu_rotate``). The template is compiled once per layout by ``templates.cpu.compile_template`` (the ``-D``
-definitions are those of ``templates.cpu.defines``, without the attention's GQA ratio) and cached on disk.
+``store`` has exactly the contract and effects of ``kvcompile.store.store_reference`` -- the same codes, scales,
+zero points, sinks, ring slots and lengths, bit for bit, written into the blocks the state's block table names, and
+the same ``CapacityError`` when a block it would write is not reserved -- but does the whole append (every batch
+row, every head, keys and values) in one C call: no Python loop over rows, no small torch ops, no host
+synchronisation. Rotation (when the policy rotates) runs first, through ``kvcompile.store.rotate`` as in the
+reference (on the CPU its C kernel, ``templates.cpu_rotate``). The template is compiled once per layout by
+``templates.cpu.compile_template`` (the ``-D`` definitions are those of ``templates.cpu.defines``, without the
+attention's GQA ratio) and cached on disk.
 
 Large appends (a prefill) are shared among ``cpu.available_threads()`` OpenMP threads, by (sequence, head,
 keys or values, piece of 64 packed tokens, never straddling two blocks); a decode step runs on the calling

@@ -6,8 +6,9 @@
 
 They check shapes, apply the policy's rotation -- keys and values with ``kvcompile.store.rotate`` as
 ``store_reference`` does (on CUDA its Triton kernel, ``templates.rotate``: the specification's bits); the query in
-and the output back out as fp32 products with the same Hadamard matrix, as ``attention_reference`` does -- and launch the kernels of ``templates.store`` /
-``templates.attention``. Kernels never rotate, so kernel and reference see identical inputs.
+and the output back out as fp32 products with the same Hadamard matrix, as ``attention_reference`` does -- and
+launch the kernels of ``templates.store`` / ``templates.attention``. The store and attention kernels never rotate,
+so kernel and reference see identical inputs.
 Packed tokens live in blocks named by the state's block table (``kvcompile.store``): the kernels follow it.
 Nothing here reads a device tensor on the host when the state is on CUDA, so a decode step can be captured in
 a CUDA graph (an append into an unreserved block fails on the device instead); on the CPU (Triton's

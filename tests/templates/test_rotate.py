@@ -24,7 +24,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cc = pytest.mark.skipif(cpu.compiler() is None, reason="no C compiler on this machine")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-HEAD_SIZES = [8, 16, 32, 48, 64, 80, 96, 112, 128, 160, 256]
+HEAD_SIZES = [8, 16, 32, 48, 64, 80, 96, 112, 128, 160, 256, 512]
 
 
 INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -149,6 +149,8 @@ def test_bad_input_is_refused_with_what_was_expected():
     for mod in (cpu_rotate, triton_rotate):
         with pytest.raises(ArgumentError, match="float32, float64, bfloat16 or float16.*int32"):
             mod.rotate(torch.ones(2, 64, dtype=torch.int32))
+    with pytest.raises(ArgumentError, match="at most 1024 channels; head_dim 2048.*reference"):
+        cpu_rotate.rotate(torch.ones(2, 2048))
     if torch.cuda.is_available():
         with pytest.raises(ArgumentError, match="CPU tensors"):
             cpu_rotate.rotate(torch.ones(2, 64, device="cuda"))
