@@ -295,11 +295,12 @@ def _(k_cache, v_cache, token, spec):
     return k_cache.new_empty(k_cache.shape), v_cache.new_empty(v_cache.shape)  # contiguous, as KVStore's
 
 
-def _rotate(x: Tensor) -> Tensor:
-    """The rotation kernel of ``x``'s device (``kvcompile.store.rotate_reference``'s bits): the C kernel on the CPU,
-    the Triton kernel elsewhere. An operator so that a graph Dynamo traces (the "inductor" family's attention,
-    which rotates its chunk) holds the kernel itself, not the specification's torch operations."""
-    if x.device.type == "cpu":
+def _rotate(x: Tensor, kernel: str) -> Tensor:
+    """``kvcompile.store.rotate_reference(x)``'s bits from one of its kernels: "cpu" (C, ``templates.cpu_rotate``)
+    or "triton" (``templates.rotate``); ``store._rotate`` chooses. An operator too, so that a graph Dynamo traces
+    (the "inductor" family's attention, which rotates its chunk) holds the kernel itself, not the specification's
+    torch operations."""
+    if kernel == "cpu":
         from .templates.cpu_rotate import rotate as cpu_rotate
         return cpu_rotate(x)
     from .templates.rotate import rotate as triton_rotate
@@ -310,7 +311,7 @@ rotate = torch.library.custom_op("kvcompile::rotate", mutates_args=())(_rotate)
 
 
 @rotate.register_fake
-def _(x):
+def _(x, kernel):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, as both kernels return
 
 

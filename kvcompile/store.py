@@ -1070,18 +1070,18 @@ def _rotate(x: Tensor) -> Tensor:
     kernel is the operator ``kvcompile::rotate``."""
     if not x.numel():
         return rotate_reference(x)
-    from .ops import kernels
+    from . import ops
 
-    family = kernels(x.device)
+    family = ops.kernels(x.device)
     if family == "triton" and (x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
-        from .templates.rotate import rotate as kernel
+        kernel = "triton"
     elif family != "reference" and x.device.type == "cpu":
-        from .templates.cpu_rotate import rotate as kernel
+        kernel = "cpu"
     else:
         return rotate_reference(x)
     if torch.compiler.is_compiling():
-        return torch.ops.kvcompile.rotate(x)
-    return kernel(x)
+        return torch.ops.kvcompile.rotate(x, kernel)
+    return ops._rotate(x, kernel)
 
 
 def rotate(x: Tensor, spec: LayerSpec, keys: bool = False) -> Tensor:

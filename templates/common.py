@@ -11,7 +11,7 @@ import functools
 import os
 
 import torch
-from kvcompile.errors import ArgumentTypeError, UnsupportedError
+from kvcompile.errors import ArgumentError, ArgumentTypeError, UnsupportedError
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -26,6 +26,25 @@ def inf_to_nan(out):
     (``torch.where(torch.isfinite(out), out, nan)`` takes four, ~13x the time on a prefill's rows)."""
     nan = float("nan")
     return out.nan_to_num_(nan=nan, posinf=nan, neginf=nan)
+
+
+ROTATION_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def rotation_io(x):
+    """What both rotation kernels (``cpu_rotate``, ``rotate``) read and write for ``x [..., D]``: ``(src, out, rows,
+    block)`` -- ``src`` its rows contiguous in float32 (bf16 and fp16 widen exactly) or float64, ``out`` an empty
+    tensor of ``x``'s shape in ``x``'s dtype, or float64 for bf16 / fp16 (the kernel's float64 result, which
+    ``out.to(x.dtype)`` then rounds once), ``block = rotation_block(D)``."""
+    from kvcompile.store import rotation_block
+
+    if x.dtype not in ROTATION_DTYPES:
+        raise ArgumentError(f"the rotation takes float32, float64, bfloat16 or float16 tensors; got {x.dtype}")
+    D = x.shape[-1]
+    wide = x.dtype in (torch.float32, torch.float64)
+    src = (x if wide else x.float()).contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype if wide else torch.float64, device=x.device)
+    return src, out, x.numel() // D if D else 0, rotation_block(D)
 
 
 def scale_code(q) -> int:

@@ -17,11 +17,11 @@ from torch import Tensor
 
 from kvcompile.errors import ArgumentError
 
+from .common import rotation_io
 from .cpu import available_threads, compile_template
 
 SOURCE = "cpu_rotate.c"
 MAX_BLOCK = 1024  # the largest rotation block the template spells stages for (a head of 1,024 channels)
-_F64_OUT = (torch.bfloat16, torch.float16)  # results the kernel hands torch in float64 to cast (one rounding)
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,25 +36,16 @@ def build(D: int, block: int):
 
 def rotate(x: Tensor) -> Tensor:
     """``x @ H`` along the last dimension (``kvcompile.store.rotate_reference``'s bits), in ``x``'s dtype."""
-    from kvcompile.store import rotation_block
-
     if x.device.type != "cpu":
         raise ArgumentError(f"the CPU rotation kernel takes CPU tensors; got one on {x.device}")
-    if x.dtype not in (torch.float32, torch.float64, *_F64_OUT):
-        raise ArgumentError(f"the rotation takes float32, float64, bfloat16 or float16 tensors; got {x.dtype}")
+    src, out, rows, block = rotation_io(x)
     D = x.shape[-1]
-    block = rotation_block(D)
     if block > MAX_BLOCK:
         raise ArgumentError(f"the CPU rotation kernel rotates blocks of at most {MAX_BLOCK} channels; head_dim {D} "
                             f"makes blocks of {block}. Use the reference kernels (kvcompile.ops.set_kernels("
                             f"'reference')) for this model.")
-    src = x if x.dtype in (torch.float32, torch.float64) else x.float()  # bf16 / fp16 -> fp32 is exact
-    src = src.contiguous()
-    out_t = torch.float64 if x.dtype in _F64_OUT else x.dtype
-    out = torch.empty(x.shape, dtype=out_t)
-    rows = x.numel() // D if D else 0
     if rows:
         build(D, block)(src.data_ptr(), int(src.dtype == torch.float64), out.data_ptr(),
-                        int(out_t == torch.float64), rows, 1 / math.sqrt(block), torch.finfo(x.dtype).max,
+                        int(out.dtype == torch.float64), rows, 1 / math.sqrt(block), torch.finfo(x.dtype).max,
                         available_threads())
-    return out.to(x.dtype) if out_t != x.dtype else out
+    return out.to(x.dtype)

@@ -21,11 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvcompile.errors import ArgumentError
 
-from .common import run
-
-_F64_OUT = (torch.bfloat16, torch.float16)
+from .common import rotation_io, run
 
 
 @triton.jit
@@ -67,20 +64,12 @@ def _constants(block: int, dtype: torch.dtype, device) -> Tensor:
 
 def rotate(x: Tensor) -> Tensor:
     """``x @ H`` along the last dimension with ``kvcompile.store.rotate_reference``'s bits, in ``x``'s dtype."""
-    from kvcompile.store import rotation_block
-
-    if x.dtype not in (torch.float32, torch.float64, *_F64_OUT):
-        raise ArgumentError(f"the rotation takes float32, float64, bfloat16 or float16 tensors; got {x.dtype}")
+    src, out, rows, block = rotation_io(x)
     D = x.shape[-1]
-    block = rotation_block(D)
-    src = (x if x.dtype in (torch.float32, torch.float64) else x.float()).contiguous()
-    out_t = torch.float64 if x.dtype in _F64_OUT else x.dtype
-    out = torch.empty(x.shape, dtype=out_t, device=x.device)
-    rows = x.numel() // D if D else 0
     if rows:
         DP = triton.next_power_of_2(D)
         R = max(1, min(16, 2048 // DP))
         run(_rotate_kernel, (triton.cdiv(rows, R),),
             dict(x_ptr=src, y_ptr=out, c_ptr=_constants(block, x.dtype, x.device), rows=rows,
-                 D=D, DP=DP, BLK=block, LOG_BLK=block.bit_length() - 1, ROWS=R, OUT_F64=out_t == torch.float64))
-    return out.to(x.dtype) if out_t != x.dtype else out
+                 D=D, DP=DP, BLK=block, LOG_BLK=block.bit_length() - 1, ROWS=R, OUT_F64=out.dtype == torch.float64))
+    return out.to(x.dtype)
