@@ -275,11 +275,11 @@ def test_a_policy_pages_cannot_hold_is_refused_at_start_up(tiny):
         engine(tiny, Policy.kivi(4, residual=0, sink=4), dtype="bfloat16")
     text = _chain(e.value)
     assert "sink=4" in text and "residual >= 124" in text and "kivi+rot+sink:4" in text, text
-    # float32: the window needs pages of 256 tokens, whose sinks need a window of 252: the message says both
+    # at pages of 256 tokens the sinks need a window of 252, and the message says which pages keep its 128
     with pytest.raises(Exception) as e:
-        engine(tiny, "kivi+rot+sink:4")
+        engine(tiny, "kivi+rot+sink:4", block_size=256)
     text = _chain(e.value)
-    assert "block_size=256" in text and "residual >= 252" in text and "bfloat16" in text, text
+    assert "residual >= 252" in text and "pages of at most 128 tokens" in text, text
 
 
 def _chain(err) -> str:
@@ -326,13 +326,12 @@ def vllm_loss(llm, windows) -> list[float]:
     return got
 
 
-# float32 windows need pages of 256 tokens, and sinks beside them a window of 252 (kivi+rot+sink:4 keeps 128)
+# at pages of 256 tokens sinks need a window of 252 (kivi+rot+sink:4 keeps 128, for pages of 128)
 SINKS_256 = Policy.kivi(4, sink=4, residual=252, rotate=True)
 
 
 @pytest.mark.parametrize("name", ["full", "int8", "fp8-tensor+rot", "tok+rot:4", "tok+rot+sym:2", "kivi:4",
-                                  "kivi-r0+rot+fp8s:4",
-                                  "kivi+rot+sink-r252:4"])
+                                  "kivi-r0+rot+fp8s:4", "kivi+rot+sink:4"])
 def test_loss_through_vllm_is_kvcompile_eval_reading_every_position_as_stored(tiny, hf_and_windows, name):
     """The quality a user measures through vLLM is what ``kvcompile eval --own stored`` reports for the same policy
     and text (every position read as stored, the queries' own too, as the plugin reads its pages). Not to the last
@@ -343,8 +342,8 @@ def test_loss_through_vllm_is_kvcompile_eval_reading_every_position_as_stored(ti
     from kvcompile.evaluate import heldout_loss
     from kvcompile.presets import named
     model, W = hf_and_windows
-    kw = {"block_size": 256} if name.startswith("kivi") else {}  # float32 windows need pages of 256 tokens
-    policy = SINKS_256 if name == "kivi+rot+sink-r252:4" else named(name)
+    kw = {"block_size": 256} if name == "kivi-r0+rot+fp8s:4" else {}  # a float32 ring of 32 slots: pages of 256
+    policy = named(name)
     llm = engine(tiny, None if name == "full" else policy, max_model_len=W.shape[1] + 1, **kw)
     try:
         through = vllm_loss(llm, W)
@@ -360,7 +359,8 @@ def test_loss_through_vllm_is_kvcompile_eval_reading_every_position_as_stored(ti
 
 # --------------------------------------------------------------------------- a window and KIVI's key groups
 WINDOWED = {  # name: (policy, dtype, engine arguments)
-    "kivi:4": ("kivi:4", "float32", {"block_size": 256}),  # float32 windows: a window page of 32 tokens needs 256
+    "kivi:4": ("kivi:4", "float32", {}),  # float32 at pages of 128 tokens: window pages of 16
+    "kivi+rot+sink:4": ("kivi+rot+sink:4", "float32", {}),  # the default preset as spelled, in float32
     "kivi+rot:2-bf16": ("kivi+rot:2", "bfloat16", {"block_size": 256}),
     "fp8-bf16": ("fp8", "bfloat16", {}),  # a window of 128 tokens beside per-token fp8
     # key groups without a window: the pending group in a ring of 32 slots per request
@@ -404,10 +404,11 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
         assert lay.window and lay.policy == policy and lay.window_tokens == policy.residual + policy.flush - 1
         w = wins[next(iter(lays)) + window.SUFFIX]
         spec = w.get_kv_cache_spec(llm.llm_engine.vllm_config)
-        assert spec.page_size_bytes == lay.page_bytes and w.block % 32 == 0
+        assert spec.page_size_bytes == lay.page_bytes and w.block % window.WINDOW_BASE == 0
         if policy.residual:  # a sliding window as long as the window, as many tokens a page as fit
             assert isinstance(spec, SlidingWindowSpec) and spec.sliding_window == lay.window_tokens and not w.ring
-            assert lay.window_page_bytes(w.block) <= lay.page_bytes < lay.window_page_bytes(w.block + 32)
+            assert lay.window_page_bytes(w.block) <= lay.page_bytes
+            assert lay.page_bytes < lay.window_page_bytes(2 * w.block) and w.block & (w.block - 1) == 0
             # steps of 64 tokens: every page from the window to the newest token, as vLLM's own sliding window
             pages_charged = -(-(lay.window_tokens - 1 + 64) // w.block) + 1
             assert (f"a window of {lay.window_tokens} full-precision tokens in vLLM's pages, at most "
@@ -518,8 +519,8 @@ def test_a_window_cache_holds_a_few_pages_however_long_the_chunk(tiny, monkeypat
                                                       (Policy.kivi(4, sink=4, rotate=True), 24, "bfloat16", 128)],
                          ids=["window", "key-groups-ring", "window-bf16", "key-groups-ring-fp16", "sinks-bf16"])
 def test_a_windowed_policy_survives_prefix_caching_and_preemption(tiny, policy, pages, dtype, block):
-    """KIVI int4 (a window of 128 tokens and key groups of 32, or the key groups alone in a ring; float32, so pages of
-    256 tokens): requests that share
+    """KIVI int4 (a window of 128 tokens and key groups of 32, or the key groups alone in a ring; pages of 256
+    tokens, of 128 with sinks): requests that share
     a cached prefix of a whole page (its window's pages come from the cache too; a ring has nothing pending at a
     page's end), then prefills cut into chunks of
     64 tokens without prefix caching, and room for so few pages that vLLM preempts and recomputes requests: every
@@ -593,16 +594,14 @@ def test_speculative_decoding_changes_no_greedy_token(tiny, policy, block):
 
 
 def test_a_ring_too_small_for_speculative_tokens_is_refused():
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
     lay = P.PageLayout(Policy.kivi(4, residual=0, rotate=True), 2, 64, "float32", 256, window=True)
-    assert window.window_block(lay, CPUAttentionBackend, ring=True) == 32
+    assert window.window_block(lay, ring=True) == 32
     with pytest.raises(Exception) as e:
-        window.window_block(lay, CPUAttentionBackend, ring=True, lookahead=3)
+        window.window_block(lay, ring=True, lookahead=3)
     assert "3 speculative tokens" in str(e.value) and "block_size=512" in str(e.value), str(e.value)
 
 
 def test_a_window_too_big_for_a_page_and_a_windowed_layer_mix_are_refused(tiny):
     with pytest.raises(Exception) as e:
-        engine(tiny, "kivi:4")  # float32 keys and values of 32 tokens outgrow a packed page of 128 tokens
+        engine(tiny, "kivi:2")  # float32 keys and values of 16 tokens outgrow a packed 2-bit page of 128 tokens
     assert "block_size=256" in _chain(e.value), _chain(e.value)

@@ -251,3 +251,13 @@ class KVCompileBackend:
     @classmethod
     def customize_spec(cls, spec):
         return customized(spec, super().customize_spec)
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls, kv_cache_spec=None):
+        """vLLM's backend's, except for a window cache's pages, which only kvcompile's code reads: any multiple of
+        ``window.WINDOW_BASE`` tokens."""
+        from .window import WINDOW_BASE, WindowSpec
+        if isinstance(kv_cache_spec, WindowSpec):
+            from vllm.v1.attention.backend import MultipleOf
+            return [MultipleOf(WINDOW_BASE)]
+        return super().get_supported_kernel_block_sizes(kv_cache_spec)

@@ -28,7 +28,6 @@ import logging
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.utils.math_utils import cdiv
-from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import CircularBufferSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
@@ -41,16 +40,25 @@ SUFFIX = ".kvcompile_window"
 log = logging.getLogger("kvcompile.vllm")
 
 
-def window_block(layout, backend, ring: bool, lookahead: int = 0) -> int:
+# A sliding window's pages hold a power of two of at least WINDOW_BASE tokens, so one divides a packed page (a
+# prefix-cache hit must end on a page of both). vLLM's kernels never read a window cache (kvcompile's gather its
+# positions), so ``WindowSpec`` declares WINDOW_BASE as its kernel block (``KVCompileBackend``): 16, where vLLM's
+# CPU kernel's 32 made a float32 window page of KIVI int4 outgrow its 128-token packed page. A ring is vLLM's own
+# ``CircularBufferSpec``, whose kernel block is the backend's: RING_BASE slots, a multiple of each backend's (CPU
+# 32, CUDA 16).
+WINDOW_BASE, RING_BASE = 16, 32
+
+
+def window_block(layout, ring: bool, lookahead: int = 0) -> int:
     """Tokens in one window page: for a sliding window, the most whose keys and values in full precision fit one
-    packed page, a multiple of the block the backend's kernels take (its ``MultipleOf``, else 16); for a ring, the
-    window's length and ``lookahead`` (the speculative tokens a step stores before vLLM knows which it accepts: a
-    ring that held only the window would lose pending positions to rejected drafts) rounded up to that block. A
-    packed page too small for it is refused, naming the block size that would fit."""
-    bases = [s.base for s in backend.get_supported_kernel_block_sizes() if isinstance(s, MultipleOf)] or [16]
-    base = max(bases)
+    packed page, a power of two of at least ``WINDOW_BASE``; for a ring, the window's length and ``lookahead`` (the speculative
+    tokens a step stores before vLLM knows which it accepts: a ring that held only the window would lose pending
+    positions to rejected drafts) rounded up to ``RING_BASE``. A packed page too small for it is refused, naming
+    the block size that would fit."""
+    base = RING_BASE if ring else WINDOW_BASE
     per_token = layout.window_page_bytes(1)
-    fit = layout.page_bytes // per_token // base * base
+    fit = layout.page_bytes // per_token
+    fit = fit // base * base if ring else (1 << fit.bit_length() - 1 if fit >= base else 0)
     want = -(-(layout.window_tokens + lookahead) // base) * base if ring else base
     if fit < want:
         need = -(-want * per_token // (layout.heads * layout.token_head_bytes))
@@ -190,7 +198,7 @@ class WindowLayer(AttentionLayerBase):
         self.ring = owner.impl.layout.policy.residual == 0
         spec = get_current_vllm_config().speculative_config
         self.lookahead = (spec.num_speculative_tokens or 0) if spec is not None else 0
-        self.block = window_block(owner.impl.layout, owner.get_attn_backend(), self.ring, self.lookahead)
+        self.block = window_block(owner.impl.layout, self.ring, self.lookahead)
         # a ring's slots (position p in slot p % slots): the positions it must hold, so that without speculation it
         # is the kernels' own ring, read where it lies (``pages.store_windowed``); vLLM's page has ``block`` of them
         self.slots = owner.impl.layout.window_tokens + self.lookahead if self.ring else self.block
