@@ -64,6 +64,13 @@ def test_full_and_no_policy_are_vllms_own_pages():
     assert layout_for(Policy.full(), 2, 64, torch.bfloat16, 128, kv_cache_dtype="fp8") is None
 
 
+def test_a_sliding_window_layer_keeps_vllms_own_pages():
+    # it holds only its window (the other layers' packed pages: tests_vllm); vLLM's own quantization still refused
+    assert layout_for(Policy.int8(), 2, 64, torch.bfloat16, 128, sliding_window=4096) is None
+    with pytest.raises(Refused, match="kv_cache_dtype='fp8'"):
+        layout_for(Policy.int8(), 2, 64, torch.bfloat16, 128, sliding_window=4096, kv_cache_dtype="fp8")
+
+
 def test_a_quantizing_policy_gets_its_pages():
     lay = layout_for(Policy.int8(), 2, 64, torch.bfloat16, 128)
     assert lay == P.PageLayout(Policy.int8(), 2, 64, "bfloat16", 128)
@@ -71,7 +78,6 @@ def test_a_quantizing_policy_gets_its_pages():
 
 @pytest.mark.parametrize("kw,what", [
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
-    (dict(sliding_window=4096), "sliding-window layer"),
     (dict(alibi=True), "ALiBi"),
     (dict(softcap=30.0), "soft-cap"),
     (dict(sinks=True), "learned sinks"),

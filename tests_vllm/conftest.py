@@ -50,6 +50,28 @@ def tiny(tmp_path_factory):
     return str(make_tiny(tmp_path_factory.mktemp("tiny")))
 
 
+def make_sliding(path, tokenizer: str, layers: tuple = ("sliding", "full", "sliding", "full"), seed: int = 0):
+    """A random Gemma 3 (text) with ``layers`` of sliding-window (48 tokens) and full attention, 4 query heads, 2 kv
+    heads of 64 channels, and the tokenizer saved in ``tokenizer``, saved in ``path``."""
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
+    torch.manual_seed(seed)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=len(layers),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, sliding_window=48,
+        layer_types=[f"{kind}_attention" for kind in layers], bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=0, initializer_range=0.05)
+    transformers.Gemma3ForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def sliding(tmp_path_factory, tiny):
+    """A model whose layers alternate sliding-window and full attention (``make_sliding``)."""
+    return str(make_sliding(tmp_path_factory.mktemp("sliding"), tiny))
+
+
 def engine(model: str, policy=None, dtype: str = "float32", **kw):
     """An ``LLM`` in this process, with ``policy`` (a name or a policy object) in its ``additional_config``."""
     from vllm import LLM

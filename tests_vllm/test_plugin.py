@@ -6,6 +6,8 @@ Each engine starts once per module (a start takes 10-40 s on a shared 2-core mac
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 
 import pytest
 import torch
@@ -357,6 +359,82 @@ def test_loss_through_vllm_is_kvcompile_eval_reading_every_position_as_stored(ti
         assert max(abs(a - b) for a, b in zip(full, through)) > 3 * tol
 
 
+# --------------------------------------------------------------------------- sliding-window layers
+@pytest.mark.parametrize("name,block", [("int8", 128), ("tok+rot:4", 256), ("kivi-r0+rot+fp8s:4", 256)])
+def test_sliding_window_layers_keep_vllms_cache_beside_packed_pages(sliding, caplog, name, block):
+    """A model whose layers alternate sliding-window and full attention (Gemma 3): the policy's packed pages hold
+    the full-attention layers, the sliding-window layers keep vLLM's own cache and kernels (they hold only their
+    window) in pages of as many tokens as fit a packed page, padded to it -- vLLM keeps one page size per pool --
+    so vLLM counts the blocks of the packed size; its log says which layers keep its cache. The loss through vLLM is ``kvcompile eval --own stored``'s for
+    the same model (whose sliding-window layers kvcompile leaves to transformers), as for a model without them.
+    (4 bits in float32 need pages of 256 tokens: below.)"""
+    import transformers
+
+    from kvcompile.evaluate import heldout_loss, heldout_windows
+    from kvcompile.presets import named
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    tok = transformers.AutoTokenizer.from_pretrained(sliding)
+    W = heldout_windows(tok, 512, 3)
+    policy = named(name)
+    said = logging.getLogger("vllm.kvcompile")
+    said.addHandler(caplog.handler)
+    try:
+        llm = engine(sliding, policy, max_model_len=W.shape[1] + 1, block_size=block)
+    finally:
+        said.removeHandler(caplog.handler)
+    assert "2 of 4 attention layers have a sliding window and keep vLLM's own cache" in caplog.text, caplog.text
+    try:
+        layers = impls(llm)
+        through = vllm_loss(llm, W)
+        cfg = llm.llm_engine.vllm_config
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        ctx = runner.compilation_config.static_forward_context
+        specs = {n: ctx[n].get_kv_cache_spec(cfg) for n in layers}
+        n_blocks = cfg.cache_config.num_gpu_blocks
+    finally:
+        close(llm)
+    packed = [i.layout for i in layers.values() if i.layout is not None]
+    assert [i.layout is None for i in layers.values()] == [True, False, True, False]
+    assert all(lay.policy == policy and lay.block == block for lay in packed)
+    page = packed[0].page_bytes
+    for n, i in layers.items():
+        if i.layout is None:  # vLLM's own sliding window, the most tokens a packed page holds, padded to it
+            sp = specs[n]
+            assert isinstance(sp, SlidingWindowSpec) and sp.page_size_bytes == page and sp.dtype == torch.float32
+            assert sp.block_size & (sp.block_size - 1) == 0 and sp.block_size % 32 == 0
+            assert dataclasses.replace(sp, block_size=2 * sp.block_size, page_size_padded=None).page_size_bytes > page
+    # vLLM's groups (sliding, packed, KIVI's window caches) of two layers each share two tensors of blocks
+    assert n_blocks == KV_BYTES // (2 * page)
+    model = transformers.AutoModelForCausalLM.from_pretrained(sliding, dtype=torch.float32,
+                                                              attn_implementation="sdpa").eval()
+    stored = heldout_loss(model, W, policy, chunk=64, own="stored")
+    assert through == pytest.approx(stored, abs=3e-4)
+
+
+def test_a_model_with_sliding_window_layers_is_refused_where_the_policy_cannot_run(sliding, tmp_path):
+    from conftest import make_sliding
+    # float32 tokens of 32 (vLLM's CPU kernel's block) outgrow a 4-bit packed page of 128 tokens
+    with pytest.raises(Exception) as e:
+        engine(sliding, "tok+rot:4")
+    assert "sliding-window layers" in _chain(e.value) and "block_size=256" in _chain(e.value), _chain(e.value)
+    # a policy per layer: refused (the sliding-window layers' pages are sized to one packed page)
+    with pytest.raises(Exception) as e:
+        engine(sliding, Policy.int8().override({1: Policy(Quant("int4"), Quant("int4"))}).to_dict())
+    assert "per-layer policy" in _chain(e.value) and "sliding-window" in _chain(e.value), _chain(e.value)
+    # every layer sliding: the policy would apply to none -- refused, naming vLLM's own way out, which then runs
+    every = str(make_sliding(tmp_path / "every", sliding, layers=("sliding",) * 2))
+    with pytest.raises(Exception) as e:
+        engine(every, "int8")
+    assert "would apply to no layer" in _chain(e.value) and "disable_sliding_window" in _chain(e.value)
+    llm = engine(every, "int8", disable_sliding_window=True, max_model_len=48)
+    try:
+        out = llm.generate(["def foo(x):"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        lays = [i.layout for i in impls(llm).values()]
+    finally:
+        close(llm)
+    assert len(out[0].outputs[0].token_ids) == 8 and all(lay is not None for lay in lays)
+
+
 # --------------------------------------------------------------------------- a window and KIVI's key groups
 WINDOWED = {  # name: (policy, dtype, engine arguments)
     "kivi:4": ("kivi:4", "float32", {}),  # float32 at pages of 128 tokens: window pages of 16
@@ -394,8 +472,12 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
     rec.install(monkeypatch)
     prompt = TEXT * 5  # ~300 tokens
     one = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    with caplog.at_level("INFO", logger="kvcompile.vllm"):
+    said = logging.getLogger("vllm.kvcompile")  # vLLM's logger does not propagate: listen where it says it
+    said.addHandler(caplog.handler)
+    try:
         llm = engine(tiny, policy_name, dtype=dtype, max_num_batched_tokens=64, enable_prefix_caching=False, **kw)
+    finally:
+        said.removeHandler(caplog.handler)
     try:
         lays = {n: i.layout for n, i in impls(llm).items()}
         wins = windows_of(llm)

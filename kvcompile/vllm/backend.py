@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import torch
 
@@ -46,6 +47,10 @@ from kvcompile.policy import Policy
 
 from .config import layout_for, policy_of, refuse
 from ..errors import Unimplemented
+
+# a child of vLLM's own logger: said where vLLM says what it does, in its format (vLLM's "vllm" logger has the
+# handler and does not propagate)
+log = logging.getLogger("vllm.kvcompile")
 
 
 class _Active:
@@ -96,6 +101,7 @@ class KVCompileImpl:
     layout: pages.PageLayout | None = None
     per_layer: Policy | None = None  # a policy with overrides: the layout is chosen by ``bind``
     window = None  # a windowed layout's window cache (window.py), attached when the layer is built
+    sliding = False  # a sliding-window layer: vLLM's own cache and kernels, its pages sized to the packed ones
     _recent = None  # (metadata, pages.Recent): the step's full-precision positions, from its store to its attention
     _bound = False
 
@@ -119,6 +125,10 @@ class KVCompileImpl:
             block=cfg.cache_config.block_size, kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window,
             alibi=alibi_slopes is not None, softcap=logits_soft_cap or 0.0, sinks=extra.get("sinks") is not None,
             kv_sharing=kv_sharing_target_layer_name is not None)
+        self.sliding = sliding_window not in (None, -1)
+        if self.sliding and policy is not None and policy.overrides:
+            refuse(f"a per-layer policy ({policy}) in a model with sliding-window layers, which keep vLLM's own "
+                   f"cache in pages sized to the packed ones", "give every layer the same policy")
         if policy is not None and policy.overrides:
             # A policy per layer: which layer this is, vLLM says only when it asks the layer for its page
             # (``layer_spec``). Every policy the layers may get is checked now, so a refusal comes at start-up.
@@ -218,12 +228,54 @@ def layer_spec(layer, spec, vllm_config):
     the layer, and its page declared as ``customized`` declares a uniform policy's. vLLM keeps layers of one kind
     with pages of different sizes in one group, each layer's tensor of its own page size."""
     impl = getattr(layer, "impl", None)
-    if spec is None or not isinstance(impl, KVCompileImpl) or impl.per_layer is None:
+    if spec is None or not isinstance(impl, KVCompileImpl):
+        return spec
+    if impl.sliding:
+        return _sliding_pages(layer, spec, vllm_config)
+    if impl.per_layer is None:
         return spec
     impl.bind(layer.layer_name, cached_layers(vllm_config))
     if impl.layout is None:  # this layer in full precision: vLLM's own page
         return spec
     return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=impl.layout.token_head_bytes)
+
+
+def _sliding_pages(layer, spec, vllm_config):
+    """A sliding-window layer's spec under a quantizing policy: vLLM's own cache (only its window), beside the
+    other layers' packed pages. vLLM keeps one page size per pool, so its pages hold the most tokens (a power of two
+    its kernels take) whose page fits the packed page, padded to it; where none fits, refused naming the block size
+    that would. Said once in the log; refused when every layer has a sliding window (the policy would apply to
+    none)."""
+    policy = _ACTIVE.policy
+    if policy is None or policy == Policy.full():
+        return spec
+    from vllm.v1.attention.backend import MultipleOf
+    ctx = vllm_config.compilation_config.static_forward_context
+    impls = {n: m.impl for n, m in ctx.items() if isinstance(getattr(m, "impl", None), KVCompileImpl)}
+    sliding = [n for n, i in impls.items() if i.sliding]
+    packed = [i.layout for i in impls.values() if i.layout is not None]
+    if not packed:
+        refuse(f"every attention layer of this model has a sliding window, which keeps vLLM's own cache, so {policy} "
+               f"would apply to no layer", "start vLLM with disable_sliding_window=True (--disable-sliding-window: "
+               "full attention over max_model_len, no longer than the window) or use no kvcompile policy")
+    if getattr(_sliding_pages, "said", None) is not ctx:
+        _sliding_pages.said = ctx
+        log.info("kvcompile: %d of %d attention layers have a sliding window and keep vLLM's own cache (only their "
+                 "window), in pages sized to the packed pages of the other layers, which hold %s", len(sliding),
+                 len(impls), policy)
+    lay, block = packed[0], packed[0].block  # one policy: every packed page is alike
+    kernel = layer.get_attn_backend().get_supported_kernel_block_sizes(spec)
+    takes = lambda t: any(t % k.base == 0 if isinstance(k, MultipleOf) else t == k for k in kernel)  # noqa: E731
+    sizes = [1 << i for i in range(block.bit_length()) if takes(1 << i)]
+    fit = [t for t in sizes if dataclasses.replace(spec, block_size=t).page_size_bytes <= lay.page_bytes]
+    if not fit:
+        least = min(sizes or [spec.block_size])
+        need = -(-dataclasses.replace(spec, block_size=least).page_size_bytes * block // lay.page_bytes)
+        need = 1 << (need - 1).bit_length()
+        refuse(f"the model's sliding-window layers keep vLLM's own cache in pages the size of {policy}'s packed "
+               f"pages, and a packed page of {lay.block} tokens ({lay.page_bytes} bytes) holds fewer than {least} of "
+               f"their tokens", f"start vLLM with block_size={need} (--block-size {need}) or larger")
+    return dataclasses.replace(spec, block_size=max(fit), page_size_padded=lay.page_bytes)
 
 
 def customized(spec, backend_customize):
@@ -234,7 +286,7 @@ def customized(spec, backend_customize):
     policy = _ACTIVE.policy
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     if policy is None or policy == Policy.full() or policy.overrides or spec.state_content_bytes is not None \
-            or not isinstance(spec, FullAttentionSpec):  # a window cache (window.py) is full precision
+            or not isinstance(spec, FullAttentionSpec):  # a window cache (window.py), a sliding window: vLLM's own
         return spec
     dtype = spec.dtype
     lay = pages.PageLayout(policy, spec.num_kv_heads, spec.head_size, dtype, spec.block_size,

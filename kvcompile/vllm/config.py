@@ -60,9 +60,11 @@ def refuse(what: str, fix: str) -> None:
 def layout_for(policy: Policy | None, heads: int, head_dim: int, dtype: torch.dtype, block: int,
                *, kv_cache_dtype: str = "auto", sliding_window=None, alibi=False, softcap=0.0, sinks=False,
                kv_sharing=False) -> pages.PageLayout | None:
-    """The page layout of one layer for ``policy``, or None for vLLM's own pages and kernels (no policy, or
-    ``Policy.full()``). Anything that would make the layer compute something other than the policy's attention
-    is refused (``Refused``, or ``kvcompile.pages.PageError``), with the reason and what to do instead."""
+    """The page layout of one layer for ``policy``, or None for vLLM's own pages and kernels (no policy,
+    ``Policy.full()``, or a sliding-window layer: it holds only its window, and kvcompile's attention over pages
+    computes none; ``backend.customized`` sizes its pages to the packed ones). Anything that would make the layer
+    compute something other than the policy's attention is refused (``Refused``, or ``kvcompile.pages.PageError``),
+    with the reason and what to do instead."""
     if policy is None or policy == Policy.full():
         return None
     if policy.overrides:  # the plugin resolves a per-layer policy first (KVCompileImpl.bind)
@@ -71,8 +73,7 @@ def layout_for(policy: Policy | None, heads: int, head_dim: int, dtype: torch.dt
         refuse(f"kv_cache_dtype={kv_cache_dtype!r} asks vLLM to quantize the cache itself as well",
                 "leave kv_cache_dtype at 'auto' with a kvcompile policy (or drop the policy to use vLLM's own)")
     if sliding_window not in (None, -1):
-        refuse(f"a sliding-window layer (window {sliding_window}): kvcompile's attention over pages is causal over "
-                f"the whole sequence", "use a model without sliding-window layers, or no kvcompile policy")
+        return None
     for present, what in ((alibi, "ALiBi slopes"), (bool(softcap), "a logit soft-cap"), (sinks, "learned sinks"),
                           (kv_sharing, "a KV cache shared with another layer")):
         if present:

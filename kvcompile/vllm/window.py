@@ -23,7 +23,6 @@ to the packed page (``page_size_padded``).
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
@@ -32,12 +31,11 @@ from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import CircularBufferSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from .backend import KVCompileImpl
+from .backend import KVCompileImpl, log
 from ..errors import ArgumentError
 from .config import refuse
 
 SUFFIX = ".kvcompile_window"
-log = logging.getLogger("kvcompile.vllm")
 
 
 # A sliding window's pages hold a power of two of at least WINDOW_BASE tokens, so one divides a packed page (a
