@@ -164,3 +164,14 @@ def test_the_plugin_builds_on_the_core_alone():
             pkg = mod if _is_package(mod) else mod.rpartition(".")[0]
             todo += list(_imports(Path(spec.origin), pkg))
     assert {"kvcompile.pages", "kvcompile.presets", "kvcompile.ops"} <= seen
+
+
+def test_a_policy_object_becomes_its_dict_for_vllms_json_hash():
+    from kvcompile.vllm.config import as_json
+    policy = Policy.kivi(4, sink=4, rotate=True)
+    given = {"kvcompile": {"policy": policy}, "other": 1}
+    got = as_json(given)
+    assert json.loads(json.dumps(got, sort_keys=True)) == {"kvcompile": {"policy": policy.to_dict()}, "other": 1}
+    assert policy_of(got) == policy and given["kvcompile"]["policy"] is policy  # the caller's dict as it was
+    for same in (None, {}, {"other": 1}, {"kvcompile": {"policy": "int8"}}, {"kvcompile": "int8"}):
+        assert as_json(same) is same

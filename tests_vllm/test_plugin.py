@@ -270,6 +270,26 @@ def test_kivis_default_preset_runs_as_the_docs_spell_it(tiny):
         assert any(bool(lay.sinks(kv[name])[0][p].any()) for p in range(kv[name].shape[0])), name  # written
 
 
+def test_a_policy_object_runs_where_vllm_compiles_the_model(tiny):
+    """``additional_config={"kvcompile": {"policy": Policy...}}`` with vLLM's defaults: vLLM compiles the model and
+    hashes its config as JSON on the way, which a Policy object failed (``TypeError: Object of type Policy is not
+    JSON serializable``, from the worker). The engine's config holds the policy's ``to_dict()``; the caller's dict
+    is left as it was; every layer runs the policy."""
+    from vllm import LLM
+    policy = Policy.kivi(4, residual=0, rotate=True)
+    given = {"kvcompile": {"policy": policy}}
+    llm = LLM(model=tiny, additional_config=given, kv_cache_memory_bytes=KV_BYTES, max_model_len=1024)
+    try:
+        lays = [i.layout for i in impls(llm).values()]
+        out = llm.generate([TEXT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        cfg = llm.llm_engine.vllm_config.additional_config
+    finally:
+        close(llm)
+    assert given["kvcompile"]["policy"] is policy and list(given) == ["kvcompile"]
+    assert cfg == {"kvcompile": {"policy": policy.to_dict()}}
+    assert len(out[0].outputs[0].token_ids) == 8 and lays and all(lay.policy == policy for lay in lays)
+
+
 # --------------------------------------------------------------------------- refusals
 def test_a_policy_pages_cannot_hold_is_refused_at_start_up(tiny):
     # sinks take a request's first page, so its packed tokens wait a page in the window: 124 tokens at pages of 128

@@ -29,6 +29,26 @@ def register() -> None:
         register_backend(AttentionBackendEnum[name], path)
     _per_layer_pages()
     _window_caches()
+    _policy_objects(type(current_platform))
+
+
+def _policy_objects(platform) -> None:
+    """Let ``additional_config`` name a ``Policy`` object in Python: when vLLM builds its config (the platform's
+    ``check_and_update_config``, in the process that made the engine's arguments, after the plugins load), the
+    object becomes its ``to_dict()`` (``config.as_json``), which vLLM's JSON hash of the config takes and its
+    processes receive. Idempotent."""
+    own = platform.check_and_update_config
+    if getattr(own, "kvcompile", False):
+        return
+
+    def check_and_update_config(cls, vllm_config):
+        from .config import as_json
+        vllm_config.additional_config = as_json(vllm_config.additional_config)
+        return own(vllm_config)
+
+    check_and_update_config.kvcompile = True
+    check_and_update_config.__doc__ = own.__doc__
+    platform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def _window_caches() -> None:

@@ -49,6 +49,16 @@ def policy_of(additional_config: Mapping[str, Any] | None) -> Policy | None:
         raise PolicyError(f"{where} = {value!r}: {e}") from None
 
 
+def as_json(additional_config):
+    """vLLM's ``additional_config`` with a ``Policy`` object named in it replaced by its ``Policy.to_dict()`` (the
+    same policy, ``policy_of`` reads both): vLLM hashes the config as JSON (``VllmConfig.compute_hash``, when it
+    compiles the model), which a Policy object would fail. A new mapping; the caller's is left as it was."""
+    entry = additional_config.get(KEY) if isinstance(additional_config, Mapping) else None
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("policy"), Policy):
+        return additional_config
+    return {**additional_config, KEY: {**entry, "policy": entry["policy"].to_dict()}}
+
+
 class Refused(UnsupportedError):
     """A named policy vLLM's engine cannot run as asked (raised when the model is built, before serving)."""
 
