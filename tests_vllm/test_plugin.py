@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 
 import pytest
 import torch
@@ -291,6 +292,34 @@ def test_a_policy_object_runs_where_vllm_compiles_the_model(tiny):
 
 
 # --------------------------------------------------------------------------- refusals
+BAD_ENGINE = """
+import sys
+from vllm import LLM
+for entry, kw in [({"policy": "int9"}, {}), ({"policy": "int8"}, {"kv_cache_dtype": "fp8"})]:
+    try:
+        LLM(model=sys.argv[1], additional_config={"kvcompile": entry}, max_model_len=256, **kw)
+    except Exception as e:
+        print("RAISED", type(e).__name__, "|", str(e).replace("\\n", " "))
+"""
+
+
+def test_what_the_engine_arguments_get_wrong_is_raised_by_llm_itself(tiny):
+    """In vLLM's default processes a refusal inside the engine process reaches the caller as "Engine core
+    initialization failed. See root cause above", the reason only in the log. A policy name that is none, and
+    kv_cache_dtype beside a policy, are now raised by ``LLM(...)`` itself, with the reason, before any engine
+    process starts (vLLM's config wraps the first in its ValidationError)."""
+    import subprocess
+    import sys
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    got = subprocess.run([sys.executable, "-c", BAD_ENGINE, tiny], env=env, capture_output=True, text=True,
+                         timeout=300).stdout.splitlines()  # vLLM logs to stdout too
+    got = [line for line in got if line.startswith("RAISED ")]
+    assert len(got) == 2, got
+    assert "expected SCHEME:BITS" in got[0] and "'int9'" in got[0], got[0]
+    assert got[1].startswith("RAISED Refused |") and "kv_cache_dtype='fp8'" in got[1], got[1]
+    assert not any("Engine core initialization failed" in line for line in got), got
+
+
 def test_a_policy_pages_cannot_hold_is_refused_at_start_up(tiny):
     # sinks take a request's first page, so its packed tokens wait a page in the window: 124 tokens at pages of 128
     with pytest.raises(Exception) as e:

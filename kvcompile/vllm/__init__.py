@@ -29,21 +29,23 @@ def register() -> None:
         register_backend(AttentionBackendEnum[name], path)
     _per_layer_pages()
     _window_caches()
-    _policy_objects(type(current_platform))
+    _engine_config(type(current_platform))
 
 
-def _policy_objects(platform) -> None:
-    """Let ``additional_config`` name a ``Policy`` object in Python: when vLLM builds its config (the platform's
-    ``check_and_update_config``, in the process that made the engine's arguments, after the plugins load), the
-    object becomes its ``to_dict()`` (``config.as_json``), which vLLM's JSON hash of the config takes and its
-    processes receive. Idempotent."""
+def _engine_config(platform) -> None:
+    """When vLLM builds its config (the platform's ``check_and_update_config``, in the process that was given the
+    engine's arguments, after the plugins load): a ``Policy`` object named in ``additional_config`` becomes its
+    ``to_dict()`` (``config.as_json``), which vLLM's JSON hash of the config takes and its processes receive; and
+    what the arguments get wrong is raised there (``config.check_engine``), not in vLLM's engine process, whose
+    failure the caller sees only as "Engine core initialization failed". Idempotent."""
     own = platform.check_and_update_config
     if getattr(own, "kvcompile", False):
         return
 
     def check_and_update_config(cls, vllm_config):
-        from .config import as_json
+        from .config import as_json, check_engine
         vllm_config.additional_config = as_json(vllm_config.additional_config)
+        check_engine(vllm_config)
         return own(vllm_config)
 
     check_and_update_config.kvcompile = True

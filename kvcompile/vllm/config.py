@@ -59,6 +59,24 @@ def as_json(additional_config):
     return {**additional_config, KEY: {**entry, "policy": entry["policy"].to_dict()}}
 
 
+def check_engine(vllm_config) -> None:
+    """What can be checked before vLLM starts its engine, in the process where the engine's arguments were given:
+    the policy named (a ``PolicyError`` for a name that is none) and ``kv_cache_dtype`` (refused beside a
+    quantizing policy) -- so ``LLM(...)`` raises the reason itself, where vLLM's engine process would fail with
+    "Engine core initialization failed" and the reason in its log. The rest (what each layer computes) is checked
+    when the model is built (``layout_for``)."""
+    policy = policy_of(vllm_config.additional_config)
+    if policy is None or policy == Policy.full():
+        return
+    check_cache_dtype(vllm_config.cache_config.cache_dtype)
+
+
+def check_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype != "auto":
+        refuse(f"kv_cache_dtype={kv_cache_dtype!r} asks vLLM to quantize the cache itself as well",
+                "leave kv_cache_dtype at 'auto' with a kvcompile policy (or drop the policy to use vLLM's own)")
+
+
 class Refused(UnsupportedError):
     """A named policy vLLM's engine cannot run as asked (raised when the model is built, before serving)."""
 
@@ -79,9 +97,7 @@ def layout_for(policy: Policy | None, heads: int, head_dim: int, dtype: torch.dt
         return None
     if policy.overrides:  # the plugin resolves a per-layer policy first (KVCompileImpl.bind)
         raise ArgumentError(f"layout_for takes one layer's policy; resolve {policy} per layer first")
-    if kv_cache_dtype != "auto":
-        refuse(f"kv_cache_dtype={kv_cache_dtype!r} asks vLLM to quantize the cache itself as well",
-                "leave kv_cache_dtype at 'auto' with a kvcompile policy (or drop the policy to use vLLM's own)")
+    check_cache_dtype(kv_cache_dtype)
     if sliding_window not in (None, -1):
         return None
     for present, what in ((alibi, "ALiBi slopes"), (bool(softcap), "a logit soft-cap"), (sinks, "learned sinks"),
