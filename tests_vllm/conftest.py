@@ -60,7 +60,7 @@ def make_sliding(path, tokenizer: str, layers: tuple = ("sliding", "full", "slid
         vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=len(layers),
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, sliding_window=48,
         layer_types=[f"{kind}_attention" for kind in layers], bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=0, initializer_range=0.05)
+        eos_token_id=tok.eos_token_id, pad_token_id=0, initializer_range=0.05, tie_word_embeddings=False)
     transformers.Gemma3ForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return path

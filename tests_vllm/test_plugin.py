@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 
 import pytest
@@ -409,8 +408,16 @@ def test_loss_through_vllm_is_kvcompile_eval_reading_every_position_as_stored(ti
 
 
 # --------------------------------------------------------------------------- sliding-window layers
+def logged(monkeypatch) -> list[str]:
+    """What the plugin says at INFO from now on (``backend.log``: a child of vLLM's logger, whose handlers vLLM's
+    logging setup replaces when it runs, so a handler of the test's own could be dropped)."""
+    said: list[str] = []
+    monkeypatch.setattr(backend.log, "info", lambda msg, *args: said.append(msg % args))
+    return said
+
+
 @pytest.mark.parametrize("name,block", [("int8", 128), ("tok+rot:4", 256), ("kivi-r0+rot+fp8s:4", 256)])
-def test_sliding_window_layers_keep_vllms_cache_beside_packed_pages(sliding, caplog, name, block):
+def test_sliding_window_layers_keep_vllms_cache_beside_packed_pages(sliding, monkeypatch, name, block):
     """A model whose layers alternate sliding-window and full attention (Gemma 3): the policy's packed pages hold
     the full-attention layers, the sliding-window layers keep vLLM's own cache and kernels (they hold only their
     window) in pages of as many tokens as fit a packed page, padded to it -- vLLM keeps one page size per pool --
@@ -425,13 +432,8 @@ def test_sliding_window_layers_keep_vllms_cache_beside_packed_pages(sliding, cap
     tok = transformers.AutoTokenizer.from_pretrained(sliding)
     W = heldout_windows(tok, 512, 3)
     policy = named(name)
-    said = logging.getLogger("vllm.kvcompile")
-    said.addHandler(caplog.handler)
-    try:
-        llm = engine(sliding, policy, max_model_len=W.shape[1] + 1, block_size=block)
-    finally:
-        said.removeHandler(caplog.handler)
-    assert "2 of 4 attention layers have a sliding window and keep vLLM's own cache" in caplog.text, caplog.text
+    said = logged(monkeypatch)
+    llm = engine(sliding, policy, max_model_len=W.shape[1] + 1, block_size=block)
     try:
         layers = impls(llm)
         through = vllm_loss(llm, W)
@@ -442,6 +444,7 @@ def test_sliding_window_layers_keep_vllms_cache_beside_packed_pages(sliding, cap
         n_blocks = cfg.cache_config.num_gpu_blocks
     finally:
         close(llm)
+    assert any("2 of 4 attention layers have a sliding window and keep vLLM's own cache" in m for m in said), said
     packed = [i.layout for i in layers.values() if i.layout is not None]
     assert [i.layout is None for i in layers.values()] == [True, False, True, False]
     assert all(lay.policy == policy and lay.block == block for lay in packed)
@@ -505,7 +508,7 @@ def windows_of(llm) -> dict:
 
 
 @pytest.mark.parametrize("name", list(WINDOWED))
-def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stood(tiny, monkeypatch, caplog, name):
+def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stood(tiny, monkeypatch, name):
     """One long prompt prefilled in chunks of 64 tokens, then decoded: each layer gets a window cache that vLLM
     manages as a sliding-window layer (its group, its pages, padded to the packed page; the pool's blocks counted
     over both); at the end the packed pages hold the reference store's bytes for every group the sequence has
@@ -521,12 +524,8 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
     rec.install(monkeypatch)
     prompt = TEXT * 5  # ~300 tokens
     one = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    said = logging.getLogger("vllm.kvcompile")  # vLLM's logger does not propagate: listen where it says it
-    said.addHandler(caplog.handler)
-    try:
-        llm = engine(tiny, policy_name, dtype=dtype, max_num_batched_tokens=64, enable_prefix_caching=False, **kw)
-    finally:
-        said.removeHandler(caplog.handler)
+    said = logged(monkeypatch)
+    llm = engine(tiny, policy_name, dtype=dtype, max_num_batched_tokens=64, enable_prefix_caching=False, **kw)
     try:
         lays = {n: i.layout for n, i in impls(llm).items()}
         wins = windows_of(llm)
@@ -543,7 +542,7 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
             # steps of 64 tokens: every page from the window to the newest token, as vLLM's own sliding window
             pages_charged = -(-(lay.window_tokens - 1 + 64) // w.block) + 1
             assert (f"a window of {lay.window_tokens} full-precision tokens in vLLM's pages, at most "
-                    f"{pages_charged} window pages of {w.block} tokens a request" in caplog.text), caplog.text
+                    f"{pages_charged} window pages of {w.block} tokens a request" in "\n".join(said)), said
         else:  # key groups alone: a ring of the pending group's slots, one page a request
             assert isinstance(spec, CircularBufferSpec) and w.ring and w.block == 32
             assert spec.max_memory_usage_bytes(llm.llm_engine.vllm_config) == lay.page_bytes
