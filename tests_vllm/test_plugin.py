@@ -421,9 +421,9 @@ def test_sliding_window_layers_keep_vllms_cache_beside_packed_pages(sliding, mon
     """A model whose layers alternate sliding-window and full attention (Gemma 3): the policy's packed pages hold
     the full-attention layers, the sliding-window layers keep vLLM's own cache and kernels (they hold only their
     window) in pages of as many tokens as fit a packed page, padded to it -- vLLM keeps one page size per pool --
-    so vLLM counts the blocks of the packed size; its log says which layers keep its cache. The loss through vLLM is ``kvcompile eval --own stored``'s for
-    the same model (whose sliding-window layers kvcompile leaves to transformers), as for a model without them.
-    (4 bits in float32 need pages of 256 tokens: below.)"""
+    so vLLM counts the blocks of the packed size; its log says which layers keep its cache. The loss through vLLM
+    is ``kvcompile eval --own stored``'s for the same model (whose sliding-window layers kvcompile leaves to
+    transformers), as for a model without them. (4 bits in float32 need pages of 256 tokens: below.)"""
     import transformers
 
     from kvcompile.evaluate import heldout_loss, heldout_windows

@@ -258,8 +258,8 @@ def _sliding_pages(layer, spec, vllm_config):
         refuse(f"every attention layer of this model has a sliding window, which keeps vLLM's own cache, so {policy} "
                f"would apply to no layer", "start vLLM with disable_sliding_window=True (--disable-sliding-window: "
                "full attention over max_model_len, no longer than the window) or use no kvcompile policy")
-    if getattr(_sliding_pages, "said", None) is not ctx:
-        _sliding_pages.said = ctx
+    if layer.layer_name == sliding[0] and not getattr(layer.impl, "said", False):  # once an engine
+        layer.impl.said = True
         log.info("kvcompile: %d of %d attention layers have a sliding window and keep vLLM's own cache (only their "
                  "window), in pages sized to the packed pages of the other layers, which hold %s", len(sliding),
                  len(impls), policy)

@@ -90,7 +90,7 @@ def layout_for(policy: Policy | None, heads: int, head_dim: int, dtype: torch.dt
                kv_sharing=False) -> pages.PageLayout | None:
     """The page layout of one layer for ``policy``, or None for vLLM's own pages and kernels (no policy,
     ``Policy.full()``, or a sliding-window layer: it holds only its window, and kvcompile's attention over pages
-    computes none; ``backend.customized`` sizes its pages to the packed ones). Anything that would make the layer
+    computes none; ``backend.layer_spec`` sizes its pages to the packed ones). Anything that would make the layer
     compute something other than the policy's attention is refused (``Refused``, or ``kvcompile.pages.PageError``),
     with the reason and what to do instead."""
     if policy is None or policy == Policy.full():

@@ -49,10 +49,10 @@ WINDOW_BASE, RING_BASE = 16, 32
 
 def window_block(layout, ring: bool, lookahead: int = 0) -> int:
     """Tokens in one window page: for a sliding window, the most whose keys and values in full precision fit one
-    packed page, a power of two of at least ``WINDOW_BASE``; for a ring, the window's length and ``lookahead`` (the speculative
-    tokens a step stores before vLLM knows which it accepts: a ring that held only the window would lose pending
-    positions to rejected drafts) rounded up to ``RING_BASE``. A packed page too small for it is refused, naming
-    the block size that would fit."""
+    packed page, a power of two of at least ``WINDOW_BASE``; for a ring, the window's length and ``lookahead``
+    (the speculative tokens a step stores before vLLM knows which it accepts: a ring that held only the window
+    would lose pending positions to rejected drafts) rounded up to ``RING_BASE``. A packed page too small for it
+    is refused, naming the block size that would fit."""
     base = RING_BASE if ring else WINDOW_BASE
     per_token = layout.window_page_bytes(1)
     fit = layout.page_bytes // per_token
