@@ -19,3 +19,17 @@ def test_vllm_prefill_smoke(tiny, tmp_path):
         assert "failed" not in r, r.get("failed")
         assert len(r["seconds"]) == 2 and all(s > 0 for s in r["seconds"]) and r["prompt_tokens_per_s"] > 0
     assert json.loads((tmp_path / "p.json").read_text())["results"] == out["results"]
+
+
+def test_vllm_sliding_model_has_gemma3_1bs_attention(tiny, tmp_path):
+    import torch
+    import transformers
+
+    from benchmarks import vllm_sliding_model
+    from benchmarks.windowed_cache_bytes import gemma3_1b_shape
+    out = vllm_sliding_model.main(["--out", str(tmp_path / "m"), "--tokenizer", tiny])
+    got, want = transformers.AutoConfig.from_pretrained(out), gemma3_1b_shape()
+    for field in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window",
+                  "layer_types"):
+        assert getattr(got, field) == getattr(want, field), field
+    assert got.torch_dtype == torch.bfloat16 and (out / "tokenizer.json").exists()
