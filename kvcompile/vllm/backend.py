@@ -102,6 +102,7 @@ class KVCompileImpl:
     per_layer: Policy | None = None  # a policy with overrides: the layout is chosen by ``bind``
     window = None  # a windowed layout's window cache (window.py), attached when the layer is built
     sliding = False  # a sliding-window layer: vLLM's own cache and kernels, its pages sized to the packed ones
+    said = False  # the engine's sliding-window layers said in the log (on the first of them)
     _recent = None  # (metadata, pages.Recent): the step's full-precision positions, from its store to its attention
     _bound = False
 
@@ -240,6 +241,14 @@ def layer_spec(layer, spec, vllm_config):
     return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=impl.layout.token_head_bytes)
 
 
+def block_for(layout: pages.PageLayout, nbytes: int) -> int:
+    """The smallest power-of-two block size (tokens a page) whose packed pages of ``layout``'s layer hold ``nbytes``:
+    what a refusal names when full-precision tokens beside the packed pages outgrow one (``_sliding_pages``,
+    ``window.window_block``)."""
+    need = -(-nbytes // (layout.heads * layout.token_head_bytes))
+    return 1 << (need - 1).bit_length()
+
+
 def _sliding_pages(layer, spec, vllm_config):
     """A sliding-window layer's spec under a quantizing policy: vLLM's own cache (only its window), beside the
     other layers' packed pages. vLLM keeps one page size per pool, so its pages hold the most tokens (a power of two
@@ -258,7 +267,7 @@ def _sliding_pages(layer, spec, vllm_config):
         refuse(f"every attention layer of this model has a sliding window, which keeps vLLM's own cache, so {policy} "
                f"would apply to no layer", "start vLLM with disable_sliding_window=True (--disable-sliding-window: "
                "full attention over max_model_len, no longer than the window) or use no kvcompile policy")
-    if layer.layer_name == sliding[0] and not getattr(layer.impl, "said", False):  # once an engine
+    if layer.layer_name == sliding[0] and not layer.impl.said:  # once an engine
         layer.impl.said = True
         log.info("kvcompile: %d of %d attention layers have a sliding window and keep vLLM's own cache (only their "
                  "window), in pages sized to the packed pages of the other layers, which hold %s", len(sliding),
@@ -270,8 +279,7 @@ def _sliding_pages(layer, spec, vllm_config):
     fit = [t for t in sizes if dataclasses.replace(spec, block_size=t).page_size_bytes <= lay.page_bytes]
     if not fit:
         least = min(sizes or [spec.block_size])
-        need = -(-dataclasses.replace(spec, block_size=least).page_size_bytes * block // lay.page_bytes)
-        need = 1 << (need - 1).bit_length()
+        need = block_for(lay, dataclasses.replace(spec, block_size=least).page_size_bytes)
         refuse(f"the model's sliding-window layers keep vLLM's own cache in pages the size of {policy}'s packed "
                f"pages, and a packed page of {lay.block} tokens ({lay.page_bytes} bytes) holds fewer than {least} of "
                f"their tokens", f"start vLLM with block_size={need} (--block-size {need}) or larger")

@@ -31,7 +31,7 @@ from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import CircularBufferSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from .backend import KVCompileImpl, log
+from .backend import KVCompileImpl, block_for, log
 from ..errors import ArgumentError
 from .config import refuse
 
@@ -59,8 +59,7 @@ def window_block(layout, ring: bool, lookahead: int = 0) -> int:
     fit = fit // base * base if ring else (1 << fit.bit_length() - 1 if fit >= base else 0)
     want = -(-(layout.window_tokens + lookahead) // base) * base if ring else base
     if fit < want:
-        need = -(-want * per_token // (layout.heads * layout.token_head_bytes))
-        need = 1 << (need - 1).bit_length()
+        need = block_for(layout, want * per_token)
         drafts = (f" (its window and the {lookahead} speculative tokens a step may store, in whole blocks of {base})"
                   if ring and lookahead else "")
         fix = f"start vLLM with block_size={need} (--block-size {need}) or larger"
