@@ -34,7 +34,9 @@ Pre-RoPE keys need the rotary embedding, which an engine applies before the cach
 
 The batch forms (``store``, ``attention``) take ``[B, H, n, D]`` chunks of equal length; the ragged forms
 (``store_ragged``, ``attention_ragged``) take an engine's flat batch: ``[T, H, D]`` tokens, request ``i`` owning
-tokens ``query_start[i] .. query_start[i + 1]``, the last ``n_i`` of its ``seq_lens[i]`` positions. Kernels:
+tokens ``query_start[i] .. query_start[i + 1]``, the last ``n_i`` of its ``seq_lens[i]`` positions; a sliding-window
+layer's (``attention_ragged(..., window=W)``) reads each query's last ``W`` positions and never a page before them,
+which the engine frees. Kernels:
 ``kvcompile.ops.backend`` (the C kernels on the CPU, Triton on CUDA, or the reference), as everywhere else.
 """
 from __future__ import annotations
@@ -529,14 +531,43 @@ def _runs(seq: Tensor) -> Tensor | None:
     return torch.cat([new.nonzero().flatten(), torch.tensor([len(seq)])]).to(torch.int32)
 
 
+def _slide(table: Tensor, L: Tensor, window: int, block: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows of a sliding window of ``window`` positions over pages of ``block`` tokens: ``(table, lengths, lo)``
+    with each row's pages from the one holding its first visible position ``L - window`` on (those before it are
+    never read: an engine frees them and gives them to other sequences), its length and first visible position
+    counted from there (int64 CPU tensors ``L``, ``lo``). Every row then reads at most ``_slid_width`` pages."""
+    lo = (L - window).clamp_min(0)
+    first = lo // block
+    width = _slid_width(window, block) // block
+    cols = (first[:, None] + torch.arange(width)).clamp_max(table.shape[1] - 1)
+    return table.gather(1, cols.to(table.device)), L - first * block, lo - first * block
+
+
+def _slid_width(window: int, block: int) -> int:
+    """Positions a row of a sliding window reads at most, from the start of its first page: whole pages."""
+    return -(-(window - 1 + block) // block) * block
+
+
+def _window_mask(L: Tensor, lo: Tensor, width: int, device) -> Tensor:
+    """The additive mask ``[R, 1, 1, width]`` of rows that see positions ``lo .. L - 1`` (int64 CPU tensors) and no
+    other. Its width is the same for every call of a layer, so a row's result never depends on the rows beside it
+    (the kernels size nothing of a row by the call's longest)."""
+    at = torch.arange(width)
+    hide = (at < lo[:, None]) | (at >= L[:, None])
+    return torch.zeros(len(L), 1, 1, width).masked_fill_(hide[:, None, None], float("-inf")).to(device)
+
+
 def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, scale: float | None, out: Tensor,
-                recent: Recent | None = None) -> Tensor:
+                recent: Recent | None = None, window: int | None = None) -> Tensor:
     """Every query of ``batch`` as one decode row over the positions up to its own (with ``recent``: and a ring
-    of its own holding its full-precision positions, ``attention_windowed``), into ``out``."""
+    of its own holding its full-precision positions, ``attention_windowed``; with ``window``: only the last
+    ``window`` of them, ``attention_ragged``), into ``out``."""
     sp = layout.spec
     idx, seq, pos = batch.tokens()
     L = pos + 1
     table = batch.table.index_select(0, seq.to(batch.table.device)).to(pages.device)
+    if window is not None:
+        table, L, lo = _slide(table, L, window, layout.block)
     step = max(1, ROWS_PER_CALL // layout.heads)
     if recent is not None:
         dt = DTYPES[layout.dtype]
@@ -545,7 +576,9 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
     for a in range(0, len(idx), step):
         r = slice(a, a + step)
         st = layout.state(pages, L[r].to(device=pages.device, dtype=torch.int32), table[r])
-        runs, rings = _runs(seq[r]), None
+        runs, rings, mask = _runs(seq[r]), None, None
+        if window is not None:  # a row of a run no longer reads the run's tiles (its own first page)
+            runs, mask = None, _window_mask(L[r], lo[r], _slid_width(window, layout.block), pages.device)
         if recent is not None:
             # the query's own position too comes from its ring (or, once packed, from the pages): a query whose own
             # token is already packed (no window, a group it completed) reads it packed, as the store holds it.
@@ -561,23 +594,36 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
             rk, rv = _ring(layout, recent, s_, lo_, hi_, sp.ring, dt)
             st = st._replace(k_res=rk, v_res=rv)
         rows = idx[r].to(q.device)
-        got = ops.backend(pages.device).attention(q.index_select(0, rows).unsqueeze(2), st, sp, None, scale,
+        got = ops.backend(pages.device).attention(q.index_select(0, rows).unsqueeze(2), st, sp, mask, scale,
                                                   invariant=True, groups=runs, rings=rings)
         out.index_copy_(0, rows.to(out.device), got.squeeze(2).to(out.dtype))
     return out
 
 
 def attention_ragged(layout: PageLayout, pages: Tensor, q: Tensor, k: Tensor | None, v: Tensor | None,
-                     batch: Ragged, scale: float | None = None, out: Tensor | None = None) -> Tensor:
+                     batch: Ragged, scale: float | None = None, out: Tensor | None = None,
+                     window: int | None = None) -> Tensor:
     """``attention`` for a flat batch: ``q [T, Hq, D]``, and ``k, v [T, H, D]`` the same tokens' own keys and
     values (read in full precision at their positions: sequences with the same token count are one call; None:
     every position from the pages, each query one decode row, above). Returns ``out [T, Hq, D]`` (written in
-    place when given; rows past the batch's tokens are left as they are)."""
+    place when given; rows past the batch's tokens are left as they are).
+
+    ``window``: a sliding-window layer's, each query at position ``p`` attending to positions ``p - window + 1 ..
+    p`` only (vLLM's and transformers' convention: ``window`` positions, its own included). Pages wholly before a
+    query's window are never read, so an engine may free them (and their table entries name another sequence's
+    page, or none); every position from the pages (``k = v = None``), in a layout without a window cache."""
     T, Hq, D = q.shape
     if out is None:
         out = q.new_zeros(T, Hq, D)
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ArgumentError(f"window={window!r}: expected the sliding window's positions, an int >= 1")
+        if k is not None or v is not None or layout.window:
+            raise ArgumentError(f"a sliding window reads every position from the pages (k = v = None) of a layout "
+                                f"without a window cache; got k={_show(k)}, v={_show(v)}, window cache "
+                                f"{layout.window} ({layout.policy})")
     if k is None and v is None:  # every query its own decode row (see ROWS_PER_CALL)
-        return _each_query(layout, pages, q, batch, scale, out)
+        return _each_query(layout, pages, q, batch, scale, out, window=window)
     qs = batch.query_start.to("cpu", torch.int64).tolist()
     for n, rows in batch.groups().items():
         idx = torch.tensor([qs[i] + j for i in rows for j in range(n)], device=q.device)

@@ -491,7 +491,8 @@ def test_a_window_cache_gives_each_token_the_store_as_it_stood_when_it_was_newes
         from kvcompile.store import as_stored
         for p in range(max(0, held[i] - lay.window_tokens), held[i]):
             page, row = (wtable[i, 0] if ring else wtable[i, p // wblock]), p % wblock
-            assert torch.equal(wk[page, :, row], as_stored(kk[p:p + 1].transpose(0, 1)[None], sp, dt, keys=True)[0, :, 0])
+            want = as_stored(kk[p:p + 1].transpose(0, 1)[None], sp, dt, keys=True)
+            assert torch.equal(wk[page, :, row], want[0, :, 0])
             assert torch.equal(wv[page, :, row], as_stored(vv[p:p + 1].transpose(0, 1)[None], sp, dt)[0, :, 0])
 
 
@@ -619,8 +620,8 @@ def test_decode_steps_read_their_rings_from_the_window_cache_with_the_same_bits(
                                                                                  monkeypatch):
     """A decode step (every position it reads still in the window cache once its tokens are written) takes its
     rings from the window cache itself -- a ring of the store's own slots as it lies, others gathered into them --
-    instead of from the positions it read before its write: the outputs, the packed pages and the window cache are the same bits either way, for a
-    prefill, decode steps and a short chunk."""
+    instead of from the positions it read before its write: the outputs, the packed pages and the window cache are
+    the same bits either way, for a prefill, decode steps and a short chunk."""
     from kvcompile import ops
     H, Hq, D, block, n_pages = 2, 4, 64, 32, 40
     lay = P.PageLayout(policy, H, D, "float32", block, window=True)
@@ -675,7 +676,7 @@ EXACT = [  # (policy, window, ring)
 ]
 
 
-def cut_outputs(lay, cuts, mine, other, n_pages, table, wtable=None, wblock=16, ring=False):
+def cut_outputs(lay, cuts, mine, other, n_pages, table, wtable=None, wblock=16, ring=False, window=None):
     """Every query's output when the sequence ``mine`` = (k, v, q) ``[T, heads, D]`` is handed over as each of
     ``cuts`` says (token counts per step), each step beside the tokens of another sequence (``other``: a decode
     token beside a chunk, two beside a decode), on fresh pages of ``lay`` (and a window cache with a windowed
@@ -699,7 +700,7 @@ def cut_outputs(lay, cuts, mine, other, n_pages, table, wtable=None, wblock=16, 
                 out = P.attention_windowed(lay, pages, qq, batch, recent, 0.125)
             else:
                 P.store_ragged(lay, pages, kk, vv, batch)
-                out = P.attention_ragged(lay, pages, qq, None, None, batch, 0.125)
+                out = P.attention_ragged(lay, pages, qq, None, None, batch, 0.125, window=window)
             outs.append(out[:n])
             held += n
         results[name] = torch.cat(outs).cpu()
@@ -733,3 +734,119 @@ def test_a_prompts_rows_are_given_to_the_kernels_as_runs_of_one_sequence():
     assert P._runs(torch.tensor([0, 1, 2])) is None and P._runs(torch.tensor([5])) is None  # a decode step
     lo = torch.tensor([0, 0, 32, 0, 0, 0])
     assert P._starts(seq, lo).tolist() == [True, False, True, True, True, False]
+
+
+# --------------------------------------------------------------------------- a sliding-window layer
+SLIDING = [Policy.int8(), Policy(Quant("int4", "token"), Quant("int4", "token"), rotate=True),
+           Policy(Quant("int2", "token", 32), Quant("int2", "token", 32), rotate=True),
+           Policy(Quant("fp8_e4m3", "tensor"), Quant("fp8_e4m3", "tensor"), rotate=True)]
+
+
+def sliding_case(policy, dtype, kernels="cpu", window=37, seed=0):
+    """A prompt of 100 tokens beside one of 23 in one flat batch over scrambled pages of 16 tokens, read through a
+    sliding window: (layout, pages, table, batch, k, v, q, out)."""
+    from kvcompile import ops
+    H, Hq, D, block, n_pages = 2, 4, 32, 16, 30
+    dt = getattr(torch, dtype)
+    lay = P.PageLayout(policy, H, D, dtype, block)
+    table = scrambled_table(2, 8, n_pages, seed)
+    pages = engine_pages(lay, n_pages, interleave=2)
+    g = torch.Generator().manual_seed(seed)
+    k, v, q = (torch.randn(123, h, D, generator=g).to(dt) for h in (H, H, Hq))
+    batch = P.Ragged.of(torch.tensor([0, 100, 123]), torch.tensor([100, 23]), table)
+    ops.set_kernels(kernels)
+    try:
+        P.store_ragged(lay, pages, k, v, batch)
+        out = P.attention_ragged(lay, pages, q, None, None, batch, 0.2, window=window)
+    finally:
+        ops.set_kernels("auto")
+    return lay, pages, table, batch, k, v, q, out
+
+
+def check_sliding(lay, table, batch, k, v, q, out, window, n_pages=30):
+    """Each query within the decode kernel's bound of float64 attention over the reference store as it stood when
+    its token was the newest, masked to its window (the reference's mask: only positions ``p - window + 1 .. p``)."""
+    ref = reference_state(lay, n_pages, [0, 0], table)
+    store_reference(ref, lay.spec, batch.padded(k), batch.padded(v), torch.tensor(batch.n))
+    Hq, D = q.shape[1:]
+    worst = 0.0
+    for i, (a, n) in enumerate(zip([0, 100], batch.n)):
+        for p in range(n):
+            st = KVState(*ref[:6], *(x[i:i + 1] for x in ref[6:10]), torch.tensor([p + 1], dtype=torch.int32),
+                         table[i:i + 1])
+            mask = torch.zeros(1, 1, 1, p + 1, dtype=torch.bool)
+            mask[..., max(0, p - window + 1):] = True
+            want, tol = kattn.reference_and_bound(q[a + p].view(1, Hq, 1, D), st, lay.spec, mask, 0.2, nsplit=p + 1,
+                                                  decode=True)
+            err = (out[a + p].view(1, Hq, 1, D).double() - want).abs()
+            assert not (err > tol).any(), (lay.policy, i, p, float((err - tol).max()))
+            worst = max(worst, float((err / tol.clamp(min=1e-30)).max()))
+    return worst
+
+
+@pytest.mark.parametrize("policy", SLIDING, ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_sliding_window_layer_reads_each_querys_window_from_its_pages(policy, dtype):
+    """A sliding-window layer's pages (a model such as Gemma 3 alternates them with full attention): each query
+    reads only the last ``window`` positions, its own included -- within the bound of the reference's attention
+    masked to that window; and the same rows without the window (every position) are not, so the window is
+    applied."""
+    window = 37
+    lay, pages, table, batch, k, v, q, out = sliding_case(policy, dtype, window=window)
+    check_sliding(lay, table, batch, k, v, q, out, window)
+    every = P.attention_ragged(lay, pages, q, None, None, batch, 0.2)
+    assert torch.equal(bits(every[:window]), bits(out[:window]))  # inside the window nothing is hidden
+    assert (every[window:100] - out[window:100]).abs().amax() > 0.05
+
+
+def test_pages_before_a_window_are_never_read():
+    """An engine frees a sliding-window layer's pages wholly before the window and gives them to other sequences
+    (or names its null page): filled with bytes that dequantize to NaN and inf, they change no query's output."""
+    lay, pages, table, batch, k, v, q, out = sliding_case(Policy.int8(), "float32", window=37)
+    # sequence 0's last query (position 99) reads positions 63 .. 99: pages 0 .. 2 of its table are before it
+    gone = table[0, :3].long()
+    poisoned = pages.clone()
+    poisoned[gone] = -1  # every byte 0xff: NaN scales and codes
+    table = table.clone()
+    table[0, :2] = 0  # a freed page's entry may also name another page (vLLM's null block)
+    last = P.Ragged.of(torch.tensor([0, 1]), torch.tensor([100]), table[:1])
+    got = P.attention_ragged(lay, poisoned, q[99:100], None, None, last, 0.2, window=37)
+    assert torch.equal(bits(got), bits(out[99:100]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_a_sliding_windows_attention_is_the_same_bits_however_the_work_is_cut(dtype):
+    """As for full attention (above): whole, in chunks, after a prefix, decoded or recomputed, every query of a
+    sliding-window layer gives the same bits (the rows' masks have one width, so no row depends on the rows beside
+    it)."""
+    H, Hq, D, block, n_pages = 2, 4, 64, 32, 64
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(3)
+    mine, other = ([torch.randn(150, h, D, generator=g).to(dt) for h in (H, H, Hq)] for _ in range(2))
+    lay = P.PageLayout(Policy(Quant("int4", "token"), Quant("int4", "token"), rotate=True), H, D, dtype, block)
+    results = cut_outputs(lay, CUTS, mine, other, n_pages, scrambled_table(2, 12, n_pages, seed=3), window=50)
+    for name, got in results.items():
+        assert torch.equal(bits(got), bits(results["decoded"])), (name, int((got != results["decoded"]).sum()))
+
+
+def test_triton_kernels_read_a_sliding_window_as_the_c_kernels_do():
+    """The CUDA path (Triton, in the interpreter here) of a sliding-window layer: within the same bound."""
+    window = 21
+    lay, pages, table, batch, k, v, q, out = sliding_case(Policy(Quant("int4"), Quant("int8", "token", 16)),
+                                                          "float32", "triton", window=window, seed=4)
+    check_sliding(lay, table, batch, k, v, q, out, window)
+
+
+def test_a_sliding_window_is_checked_at_the_call():
+    lay = P.PageLayout(Policy.int8(), 1, 32, "float32", 16)
+    pages = engine_pages(lay, 4)
+    batch = P.Ragged.of(torch.tensor([0, 3]), torch.tensor([3]), torch.tensor([[1]], dtype=torch.int32))
+    q, k = torch.randn(3, 1, 32), torch.randn(3, 1, 32)
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(KVCompileError, match="sliding window's positions"):
+            P.attention_ragged(lay, pages, q, None, None, batch, window=bad)
+    with pytest.raises(KVCompileError, match="every position from the pages"):
+        P.attention_ragged(lay, pages, q, k, k, batch, window=8)
+    kivi = P.PageLayout(Policy.kivi(4), 1, 32, "float32", 32, window=True)
+    with pytest.raises(KVCompileError, match="without a window cache"):
+        P.attention_ragged(kivi, engine_pages(kivi, 4), q, None, None, batch, window=8)
