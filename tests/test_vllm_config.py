@@ -64,11 +64,16 @@ def test_full_and_no_policy_are_vllms_own_pages():
     assert layout_for(Policy.full(), 2, 64, torch.bfloat16, 128, kv_cache_dtype="fp8") is None
 
 
-def test_a_sliding_window_layer_keeps_vllms_own_pages():
-    # it holds only its window (the other layers' packed pages: tests_vllm); vLLM's own quantization still refused
-    assert layout_for(Policy.int8(), 2, 64, torch.bfloat16, 128, sliding_window=4096) is None
+def test_a_sliding_window_layer_gets_packed_pages_under_a_per_token_policy():
+    # its window in the policy's pages (read through the window: tests_vllm); a policy with a window cache leaves it
+    # vLLM's own pages; vLLM's own quantization still refused
+    lay = layout_for(Policy.int8(), 2, 64, torch.bfloat16, 128, sliding_window=4096)
+    assert lay == P.PageLayout(Policy.int8(), 2, 64, "bfloat16", 128)
+    assert layout_for(Policy.kivi(4), 2, 64, torch.bfloat16, 128, sliding_window=4096) is None
     with pytest.raises(Refused, match="kv_cache_dtype='fp8'"):
         layout_for(Policy.int8(), 2, 64, torch.bfloat16, 128, sliding_window=4096, kv_cache_dtype="fp8")
+    with pytest.raises(Refused, match="soft-cap"):  # what the layer computes is still checked
+        layout_for(Policy.int8(), 2, 64, torch.bfloat16, 128, sliding_window=4096, softcap=30.0)
 
 
 def test_a_quantizing_policy_gets_its_pages():

@@ -123,7 +123,14 @@ class Recorder:
             a, b = qs[i], qs[i + 1]
             st = lay.state(kv_cache, torch.tensor([L], dtype=torch.int32), meta.block_table[i:i + 1].to(torch.int32))
             q = query[a:b].transpose(0, 1)[None]
-            want, tol = kattn.reference_and_bound(q, st, lay.spec, None, impl.scale, nsplit=L)
+            mask = None
+            if impl.slide is not None:  # a sliding-window layer: query p sees p - window + 1 .. p
+                p, at = torch.arange(L - (b - a), L)[:, None], torch.arange(L)
+                mask = ((at <= p) & (at > p - impl.slide))[None, None]
+                # pages wholly before the first query's window are freed (other requests' now): never read
+                gone = meta.block_table[i, :max(0, L - (b - a) - impl.slide + 1) // lay.block]
+                st = st._replace(table=st.table.clone().index_fill_(1, torch.arange(len(gone)), 0))
+            want, tol = kattn.reference_and_bound(q, st, lay.spec, mask, impl.scale, nsplit=L)
             err = (out[a:b].transpose(0, 1)[None].double() - want).abs()
             assert not (err > tol).any(), (lay.policy, i, float((err - tol).max()))
             self.worst = max(self.worst, float((err / tol.clamp(min=1e-30)).max()))
@@ -249,6 +256,43 @@ def test_prefix_caching_and_preemption_change_no_greedy_output(tiny, dtype):
     assert len(second) == len(GROWING) and all(o.finished and len(o.outputs[0].token_ids) == 48 for o in second)
     same(tokens(uncached), tokens(first[:3]), "chunked prefills")
     same(tokens(second), tokens(grown), "preempted and recomputed requests")
+
+
+@pytest.mark.parametrize("dtype", ["float32"])  # bf16: vLLM's own is not batch-invariant on the Intel CPU tried
+def test_a_sliding_windows_pages_survive_prefix_caching_and_preemption(sliding, dtype):
+    """The Gemma 3 model under 4 bits, its sliding-window layers' windows in packed pages that vLLM frees behind the
+    window and hands to other requests: a cached prefix (which brings only its window's pages), chunked prefills
+    and preemption give every request the tokens of a roomy engine, and lose none."""
+    roomy = engine(sliding, "tok+rot:4", dtype=dtype)
+    try:
+        first = roomy.generate(SHARED, LONG, use_tqdm=False)
+        again = roomy.generate(SHARED[:3], LONG, use_tqdm=False)
+        grown = roomy.generate(GROWING, LONG, use_tqdm=False)
+        assert all(i.slide == 48 for i in list(impls(roomy).values())[::2])
+    finally:
+        close(roomy)
+    assert all(o.num_cached_tokens >= 128 for o in again)
+    same = lambda got, want, what: assert_same_tokens(got, want, sliding, dtype, SHARED, what)  # noqa: E731
+    same(tokens(again), tokens(first[:3]), "a cached prefix")
+    page = P.PageLayout(named_policy("tok+rot:4"), 2, 64, dtype, 128).page_bytes
+    tight = engine(sliding, "tok+rot:4", dtype=dtype, enable_prefix_caching=False, disable_log_stats=False,
+                   max_model_len=256, max_num_batched_tokens=64, kv_cache_memory_bytes=6 * 2 * page)
+    try:
+        assert tight.llm_engine.vllm_config.cache_config.num_gpu_blocks == 6
+        uncached = tight.generate(SHARED[:3], LONG, use_tqdm=False)
+        second = tight.generate(GROWING, LONG, use_tqdm=False)
+        preempted = sum(m.value for m in tight.get_metrics() if m.name == "vllm:num_preemptions")
+    finally:
+        close(tight)
+    assert preempted > 0
+    assert len(second) == len(GROWING) and all(o.finished and len(o.outputs[0].token_ids) == 48 for o in second)
+    same(tokens(uncached), tokens(first[:3]), "chunked prefills")
+    same(tokens(second), tokens(grown), "preempted and recomputed requests")
+
+
+def named_policy(name: str) -> Policy:
+    from kvcompile.presets import named
+    return named(name)
 
 
 def test_kivis_default_preset_runs_as_the_docs_spell_it(tiny):
@@ -416,14 +460,50 @@ def logged(monkeypatch) -> list[str]:
     return said
 
 
-@pytest.mark.parametrize("name,block", [("int8", 128), ("tok+rot:4", 256), ("kivi-r0+rot+fp8s:4", 256)])
-def test_sliding_window_layers_keep_vllms_cache_beside_packed_pages(sliding, monkeypatch, name, block):
-    """A model whose layers alternate sliding-window and full attention (Gemma 3): the policy's packed pages hold
-    the full-attention layers, the sliding-window layers keep vLLM's own cache and kernels (they hold only their
-    window) in pages of as many tokens as fit a packed page, padded to it -- vLLM keeps one page size per pool --
-    so vLLM counts the blocks of the packed size; its log says which layers keep its cache. The loss through vLLM
-    is ``kvcompile eval --own stored``'s for the same model (whose sliding-window layers kvcompile leaves to
-    transformers), as for a model without them. (4 bits in float32 need pages of 256 tokens: below.)"""
+def stored_loss(path: str, windows, policy: Policy) -> list[float]:
+    """The held-out loss of transformers' model at ``path`` (float32) reading every key and value as a per-token
+    ``policy``'s store holds it -- every layer's, a sliding window's too -- as ``vllm_loss`` measures it: each
+    layer's keys and values stored by kvcompile's reference store and read back dequantized
+    (``store.dequantize_reference``), then transformers' own SDPA attention with its own masks. (A per-token
+    policy's bytes for a token depend on that token alone, so storing a window's tokens at once is storing them one
+    by one.)"""
+    import torch.nn.functional as F
+    import transformers
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvcompile.store import LayerSpec, dequantize_reference
+
+    def attend(module, query, key, value, attention_mask, **kw):
+        B, H, n, D = key.shape
+        sp = LayerSpec(policy, H, D, "float32", block_tokens=16)
+        rows = sp.rows(B, -(-n // 16))
+        rows[-1].copy_(torch.arange(B * rows[-1].shape[1], dtype=torch.int32).view(B, -1))
+        st = KVState(*sp.pool(B * rows[-1].shape[1]), *rows)
+        store_reference(st, sp, key.float(), value.float())
+        k, v = dequantize_reference(st, sp)
+        return sdpa_attention_forward(module, query, k.to(key.dtype), v.to(value.dtype), attention_mask, **kw)
+
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    transformers.AttentionInterface.register("kvcompile_stored", attend)
+    AttentionMaskInterface.register("kvcompile_stored", sdpa_mask)  # SDPA's masks (else no sliding window's)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                              attn_implementation="kvcompile_stored").eval()
+    half = windows.shape[1] // 2
+    with torch.no_grad():
+        logits = model(windows).logits[:, half - 1:-1].float()
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, half:].reshape(-1), reduction="none")
+    return nll.view(len(windows), -1).mean(1).tolist()
+
+
+@pytest.mark.parametrize("name", ["int8", "tok+rot:4"])
+def test_sliding_window_layers_hold_their_window_in_packed_pages(sliding, monkeypatch, name):
+    """A model whose layers alternate sliding-window and full attention (Gemma 3), under a per-token policy: every
+    layer's cache is packed pages of the policy (vLLM's sliding-window kind for the sliding layers, which frees
+    their pages behind the window), holding exactly the reference store's bytes; each query of a sliding-window
+    layer attends within the bound to its window alone; and the loss through vLLM is that of transformers' model
+    reading every layer's keys and values as stored (``stored_loss``) -- not that of the model whose
+    sliding-window layers keep full precision (kvcompile's own engines; ``kvcompile eval``). Float32 at vLLM's
+    default pages of 128 tokens (4 bits needed pages of 256 while the sliding-window layers kept vLLM's cache)."""
     import transformers
 
     from kvcompile.evaluate import heldout_loss, heldout_windows
@@ -432,8 +512,76 @@ def test_sliding_window_layers_keep_vllms_cache_beside_packed_pages(sliding, mon
     tok = transformers.AutoTokenizer.from_pretrained(sliding)
     W = heldout_windows(tok, 512, 3)
     policy = named(name)
+    rec = Recorder(checks=8)  # a prompt step and a decode step, each layer
+    rec.install(monkeypatch)
     said = logged(monkeypatch)
-    llm = engine(sliding, policy, max_model_len=W.shape[1] + 1, block_size=block)
+    llm = engine(sliding, policy, max_model_len=W.shape[1] + 1)
+    try:
+        layers = impls(llm)
+        assert all(len(t) == 24 for t, _ in run(llm))  # prompts past the window and within it
+        through = vllm_loss(llm, W)
+        cfg = llm.llm_engine.vllm_config
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        ctx = runner.compilation_config.static_forward_context
+        # each layer's spec as vLLM takes it: the layer's, then its backend's customize_spec
+        specs = {n: ctx[n].get_attn_backend().customize_spec(ctx[n].get_kv_cache_spec(cfg)) for n in layers}
+        n_blocks = cfg.cache_config.num_gpu_blocks
+        kv = caches(llm)
+        # vLLM's groups share tensors: layer i of each group (a sliding-window and a full-attention layer) writes
+        # its pages into the same blocks, as vLLM hands each block to one group at a time -- replayed together, each
+        # step's writes in the model's order
+        shared: dict = {}
+        for n in layers:
+            shared.setdefault(kv[n].data_ptr(), []).append(n)
+        pools = {}
+        for names in shared.values():
+            calls = [c for step in zip(*(rec.stores[n] for n in names)) for c in step]
+            pool = replay(layers[names[0]].layout, calls, kv[names[0]].shape[0])
+            pools.update({n: pool for n in names})
+        held = {n: i.layout.views(kv[n]) for n, i in layers.items()}
+    finally:
+        close(llm)
+    assert [i.slide for i in layers.values()] == [48, None, 48, None]
+    assert [m for m in said if "sliding window" in m] == [
+        f"kvcompile: 2 of 4 attention layers have a sliding window (48 tokens); they keep it in packed pages of "
+        f"{policy} too, which vLLM frees behind the window"]
+    assert all(i.layout is not None and i.layout.policy == policy and i.layout.block == 128 for i in layers.values())
+    page = layers["model.layers.0.self_attn.attn"].layout.page_bytes
+    assert sorted(map(len, shared.values())) == [2, 2]
+    for n, i in layers.items():
+        sp = specs[n]
+        assert isinstance(sp, SlidingWindowSpec) == (i.slide is not None) and sp.dtype == torch.uint8
+        assert sp.page_size_bytes == page and sp.block_size == 128
+        for field, got, want in zip(P.POOL_FIELDS, held[n], pools[n]):
+            assert torch.equal(bits(got), bits(want)), (name, n, field)
+    assert n_blocks == KV_BYTES // (2 * page)  # two groups of two layers share two tensors of blocks
+    # attention checked in both kinds of layer, the sliding window's at positions past it
+    assert rec.checked == rec.checks and rec.worst <= 1
+    tol = 3e-4  # as test_loss_through_vllm_is_kvcompile_eval_reading_every_position_as_stored says
+    assert through == pytest.approx(stored_loss(sliding, W, policy), abs=tol)
+    if name == "tok+rot:4":  # the sliding-window layers' 4 bits show in the loss
+        model = transformers.AutoModelForCausalLM.from_pretrained(sliding, dtype=torch.float32,
+                                                                  attn_implementation="sdpa").eval()
+        kept = heldout_loss(model, W, policy, chunk=64, own="stored")
+        assert max(abs(a - b) for a, b in zip(through, kept)) > 3 * tol
+
+
+def test_a_windowed_policy_leaves_sliding_window_layers_in_vllms_cache(sliding, monkeypatch):
+    """Under a policy with a window or per-channel key groups (KIVI), whose window cache keeps no sliding window,
+    the sliding-window layers keep vLLM's own cache and kernels (only their window) in pages of as many tokens as
+    fit a packed page, padded to it -- vLLM keeps one page size per pool -- and the log says so; the loss through
+    vLLM is then ``kvcompile eval --own stored``'s for the same model (whose sliding-window layers kvcompile's
+    engines leave to transformers)."""
+    import transformers
+
+    from kvcompile.evaluate import heldout_loss, heldout_windows
+    from kvcompile.presets import named
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    tok = transformers.AutoTokenizer.from_pretrained(sliding)
+    W = heldout_windows(tok, 512, 3)
+    policy = named("kivi-r0+rot+fp8s:4")
+    said = logged(monkeypatch)
+    llm = engine(sliding, policy, max_model_len=W.shape[1] + 1, block_size=256)
     try:
         layers = impls(llm)
         through = vllm_loss(llm, W)
@@ -445,10 +593,8 @@ def test_sliding_window_layers_keep_vllms_cache_beside_packed_pages(sliding, mon
     finally:
         close(llm)
     assert any("2 of 4 attention layers have a sliding window and keep vLLM's own cache" in m for m in said), said
-    packed = [i.layout for i in layers.values() if i.layout is not None]
     assert [i.layout is None for i in layers.values()] == [True, False, True, False]
-    assert all(lay.policy == policy and lay.block == block for lay in packed)
-    page = packed[0].page_bytes
+    page = layers["model.layers.1.self_attn.attn"].layout.page_bytes
     for n, i in layers.items():
         if i.layout is None:  # vLLM's own sliding window, the most tokens a packed page holds, padded to it
             sp = specs[n]
@@ -463,28 +609,48 @@ def test_sliding_window_layers_keep_vllms_cache_beside_packed_pages(sliding, mon
     assert through == pytest.approx(stored, abs=3e-4)
 
 
+def test_full_gives_vllms_own_tokens_for_a_model_with_sliding_window_layers(sliding):
+    """``Policy.full()`` on the Gemma 3 model (bf16): every layer, sliding or not, is vLLM's own -- the same tokens
+    and log probabilities to the bit."""
+    out = {}
+    for policy in (None, "full"):
+        llm = engine(sliding, policy, dtype="bfloat16")
+        try:
+            out[policy] = run(llm, PROMPTS[2:4])
+            assert all(i.layout is None for i in impls(llm).values())
+        finally:
+            close(llm)
+    assert out["full"] == out[None]
+
+
 def test_a_model_with_sliding_window_layers_is_refused_where_the_policy_cannot_run(sliding, tmp_path):
     from conftest import make_sliding
-    # float32 tokens of 32 (vLLM's CPU kernel's block) outgrow a 4-bit packed page of 128 tokens
+    # a windowed policy leaves the sliding-window layers in vLLM's cache: float32 tokens of 32 (vLLM's CPU kernel's
+    # block) outgrow a KIVI 4-bit packed page of 128 tokens
     with pytest.raises(Exception) as e:
-        engine(sliding, "tok+rot:4")
+        engine(sliding, "kivi:4")
     assert "sliding-window layers" in _chain(e.value) and "block_size=256" in _chain(e.value), _chain(e.value)
     # a policy per layer: refused (the sliding-window layers' pages are sized to one packed page)
     with pytest.raises(Exception) as e:
         engine(sliding, Policy.int8().override({1: Policy(Quant("int4"), Quant("int4"))}).to_dict())
     assert "per-layer policy" in _chain(e.value) and "sliding-window" in _chain(e.value), _chain(e.value)
-    # every layer sliding: the policy would apply to none -- refused, naming vLLM's own way out, which then runs
+    # every layer sliding: a windowed policy would apply to none -- refused, naming the ways out, which then run
     every = str(make_sliding(tmp_path / "every", sliding, layers=("sliding",) * 2))
     with pytest.raises(Exception) as e:
-        engine(every, "int8")
-    assert "would apply to no layer" in _chain(e.value) and "disable_sliding_window" in _chain(e.value)
-    llm = engine(every, "int8", disable_sliding_window=True, max_model_len=48)
-    try:
-        out = llm.generate(["def foo(x):"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-        lays = [i.layout for i in impls(llm).values()]
-    finally:
-        close(llm)
-    assert len(out[0].outputs[0].token_ids) == 8 and all(lay is not None for lay in lays)
+        engine(every, "kivi:4", block_size=256)
+    said = _chain(e.value)
+    assert "would apply to no layer" in said and "disable_sliding_window" in said and "per-token policy" in said
+    for name, prompt, kw in (("kivi:4", "def foo(x):", {"disable_sliding_window": True, "block_size": 256,
+                                                       "max_model_len": 48}),  # no longer than the window
+                             ("int8", "def foo(x):" * 20, {"max_model_len": 200})):  # its windows packed
+        llm = engine(every, name, **kw)
+        try:
+            out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+            lays = {n: (i.layout, i.slide) for n, i in impls(llm).items()}
+        finally:
+            close(llm)
+        assert len(out[0].outputs[0].token_ids) == 8
+        assert all(lay is not None and slide == (48 if name == "int8" else None) for lay, slide in lays.values())
 
 
 # --------------------------------------------------------------------------- a window and KIVI's key groups

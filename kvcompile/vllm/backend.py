@@ -26,6 +26,11 @@ cache beside the pages, which vLLM manages as a sliding-window layer (``window.p
 take both (``pages.store_windowed``, ``pages.attention_windowed``: each token reads the store as it stood when it
 was the newest, which again no split of the work changes).
 
+A sliding-window layer (Gemma 3's local layers) under a per-token policy keeps its window in packed pages too, of
+vLLM's sliding-window kind, which vLLM frees behind the window; each query reads its window alone
+(``pages.attention_ragged``'s ``window``), never a freed page. Under a policy with a window cache (whose window is
+no sliding window) it keeps vLLM's own cache, in pages padded to the packed ones (``_sliding_pages``).
+
 Everything else is vLLM's: the scheduler, the metadata builder (query start offsets, sequence lengths, block
 tables), sampling. Under ``Policy.full()``, or when no policy is named, every method is vLLM's own backend's --
 the same pages, kernels and arithmetic -- so tokens and log probabilities are vLLM's exactly.
@@ -101,7 +106,8 @@ class KVCompileImpl:
     layout: pages.PageLayout | None = None
     per_layer: Policy | None = None  # a policy with overrides: the layout is chosen by ``bind``
     window = None  # a windowed layout's window cache (window.py), attached when the layer is built
-    sliding = False  # a sliding-window layer: vLLM's own cache and kernels, its pages sized to the packed ones
+    sliding = False  # a sliding-window layer: its window in packed pages, or (a windowed policy) vLLM's own cache
+    slide: int | None = None  # the window a sliding-window layer's packed pages are read through
     said = False  # the engine's sliding-window layers said in the log (on the first of them)
     _recent = None  # (metadata, pages.Recent): the step's full-precision positions, from its store to its attention
     _bound = False
@@ -127,9 +133,11 @@ class KVCompileImpl:
             alibi=alibi_slopes is not None, softcap=logits_soft_cap or 0.0, sinks=extra.get("sinks") is not None,
             kv_sharing=kv_sharing_target_layer_name is not None)
         self.sliding = sliding_window not in (None, -1)
+        self.slide = sliding_window if self.sliding else None
         if self.sliding and policy is not None and policy.overrides:
-            refuse(f"a per-layer policy ({policy}) in a model with sliding-window layers, which keep vLLM's own "
-                   f"cache in pages sized to the packed ones", "give every layer the same policy")
+            refuse(f"a per-layer policy ({policy}) in a model with sliding-window layers: vLLM keeps the cache "
+                   f"groups of such a model (its sliding-window and full-attention layers) in pages of one size",
+                   "give every layer the same policy")
         if policy is not None and policy.overrides:
             # A policy per layer: which layer this is, vLLM says only when it asks the layer for its page
             # (``layer_spec``). Every policy the layers may get is checked now, so a refusal comes at start-up.
@@ -211,16 +219,14 @@ class KVCompileImpl:
             self._recent = None
             return output
         pages.attention_ragged(self.layout, kv_cache, query[:T], None, None, ragged(attn_metadata), self.scale,
-                               out=output[:T])
+                               out=output[:T], window=self.slide)
         return output
 
 
 def cached_layers(vllm_config) -> list[str]:
     """The names of the model's attention layers kvcompile's implementations serve, in the model's order (vLLM
     registers each layer as it is built)."""
-    ctx = vllm_config.compilation_config.static_forward_context
-    return [name for name, layer in ctx.items()
-            if isinstance(getattr(layer, "impl", None), KVCompileImpl) and layer.impl.per_layer is not None]
+    return [name for name, impl in _impls(vllm_config).items() if impl.per_layer is not None]
 
 
 def layer_spec(layer, spec, vllm_config):
@@ -231,14 +237,29 @@ def layer_spec(layer, spec, vllm_config):
     impl = getattr(layer, "impl", None)
     if spec is None or not isinstance(impl, KVCompileImpl):
         return spec
-    if impl.sliding:
+    if impl.sliding and impl.layout is None:
         return _sliding_pages(layer, spec, vllm_config)
+    if impl.sliding:  # its window in packed pages: vLLM frees those behind it (pages.attention_ragged's window)
+        impls = _impls(vllm_config)
+        sliding = [n for n, i in impls.items() if i.sliding]
+        if layer.layer_name == sliding[0] and not impl.said:  # once an engine
+            impl.said = True
+            log.info("kvcompile: %d of %d attention layers have a sliding window (%d tokens); they keep it in packed "
+                     "pages of %s too, which vLLM frees behind the window", len(sliding), len(impls), impl.slide,
+                     impl.layout.policy)
+        return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=impl.layout.token_head_bytes)
     if impl.per_layer is None:
         return spec
     impl.bind(layer.layer_name, cached_layers(vllm_config))
     if impl.layout is None:  # this layer in full precision: vLLM's own page
         return spec
     return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=impl.layout.token_head_bytes)
+
+
+def _impls(vllm_config) -> dict:
+    """The model's attention layers kvcompile's implementations serve, by name, in the model's order."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    return {n: m.impl for n, m in ctx.items() if isinstance(getattr(m, "impl", None), KVCompileImpl)}
 
 
 def block_for(layout: pages.PageLayout, nbytes: int) -> int:
@@ -250,28 +271,30 @@ def block_for(layout: pages.PageLayout, nbytes: int) -> int:
 
 
 def _sliding_pages(layer, spec, vllm_config):
-    """A sliding-window layer's spec under a quantizing policy: vLLM's own cache (only its window), beside the
-    other layers' packed pages. vLLM keeps one page size per pool, so its pages hold the most tokens (a power of two
-    its kernels take) whose page fits the packed page, padded to it; where none fits, refused naming the block size
-    that would. Said once in the log; refused when every layer has a sliding window (the policy would apply to
-    none)."""
+    """A sliding-window layer's spec under a policy with a window or per-channel key groups (whose window cache
+    keeps no sliding window; a per-token policy packs the layer's window, ``layer_spec``): vLLM's own cache (only
+    its window), beside the other layers' packed pages. vLLM keeps one page size per pool, so its pages hold the
+    most tokens (a power of two its kernels take) whose page fits the packed page, padded to it; where none fits,
+    refused naming the block size that would. Said once in the log; refused when every layer has a sliding window
+    (the policy would apply to none)."""
     policy = _ACTIVE.policy
     if policy is None or policy == Policy.full():
         return spec
     from vllm.v1.attention.backend import MultipleOf
-    ctx = vllm_config.compilation_config.static_forward_context
-    impls = {n: m.impl for n, m in ctx.items() if isinstance(getattr(m, "impl", None), KVCompileImpl)}
+    impls = _impls(vllm_config)
     sliding = [n for n, i in impls.items() if i.sliding]
     packed = [i.layout for i in impls.values() if i.layout is not None]
+    per_token = "a per-token policy (int8, fp8-tensor+rot, tok+rot:4, ...), which keeps sliding windows in packed pages"
     if not packed:
-        refuse(f"every attention layer of this model has a sliding window, which keeps vLLM's own cache, so {policy} "
-               f"would apply to no layer", "start vLLM with disable_sliding_window=True (--disable-sliding-window: "
-               "full attention over max_model_len, no longer than the window) or use no kvcompile policy")
+        refuse(f"every attention layer of this model has a sliding window, which {policy} (a window or per-channel "
+               f"key groups) leaves in vLLM's own cache, so it would apply to no layer", f"use {per_token}, start "
+               f"vLLM with disable_sliding_window=True (--disable-sliding-window: full attention over max_model_len, "
+               f"no longer than the window), or use no kvcompile policy")
     if layer.layer_name == sliding[0] and not layer.impl.said:  # once an engine
         layer.impl.said = True
         log.info("kvcompile: %d of %d attention layers have a sliding window and keep vLLM's own cache (only their "
-                 "window), in pages sized to the packed pages of the other layers, which hold %s", len(sliding),
-                 len(impls), policy)
+                 "window), in pages sized to the packed pages of the other layers, which hold %s (a window or "
+                 "per-channel key groups: %s)", len(sliding), len(impls), policy, per_token)
     lay, block = packed[0], packed[0].block  # one policy: every packed page is alike
     kernel = layer.get_attn_backend().get_supported_kernel_block_sizes(spec)
     takes = lambda t: any(t % k.base == 0 if isinstance(k, MultipleOf) else t == k for k in kernel)  # noqa: E731

@@ -89,16 +89,17 @@ def layout_for(policy: Policy | None, heads: int, head_dim: int, dtype: torch.dt
                *, kv_cache_dtype: str = "auto", sliding_window=None, alibi=False, softcap=0.0, sinks=False,
                kv_sharing=False) -> pages.PageLayout | None:
     """The page layout of one layer for ``policy``, or None for vLLM's own pages and kernels (no policy,
-    ``Policy.full()``, or a sliding-window layer: it holds only its window, and kvcompile's attention over pages
-    computes none; ``backend.layer_spec`` sizes its pages to the packed ones). Anything that would make the layer
-    compute something other than the policy's attention is refused (``Refused``, or ``kvcompile.pages.PageError``),
-    with the reason and what to do instead."""
+    ``Policy.full()``, or a sliding-window layer under a policy with a window or per-channel key groups, whose
+    window cache keeps no sliding window: ``backend.layer_spec`` sizes its pages to the packed ones). A
+    sliding-window layer under a per-token policy holds its window in packed pages (``pages.attention_ragged``'s
+    ``window``). Anything that would make the layer compute something other than the policy's attention is refused
+    (``Refused``, or ``kvcompile.pages.PageError``), with the reason and what to do instead."""
     if policy is None or policy == Policy.full():
         return None
     if policy.overrides:  # the plugin resolves a per-layer policy first (KVCompileImpl.bind)
         raise ArgumentError(f"layout_for takes one layer's policy; resolve {policy} per layer first")
     check_cache_dtype(kv_cache_dtype)
-    if sliding_window not in (None, -1):
+    if sliding_window not in (None, -1) and pages.needs_window(policy):
         return None
     for present, what in ((alibi, "ALiBi slopes"), (bool(softcap), "a logit soft-cap"), (sinks, "learned sinks"),
                           (kv_sharing, "a KV cache shared with another layer")):

@@ -7,7 +7,8 @@ such attention layer gets a companion, ``<layer>.kvcompile_window``, that vLLM m
 cache, from its one pool and counted in its capacity:
 
 - key groups alone (``residual=0``): a ring per request (``CircularBufferSpec``: one page for the request's
-  lifetime, slot ``p % slots``: the window and any speculative tokens). A cached prefix ends at a page's end, a group's, so nothing of it is pending.
+  lifetime, slot ``p % slots``: the window and any speculative tokens). A cached prefix ends at a page's end, a
+  group's, so nothing of it is pending.
 - a recent window: a sliding-window layer of the window's length (``WindowSpec``, vLLM's ``SlidingWindowSpec``
   with a manager of ours, ``WindowManager``): its own block table, pages freed behind the window, shared through
   the prefix cache (a cached prefix brings its window's pages), recomputed after preemption. Unlike a model's
@@ -68,8 +69,8 @@ def window_block(layout, ring: bool, lookahead: int = 0) -> int:
             fix = (f"with its {S} sinks, pages of {need} tokens need a window of residual >= {need - S} (the sinks "
                    f"take a request's first page): {fix} and such a window, or run the model in bfloat16 or "
                    f"float16 (full-precision tokens of half the bytes)")
-        refuse(f"{layout.policy} keeps {want if ring else 'a window of'} full-precision tokens{drafts} in pages the size of "
-               f"its packed pages, and a packed page of {layout.block} tokens ({layout.page_bytes} bytes) holds "
+        refuse(f"{layout.policy} keeps {want if ring else 'a window of'} full-precision tokens{drafts} in pages the "
+               f"size of its packed pages, and a packed page of {layout.block} tokens ({layout.page_bytes} bytes) holds "
                f"{'only ' + str(fit) if ring else 'fewer than ' + str(base)} of them", fix)
     return want if ring else fit
 
