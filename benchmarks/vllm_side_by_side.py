@@ -365,6 +365,24 @@ def plot(results, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_capacity(results, path: Path, title: str = "") -> None:
+    """``--capacity-only``'s plot: the tokens vLLM holds for each contender, x vLLM auto's."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ok = [r for r in results if "kv_tokens" in r["capacity"]]
+    base = next(r for r in ok if r["label"] == "vLLM auto")["capacity"]["kv_tokens"]
+    fig, ax = plt.subplots(figsize=(1.2 * len(ok) + 2, 4.5))
+    x = [r["capacity"]["kv_tokens"] / base for r in ok]
+    bars = ax.bar([r["label"].replace("kvcompile ", "") for r in ok], x)
+    ax.bar_label(bars, labels=[f"{v:.2f}x" for v in x])
+    ax.set_ylim(0, max(x) * 1.12)
+    ax.set_title(f"tokens vLLM holds in the same KV memory, x vLLM auto{title}")
+    ax.tick_params(axis="x", rotation=35)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def plot_serving(results, path: Path) -> None:
     """``--serving-only``'s plot: requests each serves at once and the decode tokens/s it gets at that level."""
     import matplotlib
@@ -459,7 +477,10 @@ def main() -> None:
     print(capacity_table(results) if args.capacity_only else serving_table(results) if args.serving_only else
           quality_table(results, args.eval_stored) if args.quality_only else table(results, args.eval_stored))
     if args.plot:
-        (plot_serving if args.serving_only else plot)(results, args.plot)
+        if args.capacity_only:
+            plot_capacity(results, args.plot, f" ({args.kv_mib} MiB of KV memory)")
+        else:
+            (plot_serving if args.serving_only else plot)(results, args.plot)
 
 
 if __name__ == "__main__":
