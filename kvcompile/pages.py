@@ -531,16 +531,15 @@ def _runs(seq: Tensor) -> Tensor | None:
     return torch.cat([new.nonzero().flatten(), torch.tensor([len(seq)])]).to(torch.int32)
 
 
-def _slide(table: Tensor, L: Tensor, window: int, block: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Rows of a sliding window of ``window`` positions over pages of ``block`` tokens: ``(table, lengths, lo)``
-    with each row's pages from the one holding its first visible position ``L - window`` on (those before it are
-    never read: an engine frees them and gives them to other sequences), its length and first visible position
-    counted from there (int64 CPU tensors ``L``, ``lo``). Every row then reads at most ``_slid_width`` pages."""
-    lo = (L - window).clamp_min(0)
-    first = lo // block
+def _slide(table: Tensor, L: Tensor, window: int, block: int) -> tuple[Tensor, Tensor]:
+    """Rows of a sliding window of ``window`` positions over pages of ``block`` tokens: ``(table, shift)``, each
+    row's pages from the one holding its first visible position ``L - window`` on (those before it are never read:
+    an engine frees them and gives them to other sequences), and the positions it skips (int64 CPU ``[rows]``), by
+    which the row's positions are counted from there. Every row then reads at most ``_slid_width`` positions."""
+    shift = (L - window).clamp_min(0) // block * block
     width = _slid_width(window, block) // block
-    cols = (first[:, None] + torch.arange(width)).clamp_max(table.shape[1] - 1)
-    return table.gather(1, cols.to(table.device)), L - first * block, lo - first * block
+    cols = (shift[:, None] // block + torch.arange(width)).clamp_max(table.shape[1] - 1)
+    return table.gather(1, cols.to(table.device)), shift
 
 
 def _slid_width(window: int, block: int) -> int:
@@ -557,28 +556,44 @@ def _window_mask(L: Tensor, lo: Tensor, width: int, device) -> Tensor:
     return torch.zeros(len(L), 1, 1, width).masked_fill_(hide[:, None, None], float("-inf")).to(device)
 
 
+def _shifted(ring: Tensor, shift: Tensor) -> Tensor:
+    """Rings ``[R, H, width, D]`` whose slot ``p % width`` holds position ``p``, as slot ``(p - shift) % width``: the
+    rings of rows whose positions are counted ``shift`` later (``_slide``)."""
+    width = ring.shape[2]
+    if not width or not bool(shift.any()):
+        return ring
+    at = ((torch.arange(width) + shift[:, None]) % width).to(ring.device)
+    return ring.gather(2, at[:, None, :, None].expand(-1, ring.shape[1], -1, ring.shape[3]))
+
+
 def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, scale: float | None, out: Tensor,
                 recent: Recent | None = None, window: int | None = None) -> Tensor:
     """Every query of ``batch`` as one decode row over the positions up to its own (with ``recent``: and a ring
     of its own holding its full-precision positions, ``attention_windowed``; with ``window``: only the last
-    ``window`` of them, ``attention_ragged``), into ``out``."""
+    ``window`` of them), into ``out``. A row of a sliding window is read from its window's first page on, its
+    positions counted from there (``_slide``): the packed boundary moves with them (the shift is whole pages, so
+    whole per-channel groups, and at most ``L - residual``: ``attention_windowed`` checks), and its ring is
+    re-slotted (``_shifted``)."""
     sp = layout.spec
     idx, seq, pos = batch.tokens()
     L = pos + 1
     table = batch.table.index_select(0, seq.to(batch.table.device)).to(pages.device)
-    if window is not None:
-        table, L, lo = _slide(table, L, window, layout.block)
     step = max(1, ROWS_PER_CALL // layout.heads)
     if recent is not None:
         dt = DTYPES[layout.dtype]
         lo = sp.boundary(L)
         step = max(1, min(step, RING_BYTES // (2 * layout.heads * max(sp.ring, 1) * layout.head_dim * _esize(dt))))
+    shift = torch.zeros_like(L)
+    if window is not None:
+        table, shift = _slide(table, L, window, layout.block)
     for a in range(0, len(idx), step):
         r = slice(a, a + step)
-        st = layout.state(pages, L[r].to(device=pages.device, dtype=torch.int32), table[r])
+        st = layout.state(pages, (L[r] - shift[r]).to(device=pages.device, dtype=torch.int32), table[r])
         runs, rings, mask = _runs(seq[r]), None, None
         if window is not None:  # a row of a run no longer reads the run's tiles (its own first page)
-            runs, mask = None, _window_mask(L[r], lo[r], _slid_width(window, layout.block), pages.device)
+            runs = None
+            mask = _window_mask(L[r] - shift[r], (L[r] - window).clamp_min(0) - shift[r],
+                                _slid_width(window, layout.block), pages.device)
         if recent is not None:
             # the query's own position too comes from its ring (or, once packed, from the pages): a query whose own
             # token is already packed (no window, a group it completed) reads it packed, as the store holds it.
@@ -592,7 +607,7 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
                 rings = (new.cumsum(0) - 1).to(torch.int32)
                 s_, lo_, hi_ = s_[first], lo_[first], hi_[last]
             rk, rv = _ring(layout, recent, s_, lo_, hi_, sp.ring, dt)
-            st = st._replace(k_res=rk, v_res=rv)
+            st = st._replace(k_res=_shifted(rk, shift[r]), v_res=_shifted(rv, shift[r]))
         rows = idx[r].to(q.device)
         got = ops.backend(pages.device).attention(q.index_select(0, rows).unsqueeze(2), st, sp, mask, scale,
                                                   invariant=True, groups=runs, rings=rings)
@@ -822,14 +837,27 @@ def _ring(layout: PageLayout, recent: Recent, seq: Tensor, lo: Tensor, hi: Tenso
 
 
 def attention_windowed(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, recent: Recent,
-                       scale: float | None = None, out: Tensor | None = None) -> Tensor:
+                       scale: float | None = None, out: Tensor | None = None, window: int | None = None) -> Tensor:
     """``attention_ragged`` for a layout with a window, after ``store_windowed`` (its ``recent``): each query at
     position ``p`` attends to positions ``< Q(p + 1)`` packed and the rest in full precision -- the store as it stood
     when ``p`` was its newest token -- as one decode row of its own (``attention_ragged``'s rule), with a ring of
-    its own holding its full-precision positions."""
+    its own holding its full-precision positions.
+
+    ``window``: a sliding-window layer's (``attention_ragged``'s): each query reads only its last ``window``
+    positions, never a page wholly before them. It must be longer than ``layout.window_tokens``, and the policy
+    have no sinks (they would live in a page the engine frees): the positions ``store_windowed`` packs in a step
+    are then inside the window of the step's first query, so it never writes a page the engine freed."""
     if not layout.window:
         raise ArgumentError("attention_windowed takes a layout with window=True; use attention_ragged")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ArgumentError(f"window={window!r}: expected the sliding window's positions, an int >= 1")
+        if window <= layout.window_tokens or layout.policy.sink:
+            raise ArgumentError(f"a sliding window of {window} positions over {layout.policy}: it must be longer than "
+                                f"the {layout.window_tokens} full-precision positions the window cache keeps, and the "
+                                f"policy have no sinks (they live in a sequence's first page, which the engine frees "
+                                f"behind the window)")
     T, Hq, D = q.shape
     if out is None:
         out = q.new_zeros(T, Hq, D)
-    return _each_query(layout, pages, q, batch, scale, out, recent)
+    return _each_query(layout, pages, q, batch, scale, out, recent, window)

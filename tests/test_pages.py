@@ -496,6 +496,121 @@ def test_a_window_cache_gives_each_token_the_store_as_it_stood_when_it_was_newes
             assert torch.equal(wv[page, :, row], as_stored(vv[p:p + 1].transpose(0, 1)[None], sp, dt)[0, :, 0])
 
 
+SLIDING_WINDOWED = [  # (policy, model dtype, packed block, window block, ring, sliding window)
+    (Policy.kivi(4), "float32", 32, 32, False, 170),  # its window cache keeps 159 positions
+    (Policy.kivi(2, residual=0, rotate=True), "bfloat16", 32, 48, True, 40),  # the pending group's 31 in a ring
+    (Policy.fp8(residual=24), "float16", 32, 16, False, 30),
+]
+
+
+@pytest.mark.parametrize("case", range(len(SLIDING_WINDOWED)))
+def test_a_sliding_window_over_a_window_cache_reads_the_store_as_it_stood(case):
+    """A sliding-window layer under a policy with a window cache: each query's output is ``attention_reference``
+    over the reference store built one token at a time, read right after its own token was appended, masked to the
+    query's last ``window`` positions. After every step the pages wholly before the window of the sequence's next
+    query are filled with bytes that dequantize to NaN (the engine frees them): no later output reads one and no
+    later store writes one."""
+    policy, dtype, block, wblock, ring, W = SLIDING_WINDOWED[case]
+    seed = case
+    H, Hq, D, n_pages = 2, 4, 64, 48
+    lay = P.PageLayout(policy, H, D, dtype, block, window=True)
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed)
+    pages = engine_pages(lay, n_pages, interleave=2)
+    window = window_pages(lay, n_pages, wblock)
+    table = scrambled_table(2, 12, n_pages, seed=seed)
+    wtable = scrambled_table(2, 1 if ring else 24, n_pages, seed=seed + 100)
+    kept = {i: [torch.zeros(0, H, D, dtype=dt)] * 2 + [torch.zeros(0, Hq, D, dtype=dt), []] for i in (0, 1)}
+    held, freed = [0, 0], set()
+    for ns in [(70, 13), (1, 31), (33, 1), (1, 1), (40, 2), (1, 1), (1, 64), (5, 1), (90, 1), (1, 1)]:
+        k = torch.randn(sum(ns), H, D, generator=g).to(dt)
+        v, q = torch.randn(sum(ns), H, D, generator=g).to(dt), torch.randn(sum(ns), Hq, D, generator=g).to(dt)
+        qs = torch.tensor([0, ns[0], sum(ns)])
+        seq = torch.tensor([held[0] + ns[0], held[1] + ns[1]])
+        batch, wbatch = P.Ragged.of(qs, seq, table), P.Ragged.of(qs, seq, wtable)
+        recent = P.store_windowed(lay, pages, window, wblock, k, v, batch, wbatch, ring=ring)
+        out = P.attention_windowed(lay, pages, q, batch, recent, 0.125, window=W)
+        for i in (0, 1):
+            a, b = int(qs[i]), int(qs[i + 1])
+            kk, vv, qq, oo = kept[i]
+            kept[i] = [torch.cat([kk, k[a:b]]), torch.cat([vv, v[a:b]]), torch.cat([qq, q[a:b]]), oo + [out[a:b]]]
+            held[i] += ns[i]
+            for j in range(max(0, held[i] - W + 1) // block):  # vLLM's rule: pages wholly before the window
+                freed.add(int(table[i, j]))
+        pages[sorted(freed)] = -1
+    assert freed
+    assert bool((pages[sorted(freed)] == -1).all())  # no store wrote a freed page
+    sp = lay.spec
+    for i in (0, 1):
+        kk, vv, qq, outs = kept[i]
+        got = torch.cat(outs)
+        ref = reference_state(lay, n_pages, [0], table[i:i + 1])
+        for p in range(held[i]):
+            def one(x):
+                return x[p:p + 1].transpose(0, 1)[None]
+            store_reference(ref, sp, one(kk), one(vv))
+            mask = torch.zeros(1, 1, 1, p + 1, dtype=torch.bool)
+            mask[..., max(0, p - W + 1):] = True
+            want = attention_reference(one(qq), ref, sp, mask, 0.125)
+            assert torch.allclose(got[p].float(), want[0, :, 0].float(), rtol=0, atol=2e-6 if dtype == "float32"
+                                  else 4e-3), (p, float((got[p].float() - want[0, :, 0].float()).abs().max()))
+
+
+def test_triton_kernels_read_a_sliding_window_over_a_window_cache():
+    """The CUDA path (Triton, in the interpreter here) of a sliding-window layer under KIVI: the same pages and
+    window cache as the C kernels, and each query of the long sequence -- its window starting pages later --
+    within the decode kernel's bound of the reference store as it stood, masked to its window."""
+    from kvcompile import ops
+    W = 64  # its window cache keeps 45 positions
+    lay = P.PageLayout(Policy.kivi(4, residual=30, group=16), 1, 32, "float32", 32, window=True)
+    g = torch.Generator().manual_seed(12)
+    table, wtable = scrambled_table(2, 5, 12, seed=5), scrambled_table(2, 8, 16, seed=6)
+    steps = [(80, 1), (30, 1), (1, 1), (1, 1)]
+    data = [tuple(torch.randn(sum(ns), h, 32, generator=g) for h in (1, 1, 2)) for ns in steps]
+    results = {}
+    for kernels in ("cpu", "triton"):
+        pages, window = engine_pages(lay, 12), window_pages(lay, 16, 16)
+        held, outs = [0, 0], []
+        ops.set_kernels(kernels)
+        try:
+            for ns, (k, v, q) in zip(steps, data):
+                qs, seq = torch.tensor([0, ns[0], sum(ns)]), torch.tensor([held[0] + ns[0], held[1] + ns[1]])
+                recent = P.store_windowed(lay, pages, window, 16, k, v, P.Ragged.of(qs, seq, table),
+                                          P.Ragged.of(qs, seq, wtable))
+                outs.append(P.attention_windowed(lay, pages, q, P.Ragged.of(qs, seq, table), recent, 0.125,
+                                                 window=W))
+                held = seq.tolist()
+        finally:
+            ops.set_kernels("auto")
+        results[kernels] = (pages.clone(), window.clone(), torch.cat(outs))
+    (pc, wc, oc), (pt, wt, ot) = results["cpu"], results["triton"]
+    assert torch.equal(pc, pt) and torch.equal(wc, wt)
+    ref = reference_state(lay, 12, [0], table[:1])
+    rows = [0] + [sum(map(sum, steps[:i])) for i in range(1, len(steps))]
+    at = [r + j for r, ns in zip(rows, steps) for j in range(ns[0])]
+    k0, v0, q0 = (torch.cat([d[x][:ns[0]] for d, ns in zip(data, steps)]) for x in range(3))
+    for p, row in enumerate(at):
+        store_reference(ref, lay.spec, k0[p:p + 1].transpose(0, 1)[None], v0[p:p + 1].transpose(0, 1)[None])
+        mask = torch.zeros(1, 1, 1, p + 1, dtype=torch.bool)
+        mask[..., max(0, p - W + 1):] = True
+        want, tol = kattn.reference_and_bound(q0[p].view(1, 2, 1, 32), ref, lay.spec, mask, 0.125, nsplit=24,
+                                              decode=True)
+        for got in (ot, oc):
+            assert not ((got[row].view(1, 2, 1, 32).double() - want).abs() > tol).any(), p
+
+
+def test_a_sliding_window_over_a_window_cache_is_checked_at_the_call():
+    lay = P.PageLayout(Policy.kivi(4), 1, 32, "float32", 32, window=True)  # 159 positions in full precision
+    batch = P.Ragged.of(torch.tensor([0, 3]), torch.tensor([3]), torch.tensor([[1]], dtype=torch.int32))
+    q = torch.randn(3, 1, 32)
+    for bad in (159, 64):
+        with pytest.raises(KVCompileError, match="must be longer than the 159"):
+            P.attention_windowed(lay, engine_pages(lay, 4), q, batch, None, window=bad)
+    sinks = P.PageLayout(Policy.kivi(4, sink=4), 1, 32, "float32", 32, window=True)
+    with pytest.raises(KVCompileError, match="no sinks"):
+        P.attention_windowed(sinks, engine_pages(sinks, 4), q, batch, None, window=4096)
+
+
 def test_triton_kernels_keep_sinks_and_a_window_as_the_c_kernels_do():
     """The CUDA path of a windowed layout with sinks (Triton, in the interpreter here): a prompt in two chunks beside
     decode steps of another sequence write the same sinks, packed pages and window as the C kernels (both bit-exact

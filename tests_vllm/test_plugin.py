@@ -216,6 +216,7 @@ def test_pages_hold_the_reference_stores_bytes_and_attention_is_within_the_bound
 # --------------------------------------------------------------------------- prefix caching and preemption
 SHARED = [TEXT + TEXT[:150] + f" Example {i}: " for i in range(6)]  # 150 tokens in common: a whole page of 128
 GROWING = [TEXT + f" Example {i}:" for i in range(8)]      # ~108 tokens: 48 more need a second page
+GROWING16 = [TEXT + f" Example {i}:" for i in range(16)]
 LONG = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 
@@ -258,41 +259,45 @@ def test_prefix_caching_and_preemption_change_no_greedy_output(tiny, dtype):
     same(tokens(second), tokens(grown), "preempted and recomputed requests")
 
 
-@pytest.mark.parametrize("dtype", ["float32"])  # bf16: vLLM's own is not batch-invariant on the Intel CPU tried
-def test_a_sliding_windows_pages_survive_prefix_caching_and_preemption(sliding, dtype):
+@pytest.mark.parametrize("name,blocks", [("tok+rot:4", 6), ("kivi-r0+rot+fp8s:4", 9)])
+def test_a_sliding_windows_pages_survive_prefix_caching_and_preemption(sliding, name, blocks):
     """The Gemma 3 model under 4 bits, its sliding-window layers' windows in packed pages that vLLM frees behind the
-    window and hands to other requests: a cached prefix (which brings only its window's pages), chunked prefills
-    and preemption give every request the tokens of a roomy engine, and lose none."""
-    roomy = engine(sliding, "tok+rot:4", dtype=dtype)
+    window and hands to other requests (under KIVI a ring of the pending key group beside them): a cached prefix
+    (which brings only its window's pages), chunked prefills and preemption give every request the tokens of a
+    roomy engine, and lose none. Float32 (in bf16 vLLM's own engine is not batch-invariant on the Intel CPU
+    tried)."""
+    dtype = "float32"
+    policy, block = SLIDING[name]
+    # requests that share a whole page, and requests that grow into a second page, of their block size
+    shared = SHARED if block == 128 else [TEXT * 3 + f" Example {i}: " for i in range(4)]
+    growing = GROWING16 if block == 128 else [TEXT * 2 + f" Example {i}:" for i in range(16)]
+    roomy = engine(sliding, policy, dtype=dtype, block_size=block)
     try:
-        first = roomy.generate(SHARED, LONG, use_tqdm=False)
-        again = roomy.generate(SHARED[:3], LONG, use_tqdm=False)
-        grown = roomy.generate(GROWING, LONG, use_tqdm=False)
-        assert all(i.slide == 48 for i in list(impls(roomy).values())[::2])
+        first = roomy.generate(shared, LONG, use_tqdm=False)
+        again = roomy.generate(shared[:3], LONG, use_tqdm=False)
+        grown = roomy.generate(growing, LONG, use_tqdm=False)
+        assert all(i.slide == 48 and i.layout is not None for i in list(impls(roomy).values())[::2])
     finally:
         close(roomy)
-    assert all(o.num_cached_tokens >= 128 for o in again)
+    assert all(o.num_cached_tokens >= block for o in again)
     same = lambda got, want, what: assert_same_tokens(got, want, sliding, dtype, SHARED, what)  # noqa: E731
     same(tokens(again), tokens(first[:3]), "a cached prefix")
-    page = P.PageLayout(named_policy("tok+rot:4"), 2, 64, dtype, 128).page_bytes
-    tight = engine(sliding, "tok+rot:4", dtype=dtype, enable_prefix_caching=False, disable_log_stats=False,
-                   max_model_len=256, max_num_batched_tokens=64, kv_cache_memory_bytes=6 * 2 * page)
+    named = backend.policy_of({"kvcompile": {"policy": policy}})
+    lay = P.PageLayout(named, 2, 64, dtype, block, window=P.needs_window(named))
+    tight = engine(sliding, policy, dtype=dtype, block_size=block, enable_prefix_caching=False,
+                   disable_log_stats=False, max_model_len=384, max_num_batched_tokens=64,
+                   kv_cache_memory_bytes=blocks * 2 * lay.page_bytes)
     try:
-        assert tight.llm_engine.vllm_config.cache_config.num_gpu_blocks == 6
-        uncached = tight.generate(SHARED[:3], LONG, use_tqdm=False)
-        second = tight.generate(GROWING, LONG, use_tqdm=False)
+        assert tight.llm_engine.vllm_config.cache_config.num_gpu_blocks == blocks
+        uncached = tight.generate(shared[:3], LONG, use_tqdm=False)
+        second = tight.generate(growing, LONG, use_tqdm=False)
         preempted = sum(m.value for m in tight.get_metrics() if m.name == "vllm:num_preemptions")
     finally:
         close(tight)
     assert preempted > 0
-    assert len(second) == len(GROWING) and all(o.finished and len(o.outputs[0].token_ids) == 48 for o in second)
+    assert len(second) == len(growing) and all(o.finished and len(o.outputs[0].token_ids) == 48 for o in second)
     same(tokens(uncached), tokens(first[:3]), "chunked prefills")
     same(tokens(second), tokens(grown), "preempted and recomputed requests")
-
-
-def named_policy(name: str) -> Policy:
-    from kvcompile.presets import named
-    return named(name)
 
 
 def test_kivis_default_preset_runs_as_the_docs_spell_it(tiny):
@@ -461,29 +466,44 @@ def logged(monkeypatch) -> list[str]:
 
 
 def stored_loss(path: str, windows, policy: Policy) -> list[float]:
-    """The held-out loss of transformers' model at ``path`` (float32) reading every key and value as a per-token
-    ``policy``'s store holds it -- every layer's, a sliding window's too -- as ``vllm_loss`` measures it: each
-    layer's keys and values stored by kvcompile's reference store and read back dequantized
-    (``store.dequantize_reference``), then transformers' own SDPA attention with its own masks. (A per-token
-    policy's bytes for a token depend on that token alone, so storing a window's tokens at once is storing them one
-    by one.)"""
+    """The held-out loss of transformers' model at ``path`` (float32) with every layer -- a sliding window's too --
+    reading the store as it stood when each query's token was the newest (what the plugin computes), as
+    ``vllm_loss`` measures it. Written independently of the plugin and the kernels: each layer's keys and values go
+    through kvcompile's reference store with the policy packing every whole group at once (a group's bytes depend
+    on its tokens alone) and come back dequantized (``store.dequantize_reference``); query ``p`` reads positions
+    ``[sink, Q(p + 1))`` dequantized and the others as given (``Policy.boundary``), under transformers' own SDPA
+    masks (causal, and a sliding window's)."""
     import torch.nn.functional as F
     import transformers
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     from kvcompile.store import LayerSpec, dequantize_reference
+    pack = dataclasses.replace(policy, residual=0)
 
-    def attend(module, query, key, value, attention_mask, **kw):
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         B, H, n, D = key.shape
-        sp = LayerSpec(policy, H, D, "float32", block_tokens=16)
-        rows = sp.rows(B, -(-n // 16))
+        sp = LayerSpec(pack, H, D, "float32", block_tokens=64)
+        rows = sp.rows(B, -(-n // 64))
         rows[-1].copy_(torch.arange(B * rows[-1].shape[1], dtype=torch.int32).view(B, -1))
         st = KVState(*sp.pool(B * rows[-1].shape[1]), *rows)
         store_reference(st, sp, key.float(), value.float())
-        k, v = dequantize_reference(st, sp)
-        return sdpa_attention_forward(module, query, k.to(key.dtype), v.to(value.dtype), attention_mask, **kw)
+        kd, vd = dequantize_reference(st, sp)
+        at = torch.arange(n)
+        packed = (at[None, :] >= policy.sink) & (at[None, :] < policy.boundary(at + 1)[:, None])  # [query, key]
+        G = query.shape[1] // H
+        k, v, kd, vd = (x.float().repeat_interleave(G, 1) for x in (key, value, kd, vd))
+        q = query.float() * (scaling if scaling is not None else D ** -0.5)
+        sc = torch.where(packed, q @ kd.transpose(-1, -2), q @ k.transpose(-1, -2))
+        if attention_mask is None:
+            sc = sc.masked_fill(at[None, :] > at[:, None], float("-inf"))
+        elif attention_mask.dtype == torch.bool:
+            sc = sc.masked_fill(~attention_mask, float("-inf"))
+        else:
+            sc = sc + attention_mask
+        pr = sc.softmax(-1)
+        out = (pr * packed) @ vd + (pr * ~packed) @ v
+        return out.transpose(1, 2).contiguous().to(query.dtype), None
 
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     transformers.AttentionInterface.register("kvcompile_stored", attend)
     AttentionMaskInterface.register("kvcompile_stored", sdpa_mask)  # SDPA's masks (else no sliding window's)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
@@ -495,36 +515,46 @@ def stored_loss(path: str, windows, policy: Policy) -> list[float]:
     return nll.view(len(windows), -1).mean(1).tolist()
 
 
-@pytest.mark.parametrize("name", ["int8", "tok+rot:4"])
+SLIDING = {  # name: (policy, block size)
+    "int8": ("int8", 128),
+    "tok+rot:4": ("tok+rot:4", 128),  # float32 at vLLM's default pages (256 while the sliding layers kept vLLM's)
+    # KIVI's key groups alone: the pending group's 31 positions in a ring (of 32 float32 slots: pages of 256)
+    "kivi-r0+rot+fp8s:4": ("kivi-r0+rot+fp8s:4", 256),
+    # KIVI with a window of 16: 47 positions in a window cache of vLLM's sliding-window kind, under the layer's 48
+    "kivi-r16:4": (Policy.kivi(4, residual=16).to_dict(), 128),
+}
+
+
+@pytest.mark.parametrize("name", list(SLIDING))
 def test_sliding_window_layers_hold_their_window_in_packed_pages(sliding, monkeypatch, name):
-    """A model whose layers alternate sliding-window and full attention (Gemma 3), under a per-token policy: every
-    layer's cache is packed pages of the policy (vLLM's sliding-window kind for the sliding layers, which frees
-    their pages behind the window), holding exactly the reference store's bytes; each query of a sliding-window
-    layer attends within the bound to its window alone; and the loss through vLLM is that of transformers' model
-    reading every layer's keys and values as stored (``stored_loss``) -- not that of the model whose
-    sliding-window layers keep full precision (kvcompile's own engines; ``kvcompile eval``). Float32 at vLLM's
-    default pages of 128 tokens (4 bits needed pages of 256 while the sliding-window layers kept vLLM's cache)."""
+    """A model whose layers alternate sliding-window and full attention (Gemma 3): every layer's cache is packed
+    pages of the policy (vLLM's sliding-window kind for the sliding layers, which frees their pages behind the
+    window; KIVI's window caches beside them); the loss through vLLM is that of transformers' model reading every
+    layer as the store stood when each token was the newest, masked to the sliding window (``stored_loss``) -- not
+    that of the model whose sliding-window layers keep full precision (kvcompile's own engines, ``kvcompile eval``).
+    Per-token policies also: each layer's pages hold exactly the reference store's bytes, and each query of a
+    sliding-window layer attends within the bound to its window alone."""
     import transformers
 
     from kvcompile.evaluate import heldout_loss, heldout_windows
-    from kvcompile.presets import named
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
     tok = transformers.AutoTokenizer.from_pretrained(sliding)
     W = heldout_windows(tok, 512, 3)
-    policy = named(name)
-    rec = Recorder(checks=8)  # a prompt step and a decode step, each layer
+    named, block = SLIDING[name]
+    policy = backend.policy_of({"kvcompile": {"policy": named}})
+    windowed = P.needs_window(policy)
+    rec = Recorder(checks=0 if windowed else 8)  # a prompt step and a decode step, each layer
     rec.install(monkeypatch)
     said = logged(monkeypatch)
-    llm = engine(sliding, policy, max_model_len=W.shape[1] + 1)
+    llm = engine(sliding, named, max_model_len=W.shape[1] + 1, block_size=block)
     try:
         layers = impls(llm)
         assert all(len(t) == 24 for t, _ in run(llm))  # prompts past the window and within it
         through = vllm_loss(llm, W)
         cfg = llm.llm_engine.vllm_config
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-        ctx = runner.compilation_config.static_forward_context
-        # each layer's spec as vLLM takes it: the layer's, then its backend's customize_spec
-        specs = {n: ctx[n].get_attn_backend().customize_spec(ctx[n].get_kv_cache_spec(cfg)) for n in layers}
+        # each layer's spec as vLLM's scheduler keeps it (its cache groups)
+        groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+        specs = {n: g.kv_cache_spec for g in groups for n in g.layer_names}
         n_blocks = cfg.cache_config.num_gpu_blocks
         kv = caches(llm)
         # vLLM's groups share tensors: layer i of each group (a sliding-window and a full-attention layer) writes
@@ -534,7 +564,7 @@ def test_sliding_window_layers_hold_their_window_in_packed_pages(sliding, monkey
         for n in layers:
             shared.setdefault(kv[n].data_ptr(), []).append(n)
         pools = {}
-        for names in shared.values():
+        for names in shared.values() if not windowed else ():
             calls = [c for step in zip(*(rec.stores[n] for n in names)) for c in step]
             pool = replay(layers[names[0]].layout, calls, kv[names[0]].shape[0])
             pools.update({n: pool for n in names})
@@ -545,33 +575,34 @@ def test_sliding_window_layers_hold_their_window_in_packed_pages(sliding, monkey
     assert [m for m in said if "sliding window" in m] == [
         f"kvcompile: 2 of 4 attention layers have a sliding window (48 tokens); they keep it in packed pages of "
         f"{policy} too, which vLLM frees behind the window"]
-    assert all(i.layout is not None and i.layout.policy == policy and i.layout.block == 128 for i in layers.values())
+    assert all(i.layout is not None and i.layout.policy == policy and i.layout.block == block and
+               i.layout.window == windowed for i in layers.values())
     page = layers["model.layers.0.self_attn.attn"].layout.page_bytes
-    assert sorted(map(len, shared.values())) == [2, 2]
     for n, i in layers.items():
         sp = specs[n]
         assert isinstance(sp, SlidingWindowSpec) == (i.slide is not None) and sp.dtype == torch.uint8
-        assert sp.page_size_bytes == page and sp.block_size == 128
-        for field, got, want in zip(P.POOL_FIELDS, held[n], pools[n]):
+        assert sp.page_size_bytes == page and sp.block_size == block
+        for field, got, want in zip(P.POOL_FIELDS, held[n], pools.get(n, ())):
             assert torch.equal(bits(got), bits(want)), (name, n, field)
-    assert n_blocks == KV_BYTES // (2 * page)  # two groups of two layers share two tensors of blocks
+    # the groups (two of packed pages, and KIVI's window caches) of two layers each share two tensors of blocks
+    assert n_blocks == KV_BYTES // (2 * page) and sorted(map(len, shared.values())) == [2, 2]
     # attention checked in both kinds of layer, the sliding window's at positions past it
     assert rec.checked == rec.checks and rec.worst <= 1
     tol = 3e-4  # as test_loss_through_vllm_is_kvcompile_eval_reading_every_position_as_stored says
     assert through == pytest.approx(stored_loss(sliding, W, policy), abs=tol)
-    if name == "tok+rot:4":  # the sliding-window layers' 4 bits show in the loss
+    if name != "int8":  # the sliding-window layers' 4 bits show in the loss
         model = transformers.AutoModelForCausalLM.from_pretrained(sliding, dtype=torch.float32,
                                                                   attn_implementation="sdpa").eval()
         kept = heldout_loss(model, W, policy, chunk=64, own="stored")
         assert max(abs(a - b) for a, b in zip(through, kept)) > 3 * tol
 
 
-def test_a_windowed_policy_leaves_sliding_window_layers_in_vllms_cache(sliding, monkeypatch):
-    """Under a policy with a window or per-channel key groups (KIVI), whose window cache keeps no sliding window,
-    the sliding-window layers keep vLLM's own cache and kernels (only their window) in pages of as many tokens as
-    fit a packed page, padded to it -- vLLM keeps one page size per pool -- and the log says so; the loss through
-    vLLM is then ``kvcompile eval --own stored``'s for the same model (whose sliding-window layers kvcompile's
-    engines leave to transformers)."""
+def test_a_window_cache_as_long_as_the_sliding_window_leaves_it_in_vllms_cache(sliding, monkeypatch):
+    """Under a policy whose window cache keeps at least the sliding window's positions in full precision (KIVI's
+    159 against 48: the layer's window would be read in full precision anyway), the sliding-window layers keep
+    vLLM's own cache and kernels (only their window) in pages of as many tokens as fit a packed page, padded to it
+    -- vLLM keeps one page size per pool -- and the log says why; the loss through vLLM is then ``kvcompile eval
+    --own stored``'s for the same model (whose sliding-window layers kvcompile's engines leave to transformers)."""
     import transformers
 
     from kvcompile.evaluate import heldout_loss, heldout_windows
@@ -579,7 +610,7 @@ def test_a_windowed_policy_leaves_sliding_window_layers_in_vllms_cache(sliding, 
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
     tok = transformers.AutoTokenizer.from_pretrained(sliding)
     W = heldout_windows(tok, 512, 3)
-    policy = named("kivi-r0+rot+fp8s:4")
+    policy = named("kivi:4")  # a window cache of 159 positions, the sliding window's 48 in full precision
     said = logged(monkeypatch)
     llm = engine(sliding, policy, max_model_len=W.shape[1] + 1, block_size=256)
     try:
@@ -592,7 +623,9 @@ def test_a_windowed_policy_leaves_sliding_window_layers_in_vllms_cache(sliding, 
         n_blocks = cfg.cache_config.num_gpu_blocks
     finally:
         close(llm)
-    assert any("2 of 4 attention layers have a sliding window and keep vLLM's own cache" in m for m in said), said
+    assert any("2 of 4 attention layers have a sliding window and keep vLLM's own cache" in m and "it has a window "
+               "cache of 159 full-precision positions, not fewer than the 48 of the sliding window" in m
+               for m in said), said
     assert [i.layout is None for i in layers.values()] == [True, False, True, False]
     page = layers["model.layers.1.self_attn.attn"].layout.page_bytes
     for n, i in layers.items():

@@ -26,10 +26,10 @@ cache beside the pages, which vLLM manages as a sliding-window layer (``window.p
 take both (``pages.store_windowed``, ``pages.attention_windowed``: each token reads the store as it stood when it
 was the newest, which again no split of the work changes).
 
-A sliding-window layer (Gemma 3's local layers) under a per-token policy keeps its window in packed pages too, of
-vLLM's sliding-window kind, which vLLM frees behind the window; each query reads its window alone
-(``pages.attention_ragged``'s ``window``), never a freed page. Under a policy with a window cache (whose window is
-no sliding window) it keeps vLLM's own cache, in pages padded to the packed ones (``_sliding_pages``).
+A sliding-window layer (Gemma 3's local layers) keeps its window in packed pages too, of vLLM's sliding-window
+kind, which vLLM frees behind the window; each query reads its window alone (``pages.attention_ragged``'s and
+``attention_windowed``'s ``window``), never a freed page. Under a policy with sinks, or a window cache as long as
+the sliding window, it keeps vLLM's own cache, in pages padded to the packed ones (``_sliding_pages``).
 
 Everything else is vLLM's: the scheduler, the metadata builder (query start offsets, sequence lengths, block
 tables), sampling. Under ``Policy.full()``, or when no policy is named, every method is vLLM's own backend's --
@@ -50,7 +50,7 @@ import torch
 from kvcompile import pages
 from kvcompile.policy import Policy
 
-from .config import layout_for, policy_of, refuse
+from .config import layout_for, policy_of, refuse, sliding_unpacked
 from ..errors import Unimplemented
 
 # a child of vLLM's own logger: said where vLLM says what it does, in its format (vLLM's "vllm" logger has the
@@ -215,7 +215,7 @@ class KVCompileImpl:
             if meta is not attn_metadata:
                 raise Unimplemented(f"kvcompile: {layer.layer_name} attends before storing this step's tokens")
             pages.attention_windowed(self.layout, kv_cache, query[:T], ragged(attn_metadata), recent, self.scale,
-                                     out=output[:T])
+                                     out=output[:T], window=self.slide)
             self._recent = None
             return output
         pages.attention_ragged(self.layout, kv_cache, query[:T], None, None, ragged(attn_metadata), self.scale,
@@ -241,7 +241,7 @@ def layer_spec(layer, spec, vllm_config):
         return _sliding_pages(layer, spec, vllm_config)
     if impl.sliding:  # its window in packed pages: vLLM frees those behind it (pages.attention_ragged's window)
         impls = _impls(vllm_config)
-        sliding = [n for n, i in impls.items() if i.sliding]
+        sliding = [n for n, i in impls.items() if i.sliding and i.layout is not None]
         if layer.layer_name == sliding[0] and not impl.said:  # once an engine
             impl.said = True
             log.info("kvcompile: %d of %d attention layers have a sliding window (%d tokens); they keep it in packed "
@@ -271,30 +271,30 @@ def block_for(layout: pages.PageLayout, nbytes: int) -> int:
 
 
 def _sliding_pages(layer, spec, vllm_config):
-    """A sliding-window layer's spec under a policy with a window or per-channel key groups (whose window cache
-    keeps no sliding window; a per-token policy packs the layer's window, ``layer_spec``): vLLM's own cache (only
-    its window), beside the other layers' packed pages. vLLM keeps one page size per pool, so its pages hold the
-    most tokens (a power of two its kernels take) whose page fits the packed page, padded to it; where none fits,
-    refused naming the block size that would. Said once in the log; refused when every layer has a sliding window
-    (the policy would apply to none)."""
+    """A sliding-window layer's spec under a policy whose window cache cannot serve it (``config.sliding_unpacked``:
+    sinks, or a window cache as long as the sliding window): vLLM's own cache (only its window), beside the other
+    layers' packed pages. vLLM keeps one page size per pool, so its pages hold the most tokens (a power of two its
+    kernels take) whose page fits the packed page, padded to it; where none fits, refused naming the block size that
+    would. Said once in the log; refused when no layer holds packed pages (the policy would apply to none)."""
     policy = _ACTIVE.policy
     if policy is None or policy == Policy.full():
         return spec
     from vllm.v1.attention.backend import MultipleOf
     impls = _impls(vllm_config)
-    sliding = [n for n, i in impls.items() if i.sliding]
+    own = [n for n, i in impls.items() if i.sliding and i.layout is None]
     packed = [i.layout for i in impls.values() if i.layout is not None]
-    per_token = "a per-token policy (int8, fp8-tensor+rot, tok+rot:4, ...), which keeps sliding windows in packed pages"
+    fix = ("a per-token policy (int8, fp8-tensor+rot, tok+rot:4, ...) or one without sinks and with a window shorter "
+           "than the sliding window (e.g. kivi+rot:4), which keep sliding windows in packed pages")
     if not packed:
-        refuse(f"every attention layer of this model has a sliding window, which {policy} (a window or per-channel "
-               f"key groups) leaves in vLLM's own cache, so it would apply to no layer", f"use {per_token}, start "
-               f"vLLM with disable_sliding_window=True (--disable-sliding-window: full attention over max_model_len, "
-               f"no longer than the window), or use no kvcompile policy")
-    if layer.layer_name == sliding[0] and not layer.impl.said:  # once an engine
+        refuse(f"every attention layer of this model has a sliding window, which {policy} leaves in vLLM's own "
+               f"cache (it has sinks, or a window cache as long as the sliding window), so it would apply to no "
+               f"layer", f"use {fix}, start vLLM with disable_sliding_window=True (--disable-sliding-window: full "
+               f"attention over max_model_len, no longer than the window), or use no kvcompile policy")
+    if layer.layer_name == own[0] and not layer.impl.said:  # once an engine
         layer.impl.said = True
         log.info("kvcompile: %d of %d attention layers have a sliding window and keep vLLM's own cache (only their "
-                 "window), in pages sized to the packed pages of the other layers, which hold %s (a window or "
-                 "per-channel key groups: %s)", len(sliding), len(impls), policy, per_token)
+                 "window), in pages sized to the packed pages of the other layers, which hold %s: it has %s. For "
+                 "them use %s", len(own), len(impls), policy, sliding_unpacked(packed[0], layer.impl.slide), fix)
     lay, block = packed[0], packed[0].block  # one policy: every packed page is alike
     kernel = layer.get_attn_backend().get_supported_kernel_block_sizes(spec)
     takes = lambda t: any(t % k.base == 0 if isinstance(k, MultipleOf) else t == k for k in kernel)  # noqa: E731

@@ -89,22 +89,35 @@ def layout_for(policy: Policy | None, heads: int, head_dim: int, dtype: torch.dt
                *, kv_cache_dtype: str = "auto", sliding_window=None, alibi=False, softcap=0.0, sinks=False,
                kv_sharing=False) -> pages.PageLayout | None:
     """The page layout of one layer for ``policy``, or None for vLLM's own pages and kernels (no policy,
-    ``Policy.full()``, or a sliding-window layer under a policy with a window or per-channel key groups, whose
-    window cache keeps no sliding window: ``backend.layer_spec`` sizes its pages to the packed ones). A
-    sliding-window layer under a per-token policy holds its window in packed pages (``pages.attention_ragged``'s
-    ``window``). Anything that would make the layer compute something other than the policy's attention is refused
-    (``Refused``, or ``kvcompile.pages.PageError``), with the reason and what to do instead."""
+    ``Policy.full()``, or a sliding-window layer ``sliding_unpacked`` says why: ``backend.layer_spec`` sizes its
+    pages to the packed ones). Any other sliding-window layer holds its window in the policy's pages. Anything that
+    would make the layer compute something other than the policy's attention is refused (``Refused``, or
+    ``kvcompile.pages.PageError``), with the reason and what to do instead."""
     if policy is None or policy == Policy.full():
         return None
     if policy.overrides:  # the plugin resolves a per-layer policy first (KVCompileImpl.bind)
         raise ArgumentError(f"layout_for takes one layer's policy; resolve {policy} per layer first")
     check_cache_dtype(kv_cache_dtype)
-    if sliding_window not in (None, -1) and pages.needs_window(policy):
-        return None
     for present, what in ((alibi, "ALiBi slopes"), (bool(softcap), "a logit soft-cap"), (sinks, "learned sinks"),
                           (kv_sharing, "a KV cache shared with another layer")):
         if present:
             refuse(f"the model's attention has {what}, which kvcompile's attention does not compute",
                     "use no kvcompile policy for this model")
     # a window or per-channel key groups: their full-precision positions in a window cache (window.py)
-    return pages.PageLayout(policy, heads, head_dim, dtype, block, window=pages.needs_window(policy))
+    lay = pages.PageLayout(policy, heads, head_dim, dtype, block, window=pages.needs_window(policy))
+    if sliding_window not in (None, -1) and sliding_unpacked(lay, sliding_window):
+        return None
+    return lay
+
+
+def sliding_unpacked(layout: pages.PageLayout, sliding_window: int) -> str | None:
+    """Why a sliding-window layer keeps vLLM's own cache under ``layout``'s policy, or None when it holds its window
+    in the policy's pages (``pages.attention_ragged`` / ``attention_windowed``'s ``window``)."""
+    if not layout.window:
+        return None
+    if layout.policy.sink:
+        return "sinks, which would live in a request's first page, freed behind the window"
+    if sliding_window <= layout.window_tokens:
+        return (f"a window cache of {layout.window_tokens} full-precision positions, not fewer than the "
+                f"{sliding_window} of the sliding window")
+    return None
