@@ -120,3 +120,15 @@ def test_rotation_cost_smoke():
     out = rotation_cost.main(["--requests", "1", "--tokens", "32"])
     assert set(out) == set(rotation_cost.POLICIES) | {"rotations_ms"}
     assert all(v["store_ms"] > 0 and v["attention_ms"] > 0 for k, v in out.items() if k != "rotations_ms")
+
+
+def test_vllm_capacity_plot_draws_the_recorded_run(tmp_path):
+    """``vllm_side_by_side.py --capacity-only --plot`` draws its bars from the results it records (here the recorded
+    run of docs/results.md; the script itself runs in the vLLM environment: tests_vllm/test_benchmarks.py)."""
+    from pathlib import Path
+
+    from benchmarks import vllm_side_by_side
+    recorded = Path(__file__).parent.parent / "benchmarks/results/vllm_capacity_sliding.json"
+    out = tmp_path / "capacity.png"
+    vllm_side_by_side.plot_capacity(json.loads(recorded.read_text())["results"], out, " (test)")
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

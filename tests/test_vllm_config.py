@@ -14,7 +14,7 @@ import torch
 from kvcompile import Policy, Quant
 from kvcompile import pages as P
 from kvcompile.errors import KVCompileError, PolicyError, UnsupportedError
-from kvcompile.vllm.config import Refused, layout_for, policy_of
+from kvcompile.vllm.config import Refused, layout_for, policy_of, sliding_unpacked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,13 +64,20 @@ def test_full_and_no_policy_are_vllms_own_pages():
     assert layout_for(Policy.full(), 2, 64, torch.bfloat16, 128, kv_cache_dtype="fp8") is None
 
 
-def test_a_sliding_window_layer_gets_packed_pages_under_a_per_token_policy():
-    # its window in the policy's pages (read through the window: tests_vllm); a policy with a window cache leaves it
-    # vLLM's own pages; vLLM's own quantization still refused
+def test_a_sliding_window_layer_gets_packed_pages_unless_its_window_cache_cannot_serve_it():
+    # its window in the policy's pages (read through the window: tests_vllm), KIVI's with a window cache
     lay = layout_for(Policy.int8(), 2, 64, torch.bfloat16, 128, sliding_window=4096)
     assert lay == P.PageLayout(Policy.int8(), 2, 64, "bfloat16", 128)
-    assert layout_for(Policy.kivi(4), 2, 64, torch.bfloat16, 128, sliding_window=4096) is None
-    with pytest.raises(Refused, match="kv_cache_dtype='fp8'"):
+    kivi = layout_for(Policy.kivi(4), 2, 64, torch.bfloat16, 128, sliding_window=4096)
+    assert kivi == P.PageLayout(Policy.kivi(4), 2, 64, "bfloat16", 128, window=True) and kivi.window_tokens == 159
+    # vLLM's own cache: a window cache as long as the sliding window, or sinks (in a page freed behind the window)
+    assert layout_for(Policy.kivi(4), 2, 64, torch.bfloat16, 128, sliding_window=159) is None
+    assert "159 full-precision positions, not fewer than the 159" in sliding_unpacked(kivi, 159)
+    assert sliding_unpacked(kivi, 160) is None and sliding_unpacked(lay, 16) is None
+    sinks = Policy.kivi(4, sink=4, rotate=True)
+    assert layout_for(sinks, 2, 64, torch.bfloat16, 128, sliding_window=4096) is None
+    assert "sinks" in sliding_unpacked(P.PageLayout(sinks, 2, 64, "bfloat16", 128, window=True), 4096)
+    with pytest.raises(Refused, match="kv_cache_dtype='fp8'"):  # vLLM's own quantization still refused
         layout_for(Policy.int8(), 2, 64, torch.bfloat16, 128, sliding_window=4096, kv_cache_dtype="fp8")
     with pytest.raises(Refused, match="soft-cap"):  # what the layer computes is still checked
         layout_for(Policy.int8(), 2, 64, torch.bfloat16, 128, sliding_window=4096, softcap=30.0)

@@ -70,8 +70,8 @@ def window_block(layout, ring: bool, lookahead: int = 0) -> int:
                    f"take a request's first page): {fix} and such a window, or run the model in bfloat16 or "
                    f"float16 (full-precision tokens of half the bytes)")
         refuse(f"{layout.policy} keeps {want if ring else 'a window of'} full-precision tokens{drafts} in pages the "
-               f"size of its packed pages, and a packed page of {layout.block} tokens ({layout.page_bytes} bytes) holds "
-               f"{'only ' + str(fit) if ring else 'fewer than ' + str(base)} of them", fix)
+               f"size of its packed pages, and a packed page of {layout.block} tokens ({layout.page_bytes} bytes) "
+               f"holds {'only ' + str(fit) if ring else 'fewer than ' + str(base)} of them", fix)
     return want if ring else fit
 
 
