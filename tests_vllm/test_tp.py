@@ -41,3 +41,24 @@ def test_two_ranks_hold_their_own_heads_and_give_the_unsharded_tokens(tiny, poli
                   for p in policy.resolve(["0", "1"])]  # (a ring's pages share the packed pages' blocks)
     assert blocks == KV_BYTES // sum(rank_pages)
     assert got == want
+
+
+def test_two_ranks_hold_a_sliding_windows_pages_of_their_own_heads(sliding):
+    """The Gemma 3 model (two of four layers a sliding window of 48) under 4 bits: each rank's sliding-window layers
+    too hold their window in packed pages of its own kv head, and the tokens are the unsharded run's."""
+    prompts = PROMPTS + ["The class statement creates a class object and binds it to a name. " * 4]  # past 48
+    one = engine(sliding, "tok+rot:4")
+    try:
+        want = [list(o.outputs[0].token_ids) for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        close(one)
+    two = engine(sliding, "tok+rot:4", tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        blocks = two.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        got = [list(o.outputs[0].token_ids) for o in two.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        close(two)
+    from kvcompile.presets import named
+    # a sliding-window and a full-attention group of two layers each share two tensors of each rank's pages
+    assert blocks == KV_BYTES // (2 * P.PageLayout(named("tok+rot:4"), 1, 64, "float32", 128).page_bytes)
+    assert got == want
