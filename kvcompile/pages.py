@@ -531,20 +531,29 @@ def _runs(seq: Tensor) -> Tensor | None:
     return torch.cat([new.nonzero().flatten(), torch.tensor([len(seq)])]).to(torch.int32)
 
 
-def _slide(table: Tensor, L: Tensor, window: int, block: int) -> tuple[Tensor, Tensor]:
+def _slide(table: Tensor, L: Tensor, window: int, block: int, sink: int = 0) -> tuple[Tensor, Tensor]:
     """Rows of a sliding window of ``window`` positions over pages of ``block`` tokens: ``(table, shift)``, each
     row's pages from the one holding its first visible position ``L - window`` on (those before it are never read:
     an engine frees them and gives them to other sequences), and the positions it skips (int64 CPU ``[rows]``), by
-    which the row's positions are counted from there. Every row then reads at most ``_slid_width`` positions."""
-    shift = (L - window).clamp_min(0) // block * block
-    width = _slid_width(window, block) // block
+    which the row's positions are counted from there. Every row then reads at most ``_slid_width`` positions.
+
+    With ``sink`` sinks (in the sequence's first page, its packed positions lagging a page: ``PageLayout``) the
+    shift is whole pages of packed positions past the sinks, the first page stays first (the sinks' place: a row
+    whose window has left them reads zeros there, masked, ``_each_query``), and a row counted from there still has
+    its sinks at positions ``0 .. sink - 1`` and the packed positions after them where the kernels read them."""
+    lo = (L - window).clamp_min(0)
+    shift = (lo - sink).clamp_min(0) // block * block
+    width = _slid_width(window, block, sink) // block
     cols = (shift[:, None] // block + torch.arange(width)).clamp_max(table.shape[1] - 1)
+    if sink:  # the sinks' page first, then the packed pages (table[1 + j // block]) from the shifted one on
+        cols = torch.cat([torch.zeros_like(cols[:, :1]), (cols[:, :-1] + 1).clamp_max(table.shape[1] - 1)], 1)
     return table.gather(1, cols.to(table.device)), shift
 
 
-def _slid_width(window: int, block: int) -> int:
-    """Positions a row of a sliding window reads at most, from the start of its first page: whole pages."""
-    return -(-(window - 1 + block) // block) * block
+def _slid_width(window: int, block: int, sink: int = 0) -> int:
+    """Positions a row of a sliding window reads at most, from the start of its first page: whole pages (and with
+    sinks, their page first)."""
+    return (-(-(window - 1 + block) // block) + bool(sink)) * block
 
 
 def _window_mask(L: Tensor, lo: Tensor, width: int, device) -> Tensor:
@@ -584,16 +593,20 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
         lo = sp.boundary(L)
         step = max(1, min(step, RING_BYTES // (2 * layout.heads * max(sp.ring, 1) * layout.head_dim * _esize(dt))))
     shift = torch.zeros_like(L)
+    S = layout.policy.sink
     if window is not None:
-        table, shift = _slide(table, L, window, layout.block)
+        table, shift = _slide(table, L, window, layout.block, S)
     for a in range(0, len(idx), step):
         r = slice(a, a + step)
         st = layout.state(pages, (L[r] - shift[r]).to(device=pages.device, dtype=torch.int32), table[r])
         runs, rings, mask = _runs(seq[r]), None, None
         if window is not None:  # a row of a run no longer reads the run's tiles (its own first page)
-            runs = None
-            mask = _window_mask(L[r] - shift[r], (L[r] - window).clamp_min(0) - shift[r],
-                                _slid_width(window, layout.block), pages.device)
+            runs, lo_w = None, (L[r] - window).clamp_min(0)
+            mask = _window_mask(L[r] - shift[r], lo_w - shift[r], _slid_width(window, layout.block, S), pages.device)
+            if S:  # sinks the window has left: zeros (their page may be freed and hold anything), never seen
+                gone = (lo_w >= S).to(pages.device)
+                st = st._replace(k_sink=st.k_sink.masked_fill(gone[:, None, None, None], 0),
+                                 v_sink=st.v_sink.masked_fill(gone[:, None, None, None], 0))
         if recent is not None:
             # the query's own position too comes from its ring (or, once packed, from the pages): a query whose own
             # token is already packed (no window, a group it completed) reads it packed, as the store holds it.
@@ -844,19 +857,18 @@ def attention_windowed(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragg
     its own holding its full-precision positions.
 
     ``window``: a sliding-window layer's (``attention_ragged``'s): each query reads only its last ``window``
-    positions, never a page wholly before them. It must be longer than ``layout.window_tokens``, and the policy
-    have no sinks (they would live in a page the engine frees): the positions ``store_windowed`` packs in a step
-    are then inside the window of the step's first query, so it never writes a page the engine freed."""
+    positions, never a page wholly before them. It must be longer than ``layout.window_tokens``: the positions
+    ``store_windowed`` packs in a step are then inside the window of the step's first query, so it never writes a
+    page the engine freed (with sinks a page's packed positions lag its own, so it is freed later still, and the
+    sinks' page only once they have left every window)."""
     if not layout.window:
         raise ArgumentError("attention_windowed takes a layout with window=True; use attention_ragged")
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ArgumentError(f"window={window!r}: expected the sliding window's positions, an int >= 1")
-        if window <= layout.window_tokens or layout.policy.sink:
+        if window <= layout.window_tokens:
             raise ArgumentError(f"a sliding window of {window} positions over {layout.policy}: it must be longer than "
-                                f"the {layout.window_tokens} full-precision positions the window cache keeps, and the "
-                                f"policy have no sinks (they live in a sequence's first page, which the engine frees "
-                                f"behind the window)")
+                                f"the {layout.window_tokens} full-precision positions the window cache keeps")
     T, Hq, D = q.shape
     if out is None:
         out = q.new_zeros(T, Hq, D)

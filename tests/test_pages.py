@@ -500,6 +500,9 @@ SLIDING_WINDOWED = [  # (policy, model dtype, packed block, window block, ring, 
     (Policy.kivi(4), "float32", 32, 32, False, 170),  # its window cache keeps 159 positions
     (Policy.kivi(2, residual=0, rotate=True), "bfloat16", 32, 48, True, 40),  # the pending group's 31 in a ring
     (Policy.fp8(residual=24), "float16", 32, 16, False, 30),
+    # sinks in each sequence's first page (freed once they leave every window), its packed tokens a page later
+    (Policy.kivi(4, sink=4), "float32", 32, 32, False, 170),
+    (Policy.fp8(residual=30, sink=3), "bfloat16", 32, 16, False, 40),
 ]
 
 
@@ -544,7 +547,9 @@ def test_a_sliding_window_over_a_window_cache_reads_the_store_as_it_stood(case):
     for i in (0, 1):
         kk, vv, qq, outs = kept[i]
         got = torch.cat(outs)
-        ref = reference_state(lay, n_pages, [0], table[i:i + 1])
+        # the reference's block j is in the sequence's page j (with sinks: page j + 1, its first page the sinks')
+        tref = torch.cat([table[i:i + 1, 1:], table[i:i + 1, :1]], 1) if policy.sink else table[i:i + 1]
+        ref = reference_state(lay, n_pages, [0], tref)
         for p in range(held[i]):
             def one(x):
                 return x[p:p + 1].transpose(0, 1)[None]
@@ -606,9 +611,6 @@ def test_a_sliding_window_over_a_window_cache_is_checked_at_the_call():
     for bad in (159, 64):
         with pytest.raises(KVCompileError, match="must be longer than the 159"):
             P.attention_windowed(lay, engine_pages(lay, 4), q, batch, None, window=bad)
-    sinks = P.PageLayout(Policy.kivi(4, sink=4), 1, 32, "float32", 32, window=True)
-    with pytest.raises(KVCompileError, match="no sinks"):
-        P.attention_windowed(sinks, engine_pages(sinks, 4), q, batch, None, window=4096)
 
 
 def test_triton_kernels_keep_sinks_and_a_window_as_the_c_kernels_do():

@@ -70,13 +70,12 @@ def test_a_sliding_window_layer_gets_packed_pages_unless_its_window_cache_cannot
     assert lay == P.PageLayout(Policy.int8(), 2, 64, "bfloat16", 128)
     kivi = layout_for(Policy.kivi(4), 2, 64, torch.bfloat16, 128, sliding_window=4096)
     assert kivi == P.PageLayout(Policy.kivi(4), 2, 64, "bfloat16", 128, window=True) and kivi.window_tokens == 159
-    # vLLM's own cache: a window cache as long as the sliding window, or sinks (in a page freed behind the window)
+    sinks = Policy.kivi(4, sink=4, rotate=True)  # in the first page, which vLLM frees once they left every window
+    assert layout_for(sinks, 2, 64, torch.bfloat16, 128, sliding_window=4096).policy == sinks
+    # vLLM's own cache: a window cache as long as the sliding window
     assert layout_for(Policy.kivi(4), 2, 64, torch.bfloat16, 128, sliding_window=159) is None
     assert "159 full-precision positions, not fewer than the 159" in sliding_unpacked(kivi, 159)
     assert sliding_unpacked(kivi, 160) is None and sliding_unpacked(lay, 16) is None
-    sinks = Policy.kivi(4, sink=4, rotate=True)
-    assert layout_for(sinks, 2, 64, torch.bfloat16, 128, sliding_window=4096) is None
-    assert "sinks" in sliding_unpacked(P.PageLayout(sinks, 2, 64, "bfloat16", 128, window=True), 4096)
     with pytest.raises(Refused, match="kv_cache_dtype='fp8'"):  # vLLM's own quantization still refused
         layout_for(Policy.int8(), 2, 64, torch.bfloat16, 128, sliding_window=4096, kv_cache_dtype="fp8")
     with pytest.raises(Refused, match="soft-cap"):  # what the layer computes is still checked

@@ -50,15 +50,16 @@ def tiny(tmp_path_factory):
     return str(make_tiny(tmp_path_factory.mktemp("tiny")))
 
 
-def make_sliding(path, tokenizer: str, layers: tuple = ("sliding", "full", "sliding", "full"), seed: int = 0):
-    """A random Gemma 3 (text) with ``layers`` of sliding-window (48 tokens) and full attention, 4 query heads, 2 kv
-    heads of 64 channels, and the tokenizer saved in ``tokenizer``, saved in ``path``."""
+def make_sliding(path, tokenizer: str, layers: tuple = ("sliding", "full", "sliding", "full"), seed: int = 0,
+                 window: int = 48):
+    """A random Gemma 3 (text) with ``layers`` of sliding-window (``window`` tokens) and full attention, 4 query
+    heads, 2 kv heads of 64 channels, and the tokenizer saved in ``tokenizer``, saved in ``path``."""
     import transformers
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
     torch.manual_seed(seed)
     cfg = transformers.Gemma3TextConfig(
         vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=len(layers),
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, sliding_window=48,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, sliding_window=window,
         layer_types=[f"{kind}_attention" for kind in layers], bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=0, initializer_range=0.05, tie_word_embeddings=False)
     transformers.Gemma3ForCausalLM(cfg).save_pretrained(path)
@@ -70,6 +71,12 @@ def make_sliding(path, tokenizer: str, layers: tuple = ("sliding", "full", "slid
 def sliding(tmp_path_factory, tiny):
     """A model whose layers alternate sliding-window and full attention (``make_sliding``)."""
     return str(make_sliding(tmp_path_factory.mktemp("sliding"), tiny))
+
+
+@pytest.fixture(scope="session")
+def sliding_wide(tmp_path_factory, tiny):
+    """``sliding`` with a window of 200 tokens: longer than KIVI's default window cache (159 positions)."""
+    return str(make_sliding(tmp_path_factory.mktemp("sliding_wide"), tiny, window=200))
 
 
 def engine(model: str, policy=None, dtype: str = "float32", **kw):

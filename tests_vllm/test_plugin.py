@@ -259,15 +259,16 @@ def test_prefix_caching_and_preemption_change_no_greedy_output(tiny, dtype):
     same(tokens(second), tokens(grown), "preempted and recomputed requests")
 
 
-@pytest.mark.parametrize("name,blocks", [("tok+rot:4", 6), ("kivi-r0+rot+fp8s:4", 9)])
-def test_a_sliding_windows_pages_survive_prefix_caching_and_preemption(sliding, name, blocks):
+@pytest.mark.parametrize("name,blocks", [("tok+rot:4", 6), ("kivi-r0+rot+fp8s:4", 9), ("kivi+rot+sink:4", 40)])
+def test_a_sliding_windows_pages_survive_prefix_caching_and_preemption(request, name, blocks):
     """The Gemma 3 model under 4 bits, its sliding-window layers' windows in packed pages that vLLM frees behind the
-    window and hands to other requests (under KIVI a ring of the pending key group beside them): a cached prefix
-    (which brings only its window's pages), chunked prefills and preemption give every request the tokens of a
-    roomy engine, and lose none. Float32 (in bf16 vLLM's own engine is not batch-invariant on the Intel CPU
-    tried)."""
+    window and hands to other requests (under KIVI a ring of the pending key group beside them, or with KIVI's
+    default preset a window cache, and sinks in each request's first page): a cached prefix (which brings only its
+    window's pages), chunked prefills and preemption give every request the tokens of a roomy engine, and lose
+    none. Float32 (in bf16 vLLM's own engine is not batch-invariant on the Intel CPU tried)."""
     dtype = "float32"
-    policy, block = SLIDING[name]
+    policy, block, window_ = SLIDING[name]
+    sliding = request.getfixturevalue("sliding" if window_ == 48 else "sliding_wide")
     # requests that share a whole page, and requests that grow into a second page, of their block size
     shared = SHARED if block == 128 else [TEXT * 3 + f" Example {i}: " for i in range(4)]
     growing = GROWING16 if block == 128 else [TEXT * 2 + f" Example {i}:" for i in range(16)]
@@ -276,7 +277,7 @@ def test_a_sliding_windows_pages_survive_prefix_caching_and_preemption(sliding, 
         first = roomy.generate(shared, LONG, use_tqdm=False)
         again = roomy.generate(shared[:3], LONG, use_tqdm=False)
         grown = roomy.generate(growing, LONG, use_tqdm=False)
-        assert all(i.slide == 48 and i.layout is not None for i in list(impls(roomy).values())[::2])
+        assert all(i.slide == window_ and i.layout is not None for i in list(impls(roomy).values())[::2])
     finally:
         close(roomy)
     assert all(o.num_cached_tokens >= block for o in again)
@@ -515,18 +516,21 @@ def stored_loss(path: str, windows, policy: Policy) -> list[float]:
     return nll.view(len(windows), -1).mean(1).tolist()
 
 
-SLIDING = {  # name: (policy, block size)
-    "int8": ("int8", 128),
-    "tok+rot:4": ("tok+rot:4", 128),  # float32 at vLLM's default pages (256 while the sliding layers kept vLLM's)
+SLIDING = {  # name: (policy, block size, the model's sliding window)
+    "int8": ("int8", 128, 48),
+    "tok+rot:4": ("tok+rot:4", 128, 48),  # float32 at vLLM's default pages (256 while the layers kept vLLM's cache)
     # KIVI's key groups alone: the pending group's 31 positions in a ring (of 32 float32 slots: pages of 256)
-    "kivi-r0+rot+fp8s:4": ("kivi-r0+rot+fp8s:4", 256),
+    "kivi-r0+rot+fp8s:4": ("kivi-r0+rot+fp8s:4", 256, 48),
     # KIVI with a window of 16: 47 positions in a window cache of vLLM's sliding-window kind, under the layer's 48
-    "kivi-r16:4": (Policy.kivi(4, residual=16).to_dict(), 128),
+    "kivi-r16:4": (Policy.kivi(4, residual=16).to_dict(), 128, 48),
+    # KIVI's default preset (a window cache of 159 positions, sinks in each request's first page) under a window of
+    # 200, as spelled, in float32 at vLLM's default pages
+    "kivi+rot+sink:4": ("kivi+rot+sink:4", 128, 200),
 }
 
 
 @pytest.mark.parametrize("name", list(SLIDING))
-def test_sliding_window_layers_hold_their_window_in_packed_pages(sliding, monkeypatch, name):
+def test_sliding_window_layers_hold_their_window_in_packed_pages(request, monkeypatch, name):
     """A model whose layers alternate sliding-window and full attention (Gemma 3): every layer's cache is packed
     pages of the policy (vLLM's sliding-window kind for the sliding layers, which frees their pages behind the
     window; KIVI's window caches beside them); the loss through vLLM is that of transformers' model reading every
@@ -538,9 +542,10 @@ def test_sliding_window_layers_hold_their_window_in_packed_pages(sliding, monkey
 
     from kvcompile.evaluate import heldout_loss, heldout_windows
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    named, block, window_ = SLIDING[name]
+    sliding = request.getfixturevalue("sliding" if window_ == 48 else "sliding_wide")
     tok = transformers.AutoTokenizer.from_pretrained(sliding)
     W = heldout_windows(tok, 512, 3)
-    named, block = SLIDING[name]
     policy = backend.policy_of({"kvcompile": {"policy": named}})
     windowed = P.needs_window(policy)
     rec = Recorder(checks=0 if windowed else 8)  # a prompt step and a decode step, each layer
@@ -571,10 +576,10 @@ def test_sliding_window_layers_hold_their_window_in_packed_pages(sliding, monkey
         held = {n: i.layout.views(kv[n]) for n, i in layers.items()}
     finally:
         close(llm)
-    assert [i.slide for i in layers.values()] == [48, None, 48, None]
+    assert [i.slide for i in layers.values()] == [window_, None, window_, None]
     assert [m for m in said if "sliding window" in m] == [
-        f"kvcompile: 2 of 4 attention layers have a sliding window (48 tokens); they keep it in packed pages of "
-        f"{policy} too, which vLLM frees behind the window"]
+        f"kvcompile: 2 of 4 attention layers have a sliding window ({window_} tokens); they keep it in packed pages "
+        f"of {policy} too, which vLLM frees behind the window"]
     assert all(i.layout is not None and i.layout.policy == policy and i.layout.block == block and
                i.layout.window == windowed for i in layers.values())
     page = layers["model.layers.0.self_attn.attn"].layout.page_bytes

@@ -28,8 +28,8 @@ was the newest, which again no split of the work changes).
 
 A sliding-window layer (Gemma 3's local layers) keeps its window in packed pages too, of vLLM's sliding-window
 kind, which vLLM frees behind the window; each query reads its window alone (``pages.attention_ragged``'s and
-``attention_windowed``'s ``window``), never a freed page. Under a policy with sinks, or a window cache as long as
-the sliding window, it keeps vLLM's own cache, in pages padded to the packed ones (``_sliding_pages``).
+``attention_windowed``'s ``window``), never a freed page. Under a policy whose window cache is as long as the
+sliding window it keeps vLLM's own cache, in pages padded to the packed ones (``_sliding_pages``).
 
 Everything else is vLLM's: the scheduler, the metadata builder (query start offsets, sequence lengths, block
 tables), sampling. Under ``Policy.full()``, or when no policy is named, every method is vLLM's own backend's --
@@ -272,7 +272,7 @@ def block_for(layout: pages.PageLayout, nbytes: int) -> int:
 
 def _sliding_pages(layer, spec, vllm_config):
     """A sliding-window layer's spec under a policy whose window cache cannot serve it (``config.sliding_unpacked``:
-    sinks, or a window cache as long as the sliding window): vLLM's own cache (only its window), beside the other
+    one as long as the sliding window): vLLM's own cache (only its window), beside the other
     layers' packed pages. vLLM keeps one page size per pool, so its pages hold the most tokens (a power of two its
     kernels take) whose page fits the packed page, padded to it; where none fits, refused naming the block size that
     would. Said once in the log; refused when no layer holds packed pages (the policy would apply to none)."""
@@ -283,13 +283,13 @@ def _sliding_pages(layer, spec, vllm_config):
     impls = _impls(vllm_config)
     own = [n for n, i in impls.items() if i.sliding and i.layout is None]
     packed = [i.layout for i in impls.values() if i.layout is not None]
-    fix = ("a per-token policy (int8, fp8-tensor+rot, tok+rot:4, ...) or one without sinks and with a window shorter "
-           "than the sliding window (e.g. kivi+rot:4), which keep sliding windows in packed pages")
+    fix = ("a per-token policy (int8, fp8-tensor+rot, tok+rot:4, ...) or a window shorter than the sliding window "
+           "(e.g. kivi-r0+rot+fp8s:4), which keep sliding windows in packed pages")
     if not packed:
         refuse(f"every attention layer of this model has a sliding window, which {policy} leaves in vLLM's own "
-               f"cache (it has sinks, or a window cache as long as the sliding window), so it would apply to no "
-               f"layer", f"use {fix}, start vLLM with disable_sliding_window=True (--disable-sliding-window: full "
-               f"attention over max_model_len, no longer than the window), or use no kvcompile policy")
+               f"cache (its window cache is as long as the sliding window), so it would apply to no layer",
+               f"use {fix}, start vLLM with disable_sliding_window=True (--disable-sliding-window: full attention "
+               f"over max_model_len, no longer than the window), or use no kvcompile policy")
     if layer.layer_name == own[0] and not layer.impl.said:  # once an engine
         layer.impl.said = True
         log.info("kvcompile: %d of %d attention layers have a sliding window and keep vLLM's own cache (only their "

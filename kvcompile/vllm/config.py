@@ -112,11 +112,11 @@ def layout_for(policy: Policy | None, heads: int, head_dim: int, dtype: torch.dt
 
 def sliding_unpacked(layout: pages.PageLayout, sliding_window: int) -> str | None:
     """Why a sliding-window layer keeps vLLM's own cache under ``layout``'s policy, or None when it holds its window
-    in the policy's pages (``pages.attention_ragged`` / ``attention_windowed``'s ``window``)."""
+    in the policy's pages (``pages.attention_ragged`` / ``attention_windowed``'s ``window``): a window cache that
+    keeps as many full-precision positions as the sliding window holds (it would pack positions the window has
+    left, into pages vLLM frees)."""
     if not layout.window:
         return None
-    if layout.policy.sink:
-        return "sinks, which would live in a request's first page, freed behind the window"
     if sliding_window <= layout.window_tokens:
         return (f"a window cache of {layout.window_tokens} full-precision positions, not fewer than the "
                 f"{sliding_window} of the sliding window")
