@@ -912,17 +912,21 @@ def _speculate(tiny, policy, block):
     return want, got, drafts
 
 
-@pytest.mark.parametrize("policy,block", [("kivi-r0+rot+fp8s:4", 512), ("kivi:4", 256), (SINKS_256, 256)],
-                         ids=["ring", "window", "window-sinks"])
-def test_speculative_decoding_changes_no_greedy_token(tiny, policy, block):
+@pytest.mark.parametrize("model,policy,block", [("tiny", "kivi-r0+rot+fp8s:4", 512), ("tiny", "kivi:4", 256),
+                                               ("tiny", SINKS_256, 256), ("sliding", "tok+rot:4", 128),
+                                               ("sliding", "kivi-r0+rot+fp8s:4", 512)],
+                         ids=["ring", "window", "window-sinks", "sliding-window", "sliding-window-ring"])
+def test_speculative_decoding_changes_no_greedy_token(request, model, policy, block):
     """n-gram speculation stores each step's drafts before vLLM knows which it accepts: a ring sized for the window
     alone lost pending key-group positions to rejected drafts and changed a request's tokens. The ring now has room
     for the drafts too (refused, naming the block size, where a page cannot hold it); a sliding window keeps every
-    position in its own slot. Greedy tokens with speculation are those without, and drafts were proposed."""
+    position in its own slot. Greedy tokens with speculation are those without, and drafts were proposed -- also
+    in a model's sliding-window layers (their packed pages, and KIVI's ring beside them)."""
     import concurrent.futures
     import multiprocessing
+    path = request.getfixturevalue(model)
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        want, got, drafts = pool.submit(_speculate, tiny, policy, block).result(timeout=900)
+        want, got, drafts = pool.submit(_speculate, path, policy, block).result(timeout=900)
     assert drafts > 0
     assert got == want
 
