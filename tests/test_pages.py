@@ -415,6 +415,34 @@ WINDOWED = [  # (policy, model dtype, packed block, window block, ring)
 ]
 
 
+STEPS = [(70, 13), (1, 31), (33, 1), (1, 1), (40, 2), (1, 1), (1, 64), (5, 1)]  # two sequences' tokens a step
+
+
+def windowed_steps(lay, pages, wcache, wblock, table, wtable, ring, steps, g, dt, Hq, window=None, after=None):
+    """Two sequences' ``steps`` of random keys, values and queries (``dt``, ``Hq`` query heads) through
+    ``store_windowed`` and ``attention_windowed`` (a sliding ``window``, if given), ``after(held)`` after each:
+    ({sequence: [k, v, q, [outputs a step]]}, tokens each holds)."""
+    H, D = lay.heads, lay.head_dim
+    kept = {i: [torch.zeros(0, H, D, dtype=dt)] * 2 + [torch.zeros(0, Hq, D, dtype=dt), []] for i in (0, 1)}
+    held = [0, 0]
+    for ns in steps:
+        k = torch.randn(sum(ns), H, D, generator=g).to(dt)
+        v, q = torch.randn(sum(ns), H, D, generator=g).to(dt), torch.randn(sum(ns), Hq, D, generator=g).to(dt)
+        qs = torch.tensor([0, ns[0], sum(ns)])
+        seq = torch.tensor([held[0] + ns[0], held[1] + ns[1]])
+        batch, wbatch = P.Ragged.of(qs, seq, table), P.Ragged.of(qs, seq, wtable)
+        recent = P.store_windowed(lay, pages, wcache, wblock, k, v, batch, wbatch, ring=ring)
+        out = P.attention_windowed(lay, pages, q, batch, recent, 0.125, window=window)
+        for i in (0, 1):
+            a, b = int(qs[i]), int(qs[i + 1])
+            kk, vv, qq, oo = kept[i]
+            kept[i] = [torch.cat([kk, k[a:b]]), torch.cat([vv, v[a:b]]), torch.cat([qq, q[a:b]]), oo + [out[a:b]]]
+            held[i] += ns[i]
+        if after is not None:
+            after(held)
+    return kept, held
+
+
 @pytest.mark.parametrize("case", range(len(WINDOWED)))
 def test_a_window_cache_gives_each_token_the_store_as_it_stood_when_it_was_newest(case):
     """Chunks of every size (a long prefill, decode steps, chunks that straddle groups and pages) from two
@@ -431,21 +459,7 @@ def test_a_window_cache_gives_each_token_the_store_as_it_stood_when_it_was_newes
     window = window_pages(lay, n_pages, wblock, pad=64)
     table = scrambled_table(2, 12, n_pages, seed=case)
     wtable = scrambled_table(2, 1 if ring else 24, n_pages, seed=case + 100)
-    kept = {i: [torch.zeros(0, H, D, dtype=dt)] * 2 + [torch.zeros(0, Hq, D, dtype=dt), []] for i in (0, 1)}
-    held = [0, 0]
-    for ns in [(70, 13), (1, 31), (33, 1), (1, 1), (40, 2), (1, 1), (1, 64), (5, 1)]:
-        k = torch.randn(sum(ns), H, D, generator=g).to(dt)
-        v, q = torch.randn(sum(ns), H, D, generator=g).to(dt), torch.randn(sum(ns), Hq, D, generator=g).to(dt)
-        qs = torch.tensor([0, ns[0], sum(ns)])
-        seq = torch.tensor([held[0] + ns[0], held[1] + ns[1]])
-        batch, wbatch = P.Ragged.of(qs, seq, table), P.Ragged.of(qs, seq, wtable)
-        recent = P.store_windowed(lay, pages, window, wblock, k, v, batch, wbatch, ring=ring)
-        out = P.attention_windowed(lay, pages, q, batch, recent, 0.125)
-        for i in (0, 1):
-            a, b = int(qs[i]), int(qs[i + 1])
-            kk, vv, qq, oo = kept[i]
-            kept[i] = [torch.cat([kk, k[a:b]]), torch.cat([vv, v[a:b]]), torch.cat([qq, q[a:b]]), oo + [out[a:b]]]
-            held[i] += ns[i]
+    kept, held = windowed_steps(lay, pages, window, wblock, table, wtable, ring, STEPS, g, dt, Hq)
     sp, S = lay.spec, policy.sink
     # what the pages pack at once: every whole group (with sinks, those a page behind the newest token)
     eager = P.PageLayout(lay.packing_spec.policy, H, D, dtype, block, window=P.needs_window(lay.packing_spec.policy))
@@ -523,24 +537,15 @@ def test_a_sliding_window_over_a_window_cache_reads_the_store_as_it_stood(case):
     window = window_pages(lay, n_pages, wblock)
     table = scrambled_table(2, 12, n_pages, seed=seed)
     wtable = scrambled_table(2, 1 if ring else 24, n_pages, seed=seed + 100)
-    kept = {i: [torch.zeros(0, H, D, dtype=dt)] * 2 + [torch.zeros(0, Hq, D, dtype=dt), []] for i in (0, 1)}
-    held, freed = [0, 0], set()
-    for ns in [(70, 13), (1, 31), (33, 1), (1, 1), (40, 2), (1, 1), (1, 64), (5, 1), (90, 1), (1, 1)]:
-        k = torch.randn(sum(ns), H, D, generator=g).to(dt)
-        v, q = torch.randn(sum(ns), H, D, generator=g).to(dt), torch.randn(sum(ns), Hq, D, generator=g).to(dt)
-        qs = torch.tensor([0, ns[0], sum(ns)])
-        seq = torch.tensor([held[0] + ns[0], held[1] + ns[1]])
-        batch, wbatch = P.Ragged.of(qs, seq, table), P.Ragged.of(qs, seq, wtable)
-        recent = P.store_windowed(lay, pages, window, wblock, k, v, batch, wbatch, ring=ring)
-        out = P.attention_windowed(lay, pages, q, batch, recent, 0.125, window=W)
+    freed = set()
+
+    def free(held):  # vLLM's rule: pages wholly before the window of each sequence's next query
         for i in (0, 1):
-            a, b = int(qs[i]), int(qs[i + 1])
-            kk, vv, qq, oo = kept[i]
-            kept[i] = [torch.cat([kk, k[a:b]]), torch.cat([vv, v[a:b]]), torch.cat([qq, q[a:b]]), oo + [out[a:b]]]
-            held[i] += ns[i]
-            for j in range(max(0, held[i] - W + 1) // block):  # vLLM's rule: pages wholly before the window
-                freed.add(int(table[i, j]))
+            freed.update(int(table[i, j]) for j in range(max(0, held[i] - W + 1) // block))
         pages[sorted(freed)] = -1
+
+    kept, held = windowed_steps(lay, pages, window, wblock, table, wtable, ring, STEPS + [(90, 1), (1, 1)], g, dt,
+                                Hq, window=W, after=free)
     assert freed
     assert bool((pages[sorted(freed)] == -1).all())  # no store wrote a freed page
     sp = lay.spec
@@ -565,43 +570,17 @@ def test_triton_kernels_read_a_sliding_window_over_a_window_cache():
     """The CUDA path (Triton, in the interpreter here) of a sliding-window layer under KIVI: the same pages and
     window cache as the C kernels, and each query of the long sequence -- its window starting pages later --
     within the decode kernel's bound of the reference store as it stood, masked to its window."""
-    from kvcompile import ops
     W = 64  # its window cache keeps 45 positions
     lay = P.PageLayout(Policy.kivi(4, residual=30, group=16), 1, 32, "float32", 32, window=True)
     g = torch.Generator().manual_seed(12)
     table, wtable = scrambled_table(2, 5, 12, seed=5), scrambled_table(2, 8, 16, seed=6)
     steps = [(80, 1), (30, 1), (1, 1), (1, 1)]
     data = [tuple(torch.randn(sum(ns), h, 32, generator=g) for h in (1, 1, 2)) for ns in steps]
-    results = {}
-    for kernels in ("cpu", "triton"):
-        pages, window = engine_pages(lay, 12), window_pages(lay, 16, 16)
-        held, outs = [0, 0], []
-        ops.set_kernels(kernels)
-        try:
-            for ns, (k, v, q) in zip(steps, data):
-                qs, seq = torch.tensor([0, ns[0], sum(ns)]), torch.tensor([held[0] + ns[0], held[1] + ns[1]])
-                recent = P.store_windowed(lay, pages, window, 16, k, v, P.Ragged.of(qs, seq, table),
-                                          P.Ragged.of(qs, seq, wtable))
-                outs.append(P.attention_windowed(lay, pages, q, P.Ragged.of(qs, seq, table), recent, 0.125,
-                                                 window=W))
-                held = seq.tolist()
-        finally:
-            ops.set_kernels("auto")
-        results[kernels] = (pages.clone(), window.clone(), torch.cat(outs))
+    results = windowed_on_both_kernels(lay, steps, data, table, wtable, 16, window=W)
     (pc, wc, oc), (pt, wt, ot) = results["cpu"], results["triton"]
     assert torch.equal(pc, pt) and torch.equal(wc, wt)
-    ref = reference_state(lay, 12, [0], table[:1])
-    rows = [0] + [sum(map(sum, steps[:i])) for i in range(1, len(steps))]
-    at = [r + j for r, ns in zip(rows, steps) for j in range(ns[0])]
-    k0, v0, q0 = (torch.cat([d[x][:ns[0]] for d, ns in zip(data, steps)]) for x in range(3))
-    for p, row in enumerate(at):
-        store_reference(ref, lay.spec, k0[p:p + 1].transpose(0, 1)[None], v0[p:p + 1].transpose(0, 1)[None])
-        mask = torch.zeros(1, 1, 1, p + 1, dtype=torch.bool)
-        mask[..., max(0, p - W + 1):] = True
-        want, tol = kattn.reference_and_bound(q0[p].view(1, 2, 1, 32), ref, lay.spec, mask, 0.125, nsplit=24,
-                                              decode=True)
-        for got in (ot, oc):
-            assert not ((got[row].view(1, 2, 1, 32).double() - want).abs() > tol).any(), p
+    for got in (ot, oc):
+        assert_first_sequence_within_bound(lay, steps, data, table[:1], got, window=W)
 
 
 def test_a_sliding_window_over_a_window_cache_is_checked_at_the_call():
@@ -613,45 +592,64 @@ def test_a_sliding_window_over_a_window_cache_is_checked_at_the_call():
             P.attention_windowed(lay, engine_pages(lay, 4), q, batch, None, window=bad)
 
 
-def test_triton_kernels_keep_sinks_and_a_window_as_the_c_kernels_do():
-    """The CUDA path of a windowed layout with sinks (Triton, in the interpreter here): a prompt in two chunks beside
-    decode steps of another sequence write the same sinks, packed pages and window as the C kernels (both bit-exact
-    to the reference store), and every query's attention agrees with the C kernels' to float32 rounding."""
+def windowed_on_both_kernels(lay, steps, data, table, wtable, n_wpages, window=None) -> dict:
+    """Two sequences' ``steps`` (token counts a step) of ``data`` ((k, v, q) a step) through ``store_windowed`` and
+    ``attention_windowed`` (a sliding ``window``, if given) on the C kernels and on Triton's (in the interpreter):
+    {kernels: (pages, window cache, outputs)}, each on 12 fresh pages and ``n_wpages`` window pages of 16."""
     from kvcompile import ops
-    lay = P.PageLayout(Policy.kivi(4, residual=30, sink=2, group=16), 1, 32, "float32", 32, window=True)
-    g = torch.Generator().manual_seed(11)
-    table, wtable = scrambled_table(2, 5, 12, seed=3), scrambled_table(2, 5, 12, seed=4)
-    steps = [(50, 1), (20, 1), (1, 1), (1, 1)]
-    data = [tuple(torch.randn(sum(ns), h, 32, generator=g) for h in (1, 1, 2)) for ns in steps]
     results = {}
     for kernels in ("cpu", "triton"):
-        pages, window = engine_pages(lay, 12), window_pages(lay, 12, 16)
+        pages, wcache = engine_pages(lay, 12), window_pages(lay, n_wpages, 16)
         held, outs = [0, 0], []
         ops.set_kernels(kernels)
         try:
             for ns, (k, v, q) in zip(steps, data):
                 qs, seq = torch.tensor([0, ns[0], sum(ns)]), torch.tensor([held[0] + ns[0], held[1] + ns[1]])
-                recent = P.store_windowed(lay, pages, window, 16, k, v, P.Ragged.of(qs, seq, table),
+                recent = P.store_windowed(lay, pages, wcache, 16, k, v, P.Ragged.of(qs, seq, table),
                                           P.Ragged.of(qs, seq, wtable))
-                outs.append(P.attention_windowed(lay, pages, q, P.Ragged.of(qs, seq, table), recent, 0.125))
+                outs.append(P.attention_windowed(lay, pages, q, P.Ragged.of(qs, seq, table), recent, 0.125,
+                                                 window=window))
                 held = seq.tolist()
         finally:
             ops.set_kernels("auto")
-        results[kernels] = (pages.clone(), window.clone(), torch.cat(outs))
-    (pc, wc, _), (pt, wt, ot) = results["cpu"], results["triton"]
-    assert torch.equal(pc, pt) and torch.equal(wc, wt)
-    assert lay.sinks(pt)[0][table[0, 0]].abs().sum() > 0  # the sinks were written
-    # each query of the first sequence within the decode kernel's bound of the reference store as it stood
-    tref = torch.cat([table[:1, 1:], table[:1, :1]], 1)
+        results[kernels] = (pages.clone(), wcache.clone(), torch.cat(outs))
+    return results
+
+
+def assert_first_sequence_within_bound(lay, steps, data, tref, out, window=None):
+    """Each query of the first sequence in ``out`` (``windowed_on_both_kernels``'s outputs) within the decode
+    kernel's bound of the reference store (block table ``tref``) as it stood when its token was the newest -- masked
+    to its last ``window`` positions, if given."""
     ref = reference_state(lay, 12, [0], tref)
     rows = [0] + [sum(map(sum, steps[:i])) for i in range(1, len(steps))]
     at = [r + j for r, ns in zip(rows, steps) for j in range(ns[0])]
     k0, v0, q0 = (torch.cat([d[x][:ns[0]] for d, ns in zip(data, steps)]) for x in range(3))
     for p, row in enumerate(at):
         store_reference(ref, lay.spec, k0[p:p + 1].transpose(0, 1)[None], v0[p:p + 1].transpose(0, 1)[None])
-        qq = q0[p].view(1, 2, 1, 32)
-        want, tol = kattn.reference_and_bound(qq, ref, lay.spec, None, 0.125, nsplit=24, decode=True)
-        assert not ((ot[row].view(1, 2, 1, 32).double() - want).abs() > tol).any(), p
+        mask = None
+        if window is not None:
+            mask = torch.zeros(1, 1, 1, p + 1, dtype=torch.bool)
+            mask[..., max(0, p - window + 1):] = True
+        want, tol = kattn.reference_and_bound(q0[p].view(1, 2, 1, 32), ref, lay.spec, mask, 0.125, nsplit=24,
+                                              decode=True)
+        assert not ((out[row].view(1, 2, 1, 32).double() - want).abs() > tol).any(), p
+
+
+def test_triton_kernels_keep_sinks_and_a_window_as_the_c_kernels_do():
+    """The CUDA path of a windowed layout with sinks (Triton, in the interpreter here): a prompt in two chunks beside
+    decode steps of another sequence write the same sinks, packed pages and window as the C kernels (both bit-exact
+    to the reference store), and every query's attention agrees with the C kernels' to float32 rounding."""
+    lay = P.PageLayout(Policy.kivi(4, residual=30, sink=2, group=16), 1, 32, "float32", 32, window=True)
+    g = torch.Generator().manual_seed(11)
+    table, wtable = scrambled_table(2, 5, 12, seed=3), scrambled_table(2, 5, 12, seed=4)
+    steps = [(50, 1), (20, 1), (1, 1), (1, 1)]
+    data = [tuple(torch.randn(sum(ns), h, 32, generator=g) for h in (1, 1, 2)) for ns in steps]
+    results = windowed_on_both_kernels(lay, steps, data, table, wtable, 12)
+    (pc, wc, _), (pt, wt, ot) = results["cpu"], results["triton"]
+    assert torch.equal(pc, pt) and torch.equal(wc, wt)
+    assert lay.sinks(pt)[0][table[0, 0]].abs().sum() > 0  # the sinks were written
+    # each query of the first sequence within the decode kernel's bound of the reference store as it stood
+    assert_first_sequence_within_bound(lay, steps, data, torch.cat([table[:1, 1:], table[:1, :1]], 1), ot)
 
 
 def test_a_window_cache_is_checked_at_the_call():

@@ -224,6 +224,22 @@ def tokens(outs):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def tight_run(model, policy, blocks: int, page_bytes: int, uncached: list, growing: list, longest: int, **kw):
+    """An engine with room for ``blocks`` pages of ``page_bytes`` (two layers' a block), no prefix caching, prefills
+    cut into chunks of 64 tokens: the outputs of ``uncached``, then of ``growing`` (requests that grow into another
+    page, so that vLLM preempts some), and the preemptions vLLM counted."""
+    tight = engine(model, policy, enable_prefix_caching=False, disable_log_stats=False, max_model_len=longest,
+                   max_num_batched_tokens=64, kv_cache_memory_bytes=blocks * 2 * page_bytes, **kw)
+    try:
+        assert tight.llm_engine.vllm_config.cache_config.num_gpu_blocks == blocks
+        first = tight.generate(uncached, LONG, use_tqdm=False)
+        second = tight.generate(growing, LONG, use_tqdm=False)
+        preempted = sum(m.value for m in tight.get_metrics() if m.name == "vllm:num_preemptions")
+    finally:
+        close(tight)
+    return first, second, preempted
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_prefix_caching_and_preemption_change_no_greedy_output(tiny, dtype):
     """int8 pages with prefix caching on and room for every request; then with prefix caching off, prefills cut into
@@ -243,16 +259,8 @@ def test_prefix_caching_and_preemption_change_no_greedy_output(tiny, dtype):
     same = lambda got, want, what: assert_same_tokens(got, want, tiny, dtype, SHARED, what)  # noqa: E731
     same(tokens(again), tokens(first[:3]), "a cached prefix")
     lay = P.PageLayout(Policy.int8(), 2, 64, dtype, 128)
-    tight = engine(tiny, "int8", dtype=dtype, enable_prefix_caching=False, disable_log_stats=False, max_model_len=256,
-                   max_num_batched_tokens=64, kv_cache_memory_bytes=5 * 2 * lay.page_bytes)
-    try:
-        assert tight.llm_engine.vllm_config.cache_config.num_gpu_blocks == 5
-        uncached = tight.generate(SHARED[:3], LONG, use_tqdm=False)
-        assert all(o.num_cached_tokens == 0 for o in uncached)
-        second = tight.generate(GROWING, LONG, use_tqdm=False)
-        preempted = sum(m.value for m in tight.get_metrics() if m.name == "vllm:num_preemptions")
-    finally:
-        close(tight)
+    uncached, second, preempted = tight_run(tiny, "int8", 5, lay.page_bytes, SHARED[:3], GROWING, 256, dtype=dtype)
+    assert all(o.num_cached_tokens == 0 for o in uncached)
     assert preempted > 0
     assert len(second) == len(GROWING) and all(o.finished and len(o.outputs[0].token_ids) == 48 for o in second)
     same(tokens(uncached), tokens(first[:3]), "chunked prefills")
@@ -285,16 +293,8 @@ def test_a_sliding_windows_pages_survive_prefix_caching_and_preemption(request, 
     same(tokens(again), tokens(first[:3]), "a cached prefix")
     named = backend.policy_of({"kvcompile": {"policy": policy}})
     lay = P.PageLayout(named, 2, 64, dtype, block, window=P.needs_window(named))
-    tight = engine(sliding, policy, dtype=dtype, block_size=block, enable_prefix_caching=False,
-                   disable_log_stats=False, max_model_len=384, max_num_batched_tokens=64,
-                   kv_cache_memory_bytes=blocks * 2 * lay.page_bytes)
-    try:
-        assert tight.llm_engine.vllm_config.cache_config.num_gpu_blocks == blocks
-        uncached = tight.generate(shared[:3], LONG, use_tqdm=False)
-        second = tight.generate(growing, LONG, use_tqdm=False)
-        preempted = sum(m.value for m in tight.get_metrics() if m.name == "vllm:num_preemptions")
-    finally:
-        close(tight)
+    uncached, second, preempted = tight_run(sliding, policy, blocks, lay.page_bytes, shared[:3], growing, 384,
+                                            dtype=dtype, block_size=block)
     assert preempted > 0
     assert len(second) == len(growing) and all(o.finished and len(o.outputs[0].token_ids) == 48 for o in second)
     same(tokens(uncached), tokens(first[:3]), "chunked prefills")
