@@ -106,7 +106,7 @@ class KVCompileImpl:
     layout: pages.PageLayout | None = None
     per_layer: Policy | None = None  # a policy with overrides: the layout is chosen by ``bind``
     window = None  # a windowed layout's window cache (window.py), attached when the layer is built
-    sliding = False  # a sliding-window layer: its window in packed pages, or (a windowed policy) vLLM's own cache
+    sliding = False  # a sliding-window layer: its window in packed pages, or vLLM's own cache (``_sliding_pages``)
     slide: int | None = None  # the window a sliding-window layer's packed pages are read through
     said = False  # the engine's sliding-window layers said in the log (on the first of them)
     _recent = None  # (metadata, pages.Recent): the step's full-precision positions, from its store to its attention
@@ -272,10 +272,10 @@ def block_for(layout: pages.PageLayout, nbytes: int) -> int:
 
 def _sliding_pages(layer, spec, vllm_config):
     """A sliding-window layer's spec under a policy whose window cache cannot serve it (``config.sliding_unpacked``:
-    one as long as the sliding window): vLLM's own cache (only its window), beside the other
-    layers' packed pages. vLLM keeps one page size per pool, so its pages hold the most tokens (a power of two its
-    kernels take) whose page fits the packed page, padded to it; where none fits, refused naming the block size that
-    would. Said once in the log; refused when no layer holds packed pages (the policy would apply to none)."""
+    one as long as the sliding window): vLLM's own cache (only its window), beside the other layers' packed pages.
+    vLLM keeps one page size per pool, so its pages hold the most tokens (a power of two its kernels take) whose
+    page fits the packed page, padded to it; where none fits, refused naming the block size that would. Said once
+    in the log; refused when no layer holds packed pages (the policy would apply to none)."""
     policy = _ACTIVE.policy
     if policy is None or policy == Policy.full():
         return spec
