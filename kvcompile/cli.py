@@ -711,8 +711,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--own", choices=("full", "stored"), default=D["own"],
                    help="how each call of the held-out loss reads its own tokens' keys and values: full (in full "
                         "precision, as kvcompile's generate and serving do) or stored (as stored, like every "
-                        "earlier position: what kvcompile inside vLLM computes; a policy with a window or KIVI's "
-                        "key groups is then fed one token a call, about 20x slower) (default: %(default)s)")
+                        "earlier position: what kvcompile inside vLLM computes, sliding-window layers stored too; "
+                        "a policy with a window or KIVI's key groups is then fed one token a call, about 20x slower) "
+                        "(default: %(default)s)")
     e.add_argument("--passkey", nargs="*", default=D["passkey"], metavar="ENTRY",
                    help='passkey entries: "full", SCHEME:BITS, a policy file, or best:BITS (the SCHEME:BITS of that '
                         'width with the lowest loss delta); none after --passkey: no passkey (default: full, and '

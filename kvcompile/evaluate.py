@@ -8,7 +8,8 @@ Each call reads its own tokens' keys and values in full precision, as kvcompile'
 or as stored like every earlier position (``own="stored"``: what an engine that reads every position from its
 pages computes, kvcompile inside vLLM; the split into calls then changes nothing but the order of sums -- a
 policy with a window or per-channel groups is fed one token a call, ``one_at_a_time``, so that each token reads
-the store as it stood when it was the newest, as the vLLM plugin's window cache gives).
+the store as it stood when it was the newest, as the vLLM plugin's window cache gives; and a sliding-window layer
+the plugin packs is a store too, ``_EvalCache``).
 
 Passkey retrieval: a random 5-digit key hidden at a random depth in filler; the model must continue "The
 pass key is" with it. The prompt is ``L - PASSKEY_NEW_TOKENS`` tokens, so prompt and answer fit in ``L``
@@ -43,7 +44,7 @@ from . import ops
 from .hf import KVCompileCache, KVCompileLayer, model_shape
 from .api import apply
 from .hf_model import cache_kwarg
-from .pages import needs_window
+from .pages import needs_window, packs_sliding_window
 from .policy import Policy, PolicyError
 from .presets import SCHEMES, is_policy_file, naive, parse_entry, scheme_policy  # noqa: F401  (this module's names too)
 from .store import dequantize_reference
@@ -105,10 +106,17 @@ class _EvalLayer(KVCompileLayer):
 
 
 class _EvalCache(KVCompileCache):
+    """The evaluation's cache. Under ``own="stored"`` (what kvcompile inside vLLM computes) a sliding-window layer
+    that vLLM's plugin packs (``pages.packs_sliding_window``) is a store too, where kvcompile's own engines keep
+    transformers' full-precision ring: it keeps every position, and transformers' sliding-window mask (over the
+    positions the store returns, from 0) hides those before each query's window, as vLLM's pages are read."""
+
     def __init__(self, config, policy: Policy, max_cache_len: int, own: str = "full"):
         super().__init__(config, policy, max_cache_len)
-        self.layers = [_EvalLayer(p, layer.name, max_cache_len) if isinstance(layer, KVCompileLayer) else layer
-                       for p, layer in zip(self.policies, self.layers)]
+        rings = self.rings if own == "stored" else {}
+        self.layers = [_EvalLayer(p, layer.name, max_cache_len) if isinstance(layer, KVCompileLayer) else
+                       _EvalLayer(p, name, max_cache_len) if i in rings and packs_sliding_window(p, rings[i]) else
+                       layer for i, (p, name, layer) in enumerate(zip(self.policies, self.layer_names, self.layers))]
         for layer in self.layers:
             if isinstance(layer, _EvalLayer):
                 layer.own = own

@@ -466,6 +466,7 @@ class KVCompileCache(Cache):
                 stacklevel=2)
         super().__init__(layers=layers)
         self.policy = policy
+        self.layer_names = names
         table = RopeTable() if any(p.pre_rope for p in self.policies) else None
         for layer in layers:
             if isinstance(layer, KVCompileLayer):

@@ -87,6 +87,14 @@ def needs_window(policy: Policy) -> bool:
     return bool(policy.residual) or policy.flush > 1
 
 
+def packs_sliding_window(policy: Policy, window: int) -> bool:
+    """Whether a sliding-window layer of ``window`` positions keeps its window in pages of ``policy`` (one layer's;
+    ``attention_ragged`` / ``attention_windowed``'s ``window``): a per-token policy always; one with a window cache
+    when that cache is shorter than the window (else it would pack positions the window has left, into pages the
+    engine frees -- and it holds the window in full precision anyway)."""
+    return not needs_window(policy) or policy.residual + policy.flush - 1 < window
+
+
 def refusal(policy: Policy, block: int, window: bool = False) -> tuple[Refusal, str] | None:
     """Why ``policy`` (one layer's, no overrides) cannot be kept in pages of ``block`` tokens, as
     ``(kind, reason)``; None when it can. ``window``: the engine also keeps each sequence's newest tokens in full
@@ -866,7 +874,7 @@ def attention_windowed(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragg
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ArgumentError(f"window={window!r}: expected the sliding window's positions, an int >= 1")
-        if window <= layout.window_tokens:
+        if not packs_sliding_window(layout.policy, window):
             raise ArgumentError(f"a sliding window of {window} positions over {layout.policy}: it must be longer than "
                                 f"the {layout.window_tokens} full-precision positions the window cache keeps")
     T, Hq, D = q.shape

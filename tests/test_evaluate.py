@@ -381,3 +381,50 @@ def test_pre_rope_rows_are_measured_through_the_applied_model(tiny):
     with pytest.raises(PolicyError, match="fast eager cache cannot store keys before the rotary embedding") as e:
         E.heldout_loss(tiny, W, pre, chunk=16)
     assert type(e.value) is PolicyError
+
+
+@pytest.fixture(scope="module")
+def sliding(tmp_path_factory):
+    """A random Gemma 3 whose layers alternate a sliding window of 32 tokens and full attention, saved."""
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, sliding_window=32,
+        layer_types=["sliding_attention", "full_attention"] * 2, pad_token_id=0, initializer_range=0.05,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("sliding")
+    transformers.Gemma3ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("policy", [Policy.int8(), Policy.kivi(4, group=16, residual=0, rotate=True),
+                                    Policy.kivi(4, group=16, residual=8, sink=2)], ids=str)
+def test_stored_loss_reads_sliding_window_layers_as_stored_too(sliding, policy):
+    """``own="stored"`` measures what kvcompile inside vLLM computes, whose pages hold the sliding-window layers'
+    windows too (where the policy's window cache is shorter than the window): the evaluation's cache keeps those
+    layers as stores (``own="full"``, kvcompile's own engines: transformers' full-precision ring where smaller), and
+    the loss is the independent reference's (tests/stored_reference.py), not that of the model whose sliding-window
+    layers read every position in full precision."""
+    from stored_reference import stored_loss
+    model = transformers.AutoModelForCausalLM.from_pretrained(sliding, dtype=torch.float32,
+                                                              attn_implementation="sdpa").eval()
+    W = torch.randint(0, 512, (2, 160), generator=torch.Generator().manual_seed(1))
+    kinds = {own: [type(layer).__name__ for layer in E._EvalCache(model.config, policy, 160, own).layers]
+             for own in ("stored", "full")}
+    assert kinds["stored"] == ["_EvalLayer"] * 4
+    if policy == Policy.int8():  # at 160 tokens the ring of 32 holds fewer bytes than the store
+        assert kinds["full"] == ["RingLayer", "_EvalLayer"] * 2
+    got = E.heldout_loss(model, W, policy, chunk=16, own="stored")
+    want = stored_loss(sliding, W, policy)
+    assert got == pytest.approx(want, abs=3e-4)  # chunks against one forward: float32 sums, now and then a code
+    kept = stored_loss(sliding, W, policy, sliding_in_full=True)
+    near, far = (max(abs(a - b) for a, b in zip(got, ref)) for ref in (want, kept))
+    assert far > 3 * near, (near, far)  # the sliding-window layers' quantization is in what was measured
+
+
+def test_a_window_cache_as_long_as_the_sliding_window_keeps_the_ring(sliding):
+    # KIVI's 159 full-precision positions cover the window of 32: vLLM keeps the layer's own cache, and so does this
+    model = transformers.AutoModelForCausalLM.from_pretrained(sliding, dtype=torch.float32,
+                                                              attn_implementation="sdpa").eval()
+    layers = E._EvalCache(model.config, Policy.kivi(4), 160, "stored").layers
+    assert [type(layer).__name__ for layer in layers] == ["RingLayer", "_EvalLayer"] * 2

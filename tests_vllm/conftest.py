@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared machine: let the OS place the threads
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+sys.path.append(str(Path(__file__).parent.parent / "tests"))  # shared helpers (stored_reference), after this folder
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

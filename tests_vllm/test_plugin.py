@@ -19,6 +19,7 @@ from kvcompile.store import KVState, store_reference
 from kvcompile.templates import attention as kattn
 from kvcompile.vllm import backend, cpu, window
 from conftest import KV_BYTES, assert_same_tokens, caches, close, engine, impls
+from stored_reference import stored_loss
 
 # Prompts of several lengths: the long ones span pages of 128 tokens (vLLM's CPU block), and 24 new tokens carry
 # some of them across a page boundary.
@@ -466,56 +467,6 @@ def logged(monkeypatch) -> list[str]:
     return said
 
 
-def stored_loss(path: str, windows, policy: Policy) -> list[float]:
-    """The held-out loss of transformers' model at ``path`` (float32) with every layer -- a sliding window's too --
-    reading the store as it stood when each query's token was the newest (what the plugin computes), as
-    ``vllm_loss`` measures it. Written independently of the plugin and the kernels: each layer's keys and values go
-    through kvcompile's reference store with the policy packing every whole group at once (a group's bytes depend
-    on its tokens alone) and come back dequantized (``store.dequantize_reference``); query ``p`` reads positions
-    ``[sink, Q(p + 1))`` dequantized and the others as given (``Policy.boundary``), under transformers' own SDPA
-    masks (causal, and a sliding window's)."""
-    import torch.nn.functional as F
-    import transformers
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    from kvcompile.store import LayerSpec, dequantize_reference
-    pack = dataclasses.replace(policy, residual=0)
-
-    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-        B, H, n, D = key.shape
-        sp = LayerSpec(pack, H, D, "float32", block_tokens=64)
-        rows = sp.rows(B, -(-n // 64))
-        rows[-1].copy_(torch.arange(B * rows[-1].shape[1], dtype=torch.int32).view(B, -1))
-        st = KVState(*sp.pool(B * rows[-1].shape[1]), *rows)
-        store_reference(st, sp, key.float(), value.float())
-        kd, vd = dequantize_reference(st, sp)
-        at = torch.arange(n)
-        packed = (at[None, :] >= policy.sink) & (at[None, :] < policy.boundary(at + 1)[:, None])  # [query, key]
-        G = query.shape[1] // H
-        k, v, kd, vd = (x.float().repeat_interleave(G, 1) for x in (key, value, kd, vd))
-        q = query.float() * (scaling if scaling is not None else D ** -0.5)
-        sc = torch.where(packed, q @ kd.transpose(-1, -2), q @ k.transpose(-1, -2))
-        if attention_mask is None:
-            sc = sc.masked_fill(at[None, :] > at[:, None], float("-inf"))
-        elif attention_mask.dtype == torch.bool:
-            sc = sc.masked_fill(~attention_mask, float("-inf"))
-        else:
-            sc = sc + attention_mask
-        pr = sc.softmax(-1)
-        out = (pr * packed) @ vd + (pr * ~packed) @ v
-        return out.transpose(1, 2).contiguous().to(query.dtype), None
-
-    transformers.AttentionInterface.register("kvcompile_stored", attend)
-    AttentionMaskInterface.register("kvcompile_stored", sdpa_mask)  # SDPA's masks (else no sliding window's)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                              attn_implementation="kvcompile_stored").eval()
-    half = windows.shape[1] // 2
-    with torch.no_grad():
-        logits = model(windows).logits[:, half - 1:-1].float()
-    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, half:].reshape(-1), reduction="none")
-    return nll.view(len(windows), -1).mean(1).tolist()
-
-
 SLIDING = {  # name: (policy, block size, the model's sliding window)
     "int8": ("int8", 128, 48),
     "tok+rot:4": ("tok+rot:4", 128, 48),  # float32 at vLLM's default pages (256 while the layers kept vLLM's cache)
@@ -534,8 +485,9 @@ def test_sliding_window_layers_hold_their_window_in_packed_pages(request, monkey
     """A model whose layers alternate sliding-window and full attention (Gemma 3): every layer's cache is packed
     pages of the policy (vLLM's sliding-window kind for the sliding layers, which frees their pages behind the
     window; KIVI's window caches beside them); the loss through vLLM is that of transformers' model reading every
-    layer as the store stood when each token was the newest, masked to the sliding window (``stored_loss``) -- not
-    that of the model whose sliding-window layers keep full precision (kvcompile's own engines, ``kvcompile eval``).
+    layer as the store stood when each token was the newest, masked to the sliding window (``stored_loss``), and
+    ``kvcompile eval --own stored``'s -- not that of the model whose sliding-window layers keep full precision
+    (kvcompile's own engines).
     Per-token policies also: each layer's pages hold exactly the reference store's bytes, and each query of a
     sliding-window layer attends within the bound to its window alone."""
     import transformers
@@ -595,10 +547,11 @@ def test_sliding_window_layers_hold_their_window_in_packed_pages(request, monkey
     assert rec.checked == rec.checks and rec.worst <= 1
     tol = 3e-4  # as test_loss_through_vllm_is_kvcompile_eval_reading_every_position_as_stored says
     assert through == pytest.approx(stored_loss(sliding, W, policy), abs=tol)
+    model = transformers.AutoModelForCausalLM.from_pretrained(sliding, dtype=torch.float32,
+                                                              attn_implementation="sdpa").eval()
+    assert through == pytest.approx(heldout_loss(model, W, policy, chunk=64, own="stored"), abs=tol)  # kvcompile eval
     if name != "int8":  # the sliding-window layers' 4 bits show in the loss
-        model = transformers.AutoModelForCausalLM.from_pretrained(sliding, dtype=torch.float32,
-                                                                  attn_implementation="sdpa").eval()
-        kept = heldout_loss(model, W, policy, chunk=64, own="stored")
+        kept = stored_loss(sliding, W, policy, sliding_in_full=True)
         assert max(abs(a - b) for a, b in zip(through, kept)) > 3 * tol
 
 

@@ -115,9 +115,7 @@ def sliding_unpacked(layout: pages.PageLayout, sliding_window: int) -> str | Non
     in the policy's pages (``pages.attention_ragged`` / ``attention_windowed``'s ``window``): a window cache that
     keeps as many full-precision positions as the sliding window holds (it would pack positions the window has
     left, into pages vLLM frees)."""
-    if not layout.window:
+    if pages.packs_sliding_window(layout.policy, sliding_window):
         return None
-    if sliding_window <= layout.window_tokens:
-        return (f"a window cache of {layout.window_tokens} full-precision positions, not fewer than the "
-                f"{sliding_window} of the sliding window")
-    return None
+    return (f"a window cache of {layout.window_tokens} full-precision positions, not fewer than the "
+            f"{sliding_window} of the sliding window")
