@@ -115,7 +115,10 @@ def launch(command, probe: str, what: str, startup_s: float = STARTUP_S, **popen
         if late or not port_taken(out):
             break
     why = f"did not answer within {startup_s} s" if late else f"exited with status {proc.returncode} before answering"
-    raise RuntimeError(f"{what} {why}:\n{out[-3000:]}")
+    # a refusal said early in a long log (vLLM's engine process, then its own traceback): kept beside the tail
+    said = [line for line in out.splitlines() if "Refused: " in line or "cannot be kept in pages" in line]
+    cause = f"\n(said before: {said[0].strip()})" if said and said[0] not in out[-3000:] else ""
+    raise RuntimeError(f"{what} {why}:\n{out[-3000:]}{cause}")
 
 
 # --------------------------------------------------------------------------- the servers
