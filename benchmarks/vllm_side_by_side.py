@@ -23,7 +23,7 @@ Run in the vLLM environment (docs/vllm.md). For each contender -- vLLM ``auto`` 
   first token.
 
 A contender that vLLM or kvcompile refuses at start-up is reported with the reason (on this CPU vLLM's ``fp8``
-needs AVX-512; kvcompile refuses sinks: docs/vllm.md).
+needs AVX-512; what kvcompile refuses: docs/vllm.md).
 kvcompile's own numbers for the same policies, where ``docs/eval.json`` has them, are put beside vLLM's; that
 protocol feeds the second half in chunks of 64 and reads a chunk's own keys in full precision, where vLLM reads
 every position from the pages (docs/vllm.md), so it is another measurement. ``kvcompile eval --own stored``
