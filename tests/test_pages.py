@@ -10,7 +10,6 @@ another layer's page between two of this layer's).
 """
 from __future__ import annotations
 
-import dataclasses
 import pickle
 
 import pytest
