@@ -92,7 +92,7 @@ def packs_sliding_window(policy: Policy, window: int) -> bool:
     ``attention_ragged`` / ``attention_windowed``'s ``window``): a per-token policy always; one with a window cache
     when that cache is shorter than the window (else it would pack positions the window has left, into pages the
     engine frees -- and it holds the window in full precision anyway)."""
-    return not needs_window(policy) or policy.residual + policy.flush - 1 < window
+    return not needs_window(policy) or policy.ring < window
 
 
 def refusal(policy: Policy, block: int, window: bool = False) -> tuple[Refusal, str] | None:
@@ -539,9 +539,17 @@ def _runs(seq: Tensor) -> Tensor | None:
     return torch.cat([new.nonzero().flatten(), torch.tensor([len(seq)])]).to(torch.int32)
 
 
-def _slide(table: Tensor, L: Tensor, window: int, block: int, sink: int = 0) -> tuple[Tensor, Tensor]:
+def _sliding(window) -> bool:
+    """Whether an attention call's ``window`` names a sliding window (None: every position); a ``window`` that is
+    no count of positions is refused."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ArgumentError(f"window={window!r}: expected the sliding window's positions, an int >= 1")
+    return window is not None
+
+
+def _slide(table: Tensor, lo: Tensor, window: int, block: int, sink: int = 0) -> tuple[Tensor, Tensor]:
     """Rows of a sliding window of ``window`` positions over pages of ``block`` tokens: ``(table, shift)``, each
-    row's pages from the one holding its first visible position ``L - window`` on (those before it are never read:
+    row's pages from the one holding its first visible position ``lo`` on (those before it are never read:
     an engine frees them and gives them to other sequences), and the positions it skips (int64 CPU ``[rows]``), by
     which the row's positions are counted from there. Every row then reads at most ``_slid_width`` positions.
 
@@ -549,7 +557,6 @@ def _slide(table: Tensor, L: Tensor, window: int, block: int, sink: int = 0) -> 
     shift is whole pages of packed positions past the sinks, the first page stays first (the sinks' place: a row
     whose window has left them reads zeros there, masked, ``_each_query``), and a row counted from there still has
     its sinks at positions ``0 .. sink - 1`` and the packed positions after them where the kernels read them."""
-    lo = (L - window).clamp_min(0)
     shift = (lo - sink).clamp_min(0) // block * block
     width = _slid_width(window, block, sink) // block
     cols = (shift[:, None] // block + torch.arange(width)).clamp_max(table.shape[1] - 1)
@@ -603,16 +610,18 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
     shift = torch.zeros_like(L)
     S = layout.policy.sink
     if window is not None:
-        table, shift = _slide(table, L, window, layout.block, S)
+        first = (L - window).clamp_min(0)  # each row's first visible position
+        table, shift = _slide(table, first, window, layout.block, S)
     for a in range(0, len(idx), step):
         r = slice(a, a + step)
         st = layout.state(pages, (L[r] - shift[r]).to(device=pages.device, dtype=torch.int32), table[r])
         runs, rings, mask = _runs(seq[r]), None, None
         if window is not None:  # a row of a run no longer reads the run's tiles (its own first page)
-            runs, lo_w = None, (L[r] - window).clamp_min(0)
-            mask = _window_mask(L[r] - shift[r], lo_w - shift[r], _slid_width(window, layout.block, S), pages.device)
+            runs = None
+            mask = _window_mask(L[r] - shift[r], first[r] - shift[r], _slid_width(window, layout.block, S),
+                                pages.device)
             if S:  # sinks the window has left: zeros (their page may be freed and hold anything), never seen
-                gone = (lo_w >= S).to(pages.device)
+                gone = (first[r] >= S).to(pages.device)
                 st = st._replace(k_sink=st.k_sink.masked_fill(gone[:, None, None, None], 0),
                                  v_sink=st.v_sink.masked_fill(gone[:, None, None, None], 0))
         if recent is not None:
@@ -651,13 +660,10 @@ def attention_ragged(layout: PageLayout, pages: Tensor, q: Tensor, k: Tensor | N
     T, Hq, D = q.shape
     if out is None:
         out = q.new_zeros(T, Hq, D)
-    if window is not None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ArgumentError(f"window={window!r}: expected the sliding window's positions, an int >= 1")
-        if k is not None or v is not None or layout.window:
-            raise ArgumentError(f"a sliding window reads every position from the pages (k = v = None) of a layout "
-                                f"without a window cache; got k={_show(k)}, v={_show(v)}, window cache "
-                                f"{layout.window} ({layout.policy})")
+    if _sliding(window) and (k is not None or v is not None or layout.window):
+        raise ArgumentError(f"a sliding window reads every position from the pages (k = v = None) of a layout "
+                            f"without a window cache; got k={_show(k)}, v={_show(v)}, window cache {layout.window} "
+                            f"({layout.policy})")
     if k is None and v is None:  # every query its own decode row (see ROWS_PER_CALL)
         return _each_query(layout, pages, q, batch, scale, out, window=window)
     qs = batch.query_start.to("cpu", torch.int64).tolist()
@@ -871,12 +877,9 @@ def attention_windowed(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragg
     sinks' page only once they have left every window)."""
     if not layout.window:
         raise ArgumentError("attention_windowed takes a layout with window=True; use attention_ragged")
-    if window is not None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ArgumentError(f"window={window!r}: expected the sliding window's positions, an int >= 1")
-        if not packs_sliding_window(layout.policy, window):
-            raise ArgumentError(f"a sliding window of {window} positions over {layout.policy}: it must be longer than "
-                                f"the {layout.window_tokens} full-precision positions the window cache keeps")
+    if _sliding(window) and not packs_sliding_window(layout.policy, window):
+        raise ArgumentError(f"a sliding window of {window} positions over {layout.policy}: it must be longer than the "
+                            f"{layout.window_tokens} full-precision positions the window cache keeps")
     T, Hq, D = q.shape
     if out is None:
         out = q.new_zeros(T, Hq, D)

@@ -341,6 +341,12 @@ class Policy:
         return self if (k, v) == (self.key, self.value) else replace(self, key=k, value=v)
 
     @property
+    def ring(self) -> int:
+        """Positions a sequence keeps in full precision beside its packed ones, its newest: ``residual + flush - 1``
+        (the store's ring: the residual window and a per-channel group waiting to fill)."""
+        return self.residual + self.flush - 1
+
+    @property
     def flush(self) -> int:
         """Tokens move from the full-precision residual into packed storage in whole multiples of this.
 

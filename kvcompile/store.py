@@ -182,7 +182,7 @@ class LayerSpec:
 
     @property
     def ring(self) -> int:
-        return self.policy.residual + self.flush - 1
+        return self.policy.ring
 
     @property
     def block(self) -> int:

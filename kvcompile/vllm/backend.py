@@ -106,8 +106,7 @@ class KVCompileImpl:
     layout: pages.PageLayout | None = None
     per_layer: Policy | None = None  # a policy with overrides: the layout is chosen by ``bind``
     window = None  # a windowed layout's window cache (window.py), attached when the layer is built
-    sliding = False  # a sliding-window layer: its window in packed pages, or vLLM's own cache (``_sliding_pages``)
-    slide: int | None = None  # the window a sliding-window layer's packed pages are read through
+    slide: int | None = None  # a sliding-window layer's window: in packed pages, or vLLM's own (``_sliding_pages``)
     said = False  # the engine's sliding-window layers said in the log (on the first of them)
     _recent = None  # (metadata, pages.Recent): the step's full-precision positions, from its store to its attention
     _bound = False
@@ -132,9 +131,8 @@ class KVCompileImpl:
             block=cfg.cache_config.block_size, kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window,
             alibi=alibi_slopes is not None, softcap=logits_soft_cap or 0.0, sinks=extra.get("sinks") is not None,
             kv_sharing=kv_sharing_target_layer_name is not None)
-        self.sliding = sliding_window not in (None, -1)
-        self.slide = sliding_window if self.sliding else None
-        if self.sliding and policy is not None and policy.overrides:
+        self.slide = None if sliding_window in (None, -1) else sliding_window
+        if self.slide is not None and policy is not None and policy.overrides:
             refuse(f"a per-layer policy ({policy}) in a model with sliding-window layers: vLLM keeps the cache "
                    f"groups of such a model (its sliding-window and full-attention layers) in pages of one size",
                    "give every layer the same policy")
@@ -237,11 +235,11 @@ def layer_spec(layer, spec, vllm_config):
     impl = getattr(layer, "impl", None)
     if spec is None or not isinstance(impl, KVCompileImpl):
         return spec
-    if impl.sliding and impl.layout is None:
+    if impl.slide is not None and impl.layout is None:
         return _sliding_pages(layer, spec, vllm_config)
-    if impl.sliding:  # its window in packed pages: vLLM frees those behind it (pages.attention_ragged's window)
+    if impl.slide is not None:  # its window in packed pages, which vLLM frees behind it
         impls = _impls(vllm_config)
-        sliding = [n for n, i in impls.items() if i.sliding and i.layout is not None]
+        sliding = [n for n, i in impls.items() if i.slide is not None and i.layout is not None]
         if layer.layer_name == sliding[0] and not impl.said:  # once an engine
             impl.said = True
             log.info("kvcompile: %d of %d attention layers have a sliding window (%d tokens); they keep it in packed "
@@ -281,7 +279,7 @@ def _sliding_pages(layer, spec, vllm_config):
         return spec
     from vllm.v1.attention.backend import MultipleOf
     impls = _impls(vllm_config)
-    own = [n for n, i in impls.items() if i.sliding and i.layout is None]
+    own = [n for n, i in impls.items() if i.slide is not None and i.layout is None]
     packed = [i.layout for i in impls.values() if i.layout is not None]
     fix = ("a per-token policy (int8, fp8-tensor+rot, tok+rot:4, ...) or a window shorter than the sliding window "
            "(e.g. kivi-r0+rot+fp8s:4), which keep sliding windows in packed pages")
