@@ -529,11 +529,12 @@ def _starts(*keys: Tensor) -> Tensor:
     return new
 
 
-def _runs(seq: Tensor) -> Tensor | None:
+def _runs(seq: Tensor, *also: Tensor) -> Tensor | None:
     """Offsets (int32) of the runs of one sequence among rows whose sequences are ``seq`` (a flat batch's tokens:
     each sequence's adjacent, in order of position), which the kernels may read shared tiles once for
-    (``ops.Backend``); None when no run has two rows (a decode step)."""
-    new = _starts(seq)
+    (``ops.Backend``); with ``also``, runs of rows equal in those too (a sliding window's rows whose tables start
+    at the same page, ``_slide``); None when no run has two rows (a decode step)."""
+    new = _starts(seq, *also)
     if bool(new.all()):
         return None
     return torch.cat([new.nonzero().flatten(), torch.tensor([len(seq)])]).to(torch.int32)
@@ -615,9 +616,10 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
     for a in range(0, len(idx), step):
         r = slice(a, a + step)
         st = layout.state(pages, (L[r] - shift[r]).to(device=pages.device, dtype=torch.int32), table[r])
-        runs, rings, mask = _runs(seq[r]), None, None
-        if window is not None:  # a row of a run no longer reads the run's tiles (its own first page)
-            runs = None
+        # runs of a sequence's rows reading the same table (a sliding window's: those whose window starts in the
+        # same page, each masked to its own), whose tiles the kernels may read once
+        runs, rings, mask = _runs(seq[r], shift[r]), None, None
+        if window is not None:
             mask = _window_mask(L[r] - shift[r], first[r] - shift[r], _slid_width(window, layout.block, S),
                                 pages.device)
             if S:  # sinks the window has left: zeros (their page may be freed and hold anything), never seen
@@ -629,15 +631,15 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
             # token is already packed (no window, a group it completed) reads it packed, as the store holds it.
             # Rows of a run whose full precision begins at the same position share the ring of the last of them
             # (it holds every position the others read).
-            s_, lo_, hi_ = seq[r], lo[r], L[r]
+            s_, lo_, hi_, by = seq[r], lo[r], L[r], shift[r]
             if runs is not None:
-                new = _starts(s_, lo_)
-                first = new.nonzero().flatten()
-                last = torch.cat([first[1:] - 1, torch.tensor([len(s_) - 1])])
+                new = _starts(s_, by, lo_)
+                own = new.nonzero().flatten()
+                last = torch.cat([own[1:] - 1, torch.tensor([len(s_) - 1])])
                 rings = (new.cumsum(0) - 1).to(torch.int32)
-                s_, lo_, hi_ = s_[first], lo_[first], hi_[last]
+                s_, lo_, hi_, by = s_[own], lo_[own], hi_[last], by[own]
             rk, rv = _ring(layout, recent, s_, lo_, hi_, sp.ring, dt)
-            st = st._replace(k_res=_shifted(rk, shift[r]), v_res=_shifted(rv, shift[r]))
+            st = st._replace(k_res=_shifted(rk, by), v_res=_shifted(rv, by))
         rows = idx[r].to(q.device)
         got = ops.backend(pages.device).attention(q.index_select(0, rows).unsqueeze(2), st, sp, mask, scale,
                                                   invariant=True, groups=runs, rings=rings)

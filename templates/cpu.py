@@ -270,8 +270,10 @@ def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
         lib.kvc_rope_width.restype = I
         lib.kvc_rope_compact.argtypes = [P, P, I, P, P]
         lib.kvc_rope_compact.restype = I
+    lib.rows_mask = hasattr(lib, "kvc_rows_mask")  # the rows' kernel takes a mask (older copies: causal only)
     if hasattr(lib, "kvc_attention_rows"):  # a prompt's rows sharing their tiles (older copies lack it)
-        lib.kvc_attention_rows.argtypes = [P] * 12 + [P, I, I, I, I, P, I, I, I, F, I, I, ctypes.POINTER(I), P, I, P]
+        lib.kvc_attention_rows.argtypes = ([P] * 12 + [P, I, I, I, I, P, I, I, I, F, I, I, ctypes.POINTER(I), P, I, P]
+                                           + [P, I, I, I, I] * lib.rows_mask)
         lib.kvc_attention_rows.restype = I
     if hasattr(lib, "kvc_fp8_decode"):  # the decode the kernel uses (tests); older copies lack it
         lib.kvc_fp8_decode.argtypes = [P, P, I, I]
@@ -482,7 +484,7 @@ def _capped(groups: Tensor, most: int = GROUP_ROWS) -> Tensor:
     return torch.cat(cuts + [torch.tensor(g[-1:])]).to(torch.int32)
 
 
-def check_groups(groups: Tensor, state: KVState, n: int, mask, k_new, rope, rings: Tensor | None = None) -> None:
+def check_groups(groups: Tensor, state: KVState, n: int, k_new, rope, rings: Tensor | None = None) -> None:
     """``attention``'s ``groups`` (and ``rings``) describe its rows (``kvc_attention_rows`` reads tables, lengths
     and rings by them)."""
     B = state.lengths.shape[0]
@@ -490,9 +492,9 @@ def check_groups(groups: Tensor, state: KVState, n: int, mask, k_new, rope, ring
                               or bool(((rings < 0) | (rings >= state.k_res.shape[0])).any())):
         raise ArgumentError(f"rings must be int32 [{B}] indices of the state's {state.k_res.shape[0]} rings; got "
                             f"{rings.dtype} {list(rings.shape)}")
-    if n != 1 or mask is not None or k_new is not None or rope is not None:
-        raise ArgumentError("row groups take one query a row, causal, keys after RoPE: no mask, no chunk of their "
-                            "own, no rotary tables")
+    if n != 1 or k_new is not None or rope is not None:
+        raise ArgumentError("row groups take one query a row (causal, or as its row of the mask says), keys after "
+                            "RoPE: no chunk of their own, no rotary tables")
     if groups.dtype != torch.int32 or groups.dim() != 1 or len(groups) < 2 or int(groups[0]) != 0 \
             or int(groups[-1]) != B or bool((groups[1:] <= groups[:-1]).any()):
         raise ArgumentError(f"row groups must be int32 offsets from 0 to the {B} rows, increasing; got "
@@ -527,9 +529,10 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     nsplit: pieces each (sequence, kv head)'s positions are cut into (default: ``splits``; tests vary it).
     source: the C template (a benchmark passes edited copies of it).
     groups: int32 ``[g + 1]`` offsets: rows ``groups[i] .. groups[i + 1] - 1`` are positions of one sequence in
-    ascending order with the same block table (one query a row, causal, no rotary tables: a prompt's queries,
-    ``kvcompile.pages``). The kernel then dequantizes a packed tile once for up to ``GROUP_ROWS`` of a group's
-    rows (``kvc_attention_rows``) -- the same bits as without ``groups``.
+    ascending order with the same block table (one query a row, no rotary tables: a prompt's queries,
+    ``kvcompile.pages``; causal, or each row as its row of ``mask`` says: a sliding window's). The kernel then
+    dequantizes a packed tile once for up to ``GROUP_ROWS`` of a group's rows (``kvc_attention_rows``) -- the
+    same bits as without ``groups``.
     rings: int32 ``[B]``: row ``b`` reads ring ``rings[b]`` of the state's ``k_res, v_res`` (with ``groups``:
     rows whose full-precision positions begin at the same position share one); None: its own."""
     why = check_decode(q, spec)
@@ -538,7 +541,9 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     B, Hq, n, D = q.shape
     G = Hq // spec.heads
     lib = _kernel_for(spec, source)
-    if rings is not None and (groups is None or not hasattr(lib, "kvc_attention_rows")):
+    if groups is not None and not (hasattr(lib, "kvc_attention_rows") and (mask is None or lib.rows_mask)):
+        groups = None  # a benchmark's older copy of the kernel: each row alone (the same bits)
+    if rings is not None and groups is None:
         state, rings = own_rings(state, rings), None
     qf = q.float()
     if spec.policy.rotates_keys:
@@ -578,13 +583,14 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
                                f"whole; the store's have grown to {widths} of {(spec.ring, spec.sink)}")
     ns = nsplit or splits(state.lengths, 1 if rope is not None else spec.heads, threads)
     sm = float(scale if scale is not None else D ** -0.5)
-    if groups is not None and hasattr(lib, "kvc_attention_rows"):
-        check_groups(groups, state, n, mask, kn, rope, rings)
+    if groups is not None:
+        check_groups(groups, state, n, kn, rope, rings)
         groups = _capped(groups)
         bad = lib.kvc_attention_rows(
             qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(), _ptr(table), table.shape[1],
             state.k_codes.shape[0], *widths, out.data_ptr(), B, spec.heads, G, sm, ns, threads, sb,
-            groups.data_ptr(), len(groups) - 1, None if rings is None else rings.data_ptr())
+            groups.data_ptr(), len(groups) - 1, None if rings is None else rings.data_ptr(),
+            *((None if m is None else m.data_ptr(), msb, msh, msi, mw) if lib.rows_mask else ()))
     else:
         bad = lib.kvc_attention(
             qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(),

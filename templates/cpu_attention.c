@@ -22,8 +22,8 @@
  * packed tile prefetches the same rows of the sequence's next block (one block ahead).
  *
  * kvc_attention_rows takes a prompt's queries as decode rows of their own positions (what the vLLM plugin's pages
- * need: kvcompile/pages.py) with the runs of rows that are one sequence, and dequantizes each packed tile once for
- * up to a group of them; every row gets the bits kvc_attention gives it.
+ * need: kvcompile/pages.py) with the runs of rows that are one sequence (and share a block table), and
+ * dequantizes each packed tile once for up to a group of them; every row gets the bits kvc_attention gives it.
  *
  * Vector code is written with GCC/Clang vector extensions (8 floats; 16 for the products on AVX-512),
  * which compile to AVX2/AVX-512 on x86 and NEON on ARM. Three x86 intrinsics stand where GCC's generic
@@ -761,29 +761,94 @@ static inline regions_t regions(int64_t L) {
     return x;
 }
 
+/* Rows of query heads whose scores (and values) one pass over a tile computes: on AVX-512 two, whose partial sums
+ * of eight keys stay in its 32 registers beside a query vector a row and a key vector (three rows measured no
+ * faster on a prompt's rows: benchmarks/cpu_kernel_ab.py); one on 16 registers. */
+#if WV == 16
+#define ROWB 2
+#else
+#define ROWB 1
+#endif
+
+/* The scaled scores sc[j][t] = (q[j] . k[t]) * sm_scale of nrows (<= ROWB) query rows against nt keys (kt, rows
+ * past nt zero up to a multiple of 8): for each key, q[0:WV] * k[0:WV], then one FMA a vector on, folded to
+ * eight lanes and reduced with seven other keys' -- what each row computes alone, so every row's bits are the
+ * same however the rows are blocked. */
+static inline __attribute__((always_inline)) void scores_rows(float sc[][TILE], float qv[][D], const float *kt,
+                                                              int nt, float sm_scale, const int nrows) {
+    for (int t0 = 0; t0 < nt; t0 += 8) { /* eight tokens' dot products, reduced together */
+        vw w[ROWB][8];
+        for (int j = 0; j < nrows; j++) {
+            const vw q0 = ldw(qv[j]);
+            for (int u = 0; u < 8; u++) w[j][u] = q0 * ldw(kt + (t0 + u) * D);
+        }
+        for (int k = 1; k < NW; k++) {
+            vw qk[ROWB];
+            for (int j = 0; j < nrows; j++) qk[j] = ldw(qv[j] + WV * k);
+            for (int u = 0; u < 8; u++) {
+                const vw kk = ldw(kt + (t0 + u) * D + WV * k);
+                for (int j = 0; j < nrows; j++) w[j][u] = fmaw(qk[j], kk, w[j][u]);
+            }
+        }
+        for (int j = 0; j < nrows; j++) {
+            v8f a[8];
+            for (int u = 0; u < 8; u++) a[u] = fold8(w[j][u]);
+            st(sc[j] + t0, reduce8(a) * bcast(sm_scale));
+        }
+    }
+}
+
+/* Accumulators of wide vectors one pass over a tile's values keeps per row (values_rows). */
+#define VCH 8
+
+/* acc[j] += sum over t of p[j][t] * v[t] for nrows (<= ROWB) rows j (acc: acc_base + row[j] * D, p: sc[row[j]]),
+ * the t in order, VCH vectors of channels at a time: each value vector loaded once for the rows -- every
+ * channel's chain of FMAs the one a row alone computes. vis (one row): only the positions it marks. */
+static inline __attribute__((always_inline)) void values_rows(float *acc_base, const int64_t *row, float sc[][TILE],
+                                                              const float *vt, int nt, const int32_t *vis,
+                                                              const int nrows) {
+    for (int c0 = 0; c0 < NW; c0 += VCH) {
+        const int cn = NW - c0 < VCH ? NW - c0 : VCH;
+        vw acc[ROWB][VCH];
+        for (int j = 0; j < nrows; j++)
+            for (int c = 0; c < cn; c++) acc[j][c] = ldw(acc_base + row[j] * D + WV * (c0 + c));
+        for (int t = 0; t < nt; t++) {
+            if (vis && !vis[t]) continue;
+            vw e[ROWB];
+            for (int j = 0; j < nrows; j++) e[j] = (vw){} + sc[row[j]][t];
+            const float *vr = vt + t * D + WV * c0;
+            for (int c = 0; c < cn; c++) {
+                const vw x = ldw(vr + WV * c);
+                for (int j = 0; j < nrows; j++) acc[j][c] = fmaw(e[j], x, acc[j][c]);
+            }
+        }
+        for (int j = 0; j < nrows; j++)
+            for (int c = 0; c < cn; c++) stw(acc_base + row[j] * D + WV * (c0 + c), acc[j][c]);
+    }
+}
+
 /* Scores of one tile for every query row, softmax update, value accumulation. */
 static inline __attribute__((always_inline)) void attend_tile(
         partial_t *P, float qv[][D], float *acc_base, float *other_acc, float *kt, const float *vt,
         int nt, int64_t p0, int64_t GN, int64_t n, int64_t L, int64_t b, int64_t h, float sm_scale, const float *mask,
         int64_t mask_sb, int64_t mask_sh, int64_t mask_si, int64_t mask_w) {
-    float sc[TILE] __attribute__((aligned(32)));
+    float scs[ROWS_MAX][TILE] __attribute__((aligned(32)));
     if (nt % 8) memset((float *)kt + nt * D, 0, sizeof(float) * D * (8 - nt % 8));
     const int causal_tail = !mask && p0 + nt - 1 > L - n; /* only the newest tile can hide future keys */
     const int64_t G = GN / n; /* query heads per kv head */
+    /* every row's scores, ROWB rows at a time: each key vector loaded once for them (each row's dot product
+     * is the same chain of operations, in the same order, as one row alone) */
+    int64_t r = 0;
+    for (; r + ROWB <= GN; r += ROWB) scores_rows(scs + r, qv + r, kt, nt, sm_scale, ROWB);
+    for (; r < GN; r++) scores_rows(scs + r, qv + r, kt, nt, sm_scale, 1);
+    /* each row's softmax update; then the values, ROWB rows at a time where no position of theirs is hidden */
+    int64_t open_rows[ROWS_MAX];
+    int n_open = 0;
+    int32_t vis_of[ROWS_MAX][TILE] __attribute__((aligned(32)));
     for (int64_t r = 0; r < GN; r++) {
         const int64_t i = r % n, hq = h * G + r / n;
-        vw qr[NW];
-        for (int k = 0; k < NW; k++) qr[k] = ldw(qv[r] + WV * k);
-        for (int t0 = 0; t0 < nt; t0 += 8) { /* eight tokens' dot products, reduced together */
-            v8f a[8];
-            for (int u = 0; u < 8; u++) {
-                const float *kr = kt + (t0 + u) * D;
-                vw w = qr[0] * ldw(kr);
-                for (int k = 1; k < NW; k++) w = fmaw(qr[k], ldw(kr + WV * k), w);
-                a[u] = fold8(w);
-            }
-            st(sc + t0, reduce8(a) * bcast(sm_scale));
-        }
+        float *sc = scs[r];
+        int32_t *vis = vis_of[r];
         /* visibility (attention_reference): causal, or the mask's (-inf and past its width: hidden); lanes
          * past the tile are hidden. A visible score that is not finite makes the row NaN (its running sum
          * becomes NaN, which nothing undoes) and takes no part in the softmax (-inf); so do hidden ones, whose
@@ -791,7 +856,6 @@ static inline __attribute__((always_inline)) void attend_tile(
          * needs no per-position visibility at all. */
         const int nt8 = (nt + 7) & ~7;
         const int masked = mask || causal_tail;
-        int32_t vis[TILE] __attribute__((aligned(32)));
         if (mask) {
             const float *mr = mask + b * mask_sb + hq * mask_sh + i * mask_si;
             for (int t = 0; t < nt; t++) {
@@ -842,32 +906,23 @@ static inline __attribute__((always_inline)) void attend_tile(
         }
         const float lsum = ((ls[0] + ls[1]) + (ls[2] + ls[3])) + ((ls[4] + ls[5]) + (ls[6] + ls[7]));
         P->l[r] = P->l[r] * corr + lsum;
-        vw acc[NW];
         float *ar = acc_base + r * D;
         const vw c = (vw){} + corr;
-        for (int k = 0; k < NW; k++) acc[k] = ldw(ar + WV * k) * c;
+        for (int k = 0; k < NW; k++) stw(ar + WV * k, ldw(ar + WV * k) * c);
         if (corr != 1.0f) {
             float *orow = other_acc + r * D;
             for (int k = 0; k < NW; k++) stw(orow + WV * k, ldw(orow + WV * k) * c);
         }
         /* values: every visible position (a NaN or inf there poisons its channel even at weight 0, as in the
          * reference); a hidden one is skipped, since 0 * NaN would poison a row that does not see it */
-        if (!hidden) {
-            for (int t = 0; t < nt; t++) {
-                const vw e = (vw){} + sc[t];
-                const float *vr = vt + t * D;
-                for (int k = 0; k < NW; k++) acc[k] = fmaw(e, ldw(vr + WV * k), acc[k]);
-            }
-        } else {
-            for (int t = 0; t < nt; t++) {
-                if (!vis[t]) continue;
-                const vw e = (vw){} + sc[t];
-                const float *vr = vt + t * D;
-                for (int k = 0; k < NW; k++) acc[k] = fmaw(e, ldw(vr + WV * k), acc[k]);
-            }
-        }
-        for (int k = 0; k < NW; k++) stw(ar + WV * k, acc[k]);
+        if (hidden)
+            values_rows(acc_base, &r, scs, vt, nt, vis, 1);
+        else
+            open_rows[n_open++] = r;
     }
+    int j = 0;
+    for (; j + ROWB <= n_open; j += ROWB) values_rows(acc_base, open_rows + j, scs, vt, nt, NULL, ROWB);
+    for (; j < n_open; j++) values_rows(acc_base, open_rows + j, scs, vt, nt, NULL, 1);
 }
 
 static void merge(const partial_t *part, float *out, int64_t B, int64_t H, int64_t G, int64_t n, int64_t ns);
@@ -1067,22 +1122,25 @@ static inline int64_t split_of(int64_t tau, int64_t nt_all, int64_t ns) {
     return s;
 }
 
-/* A prompt's queries through the pages, each the decode row of its own position (one query a row: n = 1, causal,
- * keys after RoPE -- no mask, no chunk of its own, no rotary tables). Rows [first[g], first[g + 1]) are positions
- * of one sequence in ascending order and share its block table. Each row's output is the bits kvc_attention gives
- * it -- its own splits of its own tiles, each split's tiles in order, merged the same way -- but a packed tile is
+/* A prompt's queries through the pages, each the decode row of its own position (one query a row: n = 1, causal
+ * or as its row of an additive mask says, keys after RoPE -- no chunk of its own, no rotary tables). Rows
+ * [first[g], first[g + 1]) are positions of one sequence in ascending order and share a block table (a sliding
+ * window's rows whose window starts in the same page: their masks hide the rest). Each row's output is the bits
+ * kvc_attention gives it -- its own splits of its own tiles, each split's tiles in order, merged the same way --
+ * but a packed tile is
  * dequantized once for every row of the group that reads it (kvc_attention: once a row, so a prompt of P tokens
  * dequantized ~P^2/2 tiles' worth). A task is one group of one kv head; the rows' sinks and rings are their own.
  * Arguments as kvc_attention's (n = 1), then first [ngroups + 1] and ring_of [B]: row b reads the ring of row
  * ring_of[b] of k_res, v_res (rows of one sequence whose full-precision positions begin at the same position
- * share one), or NULL: its own. Returns as kvc_attention. */
+ * share one), or NULL: its own; then the mask as kvc_attention's (n = 1), or NULL. Returns as kvc_attention. */
 int64_t kvc_attention_rows(
         const float *q, const uint8_t *k_codes, const void *k_scale, const void *k_zero,
         const uint8_t *v_codes, const void *v_scale, const void *v_zero,
         const void *k_res, const void *v_res, const void *k_sink, const void *v_sink,
         const int32_t *lengths, const int32_t *table, int64_t mb, int64_t nb, int64_t ws, int64_t ss,
         float *out, int64_t B, int64_t H, int64_t G, float sm_scale, int64_t ns, int64_t nthreads,
-        const int64_t *pool_sb, const int32_t *first, int64_t ngroups, const int32_t *ring_of) {
+        const int64_t *pool_sb, const int32_t *first, int64_t ngroups, const int32_t *ring_of,
+        const float *mask, int64_t mask_sb, int64_t mask_sh, int64_t mask_si, int64_t mask_w) {
     const int64_t GN = G;
     int64_t bad = 0, most = 0;
     for (int64_t g = 0; g < ngroups; g++) most = first[g + 1] - first[g] > most ? first[g + 1] - first[g] : most;
@@ -1137,7 +1195,7 @@ int64_t kvc_attention_rows(
                 gather_model(k_sink, rows, nt, kt);
                 gather_model(v_sink, rows, nt, vt);
                 attend_tile(P, (float(*)[D])(qn + r * GN * D), &P->acc_nat[0][0], &P->acc_plane[0][0], kt, vt, nt, p0,
-                            GN, 1, rg[r].L, b, h, sm_scale, NULL, 0, 0, 0, 0);
+                            GN, 1, rg[r].L, b, h, sm_scale, mask, mask_sb, mask_sh, mask_si, mask_w);
             }
         }
         /* the packed tiles, each dequantized once for the rows that read it: the longest row first, since a row
@@ -1160,7 +1218,8 @@ int64_t kvc_attention_rows(
                 partial_t *P = part + r * ns + split_of(rg[r].t_sink + j, rg[r].nt_all, ns);
                 const int nr_t = rg[r].p_end - p0 < PT ? rg[r].p_end - p0 : PT;
                 attend_tile(P, (float(*)[D])((K_FMT == 0 ? qn : qp) + r * GN * D), &P->acc_plane[0][0],
-                            &P->acc_nat[0][0], kt, vt, nr_t, p0, GN, 1, rg[r].L, b, h, sm_scale, NULL, 0, 0, 0, 0);
+                            &P->acc_nat[0][0], kt, vt, nr_t, p0, GN, 1, rg[r].L, b, h, sm_scale, mask, mask_sb,
+                            mask_sh, mask_si, mask_w);
             }
         }
         /* each row's residual positions from its ring (its last tiles) */
@@ -1174,7 +1233,7 @@ int64_t kvc_attention_rows(
                 gather_model(k_res, rows, nt, kt);
                 gather_model(v_res, rows, nt, vt);
                 attend_tile(P, (float(*)[D])(qn + r * GN * D), &P->acc_nat[0][0], &P->acc_plane[0][0], kt, vt, nt, p0,
-                            GN, 1, rg[r].L, b, h, sm_scale, NULL, 0, 0, 0, 0);
+                            GN, 1, rg[r].L, b, h, sm_scale, mask, mask_sb, mask_sh, mask_si, mask_w);
             }
         }
         for (int64_t r = 0; r < nr; r++) merge_one(part + r * ns, out, b0 + r, h, H, G, 1, ns);
@@ -1199,6 +1258,8 @@ void kvc_fp8_decode(const uint8_t *codes, float *out, int64_t N, int64_t e5m2) {
 /* Present in the copies whose kvc_attention takes the rows' widths (ws, ss): older ones (a benchmark's "before")
  * take rings and sinks allocated whole, [B, H, W, D] and [B, H, S, D]. */
 int64_t kvc_row_strides(void) { return 1; }
+/* Present in the copies whose kvc_attention_rows takes a mask (older ones: causal rows only). */
+int64_t kvc_rows_mask(void) { return 1; }
 
 int64_t kvc_rope_width(const int32_t *perm) {
     int span = 0;

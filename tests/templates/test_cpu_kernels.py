@@ -122,6 +122,29 @@ def test_a_rows_decode_attention_does_not_depend_on_the_batch_or_the_threads(pol
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+@pytest.mark.parametrize("policy", [MIXED, Policy.int8(), Policy(Quant("fp8_e4m3", "tensor"), Quant("int4"))],
+                         ids=["mixed", "int8", "fp8-tensor"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_query_heads_bits_do_not_depend_on_the_heads_beside_it(policy, n):
+    """The kernel computes two query rows' scores and values in one pass over a tile (``ROWB`` on AVX-512): each
+    head's output -- causal chunks of ``n`` queries (a hidden tail), a mask hiding positions at random, a row
+    seeing nothing -- is the bits it gets as the only query head of its kv head."""
+    H, D, G = 2, 64, 5
+    spec, state = filled(policy, [70, 33, 200], H, D, chunk=51)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(3, H * G, n, D, generator=g)
+    mask = torch.zeros(3, H * G, n, 200).masked_fill_(torch.rand(3, H * G, n, 200, generator=g) < 0.3,
+                                                     float("-inf"))
+    mask[1, 3] = float("-inf")
+    for m in (None, mask):
+        both = cpu.attention(q, state, spec, m, None)
+        for j in range(G):
+            heads = [h * G + j for h in range(H)]
+            alone = cpu.attention(q[:, heads], state, spec, None if m is None else m[:, heads], None)
+            assert torch.equal(both[:, heads].nan_to_num(), alone.nan_to_num()), (j, m is None)
+            assert torch.equal(both[:, heads].isnan(), alone.isnan())
+
+
 PROMPT_POLICIES = {  # every region and code path of the shared-tile walk: sinks, rings, channel and token groups
     "mixed": MIXED, "rotated": ROTATED, "int8": Policy.int8(),
     "kivi-ring": Policy(Quant("int4", "channel", 32), Quant("int4", "token", 32), residual=0),
@@ -152,6 +175,38 @@ def test_a_prompts_rows_sharing_their_tiles_get_the_bits_each_row_gets_alone(nam
             got = cpu.attention(q, rows, spec, None, None, nsplit=nsplit, groups=runs)
             assert torch.equal(got.nan_to_num(), alone.nan_to_num()) and torch.equal(got.isnan(), alone.isnan()), \
                 (nsplit, most, (got.float() - alone.float()).abs().max())
+
+
+@pytest.mark.parametrize("name", list(PROMPT_POLICIES))
+def test_masked_rows_sharing_their_tiles_get_the_bits_each_row_gets_alone(name, monkeypatch):
+    """A sliding window's prompt rows (``kvcompile.pages``) share their tiles too, each under its own row of an
+    additive mask: a window of 50 positions, a few more positions hidden at random, and for the shorter sequence
+    a mask narrower than its rows (positions past the width are hidden). Every row gets the bits it gets alone,
+    and rows whose mask hides everything get what they get alone (zeros)."""
+    H, D, G = 2, 64, 3
+    spec, state = filled(PROMPT_POLICIES[name], [300, 45], H, D, chunk=97)
+    seq = torch.tensor([0] * 300 + [1] * 45)
+    rows = kvcompile.store.KVState(*state[:6], *(t.index_select(0, seq) for t in state[6:]))
+    L = torch.cat([torch.arange(1, 301), torch.arange(1, 46)])
+    rows = rows._replace(lengths=L.to(torch.int32))
+    at = torch.arange(300)
+    g = torch.Generator().manual_seed(3)
+    hide = (at < L[:, None] - 50) | (at >= L[:, None]) | (torch.rand(345, 300, generator=g) < 0.05)
+    hide[300:, 30:] = True  # the shorter sequence: nothing past position 29 (its width, below)
+    hide[7] = True  # a row that sees nothing
+    mask = torch.zeros(345, 1, 1, 300).masked_fill_(hide[:, None, None], float("-inf"))
+    q = torch.randn(len(seq), H * G, 1, D, generator=torch.Generator().manual_seed(1))
+    runs = torch.tensor([0, 300, 345], dtype=torch.int32)
+    for nsplit in (1, 3):
+        alone = cpu.attention(q, rows, spec, mask, None, nsplit=nsplit)
+        assert torch.equal(alone[7], torch.zeros_like(alone[7]))
+        for most in (32, 7):
+            monkeypatch.setattr(cpu, "GROUP_ROWS", most)
+            got = cpu.attention(q, rows, spec, mask, None, nsplit=nsplit, groups=runs)
+            assert torch.equal(got.nan_to_num(), alone.nan_to_num()) and torch.equal(got.isnan(), alone.isnan()), \
+                (nsplit, most, (got.float() - alone.float()).abs().max())
+    causal = cpu.attention(q, rows, spec, None, None, groups=runs)
+    assert not torch.equal(causal, alone)  # the mask was applied
 
 
 @pytest.mark.parametrize("name", ["mixed", "kivi-ring"])
