@@ -8,7 +8,8 @@ with the engine core in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM
 takes a core of its own, which on a 2-core machine halves every contender's rate alike), ``--dtype`` (float32),
 ``--kv-mib`` of KV memory. It generates one token for each of ``--prompts`` random prompts of ``--tokens`` tokens
 (greedy), once to warm up (vLLM compiles its graphs for the first batch shapes), then ``--reps`` times: the
-seconds of each timed run, and prompt tokens per second at their median.
+seconds of each timed run, and prompt tokens per second at their median. Every run has prompts of its own: a
+prompt seen before would be served from vLLM's prefix cache (on by default) and only its last token computed.
 """
 from __future__ import annotations
 
@@ -41,20 +42,28 @@ def one(args) -> dict:
     engine = {k: v for k, v in engine.items() if k != "min_block"} | ({"block_size": block} if block else {})
     extra = {"additional_config": {"kvcompile": {"policy": policy}}} if policy else {}
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.tokens + 1, seed=0,
-              kv_cache_memory_bytes=args.kv_mib << 20, enforce_eager=args.eager, **engine, **extra)
+              kv_cache_memory_bytes=args.kv_mib << 20, enforce_eager=args.eager, disable_log_stats=False, **engine,
+              **extra)
+
+    def hits():  # prompt tokens vLLM's prefix cache has served so far
+        return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
     vocab = llm.get_tokenizer().vocab_size
     g = torch.Generator().manual_seed(0)
-    prompts = [TokensPrompt(prompt_token_ids=torch.randint(10, vocab - 10, (args.tokens,), generator=g).tolist())
-               for _ in range(args.prompts)]
+
+    def fresh():  # prompts no run has seen: vLLM's prefix cache (on by default) would serve a repeated one
+        return [TokensPrompt(prompt_token_ids=torch.randint(10, vocab - 10, (args.tokens,), generator=g).tolist())
+                for _ in range(args.prompts)]
     sp = SamplingParams(max_tokens=1, temperature=0)
-    llm.generate(prompts, sp, use_tqdm=False)
-    seconds = []
+    llm.generate(fresh(), sp, use_tqdm=False)
+    seconds, served = [], hits()
     for _ in range(args.reps):
+        prompts = fresh()
         t0 = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
         seconds.append(time.perf_counter() - t0)
     med = statistics.median(seconds)
-    return {"seconds": seconds, "prompt_tokens_per_s": args.prompts * args.tokens / med}
+    return {"seconds": seconds, "prompt_tokens_per_s": args.prompts * args.tokens / med,
+            "prefix_cache_hits": hits() - served}
 
 
 def main(argv=None) -> dict:

@@ -113,6 +113,17 @@ def test_cpu_prompt_rows_smoke():
     assert all(r["alone_ms"] > 0 and r["shared_ms"] > 0 for r in rows)
 
 
+def test_cpu_prompt_rows_against_a_revision_smoke(tmp_path):
+    """With --base, both columns share their tiles: a template file as the revision (the working tree's copy,
+    so the bits checked first agree), on Gemma 3 1B's head shape."""
+    from benchmarks import cpu_prompt_rows
+    from kvcompile.templates import cpu
+
+    rows = cpu_prompt_rows.main(["--smoke", "--shape", "gemma3", "--base-file", str(cpu.SOURCE)])
+    assert [(r["policy"], r["shape"]) for r in rows] == [(p, "gemma3") for p in cpu_prompt_rows.POLICIES]
+    assert all(r["alone_ms"] > 0 and r["shared_ms"] > 0 for r in rows)
+
+
 def test_rotation_cost_smoke():
     """The rotation-cost benchmark times the three fp8 policies' store and attention and the rotations."""
     from benchmarks import rotation_cost

@@ -11,13 +11,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def test_vllm_prefill_smoke(tiny, tmp_path):
     from benchmarks import vllm_prefill
 
-    out = vllm_prefill.main(["--model", tiny, "--prompts", "2", "--tokens", "16", "--reps", "2", "--eager",
+    # prompts longer than a page (128 tokens): one seen before would be served from vLLM's prefix cache
+    out = vllm_prefill.main(["--model", tiny, "--prompts", "2", "--tokens", "160", "--reps", "2", "--eager",
                              "--kv-mib", "32", "--only", "vLLM auto", "kvcompile fp8-tensor+rot",
                              "--out", str(tmp_path / "p.json")])
     assert [r["label"] for r in out["results"]] == ["vLLM auto", "kvcompile fp8-tensor+rot"]
     for r in out["results"]:
         assert "failed" not in r, r.get("failed")
         assert len(r["seconds"]) == 2 and all(s > 0 for s in r["seconds"]) and r["prompt_tokens_per_s"] > 0
+        assert r["prefix_cache_hits"] == 0  # every timed prompt computed
     assert json.loads((tmp_path / "p.json").read_text())["results"] == out["results"]
 
 
