@@ -822,6 +822,9 @@ def _pack(layout: PageLayout, pages: Tensor, batch: Ragged, recent: Recent, held
     # the pending group's positions, for the sequences whose write completes a group (the others pack nothing, and
     # what the store writes into their rings is not kept: the window cache holds their positions)
     done = (sp0.boundary(held_to + n) > sp0.boundary(held_to)).nonzero().flatten()
+    sinks = (held_to < layout.policy.sink) & (n > 0)  # sequences whose sinks this step writes
+    if not len(done) and not bool(sinks.any()):
+        return recent  # (most decode steps: no group completes, and the store would keep nothing it wrote)
     some, sv = _ring(layout, recent, done, sp0.boundary(held_to)[done], held_to[done], sp0.ring, dt)
     rk = some.new_zeros(len(held_to), *some.shape[1:])
     rv = torch.zeros_like(rk)
@@ -830,7 +833,7 @@ def _pack(layout: PageLayout, pages: Tensor, batch: Ragged, recent: Recent, held
     table = batch.table.to(pages.device)
     st = layout.state(pages, held_to.to(device=pages.device, dtype=torch.int32), table)._replace(k_res=rk, v_res=rv)
     ops.backend(pages.device).store(st, sp0, batch.padded(k), batch.padded(v), n.to(torch.int32))
-    layout._put_sinks(pages, st, table, (held_to < layout.policy.sink) & (n > 0))
+    layout._put_sinks(pages, st, table, sinks)
     return recent
 
 
