@@ -143,3 +143,14 @@ def test_vllm_capacity_plot_draws_the_recorded_run(tmp_path):
     out = tmp_path / "capacity.png"
     vllm_side_by_side.plot_capacity(json.loads(recorded.read_text())["results"], out, " (test)")
     assert out.stat().st_size > 10_000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pages_decode_smoke():
+    """The pages' decode-step benchmark runs every policy family it compares: per-token pages, KIVI's key groups
+    with a ring, and with a recent window in pages of their own."""
+    from benchmarks import pages_decode
+
+    rows = pages_decode.main(["--smoke"])
+    assert [r["policy"] for r in rows] == pages_decode.POLICIES
+    assert [(r["window"], r["ring"]) for r in rows] == [(False, False), (False, False), (True, True), (True, False)]
+    assert all(r["ms_per_step"] > 0 for r in rows)
