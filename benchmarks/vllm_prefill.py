@@ -103,13 +103,14 @@ def main(argv=None) -> dict:
         print(f"    {json.dumps({k: v for k, v in row.items() if k != 'failed'})}", flush=True)
     out = {"command": "benchmarks/vllm_prefill.py " + " ".join(base), "date": time.strftime("%Y-%m-%d"),
            "results": results}
-    print("\n| contender | seconds (each run) | prompt tokens/s |\n|---|---|---:|")
+    print("\n| contender | seconds (each run) | prompt tokens/s | prompt tokens from the prefix cache |\n"
+          "|---|---|---:|---:|")
     for r in results:
         if "seconds" in r:
             runs = " / ".join(f"{s:.2f}" for s in r["seconds"])
-            print(f"| {r['label']} | {runs} | {r['prompt_tokens_per_s']:,.0f} |")
+            print(f"| {r['label']} | {runs} | {r['prompt_tokens_per_s']:,.0f} | {r['prefix_cache_hits']:,} |")
         else:
-            print(f"| {r['label']} | failed: {r['failed'][-200:]!r} | |")
+            print(f"| {r['label']} | failed: {r['failed'][-200:]!r} | | |")
     if args.out:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     return out
