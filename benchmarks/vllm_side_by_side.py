@@ -203,7 +203,8 @@ async def one_level(base, model, prompts, new) -> dict:
         tokens.append(n)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*[one(p) for p in prompts])
+    async with client:  # closed inside this level's event loop (asyncio.run closes the loop after it)
+        await asyncio.gather(*[one(p) for p in prompts])
     t1, all_first = max(ends), max(f for f in firsts if f is not None)
     total = sum(tokens)
     return {"requests": len(prompts), "generated_tokens": total, "seconds": t1 - t0,
