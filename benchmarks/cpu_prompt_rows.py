@@ -71,8 +71,8 @@ def main(argv=None):
     H, G, D = SHAPES[a.shape]
     tmp = tempfile.TemporaryDirectory()
     base = a.base_file or (template_at(a.base, Path(tmp.name)) if a.base else None)
-    first = f"{a.base or 'base'} (ms)" if base else "rows alone (ms)"
-    print(f"{'policy':<22}{'prompt':>8}{first:>17}{'shared tiles (ms)':>19}{'x':>7}")
+    label = (a.base or a.base_file.name) if base else "rows alone"  # what the first column times
+    print(f"{'policy':<22}{'prompt':>8}{label + ' (ms)':>17}{'shared tiles (ms)':>19}{'x':>7}")
 
     def before(q, st, spec, runs):
         if base is None:
@@ -87,7 +87,7 @@ def main(argv=None):
             alone = before(q, st, spec, runs)
             shared = cpu.attention(q, st, spec, None, None, groups=runs)
             if not (torch.equal(alone.nan_to_num(), shared.nan_to_num()) and torch.equal(alone.isnan(), shared.isnan())):
-                raise AssertionError(f"{name}: rows sharing their tiles got other bits than {first[:-5]} at {P} rows")
+                raise AssertionError(f"{name}: rows sharing their tiles got other bits than {label} at {P} rows")
             ta, tb = [], []
             for _ in range(a.repeats):
                 t = time.perf_counter()
@@ -98,9 +98,8 @@ def main(argv=None):
                 tb.append(time.perf_counter() - t)
             ma, mb = statistics.median(ta), statistics.median(tb)
             print(f"{name:<22}{P:>8}{ma * 1e3:>17.1f}{mb * 1e3:>19.1f}{ma / mb:>7.2f}", flush=True)
-            out.append({"policy": name, "prompt": P, "shape": a.shape, "base": a.base or a.base_file and str(base),
-                        "alone_ms": ma * 1e3,
-                        "shared_ms": mb * 1e3})
+            out.append({"policy": name, "prompt": P, "shape": a.shape, "base": label if base else None,
+                        "alone_ms": ma * 1e3, "shared_ms": mb * 1e3})
     return out
 
 

@@ -40,9 +40,7 @@ def engine(name: str, heads: int, head_dim: int, block: int, sequences: int, pos
     win = P.needs_window(policy)
     lay = P.PageLayout(policy, heads, head_dim, "float32", block, window=win)
     per = -(-positions // block) + 1
-    raw = torch.zeros(sequences * per * lay.page_bytes, dtype=torch.int8)
-    C = lay.token_head_bytes
-    pages = raw.as_strided((sequences * per, heads, block, C), (lay.page_bytes, block * C, C, 1))
+    pages = torch.zeros(sequences * per, lay.page_bytes, dtype=torch.uint8)
     table = torch.arange(sequences * per, dtype=torch.int32).view(sequences, per)
     if not win:
         return lay, pages, table, None, None, 0, False

@@ -763,7 +763,7 @@ static inline regions_t regions(int64_t L) {
 
 /* Rows of query heads whose scores (and values) one pass over a tile computes: on AVX-512 two, whose partial sums
  * of eight keys stay in its 32 registers beside a query vector a row and a key vector (three rows measured no
- * faster on a prompt's rows: benchmarks/cpu_kernel_ab.py); one on 16 registers. */
+ * faster than two on a prompt's rows of Gemma 3's shape); one on 16 registers. */
 #if WV == 16
 #define ROWB 2
 #else
@@ -838,9 +838,9 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int64_t G = GN / n; /* query heads per kv head */
     /* every row's scores, ROWB rows at a time: each key vector loaded once for them (each row's dot product
      * is the same chain of operations, in the same order, as one row alone) */
-    int64_t r = 0;
-    for (; r + ROWB <= GN; r += ROWB) scores_rows(scs + r, qv + r, kt, nt, sm_scale, ROWB);
-    for (; r < GN; r++) scores_rows(scs + r, qv + r, kt, nt, sm_scale, 1);
+    int64_t r0 = 0;
+    for (; r0 + ROWB <= GN; r0 += ROWB) scores_rows(scs + r0, qv + r0, kt, nt, sm_scale, ROWB);
+    for (; r0 < GN; r0++) scores_rows(scs + r0, qv + r0, kt, nt, sm_scale, 1);
     /* each row's softmax update; then the values, ROWB rows at a time where no position of theirs is hidden */
     int64_t open_rows[ROWS_MAX];
     int n_open = 0;
@@ -920,9 +920,9 @@ static inline __attribute__((always_inline)) void attend_tile(
         else
             open_rows[n_open++] = r;
     }
-    int j = 0;
-    for (; j + ROWB <= n_open; j += ROWB) values_rows(acc_base, open_rows + j, scs, vt, nt, NULL, ROWB);
-    for (; j < n_open; j++) values_rows(acc_base, open_rows + j, scs, vt, nt, NULL, 1);
+    int j0 = 0;
+    for (; j0 + ROWB <= n_open; j0 += ROWB) values_rows(acc_base, open_rows + j0, scs, vt, nt, NULL, ROWB);
+    for (; j0 < n_open; j0++) values_rows(acc_base, open_rows + j0, scs, vt, nt, NULL, 1);
 }
 
 static void merge(const partial_t *part, float *out, int64_t B, int64_t H, int64_t G, int64_t n, int64_t ns);
@@ -1127,9 +1127,8 @@ static inline int64_t split_of(int64_t tau, int64_t nt_all, int64_t ns) {
  * [first[g], first[g + 1]) are positions of one sequence in ascending order and share a block table (a sliding
  * window's rows whose window starts in the same page: their masks hide the rest). Each row's output is the bits
  * kvc_attention gives it -- its own splits of its own tiles, each split's tiles in order, merged the same way --
- * but a packed tile is
- * dequantized once for every row of the group that reads it (kvc_attention: once a row, so a prompt of P tokens
- * dequantized ~P^2/2 tiles' worth). A task is one group of one kv head; the rows' sinks and rings are their own.
+ * but a packed tile is dequantized once for every row of the group that reads it (kvc_attention: once a row, so a
+ * prompt of P tokens dequantized ~P^2/2 tiles' worth). A task is one group of one kv head; the rows' sinks and rings are their own.
  * Arguments as kvc_attention's (n = 1), then first [ngroups + 1] and ring_of [B]: row b reads the ring of row
  * ring_of[b] of k_res, v_res (rows of one sequence whose full-precision positions begin at the same position
  * share one), or NULL: its own; then the mask as kvc_attention's (n = 1), or NULL. Returns as kvc_attention. */
