@@ -183,6 +183,16 @@ QUANTIZED = {
 }
 
 
+PER_LAYER_WINDOWED = {  # name: (policy, dtype, engine arguments)
+    # KIVI 4-bit with its window, the last layer KIVI 2-bit rotated: packed pages and window pages of two sizes each
+    "kivi-4-2": (Policy.kivi(4).override({-1: Policy.kivi(2, rotate=True)}), "float32", {"block_size": 256}),
+    # per-token 4-bit (no window cache) beside KIVI's key groups in a ring
+    "tok-ring": (Policy(Quant("int4"), Quant("int4"), rotate=True).override({1: Policy.kivi(4, residual=0,
+                                                                                         rotate=True)}),
+                 "float32", {"block_size": 256}),
+}
+
+
 @pytest.mark.parametrize("name", list(QUANTIZED))
 def test_pages_hold_the_reference_stores_bytes_and_attention_is_within_the_bound(tiny, monkeypatch, name):
     policy, dtype = QUANTIZED[name]
@@ -392,11 +402,13 @@ def _chain(err) -> str:
 
 
 @pytest.mark.parametrize("policy,said", [
-    # one layer's choice pages cannot hold: refused when the layers are built, with the reason
-    (Policy(Quant("int4"), Quant("int4"), rotate=True).override({1: Policy.kivi(4)}), "pages of one size"),
+    # float32 window pages of 16 tokens outgrow the layers' share of a block of 128 tokens: refused when vLLM asks
+    # for the pages, with the block size that holds them
+    (Policy.kivi(2).override({1: Policy.kivi(2, rotate=True)}), "each of the 2 layers that keep one 12288 bytes"),
+    (Policy.kivi(2).override({1: Policy.kivi(2, rotate=True)}), "block_size=256"),
     # a selector that names no layer of this model
     (Policy.int8().override({5: Policy(Quant("int4"), Quant("int4"))}), "matches none of the 2 attention layers"),
-], ids=["kivi-layer", "no-such-layer"])
+], ids=["window-share", "window-share-fix", "no-such-layer"])
 def test_a_per_layer_policy_is_checked_at_start_up(tiny, policy, said):
     with pytest.raises(Exception) as e:
         engine(tiny, policy.to_dict())
@@ -440,20 +452,30 @@ def test_loss_through_vllm_is_kvcompile_eval_reading_every_position_as_stored(ti
     apart), and under a quantized cache such a difference flips a code now and then, whose effect the next layer
     carries on -- measured on this model, up to 1.6e-4 nats a window. kvcompile's default protocol (each call's
     own tokens in full precision) is another measurement: 1e-3 to 8e-2 nats a window away here."""
-    from kvcompile.evaluate import heldout_loss
     from kvcompile.presets import named
-    model, W = hf_and_windows
     kw = {"block_size": 256} if name == "kivi-r0+rot+fp8s:4" else {}  # a float32 ring of 32 slots: pages of 256
-    policy = named(name)
-    llm = engine(tiny, None if name == "full" else policy, max_model_len=W.shape[1] + 1, **kw)
+    assert_loss_is_evals(tiny, hf_and_windows, named(name), kw)
+
+
+@pytest.mark.parametrize("name", list(PER_LAYER_WINDOWED))
+def test_loss_through_vllm_under_a_per_layer_policy_with_windows_is_kvcompile_evals(tiny, hf_and_windows, name):
+    policy, _, kw = PER_LAYER_WINDOWED[name]
+    assert_loss_is_evals(tiny, hf_and_windows, policy, kw)
+
+
+def assert_loss_is_evals(tiny, hf_and_windows, policy, kw) -> None:
+    from kvcompile.evaluate import heldout_loss
+    model, W = hf_and_windows
+    name = str(policy)
+    llm = engine(tiny, None if policy == Policy.full() else policy.to_dict(), max_model_len=W.shape[1] + 1, **kw)
     try:
         through = vllm_loss(llm, W)
     finally:
         close(llm)
     stored = heldout_loss(model, W, policy, chunk=64, own="stored")
-    tol = 2e-5 if name == "full" else 3e-4  # float32 sums in another order; and the codes they flip
-    assert through == pytest.approx(stored, abs=tol)
-    if name != "full":
+    tol = 2e-5 if policy == Policy.full() else 3e-4  # float32 sums in another order; and the codes they flip
+    assert through == pytest.approx(stored, abs=tol), name
+    if policy != Policy.full():
         full = heldout_loss(model, W, policy, chunk=64)
         assert max(abs(a - b) for a, b in zip(full, through)) > 3 * tol
 
@@ -664,6 +686,43 @@ def windows_of(llm) -> dict:
     return {name: layer for name, layer in ctx.items() if name.endswith(window.SUFFIX)}
 
 
+def assert_windowed_pages(name, layer, lay, rec, kv, win, L: int) -> None:
+    """A windowed layer's caches after one request of ``L`` stored positions, its store calls recorded in ``rec``:
+    the packed pages hold the reference store's bytes for every group the sequence has completed (packed as soon as
+    complete), the sinks (if any) its first page's, and the window cache ``win`` its newest positions as the
+    reference's ring holds them."""
+    from kvcompile.store import as_stored
+    calls = rec.stores[layer]
+    assert max(len(c[0]) for c in calls) == 64  # the prefill came in chunks
+    k = torch.cat([c[0] for c in calls]).view(-1, lay.heads, lay.head_dim)
+    v = torch.cat([c[1] for c in calls]).view(-1, lay.heads, lay.head_dim)
+    assert k.shape[0] == L
+    table = calls[-1][4][:1].to(torch.int32)
+    sp, S = lay.spec, lay.policy.sink
+    if S:  # the reference's block j is the request's page j + 1: its first page holds the sinks
+        table = torch.cat([table[:, 1:], table[:, :1]], 1)
+    ref = KVState(*sp.pool(kv[layer].shape[0]), *sp.rows(1, table.shape[1])[:4],
+                  torch.zeros(1, dtype=torch.int32), table)
+    store_reference(ref, sp, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    for field, got, want in zip(P.POOL_FIELDS, lay.views(kv[layer]), ref[:6]):
+        assert got.numel() or not want.numel()  # empty: a field the policy does not store
+        for j in range((sp.boundary(L) - S) // lay.block if got.numel() else 0):  # packed in the reference too
+            page = int(table[0, j])
+            assert torch.equal(bits(got[page]), bits(want[page])), (name, layer, field, j)
+    if S:
+        first = int(calls[-1][4][0, 0])
+        for got, want in zip(lay.sinks(kv[layer]), (ref.k_sink, ref.v_sink)):
+            assert torch.equal(bits(got[first]), bits(want[0])), (name, layer)
+    wk, wv = lay.window_views(kv[layer + window.SUFFIX], win.slots)
+    wtable = rec.windows[layer][-1][:1]
+    B, ring = win.slots, win.ring  # a ring: slot p % slots
+    for p in range(L - lay.window_tokens, L):
+        page, row = int(wtable[0, 0 if ring else p // B]), p % B
+        want_k = as_stored(k[p:p + 1].transpose(0, 1)[None], sp, wk.dtype, keys=True)[0, :, 0]
+        want_v = as_stored(v[p:p + 1].transpose(0, 1)[None], sp, wv.dtype)[0, :, 0]
+        assert torch.equal(wk[page, :, row], want_k) and torch.equal(wv[page, :, row], want_v), (name, layer, p)
+
+
 @pytest.mark.parametrize("name", list(WINDOWED))
 def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stood(tiny, monkeypatch, name):
     """One long prompt prefilled in chunks of 64 tokens, then decoded: each layer gets a window cache that vLLM
@@ -674,7 +733,6 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
     may hold are said in the log at start-up."""
     from vllm.v1.kv_cache_interface import CircularBufferSpec, SlidingWindowSpec
 
-    from kvcompile.store import as_stored
     policy_name, dtype, kw = WINDOWED[name]
     policy = backend.policy_of({"kvcompile": {"policy": policy_name}})
     rec = Recorder(checks=0)
@@ -711,41 +769,94 @@ def test_a_window_lives_in_vllms_pages_and_each_token_reads_the_store_as_it_stoo
         close(llm)
     L = len(chunked.prompt_token_ids) + 39  # the last token is sampled, never stored
     for layer, lay in lays.items():
-        calls = rec.stores[layer]
-        assert max(len(c[0]) for c in calls) == 64  # the prefill came in chunks
-        k = torch.cat([c[0] for c in calls]).view(-1, lay.heads, lay.head_dim)
-        v = torch.cat([c[1] for c in calls]).view(-1, lay.heads, lay.head_dim)
-        assert k.shape[0] == L
-        table = calls[-1][4][:1].to(torch.int32)
-        sp, S = lay.spec, policy.sink
-        if S:  # the reference's block j is the request's page j + 1: its first page holds the sinks
-            table = torch.cat([table[:, 1:], table[:, :1]], 1)
-        ref = KVState(*sp.pool(kv[layer].shape[0]), *sp.rows(1, table.shape[1])[:4],
-                      torch.zeros(1, dtype=torch.int32), table)
-        store_reference(ref, sp, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-        for field, got, want in zip(P.POOL_FIELDS, lay.views(kv[layer]), ref[:6]):
-            assert got.numel() or not want.numel()  # empty: a field the policy does not store
-            for j in range((sp.boundary(L) - S) // lay.block if got.numel() else 0):  # packed in the reference too
-                page = int(table[0, j])
-                assert torch.equal(bits(got[page]), bits(want[page])), (name, layer, field, j)
-        if S:
-            first = int(calls[-1][4][0, 0])
-            for got, want in zip(lay.sinks(kv[layer]), (ref.k_sink, ref.v_sink)):
-                assert torch.equal(bits(got[first]), bits(want[0])), (name, layer)
-        wk, wv = lay.window_views(kv[layer + window.SUFFIX], wins[layer + window.SUFFIX].slots)
-        wtable = rec.windows[layer][-1][:1]
-        B, ring = wins[layer + window.SUFFIX].slots, wins[layer + window.SUFFIX].ring  # a ring: slot p % slots
-        for p in range(L - lay.window_tokens, L):
-            page, row = int(wtable[0, 0 if ring else p // B]), p % B
-            want_k = as_stored(k[p:p + 1].transpose(0, 1)[None], sp, wk.dtype, keys=True)[0, :, 0]
-            want_v = as_stored(v[p:p + 1].transpose(0, 1)[None], sp, wv.dtype)[0, :, 0]
-            assert torch.equal(wk[page, :, row], want_k) and torch.equal(wv[page, :, row], want_v), (name, p)
+        assert_windowed_pages(name, layer, lay, rec, kv, wins[layer + window.SUFFIX], L)
     whole = engine(tiny, policy_name, dtype=dtype, enable_prefix_caching=False, **kw)
     try:
         again = whole.generate([prompt], one, use_tqdm=False)[0]
     finally:
         close(whole)
     assert list(again.outputs[0].token_ids) == list(chunked.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("name", list(PER_LAYER_WINDOWED))
+def test_a_per_layer_policy_with_windows_gives_each_layer_pages_of_its_own_size(tiny, monkeypatch, name):
+    """A per-layer policy where some layers keep a window cache (``kvcompile calibrate``'s KIVI candidates): vLLM
+    packs each block with one page of every layer side by side (its block-outermost layout, which the plugin
+    declares for such a policy), each of its own size, so the pool's blocks are counted over the packed pages of all
+    layers; each layer holds its own policy's bytes (the reference store's, its window cache as the reference's
+    ring); the tokens are those of the prompt prefilled in one piece."""
+    policy, dtype, kw = PER_LAYER_WINDOWED[name]
+    rec = Recorder(checks=0)
+    rec.install(monkeypatch)
+    prompt = TEXT * 5
+    one = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = engine(tiny, policy.to_dict(), dtype=dtype, max_num_batched_tokens=64, enable_prefix_caching=False, **kw)
+    try:
+        lays = {n: i.layout for n, i in impls(llm).items()}
+        assert [lay.policy for lay in lays.values()] == policy.resolve(list(lays))
+        assert llm.llm_engine.vllm_config.cache_config.kv_cache_layout == "BLHNC"
+        wins = {n[:-len(window.SUFFIX)]: w for n, w in windows_of(llm).items()}
+        kv = caches(llm)
+        for layer, lay in lays.items():  # a window cache where the layer's policy keeps one, and only there
+            assert (kv.get(layer + window.SUFFIX) is not None) == bool(lay.window), layer
+        n_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        assert len({lay.page_bytes for lay in lays.values()}) == 2
+        assert n_blocks == KV_BYTES // sum(lay.page_bytes for lay in lays.values())
+        chunked = llm.generate([prompt], one, use_tqdm=False)[0]
+    finally:
+        close(llm)
+    L = len(chunked.prompt_token_ids) + 39  # the last token is sampled, never stored
+    for layer, lay in lays.items():
+        if lay.window:
+            assert_windowed_pages(name, layer, lay, rec, kv, wins[layer], L)
+            continue
+        # the request's pages (a block the window caches' group holds is not this layer's: the groups share blocks)
+        pool, mine = replay(lay, rec.stores[layer], kv[layer].shape[0]), rec.stores[layer][-1][4][0]
+        mine = mine[:-(-L // lay.block)].long()
+        for field, got, want in zip(P.POOL_FIELDS, lay.views(kv[layer]), pool):
+            assert got[mine].any() and torch.equal(bits(got[mine]), bits(want[mine])), (name, layer, field)
+    whole = engine(tiny, policy.to_dict(), dtype=dtype, enable_prefix_caching=False, **kw)
+    try:
+        again = whole.generate([prompt], one, use_tqdm=False)[0]
+    finally:
+        close(whole)
+    assert list(again.outputs[0].token_ids) == list(chunked.outputs[0].token_ids)
+
+
+def test_a_full_precision_layer_beside_windowed_ones_computes_what_vllm_does(tiny, monkeypatch):
+    """A per-layer policy with the first layer in full precision (vLLM's own page and kernel) and KIVI's window in
+    the other: in vLLM's block-outermost layout the first layer's pages are a block apart, and vLLM's kernel reads
+    them so -- its attention over a prompt prefilled in chunks of 64 tokens (each chunk reading the ones before from
+    the cache) is, to the bit, that of vLLM's own engine with no policy."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    outs = {}
+    own = CPUAttentionBackendImpl.forward  # vLLM's kernel: what kvcompile's implementation runs for a layer it leaves
+
+    def forward(impl, layer, query, key, value, kv_cache, meta, output, *a, **kw):
+        out = own(impl, layer, query, key, value, kv_cache, meta, output, *a, **kw)
+        if meta is not None and layer.layer_name == "model.layers.0.self_attn.attn":
+            outs.setdefault(run_, []).append(out[:meta.num_actual_tokens].clone())
+        return out
+
+    monkeypatch.setattr(CPUAttentionBackendImpl, "forward", forward)
+    prompt = TEXT * 5
+    for run_ in ("vllm", "mixed"):
+        with vllms_own_backend() if run_ == "vllm" else contextlib.nullcontext():
+            policy = Policy.kivi(4).override({"model.layers.0": None}).to_dict() if run_ == "mixed" else None
+            llm = engine(tiny, policy, dtype="bfloat16", max_num_batched_tokens=64, enable_prefix_caching=False)
+            try:
+                layout = llm.llm_engine.vllm_config.cache_config.kv_cache_layout
+                assert layout == ("BLHNC" if run_ == "mixed" else "LBHNC")  # the first layer's pages a block apart
+                if run_ == "mixed":
+                    assert [i.layout is None for i in impls(llm).values()] == [True, False]
+                n = len(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+                        .prompt_token_ids)
+            finally:
+                close(llm)
+    chunks = -(-n // 64)  # the prompt's steps; the next step's token depends on the second layer
+    assert len(outs["mixed"]) > chunks > 3
+    for got, want in zip(outs["mixed"][:chunks], outs["vllm"][:chunks]):
+        assert torch.equal(bits(got), bits(want))
 
 
 def test_a_window_cache_holds_a_few_pages_however_long_the_chunk(tiny, monkeypatch):
@@ -803,8 +914,11 @@ def test_a_window_cache_holds_a_few_pages_however_long_the_chunk(tiny, monkeypat
                                                       (Policy.kivi(4, residual=0, rotate=True), 7, "float32", 256),
                                                       (Policy.kivi(4), 12, "bfloat16", 256),
                                                       (Policy.kivi(4, residual=0, rotate=True), 7, "float16", 256),
-                                                      (Policy.kivi(4, sink=4, rotate=True), 24, "bfloat16", 128)],
-                         ids=["window", "key-groups-ring", "window-bf16", "key-groups-ring-fp16", "sinks-bf16"])
+                                                      (Policy.kivi(4, sink=4, rotate=True), 24, "bfloat16", 128),
+                                                      (PER_LAYER_WINDOWED["kivi-4-2"][0], 16, "float32", 256),
+                                                      (PER_LAYER_WINDOWED["tok-ring"][0], 7, "float32", 256)],
+                         ids=["window", "key-groups-ring", "window-bf16", "key-groups-ring-fp16", "sinks-bf16",
+                              "per-layer-kivi-4-2", "per-layer-tok-ring"])
 def test_a_windowed_policy_survives_prefix_caching_and_preemption(tiny, policy, pages, dtype, block):
     """KIVI int4 (a window of 128 tokens and key groups of 32, or the key groups alone in a ring; pages of 256
     tokens, of 128 with sinks): requests that share
@@ -826,9 +940,10 @@ def test_a_windowed_policy_survives_prefix_caching_and_preemption(tiny, policy, 
     assert all(o.num_cached_tokens >= 256 for o in again)
     same = lambda got, want, what: assert_same_tokens(got, want, tiny, dtype, SHARED, what)  # noqa: E731
     same(tokens(again), tokens(first[:2]), "a cached prefix")
-    lay = P.PageLayout(policy, 2, 64, dtype, block, window=True)
+    block_bytes = sum(P.PageLayout(p, 2, 64, dtype, block, window=P.needs_window(p)).page_bytes
+                      for p in policy.resolve(["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]))
     tight = engine(tiny, policy.to_dict(), enable_prefix_caching=False, disable_log_stats=False, max_model_len=384,
-                   max_num_batched_tokens=64, kv_cache_memory_bytes=pages * 2 * lay.page_bytes, **kw)
+                   max_num_batched_tokens=64, kv_cache_memory_bytes=pages * block_bytes, **kw)
     try:
         uncached = tight.generate(shared[:2], LONG, use_tqdm=False)
         second = tight.generate(growing, LONG, use_tqdm=False)

@@ -19,11 +19,15 @@ PER_LAYER = Policy(Quant("int4"), Quant("int4"), rotate=True).override({1: Polic
 
 
 KIVI_RING = Policy.kivi(4, residual=0, rotate=True)  # key groups: each rank's pending group in a ring of its own
+# a ring in one layer only: pages of two sizes in vLLM's block-outermost layout
+PER_LAYER_RING = Policy(Quant("int4"), Quant("int4"), rotate=True).override({1: KIVI_RING})
 
 
-@pytest.mark.parametrize("policy", [Policy.int8(), PER_LAYER, KIVI_RING], ids=["int8", "per-layer", "kivi-ring"])
+@pytest.mark.parametrize("policy", [Policy.int8(), PER_LAYER, KIVI_RING, PER_LAYER_RING],
+                         ids=["int8", "per-layer", "kivi-ring", "per-layer-ring"])
 def test_two_ranks_hold_their_own_heads_and_give_the_unsharded_tokens(tiny, policy):
-    block = 256 if policy is KIVI_RING else 128  # float32: a ring of 32 slots fits a packed page of 256 tokens
+    # float32: a ring of 32 slots fits a packed page of 256 tokens
+    block = 256 if policy in (KIVI_RING, PER_LAYER_RING) else 128
     kw = {"block_size": block}
     one = engine(tiny, policy.to_dict(), **kw)
     try:

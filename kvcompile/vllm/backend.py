@@ -64,6 +64,10 @@ class _Active:
     own layout). Engines built one after another in one process each see their own."""
 
     policy: Policy | None = None
+    # its cache groups have pages of different sizes: a per-layer policy with a window cache in some layers (the
+    # packed pages one group, the window caches others), which vLLM packs side by side in each block
+    # (``KVCompileBackend.supported_kv_cache_layouts``)
+    mixed: bool = False
 
 
 _ACTIVE = _Active()
@@ -106,6 +110,7 @@ class KVCompileImpl:
     layout: pages.PageLayout | None = None
     per_layer: Policy | None = None  # a policy with overrides: the layout is chosen by ``bind``
     window = None  # a windowed layout's window cache (window.py), attached when the layer is built
+    windowed = False  # the layout keeps a window, or one a per-layer policy may give the layer does (window.attach)
     slide: int | None = None  # a sliding-window layer's window: in packed pages, or vLLM's own (``_sliding_pages``)
     said = False  # the engine's sliding-window layers said in the log (on the first of them)
     _recent = None  # (metadata, pages.Recent): the step's full-precision positions, from its store to its attention
@@ -120,6 +125,8 @@ class KVCompileImpl:
         cfg = get_current_vllm_config()
         policy = policy_of(cfg.additional_config)
         _ACTIVE.policy = policy
+        _ACTIVE.mixed = policy is not None and bool(policy.overrides) and any(
+            pages.needs_window(p) for p in [policy.base()] + [p for _, p in policy.overrides] if p is not None)
         if attn_type in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER):
             return  # no KV cache: vLLM's own
         if policy is not None and attn_type != AttentionType.DECODER and policy != Policy.full():
@@ -141,16 +148,12 @@ class KVCompileImpl:
             # (``layer_spec``). Every policy the layers may get is checked now, so a refusal comes at start-up.
             choices = [policy.base()] + [p for _, p in policy.overrides]
             lays = [self._layout_of(p) for p in choices]
-            if any(lay is not None and lay.window for lay in lays):
-                refuse(f"a per-layer policy with a window or per-channel key groups in some layers ({policy}): vLLM "
-                       f"keeps every cache group of its pool in pages of one size, so the window caches would pad "
-                       f"each layer's page to the largest", "give every layer the same windowed policy, or choose "
-                       "per layer among per-token policies (kvcompile calibrate --candidates tok+rot:2 tok+rot:4 "
-                       "...)")
+            self.windowed = any(lay is not None and lay.window for lay in lays)
             quantizes = [lay is not None for lay in lays]
             self.per_layer = policy
         else:
             self.layout = self._layout_of(policy)
+            self.windowed = self.layout is not None and bool(self.layout.window)
             quantizes = [self.layout is not None]
         if not any(quantizes):
             return
@@ -332,6 +335,17 @@ class KVCompileBackend:
     @classmethod
     def customize_spec(cls, spec):
         return customized(spec, super().customize_spec)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        """vLLM's backend's, except where the engine's cache groups have pages of different sizes (``_Active``):
+        then vLLM's block-outermost layout, in which each block holds one page of every layer side by side, each of
+        its own size (a layer's pages are then a block apart: ``pages`` reads them at any stride). vLLM asks once
+        the model is built."""
+        if not _ACTIVE.mixed:
+            return super().supported_kv_cache_layouts()
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        return (KVCacheLayout.BLHNC,)
 
     @classmethod
     def get_supported_kernel_block_sizes(cls, kv_cache_spec=None):

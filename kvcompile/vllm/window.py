@@ -32,7 +32,7 @@ from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import CircularBufferSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from .backend import KVCompileImpl, block_for, log
+from .backend import _ACTIVE, KVCompileImpl, block_for, log
 from ..errors import ArgumentError
 from .config import refuse
 
@@ -48,19 +48,25 @@ SUFFIX = ".kvcompile_window"
 WINDOW_BASE, RING_BASE = 16, 32
 
 
-def window_block(layout, ring: bool, lookahead: int = 0) -> int:
+def window_block(layout, ring: bool, lookahead: int = 0, budget: int | None = None, share: int = 1) -> int:
     """Tokens in one window page: for a sliding window, the most whose keys and values in full precision fit one
     packed page, a power of two of at least ``WINDOW_BASE``; for a ring, the window's length and ``lookahead``
     (the speculative tokens a step stores before vLLM knows which it accepts: a ring that held only the window
     would lose pending positions to rejected drafts) rounded up to ``RING_BASE``. A packed page too small for it
-    is refused, naming the block size that would fit."""
+    is refused, naming the block size that would fit.
+
+    Under a per-layer policy whose pages vLLM packs side by side in each block (``backend._Active.mixed``) a window
+    page has ``budget`` bytes instead: its share of the block's packed pages among the ``share`` layers whose window
+    caches are of its kind (one cache group: pages of the same tokens)."""
     base = RING_BASE if ring else WINDOW_BASE
     per_token = layout.window_page_bytes(1)
-    fit = layout.page_bytes // per_token
+    room = layout.page_bytes if budget is None else budget
+    fit = room // per_token
     fit = fit // base * base if ring else (1 << fit.bit_length() - 1 if fit >= base else 0)
     want = -(-(layout.window_tokens + lookahead) // base) * base if ring else base
     if fit < want:
-        need = block_for(layout, want * per_token)
+        need = block_for(layout, want * per_token) if budget is None else \
+            layout.block << (-(-want * per_token // room) - 1).bit_length()
         drafts = (f" (its window and the {lookahead} speculative tokens a step may store, in whole blocks of {base})"
                   if ring and lookahead else "")
         fix = f"start vLLM with block_size={need} (--block-size {need}) or larger"
@@ -69,8 +75,11 @@ def window_block(layout, ring: bool, lookahead: int = 0) -> int:
             fix = (f"with its {S} sinks, pages of {need} tokens need a window of residual >= {need - S} (the sinks "
                    f"take a request's first page): {fix} and such a window, or run the model in bfloat16 or "
                    f"float16 (full-precision tokens of half the bytes)")
-        refuse(f"{layout.policy} keeps {want if ring else 'a window of'} full-precision tokens{drafts} in pages the "
-               f"size of its packed pages, and a packed page of {layout.block} tokens ({layout.page_bytes} bytes) "
+        where = (f"in pages the size of its packed pages, and a packed page of {layout.block} tokens "
+                 f"({layout.page_bytes} bytes)" if budget is None else
+                 f"in vLLM's blocks beside the packed pages of every layer, and a block of {layout.block} tokens "
+                 f"leaves each of the {share} layers that keep one {room} bytes, which")
+        refuse(f"{layout.policy} keeps {want if ring else 'a window of'} full-precision tokens{drafts} {where} "
                f"holds {'only ' + str(fit) if ring else 'fewer than ' + str(base)} of them", fix)
     return want if ring else fit
 
@@ -184,38 +193,95 @@ KVCacheSpecRegistry.register(WindowSpec, WindowManager, uniform_type_base_spec=S
 
 class WindowLayer(AttentionLayerBase):
     """vLLM's view of one attention layer's window cache: a ring or a sliding-window layer that never runs (module
-    docstring). ``owner``: vLLM's ``Attention`` whose implementation is kvcompile's with a windowed layout."""
+    docstring). ``owner``: vLLM's ``Attention`` whose implementation is kvcompile's, with a windowed layout or,
+    under a per-layer policy, one that may get one (its layout is chosen when vLLM asks the owner for its spec,
+    just before this layer: ``settle``)."""
+
+    ring: bool
+    block: int
+    slots: int
 
     def __init__(self, owner):
         self.owner = owner
         self.layer_name = owner.layer_name + SUFFIX
         self.num_heads = owner.impl.num_heads
         self.kv_cache = None
-        # no recent window (KIVI's key groups alone): a ring per request, which a cached prefix never needs (its
-        # end is a page's, so a group's: nothing pending); a window: a sliding window, which a cached prefix brings
-        self.ring = owner.impl.layout.policy.residual == 0
+        self.layout = None
         spec = get_current_vllm_config().speculative_config
         self.lookahead = (spec.num_speculative_tokens or 0) if spec is not None else 0
-        self.block = window_block(owner.impl.layout, self.ring, self.lookahead)
-        # a ring's slots (position p in slot p % slots): the positions it must hold, so that without speculation it
-        # is the kernels' own ring, read where it lies (``pages.store_windowed``); vLLM's page has ``block`` of them
-        self.slots = owner.impl.layout.window_tokens + self.lookahead if self.ring else self.block
+        if owner.impl.layout is not None:  # one policy for every layer: settled now, refused now
+            self.settle()
+
+    def settle(self, vllm_config=None):
+        """The window cache of the owner's layout (None when it keeps no window), sized once: under one policy for
+        every layer its page is the packed page; under a per-layer policy (``vllm_config`` given) its share of a
+        block (``_budget``)."""
+        lay = self.owner.impl.layout
+        if lay is None or not lay.window:
+            return None
+        if self.layout is None:
+            # no recent window (KIVI's key groups alone): a ring per request, which a cached prefix never needs
+            # (its end is a page's, so a group's: nothing pending); a window: a sliding window, which a cached
+            # prefix brings
+            self.ring = lay.policy.residual == 0
+            budget, share = self._budget(vllm_config) if _ACTIVE.mixed else (None, 1)
+            self.block = window_block(lay, self.ring, self.lookahead, budget, share)
+            # a ring's slots (position p in slot p % slots): the positions it must hold, so that without speculation
+            # it is the kernels' own ring, read where it lies (``pages.store_windowed``); vLLM's page has ``block``
+            self.slots = lay.window_tokens + self.lookahead if self.ring else self.block
+            self.padded = lay.page_bytes if budget is None else None
+            self.layout = lay
+        return self.layout
+
+    def _budget(self, vllm_config) -> tuple[int, int]:
+        """(bytes, layers) under a per-layer policy: vLLM packs each block with one page of every layer side by side,
+        each of its own size (its block-outermost layout), and the window caches of one kind (rings, or windows)
+        share blocks in cache groups of ``layers``: each window page gets an equal share of a block, the bytes of
+        every layer's packed page (a group that held more would widen every block). Window caches of one kind have
+        the same spec (a ring or a window, of as many positions). Every layer's layout is chosen first.
+
+        The groups are vLLM's (``kv_cache_utils._get_packed_kv_cache_groups``): where the layers' pages come in a
+        repeating pattern (as many layers of each page size), every other kind of cache is cut into groups of as
+        many pattern repeats; otherwise a kind is one group."""
+        from collections import Counter
+
+        from vllm.v1.core.kv_cache_utils import _approximate_gcd
+
+        from .backend import _impls, cached_layers
+        impls, names = _impls(vllm_config), cached_layers(vllm_config)
+        for name, impl in impls.items():
+            impl.bind(name, names)
+        dtype, block = vllm_config.model_config.dtype, vllm_config.cache_config.block_size
+        own = lambda i: 2 * i.num_kv_heads * i.head_size * dtype.itemsize * block  # noqa: E731  (vLLM's page)
+        pages = [i.layout.page_bytes if i.layout is not None else own(i) for i in impls.values()]
+        kind = lambda lay: (lay.policy.residual == 0, lay.window_tokens)  # noqa: E731  (one spec: one bucket)
+        kinds = Counter(kind(i.layout) for i in impls.values() if i.layout is not None and i.layout.window)
+        sizes = Counter(pages)
+        share = kinds[kind(self.owner.impl.layout)]
+        if len(sizes) > 1 and len(set(sizes.values())) == 1:  # a repeating pattern of page sizes
+            repeats = next(iter(sizes.values()))
+            share = min(share, _approximate_gcd([repeats, *kinds.values()], lower_bound=repeats))
+        return sum(pages) // share, share
 
     def get_attn_backend(self):
         return self.owner.get_attn_backend()
 
     def get_kv_cache_spec(self, vllm_config):
-        lay = self.owner.impl.layout
+        lay = self.settle(vllm_config)
+        if lay is None:  # a per-layer policy gave the owner no window: no cache (vLLM skips the layer)
+            self.owner.impl.window = None
+            return None
         if self.ring:
             return CircularBufferSpec(block_size=self.block, num_kv_heads=lay.heads, head_size=lay.head_dim,
-                                      dtype=vllm_config.model_config.dtype, page_size_padded=lay.page_bytes)
+                                      dtype=vllm_config.model_config.dtype, page_size_padded=self.padded)
         spec = WindowSpec(block_size=self.block, num_kv_heads=lay.heads, head_size=lay.head_dim,
                           dtype=vllm_config.model_config.dtype, sliding_window=lay.window_tokens,
-                          page_size_padded=lay.page_bytes, lookahead=self.lookahead, align=lay.block,
+                          page_size_padded=self.padded, lookahead=self.lookahead, align=lay.block,
                           steps=vllm_config.max_concurrent_batches)
         ctx = vllm_config.compilation_config.static_forward_context
-        if not any(getattr(w, "said", False) for w in ctx.values() if isinstance(w, WindowLayer)):
-            self.said = True  # once per engine (its layers' windows are alike: a mix is refused), not per layer
+        said = {w.layout.policy for w in ctx.values() if isinstance(w, WindowLayer) and getattr(w, "said", False)}
+        if lay.policy not in said:  # once per engine and policy, not per layer
+            self.said = True
             pages = spec.max_admission_blocks_per_request(max_in_flight_tokens=vllm_config.max_in_flight_tokens,
                                                           max_model_len=vllm_config.model_config.max_model_len)
             log.info("kvcompile: %s keeps a window of %d full-precision tokens in vLLM's pages, at most %d window "
@@ -226,9 +292,10 @@ class WindowLayer(AttentionLayerBase):
 
 
 def attach(layer) -> None:
-    """Give ``layer`` (an ``Attention`` just built) its window cache when its layout keeps a window."""
+    """Give ``layer`` (an ``Attention`` just built) its window cache when its layout keeps a window, or under a
+    per-layer policy when one of the layouts it may get does (``KVCompileImpl.windowed``)."""
     impl = getattr(layer, "impl", None)
-    if not isinstance(impl, KVCompileImpl) or impl.layout is None or not impl.layout.window:
+    if not isinstance(impl, KVCompileImpl) or not impl.windowed:
         return
     ctx = get_current_vllm_config().compilation_config.static_forward_context
     window = WindowLayer(layer)
