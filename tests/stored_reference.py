@@ -15,23 +15,29 @@ from kvcompile.store import KVState, store_reference
 def stored_loss(path: str, windows, policy: Policy, sliding_in_full: bool = False) -> list[float]:
     """The held-out loss of transformers' model at ``path`` (float32) with every layer -- a sliding window's too --
     reading the store as it stood when each query's token was the newest (what the plugin computes): the mean loss
-    of each window's second half, from one forward over the window. Written independently of the plugin and the kernels: each layer's keys and values go
-    through kvcompile's reference store with the policy packing every whole group at once (a group's bytes depend
-    on its tokens alone) and come back dequantized (``store.dequantize_reference``); query ``p`` reads positions
+    of each window's second half, from one forward over the window. Written independently of the plugin and the
+    kernels: each layer's keys and values go through kvcompile's reference store with the policy packing every
+    whole group at once (a group's bytes depend on its tokens alone) and come back dequantized (``store.dequantize_reference``); query ``p`` reads positions
     ``[sink, Q(p + 1))`` dequantized and the others as given (``Policy.boundary``), under transformers' own SDPA
     masks (causal, and a sliding window's). ``sliding_in_full``: the sliding-window layers read every key and value
-    in full precision instead (kvcompile's own engines keep them so)."""
+    in full precision instead (kvcompile's own engines keep them so). A per-layer ``policy`` is resolved among the
+    model's layers by index (``model.layers.<i>.self_attn.attn``, vLLM's names); a layer it leaves in full precision
+    reads every key and value as given."""
     import torch.nn.functional as F
     import transformers
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     from kvcompile.store import LayerSpec, dequantize_reference
-    pack = dataclasses.replace(policy, residual=0)
+    layers = transformers.AutoConfig.from_pretrained(path).num_hidden_layers
+    policies = policy.resolve([f"model.layers.{i}.self_attn.attn" for i in range(layers)]) if policy.overrides \
+        else [policy] * layers
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-        if sliding_in_full and getattr(module, "sliding_window", None):
+        policy = policies[module.layer_idx]
+        if sliding_in_full and getattr(module, "sliding_window", None) or policy in (None, Policy.full()):
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kw)
+        pack = dataclasses.replace(policy, residual=0)
         B, H, n, D = key.shape
         sp = LayerSpec(pack, H, D, "float32", block_tokens=64)
         rows = sp.rows(B, -(-n // 64))

@@ -422,6 +422,21 @@ def test_stored_loss_reads_sliding_window_layers_as_stored_too(sliding, policy):
     assert far > 3 * near, (near, far)  # the sliding-window layers' quantization is in what was measured
 
 
+def test_stored_loss_of_a_per_layer_policy_beside_sliding_window_layers(sliding):
+    # each layer read as its own policy stores it (a sliding-window layer in full precision, another int8 beside
+    # KIVI's ring and 4-bit full-attention layers): what the vLLM plugin computes under a per-layer policy
+    from stored_reference import stored_loss
+    model = transformers.AutoModelForCausalLM.from_pretrained(sliding, dtype=torch.float32,
+                                                              attn_implementation="sdpa").eval()
+    W = torch.randint(0, 512, (2, 160), generator=torch.Generator().manual_seed(1))
+    policy = Policy(Quant("int4"), Quant("int4"), rotate=True).override(
+        {0: None, 2: Policy.int8(), 3: Policy.kivi(4, group=16, residual=0, rotate=True)})
+    got = E.heldout_loss(model, W, policy, chunk=16, own="stored")
+    assert got == pytest.approx(stored_loss(sliding, W, policy), abs=3e-4)
+    base = stored_loss(sliding, W, policy.base())
+    assert max(abs(a - b) for a, b in zip(got, base)) > 1e-3  # the overrides are in what was measured
+
+
 def test_a_window_cache_as_long_as_the_sliding_window_keeps_the_ring(sliding):
     # KIVI's 159 full-precision positions cover the window of 32: vLLM keeps the layer's own cache, and so does this
     model = transformers.AutoModelForCausalLM.from_pretrained(sliding, dtype=torch.float32,

@@ -577,6 +577,53 @@ def test_sliding_window_layers_hold_their_window_in_packed_pages(request, monkey
         assert max(abs(a - b) for a, b in zip(through, kept)) > 3 * tol
 
 
+SLIDING_PER_LAYER = {  # name: (per-layer policy of the Gemma 3 model: layers 0 and 2 sliding, block size)
+    # the sliding-window layers int8 in packed pages, the others 4-bit
+    "int8-sliding": (Policy(Quant("int4"), Quant("int4"), rotate=True).override({0: Policy.int8(),
+                                                                                  2: Policy.int8()}), 128),
+    # the sliding-window layers in full precision (vLLM's own cache, pages of 32 tokens), the others 4-bit
+    "full-sliding": (Policy(Quant("int4"), Quant("int4"), rotate=True).override({0: None, 2: None}), 256),
+    # the same beside KIVI's key groups in a ring
+    "full-sliding-ring": (Policy.kivi(4, residual=0, rotate=True).override({0: None, 2: None}), 256),
+}
+
+
+@pytest.mark.parametrize("name", list(SLIDING_PER_LAYER))
+def test_a_per_layer_policy_runs_beside_sliding_window_layers(sliding, name):
+    """A policy per layer in the Gemma 3 model (vLLM's block-outermost layout: each block one page of every layer,
+    each of its own size): every layer runs its own policy -- a sliding-window layer in packed pages of its own,
+    or in vLLM's own cache where the policy keeps it in full precision, its pages sharing a block with the
+    others' -- and the loss through vLLM is that of transformers' model reading each layer as its policy stores
+    it (``stored_loss``), and ``kvcompile eval --own stored``'s."""
+    import transformers
+
+    from kvcompile.evaluate import heldout_loss, heldout_windows
+    policy, block = SLIDING_PER_LAYER[name]
+    tok = transformers.AutoTokenizer.from_pretrained(sliding)
+    W = heldout_windows(tok, 512, 3)
+    llm = engine(sliding, policy.to_dict(), max_model_len=W.shape[1] + 1, block_size=block)
+    try:
+        layers = impls(llm)
+        assert llm.llm_engine.vllm_config.cache_config.kv_cache_layout == "BLHNC"
+        assert all(len(t) == 24 for t, _ in run(llm))  # prompts past the window and within it
+        through = vllm_loss(llm, W)
+        n_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    finally:
+        close(llm)
+    want = policy.resolve(list(layers))
+    assert [i.layout.policy if i.layout is not None else Policy.full() for i in layers.values()] == want
+    assert [i.slide for i in layers.values()] == [48, None, 48, None]
+    full = sum(i.layout.page_bytes for i in layers.values() if i.slide is None)  # the widest group's pages
+    assert n_blocks == KV_BYTES // full
+    tol = 3e-4  # as test_loss_through_vllm_is_kvcompile_eval_reading_every_position_as_stored says
+    assert through == pytest.approx(stored_loss(sliding, W, policy), abs=tol)
+    uniform = stored_loss(sliding, W, policy.base())  # the sliding-window layers' own policies show in the loss
+    assert max(abs(a - b) for a, b in zip(through, uniform)) > 3 * tol
+    model = transformers.AutoModelForCausalLM.from_pretrained(sliding, dtype=torch.float32,
+                                                              attn_implementation="sdpa").eval()
+    assert through == pytest.approx(heldout_loss(model, W, policy, chunk=64, own="stored"), abs=tol)
+
+
 def test_a_window_cache_as_long_as_the_sliding_window_leaves_it_in_vllms_cache(sliding, monkeypatch):
     """Under a policy whose window cache keeps at least the sliding window's positions in full precision (KIVI's
     159 against 48: the layer's window would be read in full precision anyway), the sliding-window layers keep
@@ -643,10 +690,12 @@ def test_a_model_with_sliding_window_layers_is_refused_where_the_policy_cannot_r
     with pytest.raises(Exception) as e:
         engine(sliding, "kivi:4")
     assert "sliding-window layers" in _chain(e.value) and "block_size=256" in _chain(e.value), _chain(e.value)
-    # a policy per layer: refused (the sliding-window layers' pages are sized to one packed page)
+    # a policy per layer keeping them in full precision: float32 tokens of 32 outgrow their share of a block of 128
+    # tokens beside two 4-bit pages
     with pytest.raises(Exception) as e:
-        engine(sliding, Policy.int8().override({1: Policy(Quant("int4"), Quant("int4"))}).to_dict())
-    assert "per-layer policy" in _chain(e.value) and "sliding-window" in _chain(e.value), _chain(e.value)
+        engine(sliding, SLIDING_PER_LAYER["full-sliding"][0].to_dict())
+    assert "sliding-window layers" in _chain(e.value) and "each of the 2 layers" in _chain(e.value) \
+        and "block_size=256" in _chain(e.value), _chain(e.value)
     # every layer sliding: a windowed policy would apply to none -- refused, naming the ways out, which then run
     every = str(make_sliding(tmp_path / "every", sliding, layers=("sliding",) * 2))
     with pytest.raises(Exception) as e:

@@ -6,7 +6,9 @@ and evicts (preemption) them itself. This backend changes two things, through vL
 - **the page**: ``customize_spec`` declares each page to hold ``kvcompile.pages.PageLayout.page_bytes`` bytes
   (``state_content_bytes`` per kv head and token, as uint8), so vLLM's capacity accounting, its block manager and
   its reported concurrency follow the packed size; under a per-layer policy each layer declares its own page
-  (``layer_spec``, through vLLM's ``Attention.get_kv_cache_spec``: ``customize_spec`` sees no layer);
+  (``layer_spec``, through vLLM's ``Attention.get_kv_cache_spec``: ``customize_spec`` sees no layer), in vLLM's
+  block-outermost layout (``supported_kv_cache_layouts``), where cache groups of pages of different sizes -- window
+  caches, sliding-window layers -- share each block side by side;
 - **the write and the read**: ``do_kv_cache_update`` quantizes the step's keys and values into their pages
   (``kvcompile.pages.store_ragged``: sequence ``i``'s tokens at positions ``seq_lens[i] - n_i ..``, page
   ``block_table[i][p // block_size]``, row ``p % block_size`` -- the slots vLLM assigned), and ``forward`` attends
@@ -64,8 +66,8 @@ class _Active:
     own layout). Engines built one after another in one process each see their own."""
 
     policy: Policy | None = None
-    # its cache groups have pages of different sizes: a per-layer policy with a window cache in some layers (the
-    # packed pages one group, the window caches others), which vLLM packs side by side in each block
+    # a per-layer policy: its cache groups may have pages of different sizes (packed pages, window caches,
+    # sliding-window layers), which vLLM packs side by side in each block
     # (``KVCompileBackend.supported_kv_cache_layouts``)
     mixed: bool = False
 
@@ -125,8 +127,7 @@ class KVCompileImpl:
         cfg = get_current_vllm_config()
         policy = policy_of(cfg.additional_config)
         _ACTIVE.policy = policy
-        _ACTIVE.mixed = policy is not None and bool(policy.overrides) and any(
-            pages.needs_window(p) for p in [policy.base()] + [p for _, p in policy.overrides] if p is not None)
+        _ACTIVE.mixed = policy is not None and bool(policy.overrides)
         if attn_type in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER):
             return  # no KV cache: vLLM's own
         if policy is not None and attn_type != AttentionType.DECODER and policy != Policy.full():
@@ -139,10 +140,6 @@ class KVCompileImpl:
             alibi=alibi_slopes is not None, softcap=logits_soft_cap or 0.0, sinks=extra.get("sinks") is not None,
             kv_sharing=kv_sharing_target_layer_name is not None)
         self.slide = None if sliding_window in (None, -1) else sliding_window
-        if self.slide is not None and policy is not None and policy.overrides:
-            refuse(f"a per-layer policy ({policy}) in a model with sliding-window layers: vLLM keeps the cache "
-                   f"groups of such a model (its sliding-window and full-attention layers) in pages of one size",
-                   "give every layer the same policy")
         if policy is not None and policy.overrides:
             # A policy per layer: which layer this is, vLLM says only when it asks the layer for its page
             # (``layer_spec``). Every policy the layers may get is checked now, so a refusal comes at start-up.
@@ -238,6 +235,10 @@ def layer_spec(layer, spec, vllm_config):
     impl = getattr(layer, "impl", None)
     if spec is None or not isinstance(impl, KVCompileImpl):
         return spec
+    if impl.per_layer is not None:  # every layer's layout chosen at once: a layer's page may depend on the others'
+        names = cached_layers(vllm_config)
+        for name, other in _impls(vllm_config).items():
+            other.bind(name, names)
     if impl.slide is not None and impl.layout is None:
         return _sliding_pages(layer, spec, vllm_config)
     if impl.slide is not None:  # its window in packed pages, which vLLM frees behind it
@@ -247,11 +248,10 @@ def layer_spec(layer, spec, vllm_config):
             impl.said = True
             log.info("kvcompile: %d of %d attention layers have a sliding window (%d tokens); they keep it in packed "
                      "pages of %s too, which vLLM frees behind the window", len(sliding), len(impls), impl.slide,
-                     impl.layout.policy)
+                     impl.layout.policy if impl.per_layer is None else "each one's policy")
         return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=impl.layout.token_head_bytes)
     if impl.per_layer is None:
         return spec
-    impl.bind(layer.layer_name, cached_layers(vllm_config))
     if impl.layout is None:  # this layer in full precision: vLLM's own page
         return spec
     return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=impl.layout.token_head_bytes)
@@ -273,10 +273,12 @@ def block_for(layout: pages.PageLayout, nbytes: int) -> int:
 
 def _sliding_pages(layer, spec, vllm_config):
     """A sliding-window layer's spec under a policy whose window cache cannot serve it (``config.sliding_unpacked``:
-    one as long as the sliding window): vLLM's own cache (only its window), beside the other layers' packed pages.
-    vLLM keeps one page size per pool, so its pages hold the most tokens (a power of two its kernels take) whose
-    page fits the packed page, padded to it; where none fits, refused naming the block size that would. Said once
-    in the log; refused when no layer holds packed pages (the policy would apply to none)."""
+    one as long as the sliding window), or a per-layer policy that keeps it in full precision: vLLM's own cache
+    (only its window), beside the other layers' packed pages. vLLM keeps one page size per pool, so its pages hold
+    the most tokens (a power of two its kernels take) whose page fits the packed page, padded to it -- under a
+    per-layer policy (block-outermost: ``_Active.mixed``) whose pages fit their share of a block beside the other
+    layers' (``block_bytes``); where none fits, refused naming the block size that would. Said once in the log;
+    refused when no layer holds packed pages (the policy would apply to none)."""
     policy = _ACTIVE.policy
     if policy is None or policy == Policy.full():
         return spec
@@ -293,21 +295,56 @@ def _sliding_pages(layer, spec, vllm_config):
                f"over max_model_len, no longer than the window), or use no kvcompile policy")
     if layer.layer_name == own[0] and not layer.impl.said:  # once an engine
         layer.impl.said = True
-        log.info("kvcompile: %d of %d attention layers have a sliding window and keep vLLM's own cache (only their "
-                 "window), in pages sized to the packed pages of the other layers, which hold %s: it has %s. For "
-                 "them use %s", len(own), len(impls), policy, sliding_unpacked(packed[0], layer.impl.slide), fix)
+        if _ACTIVE.mixed:
+            log.info("kvcompile: %d of %d attention layers have a sliding window and keep vLLM's own cache (only their "
+                     "window): %s gives them full precision, or a window cache as long as the sliding window",
+                     len(own), len(impls), policy)
+        else:
+            log.info("kvcompile: %d of %d attention layers have a sliding window and keep vLLM's own cache (only "
+                     "their window), in pages sized to the packed pages of the other layers, which hold %s: it has "
+                     "%s. For them use %s", len(own), len(impls), policy, sliding_unpacked(packed[0], layer.impl.slide),
+                     fix)
     lay, block = packed[0], packed[0].block  # one policy: every packed page is alike
+    # under a per-layer policy vLLM packs each block with one page of every layer, each of its own size (BLHNC):
+    # these layers share the bytes of the other layers' pages; else each page is padded to the packed page
+    room = lay.page_bytes
+    if _ACTIVE.mixed:
+        room = block_bytes(vllm_config) // len(own)
     kernel = layer.get_attn_backend().get_supported_kernel_block_sizes(spec)
     takes = lambda t: any(t % k.base == 0 if isinstance(k, MultipleOf) else t == k for k in kernel)  # noqa: E731
     sizes = [1 << i for i in range(block.bit_length()) if takes(1 << i)]
-    fit = [t for t in sizes if dataclasses.replace(spec, block_size=t).page_size_bytes <= lay.page_bytes]
+    fit = [t for t in sizes if dataclasses.replace(spec, block_size=t).page_size_bytes <= room]
     if not fit:
         least = min(sizes or [spec.block_size])
-        need = block_for(lay, dataclasses.replace(spec, block_size=least).page_size_bytes)
-        refuse(f"the model's sliding-window layers keep vLLM's own cache in pages the size of {policy}'s packed "
-               f"pages, and a packed page of {lay.block} tokens ({lay.page_bytes} bytes) holds fewer than {least} of "
+        grow = -(-dataclasses.replace(spec, block_size=least).page_size_bytes // room)
+        need = block_for(lay, dataclasses.replace(spec, block_size=least).page_size_bytes) if not _ACTIVE.mixed \
+            else block << (grow - 1).bit_length()
+        where = (f"in pages the size of {policy}'s packed pages, and a packed page of {lay.block} tokens "
+                 f"({lay.page_bytes} bytes)" if not _ACTIVE.mixed else
+                 f"beside the other layers' pages in each of vLLM's blocks, and a block of {block} tokens leaves "
+                 f"each of the {len(own)} layers {room} bytes, which")
+        refuse(f"the model's sliding-window layers keep vLLM's own cache {where} holds fewer than {least} of "
                f"their tokens", f"start vLLM with block_size={need} (--block-size {need}) or larger")
-    return dataclasses.replace(spec, block_size=max(fit), page_size_padded=lay.page_bytes)
+    return dataclasses.replace(spec, block_size=max(fit), page_size_padded=None if _ACTIVE.mixed else lay.page_bytes)
+
+
+def block_bytes(vllm_config) -> int:
+    """Bytes of one of vLLM's blocks under a per-layer policy (``_Active.mixed``: vLLM's block-outermost layout):
+    its widest cache group's pages side by side -- the full-attention layers' pages, or the packed pages of the
+    sliding-window layers that hold them. The window caches and the sliding-window layers that keep vLLM's own cache
+    share a block of this size."""
+    impls = _impls(vllm_config).values()
+    return max(sum(page_of(i, vllm_config) for i in impls if i.slide is None),
+               sum(i.layout.page_bytes for i in impls if i.slide is not None and i.layout is not None))
+
+
+def page_of(impl, vllm_config) -> int:
+    """Bytes of one page of ``impl``'s layer at the engine's block size: its packed page, or vLLM's own (keys and
+    values in the model's dtype) for a layer kept in full precision."""
+    if impl.layout is not None:
+        return impl.layout.page_bytes
+    block = vllm_config.cache_config.block_size
+    return 2 * impl.num_kv_heads * impl.head_size * vllm_config.model_config.dtype.itemsize * block
 
 
 def customized(spec, backend_customize):
@@ -338,10 +375,10 @@ class KVCompileBackend:
 
     @classmethod
     def supported_kv_cache_layouts(cls):
-        """vLLM's backend's, except where the engine's cache groups have pages of different sizes (``_Active``):
-        then vLLM's block-outermost layout, in which each block holds one page of every layer side by side, each of
-        its own size (a layer's pages are then a block apart: ``pages`` reads them at any stride). vLLM asks once
-        the model is built."""
+        """vLLM's backend's, except under a per-layer policy, whose cache groups may have pages of different sizes
+        (``_Active``): then vLLM's block-outermost layout, in which each block holds one page of every layer side
+        by side, each of its own size (a layer's pages are then a block apart: ``pages`` reads them at any stride,
+        vLLM's CPU kernel too). vLLM asks once the model is built."""
         if not _ACTIVE.mixed:
             return super().supported_kv_cache_layouts()
         from vllm.v1.kv_cache_layout import KVCacheLayout

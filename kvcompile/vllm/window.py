@@ -19,7 +19,8 @@ cache, from its one pool and counted in its capacity:
 
 The companion never runs: its attention layer writes and reads both caches (``pages.store_windowed``,
 ``pages.attention_windowed``). vLLM keeps the groups of one pool in pages of one size: the window's page is padded
-to the packed page (``page_size_padded``).
+to the packed page (``page_size_padded``) -- except under a per-layer policy, whose pages vLLM lays side by side in
+each block, each of its own size: there a window page gets its share of a block (``WindowLayer._budget``).
 """
 from __future__ import annotations
 
@@ -247,13 +248,11 @@ class WindowLayer(AttentionLayerBase):
 
         from vllm.v1.core.kv_cache_utils import _approximate_gcd
 
-        from .backend import _impls, cached_layers
+        from .backend import _impls, block_bytes, cached_layers, page_of
         impls, names = _impls(vllm_config), cached_layers(vllm_config)
         for name, impl in impls.items():
             impl.bind(name, names)
-        dtype, block = vllm_config.model_config.dtype, vllm_config.cache_config.block_size
-        own = lambda i: 2 * i.num_kv_heads * i.head_size * dtype.itemsize * block  # noqa: E731  (vLLM's page)
-        pages = [i.layout.page_bytes if i.layout is not None else own(i) for i in impls.values()]
+        pages = [page_of(i, vllm_config) for i in impls.values() if i.slide is None]  # the widest group's
         kind = lambda lay: (lay.policy.residual == 0, lay.window_tokens)  # noqa: E731  (one spec: one bucket)
         kinds = Counter(kind(i.layout) for i in impls.values() if i.layout is not None and i.layout.window)
         sizes = Counter(pages)
@@ -261,7 +260,7 @@ class WindowLayer(AttentionLayerBase):
         if len(sizes) > 1 and len(set(sizes.values())) == 1:  # a repeating pattern of page sizes
             repeats = next(iter(sizes.values()))
             share = min(share, _approximate_gcd([repeats, *kinds.values()], lower_bound=repeats))
-        return sum(pages) // share, share
+        return block_bytes(vllm_config) // share, share
 
     def get_attn_backend(self):
         return self.owner.get_attn_backend()
