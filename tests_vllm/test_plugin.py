@@ -582,7 +582,7 @@ SLIDING_PER_LAYER = {  # name: (per-layer policy of the Gemma 3 model: layers 0 
     "int8-sliding": (Policy(Quant("int4"), Quant("int4"), rotate=True).override({0: Policy.int8(),
                                                                                   2: Policy.int8()}), 128),
     # the sliding-window layers in full precision (vLLM's own cache, pages of 32 tokens), the others 4-bit
-    "full-sliding": (Policy(Quant("int4"), Quant("int4"), rotate=True).override({0: None, 2: None}), 256),
+    "full-sliding": (Policy(Quant("int4"), Quant("int4"), rotate=True).override({0: None, 2: None}), 128),
     # the same beside KIVI's key groups in a ring
     "full-sliding-ring": (Policy.kivi(4, residual=0, rotate=True).override({0: None, 2: None}), 256),
 }
@@ -690,11 +690,11 @@ def test_a_model_with_sliding_window_layers_is_refused_where_the_policy_cannot_r
     with pytest.raises(Exception) as e:
         engine(sliding, "kivi:4")
     assert "sliding-window layers" in _chain(e.value) and "block_size=256" in _chain(e.value), _chain(e.value)
-    # a policy per layer keeping them in full precision: float32 tokens of 32 outgrow their share of a block of 128
-    # tokens beside two 4-bit pages
+    # a policy per layer keeping them in full precision: 32 float32 tokens outgrow a block of 128 tokens of two
+    # 2-bit pages
     with pytest.raises(Exception) as e:
-        engine(sliding, SLIDING_PER_LAYER["full-sliding"][0].to_dict())
-    assert "sliding-window layers" in _chain(e.value) and "each of the 2 layers" in _chain(e.value) \
+        engine(sliding, Policy(Quant("int2"), Quant("int2"), rotate=True).override({0: None, 2: None}).to_dict())
+    assert "sliding-window layers" in _chain(e.value) and "has 20480 bytes for each" in _chain(e.value) \
         and "block_size=256" in _chain(e.value), _chain(e.value)
     # every layer sliding: a windowed policy would apply to none -- refused, naming the ways out, which then run
     every = str(make_sliding(tmp_path / "every", sliding, layers=("sliding",) * 2))

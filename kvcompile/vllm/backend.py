@@ -307,13 +307,22 @@ def _sliding_pages(layer, spec, vllm_config):
     lay, block = packed[0], packed[0].block  # one policy: every packed page is alike
     # under a per-layer policy vLLM packs each block with one page of every layer, each of its own size (BLHNC):
     # these layers share the bytes of the other layers' pages; else each page is padded to the packed page
-    room = lay.page_bytes
+    room, repeats = lay.page_bytes, None
     if _ACTIVE.mixed:
-        room = block_bytes(vllm_config) // len(own)
+        # vLLM cuts these layers into cache groups that fit a block (one page of each a block), or, where the
+        # full-attention layers' pages repeat a pattern of sizes, into groups of as many layers as it repeats
+        repeats = pattern(vllm_config)
+        room = block_bytes(vllm_config) // min(len(own), repeats or 1)
     kernel = layer.get_attn_backend().get_supported_kernel_block_sizes(spec)
     takes = lambda t: any(t % k.base == 0 if isinstance(k, MultipleOf) else t == k for k in kernel)  # noqa: E731
     sizes = [1 << i for i in range(block.bit_length()) if takes(1 << i)]
-    fit = [t for t in sizes if dataclasses.replace(spec, block_size=t).page_size_bytes <= room]
+    page = lambda t: dataclasses.replace(spec, block_size=t).page_size_bytes  # noqa: E731
+    fit = [t for t in sizes if page(t) <= room]
+    if _ACTIVE.mixed and repeats is None and fit:
+        # the fewest blocks a request's window takes over all the groups: pages of t tokens, room // page(t) layers
+        # a group (ties: the larger pages)
+        cost = lambda t: (-(-len(own) // (room // page(t))) * (-(-(layer.impl.slide - 1) // t) + 1), -t)  # noqa: E731
+        fit = [min(fit, key=cost)]
     if not fit:
         least = min(sizes or [spec.block_size])
         grow = -(-dataclasses.replace(spec, block_size=least).page_size_bytes // room)
@@ -321,11 +330,20 @@ def _sliding_pages(layer, spec, vllm_config):
             else block << (grow - 1).bit_length()
         where = (f"in pages the size of {policy}'s packed pages, and a packed page of {lay.block} tokens "
                  f"({lay.page_bytes} bytes)" if not _ACTIVE.mixed else
-                 f"beside the other layers' pages in each of vLLM's blocks, and a block of {block} tokens leaves "
-                 f"each of the {len(own)} layers {room} bytes, which")
+                 f"beside the other layers' pages in each of vLLM's blocks, and a block of {block} tokens has "
+                 f"{room} bytes for each, which")
         refuse(f"the model's sliding-window layers keep vLLM's own cache {where} holds fewer than {least} of "
                f"their tokens", f"start vLLM with block_size={need} (--block-size {need}) or larger")
     return dataclasses.replace(spec, block_size=max(fit), page_size_padded=None if _ACTIVE.mixed else lay.page_bytes)
+
+
+def pattern(vllm_config) -> int | None:
+    """How many times the full-attention layers' pages repeat a pattern of sizes (as many layers of each of two or
+    more sizes), where they do: vLLM then cuts every other kind of cache into groups of as many layers
+    (``kv_cache_utils._get_packed_kv_cache_groups``); else None."""
+    from collections import Counter
+    sizes = Counter(page_of(i, vllm_config) for i in _impls(vllm_config).values() if i.slide is None)
+    return next(iter(sizes.values())) if len(sizes) > 1 and len(set(sizes.values())) == 1 else None
 
 
 def block_bytes(vllm_config) -> int:
