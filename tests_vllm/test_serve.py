@@ -96,24 +96,31 @@ def test_vllm_serve_answers_the_openai_client(server):
     assert m and float(m.group(1).replace(",", "")) == pytest.approx(blocks * 128 / 512, abs=0.01)
 
 
+def whole_and_streamed(model: str, policy: str, port: int, log_path, *extra: str, cwd=None):
+    """A server started with ``policy``: one greedy completion of 40 tokens answered whole, and the same streamed
+    (its pieces); the server stopped after."""
+    from openai import OpenAI
+    with open(log_path, "w") as log:
+        proc = serve(model, policy, port, log, *extra, cwd=cwd)
+        try:
+            wait_ready(proc, f"http://127.0.0.1:{port}", log_path)
+            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+            name = client.models.list().data[0].id
+            prompt = "The class statement creates a class object. " * 8
+            whole = client.completions.create(model=name, prompt=prompt, max_tokens=40, temperature=0)
+            pieces = [c.choices[0].text for c in client.completions.create(model=name, prompt=prompt, max_tokens=40,
+                                                                            temperature=0, stream=True)]
+        finally:
+            stop(proc)
+    return whole, pieces
+
+
 def test_vllm_serve_runs_kivis_key_groups_in_a_ring(tiny, tmp_path):
     """KIVI without its window through the server (vLLM's default processes): the ring of each layer lives in the
     engine process's pool, the answers stream as they answer whole, and vLLM's concurrency counts one ring page a
     request beside its packed pages (float32: pages of 256 tokens, where a ring of 32 slots fits)."""
-    from openai import OpenAI
     port, log_path = free_port(), tmp_path / "ring.log"
-    with open(log_path, "w") as log:
-        proc = serve(tiny, "kivi-r0+rot:4", port, log, "--block-size", "256")
-        try:
-            wait_ready(proc, f"http://127.0.0.1:{port}", log_path)
-            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
-            model = client.models.list().data[0].id
-            prompt = "The class statement creates a class object. " * 8
-            whole = client.completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0)
-            pieces = [c.choices[0].text for c in client.completions.create(model=model, prompt=prompt, max_tokens=40,
-                                                                            temperature=0, stream=True)]
-        finally:
-            stop(proc)
+    whole, pieces = whole_and_streamed(tiny, "kivi-r0+rot:4", port, log_path, "--block-size", "256")
     assert whole.usage.completion_tokens == 40 and "".join(pieces) == whole.choices[0].text
     lay = P.PageLayout(named("kivi-r0+rot:4"), 2, 64, "float32", 256, window=True)
     blocks = KV_BYTES // (2 * lay.page_bytes)  # a packed and a ring layer share each block
@@ -126,21 +133,9 @@ def test_vllm_serve_runs_a_per_layer_policy_file_with_windows(tiny, tmp_path):
     writes (KIVI per layer: 4 bits, and 2 bits rotated in the last layer, each with its window), read relative to
     the directory the server was started in; vLLM lays the pages out block-outermost (its log says so) and the
     answers stream as they answer whole."""
-    from openai import OpenAI
     Policy.kivi(4).override({-1: Policy.kivi(2, rotate=True)}).save(tmp_path / "policy.json")
     port, log_path = free_port(), tmp_path / "per-layer.log"
-    with open(log_path, "w") as log:
-        proc = serve(tiny, "policy.json", port, log, "--block-size", "256", cwd=tmp_path)
-        try:
-            wait_ready(proc, f"http://127.0.0.1:{port}", log_path)
-            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
-            model = client.models.list().data[0].id
-            prompt = "The class statement creates a class object. " * 8
-            whole = client.completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0)
-            pieces = [c.choices[0].text for c in client.completions.create(model=model, prompt=prompt, max_tokens=40,
-                                                                            temperature=0, stream=True)]
-        finally:
-            stop(proc)
+    whole, pieces = whole_and_streamed(tiny, "policy.json", port, log_path, "--block-size", "256", cwd=tmp_path)
     assert whole.usage.completion_tokens == 40 and "".join(pieces) == whole.choices[0].text
     out = open(log_path).read()
     assert "Using BLHNC KV cache layout" in out and "int2.channel.32" in out, out[-3000:]
