@@ -348,12 +348,12 @@ def pattern(vllm_config) -> int | None:
 
 def block_bytes(vllm_config) -> int:
     """Bytes of one of vLLM's blocks under a per-layer policy (``_Active.mixed``: vLLM's block-outermost layout):
-    its widest cache group's pages side by side -- the full-attention layers' pages, or the packed pages of the
-    sliding-window layers that hold them. The window caches and the sliding-window layers that keep vLLM's own cache
-    share a block of this size."""
+    the full-attention layers' pages side by side, one group; vLLM cuts every other kind of cache (sliding-window
+    layers, window caches) into groups that fit such a block (``kv_cache_utils._get_packed_kv_cache_groups``), or
+    where no layer has full attention, the largest page."""
     impls = _impls(vllm_config).values()
-    return max(sum(page_of(i, vllm_config) for i in impls if i.slide is None),
-               sum(i.layout.page_bytes for i in impls if i.slide is not None and i.layout is not None))
+    return sum(page_of(i, vllm_config) for i in impls if i.slide is None) or \
+        max(page_of(i, vllm_config) for i in impls)
 
 
 def page_of(impl, vllm_config) -> int:
