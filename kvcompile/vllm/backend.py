@@ -276,9 +276,10 @@ def _sliding_pages(layer, spec, vllm_config):
     one as long as the sliding window), or a per-layer policy that keeps it in full precision: vLLM's own cache
     (only its window), beside the other layers' packed pages. vLLM keeps one page size per pool, so its pages hold
     the most tokens (a power of two its kernels take) whose page fits the packed page, padded to it -- under a
-    per-layer policy (block-outermost: ``_Active.mixed``) whose pages fit their share of a block beside the other
-    layers' (``block_bytes``); where none fits, refused naming the block size that would. Said once in the log;
-    refused when no layer holds packed pages (the policy would apply to none)."""
+    per-layer policy (block-outermost: ``_Active.mixed``) unpadded, fitting a block of the full-attention layers'
+    pages (``block_bytes``) in the groups vLLM cuts such layers into, of the size whose groups take the fewest
+    blocks for a request's window; where none fits, refused naming the block size that would. Said once in the
+    log; refused when no layer holds packed pages (the policy would apply to none)."""
     policy = _ACTIVE.policy
     if policy is None or policy == Policy.full():
         return spec
@@ -306,7 +307,7 @@ def _sliding_pages(layer, spec, vllm_config):
                      fix)
     lay, block = packed[0], packed[0].block  # one policy: every packed page is alike
     # under a per-layer policy vLLM packs each block with one page of every layer, each of its own size (BLHNC):
-    # these layers share the bytes of the other layers' pages; else each page is padded to the packed page
+    # these layers' pages fit a block beside the others; else each page is padded to the packed page
     room, repeats = lay.page_bytes, None
     if _ACTIVE.mixed:
         # vLLM cuts these layers into cache groups that fit a block (one page of each a block), or, where the
@@ -325,9 +326,7 @@ def _sliding_pages(layer, spec, vllm_config):
         fit = [min(fit, key=cost)]
     if not fit:
         least = min(sizes or [spec.block_size])
-        grow = -(-dataclasses.replace(spec, block_size=least).page_size_bytes // room)
-        need = block_for(lay, dataclasses.replace(spec, block_size=least).page_size_bytes) if not _ACTIVE.mixed \
-            else block << (grow - 1).bit_length()
+        need = block_for(lay, page(least)) if not _ACTIVE.mixed else block << (-(-page(least) // room) - 1).bit_length()
         where = (f"in pages the size of {policy}'s packed pages, and a packed page of {lay.block} tokens "
                  f"({lay.page_bytes} bytes)" if not _ACTIVE.mixed else
                  f"beside the other layers' pages in each of vLLM's blocks, and a block of {block} tokens has "

@@ -238,27 +238,24 @@ class WindowLayer(AttentionLayerBase):
         """(bytes, layers) under a per-layer policy: vLLM packs each block with one page of every layer side by side,
         each of its own size (its block-outermost layout), and the window caches of one kind (rings, or windows)
         share blocks in cache groups of ``layers``: each window page gets an equal share of a block, the bytes of
-        every layer's packed page (a group that held more would widen every block). Window caches of one kind have
-        the same spec (a ring or a window, of as many positions). Every layer's layout is chosen first.
+        every full-attention layer's page (``backend.block_bytes``; a group that held more would widen every block).
+        Window caches of one kind have the same spec (a ring or a window, of as many positions). Every layer's layout
+        is chosen by then (``backend.layer_spec``, which vLLM asks for the owner's spec just before this one's).
 
-        The groups are vLLM's (``kv_cache_utils._get_packed_kv_cache_groups``): where the layers' pages come in a
-        repeating pattern (as many layers of each page size), every other kind of cache is cut into groups of as
+        The groups are vLLM's (``kv_cache_utils._get_packed_kv_cache_groups``): where the full-attention layers'
+        pages repeat a pattern of sizes (``backend.pattern``), every other kind of cache is cut into groups of as
         many pattern repeats; otherwise a kind is one group."""
         from collections import Counter
 
         from vllm.v1.core.kv_cache_utils import _approximate_gcd
 
-        from .backend import _impls, block_bytes, cached_layers, page_of
-        impls, names = _impls(vllm_config), cached_layers(vllm_config)
-        for name, impl in impls.items():
-            impl.bind(name, names)
-        pages = [page_of(i, vllm_config) for i in impls.values() if i.slide is None]  # the widest group's
+        from .backend import _impls, block_bytes, pattern
         kind = lambda lay: (lay.policy.residual == 0, lay.window_tokens)  # noqa: E731  (one spec: one bucket)
-        kinds = Counter(kind(i.layout) for i in impls.values() if i.layout is not None and i.layout.window)
-        sizes = Counter(pages)
+        lays = [i.layout for i in _impls(vllm_config).values() if i.layout is not None]
+        kinds = Counter(kind(lay) for lay in lays if lay.window)
         share = kinds[kind(self.owner.impl.layout)]
-        if len(sizes) > 1 and len(set(sizes.values())) == 1:  # a repeating pattern of page sizes
-            repeats = next(iter(sizes.values()))
+        repeats = pattern(vllm_config)
+        if repeats is not None:
             share = min(share, _approximate_gcd([repeats, *kinds.values()], lower_bound=repeats))
         return block_bytes(vllm_config) // share, share
 
