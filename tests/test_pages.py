@@ -725,28 +725,31 @@ def test_a_window_page_the_engine_did_not_give_is_neither_written_nor_read():
 
 
 @pytest.mark.parametrize("kernels", ["cpu", "reference"])
-@pytest.mark.parametrize("policy,ring,wblock", [(Policy.kivi(4, residual=0, rotate=True), True, 31),
-                                                (Policy.kivi(4, residual=0, rotate=True), True, 48),
-                                                (Policy.kivi(2, residual=0), True, 32),
-                                                (Policy.kivi(4, residual=40, sink=4), False, 16)],
-                         ids=["ring-31-the-kernels", "ring-48", "ring-32", "window-sinks"])
-def test_decode_steps_read_their_rings_from_the_window_cache_with_the_same_bits(policy, ring, wblock, kernels,
-                                                                                 monkeypatch):
+@pytest.mark.parametrize("policy,ring,wblock,dtype,pad", [
+    (Policy.kivi(4, residual=0, rotate=True), True, 31, "float32", 0),
+    (Policy.kivi(4, residual=0, rotate=True), True, 48, "bfloat16", 6),
+    (Policy.kivi(2, residual=0), True, 32, "float16", 0),
+    (Policy.kivi(4, residual=40, sink=4), False, 16, "float32", 12),
+    (Policy.kivi(4, residual=40, sink=4), False, 16, "bfloat16", 0)],
+    ids=["ring-31-the-kernels", "ring-48-bf16-padded", "ring-32-fp16", "window-sinks-padded", "window-sinks-bf16"])
+def test_decode_steps_read_their_rings_from_the_window_cache_with_the_same_bits(policy, ring, wblock, dtype, pad,
+                                                                                 kernels, monkeypatch):
     """A decode step (every position it reads still in the window cache once its tokens are written) takes its
     rings from the window cache itself -- a ring of the store's own slots as it lies, others gathered into them --
     instead of from the positions it read before its write: the outputs, the packed pages and the window cache are
-    the same bits either way, for a prefill, decode steps and a short chunk."""
+    the same bits either way, for a prefill, decode steps and short chunks, in every dtype, with window pages a few
+    bytes more than their keys and values apart (vLLM pads them)."""
     from kvcompile import ops
     H, Hq, D, block, n_pages = 2, 4, 64, 32, 40
-    lay = P.PageLayout(policy, H, D, "float32", block, window=True)
+    lay = P.PageLayout(policy, H, D, dtype, block, window=True)
     g = torch.Generator().manual_seed(3)
-    k, v, q = (torch.randn(2, 120, h, D, generator=g) for h in (H, H, Hq))
+    k, v, q = (torch.randn(2, 120, h, D, generator=g).to(getattr(torch, dtype)) for h in (H, H, Hq))
     table, wtable = scrambled_table(2, 8, n_pages, seed=1), scrambled_table(2, 1 if ring else 10, n_pages, seed=2)
     cuts = [(70, 50)] + [(1, 1)] * 20 + [(3, 1), (1, 2)] + [(1, 1)] * 10
     used = []
 
     def run():
-        pages, window = engine_pages(lay, n_pages), window_pages(lay, n_pages, wblock)
+        pages, window = engine_pages(lay, n_pages), window_pages(lay, n_pages, wblock, pad)
         held, outs = [0, 0], []
         for ns in cuts:
             take = [slice(held[i], held[i] + ns[i]) for i in (0, 1)]
