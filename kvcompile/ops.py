@@ -39,7 +39,7 @@ from torch import Tensor
 from . import standin
 from .errors import ArgumentError, UnsupportedError
 from .store import (KVState, KVStore, LayerSpec, attention_reference, check_chunk, cover, dequantize_reference,
-                    own_rings, store_reference)
+                    flat_rings, own_rings, store_reference)
 
 KERNELS = ("auto", "triton", "cpu", "inductor", "reference")
 
@@ -88,7 +88,9 @@ class Backend:
     positions in ascending order (a prompt's queries as decode rows), which a kernel may read shared tiles once
     for (the C kernels: ``templates.cpu.attention``); the result is the same bits without it. ``rings``: row ``b``
     reads ring ``rings[b]`` of the state's ``k_res, v_res`` (rows of a group whose full-precision positions begin
-    at the same position share one), or None: its own. ``devices``: the device types it runs on."""
+    at the same position share one), or None: its own. ``flat`` (``kvcompile.store.FlatRecent``): each row's
+    full-precision positions are rows of one flat tensor by a map, not the state's rings (the C kernels read them
+    there; the others read ``store.flat_rings``). ``devices``: the device types it runs on."""
 
     store: Callable
     attention: Callable
@@ -106,18 +108,20 @@ def _cpu_store(state, spec, k, v, n_new=None):
 
 
 def _reference_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
-                         groups=None, rings=None):
-    return attention_reference(q, own_rings(state, rings), spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope)
+                         groups=None, rings=None, flat=None):
+    return attention_reference(q, own_rings(flat_rings(state, spec, flat), rings), spec, mask, scale, k_new=k_new,
+                               v_new=v_new, rope=rope)
 
 
 def _cpu_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
-                   groups=None, rings=None):
+                   groups=None, rings=None, flat=None):
     # (a row's result never depends on the batch: the C decode kernel's splits follow its own length)
     from .templates import cpu
-    if cpu.check_decode(q, spec) is None:  # decode: the C kernel reads the packed bytes where they lie
+    if cpu.check_decode(q, spec) is None:  # decode: the C kernel reads the packed bytes (and ``flat``) where they lie
         return cpu.attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope, groups=groups,
-                             rings=rings)
-    return cpu.prefill_attention(q, own_rings(state, rings), spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope)
+                             rings=rings, flat=flat)
+    return cpu.prefill_attention(q, own_rings(flat_rings(state, spec, flat), rings), spec, mask, scale,
+                                 k_new=k_new, v_new=v_new, rope=rope)
 
 
 def _triton_store(state, spec, k, v, n_new=None):
@@ -125,9 +129,9 @@ def _triton_store(state, spec, k, v, n_new=None):
 
 
 def _triton_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
-                      groups=None, rings=None):
-    return _triton().attention(q, own_rings(state, rings), spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope,
-                               invariant=invariant)
+                      groups=None, rings=None, flat=None):
+    return _triton().attention(q, own_rings(flat_rings(state, spec, flat), rings), spec, mask, scale, k_new=k_new,
+                               v_new=v_new, rope=rope, invariant=invariant)
 
 
 def _fused_attention(q, state, mask, scale, spec_name, k_new=None, v_new=None, rope=None):
@@ -147,9 +151,9 @@ def _compiled_attention(spec_name: str):
 
 
 def _inductor_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
-                        groups=None, rings=None):
-    return _compiled_attention(spec.name)(q, list(own_rings(state, rings)), mask, scale, spec.name, k_new, v_new,
-                                          list(rope) if rope is not None else None)
+                        groups=None, rings=None, flat=None):
+    return _compiled_attention(spec.name)(q, list(own_rings(flat_rings(state, spec, flat), rings)), mask, scale,
+                                          spec.name, k_new, v_new, list(rope) if rope is not None else None)
 
 
 BACKENDS = {

@@ -55,7 +55,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import ops
 from .errors import ArgumentError, UnsupportedError
 from .policy import Policy
-from .store import DTYPE_NAMES, DTYPES, POOL_FIELDS, KVState, LayerSpec, check_chunk
+from .store import DTYPE_NAMES, DTYPES, POOL_FIELDS, FlatRecent, KVState, LayerSpec, check_chunk
 
 ALIGN = 16  # bytes: each field of a page starts at a multiple of this (every element type the fields hold)
 _VIEWS = WeakIdKeyDictionary()  # an engine's buffer -> {layout: ((where it lies), its pool views)}
@@ -626,7 +626,17 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
                 gone = (first[r] >= S).to(pages.device)
                 st = st._replace(k_sink=st.k_sink.masked_fill(gone[:, None, None, None], 0),
                                  v_sink=st.v_sink.masked_fill(gone[:, None, None, None], 0))
-        if recent is not None:
+        flat = None
+        if recent is not None and recent.k is not None:
+            # the full-precision positions are the step's own rows (the window's, then its tokens'): each row reads
+            # its own where they lie (``Recent.rows``' rule; a sliding window's rows count from their shift), the
+            # C kernels in place, others from rings gathered out of them (``store.flat_rings``)
+            s_, by = seq[r], shift[r]
+            fmap = torch.stack([recent.start[s_] - recent.lo[s_] + by,
+                                recent.own + recent.query_start[s_] - recent.before[s_] + by,
+                                recent.before[s_] - by], 1)
+            flat = FlatRecent(recent.k, recent.v, fmap)
+        elif recent is not None:
             # the query's own position too comes from its ring (or, once packed, from the pages): a query whose own
             # token is already packed (no window, a group it completed) reads it packed, as the store holds it.
             # Rows of a run whose full precision begins at the same position share the ring of the last of them
@@ -642,7 +652,7 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
             st = st._replace(k_res=_shifted(rk, by), v_res=_shifted(rv, by))
         rows = idx[r].to(q.device)
         got = ops.backend(pages.device).attention(q.index_select(0, rows).unsqueeze(2), st, sp, mask, scale,
-                                                  invariant=True, groups=runs, rings=rings)
+                                                  invariant=True, groups=runs, rings=rings, flat=flat)
         out.index_copy_(0, rows.to(out.device), got.squeeze(2).to(out.dtype))
     return out
 

@@ -972,6 +972,49 @@ class KVStore:
         self.state.table.fill_(-1)
 
 
+class FlatRecent(NamedTuple):
+    """Each row's full-precision positions ``[Q(L), L)`` as rows of one flat tensor, read in place of the state's
+    rings (``kvcompile.pages``: a windowed step's, whose positions are the window's and the step's own): keys and
+    values ``[N, H, D]`` (the model dtype, as stored, contiguous) and ``map`` int64 ``[B, 3]``: position ``p`` of
+    row ``b`` is row ``p < map[b, 2] ? map[b, 0] + p : map[b, 1] + p`` of them."""
+
+    k: Tensor
+    v: Tensor
+    map: Tensor
+
+
+def flat_rings(state: KVState, spec: LayerSpec, flat: FlatRecent | None) -> KVState:
+    """``state`` with rings ``[B, H, spec.ring, D]`` (slot ``p % spec.ring``, the store's) holding each row's
+    full-precision positions from ``flat`` -- what the C kernels read in place (``templates.cpu.attention``'s
+    ``flat``), for the kernels that read rings; ``state`` itself for None. A slot whose position the row does not
+    read (before ``Q(L)``) holds zeros; a position the map puts outside ``flat`` is an ``ArgumentError``."""
+    if flat is None:
+        return state
+    k, v, m = flat
+    B, W = state.lengths.shape[0], spec.ring
+    if not W:
+        return state
+    L = state.lengths.to("cpu", torch.long)
+    lo = spec.policy.boundary(L)
+    start = (L - W)[:, None]
+    pos = (start + (torch.arange(W) - start) % W).clamp_min(0)  # [B, W]: slot j's position, the newest of its class
+    read = (pos >= lo[:, None]) & (pos < L[:, None])
+    m = m.to("cpu", torch.long)
+    row = torch.where(pos < m[:, 2:3], m[:, 0:1] + pos, m[:, 1:2] + pos)
+    bad = read & ((row < 0) | (row >= k.shape[0]))
+    if bool(bad.any()):
+        b, j = bad.nonzero()[0].tolist()
+        raise ArgumentError(f"the full-precision rows ({k.shape[0]}) hold no row {int(row[b, j])} for position "
+                            f"{int(pos[b, j])} of row {b} ({int(L[b])} positions), which it reads: its map "
+                            f"{m[b].tolist()}")
+    row = torch.where(read, row, 0).to(k.device)
+    keep = read.to(k.device)[:, None, :, None]
+
+    def rings(x):  # [B, W, H, D] gathered, then [B, H, W, D]; unread slots zero
+        return torch.where(keep, x[row].transpose(1, 2), 0).contiguous()
+    return state._replace(k_res=rings(k), v_res=rings(v))
+
+
 def own_rings(state: KVState, rings: Tensor | None) -> KVState:
     """``state`` with a ring of its own for every row: row ``b``'s is ring ``rings[b]`` of ``k_res, v_res`` (rows
     that share rings, ``ops.Backend``'s ``rings``), or ``state`` itself for None."""
@@ -981,14 +1024,15 @@ def own_rings(state: KVState, rings: Tensor | None) -> KVState:
     return state._replace(k_res=state.k_res.index_select(0, i), v_res=state.v_res.index_select(0, i))
 
 
-def row_widths(state: KVState, spec: LayerSpec, n_new: Tensor | int = 0) -> tuple[int, int]:
+def row_widths(state: KVState, spec: LayerSpec, n_new: Tensor | int = 0, rings: bool = True) -> tuple[int, int]:
     """``(ring slots, sink rows)`` allocated per (sequence, head) in ``state`` -- the strides a kernel takes for
     the rows --, checked to hold every position its sequences reach after appending ``n_new`` (one count, or
-    one per sequence): a narrower row would be written or read past its end."""
+    one per sequence): a narrower row would be written or read past its end. ``rings=False``: the rings are not
+    read (a ``FlatRecent`` holds those positions), only the sinks are checked."""
     ring, sink = state.k_res.shape[2], state.k_sink.shape[2]
     if state.lengths.numel():
         ends = state.lengths.cpu().long() + (n_new.cpu().long() if isinstance(n_new, Tensor) else int(n_new))
-        need_ring, need_sink = min(spec.ring, int(ends.max())), min(spec.sink, int(ends.max()))
+        need_ring, need_sink = min(spec.ring, int(ends.max())) if rings else 0, min(spec.sink, int(ends.max()))
         if ring < need_ring or sink < need_sink:
             raise CapacityError(f"the store's rows hold {ring} ring slots and {sink} sinks per sequence, but its "
                                 f"sequences reach {int(ends.max())} tokens ({need_ring} and {need_sink} needed): "

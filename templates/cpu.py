@@ -36,8 +36,9 @@ from torch import Tensor
 from kvcompile import cachedir
 from kvcompile import quant as Q
 from kvcompile.errors import ArgumentError, CacheDirError, CompilerError
-from kvcompile.store import (KVState, LayerSpec, Rope, apply_rope, check_rope_tables, chunk_needed,
-                             dequantize_reference, hadamard, own_rings, row_widths, stored_chunk, with_chunk)
+from kvcompile.store import (FlatRecent, KVState, LayerSpec, Rope, apply_rope, check_rope_tables, chunk_needed,
+                             dequantize_reference, flat_rings, hadamard, own_rings, row_widths, stored_chunk,
+                             with_chunk)
 
 from .common import inf_to_nan, scale_code
 
@@ -262,8 +263,10 @@ def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     compact = hasattr(lib, "kvc_rope_compact")  # older copies (benchmarks' "before") lack the compact table
     lib.row_strides = hasattr(lib, "kvc_row_strides")  # and the rows' widths (older copies take whole rows)
+    lib.res_map = hasattr(lib, "kvc_res_map")  # full-precision positions read from a flat tensor by a map
     fn.argtypes = ([P] * 12 + [P, I, I] + [I, I] * lib.row_strides + [P, I, I, I, I, P, I, I, I, I, F, I, I, P, P]
-                   + [P, P, I, P, P] + [P, I] * compact + [ctypes.POINTER(I)])  # (older copies ignore the pool strides)
+                   + [P, P, I, P, P] + [P, I] * compact + [ctypes.POINTER(I)]  # (older copies ignore the pool strides)
+                   + [P, I] * lib.res_map)
     fn.restype = I
     if compact:
         lib.kvc_rope_width.argtypes = [P]
@@ -273,7 +276,7 @@ def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
     lib.rows_mask = hasattr(lib, "kvc_rows_mask")  # the rows' kernel takes a mask (older copies: causal only)
     if hasattr(lib, "kvc_attention_rows"):  # a prompt's rows sharing their tiles (older copies lack it)
         lib.kvc_attention_rows.argtypes = ([P] * 12 + [P, I, I, I, I, P, I, I, I, F, I, I, ctypes.POINTER(I), P, I, P]
-                                           + [P, I, I, I, I] * lib.rows_mask)
+                                           + [P, I, I, I, I] * lib.rows_mask + [P, I] * lib.res_map)
         lib.kvc_attention_rows.restype = I
     if hasattr(lib, "kvc_fp8_decode"):  # the decode the kernel uses (tests); older copies lack it
         lib.kvc_fp8_decode.argtypes = [P, P, I, I]
@@ -506,6 +509,28 @@ def check_groups(groups: Tensor, state: KVState, n: int, k_new, rope, rings: Ten
         raise ArgumentError("the rows of a group must share their block table and have lengths in ascending order")
 
 
+def _flat_args(flat: FlatRecent, state: KVState, spec: LayerSpec) -> tuple:
+    """The C kernels' ``res_map, res_n`` for ``flat`` (``kvcompile.store.FlatRecent``), checked: keys and values
+    ``[N, H, D]`` of the model dtype, contiguous, on the CPU, and an int64 map ``[B, 3]``. Returns the map
+    (contiguous: the caller holds it while the kernel reads it) and the arguments."""
+    k, v, fmap = flat
+    B, H, D = state.lengths.shape[0], spec.heads, spec.head_dim
+    for name, t in (("keys", k), ("values", v)):
+        if not isinstance(t, Tensor) or t.device.type != "cpu" or t.dtype != getattr(torch, spec.dtype) \
+                or t.dim() != 3 or tuple(t.shape[1:]) != (H, D) or t.shape[0] != k.shape[0] or not t.is_contiguous():
+            raise ArgumentError(f"the full-precision {name} must be {spec.dtype} [N, {H}, {D}], contiguous, on the "
+                                f"CPU, keys and values alike; got {_show_t(t)}")
+    if not isinstance(fmap, Tensor) or fmap.dtype != torch.int64 or tuple(fmap.shape) != (B, 3) \
+            or fmap.device.type != "cpu":
+        raise ArgumentError(f"the full-precision rows' map must be int64 [{B}, 3] on the CPU; got {_show_t(fmap)}")
+    fmap = fmap.contiguous()
+    return fmap, (fmap.data_ptr(), k.shape[0])
+
+
+def _show_t(t) -> str:
+    return f"{t.dtype} {list(t.shape)} strides {list(t.stride())} on {t.device}" if isinstance(t, Tensor) else repr(t)
+
+
 def check_decode(q: Tensor, spec: LayerSpec) -> str | None:
     """Why the decode kernel cannot take this call (None when it can)."""
     B, Hq, n, D = q.shape
@@ -523,7 +548,7 @@ def check_decode(q: Tensor, spec: LayerSpec) -> str | None:
 def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float | None,
               nsplit: int | None = None, k_new: Tensor | None = None, v_new: Tensor | None = None,
               source: Path = SOURCE, rope: Rope | None = None, groups: Tensor | None = None,
-              rings: Tensor | None = None) -> Tensor:
+              rings: Tensor | None = None, flat: FlatRecent | None = None) -> Tensor:
     """Same contract as ``kvcompile.store.attention_reference``, for at most ``ROWS_MAX`` query rows per kv head.
 
     nsplit: pieces each (sequence, kv head)'s positions are cut into (default: ``splits``; tests vary it).
@@ -534,7 +559,9 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     dequantizes a packed tile once for up to ``GROUP_ROWS`` of a group's rows (``kvc_attention_rows``) -- the
     same bits as without ``groups``.
     rings: int32 ``[B]``: row ``b`` reads ring ``rings[b]`` of the state's ``k_res, v_res`` (with ``groups``:
-    rows whose full-precision positions begin at the same position share one); None: its own."""
+    rows whose full-precision positions begin at the same position share one); None: its own.
+    flat (``kvcompile.store.FlatRecent``): each row's full-precision positions are read where ``flat`` holds them
+    (its map's row ``b``), not from rings -- the same bits as over ``store.flat_rings``."""
     why = check_decode(q, spec)
     if why:
         raise ArgumentError(f"the CPU decode kernel cannot take this call: {why}")
@@ -543,8 +570,11 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     lib = _kernel_for(spec, source)
     if groups is not None and not (hasattr(lib, "kvc_attention_rows") and (mask is None or lib.rows_mask)):
         groups = None  # a benchmark's older copy of the kernel: each row alone (the same bits)
+    if flat is not None and (rings is not None or not lib.res_map):  # (a benchmark's older copy: gathered rings)
+        state, flat, rings = own_rings(flat_rings(state, spec, flat), rings), None, None
     if rings is not None and groups is None:
         state, rings = own_rings(state, rings), None
+    fmap, res = (None, (None, 0) if lib.res_map else ()) if flat is None else _flat_args(flat, state, spec)
     qf = q.float()
     if spec.policy.rotates_keys:
         qf = qf @ hadamard(D, q.device)
@@ -577,28 +607,35 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     threads = threads_for(state.lengths, spec.heads)
     pol = spec.policy
     ra = None if rope is None else _rope_args(rope, B, D)
-    widths = row_widths(state, spec)
+    widths = row_widths(state, spec, rings=flat is None)
     if not lib.row_strides and widths != (spec.ring, spec.sink):
         raise UnsupportedError(f"this copy of the CPU decode kernel ({source}) takes rings and sinks allocated "
                                f"whole; the store's have grown to {widths} of {(spec.ring, spec.sink)}")
     ns = nsplit or splits(state.lengths, 1 if rope is not None else spec.heads, threads)
     sm = float(scale if scale is not None else D ** -0.5)
+    ptrs = [_ptr(t) for t in state[:10]]
+    if flat is not None:  # the flat keys and values where the rings would be
+        ptrs[6:8] = flat.k.data_ptr(), flat.v.data_ptr()
     if groups is not None:
         check_groups(groups, state, n, kn, rope, rings)
         groups = _capped(groups)
         bad = lib.kvc_attention_rows(
-            qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(), _ptr(table), table.shape[1],
+            qf.data_ptr(), *ptrs, state.lengths.data_ptr(), _ptr(table), table.shape[1],
             state.k_codes.shape[0], *widths, out.data_ptr(), B, spec.heads, G, sm, ns, threads, sb,
             groups.data_ptr(), len(groups) - 1, None if rings is None else rings.data_ptr(),
-            *((None if m is None else m.data_ptr(), msb, msh, msi, mw) if lib.rows_mask else ()))
+            *((None if m is None else m.data_ptr(), msb, msh, msi, mw) if lib.rows_mask else ()), *res)
     else:
         bad = lib.kvc_attention(
-            qf.data_ptr(), *[_ptr(t) for t in state[:10]], state.lengths.data_ptr(),
+            qf.data_ptr(), *ptrs, state.lengths.data_ptr(),
             _ptr(table), table.shape[1], state.k_codes.shape[0], *(widths if lib.row_strides else ()),
             None if m is None else m.data_ptr(), msb, msh, msi, mw,
             out.data_ptr(), B, spec.heads, G, n, sm, ns, threads,
             None if kn is None else kn.data_ptr(), None if vn is None else vn.data_ptr(),
-            *_rope_ptrs(lib, ra), sb)
+            *_rope_ptrs(lib, ra), sb, *res)
+    if bad > B:
+        b = bad - 1 - B
+        raise ArgumentError(f"the full-precision rows ({flat.k.shape[0]}) hold no row for a position row {b} "
+                            f"({int(state.lengths[b])} positions) reads, by its map {fmap[b].tolist()}")
     if bad:
         b = bad - 1
         raise ArgumentError(f"the block table of sequence {b} ({int(state.lengths[b])} tokens) does not name a block of "

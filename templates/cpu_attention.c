@@ -11,7 +11,7 @@
  *
  *     p < S            sink      model dtype   k_sink[b, h, p]
  *     S <= p < Q(L)    packed    codes         k_codes[table[b, j / BS], h, j % BS] (j = p - S), scales by group
- *     Q(L) <= p < L    residual  model dtype   k_res[b, h, p % W]
+ *     Q(L) <= p < L    residual  model dtype   k_res[b, h, p % W], or a flat [N, H, D] by a map (res_map)
  *
  * Work is split flash-decoding style: each (sequence, kv head, split of positions) is one task that walks
  * its positions in tiles of TILE tokens (packed tiles: PT = min(TILE, BS), so that one never straddles two
@@ -668,6 +668,19 @@ static inline void gather_model(const void *base, const int64_t *rows, int nt, f
     }
 }
 
+/* The D-element rows (gather_model's) of full-precision positions p0 .. p0 + nt - 1 of kv head h: in its ring,
+ * whose first row is ring0 (slot p % W), or, with a map m (the kernels' res_map), in a flat [n, H, D], position p
+ * at row p < m[2] ? m[0] + p : m[1] + p. Returns 1 at a row outside it. */
+static inline int residual_rows(const int64_t *m, int64_t n, int64_t H, int64_t h, int64_t ring0, int64_t p0,
+                                int nt, int64_t *rows) {
+    for (int t = 0; t < nt; t++) {
+        const int64_t p = p0 + t, r = m ? (p < m[2] ? m[0] + p : m[1] + p) : 0;
+        if (m && (r < 0 || r >= n)) return 1;
+        rows[t] = m ? r * H + h : ring0 + p % W;
+    }
+    return 0;
+}
+
 #define K_PER (K_FMT == 0 || K_BITS == 8 ? 1 : (K_BITS == 3 ? 8 : 8 / K_BITS))
 #define V_PER (V_FMT == 0 || V_BITS == 8 ? 1 : (V_BITS == 3 ? 8 : 8 / V_BITS))
 #define K_ROW_BYTES (K_FMT == 0 ? D * (MODEL_T == 0 ? 4 : 2) : D * K_BITS / 8)
@@ -947,7 +960,11 @@ int64_t kvc_attention(
         const float *rope_cos, const float *rope_sin, int64_t rope_T, /* pre-RoPE keys: [T, D] each, or NULL */
         const int32_t *rope_perm, const int32_t *rope_off,              /* [D] partner channels, [B] offsets */
         const float *rope_cc, int64_t rope_Tc, /* the compact table [Tc, rd] of rows 0 .. Tc - 1, or NULL, 0 */
-        const int64_t *pool_sb) { /* bytes from one block to the next in k_codes, k_scale, k_zero, v_*: [6] */
+        const int64_t *pool_sb,      /* bytes from one block to the next in k_codes, k_scale, k_zero, v_*: [6] */
+        const int64_t *res_map, int64_t res_n) {
+    /* res_map: NULL (rings), or [B, 3] (h0, h1, before) per row: the full-precision positions are then rows of
+     * k_res, v_res as one flat [res_n, H, D] (position p at row p < before ? h0 + p : h1 + p; res_map_row) instead
+     * of rings; a row outside it returns 1 + B + b. */
     /* ns: splits of each (sequence, kv head)'s positions, merged at the end (templates/cpu.py chooses). A task
      * is one split of one kv head; with pre-RoPE keys, one split of every kv head, walked tile by tile with the
      * heads inside, so that a tile's cos/sin rows (shared by the heads; compact: half as many bytes per position
@@ -1063,7 +1080,11 @@ int64_t kvc_attention(
                 } else {
                     p0 = r_beg + (tile - t_sink - t_pack) * TILE;
                     nt = L - p0 < TILE ? L - p0 : TILE;
-                    for (int t = 0; t < nt; t++) rows[t] = bh * ws + (p0 + t) % W;
+                    if (residual_rows(res_map ? res_map + 3 * b : NULL, res_n, H, h, bh * ws, p0, nt, rows)) {
+#pragma omp atomic write
+                        bad = 1 + B + b;
+                        continue;
+                    }
                     gather_model(k_res, rows, nt, kt);
                     gather_model(v_res, rows, nt, vt);
                     if (rope_cos) rope_tile(&rope, kt, kr, nt, p0);
@@ -1131,7 +1152,8 @@ static inline int64_t split_of(int64_t tau, int64_t nt_all, int64_t ns) {
  * prompt of P tokens dequantized ~P^2/2 tiles' worth). A task is one group of one kv head; the rows' sinks and rings are their own.
  * Arguments as kvc_attention's (n = 1), then first [ngroups + 1] and ring_of [B]: row b reads the ring of row
  * ring_of[b] of k_res, v_res (rows of one sequence whose full-precision positions begin at the same position
- * share one), or NULL: its own; then the mask as kvc_attention's (n = 1), or NULL. Returns as kvc_attention. */
+ * share one), or NULL: its own; then the mask as kvc_attention's (n = 1), or NULL; then res_map as kvc_attention's
+ * (each row's own; ring_of unused). Returns as kvc_attention. */
 int64_t kvc_attention_rows(
         const float *q, const uint8_t *k_codes, const void *k_scale, const void *k_zero,
         const uint8_t *v_codes, const void *v_scale, const void *v_zero,
@@ -1139,7 +1161,8 @@ int64_t kvc_attention_rows(
         const int32_t *lengths, const int32_t *table, int64_t mb, int64_t nb, int64_t ws, int64_t ss,
         float *out, int64_t B, int64_t H, int64_t G, float sm_scale, int64_t ns, int64_t nthreads,
         const int64_t *pool_sb, const int32_t *first, int64_t ngroups, const int32_t *ring_of,
-        const float *mask, int64_t mask_sb, int64_t mask_sh, int64_t mask_si, int64_t mask_w) {
+        const float *mask, int64_t mask_sb, int64_t mask_sh, int64_t mask_si, int64_t mask_w,
+        const int64_t *res_map, int64_t res_n) {
     const int64_t GN = G;
     int64_t bad = 0, most = 0;
     for (int64_t g = 0; g < ngroups; g++) most = first[g + 1] - first[g] > most ? first[g + 1] - first[g] : most;
@@ -1228,7 +1251,11 @@ int64_t kvc_attention_rows(
                 partial_t *P = part + r * ns + split_of(rg[r].t_sink + rg[r].t_pack + k, rg[r].nt_all, ns);
                 const int64_t p0 = rg[r].r_beg + k * TILE;
                 const int nt = rg[r].L - p0 < TILE ? rg[r].L - p0 : TILE;
-                for (int t = 0; t < nt; t++) rows[t] = bh * ws + (p0 + t) % W;
+                if (residual_rows(res_map ? res_map + 3 * b : NULL, res_n, H, h, bh * ws, p0, nt, rows)) {
+#pragma omp atomic write
+                    bad = 1 + B + b; /* (the row's own map) */
+                    continue;
+                }
                 gather_model(k_res, rows, nt, kt);
                 gather_model(v_res, rows, nt, vt);
                 attend_tile(P, (float(*)[D])(qn + r * GN * D), &P->acc_nat[0][0], &P->acc_plane[0][0], kt, vt, nt, p0,
@@ -1259,6 +1286,8 @@ void kvc_fp8_decode(const uint8_t *codes, float *out, int64_t N, int64_t e5m2) {
 int64_t kvc_row_strides(void) { return 1; }
 /* Present in the copies whose kvc_attention_rows takes a mask (older ones: causal rows only). */
 int64_t kvc_rows_mask(void) { return 1; }
+/* Present in the copies whose kernels read the full-precision positions from a flat tensor by a map (res_map). */
+int64_t kvc_res_map(void) { return 1; }
 
 int64_t kvc_rope_width(const int32_t *perm) {
     int span = 0;

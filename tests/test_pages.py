@@ -725,6 +725,29 @@ def test_a_window_page_the_engine_did_not_give_is_neither_written_nor_read():
 
 
 @pytest.mark.parametrize("kernels", ["cpu", "reference"])
+def test_full_precision_rows_a_row_reads_must_exist(kernels):
+    """A map that puts a position a row reads outside the flat full-precision rows (``store.FlatRecent``) is an
+    error naming the row, whether the C kernels read them in place or rings are gathered out of them; positions
+    the row does not read may map anywhere."""
+    from kvcompile import ops
+    from kvcompile.store import FlatRecent
+    lay = P.PageLayout(Policy.kivi(4, residual=0), 2, 64, "float32", 32, window=True)
+    st = lay.state(engine_pages(lay, 4), torch.tensor([40, 64], dtype=torch.int32),
+                   torch.tensor([[1, 2], [3, 0]], dtype=torch.int32))
+    q, k, v = torch.randn(2, 4, 1, 64), torch.randn(20, 2, 64), torch.randn(20, 2, 64)
+    be = ops.BACKENDS[kernels]
+
+    def attend(fmap):  # row 0 reads positions 32 .. 39; row 1 (64 positions, all packed) none
+        return be.attention(q, st, lay.spec, None, None, flat=FlatRecent(k, v, torch.tensor(fmap)))
+
+    assert attend([[-32, -32, 40], [500, 500, 0]]).isfinite().all()
+    with pytest.raises(ValueError, match=r"row 0 \(40 positions\)"):
+        attend([[-15, -15, 40], [0, 0, 0]])  # positions 32 .. 39 at rows 17 .. 24, past the 20
+    with pytest.raises(ValueError, match=r"row 0 \(40 positions\)"):
+        attend([[-40, -40, 40], [0, 0, 0]])  # position 32 at row -8
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "reference"])
 @pytest.mark.parametrize("policy,ring,wblock,dtype,pad", [
     (Policy.kivi(4, residual=0, rotate=True), True, 31, "float32", 0),
     (Policy.kivi(4, residual=0, rotate=True), True, 48, "bfloat16", 6),
@@ -736,9 +759,10 @@ def test_decode_steps_read_their_rings_from_the_window_cache_with_the_same_bits(
                                                                                  kernels, monkeypatch):
     """A decode step (every position it reads still in the window cache once its tokens are written) takes its
     rings from the window cache itself -- a ring of the store's own slots as it lies, others gathered into them --
-    instead of from the positions it read before its write: the outputs, the packed pages and the window cache are
-    the same bits either way, for a prefill, decode steps and short chunks, in every dtype, with window pages a few
-    bytes more than their keys and values apart (vLLM pads them)."""
+    instead of from the positions it read before its write (the step's own rows, which the C kernels read where
+    they lie: ``store.FlatRecent``): the outputs, the packed pages and the window cache are the same bits either
+    way, for a prefill, decode steps and short chunks, in every dtype, with window pages a few bytes more than
+    their keys and values apart (vLLM pads them)."""
     from kvcompile import ops
     H, Hq, D, block, n_pages = 2, 4, 64, 32, 40
     lay = P.PageLayout(policy, H, D, dtype, block, window=True)
@@ -747,6 +771,10 @@ def test_decode_steps_read_their_rings_from_the_window_cache_with_the_same_bits(
     table, wtable = scrambled_table(2, 8, n_pages, seed=1), scrambled_table(2, 1 if ring else 10, n_pages, seed=2)
     cuts = [(70, 50)] + [(1, 1)] * 20 + [(3, 1), (1, 2)] + [(1, 1)] * 10
     used = []
+    from kvcompile.templates import cpu
+    in_place = []  # the C kernels' calls that read the step's own full-precision rows where they lie
+    own = cpu._flat_args
+    monkeypatch.setattr(cpu, "_flat_args", lambda *a: in_place.append(1) or own(*a))
 
     def run():
         pages, window = engine_pages(lay, n_pages), window_pages(lay, n_pages, wblock, pad)
@@ -767,8 +795,11 @@ def test_decode_steps_read_their_rings_from_the_window_cache_with_the_same_bits(
         fast = run()
         # the decode steps read the cache; a ring's prefill, what it held (it outgrows the ring)
         assert sum(used) >= 30 and used[0] == (not ring), used
+        assert len(in_place) == (len(cuts) - sum(used) if kernels == "cpu" else 0)
         monkeypatch.setattr(P, "_in_cache", lambda *a: False)
+        in_place.clear()
         slow = run()
+        assert len(in_place) == (len(cuts) if kernels == "cpu" else 0)  # every step's rows read in place
     finally:
         ops.set_kernels("auto")
     for a, b in zip(fast, slow):
