@@ -55,7 +55,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import ops
 from .errors import ArgumentError, UnsupportedError
 from .policy import Policy
-from .store import DTYPE_NAMES, DTYPES, POOL_FIELDS, FlatRecent, KVState, LayerSpec, check_chunk
+from .store import (DTYPE_NAMES, DTYPES, POOL_FIELDS, FlatRecent, KVState, LayerSpec, check_chunk, describe,
+                    map_rows)
 
 ALIGN = 16  # bytes: each field of a page starts at a multiple of this (every element type the fields hold)
 _VIEWS = WeakIdKeyDictionary()  # an engine's buffer -> {layout: ((where it lies), its pool views)}
@@ -260,7 +261,7 @@ class PageLayout:
         ``window`` (``[NB, ...]``, each page at least ``window_page_bytes(block)`` dense bytes from its start;
         pages any distance apart). What they hold is ``kvcompile.store.as_stored``: the policy's rotated space."""
         if not isinstance(window, Tensor) or window.dim() < 2:
-            raise ArgumentError(f"window: expected the engine's window cache [pages, ...]; got {_show(window)}")
+            raise ArgumentError(f"window: expected the engine's window cache [pages, ...]; got {describe(window)}")
         dt, H, D = DTYPES[self.dtype], self.heads, self.head_dim
         es = _esize(dt)
         u8 = window.view(torch.uint8) if window.dtype != torch.uint8 else window
@@ -268,7 +269,7 @@ class PageLayout:
         if math.prod(inner) < self.window_page_bytes(block) or not _dense(inner, u8.stride()[1:]) \
                 or u8.stride(0) % es or u8.storage_offset() % es:
             raise ArgumentError(f"window: each page must hold {self.window_page_bytes(block)} dense bytes "
-                                f"({block} tokens of {H} heads' keys and values, {self.dtype}); got {_show(window)}")
+                                f"({block} tokens of {H} heads' keys and values, {self.dtype}); got {describe(window)}")
         flat = u8.as_strided((u8.shape[0], self.window_page_bytes(block)), (u8.stride(0), 1)).view(dt)
         kv = flat.view(u8.shape[0], 2, H, block, D)
         return kv[:, 0], kv[:, 1]
@@ -279,12 +280,12 @@ class PageLayout:
         any order; pages any distance apart)."""
         if not isinstance(pages, Tensor) or pages.dtype not in (torch.uint8, torch.int8) or pages.dim() < 2:
             raise ArgumentError(f"pages: expected the engine's uint8 or int8 buffer [pages, ...] of {self.page_bytes} "
-                                f"bytes a page; got {_show(pages)}")
+                                f"bytes a page; got {describe(pages)}")
         inner = pages.shape[1:]
         if math.prod(inner) != self.page_bytes or not _dense(inner, pages.stride()[1:]):
             raise ArgumentError(f"pages: each page must be {self.page_bytes} dense bytes (this layout's page_bytes: "
                                 f"{self.policy}, {self.heads} heads x {self.block} tokens x {self.token_head_bytes} "
-                                f"bytes); got {_show(pages)}")
+                                f"bytes); got {describe(pages)}")
         u8 = pages if pages.dtype == torch.uint8 else pages.view(torch.uint8)
         return u8.as_strided((u8.shape[0], self.page_bytes), (u8.stride(0), 1))
 
@@ -372,12 +373,6 @@ def _dense(shape, strides) -> bool:
 
 def _esize(dt: torch.dtype) -> int:
     return torch.empty((), dtype=dt).element_size()
-
-
-def _show(t) -> str:
-    if not isinstance(t, Tensor):
-        return type(t).__name__
-    return f"{t.dtype} {list(t.shape)} strides {list(t.stride())}"
 
 
 def _rows(lengths: Tensor, table: Tensor, B: int, device) -> tuple[Tensor, Tensor]:
@@ -631,11 +626,8 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
             # the full-precision positions are the step's own rows (the window's, then its tokens'): each row reads
             # its own where they lie (``Recent.rows``' rule; a sliding window's rows count from their shift), the
             # C kernels in place, others from rings gathered out of them (``store.flat_rings``)
-            s_, by = seq[r], shift[r]
-            fmap = torch.stack([recent.start[s_] - recent.lo[s_] + by,
-                                recent.own + recent.query_start[s_] - recent.before[s_] + by,
-                                recent.before[s_] - by], 1)
-            flat = FlatRecent(recent.k, recent.v, fmap)
+            by = shift[r]
+            flat = FlatRecent(recent.k, recent.v, recent.row_map(seq[r]) + torch.stack([by, by, -by], 1))
         elif recent is not None:
             # the query's own position too comes from its ring (or, once packed, from the pages): a query whose own
             # token is already packed (no window, a group it completed) reads it packed, as the store holds it.
@@ -674,7 +666,7 @@ def attention_ragged(layout: PageLayout, pages: Tensor, q: Tensor, k: Tensor | N
         out = q.new_zeros(T, Hq, D)
     if _sliding(window) and (k is not None or v is not None or layout.window):
         raise ArgumentError(f"a sliding window reads every position from the pages (k = v = None) of a layout "
-                            f"without a window cache; got k={_show(k)}, v={_show(v)}, window cache {layout.window} "
+                            f"without a window cache; got k={describe(k)}, v={describe(v)}, window cache {layout.window} "
                             f"({layout.policy})")
     if k is None and v is None:  # every query its own decode row (see ROWS_PER_CALL)
         return _each_query(layout, pages, q, batch, scale, out, window=window)
@@ -728,11 +720,13 @@ class Recent(NamedTuple):
         """For spans ``(seq[r], lo[r], hi[r])`` (int64 CPU tensors): (span, position, row of ``k``/``v``) of every
         position of every span, int64 CPU tensors."""
         span, pos = _spans(lo, hi)
-        i = seq[span]
-        before = self.before[i]
-        held = self.start[i] + pos - self.lo[i]
-        own = self.own + self.query_start[i] + pos - before
-        return span, pos, torch.where(pos < before, held, own)
+        return span, pos, map_rows(self.row_map(seq)[span], pos)
+
+    def row_map(self, seq: Tensor) -> Tensor:
+        """The ``store.FlatRecent`` map ``[R, 3]`` of sequences ``seq``: held positions from ``start``, the step's
+        own from ``own + query_start`` (``store.map_rows`` gives a position's row of ``k``/``v``)."""
+        return torch.stack([self.start[seq] - self.lo[seq], self.own + self.query_start[seq] - self.before[seq],
+                            self.before[seq]], 1)
 
 
 def _locate(table: Tensor, seqs: Tensor, pos: Tensor, wblock: int, ring: bool) -> tuple[Tensor, Tensor]:

@@ -972,6 +972,18 @@ class KVStore:
         self.state.table.fill_(-1)
 
 
+def describe(t) -> str:
+    """A tensor's dtype, shape and strides for an error message (a non-tensor: its type)."""
+    if not isinstance(t, Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {list(t.shape)} strides {list(t.stride())}"
+
+
+def map_rows(m: Tensor, pos: Tensor) -> Tensor:
+    """The rows of positions ``pos`` under ``FlatRecent`` maps ``m`` (``[..., 3]``, broadcast against ``pos``)."""
+    return torch.where(pos < m[..., 2], m[..., 0] + pos, m[..., 1] + pos)
+
+
 class FlatRecent(NamedTuple):
     """Each row's full-precision positions ``[Q(L), L)`` as rows of one flat tensor, read in place of the state's
     rings (``kvcompile.pages``: a windowed step's, whose positions are the window's and the step's own): keys and
@@ -1000,7 +1012,7 @@ def flat_rings(state: KVState, spec: LayerSpec, flat: FlatRecent | None) -> KVSt
     pos = (start + (torch.arange(W) - start) % W).clamp_min(0)  # [B, W]: slot j's position, the newest of its class
     read = (pos >= lo[:, None]) & (pos < L[:, None])
     m = m.to("cpu", torch.long)
-    row = torch.where(pos < m[:, 2:3], m[:, 0:1] + pos, m[:, 1:2] + pos)
+    row = map_rows(m[:, None, :], pos)
     bad = read & ((row < 0) | (row >= k.shape[0]))
     if bool(bad.any()):
         b, j = bad.nonzero()[0].tolist()

@@ -37,7 +37,7 @@ from kvcompile import cachedir
 from kvcompile import quant as Q
 from kvcompile.errors import ArgumentError, CacheDirError, CompilerError
 from kvcompile.store import (FlatRecent, KVState, LayerSpec, Rope, apply_rope, check_rope_tables, chunk_needed,
-                             dequantize_reference, flat_rings, hadamard, own_rings, row_widths, stored_chunk,
+                             dequantize_reference, describe, flat_rings, hadamard, own_rings, row_widths, stored_chunk,
                              with_chunk)
 
 from .common import inf_to_nan, scale_code
@@ -528,7 +528,7 @@ def _flat_args(flat: FlatRecent, state: KVState, spec: LayerSpec) -> tuple:
 
 
 def _show_t(t) -> str:
-    return f"{t.dtype} {list(t.shape)} strides {list(t.stride())} on {t.device}" if isinstance(t, Tensor) else repr(t)
+    return f"{describe(t)} on {t.device}" if isinstance(t, Tensor) else describe(t)
 
 
 def check_decode(q: Tensor, spec: LayerSpec) -> str | None:
