@@ -43,7 +43,9 @@ with torch.no_grad():
                          return_dict_in_generate=True)
 cache = getattr(out, "cache", None) or out.past_key_values
 rank, world = dist.get_rank(), dist.get_world_size()
-print(f"rank {rank} of {world}: cache {kvcompile.nbytes(cache):,} bytes", flush=True)
+# One write per line (the newline inside it, end=""): under PYTHONUNBUFFERED print's separate write of its end
+# lets the ranks' lines interleave on the shared stdout.
+print(f"rank {rank} of {world}: cache {kvcompile.nbytes(cache):,} bytes\n", end="", flush=True)
 dist.barrier()
 if rank == 0:
     print("reply:", tok.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True), flush=True)
