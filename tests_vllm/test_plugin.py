@@ -342,6 +342,8 @@ def test_a_policy_object_runs_where_vllm_compiles_the_model(tiny):
     llm = LLM(model=tiny, additional_config=given, kv_cache_memory_bytes=KV_BYTES, max_model_len=1024)
     try:
         lays = [i.layout for i in impls(llm).values()]
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        builders = [g.get_metadata_builder() for groups in runner.attn_groups for g in groups]
         out = llm.generate([TEXT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         cfg = llm.llm_engine.vllm_config.additional_config
     finally:
@@ -349,6 +351,49 @@ def test_a_policy_object_runs_where_vllm_compiles_the_model(tiny):
     assert given["kvcompile"]["policy"] is policy and list(given) == ["kvcompile"]
     assert cfg == {"kvcompile": {"policy": policy.to_dict()}}
     assert len(out[0].outputs[0].token_ids) == 8 and lays and all(lay.policy == policy for lay in lays)
+    # the metadata builders the engine ran declare no CUDA graphs (test_cuda_graphs_...)
+    assert builders and all(type(b).get_cudagraph_support(None, None).name == "NEVER" for b in builders)
+
+
+def test_cuda_graphs_fall_back_to_piecewise_graphs_around_kvcompiles_ops(monkeypatch):
+    """vLLM's CUDA defaults (full graphs for decode steps, piecewise ones for the rest, split at the attention and
+    the cache write) under a quantizing policy: its own resolution of the graph mode, given the builders of
+    kvcompile's CUDA backends, settles on piecewise graphs, which run the write and the attention (reading each
+    step's batch on the host) outside them. With no policy the builders are vLLM's own classes. Full graphs of
+    every step, and piecewise graphs that would capture the write, are refused naming what to do."""
+    from vllm.config import CompilationConfig, CUDAGraphMode
+    from vllm.config.compilation import CompilationMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder
+
+    from kvcompile.vllm import config as C, cuda
+
+    def compilation(mode, **kw):
+        cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=mode, **kw)
+        cc.set_splitting_ops_for_v1(all2all_backend="naive", data_parallel_size=1)
+        return cc
+
+    pairs = [(cuda.FlashBackend, FlashAttentionMetadataBuilder), (cuda.TritonBackend, TritonAttentionMetadataBuilder)]
+    monkeypatch.setattr(backend._ACTIVE, "policy", None)
+    assert all(ours.get_builder_cls() is own for ours, own in pairs)
+    monkeypatch.setattr(backend._ACTIVE, "policy", Policy.kivi(4, residual=0, rotate=True))
+    for ours, own in pairs:
+        builder = ours.get_builder_cls()
+        assert issubclass(builder, own) and builder is ours.get_builder_cls()
+        support = builder.get_cudagraph_support(None, None)
+        assert support == AttentionCGSupport.NEVER
+        cc = compilation(CUDAGraphMode.FULL_AND_PIECEWISE)  # vLLM's default on CUDA
+        C.check_cuda_graphs(cc)
+        assert cc.resolve_cudagraph_mode_and_sizes(support, builder.__name__, max_num_reqs=8) == \
+            CUDAGraphMode.PIECEWISE
+    C.check_cuda_graphs(compilation(CUDAGraphMode.NONE))
+    C.check_cuda_graphs(compilation(CUDAGraphMode.PIECEWISE))
+    with pytest.raises(C.Refused, match=r"cudagraph_mode=FULL captures every step whole.*enforce_eager=True"):
+        C.check_cuda_graphs(compilation(CUDAGraphMode.FULL))
+    split = compilation(CUDAGraphMode.PIECEWISE, splitting_ops=["vllm::unified_attention_with_output"])
+    with pytest.raises(C.Refused, match=r"would capture kvcompile's cache write .*splitting_ops"):
+        C.check_cuda_graphs(split)
 
 
 # --------------------------------------------------------------------------- refusals

@@ -52,7 +52,7 @@ import torch
 from kvcompile import pages
 from kvcompile.policy import Policy
 
-from .config import layout_for, policy_of, refuse, sliding_unpacked
+from .config import check_cuda_graphs, layout_for, policy_of, refuse, sliding_unpacked
 from ..errors import Unimplemented
 
 # a child of vLLM's own logger: said where vLLM says what it does, in its format (vLLM's "vllm" logger has the
@@ -154,10 +154,8 @@ class KVCompileImpl:
             quantizes = [self.layout is not None]
         if not any(quantizes):
             return
-        from vllm.config import CUDAGraphMode
-        if self._device.type == "cuda" and cfg.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
-            refuse("vLLM captures CUDA graphs, and kvcompile's attention reads each step's batch on the host",
-                   "start vLLM with enforce_eager=True (--enforce-eager)")
+        if self._device.type == "cuda":
+            check_cuda_graphs(cfg.compilation_config)
         if self.layout is not None:
             pages.prepare(self.layout, self._device)
 
@@ -219,6 +217,21 @@ class KVCompileImpl:
         pages.attention_ragged(self.layout, kv_cache, query[:T], None, None, ragged(attn_metadata), self.scale,
                                out=output[:T], window=self.slide)
         return output
+
+
+@functools.cache
+def _ungraphed(builder: type) -> type:
+    """``builder`` (a vLLM attention metadata builder class) declaring that no step of its attention may be
+    captured in a CUDA graph."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        return AttentionCGSupport.NEVER
+
+    return type(builder.__name__, (builder,), {"get_cudagraph_support": classmethod(get_cudagraph_support),
+                                               "_cudagraph_support": AttentionCGSupport.NEVER, "__module__": __name__,
+                                               "__doc__": f"{builder.__doc__ or builder.__name__} (kvcompile: no "
+                                                          "CUDA graphs over its attention)"})
 
 
 def cached_layers(vllm_config) -> list[str]:
@@ -389,6 +402,17 @@ class KVCompileBackend:
     @classmethod
     def customize_spec(cls, spec):
         return customized(spec, super().customize_spec)
+
+    @classmethod
+    def get_builder_cls(cls):
+        """vLLM's backend's metadata builder, which under a quantizing policy declares no CUDA graph support: vLLM
+        then captures its piecewise graphs only (from its default, full graphs for decode steps and piecewise ones
+        for the rest), and runs the cache write and the attention, which read each step's batch on the host,
+        outside them. vLLM asks once the model is built (``_Active``)."""
+        own = super().get_builder_cls()
+        if _ACTIVE.policy is None or _ACTIVE.policy == Policy.full():
+            return own
+        return _ungraphed(own)
 
     @classmethod
     def supported_kv_cache_layouts(cls):

@@ -77,6 +77,29 @@ def check_cache_dtype(kv_cache_dtype: str) -> None:
                 "leave kv_cache_dtype at 'auto' with a kvcompile policy (or drop the policy to use vLLM's own)")
 
 
+def check_cuda_graphs(compilation) -> None:
+    """Refuse CUDA graphs that would capture kvcompile's cache write or attention (``compilation``: vLLM's
+    ``CompilationConfig`` as the engine runs it). Both read each step's batch on the host, so they run between
+    vLLM's piecewise graphs, which its default splits at them; full graphs fall back to piecewise ones where
+    vLLM may (``backend.KVCompileBackend.get_builder_cls``), and are refused where vLLM would capture every step
+    whole."""
+    from vllm.config import CUDAGraphMode
+
+    mode = compilation.cudagraph_mode
+    if mode is None or mode == CUDAGraphMode.NONE:
+        return
+    eager = "or start vLLM with enforce_eager=True (--enforce-eager)"
+    if mode.mixed_mode() == CUDAGraphMode.FULL:
+        refuse(f"cudagraph_mode={mode.name} captures every step whole in a CUDA graph, and kvcompile's cache write "
+               "and attention read each step's batch on the host", f"use vLLM's default or PIECEWISE, {eager}")
+    ops = compilation.splitting_ops or ()
+    attention, write = "vllm::unified_attention_with_output" in ops, "vllm::unified_kv_cache_update" in ops
+    if (attention and not write) or (mode.requires_piecewise_compilation() and not attention):
+        refuse(f"vLLM's piecewise CUDA graphs would capture kvcompile's {'cache write' if attention else 'attention'}"
+               f" (splitting_ops={compilation.splitting_ops}), which reads each step's batch on the host",
+               f"leave splitting_ops and use_inductor_graph_partition at vLLM's defaults, {eager}")
+
+
 class Refused(UnsupportedError):
     """A named policy vLLM's engine cannot run as asked (raised when the model is built, before serving)."""
 
