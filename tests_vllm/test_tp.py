@@ -66,3 +66,47 @@ def test_two_ranks_hold_a_sliding_windows_pages_of_their_own_heads(sliding):
     # a sliding-window and a full-attention group of two layers each share two tensors of each rank's pages
     assert blocks == KV_BYTES // (2 * P.PageLayout(named("tok+rot:4"), 1, 64, "float32", 128).page_bytes)
     assert got == want
+
+
+# pipeline parallelism: stage 0 holds layer 0, stage 1 layer 1. Under PIPELINE_MIX layer 0 is 4-bit, layer 1 int8:
+# were a stage's layers counted from its own first (both "layer 0"), both stages would hold 4-bit pages
+PIPELINE_MIX = Policy.int8().override({0: Policy(Quant("int4"), Quant("int4"), rotate=True)})
+
+
+@pytest.mark.parametrize("policy", [Policy.int8(), PIPELINE_MIX], ids=["int8", "per-layer"])
+def test_two_pipeline_stages_give_the_unsharded_tokens_each_layer_its_own_policy(tiny, policy):
+    """``pipeline_parallel_size=2``: each stage builds only its layers, and a per-layer policy's selectors name
+    the whole model's layers on every stage (``backend.cached_layers``): vLLM's block count, the smallest of the
+    stages', is that of layer 1's int8 pages, not of 4-bit pages in both. (vLLM 0.32's CPU worker makes a later
+    stage's input buffers only in its compilation warm-up, so its own pipeline fails under enforce_eager=True:
+    these engines compile.)"""
+    one = engine(tiny, policy.to_dict())
+    try:
+        want = [list(o.outputs[0].token_ids) for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        close(one)
+    two = engine(tiny, policy.to_dict(), pipeline_parallel_size=2, distributed_executor_backend="mp",
+                 enforce_eager=False)
+    try:
+        blocks = two.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        got = [list(o.outputs[0].token_ids) for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        close(two)
+    layers = [P.PageLayout(p, 2, 64, "float32", 128).page_bytes for p in policy.resolve(["0", "1"])]
+    assert blocks == min(KV_BYTES // b for b in layers) == KV_BYTES // layers[1]
+    assert got == want
+
+
+def test_a_per_layer_policy_under_pipeline_stages_names_the_whole_models_layers():
+    """What ``cached_layers`` gives a stage: the whole model's names from its own, or a refusal where the names do
+    not say one decoder layer each."""
+    from kvcompile.vllm.backend import whole_model
+    from kvcompile.vllm.config import Refused
+    stage = [f"model.layers.{i}.self_attn.attn" for i in range(15, 30)]
+    names = whole_model(stage, 15, 30, 30)
+    assert names == [f"model.layers.{i}.self_attn.attn" for i in range(30)]
+    assert PIPELINE_MIX.resolve(names)[0] != Policy.int8() and PIPELINE_MIX.resolve(names)[15] == Policy.int8()
+    for args in [(stage, 14, 29, 30), (stage, 15, 30, 30, False),
+                 ([n.replace("layers.", "layers.0.") for n in stage], 15, 30, 30)]:
+        with pytest.raises(Refused, match="per-layer policy under pipeline parallelism.*one policy for every layer"):
+            whole_model(*args)

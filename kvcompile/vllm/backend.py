@@ -236,8 +236,37 @@ def _ungraphed(builder: type) -> type:
 
 def cached_layers(vllm_config) -> list[str]:
     """The names of the model's attention layers kvcompile's implementations serve, in the model's order (vLLM
-    registers each layer as it is built)."""
-    return [name for name, impl in _impls(vllm_config).items() if impl.per_layer is not None]
+    registers each layer as it is built): the whole model's, under pipeline parallelism too, where this process
+    built only its stage's layers -- so a per-layer policy's selectors name the same layers on every stage."""
+    names = [name for name, impl in _impls(vllm_config).items() if impl.per_layer is not None]
+    parallel, model = vllm_config.parallel_config, vllm_config.model_config
+    if parallel.pipeline_parallel_size == 1:
+        return names
+    one_each = not (model.is_hybrid or model.has_noops or model.is_attention_free)
+    return whole_model(names, *model.get_layers_start_end_indices(parallel), model.get_total_num_hidden_layers(),
+                       one_each)
+
+
+def whole_model(names: list[str], start: int, end: int, total: int, one_each: bool = True) -> list[str]:
+    """The attention layer names of a model of ``total`` decoder layers, from ``names``, those of a pipeline stage
+    holding its layers ``start .. end - 1``, each named by its layer's index (``model.layers.17.self_attn.attn``):
+    every layer's name, its index in place of the stage's. Refused (``Refused``) where the model is not one
+    attention layer per decoder layer (``one_each``, vLLM's word for it) or the names do not say their layer."""
+    def index(name):
+        ints = [i for i, part in enumerate(name.split(".")) if part.isdigit()]
+        return ints[0] if len(ints) == 1 else None
+
+    at = [index(n) for n in names]
+    whole = []
+    if one_each and names and None not in at:
+        parts = names[0].split(".")
+        whole = [".".join(parts[:at[0]] + [str(i)] + parts[at[0] + 1:]) for i in range(total)]
+    if whole[start:end] != names:
+        refuse(f"a per-layer policy under pipeline parallelism, where this stage holds decoder layers {start} .. "
+               f"{end - 1} of {total} and its attention layers are {names[:3]}{' ...' if len(names) > 3 else ''}: "
+               "kvcompile names the model's attention layers from one per decoder layer, each by its index",
+               "use one policy for every layer, or pipeline_parallel_size=1 (tensor parallelism keeps every layer)")
+    return whole
 
 
 def layer_spec(layer, spec, vllm_config):
