@@ -73,11 +73,13 @@ def test_two_ranks_hold_a_sliding_windows_pages_of_their_own_heads(sliding):
 PIPELINE_MIX = Policy.int8().override({0: Policy(Quant("int4"), Quant("int4"), rotate=True)})
 
 
-@pytest.mark.parametrize("policy", [Policy.int8(), PIPELINE_MIX], ids=["int8", "per-layer"])
+@pytest.mark.parametrize("policy", [Policy.int8(), PIPELINE_MIX, Policy.kivi(4, sink=4, rotate=True)],
+                         ids=["int8", "per-layer", "kivi-window-sinks"])
 def test_two_pipeline_stages_give_the_unsharded_tokens_each_layer_its_own_policy(tiny, policy):
-    """``pipeline_parallel_size=2``: each stage builds only its layers, and a per-layer policy's selectors name
-    the whole model's layers on every stage (``backend.cached_layers``): vLLM's block count, the smallest of the
-    stages', is that of layer 1's int8 pages, not of 4-bit pages in both. (vLLM 0.32's CPU worker makes a later
+    """``pipeline_parallel_size=2``: each stage builds only its layers (and, under KIVI's window, their window
+    caches), and a per-layer policy's selectors name the whole model's layers on every stage
+    (``backend.cached_layers``): vLLM's block count, the smallest of the stages', is that of layer 1's pages
+    (int8 under the mix, not 4-bit pages in both). (vLLM 0.32's CPU worker makes a later
     stage's input buffers only in its compilation warm-up, so its own pipeline fails under enforce_eager=True:
     these engines compile.)"""
     one = engine(tiny, policy.to_dict())
@@ -92,9 +94,11 @@ def test_two_pipeline_stages_give_the_unsharded_tokens_each_layer_its_own_policy
         got = [list(o.outputs[0].token_ids) for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)]
     finally:
         close(two)
-    layers = [P.PageLayout(p, 2, 64, "float32", 128).page_bytes for p in policy.resolve(["0", "1"])]
-    assert blocks == min(KV_BYTES // b for b in layers) == KV_BYTES // layers[1]
     assert got == want
+    # a stage's one layer's pages (a window cache's pages, padded to the packed one's size, come from the same pool)
+    layers = [P.PageLayout(p, 2, 64, "float32", 128, window=P.needs_window(p)).page_bytes
+              for p in policy.resolve(["0", "1"])]
+    assert blocks == min(KV_BYTES // b for b in layers) == KV_BYTES // layers[1]
 
 
 def test_a_per_layer_policy_under_pipeline_stages_names_the_whole_models_layers():
@@ -110,3 +114,14 @@ def test_a_per_layer_policy_under_pipeline_stages_names_the_whole_models_layers(
                  ([n.replace("layers.", "layers.0.") for n in stage], 15, 30, 30)]:
         with pytest.raises(Refused, match="per-layer policy under pipeline parallelism.*one policy for every layer"):
             whole_model(*args)
+
+
+def test_a_per_layer_policy_with_window_caches_is_refused_under_pipeline_stages(tiny):
+    """Window caches' pages are sized from a stage's own layers, and vLLM 0.32 fails to lay out a stage that lacks
+    a kind of window cache another stage has (a StopIteration while allocating): refused by ``LLM(...)`` itself,
+    saying what runs instead."""
+    from kvcompile.vllm.config import Refused
+    windowed = Policy.int8().override({0: Policy.kivi(4, rotate=True)})
+    with pytest.raises(Refused, match=r"window caches .*pipeline_parallel_size=2.*one policy for every layer"):
+        engine(tiny, windowed.to_dict(), pipeline_parallel_size=2, distributed_executor_backend="mp",
+               enforce_eager=False)

@@ -69,6 +69,14 @@ def check_engine(vllm_config) -> None:
     if policy is None or policy == Policy.full():
         return
     check_cache_dtype(vllm_config.cache_config.cache_dtype)
+    stages = vllm_config.parallel_config.pipeline_parallel_size
+    if stages > 1 and policy.overrides and any(pages.needs_window(p) for p in [policy.base()] +
+                                               [p for _, p in policy.overrides]):
+        refuse(f"a per-layer policy whose layers keep window caches (a recent window or KIVI's key groups: {policy}) "
+               f"under pipeline_parallel_size={stages}: each stage would size its window pages from its own layers, "
+               "and vLLM lays out a stage that lacks a kind of window cache another stage has from the other's",
+               "use one policy for every layer, a per-layer policy without windows (per-token formats), or tensor "
+               "parallelism instead of pipeline stages")
 
 
 def check_cache_dtype(kv_cache_dtype: str) -> None:
