@@ -74,7 +74,7 @@ def check_engine(vllm_config) -> None:
                                                [p for _, p in policy.overrides]):
         refuse(f"a per-layer policy whose layers keep window caches (a recent window or KIVI's key groups: {policy}) "
                f"under pipeline_parallel_size={stages}: each stage would size its window pages from its own layers, "
-               "and vLLM lays out a stage that lacks a kind of window cache another stage has from the other's",
+               "and vLLM 0.32 cannot lay out a stage that lacks a kind of window cache another stage has",
                "use one policy for every layer, a per-layer policy without windows (per-token formats), or tensor "
                "parallelism instead of pipeline stages")
 
