@@ -375,12 +375,13 @@ def test_cuda_graphs_fall_back_to_piecewise_graphs_around_kvcompiles_ops(monkeyp
         return cc
 
     pairs = [(cuda.FlashBackend, FlashAttentionMetadataBuilder), (cuda.TritonBackend, TritonAttentionMetadataBuilder)]
-    monkeypatch.setattr(backend._ACTIVE, "policy", None)
-    assert all(ours.get_builder_cls() is own for ours, own in pairs)
+    for policy in (None, Policy.full()):
+        monkeypatch.setattr(backend._ACTIVE, "policy", policy)
+        assert all(ours.get_builder_cls() is own for ours, own in pairs)
     monkeypatch.setattr(backend._ACTIVE, "policy", Policy.kivi(4, residual=0, rotate=True))
     for ours, own in pairs:
         builder = ours.get_builder_cls()
-        assert issubclass(builder, own) and builder is ours.get_builder_cls()
+        assert issubclass(builder, own) and builder is not own
         support = builder.get_cudagraph_support(None, None)
         assert support == AttentionCGSupport.NEVER
         cc = compilation(CUDAGraphMode.FULL_AND_PIECEWISE)  # vLLM's default on CUDA

@@ -219,19 +219,18 @@ class KVCompileImpl:
         return output
 
 
-@functools.cache
-def _ungraphed(builder: type) -> type:
-    """``builder`` (a vLLM attention metadata builder class) declaring that no step of its attention may be
-    captured in a CUDA graph."""
-    from vllm.v1.attention.backend import AttentionCGSupport
+class KVCompileBuilder:
+    """What kvcompile adds to a vLLM attention metadata builder (mixed in before it): no CUDA graph support.
+    kvcompile's cache write and attention read each step's batch on the host, so no graph may capture them;
+    declared NEVER, vLLM's own resolution turns its default (full graphs for decode steps, piecewise ones for the
+    rest) into piecewise graphs split at the write and the attention, which run eagerly between them
+    (``config.check_cuda_graphs`` refuses the modes it cannot). Each backend names its builder
+    (``KVCompileBackend.builder``); vLLM uses it only under a quantizing policy."""
 
+    @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        from vllm.v1.attention.backend import AttentionCGSupport
         return AttentionCGSupport.NEVER
-
-    return type(builder.__name__, (builder,), {"get_cudagraph_support": classmethod(get_cudagraph_support),
-                                               "_cudagraph_support": AttentionCGSupport.NEVER, "__module__": __name__,
-                                               "__doc__": f"{builder.__doc__ or builder.__name__} (kvcompile: no "
-                                                          "CUDA graphs over its attention)"})
 
 
 def cached_layers(vllm_config) -> list[str]:
@@ -432,16 +431,15 @@ class KVCompileBackend:
     def customize_spec(cls, spec):
         return customized(spec, super().customize_spec)
 
+    builder: type | None = None  # vLLM's backend's metadata builder with ``KVCompileBuilder`` mixed in
+
     @classmethod
     def get_builder_cls(cls):
-        """vLLM's backend's metadata builder, which under a quantizing policy declares no CUDA graph support: vLLM
-        then captures its piecewise graphs only (from its default, full graphs for decode steps and piecewise ones
-        for the rest), and runs the cache write and the attention, which read each step's batch on the host,
-        outside them. vLLM asks once the model is built (``_Active``)."""
-        own = super().get_builder_cls()
+        """vLLM's backend's metadata builder, or under a quantizing policy ``builder``, the same declaring no CUDA
+        graph support (``KVCompileBuilder``). vLLM asks once the model is built (``_Active``)."""
         if _ACTIVE.policy is None or _ACTIVE.policy == Policy.full():
-            return own
-        return _ungraphed(own)
+            return super().get_builder_cls()
+        return cls.builder
 
     @classmethod
     def supported_kv_cache_layouts(cls):

@@ -6,18 +6,26 @@ attention as the CPU backend, whose tests run the Triton kernels over page views
 """
 from __future__ import annotations
 
-from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
-from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
+from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
+                                                   FlashAttentionMetadataBuilder)
+from vllm.v1.attention.backends.triton_attn import (TritonAttentionBackend, TritonAttentionImpl,
+                                                     TritonAttentionMetadataBuilder)
 
-from .backend import KVCompileBackend, KVCompileImpl
+from .backend import KVCompileBackend, KVCompileBuilder, KVCompileImpl
 
 
 class FlashBackendImpl(KVCompileImpl, FlashAttentionImpl):
     """vLLM's FLASH_ATTN implementation over kvcompile's pages when a quantizing policy is named."""
 
 
+class FlashBuilder(KVCompileBuilder, FlashAttentionMetadataBuilder):
+    """vLLM's FLASH_ATTN metadata builder, declaring no CUDA graphs."""
+
+
 class FlashBackend(KVCompileBackend, FlashAttentionBackend):
     """vLLM's FLASH_ATTN backend with kvcompile's pages."""
+
+    builder = FlashBuilder
 
     @staticmethod
     def get_impl_cls():
@@ -28,8 +36,14 @@ class TritonBackendImpl(KVCompileImpl, TritonAttentionImpl):
     """vLLM's TRITON_ATTN implementation over kvcompile's pages when a quantizing policy is named."""
 
 
+class TritonBuilder(KVCompileBuilder, TritonAttentionMetadataBuilder):
+    """vLLM's TRITON_ATTN metadata builder, declaring no CUDA graphs."""
+
+
 class TritonBackend(KVCompileBackend, TritonAttentionBackend):
     """vLLM's TRITON_ATTN backend with kvcompile's pages."""
+
+    builder = TritonBuilder
 
     @staticmethod
     def get_impl_cls():
