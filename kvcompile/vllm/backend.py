@@ -37,8 +37,9 @@ Everything else is vLLM's: the scheduler, the metadata builder (query start offs
 tables), sampling. Under ``Policy.full()``, or when no policy is named, every method is vLLM's own backend's --
 the same pages, kernels and arithmetic -- so tokens and log probabilities are vLLM's exactly.
 
-A vLLM backend is made kvcompile's by mixing ``KVCompileBackend`` into it and ``KVCompileImpl`` into its
-implementation; ``cpu.py`` (vLLM's ``CPU_ATTN``) and ``cuda.py`` (``FLASH_ATTN``, ``TRITON_ATTN``) hold the ones
+A vLLM backend is made kvcompile's by mixing ``KVCompileBackend`` into it, ``KVCompileImpl`` into its
+implementation and ``KVCompileBuilder`` into its metadata builder (no CUDA graphs over the attention);
+``cpu.py`` (vLLM's ``CPU_ATTN``) and ``cuda.py`` (``FLASH_ATTN``, ``TRITON_ATTN``) hold the ones
 ``kvcompile.vllm.register`` puts in vLLM's registry.
 """
 from __future__ import annotations
@@ -424,8 +425,8 @@ def customized(spec, backend_customize):
 class KVCompileBackend:
     """What kvcompile adds to a vLLM attention backend (mixed in before it): its spec is kvcompile's page when a
     quantizing policy is named (``customized``). Each backend's class also names its implementation
-    (``get_impl_cls``: vLLM's with ``KVCompileImpl`` mixed in); its name (``get_name``) stays vLLM's backend's,
-    which vLLM looks backends up by."""
+    (``get_impl_cls``: vLLM's with ``KVCompileImpl`` mixed in) and its metadata builder (``builder``: vLLM's with
+    ``KVCompileBuilder``); its name (``get_name``) stays vLLM's backend's, which vLLM looks backends up by."""
 
     @classmethod
     def customize_spec(cls, spec):
