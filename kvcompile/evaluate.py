@@ -135,8 +135,7 @@ def one_at_a_time(policy: Policy) -> bool:
     groups waiting to fill, sinks): then which positions a token reads in full precision depends on how the tokens
     were split into calls, unless each call holds one token, which ``own="stored"`` does (an engine that reads
     every position as stored computes this split-free attention: kvcompile inside vLLM)."""
-    policies = [policy.base()] + [p for _, p in policy.overrides]
-    return any(needs_window(p) or p.sink for p in policies)
+    return any(needs_window(p) or p.sink for p in policy.choices())
 
 
 def check_own(own, policy: Policy | None = None, fast: bool = True) -> None:

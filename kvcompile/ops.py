@@ -39,7 +39,7 @@ from torch import Tensor
 from . import standin
 from .errors import ArgumentError, UnsupportedError
 from .store import (KVState, KVStore, LayerSpec, attention_reference, check_chunk, cover, dequantize_reference,
-                    flat_rings, own_rings, store_reference)
+                    row_rings, store_reference)
 
 KERNELS = ("auto", "triton", "cpu", "inductor", "reference")
 
@@ -109,7 +109,7 @@ def _cpu_store(state, spec, k, v, n_new=None):
 
 def _reference_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
                          groups=None, rings=None, flat=None):
-    return attention_reference(q, own_rings(flat_rings(state, spec, flat), rings), spec, mask, scale, k_new=k_new,
+    return attention_reference(q, row_rings(state, spec, rings, flat), spec, mask, scale, k_new=k_new,
                                v_new=v_new, rope=rope)
 
 
@@ -120,7 +120,7 @@ def _cpu_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=Non
     if cpu.check_decode(q, spec) is None:  # decode: the C kernel reads the packed bytes (and ``flat``) where they lie
         return cpu.attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope, groups=groups,
                              rings=rings, flat=flat)
-    return cpu.prefill_attention(q, own_rings(flat_rings(state, spec, flat), rings), spec, mask, scale,
+    return cpu.prefill_attention(q, row_rings(state, spec, rings, flat), spec, mask, scale,
                                  k_new=k_new, v_new=v_new, rope=rope)
 
 
@@ -130,7 +130,7 @@ def _triton_store(state, spec, k, v, n_new=None):
 
 def _triton_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
                       groups=None, rings=None, flat=None):
-    return _triton().attention(q, own_rings(flat_rings(state, spec, flat), rings), spec, mask, scale, k_new=k_new,
+    return _triton().attention(q, row_rings(state, spec, rings, flat), spec, mask, scale, k_new=k_new,
                                v_new=v_new, rope=rope, invariant=invariant)
 
 
@@ -152,7 +152,7 @@ def _compiled_attention(spec_name: str):
 
 def _inductor_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
                         groups=None, rings=None, flat=None):
-    return _compiled_attention(spec.name)(q, list(own_rings(flat_rings(state, spec, flat), rings)), mask, scale,
+    return _compiled_attention(spec.name)(q, list(row_rings(state, spec, rings, flat)), mask, scale,
                                           spec.name, k_new, v_new, list(rope) if rope is not None else None)
 
 

@@ -310,6 +310,10 @@ class Policy:
     def base(self) -> "Policy":
         return replace(self, overrides=())
 
+    def choices(self) -> list["Policy"]:
+        """Every policy a layer may get: the base, then each override's (before ``resolve`` names the layers)."""
+        return [self.base()] + [pol for _, pol in self.overrides]
+
     def resolve(self, layer_names: Iterable[str]) -> list["Policy"]:
         """One concrete policy per layer, in order. A key that matches no layer is an error."""
         names = list(layer_names)

@@ -1027,6 +1027,13 @@ def flat_rings(state: KVState, spec: LayerSpec, flat: FlatRecent | None) -> KVSt
     return state._replace(k_res=rings(k), v_res=rings(v))
 
 
+def row_rings(state: KVState, spec: LayerSpec, rings: Tensor | None = None, flat: FlatRecent | None = None) -> KVState:
+    """``state`` with a ring of its own for every row holding its full-precision positions: from ``flat``
+    (``flat_rings``) or the shared rings ``rings`` names (``own_rings``) -- what a kernel that reads rings takes
+    for ``ops.Backend``'s ``rings`` and ``flat``."""
+    return own_rings(flat_rings(state, spec, flat), rings)
+
+
 def own_rings(state: KVState, rings: Tensor | None) -> KVState:
     """``state`` with a ring of its own for every row: row ``b``'s is ring ``rings[b]`` of ``k_res, v_res`` (rows
     that share rings, ``ops.Backend``'s ``rings``), or ``state`` itself for None."""

@@ -37,7 +37,7 @@ from kvcompile import cachedir
 from kvcompile import quant as Q
 from kvcompile.errors import ArgumentError, CacheDirError, CompilerError
 from kvcompile.store import (FlatRecent, KVState, LayerSpec, Rope, apply_rope, check_rope_tables, chunk_needed,
-                             dequantize_reference, describe, flat_rings, hadamard, own_rings, row_widths, stored_chunk,
+                             dequantize_reference, describe, hadamard, own_rings, row_rings, row_widths, stored_chunk,
                              with_chunk)
 
 from .common import inf_to_nan, scale_code
@@ -571,7 +571,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, s
     if groups is not None and not (hasattr(lib, "kvc_attention_rows") and (mask is None or lib.rows_mask)):
         groups = None  # a benchmark's older copy of the kernel: each row alone (the same bits)
     if flat is not None and (rings is not None or not lib.res_map):  # (a benchmark's older copy: gathered rings)
-        state, flat, rings = own_rings(flat_rings(state, spec, flat), rings), None, None
+        state, flat, rings = row_rings(state, spec, rings, flat), None, None
     if rings is not None and groups is None:
         state, rings = own_rings(state, rings), None
     fmap, res = (None, (None, 0) if lib.res_map else ()) if flat is None else _flat_args(flat, state, spec)

@@ -963,7 +963,7 @@ int64_t kvc_attention(
         const int64_t *pool_sb,      /* bytes from one block to the next in k_codes, k_scale, k_zero, v_*: [6] */
         const int64_t *res_map, int64_t res_n) {
     /* res_map: NULL (rings), or [B, 3] (h0, h1, before) per row: the full-precision positions are then rows of
-     * k_res, v_res as one flat [res_n, H, D] (position p at row p < before ? h0 + p : h1 + p; res_map_row) instead
+     * k_res, v_res as one flat [res_n, H, D] (position p at row p < before ? h0 + p : h1 + p: residual_rows) instead
      * of rings; a row outside it returns 1 + B + b. */
     /* ns: splits of each (sequence, kv head)'s positions, merged at the end (templates/cpu.py chooses). A task
      * is one split of one kv head; with pre-RoPE keys, one split of every kv head, walked tile by tile with the

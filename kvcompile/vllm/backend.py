@@ -144,8 +144,7 @@ class KVCompileImpl:
         if policy is not None and policy.overrides:
             # A policy per layer: which layer this is, vLLM says only when it asks the layer for its page
             # (``layer_spec``). Every policy the layers may get is checked now, so a refusal comes at start-up.
-            choices = [policy.base()] + [p for _, p in policy.overrides]
-            lays = [self._layout_of(p) for p in choices]
+            lays = [self._layout_of(p) for p in policy.choices()]
             self.windowed = any(lay is not None and lay.window for lay in lays)
             quantizes = [lay is not None for lay in lays]
             self.per_layer = policy

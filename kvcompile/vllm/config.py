@@ -70,8 +70,7 @@ def check_engine(vllm_config) -> None:
         return
     check_cache_dtype(vllm_config.cache_config.cache_dtype)
     stages = vllm_config.parallel_config.pipeline_parallel_size
-    if stages > 1 and policy.overrides and any(pages.needs_window(p) for p in [policy.base()] +
-                                               [p for _, p in policy.overrides]):
+    if stages > 1 and policy.overrides and any(pages.needs_window(p) for p in policy.choices()):
         refuse(f"a per-layer policy whose layers keep window caches (a recent window or KIVI's key groups: {policy}) "
                f"under pipeline_parallel_size={stages}: each stage would size its window pages from its own layers, "
                "and vLLM 0.32 cannot lay out a stage that lacks a kind of window cache another stage has",
