@@ -620,10 +620,14 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     - mode TILE keys: the query's rounding to bf16 (computed exactly) times ``|a c|`` (``b sum(q)`` uses the
       fp32 query), and the tensor cores' fp32 sums of ``|q|(|c| + OFF)``, the ``OFF`` and ``b`` row sums alike
       (gamma_(4D+16): a margin for accumulation that need not round to nearest);
+    - mode CHAN keys: ``q' = bf16(fl(q a))`` per group of tokens ((u_b + 3u) ``|q a c|``, the query unrounded but
+      saturated at ``decode.CHAN_QMAX``: its saturation times ``|a c| + |b|``), and the sums of ``|q' c|`` and
+      ``|q b|`` (gamma_(4D+16), ``|q'|`` at most 1.01 ``|q a|``; the codes enter exactly, no ``OFF``);
     - mode ELEM keys: each element rounded to bf16 after ``fl(fl(a c) + b)`` (u_b |k| + 2u (|a c| + |k|)), the
       query's rounding times that element, and the same accumulation term;
-    - values, TILE: ``p a`` rounded to bf16 (u_b + 2u, times ``|a c|``), the accumulations of ``p' (c + OFF)``,
-      of ``p'`` and of ``p b`` over the N keys (gamma_(4N + 8 NSPLIT + 16) times ``|a|(|c| + 2 OFF) + |b|``);
+    - values, TILE and GROUPS: ``p a`` rounded to bf16 (u_b + 2u, times ``|a c|``), the accumulations of
+      ``p' (c + OFF)``, of ``p'`` and of ``p b`` over the N keys (gamma_(4N + 8 NSPLIT + 16) times
+      ``|a|(|c| + 2 OFF) + |b|``; GROUPS: the codes enter exactly, no ``OFF``);
       ELEM: the values and the weights rounded to bf16 (2 u_b + u_b**2 of ``|v|``) and the same accumulation
       term over ``|a c| + |b| + |v|``. The weights' error of step 2 multiplies ``|v|`` in both (one weight per
       key multiplies all of a key's terms).
@@ -725,7 +729,7 @@ def _decode_error(qr, k, v, w, vis, sc, state, spec, C, nslots, scale, uop, own)
     ``XK`` the element's own rounding and the accumulation. Values: per output channel,
     ``sum_n w_n (rho X1 + gam X2)``, and ``(e^2E - 1) sum_n w_n |v_n|`` for the weights' error: in mode TILE the
     kernel sums ``p' c`` and ``p b`` with one ``p`` per key, so that error multiplies ``|v|`` there too."""
-    from .decode import MODE_ELEM, affine_terms, tensor_mode
+    from .decode import CHAN_QMAX, MODE_CHAN, MODE_ELEM, MODE_TILE, affine_terms, modes
 
     u = 2.0 ** -24
     B, Hq, n, D = qr.shape
@@ -740,8 +744,8 @@ def _decode_error(qr, k, v, w, vis, sc, state, spec, C, nslots, scale, uop, own)
         qz = spec.policy.key if which == "k" else spec.policy.value
         c, a, b, packed = affine_terms(state, spec, which, C, own)
         c, a, b = (t.repeat_interleave(Hq // H, dim=1).to(x.device) for t in (c, a, b))  # per query head
-        mode = tensor_mode(qz, D, which == "v")
-        off = 128.0 if mode != MODE_ELEM and qz.is_int and qz.bits < 8 else 0.0
+        mode = modes(spec.policy, D)[which == "v"]
+        off = 128.0 if mode == MODE_TILE and qz.is_int and qz.bits < 8 else 0.0  # CHAN, GROUPS: exact codes
         ac, mag, bb = (a * c).abs(), a.abs() * (c.abs() + 2 * off) + b.abs(), b.abs()
         # a poisoned group (NaN scale) is NaN only where attention_reference says; elsewhere it weighs nothing
         ac, mag, bb = (torch.where(torch.isfinite(t), t, 0.0) for t in (ac, mag, bb))
@@ -752,7 +756,11 @@ def _decode_error(qr, k, v, w, vis, sc, state, spec, C, nslots, scale, uop, own)
     bmax = torch.finfo(torch.bfloat16).max
     qc = qr.clamp(-bmax, bmax)  # the kernel saturates the query at bf16's largest (exact elsewhere) ...
     dq = (qc - qc.to(torch.bfloat16).double()).abs() + (qr - qc).abs()  # ... and rounds it to bf16
-    if mode != MODE_ELEM:  # TILE (the b sum(q) term reads the saturated query: |q - qc| times |b| too)
+    if mode == MODE_CHAN:  # the query saturated lower, not rounded; q' = bf16(fl(q a)) per group: |q a c| (u_b + 2u)
+        qc = qr.clamp(-CHAN_QMAX.value, CHAN_QMAX.value)
+        dq = (qr - qc).abs()
+        xq, xk = ac, (2.0 ** -8 + 3 * u) * ac + gamma(4 * D + 16) * 1.01 * mag  # sums of |q'| (|c| + 2 OFF) + |q b|
+    elif mode != MODE_ELEM:  # TILE (the b sum(q) term reads the saturated query: |q - qc| times |b| too)
         xq, xk = ac, gamma(4 * D + 16) * mag
     else:  # the element rounded to bf16 after fl(fl(a c) + b), and the sums of |qb kb|
         xq = ka * (1 + 2.0 ** -7) + 2.1 * u * (ac + ka)

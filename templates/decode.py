@@ -21,11 +21,16 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
   per token, ``q.x = a (q.c) + b sum(q)`` and ``sum_n p_n x_n = sum_n (p_n a_n) c_n + sum_n p_n b_n``, so the
   scales multiply the [rows, BLOCK_N] score and probability tiles, never the [BLOCK_N, D] codes. Integers
   narrower than a byte become bf16 as ``128 + c`` by setting bits (``0x4300 | c``, no conversion
-  instruction); the 128 is taken back from the row sums (``OFF``). Values in per-token groups of at least 16
+  instruction); the 128 is taken back from the row sums (``OFF``), or, where row sums would cost more (modes
+  CHAN and GROUPS), from the codes (one bf16 subtraction a pair). Values in per-token groups of at least 16
   bytes' slots (KIVI's int4 values in 32-groups: mode GROUPS) scale the probabilities per group, one batched
-  product per group. Other layouts (per-channel KIVI keys, smaller groups, fp32 scales) dequantize each element
-  into bf16 (mode ELEM: ``a c + b`` in fp32, rounded once). fp8 with one fixed scale (axis="tensor", none
-  stored) is TILE with ``a = 1``, nothing loaded; a poisoned token-head holds NaN codes instead of a NaN scale:
+  product per group. Per-channel keys in token groups of at least 16 (KIVI's keys: mode CHAN) scale the query
+  instead: with ``x = a_c c + b_c`` per channel over a group of tokens, ``q.x = sum_c (q_c a_c) c + sum_c q_c b_c``,
+  so each group's tokens multiply their codes by ``bf16(q a)`` (a batched product per group) and add the group's
+  ``q.b`` -- [rows, D] per group of tokens, not per token. Other layouts (smaller groups, per-channel values,
+  fp32 scales) dequantize each element into bf16 (mode ELEM: ``a c + b`` in fp32, rounded once). fp8 with one
+  fixed scale (axis="tensor", none stored) is TILE with ``a = 1``, nothing loaded; a poisoned token-head holds NaN
+  codes instead of a NaN scale:
   e4m3's (0x7F, which the bit trick reads as 480) is selected to NaN in the key tile, and in the value tile NaN
   codes are read as zeros and counted per channel where visible (that channel of the row becomes NaN, as
   ``attention_reference`` says) -- compile-time, so other formats pay nothing.
@@ -51,13 +56,16 @@ from torch import Tensor
 from kvcompile.policy import Quant
 from kvcompile.store import KVState, LayerSpec
 
-from .attention import _bf16, _dot, _full_tile, _merge_kernel, _online_step
+from .attention import _INTERP, _bf16, _dot, _full_tile, _merge_kernel, _online_step
 from .common import INTERPRET, run, scale_code
 from .store import _boundary, _e4m3_value, _kind, as_bytes, nonempty
 
 BF16_MAX = tl.constexpr(3.3895313892515355e38)  # torch.finfo(torch.bfloat16).max
-MODE_TILE, MODE_ELEM, MODE_GROUPS = 0, 1, 2
-MODES = {MODE_TILE: "tile", MODE_ELEM: "elem", MODE_GROUPS: "groups"}
+MODE_TILE, MODE_ELEM, MODE_GROUPS, MODE_CHAN = 0, 1, 2, 3
+MODES = {MODE_TILE: "tile", MODE_ELEM: "elem", MODE_GROUPS: "groups", MODE_CHAN: "chan"}
+# mode CHAN scales the query by a key group's scales in bf16: a query beyond this saturates there, so that no
+# product with a scale (at most 2**24: fp16's largest, or e4m3 codes' 256 times an fp8 or fp16 scale) leaves bf16
+CHAN_QMAX = tl.constexpr(3.3895313892515355e38 / 2.0 ** 24)
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_configs.json")
 
 
@@ -69,8 +77,10 @@ def tensor_mode(q: Quant, head_dim: int, values: bool = False) -> int | None:
     overflow fp32 once the ``128 + c`` offset multiplies them), or none stored (fp8, axis="tensor": always TILE,
     a scale of 1.0 and the NaN codes of a poisoned token-head handled there). GROUPS (values only): per-token
     groups of at least 16 bytes' slots (KIVI's int4 values in 32-groups), the probabilities scaled per group, one
-    batched product per group. ELEM: any other grouping whose groups cover whole bytes. Formats: fp8, int8, int4, int2
-    (int3's 3-byte units and format "none" are the general kernel's)."""
+    batched product per group. CHAN (keys only): per-channel scales over token groups of at least 16 tokens
+    (KIVI's keys), fp16 or fp8 scales, the query scaled per group. ELEM: any other grouping whose groups
+    cover whole bytes. Formats: fp8, int8, int4, int2 (int3's 3-byte units and format "none" are the general
+    kernel's)."""
     if not q.quantized or q.format == "int3":
         return None
     per = 8 // q.bits
@@ -80,6 +90,8 @@ def tensor_mode(q: Quant, head_dim: int, values: bool = False) -> int | None:
     token = q.axis != "channel"  # axis="tensor" reads as per token-head, its scale 1.0 (not stored)
     if token and g == head_dim and q.scale_dtype != "float32":
         return MODE_TILE
+    if not values and not token and g >= 16 and q.scale_dtype != "float32":
+        return MODE_CHAN
     if values and token and g // per >= 16 and q.scale_dtype != "float32":
         return MODE_GROUPS
     if token and g < per:
@@ -91,9 +103,16 @@ def decode_layout(spec: LayerSpec, n: int, rope: bool) -> tuple[int, int] | None
     """(key mode, value mode) when ``templates.decode`` serves this call, else None (the general kernel)."""
     if n != 1 or rope:
         return None
-    km, vm = tensor_mode(spec.policy.key, spec.head_dim), tensor_mode(spec.policy.value, spec.head_dim, True)
+    return modes(spec.policy, spec.head_dim)
+
+
+def modes(policy, head_dim: int) -> tuple[int, int] | None:
+    """(key mode, value mode) of the decode kernel for this policy's layout, None where it cannot read it."""
+    km, vm = tensor_mode(policy.key, head_dim), tensor_mode(policy.value, head_dim, True)
     if km is None or vm is None:
         return None
+    if km == MODE_CHAN and vm == MODE_ELEM:  # beside per-element values the scaled queries' registers cost more
+        km = MODE_ELEM  # than they save (KIVI int2, sm_90: 255 registers and 41.8 loop instructions a byte, not 36.4)
     return km, vm
 
 
@@ -120,8 +139,7 @@ def tile_config(spec: LayerSpec, gqa: int) -> dict:
     bits = spec.policy.key.bits + spec.policy.value.bits  # bytes of codes per token: bits * D / 8
     per_token = bits * spec.head_dim // 8
     rule = table["default"]
-    modes = decode_layout(spec, 1, False) or ()
-    top = rule["elem_max_block_n"] if MODE_ELEM in modes else rule["max_block_n"]  # ELEM tiles hold fp32 scales
+    top = rule["elem_max_block_n"] if MODE_ELEM in (modes(spec.policy, spec.head_dim) or ()) else rule["max_block_n"]
     block_n = max(16, min(top, triton.next_power_of_2(max(1, rule["tile_bytes"] // per_token))))
     return dict(block_n=block_n, warps=rule["warps"], stages=rule["stages"], source="rule")
 
@@ -152,6 +170,19 @@ def _code_tile(byte, I: tl.constexpr, BITS: tl.constexpr, KIND: tl.constexpr, E4
         c = (byte >> (BITS * I)) & ((1 << BITS) - 1)
         return (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
     return _code_f32(byte, I, BITS, KIND, E4M3).to(tl.bfloat16)
+
+
+@triton.jit
+def _code_exact(byte, I: tl.constexpr, BITS: tl.constexpr, KIND: tl.constexpr, E4M3: tl.constexpr):
+    """bf16 codes of slot ``I``, each exactly its value: ``_code_tile``'s ``128 + c`` less 128, one bf16
+    subtraction a pair of codes (where a tile's row sums would cost more than that: modes CHAN and GROUPS)."""
+    t = _code_tile(byte, I, BITS, KIND, E4M3)
+    if KIND != 2 and BITS < 8:
+        if _INTERP:  # Triton's interpreter does bf16 arithmetic on the bit patterns (as in ``attention._dot``)
+            t = (t.to(tl.float32) - 128.0).to(tl.bfloat16)
+        else:
+            t = t - 128.0
+    return t
 
 
 @triton.jit
@@ -291,6 +322,16 @@ def _decode_kernel(
             qoff = qbsum * 128.0  # OFF: the codes are 128 + c
         else:
             qoff = qbsum * 0.0
+        if K_MODE == 3:  # CHAN: the fp32 query slots, [U, rows], saturated so that q a stays inside bf16
+            qf0 = tl.trans(tl.minimum(tl.maximum(q0, -CHAN_QMAX), CHAN_QMAX))
+            qf1 = qf0
+            qf2 = qf0
+            qf3 = qf0
+            if PK > 1:
+                qf1 = tl.trans(tl.minimum(tl.maximum(q1, -CHAN_QMAX), CHAN_QMAX))
+            if PK > 2:
+                qf2 = tl.trans(tl.minimum(tl.maximum(q2, -CHAN_QMAX), CHAN_QMAX))
+                qf3 = tl.trans(tl.minimum(tl.maximum(q3, -CHAN_QMAX), CHAN_QMAX))
 
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
@@ -306,7 +347,6 @@ def _decode_kernel(
         accg1 = tl.zeros([NGV, M, WGV], tl.float32)
         accg2 = tl.zeros([NGV, M, WGV], tl.float32)
         accg3 = tl.zeros([NGV, M, WGV], tl.float32)
-        psumg = tl.zeros([NGV, M], tl.float32)
         bsumg = tl.zeros([NGV, M], tl.float32)
         hit0 = tl.zeros([M, UV], tl.float32)  # ELEM values: visible poisoned positions per channel
         hit1 = tl.zeros([M, UV], tl.float32)
@@ -352,6 +392,25 @@ def _decode_kernel(
                     raw = _dot(_code_tile(kbyte, 3, K_BITS, K_KIND, K_E4M3), qt3, raw)
                 raw = tl.trans(raw)
                 s = ((raw - qoff[:, None]) * ka[None, :] + qsum[:, None] * kb[None, :]) * sm_scale
+            elif K_MODE == 3:  # a product per group of K_G tokens, its query scaled by the group's scales
+                NT: tl.constexpr = BLOCK_N // K_G
+                kb3 = tl.reshape(kbyte, (NT, K_G, UK))
+                raw3 = tl.zeros([NT, K_G, M], tl.float32)
+                corr = tl.zeros([NT, M], tl.float32)
+                raw3, corr = _chan_qk(raw3, corr, kb3, qf0, 0, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
+                                      sks_nb, sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT)
+                if PK > 1:
+                    raw3, corr = _chan_qk(raw3, corr, kb3, qf1, 1, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
+                                          sks_nb, sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_G, K_KIND, K_BITS, K_E4M3,
+                                          K_SFMT)
+                if PK > 2:
+                    raw3, corr = _chan_qk(raw3, corr, kb3, qf2, 2, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
+                                          sks_nb, sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_G, K_KIND, K_BITS, K_E4M3,
+                                          K_SFMT)
+                    raw3, corr = _chan_qk(raw3, corr, kb3, qf3, 3, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
+                                          sks_nb, sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_G, K_KIND, K_BITS, K_E4M3,
+                                          K_SFMT)
+                s = tl.trans(tl.reshape((raw3 + corr[:, None, :]) * sm_scale, (BLOCK_N, M)))
             else:
                 raw = _elem_qk(None, qt0, kbyte, 0, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh, sks_nb, sks_t,
                                uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT)
@@ -389,19 +448,18 @@ def _decode_kernel(
                                  V_KIND, V_BITS, V_E4M3, V_SFMT)  # [BLOCK_N, groups]
                 vis3 = vis[None, :, :]
                 pa3 = _bf16(tl.where(vis3, pr[None, :, :] * tl.trans(va)[:, None, :], 0.0))
-                psumg = psumg * alpha[None, :] + tl.sum(pa3.to(tl.float32), 2)
                 bsumg = bsumg * alpha[None, :] + tl.sum(tl.where(vis3, pr[None, :, :] * tl.trans(vb)[:, None, :], 0.0),
                                                         2)
                 vbyte3 = tl.load(vch + (blk * svc_nb + row * svc_t)[None, :, None] + (gv[:, None, None] * WGV
                                                                                       + wv[None, None, :]),
                                  mask=kv_ok[None, :, None], other=0).to(tl.int32)
                 a3 = alpha[None, :, None]
-                accg0 = _dot(pa3, _code_tile(vbyte3, 0, V_BITS, V_KIND, V_E4M3), accg0 * a3)
+                accg0 = _dot(pa3, _code_exact(vbyte3, 0, V_BITS, V_KIND, V_E4M3), accg0 * a3)
                 if PV > 1:
-                    accg1 = _dot(pa3, _code_tile(vbyte3, 1, V_BITS, V_KIND, V_E4M3), accg1 * a3)
+                    accg1 = _dot(pa3, _code_exact(vbyte3, 1, V_BITS, V_KIND, V_E4M3), accg1 * a3)
                 if PV > 2:
-                    accg2 = _dot(pa3, _code_tile(vbyte3, 2, V_BITS, V_KIND, V_E4M3), accg2 * a3)
-                    accg3 = _dot(pa3, _code_tile(vbyte3, 3, V_BITS, V_KIND, V_E4M3), accg3 * a3)
+                    accg2 = _dot(pa3, _code_exact(vbyte3, 2, V_BITS, V_KIND, V_E4M3), accg2 * a3)
+                    accg3 = _dot(pa3, _code_exact(vbyte3, 3, V_BITS, V_KIND, V_E4M3), accg3 * a3)
             else:
                 vbyte = tl.load(vch + (blk * svc_nb + row * svc_t)[:, None] + uv[None, :],
                                 mask=kv_ok[:, None], other=0).to(tl.int32)
@@ -445,10 +503,7 @@ def _decode_kernel(
         else:
             fix = bsum
         if V_MODE == 2:
-            if V_KIND != 2 and V_BITS < 8:
-                fixg = (bsumg - psumg * 128.0)[:, :, None]  # OFF: the codes were 128 + c
-            else:
-                fixg = bsumg[:, :, None]
+            fixg = bsumg[:, :, None]
             base3 = ws_acc + w_row[None, :, None] * D + PV * (gv[:, None, None] * WGV + wv[None, None, :])
             ok3 = row_ok[None, :, None]
             tl.store(base3, accg0 + fixg, mask=ok3)
@@ -585,6 +640,22 @@ def _elem_qk(raw, qt, byte, I: tl.constexpr, s_ptr, z_ptr, blk, row, j0, jend, k
 
 
 @triton.jit
+def _chan_qk(raw3, corr, kb3, qf, I: tl.constexpr, s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl,
+             PER: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
+             KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr, SFMT: tl.constexpr):
+    """Slot ``I`` of a key tile in mode CHAN, added to ``raw3 [BLOCK_N / G, G, rows]`` (the tile's groups of G
+    tokens, each token's ``q' . c``) and ``corr [BLOCK_N / G, rows]`` (each group's ``q . b``): ``q' = bf16(q a)``,
+    the fp32 query slot ``qf [U, rows]`` times the group's scales, so that the codes enter the product exactly
+    (``_code_exact``) and no element is dequantized. A poisoned group's NaN scale makes its tokens'
+    scores NaN, as ``attention_reference`` does."""
+    a, b = _elem_compact(s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl, I, PER, U, BLOCK_N, BS,
+                         True, G, KIND, BITS, E4M3, SFMT)  # [BLOCK_N / G, U]
+    qs = _bf16(qf[None, :, :] * a[:, :, None])  # [BLOCK_N / G, U, rows]
+    raw3 = _dot(_code_exact(kb3, I, BITS, KIND, E4M3), qs, raw3)
+    return raw3, corr + tl.sum(qf[None, :, :] * b[:, :, None], 1)
+
+
+@triton.jit
 def _elem_pv(acc, hit, alpha, pb, vis, byte, I: tl.constexpr, s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb,
              s_t, u, tbl, PER: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
              CHANNEL: tl.constexpr, G: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr,
@@ -613,8 +684,8 @@ def decode_config(policy, head_dim: int, sink: int, flush: int, ring: int, block
     """The constexprs of one ``_decode_kernel`` specialization and the key that spells it out (memoised)."""
     D = head_dim
     kw = dict(D=D, S=sink, R=policy.residual, F=flush, W=ring, BS=block)
-    for pre, q in (("K_", policy.key), ("V_", policy.value)):
-        kw.update({pre + "MODE": tensor_mode(q, D, pre == "V_"), pre + "KIND": _kind(q), pre + "BITS": q.bits,
+    for pre, q, mode in zip(("K_", "V_"), (policy.key, policy.value), modes(policy, D)):
+        kw.update({pre + "MODE": mode, pre + "KIND": _kind(q), pre + "BITS": q.bits,
                    pre + "E4M3": q.format == "fp8_e4m3", pre + "CHANNEL": q.axis == "channel",
                    pre + "G": q.group_for(D), pre + "SFMT": scale_code(q)})
     groups = kw["V_MODE"] == MODE_GROUPS  # values' groups and each group's columns per slot (GROUPS only)

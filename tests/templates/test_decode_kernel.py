@@ -135,6 +135,9 @@ def test_decode_kernel_equals_float64_attention(case):
            residual=0, sink=2),  # fp8 scales: a poisoned group's scale byte is 0x7F
     Policy(Quant("fp8_e4m3", "tensor"), Quant("fp8_e5m2", "tensor"), residual=2, sink=1),  # NaN codes, no scale
     Policy(Quant("fp8_e5m2", "tensor"), Quant("fp8_e4m3", "tensor"), residual=0, rotate=True),
+    # per-channel keys in groups of 16 (CHAN): a poisoned group's scale reaches the query scaled by it
+    Policy(Quant("int4", "channel", 16, scale_dtype="fp8_e4m3"), Quant("int8", "token"), residual=0, sink=2),
+    Policy(Quant("int4", "channel", 16), Quant("int4", "token", 16), residual=4),
 ]))
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on NaN operands
 def test_decode_kernel_non_finite_values_poison_what_the_reference_says(policy):
@@ -166,9 +169,15 @@ def test_which_layouts_the_decode_kernel_serves():
     for fmt in ("fp8_e4m3", "fp8_e5m2"):  # one fixed scale, none stored: a tile scale of 1
         assert decode.tensor_mode(Quant(fmt, "tensor"), 64) == decode.tensor_mode(Quant(fmt, "tensor"), 64, True) \
             == decode.MODE_TILE
-    assert decode.tensor_mode(Quant("int4", "channel", 32), 128) == decode.MODE_ELEM
+    # per-channel keys in token groups of 16 or more: the query scaled per group; values, small groups, fp32
+    # scales: per element
+    assert decode.tensor_mode(Quant("int4", "channel", 32), 128) == decode.MODE_CHAN
+    assert decode.tensor_mode(Quant("fp8_e4m3", "channel", 16, scale_dtype="fp8_e4m3"), 64) == decode.MODE_CHAN
+    assert decode.tensor_mode(Quant("int4", "channel", 32), 128, values=True) == decode.MODE_ELEM
+    assert decode.tensor_mode(Quant("int4", "channel", 8), 128) == decode.MODE_ELEM
+    assert decode.tensor_mode(Quant("int8", "channel", 32, scale_dtype="float32"), 128) == decode.MODE_ELEM
     assert decode.tensor_mode(Quant("int2", "token", 8), 64) == decode.MODE_ELEM
-    kivi_v = Quant("int4", "token", 32)  # values: a batched product per group; keys: per element
+    kivi_v = Quant("int4", "token", 32)  # values: a batched product per group; as keys: per element
     assert decode.tensor_mode(kivi_v, 128, values=True) == decode.MODE_GROUPS
     assert decode.tensor_mode(kivi_v, 128) == decode.MODE_ELEM
     assert decode.tensor_mode(Quant("int2", "token", 32), 128, values=True) == decode.MODE_ELEM  # 8 bytes a group
@@ -177,6 +186,11 @@ def test_which_layouts_the_decode_kernel_serves():
         assert decode.tensor_mode(q, D) is None, (q, D)
     spec = _spec(Policy(tok, tok, residual=0), 128)
     assert decode.decode_layout(spec, 1, False) == (decode.MODE_TILE, decode.MODE_TILE)
+    # KIVI: int4 keys scale the query per group beside values scaled per group; beside per-element values (int2's
+    # 8-byte groups) the keys are per element too (the scaled queries' registers would cost more than they save)
+    kivi4, kivi2 = _spec(Policy.kivi(4, group=32), 128), _spec(Policy.kivi(2, group=32), 128)
+    assert decode.decode_layout(kivi4, 1, False) == (decode.MODE_CHAN, decode.MODE_GROUPS)
+    assert decode.decode_layout(kivi2, 1, False) == (decode.MODE_ELEM, decode.MODE_ELEM)
     assert decode.decode_layout(spec, 2, False) is None and decode.decode_layout(spec, 1, True) is None
     state = spec.allocate(1, 64)
     assert launch.plan(state, spec, (1, 4, 1, 128)).decode and not launch.plan(state, spec, (1, 4, 3, 128)).decode
@@ -221,7 +235,7 @@ def test_tiles_come_from_the_config_table_or_its_rule(monkeypatch):
 def test_decode_keys_spell_out_the_specialization():
     key, kw = decode.decode_config(Policy.kivi(4, group=32, residual=16, sink=4), 128, 4, 32, 47, 64, 4, 128, 3,
                                    0, "tf32", False, True)
-    assert key == ("decode[k=int4.channel.32.asym.f16:elem;v=int4.token.32.asym.f16:groups;S=4;R=16;F=32;W=47;"
+    assert key == ("decode[k=int4.channel.32.asym.f16:chan;v=int4.token.32.asym.f16:groups;S=4;R=16;F=32;W=47;"
                    "BS=64;D=128;gqa=4;bn=128;stages=3;mask=0;dot=tf32;chunk=0;full=1]")
     assert kw["M"] == 16 and kw["K_CHANNEL"] and not kw["V_CHANNEL"] and kw["V_G"] == 32 and kw["FULL"]
     key, kw = decode.decode_config(Policy.fp8("fp8_e5m2", residual=0, axis="tensor"), 128, 0, 1, 0, 16, 4, 64, 3, 0,

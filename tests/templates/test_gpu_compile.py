@@ -108,12 +108,13 @@ def test_kernels_compile_for_sm90():
     # loop (a decode with no residual reads its own token from the chunk)
     assert "rope: [(False, 128), (True, 64), (True, 128)]" in r.stdout, r.stdout
     # the decode kernel: (key mode, value mode, full-precision program, own token, mask kind, tile over blocks);
-    # mode 0: scales on tiles, 1: per element, 2: per group
+    # mode 0: scales on tiles, 1: per element, 2: per group, 3: the query scaled per group of tokens
     decode = r.stdout.split("decode:")[1]
     # (whether the tile-scaled case's tile spans blocks is the tile table's choice, templates/decode_configs.json:
     # since the table, it does; a tile inside one block and one over several both compile in the other cases)
     assert "(0, 0, True, True, 0, " in decode, r.stdout
-    for want in ("(1, 2, True, True, 0, False)", "(1, 2, True, False, 2, False)", "(0, 1, True, True, 1, True)"):
+    for want in ("(3, 2, True, True, 0, False)", "(3, 2, True, False, 0, True)", "(1, 2, True, False, 2, False)",
+                 "(0, 1, True, True, 1, True)"):
         assert want in decode, r.stdout
     assert "invariant: 2 2" in r.stdout, r.stdout  # row-invariant splits and the in-order merge lower too
     # the rotation: fp32 out (the float32 rows), float64 out (bf16 / fp16 rows, for torch to round; float64 rows)
