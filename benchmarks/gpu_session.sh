@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_session.sh --quick     # < 3 minutes: 3 layouts' correctness, decode at batch 8 x 32K
 #   bash benchmarks/gpu_session.sh --quick --tile int4=256,4,3 int2=256,8,3   # a tuning round
 #   bash benchmarks/gpu_session.sh --autotune  # ~5 minutes: time the decode tiles, write the config table
+#   KVCOMPILE_PTX_UNPACK=0 bash benchmarks/gpu_session.sh --quick   # int4 / int2 codes unpacked in Triton's
+#                                              # integer ops, not inline PTX (templates/decode.py): to tell them apart
 #
 # Steps, most important first, each cut off so the whole call ends before BUDGET_S seconds (default 470, quick
 # 170, autotune 300):

@@ -21,8 +21,9 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
   per token, ``q.x = a (q.c) + b sum(q)`` and ``sum_n p_n x_n = sum_n (p_n a_n) c_n + sum_n p_n b_n``, so the
   scales multiply the [rows, BLOCK_N] score and probability tiles, never the [BLOCK_N, D] codes. Integers
   narrower than a byte become bf16 as ``128 + c`` by setting bits (``0x4300 | c``, no conversion
-  instruction); the 128 is taken back from the row sums (``OFF``), or, where row sums would cost more (modes
-  CHAN and GROUPS), from the codes (one bf16 subtraction a pair). Values in per-token groups of at least 16
+  instruction; on a GPU four bytes at a time in inline PTX, ``_UNPACK4`` / ``_UNPACK2``); the 128 is taken back
+  from the row sums (``OFF``), or, where row sums would cost more (modes CHAN and GROUPS), from the codes (one
+  bf16 subtraction a pair). Values in per-token groups of at least 16
   bytes' slots (KIVI's int4 values in 32-groups: mode GROUPS) scale the probabilities per group, one batched
   product per group. Per-channel keys in token groups of at least 16 (KIVI's keys: mode CHAN) scale the query
   instead: with ``x = a_c c + b_c`` per channel over a group of tokens, ``q.x = sum_c (q_c a_c) c + sum_c q_c b_c``,
@@ -172,17 +173,70 @@ def _code_tile(byte, I: tl.constexpr, BITS: tl.constexpr, KIND: tl.constexpr, E4
     return _code_f32(byte, I, BITS, KIND, E4M3).to(tl.bfloat16)
 
 
+# A word of 4 code bytes -> each slot's 4 codes as bf16 ``128 + c``, two bf16x2 registers a slot: bytes 0, 1 spread
+# into the word's halves (and bytes 2, 3: prmt, zeros from the second operand), then per slot a shift and
+# ``(w & mask) | 0x43004300`` (lop3, 0xEA = (a & b) | c): about one instruction a code, where the same in Triton's
+# integer ops (zero-extend, shift, mask, or, narrow, pair up) costs about three.
+_UNPACK_HEAD = ("{.reg .b32 lo, hi, s; prmt.b32 lo, $$IN, 0, 0x4140; prmt.b32 hi, $$IN, 0, 0x4342; ")
+_UNPACK4 = tl.constexpr(
+    _UNPACK_HEAD.replace("$$IN", "$4")
+    + "lop3.b32 $0, lo, 0x000F000F, 0x43004300, 0xEA; lop3.b32 $1, hi, 0x000F000F, 0x43004300, 0xEA; "
+    + "shr.b32 s, lo, 4; lop3.b32 $2, s, 0x000F000F, 0x43004300, 0xEA; "
+    + "shr.b32 s, hi, 4; lop3.b32 $3, s, 0x000F000F, 0x43004300, 0xEA; }")
+_UNPACK2 = tl.constexpr(
+    _UNPACK_HEAD.replace("$$IN", "$8")
+    + "lop3.b32 $0, lo, 0x00030003, 0x43004300, 0xEA; lop3.b32 $1, hi, 0x00030003, 0x43004300, 0xEA; "
+    + "".join(f"shr.b32 s, lo, {2 * i}; lop3.b32 ${2 * i}, s, 0x00030003, 0x43004300, 0xEA; "
+              f"shr.b32 s, hi, {2 * i}; lop3.b32 ${2 * i + 1}, s, 0x00030003, 0x43004300, 0xEA; " for i in (1, 2, 3))
+    + "}")
+
+
+# KVCOMPILE_PTX_UNPACK=0 unpacks in Triton's integer ops on a GPU too (the same bits): to tell the two apart there
+_PTX = tl.constexpr(not INTERPRET and os.environ.get("KVCOMPILE_PTX_UNPACK", "1") != "0")
+
+
 @triton.jit
-def _code_exact(byte, I: tl.constexpr, BITS: tl.constexpr, KIND: tl.constexpr, E4M3: tl.constexpr):
-    """bf16 codes of slot ``I``, each exactly its value: ``_code_tile``'s ``128 + c`` less 128, one bf16
-    subtraction a pair of codes (where a tile's row sums would cost more than that: modes CHAN and GROUPS)."""
-    t = _code_tile(byte, I, BITS, KIND, E4M3)
+def _code_tiles(byte, BITS: tl.constexpr, KIND: tl.constexpr, E4M3: tl.constexpr):
+    """``_code_tile`` of every slot of the bytes (4 tiles; slots past ``8 // BITS`` repeat slot 0). On a GPU an
+    integer narrower than a byte is unpacked by ``_UNPACK4`` / ``_UNPACK2`` (the same bits); in Triton's
+    interpreter, and for the other formats, slot by slot."""
+    if _PTX and KIND != 2 and BITS == 4:
+        t0, t1 = tl.inline_asm_elementwise(_UNPACK4, "=r,=r,=r,=r,r", [byte.to(tl.uint8)],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return t0, t1, t0, t0
+    if _PTX and KIND != 2 and BITS == 2:
+        return tl.inline_asm_elementwise(_UNPACK2, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte.to(tl.uint8)],
+                                         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
+                                         pack=4)
+    t0 = _code_tile(byte, 0, BITS, KIND, E4M3)
+    t1 = t0
+    t2 = t0
+    t3 = t0
+    if BITS < 8:
+        t1 = _code_tile(byte, 1, BITS, KIND, E4M3)
+    if BITS < 4:
+        t2 = _code_tile(byte, 2, BITS, KIND, E4M3)
+        t3 = _code_tile(byte, 3, BITS, KIND, E4M3)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _less_off(t, BITS: tl.constexpr, KIND: tl.constexpr):
+    """A ``_code_tile`` tile with each code exactly its value: ``128 + c`` less 128, one bf16 subtraction a pair
+    of codes (where a tile's row sums would cost more than that: modes CHAN and GROUPS)."""
     if KIND != 2 and BITS < 8:
         if _INTERP:  # Triton's interpreter does bf16 arithmetic on the bit patterns (as in ``attention._dot``)
             t = (t.to(tl.float32) - 128.0).to(tl.bfloat16)
         else:
             t = t - 128.0
     return t
+
+
+@triton.jit
+def _code_tiles_exact(byte, BITS: tl.constexpr, KIND: tl.constexpr, E4M3: tl.constexpr):
+    """``_code_tiles`` with each code exactly its value (``_less_off``)."""
+    t0, t1, t2, t3 = _code_tiles(byte, BITS, KIND, E4M3)
+    return _less_off(t0, BITS, KIND), _less_off(t1, BITS, KIND), _less_off(t2, BITS, KIND), _less_off(t3, BITS, KIND)
 
 
 @triton.jit
@@ -381,33 +435,33 @@ def _decode_kernel(
             if K_MODE == 0:
                 ka, kb = _affine(ks, kz, blk * sks_nb + ksh + row * sks_t, kv_ok, K_KIND, K_BITS, K_E4M3, K_SFMT)
                 # tokens as the rows (M) of the products: the codes are the A operand, made in registers
-                kt0 = _code_tile(kbyte, 0, K_BITS, K_KIND, K_E4M3)
+                kt0, kt1, kt2, kt3 = _code_tiles(kbyte, K_BITS, K_KIND, K_E4M3)
                 if K_SFMT == 3 and K_E4M3:  # a NaN code (a poisoned token-head): its scores are NaN
                     kt0 = tl.where(_fixed_nan(kbyte, True), float("nan"), kt0.to(tl.float32)).to(tl.bfloat16)
                 raw = _dot(kt0, qt0, None)
                 if PK > 1:
-                    raw = _dot(_code_tile(kbyte, 1, K_BITS, K_KIND, K_E4M3), qt1, raw)
+                    raw = _dot(kt1, qt1, raw)
                 if PK > 2:
-                    raw = _dot(_code_tile(kbyte, 2, K_BITS, K_KIND, K_E4M3), qt2, raw)
-                    raw = _dot(_code_tile(kbyte, 3, K_BITS, K_KIND, K_E4M3), qt3, raw)
+                    raw = _dot(kt2, qt2, raw)
+                    raw = _dot(kt3, qt3, raw)
                 raw = tl.trans(raw)
                 s = ((raw - qoff[:, None]) * ka[None, :] + qsum[:, None] * kb[None, :]) * sm_scale
             elif K_MODE == 3:  # a product per group of K_G tokens, its query scaled by the group's scales
                 NT: tl.constexpr = BLOCK_N // K_G
-                kb3 = tl.reshape(kbyte, (NT, K_G, UK))
+                kc0, kc1, kc2, kc3 = _code_tiles_exact(tl.reshape(kbyte, (NT, K_G, UK)), K_BITS, K_KIND, K_E4M3)
                 raw3 = tl.zeros([NT, K_G, M], tl.float32)
                 corr = tl.zeros([NT, M], tl.float32)
-                raw3, corr = _chan_qk(raw3, corr, kb3, qf0, 0, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
+                raw3, corr = _chan_qk(raw3, corr, kc0, qf0, 0, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
                                       sks_nb, sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT)
                 if PK > 1:
-                    raw3, corr = _chan_qk(raw3, corr, kb3, qf1, 1, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
+                    raw3, corr = _chan_qk(raw3, corr, kc1, qf1, 1, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
                                           sks_nb, sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_G, K_KIND, K_BITS, K_E4M3,
                                           K_SFMT)
                 if PK > 2:
-                    raw3, corr = _chan_qk(raw3, corr, kb3, qf2, 2, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
+                    raw3, corr = _chan_qk(raw3, corr, kc2, qf2, 2, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
                                           sks_nb, sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_G, K_KIND, K_BITS, K_E4M3,
                                           K_SFMT)
-                    raw3, corr = _chan_qk(raw3, corr, kb3, qf3, 3, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
+                    raw3, corr = _chan_qk(raw3, corr, kc3, qf3, 3, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
                                           sks_nb, sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_G, K_KIND, K_BITS, K_E4M3,
                                           K_SFMT)
                 s = tl.trans(tl.reshape((raw3 + corr[:, None, :]) * sm_scale, (BLOCK_N, M)))
@@ -454,12 +508,13 @@ def _decode_kernel(
                                                                                       + wv[None, None, :]),
                                  mask=kv_ok[None, :, None], other=0).to(tl.int32)
                 a3 = alpha[None, :, None]
-                accg0 = _dot(pa3, _code_exact(vbyte3, 0, V_BITS, V_KIND, V_E4M3), accg0 * a3)
+                vg0, vg1, vg2, vg3 = _code_tiles_exact(vbyte3, V_BITS, V_KIND, V_E4M3)
+                accg0 = _dot(pa3, vg0, accg0 * a3)
                 if PV > 1:
-                    accg1 = _dot(pa3, _code_exact(vbyte3, 1, V_BITS, V_KIND, V_E4M3), accg1 * a3)
+                    accg1 = _dot(pa3, vg1, accg1 * a3)
                 if PV > 2:
-                    accg2 = _dot(pa3, _code_exact(vbyte3, 2, V_BITS, V_KIND, V_E4M3), accg2 * a3)
-                    accg3 = _dot(pa3, _code_exact(vbyte3, 3, V_BITS, V_KIND, V_E4M3), accg3 * a3)
+                    accg2 = _dot(pa3, vg2, accg2 * a3)
+                    accg3 = _dot(pa3, vg3, accg3 * a3)
             else:
                 vbyte = tl.load(vch + (blk * svc_nb + row * svc_t)[:, None] + uv[None, :],
                                 mask=kv_ok[:, None], other=0).to(tl.int32)
@@ -468,7 +523,7 @@ def _decode_kernel(
                 pa = _bf16(tl.where(vis, pr * va[None, :], 0.0))  # hidden positions: never NaN * 0
                 psum = psum * alpha + tl.sum(pa.to(tl.float32), 1)
                 bsum = bsum * alpha + tl.sum(tl.where(vis, pr * vb[None, :], 0.0), 1)
-                vt0 = _code_tile(vbyte, 0, V_BITS, V_KIND, V_E4M3)
+                vt0, vt1, vt2, vt3 = _code_tiles(vbyte, V_BITS, V_KIND, V_E4M3)
                 if V_SFMT == 3:  # NaN codes (a poisoned token-head) read as zeros, counted per channel where visible
                     vnan = _fixed_nan(vbyte, V_E4M3)
                     if tl.max(tl.max(vnan.to(tl.int32), 1), 0) > 0:
@@ -477,10 +532,10 @@ def _decode_kernel(
                         vt0 = tl.where(vnan, 0.0, vt0.to(tl.float32)).to(tl.bfloat16)
                 acc0 = _dot(pa, vt0, acc0 * alpha[:, None])
                 if PV > 1:
-                    acc1 = _dot(pa, _code_tile(vbyte, 1, V_BITS, V_KIND, V_E4M3), acc1 * alpha[:, None])
+                    acc1 = _dot(pa, vt1, acc1 * alpha[:, None])
                 if PV > 2:
-                    acc2 = _dot(pa, _code_tile(vbyte, 2, V_BITS, V_KIND, V_E4M3), acc2 * alpha[:, None])
-                    acc3 = _dot(pa, _code_tile(vbyte, 3, V_BITS, V_KIND, V_E4M3), acc3 * alpha[:, None])
+                    acc2 = _dot(pa, vt2, acc2 * alpha[:, None])
+                    acc3 = _dot(pa, vt3, acc3 * alpha[:, None])
             elif V_MODE == 1:
                 pb = _bf16(pr)
                 acc0, hit0 = _elem_pv(acc0, hit0, alpha, pb, vis, vbyte, 0, vs, vz, blk, row, start - S, hi - S, kv_ok,
@@ -640,18 +695,18 @@ def _elem_qk(raw, qt, byte, I: tl.constexpr, s_ptr, z_ptr, blk, row, j0, jend, k
 
 
 @triton.jit
-def _chan_qk(raw3, corr, kb3, qf, I: tl.constexpr, s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl,
+def _chan_qk(raw3, corr, codes, qf, I: tl.constexpr, s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl,
              PER: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
              KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr, SFMT: tl.constexpr):
     """Slot ``I`` of a key tile in mode CHAN, added to ``raw3 [BLOCK_N / G, G, rows]`` (the tile's groups of G
     tokens, each token's ``q' . c``) and ``corr [BLOCK_N / G, rows]`` (each group's ``q . b``): ``q' = bf16(q a)``,
-    the fp32 query slot ``qf [U, rows]`` times the group's scales, so that the codes enter the product exactly
-    (``_code_exact``) and no element is dequantized. A poisoned group's NaN scale makes its tokens'
-    scores NaN, as ``attention_reference`` does."""
+    the fp32 query slot ``qf [U, rows]`` times the group's scales, so that the slot's ``codes`` (bf16, exact:
+    ``_code_tiles_exact``) enter the product as they are and no element is dequantized. A poisoned group's NaN
+    scale makes its tokens' scores NaN, as ``attention_reference`` does."""
     a, b = _elem_compact(s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl, I, PER, U, BLOCK_N, BS,
                          True, G, KIND, BITS, E4M3, SFMT)  # [BLOCK_N / G, U]
     qs = _bf16(qf[None, :, :] * a[:, :, None])  # [BLOCK_N / G, U, rows]
-    raw3 = _dot(_code_exact(kb3, I, BITS, KIND, E4M3), qs, raw3)
+    raw3 = _dot(codes, qs, raw3)
     return raw3, corr + tl.sum(qf[None, :, :] * b[:, :, None], 1)
 
 

@@ -206,6 +206,49 @@ def _spec(policy, D, block=None):
     return LayerSpec(policy, 2, D, "bfloat16", block)
 
 
+def _run_ptx(asm: str, regs: dict) -> dict:
+    """The PTX subset of ``decode._UNPACK4`` / ``_UNPACK2`` (prmt's default mode, lop3, shr on b32), run on Python
+    ints as the PTX ISA defines them: ``regs`` maps ``$N`` and the scratch names to values."""
+    def val(x):
+        x = x.strip()
+        return regs[x] if x in regs else int(x, 0)
+    for ins in asm.strip("{} ").split(";"):
+        op, _, args = ins.strip().partition(" ")
+        a = [t.strip() for t in args.split(",")]
+        if op == "prmt.b32":  # result byte i: byte (selector nibble i & 7) of {b, a}, a the low four
+            pool, sel = val(a[1]) | (val(a[2]) << 32), val(a[3])
+            regs[a[0]] = sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "lop3.b32":  # bit k: the truth table at (a_k, b_k, c_k)
+            x, y, z, lut = (val(t) for t in a[1:])
+            regs[a[0]] = sum(((lut >> (((x >> k & 1) << 2) | ((y >> k & 1) << 1) | (z >> k & 1))) & 1) << k
+                             for k in range(32))
+        elif op == "shr.b32":
+            regs[a[0]] = val(a[1]) >> int(a[2])
+        else:
+            assert op in ("", ".reg"), op
+    return regs
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_the_gpu_unpack_spells_each_slots_codes_as_the_interpreter_does(bits):
+    """On a GPU the decode kernel unpacks int4 / int2 bytes with inline PTX (``decode._UNPACK4`` / ``_UNPACK2``;
+    Triton's interpreter cannot run it): its output ``$0 ..`` are each slot's four codes as bf16 ``128 + c``
+    (slot ``s`` in ``$2s`` and ``$2s+1``, element ``j`` of the four in half ``j % 2``), its input the word of four
+    bytes after them, as ``tl.inline_asm_elementwise`` orders them. Every byte value in every position spells what
+    ``_code_tile`` (the interpreter's path) gives."""
+    asm = (decode._UNPACK4 if bits == 4 else decode._UNPACK2).value
+    slots = 8 // bits
+    g = torch.Generator().manual_seed(bits)
+    words = [[b, 255 - b, (b * 7) & 255, (b * 13 + 5) & 255] for b in range(256)]
+    words += torch.randint(0, 256, (64, 4), generator=g).tolist()
+    for w in words:
+        out = _run_ptx(asm, {f"${2 * slots}": sum(b << (8 * j) for j, b in enumerate(w))})
+        for slot in range(slots):
+            for j, b in enumerate(w):
+                half = (out[f"${2 * slot + j // 2}"] >> (16 * (j % 2))) & 0xFFFF
+                assert half == 0x4300 | ((b >> (bits * slot)) & ((1 << bits) - 1)), (w, slot, j, hex(half))
+
+
 def test_tiles_come_from_the_config_table_or_its_rule(monkeypatch):
     """The table (``templates/decode_configs.json``) names tiles per layout; other layouts get the rule: tiles of
     about ``tile_bytes`` bytes of codes (so int2 tiles hold more tokens than int8), within the bounds. Splits
