@@ -51,7 +51,11 @@ LAYOUTS = [  # (policy, head_dim, G): every mode and format; ragged rows around 
     (Policy(Quant("int2", **TOK), Quant("int2", "token", None, True), residual=0), 64, 2),
     (Policy.kivi(4, group=16, residual=8, sink=2), 64, 4),  # per-channel keys, token groups of 16
     (Policy.kivi(2, group=32, residual=0), 128, 4),
-    (Policy.kivi(4, group=32, residual=0), 64, 4),  # values in token groups of 32: GROUPS
+    (Policy.kivi(4, group=32, residual=0), 64, 4),  # values in token groups of 32: GROUPS; keys: CHAN
+    # keys per channel in token groups of 16 and 32 beside values per token-head: CHAN, fp8 scales and fp8 codes
+    (Policy(Quant("int4", "channel", 16, scale_dtype="fp8_e4m3"), Quant("int2", "token"), residual=2, sink=1), 128,
+     4),
+    (Policy(Quant("fp8_e4m3", "channel", 32), Quant("fp8_e4m3", "token"), residual=0), 64, 2),
     (Policy(Quant("fp8_e4m3", "channel", 8), Quant("int8", "token", 16, True, "fp8_e4m3"), residual=0, sink=1), 64,
      2),
     (Policy(Quant("int4", "token", None, False, "fp8_e4m3"), Quant("int2", "channel", 16, False, "fp8_e4m3"),
