@@ -729,7 +729,7 @@ def _decode_error(qr, k, v, w, vis, sc, state, spec, C, nslots, scale, uop, own)
     ``XK`` the element's own rounding and the accumulation. Values: per output channel,
     ``sum_n w_n (rho X1 + gam X2)``, and ``(e^2E - 1) sum_n w_n |v_n|`` for the weights' error: in mode TILE the
     kernel sums ``p' c`` and ``p b`` with one ``p`` per key, so that error multiplies ``|v|`` there too."""
-    from .decode import CHAN_QMAX, MODE_CHAN, MODE_ELEM, MODE_TILE, affine_terms, modes
+    from .decode import CHAN_QMAX, MODE_CHAN, MODE_ELEM, MODE_TILE, affine_terms, modes, tensor_mode
 
     u = 2.0 ** -24
     B, Hq, n, D = qr.shape
@@ -744,7 +744,8 @@ def _decode_error(qr, k, v, w, vis, sc, state, spec, C, nslots, scale, uop, own)
         qz = spec.policy.key if which == "k" else spec.policy.value
         c, a, b, packed = affine_terms(state, spec, which, C, own)
         c, a, b = (t.repeat_interleave(Hq // H, dim=1).to(x.device) for t in (c, a, b))  # per query head
-        mode = modes(spec.policy, D)[which == "v"]
+        both = modes(spec.policy, D)  # a layout the Triton decode kernel does not read (a kernel that computes
+        mode = both[which == "v"] if both else tensor_mode(qz, D, which == "v")  # no coarser): each tensor's own
         off = 128.0 if mode == MODE_TILE and qz.is_int and qz.bits < 8 else 0.0  # CHAN, GROUPS: exact codes
         ac, mag, bb = (a * c).abs(), a.abs() * (c.abs() + 2 * off) + b.abs(), b.abs()
         # a poisoned group (NaN scale) is NaN only where attention_reference says; elsewhere it weighs nothing

@@ -19,22 +19,21 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
   to bf16 (the bound says what that costs).
 - **Scales on tiles, not elements** (mode TILE: one scale per token-head, fp16 or fp8 scales): with ``x = a c + b``
   per token, ``q.x = a (q.c) + b sum(q)`` and ``sum_n p_n x_n = sum_n (p_n a_n) c_n + sum_n p_n b_n``, so the
-  scales multiply the [rows, BLOCK_N] score and probability tiles, never the [BLOCK_N, D] codes. Integers
-  narrower than a byte become bf16 as ``128 + c`` by setting bits (``0x4300 | c``, no conversion
-  instruction; on a GPU four bytes at a time in inline PTX, ``_UNPACK4`` / ``_UNPACK2``); the 128 is taken back
-  from the row sums (``OFF``), or, where row sums would cost more (modes CHAN and GROUPS), from the codes (one
-  bf16 subtraction a pair). Values in per-token groups of at least 16
-  bytes' slots (KIVI's int4 values in 32-groups: mode GROUPS) scale the probabilities per group, one batched
-  product per group. Per-channel keys in token groups of at least 16 (KIVI's keys: mode CHAN) scale the query
-  instead: with ``x = a_c c + b_c`` per channel over a group of tokens, ``q.x = sum_c (q_c a_c) c + sum_c q_c b_c``,
-  so each group's tokens multiply their codes by ``bf16(q a)`` (a batched product per group) and add the group's
-  ``q.b`` -- [rows, D] per group of tokens, not per token. Other layouts (smaller groups, per-channel values,
-  fp32 scales) dequantize each element into bf16 (mode ELEM: ``a c + b`` in fp32, rounded once). fp8 with one
-  fixed scale (axis="tensor", none stored) is TILE with ``a = 1``, nothing loaded; a poisoned token-head holds NaN
-  codes instead of a NaN scale:
-  e4m3's (0x7F, which the bit trick reads as 480) is selected to NaN in the key tile, and in the value tile NaN
-  codes are read as zeros and counted per channel where visible (that channel of the row becomes NaN, as
-  ``attention_reference`` says) -- compile-time, so other formats pay nothing.
+  scales multiply the [rows, BLOCK_N] score and probability tiles, never the [BLOCK_N, D] codes. Integers narrower
+  than a byte become bf16 as ``128 + c`` by setting bits (``0x4300 | c``, no conversion instruction; on a GPU four
+  bytes at a time in inline PTX, ``_UNPACK4`` / ``_UNPACK2``); the 128 is taken back from the row sums (``OFF``),
+  or, where row sums would cost more (modes CHAN and GROUPS), from the codes (one bf16 subtraction a pair). Values
+  in per-token groups of at least 16 bytes' slots (KIVI's int4 values in 32-groups: mode GROUPS) scale the
+  probabilities per group, one batched product per group. Per-channel keys in token groups of at least 16 (KIVI's
+  keys: mode CHAN) scale the query instead: with ``x = a_c c + b_c`` per channel over a group of tokens, ``q.x =
+  sum_c (q_c a_c) c + sum_c q_c b_c``, so each group's tokens multiply their codes by ``bf16(q a)`` (a batched
+  product per group) and add the group's ``q.b`` -- [rows, D] per group of tokens, not per token. Other layouts
+  (smaller groups, per-channel values, fp32 scales) dequantize each element into bf16 (mode ELEM: ``a c + b`` in
+  fp32, rounded once). fp8 with one fixed scale (axis="tensor", none stored) is TILE with ``a = 1``, nothing
+  loaded; a poisoned token-head holds NaN codes instead of a NaN scale: e4m3's (0x7F, which the interpreter's bit
+  trick reads as 480) is selected to NaN in the key tile, and in the value tile NaN codes are read as zeros and
+  counted per channel where visible (that channel of the row becomes NaN, as ``attention_reference`` says) --
+  compile-time, so other formats pay nothing.
 - **No interleave**: a byte of int4 holds channels 2u and 2u+1 (``quant.pack``'s little-endian stream). The
   kernel keeps each of a byte's ``PER`` slots apart: slot ``i`` holds channels ``PER u + i``, u = 0..D/PER-1,
   and the query (and the output) are read (written) in that order. The dot product is the same sum in another
@@ -152,6 +151,8 @@ def tile_config(spec: LayerSpec, gqa: int) -> dict:
 _PTX = tl.constexpr(not INTERPRET and os.environ.get("KVCOMPILE_PTX_UNPACK", "1") != "0")
 # what ``_affine`` multiplies an e4m3 scale by: ``_code_f32`` gives the value itself on a GPU, else over 2**8
 _E4M3_SCALE = tl.constexpr(1.0 if _PTX.value else 256.0)
+
+
 @triton.jit
 def _code_f32(byte, I: tl.constexpr, BITS: tl.constexpr, KIND: tl.constexpr, E4M3: tl.constexpr):
     """The exact fp32 value of the code in slot ``I`` of each byte (int32 in [0, 256)): an integer code
@@ -199,8 +200,6 @@ _UNPACK2 = tl.constexpr(
     + "".join(f"shr.b32 s, lo, {2 * i}; lop3.b32 ${2 * i}, s, 0x00030003, 0x43004300, 0xEA; "
               f"shr.b32 s, hi, {2 * i}; lop3.b32 ${2 * i + 1}, s, 0x00030003, 0x43004300, 0xEA; " for i in (1, 2, 3))
     + "}")
-
-
 
 
 @triton.jit
@@ -263,8 +262,8 @@ def _affine(s_ptr, z_ptr, off, ok, KIND: tl.constexpr, BITS: tl.constexpr, E4M3:
     """``(a, b)`` fp32 with ``x^ = a * code + b`` (``quant.dequantize``), from the scale and zero point at
     ``off``: asymmetric ``(s, z)``, or ``(s, -z s)`` with fp8 scales and int8 zero points; symmetric
     ``(s, -2**(bits-1) s)``; fp8 ``(s, 0)`` (e4m3: ``s * _E4M3_SCALE``, the unit of ``_code_f32``). A poisoned
-    group's NaN scale makes both NaN. Masked-out entries are (0, 0). SFMT 3 (fp8, axis="tensor"): the fixed scale, 1.0,
-    nothing loaded (``s_ptr`` is a placeholder); its NaN codes are the caller's (``_fixed_nan``)."""
+    group's NaN scale makes both NaN. Masked-out entries are (0, 0). SFMT 3 (fp8, axis="tensor"): the fixed
+    scale, 1.0, nothing loaded (``s_ptr`` is a placeholder); its NaN codes are the caller's (``_fixed_nan``)."""
     if SFMT == 3:
         one = tl.where(ok, 1.0, 0.0) + tl.zeros_like(off).to(tl.float32)  # [off's shape]
         if E4M3:
