@@ -729,7 +729,7 @@ def _decode_error(qr, k, v, w, vis, sc, state, spec, C, nslots, scale, uop, own)
     ``XK`` the element's own rounding and the accumulation. Values: per output channel,
     ``sum_n w_n (rho X1 + gam X2)``, and ``(e^2E - 1) sum_n w_n |v_n|`` for the weights' error: in mode TILE the
     kernel sums ``p' c`` and ``p b`` with one ``p`` per key, so that error multiplies ``|v|`` there too."""
-    from .decode import CHAN_QMAX, MODE_CHAN, MODE_ELEM, MODE_TILE, affine_terms, modes, tensor_mode
+    from .decode import CHAN_QMAX, MODE_CHAN, MODE_ELEM, MODE_TILE, affine_terms, modes
 
     u = 2.0 ** -24
     B, Hq, n, D = qr.shape
@@ -744,8 +744,7 @@ def _decode_error(qr, k, v, w, vis, sc, state, spec, C, nslots, scale, uop, own)
         qz = spec.policy.key if which == "k" else spec.policy.value
         c, a, b, packed = affine_terms(state, spec, which, C, own)
         c, a, b = (t.repeat_interleave(Hq // H, dim=1).to(x.device) for t in (c, a, b))  # per query head
-        both = modes(spec.policy, D)  # a layout the Triton decode kernel does not read (a kernel that computes
-        mode = both[which == "v"] if both else tensor_mode(qz, D, which == "v")  # no coarser): each tensor's own
+        mode = modes(spec.policy, D)[which == "v"]
         off = 128.0 if mode == MODE_TILE and qz.is_int and qz.bits < 8 else 0.0  # CHAN, GROUPS: exact codes
         ac, mag, bb = (a * c).abs(), a.abs() * (c.abs() + 2 * off) + b.abs(), b.abs()
         # a poisoned group (NaN scale) is NaN only where attention_reference says; elsewhere it weighs nothing
@@ -757,10 +756,10 @@ def _decode_error(qr, k, v, w, vis, sc, state, spec, C, nslots, scale, uop, own)
     bmax = torch.finfo(torch.bfloat16).max
     qc = qr.clamp(-bmax, bmax)  # the kernel saturates the query at bf16's largest (exact elsewhere) ...
     dq = (qc - qc.to(torch.bfloat16).double()).abs() + (qr - qc).abs()  # ... and rounds it to bf16
-    if mode == MODE_CHAN:  # the query saturated lower, not rounded; q' = bf16(fl(q a)) per group: |q a c| (u_b + 2u)
+    if mode == MODE_CHAN:  # the query saturated lower, not rounded; q' = bf16(fl(q a)) per group: |q a c| (u_b + 3u)
         qc = qr.clamp(-CHAN_QMAX.value, CHAN_QMAX.value)
         dq = (qr - qc).abs()
-        xq, xk = ac, (2.0 ** -8 + 3 * u) * ac + gamma(4 * D + 16) * 1.01 * mag  # sums of |q'| (|c| + 2 OFF) + |q b|
+        xq, xk = ac, (2.0 ** -8 + 3 * u) * ac + gamma(4 * D + 16) * 1.01 * mag  # and the sums of |q' c| + |q b|
     elif mode != MODE_ELEM:  # TILE (the b sum(q) term reads the saturated query: |q - qc| times |b| too)
         xq, xk = ac, gamma(4 * D + 16) * mag
     else:  # the element rounded to bf16 after fl(fl(a c) + b), and the sums of |qb kb|

@@ -101,16 +101,14 @@ def tensor_mode(q: Quant, head_dim: int, values: bool = False) -> int | None:
 
 def decode_layout(spec: LayerSpec, n: int, rope: bool) -> tuple[int, int] | None:
     """(key mode, value mode) when ``templates.decode`` serves this call, else None (the general kernel)."""
-    if n != 1 or rope:
-        return None
-    return modes(spec.policy, spec.head_dim)
+    pair = modes(spec.policy, spec.head_dim)
+    return None if n != 1 or rope or None in pair else pair
 
 
-def modes(policy, head_dim: int) -> tuple[int, int] | None:
-    """(key mode, value mode) of the decode kernel for this policy's layout, None where it cannot read it."""
+def modes(policy, head_dim: int) -> tuple[int | None, int | None]:
+    """(key mode, value mode) for this policy's layout: ``tensor_mode`` of each (None where the decode kernel
+    cannot read that tensor), except that keys CHAN beside values ELEM are ELEM."""
     km, vm = tensor_mode(policy.key, head_dim), tensor_mode(policy.value, head_dim, True)
-    if km is None or vm is None:
-        return None
     if km == MODE_CHAN and vm == MODE_ELEM:  # beside per-element values the scaled queries' registers cost more
         km = MODE_ELEM  # than they save (KIVI int2, sm_90: 255 registers and 41.8 loop instructions a byte, not 36.4)
     return km, vm
@@ -139,7 +137,7 @@ def tile_config(spec: LayerSpec, gqa: int) -> dict:
     bits = spec.policy.key.bits + spec.policy.value.bits  # bytes of codes per token: bits * D / 8
     per_token = bits * spec.head_dim // 8
     rule = table["default"]
-    top = rule["elem_max_block_n"] if MODE_ELEM in (modes(spec.policy, spec.head_dim) or ()) else rule["max_block_n"]
+    top = rule["elem_max_block_n"] if MODE_ELEM in modes(spec.policy, spec.head_dim) else rule["max_block_n"]
     block_n = max(16, min(top, triton.next_power_of_2(max(1, rule["tile_bytes"] // per_token))))
     return dict(block_n=block_n, warps=rule["warps"], stages=rule["stages"], source="rule")
 
