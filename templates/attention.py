@@ -744,8 +744,8 @@ def _decode_error(qr, k, v, w, vis, sc, state, spec, C, nslots, scale, uop, own)
         qz = spec.policy.key if which == "k" else spec.policy.value
         c, a, b, packed = affine_terms(state, spec, which, C, own)
         c, a, b = (t.repeat_interleave(Hq // H, dim=1).to(x.device) for t in (c, a, b))  # per query head
-        mode = modes(spec.policy, D)[which == "v"]
-        off = 128.0 if mode == MODE_TILE and qz.is_int and qz.bits < 8 else 0.0  # CHAN, GROUPS: exact codes
+        mode = modes(spec.policy, D, Hq // H)[which == "v"]
+        off = 128.0 if mode == MODE_TILE and qz.is_int and qz.bits < 8 else 0.0  # CHAN, GROUPS, ROWS: exact codes
         ac, mag, bb = (a * c).abs(), a.abs() * (c.abs() + 2 * off) + b.abs(), b.abs()
         # a poisoned group (NaN scale) is NaN only where attention_reference says; elsewhere it weighs nothing
         ac, mag, bb = (torch.where(torch.isfinite(t), t, 0.0) for t in (ac, mag, bb))
@@ -775,7 +775,7 @@ def _decode_error(qr, k, v, w, vis, sc, state, spec, C, nslots, scale, uop, own)
          + 2.0 ** -21)
     pv, ac, mag, _, mode = terms("v", v)
     va = v.abs()
-    if mode != MODE_ELEM:  # TILE, GROUPS: p' = bf16(fl(p a)); sums of p' (c + OFF), p' and p b over the N keys
+    if mode != MODE_ELEM:  # TILE, GROUPS, ROWS: p' = bf16(fl(p a)); sums of p' (c + OFF), p' and p b over the N keys
         x1, x2 = (2.0 ** -8 + 2 * u) * ac, mag
     else:  # p and the element rounded to bf16, and the sums
         x1, x2 = (2.0 ** -7 + 2.0 ** -15) * va + 2.1 * u * ac, ac + mag + va

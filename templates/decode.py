@@ -61,26 +61,31 @@ from .common import INTERPRET, run, scale_code
 from .store import _boundary, _e4m3_value, _kind, as_bytes, nonempty
 
 BF16_MAX = tl.constexpr(3.3895313892515355e38)  # torch.finfo(torch.bfloat16).max
-MODE_TILE, MODE_ELEM, MODE_GROUPS, MODE_CHAN = 0, 1, 2, 3
-MODES = {MODE_TILE: "tile", MODE_ELEM: "elem", MODE_GROUPS: "groups", MODE_CHAN: "chan"}
+MODE_TILE, MODE_ELEM, MODE_GROUPS, MODE_CHAN, MODE_ROWS = 0, 1, 2, 3, 4
+MODES = {MODE_TILE: "tile", MODE_ELEM: "elem", MODE_GROUPS: "groups", MODE_CHAN: "chan", MODE_ROWS: "rows"}
 # mode CHAN scales the query by a key group's scales in bf16: a query beyond this saturates there, so that no
 # product with a scale (at most 2**24: fp16's largest, or e4m3 codes' 256 times an fp8 or fp16 scale) leaves bf16
 CHAN_QMAX = tl.constexpr(3.3895313892515355e38 / 2.0 ** 24)
+ROWS_MAX = 16  # mode ROWS: at most this many rows (query heads, padded to a power of two, times value groups)
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_configs.json")
 
 
 # --------------------------------------------------------------------------- which layouts, which mode
-def tensor_mode(q: Quant, head_dim: int, values: bool = False) -> int | None:
-    """How the decode kernel reads one tensor stored as ``q`` (None: it cannot; the general kernel runs).
+def tensor_mode(q: Quant, head_dim: int, gqa: int | None = None) -> int | None:
+    """How the decode kernel reads one tensor stored as ``q``: the keys (``gqa`` None) or the values of a KV
+    head read by ``gqa`` query heads. None: it cannot (the general kernel runs).
 
     TILE: one scale per token-head (``group`` the whole head) with fp16 or fp8 scales (fp32 scales could
     overflow fp32 once the ``128 + c`` offset multiplies them), or none stored (fp8, axis="tensor": always TILE,
     a scale of 1.0 and the NaN codes of a poisoned token-head handled there). GROUPS (values only): per-token
     groups of at least 16 bytes' slots (KIVI's int4 values in 32-groups), the probabilities scaled per group, one
-    batched product per group. CHAN (keys only): per-channel scales over token groups of at least 16 tokens
-    (KIVI's keys), fp16 or fp8 scales, the query scaled per group. ELEM: any other grouping whose groups
-    cover whole bytes. Formats: fp8, int8, int4, int2 (int3's 3-byte units and format "none" are the general
-    kernel's)."""
+    batched product per group. ROWS (values only): smaller per-token groups of whole bytes where the query heads
+    (padded to a power of two) times the groups are at most ``ROWS_MAX`` (KIVI's int2 values beside GQA 4): each
+    row of the products is one query head's probabilities scaled by one group's scales and keeps that group's
+    channels. CHAN (keys only):
+    per-channel scales over token groups of at least 16 tokens (KIVI's keys), fp16 or fp8 scales, the query scaled
+    per group. ELEM: any other grouping whose groups cover whole bytes. Formats: fp8, int8, int4, int2 (int3's
+    3-byte units and format "none" are the general kernel's)."""
     if not q.quantized or q.format == "int3":
         return None
     per = 8 // q.bits
@@ -88,29 +93,40 @@ def tensor_mode(q: Quant, head_dim: int, values: bool = False) -> int | None:
         return None  # slots of D / PER channels: a power of two, at least one dot operand (16) wide
     g = q.group_for(head_dim)
     token = q.axis != "channel"  # axis="tensor" reads as per token-head, its scale 1.0 (not stored)
+    values = gqa is not None
     if token and g == head_dim and q.scale_dtype != "float32":
         return MODE_TILE
     if not values and not token and g >= 16 and q.scale_dtype != "float32":
         return MODE_CHAN
-    if values and token and g // per >= 16 and q.scale_dtype != "float32":
-        return MODE_GROUPS
     if token and g < per:
         return None  # a group inside a byte: its slots would need different scales
+    if values and token and g // per >= 16 and q.scale_dtype != "float32":
+        return MODE_GROUPS
+    if values and token and q.scale_dtype != "float32" and value_rows(head_dim, g, gqa) <= ROWS_MAX:
+        return MODE_ROWS
     return MODE_ELEM
 
 
-def decode_layout(spec: LayerSpec, n: int, rope: bool) -> tuple[int, int] | None:
-    """(key mode, value mode) when ``templates.decode`` serves this call, else None (the general kernel)."""
-    pair = modes(spec.policy, spec.head_dim)
+def value_rows(head_dim: int, group: int, gqa: int) -> int:
+    """Mode ROWS' rows: the query heads padded to a power of two, times the values' groups in a head."""
+    return triton.next_power_of_2(gqa) * (head_dim // group)
+
+
+def decode_layout(spec: LayerSpec, n: int, rope: bool, gqa: int) -> tuple[int, int] | None:
+    """(key mode, value mode) when ``templates.decode`` serves this call (``gqa`` query heads a KV head), else
+    None (the general kernel)."""
+    pair = modes(spec.policy, spec.head_dim, gqa)
     return None if n != 1 or rope or None in pair else pair
 
 
-def modes(policy, head_dim: int) -> tuple[int | None, int | None]:
-    """(key mode, value mode) for this policy's layout: ``tensor_mode`` of each (None where the decode kernel
-    cannot read that tensor), except that keys CHAN beside values ELEM are ELEM."""
-    km, vm = tensor_mode(policy.key, head_dim), tensor_mode(policy.value, head_dim, True)
-    if km == MODE_CHAN and vm == MODE_ELEM:  # beside per-element values the scaled queries' registers cost more
-        km = MODE_ELEM  # than they save (KIVI int2, sm_90: 255 registers and 41.8 loop instructions a byte, not 36.4)
+def modes(policy, head_dim: int, gqa: int) -> tuple[int | None, int | None]:
+    """(key mode, value mode) for this policy's layout read by ``gqa`` query heads a KV head: ``tensor_mode`` of
+    each (None where the decode kernel cannot read that tensor), except that keys CHAN beside values ELEM or ROWS
+    are ELEM: there the scaled queries' registers cost more than they save (KIVI int2, sm_90, 128-token tiles:
+    CHAN spills beside either; 22.9 loop instructions a byte with ELEM keys and ROWS values)."""
+    km, vm = tensor_mode(policy.key, head_dim), tensor_mode(policy.value, head_dim, gqa)
+    if km == MODE_CHAN and vm in (MODE_ELEM, MODE_ROWS):
+        km = MODE_ELEM
     return km, vm
 
 
@@ -137,7 +153,7 @@ def tile_config(spec: LayerSpec, gqa: int) -> dict:
     bits = spec.policy.key.bits + spec.policy.value.bits  # bytes of codes per token: bits * D / 8
     per_token = bits * spec.head_dim // 8
     rule = table["default"]
-    top = rule["elem_max_block_n"] if MODE_ELEM in modes(spec.policy, spec.head_dim) else rule["max_block_n"]
+    top = rule["elem_max_block_n"] if MODE_ELEM in modes(spec.policy, spec.head_dim, gqa) else rule["max_block_n"]
     block_n = max(16, min(top, triton.next_power_of_2(max(1, rule["tile_bytes"] // per_token))))
     return dict(block_n=block_n, warps=rule["warps"], stages=rule["stages"], source="rule")
 
@@ -305,7 +321,9 @@ def _decode_kernel(
     CHUNK: tl.constexpr, FULL: tl.constexpr, STAGES: tl.constexpr, NGV: tl.constexpr, WGV: tl.constexpr,
     INVARIANT: tl.constexpr,
 ):
-    """Program (b*H + h, split): rows = the G query heads of KV head h (padded to M = 16).
+    """Program (b*H + h, split): rows = the G query heads of KV head h (padded to M = 16); in mode ROWS the
+    values' NGV groups times those heads (padded to M // NGV): row ``j * (M // NGV) + i`` is query head ``i``
+    weighted by group ``j``'s scales, and keeps group ``j``'s channels.
 
     Splits ``0 .. nsplit-1`` read the packed positions ``[S, Q(L))`` (up to ``L - 1`` with CHUNK: the query's
     own token comes from the chunk), ``ceil`` of an equal share each in whole tiles; split ``nsplit`` (with
@@ -318,8 +336,15 @@ def _decode_kernel(
     h = bh % H
     L = tl.load(len_ptr + b)
     m = tl.arange(0, M)
-    row_ok = m < G
-    hq = h * G + m
+    if V_MODE == 4:  # ROWS: NGV copies of the query heads, one a value group
+        mh = m % (M // NGV)
+        mg = m // (M // NGV)
+    else:
+        mh = m
+        mg = m * 0
+    row_ok = mh < G
+    row_one = row_ok & (mg == 0)  # each query head once: the rows whose max and sum are written
+    hq = h * G + mh
     mask_rows = mask_ptr + b.to(tl.int64) * sm_b + hq.to(tl.int64)[:, None] * sm_h
     if MASK_KIND == 0:
         end = L
@@ -523,7 +548,22 @@ def _decode_kernel(
             else:
                 vbyte = tl.load(vch + (blk * svc_nb + row * svc_t)[:, None] + uv[None, :],
                                 mask=kv_ok[:, None], other=0).to(tl.int32)
-            if V_MODE == 0:
+            if V_MODE == 4:  # each row's own group's scales: [rows, BLOCK_N]
+                GR: tl.constexpr = M // NGV
+                va, vb = _affine(vs, vz, (blk * svs_nb + vsh + row * svs_t)[None, :] + gv[:, None], kv_ok[None, :],
+                                 V_KIND, V_BITS, V_E4M3, V_SFMT)  # [groups, BLOCK_N]
+                va = tl.reshape(tl.broadcast_to(va[:, None, :], (NGV, GR, BLOCK_N)), (M, BLOCK_N))
+                vb = tl.reshape(tl.broadcast_to(vb[:, None, :], (NGV, GR, BLOCK_N)), (M, BLOCK_N))
+                pa = _bf16(tl.where(vis, pr * va, 0.0))  # hidden positions: never NaN * 0
+                bsum = bsum * alpha + tl.sum(tl.where(vis, pr * vb, 0.0), 1)
+                vt0, vt1, vt2, vt3 = _code_tiles_exact(vbyte, V_BITS, V_KIND, V_E4M3)
+                acc0 = _dot(pa, vt0, acc0 * alpha[:, None])
+                if PV > 1:
+                    acc1 = _dot(pa, vt1, acc1 * alpha[:, None])
+                if PV > 2:
+                    acc2 = _dot(pa, vt2, acc2 * alpha[:, None])
+                    acc3 = _dot(pa, vt3, acc3 * alpha[:, None])
+            elif V_MODE == 0:
                 va, vb = _affine(vs, vz, blk * svs_nb + vsh + row * svs_t, kv_ok, V_KIND, V_BITS, V_E4M3, V_SFMT)
                 pa = _bf16(tl.where(vis, pr * va[None, :], 0.0))  # hidden positions: never NaN * 0
                 psum = psum * alpha + tl.sum(pa.to(tl.float32), 1)
@@ -573,17 +613,22 @@ def _decode_kernel(
                 tl.store(base3 + 2, accg2 + fixg, mask=ok3)
                 tl.store(base3 + 3, accg3 + fixg, mask=ok3)
         base = ws_acc + w_row[:, None] * D
-        if V_MODE != 2:
-            tl.store(base + PV * uv[None, :], tl.where(hit0 > 0, float("nan"), acc0 + fix[:, None]), mask=qok)
+        if V_MODE != 2:  # ROWS: each row keeps its group's channels
+            ch = PV * uv[None, :]
+            tl.store(base + ch, tl.where(hit0 > 0, float("nan"), acc0 + fix[:, None]),
+                     mask=qok & ((ch // V_G == mg[:, None]) | (V_MODE != 4)))
         if PV > 1 and V_MODE != 2:
-            tl.store(base + PV * uv[None, :] + 1, tl.where(hit1 > 0, float("nan"), acc1 + fix[:, None]), mask=qok)
+            tl.store(base + ch + 1, tl.where(hit1 > 0, float("nan"), acc1 + fix[:, None]),
+                     mask=qok & (((ch + 1) // V_G == mg[:, None]) | (V_MODE != 4)))
         if PV > 2 and V_MODE != 2:
-            tl.store(base + PV * uv[None, :] + 2, tl.where(hit2 > 0, float("nan"), acc2 + fix[:, None]), mask=qok)
-            tl.store(base + PV * uv[None, :] + 3, tl.where(hit3 > 0, float("nan"), acc3 + fix[:, None]), mask=qok)
-        tl.store(ws_ml + w_row * 2, m_i, mask=row_ok)
-        tl.store(ws_ml + w_row * 2 + 1, l_i, mask=row_ok)
+            tl.store(base + ch + 2, tl.where(hit2 > 0, float("nan"), acc2 + fix[:, None]),
+                     mask=qok & (((ch + 2) // V_G == mg[:, None]) | (V_MODE != 4)))
+            tl.store(base + ch + 3, tl.where(hit3 > 0, float("nan"), acc3 + fix[:, None]),
+                     mask=qok & (((ch + 3) // V_G == mg[:, None]) | (V_MODE != 4)))
+        tl.store(ws_ml + w_row * 2, m_i, mask=row_one)
+        tl.store(ws_ml + w_row * 2 + 1, l_i, mask=row_one)
     else:  # the full-precision positions: sinks, the query's own token (CHUNK), the residual ring
-        _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, b, h, hq, row_ok, L, QL, end, w_row, mask_rows,
+        _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, b, h, hq, row_one, L, QL, end, w_row, mask_rows,
                       sq_b, sq_h, sr_b, sr_h, sr_t, ssk_b, ssk_h, ssk_t, sm_c, H, sm_scale, D, S, W, M, MASK_KIND, DOT,
                       CHUNK)
 
@@ -744,14 +789,15 @@ def decode_config(policy, head_dim: int, sink: int, flush: int, ring: int, block
     """The constexprs of one ``_decode_kernel`` specialization and the key that spells it out (memoised)."""
     D = head_dim
     kw = dict(D=D, S=sink, R=policy.residual, F=flush, W=ring, BS=block)
-    for pre, q, mode in zip(("K_", "V_"), (policy.key, policy.value), modes(policy, D)):
+    for pre, q, mode in zip(("K_", "V_"), (policy.key, policy.value), modes(policy, D, gqa)):
         kw.update({pre + "MODE": mode, pre + "KIND": _kind(q), pre + "BITS": q.bits,
                    pre + "E4M3": q.format == "fp8_e4m3", pre + "CHANNEL": q.axis == "channel",
                    pre + "G": q.group_for(D), pre + "SFMT": scale_code(q)})
     groups = kw["V_MODE"] == MODE_GROUPS  # values' groups and each group's columns per slot (GROUPS only)
-    kw.update(G=gqa, M=max(16, triton.next_power_of_2(gqa)), BLOCK_N=block_n, MASK_KIND=mask_kind, DOT=dot,
-              CHUNK=chunk, FULL=full, STAGES=stages, NGV=D // kw["V_G"] if groups else 1,
-              WGV=kw["V_G"] // (8 // kw["V_BITS"]) if groups else 16)
+    rows = kw["V_MODE"] == MODE_ROWS  # a row per query head and value group
+    M = max(16, value_rows(D, kw["V_G"], gqa) if rows else triton.next_power_of_2(gqa))
+    kw.update(G=gqa, M=M, BLOCK_N=block_n, MASK_KIND=mask_kind, DOT=dot, CHUNK=chunk, FULL=full, STAGES=stages,
+              NGV=D // kw["V_G"] if groups or rows else 1, WGV=kw["V_G"] // (8 // kw["V_BITS"]) if groups else 16)
     key = (f"decode[k={policy.key.key()}:{MODES[kw['K_MODE']]};v={policy.value.key()}:{MODES[kw['V_MODE']]};"
            f"S={sink};R={policy.residual};F={flush};W={ring};BS={block};D={D};gqa={gqa};bn={block_n};"
            f"stages={stages};mask={mask_kind};dot={dot};chunk={int(chunk)};full={int(full)}]")

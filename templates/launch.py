@@ -140,7 +140,7 @@ def plan(state: KVState, spec: LayerSpec, q_shape, mask: Tensor | None = None, t
     G = Hq // spec.heads
     device = device or state.lengths.device
     positions = _attention.position_bound(state, spec, mask)
-    layout = _decode.decode_layout(spec, n, rope) if kernel != "general" else None
+    layout = _decode.decode_layout(spec, n, rope, G) if kernel != "general" else None
     if kernel == "decode" and layout is None:
         raise ArgumentError(f"the decode kernel does not serve {n} queries over {spec.name}"
                          f"{' with pre-RoPE keys' if rope else ''} (templates.decode.decode_layout)")

@@ -50,7 +50,7 @@ LAYOUTS = [  # (policy, head_dim, G): every mode and format; ragged rows around 
     (Policy(Quant("int4", **TOK), Quant("int4", **TOK), residual=0), 64, 8),
     (Policy(Quant("int2", **TOK), Quant("int2", "token", None, True), residual=0), 64, 2),
     (Policy.kivi(4, group=16, residual=8, sink=2), 64, 4),  # per-channel keys, token groups of 16
-    (Policy.kivi(2, group=32, residual=0), 128, 4),
+    (Policy.kivi(2, group=32, residual=0), 128, 4),  # values in 8-byte groups beside GQA 4: ROWS; keys: ELEM
     (Policy.kivi(4, group=32, residual=0), 64, 4),  # values in token groups of 32: GROUPS; keys: CHAN
     # keys per channel in token groups of 16 and 32 beside values per token-head: CHAN, fp8 scales and fp8 codes
     (Policy(Quant("int4", "channel", 16, scale_dtype="fp8_e4m3"), Quant("int2", "token"), residual=2, sink=1), 128,
@@ -64,6 +64,11 @@ LAYOUTS = [  # (policy, head_dim, G): every mode and format; ragged rows around 
             residual=2), 32, 3),  # fp32 scales: elementwise
     # one fixed scale (1.0), none stored (axis="tensor"): on the tiles, as a per-token-head scale of 1
     (Policy(Quant("fp8_e4m3", "tensor"), Quant("fp8_e5m2", "tensor"), residual=0, sink=1), 64, 2),
+    # values in small per-token groups: a row per query head and group (ROWS), heads padded to a power of two
+    (Policy(Quant("int4", "token"), Quant("int4", "token", 16), residual=0), 64, 3),
+    (Policy(Quant("fp8_e5m2", "token"), Quant("fp8_e4m3", "token", 8, scale_dtype="fp8_e4m3"), residual=2, sink=1),
+     64, 1),
+    (Policy(Quant("int8", "channel", 16), Quant("int2", "token", 8, False, "fp8_e4m3"), residual=0), 64, 2),
     (Policy(Quant("fp8_e5m2", "tensor"), Quant("fp8_e4m3", "tensor"), residual=3, rotate=True), 128, 4),
 ]
 
@@ -171,31 +176,39 @@ def test_which_layouts_the_decode_kernel_serves():
     assert decode.tensor_mode(Quant("fp8_e4m3", "token", scale_dtype="fp8_e4m3"), 64) == decode.MODE_TILE
     assert decode.tensor_mode(Quant("int4", "token", scale_dtype="float32"), 64) == decode.MODE_ELEM
     for fmt in ("fp8_e4m3", "fp8_e5m2"):  # one fixed scale, none stored: a tile scale of 1
-        assert decode.tensor_mode(Quant(fmt, "tensor"), 64) == decode.tensor_mode(Quant(fmt, "tensor"), 64, True) \
+        assert decode.tensor_mode(Quant(fmt, "tensor"), 64) == decode.tensor_mode(Quant(fmt, "tensor"), 64, 4) \
             == decode.MODE_TILE
     # per-channel keys in token groups of 16 or more: the query scaled per group; values, small groups, fp32
     # scales: per element
     assert decode.tensor_mode(Quant("int4", "channel", 32), 128) == decode.MODE_CHAN
     assert decode.tensor_mode(Quant("fp8_e4m3", "channel", 16, scale_dtype="fp8_e4m3"), 64) == decode.MODE_CHAN
-    assert decode.tensor_mode(Quant("int4", "channel", 32), 128, values=True) == decode.MODE_ELEM
+    assert decode.tensor_mode(Quant("int4", "channel", 32), 128, 4) == decode.MODE_ELEM
     assert decode.tensor_mode(Quant("int4", "channel", 8), 128) == decode.MODE_ELEM
     assert decode.tensor_mode(Quant("int8", "channel", 32, scale_dtype="float32"), 128) == decode.MODE_ELEM
     assert decode.tensor_mode(Quant("int2", "token", 8), 64) == decode.MODE_ELEM
     kivi_v = Quant("int4", "token", 32)  # values: a batched product per group; as keys: per element
-    assert decode.tensor_mode(kivi_v, 128, values=True) == decode.MODE_GROUPS
+    assert decode.tensor_mode(kivi_v, 128, 4) == decode.tensor_mode(kivi_v, 128, 16) == decode.MODE_GROUPS
     assert decode.tensor_mode(kivi_v, 128) == decode.MODE_ELEM
-    assert decode.tensor_mode(Quant("int2", "token", 32), 128, values=True) == decode.MODE_ELEM  # 8 bytes a group
+    # values in groups of fewer than 16 bytes' slots: a row per query head (padded to a power of two) and group,
+    # up to 16 rows; beyond, per element
+    kivi2_v = Quant("int2", "token", 32)  # 8 bytes a group, 4 groups a head
+    assert [decode.tensor_mode(kivi2_v, 128, g) for g in (1, 2, 3, 4, 5, 8)] == [decode.MODE_ROWS] * 4 + [
+        decode.MODE_ELEM] * 2
+    assert decode.tensor_mode(Quant("int4", "token", 8), 64, 2) == decode.MODE_ROWS  # 8 groups x 2 heads
+    assert decode.tensor_mode(Quant("int4", "token", 8, scale_dtype="float32"), 64, 1) == decode.MODE_ELEM
     for q, D in ((Quant("int3", "token"), 128), (Quant("none"), 128), (Quant("int2", "token"), 32),
                  (Quant("int4", "token", 1), 128), (tok, 96)):
         assert decode.tensor_mode(q, D) is None, (q, D)
     spec = _spec(Policy(tok, tok, residual=0), 128)
-    assert decode.decode_layout(spec, 1, False) == (decode.MODE_TILE, decode.MODE_TILE)
-    # KIVI: int4 keys scale the query per group beside values scaled per group; beside per-element values (int2's
-    # 8-byte groups) the keys are per element too (the scaled queries' registers would cost more than they save)
+    assert decode.decode_layout(spec, 1, False, 4) == (decode.MODE_TILE, decode.MODE_TILE)
+    # KIVI: int4 keys scale the query per group beside values scaled per group; beside values in rows or per
+    # element (int2's 8-byte groups) the keys are per element (the scaled queries' registers cost more than they
+    # save)
     kivi4, kivi2 = _spec(Policy.kivi(4, group=32), 128), _spec(Policy.kivi(2, group=32), 128)
-    assert decode.decode_layout(kivi4, 1, False) == (decode.MODE_CHAN, decode.MODE_GROUPS)
-    assert decode.decode_layout(kivi2, 1, False) == (decode.MODE_ELEM, decode.MODE_ELEM)
-    assert decode.decode_layout(spec, 2, False) is None and decode.decode_layout(spec, 1, True) is None
+    assert decode.decode_layout(kivi4, 1, False, 4) == (decode.MODE_CHAN, decode.MODE_GROUPS)
+    assert decode.decode_layout(kivi2, 1, False, 4) == (decode.MODE_ELEM, decode.MODE_ROWS)
+    assert decode.decode_layout(kivi2, 1, False, 8) == (decode.MODE_ELEM, decode.MODE_ELEM)
+    assert decode.decode_layout(spec, 2, False, 4) is None and decode.decode_layout(spec, 1, True, 4) is None
     state = spec.allocate(1, 64)
     assert launch.plan(state, spec, (1, 4, 1, 128)).decode and not launch.plan(state, spec, (1, 4, 3, 128)).decode
     assert not launch.plan(state, spec, (1, 4, 1, 128), kernel="general").decode

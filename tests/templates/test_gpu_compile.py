@@ -40,6 +40,8 @@ SCRIPT = textwrap.dedent("""
         (Policy(Quant("int4", "token", scale_dtype="fp8_e4m3"), Quant("int2", "channel", 32, scale_dtype="fp8_e4m3"),
                 residual=0), 64,
          "float16", 2, 1, torch.ones(1, dtype=torch.bool), 32, (1, 64, 2), "decode"),  # a tile over 2 blocks
+        # KIVI int2: values in a row per query head and group (ROWS), keys per element, a float mask
+        (Policy.kivi(2, group=32, residual=8, sink=2), 128, "bfloat16", 4, 1, torch.zeros(1), None, None, "decode"),
         # pre-RoPE keys, rotated in the kernel: decode (sinks, codes, ring) and a prefill reading its own chunk
         (Policy.kivi(2, group=32, residual=16, sink=4, pre_rope=True), 128, "bfloat16", 4, 1, None, None, None),
         (Policy(Quant("int4", "channel", 32), Quant("int4", "token"), residual=16, sink=4, rotate=True,
@@ -108,13 +110,14 @@ def test_kernels_compile_for_sm90():
     # loop (a decode with no residual reads its own token from the chunk)
     assert "rope: [(False, 128), (True, 64), (True, 128)]" in r.stdout, r.stdout
     # the decode kernel: (key mode, value mode, full-precision program, own token, mask kind, tile over blocks);
-    # mode 0: scales on tiles, 1: per element, 2: per group, 3: the query scaled per group of tokens
+    # mode 0: scales on tiles, 1: per element, 2: per group, 3: the query scaled per group of tokens, 4: a row per
+    # query head and value group
     decode = r.stdout.split("decode:")[1]
     # (whether the tile-scaled case's tile spans blocks is the tile table's choice, templates/decode_configs.json:
     # since the table, it does; a tile inside one block and one over several both compile in the other cases)
     assert "(0, 0, True, True, 0, " in decode, r.stdout
     for want in ("(3, 2, True, True, 0, False)", "(3, 2, True, False, 0, True)", "(1, 2, True, False, 2, False)",
-                 "(0, 1, True, True, 1, True)"):
+                 "(0, 1, True, True, 1, True)", "(1, 4, True, "):
         assert want in decode, r.stdout
     assert "invariant: 2 2" in r.stdout, r.stdout  # row-invariant splits and the in-order merge lower too
     # the rotation: fp32 out (the float32 rows), float64 out (bf16 / fp16 rows, for torch to round; float64 rows)
