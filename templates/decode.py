@@ -39,6 +39,11 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
   and the query (and the output) are read (written) in that order. The dot product is the same sum in another
   order, and no unpacked tile is ever reshaped across threads (an interleaving reshape cost 2x the loop's
   instructions in a sm_90 compile: docs/results.md).
+- **Codes read as words**: int4 / int2 key codes reach each thread as 4-byte words (int2: halfwords), int4 values
+  as halfwords (``key_words``, ``value_words``): sub-slot ``s`` of a word holds channels ``NS j + s`` (``NS`` =
+  codes a word), a product per sub-slot, so that no byte is loaded or packed into a register alone (Triton's
+  dot-operand layouts deliver single bytes otherwise: a load and a byte permute each). Values' sub-slots stay at
+  least 32 channels wide, a product's columns for 4 warps.
 - **Tiles by bytes**: BLOCK_N tokens per tile from the config table (int2 tiles hold more tokens than int8). A
   tile may span several blocks of the paged store: each row finds its block in the table (the next tile's
   block ids are loaded while this one is computed).
@@ -260,6 +265,90 @@ def _code_tiles_exact(byte, BITS: tl.constexpr, KIND: tl.constexpr, E4M3: tl.con
     return _less_off(t0, BITS, KIND), _less_off(t1, BITS, KIND), _less_off(t2, BITS, KIND), _less_off(t3, BITS, KIND)
 
 
+def _unpack_words(bits: int, width: int) -> str:
+    """PTX: two elements of ``width`` bytes (``pack=2``: two registers of words, or one of two halfwords) -> each
+    sub-slot's two codes as bf16 ``128 + c`` in one register, sub-slot ``s = k * (8 // bits) + i`` (byte ``k`` of
+    each element, its ``i``-th code), the first element's in the low half: per byte a prmt gathers the two
+    elements' byte ``k`` into the halves, then per code a shift and one lop3, ``(w & mask) | 0x43004300``."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    n = per * width
+    asm = "{.reg .b32 d, s; "
+    for k in range(width):
+        if width == 4:  # $n, $n+1: the two words; prmt's bytes 0-3 are the first's, 4-7 the second's
+            asm += f"prmt.b32 d, ${n}, ${n + 1}, {hex(k | k << 4 | (k + 4) << 8 | (k + 4) << 12)}; "
+        else:  # $n: the two halfwords, the first in bytes 0-1
+            asm += f"prmt.b32 d, ${n}, 0, {hex(k | k << 4 | (k + 2) << 8 | (k + 2) << 12)}; "
+        for i in range(per):
+            src = "d" if i == 0 else "s"
+            if i:
+                asm += f"shr.b32 s, d, {bits * i}; "
+            asm += f"lop3.b32 ${k * per + i}, {src}, {hex(mask | mask << 16)}, 0x43004300, 0xEA; "
+    return asm + "}"
+
+
+def key_words(q: Quant, head_dim: int, mode: int | None) -> int:
+    """Bytes a mode-TILE key tile reads as one element (4, 2, or 1): int4 / int2 codes as words or halfwords of
+    ``8 // bits * width`` sub-slots, each at least a dot operand (16 channels) wide and at most 8 of them. A word
+    of a token's row reaches a thread whole (its byte loads and the packing of bytes into words gone) and feeds
+    ``_UNPACK_W4`` / ``_UNPACK_W2``."""
+    if mode != MODE_TILE or not q.is_int or q.bits >= 8:
+        return 1
+    per = 8 // q.bits
+    return next((w for w in (4, 2) if per * w <= 8 and head_dim // (per * w) >= 16), 1)
+
+
+def value_words(q: Quant, head_dim: int, mode: int | None) -> int:
+    """Bytes a mode-TILE value tile reads as one element (2 or 1): int4 codes as halfwords, four sub-slots of at
+    least 32 channels (a product's columns for 4 warps: narrower, each warp would unpack them all)."""
+    return 2 if mode == MODE_TILE and q.is_int and q.bits == 4 and head_dim // 4 >= 32 else 1
+
+
+_UNPACK_W4_INT4 = tl.constexpr(_unpack_words(4, 4))
+_UNPACK_W2_INT4 = tl.constexpr(_unpack_words(4, 2))
+_UNPACK_W2_INT2 = tl.constexpr(_unpack_words(2, 2))
+
+
+@triton.jit
+def _word_tile(word, S: tl.constexpr, BITS: tl.constexpr):
+    """Sub-slot ``S`` of the words (int32 or int16): code ``S % (8 // BITS)`` of byte ``S // (8 // BITS)``, as
+    bf16 ``128 + c`` (``_code_tile``'s bits)."""
+    PER: tl.constexpr = 8 // BITS
+    c = (word.to(tl.int32) >> (8 * (S // PER) + BITS * (S % PER))) & ((1 << BITS) - 1)
+    return (c | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _word_tiles(word, BITS: tl.constexpr, W: tl.constexpr):
+    """The sub-slots of int4 / int2 words (``key_words``: 8, or 4 for int4 halfwords; the rest repeat sub-slot
+    0): on a GPU by ``_unpack_words``' PTX, in the interpreter by ``_word_tile``."""
+    if _PTX and W == 4:
+        return tl.inline_asm_elementwise(_UNPACK_W4_INT4, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [word],
+                                         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+    if _PTX and BITS == 2:
+        return tl.inline_asm_elementwise(_UNPACK_W2_INT2, "=r,=r,=r,=r,=r,=r,=r,=r,r", [word],
+                                         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+    if _PTX:
+        t0, t1, t2, t3 = tl.inline_asm_elementwise(_UNPACK_W2_INT4, "=r,=r,=r,=r,r", [word],
+                                                   dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
+        return t0, t1, t2, t3, t0, t0, t0, t0
+    t0 = _word_tile(word, 0, BITS)
+    t1 = _word_tile(word, 1, BITS)
+    t2 = _word_tile(word, 2, BITS)
+    t3 = _word_tile(word, 3, BITS)
+    if (8 // BITS) * W > 4:
+        return t0, t1, t2, t3, _word_tile(word, 4, BITS), _word_tile(word, 5, BITS), _word_tile(word, 6, BITS), \
+            _word_tile(word, 7, BITS)
+    return t0, t1, t2, t3, t0, t0, t0, t0
+
+
+@triton.jit
+def _query_sub(qb_ptr, qok, j, S: tl.constexpr, NS: tl.constexpr):
+    """The query's channels ``NS j + S`` (a key sub-slot), saturated at and rounded to bf16, transposed:
+    [channels, rows]."""
+    x = tl.load(qb_ptr + NS * j[None, :] + S, mask=qok, other=0.0)
+    return tl.trans(_bf16(tl.minimum(tl.maximum(x, -BF16_MAX), BF16_MAX)))
+
+
 @triton.jit
 def _fixed_nan(byte, E4M3: tl.constexpr):
     """Where a byte holds an fp8 NaN code (int32 bytes): e4m3fn's 0x7F / 0xFF, e5m2's 0x7D-0x7F / 0xFD-0xFF. With
@@ -314,7 +403,7 @@ def _decode_kernel(
     H, Hq, sm_scale, nsplit, split_min, split_max,
     D: tl.constexpr, S: tl.constexpr, R: tl.constexpr, F: tl.constexpr, W: tl.constexpr, BS: tl.constexpr,
     K_MODE: tl.constexpr, K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_E4M3: tl.constexpr,
-    K_CHANNEL: tl.constexpr, K_G: tl.constexpr, K_SFMT: tl.constexpr,
+    K_CHANNEL: tl.constexpr, K_G: tl.constexpr, K_SFMT: tl.constexpr, K_W: tl.constexpr, V_W: tl.constexpr,
     V_MODE: tl.constexpr, V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_E4M3: tl.constexpr,
     V_CHANNEL: tl.constexpr, V_G: tl.constexpr, V_SFMT: tl.constexpr,
     G: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
@@ -370,6 +459,8 @@ def _decode_kernel(
         UV: tl.constexpr = D // PV
         uk = tl.arange(0, UK)
         uv = tl.arange(0, UV)
+        VNS: tl.constexpr = PV * V_W  # the values' (sub-)slots, channel VNS j + s (``value_words``)
+        jv = tl.arange(0, D // VNS)
         # the query in slot order (channel PK u + i), fp32 and rounded to bf16; the rows' sums for TILE
         qok = row_ok[:, None]
         qb_ptr = q_ptr + b.to(tl.int64) * sq_b + hq.to(tl.int64)[:, None] * sq_h
@@ -402,6 +493,23 @@ def _decode_kernel(
         qt1 = tl.trans(qb1)
         qt2 = tl.trans(qb2)
         qt3 = tl.trans(qb3)
+        KNS: tl.constexpr = PK * K_W  # K_W > 1: the keys' sub-slots, channel KNS j + s (``key_words``)
+        jw = tl.arange(0, D // KNS)
+        if K_W > 1:
+            qw0 = _query_sub(qb_ptr, qok, jw, 0, KNS)
+            qw1 = _query_sub(qb_ptr, qok, jw, 1, KNS)
+            qw2 = _query_sub(qb_ptr, qok, jw, 2, KNS)
+            qw3 = _query_sub(qb_ptr, qok, jw, 3, KNS)
+            if KNS > 4:
+                qw4 = _query_sub(qb_ptr, qok, jw, 4, KNS)
+                qw5 = _query_sub(qb_ptr, qok, jw, 5, KNS)
+                qw6 = _query_sub(qb_ptr, qok, jw, 6, KNS)
+                qw7 = _query_sub(qb_ptr, qok, jw, 7, KNS)
+            else:
+                qw4 = qw0
+                qw5 = qw0
+                qw6 = qw0
+                qw7 = qw0
         if K_MODE == 0 and K_KIND != 2 and K_BITS < 8:
             qoff = qbsum * 128.0  # OFF: the codes are 128 + c
         else:
@@ -421,10 +529,10 @@ def _decode_kernel(
         l_i = tl.zeros([M], tl.float32)
         psum = tl.zeros([M], tl.float32)  # TILE values: sum of p' (bf16), for OFF
         bsum = tl.zeros([M], tl.float32)  # TILE values: sum of p b
-        acc0 = tl.zeros([M, UV], tl.float32)
-        acc1 = tl.zeros([M, UV], tl.float32)
-        acc2 = tl.zeros([M, UV], tl.float32)
-        acc3 = tl.zeros([M, UV], tl.float32)
+        acc0 = tl.zeros([M, D // VNS], tl.float32)
+        acc1 = tl.zeros([M, D // VNS], tl.float32)
+        acc2 = tl.zeros([M, D // VNS], tl.float32)
+        acc3 = tl.zeros([M, D // VNS], tl.float32)
         gv = tl.arange(0, NGV)  # GROUPS values: per group of channels, [groups, rows, group's U-columns]
         wv = tl.arange(0, WGV)
         accg0 = tl.zeros([NGV, M, WGV], tl.float32)
@@ -432,14 +540,22 @@ def _decode_kernel(
         accg2 = tl.zeros([NGV, M, WGV], tl.float32)
         accg3 = tl.zeros([NGV, M, WGV], tl.float32)
         bsumg = tl.zeros([NGV, M], tl.float32)
-        hit0 = tl.zeros([M, UV], tl.float32)  # ELEM values: visible poisoned positions per channel
-        hit1 = tl.zeros([M, UV], tl.float32)
-        hit2 = tl.zeros([M, UV], tl.float32)
-        hit3 = tl.zeros([M, UV], tl.float32)
+        hit0 = tl.zeros([M, D // VNS], tl.float32)  # ELEM values: visible poisoned positions per channel
+        hit1 = tl.zeros([M, D // VNS], tl.float32)
+        hit2 = tl.zeros([M, D // VNS], tl.float32)
+        hit3 = tl.zeros([M, D // VNS], tl.float32)
         offs = tl.arange(0, BLOCK_N)
         tbl = tbl_ptr + b.to(tl.int64) * st_b
         kch = kc + h.to(tl.int64) * skc_h
+        if K_W > 1:  # the key codes as words (``key_words``), their strides in words
+            kcw = kch.to(tl.pointer_type(tl.int32 if K_W == 4 else tl.int16))
+            wk_nb = skc_nb // K_W
+            wk_t = skc_t // K_W
         vch = vc + h.to(tl.int64) * svc_h
+        if V_W > 1:  # the value codes as halfwords (``value_words``), their strides in halfwords
+            vcw = vch.to(tl.pointer_type(tl.int16))
+            wv_nb = svc_nb // V_W
+            wv_t = svc_t // V_W
         ksh = h.to(tl.int64) * sks_h
         vsh = h.to(tl.int64) * svs_h
         # the first tile's block (ONE_BLOCK: a tile lies in one block, BLOCK_N <= BS) or each row's block; the
@@ -460,20 +576,35 @@ def _decode_kernel(
                 row = (p - S) % BS
                 blk_next = tl.load(tbl + (nxt - S + offs) // BS, mask=nxt + offs < hi, other=0).to(tl.int64)
             # ---- scores
-            kbyte = tl.load(kch + (blk * skc_nb + row * skc_t)[:, None] + uk[None, :],
-                            mask=kv_ok[:, None], other=0).to(tl.int32)
+            if K_W == 1:
+                kbyte = tl.load(kch + (blk * skc_nb + row * skc_t)[:, None] + uk[None, :],
+                                mask=kv_ok[:, None], other=0).to(tl.int32)
             if K_MODE == 0:
                 ka, kb = _affine(ks, kz, blk * sks_nb + ksh + row * sks_t, kv_ok, K_KIND, K_BITS, K_E4M3, K_SFMT)
                 # tokens as the rows (M) of the products: the codes are the A operand, made in registers
-                kt0, kt1, kt2, kt3 = _code_tiles(kbyte, K_BITS, K_KIND, K_E4M3)
-                if K_SFMT == 3 and K_E4M3:  # a NaN code (a poisoned token-head): its scores are NaN
-                    kt0 = tl.where(_fixed_nan(kbyte, True), float("nan"), kt0.to(tl.float32)).to(tl.bfloat16)
-                raw = _dot(kt0, qt0, None)
-                if PK > 1:
-                    raw = _dot(kt1, qt1, raw)
-                if PK > 2:
-                    raw = _dot(kt2, qt2, raw)
-                    raw = _dot(kt3, qt3, raw)
+                if K_W > 1:  # whole words of each token's row, their sub-slots
+                    kword = tl.load(kcw + (blk * wk_nb + row * wk_t)[:, None] + jw[None, :],
+                                    mask=kv_ok[:, None], other=0)
+                    kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7 = _word_tiles(kword, K_BITS, K_W)
+                    raw = _dot(kw0, qw0, None)
+                    raw = _dot(kw1, qw1, raw)
+                    raw = _dot(kw2, qw2, raw)
+                    raw = _dot(kw3, qw3, raw)
+                    if KNS > 4:
+                        raw = _dot(kw4, qw4, raw)
+                        raw = _dot(kw5, qw5, raw)
+                        raw = _dot(kw6, qw6, raw)
+                        raw = _dot(kw7, qw7, raw)
+                else:
+                    kt0, kt1, kt2, kt3 = _code_tiles(kbyte, K_BITS, K_KIND, K_E4M3)
+                    if K_SFMT == 3 and K_E4M3:  # a NaN code (a poisoned token-head): its scores are NaN
+                        kt0 = tl.where(_fixed_nan(kbyte, True), float("nan"), kt0.to(tl.float32)).to(tl.bfloat16)
+                    raw = _dot(kt0, qt0, None)
+                    if PK > 1:
+                        raw = _dot(kt1, qt1, raw)
+                    if PK > 2:
+                        raw = _dot(kt2, qt2, raw)
+                        raw = _dot(kt3, qt3, raw)
                 raw = tl.trans(raw)
                 s = ((raw - qoff[:, None]) * ka[None, :] + qsum[:, None] * kb[None, :]) * sm_scale
             elif K_MODE == 3:  # a product per group of K_G tokens, its query scaled by the group's scales
@@ -545,6 +676,9 @@ def _decode_kernel(
                 if PV > 2:
                     accg2 = _dot(pa3, vg2, accg2 * a3)
                     accg3 = _dot(pa3, vg3, accg3 * a3)
+            elif V_W > 1:
+                vword = tl.load(vcw + (blk * wv_nb + row * wv_t)[:, None] + jv[None, :], mask=kv_ok[:, None],
+                                other=0)
             else:
                 vbyte = tl.load(vch + (blk * svc_nb + row * svc_t)[:, None] + uv[None, :],
                                 mask=kv_ok[:, None], other=0).to(tl.int32)
@@ -568,7 +702,10 @@ def _decode_kernel(
                 pa = _bf16(tl.where(vis, pr * va[None, :], 0.0))  # hidden positions: never NaN * 0
                 psum = psum * alpha + tl.sum(pa.to(tl.float32), 1)
                 bsum = bsum * alpha + tl.sum(tl.where(vis, pr * vb[None, :], 0.0), 1)
-                vt0, vt1, vt2, vt3 = _code_tiles(vbyte, V_BITS, V_KIND, V_E4M3)
+                if V_W > 1:
+                    vt0, vt1, vt2, vt3, _, _, _, _ = _word_tiles(vword, V_BITS, V_W)
+                else:
+                    vt0, vt1, vt2, vt3 = _code_tiles(vbyte, V_BITS, V_KIND, V_E4M3)
                 if V_SFMT == 3:  # NaN codes (a poisoned token-head) read as zeros, counted per channel where visible
                     vnan = _fixed_nan(vbyte, V_E4M3)
                     if tl.max(tl.max(vnan.to(tl.int32), 1), 0) > 0:
@@ -576,9 +713,9 @@ def _decode_kernel(
                                            None)
                         vt0 = tl.where(vnan, 0.0, vt0.to(tl.float32)).to(tl.bfloat16)
                 acc0 = _dot(pa, vt0, acc0 * alpha[:, None])
-                if PV > 1:
+                if VNS > 1:
                     acc1 = _dot(pa, vt1, acc1 * alpha[:, None])
-                if PV > 2:
+                if VNS > 2:
                     acc2 = _dot(pa, vt2, acc2 * alpha[:, None])
                     acc3 = _dot(pa, vt3, acc3 * alpha[:, None])
             elif V_MODE == 1:
@@ -614,13 +751,13 @@ def _decode_kernel(
                 tl.store(base3 + 3, accg3 + fixg, mask=ok3)
         base = ws_acc + w_row[:, None] * D
         if V_MODE != 2:  # ROWS: each row keeps its group's channels
-            ch = PV * uv[None, :]
+            ch = VNS * jv[None, :]
             tl.store(base + ch, tl.where(hit0 > 0, float("nan"), acc0 + fix[:, None]),
                      mask=qok & ((ch // V_G == mg[:, None]) | (V_MODE != 4)))
-        if PV > 1 and V_MODE != 2:
+        if VNS > 1 and V_MODE != 2:
             tl.store(base + ch + 1, tl.where(hit1 > 0, float("nan"), acc1 + fix[:, None]),
                      mask=qok & (((ch + 1) // V_G == mg[:, None]) | (V_MODE != 4)))
-        if PV > 2 and V_MODE != 2:
+        if VNS > 2 and V_MODE != 2:
             tl.store(base + ch + 2, tl.where(hit2 > 0, float("nan"), acc2 + fix[:, None]),
                      mask=qok & (((ch + 2) // V_G == mg[:, None]) | (V_MODE != 4)))
             tl.store(base + ch + 3, tl.where(hit3 > 0, float("nan"), acc3 + fix[:, None]),
@@ -785,14 +922,19 @@ def _elem_pv(acc, hit, alpha, pb, vis, byte, I: tl.constexpr, s_ptr, z_ptr, blk,
 # --------------------------------------------------------------------------- launcher
 @functools.lru_cache(maxsize=None)
 def decode_config(policy, head_dim: int, sink: int, flush: int, ring: int, block: int, gqa: int, block_n: int,
-                  stages: int, mask_kind: int, dot: str, chunk: bool, full: bool) -> tuple[str, dict]:
-    """The constexprs of one ``_decode_kernel`` specialization and the key that spells it out (memoised)."""
+                  stages: int, mask_kind: int, dot: str, chunk: bool, full: bool,
+                  words: bool = True) -> tuple[str, dict]:
+    """The constexprs of one ``_decode_kernel`` specialization and the key that spells it out (memoised).
+    ``words``: the key codes may be read as words (``key_words``; their tensor's pointer and strides are
+    multiples of 4 bytes)."""
     D = head_dim
     kw = dict(D=D, S=sink, R=policy.residual, F=flush, W=ring, BS=block)
     for pre, q, mode in zip(("K_", "V_"), (policy.key, policy.value), modes(policy, D, gqa)):
         kw.update({pre + "MODE": mode, pre + "KIND": _kind(q), pre + "BITS": q.bits,
                    pre + "E4M3": q.format == "fp8_e4m3", pre + "CHANNEL": q.axis == "channel",
                    pre + "G": q.group_for(D), pre + "SFMT": scale_code(q)})
+    kw["K_W"] = key_words(policy.key, D, kw["K_MODE"]) if words else 1
+    kw["V_W"] = value_words(policy.value, D, kw["V_MODE"]) if words else 1
     groups = kw["V_MODE"] == MODE_GROUPS  # values' groups and each group's columns per slot (GROUPS only)
     rows = kw["V_MODE"] == MODE_ROWS  # a row per query head and value group
     M = max(16, value_rows(D, kw["V_G"], gqa) if rows else triton.next_power_of_2(gqa))
@@ -800,7 +942,7 @@ def decode_config(policy, head_dim: int, sink: int, flush: int, ring: int, block
               NGV=D // kw["V_G"] if groups or rows else 1, WGV=kw["V_G"] // (8 // kw["V_BITS"]) if groups else 16)
     key = (f"decode[k={policy.key.key()}:{MODES[kw['K_MODE']]};v={policy.value.key()}:{MODES[kw['V_MODE']]};"
            f"S={sink};R={policy.residual};F={flush};W={ring};BS={block};D={D};gqa={gqa};bn={block_n};"
-           f"stages={stages};mask={mask_kind};dot={dot};chunk={int(chunk)};full={int(full)}]")
+           f"stages={stages};mask={mask_kind};dot={dot};chunk={int(chunk)};full={int(full)};words={kw['K_W']},{kw['V_W']}]")
     return key, kw
 
 
@@ -860,8 +1002,11 @@ def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | Non
     cfg = tile_config(spec, G)
     full = spec.sink > 0 or spec.ring > 0 or chunk is not None
     mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
+    # words need 4-byte aligned rows (always, for the store's own tensors)
+    words = all(c.numel() > 0 and c.data_ptr() % 4 == 0 and all(x % 4 == 0 for x in c.stride()[:3])
+                for c in (state.k_codes, state.v_codes))
     _, kw = decode_config(spec.policy, D, spec.sink, spec.flush, spec.ring, spec.block, G, block_n, cfg["stages"],
-                          mask_kind, dot, chunk is not None, full)
+                          mask_kind, dot, chunk is not None, full, words)
     q = q.contiguous()
     dev = q.device
     slots = nsplit + int(full)

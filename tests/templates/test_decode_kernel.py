@@ -48,6 +48,9 @@ LAYOUTS = [  # (policy, head_dim, G): every mode and format; ragged rows around 
     (Policy(Quant("fp8_e5m2", **TOK), Quant("int8", "token", None, True), residual=3, sink=2), 64, 3),
     (Policy(Quant("int8", **TOK), Quant("int8", **TOK), residual=0), 64, 1),
     (Policy(Quant("int4", **TOK), Quant("int4", **TOK), residual=0), 64, 8),
+    # int4 / int2 codes read as words and halfwords at head_dim 128 (decode.key_words, value_words)
+    (Policy(Quant("int4", **TOK), Quant("int4", **TOK), residual=2, sink=1), 128, 4),
+    (Policy(Quant("int2", **TOK), Quant("int4", "token", None, True), residual=0), 128, 2),
     (Policy(Quant("int2", **TOK), Quant("int2", "token", None, True), residual=0), 64, 2),
     (Policy.kivi(4, group=16, residual=8, sink=2), 64, 4),  # per-channel keys, token groups of 16
     (Policy.kivi(2, group=32, residual=0), 128, 4),  # values in 8-byte groups beside GQA 4: ROWS; keys: ELEM
@@ -266,6 +269,68 @@ def test_the_gpu_unpack_spells_each_slots_codes_as_the_interpreter_does(bits):
                 assert half == 0x4300 | ((b >> (bits * slot)) & ((1 << bits) - 1)), (w, slot, j, hex(half))
 
 
+@pytest.mark.parametrize("bits,width", [(4, 4), (4, 2), (2, 2)])
+def test_the_gpu_unpack_of_words_spells_each_sub_slots_codes_as_the_interpreter_does(bits, width):
+    """On a GPU, int4 / int2 key codes read as words or halfwords (``decode.key_words``; int4 values as
+    halfwords) are unpacked by ``decode._unpack_words``' PTX: two elements in (two words, or two halfwords in one
+    register), sub-slot ``s = k * (8 // bits) + i`` out in ``$s`` (byte ``k`` of each element, its ``i``-th
+    code), the first element's in the low half. Every byte value in every position spells what ``_word_tile``
+    (the interpreter's path: ``(word >> (8 k + bits i)) & mask``) gives."""
+    asm = {(4, 4): decode._UNPACK_W4_INT4, (4, 2): decode._UNPACK_W2_INT4, (2, 2): decode._UNPACK_W2_INT2}[
+        (bits, width)].value
+    per = 8 // bits
+    n = per * width
+    g = torch.Generator().manual_seed(bits * width)
+    pairs = [[b, (b * 7) & 255, 255 - b, (b * 13 + 5) & 255, (b * 3 + 1) & 255, b ^ 0x5A, (b * 11) & 255, ~b & 255]
+             for b in range(256)]
+    pairs += torch.randint(0, 256, (64, 8), generator=g).tolist()
+    for bytes_ in pairs:
+        elems = [sum(b << (8 * k) for k, b in enumerate(bytes_[e * width:(e + 1) * width])) for e in range(2)]
+        regs = {f"${n}": elems[0], f"${n + 1}": elems[1]} if width == 4 else {f"${n}": elems[0] | elems[1] << 16}
+        out = _run_ptx(asm, regs)
+        for k in range(width):
+            for i in range(per):
+                for e in range(2):
+                    half = (out[f"${k * per + i}"] >> (16 * e)) & 0xFFFF
+                    code = (elems[e] >> (8 * k + bits * i)) & ((1 << bits) - 1)
+                    assert half == 0x4300 | code, (bytes_, k, i, e, hex(half))
+
+
+def test_codes_read_as_words_only_where_a_tensor_allows(monkeypatch):
+    """Words need the codes' rows 4-byte aligned: a store's own tensors always are; codes in a view that is not
+    (an odd offset into a buffer) are read byte by byte, within the same bound."""
+    policy = Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0)
+    assert (decode.key_words(policy.key, 128, decode.MODE_TILE), decode.value_words(policy.value, 128,
+                                                                                     decode.MODE_TILE)) == (4, 2)
+    assert decode.key_words(Quant("int2", "token"), 128, decode.MODE_TILE) == 2
+    assert decode.key_words(Quant("int4", "token"), 64, decode.MODE_TILE) == 2
+    assert decode.key_words(Quant("int2", "token"), 64, decode.MODE_TILE) == 1  # 8 sub-slots of 8: too narrow
+    assert decode.value_words(Quant("int2", "token"), 128, decode.MODE_TILE) == 1
+    assert decode.key_words(Quant("int4", "channel", 32), 128, decode.MODE_CHAN) == 1
+    assert decode.key_words(Quant("int8", "token"), 128, decode.MODE_TILE) == 1
+    spec, state = filled(policy, [9, 40], 2, 128)
+    seen = []
+    config = decode.decode_config
+
+    def spy(*a, **k):
+        key, kw = config(*a, **k)
+        seen.append((kw["K_W"], kw["V_W"]))
+        return key, kw
+    monkeypatch.setattr(decode, "decode_config", spy)
+    q = torch.randn(2, 8, 1, 128, generator=torch.Generator().manual_seed(3))
+    check(q, state, spec)
+
+    def odd(t):  # the same values at an address that is 1 mod 4
+        buf = torch.zeros(t.numel() + 1, dtype=t.dtype)
+        out = buf[1:].view(t.shape)
+        out.copy_(t)
+        return out
+    moved = state._replace(k_codes=odd(state.k_codes), v_codes=odd(state.v_codes))
+    assert moved.k_codes.data_ptr() % 4 == 1
+    check(q, moved, spec)
+    assert seen == [(4, 2), (1, 1)]
+
+
 def test_tiles_come_from_the_config_table_or_its_rule(monkeypatch):
     """The table (``templates/decode_configs.json``) names tiles per layout; other layouts get the rule: tiles of
     about ``tile_bytes`` bytes of codes (so int2 tiles hold more tokens than int8), within the bounds. Splits
@@ -296,8 +361,13 @@ def test_decode_keys_spell_out_the_specialization():
     key, kw = decode.decode_config(Policy.kivi(4, group=32, residual=16, sink=4), 128, 4, 32, 47, 64, 4, 128, 3,
                                    0, "tf32", False, True)
     assert key == ("decode[k=int4.channel.32.asym.f16:chan;v=int4.token.32.asym.f16:groups;S=4;R=16;F=32;W=47;"
-                   "BS=64;D=128;gqa=4;bn=128;stages=3;mask=0;dot=tf32;chunk=0;full=1]")
+                   "BS=64;D=128;gqa=4;bn=128;stages=3;mask=0;dot=tf32;chunk=0;full=1;words=1,1]")
     assert kw["M"] == 16 and kw["K_CHANNEL"] and not kw["V_CHANNEL"] and kw["V_G"] == 32 and kw["FULL"]
+    tok4 = Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0)
+    key, kw = decode.decode_config(tok4, 128, 0, 1, 0, 16, 4, 64, 3, 0, "tf32", False, False)
+    assert key.endswith(";words=4,2]") and (kw["K_W"], kw["V_W"]) == (4, 2)  # codes read as words, halfwords
+    key, kw = decode.decode_config(tok4, 128, 0, 1, 0, 16, 4, 64, 3, 0, "tf32", False, False, False)
+    assert key.endswith(";words=1,1]") and (kw["K_W"], kw["V_W"]) == (1, 1)  # rows not 4-byte aligned
     key, kw = decode.decode_config(Policy.fp8("fp8_e5m2", residual=0, axis="tensor"), 128, 0, 1, 0, 16, 4, 64, 3, 0,
                                    "tf32", False, False)
     assert key.startswith("decode[k=fp8_e5m2.tensor:tile;v=fp8_e5m2.tensor:tile;")

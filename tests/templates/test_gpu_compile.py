@@ -40,6 +40,9 @@ SCRIPT = textwrap.dedent("""
         (Policy(Quant("int4", "token", scale_dtype="fp8_e4m3"), Quant("int2", "channel", 32, scale_dtype="fp8_e4m3"),
                 residual=0), 64,
          "float16", 2, 1, torch.ones(1, dtype=torch.bool), 32, (1, 64, 2), "decode"),  # a tile over 2 blocks
+        # int4 keys as halfwords at head_dim 64 (decode.key_words; at 128 the cases above read words, halfwords)
+        (Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0), 64, "float16", 2, 1, None, None, None,
+         "decode"),
         # KIVI int2: values in a row per query head and group (ROWS), keys per element, a float mask
         (Policy.kivi(2, group=32, residual=8, sink=2), 128, "bfloat16", 4, 1, torch.zeros(1), None, None, "decode"),
         # pre-RoPE keys, rotated in the kernel: decode (sinks, codes, ring) and a prefill reading its own chunk
@@ -83,6 +86,7 @@ SCRIPT = textwrap.dedent("""
           "tiles:", sorted({(c["BS"], c["BLOCK_N"]) for n, c in log if n == "_attn_kernel"}),
           "decode:", sorted({(c["K_MODE"], c["V_MODE"], c["FULL"], c["CHUNK"], c["MASK_KIND"], c["BLOCK_N"] > c["BS"])
                              for n, c in log if n == "_decode_kernel"}),
+          "words:", sorted({(c["K_W"], c["V_W"]) for n, c in log if n == "_decode_kernel"}),
           "invariant:", sum(bool(c.get("INVARIANT")) for n, c in log if n == "_decode_kernel"),
           sum(bool(c.get("IN_ORDER")) for n, c in log if n == "_merge_kernel"),
           "rotate:", sorted((c["D"], c["OUT_F64"]) for n, c in log if n == "_rotate_kernel"),
@@ -119,6 +123,9 @@ def test_kernels_compile_for_sm90():
     for want in ("(3, 2, True, True, 0, False)", "(3, 2, True, False, 0, True)", "(1, 2, True, False, 2, False)",
                  "(0, 1, True, True, 1, True)", "(1, 4, True, "):
         assert want in decode, r.stdout
+    # codes read as words / halfwords: int4 at 128 (keys words, values halfwords), int2 at 128 and int4 at 64
+    # (keys halfwords), the rest byte by byte
+    assert "words: [(1, 1), (2, 1), (4, 2)]" in r.stdout, r.stdout
     assert "invariant: 2 2" in r.stdout, r.stdout  # row-invariant splits and the in-order merge lower too
     # the rotation: fp32 out (the float32 rows), float64 out (bf16 / fp16 rows, for torch to round; float64 rows)
     assert "rotate: [(64, False), (80, True), (96, True), (128, True)]" in r.stdout, r.stdout
