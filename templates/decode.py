@@ -22,12 +22,14 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
   scales multiply the [rows, BLOCK_N] score and probability tiles, never the [BLOCK_N, D] codes. Integers narrower
   than a byte become bf16 as ``128 + c`` by setting bits (``0x4300 | c``, no conversion instruction; on a GPU four
   bytes at a time in inline PTX, ``_UNPACK4`` / ``_UNPACK2``); the 128 is taken back from the row sums (``OFF``),
-  or, where row sums would cost more (modes CHAN and GROUPS), from the codes (one bf16 subtraction a pair). Values
-  in per-token groups of at least 16 bytes' slots (KIVI's int4 values in 32-groups: mode GROUPS) scale the
-  probabilities per group, one batched product per group. Per-channel keys in token groups of at least 16 (KIVI's
-  keys: mode CHAN) scale the query instead: with ``x = a_c c + b_c`` per channel over a group of tokens, ``q.x =
-  sum_c (q_c a_c) c + sum_c q_c b_c``, so each group's tokens multiply their codes by ``bf16(q a)`` (a batched
-  product per group) and add the group's ``q.b`` -- [rows, D] per group of tokens, not per token. Other layouts
+  or, where row sums would cost more (modes CHAN, GROUPS and ROWS), from the codes (one bf16 subtraction a pair).
+  Values in per-token groups (KIVI's) scale the probabilities per group: beside GQA 4 and fewer the 16 rows of
+  the products become a row per query head and group, each keeping its group's channels (mode ROWS); beside more
+  heads, groups of at least 16 bytes' slots take one batched product per group (mode GROUPS). Per-channel keys
+  in token groups of at least 16 (KIVI's keys beside values on tiles or in GROUPS: mode CHAN) scale the query
+  instead: with ``x = a_c c + b_c`` per channel over a group of tokens, ``q.x = sum_c (q_c a_c) c + sum_c q_c
+  b_c``, so each group's tokens multiply their codes by ``bf16(q a)`` (a batched product per group) and add the
+  group's ``q.b`` -- [rows, D] per group of tokens, not per token. Other layouts
   (smaller groups, per-channel values, fp32 scales) dequantize each element into bf16 (mode ELEM: ``a c + b`` in
   fp32, rounded once). fp8 with one fixed scale (axis="tensor", none stored) is TILE with ``a = 1``, nothing
   loaded; a poisoned token-head holds NaN codes instead of a NaN scale: e4m3's (0x7F, which the interpreter's bit
@@ -41,9 +43,9 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
   instructions in a sm_90 compile: docs/results.md).
 - **Codes read as words**: int4 / int2 key codes reach each thread as 4-byte words (int2: halfwords), int4 values
   as halfwords (``key_words``, ``value_words``): sub-slot ``s`` of a word holds channels ``NS j + s`` (``NS`` =
-  codes a word), a product per sub-slot, so that no byte is loaded or packed into a register alone (Triton's
-  dot-operand layouts deliver single bytes otherwise: a load and a byte permute each). Values' sub-slots stay at
-  least 32 channels wide, a product's columns for 4 warps.
+  codes a word), a product per sub-slot, so that those codes are not loaded and packed into registers byte by
+  byte (Triton's dot-operand layouts deliver single bytes otherwise: a load and a byte permute each). Values'
+  sub-slots stay at least 32 channels wide, a product's columns for 4 warps.
 - **Tiles by bytes**: BLOCK_N tokens per tile from the config table (int2 tiles hold more tokens than int8). A
   tile may span several blocks of the paged store: each row finds its block in the table (the next tile's
   block ids are loaded while this one is computed).
@@ -82,12 +84,12 @@ def tensor_mode(q: Quant, head_dim: int, gqa: int | None = None) -> int | None:
 
     TILE: one scale per token-head (``group`` the whole head) with fp16 or fp8 scales (fp32 scales could
     overflow fp32 once the ``128 + c`` offset multiplies them), or none stored (fp8, axis="tensor": always TILE,
-    a scale of 1.0 and the NaN codes of a poisoned token-head handled there). GROUPS (values only): per-token
-    groups of at least 16 bytes' slots (KIVI's int4 values in 32-groups), the probabilities scaled per group, one
-    batched product per group. ROWS (values only): smaller per-token groups of whole bytes where the query heads
-    (padded to a power of two) times the groups are at most ``ROWS_MAX`` (KIVI's int2 values beside GQA 4): each
-    row of the products is one query head's probabilities scaled by one group's scales and keeps that group's
-    channels. CHAN (keys only):
+    a scale of 1.0 and the NaN codes of a poisoned token-head handled there). ROWS (values only): per-token
+    groups of whole bytes where the query heads (padded to a power of two) times the groups are at most
+    ``ROWS_MAX`` (KIVI's values beside GQA 4): each row of the products is one query head's probabilities scaled
+    by one group's scales and keeps that group's channels. GROUPS (values only): per-token groups of at least 16
+    bytes' slots beside more query heads (KIVI int4's values beside GQA 8), the probabilities scaled per group,
+    one batched product per group. CHAN (keys only):
     per-channel scales over token groups of at least 16 tokens (KIVI's keys), fp16 or fp8 scales, the query scaled
     per group. ELEM: any other grouping whose groups cover whole bytes. Formats: fp8, int8, int4, int2 (int3's
     3-byte units and format "none" are the general kernel's)."""
@@ -105,10 +107,10 @@ def tensor_mode(q: Quant, head_dim: int, gqa: int | None = None) -> int | None:
         return MODE_CHAN
     if token and g < per:
         return None  # a group inside a byte: its slots would need different scales
-    if values and token and g // per >= 16 and q.scale_dtype != "float32":
-        return MODE_GROUPS
     if values and token and q.scale_dtype != "float32" and value_rows(head_dim, g, gqa) <= ROWS_MAX:
         return MODE_ROWS
+    if values and token and g // per >= 16 and q.scale_dtype != "float32":
+        return MODE_GROUPS
     return MODE_ELEM
 
 
@@ -127,8 +129,9 @@ def decode_layout(spec: LayerSpec, n: int, rope: bool, gqa: int) -> tuple[int, i
 def modes(policy, head_dim: int, gqa: int) -> tuple[int | None, int | None]:
     """(key mode, value mode) for this policy's layout read by ``gqa`` query heads a KV head: ``tensor_mode`` of
     each (None where the decode kernel cannot read that tensor), except that keys CHAN beside values ELEM or ROWS
-    are ELEM: there the scaled queries' registers cost more than they save (KIVI int2, sm_90, 128-token tiles:
-    CHAN spills beside either; 22.9 loop instructions a byte with ELEM keys and ROWS values)."""
+    are ELEM: there the scaled queries' registers cost more than they save (sm_90, 128-token tiles: CHAN spills
+    beside either; with ELEM keys and ROWS values 22.9 loop instructions a byte for KIVI int2, 13.5 for KIVI int4,
+    whose CHAN keys beside GROUPS values took 14.2)."""
     km, vm = tensor_mode(policy.key, head_dim), tensor_mode(policy.value, head_dim, gqa)
     if km == MODE_CHAN and vm in (MODE_ELEM, MODE_ROWS):
         km = MODE_ELEM
@@ -300,7 +303,7 @@ def key_words(q: Quant, head_dim: int, mode: int | None) -> int:
 def value_words(q: Quant, head_dim: int, mode: int | None) -> int:
     """Bytes a mode-TILE value tile reads as one element (2 or 1): int4 codes as halfwords, four sub-slots of at
     least 32 channels (a product's columns for 4 warps: narrower, each warp would unpack them all)."""
-    return 2 if mode == MODE_TILE and q.is_int and q.bits == 4 and head_dim // 4 >= 32 else 1
+    return 2 if mode in (MODE_TILE, MODE_ROWS) and q.is_int and q.bits == 4 and head_dim // 4 >= 32 else 1
 
 
 _UNPACK_W4_INT4 = tl.constexpr(_unpack_words(4, 4))
@@ -690,11 +693,18 @@ def _decode_kernel(
                 vb = tl.reshape(tl.broadcast_to(vb[:, None, :], (NGV, GR, BLOCK_N)), (M, BLOCK_N))
                 pa = _bf16(tl.where(vis, pr * va, 0.0))  # hidden positions: never NaN * 0
                 bsum = bsum * alpha + tl.sum(tl.where(vis, pr * vb, 0.0), 1)
-                vt0, vt1, vt2, vt3 = _code_tiles_exact(vbyte, V_BITS, V_KIND, V_E4M3)
+                if V_W > 1:
+                    vt0, vt1, vt2, vt3, _, _, _, _ = _word_tiles(vword, V_BITS, V_W)
+                    vt0 = _less_off(vt0, V_BITS, V_KIND)
+                    vt1 = _less_off(vt1, V_BITS, V_KIND)
+                    vt2 = _less_off(vt2, V_BITS, V_KIND)
+                    vt3 = _less_off(vt3, V_BITS, V_KIND)
+                else:
+                    vt0, vt1, vt2, vt3 = _code_tiles_exact(vbyte, V_BITS, V_KIND, V_E4M3)
                 acc0 = _dot(pa, vt0, acc0 * alpha[:, None])
-                if PV > 1:
+                if VNS > 1:
                     acc1 = _dot(pa, vt1, acc1 * alpha[:, None])
-                if PV > 2:
+                if VNS > 2:
                     acc2 = _dot(pa, vt2, acc2 * alpha[:, None])
                     acc3 = _dot(pa, vt3, acc3 * alpha[:, None])
             elif V_MODE == 0:
@@ -942,7 +952,8 @@ def decode_config(policy, head_dim: int, sink: int, flush: int, ring: int, block
               NGV=D // kw["V_G"] if groups or rows else 1, WGV=kw["V_G"] // (8 // kw["V_BITS"]) if groups else 16)
     key = (f"decode[k={policy.key.key()}:{MODES[kw['K_MODE']]};v={policy.value.key()}:{MODES[kw['V_MODE']]};"
            f"S={sink};R={policy.residual};F={flush};W={ring};BS={block};D={D};gqa={gqa};bn={block_n};"
-           f"stages={stages};mask={mask_kind};dot={dot};chunk={int(chunk)};full={int(full)};words={kw['K_W']},{kw['V_W']}]")
+           f"stages={stages};mask={mask_kind};dot={dot};chunk={int(chunk)};full={int(full)};"
+           f"words={kw['K_W']},{kw['V_W']}]")
     return key, kw
 
 

@@ -54,7 +54,9 @@ LAYOUTS = [  # (policy, head_dim, G): every mode and format; ragged rows around 
     (Policy(Quant("int2", **TOK), Quant("int2", "token", None, True), residual=0), 64, 2),
     (Policy.kivi(4, group=16, residual=8, sink=2), 64, 4),  # per-channel keys, token groups of 16
     (Policy.kivi(2, group=32, residual=0), 128, 4),  # values in 8-byte groups beside GQA 4: ROWS; keys: ELEM
-    (Policy.kivi(4, group=32, residual=0), 64, 4),  # values in token groups of 32: GROUPS; keys: CHAN
+    (Policy.kivi(4, group=32, residual=0), 64, 4),  # values in token groups of 32: ROWS; keys: ELEM
+    (Policy.kivi(4, group=32, residual=4, sink=1), 128, 8),  # beside GQA 8 the values GROUPS, keys CHAN
+    (Policy(Quant("int8", "token"), Quant("fp8_e4m3", "token", 16, scale_dtype="fp8_e4m3"), residual=0), 64, 8),
     # keys per channel in token groups of 16 and 32 beside values per token-head: CHAN, fp8 scales and fp8 codes
     (Policy(Quant("int4", "channel", 16, scale_dtype="fp8_e4m3"), Quant("int2", "token"), residual=2, sink=1), 128,
      4),
@@ -189,9 +191,10 @@ def test_which_layouts_the_decode_kernel_serves():
     assert decode.tensor_mode(Quant("int4", "channel", 8), 128) == decode.MODE_ELEM
     assert decode.tensor_mode(Quant("int8", "channel", 32, scale_dtype="float32"), 128) == decode.MODE_ELEM
     assert decode.tensor_mode(Quant("int2", "token", 8), 64) == decode.MODE_ELEM
-    kivi_v = Quant("int4", "token", 32)  # values: a batched product per group; as keys: per element
-    assert decode.tensor_mode(kivi_v, 128, 4) == decode.tensor_mode(kivi_v, 128, 16) == decode.MODE_GROUPS
-    assert decode.tensor_mode(kivi_v, 128) == decode.MODE_ELEM
+    kivi_v = Quant("int4", "token", 32)  # values: a row per head and group, or a batched product per group
+    assert decode.tensor_mode(kivi_v, 128, 4) == decode.MODE_ROWS
+    assert decode.tensor_mode(kivi_v, 128, 8) == decode.tensor_mode(kivi_v, 128, 16) == decode.MODE_GROUPS
+    assert decode.tensor_mode(kivi_v, 128) == decode.MODE_ELEM  # as keys: per element
     # values in groups of fewer than 16 bytes' slots: a row per query head (padded to a power of two) and group,
     # up to 16 rows; beyond, per element
     kivi2_v = Quant("int2", "token", 32)  # 8 bytes a group, 4 groups a head
@@ -204,11 +207,12 @@ def test_which_layouts_the_decode_kernel_serves():
         assert decode.tensor_mode(q, D) is None, (q, D)
     spec = _spec(Policy(tok, tok, residual=0), 128)
     assert decode.decode_layout(spec, 1, False, 4) == (decode.MODE_TILE, decode.MODE_TILE)
-    # KIVI: int4 keys scale the query per group beside values scaled per group; beside values in rows or per
-    # element (int2's 8-byte groups) the keys are per element (the scaled queries' registers cost more than they
-    # save)
+    # KIVI: beside GQA 4 the values take a row per head and group and the keys are per element (beside rows
+    # the scaled queries' registers cost more than they save); beside GQA 8 int4's keys scale the query per group
+    # and the values take a product per group
     kivi4, kivi2 = _spec(Policy.kivi(4, group=32), 128), _spec(Policy.kivi(2, group=32), 128)
-    assert decode.decode_layout(kivi4, 1, False, 4) == (decode.MODE_CHAN, decode.MODE_GROUPS)
+    assert decode.decode_layout(kivi4, 1, False, 4) == (decode.MODE_ELEM, decode.MODE_ROWS)
+    assert decode.decode_layout(kivi4, 1, False, 8) == (decode.MODE_CHAN, decode.MODE_GROUPS)
     assert decode.decode_layout(kivi2, 1, False, 4) == (decode.MODE_ELEM, decode.MODE_ROWS)
     assert decode.decode_layout(kivi2, 1, False, 8) == (decode.MODE_ELEM, decode.MODE_ELEM)
     assert decode.decode_layout(spec, 2, False, 4) is None and decode.decode_layout(spec, 1, True, 4) is None
@@ -358,10 +362,10 @@ def test_tiles_come_from_the_config_table_or_its_rule(monkeypatch):
 
 
 def test_decode_keys_spell_out_the_specialization():
-    key, kw = decode.decode_config(Policy.kivi(4, group=32, residual=16, sink=4), 128, 4, 32, 47, 64, 4, 128, 3,
+    key, kw = decode.decode_config(Policy.kivi(4, group=32, residual=16, sink=4), 128, 4, 32, 47, 64, 8, 128, 3,
                                    0, "tf32", False, True)
     assert key == ("decode[k=int4.channel.32.asym.f16:chan;v=int4.token.32.asym.f16:groups;S=4;R=16;F=32;W=47;"
-                   "BS=64;D=128;gqa=4;bn=128;stages=3;mask=0;dot=tf32;chunk=0;full=1;words=1,1]")
+                   "BS=64;D=128;gqa=8;bn=128;stages=3;mask=0;dot=tf32;chunk=0;full=1;words=1,1]")
     assert kw["M"] == 16 and kw["K_CHANNEL"] and not kw["V_CHANNEL"] and kw["V_G"] == 32 and kw["FULL"]
     tok4 = Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0)
     key, kw = decode.decode_config(tok4, 128, 0, 1, 0, 16, 4, 64, 3, 0, "tf32", False, False)
