@@ -262,10 +262,16 @@ def _less_off(t, BITS: tl.constexpr, KIND: tl.constexpr):
 
 
 @triton.jit
+def _less_off4(t0, t1, t2, t3, BITS: tl.constexpr, KIND: tl.constexpr):
+    """``_less_off`` of four slots' tiles."""
+    return _less_off(t0, BITS, KIND), _less_off(t1, BITS, KIND), _less_off(t2, BITS, KIND), _less_off(t3, BITS, KIND)
+
+
+@triton.jit
 def _code_tiles_exact(byte, BITS: tl.constexpr, KIND: tl.constexpr, E4M3: tl.constexpr):
     """``_code_tiles`` with each code exactly its value (``_less_off``)."""
     t0, t1, t2, t3 = _code_tiles(byte, BITS, KIND, E4M3)
-    return _less_off(t0, BITS, KIND), _less_off(t1, BITS, KIND), _less_off(t2, BITS, KIND), _less_off(t3, BITS, KIND)
+    return _less_off4(t0, t1, t2, t3, BITS, KIND)
 
 
 def _unpack_words(bits: int, width: int) -> str:
@@ -589,25 +595,14 @@ def _decode_kernel(
                     kword = tl.load(kcw + (blk * wk_nb + row * wk_t)[:, None] + jw[None, :],
                                     mask=kv_ok[:, None], other=0)
                     kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7 = _word_tiles(kword, K_BITS, K_W)
-                    raw = _dot(kw0, qw0, None)
-                    raw = _dot(kw1, qw1, raw)
-                    raw = _dot(kw2, qw2, raw)
-                    raw = _dot(kw3, qw3, raw)
+                    raw = _qk_slots(None, kw0, kw1, kw2, kw3, qw0, qw1, qw2, qw3, 4)
                     if KNS > 4:
-                        raw = _dot(kw4, qw4, raw)
-                        raw = _dot(kw5, qw5, raw)
-                        raw = _dot(kw6, qw6, raw)
-                        raw = _dot(kw7, qw7, raw)
+                        raw = _qk_slots(raw, kw4, kw5, kw6, kw7, qw4, qw5, qw6, qw7, 4)
                 else:
                     kt0, kt1, kt2, kt3 = _code_tiles(kbyte, K_BITS, K_KIND, K_E4M3)
                     if K_SFMT == 3 and K_E4M3:  # a NaN code (a poisoned token-head): its scores are NaN
                         kt0 = tl.where(_fixed_nan(kbyte, True), float("nan"), kt0.to(tl.float32)).to(tl.bfloat16)
-                    raw = _dot(kt0, qt0, None)
-                    if PK > 1:
-                        raw = _dot(kt1, qt1, raw)
-                    if PK > 2:
-                        raw = _dot(kt2, qt2, raw)
-                        raw = _dot(kt3, qt3, raw)
+                    raw = _qk_slots(None, kt0, kt1, kt2, kt3, qt0, qt1, qt2, qt3, PK)
                 raw = tl.trans(raw)
                 s = ((raw - qoff[:, None]) * ka[None, :] + qsum[:, None] * kb[None, :]) * sm_scale
             elif K_MODE == 3:  # a product per group of K_G tokens, its query scaled by the group's scales
@@ -695,18 +690,10 @@ def _decode_kernel(
                 bsum = bsum * alpha + tl.sum(tl.where(vis, pr * vb, 0.0), 1)
                 if V_W > 1:
                     vt0, vt1, vt2, vt3, _, _, _, _ = _word_tiles(vword, V_BITS, V_W)
-                    vt0 = _less_off(vt0, V_BITS, V_KIND)
-                    vt1 = _less_off(vt1, V_BITS, V_KIND)
-                    vt2 = _less_off(vt2, V_BITS, V_KIND)
-                    vt3 = _less_off(vt3, V_BITS, V_KIND)
+                    vt0, vt1, vt2, vt3 = _less_off4(vt0, vt1, vt2, vt3, V_BITS, V_KIND)
                 else:
                     vt0, vt1, vt2, vt3 = _code_tiles_exact(vbyte, V_BITS, V_KIND, V_E4M3)
-                acc0 = _dot(pa, vt0, acc0 * alpha[:, None])
-                if VNS > 1:
-                    acc1 = _dot(pa, vt1, acc1 * alpha[:, None])
-                if VNS > 2:
-                    acc2 = _dot(pa, vt2, acc2 * alpha[:, None])
-                    acc3 = _dot(pa, vt3, acc3 * alpha[:, None])
+                acc0, acc1, acc2, acc3 = _pv_slots(acc0, acc1, acc2, acc3, pa, vt0, vt1, vt2, vt3, alpha, VNS)
             elif V_MODE == 0:
                 va, vb = _affine(vs, vz, blk * svs_nb + vsh + row * svs_t, kv_ok, V_KIND, V_BITS, V_E4M3, V_SFMT)
                 pa = _bf16(tl.where(vis, pr * va[None, :], 0.0))  # hidden positions: never NaN * 0
@@ -722,12 +709,7 @@ def _decode_kernel(
                         hit0 = hit0 + _dot(vis.to(tl.float32).to(tl.bfloat16), vnan.to(tl.float32).to(tl.bfloat16),
                                            None)
                         vt0 = tl.where(vnan, 0.0, vt0.to(tl.float32)).to(tl.bfloat16)
-                acc0 = _dot(pa, vt0, acc0 * alpha[:, None])
-                if VNS > 1:
-                    acc1 = _dot(pa, vt1, acc1 * alpha[:, None])
-                if VNS > 2:
-                    acc2 = _dot(pa, vt2, acc2 * alpha[:, None])
-                    acc3 = _dot(pa, vt3, acc3 * alpha[:, None])
+                acc0, acc1, acc2, acc3 = _pv_slots(acc0, acc1, acc2, acc3, pa, vt0, vt1, vt2, vt3, alpha, VNS)
             elif V_MODE == 1:
                 pb = _bf16(pr)
                 acc0, hit0 = _elem_pv(acc0, hit0, alpha, pb, vis, vbyte, 0, vs, vz, blk, row, start - S, hi - S, kv_ok,
@@ -778,6 +760,30 @@ def _decode_kernel(
         _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, b, h, hq, row_one, L, QL, end, w_row, mask_rows,
                       sq_b, sq_h, sr_b, sr_h, sr_t, ssk_b, ssk_h, ssk_t, sm_c, H, sm_scale, D, S, W, M, MASK_KIND, DOT,
                       CHUNK)
+
+
+@triton.jit
+def _qk_slots(raw, k0, k1, k2, k3, q0, q1, q2, q3, NS: tl.constexpr):
+    """``raw`` (None: nothing yet) plus the first ``NS`` of four key (sub-)slots' ``k q`` (tokens as the rows)."""
+    raw = _dot(k0, q0, raw)
+    if NS > 1:
+        raw = _dot(k1, q1, raw)
+    if NS > 2:
+        raw = _dot(k2, q2, raw)
+        raw = _dot(k3, q3, raw)
+    return raw
+
+
+@triton.jit
+def _pv_slots(acc0, acc1, acc2, acc3, pa, vt0, vt1, vt2, vt3, alpha, NS: tl.constexpr):
+    """Each of the ``NS`` value (sub-)slots' ``acc * alpha + pa vt`` (modes TILE and ROWS)."""
+    acc0 = _dot(pa, vt0, acc0 * alpha[:, None])
+    if NS > 1:
+        acc1 = _dot(pa, vt1, acc1 * alpha[:, None])
+    if NS > 2:
+        acc2 = _dot(pa, vt2, acc2 * alpha[:, None])
+        acc3 = _dot(pa, vt3, acc3 * alpha[:, None])
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
