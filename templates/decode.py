@@ -299,7 +299,7 @@ def key_words(q: Quant, head_dim: int, mode: int | None) -> int:
     """Bytes a mode-TILE key tile reads as one element (4, 2, or 1): int4 / int2 codes as words or halfwords of
     ``8 // bits * width`` sub-slots, each at least a dot operand (16 channels) wide and at most 8 of them. A word
     of a token's row reaches a thread whole (its byte loads and the packing of bytes into words gone) and feeds
-    ``_UNPACK_W4`` / ``_UNPACK_W2``."""
+    ``_unpack_words``' PTX (``_word_tiles``)."""
     if mode != MODE_TILE or not q.is_int or q.bits >= 8:
         return 1
     per = 8 // q.bits
@@ -307,8 +307,9 @@ def key_words(q: Quant, head_dim: int, mode: int | None) -> int:
 
 
 def value_words(q: Quant, head_dim: int, mode: int | None) -> int:
-    """Bytes a mode-TILE value tile reads as one element (2 or 1): int4 codes as halfwords, four sub-slots of at
-    least 32 channels (a product's columns for 4 warps: narrower, each warp would unpack them all)."""
+    """Bytes a value tile in mode TILE or ROWS reads as one element (2 or 1): int4 codes as halfwords, four
+    sub-slots of at least 32 channels (a product's columns for 4 warps: narrower, each warp would unpack them
+    all)."""
     return 2 if mode in (MODE_TILE, MODE_ROWS) and q.is_int and q.bits == 4 and head_dim // 4 >= 32 else 1
 
 
