@@ -23,9 +23,9 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
   than a byte become bf16 as ``128 + c`` by setting bits (``0x4300 | c``, no conversion instruction; on a GPU four
   bytes at a time in inline PTX, ``_UNPACK4`` / ``_UNPACK2``); the 128 is taken back from the row sums (``OFF``),
   or, where row sums would cost more (modes CHAN, GROUPS and ROWS), from the codes (one bf16 subtraction a pair).
-  Values in per-token groups (KIVI's) scale the probabilities per group: beside GQA 4 and fewer the 16 rows of
-  the products become a row per query head and group, each keeping its group's channels (mode ROWS); beside more
-  heads, groups of at least 16 bytes' slots take one batched product per group (mode GROUPS). Per-channel keys
+  Values in per-token groups (KIVI's) scale the probabilities per group: groups of at least 16 bytes' slots
+  take one batched product per group (mode GROUPS); smaller ones, beside GQA 4 and fewer, make the 16 rows of
+  the products a row per query head and group, each keeping its group's channels (mode ROWS). Per-channel keys
   in token groups of at least 16 (KIVI's keys beside values on tiles or in GROUPS: mode CHAN) scale the query
   instead: with ``x = a_c c + b_c`` per channel over a group of tokens, ``q.x = sum_c (q_c a_c) c + sum_c q_c
   b_c``, so each group's tokens multiply their codes by ``bf16(q a)`` (a batched product per group) and add the
@@ -84,12 +84,12 @@ def tensor_mode(q: Quant, head_dim: int, gqa: int | None = None) -> int | None:
 
     TILE: one scale per token-head (``group`` the whole head) with fp16 or fp8 scales (fp32 scales could
     overflow fp32 once the ``128 + c`` offset multiplies them), or none stored (fp8, axis="tensor": always TILE,
-    a scale of 1.0 and the NaN codes of a poisoned token-head handled there). ROWS (values only): per-token
-    groups of whole bytes where the query heads (padded to a power of two) times the groups are at most
-    ``ROWS_MAX`` (KIVI's values beside GQA 4): each row of the products is one query head's probabilities scaled
-    by one group's scales and keeps that group's channels. GROUPS (values only): per-token groups of at least 16
-    bytes' slots beside more query heads (KIVI int4's values beside GQA 8), the probabilities scaled per group,
-    one batched product per group. CHAN (keys only):
+    a scale of 1.0 and the NaN codes of a poisoned token-head handled there). GROUPS (values only): per-token
+    groups of at least 16 bytes' slots (KIVI int4's values in 32-groups), the probabilities scaled per group, one
+    batched product per group. ROWS (values only): smaller per-token groups of whole bytes where the query heads
+    (padded to a power of two) times the groups are at most ``ROWS_MAX`` (KIVI int2's values beside GQA 4 and
+    fewer): each row of the products is one query head's probabilities scaled by one group's scales and keeps
+    that group's channels. CHAN (keys only):
     per-channel scales over token groups of at least 16 tokens (KIVI's keys), fp16 or fp8 scales, the query scaled
     per group. ELEM: any other grouping whose groups cover whole bytes. Formats: fp8, int8, int4, int2 (int3's
     3-byte units and format "none" are the general kernel's)."""
@@ -107,10 +107,10 @@ def tensor_mode(q: Quant, head_dim: int, gqa: int | None = None) -> int | None:
         return MODE_CHAN
     if token and g < per:
         return None  # a group inside a byte: its slots would need different scales
-    if values and token and q.scale_dtype != "float32" and value_rows(head_dim, g, gqa) <= ROWS_MAX:
-        return MODE_ROWS
     if values and token and g // per >= 16 and q.scale_dtype != "float32":
         return MODE_GROUPS
+    if values and token and q.scale_dtype != "float32" and value_rows(head_dim, g, gqa) <= ROWS_MAX:
+        return MODE_ROWS
     return MODE_ELEM
 
 
@@ -129,9 +129,8 @@ def decode_layout(spec: LayerSpec, n: int, rope: bool, gqa: int) -> tuple[int, i
 def modes(policy, head_dim: int, gqa: int) -> tuple[int | None, int | None]:
     """(key mode, value mode) for this policy's layout read by ``gqa`` query heads a KV head: ``tensor_mode`` of
     each (None where the decode kernel cannot read that tensor), except that keys CHAN beside values ELEM or ROWS
-    are ELEM: there the scaled queries' registers cost more than they save (sm_90, 128-token tiles: CHAN spills
-    beside either; with ELEM keys and ROWS values 22.9 loop instructions a byte for KIVI int2, 13.5 for KIVI int4,
-    whose CHAN keys beside GROUPS values took 14.2)."""
+    are ELEM: there the scaled queries' registers cost more than they save (KIVI int2, sm_90, 128-token tiles:
+    CHAN spills beside either; 22.9 loop instructions a byte with ELEM keys and ROWS values)."""
     km, vm = tensor_mode(policy.key, head_dim), tensor_mode(policy.value, head_dim, gqa)
     if km == MODE_CHAN and vm in (MODE_ELEM, MODE_ROWS):
         km = MODE_ELEM
@@ -152,8 +151,10 @@ def config_table() -> dict:
 def tile_config(spec: LayerSpec, gqa: int) -> dict:
     """The tile (BLOCK_N tokens, warps, pipeline stages) for this layout: the table's entry for the keys' and
     values' formats, head_dim and GQA group, else the table's rule: tiles of about ``tile_bytes`` bytes of codes,
-    at most ``max_block_n`` tokens (``elem_max_block_n`` where a tensor is dequantized per element: its scales
-    and values spread over the tile take registers; int2 KIVI at 256 spilled 1.1 KB per thread on sm_90)."""
+    at most ``max_block_n`` tokens (``elem_max_block_n`` where the values are dequantized per element: their
+    scales and values spread over the tile take registers, KIVI int2 at 256 spilled 1.1 KB per thread on sm_90;
+    ``elem_keys_max_block_n`` where only the keys are: KIVI int2 beside ROWS values never spilled at 128 tokens,
+    head_dim 64 and 128, every GQA group that gives ROWS, and did at 256)."""
     table = config_table()
     key = f"{format_key(spec.policy.key)}/{format_key(spec.policy.value)};D={spec.head_dim};G={gqa}"
     if key in table["configs"]:
@@ -161,7 +162,9 @@ def tile_config(spec: LayerSpec, gqa: int) -> dict:
     bits = spec.policy.key.bits + spec.policy.value.bits  # bytes of codes per token: bits * D / 8
     per_token = bits * spec.head_dim // 8
     rule = table["default"]
-    top = rule["elem_max_block_n"] if MODE_ELEM in modes(spec.policy, spec.head_dim, gqa) else rule["max_block_n"]
+    km, vm = modes(spec.policy, spec.head_dim, gqa)
+    top = rule["elem_max_block_n"] if vm == MODE_ELEM else rule["elem_keys_max_block_n"] if km == MODE_ELEM \
+        else rule["max_block_n"]
     block_n = max(16, min(top, triton.next_power_of_2(max(1, rule["tile_bytes"] // per_token))))
     return dict(block_n=block_n, warps=rule["warps"], stages=rule["stages"], source="rule")
 

@@ -54,8 +54,8 @@ LAYOUTS = [  # (policy, head_dim, G): every mode and format; ragged rows around 
     (Policy(Quant("int2", **TOK), Quant("int2", "token", None, True), residual=0), 64, 2),
     (Policy.kivi(4, group=16, residual=8, sink=2), 64, 4),  # per-channel keys, token groups of 16
     (Policy.kivi(2, group=32, residual=0), 128, 4),  # values in 8-byte groups beside GQA 4: ROWS; keys: ELEM
-    (Policy.kivi(4, group=32, residual=0), 64, 4),  # values in token groups of 32: ROWS; keys: ELEM
-    (Policy.kivi(4, group=32, residual=4, sink=1), 128, 8),  # beside GQA 8 the values GROUPS, keys CHAN
+    (Policy.kivi(4, group=32, residual=0), 64, 4),  # values in token groups of 32: GROUPS; keys: CHAN
+    (Policy.kivi(4, group=32, residual=4, sink=1), 128, 8),
     (Policy(Quant("int8", "token"), Quant("fp8_e4m3", "token", 16, scale_dtype="fp8_e4m3"), residual=0), 64, 8),
     # keys per channel in token groups of 16 and 32 beside values per token-head: CHAN, fp8 scales and fp8 codes
     (Policy(Quant("int4", "channel", 16, scale_dtype="fp8_e4m3"), Quant("int2", "token"), residual=2, sink=1), 128,
@@ -191,10 +191,9 @@ def test_which_layouts_the_decode_kernel_serves():
     assert decode.tensor_mode(Quant("int4", "channel", 8), 128) == decode.MODE_ELEM
     assert decode.tensor_mode(Quant("int8", "channel", 32, scale_dtype="float32"), 128) == decode.MODE_ELEM
     assert decode.tensor_mode(Quant("int2", "token", 8), 64) == decode.MODE_ELEM
-    kivi_v = Quant("int4", "token", 32)  # values: a row per head and group, or a batched product per group
-    assert decode.tensor_mode(kivi_v, 128, 4) == decode.MODE_ROWS
-    assert decode.tensor_mode(kivi_v, 128, 8) == decode.tensor_mode(kivi_v, 128, 16) == decode.MODE_GROUPS
-    assert decode.tensor_mode(kivi_v, 128) == decode.MODE_ELEM  # as keys: per element
+    kivi_v = Quant("int4", "token", 32)  # values: a batched product per group; as keys: per element
+    assert decode.tensor_mode(kivi_v, 128, 4) == decode.tensor_mode(kivi_v, 128, 16) == decode.MODE_GROUPS
+    assert decode.tensor_mode(kivi_v, 128) == decode.MODE_ELEM
     # values in groups of fewer than 16 bytes' slots: a row per query head (padded to a power of two) and group,
     # up to 16 rows; beyond, per element
     kivi2_v = Quant("int2", "token", 32)  # 8 bytes a group, 4 groups a head
@@ -207,12 +206,12 @@ def test_which_layouts_the_decode_kernel_serves():
         assert decode.tensor_mode(q, D) is None, (q, D)
     spec = _spec(Policy(tok, tok, residual=0), 128)
     assert decode.decode_layout(spec, 1, False, 4) == (decode.MODE_TILE, decode.MODE_TILE)
-    # KIVI: beside GQA 4 the values take a row per head and group and the keys are per element (beside rows
-    # the scaled queries' registers cost more than they save); beside GQA 8 int4's keys scale the query per group
-    # and the values take a product per group
+    # KIVI: int4 keys scale the query per group beside values scaled per group; beside int2's values (8-byte
+    # groups: a row per head and group, or per element) the keys are per element (the scaled queries' registers
+    # cost more than they save)
     kivi4, kivi2 = _spec(Policy.kivi(4, group=32), 128), _spec(Policy.kivi(2, group=32), 128)
-    assert decode.decode_layout(kivi4, 1, False, 4) == (decode.MODE_ELEM, decode.MODE_ROWS)
-    assert decode.decode_layout(kivi4, 1, False, 8) == (decode.MODE_CHAN, decode.MODE_GROUPS)
+    assert decode.decode_layout(kivi4, 1, False, 4) == decode.decode_layout(kivi4, 1, False, 8) == (
+        decode.MODE_CHAN, decode.MODE_GROUPS)
     assert decode.decode_layout(kivi2, 1, False, 4) == (decode.MODE_ELEM, decode.MODE_ROWS)
     assert decode.decode_layout(kivi2, 1, False, 8) == (decode.MODE_ELEM, decode.MODE_ELEM)
     assert decode.decode_layout(spec, 2, False, 4) is None and decode.decode_layout(spec, 1, True, 4) is None
@@ -340,7 +339,8 @@ def test_tiles_come_from_the_config_table_or_its_rule(monkeypatch):
     about ``tile_bytes`` bytes of codes (so int2 tiles hold more tokens than int8), within the bounds. Splits
     follow the batch and the positions, never a capacity: about 4 programs per SM, no split under 4 tiles."""
     table = decode.config_table()
-    assert {"tile_bytes", "max_block_n", "elem_max_block_n", "warps", "stages"} <= set(table["default"])
+    assert {"tile_bytes", "max_block_n", "elem_max_block_n", "elem_keys_max_block_n", "warps", "stages"} <= set(
+        table["default"])
     for entry in table["configs"].values():
         assert {"block_n", "warps", "stages"} <= set(entry)
     rule = table["default"]
@@ -349,8 +349,10 @@ def test_tiles_come_from_the_config_table_or_its_rule(monkeypatch):
     assert all(c["source"] == "rule" for c in got.values())
     assert got[8]["block_n"] < got[4]["block_n"] < got[2]["block_n"] <= rule["max_block_n"]
     assert got[8]["block_n"] * 2 * 128 <= rule["tile_bytes"]
-    kivi2 = decode.tile_config(_spec(Policy.kivi(2, group=32, residual=0), 128), 5)  # per-element keys: capped
+    kivi2 = decode.tile_config(_spec(Policy.kivi(2, group=32, residual=0), 128), 5)  # per-element values: capped
     assert kivi2["block_n"] == rule["elem_max_block_n"] < got[2]["block_n"]
+    kivi2 = decode.tile_config(_spec(Policy.kivi(2, group=32, residual=0), 64), 3)  # ROWS, per-element keys
+    assert kivi2["source"] == "rule" and kivi2["block_n"] == rule["elem_keys_max_block_n"] > rule["elem_max_block_n"]
     monkeypatch.setattr(decode, "INTERPRET", False)
     spec = _spec(tok[4], 128)
     bn = decode.tile_config(spec, 4)["block_n"]
