@@ -438,9 +438,10 @@ def _decode_kernel(
     h = bh % H
     L = tl.load(len_ptr + b)
     m = tl.arange(0, M)
+    GR: tl.constexpr = M // NGV  # ROWS: the rows of one value group
     if V_MODE == 4:  # ROWS: NGV copies of the query heads, one a value group
-        mh = m % (M // NGV)
-        mg = m // (M // NGV)
+        mh = m % GR
+        mg = m // GR
     else:
         mh = m
         mg = m * 0
@@ -685,7 +686,6 @@ def _decode_kernel(
                 vbyte = tl.load(vch + (blk * svc_nb + row * svc_t)[:, None] + uv[None, :],
                                 mask=kv_ok[:, None], other=0).to(tl.int32)
             if V_MODE == 4:  # each row's own group's scales: [rows, BLOCK_N]
-                GR: tl.constexpr = M // NGV
                 va, vb = _affine(vs, vz, (blk * svs_nb + vsh + row * svs_t)[None, :] + gv[:, None], kv_ok[None, :],
                                  V_KIND, V_BITS, V_E4M3, V_SFMT)  # [groups, BLOCK_N]
                 va = tl.reshape(tl.broadcast_to(va[:, None, :], (NGV, GR, BLOCK_N)), (M, BLOCK_N))
