@@ -625,9 +625,10 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
       ``|q b|`` (gamma_(4D+16), ``|q'|`` at most 1.01 ``|q a|``; the codes enter exactly, no ``OFF``);
     - mode ELEM keys: each element rounded to bf16 after ``fl(fl(a c) + b)`` (u_b |k| + 2u (|a c| + |k|)), the
       query's rounding times that element, and the same accumulation term;
-    - values, TILE and GROUPS: ``p a`` rounded to bf16 (u_b + 2u, times ``|a c|``), the accumulations of
+    - values, TILE, GROUPS and ROWS: ``p a`` rounded to bf16 (u_b + 2u, times ``|a c|``), the accumulations of
       ``p' (c + OFF)``, of ``p'`` and of ``p b`` over the N keys (gamma_(4N + 8 NSPLIT + 16) times
-      ``|a|(|c| + 2 OFF) + |b|``; GROUPS: the codes enter exactly, no ``OFF``);
+      ``|a|(|c| + 2 OFF) + |b|``; GROUPS and ROWS: the codes enter exactly, no ``OFF``); GROUPS sums ``p b`` per
+      tile in one tf32 product, ``p`` and ``b`` each rounded to tf32 (2 u_tf32 = 2**-10, times ``|b|``);
       ELEM: the values and the weights rounded to bf16 (2 u_b + u_b**2 of ``|v|``) and the same accumulation
       term over ``|a c| + |b| + |v|``. The weights' error of step 2 multiplies ``|v|`` in both (one weight per
       key multiplies all of a key's terms).
@@ -729,7 +730,7 @@ def _decode_error(qr, k, v, w, vis, sc, state, spec, C, nslots, scale, uop, own)
     ``XK`` the element's own rounding and the accumulation. Values: per output channel,
     ``sum_n w_n (rho X1 + gam X2)``, and ``(e^2E - 1) sum_n w_n |v_n|`` for the weights' error: in mode TILE the
     kernel sums ``p' c`` and ``p b`` with one ``p`` per key, so that error multiplies ``|v|`` there too."""
-    from .decode import CHAN_QMAX, MODE_CHAN, MODE_ELEM, MODE_TILE, affine_terms, modes
+    from .decode import CHAN_QMAX, MODE_CHAN, MODE_ELEM, MODE_GROUPS, MODE_TILE, affine_terms, modes
 
     u = 2.0 ** -24
     B, Hq, n, D = qr.shape
@@ -773,10 +774,12 @@ def _decode_error(qr, k, v, w, vis, sc, state, spec, C, nslots, scale, uop, own)
         err_k = err_k + (qr - qc).abs() @ torch.where(pk, bb, 0.0).transpose(-1, -2)
     E = (torch.where(vis, scale * err_k, 0).amax(-1) + 8 * u * torch.where(vis, sc.abs(), 0).amax(-1)
          + 2.0 ** -21)
-    pv, ac, mag, _, mode = terms("v", v)
+    pv, ac, mag, bb, mode = terms("v", v)
     va = v.abs()
     if mode != MODE_ELEM:  # TILE, GROUPS, ROWS: p' = bf16(fl(p a)); sums of p' (c + OFF), p' and p b over the N keys
         x1, x2 = (2.0 ** -8 + 2 * u) * ac, mag
+        if mode == MODE_GROUPS:  # sum p b as one tf32 product a tile: p and b rounded to tf32
+            x1 = x1 + 2 * UNIT_ROUNDOFF["tf32"] * bb
     else:  # p and the element rounded to bf16, and the sums
         x1, x2 = (2.0 ** -7 + 2.0 ** -15) * va + 2.1 * u * ac, ac + mag + va
     o = w @ v

@@ -11,7 +11,8 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
 (``benchmarks/gpu_sass.py`` counts them). What the kernel does for that:
 
 - **One program per (sequence, KV head, split)**: the ``G`` query heads of the KV head are the rows of every
-  ``tl.dot`` (padded to 16), so each byte is read once for all of them. ``nsplit`` programs share a sequence's
+  ``tl.dot`` (padded to 16; where the products are batched per group, to a power of two only: ``decode_rows``),
+  so each byte is read once for all of them. ``nsplit`` programs share a sequence's
   packed positions, in whole tiles, by the sequence's own length read on the device (no host sync; CUDA-graph
   capturable); one more program (``split == nsplit``) takes the full-precision positions (sinks, the residual
   ring, the queries' own chunk), and ``attention._merge_kernel`` merges all of them.
@@ -24,8 +25,10 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
   bytes at a time in inline PTX, ``_UNPACK4`` / ``_UNPACK2``); the 128 is taken back from the row sums (``OFF``),
   or, where row sums would cost more (modes CHAN, GROUPS and ROWS), from the codes (one bf16 subtraction a pair).
   Values in per-token groups (KIVI's) scale the probabilities per group: groups of at least 16 bytes' slots
-  take one batched product per group (mode GROUPS); smaller ones, beside GQA 4 and fewer, make the 16 rows of
-  the products a row per query head and group, each keeping its group's channels (mode ROWS). Per-channel keys
+  take one batched product per group, a warp a group (mode GROUPS; their ``sum_n p_n b_n`` is one tf32 product
+  a tile); smaller ones, beside GQA 4 and fewer, make the 16 rows of the products a row per query head and
+  group, each keeping its group's channels (mode ROWS), or, from 8 columns a slot, take GROUPS where ROWS cannot
+  or the keys are CHAN. Per-channel keys
   in token groups of at least 16 (KIVI's keys beside values on tiles or in GROUPS: mode CHAN) scale the query
   instead: with ``x = a_c c + b_c`` per channel over a group of tokens, ``q.x = sum_c (q_c a_c) c + sum_c q_c
   b_c``, so each group's tokens multiply their codes by ``bf16(q a)`` (a batched product per group) and add the
@@ -74,6 +77,9 @@ MODES = {MODE_TILE: "tile", MODE_ELEM: "elem", MODE_GROUPS: "groups", MODE_CHAN:
 # product with a scale (at most 2**24: fp16's largest, or e4m3 codes' 256 times an fp8 or fp16 scale) leaves bf16
 CHAN_QMAX = tl.constexpr(3.3895313892515355e38 / 2.0 ** 24)
 ROWS_MAX = 16  # mode ROWS: at most this many rows (query heads, padded to a power of two, times value groups)
+# mode GROUPS: a group's columns in a slot (bytes' slots, D / G / (8 / bits)): from GROUPS_WIDE always, from
+# GROUPS_MIN (one n8 product on the tensor cores) where ROWS cannot take the group or the keys are CHAN
+GROUPS_WIDE, GROUPS_MIN = 16, 8
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_configs.json")
 
 
@@ -85,11 +91,12 @@ def tensor_mode(q: Quant, head_dim: int, gqa: int | None = None) -> int | None:
     TILE: one scale per token-head (``group`` the whole head) with fp16 or fp8 scales (fp32 scales could
     overflow fp32 once the ``128 + c`` offset multiplies them), or none stored (fp8, axis="tensor": always TILE,
     a scale of 1.0 and the NaN codes of a poisoned token-head handled there). GROUPS (values only): per-token
-    groups of at least 16 bytes' slots (KIVI int4's values in 32-groups), the probabilities scaled per group, one
-    batched product per group. ROWS (values only): smaller per-token groups of whole bytes where the query heads
-    (padded to a power of two) times the groups are at most ``ROWS_MAX`` (KIVI int2's values beside GQA 4 and
-    fewer): each row of the products is one query head's probabilities scaled by one group's scales and keeps
-    that group's channels. CHAN (keys only):
+    groups of at least ``GROUPS_WIDE`` bytes' slots (KIVI int4's values in 32-groups), the probabilities scaled
+    per group, one batched product per group. ROWS (values only): smaller per-token groups of whole bytes where
+    the query heads (padded to a power of two) times the groups are at most ``ROWS_MAX`` (int4 values in
+    16-groups beside GQA 2): each row of the products is one query head's probabilities scaled by one group's
+    scales and keeps that group's channels. Beyond that, GROUPS again from ``GROUPS_MIN`` slots (``modes`` also
+    prefers it to ROWS beside CHAN keys: KIVI int2's 8-byte groups). CHAN (keys only):
     per-channel scales over token groups of at least 16 tokens (KIVI's keys), fp16 or fp8 scales, the query scaled
     per group. ELEM: any other grouping whose groups cover whole bytes. Formats: fp8, int8, int4, int2 (int3's
     3-byte units and format "none" are the general kernel's)."""
@@ -107,16 +114,30 @@ def tensor_mode(q: Quant, head_dim: int, gqa: int | None = None) -> int | None:
         return MODE_CHAN
     if token and g < per:
         return None  # a group inside a byte: its slots would need different scales
-    if values and token and g // per >= 16 and q.scale_dtype != "float32":
+    if values and token and g // per >= GROUPS_WIDE and q.scale_dtype != "float32":
         return MODE_GROUPS
     if values and token and q.scale_dtype != "float32" and value_rows(head_dim, g, gqa) <= ROWS_MAX:
         return MODE_ROWS
+    if values and token and g // per >= GROUPS_MIN and q.scale_dtype != "float32":
+        return MODE_GROUPS
     return MODE_ELEM
 
 
 def value_rows(head_dim: int, group: int, gqa: int) -> int:
     """Mode ROWS' rows: the query heads padded to a power of two, times the values' groups in a head."""
     return triton.next_power_of_2(gqa) * (head_dim // group)
+
+
+def decode_rows(key_mode: int, value_mode: int, head_dim: int, value_group: int, gqa: int) -> int:
+    """The rows of the kernel's products: the query heads padded to a power of two (mode ROWS: times the values'
+    groups). Padded to 16 besides, except with CHAN keys or GROUPS values: their batched products put a warp on
+    each group (of tokens, or of channels), and a product of fewer rows is padded inside the tensor cores only,
+    so that the softmax, the scaled queries and the probabilities per group are computed for the real heads
+    alone (sm_90, KIVI int4 at GQA 4: 12.63 loop instructions a byte at 16 rows, 11.03 at 4). Layouts with one
+    product for all tokens (TILE, ELEM) keep 16: with fewer rows Triton's layouts replicate their unpacking
+    across warps (int4 at 4 rows: 18.08 against 7.05)."""
+    rows = value_rows(head_dim, value_group, gqa) if value_mode == MODE_ROWS else triton.next_power_of_2(gqa)
+    return rows if key_mode == MODE_CHAN or value_mode == MODE_GROUPS else max(16, rows)
 
 
 def decode_layout(spec: LayerSpec, n: int, rope: bool, gqa: int) -> tuple[int, int] | None:
@@ -128,10 +149,15 @@ def decode_layout(spec: LayerSpec, n: int, rope: bool, gqa: int) -> tuple[int, i
 
 def modes(policy, head_dim: int, gqa: int) -> tuple[int | None, int | None]:
     """(key mode, value mode) for this policy's layout read by ``gqa`` query heads a KV head: ``tensor_mode`` of
-    each (None where the decode kernel cannot read that tensor), except that keys CHAN beside values ELEM or ROWS
-    are ELEM: there the scaled queries' registers cost more than they save (KIVI int2, sm_90, 128-token tiles:
-    CHAN spills beside either; 22.9 loop instructions a byte with ELEM keys and ROWS values)."""
+    each (None where the decode kernel cannot read that tensor), except two pairings. Beside CHAN keys, values
+    in groups of ``GROUPS_MIN`` to ``GROUPS_WIDE`` columns take GROUPS, not ROWS (KIVI int2, sm_90, head_dim 128,
+    GQA 4: 17.2 loop instructions a byte against 22.9 for ROWS beside per-element keys); beside TILE keys ROWS
+    stays (int4 keys, int4 values in 16-groups, GQA 2: 9.3 against 17.0). And keys CHAN beside values ELEM or
+    ROWS are ELEM: there the scaled queries' registers cost more than they save (CHAN spilled beside either)."""
     km, vm = tensor_mode(policy.key, head_dim), tensor_mode(policy.value, head_dim, gqa)
+    v = policy.value
+    if km == MODE_CHAN and vm == MODE_ROWS and v.group_for(head_dim) // (8 // v.bits) >= GROUPS_MIN:
+        vm = MODE_GROUPS
     if km == MODE_CHAN and vm in (MODE_ELEM, MODE_ROWS):
         km = MODE_ELEM
     return km, vm
@@ -154,7 +180,8 @@ def tile_config(spec: LayerSpec, gqa: int) -> dict:
     at most ``max_block_n`` tokens (``elem_max_block_n`` where the values are dequantized per element: their
     scales and values spread over the tile take registers, KIVI int2 at 256 spilled 1.1 KB per thread on sm_90;
     ``elem_keys_max_block_n`` where only the keys are: KIVI int2 beside ROWS values never spilled at 128 tokens,
-    head_dim 64 and 128, every GQA group that gives ROWS, and did at 256)."""
+    head_dim 64 and 128, every GQA group that gives ROWS, and did at 256; ``chan_max_block_n`` for CHAN keys:
+    KIVI int2 beside GROUPS values spilled at 256 tokens at GQA 2, 4 and 8, never at 128)."""
     table = config_table()
     key = f"{format_key(spec.policy.key)}/{format_key(spec.policy.value)};D={spec.head_dim};G={gqa}"
     if key in table["configs"]:
@@ -164,7 +191,7 @@ def tile_config(spec: LayerSpec, gqa: int) -> dict:
     rule = table["default"]
     km, vm = modes(spec.policy, spec.head_dim, gqa)
     top = rule["elem_max_block_n"] if vm == MODE_ELEM else rule["elem_keys_max_block_n"] if km == MODE_ELEM \
-        else rule["max_block_n"]
+        else rule["chan_max_block_n"] if km == MODE_CHAN else rule["max_block_n"]
     block_n = max(16, min(top, triton.next_power_of_2(max(1, rule["tile_bytes"] // per_token))))
     return dict(block_n=block_n, warps=rule["warps"], stages=rule["stages"], source="rule")
 
@@ -310,10 +337,15 @@ def key_words(q: Quant, head_dim: int, mode: int | None) -> int:
 
 
 def value_words(q: Quant, head_dim: int, mode: int | None) -> int:
-    """Bytes a value tile in mode TILE or ROWS reads as one element (2 or 1): int4 codes as halfwords, four
-    sub-slots of at least 32 channels (a product's columns for 4 warps: narrower, each warp would unpack them
-    all)."""
-    return 2 if mode in (MODE_TILE, MODE_ROWS) and q.is_int and q.bits == 4 and head_dim // 4 >= 32 else 1
+    """Bytes a value tile in mode TILE, ROWS or GROUPS reads as one element (2 or 1): int4 codes as halfwords,
+    four sub-slots. TILE and ROWS: sub-slots of at least 32 channels (a product's columns for 4 warps: narrower,
+    each warp would unpack them all). GROUPS (a warp a group): a group's sub-slots at least 8 channels wide (one
+    product's columns on the tensor cores)."""
+    if not q.is_int or q.bits != 4:
+        return 1
+    if mode in (MODE_TILE, MODE_ROWS):
+        return 2 if head_dim // 4 >= 32 else 1
+    return 2 if mode == MODE_GROUPS and q.group_for(head_dim) // 4 >= 8 else 1
 
 
 _UNPACK_W4_INT4 = tl.constexpr(_unpack_words(4, 4))
@@ -548,11 +580,11 @@ def _decode_kernel(
         acc2 = tl.zeros([M, D // VNS], tl.float32)
         acc3 = tl.zeros([M, D // VNS], tl.float32)
         gv = tl.arange(0, NGV)  # GROUPS values: per group of channels, [groups, rows, group's U-columns]
-        wv = tl.arange(0, WGV)
-        accg0 = tl.zeros([NGV, M, WGV], tl.float32)
-        accg1 = tl.zeros([NGV, M, WGV], tl.float32)
-        accg2 = tl.zeros([NGV, M, WGV], tl.float32)
-        accg3 = tl.zeros([NGV, M, WGV], tl.float32)
+        wv = tl.arange(0, WGV // V_W)  # a group's (half)words; sub-slot s: the group's channels VNS w + s
+        accg0 = tl.zeros([NGV, M, WGV // V_W], tl.float32)
+        accg1 = tl.zeros([NGV, M, WGV // V_W], tl.float32)
+        accg2 = tl.zeros([NGV, M, WGV // V_W], tl.float32)
+        accg3 = tl.zeros([NGV, M, WGV // V_W], tl.float32)
         bsumg = tl.zeros([NGV, M], tl.float32)
         hit0 = tl.zeros([M, D // VNS], tl.float32)  # ELEM values: visible poisoned positions per channel
         hit1 = tl.zeros([M, D // VNS], tl.float32)
@@ -661,22 +693,31 @@ def _decode_kernel(
             l_i = tl.where(bad, float("nan"), l_i)
             m_i = m_new
             # ---- values
-            if V_MODE == 2:  # p' per group: [groups, rows, BLOCK_N] against [groups, BLOCK_N, group's U-columns]
+            if V_MODE == 2:  # p' per group: [groups, rows, BLOCK_N] against [groups, BLOCK_N, group's columns]
                 va, vb = _affine(vs, vz, (blk * svs_nb + vsh + row * svs_t)[:, None] + gv[None, :], kv_ok[:, None],
                                  V_KIND, V_BITS, V_E4M3, V_SFMT)  # [BLOCK_N, groups]
-                vis3 = vis[None, :, :]
-                pa3 = _bf16(tl.where(vis3, pr[None, :, :] * tl.trans(va)[:, None, :], 0.0))
-                bsumg = bsumg * alpha[None, :] + tl.sum(tl.where(vis3, pr[None, :, :] * tl.trans(vb)[:, None, :], 0.0),
-                                                        2)
-                vbyte3 = tl.load(vch + (blk * svc_nb + row * svc_t)[None, :, None] + (gv[:, None, None] * WGV
-                                                                                      + wv[None, None, :]),
-                                 mask=kv_ok[None, :, None], other=0).to(tl.int32)
+                pa3 = _bf16(tl.where(vis[None, :, :], pr[None, :, :] * tl.trans(va)[:, None, :], 0.0))
+                # sum_n p b per group: one tf32 product. A poisoned group's NaN reaches the rows that see it through
+                # pa3; with a mask, rows that do not see it must not get it here (without one, every row sees it)
+                if MASK_KIND != 0:
+                    vb = tl.where(vb == vb, vb, 0.0)
+                bsumg = bsumg * alpha[None, :] + tl.trans(tl.dot(pr, vb, input_precision="tf32"))
                 a3 = alpha[None, :, None]
-                vg0, vg1, vg2, vg3 = _code_tiles_exact(vbyte3, V_BITS, V_KIND, V_E4M3)
+                if V_W > 1:
+                    vword3 = tl.load(vcw + (blk * wv_nb + row * wv_t)[None, :, None]
+                                     + (gv[:, None, None] * (WGV // V_W) + wv[None, None, :]),
+                                     mask=kv_ok[None, :, None], other=0)
+                    vg0, vg1, vg2, vg3, _, _, _, _ = _word_tiles(vword3, V_BITS, V_W)
+                    vg0, vg1, vg2, vg3 = _less_off4(vg0, vg1, vg2, vg3, V_BITS, V_KIND)
+                else:
+                    vbyte3 = tl.load(vch + (blk * svc_nb + row * svc_t)[None, :, None]
+                                     + (gv[:, None, None] * WGV + wv[None, None, :]),
+                                     mask=kv_ok[None, :, None], other=0).to(tl.int32)
+                    vg0, vg1, vg2, vg3 = _code_tiles_exact(vbyte3, V_BITS, V_KIND, V_E4M3)
                 accg0 = _dot(pa3, vg0, accg0 * a3)
-                if PV > 1:
+                if VNS > 1:
                     accg1 = _dot(pa3, vg1, accg1 * a3)
-                if PV > 2:
+                if VNS > 2:
                     accg2 = _dot(pa3, vg2, accg2 * a3)
                     accg3 = _dot(pa3, vg3, accg3 * a3)
             elif V_W > 1:
@@ -701,8 +742,10 @@ def _decode_kernel(
             elif V_MODE == 0:
                 va, vb = _affine(vs, vz, blk * svs_nb + vsh + row * svs_t, kv_ok, V_KIND, V_BITS, V_E4M3, V_SFMT)
                 pa = _bf16(tl.where(vis, pr * va[None, :], 0.0))  # hidden positions: never NaN * 0
-                psum = psum * alpha + tl.sum(pa.to(tl.float32), 1)
-                bsum = bsum * alpha + tl.sum(tl.where(vis, pr * vb[None, :], 0.0), 1)
+                if V_KIND != 2 and V_BITS < 8:
+                    bsum = bsum * alpha + tl.sum(tl.where(vis, pr * vb[None, :], 0.0) - 128.0 * pa.to(tl.float32), 1)
+                else:
+                    bsum = bsum * alpha + tl.sum(tl.where(vis, pr * vb[None, :], 0.0), 1)
                 if V_W > 1:
                     vt0, vt1, vt2, vt3, _, _, _, _ = _word_tiles(vword, V_BITS, V_W)
                 else:
@@ -732,17 +775,17 @@ def _decode_kernel(
                                           V_KIND, V_BITS, V_E4M3, V_SFMT)
             blk = blk_next
         if V_MODE == 0 and V_KIND != 2 and V_BITS < 8:
-            fix = bsum - psum * 128.0  # OFF: the codes were 128 + c
+            fix = bsum  # OFF: the codes were 128 + c
         else:
             fix = bsum
         if V_MODE == 2:
             fixg = bsumg[:, :, None]
-            base3 = ws_acc + w_row[None, :, None] * D + PV * (gv[:, None, None] * WGV + wv[None, None, :])
+            base3 = ws_acc + w_row[None, :, None] * D + gv[:, None, None] * V_G + VNS * wv[None, None, :]
             ok3 = row_ok[None, :, None]
             tl.store(base3, accg0 + fixg, mask=ok3)
-            if PV > 1:
+            if VNS > 1:
                 tl.store(base3 + 1, accg1 + fixg, mask=ok3)
-            if PV > 2:
+            if VNS > 2:
                 tl.store(base3 + 2, accg2 + fixg, mask=ok3)
                 tl.store(base3 + 3, accg3 + fixg, mask=ok3)
         base = ws_acc + w_row[:, None] * D
@@ -957,7 +1000,7 @@ def decode_config(policy, head_dim: int, sink: int, flush: int, ring: int, block
     kw["V_W"] = value_words(policy.value, D, kw["V_MODE"]) if words else 1
     groups = kw["V_MODE"] == MODE_GROUPS  # values' groups and each group's columns per slot (GROUPS only)
     rows = kw["V_MODE"] == MODE_ROWS  # a row per query head and value group
-    M = max(16, value_rows(D, kw["V_G"], gqa) if rows else triton.next_power_of_2(gqa))
+    M = decode_rows(kw["K_MODE"], kw["V_MODE"], D, kw["V_G"], gqa)
     kw.update(G=gqa, M=M, BLOCK_N=block_n, MASK_KIND=mask_kind, DOT=dot, CHUNK=chunk, FULL=full, STAGES=stages,
               NGV=D // kw["V_G"] if groups or rows else 1, WGV=kw["V_G"] // (8 // kw["V_BITS"]) if groups else 16)
     key = (f"decode[k={policy.key.key()}:{MODES[kw['K_MODE']]};v={policy.value.key()}:{MODES[kw['V_MODE']]};"

@@ -53,9 +53,12 @@ LAYOUTS = [  # (policy, head_dim, G): every mode and format; ragged rows around 
     (Policy(Quant("int2", **TOK), Quant("int4", "token", None, True), residual=0), 128, 2),
     (Policy(Quant("int2", **TOK), Quant("int2", "token", None, True), residual=0), 64, 2),
     (Policy.kivi(4, group=16, residual=8, sink=2), 64, 4),  # per-channel keys, token groups of 16
-    (Policy.kivi(2, group=32, residual=0), 128, 4),  # values in 8-byte groups beside GQA 4: ROWS; keys: ELEM
+    (Policy.kivi(2, group=32, residual=0), 128, 4),  # values in 8-byte groups: GROUPS, 4 rows; keys: CHAN
     (Policy.kivi(4, group=32, residual=0), 64, 4),  # values in token groups of 32: GROUPS; keys: CHAN
-    (Policy.kivi(4, group=32, residual=4, sink=1), 128, 8),
+    (Policy.kivi(4, group=32, residual=4, sink=1), 128, 8),  # GROUPS' codes as halfwords
+    (Policy.kivi(2, group=32, residual=0, sink=1), 64, 3),  # 3 rows padded to 4 beside CHAN and GROUPS
+    # values in groups of 8 columns beside keys on tiles: GROUPS where ROWS cannot take them (8 x 4 rows)
+    (Policy(Quant("int4", **TOK), Quant("int4", "token", 16), residual=1), 128, 4),
     (Policy(Quant("int8", "token"), Quant("fp8_e4m3", "token", 16, scale_dtype="fp8_e4m3"), residual=0), 64, 8),
     # keys per channel in token groups of 16 and 32 beside values per token-head: CHAN, fp8 scales and fp8 codes
     (Policy(Quant("int4", "channel", 16, scale_dtype="fp8_e4m3"), Quant("int2", "token"), residual=2, sink=1), 128,
@@ -165,7 +168,8 @@ def test_decode_kernel_non_finite_values_poison_what_the_reference_says(policy):
     g = torch.Generator().manual_seed(4)
     q = torch.randn(B, H * G, 1, D, generator=g)
     keep = torch.rand(B, 1, 1, L + 2, generator=g) > 0.5
-    for mask in (None, keep, torch.where(keep, torch.randn(B, 1, 1, L + 2, generator=g), -torch.inf)):
+    heads = torch.rand(B, H * G, 1, L + 2, generator=g) > 0.5  # a poisoned position seen by one head, not the other
+    for mask in (None, keep, torch.where(keep, torch.randn(B, 1, 1, L + 2, generator=g), -torch.inf), heads):
         got = launch.attention(q.to(DEV), type(state)(*[t.to(DEV) for t in state]), spec,
                                None if mask is None else mask.to(DEV), kernel="decode").cpu()
         assert_nan_pattern(got, attention_reference(q, state, spec, mask, None, torch.float64), spec.name)
@@ -195,25 +199,31 @@ def test_which_layouts_the_decode_kernel_serves():
     assert decode.tensor_mode(kivi_v, 128, 4) == decode.tensor_mode(kivi_v, 128, 16) == decode.MODE_GROUPS
     assert decode.tensor_mode(kivi_v, 128) == decode.MODE_ELEM
     # values in groups of fewer than 16 bytes' slots: a row per query head (padded to a power of two) and group,
-    # up to 16 rows; beyond, per element
+    # up to 16 rows; beyond, a product per group of at least 8 columns, else per element
     kivi2_v = Quant("int2", "token", 32)  # 8 bytes a group, 4 groups a head
     assert [decode.tensor_mode(kivi2_v, 128, g) for g in (1, 2, 3, 4, 5, 8)] == [decode.MODE_ROWS] * 4 + [
-        decode.MODE_ELEM] * 2
+        decode.MODE_GROUPS] * 2
     assert decode.tensor_mode(Quant("int4", "token", 8), 64, 2) == decode.MODE_ROWS  # 8 groups x 2 heads
+    assert decode.tensor_mode(Quant("int4", "token", 8), 64, 4) == decode.MODE_ELEM  # 4 columns a group
     assert decode.tensor_mode(Quant("int4", "token", 8, scale_dtype="float32"), 64, 1) == decode.MODE_ELEM
     for q, D in ((Quant("int3", "token"), 128), (Quant("none"), 128), (Quant("int2", "token"), 32),
                  (Quant("int4", "token", 1), 128), (tok, 96)):
         assert decode.tensor_mode(q, D) is None, (q, D)
     spec = _spec(Policy(tok, tok, residual=0), 128)
     assert decode.decode_layout(spec, 1, False, 4) == (decode.MODE_TILE, decode.MODE_TILE)
-    # KIVI: int4 keys scale the query per group beside values scaled per group; beside int2's values (8-byte
-    # groups: a row per head and group, or per element) the keys are per element (the scaled queries' registers
-    # cost more than they save)
+    # KIVI: the keys scale the query per group beside values scaled per group, int2's 8-byte groups included
+    # (beside keys on tiles those take ROWS where it fits); beside values per element or in ROWS (groups under 8
+    # columns) the keys are per element (the scaled queries' registers cost more than they save)
     kivi4, kivi2 = _spec(Policy.kivi(4, group=32), 128), _spec(Policy.kivi(2, group=32), 128)
     assert decode.decode_layout(kivi4, 1, False, 4) == decode.decode_layout(kivi4, 1, False, 8) == (
         decode.MODE_CHAN, decode.MODE_GROUPS)
-    assert decode.decode_layout(kivi2, 1, False, 4) == (decode.MODE_ELEM, decode.MODE_ROWS)
-    assert decode.decode_layout(kivi2, 1, False, 8) == (decode.MODE_ELEM, decode.MODE_ELEM)
+    assert decode.decode_layout(kivi2, 1, False, 4) == decode.decode_layout(kivi2, 1, False, 8) == (
+        decode.MODE_CHAN, decode.MODE_GROUPS)
+    tile_g16 = _spec(Policy(tok, Quant("int4", "token", 16)), 128)  # 8 columns a group, 8 groups
+    assert decode.decode_layout(tile_g16, 1, False, 2) == (decode.MODE_TILE, decode.MODE_ROWS)
+    assert decode.decode_layout(tile_g16, 1, False, 4) == (decode.MODE_TILE, decode.MODE_GROUPS)
+    narrow = _spec(Policy(Quant("int4", "channel", 32), Quant("int2", "token", 16)), 64)  # 4 columns a group
+    assert decode.decode_layout(narrow, 1, False, 3) == (decode.MODE_ELEM, decode.MODE_ROWS)
     assert decode.decode_layout(spec, 2, False, 4) is None and decode.decode_layout(spec, 1, True, 4) is None
     state = spec.allocate(1, 64)
     assert launch.plan(state, spec, (1, 4, 1, 128)).decode and not launch.plan(state, spec, (1, 4, 3, 128)).decode
@@ -309,6 +319,9 @@ def test_codes_read_as_words_only_where_a_tensor_allows(monkeypatch):
     assert decode.key_words(Quant("int4", "token"), 64, decode.MODE_TILE) == 2
     assert decode.key_words(Quant("int2", "token"), 64, decode.MODE_TILE) == 1  # 8 sub-slots of 8: too narrow
     assert decode.value_words(Quant("int2", "token"), 128, decode.MODE_TILE) == 1
+    # GROUPS: a warp a group, each sub-slot's product at least 8 columns of the group
+    assert decode.value_words(Quant("int4", "token", 32), 64, decode.MODE_GROUPS) == 2
+    assert decode.value_words(Quant("int4", "token", 16), 128, decode.MODE_GROUPS) == 1
     assert decode.key_words(Quant("int4", "channel", 32), 128, decode.MODE_CHAN) == 1
     assert decode.key_words(Quant("int8", "token"), 128, decode.MODE_TILE) == 1
     spec, state = filled(policy, [9, 40], 2, 128)
@@ -339,8 +352,8 @@ def test_tiles_come_from_the_config_table_or_its_rule(monkeypatch):
     about ``tile_bytes`` bytes of codes (so int2 tiles hold more tokens than int8), within the bounds. Splits
     follow the batch and the positions, never a capacity: about 4 programs per SM, no split under 4 tiles."""
     table = decode.config_table()
-    assert {"tile_bytes", "max_block_n", "elem_max_block_n", "elem_keys_max_block_n", "warps", "stages"} <= set(
-        table["default"])
+    assert {"tile_bytes", "max_block_n", "elem_max_block_n", "elem_keys_max_block_n", "chan_max_block_n", "warps",
+            "stages"} <= set(table["default"])
     for entry in table["configs"].values():
         assert {"block_n", "warps", "stages"} <= set(entry)
     rule = table["default"]
@@ -349,10 +362,12 @@ def test_tiles_come_from_the_config_table_or_its_rule(monkeypatch):
     assert all(c["source"] == "rule" for c in got.values())
     assert got[8]["block_n"] < got[4]["block_n"] < got[2]["block_n"] <= rule["max_block_n"]
     assert got[8]["block_n"] * 2 * 128 <= rule["tile_bytes"]
-    kivi2 = decode.tile_config(_spec(Policy.kivi(2, group=32, residual=0), 128), 5)  # per-element values: capped
-    assert kivi2["block_n"] == rule["elem_max_block_n"] < got[2]["block_n"]
-    kivi2 = decode.tile_config(_spec(Policy.kivi(2, group=32, residual=0), 64), 3)  # ROWS, per-element keys
-    assert kivi2["source"] == "rule" and kivi2["block_n"] == rule["elem_keys_max_block_n"] > rule["elem_max_block_n"]
+    elem = decode.tile_config(_spec(Policy(tok[2].key, Quant("int2", "token", 8), residual=0), 128), 5)
+    assert elem["block_n"] == rule["elem_max_block_n"] < got[2]["block_n"]  # per-element values: capped
+    rows = decode.tile_config(_spec(Policy(Quant("int4", "channel", 8), Quant("int2", "token", 16)), 64), 3)
+    assert rows["source"] == "rule" and rows["block_n"] == rule["elem_keys_max_block_n"] > rule["elem_max_block_n"]
+    kivi2 = decode.tile_config(_spec(Policy.kivi(2, group=32, residual=0), 128), 5)  # CHAN keys: capped
+    assert kivi2["source"] == "rule" and kivi2["block_n"] == rule["chan_max_block_n"] < got[2]["block_n"]
     monkeypatch.setattr(decode, "INTERPRET", False)
     spec = _spec(tok[4], 128)
     bn = decode.tile_config(spec, 4)["block_n"]
@@ -367,11 +382,12 @@ def test_decode_keys_spell_out_the_specialization():
     key, kw = decode.decode_config(Policy.kivi(4, group=32, residual=16, sink=4), 128, 4, 32, 47, 64, 8, 128, 3,
                                    0, "tf32", False, True)
     assert key == ("decode[k=int4.channel.32.asym.f16:chan;v=int4.token.32.asym.f16:groups;S=4;R=16;F=32;W=47;"
-                   "BS=64;D=128;gqa=8;bn=128;stages=3;mask=0;dot=tf32;chunk=0;full=1;words=1,1]")
-    assert kw["M"] == 16 and kw["K_CHANNEL"] and not kw["V_CHANNEL"] and kw["V_G"] == 32 and kw["FULL"]
+                   "BS=64;D=128;gqa=8;bn=128;stages=3;mask=0;dot=tf32;chunk=0;full=1;words=1,2]")
+    assert kw["M"] == 8 and kw["K_CHANNEL"] and not kw["V_CHANNEL"] and kw["V_G"] == 32 and kw["FULL"]
     tok4 = Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0)
     key, kw = decode.decode_config(tok4, 128, 0, 1, 0, 16, 4, 64, 3, 0, "tf32", False, False)
     assert key.endswith(";words=4,2]") and (kw["K_W"], kw["V_W"]) == (4, 2)  # codes read as words, halfwords
+    assert kw["M"] == 16  # one product for all tokens: rows padded to 16 (``decode.decode_rows``)
     key, kw = decode.decode_config(tok4, 128, 0, 1, 0, 16, 4, 64, 3, 0, "tf32", False, False, False)
     assert key.endswith(";words=1,1]") and (kw["K_W"], kw["V_W"]) == (1, 1)  # rows not 4-byte aligned
     key, kw = decode.decode_config(Policy.fp8("fp8_e5m2", residual=0, axis="tensor"), 128, 0, 1, 0, 16, 4, 64, 3, 0,

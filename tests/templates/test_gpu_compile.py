@@ -43,8 +43,11 @@ SCRIPT = textwrap.dedent("""
         # int4 keys as halfwords at head_dim 64 (decode.key_words; at 128 the cases above read words, halfwords)
         (Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0), 64, "float16", 2, 1, None, None, None,
          "decode"),
-        # KIVI int2: values in a row per query head and group (ROWS), keys per element, a float mask
+        # KIVI int2: values in groups of 8 columns (GROUPS), 4 rows, the query scaled per group, a float mask
         (Policy.kivi(2, group=32, residual=8, sink=2), 128, "bfloat16", 4, 1, torch.zeros(1), None, None, "decode"),
+        # values in a row per query head and group (ROWS) beside keys on tiles, a float mask
+        (Policy(Quant("int4", "token"), Quant("int4", "token", 16), residual=8, sink=2), 128, "bfloat16", 2, 1,
+         torch.zeros(1), None, None, "decode"),
         # pre-RoPE keys, rotated in the kernel: decode (sinks, codes, ring) and a prefill reading its own chunk
         (Policy.kivi(2, group=32, residual=16, sink=4, pre_rope=True), 128, "bfloat16", 4, 1, None, None, None),
         (Policy(Quant("int4", "channel", 32), Quant("int4", "token"), residual=16, sink=4, rotate=True,
@@ -121,11 +124,11 @@ def test_kernels_compile_for_sm90():
     # since the table, it does; a tile inside one block and one over several both compile in the other cases)
     assert "(0, 0, True, True, 0, " in decode, r.stdout
     for want in ("(3, 2, True, True, 0, False)", "(3, 2, True, False, 0, True)", "(1, 2, True, False, 2, False)",
-                 "(0, 1, True, True, 1, True)", "(1, 4, True, False, 2, "):
+                 "(0, 1, True, True, 1, True)", "(3, 2, True, False, 2, ", "(0, 4, True, False, 2, "):
         assert want in decode, r.stdout
-    # codes read as words / halfwords: int4 at 128 (keys words, values halfwords), int2 at 128 and int4 at 64
-    # (keys halfwords), the rest byte by byte
-    assert "words: [(1, 1), (2, 1), (4, 2)]" in r.stdout, r.stdout
+    # codes read as words / halfwords: int4 at 128 (keys words, values halfwords; KIVI int4's values in GROUPS
+    # halfwords), int2 at 128 and int4 at 64 (keys halfwords), the rest byte by byte
+    assert "words: [(1, 1), (1, 2), (2, 1), (4, 2)]" in r.stdout, r.stdout
     assert "invariant: 2 2" in r.stdout, r.stdout  # row-invariant splits and the in-order merge lower too
     # the rotation: fp32 out (the float32 rows), float64 out (bf16 / fp16 rows, for torch to round; float64 rows)
     assert "rotate: [(64, False), (80, True), (96, True), (128, True)]" in r.stdout, r.stdout
