@@ -573,8 +573,7 @@ def _decode_kernel(
 
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
-        psum = tl.zeros([M], tl.float32)  # TILE values: sum of p' (bf16), for OFF
-        bsum = tl.zeros([M], tl.float32)  # TILE values: sum of p b
+        bsum = tl.zeros([M], tl.float32)  # TILE / ROWS values: sum of p b (TILE: less OFF sum p' for 128 + c)
         acc0 = tl.zeros([M, D // VNS], tl.float32)
         acc1 = tl.zeros([M, D // VNS], tl.float32)
         acc2 = tl.zeros([M, D // VNS], tl.float32)
@@ -774,10 +773,6 @@ def _decode_kernel(
                                           kv_ok, vsh, svs_nb, svs_t, uv, tbl, PV, UV, BLOCK_N, BS, V_CHANNEL, V_G,
                                           V_KIND, V_BITS, V_E4M3, V_SFMT)
             blk = blk_next
-        if V_MODE == 0 and V_KIND != 2 and V_BITS < 8:
-            fix = bsum  # OFF: the codes were 128 + c
-        else:
-            fix = bsum
         if V_MODE == 2:
             fixg = bsumg[:, :, None]
             base3 = ws_acc + w_row[None, :, None] * D + gv[:, None, None] * V_G + VNS * wv[None, None, :]
@@ -791,15 +786,15 @@ def _decode_kernel(
         base = ws_acc + w_row[:, None] * D
         if V_MODE != 2:  # ROWS: each row keeps its group's channels
             ch = VNS * jv[None, :]
-            tl.store(base + ch, tl.where(hit0 > 0, float("nan"), acc0 + fix[:, None]),
+            tl.store(base + ch, tl.where(hit0 > 0, float("nan"), acc0 + bsum[:, None]),
                      mask=qok & ((ch // V_G == mg[:, None]) | (V_MODE != 4)))
         if VNS > 1 and V_MODE != 2:
-            tl.store(base + ch + 1, tl.where(hit1 > 0, float("nan"), acc1 + fix[:, None]),
+            tl.store(base + ch + 1, tl.where(hit1 > 0, float("nan"), acc1 + bsum[:, None]),
                      mask=qok & (((ch + 1) // V_G == mg[:, None]) | (V_MODE != 4)))
         if VNS > 2 and V_MODE != 2:
-            tl.store(base + ch + 2, tl.where(hit2 > 0, float("nan"), acc2 + fix[:, None]),
+            tl.store(base + ch + 2, tl.where(hit2 > 0, float("nan"), acc2 + bsum[:, None]),
                      mask=qok & (((ch + 2) // V_G == mg[:, None]) | (V_MODE != 4)))
-            tl.store(base + ch + 3, tl.where(hit3 > 0, float("nan"), acc3 + fix[:, None]),
+            tl.store(base + ch + 3, tl.where(hit3 > 0, float("nan"), acc3 + bsum[:, None]),
                      mask=qok & (((ch + 3) // V_G == mg[:, None]) | (V_MODE != 4)))
         tl.store(ws_ml + w_row * 2, m_i, mask=row_one)
         tl.store(ws_ml + w_row * 2 + 1, l_i, mask=row_one)
