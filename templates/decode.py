@@ -345,7 +345,7 @@ def value_words(q: Quant, head_dim: int, mode: int | None) -> int:
         return 1
     if mode in (MODE_TILE, MODE_ROWS):
         return 2 if head_dim // 4 >= 32 else 1
-    return 2 if mode == MODE_GROUPS and q.group_for(head_dim) // 4 >= 8 else 1
+    return 2 if mode == MODE_GROUPS and q.group_for(head_dim) // 4 >= GROUPS_MIN else 1
 
 
 _UNPACK_W4_INT4 = tl.constexpr(_unpack_words(4, 4))
@@ -701,7 +701,6 @@ def _decode_kernel(
                 if MASK_KIND != 0:
                     vb = tl.where(vb == vb, vb, 0.0)
                 bsumg = bsumg * alpha[None, :] + tl.trans(tl.dot(pr, vb, input_precision="tf32"))
-                a3 = alpha[None, :, None]
                 if V_W > 1:
                     vword3 = tl.load(vcw + (blk * wv_nb + row * wv_t)[None, :, None]
                                      + (gv[:, None, None] * (WGV // V_W) + wv[None, None, :]),
@@ -713,12 +712,8 @@ def _decode_kernel(
                                      + (gv[:, None, None] * WGV + wv[None, None, :]),
                                      mask=kv_ok[None, :, None], other=0).to(tl.int32)
                     vg0, vg1, vg2, vg3 = _code_tiles_exact(vbyte3, V_BITS, V_KIND, V_E4M3)
-                accg0 = _dot(pa3, vg0, accg0 * a3)
-                if VNS > 1:
-                    accg1 = _dot(pa3, vg1, accg1 * a3)
-                if VNS > 2:
-                    accg2 = _dot(pa3, vg2, accg2 * a3)
-                    accg3 = _dot(pa3, vg3, accg3 * a3)
+                accg0, accg1, accg2, accg3 = _pv_slots(accg0, accg1, accg2, accg3, pa3, vg0, vg1, vg2, vg3,
+                                                       alpha[None, :, None], VNS)
             elif V_W > 1:
                 vword = tl.load(vcw + (blk * wv_nb + row * wv_t)[:, None] + jv[None, :], mask=kv_ok[:, None],
                                 other=0)
@@ -737,7 +732,7 @@ def _decode_kernel(
                     vt0, vt1, vt2, vt3 = _less_off4(vt0, vt1, vt2, vt3, V_BITS, V_KIND)
                 else:
                     vt0, vt1, vt2, vt3 = _code_tiles_exact(vbyte, V_BITS, V_KIND, V_E4M3)
-                acc0, acc1, acc2, acc3 = _pv_slots(acc0, acc1, acc2, acc3, pa, vt0, vt1, vt2, vt3, alpha, VNS)
+                acc0, acc1, acc2, acc3 = _pv_slots(acc0, acc1, acc2, acc3, pa, vt0, vt1, vt2, vt3, alpha[:, None], VNS)
             elif V_MODE == 0:
                 va, vb = _affine(vs, vz, blk * svs_nb + vsh + row * svs_t, kv_ok, V_KIND, V_BITS, V_E4M3, V_SFMT)
                 pa = _bf16(tl.where(vis, pr * va[None, :], 0.0))  # hidden positions: never NaN * 0
@@ -755,7 +750,7 @@ def _decode_kernel(
                         hit0 = hit0 + _dot(vis.to(tl.float32).to(tl.bfloat16), vnan.to(tl.float32).to(tl.bfloat16),
                                            None)
                         vt0 = tl.where(vnan, 0.0, vt0.to(tl.float32)).to(tl.bfloat16)
-                acc0, acc1, acc2, acc3 = _pv_slots(acc0, acc1, acc2, acc3, pa, vt0, vt1, vt2, vt3, alpha, VNS)
+                acc0, acc1, acc2, acc3 = _pv_slots(acc0, acc1, acc2, acc3, pa, vt0, vt1, vt2, vt3, alpha[:, None], VNS)
             elif V_MODE == 1:
                 pb = _bf16(pr)
                 acc0, hit0 = _elem_pv(acc0, hit0, alpha, pb, vis, vbyte, 0, vs, vz, blk, row, start - S, hi - S, kv_ok,
@@ -818,13 +813,14 @@ def _qk_slots(raw, k0, k1, k2, k3, q0, q1, q2, q3, NS: tl.constexpr):
 
 @triton.jit
 def _pv_slots(acc0, acc1, acc2, acc3, pa, vt0, vt1, vt2, vt3, alpha, NS: tl.constexpr):
-    """Each of the ``NS`` value (sub-)slots' ``acc * alpha + pa vt`` (modes TILE and ROWS)."""
-    acc0 = _dot(pa, vt0, acc0 * alpha[:, None])
+    """Each of the ``NS`` value (sub-)slots' ``acc * alpha + pa vt`` (``alpha`` broadcast against the accumulators:
+    ``[rows, 1]`` in modes TILE and ROWS, ``[1, rows, 1]`` in GROUPS)."""
+    acc0 = _dot(pa, vt0, acc0 * alpha)
     if NS > 1:
-        acc1 = _dot(pa, vt1, acc1 * alpha[:, None])
+        acc1 = _dot(pa, vt1, acc1 * alpha)
     if NS > 2:
-        acc2 = _dot(pa, vt2, acc2 * alpha[:, None])
-        acc3 = _dot(pa, vt3, acc3 * alpha[:, None])
+        acc2 = _dot(pa, vt2, acc2 * alpha)
+        acc3 = _dot(pa, vt3, acc3 * alpha)
     return acc0, acc1, acc2, acc3
 
 
