@@ -22,8 +22,9 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
   per token, ``q.x = a (q.c) + b sum(q)`` and ``sum_n p_n x_n = sum_n (p_n a_n) c_n + sum_n p_n b_n``, so the
   scales multiply the [rows, BLOCK_N] score and probability tiles, never the [BLOCK_N, D] codes. Integers narrower
   than a byte become bf16 as ``128 + c`` by setting bits (``0x4300 | c``, no conversion instruction; on a GPU four
-  bytes at a time in inline PTX, ``_UNPACK4`` / ``_UNPACK2``); the 128 is taken back from the row sums (``OFF``),
-  or, where row sums would cost more (modes CHAN, GROUPS and ROWS), from the codes (one bf16 subtraction a pair).
+  bytes at a time in inline PTX, ``_UNPACK4`` / ``_UNPACK2``); the 128 is taken back in the key products'
+  initial value (``-128 sum(q)``) and the values' row sums (``OFF``), or, where row sums would cost more (modes
+  CHAN, GROUPS and ROWS), from the codes (one bf16 subtraction a pair).
   Values in per-token groups (KIVI's) scale the probabilities per group: groups of at least 16 bytes' slots
   take one batched product per group, a warp a group (mode GROUPS; their ``sum_n p_n b_n`` is one tf32 product
   a tile); smaller ones, beside GQA 4 and fewer, make the 16 rows of the products a row per query head and
@@ -50,8 +51,11 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
   byte (Triton's dot-operand layouts deliver single bytes otherwise: a load and a byte permute each). Values'
   sub-slots stay at least 32 channels wide, a product's columns for 4 warps.
 - **Tiles by bytes**: BLOCK_N tokens per tile from the config table (int2 tiles hold more tokens than int8). A
-  tile may span several blocks of the paged store: each row finds its block in the table (the next tile's
-  block ids are loaded while this one is computed).
+  tile may span several blocks of the paged store: it starts one (BLOCK_N and every split's share are multiples
+  of the block), so each row's offset in its block is the same every tile and only its block id is looked up
+  (the next tile's are loaded while this one is computed). Integer codes are read unmasked (``_codes``).
+- **Scores in log2 units**: the scale times log2(e) multiplies each token's scale and zero point, so that each
+  exponential is one ``ex2.approx.ftz`` (``_exp2``); a split's max is stored times ln 2, the merge's units.
 """
 import functools
 import json
@@ -199,7 +203,7 @@ def tile_config(spec: LayerSpec, gqa: int) -> dict:
 # --------------------------------------------------------------------------- codes and affine terms
 # On a GPU codes are unpacked by the hardware's instructions: int4 / int2 by inline PTX (``_UNPACK4`` /
 # ``_UNPACK2``), e4m3 by its conversion; Triton's interpreter cannot run PTX and spells the same values in integer
-# ops. KVCOMPILE_PTX_UNPACK=0 does that on a GPU too: to tell the two apart there.
+# ops. KVCOMPILE_PTX_UNPACK=0 does that on a GPU too (and ``_exp2`` takes Triton's exp2): to tell them apart there.
 _PTX = tl.constexpr(not INTERPRET and os.environ.get("KVCOMPILE_PTX_UNPACK", "1") != "0")
 # what ``_affine`` multiplies an e4m3 scale by: ``_code_f32`` gives the value itself on a GPU, else over 2**8
 _E4M3_SCALE = tl.constexpr(1.0 if _PTX.value else 256.0)
@@ -394,6 +398,36 @@ def _query_sub(qb_ptr, qok, j, S: tl.constexpr, NS: tl.constexpr):
     return tl.trans(_bf16(tl.minimum(tl.maximum(x, -BF16_MAX), BF16_MAX)))
 
 
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+_EX2 = tl.constexpr("ex2.approx.ftz.f32 $0, $1;")
+
+
+@triton.jit
+def _exp2(x):
+    """2**x: on a GPU one ``ex2.approx.ftz`` (Triton's exp2 adds the steps that keep results below 2**-126
+    subnormal: three more instructions a score, for probabilities that weigh nothing beside the row's largest, 1),
+    elsewhere ``tl.exp2``."""
+    if _PTX:
+        y = tl.inline_asm_elementwise(_EX2, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        y = tl.exp2(x)
+    return y
+
+
+@triton.jit
+def _codes(ptr, ok, KIND: tl.constexpr):
+    """A tile's codes. An integer format's are read unmasked: a position past the tile's end lies in its row's
+    block (or block 0, where the table has none: the block id's load is masked), so it reads finite codes whose
+    scores and probabilities the visibility masks (the scales stay masked). fp8's are masked (a stale byte may be
+    a NaN code, and 0 times NaN is NaN)."""
+    if KIND == 2:
+        x = tl.load(ptr, mask=ok, other=0)
+    else:
+        x = tl.load(ptr)
+    return x
+
+
 @triton.jit
 def _fixed_nan(byte, E4M3: tl.constexpr):
     """Where a byte holds an fp8 NaN code (int32 bytes): e4m3fn's 0x7F / 0xFF, e5m2's 0x7D-0x7F / 0xFD-0xFF. With
@@ -556,10 +590,6 @@ def _decode_kernel(
                 qw5 = qw0
                 qw6 = qw0
                 qw7 = qw0
-        if K_MODE == 0 and K_KIND != 2 and K_BITS < 8:
-            qoff = qbsum * 128.0  # OFF: the codes are 128 + c
-        else:
-            qoff = qbsum * 0.0
         if K_MODE == 3:  # CHAN: the fp32 query slots, [U, rows], saturated so that q a stays inside bf16
             qf0 = tl.trans(tl.minimum(tl.maximum(q0, -CHAN_QMAX), CHAN_QMAX))
             qf1 = qf0
@@ -571,6 +601,12 @@ def _decode_kernel(
                 qf2 = tl.trans(tl.minimum(tl.maximum(q2, -CHAN_QMAX), CHAN_QMAX))
                 qf3 = tl.trans(tl.minimum(tl.maximum(q3, -CHAN_QMAX), CHAN_QMAX))
 
+        # scores in log2 units (exp2 is one instruction): the scale times log2(e); the max stored times ln(2)
+        qk_scale = sm_scale * LOG2E
+        if K_MODE == 0 and K_KIND != 2 and K_BITS < 8:  # TILE keys' codes are 128 + c: products start at -q OFF
+            qinit = tl.zeros([BLOCK_N, M], tl.float32) - (qbsum * 128.0)[None, :]
+        else:
+            qinit = None
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         bsum = tl.zeros([M], tl.float32)  # TILE / ROWS values: sum of p b (TILE: less OFF sum p' for 128 + c)
@@ -609,7 +645,7 @@ def _decode_kernel(
         if ONE_BLOCK:
             blk = tl.load(tbl + (lo - S) // BS, mask=lo < hi, other=0).to(tl.int64)
         else:
-            blk = tl.load(tbl + (lo - S + offs) // BS, mask=lo + offs < hi, other=0).to(tl.int64)
+            blk = tl.load(tbl + (lo - S) // BS + offs // BS, mask=lo + offs < hi, other=0).to(tl.int64)
         for start in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
             p = start + offs
             kv_ok = p < hi
@@ -618,29 +654,28 @@ def _decode_kernel(
                 row = (start - S) % BS + offs
                 blk_next = tl.load(tbl + (nxt - S) // BS, mask=nxt < hi, other=0).to(tl.int64)
             else:
-                row = (p - S) % BS
-                blk_next = tl.load(tbl + (nxt - S + offs) // BS, mask=nxt + offs < hi, other=0).to(tl.int64)
+                row = offs % BS  # a tile starts a block (BLOCK_N and the splits are multiples of BS)
+                blk_next = tl.load(tbl + (nxt - S) // BS + offs // BS, mask=nxt + offs < hi, other=0).to(tl.int64)
             # ---- scores
             if K_W == 1:
-                kbyte = tl.load(kch + (blk * skc_nb + row * skc_t)[:, None] + uk[None, :],
-                                mask=kv_ok[:, None], other=0).to(tl.int32)
+                kbyte = _codes(kch + (blk * skc_nb + row * skc_t)[:, None] + uk[None, :], kv_ok[:, None],
+                               K_KIND).to(tl.int32)
             if K_MODE == 0:
                 ka, kb = _affine(ks, kz, blk * sks_nb + ksh + row * sks_t, kv_ok, K_KIND, K_BITS, K_E4M3, K_SFMT)
                 # tokens as the rows (M) of the products: the codes are the A operand, made in registers
                 if K_W > 1:  # whole words of each token's row, their sub-slots
-                    kword = tl.load(kcw + (blk * wk_nb + row * wk_t)[:, None] + jw[None, :],
-                                    mask=kv_ok[:, None], other=0)
+                    kword = _codes(kcw + (blk * wk_nb + row * wk_t)[:, None] + jw[None, :], kv_ok[:, None], K_KIND)
                     kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7 = _word_tiles(kword, K_BITS, K_W)
-                    raw = _qk_slots(None, kw0, kw1, kw2, kw3, qw0, qw1, qw2, qw3, 4)
+                    raw = _qk_slots(qinit, kw0, kw1, kw2, kw3, qw0, qw1, qw2, qw3, 4)
                     if KNS > 4:
                         raw = _qk_slots(raw, kw4, kw5, kw6, kw7, qw4, qw5, qw6, qw7, 4)
                 else:
                     kt0, kt1, kt2, kt3 = _code_tiles(kbyte, K_BITS, K_KIND, K_E4M3)
                     if K_SFMT == 3 and K_E4M3:  # a NaN code (a poisoned token-head): its scores are NaN
                         kt0 = tl.where(_fixed_nan(kbyte, True), float("nan"), kt0.to(tl.float32)).to(tl.bfloat16)
-                    raw = _qk_slots(None, kt0, kt1, kt2, kt3, qt0, qt1, qt2, qt3, PK)
-                raw = tl.trans(raw)
-                s = ((raw - qoff[:, None]) * ka[None, :] + qsum[:, None] * kb[None, :]) * sm_scale
+                    raw = _qk_slots(qinit, kt0, kt1, kt2, kt3, qt0, qt1, qt2, qt3, PK)
+                raw = tl.trans(raw)  # q (c + OFF) less q OFF (the products' initial value)
+                s = raw * (ka * qk_scale)[None, :] + qsum[:, None] * (kb * qk_scale)[None, :]
             elif K_MODE == 3:  # a product per group of K_G tokens, its query scaled by the group's scales
                 NT: tl.constexpr = BLOCK_N // K_G
                 kc0, kc1, kc2, kc3 = _code_tiles_exact(tl.reshape(kbyte, (NT, K_G, UK)), K_BITS, K_KIND, K_E4M3)
@@ -659,7 +694,7 @@ def _decode_kernel(
                     raw3, corr = _chan_qk(raw3, corr, kc3, qf3, 3, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
                                           sks_nb, sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_G, K_KIND, K_BITS, K_E4M3,
                                           K_SFMT)
-                s = tl.trans(tl.reshape((raw3 + corr[:, None, :]) * sm_scale, (BLOCK_N, M)))
+                s = tl.trans(tl.reshape((raw3 + corr[:, None, :]) * qk_scale, (BLOCK_N, M)))
             else:
                 raw = _elem_qk(None, qt0, kbyte, 0, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh, sks_nb, sks_t,
                                uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT)
@@ -671,7 +706,7 @@ def _decode_kernel(
                                    sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT)
                     raw = _elem_qk(raw, qt3, kbyte, 3, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh, sks_nb,
                                    sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT)
-                s = tl.trans(raw) * sm_scale
+                s = tl.trans(raw) * qk_scale
             # ---- visibility and online softmax (as attention._online_step, without its value checks)
             vis = row_ok[:, None] & kv_ok[None, :]
             if MASK_KIND == 1:
@@ -680,14 +715,14 @@ def _decode_kernel(
             elif MASK_KIND == 2:
                 mv = tl.load(mask_rows + p.to(tl.int64)[None, :] * sm_c, mask=vis, other=0.0).to(tl.float32)
                 vis = vis & (mv != float("-inf"))
-                s = s + mv
+                s = s + mv * LOG2E
             fin = tl.abs(s) < float("inf")
             bad = tl.max(tl.where(vis & ~fin, 1, 0), 1) > 0
             s = tl.where(vis & fin, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_use)
-            pr = tl.exp(s - m_use[:, None])
+            alpha = _exp2(m_i - m_use)
+            pr = _exp2(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(pr, 1)
             l_i = tl.where(bad, float("nan"), l_i)
             m_i = m_new
@@ -702,24 +737,23 @@ def _decode_kernel(
                     vb = tl.where(vb == vb, vb, 0.0)
                 bsumg = bsumg * alpha[None, :] + tl.trans(tl.dot(pr, vb, input_precision="tf32"))
                 if V_W > 1:
-                    vword3 = tl.load(vcw + (blk * wv_nb + row * wv_t)[None, :, None]
-                                     + (gv[:, None, None] * (WGV // V_W) + wv[None, None, :]),
-                                     mask=kv_ok[None, :, None], other=0)
+                    vword3 = _codes(vcw + (blk * wv_nb + row * wv_t)[None, :, None]
+                                    + (gv[:, None, None] * (WGV // V_W) + wv[None, None, :]), kv_ok[None, :, None],
+                                    V_KIND)
                     vg0, vg1, vg2, vg3, _, _, _, _ = _word_tiles(vword3, V_BITS, V_W)
                     vg0, vg1, vg2, vg3 = _less_off4(vg0, vg1, vg2, vg3, V_BITS, V_KIND)
                 else:
-                    vbyte3 = tl.load(vch + (blk * svc_nb + row * svc_t)[None, :, None]
-                                     + (gv[:, None, None] * WGV + wv[None, None, :]),
-                                     mask=kv_ok[None, :, None], other=0).to(tl.int32)
+                    vbyte3 = _codes(vch + (blk * svc_nb + row * svc_t)[None, :, None]
+                                    + (gv[:, None, None] * WGV + wv[None, None, :]), kv_ok[None, :, None],
+                                    V_KIND).to(tl.int32)
                     vg0, vg1, vg2, vg3 = _code_tiles_exact(vbyte3, V_BITS, V_KIND, V_E4M3)
                 accg0, accg1, accg2, accg3 = _pv_slots(accg0, accg1, accg2, accg3, pa3, vg0, vg1, vg2, vg3,
                                                        alpha[None, :, None], VNS)
             elif V_W > 1:
-                vword = tl.load(vcw + (blk * wv_nb + row * wv_t)[:, None] + jv[None, :], mask=kv_ok[:, None],
-                                other=0)
+                vword = _codes(vcw + (blk * wv_nb + row * wv_t)[:, None] + jv[None, :], kv_ok[:, None], V_KIND)
             else:
-                vbyte = tl.load(vch + (blk * svc_nb + row * svc_t)[:, None] + uv[None, :],
-                                mask=kv_ok[:, None], other=0).to(tl.int32)
+                vbyte = _codes(vch + (blk * svc_nb + row * svc_t)[:, None] + uv[None, :], kv_ok[:, None],
+                               V_KIND).to(tl.int32)
             if V_MODE == 4:  # each row's own group's scales: [rows, BLOCK_N]
                 va, vb = _affine(vs, vz, (blk * svs_nb + vsh + row * svs_t)[None, :] + gv[:, None], kv_ok[None, :],
                                  V_KIND, V_BITS, V_E4M3, V_SFMT)  # [groups, BLOCK_N]
@@ -791,7 +825,7 @@ def _decode_kernel(
                      mask=qok & (((ch + 2) // V_G == mg[:, None]) | (V_MODE != 4)))
             tl.store(base + ch + 3, tl.where(hit3 > 0, float("nan"), acc3 + bsum[:, None]),
                      mask=qok & (((ch + 3) // V_G == mg[:, None]) | (V_MODE != 4)))
-        tl.store(ws_ml + w_row * 2, m_i, mask=row_one)
+        tl.store(ws_ml + w_row * 2, m_i * LN2, mask=row_one)  # the merge's (natural) units
         tl.store(ws_ml + w_row * 2 + 1, l_i, mask=row_one)
     else:  # the full-precision positions: sinks, the query's own token (CHUNK), the residual ring
         _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, b, h, hq, row_one, L, QL, end, w_row, mask_rows,
