@@ -14,6 +14,7 @@ token times BLOCK_N).
     python benchmarks/gpu_sass.py                          # both kernels, every policy, the config table's tiles
     python benchmarks/gpu_sass.py --kernel decode --sweep  # every candidate tile; --write-configs keeps the best
     python benchmarks/gpu_sass.py --smoke                  # one policy (checks the script runs)
+    python benchmarks/gpu_sass.py --kernel decode --policies int4 --lines 20  # the loop's busiest source lines
 
 Triton 3.6 (the GPU image's) from another folder: ``PYTHONPATH=/tmp/triton36 python benchmarks/gpu_sass.py``.
 """
@@ -113,6 +114,41 @@ def sass_stats(compiled) -> dict:
             "registers": int(regs.group(1)) if regs else None, "stack": int(stack.group(1)) if stack else None}
 
 
+def loop_lines(compiled, top: int) -> list[tuple[int, str, str]]:
+    """The loop's instructions per source line (``nvdisasm --print-line-info``), the ``top`` busiest: (count,
+    ``file:line``, its most frequent opcodes)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool("nvdisasm"), "--print-line-info", "-c", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    ops, labels, pending, where = [], {}, [], "?"
+    for line in out.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        src = re.search(r'File "([^"]+)", line (\d+)', line)
+        op = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*)", line)
+        if label:
+            pending.append(label.group(1))
+        elif src:
+            where = f"{os.path.basename(src.group(1))}:{src.group(2)}"
+        elif op:
+            addr = int(op.group(1), 16)
+            labels.update((name, addr) for name in pending)
+            pending = []
+            ops.append((addr, op.group(2).split(".")[0], op.group(3), where))
+    loop = (0, -1)
+    for addr, op, rest, _ in ops:
+        t = re.search(r"(\.L_x_\d+)", rest) if op == "BRA" else None
+        if t and labels.get(t.group(1), addr) < addr and addr - labels[t.group(1)] > loop[1] - loop[0]:
+            loop = (labels[t.group(1)], addr)
+    per = collections.defaultdict(collections.Counter)
+    for addr, op, _, where in ops:
+        if loop[0] <= addr <= loop[1]:
+            per[where][op] += 1
+    busiest = sorted(per.items(), key=lambda kv: -sum(kv[1].values()))[:top]
+    return [(sum(c.values()), where, " ".join(f"{o} {n}" for o, n in c.most_common(4))) for where, c in busiest]
+
+
 def tile_bytes(spec: LayerSpec, block_n: int) -> int:
     """Bytes one loop iteration reads for one KV head: BLOCK_N tokens' codes, scales and zero points."""
     return block_n * spec.block_nbytes() // (spec.block * spec.heads)
@@ -121,6 +157,7 @@ def tile_bytes(spec: LayerSpec, block_n: int) -> int:
 def measure(name: str, head_dim: int, gqa: int, kernel: str, tile=None) -> dict:
     spec, c, args, options = compiled_decode(POLICIES[name], head_dim, gqa, kernel, tile=tile)
     st = sass_stats(c)
+    st["compiled"] = c
     block_n = args["BLOCK_N"]
     threads = 32 * options.get("num_warps", 4)
     st.update(policy=name, kernel=kernel, block_n=block_n, warps=options.get("num_warps", 4),
@@ -152,13 +189,15 @@ def main(argv=None) -> None:
                          "into templates/decode_configs.json")
     ap.add_argument("--stages", type=int, nargs="+", default=None, help="pipeline depths to sweep (default 3)")
     ap.add_argument("--smoke", action="store_true", help="one policy, to check the script runs")
+    ap.add_argument("--lines", type=int, default=0, metavar="N",
+                    help="without --sweep: each policy's N busiest source lines in the loop (instructions each)")
     args = ap.parse_args(argv)
     names = args.policies[:1] if args.smoke else args.policies
     kernels = ["general", "decode"] if args.kernel == "both" else [args.kernel]
     print(f"decode (n=1), head_dim={args.head_dim}, gqa={args.gqa}, bf16, sm_90, triton {triton.__version__}: "
           f"SASS per thread (static, not timed); full bandwidth leaves {ISSUE_PER_BYTE:.1f} instructions per byte\n")
     print(HEAD)
-    best = {}
+    best, lines = {}, []
     for name in names:
         for kernel in kernels:
             if kernel == "decode" and args.sweep:
@@ -171,7 +210,15 @@ def main(argv=None) -> None:
                             if ok and (name not in best or st["per_byte"] < best[name]["per_byte"]):
                                 best[name] = st
             else:
-                print(row(measure(name, args.head_dim, args.gqa, kernel)), flush=True)
+                st = measure(name, args.head_dim, args.gqa, kernel)
+                print(row(st), flush=True)
+                if args.lines:
+                    lines.append((st, loop_lines(st["compiled"], args.lines)))
+    for st, busiest in lines:
+        print(f"\n{st['policy']} ({st['kernel']}, {st['block_n']} x {st['warps']}): the loop's {st['loop']} "
+              f"instructions by source line\n")
+        for n, where, ops in busiest:
+            print(f"{n:6d}  {where:<18} {ops}")
     if args.sweep:
         print("\nbest per policy (no spill, fewest loop instructions per byte):\n\n" + HEAD)
         for st in best.values():
@@ -185,8 +232,10 @@ def main(argv=None) -> None:
             key = (f"{decode.format_key(spec.policy.key)}/{decode.format_key(spec.policy.value)};"
                    f"D={args.head_dim};G={args.gqa}")
             table["configs"][key] = {"block_n": st["block_n"], "warps": st["warps"], "stages": st["stages"],
-                                     "why": f"static: {st['per_byte']:.2f} loop instructions per byte, "
-                                            f"{st['registers']} registers, no spill (triton {triton.__version__})"}
+                                     "why": f"static (sm_90, triton {triton.__version__}): {st['per_byte']:.2f} loop "
+                                            f"instructions per byte, {st['registers']} registers, no spill; the "
+                                            f"fewest among {'/'.join(map(str, CANDIDATES['block_n']))} tokens x "
+                                            f"{'/'.join(map(str, CANDIDATES['warps']))} warps"}
         with open(path, "w") as f:
             json.dump(table, f, indent=2)
             f.write("\n")
