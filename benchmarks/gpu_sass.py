@@ -56,10 +56,11 @@ def tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def compiled_decode(policy: Policy, head_dim: int, gqa: int, kernel: str, arch: int = 90, tile=None):
+def compiled_decode(policy: Policy, head_dim: int, gqa: int, kernel: str, arch: int = 90, tile=None, n: int = 1):
     """The compiled attention kernel of one decode call (B=2, 2 kv heads, 4096 tokens, the default block) as
     ``launch.attention(kernel=...)`` builds it, and its launch options. ``tile`` = (block_n, warps, stages)
-    overrides the decode kernel's config (the general kernel takes block_n and warps)."""
+    overrides the decode kernel's config (the general kernel takes block_n and warps). ``n`` > 1: a chunk of
+    ``n`` queries at the end of 4096 stored tokens (prefill over the quantized past: the general kernel)."""
     from kvcompile.templates import attention as kattn
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -83,7 +84,9 @@ def compiled_decode(policy: Policy, head_dim: int, gqa: int, kernel: str, arch: 
         tiles = (1, tile[0], 2)
     try:
         state = spec.allocate(2, 4096)
-        launch.attention(torch.randn(2, 2 * gqa, 1, head_dim), state, spec, kernel=kernel, tiles=tiles)
+        if n > 1:
+            state.lengths.fill_(4096)
+        launch.attention(torch.randn(2, 2 * gqa, n, head_dim), state, spec, kernel=kernel, tiles=tiles)
     finally:
         common._compiler, kattn.num_warps, decode.tile_config = saved
     name = "_decode_kernel" if kernel == "decode" else "_attn_kernel"
@@ -166,6 +169,23 @@ def measure(name: str, head_dim: int, gqa: int, kernel: str, tile=None) -> dict:
     return st
 
 
+def prefill_row(name: str, head_dim: int, gqa: int, n: int) -> str:
+    """The general kernel over a chunk of ``n`` queries: its default tiles, registers, spills, the loop's
+    instructions a thread and its tensor-core instructions (a warp's; HMMA m16n8k16 or HGMMA), and the loop's
+    instructions per (query head, key) pair it scores."""
+    spec, c, args, options = compiled_decode(POLICIES[name], head_dim, gqa, "general", n=n)
+    st = sass_stats(c)
+    threads = 32 * options.get("num_warps", 4)
+    pairs = args["BLOCK_Q"] * gqa * args["BLOCK_N"]
+    return (f"| {name} | {args['BLOCK_Q']} x {gqa} | {args['BLOCK_N']} | {options.get('num_warps', 4)} | "
+            f"{st['registers']} | {st['stack']} | {st['loop']} | {st['ops']['HMMA']} | {st['ops']['HGMMA']} | "
+            f"{st['loop'] * threads / pairs:.1f} |")
+
+
+PREFILL_HEAD = ("| policy | query rows | BLOCK_N | warps | registers | stack B | loop | HMMA | HGMMA | "
+                "loop instr / scored pair |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
 def row(st: dict) -> str:
     alu = sum(st["ops"][o] for o in ("IADD3", "LOP3", "IMAD", "SHF", "ISETP", "SEL", "PRMT", "LEA", "VIADD"))
     return (f"| {st['policy']} | {st['kernel']} | {st['block_n']} | {st['warps']} | {st['stages']} | "
@@ -189,10 +209,18 @@ def main(argv=None) -> None:
                          "into templates/decode_configs.json")
     ap.add_argument("--stages", type=int, nargs="+", default=None, help="pipeline depths to sweep (default 3)")
     ap.add_argument("--smoke", action="store_true", help="one policy, to check the script runs")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="the general kernel over a chunk of N queries (prefill over the quantized past) instead")
     ap.add_argument("--lines", type=int, default=0, metavar="N",
                     help="without --sweep: each policy's N busiest source lines in the loop (instructions each)")
     args = ap.parse_args(argv)
     names = args.policies[:1] if args.smoke else args.policies
+    if args.prefill:
+        print(f"prefill: {args.prefill} queries after 4096 stored tokens, head_dim={args.head_dim}, gqa={args.gqa}, "
+              f"bf16, sm_90, triton {triton.__version__}: SASS per thread (static, not timed)\n\n{PREFILL_HEAD}")
+        for name in names:
+            print(prefill_row(name, args.head_dim, args.gqa, args.prefill), flush=True)
+        return
     kernels = ["general", "decode"] if args.kernel == "both" else [args.kernel]
     print(f"decode (n=1), head_dim={args.head_dim}, gqa={args.gqa}, bf16, sm_90, triton {triton.__version__}: "
           f"SASS per thread (static, not timed); full bandwidth leaves {ISSUE_PER_BYTE:.1f} instructions per byte\n")

@@ -222,8 +222,8 @@ def _online_step(acc, m_i, l_i, q, k, v, p, kv_ok, qpos, row_ok, mask_rows, sm_c
     l_i = tl.where(bad, float("nan"), l_i)
     vfin = tl.abs(v) < float("inf")
     if tl.max(tl.max(tl.where(vfin, 0, 1), 1), 0) > 0:  # a NaN or inf value in the tile (rare)
-        # visible ones, per channel (0/1 operands: exact in any precision)
-        hit = tl.dot(vis.to(tl.float32), tl.where(vfin, 0.0, 1.0), input_precision="ieee")
+        # visible ones, per channel (0/1 operands and counts up to BLOCK_N: exact on bf16 tensor cores)
+        hit = _dot(vis.to(tl.float32).to(tl.bfloat16), tl.where(vfin, 0.0, 1.0).to(tl.bfloat16), None)
         acc = acc * alpha[:, None] + _pv(pr, tl.where(vfin, v, 0.0), DOT)
         acc = tl.where(hit > 0, float("nan"), acc)
     else:
