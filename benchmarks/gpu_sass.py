@@ -94,39 +94,19 @@ def compiled_decode(policy: Policy, head_dim: int, gqa: int, kernel: str, arch: 
     return spec, c, args, options
 
 
-def sass_stats(compiled) -> dict:
-    """Registers, stack, instructions, and the longest loop's instructions and op counts."""
+def _cubin_tool(compiled, *args: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        sass = subprocess.run([tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-        res = subprocess.run([tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
-    ops = []
-    for line in sass.splitlines():
-        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*)", line)
-        if m:
-            ops.append((int(m.group(1), 16), m.group(2).split(".")[0], m.group(3)))
-    loop = (0, -1)
-    for addr, op, rest in ops:
-        t = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        if t and int(t.group(1), 16) < addr and addr - int(t.group(1), 16) > loop[1] - loop[0]:
-            loop = (int(t.group(1), 16), addr)
-    body = [op for addr, op, _ in ops if loop[0] <= addr <= loop[1]]
-    regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
-    return {"instructions": len(ops), "loop": len(body), "ops": collections.Counter(body),
-            "registers": int(regs.group(1)) if regs else None, "stack": int(stack.group(1)) if stack else None}
+        return subprocess.run([tool(args[0]), *args[1:], f.name], capture_output=True, text=True,
+                              check=args[0] == "nvdisasm").stdout
 
 
-def loop_lines(compiled, top: int) -> list[tuple[int, str, str]]:
-    """The loop's instructions per source line (``nvdisasm --print-line-info``), the ``top`` busiest: (count,
-    ``file:line``, its most frequent opcodes)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        out = subprocess.run([tool("nvdisasm"), "--print-line-info", "-c", f.name], capture_output=True, text=True,
-                             check=True).stdout
+def loop_sass(compiled) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Every SASS instruction and the longest loop's (the longest backward branch), each as (opcode without
+    modifiers, ``file:line`` of its source: ``nvdisasm --print-line-info``)."""
     ops, labels, pending, where = [], {}, [], "?"
-    for line in out.splitlines():
+    for line in _cubin_tool(compiled, "nvdisasm", "--print-line-info", "-c").splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
         src = re.search(r'File "([^"]+)", line (\d+)', line)
         op = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*)", line)
@@ -144,10 +124,25 @@ def loop_lines(compiled, top: int) -> list[tuple[int, str, str]]:
         t = re.search(r"(\.L_x_\d+)", rest) if op == "BRA" else None
         if t and labels.get(t.group(1), addr) < addr and addr - labels[t.group(1)] > loop[1] - loop[0]:
             loop = (labels[t.group(1)], addr)
+    every = [(op, where) for _, op, _, where in ops]
+    return every, [(op, where) for addr, op, _, where in ops if loop[0] <= addr <= loop[1]]
+
+
+def sass_stats(compiled) -> dict:
+    """Registers, stack, instructions, and the longest loop's instructions and op counts."""
+    every, body = loop_sass(compiled)
+    res = _cubin_tool(compiled, "cuobjdump", "-res-usage")
+    regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
+    return {"instructions": len(every), "loop": len(body), "ops": collections.Counter(op for op, _ in body),
+            "registers": int(regs.group(1)) if regs else None, "stack": int(stack.group(1)) if stack else None}
+
+
+def loop_lines(compiled, top: int) -> list[tuple[int, str, str]]:
+    """The loop's instructions per source line, the ``top`` busiest: (count, ``file:line``, its most frequent
+    opcodes)."""
     per = collections.defaultdict(collections.Counter)
-    for addr, op, _, where in ops:
-        if loop[0] <= addr <= loop[1]:
-            per[where][op] += 1
+    for op, where in loop_sass(compiled)[1]:
+        per[where][op] += 1
     busiest = sorted(per.items(), key=lambda kv: -sum(kv[1].values()))[:top]
     return [(sum(c.values()), where, " ".join(f"{o} {n}" for o, n in c.most_common(4))) for where, c in busiest]
 
