@@ -53,7 +53,8 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
 - **Tiles by bytes**: BLOCK_N tokens per tile from the config table (int2 tiles hold more tokens than int8). A
   tile may span several blocks of the paged store: it starts one (BLOCK_N and every split's share are multiples
   of the block), so each row's offset in its block is the same every tile and only its block id is looked up
-  (the next tile's are loaded while this one is computed). Integer codes are read unmasked (``_codes``).
+  (the next tile's are loaded while this one is computed; CHAN keys' tiles of over 128 tokens recompute the
+  offsets, whose registers would spill). Integer codes are read unmasked (``_codes``).
 - **Scores in log2 units**: the scale times log2(e) multiplies each token's scale and zero point, so that each
   exponential is one ``ex2.approx.ftz`` (``_exp2``); a split's max is stored times ln 2, the merge's units.
 """
@@ -654,7 +655,12 @@ def _decode_kernel(
                 row = (start - S) % BS + offs
                 blk_next = tl.load(tbl + (nxt - S) // BS, mask=nxt < hi, other=0).to(tl.int64)
             else:
-                row = offs % BS  # a tile starts a block (BLOCK_N and the splits are multiples of BS)
+                # a tile starts a block (BLOCK_N and the splits are multiples of BS), so the rows' offsets are
+                # fixed; CHAN keys' 256-token tiles recompute them each tile (their registers: KIVI int4 spilled)
+                if K_MODE == 3 and BLOCK_N > 128:
+                    row = (p - S) % BS
+                else:
+                    row = offs % BS
                 blk_next = tl.load(tbl + (nxt - S) // BS + offs // BS, mask=nxt + offs < hi, other=0).to(tl.int64)
             # ---- scores
             if K_W == 1:

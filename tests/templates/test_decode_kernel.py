@@ -97,6 +97,16 @@ def test_decode_kernel_grid(policy, D, G):
     check(q, state, spec, mask=soft, scale=0.3)
 
 
+def test_chan_keys_on_256_token_tiles():
+    """KIVI's keys (CHAN) on 256-token tiles over 32-token blocks, the tile the table gives them at GQA 4: the rows'
+    offsets in their blocks recomputed every tile (fixed on shorter tiles); within the bound, one split or two."""
+    for bits, D in ((4, 64), (2, 128)):
+        spec, state = filled(Policy.kivi(bits, group=32, residual=0), [300, 530], 2, D)
+        q = torch.randn(2, 8, 1, D, generator=torch.Generator().manual_seed(bits))
+        check(q, state, spec, tiles=(1, 256, 1))
+        check(q, state, spec, tiles=(1, 256, 2))
+
+
 @st.composite
 def quants(draw, D):
     fmt = draw(st.sampled_from(["int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"]))
