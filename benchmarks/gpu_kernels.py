@@ -9,8 +9,9 @@ bf16 SDPA, with the targets of issue 43 printed as met or missed.
 
 1. **Correctness on the device.** For every layout below, over blocks handed out in a scrambled order, the store
    kernels must equal ``store_reference`` bit for bit, and attention -- the decode kernel (one query) and the
-   general one (four queries: chunked prefill) -- must be within the derived bound of float64 attention
-   (``launch.reference_and_bound``: bf16 operands where the kernels use them). Any failure stops the run.
+   general one (four queries: chunked prefill) and the prefill path (64 queries: SDPA over the dequantized
+   store in bf16) -- must be within the derived bound of float64 attention (``launch.reference_and_bound``:
+   bf16 operands where the kernels use them). Any failure stops the run.
 2. **Decode.** One query token, 32 query heads over 8 KV heads, head_dim 128, bf16 queries, at batch 1/8/32 and
    context 4K/32K/128K, each format against bf16 ``F.scaled_dot_product_attention`` (flash) on the same
    lengths. Times are CUDA-graph medians (``triton.testing.do_bench_cudagraph``); GB/s is over the bytes the call
@@ -19,7 +20,9 @@ bf16 SDPA, with the targets of issue 43 printed as met or missed.
    against bf16's, the old general kernel at batch 8 x 32K, and the targets.
 3. **Prefill.** A prompt of 8K/16K/32K tokens prefilled in 4K chunks over the quantized past (each chunk's
    attention reads its own chunk in full precision and the earlier ones packed), against SDPA flash over the
-   whole prompt (causal): total attention time.
+   whole prompt (causal): total attention time, plain calls. The path is ``launch.plan``'s (on CUDA "sdpa":
+   the past dequantized into bf16, then SDPA's flash kernel, ``templates.prefill``); at 8K the general Triton
+   kernel too, for comparison.
 4. **Store.** Quantize-on-write: a decode append (one token, batch 32) and a 4K-token chunk, GB/s over the
    bytes read and written.
 """
@@ -97,15 +100,15 @@ def check_correctness(device: str, B: int, H: int, G: int, D: int, C: int, names
                     continue  # dead ring slots are unspecified; they are read back through attention below
                 if not torch.equal(a, b.cpu()):
                     raise SystemExit(f"FAIL store {name}: {field} differs from the reference after {L} tokens")
-            for nq in (1, 4):
+            for nq in (1, 4, 64) if min(min(L, x) for x in lengths) >= 64 else (1, 4):  # 64: SDPA's, on CUDA
                 q = torch.randn(B, H * G, nq, D, generator=g).to(torch.bfloat16)
-                pl = launch.plan(got.state, spec, q.shape)
-                kernels.add("decode" if pl.decode else "general")
+                pl = launch.plan(got.state, spec, q.shape, dtype=q.dtype)
+                kernels.add("decode" if pl.decode else "sdpa" if pl.sdpa else "general")
                 out = launch.attention(q.to(device), got.state, spec).cpu()
                 want, bound = launch.reference_and_bound(q, ref.state, spec, device=device)
                 err = (out.double() - want).abs()
                 if (err > bound).any() or not torch.equal(out.isnan(), want.isnan()):
-                    raise SystemExit(f"FAIL attention {name} n={nq} ({'decode' if pl.decode else 'general'} "
+                    raise SystemExit(f"FAIL attention {name} n={nq} ({'decode' if pl.decode else 'sdpa' if pl.sdpa else 'general'} "
                                      f"kernel) after {L} tokens: max error {err.max():.3g}, "
                                      f"{int((err > bound).sum())} outputs outside the derived bound")
         lines.append(f"ok  {name:26s} store exact, attention within bound ({'+'.join(sorted(kernels))} kernels; "
@@ -136,8 +139,9 @@ def filled_state(spec: LayerSpec, device: str, B: int, L: int):
     return state
 
 
-def bench(fn, smoke: bool) -> float:
-    """Median milliseconds of fn() (a CUDA graph's replays on a GPU; one call in the interpreter)."""
+def bench(fn, smoke: bool, graph: bool = True) -> float:
+    """Median milliseconds of fn() (a CUDA graph's replays on a GPU, or with ``graph=False`` plain calls, for
+    a path that reads lengths on the host; one call in the interpreter)."""
     fn()
     if smoke:
         t0 = time.perf_counter()
@@ -145,6 +149,8 @@ def bench(fn, smoke: bool) -> float:
         return (time.perf_counter() - t0) * 1e3
     import triton.testing as tt
     torch.cuda.synchronize()
+    if not graph:
+        return float(tt.do_bench(fn, warmup=5, rep=40, return_mode="median"))
     return float(tt.do_bench_cudagraph(fn, rep=40, return_mode="median"))
 
 
@@ -278,8 +284,8 @@ def targets(rows, sl, peak_tbps, prefill_rows) -> list[str]:
             out.append(f"{'met   ' if gx <= SLOPE_FACTOR * bx else 'MISSED'} growth {n} at batch {B}: "
                        f"{gx:.3f}x bf16's per 1K tokens (target <= {SLOPE_FACTOR} x bytes ratio {bx:.3f} = "
                        f"{SLOPE_FACTOR * bx:.3f})")
-    for T, name, t, t_ref, _ in prefill_rows:
-        if name in TARGETS:
+    for T, name, t, t_ref, _ in prefill_rows:  # "int4 (sdpa)": the format, the path "auto" chose
+        if name.split(" (")[0] in TARGETS and "comparison" not in name:
             out.append(f"{'met   ' if t_ref / t >= PREFILL_TARGET else 'MISSED'} prefill {name} at "
                        f"{fmt_ctx(T)}: {t_ref / t:.2f}x SDPA flash (target >= {PREFILL_TARGET}x)")
     return out
@@ -288,15 +294,18 @@ def targets(rows, sl, peak_tbps, prefill_rows) -> list[str]:
 # --------------------------------------------------------------------------- 3. prefill, 4. store
 def time_prefill(device: str, prompts, chunk: int, Hq: int, H: int, D: int, formats, smoke: bool, block: int):
     """Rows (prompt, kernel, ms, SDPA's ms, ms of storing the prompt): chunked prefill attention over the
-    quantized past, summed over the chunks, against SDPA flash over the whole prompt."""
+    quantized past, summed over the chunks, against SDPA flash over the whole prompt; the kernel named as
+    ``launch.plan`` chose it ("sdpa": SDPA over the dequantized past), and at the first prompt the first format
+    once more through the general Triton kernel. Plain calls, not CUDA graphs: the prefill path reads lengths
+    on the host."""
     rows = []
     for T in prompts:
         q = torch.randn(1, Hq, T, D, dtype=torch.bfloat16, device=device)
         k = torch.randn(1, H, T, D, dtype=torch.bfloat16, device=device)
         v = torch.randn(1, H, T, D, dtype=torch.bfloat16, device=device)
-        t_ref = bench(lambda: sdpa(q, k, v, causal=True), smoke)
+        t_ref = bench(lambda: sdpa(q, k, v, causal=True), smoke, graph=False)
         rows.append((T, "bf16 sdpa (flash, causal)", t_ref, t_ref, None))
-        for name in formats:
+        for name, kernel in [(f, "auto") for f in formats] + ([(formats[0], "general")] if T == prompts[0] else []):
             spec = LayerSpec(FORMATS[name], H, D, "bfloat16", max(block, FORMATS[name].flush))
             store = KVStore(spec, 1, device, blocks=spec.blocks_for(T) + 1)
             steps = []
@@ -307,9 +316,13 @@ def time_prefill(device: str, prompts, chunk: int, Hq: int, H: int, D: int, form
 
             def prefill():
                 for st, qc, kc, vc in steps:
-                    launch.attention(qc, st, spec, k_new=kc, v_new=vc)
+                    launch.attention(qc, st, spec, k_new=kc, v_new=vc, kernel=kernel)
 
-            t = bench(prefill, smoke)
+            t = bench(prefill, smoke, graph=False)
+            st, qc = steps[-1][:2]
+            pl = launch.plan(st, spec, qc.shape, kernel=kernel, chunk=True, dtype=qc.dtype)
+            path = "decode" if pl.decode else "sdpa" if pl.sdpa else "general"
+            path += ", for comparison" if kernel != "auto" else ""
             fresh = KVStore(spec, 1, device, blocks=spec.blocks_for(T) + 1)
             fresh.reserve(T)  # every block the prompt writes, so the kernels alone run in the timed calls
             empty = fresh.state
@@ -319,7 +332,7 @@ def time_prefill(device: str, prompts, chunk: int, Hq: int, H: int, D: int, form
                 for a in range(0, T, chunk):
                     launch.store(empty, spec, k[:, :, a:a + chunk], v[:, :, a:a + chunk])
 
-            rows.append((T, name, t, t_ref, bench(write, smoke)))
+            rows.append((T, f"{name} ({path})", t, t_ref, bench(write, smoke)))
             del steps
         del q, k, v
         if device == "cuda":

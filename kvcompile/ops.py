@@ -116,12 +116,12 @@ def _reference_attention(q, state, spec, mask, scale, k_new=None, v_new=None, ro
 def _cpu_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
                    groups=None, rings=None, flat=None):
     # (a row's result never depends on the batch: the C decode kernel's splits follow its own length)
-    from .templates import cpu
+    from .templates import cpu, prefill
     if cpu.check_decode(q, spec) is None:  # decode: the C kernel reads the packed bytes (and ``flat``) where they lie
         return cpu.attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new, rope=rope, groups=groups,
                              rings=rings, flat=flat)
-    return cpu.prefill_attention(q, row_rings(state, spec, rings, flat), spec, mask, scale,
-                                 k_new=k_new, v_new=v_new, rope=rope)
+    return prefill.prefill_attention(q, row_rings(state, spec, rings, flat), spec, mask, scale,
+                                     k_new=k_new, v_new=v_new, rope=rope)
 
 
 def _triton_store(state, spec, k, v, n_new=None):

@@ -584,7 +584,7 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
                         scale: float | None = None, *, nsplit: int, dot: str = "ieee",
                         k_new: Tensor | None = None, v_new: Tensor | None = None,
                         rope: Rope | None = None, decode: bool = False,
-                        pdot: str | None = None) -> tuple[Tensor, Tensor]:
+                        pdot: str | None = None, operands: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """float64 attention over the reference's dequantized store (``attention_reference`` in float64), and an
     elementwise bound on ``|launch.attention(...) - it|`` derived from the kernel's fp32 arithmetic.
 
@@ -608,6 +608,22 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
        for a power of two): over each output's block, sum_i e_i / sqrt(b) + gamma_b sum_i (|o_i| + e_i) / sqrt(b).
     5. Rounding to q's dtype: + u_t (|o| + e) with u_t = 2**-8 (bf16) or 2**-11 (fp16), plus half the
        subnormal spacing (2**-25 for fp16) where the output is subnormal.
+    ``operands`` (bf16 or fp16): ``templates.prefill``'s path with that operand precision ran (SDPA's fused
+    kernels over the dequantized store) instead of a Triton kernel; steps 1-3 become (``_operands_error``), with
+    ``q'``, ``k'``, ``v'`` and an additive mask's ``m'`` the operands rounded to that dtype (finite values
+    saturated) and u_t its unit roundoff:
+
+    - each score ``s' = q'.k'`` in fp32 off by ``|q - q'||k| + |q'||k - k'|`` (exactly: the operands are
+      computed here as the path computes them) plus the tensor cores' sums, gamma_4D ``|q'||k'|``; times the
+      scale, plus ``|m - m'|``; the exponential as in step 1 (8u max |s|, 2**-21);
+    - the weights rounded to the operands' dtype before the product with ``v'``: u_t relative, and half the
+      subnormal spacing (plus 2**-126 for a flushed exponential) absolute against a running maximum of 1, i.e.
+      at most that times ``max_j w_j sum_j |v'_j|`` on the output (and, through the row sum, times N ``|o|``);
+      the row sum counted once more at u_t (whether it adds rounded or unrounded weights);
+    - ``w |v - v'|`` for the values' rounding, and the fp32 sums over N keys and up to 128 splits of the keys
+      (gamma_(6N + 528));
+    - the output rounded to the operands' dtype where it is rotated back (step 4) or returned in another dtype.
+
     A query that sees no key must return exactly 0. Where ``attention_reference``'s rule for non-finite values
     makes an output NaN, both the expected value and the bound are NaN (callers compare that pattern).
 
@@ -655,6 +671,7 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     # the query in the store's space exactly as the reference (and the launcher) compute it, in fp32
     qr = (q.float() @ hadamard(D, q.device)).double() if spec.policy.rotates_keys else q64
     sc = (qr @ k.transpose(-1, -2)) * scale
+    dm = 0.0  # an additive mask's rounding to ``operands``
     pos = torch.arange(C, device=q.device)
     L = state.lengths.to(q.device).long().view(B, 1, 1, 1)
     vis = pos.view(1, 1, 1, C) < L
@@ -666,6 +683,10 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
         m = mask[..., :C].to(q.device).double()
         vis = vis & (m != float("-inf"))
         sc = sc + m
+        if operands is not None:  # the path adds the mask rounded to its operands' dtype
+            from kvcompile.quant import saturate
+            dm = (m - saturate(mask[..., :C].to(q.device).float(), operands).double()).abs()
+            dm = torch.where(torch.isfinite(dm), dm, 0.0)
     # attention_reference's rule for non-finite values: NaN rows (a visible non-finite score) and NaN
     # channels (a visible non-finite value); the rest is bounded as usual over the finite values
     seen = vis.expand(B, Hq, n, C)
@@ -677,7 +698,10 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     sc = sc.masked_fill(~vis, float("-inf"))
     w = torch.softmax(sc, dim=-1).nan_to_num(0.0)
     N = vis.sum(-1).double()
-    if not decode and pdot not in (None, dot) and (spec.policy.key.quantized or spec.policy.value.quantized):
+    if operands is not None and operands != torch.float32:
+        o, e = _operands_error(qr, k, v, w, vis, sc, dm, scale, operands,
+                               spec.policy.rotate or q.dtype != operands)
+    elif not decode and pdot not in (None, dot) and (spec.policy.key.quantized or spec.policy.value.quantized):
         # the general kernel with its packed positions' operands in ``pdot``: per position, u_op and the sums
         # (tensor cores: gamma_4D) of step 1, and 2 u_op of the p v operands in step 3
         from .decode import packed_positions
@@ -719,6 +743,45 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
         nan_at = nan_at.any(-1, keepdim=True).expand_as(nan_at)
     return (o.masked_fill(empty, 0.0).masked_fill(nan_at, float("nan")),
             e.masked_fill(empty, 0.0).masked_fill(nan_at, float("nan")))
+
+
+def _operands_error(qr, k, v, w, vis, sc, dm, scale, operands, rounded):
+    """Steps 1-3 of ``reference_and_bound`` for ``templates.prefill``'s path with ``operands`` (bf16 or fp16):
+    (output, its error bound) before rotation; ``rounded``: its output is rounded to ``operands`` before
+    rotation or the return dtype's rounding (step 5 counts that one)."""
+    from kvcompile.quant import saturate
+
+    u = 2.0 ** -24
+    D = qr.shape[-1]
+    fi = torch.finfo(operands)
+    ut = fi.eps / 2
+
+    def gamma(x):
+        return x * u / (1 - x * u)
+
+    def fin(x):
+        return torch.where(torch.isfinite(x), x, 0.0)
+
+    def rounded_as_path(x):  # the fp32 value (exact in float64 here) rounded as the path rounds it
+        return saturate(x.float(), operands).double()
+
+    q1, k1, v1 = rounded_as_path(qr), rounded_as_path(k), rounded_as_path(v)
+    qa, ka, k1a = fin(q1).abs(), fin(k).abs(), fin(k1).abs()
+    err = (fin(qr - q1).abs() @ ka.transpose(-1, -2) + qa @ fin(k - k1).abs().transpose(-1, -2)
+           + gamma(4 * D) * (qa @ k1a.transpose(-1, -2))) * scale + dm
+    E = (torch.where(vis, err, 0).amax(-1) + 8 * u * torch.where(vis, sc.abs(), 0).amax(-1) + 2.0 ** -21)
+    N = vis.sum(-1).double()
+    va, v1a = fin(v).abs(), fin(v1).abs()
+    o = w @ v
+    wv = w @ v1a
+    tiny = fi.smallest_normal * fi.eps / 2 + 2.0 ** -126  # a weight's absolute error under the normals
+    wmax = w.amax(-1, keepdim=True)
+    e = (torch.expm1(2 * E).unsqueeze(-1) * (w @ va) + w @ fin(v - v1).abs()
+         + (2 * ut + gamma(6 * N + 528)).unsqueeze(-1) * wv
+         + tiny * wmax * (vis.double() @ v1a + N.unsqueeze(-1) * wv)) * (1 + 2.0 ** -10)
+    if rounded:
+        e = e + ut * (o.abs() + e) + fi.smallest_normal * fi.eps / 2
+    return o, e
 
 
 def _decode_error(qr, k, v, w, vis, sc, state, spec, C, nslots, scale, uop, own):

@@ -8,10 +8,8 @@ keyed by the source, the flags, the compiler and
 the CPU's features, and called through ctypes. Building one layout's decode kernel takes a few seconds (the
 store kernel, under one); a process that finds it on disk loads it at once.
 
-``attention`` is the decode path (a few query rows per kv head). ``prefill_attention`` is the path for
-many query rows: the layer's store is dequantized for positions ``[0, max length)`` (one layer at a time,
-transiently) and PyTorch's fused SDPA runs over it with an explicit mask, so no ``[n, C]`` score matrix is
-materialized either.
+``attention`` is the decode path (a few query rows per kv head); many query rows (prefill) take
+``templates.prefill``'s path, the store dequantized transiently and PyTorch's fused SDPA over it.
 """
 from __future__ import annotations
 
@@ -30,17 +28,16 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from kvcompile import cachedir
 from kvcompile import quant as Q
-from kvcompile.errors import ArgumentError, CacheDirError, CompilerError
-from kvcompile.store import (FlatRecent, KVState, LayerSpec, Rope, apply_rope, check_rope_tables, chunk_needed,
-                             dequantize_reference, describe, hadamard, own_rings, row_rings, row_widths, stored_chunk,
-                             with_chunk)
+from kvcompile.errors import ArgumentError, CacheDirError, CompilerError, UnsupportedError
+from kvcompile.store import (FlatRecent, KVState, LayerSpec, Rope, check_rope_tables, describe,
+                             hadamard, own_rings, row_rings, row_widths, stored_chunk)
 
 from .common import inf_to_nan, scale_code
+from .prefill import _memo, _version
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 ROWS_MAX = 16  # query rows per kv head the decode kernel takes (passed to it as -DROWS_MAX)
@@ -290,31 +287,6 @@ def build(key: tuple, source: Path = SOURCE) -> ctypes.CDLL:
         lib.kvc_rope_keys.argtypes = [P, P, P, I, I, I, I, P, P, I, P, P, I, P]
         lib.kvc_rope_keys.restype = I
     return lib
-
-
-_MEMO: list = []  # (tensor, its version, what, result): the few most recent masks
-
-
-def _version(t: Tensor) -> int | None:
-    """``t``'s version counter, None for a tensor made under ``torch.inference_mode`` (which has none: it may be
-    written in place unseen, so nothing derived from it can be memoised)."""
-    return None if t.is_inference() else t._version
-
-
-def _memo(t: Tensor, what, fn):
-    """``fn()``, computed once per mask tensor (and version): every layer of a forward receives the same mask
-    object. Entries hold the tensor itself, so a freed mask's address can never be mistaken for a new one. A mask
-    made under ``torch.inference_mode`` has no version, so its result is computed afresh at every call."""
-    v = _version(t)
-    if v is None:
-        return fn()
-    for e in _MEMO:
-        if e[0] is t and e[1] == v and e[2] == what:
-            return e[3]
-    out = fn()
-    _MEMO.insert(0, (t, v, what, out))
-    del _MEMO[4:]
-    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -795,106 +767,6 @@ def plane_order(spec: LayerSpec) -> Tensor:
     per = 1 if q.format == "none" or q.bits == 8 else (8 if q.bits == 3 else 8 // q.bits)
     idx = torch.arange(D)
     return (idx % (D // per)) * per + idx // (D // per)
-
-
-def _is_causal(mask: Tensor, n: int, L: int) -> bool:
-    """Whether ``mask[..., :L]`` is exactly the causal mask of ``n == L`` queries (bool, or additive 0/-inf),
-    the same for every batch row and head."""
-    def check():
-        m = mask[..., :L]
-        if m.shape[-2:] != (n, L):
-            return False
-        for r0 in range(0, n, 256):  # in row blocks: no temporary of the mask's full size
-            rows = m[..., r0:r0 + 256, :]
-            i = torch.arange(r0, r0 + rows.shape[-2], device=mask.device).view(-1, 1)
-            tri = torch.arange(L, device=mask.device).view(1, -1) <= i
-            ok = (rows == tri).all() if rows.dtype == torch.bool else \
-                ((rows == 0) == tri).all() & (rows.masked_fill(tri, float("-inf")) == float("-inf")).all()
-            if not bool(ok):
-                return False
-        return True
-    return _memo(mask, ("causal", n, L), check)
-
-
-def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None,
-                      scale: float | None, k_new: Tensor | None = None, v_new: Tensor | None = None,
-                      rope: Rope | None = None) -> Tensor:
-    """Same contract as ``attention_reference``, for many query rows (prefill and chunked prefill).
-
-    The reference scores ``positions(state, mask)`` positions (the mask's width, or the longest length);
-    those past the longest length (or the mask's width) are visible to no query, so the store is dequantized
-    for positions ``[0, longest length)`` only (this layer, transiently, in the store's rotated space), then
-    PyTorch's fused SDPA attends with a mask over absolute positions: causal from each row's length, or the
-    caller's mask. No ``[n, C]`` score matrix is materialized (with no mask and a fresh, equal-length batch it
-    is SDPA's own causal kernel, with no mask tensor at all).
-    """
-    B, Hq, n, D = q.shape
-    H = spec.heads
-    if Hq % H:
-        raise ArgumentError(f"query heads {Hq} are not a multiple of the cache's kv heads {H}")
-    lengths = state.lengths.to(torch.int64)
-    Lmax = int(lengths.max()) if B else 0
-    qf = q.float()
-    if spec.policy.rotates_keys:
-        qf = qf @ hadamard(D, q.device)
-    if Lmax == 0:
-        return torch.zeros_like(q)
-    k, v = dequantize_reference(state, spec, torch.float32, rotated=True, start=0, end=Lmax)
-    if k_new is not None and chunk_needed(spec, n):  # the chunk's own positions in full precision
-        k, v = with_chunk(k, v, state, spec, k_new, v_new)
-    if rope is not None:  # pre-RoPE keys: rotated by their positions (this layer, transiently, as the values)
-        k = apply_rope(k, rope, torch.arange(Lmax, device=q.device))
-    sm = scale if scale is not None else D ** -0.5
-    pos = torch.arange(Lmax, device=q.device).view(1, 1, 1, Lmax)
-    Lb = lengths.view(B, 1, 1, 1)
-    same = bool((lengths == Lmax).all())
-    # non-finite values anywhere (rare): SDPA runs on finite copies, and the reference's NaN rule is applied
-    # from where the NaN and inf are (SDPA would spread a masked position's NaN value to rows that do not see
-    # it, and a NaN score to the whole row of every kernel block that holds it)
-    qfin, kfin, vfin = torch.isfinite(qf).all(-1, keepdim=True), torch.isfinite(k), torch.isfinite(v)
-    clean = bool(qfin.all()) and bool(kfin.all()) and bool(vfin.all())
-    if mask is not None and same and n == Lmax and _is_causal(mask, n, Lmax):
-        mask = None  # the model's own causal mask (transformers passes one): SDPA's causal kernel skips half
-    if mask is None and same and n == Lmax and clean:
-        out = F.scaled_dot_product_attention(qf, k, v, is_causal=True, scale=sm, enable_gqa=Hq != H)
-    else:
-        mbad = None
-        if mask is None:
-            L = Lb[:1] if same else Lb
-            vis = visible = pos <= L - n + torch.arange(n, device=q.device).view(1, 1, n, 1)
-        else:
-            mk = mask[..., :Lmax]
-            if mk.shape[-1] < Lmax:  # positions past the mask's width are visible to no query
-                mk = F.pad(mk, (0, Lmax - mk.shape[-1]), value=False if mk.dtype == torch.bool else float("-inf"))
-            inside = pos < Lb
-            if mk.dtype == torch.bool:
-                vis = visible = inside & mk
-            else:
-                mk = mk.float()
-                visible = inside & (mk != float("-inf"))  # -inf hides a position (the reference's rule)
-                vis = mk.masked_fill(~inside, float("-inf"))
-                mbad = _memo(mask, ("nonfinite", Lmax), lambda: bool((mk.isnan() | (mk == float("inf"))).any()))
-                mbad = (visible & ~torch.isfinite(mk)) if mbad else None
-        if clean and mbad is None:
-            out = F.scaled_dot_product_attention(qf, k, v, attn_mask=vis, scale=sm, enable_gqa=Hq != H)
-        else:
-            if mbad is not None:  # a NaN or +inf mask value makes the score non-finite: its row is NaN below
-                vis = vis.masked_fill(mbad, 0.0)
-            out = F.scaled_dot_product_attention(torch.where(torch.isfinite(qf), qf, 0.0), torch.where(kfin, k, 0.0),
-                                                 torch.where(vfin, v, 0.0), attn_mask=vis, scale=sm,
-                                                 enable_gqa=Hq != H)
-            G = Hq // H
-            seen = visible.expand(B, Hq, n, Lmax).float()
-            kbad = (~kfin.all(-1)).repeat_interleave(G, 1).float().unsqueeze(-1)  # [B, Hq, Lmax, 1]
-            row = ((seen @ kbad) > 0) | (~qfin & visible.any(-1, keepdim=True))
-            if mbad is not None:
-                row = row | mbad.any(-1, keepdim=True)
-            chan = (seen @ (~vfin).repeat_interleave(G, 1).float()) > 0  # a visible NaN/inf value, per channel
-            out = out.masked_fill(row | chan, float("nan"))
-        out = out.masked_fill(~visible.any(-1, keepdim=True), 0.0)  # a query row that sees no key gets zeros
-    if spec.policy.rotate:
-        out = out @ hadamard(D, q.device)
-    return Q.saturate(inf_to_nan(out), q.dtype)  # inf -> NaN, as the reference
 
 
 @contextlib.contextmanager

@@ -7,12 +7,14 @@
 They check shapes, apply the policy's rotation -- keys and values with ``kvcompile.store.rotate`` as
 ``store_reference`` does (on CUDA its Triton kernel, ``templates.rotate``: the specification's bits); the query in
 and the output back out as fp32 products with the same Hadamard matrix, as ``attention_reference`` does -- and
-launch the kernels of ``templates.store`` / ``templates.attention``. The store and attention kernels never rotate,
-so kernel and reference see identical inputs.
+launch the kernels of ``templates.store`` / ``templates.decode`` / ``templates.attention``, or on CUDA for many
+queries ``templates.prefill``'s path (SDPA's fused kernels over the dequantized store, in the query's dtype). The
+store and attention kernels never rotate, so kernel and reference see identical inputs.
 Packed tokens live in blocks named by the state's block table (``kvcompile.store``): the kernels follow it.
 Nothing here reads a device tensor on the host when the state is on CUDA, so a decode step can be captured in
-a CUDA graph (an append into an unreserved block fails on the device instead); on the CPU (Triton's
-interpreter) the checks read ``lengths`` and the table like the reference does.
+a CUDA graph (an append into an unreserved block fails on the device instead), except the prefill path, which
+sizes the dequantized past by the longest length; on the CPU (Triton's interpreter) the checks read ``lengths``
+and the table like the reference does.
 """
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ from kvcompile.store import (CapacityError, KVState, LayerSpec, Rope, _state_cap
 from . import attention as _attention
 from . import common as _common
 from . import decode as _decode
+from . import prefill as _prefill
 from . import store as _store
-from kvcompile.errors import ArgumentError, ArgumentTypeError, Unimplemented
+from kvcompile.errors import ArgumentTypeError, Unimplemented
 
 MAX_HEAD_DIM = 256  # one head is a single tile in registers
 UNRESERVED = ("kvcompile KV cache overflow: an append writes packed tokens into a block that is not reserved in "
@@ -117,8 +120,10 @@ def store(state: KVState, spec: LayerSpec, k: Tensor, v: Tensor, n_new: Tensor |
 
 class Plan(NamedTuple):
     """What ``attention`` launches for a call: the decode kernel (``templates.decode``) or the general one
-    (``templates.attention``), with its tiles. ``nsplit``: the partial results merged per query row (the
-    decode kernel's full-precision program included), as ``reference_and_bound`` counts them."""
+    (``templates.attention``), with its tiles, or with ``sdpa`` the prefill path (``templates.prefill``: SDPA
+    over the dequantized store, operands in the query's dtype; no tiles of ours). ``nsplit``: the partial
+    results merged per query row (the decode kernel's full-precision program included), as
+    ``reference_and_bound`` counts them."""
 
     decode: bool
     block_q: int
@@ -126,20 +131,33 @@ class Plan(NamedTuple):
     nsplit: int
     positions: int
     slots: int
+    sdpa: bool = False
+
+
+# Queries a row from which CUDA runs prefill as SDPA over the dequantized store in bf16 / fp16 (FlashAttention's
+# tensor-core arithmetic, the model's own): dequantizing the past costs a few passes over it, a small part of
+# attending to it from this many queries; fewer queries read the packed bytes in the general kernel.
+SDPA_QUERIES = 64
 
 
 def plan(state: KVState, spec: LayerSpec, q_shape, mask: Tensor | None = None, tiles=None, rope: bool = False,
          kernel: str = "auto", device: torch.device | None = None, chunk: bool = False,
-         invariant: bool = False) -> Plan:
-    """The kernel and tiles ``attention`` uses for queries of shape ``q_shape`` (host-known sizes only);
-    ``chunk``: the queries' own keys and values are read from the chunk (``stored_chunk`` gave them);
-    ``invariant``: the decode kernel's row-invariant splits (``decode.decode_tiles``)."""
-    if kernel not in ("auto", "decode", "general"):
-        raise ArgumentError(f"attention kernel={kernel!r} is not valid: expected 'auto', 'decode' or 'general'")
+         invariant: bool = False, dtype: torch.dtype | None = None) -> Plan:
+    """The kernel and tiles ``attention`` uses for queries of shape ``q_shape`` and ``dtype`` (host-known sizes
+    only); ``chunk``: the queries' own keys and values are read from the chunk (``stored_chunk`` gave them);
+    ``invariant``: the decode kernel's row-invariant splits (``decode.decode_tiles``). "auto" takes the prefill
+    path (``sdpa``) on CUDA for ``SDPA_QUERIES`` queries or more in bf16 / fp16 (head_dim a multiple of 8, as
+    SDPA's fused kernels read it), not with ``tiles`` or ``invariant``."""
+    if kernel not in ("auto", "decode", "general", "sdpa"):
+        raise ArgumentError(f"attention kernel={kernel!r} is not valid: expected 'auto', 'decode', 'general' or "
+                            f"'sdpa'")
     B, Hq, n, D = q_shape
     G = Hq // spec.heads
     device = device or state.lengths.device
     positions = _attention.position_bound(state, spec, mask)
+    if kernel == "sdpa" or (kernel == "auto" and device.type == "cuda" and n >= SDPA_QUERIES and D % 8 == 0
+                            and dtype in (torch.bfloat16, torch.float16) and tiles is None and not invariant):
+        return Plan(False, n, 0, 1, positions, max(positions, 1), True)  # slots: SDPA's rescales, at most
     layout = _decode.decode_layout(spec, n, rope, G) if kernel != "general" else None
     if kernel == "decode" and layout is None:
         raise ArgumentError(f"the decode kernel does not serve {n} queries over {spec.name}"
@@ -167,10 +185,11 @@ def reference_and_bound(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor
     """
     device = torch.device(device) if device is not None else state.lengths.device
     pl = plan(state, spec, q.shape, mask, tiles, rope is not None, kernel, device,
-              k_new is not None and stored_chunk_needed(spec, q.shape[2]), invariant)
+              k_new is not None and stored_chunk_needed(spec, q.shape[2]), invariant, q.dtype)
     return _attention.reference_and_bound(q, state, spec, mask, scale, nsplit=pl.slots,
                                           dot=dot_precision(device), k_new=k_new, v_new=v_new, rope=rope,
-                                          decode=pl.decode, pdot=packed_precision(device))
+                                          decode=pl.decode, pdot=packed_precision(device),
+                                          operands=q.dtype if pl.sdpa else None)
 
 
 def packed_precision(device: torch.device) -> str:
@@ -203,8 +222,9 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     k_new, v_new: [B, H, n, D], the queries' own chunk, read in full precision at positions [L - n, L).
     rope (``KVStore.rope``): the store holds pre-RoPE keys; the kernel rotates each key it reads by its
     position (``kvcompile.store.apply_rope``).
-    kernel: "auto" (``plan``: the decode kernel where it serves the call, else the general one), "decode" or
-    "general" (to compare them; "decode" raises where it cannot serve the call).
+    kernel: "auto" (``plan``: the decode kernel where it serves the call, on CUDA the prefill path for many
+    queries in bf16 / fp16, else the general one), "decode", "general" or "sdpa" (``templates.prefill`` with
+    operands in q's dtype, on any device) to compare them; "decode" raises where it cannot serve the call.
     invariant: each row's result depends on that row alone, not on the batch beside it (the decode kernel's
     row-invariant splits and an in-order merge: ``decode.decode_tiles``), as the C kernels' always does; one
     query per row (an engine's flat batch, each query a row: ``kvcompile.pages``). Else the splits fill the GPU.
@@ -216,6 +236,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     batch = state.lengths.shape[0]
     if B != batch or D != spec.head_dim or Hq % H:
         raise ArgumentError(f"attention expects q of shape [{batch}, k*{H}, n, {spec.head_dim}]; got {tuple(q.shape)}")
+    given = mask
     if mask is not None:
         if not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
             raise ArgumentTypeError(f"attention mask must be bool or floating point; got {mask.dtype}")
@@ -223,14 +244,18 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     check_chunk(q, k_new, v_new, spec)
     check_devices(state, q=q, mask=mask, k_new=k_new, v_new=v_new)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    qr = q.float()
-    if spec.policy.rotates_keys:  # as the reference: the query rotated in fp32, the output un-rotated in fp32
-        qr = qr @ hadamard(D, q.device)
     chunk = stored_chunk(spec, k_new, v_new, n)
-    pl = plan(state, spec, q.shape, mask, tiles, rope is not None, kernel, q.device, chunk is not None, invariant)
+    pl = plan(state, spec, q.shape, mask, tiles, rope is not None, kernel, q.device, chunk is not None, invariant,
+              q.dtype)
     if invariant and not pl.decode:
         raise UnsupportedError(f"row-invariant attention runs on the decode kernel, which does not serve {n} queries "
                                f"a row over {spec.name}: give each query a row of its own (kvcompile.pages does)")
+    if pl.sdpa:  # the mask as given (not expanded: its causal form is recognised once for every layer)
+        return _prefill.prefill_attention(q, state, spec, given, scale, k_new=k_new, v_new=v_new, rope=rope,
+                                          operands=q.dtype)
+    qr = q.float()
+    if spec.policy.rotates_keys:  # as the reference: the query rotated in fp32, the output un-rotated in fp32
+        qr = qr @ hadamard(D, q.device)
     if pl.decode:
         out = _decode.launch_decode(qr, state, spec, mask, scale, dot_precision(q.device), pl.block_n, pl.nsplit,
                                     chunk, invariant)

@@ -17,6 +17,7 @@ from kvcompile.policy import PolicyError
 from kvcompile.store import (KVStore, LayerSpec, Rope, RopeError, RopeTable, apply_rope, attention_reference,
                              dequantize_reference, rope_pairing)
 from kvcompile.templates import cpu, inductor
+from kvcompile.templates import prefill as kprefill
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "passes"))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -129,7 +130,7 @@ def test_cpu_and_inductor_kernels_equal_the_reference_on_pre_rope_keys(policy):
         for G in (1, 3):
             q = torch.randn(B, H * G, n, D, generator=g)
             want = attention_reference(q, store.state, spec, None, None, k_new=k, v_new=v, rope=rope).double()
-            fam = cpu.attention if cpu.check_decode(q, spec) is None else cpu.prefill_attention
+            fam = cpu.attention if cpu.check_decode(q, spec) is None else kprefill.prefill_attention
             assert_close(fam(q, store.state, spec, None, None, k_new=k, v_new=v, rope=rope), want, TOL, spec.name)
             assert_close(inductor.attention(q, store.state, spec, None, None, k_new=k, v_new=v, rope=rope), want, TOL,
                          spec.name)

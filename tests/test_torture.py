@@ -32,6 +32,7 @@ from kvcompile import Policy, Quant
 from kvcompile.store import LayerSpec, attention_reference, dequantize_reference
 from kvcompile.templates import attention as kattn
 from kvcompile.templates import cpu, cpu_store, inductor, launch
+from kvcompile.templates import prefill as kprefill
 import profiles
 from nonfinite_checks import DTYPE_MAX, assert_nan_pattern, placements
 
@@ -158,7 +159,7 @@ def test_torture(case):
 
     for nsplit in (1, 2):
         within(cpu.attention(q, state, spec, mask, None, nsplit=nsplit), nsplit, "C decode")
-    within(cpu.prefill_attention(q, state, spec, mask, None), max(L, 1), "C prefill")
+    within(kprefill.prefill_attention(q, state, spec, mask, None), max(L, 1), "C prefill")
     # the kernel launch.attention chooses (the decode kernel serves many decode layouts), and its bound
     within(launch.attention(q, t_store.state, spec, mask, None), None, "Triton",
            launch.reference_and_bound(q, t_store.state, spec, mask, None))

@@ -24,6 +24,7 @@ from kvcompile import Policy, Quant
 from kvcompile.store import KVStore, LayerSpec, attention_reference, dequantize_reference
 from kvcompile.templates import attention as kattn
 from kvcompile.templates import cpu, cpu_store
+from kvcompile.templates import prefill as kprefill
 import profiles
 from attention_checks import LENGTHS, MIXED, ROTATED, filled, one_wrong_code
 from store_checks import bad_store, scrambled
@@ -54,7 +55,7 @@ def check(q, state, spec, mask=None, scale=None, prefill=False, nsplit=None, chu
     B, Hq, n, D = q.shape
     k_new, v_new = chunk
     if prefill:
-        got = cpu.prefill_attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new)
+        got = kprefill.prefill_attention(q, state, spec, mask, scale, k_new=k_new, v_new=v_new)
         nsplit = max(int(state.lengths.max()), 1)
     else:
         assert cpu.check_decode(q, spec) is None
@@ -389,7 +390,7 @@ def test_a_mask_narrower_than_a_sequence_hides_the_positions_past_it(kind):
     wide = torch.nn.functional.pad(mask, (0, 7), value=hidden)  # positions 33 .. 39 visible to no query
     assert torch.equal(attention_reference(q, state, spec, mask), attention_reference(q, state, spec, wide))
     for prefill in (False, True):
-        fn = cpu.prefill_attention if prefill else cpu.attention
+        fn = kprefill.prefill_attention if prefill else cpu.attention
         got = fn(q, state, spec, mask, None)
         ref, tol = bound(q, state, spec, wide, nsplit=40 if prefill else
                          cpu.splits(state.lengths, 1, cpu.threads_for(state.lengths, 1)))
@@ -405,7 +406,7 @@ def test_a_query_that_sees_nothing_returns_zeros():
     mask[1, ..., 5] = True
     q = torch.randn(2, 2, 1, 32, generator=torch.Generator().manual_seed(0))
     v = dequantize_reference(state, spec)[1]
-    for got in (cpu.attention(q, state, spec, mask, None), cpu.prefill_attention(q, state, spec, mask, None)):
+    for got in (cpu.attention(q, state, spec, mask, None), kprefill.prefill_attention(q, state, spec, mask, None)):
         assert torch.equal(got[0], torch.zeros_like(got[0]))
         # row 1 sees one packed position (5): weight 1, so the output is its stored value in both query heads
         torch.testing.assert_close(got[1, :, 0], v[1, 0, 5].expand(2, -1))
@@ -453,19 +454,19 @@ def test_causal_mask_shortcut_is_exact():
     spec, state = filled(Policy.kivi(4, group=8, residual=4), [30, 30], 2, 32)
     q = torch.randn(2, 4, 30, 32, generator=torch.Generator().manual_seed(2))
     tri = torch.ones(30, 40, dtype=torch.bool).tril().view(1, 1, 30, 40)
-    assert cpu._is_causal(tri, 30, 30)
+    assert kprefill._is_causal(tri, 30, 30)
     check(q, state, spec, tri, prefill=True)
     additive = torch.zeros(1, 1, 30, 40).masked_fill(~tri, float("-inf"))
-    assert cpu._is_causal(additive, 30, 30)
+    assert kprefill._is_causal(additive, 30, 30)
     other = tri.clone()
     other[0, 0, 7, 2] = False
-    assert not cpu._is_causal(other, 30, 30)
+    assert not kprefill._is_causal(other, 30, 30)
     check(q, state, spec, other, prefill=True)
     big = torch.ones(300, 310, dtype=torch.bool).tril().view(1, 1, 300, 310)  # checked in blocks of rows
-    assert cpu._is_causal(big, 300, 300)
+    assert kprefill._is_causal(big, 300, 300)
     big = big.clone()
     big[..., 280, 290] = True
-    assert not cpu._is_causal(big, 300, 300)
+    assert not kprefill._is_causal(big, 300, 300)
 
 
 def test_kernel_is_built_once_per_layout_and_named_by_it():
@@ -518,9 +519,9 @@ def test_calls_the_kernel_cannot_take_are_said():
 
 def test_the_op_routes_decode_to_the_kernel_and_prefill_to_sdpa(monkeypatch):
     calls = []
-    for name in ("attention", "prefill_attention"):
-        fn = getattr(cpu, name)
-        monkeypatch.setattr(cpu, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
+    for mod, name in ((cpu, "attention"), (kprefill, "prefill_attention")):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **kw: calls.append(_n) or _fn(*a, **kw))
     spec = LayerSpec(MIXED, 2, 32, block_tokens=16)
     spec.register()
     k_cache, v_cache = torch.zeros(2, 2, 64, 32), torch.zeros(2, 2, 64, 32)  # a cache the store shadows
@@ -572,7 +573,7 @@ def check_pattern(q, state, spec, mask=None, prefill=False, nsplit=None, chunk=(
     and every other output is within the derived bound of float64 attention."""
     k_new, v_new = chunk
     if prefill:
-        got = cpu.prefill_attention(q, state, spec, mask, None, k_new=k_new, v_new=v_new)
+        got = kprefill.prefill_attention(q, state, spec, mask, None, k_new=k_new, v_new=v_new)
         nsplit = max(int(state.lengths.max()), 1)
     else:
         got = cpu.attention(q, state, spec, mask, None, nsplit=nsplit, k_new=k_new, v_new=v_new)
