@@ -15,6 +15,7 @@ token times BLOCK_N).
     python benchmarks/gpu_sass.py --kernel decode --sweep  # every candidate tile; --write-configs keeps the best
     python benchmarks/gpu_sass.py --smoke                  # one policy (checks the script runs)
     python benchmarks/gpu_sass.py --kernel decode --policies int4 --lines 20  # the loop's busiest source lines
+    python benchmarks/gpu_sass.py --past                   # the prefill path's read-back of the past
 
 Triton 3.6 (the GPU image's) from another folder: ``PYTHONPATH=/tmp/triton36 python benchmarks/gpu_sass.py``.
 """
@@ -177,6 +178,42 @@ def prefill_row(name: str, head_dim: int, gqa: int, n: int) -> str:
             f"{st['loop'] * threads / pairs:.1f} |")
 
 
+def past_row(name: str, head_dim: int, dtype: torch.dtype) -> str:
+    """``templates.past`` (the prefill path's read-back of the past, CUDA) for one policy: registers, spills,
+    instructions a thread, and instructions per element it writes (keys and values) and per byte it moves
+    (packed bytes read, bf16 written)."""
+    from kvcompile.templates import past
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    got = []
+
+    def compiler(k, args, options):
+        sig, constexprs, attrs = common._signature(k, args)
+        got.append((triton.compile(ASTSource(fn=k, signature=sig, constexprs=constexprs, attrs=attrs),
+                                   target=GPUTarget("cuda", 90, 32), options=dict(options)), args, options))
+
+    spec = LayerSpec(POLICIES[name], 2, head_dim, "bfloat16")
+    state = spec.allocate(2, 4096)
+    saved, common._compiler = common._compiler, compiler
+    try:
+        past.launch_past(state, spec, 4096, dtype)
+    finally:
+        common._compiler = saved
+    c, args, options = got[0]
+    st = sass_stats(c)
+    threads = 32 * options.get("num_warps", 4)
+    elements = 2 * args["BLOCK_N"] * head_dim
+    moved = tile_bytes(spec, args["BLOCK_N"]) + elements * 2  # packed bytes read, bf16 written
+    return (f"| {name} | {args['BLOCK_N']} | {options.get('num_warps', 4)} | {st['registers']} | {st['stack']} | "
+            f"{st['instructions']} | {st['instructions'] * threads / elements:.1f} | "
+            f"{st['instructions'] * threads / moved:.1f} |")
+
+
+PAST_HEAD = ("| policy | tokens a program | warps | registers | stack B | instructions | instr / element written | "
+             "instr / byte moved |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+
+
 PREFILL_HEAD = ("| policy | query rows | BLOCK_N | warps | registers | stack B | loop | HMMA | HGMMA | "
                 "loop instr / scored pair |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 
@@ -206,10 +243,18 @@ def main(argv=None) -> None:
     ap.add_argument("--smoke", action="store_true", help="one policy, to check the script runs")
     ap.add_argument("--prefill", type=int, default=0, metavar="N",
                     help="the general kernel over a chunk of N queries (prefill over the quantized past) instead")
+    ap.add_argument("--past", action="store_true",
+                    help="the prefill path's read-back of the past (templates.past, bf16 out) instead")
     ap.add_argument("--lines", type=int, default=0, metavar="N",
                     help="without --sweep: each policy's N busiest source lines in the loop (instructions each)")
     args = ap.parse_args(argv)
     names = args.policies[:1] if args.smoke else args.policies
+    if args.past:
+        print(f"past read back into bf16, head_dim={args.head_dim}, sm_90, triton {triton.__version__}: SASS per "
+              f"thread (static, not timed; straight-line code, no loop)\n\n{PAST_HEAD}")
+        for name in names:
+            print(past_row(name, args.head_dim, torch.bfloat16), flush=True)
+        return
     if args.prefill:
         print(f"prefill: {args.prefill} queries after 4096 stored tokens, head_dim={args.head_dim}, gqa={args.gqa}, "
               f"bf16, sm_90, triton {triton.__version__}: SASS per thread (static, not timed)\n\n{PREFILL_HEAD}")

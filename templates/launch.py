@@ -135,8 +135,8 @@ class Plan(NamedTuple):
 
 
 # Queries a row from which CUDA runs prefill as SDPA over the dequantized store in bf16 / fp16 (FlashAttention's
-# tensor-core arithmetic, the model's own): dequantizing the past costs a few passes over it, a small part of
-# attending to it from this many queries; fewer queries read the packed bytes in the general kernel.
+# tensor-core arithmetic, the model's own): reading the past back (templates.past) costs a pass over it, a small
+# part of attending to it from this many queries; fewer queries read the packed bytes in the general kernel.
 SDPA_QUERIES = 64
 
 
@@ -252,7 +252,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
                                f"a row over {spec.name}: give each query a row of its own (kvcompile.pages does)")
     if pl.sdpa:  # the mask as given (not expanded: its causal form is recognised once for every layer)
         return _prefill.prefill_attention(q, state, spec, given, scale, k_new=k_new, v_new=v_new, rope=rope,
-                                          operands=q.dtype)
+                                          operands=q.dtype, kernel=True)
     qr = q.float()
     if spec.policy.rotates_keys:  # as the reference: the query rotated in fp32, the output un-rotated in fp32
         qr = qr @ hadamard(D, q.device)

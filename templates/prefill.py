@@ -7,7 +7,8 @@ Two operand precisions:
 - fp32 (the CPU's path, ``templates.cpu``'s decode kernel beside it): the reference's dequantized values
   exactly, SDPA in fp32;
 - the model's dtype, bf16 or fp16 (CUDA's, ``launch.plan``'s "sdpa" kernel for many queries): the query, the
-  dequantized keys and values and an additive mask rounded to it (finite values saturated), so SDPA runs the
+  dequantized keys and values (read back in one Triton pass, ``templates.past``) and an additive mask rounded
+  to it (finite values saturated), so SDPA runs the
   tensor cores' kernels the model's own attention runs: FlashAttention where there is no mask other than the
   causal one (aligned to each row's newest position: a chunk over a past), the memory-efficient kernel under
   any other mask. Its error bound: ``templates.attention.reference_and_bound(..., operands=)``.
@@ -25,7 +26,7 @@ from torch import Tensor
 from kvcompile import quant as Q
 from kvcompile.errors import ArgumentError, ArgumentTypeError
 from kvcompile.store import (KVState, LayerSpec, Rope, apply_rope, chunk_needed, dequantize_reference, hadamard,
-                             with_chunk)
+                             stored_chunk, with_chunk)
 
 from .common import inf_to_nan
 
@@ -84,9 +85,32 @@ def _fused_only(on: bool):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
 
 
+def dequantized_past(state: KVState, spec: LayerSpec, P: int, operands: torch.dtype, k_new: Tensor | None = None,
+         v_new: Tensor | None = None, n: int = 0, rope: Rope | None = None,
+         kernel: bool = False) -> tuple[Tensor, Tensor]:
+    """Positions ``[0, P)`` of the layer as attention reads them, ``[B, H, P, D]`` in ``operands``:
+    ``dequantize_reference`` in the store's rotated space, the queries' own chunk (``n`` tokens) in full
+    precision where it can be packed, pre-RoPE keys rotated in fp32, then rounded to ``operands`` (finite values
+    saturated). ``kernel``: one Triton pass (``templates.past``, the same bits) instead of the reference's
+    torch operations."""
+    chunk = k_new is not None and chunk_needed(spec, n)
+    if kernel:
+        from .past import launch_past
+        k, v = launch_past(state, spec, P, torch.float32 if rope is not None else operands,
+                           stored_chunk(spec, k_new, v_new, n) if chunk else None)
+    else:
+        k, v = dequantize_reference(state, spec, torch.float32, rotated=True, start=0, end=P)
+        if chunk:
+            k, v = with_chunk(k, v, state, spec, k_new, v_new)
+    if rope is not None:  # pre-RoPE keys: rotated by their positions (this layer, transiently, as the values)
+        k = apply_rope(k, rope, torch.arange(P, device=k.device))
+    return Q.saturate(k, operands), Q.saturate(v, operands)  # the kernel's: unchanged
+
+
 def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None,
                       scale: float | None, k_new: Tensor | None = None, v_new: Tensor | None = None,
-                      rope: Rope | None = None, operands: torch.dtype = torch.float32) -> Tensor:
+                      rope: Rope | None = None, operands: torch.dtype = torch.float32,
+                      kernel: bool = False) -> Tensor:
     """Same contract as ``attention_reference``, for many query rows (prefill and chunked prefill).
 
     The reference scores ``positions(state, mask)`` positions (the mask's width, or the longest length);
@@ -94,7 +118,8 @@ def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor |
     for positions ``[0, longest length)`` only, then SDPA attends with a mask over absolute positions: causal
     from each row's length, or the caller's mask. With no mask (or the causal one) and a batch of equal lengths
     it is SDPA's own causal kernel with no mask tensor at all (aligned to the last position: a chunk over a
-    past). ``operands``: the precision SDPA computes in (module docstring): fp32, or q's dtype.
+    past). ``operands``: the precision SDPA computes in (module docstring): fp32, or q's dtype. ``kernel``:
+    the past read back by one Triton pass (``dequantized_past``).
     """
     B, Hq, n, D = q.shape
     H = spec.heads
@@ -110,12 +135,8 @@ def prefill_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor |
         qf = qf @ hadamard(D, q.device)
     if Lmax == 0:
         return torch.zeros_like(q)
-    k, v = dequantize_reference(state, spec, torch.float32, rotated=True, start=0, end=Lmax)
-    if k_new is not None and chunk_needed(spec, n):  # the chunk's own positions in full precision
-        k, v = with_chunk(k, v, state, spec, k_new, v_new)
-    if rope is not None:  # pre-RoPE keys: rotated by their positions (this layer, transiently, as the values)
-        k = apply_rope(k, rope, torch.arange(Lmax, device=q.device))
-    qf, k, v = (Q.saturate(x, operands) for x in (qf, k, v))  # fp32: unchanged
+    k, v = dequantized_past(state, spec, Lmax, operands, k_new, v_new, n, rope, kernel)
+    qf = Q.saturate(qf, operands)  # fp32: unchanged
     sm = scale if scale is not None else D ** -0.5
     pos = torch.arange(Lmax, device=q.device).view(1, 1, 1, Lmax)
     Lb = lengths.view(B, 1, 1, 1)

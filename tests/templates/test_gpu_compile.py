@@ -78,6 +78,20 @@ SCRIPT = textwrap.dedent("""
             state = spec.allocate(2, 4096)
             launch.store(state, spec, *torch.randn(2, 2, 2, 1, 128))
             launch.attention(torch.randn(2, 8, 1, 128), state, spec, invariant=True)
+        # the prefill path's past read back whole (templates.past): bf16 as bits, fp16, fp32 (pre-RoPE keys), with
+        # the queries' own chunk, sinks and a ring, per-channel keys, fp8, int3
+        from kvcompile.templates import past
+        for policy, D, out, chunk in (
+                (Policy.kivi(4, group=32, residual=16, sink=4), 128, torch.bfloat16, True),
+                (Policy(Quant("int2", "token"), Quant("int2", "token"), residual=0), 128, torch.bfloat16, False),
+                (Policy(Quant("int3", "token", 16, True), Quant("fp8_e5m2", "channel", 16), residual=5, rotate=True),
+                 64, torch.float16, True),
+                (Policy.fp8(residual=0, pre_rope=True), 128, torch.float32, False)):
+            spec = LayerSpec(policy, 2, D, "bfloat16" if out == torch.float32 else str(out)[6:], 64)
+            state = spec.allocate(2, 4096)
+            launch.store(state, spec, *torch.randn(2, 2, 2, 100, D))
+            past.launch_past(state, spec, 100, out, (torch.randn(2, 2, 100, D), torch.randn(2, 2, 100, D)) if chunk
+                             else None)
         # the rotation (templates.rotate: what a rotating policy's store runs on CUDA), padded head sizes too
         from kvcompile.templates import rotate
         for D, dt in ((128, torch.bfloat16), (64, torch.float32), (80, torch.float16), (96, torch.float64)):
@@ -93,6 +107,7 @@ SCRIPT = textwrap.dedent("""
           "invariant:", sum(bool(c.get("INVARIANT")) for n, c in log if n == "_decode_kernel"),
           sum(bool(c.get("IN_ORDER")) for n, c in log if n == "_merge_kernel"),
           "rotate:", sorted((c["D"], c["OUT_F64"]) for n, c in log if n == "_rotate_kernel"),
+          "past:", sorted({(c["OUT"], c["CHUNK"], c["S"] > 0, c["W"] > 0) for n, c in log if n == "_past_kernel"}),
           "fixed:", sorted({(n, c.get("E4M3", c.get("K_E4M3"))) for n, c in log
                             if 3 in (c.get("SFMT"), c.get("K_SFMT"), c.get("V_SFMT"))}))
 """)
@@ -132,6 +147,9 @@ def test_kernels_compile_for_sm90():
     assert "invariant: 2 2" in r.stdout, r.stdout  # row-invariant splits and the in-order merge lower too
     # the rotation: fp32 out (the float32 rows), float64 out (bf16 / fp16 rows, for torch to round; float64 rows)
     assert "rotate: [(64, False), (80, True), (96, True), (128, True)]" in r.stdout, r.stdout
+    # the past read back for the prefill path: (output dtype: fp32 0, bf16 bits 1, fp16 2; chunk; sinks; ring)
+    assert ("past: [(0, False, False, False), (1, False, False, False), (1, True, True, True), "
+            "(2, True, False, True)]") in r.stdout, r.stdout
     # one fixed scale, none stored (fp8 axis="tensor"): the store (both formats), the decode and the general kernel
     assert ("fixed: [('_attn_kernel', False), ('_decode_kernel', True), ('_flush_kernel', False), "
             "('_flush_kernel', True)]") in r.stdout, r.stdout

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvcompile import Policy, Quant
 from kvcompile.errors import ArgumentError, ArgumentTypeError, UnsupportedError
-from kvcompile.store import attention_reference
+from kvcompile.store import KVStore, LayerSpec, attention_reference
 from kvcompile.templates import attention as kattn
 from kvcompile.templates import launch
 from kvcompile.templates import prefill as kprefill
@@ -94,6 +94,79 @@ def test_sdpa_prefill_equals_float64_attention(case):
                            -torch.inf)
     q = torch.randn(B, H * G, n, D, generator=g).to(spec.torch_dtype)
     check(q, state, spec, mask, scale=float(torch.rand((), generator=g)) + 0.05, chunk=chunk if own else (None, None))
+
+
+def same_bits(got, want):
+    """Equal bit for bit, NaN where the other is NaN (a NaN's payload aside)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[got.dtype]
+    ok = ~want.isnan()
+    assert torch.equal(got.view(ints)[ok], want.view(ints)[ok]), (got[ok] != want[ok]).sum()
+
+
+@st.composite
+def past_cases(draw):
+    D = draw(st.sampled_from([16, 32, 48]))
+    policy = Policy(draw(quants(D)), draw(quants(D)), residual=draw(st.sampled_from([0, 3, 16])),
+                    sink=draw(st.sampled_from([0, 2, 5])), rotate=D != 48 and draw(st.booleans()))
+    B, H = draw(st.integers(1, 3)), draw(st.integers(1, 2))
+    lengths = [draw(st.one_of(st.integers(0, 6), st.integers(0, 90))) for _ in range(B)]  # some inside the sinks
+    lengths[0] = max(lengths[0], 1)
+    P = max(1, max(lengths) + draw(st.sampled_from([-3, 0, 0, 17])))
+    return (policy, D, B, H, lengths, P, draw(st.sampled_from(["float32", "bfloat16", "float16"])),
+            draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])), draw(st.sampled_from([0, 1, 9, 40])),
+            draw(st.sampled_from([16, 32, 64])), draw(st.integers(0, 2**31 - 1)))
+
+
+@profiles.KERNEL
+@given(past_cases())
+def test_the_past_kernel_is_the_reference_bit_for_bit(case):
+    """``templates.past`` (what the path reads the past with on CUDA) equals ``dequantize_reference``, the
+    queries' own chunk and the rounding to the operands (finite values saturated) bit for bit: every layout,
+    sinks, packed blocks, the ring, rows shorter than the others or empty, positions past them (zeros)."""
+    policy, D, B, H, lengths, P, dtype, out, n, block, seed = case
+    spec, state, k_new, v_new = filled(policy, lengths, H, D, dtype, seed, own=max(n, 1), block=block)
+    chunk = (k_new, v_new) if n else (None, None)
+    want = kprefill.dequantized_past(state, spec, P, out, *chunk, n)
+    got = kprefill.dequantized_past(on_dev(state), spec, P, out, *(None if x is None else x.to(DEV) for x in chunk),
+                                    n, kernel=True)
+    for g, w in zip(got, want):
+        same_bits(g.cpu(), w)
+
+
+@pytest.mark.parametrize("policy", slow_after(1, NONFINITE_POLICIES))
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on NaN operands
+def test_the_past_kernel_reads_non_finite_stores_as_the_reference(policy):
+    """NaN and +-inf in sinks, packed groups (a poisoned group's NaN scale) and the ring."""
+    spec, store, k, v = bad_store(policy, "float32", 2, 1, 16, 40)
+    for out in (torch.float32, torch.bfloat16, torch.float16):
+        want = kprefill.dequantized_past(store.state, spec, 45, out)
+        got = kprefill.dequantized_past(on_dev(store.state), spec, 45, out, kernel=True)
+        for g, w in zip(got, want):
+            same_bits(g.cpu(), w)
+
+
+def test_the_past_kernel_saturates_beyond_the_operands_range():
+    """An fp32 model's keys and values past fp16's range (packed, in the ring, in the sinks) read back as fp16's
+    largest finite value, as ``quant.saturate`` rounds, never inf."""
+    spec = LayerSpec(Policy(Quant("int8", "token"), Quant("int4", "token"), residual=4, sink=2), 1, 16, "float32", 16)
+    store = KVStore(spec, 1, blocks=4)
+    g = torch.Generator().manual_seed(0)
+    store.append(torch.randn(1, 1, 40, 16, generator=g) * 1e6, torch.randn(1, 1, 40, 16, generator=g) * 1e6)
+    want = kprefill.dequantized_past(store.state, spec, 40, torch.float16)
+    assert (want[0].abs() == 65504).any() and want[0].isfinite().all()
+    got = kprefill.dequantized_past(on_dev(store.state), spec, 40, torch.float16, kernel=True)
+    for g_, w in zip(got, want):
+        same_bits(g_.cpu(), w)
+
+
+def test_the_past_kernel_is_sharp():
+    """One stored code off by one step changes the read-back: the comparison above can fail."""
+    spec, state, bad, _ = one_wrong_code(1)
+    a = kprefill.dequantized_past(on_dev(state), spec, 40, torch.float32, kernel=True)[0]
+    b = kprefill.dequantized_past(on_dev(bad), spec, 40, torch.float32, kernel=True)[0]
+    assert int((a != b).sum()) == 1
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
