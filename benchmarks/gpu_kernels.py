@@ -22,7 +22,8 @@ bf16 SDPA, with the targets of issue 43 printed as met or missed.
    attention reads its own chunk in full precision and the earlier ones packed), against SDPA flash over the
    whole prompt (causal): total attention time, plain calls. The path is ``launch.plan``'s (on CUDA "sdpa":
    the past dequantized into bf16, then SDPA's flash kernel, ``templates.prefill``); at 8K the general Triton
-   kernel too, for comparison.
+   kernel too, for comparison. Then the prefill path's read-back of the past alone (``templates.past``, 32K
+   tokens into bf16), GB/s over the packed bytes read and the bf16 written.
 4. **Store.** Quantize-on-write: a decode append (one token, batch 32) and a 4K-token chunk, GB/s over the
    bytes read and written.
 """
@@ -380,6 +381,30 @@ def time_store(device: str, B: int, ctx: int, n: int, H: int, D: int, formats, s
     return rows
 
 
+def time_past(device: str, B: int, ctx: int, H: int, D: int, formats, smoke: bool, block: int):
+    """Rows (batch, context, layout, ms, bytes moved): the prefill path's read-back of the past
+    (``templates.past``: every packed byte read once, keys and values written once in bf16)."""
+    from kvcompile.templates import past
+    rows = []
+    for name in formats:
+        spec = LayerSpec(FORMATS[name], H, D, "bfloat16", max(block, FORMATS[name].flush))
+        state = filled_state(spec, device, B, ctx)
+        moved = state_nbytes(state) + 2 * B * H * ctx * D * 2
+        rows.append((B, ctx, name, bench(lambda: past.launch_past(state, spec, ctx, torch.bfloat16), smoke), moved))
+        del state
+    return rows
+
+
+def render_past(rows, peak_tbps) -> str:
+    out = ["| batch | context | layout | time (ms) | GB/s (packed read + bf16 written) | % of peak |",
+           "|---:|---:|---|---:|---:|---:|"]
+    for B, ctx, name, t, moved in rows:
+        rate = moved / (t * 1e-3)
+        share = f"{100 * rate / (peak_tbps * 1e12):.0f}" if peak_tbps else "-"
+        out.append(f"| {B} | {fmt_ctx(ctx)} | {name} | {t:.4f} | {rate / 1e9:.0f} | {share} |")
+    return "\n".join(out)
+
+
 def render_store(rows) -> str:
     out = ["| batch | tokens appended | kernel | time (ms) | GB/s (chunk read + codes written) |",
            "|---:|---:|---|---:|---:|"]
@@ -426,11 +451,12 @@ def main(argv=None) -> str:
         general = time_general(device, 1, 128, 2, 1, 64, ["int4"], True, 16)
         prefill = time_prefill(device, [48], 32, 2, 1, 64, ["int4"], True, 16)
         store = time_store(device, 1, 32, 1, 1, 64, ["int4"], True, 16)
+        readback = time_past(device, 1, 48, 1, 64, ["int4"], True, 16)
     elif args.quick:
         checks = check_correctness(device, B=3, H=8, G=4, D=128, C=300, names=["int4", "int2-kivi", "fp8"])
         log("correctness done")
         rows = time_decode(device, [8], [32768], 32, 8, 128, list(FORMATS), False, args.block, tiles)
-        general, prefill, store = [], [], []
+        general, prefill, store, readback = [], [], [], []
     else:
         checks = check_correctness(device, B=3, H=8, G=4, D=128, C=300)
         log("correctness done")
@@ -446,6 +472,8 @@ def main(argv=None) -> str:
             prefill = time_prefill(device, [8192, 16384, 32768], 4096, 32, 8, 128, ["int8", "int4", "int4-kivi"],
                                    False, args.block)
             log("prefill done")
+        readback = time_past(device, 1, 32768, 8, 128, list(FORMATS), False, args.block)
+        log("read-back done")
         store = time_store(device, 32, 32768, 1, 8, 128, list(FORMATS), False, args.block)
         store += time_store(device, 1, 28672, 4096, 8, 128, list(FORMATS), False, args.block)
         log("store done")
@@ -457,6 +485,9 @@ def main(argv=None) -> str:
     if prefill:
         sections.append("Prefill in 4K chunks over the quantized past (batch 1), against SDPA flash over the whole "
                         "prompt:\n\n" + render_prefill(prefill))
+    if readback:
+        sections.append("The prefill path's read-back of the past (templates.past, 8 KV heads, head_dim 128, into "
+                        "bf16):\n\n" + render_past(readback, peak))
     if store:
         sections.append("Store (quantize-on-write):\n\n" + render_store(store))
     tg = targets(rows, sl, peak, prefill)
@@ -474,7 +505,8 @@ def main(argv=None) -> str:
         with open(args.out, "w") as f:
             f.write(report)
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump({"decode": rows, "general": general, "prefill": prefill, "store": store, "targets": tg}, f)
+            json.dump({"decode": rows, "general": general, "prefill": prefill, "readback": readback, "store": store,
+                       "targets": tg}, f)
     if args.record:
         _results_record()(f"decode attention on {card} (benchmarks/gpu_kernels.py)", report.split("\n", 1)[1])
     if any(c.startswith("FAIL") for c in checks):

@@ -20,4 +20,5 @@ def test_gpu_benchmark_smoke_run(tmp_path):
     # prefill (the path "auto" takes on the CPU, and the general kernel once more), store
     assert "| 48 | int4 (general) |" in report and "| 48 | int4 (general, for comparison) |" in report
     assert "| 1 | 1 | int4 |" in report
+    assert "| 1 | 48 | int4 |" in report  # the prefill path's read-back of the past
     assert (tmp_path / "kernels.md").read_text() == report and (tmp_path / "kernels.json").exists()
