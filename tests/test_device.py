@@ -4,6 +4,8 @@ the ``device`` fixture's device, and each test checks that the store's tensors a
 
 - ``apply`` across model families, and every ``generate`` mode, under KIVI int4: the tokens stay close to the
   unmodified model's (a bound on the logits of the same forced sequence), the cache is really packed;
+- a long prompt's chunks over a packed past (on CUDA the prefill path in bf16: SDPA's flash kernel over the past
+  read back in the model's dtype);
 - the backend in transformers' recipe (the forward compiled, ``cache_implementation="static"``), with
   ``mode="reduce-overhead"`` (CUDA graphs between kvcompile's ops on a GPU; the same tokens and logits as without
   them), and over a gpt-fast-style module's own static buffers;
@@ -127,6 +129,36 @@ def test_generate_modes_under_kivi_on_the_device(kivi_pair, mode, device):
     if got.logits[0].shape[0] == want.shape[0]:  # (beam search's logits are the beams', not the sequences')
         close(list(want.unbind(1))[:len(got.logits)], got.logits, 0.15)
     assert all(on(device, layer.store) for layer in got.past_key_values.layers)
+
+
+def test_long_prompt_chunks_over_a_packed_past_on_the_device(device, monkeypatch):
+    """A 160-token prompt prefilled in chunks of 80 under KIVI int4 in bf16: the second chunk attends to 80
+    queries over a packed past, which on CUDA is the prefill path in the model's dtype (``templates.prefill``:
+    the past read back by ``templates.past``, then SDPA's flash kernel) and on the CPU the same path in fp32.
+    The logits stay within the bound of the unmodified model's along the same tokens."""
+    from kvcompile.templates import prefill
+    from test_generate import tiny
+
+    calls = []
+    real = prefill.prefill_attention
+
+    def spy(q, *a, **kw):
+        calls.append((q.shape[2], kw.get("operands", torch.float32), kw.get("kernel", False)))
+        return real(q, *a, **kw)
+
+    monkeypatch.setattr(prefill, "prefill_attention", spy)
+    ref = tiny(dtype=DT, seed=7).to(device)
+    model = tiny(dtype=DT, seed=7).to(device)
+    kvcompile.apply(model, KIVI, compiler="eager")
+    ids = torch.randint(3, 64, (1, 160), generator=torch.Generator().manual_seed(2)).to(device)
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, prefill_chunk_size=80,
+                             return_dict_in_generate=True, output_logits=True)
+        want = ref(got.sequences[:, :-1]).logits[:, ids.shape[1] - 1:]
+    close(list(want.unbind(1)), got.logits, 0.15)
+    cuda = device.type == "cuda"
+    assert (80, DT if cuda else torch.float32, cuda) in calls, calls
+    assert all(on(device, layer.store) for layer in got.past_key_values.layers if hasattr(layer, "store"))
 
 
 @pytest.mark.slow
