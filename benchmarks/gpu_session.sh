@@ -78,8 +78,8 @@ step() {  # step NAME SECONDS COMMAND...: run with at most SECONDS (and never pa
     return $rc
 }
 
-TESTS="test_decode_kernel.py test_pages_triton.py test_attention_kernel.py test_store_kernel.py test_rotate.py test_ops_triton.py test_triton_prerope.py
-       test_kernel_devices.py test_device_messages.py"
+TESTS="test_decode_kernel.py test_pages_triton.py test_attention_kernel.py test_prefill_sdpa.py test_store_kernel.py test_rotate.py
+       test_ops_triton.py test_triton_prerope.py test_kernel_devices.py test_device_messages.py"
 TEST_PATHS=()
 for t in $TESTS; do TEST_PATHS+=("$ROOT/tests/templates/$t"); done
 TIMEOUT_ARG=()
@@ -98,7 +98,7 @@ elif [ "$MODE" = autotune ]; then
 elif [ "$MODE" = quick ]; then
     step kernels 150 python "$ROOT/benchmarks/gpu_kernels.py" --quick --out "$OUT/kernels.md" "${TILE_ARGS[@]}"
 else
-    step kernels 280 python "$ROOT/benchmarks/gpu_kernels.py" --out "$OUT/kernels.md" "${TILE_ARGS[@]}"
+    step kernels 300 python "$ROOT/benchmarks/gpu_kernels.py" --out "$OUT/kernels.md" "${TILE_ARGS[@]}"
     # the tests on CUDA: the decode kernel's first; -x would hide the rest, so every failure is listed
     step tests 150 "${PYTEST[@]}" --maxfail 10 "${TEST_PATHS[@]}"
     if [ "$(left)" -ge 90 ]; then
