@@ -86,8 +86,8 @@ def _fused_only(on: bool):
 
 
 def dequantized_past(state: KVState, spec: LayerSpec, P: int, operands: torch.dtype, k_new: Tensor | None = None,
-         v_new: Tensor | None = None, n: int = 0, rope: Rope | None = None,
-         kernel: bool = False) -> tuple[Tensor, Tensor]:
+                     v_new: Tensor | None = None, n: int = 0, rope: Rope | None = None,
+                     kernel: bool = False) -> tuple[Tensor, Tensor]:
     """Positions ``[0, P)`` of the layer as attention reads them, ``[B, H, P, D]`` in ``operands``:
     ``dequantize_reference`` in the store's rotated space, the queries' own chunk (``n`` tokens) in full
     precision where it can be packed, pre-RoPE keys rotated in fp32, then rounded to ``operands`` (finite values
