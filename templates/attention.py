@@ -425,6 +425,38 @@ def _merge_kernel(out_ptr, ws_acc, ws_ml, nsplit, NSPLIT_B: tl.constexpr, DB: tl
 
 
 # --------------------------------------------------------------------------- launcher
+def layout_constexprs(policy, head_dim: int, sink: int, flush: int, ring: int, block: int) -> dict:
+    """The store layout as the constexprs of a kernel that reads it (``_attn_kernel``, ``past._past_kernel``):
+    D, DB (the padded head), S, R, F, W, BS, and for keys (K_) and values (V_) the format's KIND, BITS, E4M3,
+    CHANNEL, G (group) and SFMT (``scale_code``)."""
+    D = head_dim
+    kw = dict(D=D, DB=max(16, triton.next_power_of_2(D)), S=sink, R=policy.residual, F=flush, W=ring, BS=block)
+    for pre, q in (("K_", policy.key), ("V_", policy.value)):
+        kw.update({pre + "KIND": _kind(q), pre + "BITS": q.bits, pre + "E4M3": q.format == "fp8_e4m3",
+                   pre + "CHANNEL": q.quantized and q.axis == "channel",
+                   pre + "G": q.group_for(D) if q.quantized else 1, pre + "SFMT": scale_code(q)})
+    return kw
+
+
+def state_args(state: KVState) -> dict:
+    """The store's tensors and strides as the kernels reading it take them: codes, scales, zero points, rings,
+    sinks (``kc`` .. ``vsk``; empty ones a placeholder), ``len_ptr``, ``tbl_ptr``, and per block ``skc_*`` ..
+    ``svs_*``, the rings' ``sr_*``, the sinks' ``ssk_*``, the table's ``st_b``."""
+    def strides(t):
+        return t.stride()[:3] if t.numel() else (0, 0, 0)
+
+    skc, sks, svc, svs = strides(state.k_codes), strides(state.k_scale), strides(state.v_codes), strides(state.v_scale)
+    sr, ssk = strides(state.k_res), strides(state.k_sink)
+    return dict(
+        kc=nonempty(state.k_codes), ks=nonempty(as_bytes(state.k_scale)), kz=nonempty(state.k_zero),
+        vc=nonempty(state.v_codes), vs=nonempty(as_bytes(state.v_scale)), vz=nonempty(state.v_zero),
+        kr=nonempty(state.k_res), vr=nonempty(state.v_res), ksk=nonempty(state.k_sink), vsk=nonempty(state.v_sink),
+        len_ptr=state.lengths, tbl_ptr=nonempty(state.table),
+        skc_nb=skc[0], skc_h=skc[1], skc_t=skc[2], sks_nb=sks[0], sks_h=sks[1], sks_t=sks[2],
+        svc_nb=svc[0], svc_h=svc[1], svc_t=svc[2], svs_nb=svs[0], svs_h=svs[1], svs_t=svs[2],
+        sr_b=sr[0], sr_h=sr[1], sr_t=sr[2], ssk_b=ssk[0], ssk_h=ssk[1], ssk_t=ssk[2], st_b=state.table.stride(0))
+
+
 @functools.lru_cache(maxsize=None)
 def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, block: int, gqa: int, block_q: int,
                      block_n: int, split: bool, mask_kind: int, dot: str, chunk: bool = False,
@@ -439,11 +471,7 @@ def attention_config(policy, head_dim: int, sink: int, flush: int, ring: int, bl
     if block % block_n:
         raise ArgumentError(f"attention tile of {block_n} tokens does not divide the store's blocks of {block}")
     D = head_dim
-    kw = dict(D=D, DB=max(16, triton.next_power_of_2(D)), S=sink, R=policy.residual, F=flush, W=ring, BS=block)
-    for pre, q in (("K_", policy.key), ("V_", policy.value)):
-        kw.update({pre + "KIND": _kind(q), pre + "BITS": q.bits, pre + "E4M3": q.format == "fp8_e4m3",
-                   pre + "CHANNEL": q.quantized and q.axis == "channel",
-                   pre + "G": q.group_for(D) if q.quantized else 1, pre + "SFMT": scale_code(q)})
+    kw = layout_constexprs(policy, D, sink, flush, ring, block)
     gp = triton.next_power_of_2(gqa)
     kw.update(G=gqa, GP=gp, BLOCK_Q=block_q, BLOCK_M=max(16, gp * block_q), BLOCK_N=block_n, SPLIT=split,
               MASK_KIND=mask_kind, DOT=dot, CHUNK=chunk, ROPE=rope, PDOT=pdot)
@@ -546,26 +574,13 @@ def launch_attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | 
         mask_t = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         mstr, P = mask_t.stride(), mask_t.shape[-1]
 
-    def strides(t):
-        return t.stride()[:3] if t.numel() else (0, 0, 0)
-
-    skc, sks, svc, svs = strides(state.k_codes), strides(state.k_scale), strides(state.v_codes), strides(state.v_scale)
-    table = state.table
-    sr, ssk = strides(state.k_res), strides(state.k_sink)
     args = dict(
-        q_ptr=q, out_ptr=out, ws_acc=ws_acc, ws_ml=ws_ml,
-        kc=nonempty(state.k_codes), ks=nonempty(as_bytes(state.k_scale)), kz=nonempty(state.k_zero),
-        vc=nonempty(state.v_codes), vs=nonempty(as_bytes(state.v_scale)), vz=nonempty(state.v_zero),
-        kr=nonempty(state.k_res), vr=nonempty(state.v_res), ksk=nonempty(state.k_sink), vsk=nonempty(state.v_sink),
-        len_ptr=state.lengths, tbl_ptr=nonempty(table), mask_ptr=nonempty(mask_t),
+        q_ptr=q, out_ptr=out, ws_acc=ws_acc, ws_ml=ws_ml, **state_args(state), mask_ptr=nonempty(mask_t),
         kn=state.lengths if chunk is None else chunk[0], vn=state.lengths if chunk is None else chunk[1],
         rcos=state.lengths if rt is None else rt[0], rsin=state.lengths if rt is None else rt[1],
         rperm=state.lengths if rt is None else rt[2], roff=state.lengths if rt is None else rt[3],
         T=1 if rt is None else rt[0].shape[0],
         sq_b=q.stride(0), sq_h=q.stride(1), sq_t=q.stride(2),
-        skc_nb=skc[0], skc_h=skc[1], skc_t=skc[2], sks_nb=sks[0], sks_h=sks[1], sks_t=sks[2],
-        svc_nb=svc[0], svc_h=svc[1], svc_t=svc[2], svs_nb=svs[0], svs_h=svs[1], svs_t=svs[2],
-        sr_b=sr[0], sr_h=sr[1], sr_t=sr[2], ssk_b=ssk[0], ssk_h=ssk[1], ssk_t=ssk[2], st_b=table.stride(0),
         sm_b=mstr[0], sm_h=mstr[1], sm_t=mstr[2], sm_c=mstr[3], P=P,
         H=H, Hq=Hq, n=n, sm_scale=float(scale), nsplit=nsplit, **kw,
     )

@@ -60,7 +60,6 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
 """
 import functools
 import json
-import math
 import os
 
 import torch
@@ -71,9 +70,9 @@ from torch import Tensor
 from kvcompile.policy import Quant
 from kvcompile.store import KVState, LayerSpec
 
-from .attention import _INTERP, _bf16, _dot, _full_tile, _merge_kernel, _online_step
+from .attention import _INTERP, _bf16, _dot, _full_tile, _merge_kernel, _online_step, state_args
 from .common import INTERPRET, run, scale_code
-from .store import _boundary, _e4m3_value, _kind, as_bytes, nonempty
+from .store import _boundary, _e4m3_value, _kind, nonempty
 
 BF16_MAX = tl.constexpr(3.3895313892515355e38)  # torch.finfo(torch.bfloat16).max
 MODE_TILE, MODE_ELEM, MODE_GROUPS, MODE_CHAN, MODE_ROWS = 0, 1, 2, 3, 4
@@ -1114,22 +1113,10 @@ def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | Non
         mask_t = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         mstr, P = mask_t.stride(), mask_t.shape[-1]
 
-    def strides(t):
-        return t.stride()[:3] if t.numel() else (0, 0, 0)
-
-    skc, sks, svc, svs = strides(state.k_codes), strides(state.k_scale), strides(state.v_codes), strides(state.v_scale)
-    sr, ssk = strides(state.k_res), strides(state.k_sink)
     args = dict(
-        q_ptr=q, ws_acc=ws_acc, ws_ml=ws_ml,
-        kc=nonempty(state.k_codes), ks=nonempty(as_bytes(state.k_scale)), kz=nonempty(state.k_zero),
-        vc=nonempty(state.v_codes), vs=nonempty(as_bytes(state.v_scale)), vz=nonempty(state.v_zero),
-        kr=nonempty(state.k_res), vr=nonempty(state.v_res), ksk=nonempty(state.k_sink), vsk=nonempty(state.v_sink),
-        len_ptr=state.lengths, tbl_ptr=nonempty(state.table), mask_ptr=nonempty(mask_t),
+        q_ptr=q, ws_acc=ws_acc, ws_ml=ws_ml, **state_args(state), mask_ptr=nonempty(mask_t),
         kn=state.lengths if chunk is None else chunk[0], vn=state.lengths if chunk is None else chunk[1],
         sq_b=q.stride(0), sq_h=q.stride(1),
-        skc_nb=skc[0], skc_h=skc[1], skc_t=skc[2], sks_nb=sks[0], sks_h=sks[1], sks_t=sks[2],
-        svc_nb=svc[0], svc_h=svc[1], svc_t=svc[2], svs_nb=svs[0], svs_h=svs[1], svs_t=svs[2],
-        sr_b=sr[0], sr_h=sr[1], sr_t=sr[2], ssk_b=ssk[0], ssk_h=ssk[1], ssk_t=ssk[2], st_b=state.table.stride(0),
         sm_b=mstr[0], sm_h=mstr[1], sm_c=mstr[3], P=P,
         H=H, Hq=Hq, sm_scale=float(scale), nsplit=nsplit, INVARIANT=invariant, split_min=SPLIT_MIN_TILES * block_n,
         split_max=SPLIT_MAX, **kw,

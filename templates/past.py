@@ -17,9 +17,11 @@ from torch import Tensor
 
 from kvcompile.store import KVState, LayerSpec
 
-from .attention import _full_tile, _packed_tile
-from .common import run, scale_code
-from .store import _boundary, _kind, as_bytes, nonempty
+from kvcompile.errors import ArgumentTypeError
+
+from .attention import _full_tile, _packed_tile, layout_constexprs, state_args
+from .common import run
+from .store import _boundary
 
 _OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -143,41 +145,22 @@ def launch_past(state: KVState, spec: LayerSpec, P: int, dtype: torch.dtype,
     rotated=True, end=P)`` (with ``chunk``, fp32 ``[B, H, n, D]`` contiguous as ``store.stored_chunk`` gives
     it: ``with_chunk``'s), rounded to ``dtype`` as ``quant.saturate`` rounds."""
     if dtype not in _OUT:
-        raise TypeError(f"launch_past writes fp32, bf16 or fp16; got {dtype}")
+        raise ArgumentTypeError(f"launch_past writes fp32, bf16 or fp16; got {dtype}")
     B, H, D = state.lengths.shape[0], spec.heads, spec.head_dim
     dev = state.lengths.device
     k = torch.empty(B, H, P, D, dtype=dtype, device=dev)
     v = torch.empty(B, H, P, D, dtype=dtype, device=dev)
     if B == 0 or P == 0:
         return k, v
-    pol = spec.policy
     bn = tile_tokens(spec)
-    kw = dict(D=D, DB=max(16, triton.next_power_of_2(D)), S=spec.sink, R=pol.residual, F=spec.flush, W=spec.ring,
-              BS=spec.block, BLOCK_N=bn, CHUNK=chunk is not None, OUT=_OUT[dtype])
-    for pre, q in (("K_", pol.key), ("V_", pol.value)):
-        kw.update({pre + "KIND": _kind(q), pre + "BITS": q.bits, pre + "E4M3": q.format == "fp8_e4m3",
-                   pre + "CHANNEL": q.quantized and q.axis == "channel",
-                   pre + "G": q.group_for(D) if q.quantized else 1, pre + "SFMT": scale_code(q)})
-
-    def strides(t):
-        return t.stride()[:3] if t.numel() else (0, 0, 0)
-
-    skc, sks, svc, svs = strides(state.k_codes), strides(state.k_scale), strides(state.v_codes), strides(state.v_scale)
-    sr, ssk = strides(state.k_res), strides(state.k_sink)
     n = 0 if chunk is None else chunk[0].shape[2]
     bits = dtype == torch.bfloat16  # written as int16 bits (``_saturate``)
     args = dict(
-        k_out=k.view(torch.int16) if bits else k, v_out=v.view(torch.int16) if bits else v,
-        kc=nonempty(state.k_codes), ks=nonempty(as_bytes(state.k_scale)), kz=nonempty(state.k_zero),
-        vc=nonempty(state.v_codes), vs=nonempty(as_bytes(state.v_scale)), vz=nonempty(state.v_zero),
-        kr=nonempty(state.k_res), vr=nonempty(state.v_res), ksk=nonempty(state.k_sink), vsk=nonempty(state.v_sink),
-        len_ptr=state.lengths, tbl_ptr=nonempty(state.table),
+        k_out=k.view(torch.int16) if bits else k, v_out=v.view(torch.int16) if bits else v, **state_args(state),
         kn=state.lengths if chunk is None else chunk[0], vn=state.lengths if chunk is None else chunk[1],
-        so_b=k.stride(0), so_h=k.stride(1), so_t=k.stride(2),
-        skc_nb=skc[0], skc_h=skc[1], skc_t=skc[2], sks_nb=sks[0], sks_h=sks[1], sks_t=sks[2],
-        svc_nb=svc[0], svc_h=svc[1], svc_t=svc[2], svs_nb=svs[0], svs_h=svs[1], svs_t=svs[2],
-        sr_b=sr[0], sr_h=sr[1], sr_t=sr[2], ssk_b=ssk[0], ssk_h=ssk[1], ssk_t=ssk[2], st_b=state.table.stride(0),
-        H=H, n=n, P=P, **kw,
+        so_b=k.stride(0), so_h=k.stride(1), so_t=k.stride(2), H=H, n=n, P=P,
+        **layout_constexprs(spec.policy, D, spec.sink, spec.flush, spec.ring, spec.block),
+        BLOCK_N=bn, CHUNK=chunk is not None, OUT=_OUT[dtype],
     )
     run(_past_kernel, (B * H, 1 + triton.cdiv(max(P - spec.sink, 0), bn)), args, num_warps=8)
     return k, v

@@ -131,7 +131,8 @@ CORE = {"kvcompile", "kvcompile.errors", "kvcompile.policy", "kvcompile.presets"
         "kvcompile.templates.cpu",
         "kvcompile.templates.cpu_store", "kvcompile.templates.common", "kvcompile.templates.launch",
         "kvcompile.templates.attention", "kvcompile.templates.decode", "kvcompile.templates.store",
-        "kvcompile.templates.inductor", "kvcompile.templates.cpu_rotate", "kvcompile.templates.rotate"}
+        "kvcompile.templates.inductor", "kvcompile.templates.cpu_rotate", "kvcompile.templates.rotate",
+        "kvcompile.templates.prefill", "kvcompile.templates.past"}
 
 
 def _imports(path: Path, package: str) -> set[str]:
