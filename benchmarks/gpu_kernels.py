@@ -11,7 +11,8 @@ bf16 SDPA, with the targets of issue 43 printed as met or missed.
    kernels must equal ``store_reference`` bit for bit, and attention -- the decode kernel (one query) and the
    general one (four queries: chunked prefill) and the prefill path (64 queries: SDPA over the dequantized
    store in bf16) -- must be within the derived bound of float64 attention (``launch.reference_and_bound``:
-   bf16 operands where the kernels use them). Any failure stops the run.
+   bf16 operands where the kernels use them). Any failure stops the run, but the prefill path's (new: it
+   skips the prefill timing, and the run exits 1 at its end).
 2. **Decode.** One query token, 32 query heads over 8 KV heads, head_dim 128, bf16 queries, at batch 1/8/32 and
    context 4K/32K/128K, each format against bf16 ``F.scaled_dot_product_attention`` (flash) on the same
    lengths. Times are CUDA-graph medians (``triton.testing.do_bench_cudagraph``); GB/s is over the bytes the call
