@@ -244,15 +244,15 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     check_chunk(q, k_new, v_new, spec)
     check_devices(state, q=q, mask=mask, k_new=k_new, v_new=v_new)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    chunk = stored_chunk(spec, k_new, v_new, n)
-    pl = plan(state, spec, q.shape, mask, tiles, rope is not None, kernel, q.device, chunk is not None, invariant,
-              q.dtype)
+    pl = plan(state, spec, q.shape, mask, tiles, rope is not None, kernel, q.device,
+              k_new is not None and stored_chunk_needed(spec, n), invariant, q.dtype)
     if invariant and not pl.decode:
         raise UnsupportedError(f"row-invariant attention runs on the decode kernel, which does not serve {n} queries "
                                f"a row over {spec.name}: give each query a row of its own (kvcompile.pages does)")
     if pl.sdpa:  # the mask as given (not expanded: its causal form is recognised once for every layer)
         return _prefill.prefill_attention(q, state, spec, given, scale, k_new=k_new, v_new=v_new, rope=rope,
                                           operands=q.dtype, kernel=True)
+    chunk = stored_chunk(spec, k_new, v_new, n)  # (the prefill path above reads the chunk itself)
     qr = q.float()
     if spec.policy.rotates_keys:  # as the reference: the query rotated in fp32, the output un-rotated in fp32
         qr = qr @ hadamard(D, q.device)
