@@ -131,7 +131,7 @@ def _triton_store(state, spec, k, v, n_new=None):
 def _triton_attention(q, state, spec, mask, scale, k_new=None, v_new=None, rope=None, invariant=False,
                       groups=None, rings=None, flat=None):
     return _triton().attention(q, row_rings(state, spec, rings, flat), spec, mask, scale, k_new=k_new,
-                               v_new=v_new, rope=rope, invariant=invariant)
+                               v_new=v_new, rope=rope, invariant=invariant, groups=groups)
 
 
 def _fused_attention(q, state, mask, scale, spec_name, k_new=None, v_new=None, rope=None):

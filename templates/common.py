@@ -87,6 +87,29 @@ def check_interpreter(version: str | None = None) -> None:
             f"Triton {version} compiles them.")
 
 
+def check_groups(groups, state, n: int, k_new, rope, rings=None) -> None:
+    """``attention``'s ``groups`` (and ``rings``) describe its rows: the kernels that read a run's packed tiles once
+    for its rows (the C kernels' ``kvc_attention_rows``, the Triton decode kernel's runs: ``decode.run_rows``)
+    read tables, lengths and rings by them."""
+    B = state.lengths.shape[0]
+    if rings is not None and (rings.dtype != torch.int32 or rings.shape != (B,) or not rings.is_contiguous()
+                              or bool(((rings < 0) | (rings >= state.k_res.shape[0])).any())):
+        raise ArgumentError(f"rings must be int32 [{B}] indices of the state's {state.k_res.shape[0]} rings; got "
+                            f"{rings.dtype} {list(rings.shape)}")
+    if n != 1 or k_new is not None or rope is not None:
+        raise ArgumentError("row groups take one query a row (causal, or as its row of the mask says), keys after "
+                            "RoPE: no chunk of their own, no rotary tables")
+    if groups.dtype != torch.int32 or groups.dim() != 1 or len(groups) < 2 or int(groups[0]) != 0 \
+            or int(groups[-1]) != B or bool((groups[1:] <= groups[:-1]).any()):
+        raise ArgumentError(f"row groups must be int32 offsets from 0 to the {B} rows, increasing; got "
+                            f"{groups.tolist()}")
+    head = torch.repeat_interleave(groups[:-1].long(), (groups[1:] - groups[:-1]).long())
+    L = state.lengths.long()
+    rising = L[1:] > L[:-1]
+    if not bool((state.table == state.table[head]).all()) or not bool(rising[(head[1:] == head[:-1])].all()):
+        raise ArgumentError("the rows of a group must share their block table and have lengths in ascending order")
+
+
 def run(kernel, grid, args: dict, **options) -> None:
     """Launch ``kernel[grid](**args, **options)`` (or compile it, inside ``compile_only``)."""
     options = {**OPTIONS, **options}

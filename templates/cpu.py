@@ -36,7 +36,7 @@ from kvcompile.errors import ArgumentError, CacheDirError, CompilerError, Unsupp
 from kvcompile.store import (FlatRecent, KVState, LayerSpec, Rope, check_rope_tables, describe,
                              hadamard, own_rings, row_rings, row_widths, stored_chunk)
 
-from .common import inf_to_nan, scale_code
+from .common import check_groups, inf_to_nan, scale_code
 from .prefill import _memo, _version
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -457,28 +457,6 @@ def _capped(groups: Tensor, most: int = GROUP_ROWS) -> Tensor:
     g = groups.tolist()
     cuts = [torch.arange(a, b, most) for a, b in zip(g[:-1], g[1:])]
     return torch.cat(cuts + [torch.tensor(g[-1:])]).to(torch.int32)
-
-
-def check_groups(groups: Tensor, state: KVState, n: int, k_new, rope, rings: Tensor | None = None) -> None:
-    """``attention``'s ``groups`` (and ``rings``) describe its rows (``kvc_attention_rows`` reads tables, lengths
-    and rings by them)."""
-    B = state.lengths.shape[0]
-    if rings is not None and (rings.dtype != torch.int32 or rings.shape != (B,) or not rings.is_contiguous()
-                              or bool(((rings < 0) | (rings >= state.k_res.shape[0])).any())):
-        raise ArgumentError(f"rings must be int32 [{B}] indices of the state's {state.k_res.shape[0]} rings; got "
-                            f"{rings.dtype} {list(rings.shape)}")
-    if n != 1 or k_new is not None or rope is not None:
-        raise ArgumentError("row groups take one query a row (causal, or as its row of the mask says), keys after "
-                            "RoPE: no chunk of their own, no rotary tables")
-    if groups.dtype != torch.int32 or groups.dim() != 1 or len(groups) < 2 or int(groups[0]) != 0 \
-            or int(groups[-1]) != B or bool((groups[1:] <= groups[:-1]).any()):
-        raise ArgumentError(f"row groups must be int32 offsets from 0 to the {B} rows, increasing; got "
-                            f"{groups.tolist()}")
-    head = torch.repeat_interleave(groups[:-1].long(), (groups[1:] - groups[:-1]).long())
-    L = state.lengths.long()
-    rising = L[1:] > L[:-1]
-    if not bool((state.table == state.table[head]).all()) or not bool(rising[(head[1:] == head[:-1])].all()):
-        raise ArgumentError("the rows of a group must share their block table and have lengths in ascending order")
 
 
 def _flat_args(flat: FlatRecent, state: KVState, spec: LayerSpec) -> tuple:

@@ -57,6 +57,9 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
   offsets, whose registers would spill). Integer codes are read unmasked (``_codes``).
 - **Scores in log2 units**: the scale times log2(e) multiplies each token's scale and zero point, so that each
   exponential is one ``ex2.approx.ftz`` (``_exp2``); a split's max is stored times ln 2, the merge's units.
+- **A prompt's rows as runs** (row-invariant, an engine's flat batch: ``kvcompile.pages``): the rows the products
+  pad hold the query heads of the sequence's next positions, so a tile is read and unpacked once for up to
+  16 / G rows (``run_rows``), each row's arithmetic as alone.
 """
 import functools
 import json
@@ -471,7 +474,7 @@ def _affine(s_ptr, z_ptr, off, ok, KIND: tl.constexpr, BITS: tl.constexpr, E4M3:
 # --------------------------------------------------------------------------- the kernel
 @triton.jit
 def _decode_kernel(
-    q_ptr, ws_acc, ws_ml,
+    q_ptr, ws_acc, ws_ml, run_ptr,
     kc, ks, kz, vc, vs, vz, kr, vr, ksk, vsk, len_ptr, tbl_ptr, mask_ptr, kn, vn,
     sq_b, sq_h,  # q [B, Hq, 1, D] fp32, unit stride along D
     skc_nb, skc_h, skc_t, sks_nb, sks_h, sks_t,  # key codes, key scale/zero: per block [NB, H, ...]
@@ -487,11 +490,13 @@ def _decode_kernel(
     V_CHANNEL: tl.constexpr, V_G: tl.constexpr, V_SFMT: tl.constexpr,
     G: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
     CHUNK: tl.constexpr, FULL: tl.constexpr, STAGES: tl.constexpr, NGV: tl.constexpr, WGV: tl.constexpr,
-    INVARIANT: tl.constexpr,
+    INVARIANT: tl.constexpr, RUN: tl.constexpr,
 ):
     """Program (b*H + h, split): rows = the G query heads of KV head h (padded to M = 16); in mode ROWS the
     values' NGV groups times those heads (padded to M // NGV): row ``j * (M // NGV) + i`` is query head ``i``
-    weighted by group ``j``'s scales, and keeps group ``j``'s channels.
+    weighted by group ``j``'s scales, and keeps group ``j``'s channels. With RUN (``run_rows``), ``b`` is a run
+    of up to RUN batch rows of one sequence (``run_ptr``: offsets), row ``r * (M // RUN) + i`` query head ``i``
+    of its ``r``-th: they share the run's block table and tiles, each masks the positions past its own end.
 
     Splits ``0 .. nsplit-1`` read the packed positions ``[S, Q(L))`` (up to ``L - 1`` with CHUNK: the query's
     own token comes from the chunk), ``ceil`` of an equal share each in whole tiles; split ``nsplit`` (with
@@ -502,37 +507,53 @@ def _decode_kernel(
     split = tl.program_id(1)
     b = bh // H
     h = bh % H
-    L = tl.load(len_ptr + b)
     m = tl.arange(0, M)
     GR: tl.constexpr = M // NGV  # ROWS: the rows of one value group
-    if V_MODE == 4:  # ROWS: NGV copies of the query heads, one a value group
-        mh = m % GR
-        mg = m // GR
-    else:
-        mh = m
+    if RUN > 1:  # a run of up to RUN rows of one sequence (``run_rows``): row ``r`` of it takes rows r GP .. + GP
+        GP: tl.constexpr = M // RUN
+        first = tl.load(run_ptr + b)
+        cnt = tl.load(run_ptr + b + 1) - first
+        mh = m % GP
         mg = m * 0
-    row_ok = mh < G
+        rb = first + tl.minimum(m // GP, cnt - 1)  # [M] each row's batch row (past the run's: its last, masked)
+        b = first  # the run's block table: one sequence's
+        row_ok = (mh < G) & (m // GP < cnt)
+    else:
+        if V_MODE == 4:  # ROWS: NGV copies of the query heads, one a value group
+            mh = m % GR
+            mg = m // GR
+        else:
+            mh = m
+            mg = m * 0
+        rb = b
+        row_ok = mh < G
+    L = tl.load(len_ptr + rb)
     row_one = row_ok & (mg == 0)  # each query head once: the rows whose max and sum are written
     hq = h * G + mh
-    mask_rows = mask_ptr + b.to(tl.int64) * sm_b + hq.to(tl.int64)[:, None] * sm_h
+    mask_rows = mask_ptr + (rb.to(tl.int64) * sm_b + hq.to(tl.int64) * sm_h)[:, None]
     if MASK_KIND == 0:
         end = L
     else:
         end = tl.minimum(L, P)  # positions past the mask's width are invisible
     QL = _boundary(L, S, R, F)
     nslots = nsplit + FULL
-    w_row = ((b.to(tl.int64) * Hq + hq) * nslots + split)  # [M] workspace rows
+    w_row = ((rb.to(tl.int64) * Hq + hq) * nslots + split)  # [M] workspace rows
     if split < nsplit:
         if CHUNK:
             stop = tl.minimum(tl.minimum(QL, end), tl.maximum(L - 1, S))
         else:
             stop = tl.minimum(QL, end)
-        if INVARIANT:  # the row's own splits (SPLIT_MIN_TILES, SPLIT_MAX): one past its positions is empty
-            per = tl.maximum(split_min, tl.cdiv(tl.cdiv(tl.maximum(stop - S, 0), split_max), BLOCK_N) * BLOCK_N)
+        if RUN > 1:  # the rows' splits are the same (``run_rows``): the longest row's
+            top = tl.max(stop, 0)
         else:
-            per = tl.cdiv(tl.cdiv(tl.maximum(stop - S, 0), nsplit), BLOCK_N) * BLOCK_N
+            top = stop
+        if INVARIANT:  # the row's own splits (SPLIT_MIN_TILES, SPLIT_MAX): one past its positions is empty
+            per = tl.maximum(split_min, tl.cdiv(tl.cdiv(tl.maximum(top - S, 0), split_max), BLOCK_N) * BLOCK_N)
+        else:
+            per = tl.cdiv(tl.cdiv(tl.maximum(top - S, 0), nsplit), BLOCK_N) * BLOCK_N
         lo = S + split * per
-        hi = tl.minimum(lo + per, stop)
+        hi_row = tl.minimum(lo + per, stop)  # [M] with RUN: each row's end, which its visibility masks
+        hi = tl.minimum(lo + per, top)
         PK: tl.constexpr = 8 // K_BITS
         PV: tl.constexpr = 8 // V_BITS
         UK: tl.constexpr = D // PK
@@ -543,7 +564,7 @@ def _decode_kernel(
         jv = tl.arange(0, D // VNS)
         # the query in slot order (channel PK u + i), fp32 and rounded to bf16; the rows' sums for TILE
         qok = row_ok[:, None]
-        qb_ptr = q_ptr + b.to(tl.int64) * sq_b + hq.to(tl.int64)[:, None] * sq_h
+        qb_ptr = q_ptr + (rb.to(tl.int64) * sq_b + hq.to(tl.int64) * sq_h)[:, None]
         # (a query beyond bf16's range saturates there, as the elements do: inf would turn finite scores to NaN)
         q0 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :], mask=qok, other=0.0), -BF16_MAX), BF16_MAX)
         qb0 = _bf16(q0)
@@ -713,7 +734,10 @@ def _decode_kernel(
                                    sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT)
                 s = tl.trans(raw) * qk_scale
             # ---- visibility and online softmax (as attention._online_step, without its value checks)
-            vis = row_ok[:, None] & kv_ok[None, :]
+            if RUN > 1:  # past a row's own end its positions are another row's (finite codes: ``run_rows``)
+                vis = row_ok[:, None] & (p[None, :] < hi_row[:, None])
+            else:
+                vis = row_ok[:, None] & kv_ok[None, :]
             if MASK_KIND == 1:
                 mv = tl.load(mask_rows + p.to(tl.int64)[None, :] * sm_c, mask=vis, other=0)
                 vis = vis & (mv != 0)
@@ -832,6 +856,19 @@ def _decode_kernel(
                      mask=qok & (((ch + 3) // V_G == mg[:, None]) | (V_MODE != 4)))
         tl.store(ws_ml + w_row * 2, m_i * LN2, mask=row_one)  # the merge's (natural) units
         tl.store(ws_ml + w_row * 2 + 1, l_i, mask=row_one)
+    elif RUN > 1:  # each row of the run's full-precision positions, as a program of its own computes them
+        for r in range(0, cnt):
+            br = first + r
+            Lr = tl.load(len_ptr + br)
+            if MASK_KIND == 0:
+                end_r = Lr
+            else:
+                end_r = tl.minimum(Lr, P)
+            hq_r = h * G + m
+            _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, br, h, hq_r, m < G, Lr,
+                          _boundary(Lr, S, R, F), end_r, (br.to(tl.int64) * Hq + hq_r) * nslots + split,
+                          mask_ptr + (br.to(tl.int64) * sm_b + hq_r.to(tl.int64) * sm_h)[:, None], sq_b, sq_h, sr_b,
+                          sr_h, sr_t, ssk_b, ssk_h, ssk_t, sm_c, H, sm_scale, D, S, W, M, MASK_KIND, DOT, CHUNK)
     else:  # the full-precision positions: sinks, the query's own token (CHUNK), the residual ring
         _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, b, h, hq, row_one, L, QL, end, w_row, mask_rows,
                       sq_b, sq_h, sr_b, sr_h, sr_t, ssk_b, ssk_h, ssk_t, sm_c, H, sm_scale, D, S, W, M, MASK_KIND, DOT,
@@ -1016,10 +1053,10 @@ def _elem_pv(acc, hit, alpha, pb, vis, byte, I: tl.constexpr, s_ptr, z_ptr, blk,
 @functools.lru_cache(maxsize=None)
 def decode_config(policy, head_dim: int, sink: int, flush: int, ring: int, block: int, gqa: int, block_n: int,
                   stages: int, mask_kind: int, dot: str, chunk: bool, full: bool,
-                  words: bool = True) -> tuple[str, dict]:
+                  words: bool = True, invariant: bool = False) -> tuple[str, dict]:
     """The constexprs of one ``_decode_kernel`` specialization and the key that spells it out (memoised).
     ``words``: the key codes may be read as words (``key_words``; their tensor's pointer and strides are
-    multiples of 4 bytes)."""
+    multiples of 4 bytes). ``invariant``: row-invariant splits, a program a run of rows (``run_rows``)."""
     D = head_dim
     kw = dict(D=D, S=sink, R=policy.residual, F=flush, W=ring, BS=block)
     for pre, q, mode in zip(("K_", "V_"), (policy.key, policy.value), modes(policy, D, gqa)):
@@ -1032,12 +1069,46 @@ def decode_config(policy, head_dim: int, sink: int, flush: int, ring: int, block
     rows = kw["V_MODE"] == MODE_ROWS  # a row per query head and value group
     M = decode_rows(kw["K_MODE"], kw["V_MODE"], D, kw["V_G"], gqa)
     kw.update(G=gqa, M=M, BLOCK_N=block_n, MASK_KIND=mask_kind, DOT=dot, CHUNK=chunk, FULL=full, STAGES=stages,
-              NGV=D // kw["V_G"] if groups or rows else 1, WGV=kw["V_G"] // (8 // kw["V_BITS"]) if groups else 16)
+              NGV=D // kw["V_G"] if groups or rows else 1, WGV=kw["V_G"] // (8 // kw["V_BITS"]) if groups else 16,
+              INVARIANT=invariant, RUN=run_rows(kw["V_MODE"], M, gqa) if invariant else 1)
     key = (f"decode[k={policy.key.key()}:{MODES[kw['K_MODE']]};v={policy.value.key()}:{MODES[kw['V_MODE']]};"
            f"S={sink};R={policy.residual};F={flush};W={ring};BS={block};D={D};gqa={gqa};bn={block_n};"
            f"stages={stages};mask={mask_kind};dot={dot};chunk={int(chunk)};full={int(full)};"
-           f"words={kw['K_W']},{kw['V_W']}]")
+           f"words={kw['K_W']},{kw['V_W']};invariant={int(invariant)};run={kw['RUN']}]")
     return key, kw
+
+
+def run_rows(value_mode: int, rows: int, gqa: int) -> int:
+    """Rows of an engine's flat batch one program of the row-invariant kernel takes (``launch_decode``'s
+    ``groups``): where the products' rows are padded to 16 (``decode_rows``), the padding holds the query heads
+    of the next positions of the same sequence, so that each packed tile is read and unpacked once for all of them
+    (a prompt's queries, each a decode row: ``kvcompile.pages``). Each row's arithmetic is the same as alone --
+    its own scores, softmax and sums, in the same tiles and splits, in one kernel for runs of one row and of
+    several -- so its bits are too. 1 where the rows are not padded (per-group products: CHAN keys, GROUPS or
+    ROWS values) or already hold 16 query heads."""
+    heads = triton.next_power_of_2(gqa)
+    return rows // heads if rows == 16 and heads < 16 and value_mode != MODE_ROWS else 1
+
+
+def split_share(stop: int, sink: int, block_n: int) -> int:
+    """The packed positions each split of a row-invariant row takes (the kernel's ``per``, INVARIANT), from the
+    row's packed end ``stop``: ``SPLIT_MIN_TILES`` tiles, or more where ``SPLIT_MAX`` splits would not cover it."""
+    return max(SPLIT_MIN_TILES * block_n, -(-(-(-max(stop - sink, 0) // SPLIT_MAX)) // block_n) * block_n)
+
+
+def run_programs(groups: Tensor, stops: list[int], rows: int, sink: int, block_n: int) -> Tensor:
+    """Offsets (int32, host) of the row-invariant kernel's programs: the runs of ``groups`` (offsets of runs of
+    one sequence's rows, checked: ``common.check_groups``) cut into pieces of at most ``rows`` rows whose splits
+    are the same (``split_share`` of each row's packed end, ``stops``)."""
+    edges = groups.tolist()
+    share = [split_share(x, sink, block_n) for x in stops]
+    out = [0]
+    for a, b in zip(edges, edges[1:]):
+        for i in range(a + 1, b):
+            if i - out[-1] == rows or share[i] != share[out[-1]]:
+                out.append(i)
+        out.append(b)
+    return torch.tensor(out, dtype=torch.int32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1083,13 +1154,14 @@ SPLIT_MAX = 8 if INTERPRET else 64
 
 def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None, scale: float, dot: str,
                   block_n: int, nsplit: int, chunk: tuple[Tensor, Tensor] | None = None,
-                  invariant: bool = False) -> Tensor:
+                  invariant: bool = False, groups: Tensor | None = None) -> Tensor:
     """Decode attention of ``q [B, Hq, 1, D]`` (fp32, rotated) over ``state``; fp32 [B, Hq, 1, D].
 
     ``dot``: operand precision of the full-precision positions' products (the packed ones are bf16).
     ``block_n``, ``nsplit``: ``decode_tiles``. ``chunk``: the query's own key and value (fp32 [B, H, 1, D], as
     stored), read instead of the codes at position L - 1. ``mask``: None, or bool / float already broadcast to
-    [B, Hq, 1, P]."""
+    [B, Hq, 1, P]. ``groups`` (with ``invariant``): offsets (host int32) of runs of rows that are one sequence's
+    positions in ascending order, its block table in each: a program takes up to ``run_rows`` of them."""
     B, Hq, n, D = q.shape
     H = spec.heads
     G = Hq // H
@@ -1100,7 +1172,7 @@ def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | Non
     words = all(c.numel() > 0 and c.data_ptr() % 4 == 0 and all(x % 4 == 0 for x in c.stride()[:3])
                 for c in (state.k_codes, state.v_codes))
     _, kw = decode_config(spec.policy, D, spec.sink, spec.flush, spec.ring, spec.block, G, block_n, cfg["stages"],
-                          mask_kind, dot, chunk is not None, full, words)
+                          mask_kind, dot, chunk is not None, full, words, invariant)
     q = q.contiguous()
     dev = q.device
     slots = nsplit + int(full)
@@ -1113,17 +1185,25 @@ def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | Non
         mask_t = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         mstr, P = mask_t.stride(), mask_t.shape[-1]
 
+    programs, runs = B, state.lengths  # (a placeholder: each row a program of its own)
+    if kw["RUN"] > 1 and groups is not None and chunk is None:
+        L = state.lengths.tolist()  # the rows' packed ends, which set their splits (on the host: one sync)
+        width = mask.shape[-1] if mask is not None else max(L, default=0)
+        runs = run_programs(groups, [min(spec.boundary(x), x, width) for x in L], kw["RUN"], spec.sink, block_n)
+        programs, runs = len(runs) - 1, runs.to(dev)
+    elif kw["RUN"] > 1:  # runs of one row (a decode step): the same kernel, so the same bits as in a run
+        runs = torch.arange(B + 1, dtype=torch.int32, device=dev)
     args = dict(
-        q_ptr=q, ws_acc=ws_acc, ws_ml=ws_ml, **state_args(state), mask_ptr=nonempty(mask_t),
+        q_ptr=q, ws_acc=ws_acc, ws_ml=ws_ml, run_ptr=runs, **state_args(state), mask_ptr=nonempty(mask_t),
         kn=state.lengths if chunk is None else chunk[0], vn=state.lengths if chunk is None else chunk[1],
         sq_b=q.stride(0), sq_h=q.stride(1),
         sm_b=mstr[0], sm_h=mstr[1], sm_c=mstr[3], P=P,
-        H=H, Hq=Hq, sm_scale=float(scale), nsplit=nsplit, INVARIANT=invariant, split_min=SPLIT_MIN_TILES * block_n,
+        H=H, Hq=Hq, sm_scale=float(scale), nsplit=nsplit, split_min=SPLIT_MIN_TILES * block_n,
         split_max=SPLIT_MAX, **kw,
     )
     # fp contraction on: a fused multiply-add rounds once where two operations round twice, which the bound
     # allows for (the decode kernel is not bit-exact with anything; the store kernels keep it off)
-    run(_decode_kernel, (B * H, slots), args, num_warps=cfg["warps"], enable_fp_fusion=True)
+    run(_decode_kernel, (programs * H, slots), args, num_warps=cfg["warps"], enable_fp_fusion=True)
     run(_merge_kernel, (B * Hq,), dict(out_ptr=out, ws_acc=ws_acc, ws_ml=ws_ml, nsplit=slots,
                                        NSPLIT_B=max(16, triton.next_power_of_2(slots)), DB=D, IN_ORDER=invariant))
     return out

@@ -211,7 +211,7 @@ def dot_precision(device: torch.device) -> str:
 def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = None,
               scale: float | None = None, *, tiles: tuple[int, int, int] | None = None,
               k_new: Tensor | None = None, v_new: Tensor | None = None, rope: Rope | None = None,
-              kernel: str = "auto", invariant: bool = False) -> Tensor:
+              kernel: str = "auto", invariant: bool = False, groups: Tensor | None = None) -> Tensor:
     """``kvcompile.store.attention_reference`` with Triton kernels.
 
     q: [B, Hq, n, D], the last n tokens' queries (already stored); Hq a multiple of the store's heads.
@@ -228,6 +228,9 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     invariant: each row's result depends on that row alone, not on the batch beside it (the decode kernel's
     row-invariant splits and an in-order merge: ``decode.decode_tiles``), as the C kernels' always does; one
     query per row (an engine's flat batch, each query a row: ``kvcompile.pages``). Else the splits fill the GPU.
+    groups: int32 ``[g + 1]`` offsets, rows ``groups[i] .. groups[i + 1] - 1`` positions of one sequence in
+    ascending order, one block table (``common.check_groups``): with ``invariant`` a program of the decode kernel
+    reads a packed tile once for several of them (``decode.run_rows``). The same bits as without ``groups``.
     """
     check_supported(spec)
     _check_state(state, spec)
@@ -243,6 +246,8 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
         mask = mask.expand(B, Hq, n, mask.shape[-1])  # positions past its width are invisible (the kernel)
     check_chunk(q, k_new, v_new, spec)
     check_devices(state, q=q, mask=mask, k_new=k_new, v_new=v_new)
+    if groups is not None:
+        _common.check_groups(groups, state, n, k_new, rope)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     pl = plan(state, spec, q.shape, mask, tiles, rope is not None, kernel, q.device,
               k_new is not None and stored_chunk_needed(spec, n), invariant, q.dtype)
@@ -258,7 +263,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
         qr = qr @ hadamard(D, q.device)
     if pl.decode:
         out = _decode.launch_decode(qr, state, spec, mask, scale, dot_precision(q.device), pl.block_n, pl.nsplit,
-                                    chunk, invariant)
+                                    chunk, invariant, groups if invariant else None)
     else:
         out = _attention.launch_attention(qr, state, spec, mask, scale, dot_precision(q.device),
                                           (pl.block_q, pl.block_n, pl.nsplit), chunk, rope,

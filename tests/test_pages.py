@@ -874,6 +874,29 @@ def test_a_tokens_attention_is_the_same_bits_however_the_work_is_cut(case, dtype
         assert torch.equal(bits(got), bits(results["decoded"])), (name, int((got != results["decoded"]).sum()))
 
 
+@pytest.mark.parametrize("policy,dtype", slow_after(1, [(Policy.int8(), "bfloat16"),
+                                                       (Policy(Quant("int4", "token"), Quant("int4", "token"),
+                                                               rotate=True), "float16")]))
+def test_triton_kernels_give_a_token_the_same_bits_however_the_work_is_cut(policy, dtype):
+    """The CUDA path (Triton, in the interpreter here): a prompt's queries reach the decode kernel as runs of one
+    sequence, a program reading each packed tile once for several of them (``decode.run_rows``), and every query's
+    output is the same bits as when it was decoded alone, or prefilled in chunks."""
+    from kvcompile import ops
+    H, Hq, D, block, n_pages, T = 2, 4, 32, 16, 30, 50
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(11)
+    mine, other = ([torch.randn(T, h, D, generator=g).to(dt) for h in (H, H, Hq)] for _ in range(2))
+    lay = P.PageLayout(policy, H, D, dtype, block)
+    ops.set_kernels("triton")
+    try:
+        results = cut_outputs(lay, {"whole": [T], "chunks": [23, 27], "decoded": [1] * T}, mine, other, n_pages,
+                              scrambled_table(2, 12, n_pages, seed=2))
+    finally:
+        ops.set_kernels("auto")
+    for name, got in results.items():
+        assert torch.equal(bits(got), bits(results["decoded"])), (name, int((got != results["decoded"]).sum()))
+
+
 def test_a_prompts_rows_are_given_to_the_kernels_as_runs_of_one_sequence():
     """A flat batch's rows (each sequence's adjacent, in order of position) reach the kernels as runs of one
     sequence (``groups``), and rows of a run whose full precision begins at the same position as one ring."""

@@ -9,6 +9,7 @@ that span several; splits.
 """
 import pytest
 import torch
+import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -392,14 +393,18 @@ def test_decode_keys_spell_out_the_specialization():
     key, kw = decode.decode_config(Policy.kivi(4, group=32, residual=16, sink=4), 128, 4, 32, 47, 64, 8, 128, 3,
                                    0, "tf32", False, True)
     assert key == ("decode[k=int4.channel.32.asym.f16:chan;v=int4.token.32.asym.f16:groups;S=4;R=16;F=32;W=47;"
-                   "BS=64;D=128;gqa=8;bn=128;stages=3;mask=0;dot=tf32;chunk=0;full=1;words=1,2]")
+                   "BS=64;D=128;gqa=8;bn=128;stages=3;mask=0;dot=tf32;chunk=0;full=1;words=1,2;invariant=0;run=1]")
     assert kw["M"] == 8 and kw["K_CHANNEL"] and not kw["V_CHANNEL"] and kw["V_G"] == 32 and kw["FULL"]
     tok4 = Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0)
     key, kw = decode.decode_config(tok4, 128, 0, 1, 0, 16, 4, 64, 3, 0, "tf32", False, False)
-    assert key.endswith(";words=4,2]") and (kw["K_W"], kw["V_W"]) == (4, 2)  # codes read as words, halfwords
+    assert key.endswith(";words=4,2;invariant=0;run=1]") and (kw["K_W"], kw["V_W"]) == (4, 2)  # words, halfwords
     assert kw["M"] == 16  # one product for all tokens: rows padded to 16 (``decode.decode_rows``)
+    key, kw = decode.decode_config(tok4, 128, 0, 1, 0, 16, 4, 64, 3, 0, "tf32", False, False, True, True)
+    assert key.endswith(";invariant=1;run=4]") and kw["RUN"] == 4  # row-invariant: the padding holds 3 more rows
+    assert decode.decode_config(Policy.kivi(4, group=32), 128, 0, 32, 0, 64, 4, 128, 3, 0, "tf32", False, False,
+                                True, True)[1]["RUN"] == 1  # per-group products: rows not padded, a row a program
     key, kw = decode.decode_config(tok4, 128, 0, 1, 0, 16, 4, 64, 3, 0, "tf32", False, False, False)
-    assert key.endswith(";words=1,1]") and (kw["K_W"], kw["V_W"]) == (1, 1)  # rows not 4-byte aligned
+    assert ";words=1,1;" in key and (kw["K_W"], kw["V_W"]) == (1, 1)  # rows not 4-byte aligned
     key, kw = decode.decode_config(Policy.fp8("fp8_e5m2", residual=0, axis="tensor"), 128, 0, 1, 0, 16, 4, 64, 3, 0,
                                    "tf32", False, False)
     assert key.startswith("decode[k=fp8_e5m2.tensor:tile;v=fp8_e5m2.tensor:tile;")
@@ -460,3 +465,74 @@ def test_row_invariant_splits_give_a_row_the_same_bits_in_any_batch(policy):
     want, bound = launch.reference_and_bound(qh, *rows([0, 1, 2, 3], "cpu")[:1], spec, invariant=True, device=DEV)
     assert not ((got.double() - want).abs() > bound).any()
     assert not torch.equal(attend([0], False, (1, 16, 2)), attend([0], False, (1, 16, 5)))
+
+
+RUNS = [  # (policy, G, mask): layouts whose products' rows are padded to 16, where a program takes a run of rows
+    (Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0), 4, None),
+    (Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0, sink=3), 2, "bool"),
+    (Policy(Quant("fp8_e4m3", "tensor"), Quant("fp8_e4m3", "tensor"), residual=0), 3, "float"),  # NaN codes
+    (Policy(Quant("int4", "token", 8), Quant("int8", "channel", 16), residual=0), 1, None),  # ELEM keys, values
+]
+
+
+@pytest.mark.parametrize("policy,G,mask_kind", RUNS, ids=["int4", "int8-sinks-bool", "fp8-tensor-float", "elem"])
+def test_a_run_of_one_sequences_rows_gives_each_row_its_bits_alone(policy, G, mask_kind, monkeypatch):
+    """``launch.attention(..., invariant=True, groups=...)`` (a prompt's queries, each a decode row of one sequence:
+    ``kvcompile.pages``): a program takes up to ``decode.run_rows`` of the rows (their query heads fill the products'
+    padding) and reads each packed tile once for all of them -- and each row's output is the same bits as in a
+    call of its own. The rows cross a change of their split share (the longest rows' splits are longer), so the
+    runs are cut there; a poisoned token (NaN codes with the fixed fp8 scale) lies where only the longer rows see
+    it; masks hide positions per row."""
+    H, D, N = 2, 32, 300
+    spec, st = filled(policy, [N], H, D, seed=5)
+    if spec.policy.key.axis == "tensor":  # a poisoned token-head at 280: NaN codes, as the store writes them
+        from kvcompile.quant import FP8_NAN
+        blk, row = int(st.table[0, 280 // spec.block]), 280 % spec.block
+        st.k_codes[blk, 1, row] = FP8_NAN
+        st.v_codes[blk, 1, row] = FP8_NAN
+    lengths = [120, 121, 200, 250, 258, 259, 262, 270, 279, 281, 290, 300]  # share 32 up to 256 + S packed, then 48
+    B = len(lengths)
+    rep = [0] * B
+    state = st._replace(k_res=st.k_res[rep], v_res=st.v_res[rep], k_sink=st.k_sink[rep], v_sink=st.v_sink[rep],
+                        lengths=torch.tensor(lengths, dtype=torch.int32), table=st.table[rep].contiguous())
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(B, H * G, 1, D, generator=g)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(B, 1, 1, N, generator=g) > 0.3
+    elif mask_kind == "float":
+        mask = torch.where(torch.rand(B, 1, 1, N, generator=g) > 0.3, 0.0, float("-inf"))
+    grids = []
+    launch_run = decode.run
+    monkeypatch.setattr(decode, "run", lambda k, grid, *a, **kw: (grids.append((k.__name__, grid)),
+                                                                   launch_run(k, grid, *a, **kw)))
+    dev_state = type(state)(*[t.to(DEV) for t in state])
+    runs = launch.attention(q.to(DEV), dev_state, spec, None if mask is None else mask.to(DEV), invariant=True,
+                            groups=torch.tensor([0, B], dtype=torch.int32)).cpu()
+    rows = decode.run_rows(*[decode.decode_config(policy, D, spec.sink, spec.flush, spec.ring, spec.block, G, 16, 3,
+                                                  0, "ieee", False, False)[1][k] for k in ("V_MODE", "M")], G)
+    assert rows == 16 // triton.next_power_of_2(G) > 1
+    programs = grids[0][1][0] // H
+    assert grids[0][0] == "_decode_kernel" and programs < B  # runs, cut where the share changes
+    assert programs == len(decode.run_programs(torch.tensor([0, B], dtype=torch.int32),
+                                               [min(spec.boundary(x), x) for x in lengths], rows, spec.sink, 16)) - 1
+    for i in range(B):
+        one = state._replace(**{f: getattr(state, f)[i:i + 1] for f in ("k_res", "v_res", "k_sink", "v_sink",
+                                                                          "lengths", "table")})
+        alone = launch.attention(q[i:i + 1].to(DEV), type(one)(*[t.to(DEV) for t in one]), spec,
+                                 None if mask is None else mask[i:i + 1].to(DEV), invariant=True).cpu()
+        assert torch.equal(alone.isnan(), runs[i:i + 1].isnan()), i
+        assert torch.equal(alone.nan_to_num(), runs[i:i + 1].nan_to_num()), i
+    want, bound = launch.reference_and_bound(q, state, spec, mask, invariant=True, device=DEV)
+    assert torch.equal(runs.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert not ((runs.double() - want).abs() > bound)[ok].any()
+
+
+def test_runs_are_cut_at_a_sequence_a_count_and_a_share():
+    """``decode.run_programs``: a program's rows are one sequence's, at most ``rows`` of them, with one split
+    share."""
+    g = torch.tensor([0, 5, 6, 9], dtype=torch.int32)
+    stops = [10, 11, 12, 13, 14, 15, 40, 41, 300]  # row 8's share is larger (interpreter: 2 x 16 tokens, 8 splits)
+    assert decode.run_programs(g, stops, 2, 0, 16).tolist() == [0, 2, 4, 5, 6, 8, 9]
+    assert decode.run_programs(g, stops, 4, 0, 16).tolist() == [0, 4, 5, 6, 8, 9]

@@ -31,7 +31,8 @@ LAUNCHERS = {
     "kattn.launch_attention": ["q", "state", "spec", "mask", "scale", "dot", "tiles", "chunk", "rope"],
     "kstore.launch_store": ["state", "spec", "k", "v", "n_new"],
 }
-NOT_TENSORS = {"spec", "scale", "dot", "tiles", "kernel", "nsplit", "invariant", "**"}  # **: constexprs
+NOT_TENSORS = {"spec", "scale", "dot", "tiles", "kernel", "nsplit", "invariant", "**",  # **: constexprs
+               "groups"}  # host offsets of runs of rows (``launch.attention``: read on the host)
 
 
 def _bindings(scope: ast.AST) -> dict[str, list[ast.AST]]:
