@@ -16,6 +16,7 @@ token times BLOCK_N).
     python benchmarks/gpu_sass.py --smoke                  # one policy (checks the script runs)
     python benchmarks/gpu_sass.py --kernel decode --policies int4 --lines 20  # the loop's busiest source lines
     python benchmarks/gpu_sass.py --past                   # the prefill path's read-back of the past
+    python benchmarks/gpu_sass.py --runs                   # an engine's rows: a prompt's rows as runs
 
 Triton 3.6 (the GPU image's) from another folder: ``PYTHONPATH=/tmp/triton36 python benchmarks/gpu_sass.py``.
 """
@@ -57,11 +58,14 @@ def tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def compiled_decode(policy: Policy, head_dim: int, gqa: int, kernel: str, arch: int = 90, tile=None, n: int = 1):
+def compiled_decode(policy: Policy, head_dim: int, gqa: int, kernel: str, arch: int = 90, tile=None, n: int = 1,
+                    invariant: bool = False):
     """The compiled attention kernel of one decode call (B=2, 2 kv heads, 4096 tokens, the default block) as
     ``launch.attention(kernel=...)`` builds it, and its launch options. ``tile`` = (block_n, warps, stages)
     overrides the decode kernel's config (the general kernel takes block_n and warps). ``n`` > 1: a chunk of
-    ``n`` queries at the end of 4096 stored tokens (prefill over the quantized past: the general kernel)."""
+    ``n`` queries at the end of 4096 stored tokens (prefill over the quantized past: the general kernel).
+    ``invariant``: the row-invariant decode kernel (an engine's rows: ``kvcompile.pages``), whose programs take
+    runs of a sequence's rows (``decode.run_rows``)."""
     from kvcompile.templates import attention as kattn
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -87,7 +91,8 @@ def compiled_decode(policy: Policy, head_dim: int, gqa: int, kernel: str, arch: 
         state = spec.allocate(2, 4096)
         if n > 1:
             state.lengths.fill_(4096)
-        launch.attention(torch.randn(2, 2 * gqa, n, head_dim), state, spec, kernel=kernel, tiles=tiles)
+        launch.attention(torch.randn(2, 2 * gqa, n, head_dim), state, spec, kernel=kernel, tiles=tiles,
+                         invariant=invariant)
     finally:
         common._compiler, kattn.num_warps, decode.tile_config = saved
     name = "_decode_kernel" if kernel == "decode" else "_attn_kernel"
@@ -153,15 +158,15 @@ def tile_bytes(spec: LayerSpec, block_n: int) -> int:
     return block_n * spec.block_nbytes() // (spec.block * spec.heads)
 
 
-def measure(name: str, head_dim: int, gqa: int, kernel: str, tile=None) -> dict:
-    spec, c, args, options = compiled_decode(POLICIES[name], head_dim, gqa, kernel, tile=tile)
+def measure(name: str, head_dim: int, gqa: int, kernel: str, tile=None, invariant: bool = False) -> dict:
+    spec, c, args, options = compiled_decode(POLICIES[name], head_dim, gqa, kernel, tile=tile, invariant=invariant)
     st = sass_stats(c)
     st["compiled"] = c
     block_n = args["BLOCK_N"]
     threads = 32 * options.get("num_warps", 4)
     st.update(policy=name, kernel=kernel, block_n=block_n, warps=options.get("num_warps", 4),
               stages=args.get("STAGES", options.get("num_stages", 3)),
-              per_byte=st["loop"] * threads / tile_bytes(spec, block_n))
+              per_byte=st["loop"] * threads / tile_bytes(spec, block_n), rows=args.get("RUN", 1))
     return st
 
 
@@ -225,6 +230,19 @@ def row(st: dict) -> str:
             f"{st['ops']['FFMA'] + st['ops']['FMUL'] + st['ops']['FADD']} | {alu} | {st['per_byte']:.2f} |")
 
 
+def runs_row(st: dict, alone: dict) -> str:
+    """The row-invariant kernel's programs (a run of ``RUN`` rows of a sequence a program) beside a program of one
+    row: the loop's instructions per byte of a tile, and per byte and row (a prompt's rows through an engine)."""
+    return (f"| {st['policy']} | {st['block_n']} | {st['registers']} | {st['stack']} | {alone['loop']} | "
+            f"{st['loop']} | {st['rows']} | {alone['per_byte']:.2f} | {st['per_byte']:.2f} | "
+            f"{st['per_byte'] / st['rows']:.2f} |")
+
+
+RUNS_HEAD = ("| policy | BLOCK_N | registers | stack B | loop, a row a program | loop, a run a program | rows a run | "
+             "instr / byte, a row | instr / byte, a run | instr / byte and row, a run |\n"
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
 HEAD = ("| policy | kernel | BLOCK_N | warps | stages | registers | stack B | instructions | loop | HMMA | "
         "FFMA+FMUL+FADD | int ALU | loop instr / byte |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
@@ -245,6 +263,9 @@ def main(argv=None) -> None:
                     help="the general kernel over a chunk of N queries (prefill over the quantized past) instead")
     ap.add_argument("--past", action="store_true",
                     help="the prefill path's read-back of the past (templates.past, bf16 out) instead")
+    ap.add_argument("--runs", action="store_true",
+                    help="the row-invariant decode kernel (an engine's rows) beside the decode kernel: a prompt's "
+                         "rows a program")
     ap.add_argument("--lines", type=int, default=0, metavar="N",
                     help="without --sweep: each policy's N busiest source lines in the loop (instructions each)")
     args = ap.parse_args(argv)
@@ -260,6 +281,13 @@ def main(argv=None) -> None:
               f"bf16, sm_90, triton {triton.__version__}: SASS per thread (static, not timed)\n\n{PREFILL_HEAD}")
         for name in names:
             print(prefill_row(name, args.head_dim, args.gqa, args.prefill), flush=True)
+        return
+    if args.runs:
+        print(f"row-invariant decode, head_dim={args.head_dim}, gqa={args.gqa}, bf16, sm_90, triton "
+              f"{triton.__version__}: SASS per thread (static, not timed)\n\n{RUNS_HEAD}")
+        for name in names:
+            print(runs_row(measure(name, args.head_dim, args.gqa, "decode", invariant=True),
+                           measure(name, args.head_dim, args.gqa, "decode")), flush=True)
         return
     kernels = ["general", "decode"] if args.kernel == "both" else [args.kernel]
     print(f"decode (n=1), head_dim={args.head_dim}, gqa={args.gqa}, bf16, sm_90, triton {triton.__version__}: "
