@@ -25,6 +25,9 @@ bf16 SDPA, with the targets of issue 43 printed as met or missed.
    the past dequantized into bf16, then SDPA's flash kernel, ``templates.prefill``); at 8K the general Triton
    kernel too, for comparison. Then the prefill path's read-back of the past alone (``templates.past``, 32K
    tokens into bf16), GB/s over the packed bytes read and the bf16 written.
+   And a prompt's attention as an engine computes it through ``kvcompile.pages`` (vLLM's path): each query a
+   decode row of the row-invariant kernel, its rows as runs of the sequence (a program reads each packed tile
+   once for several rows: ``decode.run_rows``; checked first: each row's bits as alone) or a row a program.
 4. **Store.** Quantize-on-write: a decode append (one token, batch 32) and a 4K-token chunk, GB/s over the
    bytes read and written.
 """
@@ -127,6 +130,49 @@ def check_correctness(device: str, B: int, H: int, G: int, D: int, C: int, names
         lines.append(f"ok  {name:26s} store exact, attention within bound ({'+'.join(sorted(kernels))} kernels; "
                      f"{spec.policy.key_str()})")
     return lines + failed
+
+
+def rows_of(state, lengths):
+    """A flat batch's rows over one sequence's ``state`` (batch 1): a row a query at each of ``lengths``
+    (ascending), each with the sequence's block table, sinks and ring -- an engine's prompt, each query a decode
+    row (``kvcompile.pages``)."""
+    rep = [0] * len(lengths)
+    return state._replace(k_res=state.k_res[rep], v_res=state.v_res[rep], k_sink=state.k_sink[rep],
+                          v_sink=state.v_sink[rep], table=state.table[rep].contiguous(),
+                          lengths=torch.tensor(lengths, dtype=torch.int32, device=state.lengths.device))
+
+
+def check_runs(device: str, H: int, G: int, D: int, C: int, names, rows: int = 41, block: int = 16) -> list[str]:
+    """A prompt's rows as runs of one sequence (``decode.run_rows``: a program reads each packed tile once for
+    several rows) against each row in a call of its own: the same bits, and within the derived bound. A line
+    each; a failure is a "FAIL" line (``main`` then skips the prompt-rows timing and exits 1)."""
+    lines = []
+    g = torch.Generator().manual_seed(1)
+    for name in names:
+        spec = LayerSpec(FORMATS[name], H, D, "bfloat16", max(block, FORMATS[name].flush))
+        ref = KVStore(spec, 1, blocks=spec.blocks_for(C) + 1)
+        ref.append(torch.randn(1, H, C, D, generator=g), torch.randn(1, H, C, D, generator=g))
+        lengths = list(range(C - rows + 1, C + 1))
+        host, on_dev = rows_of(ref.state, lengths), type(ref.state)(*[t.to(device) for t in ref.state])
+        q = torch.randn(len(lengths), H * G, 1, D, generator=g).to(torch.bfloat16)
+        try:
+            runs = launch.attention(q.to(device), rows_of(on_dev, lengths), spec, invariant=True,
+                                    groups=torch.tensor([0, len(lengths)], dtype=torch.int32)).cpu()
+            alone = torch.cat([launch.attention(q[i:i + 1].to(device), rows_of(on_dev, [x]), spec,
+                                                invariant=True).cpu() for i, x in enumerate(lengths)])
+        except Exception as e:
+            lines.append(f"FAIL runs {name}: {type(e).__name__}: {e}")
+            continue
+        want, bound = launch.reference_and_bound(q, host, spec, invariant=True, device=device)
+        same = torch.equal(runs.isnan(), alone.isnan()) and torch.equal(runs.nan_to_num(), alone.nan_to_num())
+        inside = not ((runs.double() - want).abs() > bound).any()
+        if same and inside:
+            lines.append(f"ok  runs {name:21s} {len(lengths)} rows of one sequence: each row's bits as alone, "
+                         f"within bound")
+        else:
+            lines.append(f"FAIL runs {name}: {'the same bits as alone' if same else 'other bits than alone'}, "
+                         f"{'within' if inside else 'outside'} the bound")
+    return lines
 
 
 # --------------------------------------------------------------------------- 2. decode timing
@@ -304,6 +350,54 @@ def targets(rows, sl, peak_tbps, prefill_rows) -> list[str]:
     return out
 
 
+def time_prompt_rows(device: str, prompts, Hq: int, H: int, D: int, formats, smoke: bool, block: int):
+    """Rows (prompt, layout, rows a program, ms as runs, ms a row a program, SDPA's ms): a prompt's attention as an
+    engine computes it through ``kvcompile.pages`` -- each query a decode row of the row-invariant kernel over the
+    positions up to its own, ``pages.ROWS_PER_CALL`` row-heads a call -- with the rows as runs of the sequence
+    (``groups``) and each row a program of its own, against SDPA flash over the whole prompt (causal). Plain
+    calls: the runs are cut on the host."""
+    from kvcompile.pages import ROWS_PER_CALL
+    rows = []
+    step = max(1, ROWS_PER_CALL // H)
+    for T in prompts:
+        q = torch.randn(1, Hq, T, D, dtype=torch.bfloat16, device=device)
+        k = torch.randn(1, H, T, D, dtype=torch.bfloat16, device=device)
+        v = torch.randn(1, H, T, D, dtype=torch.bfloat16, device=device)
+        t_ref = bench(lambda: sdpa(q, k, v, causal=True), smoke, graph=False)
+        qr = q[0].transpose(0, 1).unsqueeze(2).contiguous()  # [T, Hq, 1, D]: a row a query
+        del k, v
+        for name in formats:
+            spec = LayerSpec(FORMATS[name], H, D, "bfloat16", max(block, FORMATS[name].flush))
+            state = filled_state(spec, device, 1, T)
+            calls = [(rows_of(state, list(range(a + 1, min(a + step, T) + 1))), qr[a:a + step])
+                     for a in range(0, T, step)]
+
+            def prompt(runs: bool):
+                for st, qc in calls:
+                    launch.attention(qc, st, spec, invariant=True,
+                                     groups=torch.tensor([0, qc.shape[0]], dtype=torch.int32) if runs else None)
+
+            run = kdecode.run_rows(*[kdecode.decode_config(spec.policy, D, spec.sink, spec.flush, spec.ring,
+                                                           spec.block, Hq // H, 16, 3, 0, "tf32", False,
+                                                           False)[1][x] for x in ("V_MODE", "M")], Hq // H)
+            rows.append((T, name, run, bench(lambda: prompt(True), smoke, graph=False),
+                         bench(lambda: prompt(False), smoke, graph=False), t_ref))
+            del state, calls
+        del q, qr
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def render_prompt_rows(rows) -> str:
+    out = ["| prompt | layout | rows a program | attention, runs (ms) | a row a program (ms) | runs' speedup | "
+           "runs x SDPA flash |", "|---:|---|---:|---:|---:|---:|---:|"]
+    for T, name, run, t_runs, t_rows, t_ref in rows:
+        out.append(f"| {fmt_ctx(T)} | {name} | {run} | {t_runs:.3f} | {t_rows:.3f} | {t_rows / t_runs:.2f}x | "
+                   f"{t_ref / t_runs:.2f}x |")
+    return "\n".join(out)
+
+
 # --------------------------------------------------------------------------- 3. prefill, 4. store
 def time_prefill(device: str, prompts, chunk: int, Hq: int, H: int, D: int, formats, smoke: bool, block: int):
     """Rows (prompt, kernel, ms, SDPA's ms, ms of storing the prompt): chunked prefill attention over the
@@ -446,6 +540,7 @@ def main(argv=None) -> str:
 
     if smoke:  # every step once, at sizes the interpreter runs in about a minute
         checks = check_correctness(device, B=2, H=1, G=2, D=64, C=34, names=["int2", "kivi4+res+sink+rot"])
+        checks += check_runs(device, H=1, G=2, D=64, C=60, names=["int4"], rows=6)
         log("correctness done")
         rows = time_decode(device, [1], [128], Hq=2, H=1, D=64, formats=["int4-kivi"], smoke=True, block=16,
                            tiles=tiles)
@@ -453,20 +548,22 @@ def main(argv=None) -> str:
         prefill = time_prefill(device, [48], 32, 2, 1, 64, ["int4"], True, 16)
         store = time_store(device, 1, 32, 1, 1, 64, ["int4"], True, 16)
         readback = time_past(device, 1, 48, 1, 64, ["int4"], True, 16)
+        prompt_rows = time_prompt_rows(device, [48], 2, 1, 64, ["int4"], True, 16)
     elif args.quick:
         checks = check_correctness(device, B=3, H=8, G=4, D=128, C=300, names=["int4", "int2-kivi", "fp8"])
         log("correctness done")
         rows = time_decode(device, [8], [32768], 32, 8, 128, list(FORMATS), False, args.block, tiles)
-        general, prefill, store, readback = [], [], [], []
+        general, prefill, store, readback, prompt_rows = [], [], [], [], []
     else:
         checks = check_correctness(device, B=3, H=8, G=4, D=128, C=300)
+        checks += check_runs(device, H=8, G=4, D=128, C=600, names=["fp8", "int8", "int4", "int2"])
         log("correctness done")
         rows = time_decode(device, [1, 8, 32], [4096, 32768, 131072], 32, 8, 128, list(FORMATS), False,
                            args.block, tiles)
         log("decode table done")
         general = time_general(device, 8, 32768, 32, 8, 128, list(FORMATS), False, args.block)
         log("general kernel done")
-        if any(c.startswith("FAIL") for c in checks):
+        if any(c.startswith("FAIL attention") for c in checks):
             prefill = []
             log("prefill timing skipped: the prefill path failed its correctness check")
         else:
@@ -478,6 +575,12 @@ def main(argv=None) -> str:
         store = time_store(device, 32, 32768, 1, 8, 128, list(FORMATS), False, args.block)
         store += time_store(device, 1, 28672, 4096, 8, 128, list(FORMATS), False, args.block)
         log("store done")
+        if any(c.startswith("FAIL runs") for c in checks):
+            prompt_rows = []
+            log("prompt rows timing skipped: the runs failed their check")
+        else:
+            prompt_rows = time_prompt_rows(device, [4096, 16384], 32, 8, 128, ["int8", "int4"], False, args.block)
+            log("prompt rows done")
     sl = {} if smoke else slopes(rows)
     sections.append("Decode (one query; 32 query heads over 8 KV heads, head_dim 128, bf16):\n\n"
                     + render_decode(rows + general, peak))
@@ -489,6 +592,10 @@ def main(argv=None) -> str:
     if readback:
         sections.append("The prefill path's read-back of the past (templates.past, 8 KV heads, head_dim 128, into "
                         "bf16):\n\n" + render_past(readback, peak))
+    if prompt_rows:
+        sections.append("A prompt's attention through an engine's rows (kvcompile.pages: each query a row of the "
+                        "row-invariant decode kernel, batch 1), its rows as runs of the sequence or a row a program, "
+                        "against SDPA flash over the whole prompt:\n\n" + render_prompt_rows(prompt_rows))
     if store:
         sections.append("Store (quantize-on-write):\n\n" + render_store(store))
     tg = targets(rows, sl, peak, prefill)
@@ -507,7 +614,7 @@ def main(argv=None) -> str:
             f.write(report)
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
             json.dump({"decode": rows, "general": general, "prefill": prefill, "readback": readback, "store": store,
-                       "targets": tg}, f)
+                       "prompt_rows": prompt_rows, "targets": tg}, f)
     if args.record:
         _results_record()(f"decode attention on {card} (benchmarks/gpu_kernels.py)", report.split("\n", 1)[1])
     if any(c.startswith("FAIL") for c in checks):

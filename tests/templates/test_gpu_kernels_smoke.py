@@ -21,4 +21,6 @@ def test_gpu_benchmark_smoke_run(tmp_path):
     assert "| 48 | int4 (general) |" in report and "| 48 | int4 (general, for comparison) |" in report
     assert "| 1 | 1 | int4 |" in report
     assert "| 1 | 48 | int4 |" in report  # the prefill path's read-back of the past
+    assert "ok  runs int4" in report  # a prompt's rows as runs of the sequence: each row's bits as alone
+    assert "| 48 | int4 | 8 |" in report  # ... and timed (2 query heads a KV head: 8 rows a program)
     assert (tmp_path / "kernels.md").read_text() == report and (tmp_path / "kernels.json").exists()
