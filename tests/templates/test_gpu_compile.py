@@ -71,13 +71,16 @@ SCRIPT = textwrap.dedent("""
             launch.store(state, spec, k, v)
             launch.attention(torch.randn(2, 2 * G, n, D), state, spec, mask, k_new=k, v_new=v, tiles=tiles, rope=rope,
                              kernel=kernel[0] if kernel else "auto")
-        # row-invariant decode (kvcompile.pages: an engine's rows): the row's own splits, the merge in order
-        for policy in (Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0, rotate=True),
-                       Policy.kivi(4, group=32, residual=128, sink=4)):
+        # row-invariant decode (kvcompile.pages: an engine's rows): the row's own splits, the merge in order; runs
+        # of a sequence's rows a program (decode.run_rows), with each row's full-precision positions and a mask too
+        for policy, mask in ((Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0, rotate=True), None),
+                             (Policy.kivi(4, group=32, residual=128, sink=4), None),
+                             (Policy(Quant("int8", "token"), Quant("int8", "token"), residual=16, sink=4),
+                              torch.zeros(2, 1, 1, 4096))):
             spec = LayerSpec(policy, 2, 128, "bfloat16", 64)
             state = spec.allocate(2, 4096)
             launch.store(state, spec, *torch.randn(2, 2, 2, 1, 128))
-            launch.attention(torch.randn(2, 8, 1, 128), state, spec, invariant=True)
+            launch.attention(torch.randn(2, 8, 1, 128), state, spec, mask, invariant=True)
         # the prefill path's past read back whole (templates.past): bf16 as bits, fp16, fp32 (pre-RoPE keys), with
         # the queries' own chunk, sinks and a ring, per-channel keys, fp8, int3
         from kvcompile.templates import past
@@ -106,6 +109,8 @@ SCRIPT = textwrap.dedent("""
           "words:", sorted({(c["K_W"], c["V_W"]) for n, c in log if n == "_decode_kernel"}),
           "invariant:", sum(bool(c.get("INVARIANT")) for n, c in log if n == "_decode_kernel"),
           sum(bool(c.get("IN_ORDER")) for n, c in log if n == "_merge_kernel"),
+          "runs:", sorted({(c["RUN"], c["FULL"], c["MASK_KIND"]) for n, c in log if n == "_decode_kernel"
+                           and c.get("INVARIANT")}),
           "rotate:", sorted((c["D"], c["OUT_F64"]) for n, c in log if n == "_rotate_kernel"),
           "past:", sorted({(c["OUT"], c["CHUNK"], c["S"] > 0, c["W"] > 0) for n, c in log if n == "_past_kernel"}),
           "fixed:", sorted({(n, c.get("E4M3", c.get("K_E4M3"))) for n, c in log
@@ -144,7 +149,9 @@ def test_kernels_compile_for_sm90():
     # codes read as words / halfwords: int4 at 128 (keys words, values halfwords; KIVI int4's values in GROUPS
     # halfwords), int2 at 128 and int4 at 64 (keys halfwords), the rest byte by byte
     assert "words: [(1, 1), (1, 2), (2, 1), (4, 2)]" in r.stdout, r.stdout
-    assert "invariant: 2 2" in r.stdout, r.stdout  # row-invariant splits and the in-order merge lower too
+    assert "invariant: 3 3" in r.stdout, r.stdout  # row-invariant splits and the in-order merge lower too
+    # (RUN, full-precision program, mask kind): runs of 4 rows (a prompt's), each row's sinks and ring, a mask
+    assert "runs: [(1, True, 0), (4, False, 0), (4, True, 2)]" in r.stdout, r.stdout
     # the rotation: fp32 out (the float32 rows), float64 out (bf16 / fp16 rows, for torch to round; float64 rows)
     assert "rotate: [(64, False), (80, True), (96, True), (128, True)]" in r.stdout, r.stdout
     # the past read back for the prefill path: (output dtype: fp32 0, bf16 bits 1, fp16 2; chunk; sinks; ring)
