@@ -144,8 +144,9 @@ def rows_of(state, lengths):
 
 def check_runs(device: str, H: int, G: int, D: int, C: int, names, rows: int = 41, block: int = 16) -> list[str]:
     """A prompt's rows as runs of one sequence (``decode.run_rows``: a program reads each packed tile once for
-    several rows) against each row in a call of its own: the same bits, and within the derived bound. A line
-    each; a failure is a "FAIL" line (``main`` then skips the prompt-rows timing and exits 1)."""
+    several rows) against each row in a call of its own (the kernel without runs, a decode step's): the same bits,
+    and within the derived bound. A line each; a failure is a "FAIL" line (``main`` then skips the prompt-rows
+    timing and exits 1)."""
     lines = []
     g = torch.Generator().manual_seed(1)
     for name in names:

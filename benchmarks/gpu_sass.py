@@ -59,13 +59,13 @@ def tool(name: str) -> str:
 
 
 def compiled_decode(policy: Policy, head_dim: int, gqa: int, kernel: str, arch: int = 90, tile=None, n: int = 1,
-                    invariant: bool = False):
+                    invariant: bool = False, runs: bool = False):
     """The compiled attention kernel of one decode call (B=2, 2 kv heads, 4096 tokens, the default block) as
     ``launch.attention(kernel=...)`` builds it, and its launch options. ``tile`` = (block_n, warps, stages)
     overrides the decode kernel's config (the general kernel takes block_n and warps). ``n`` > 1: a chunk of
     ``n`` queries at the end of 4096 stored tokens (prefill over the quantized past: the general kernel).
-    ``invariant``: the row-invariant decode kernel (an engine's rows: ``kvcompile.pages``), whose programs take
-    runs of a sequence's rows (``decode.run_rows``)."""
+    ``invariant``: the row-invariant decode kernel (an engine's rows: ``kvcompile.pages``); ``runs``: its programs
+    take runs of a sequence's rows (``decode.run_rows``: the two rows one sequence's)."""
     from kvcompile.templates import attention as kattn
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -91,8 +91,13 @@ def compiled_decode(policy: Policy, head_dim: int, gqa: int, kernel: str, arch: 
         state = spec.allocate(2, 4096)
         if n > 1:
             state.lengths.fill_(4096)
+        groups = None
+        if runs:  # a prompt's two last rows
+            state.table[1] = state.table[0]
+            state.lengths.copy_(torch.tensor([4095, 4096]))
+            groups = torch.tensor([0, 2], dtype=torch.int32)
         launch.attention(torch.randn(2, 2 * gqa, n, head_dim), state, spec, kernel=kernel, tiles=tiles,
-                         invariant=invariant)
+                         invariant=invariant or runs, groups=groups)
     finally:
         common._compiler, kattn.num_warps, decode.tile_config = saved
     name = "_decode_kernel" if kernel == "decode" else "_attn_kernel"
@@ -158,8 +163,10 @@ def tile_bytes(spec: LayerSpec, block_n: int) -> int:
     return block_n * spec.block_nbytes() // (spec.block * spec.heads)
 
 
-def measure(name: str, head_dim: int, gqa: int, kernel: str, tile=None, invariant: bool = False) -> dict:
-    spec, c, args, options = compiled_decode(POLICIES[name], head_dim, gqa, kernel, tile=tile, invariant=invariant)
+def measure(name: str, head_dim: int, gqa: int, kernel: str, tile=None, invariant: bool = False,
+            runs: bool = False) -> dict:
+    spec, c, args, options = compiled_decode(POLICIES[name], head_dim, gqa, kernel, tile=tile, invariant=invariant,
+                                             runs=runs)
     st = sass_stats(c)
     st["compiled"] = c
     block_n = args["BLOCK_N"]
@@ -231,8 +238,9 @@ def row(st: dict) -> str:
 
 
 def runs_row(st: dict, alone: dict) -> str:
-    """The row-invariant kernel's programs (a run of ``RUN`` rows of a sequence a program) beside a program of one
-    row: the loop's instructions per byte of a tile, and per byte and row (a prompt's rows through an engine)."""
+    """The row-invariant kernel's programs as a prompt's rows reach it (a run of ``RUN`` rows of a sequence a
+    program) beside a program of one row (a decode step's): the loop's instructions per byte of a tile, and per
+    byte and row."""
     return (f"| {st['policy']} | {st['block_n']} | {st['registers']} | {st['stack']} | {alone['loop']} | "
             f"{st['loop']} | {st['rows']} | {alone['per_byte']:.2f} | {st['per_byte']:.2f} | "
             f"{st['per_byte'] / st['rows']:.2f} |")
@@ -286,8 +294,8 @@ def main(argv=None) -> None:
         print(f"row-invariant decode, head_dim={args.head_dim}, gqa={args.gqa}, bf16, sm_90, triton "
               f"{triton.__version__}: SASS per thread (static, not timed)\n\n{RUNS_HEAD}")
         for name in names:
-            print(runs_row(measure(name, args.head_dim, args.gqa, "decode", invariant=True),
-                           measure(name, args.head_dim, args.gqa, "decode")), flush=True)
+            print(runs_row(measure(name, args.head_dim, args.gqa, "decode", runs=True),
+                           measure(name, args.head_dim, args.gqa, "decode", invariant=True)), flush=True)
         return
     kernels = ["general", "decode"] if args.kernel == "both" else [args.kernel]
     print(f"decode (n=1), head_dim={args.head_dim}, gqa={args.gqa}, bf16, sm_90, triton {triton.__version__}: "

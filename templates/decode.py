@@ -59,7 +59,8 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
   exponential is one ``ex2.approx.ftz`` (``_exp2``); a split's max is stored times ln 2, the merge's units.
 - **A prompt's rows as runs** (row-invariant, an engine's flat batch: ``kvcompile.pages``): the rows the products
   pad hold the query heads of the sequence's next positions, so a tile is read and unpacked once for up to
-  16 / G rows (``run_rows``), each row's arithmetic as alone.
+  16 / G rows (``run_rows``), each row's arithmetic as alone (its bits too: tested against the kernel without
+  runs, which a decode step takes).
 """
 import functools
 import json
@@ -1053,10 +1054,11 @@ def _elem_pv(acc, hit, alpha, pb, vis, byte, I: tl.constexpr, s_ptr, z_ptr, blk,
 @functools.lru_cache(maxsize=None)
 def decode_config(policy, head_dim: int, sink: int, flush: int, ring: int, block: int, gqa: int, block_n: int,
                   stages: int, mask_kind: int, dot: str, chunk: bool, full: bool,
-                  words: bool = True, invariant: bool = False) -> tuple[str, dict]:
+                  words: bool = True, invariant: bool = False, runs: bool = False) -> tuple[str, dict]:
     """The constexprs of one ``_decode_kernel`` specialization and the key that spells it out (memoised).
     ``words``: the key codes may be read as words (``key_words``; their tensor's pointer and strides are
-    multiples of 4 bytes). ``invariant``: row-invariant splits, a program a run of rows (``run_rows``)."""
+    multiples of 4 bytes). ``invariant``: row-invariant splits; ``runs`` (with it): a program a run of rows where
+    the layout allows (``run_rows``)."""
     D = head_dim
     kw = dict(D=D, S=sink, R=policy.residual, F=flush, W=ring, BS=block)
     for pre, q, mode in zip(("K_", "V_"), (policy.key, policy.value), modes(policy, D, gqa)):
@@ -1070,7 +1072,7 @@ def decode_config(policy, head_dim: int, sink: int, flush: int, ring: int, block
     M = decode_rows(kw["K_MODE"], kw["V_MODE"], D, kw["V_G"], gqa)
     kw.update(G=gqa, M=M, BLOCK_N=block_n, MASK_KIND=mask_kind, DOT=dot, CHUNK=chunk, FULL=full, STAGES=stages,
               NGV=D // kw["V_G"] if groups or rows else 1, WGV=kw["V_G"] // (8 // kw["V_BITS"]) if groups else 16,
-              INVARIANT=invariant, RUN=run_rows(kw["V_MODE"], M, gqa) if invariant else 1)
+              INVARIANT=invariant, RUN=run_rows(kw["V_MODE"], M, gqa) if invariant and runs else 1)
     key = (f"decode[k={policy.key.key()}:{MODES[kw['K_MODE']]};v={policy.value.key()}:{MODES[kw['V_MODE']]};"
            f"S={sink};R={policy.residual};F={flush};W={ring};BS={block};D={D};gqa={gqa};bn={block_n};"
            f"stages={stages};mask={mask_kind};dot={dot};chunk={int(chunk)};full={int(full)};"
@@ -1083,9 +1085,10 @@ def run_rows(value_mode: int, rows: int, gqa: int) -> int:
     ``groups``): where the products' rows are padded to 16 (``decode_rows``), the padding holds the query heads
     of the next positions of the same sequence, so that each packed tile is read and unpacked once for all of them
     (a prompt's queries, each a decode row: ``kvcompile.pages``). Each row's arithmetic is the same as alone --
-    its own scores, softmax and sums, in the same tiles and splits, in one kernel for runs of one row and of
-    several -- so its bits are too. 1 where the rows are not padded (per-group products: CHAN keys, GROUPS or
-    ROWS values) or already hold 16 query heads."""
+    its own scores, softmax and sums, in the same tiles, splits and layouts, the same operations in the same
+    order (the run adds rows, not steps) -- so its bits are too. A call without runs (a decode step) takes the
+    kernel without them, where the compiler drops the padding's rows (a run's loop is 22-36 % longer). 1 where
+    the rows are not padded (per-group products: CHAN keys, GROUPS or ROWS values) or already hold 16 heads."""
     heads = triton.next_power_of_2(gqa)
     return rows // heads if rows == 16 and heads < 16 and value_mode != MODE_ROWS else 1
 
@@ -1172,7 +1175,8 @@ def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | Non
     words = all(c.numel() > 0 and c.data_ptr() % 4 == 0 and all(x % 4 == 0 for x in c.stride()[:3])
                 for c in (state.k_codes, state.v_codes))
     _, kw = decode_config(spec.policy, D, spec.sink, spec.flush, spec.ring, spec.block, G, block_n, cfg["stages"],
-                          mask_kind, dot, chunk is not None, full, words, invariant)
+                          mask_kind, dot, chunk is not None, full, words, invariant,
+                          invariant and groups is not None and chunk is None)
     q = q.contiguous()
     dev = q.device
     slots = nsplit + int(full)
@@ -1186,13 +1190,11 @@ def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | Non
         mstr, P = mask_t.stride(), mask_t.shape[-1]
 
     programs, runs = B, state.lengths  # (a placeholder: each row a program of its own)
-    if kw["RUN"] > 1 and groups is not None and chunk is None:
+    if kw["RUN"] > 1:
         L = state.lengths.tolist()  # the rows' packed ends, which set their splits (on the host: one sync)
         width = mask.shape[-1] if mask is not None else max(L, default=0)
         runs = run_programs(groups, [min(spec.boundary(x), x, width) for x in L], kw["RUN"], spec.sink, block_n)
         programs, runs = len(runs) - 1, runs.to(dev)
-    elif kw["RUN"] > 1:  # runs of one row (a decode step): the same kernel, so the same bits as in a run
-        runs = torch.arange(B + 1, dtype=torch.int32, device=dev)
     args = dict(
         q_ptr=q, ws_acc=ws_acc, ws_ml=ws_ml, run_ptr=runs, **state_args(state), mask_ptr=nonempty(mask_t),
         kn=state.lengths if chunk is None else chunk[0], vn=state.lengths if chunk is None else chunk[1],

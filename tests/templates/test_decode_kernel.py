@@ -399,10 +399,12 @@ def test_decode_keys_spell_out_the_specialization():
     key, kw = decode.decode_config(tok4, 128, 0, 1, 0, 16, 4, 64, 3, 0, "tf32", False, False)
     assert key.endswith(";words=4,2;invariant=0;run=1]") and (kw["K_W"], kw["V_W"]) == (4, 2)  # words, halfwords
     assert kw["M"] == 16  # one product for all tokens: rows padded to 16 (``decode.decode_rows``)
+    key, kw = decode.decode_config(tok4, 128, 0, 1, 0, 16, 4, 64, 3, 0, "tf32", False, False, True, True, True)
+    assert key.endswith(";invariant=1;run=4]") and kw["RUN"] == 4  # a run of rows: the padding holds 3 more rows
     key, kw = decode.decode_config(tok4, 128, 0, 1, 0, 16, 4, 64, 3, 0, "tf32", False, False, True, True)
-    assert key.endswith(";invariant=1;run=4]") and kw["RUN"] == 4  # row-invariant: the padding holds 3 more rows
+    assert key.endswith(";invariant=1;run=1]")  # row-invariant without runs (a decode step): the padding dropped
     assert decode.decode_config(Policy.kivi(4, group=32), 128, 0, 32, 0, 64, 4, 128, 3, 0, "tf32", False, False,
-                                True, True)[1]["RUN"] == 1  # per-group products: rows not padded, a row a program
+                                True, True, True)[1]["RUN"] == 1  # per-group products: rows not padded
     key, kw = decode.decode_config(tok4, 128, 0, 1, 0, 16, 4, 64, 3, 0, "tf32", False, False, False)
     assert ";words=1,1;" in key and (kw["K_W"], kw["V_W"]) == (1, 1)  # rows not 4-byte aligned
     key, kw = decode.decode_config(Policy.fp8("fp8_e5m2", residual=0, axis="tensor"), 128, 0, 1, 0, 16, 4, 64, 3, 0,
@@ -480,7 +482,7 @@ def test_a_run_of_one_sequences_rows_gives_each_row_its_bits_alone(policy, G, ma
     """``launch.attention(..., invariant=True, groups=...)`` (a prompt's queries, each a decode row of one sequence:
     ``kvcompile.pages``): a program takes up to ``decode.run_rows`` of the rows (their query heads fill the products'
     padding) and reads each packed tile once for all of them -- and each row's output is the same bits as in a
-    call of its own. The rows cross a change of their split share (the longest rows' splits are longer), so the
+    call of its own (a decode step: the kernel without runs). The rows cross a change of their split share (the longest rows' splits are longer), so the
     runs are cut there; a poisoned token (NaN codes with the fixed fp8 scale) lies where only the longer rows see
     it; masks hide positions per row."""
     H, D, N = 2, 32, 300

@@ -81,6 +81,10 @@ SCRIPT = textwrap.dedent("""
             state = spec.allocate(2, 4096)
             launch.store(state, spec, *torch.randn(2, 2, 2, 1, 128))
             launch.attention(torch.randn(2, 8, 1, 128), state, spec, mask, invariant=True)
+            state.table[1] = state.table[0]  # the two rows one sequence's: a run
+            state.lengths.copy_(torch.tensor([1, 2]))
+            launch.attention(torch.randn(2, 8, 1, 128), state, spec, mask, invariant=True,
+                             groups=torch.tensor([0, 2], dtype=torch.int32))
         # the prefill path's past read back whole (templates.past): bf16 as bits, fp16, fp32 (pre-RoPE keys), with
         # the queries' own chunk, sinks and a ring, per-channel keys, fp8, int3
         from kvcompile.templates import past
@@ -149,9 +153,10 @@ def test_kernels_compile_for_sm90():
     # codes read as words / halfwords: int4 at 128 (keys words, values halfwords; KIVI int4's values in GROUPS
     # halfwords), int2 at 128 and int4 at 64 (keys halfwords), the rest byte by byte
     assert "words: [(1, 1), (1, 2), (2, 1), (4, 2)]" in r.stdout, r.stdout
-    assert "invariant: 3 3" in r.stdout, r.stdout  # row-invariant splits and the in-order merge lower too
-    # (RUN, full-precision program, mask kind): runs of 4 rows (a prompt's), each row's sinks and ring, a mask
-    assert "runs: [(1, True, 0), (4, False, 0), (4, True, 2)]" in r.stdout, r.stdout
+    assert "invariant: 6 6" in r.stdout, r.stdout  # row-invariant splits and the in-order merge lower too
+    # (RUN, full-precision program, mask kind): a row a program (decode steps), runs of 4 rows (a prompt's), each
+    # row's sinks and ring, a mask
+    assert "runs: [(1, False, 0), (1, True, 0), (1, True, 2), (4, False, 0), (4, True, 2)]" in r.stdout, r.stdout
     # the rotation: fp32 out (the float32 rows), float64 out (bf16 / fp16 rows, for torch to round; float64 rows)
     assert "rotate: [(64, False), (80, True), (96, True), (128, True)]" in r.stdout, r.stdout
     # the past read back for the prefill path: (output dtype: fp32 0, bf16 bits 1, fp16 2; chunk; sinks; ring)
