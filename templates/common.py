@@ -92,6 +92,9 @@ def check_groups(groups, state, n: int, k_new, rope, rings=None) -> None:
     for its rows (the C kernels' ``kvc_attention_rows``, the Triton decode kernel's runs: ``decode.run_rows``)
     read tables, lengths and rings by them."""
     B = state.lengths.shape[0]
+    if not isinstance(groups, torch.Tensor) or (rings is not None and not isinstance(rings, torch.Tensor)):
+        raise ArgumentError(f"row groups (and rings) must be int32 tensors; got {type(groups).__name__}"
+                            f"{'' if rings is None else ' and ' + type(rings).__name__}")
     if rings is not None and (rings.dtype != torch.int32 or rings.shape != (B,) or not rings.is_contiguous()
                               or bool(((rings < 0) | (rings >= state.k_res.shape[0])).any())):
         raise ArgumentError(f"rings must be int32 [{B}] indices of the state's {state.k_res.shape[0]} rings; got "

@@ -538,3 +538,24 @@ def test_runs_are_cut_at_a_sequence_a_count_and_a_share():
     stops = [10, 11, 12, 13, 14, 15, 40, 41, 300]  # row 8's share is larger (interpreter: 2 x 16 tokens, 8 splits)
     assert decode.run_programs(g, stops, 2, 0, 16).tolist() == [0, 2, 4, 5, 6, 8, 9]
     assert decode.run_programs(g, stops, 4, 0, 16).tolist() == [0, 4, 5, 6, 8, 9]
+
+
+def test_runs_that_do_not_describe_the_rows_are_refused():
+    """``launch.attention``'s ``groups`` are checked at the call (``common.check_groups``), as the C kernels' are:
+    not a tensor, rows of two tables in one run, lengths not ascending, offsets that do not cover the rows."""
+    from kvcompile.errors import ArgumentError
+    policy = Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0)
+    spec, st = filled(policy, [40, 40], 1, 32)
+    q = torch.randn(2, 2, 1, 32).to(DEV)
+    state = type(st)(*[t.to(DEV) for t in st._replace(lengths=torch.tensor([30, 40], dtype=torch.int32))])
+    with pytest.raises(ArgumentError, match="int32 tensors; got list"):
+        launch.attention(q, state, spec, invariant=True, groups=[0, 2])
+    with pytest.raises(ArgumentError, match="share their block table"):  # the two rows' tables differ
+        launch.attention(q, state, spec, invariant=True, groups=torch.tensor([0, 2], dtype=torch.int32))
+    one = state._replace(table=state.table[[0, 0]].contiguous())
+    with pytest.raises(ArgumentError, match="ascending"):
+        launch.attention(q, one._replace(lengths=one.lengths.flip(0).contiguous()), spec, invariant=True,
+                         groups=torch.tensor([0, 2], dtype=torch.int32))
+    with pytest.raises(ArgumentError, match="offsets from 0 to the 2 rows"):
+        launch.attention(q, one, spec, invariant=True, groups=torch.tensor([0, 1], dtype=torch.int32))
+    launch.attention(q, one, spec, invariant=True, groups=torch.tensor([0, 2], dtype=torch.int32))  # accepted
