@@ -106,10 +106,11 @@ def check_groups(groups, state, n: int, k_new, rope, rings=None) -> None:
             or int(groups[-1]) != B or bool((groups[1:] <= groups[:-1]).any()):
         raise ArgumentError(f"row groups must be int32 offsets from 0 to the {B} rows, increasing; got "
                             f"{groups.tolist()}")
-    head = torch.repeat_interleave(groups[:-1].long(), (groups[1:] - groups[:-1]).long())
+    g = groups.to(state.table.device, torch.long)  # (the state's device: CUDA's for the Triton kernels)
+    head = torch.repeat_interleave(g[:-1], g[1:] - g[:-1])
     L = state.lengths.long()
     rising = L[1:] > L[:-1]
-    if not bool((state.table == state.table[head]).all()) or not bool(rising[(head[1:] == head[:-1])].all()):
+    if not bool((state.table == state.table[head]).all()) or not bool(rising[head[1:] == head[:-1]].all()):
         raise ArgumentError("the rows of a group must share their block table and have lengths in ascending order")
 
 

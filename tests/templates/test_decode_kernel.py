@@ -552,10 +552,11 @@ def test_runs_that_do_not_describe_the_rows_are_refused():
         launch.attention(q, state, spec, invariant=True, groups=[0, 2])
     with pytest.raises(ArgumentError, match="share their block table"):  # the two rows' tables differ
         launch.attention(q, state, spec, invariant=True, groups=torch.tensor([0, 2], dtype=torch.int32))
-    one = state._replace(table=state.table[[0, 0]].contiguous())
+    shared = st._replace(table=st.table[[0, 0]].contiguous())  # one sequence's table in both rows
+    one = type(st)(*[t.to(DEV) for t in shared._replace(lengths=torch.tensor([30, 40], dtype=torch.int32))])
+    falling = type(st)(*[t.to(DEV) for t in shared._replace(lengths=torch.tensor([40, 30], dtype=torch.int32))])
     with pytest.raises(ArgumentError, match="ascending"):
-        launch.attention(q, one._replace(lengths=one.lengths.flip(0).contiguous()), spec, invariant=True,
-                         groups=torch.tensor([0, 2], dtype=torch.int32))
+        launch.attention(q, falling, spec, invariant=True, groups=torch.tensor([0, 2], dtype=torch.int32))
     with pytest.raises(ArgumentError, match="offsets from 0 to the 2 rows"):
         launch.attention(q, one, spec, invariant=True, groups=torch.tensor([0, 1], dtype=torch.int32))
     launch.attention(q, one, spec, invariant=True, groups=torch.tensor([0, 2], dtype=torch.int32))  # accepted
