@@ -74,9 +74,10 @@ from torch import Tensor
 from kvcompile.policy import Quant
 from kvcompile.store import KVState, LayerSpec
 
-from .attention import _INTERP, _bf16, _dot, _full_tile, _merge_kernel, _online_step, state_args
-from .common import INTERPRET, run, scale_code
-from .store import _boundary, _e4m3_value, _kind, nonempty
+from .attention import (_INTERP, _bf16, _dot, _full_tile, _merge_kernel, _online_step, layout_constexprs,
+                        state_args)
+from .common import INTERPRET, run
+from .store import _boundary, _e4m3_value, nonempty
 
 BF16_MAX = tl.constexpr(3.3895313892515355e38)  # torch.finfo(torch.bfloat16).max
 MODE_TILE, MODE_ELEM, MODE_GROUPS, MODE_CHAN, MODE_ROWS = 0, 1, 2, 3, 4
@@ -1060,11 +1061,9 @@ def decode_config(policy, head_dim: int, sink: int, flush: int, ring: int, block
     multiples of 4 bytes). ``invariant``: row-invariant splits; ``runs`` (with it): a program a run of rows where
     the layout allows (``run_rows``)."""
     D = head_dim
-    kw = dict(D=D, S=sink, R=policy.residual, F=flush, W=ring, BS=block)
-    for pre, q, mode in zip(("K_", "V_"), (policy.key, policy.value), modes(policy, D, gqa)):
-        kw.update({pre + "MODE": mode, pre + "KIND": _kind(q), pre + "BITS": q.bits,
-                   pre + "E4M3": q.format == "fp8_e4m3", pre + "CHANNEL": q.axis == "channel",
-                   pre + "G": q.group_for(D), pre + "SFMT": scale_code(q)})
+    kw = layout_constexprs(policy, D, sink, flush, ring, block)  # (quantized formats only: their groups, axes)
+    del kw["DB"]  # the general kernel's padded head; this kernel's head is a power of two (``tensor_mode``)
+    kw["K_MODE"], kw["V_MODE"] = modes(policy, D, gqa)
     kw["K_W"] = key_words(policy.key, D, kw["K_MODE"]) if words else 1
     kw["V_W"] = value_words(policy.value, D, kw["V_MODE"]) if words else 1
     groups = kw["V_MODE"] == MODE_GROUPS  # values' groups and each group's columns per slot (GROUPS only)
