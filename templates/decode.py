@@ -529,17 +529,10 @@ def _decode_kernel(
             mg = m * 0
         rb = b
         row_ok = mh < G
-    L = tl.load(len_ptr + rb)
     row_one = row_ok & (mg == 0)  # each query head once: the rows whose max and sum are written
-    hq = h * G + mh
-    mask_rows = mask_ptr + (rb.to(tl.int64) * sm_b + hq.to(tl.int64) * sm_h)[:, None]
-    if MASK_KIND == 0:
-        end = L
-    else:
-        end = tl.minimum(L, P)  # positions past the mask's width are invisible
-    QL = _boundary(L, S, R, F)
     nslots = nsplit + FULL
-    w_row = ((rb.to(tl.int64) * Hq + hq) * nslots + split)  # [M] workspace rows
+    L, end, QL, hq, mask_rows, w_row = _row_frame(len_ptr, mask_ptr, rb, mh, h, split, nslots, sm_b, sm_h, Hq, P,
+                                                  G, S, R, F, MASK_KIND)  # [M] each
     if split < nsplit:
         if CHUNK:
             stop = tl.minimum(tl.minimum(QL, end), tl.maximum(L - 1, S))
@@ -860,17 +853,11 @@ def _decode_kernel(
         tl.store(ws_ml + w_row * 2 + 1, l_i, mask=row_one)
     elif RUN > 1:  # each row of the run's full-precision positions, as a program of its own computes them
         for r in range(0, cnt):
-            br = first + r
-            Lr = tl.load(len_ptr + br)
-            if MASK_KIND == 0:
-                end_r = Lr
-            else:
-                end_r = tl.minimum(Lr, P)
-            hq_r = h * G + m
-            _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, br, h, hq_r, m < G, Lr,
-                          _boundary(Lr, S, R, F), end_r, (br.to(tl.int64) * Hq + hq_r) * nslots + split,
-                          mask_ptr + (br.to(tl.int64) * sm_b + hq_r.to(tl.int64) * sm_h)[:, None], sq_b, sq_h, sr_b,
-                          sr_h, sr_t, ssk_b, ssk_h, ssk_t, sm_c, H, sm_scale, D, S, W, M, MASK_KIND, DOT, CHUNK)
+            Lr, end_r, QLr, hq_r, mask_r, w_r = _row_frame(len_ptr, mask_ptr, first + r, m, h, split, nslots, sm_b,
+                                                           sm_h, Hq, P, G, S, R, F, MASK_KIND)
+            _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, first + r, h, hq_r, m < G, Lr, QLr, end_r,
+                          w_r, mask_r, sq_b, sq_h, sr_b, sr_h, sr_t, ssk_b, ssk_h, ssk_t, sm_c, H, sm_scale, D, S, W,
+                          M, MASK_KIND, DOT, CHUNK)
     else:  # the full-precision positions: sinks, the query's own token (CHUNK), the residual ring
         _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, b, h, hq, row_one, L, QL, end, w_row, mask_rows,
                       sq_b, sq_h, sr_b, sr_h, sr_t, ssk_b, ssk_h, ssk_t, sm_c, H, sm_scale, D, S, W, M, MASK_KIND, DOT,
@@ -900,6 +887,22 @@ def _pv_slots(acc0, acc1, acc2, acc3, pa, vt0, vt1, vt2, vt3, alpha, NS: tl.cons
         acc2 = _dot(pa, vt2, acc2 * alpha)
         acc3 = _dot(pa, vt3, acc3 * alpha)
     return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _row_frame(len_ptr, mask_ptr, rb, mh, h, split, nslots, sm_b, sm_h, Hq, P, G: tl.constexpr, S: tl.constexpr,
+               R: tl.constexpr, F: tl.constexpr, MASK_KIND: tl.constexpr):
+    """Batch row ``rb``'s (length L, end of the positions it may see, packed boundary Q(L)) and, for its query
+    heads ``mh`` (of KV head ``h``), their heads' indices, mask rows and workspace rows: one program's rows, or
+    each row of a run's in its full-precision program."""
+    L = tl.load(len_ptr + rb)
+    if MASK_KIND == 0:
+        end = L
+    else:
+        end = tl.minimum(L, P)  # positions past the mask's width are invisible
+    hq = h * G + mh
+    mask_rows = mask_ptr + (rb.to(tl.int64) * sm_b + hq.to(tl.int64) * sm_h)[:, None]
+    return L, end, _boundary(L, S, R, F), hq, mask_rows, (rb.to(tl.int64) * Hq + hq) * nslots + split
 
 
 @triton.jit
