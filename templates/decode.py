@@ -1095,25 +1095,31 @@ def run_rows(value_mode: int, rows: int, gqa: int) -> int:
     return rows // heads if rows == 16 and heads < 16 and value_mode != MODE_ROWS else 1
 
 
-def split_share(stop: int, sink: int, block_n: int) -> int:
+def split_share(stop, sink: int, block_n: int):
     """The packed positions each split of a row-invariant row takes (the kernel's ``per``, INVARIANT), from the
-    row's packed end ``stop``: ``SPLIT_MIN_TILES`` tiles, or more where ``SPLIT_MAX`` splits would not cover it."""
+    row's packed end ``stop`` (an int, or an integer tensor: each row's): ``SPLIT_MIN_TILES`` tiles, or more where
+    ``SPLIT_MAX`` splits would not cover it."""
+    if isinstance(stop, Tensor):
+        per = -(-(stop - sink).clamp_min(0) // SPLIT_MAX)
+        return (-(-per // block_n) * block_n).clamp_min(SPLIT_MIN_TILES * block_n)
     return max(SPLIT_MIN_TILES * block_n, -(-(-(-max(stop - sink, 0) // SPLIT_MAX)) // block_n) * block_n)
 
 
-def run_programs(groups: Tensor, stops: list[int], rows: int, sink: int, block_n: int) -> Tensor:
+def run_programs(groups: Tensor, stops, rows: int, sink: int, block_n: int) -> Tensor:
     """Offsets (int32, host) of the row-invariant kernel's programs: the runs of ``groups`` (offsets of runs of
     one sequence's rows, checked: ``common.check_groups``) cut into pieces of at most ``rows`` rows whose splits
-    are the same (``split_share`` of each row's packed end, ``stops``)."""
-    edges = groups.tolist()
-    share = [split_share(x, sink, block_n) for x in stops]
-    out = [0]
-    for a, b in zip(edges, edges[1:]):
-        for i in range(a + 1, b):
-            if i - out[-1] == rows or share[i] != share[out[-1]]:
-                out.append(i)
-        out.append(b)
-    return torch.tensor(out, dtype=torch.int32)
+    are the same (``split_share`` of each row's packed end, ``stops``: a list or an integer tensor). A piece
+    starts at each run's first row and where the share changes, then every ``rows`` rows (host tensor ops: a
+    prompt's thousands of rows cost no Python loop)."""
+    g = groups.to("cpu", torch.long)
+    share = split_share(torch.as_tensor(stops, dtype=torch.long).cpu(), sink, block_n)
+    B = int(g[-1])
+    i = torch.arange(B)
+    start = torch.zeros(B, dtype=torch.bool)
+    start[g[:-1]] = True
+    start[1:] |= share[1:] != share[:-1]
+    first = torch.cummax(torch.where(start, i, 0), 0).values  # each row's piece of equal share begins here
+    return torch.cat([i[(i - first) % rows == 0], torch.tensor([B])]).to(torch.int32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1193,9 +1199,11 @@ def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | Non
 
     programs, runs = B, state.lengths  # (a placeholder: each row a program of its own)
     if kw["RUN"] > 1:
-        L = state.lengths.tolist()  # the rows' packed ends, which set their splits (on the host: one sync)
-        width = mask.shape[-1] if mask is not None else max(L, default=0)
-        runs = run_programs(groups, [min(spec.boundary(x), x, width) for x in L], kw["RUN"], spec.sink, block_n)
+        L = state.lengths.to("cpu", torch.long)  # the rows' packed ends set their splits (on the host: one sync)
+        stops = torch.minimum(spec.boundary(L), L)
+        if mask is not None:  # positions past the mask's width are invisible
+            stops = stops.clamp_max(mask.shape[-1])
+        runs = run_programs(groups, stops, kw["RUN"], spec.sink, block_n)
         programs, runs = len(runs) - 1, runs.to(dev)
     args = dict(
         q_ptr=q, ws_acc=ws_acc, ws_ml=ws_ml, run_ptr=runs, **state_args(state), mask_ptr=nonempty(mask_t),
@@ -1220,7 +1228,7 @@ def packed_positions(state: KVState, spec: LayerSpec, C: int, own: int = 0) -> T
     lengths = state.lengths.long()
     dev = lengths.device
     pos = torch.arange(C, device=dev)
-    QL = torch.tensor([spec.boundary(int(x)) for x in lengths.tolist()], dtype=torch.long, device=dev)
+    QL = spec.boundary(lengths)
     top = torch.minimum(QL, lengths - own)
     return (pos[None, :] >= spec.sink) & (pos[None, :] < top[:, None])
 

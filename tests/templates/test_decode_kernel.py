@@ -540,6 +540,39 @@ def test_runs_are_cut_at_a_sequence_a_count_and_a_share():
     assert decode.run_programs(g, stops, 4, 0, 16).tolist() == [0, 4, 5, 6, 8, 9]
 
 
+def _pieces_one_by_one(groups, stops, rows, sink, block_n):
+    """``decode.run_programs``' rule, a row at a time: a piece ends at its run's end, after ``rows`` rows, or
+    before a row whose split share differs from the piece's first."""
+    share = [decode.split_share(x, sink, block_n) for x in stops]
+    edges, out = groups.tolist(), [0]
+    for a, b in zip(edges, edges[1:]):
+        for i in range(a + 1, b):
+            if i - out[-1] == rows or share[i] != share[out[-1]]:
+                out.append(i)
+        out.append(b)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_runs_are_cut_by_tensor_ops_as_a_row_at_a_time(data):
+    """``run_programs`` cuts a prompt's thousands of rows with tensor ops on the host, no Python loop a row (it runs
+    at every layer of every step through vLLM); its pieces are the rule's, a row at a time, for lists and tensors,
+    runs of any length, shares that change inside a run, and ``split_share`` of a tensor is that of each int."""
+    B = data.draw(st.integers(1, 48))
+    cuts = sorted(data.draw(st.sets(st.integers(1, B - 1), max_size=B - 1))) if B > 1 else []
+    groups = torch.tensor([0, *cuts, B], dtype=torch.int32)
+    stops = data.draw(st.lists(st.one_of(st.integers(0, 40), st.integers(0, 20000)), min_size=B, max_size=B))
+    rows = data.draw(st.sampled_from([1, 2, 4, 8, 16]))
+    sink, block_n = data.draw(st.sampled_from([0, 4])), data.draw(st.sampled_from([16, 64, 256]))
+    want = _pieces_one_by_one(groups, stops, rows, sink, block_n)
+    for given_stops in (stops, torch.tensor(stops, dtype=torch.int32)):
+        got = decode.run_programs(groups, given_stops, rows, sink, block_n)
+        assert got.dtype == torch.int32 and got.tolist() == want
+    assert decode.split_share(torch.tensor(stops), sink, block_n).tolist() == \
+        [decode.split_share(x, sink, block_n) for x in stops]
+
+
 def test_runs_that_do_not_describe_the_rows_are_refused():
     """``launch.attention``'s ``groups`` are checked at the call (``common.check_groups``), as the C kernels' are:
     not a tensor, rows of two tables in one run, lengths not ascending, offsets that do not cover the rows."""
