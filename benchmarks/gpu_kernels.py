@@ -378,9 +378,7 @@ def time_prompt_rows(device: str, prompts, Hq: int, H: int, D: int, formats, smo
                     launch.attention(qc, st, spec, invariant=True,
                                      groups=torch.tensor([0, qc.shape[0]], dtype=torch.int32) if runs else None)
 
-            run = kdecode.run_rows(*[kdecode.decode_config(spec.policy, D, spec.sink, spec.flush, spec.ring,
-                                                           spec.block, Hq // H, 16, 3, 0, "tf32", False,
-                                                           False)[1][x] for x in ("V_MODE", "M")], Hq // H)
+            run = kdecode.layer_run_rows(spec, Hq // H)
             rows.append((T, name, run, bench(lambda: prompt(True), smoke, graph=False),
                          bench(lambda: prompt(False), smoke, graph=False), t_ref))
             del state, calls

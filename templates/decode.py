@@ -1089,10 +1089,18 @@ def run_rows(value_mode: int, rows: int, gqa: int) -> int:
     (a prompt's queries, each a decode row: ``kvcompile.pages``). Each row's arithmetic is the same as alone --
     its own scores, softmax and sums, in the same tiles, splits and layouts, the same operations in the same
     order (the run adds rows, not steps) -- so its bits are too. A call without runs (a decode step) takes the
-    kernel without them, where the compiler drops the padding's rows (a run's loop is 22-36 % longer). 1 where
+    kernel without them, where the compiler drops the padding's rows (a run's loop is 12-34 % longer). 1 where
     the rows are not padded (per-group products: CHAN keys, GROUPS or ROWS values) or already hold 16 heads."""
     heads = triton.next_power_of_2(gqa)
     return rows // heads if rows == 16 and heads < 16 and value_mode != MODE_ROWS else 1
+
+
+def layer_run_rows(spec: LayerSpec, gqa: int) -> int:
+    """``run_rows`` of a layer read by ``gqa`` query heads a KV head: the rows a program of the row-invariant
+    kernel takes from a call's ``groups`` (1: a row a program; the decode kernel must serve the layout)."""
+    kw = decode_config(spec.policy, spec.head_dim, spec.sink, spec.flush, spec.ring, spec.block, gqa, 16, 3, 0,
+                       "ieee", False, False)[1]  # (tile, stages, mask and dot do not change the rows)
+    return run_rows(kw["V_MODE"], kw["M"], gqa)
 
 
 def split_share(stop, sink: int, block_n: int):

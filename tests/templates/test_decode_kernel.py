@@ -511,8 +511,7 @@ def test_a_run_of_one_sequences_rows_gives_each_row_its_bits_alone(policy, G, ma
     dev_state = type(state)(*[t.to(DEV) for t in state])
     runs = launch.attention(q.to(DEV), dev_state, spec, None if mask is None else mask.to(DEV), invariant=True,
                             groups=torch.tensor([0, B], dtype=torch.int32)).cpu()
-    rows = decode.run_rows(*[decode.decode_config(policy, D, spec.sink, spec.flush, spec.ring, spec.block, G, 16, 3,
-                                                  0, "ieee", False, False)[1][k] for k in ("V_MODE", "M")], G)
+    rows = decode.layer_run_rows(spec, G)
     assert rows == 16 // triton.next_power_of_2(G) > 1
     programs = grids[0][1][0] // H
     assert grids[0][0] == "_decode_kernel" and programs < B  # runs, cut where the share changes
