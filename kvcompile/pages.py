@@ -433,6 +433,9 @@ class Ragged(NamedTuple):
     seq_lens:    int ``[B]``, positions each sequence holds once its tokens are stored
     table:       int32 ``[B, MB]``, each sequence's pages in order
     n:           host list of each sequence's token count; before: host list of the positions each held before
+    first:       host list of each sequence's first token (``query_start[:B]``)
+    plans:       what the layers' calls derive from the batch (``_each_query``'s rows), made by the first layer that
+                 needs it and read by the others: no layer repeats the host work or its copies to the device
     """
 
     query_start: Tensor
@@ -440,6 +443,8 @@ class Ragged(NamedTuple):
     table: Tensor
     n: list
     before: list
+    first: list
+    plans: dict
 
     @classmethod
     def of(cls, query_start: Tensor, seq_lens: Tensor, table: Tensor) -> "Ragged":
@@ -454,7 +459,7 @@ class Ragged(NamedTuple):
         if any(x < 0 for x in n) or any(x < 0 for x in before):
             raise ArgumentError(f"a flat batch's sequences must hold at least their own tokens: query lengths {n}, "
                                 f"seq_lens {sl}")
-        return cls(query_start, seq_lens, table[:B].to(torch.int32), n, before)
+        return cls(query_start, seq_lens, table[:B].to(torch.int32), n, before, qs[:B], {})
 
     def groups(self) -> dict[int, list[int]]:
         """The sequences grouped by their token count (each group is one equal-length call)."""
@@ -468,7 +473,7 @@ class Ragged(NamedTuple):
         """(row of the flat batch, sequence, position) of every token, as int64 CPU tensors."""
         before = torch.tensor(self.before, dtype=torch.long)
         seq, pos = _spans(before, before + torch.tensor(self.n, dtype=torch.long))
-        first = self.query_start.to("cpu", torch.long)[:len(self.n)]
+        first = torch.tensor(self.first, dtype=torch.long)
         return first[seq] + pos - before[seq], seq, pos
 
     def padded(self, x: Tensor) -> Tensor:
@@ -586,6 +591,66 @@ def _shifted(ring: Tensor, shift: Tensor) -> Tensor:
     return ring.gather(2, at[:, None, :, None].expand(-1, ring.shape[1], -1, ring.shape[3]))
 
 
+class _Call(NamedTuple):
+    """One kernel call of ``_each_query``: its rows (a slice of the batch's tokens, and on the query's device), their
+    lengths and tables on the pages' device, runs of one sequence's rows, a sliding window's mask and the sinks it
+    has left, and the host values the rings are built from."""
+    rows: slice
+    rows_dev: Tensor
+    lengths: Tensor
+    table: Tensor
+    runs: Tensor | None
+    mask: Tensor | None
+    gone: Tensor | None
+    seq: Tensor
+    lo: Tensor | None
+    L: Tensor
+    shift: Tensor
+
+
+def _query_calls(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, windowed: bool,
+                 window: int | None) -> list[_Call]:
+    """``_each_query``'s calls for ``batch``: made once a step for every layer of this layout (``Ragged.plans``),
+    their indices copied to the device without waiting for it (``to_device``)."""
+    from .templates.common import to_device
+
+    key = (layout, pages.device, q.device, windowed, window)
+    if key in batch.plans:
+        return batch.plans[key]
+    sp = layout.spec
+    idx, seq, pos = batch.tokens()
+    L = pos + 1
+    dev = pages.device
+    table = to_device(batch.table, dev).index_select(0, to_device(seq, dev))
+    step = max(1, ROWS_PER_CALL // layout.heads)
+    lo = None
+    if windowed:
+        dt = DTYPES[layout.dtype]
+        lo = sp.boundary(L)
+        step = max(1, min(step, RING_BYTES // (2 * layout.heads * max(sp.ring, 1) * layout.head_dim * _esize(dt))))
+    shift = torch.zeros_like(L)
+    S = layout.policy.sink
+    first = None
+    if window is not None:
+        first = (L - window).clamp_min(0)  # each row's first visible position
+        table, shift = _slide(table, first, window, layout.block, S)
+    calls = []
+    for a in range(0, len(idx), step):
+        r = slice(a, a + step)
+        # runs of a sequence's rows reading the same table (a sliding window's: those whose window starts in the
+        # same page, each masked to its own), whose tiles the kernels may read once
+        mask = gone = None
+        if window is not None:
+            mask = _window_mask(L[r] - shift[r], first[r] - shift[r], _slid_width(window, layout.block, S), dev)
+            if S:  # sinks the window has left: zeros (their page may be freed and hold anything), never seen
+                gone = to_device(first[r] >= S, dev)
+        calls.append(_Call(r, to_device(idx[r], q.device), to_device((L[r] - shift[r]).to(torch.int32), dev),
+                           table[r], _runs(seq[r], shift[r]), mask, gone, seq[r], None if lo is None else lo[r],
+                           L[r], shift[r]))
+    batch.plans[key] = calls
+    return calls
+
+
 def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, scale: float | None, out: Tensor,
                 recent: Recent | None = None, window: int | None = None) -> Tensor:
     """Every query of ``batch`` as one decode row over the positions up to its own (with ``recent``: and a ring
@@ -593,47 +658,28 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
     ``window`` of them), into ``out``. A row of a sliding window is read from its window's first page on, its
     positions counted from there (``_slide``): the packed boundary moves with them (the shift is whole pages, so
     whole per-channel groups, and at most ``L - residual``: ``attention_windowed`` checks), and its ring is
-    re-slotted (``_shifted``)."""
+    re-slotted (``_shifted``). The calls' rows are the step's, for every layer (``_query_calls``)."""
     sp = layout.spec
-    idx, seq, pos = batch.tokens()
-    L = pos + 1
-    table = batch.table.index_select(0, seq.to(batch.table.device)).to(pages.device)
-    step = max(1, ROWS_PER_CALL // layout.heads)
-    if recent is not None:
-        dt = DTYPES[layout.dtype]
-        lo = sp.boundary(L)
-        step = max(1, min(step, RING_BYTES // (2 * layout.heads * max(sp.ring, 1) * layout.head_dim * _esize(dt))))
-    shift = torch.zeros_like(L)
-    S = layout.policy.sink
-    if window is not None:
-        first = (L - window).clamp_min(0)  # each row's first visible position
-        table, shift = _slide(table, first, window, layout.block, S)
-    for a in range(0, len(idx), step):
-        r = slice(a, a + step)
-        st = layout.state(pages, (L[r] - shift[r]).to(device=pages.device, dtype=torch.int32), table[r])
-        # runs of a sequence's rows reading the same table (a sliding window's: those whose window starts in the
-        # same page, each masked to its own), whose tiles the kernels may read once
-        runs, rings, mask = _runs(seq[r], shift[r]), None, None
-        if window is not None:
-            mask = _window_mask(L[r] - shift[r], first[r] - shift[r], _slid_width(window, layout.block, S),
-                                pages.device)
-            if S:  # sinks the window has left: zeros (their page may be freed and hold anything), never seen
-                gone = (first[r] >= S).to(pages.device)
-                st = st._replace(k_sink=st.k_sink.masked_fill(gone[:, None, None, None], 0),
-                                 v_sink=st.v_sink.masked_fill(gone[:, None, None, None], 0))
+    dt = DTYPES[layout.dtype]
+    for c in _query_calls(layout, pages, q, batch, recent is not None, window):
+        st = layout.state(pages, c.lengths, c.table)
+        runs, rings = c.runs, None
+        if c.gone is not None:
+            st = st._replace(k_sink=st.k_sink.masked_fill(c.gone[:, None, None, None], 0),
+                             v_sink=st.v_sink.masked_fill(c.gone[:, None, None, None], 0))
         flat = None
         if recent is not None and recent.k is not None:
             # the full-precision positions are the step's own rows (the window's, then its tokens'): each row reads
             # its own where they lie (``Recent.rows``' rule; a sliding window's rows count from their shift), the
             # C kernels in place, others from rings gathered out of them (``store.flat_rings``)
-            by = shift[r]
-            flat = FlatRecent(recent.k, recent.v, recent.row_map(seq[r]) + torch.stack([by, by, -by], 1))
+            by = c.shift
+            flat = FlatRecent(recent.k, recent.v, recent.row_map(c.seq) + torch.stack([by, by, -by], 1))
         elif recent is not None:
             # the query's own position too comes from its ring (or, once packed, from the pages): a query whose own
             # token is already packed (no window, a group it completed) reads it packed, as the store holds it.
             # Rows of a run whose full precision begins at the same position share the ring of the last of them
             # (it holds every position the others read).
-            s_, lo_, hi_, by = seq[r], lo[r], L[r], shift[r]
+            s_, lo_, hi_, by = c.seq, c.lo, c.L, c.shift
             if runs is not None:
                 new = _starts(s_, by, lo_)
                 own = new.nonzero().flatten()
@@ -642,10 +688,9 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
                 s_, lo_, hi_, by = s_[own], lo_[own], hi_[last], by[own]
             rk, rv = _ring(layout, recent, s_, lo_, hi_, sp.ring, dt)
             st = st._replace(k_res=_shifted(rk, by), v_res=_shifted(rv, by))
-        rows = idx[r].to(q.device)
-        got = ops.backend(pages.device).attention(q.index_select(0, rows).unsqueeze(2), st, sp, mask, scale,
+        got = ops.backend(pages.device).attention(q.index_select(0, c.rows_dev).unsqueeze(2), st, sp, c.mask, scale,
                                                   invariant=True, groups=runs, rings=rings, flat=flat)
-        out.index_copy_(0, rows.to(out.device), got.squeeze(2).to(out.dtype))
+        out.index_copy_(0, c.rows_dev.to(out.device), got.squeeze(2).to(out.dtype))
     return out
 
 

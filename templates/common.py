@@ -106,13 +106,29 @@ def check_groups(groups, state, n: int, k_new, rope, rings=None) -> None:
             or int(groups[-1]) != B or bool((groups[1:] <= groups[:-1]).any()):
         raise ArgumentError(f"row groups must be int32 offsets from 0 to the {B} rows, increasing; got "
                             f"{groups.tolist()}")
-    g = groups.to(state.table.device, torch.long)  # (the state's device: CUDA's for the Triton kernels)
-    head = torch.repeat_interleave(g[:-1], g[1:] - g[:-1])
+    g = to_device(groups, state.table.device).long()  # (the state's device: CUDA's for the Triton kernels)
+    head = torch.repeat_interleave(g[:-1], g[1:] - g[:-1], output_size=B)
     L = state.lengths.long()
-    rising = L[1:] > L[:-1]
-    # (one sync: no boolean indexing, whose size the host would wait for)
-    if not bool((state.table == state.table[head]).all() & (rising | (head[1:] != head[:-1])).all()):
-        raise ArgumentError("the rows of a group must share their block table and have lengths in ascending order")
+    ok = (state.table == state.table[head]).all() & ((L[1:] > L[:-1]) | (head[1:] != head[:-1])).all()
+    if ok.device.type == "cpu":
+        if not bool(ok):
+            raise ArgumentError(GROUPS_UNSHARED)
+    else:  # no host sync on a GPU (a prompt's every call through vLLM checks these): the device raises
+        torch._assert_async(ok, GROUPS_UNSHARED)
+
+
+GROUPS_UNSHARED = "the rows of a group must share their block table and have lengths in ascending order"
+
+
+def to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """``x`` on ``device``. A host tensor reaches a GPU through pinned memory, without waiting: a copy from
+    pageable memory synchronizes the stream, a host sync (``kvcompile.pages`` makes several a layer's call)."""
+    device = torch.device(device)
+    if x.device == device:
+        return x
+    if device.type == "cuda" and x.device.type == "cpu":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 def run(kernel, grid, args: dict, **options) -> None:

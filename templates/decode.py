@@ -76,7 +76,7 @@ from kvcompile.store import KVState, LayerSpec
 
 from .attention import (_INTERP, _bf16, _dot, _full_tile, _merge_kernel, _online_step, layout_constexprs,
                         state_args)
-from .common import INTERPRET, run
+from .common import INTERPRET, run, to_device
 from .store import _boundary, _e4m3_value, nonempty
 
 BF16_MAX = tl.constexpr(3.3895313892515355e38)  # torch.finfo(torch.bfloat16).max
@@ -514,11 +514,11 @@ def _decode_kernel(
     if RUN > 1:  # a run of up to RUN rows of one sequence (``run_rows``): row ``r`` of it takes rows r GP .. + GP
         GP: tl.constexpr = M // RUN
         first = tl.load(run_ptr + b)
-        cnt = tl.load(run_ptr + b + 1) - first
+        cnt = tl.load(run_ptr + b + 1) - first  # 0 past the call's runs (``run_offsets``: the grid is a bound)
         mh = m % GP
         mg = m * 0
         rb = first + tl.minimum(m // GP, cnt - 1)  # [M] each row's batch row (past the run's: its last, masked)
-        b = first  # the run's block table: one sequence's
+        b = first + tl.minimum(cnt - 1, 0)  # the run's block table: one sequence's (no run: the last row's, unread)
         row_ok = (mh < G) & (m // GP < cnt)
     else:
         if V_MODE == 4:  # ROWS: NGV copies of the query heads, one a value group
@@ -538,8 +538,8 @@ def _decode_kernel(
             stop = tl.minimum(tl.minimum(QL, end), tl.maximum(L - 1, S))
         else:
             stop = tl.minimum(QL, end)
-        if RUN > 1:  # the rows' splits are the same (``run_rows``): the longest row's
-            top = tl.max(stop, 0)
+        if RUN > 1:  # the rows' splits are the same (``run_rows``): the longest row's (no rows: none, no tiles)
+            top = tl.max(tl.where(row_ok, stop, S), 0)
         else:
             top = stop
         if INVARIANT:  # the row's own splits (SPLIT_MIN_TILES, SPLIT_MAX): one past its positions is empty
@@ -1113,21 +1113,25 @@ def split_share(stop, sink: int, block_n: int):
     return max(SPLIT_MIN_TILES * block_n, -(-(-(-max(stop - sink, 0) // SPLIT_MAX)) // block_n) * block_n)
 
 
-def run_programs(groups: Tensor, stops, rows: int, sink: int, block_n: int) -> Tensor:
-    """Offsets (int32, host) of the row-invariant kernel's programs: the runs of ``groups`` (offsets of runs of
-    one sequence's rows, checked: ``common.check_groups``) cut into pieces of at most ``rows`` rows whose splits
-    are the same (``split_share`` of each row's packed end, ``stops``: a list or an integer tensor). A piece
-    starts at each run's first row and where the share changes, then every ``rows`` rows (host tensor ops: a
-    prompt's thousands of rows cost no Python loop)."""
-    g = groups.to("cpu", torch.long)
-    share = split_share(torch.as_tensor(stops, dtype=torch.long).cpu(), sink, block_n)
-    B = int(g[-1])
-    i = torch.arange(B)
-    start = torch.zeros(B, dtype=torch.bool)
-    start[g[:-1]] = True
+def run_offsets(groups: Tensor, stops: Tensor, rows: int, sink: int, block_n: int) -> Tensor:
+    """The row-invariant kernel's programs from a call's rows, on their device with no host sync: int32
+    ``[B + 1]``, program ``k`` taking rows ``out[k] .. out[k + 1] - 1``, B (no rows) past the last. The runs of
+    ``groups`` (offsets of runs of one sequence's rows, checked: ``common.check_groups``; on ``stops``' device)
+    are cut into pieces of at most ``rows`` rows whose splits are the same (``split_share`` of each row's packed
+    end, ``stops`` [B]): a piece starts at each run's first row and where the share changes, then every ``rows``
+    rows. The launcher's grid is B programs, a bound: those past the pieces read nothing."""
+    B = stops.shape[0]
+    dev = stops.device
+    share = split_share(stops.long(), sink, block_n)
+    i = torch.arange(B, device=dev)
+    start = torch.zeros(B, dtype=torch.bool, device=dev)
+    start[groups[:-1].long()] = True
     start[1:] |= share[1:] != share[:-1]
     first = torch.cummax(torch.where(start, i, 0), 0).values  # each row's piece of equal share begins here
-    return torch.cat([i[(i - first) % rows == 0], torch.tensor([B])]).to(torch.int32)
+    cut = (i - first) % rows == 0
+    out = torch.full((B + 2,), B, dtype=torch.int32, device=dev)  # (slot B + 1 takes the rows that start none)
+    out.scatter_(0, torch.where(cut, torch.cumsum(cut, 0) - 1, B + 1), i.to(torch.int32))
+    return out[:B + 1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -1205,14 +1209,13 @@ def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | Non
         mask_t = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         mstr, P = mask_t.stride(), mask_t.shape[-1]
 
-    programs, runs = B, state.lengths  # (a placeholder: each row a program of its own)
-    if kw["RUN"] > 1:
-        L = state.lengths.to("cpu", torch.long)  # the rows' packed ends set their splits (on the host: one sync)
+    runs = state.lengths  # (a placeholder: each row a program of its own)
+    if kw["RUN"] > 1:  # B programs at most, cut on the device (the rows' packed ends set their splits)
+        L = state.lengths.long()
         stops = torch.minimum(spec.boundary(L), L)
         if mask is not None:  # positions past the mask's width are invisible
             stops = stops.clamp_max(mask.shape[-1])
-        runs = run_programs(groups, stops, kw["RUN"], spec.sink, block_n)
-        programs, runs = len(runs) - 1, runs.to(dev)
+        runs = run_offsets(to_device(groups, dev), stops, kw["RUN"], spec.sink, block_n)
     args = dict(
         q_ptr=q, ws_acc=ws_acc, ws_ml=ws_ml, run_ptr=runs, **state_args(state), mask_ptr=nonempty(mask_t),
         kn=state.lengths if chunk is None else chunk[0], vn=state.lengths if chunk is None else chunk[1],
@@ -1223,7 +1226,7 @@ def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | Non
     )
     # fp contraction on: a fused multiply-add rounds once where two operations round twice, which the bound
     # allows for (the decode kernel is not bit-exact with anything; the store kernels keep it off)
-    run(_decode_kernel, (programs * H, slots), args, num_warps=cfg["warps"], enable_fp_fusion=True)
+    run(_decode_kernel, (B * H, slots), args, num_warps=cfg["warps"], enable_fp_fusion=True)
     run(_merge_kernel, (B * Hq,), dict(out_ptr=out, ws_acc=ws_acc, ws_ml=ws_ml, nsplit=slots,
                                        NSPLIT_B=max(16, triton.next_power_of_2(slots)), DB=D, IN_ORDER=invariant))
     return out

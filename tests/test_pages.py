@@ -970,6 +970,26 @@ def test_a_sliding_window_layer_reads_each_querys_window_from_its_pages(policy, 
     assert (every[window:100] - out[window:100]).abs().amax() > 0.05
 
 
+@pytest.mark.parametrize("window", [None, 37])
+def test_a_steps_layers_share_the_rows_of_its_calls(window):
+    """Through vLLM every layer of a step reads the same flat batch (``vllm.backend.ragged``): the rows, lengths,
+    tables, runs and window masks of ``_each_query``'s calls are made by the first layer (``Ragged.plans``) and
+    read by the next, whose pages hold other tokens -- and each layer gets the same bits as with a batch of its
+    own."""
+    lay, pages, table, batch, k, v, q, out = sliding_case(Policy.int8(), "bfloat16", window=window)
+    plan = batch.plans[(lay, pages.device, q.device, False, window)]
+    assert len(batch.plans) == 1 and len(plan) >= 1
+    g = torch.Generator().manual_seed(1)
+    k2, v2, q2 = (torch.randn(x.shape, generator=g).to(x.dtype) for x in (k, v, q))
+    pages2 = engine_pages(lay, 30, interleave=2)
+    P.store_ragged(lay, pages2, k2, v2, batch)
+    second = P.attention_ragged(lay, pages2, q2, None, None, batch, 0.2, window=window)
+    assert len(batch.plans) == 1 and batch.plans[(lay, pages.device, q.device, False, window)] is plan
+    alone = P.Ragged.of(batch.query_start, batch.seq_lens, table)
+    assert torch.equal(bits(second), bits(P.attention_ragged(lay, pages2, q2, None, None, alone, 0.2, window=window)))
+    assert not torch.equal(bits(second), bits(out))  # (the second layer's own tokens)
+
+
 def test_pages_before_a_window_are_never_read():
     """An engine frees a sliding-window layer's pages wholly before the window and gives them to other sequences
     (or names its null page): filled with bytes that dequantize to NaN and inf, they change no query's output."""

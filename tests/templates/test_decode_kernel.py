@@ -506,17 +506,20 @@ def test_a_run_of_one_sequences_rows_gives_each_row_its_bits_alone(policy, G, ma
         mask = torch.where(torch.rand(B, 1, 1, N, generator=g) > 0.3, 0.0, float("-inf"))
     grids = []
     launch_run = decode.run
-    monkeypatch.setattr(decode, "run", lambda k, grid, *a, **kw: (grids.append((k.__name__, grid)),
-                                                                   launch_run(k, grid, *a, **kw)))
+    monkeypatch.setattr(decode, "run", lambda k, grid, args, **kw: (grids.append((k.__name__, grid, args)),
+                                                                     launch_run(k, grid, args, **kw)))
     dev_state = type(state)(*[t.to(DEV) for t in state])
     runs = launch.attention(q.to(DEV), dev_state, spec, None if mask is None else mask.to(DEV), invariant=True,
                             groups=torch.tensor([0, B], dtype=torch.int32)).cpu()
     rows = decode.layer_run_rows(spec, G)
     assert rows == 16 // triton.next_power_of_2(G) > 1
-    programs = grids[0][1][0] // H
-    assert grids[0][0] == "_decode_kernel" and programs < B  # runs, cut where the share changes
-    assert programs == len(decode.run_programs(torch.tensor([0, B], dtype=torch.int32),
-                                               [min(spec.boundary(x), x) for x in lengths], rows, spec.sink, 16)) - 1
+    # runs, cut where the share changes: B programs launched (a bound, no host sync), those past the pieces empty
+    name, grid, args = grids[0]
+    offsets = args["run_ptr"].cpu().tolist()
+    pieces = offsets[:offsets.index(B) + 1]
+    assert name == "_decode_kernel" and grid[0] == B * H and len(offsets) == B + 1 and set(offsets[len(pieces):]) <= {B}
+    assert 1 < len(pieces) - 1 < B and pieces == _pieces_one_by_one(
+        torch.tensor([0, B]), [min(spec.boundary(x), x) for x in lengths], rows, spec.sink, 16)
     for i in range(B):
         one = state._replace(**{f: getattr(state, f)[i:i + 1] for f in ("k_res", "v_res", "k_sink", "v_sink",
                                                                           "lengths", "table")})
@@ -531,16 +534,16 @@ def test_a_run_of_one_sequences_rows_gives_each_row_its_bits_alone(policy, G, ma
 
 
 def test_runs_are_cut_at_a_sequence_a_count_and_a_share():
-    """``decode.run_programs``: a program's rows are one sequence's, at most ``rows`` of them, with one split
-    share."""
+    """``decode.run_offsets``: a program's rows are one sequence's, at most ``rows`` of them, with one split
+    share; past the pieces, programs with no rows (B: the grid is B programs)."""
     g = torch.tensor([0, 5, 6, 9], dtype=torch.int32)
     stops = [10, 11, 12, 13, 14, 15, 40, 41, 300]  # row 8's share is larger (interpreter: 2 x 16 tokens, 8 splits)
-    assert decode.run_programs(g, stops, 2, 0, 16).tolist() == [0, 2, 4, 5, 6, 8, 9]
-    assert decode.run_programs(g, stops, 4, 0, 16).tolist() == [0, 4, 5, 6, 8, 9]
+    assert decode.run_offsets(g, torch.tensor(stops), 2, 0, 16).tolist() == [0, 2, 4, 5, 6, 8, 9, 9, 9, 9]
+    assert decode.run_offsets(g, torch.tensor(stops), 4, 0, 16).tolist() == [0, 4, 5, 6, 8, 9, 9, 9, 9, 9]
 
 
 def _pieces_one_by_one(groups, stops, rows, sink, block_n):
-    """``decode.run_programs``' rule, a row at a time: a piece ends at its run's end, after ``rows`` rows, or
+    """``decode.run_offsets``' rule, a row at a time: a piece ends at its run's end, after ``rows`` rows, or
     before a row whose split share differs from the piece's first."""
     share = [decode.split_share(x, sink, block_n) for x in stops]
     edges, out = groups.tolist(), [0]
@@ -555,9 +558,9 @@ def _pieces_one_by_one(groups, stops, rows, sink, block_n):
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_runs_are_cut_by_tensor_ops_as_a_row_at_a_time(data):
-    """``run_programs`` cuts a prompt's thousands of rows with tensor ops on the host, no Python loop a row (it runs
-    at every layer of every step through vLLM); its pieces are the rule's, a row at a time, for lists and tensors,
-    runs of any length, shares that change inside a run, and ``split_share`` of a tensor is that of each int."""
+    """``run_offsets`` cuts a prompt's thousands of rows with tensor ops on their device -- no Python loop a row, no
+    host sync (it runs at every layer of every step through vLLM); its pieces are the rule's, a row at a time, for
+    runs of any length and shares that change inside a run, then B; ``split_share`` of a tensor is each int's."""
     B = data.draw(st.integers(1, 48))
     cuts = sorted(data.draw(st.sets(st.integers(1, B - 1), max_size=B - 1))) if B > 1 else []
     groups = torch.tensor([0, *cuts, B], dtype=torch.int32)
@@ -565,9 +568,9 @@ def test_runs_are_cut_by_tensor_ops_as_a_row_at_a_time(data):
     rows = data.draw(st.sampled_from([1, 2, 4, 8, 16]))
     sink, block_n = data.draw(st.sampled_from([0, 4])), data.draw(st.sampled_from([16, 64, 256]))
     want = _pieces_one_by_one(groups, stops, rows, sink, block_n)
-    for given_stops in (stops, torch.tensor(stops, dtype=torch.int32)):
-        got = decode.run_programs(groups, given_stops, rows, sink, block_n)
-        assert got.dtype == torch.int32 and got.tolist() == want
+    got = decode.run_offsets(groups.to(DEV), torch.tensor(stops, dtype=torch.int32, device=DEV), rows, sink, block_n)
+    assert got.dtype == torch.int32 and got.device == torch.device(DEV)
+    assert got.tolist() == want + [B] * (B + 1 - len(want))
     assert decode.split_share(torch.tensor(stops), sink, block_n).tolist() == \
         [decode.split_share(x, sink, block_n) for x in stops]
 
