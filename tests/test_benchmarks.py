@@ -154,3 +154,19 @@ def test_pages_decode_smoke():
     assert [r["policy"] for r in rows] == pages_decode.POLICIES
     assert [(r["window"], r["ring"]) for r in rows] == [(False, False), (False, False), (True, True), (True, False)]
     assert all(r["ms_per_step"] > 0 for r in rows)
+
+
+def test_pages_host_smoke():
+    """The host-time benchmark of vLLM's prompt path runs the Triton launchers with their launches counted, not
+    run (its own process: it sets the interpreter flag and replaces the launcher)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "benchmarks" / "pages_host.py"
+    out = subprocess.run([sys.executable, str(script), "--tokens", "96", "--layers", "2", "--heads", "4",
+                          "--kv-heads", "2", "--head-dim", "32", "--policy", "int8"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "96-token prompt, int8, 4 query / 2 KV heads, head_dim 32: 2 launches a layer (decode and merge; " \
+           "calls: 1)" in out
+    assert "| first (makes the step's plan) |" in out and "| the others (median of 1) |" in out
