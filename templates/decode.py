@@ -1128,10 +1128,10 @@ def run_offsets(groups: Tensor, stops: Tensor, rows: int, sink: int, block_n: in
     start[groups[:-1].long()] = True
     start[1:] |= share[1:] != share[:-1]
     first = torch.cummax(torch.where(start, i, 0), 0).values  # each row's piece of equal share begins here
-    cut = (i - first) % rows == 0
-    out = torch.full((B + 2,), B, dtype=torch.int32, device=dev)  # (slot B + 1 takes the rows that start none)
-    out.scatter_(0, torch.where(cut, torch.cumsum(cut, 0) - 1, B + 1), i.to(torch.int32))
-    return out[:B + 1]
+    pieces = torch.cumsum((i - first) % rows == 0, 0)  # the pieces begun up to each row
+    # piece k begins at the first row where k + 1 have begun; past the last, B
+    out = torch.searchsorted(pieces, torch.arange(1, B + 2, device=dev))
+    return out.to(torch.int32)
 
 
 @functools.lru_cache(maxsize=None)

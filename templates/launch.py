@@ -229,8 +229,9 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     row-invariant splits and an in-order merge: ``decode.decode_tiles``), as the C kernels' always does; one
     query per row (an engine's flat batch, each query a row: ``kvcompile.pages``). Else the splits fill the GPU.
     groups: int32 ``[g + 1]`` offsets, rows ``groups[i] .. groups[i + 1] - 1`` positions of one sequence in
-    ascending order, one block table (``common.check_groups``): with ``invariant`` a program of the decode kernel
-    reads a packed tile once for several of them (``decode.run_rows``). The same bits as without ``groups``.
+    ascending order, one block table (``common.check_groups``: the offsets at the call; the tables and lengths at
+    the call on the CPU, on a GPU by a device assert, no host sync): with ``invariant`` a program of the decode
+    kernel reads a packed tile once for several of them (``decode.run_rows``). The same bits as without ``groups``.
     """
     check_supported(spec)
     _check_state(state, spec)
