@@ -53,6 +53,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops
+from .templates.common import to_device
 from .errors import ArgumentError, UnsupportedError
 from .policy import Policy
 from .store import (DTYPE_NAMES, DTYPES, POOL_FIELDS, FlatRecent, KVState, LayerSpec, check_chunk, describe,
@@ -433,7 +434,7 @@ class Ragged(NamedTuple):
     seq_lens:    int ``[B]``, positions each sequence holds once its tokens are stored
     table:       int32 ``[B, MB]``, each sequence's pages in order
     n:           host list of each sequence's token count; before: host list of the positions each held before
-    first:       host list of each sequence's first token (``query_start[:B]``)
+    starts:      host list of ``query_start`` (``B + 1``)
     plans:       what the layers' calls derive from the batch (``_each_query``'s rows), made by the first layer that
                  needs it and read by the others: no layer repeats the host work or its copies to the device
     """
@@ -443,7 +444,7 @@ class Ragged(NamedTuple):
     table: Tensor
     n: list
     before: list
-    first: list
+    starts: list
     plans: dict
 
     @classmethod
@@ -459,7 +460,7 @@ class Ragged(NamedTuple):
         if any(x < 0 for x in n) or any(x < 0 for x in before):
             raise ArgumentError(f"a flat batch's sequences must hold at least their own tokens: query lengths {n}, "
                                 f"seq_lens {sl}")
-        return cls(query_start, seq_lens, table[:B].to(torch.int32), n, before, qs[:B], {})
+        return cls(query_start, seq_lens, table[:B].to(torch.int32), n, before, qs, {})
 
     def groups(self) -> dict[int, list[int]]:
         """The sequences grouped by their token count (each group is one equal-length call)."""
@@ -473,7 +474,7 @@ class Ragged(NamedTuple):
         """(row of the flat batch, sequence, position) of every token, as int64 CPU tensors."""
         before = torch.tensor(self.before, dtype=torch.long)
         seq, pos = _spans(before, before + torch.tensor(self.n, dtype=torch.long))
-        first = torch.tensor(self.first, dtype=torch.long)
+        first = torch.tensor(self.starts[:len(self.n)], dtype=torch.long)
         return first[seq] + pos - before[seq], seq, pos
 
     def padded(self, x: Tensor) -> Tensor:
@@ -612,8 +613,6 @@ def _query_calls(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, wi
                  window: int | None) -> list[_Call]:
     """``_each_query``'s calls for ``batch``: made once a step for every layer of this layout (``Ragged.plans``),
     their indices copied to the device without waiting for it (``to_device``)."""
-    from .templates.common import to_device
-
     key = (layout, pages.device, q.device, windowed, window)
     if key in batch.plans:
         return batch.plans[key]
@@ -793,14 +792,17 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
     sp, sp0 = layout.spec, layout.packing_spec
     wk, wv = layout.window_views(window, wblock)
     dt, dev = wk.dtype, k.device
-    qs = batch.query_start.to("cpu", torch.long)[:len(batch.n) + 1]
+    qs = torch.tensor(batch.starts, dtype=torch.long)
     T = int(qs[-1]) if len(qs) else 0
     held_to = torch.tensor(batch.before, dtype=torch.long)  # positions each sequence held before the step
     n = torch.tensor(batch.n, dtype=torch.long)
     own_k = as_stored(k[:T].transpose(0, 1)[None], sp, dt, keys=True)[0].transpose(0, 1)  # [T, H, D]
     own_v = as_stored(v[:T].transpose(0, 1)[None], sp, dt)[0].transpose(0, 1)
 
-    wtab = wbatch.table.to("cpu", torch.long)  # the window's table, where the write and the reads find pages
+    # the window's table, where the write and the reads find pages (on the host: read back once a step)
+    wtab = wbatch.plans.get("host table")
+    if wtab is None:
+        wtab = wbatch.plans["host table"] = wbatch.table.to("cpu", torch.long)
 
     def write():  # the step's tokens into the window cache (a ring keeps only its newest ``wblock``)
         end = held_to + n
@@ -810,16 +812,16 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
             given = page != null_page
             seqs, pos, page, row = seqs[given], pos[given], page[given], row[given]
         if len(pos):
-            idx = (qs[seqs] + pos - held_to[seqs]).to(dev)
-            wk[page.to(dev), :, row.to(dev)] = own_k.index_select(0, idx)
-            wv[page.to(dev), :, row.to(dev)] = own_v.index_select(0, idx)
+            idx, page, row = (to_device(x, dev) for x in (qs[seqs] + pos - held_to[seqs], page, row))
+            wk[page, :, row] = own_k.index_select(0, idx)
+            wv[page, :, row] = own_v.index_select(0, idx)
 
     # the positions before the step that it reads
     lo = torch.where(n > 0, torch.minimum(sp0.boundary(held_to), sp.boundary(held_to + 1)), held_to)
     lo = torch.minimum(lo, held_to)  # (a sequence still short of its sinks reads none of its positions from here)
     if _in_cache(wtab, null_page, lo, held_to + n, wblock, ring):  # a decode step: the rings come from the cache
         write()
-        wtable = wtab.to(dev)
+        wtable = to_device(wtab, dev)
         recent = Recent(None, None, lo, None, 0, held_to, qs[:-1], (wk, wv, wtable, wblock, ring))
         return _pack(layout, pages, batch, recent, held_to, n, k, v, dt)
     # A sliding window's pages can be another request's in this very step (vLLM hands a prompt's pages to the
@@ -835,7 +837,8 @@ def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: in
             raise ArgumentError(f"the window cache has no page for position {int(pos[i])} of sequence "
                                 f"{int(seqs[i])}, which this step reads (its window: the {layout.window_tokens} "
                                 f"positions before its newest); the engine freed or never gave that page")
-        held_k, held_v = wk[page.to(dev), :, row.to(dev)], wv[page.to(dev), :, row.to(dev)]
+        page, row = to_device(page, dev), to_device(row, dev)
+        held_k, held_v = wk[page, :, row], wv[page, :, row]
     else:
         held_k = held_v = own_k[:0]
     count = held_to - lo
@@ -878,9 +881,10 @@ def _pack(layout: PageLayout, pages: Tensor, batch: Ragged, recent: Recent, held
     rk = some.new_zeros(len(held_to), *some.shape[1:])
     rv = torch.zeros_like(rk)
     if len(done):
-        rk[done.to(rk.device)], rv[done.to(rk.device)] = some, sv
+        at = to_device(done, rk.device)
+        rk[at], rv[at] = some, sv
     table = batch.table.to(pages.device)
-    st = layout.state(pages, held_to.to(device=pages.device, dtype=torch.int32), table)._replace(k_res=rk, v_res=rv)
+    st = layout.state(pages, to_device(held_to.to(torch.int32), pages.device), table)._replace(k_res=rk, v_res=rv)
     ops.backend(pages.device).store(st, sp0, batch.padded(k), batch.padded(v), n.to(torch.int32))
     layout._put_sinks(pages, st, table, sinks)
     return recent
@@ -897,13 +901,13 @@ def _ring(layout: PageLayout, recent: Recent, seq: Tensor, lo: Tensor, hi: Tenso
         if not width:
             return (torch.zeros(len(seq), H, 0, D, dtype=dtype, device=dev),) * 2
         if ring and wblock == width:  # the cache's ring is the kernels' (slot p % width): copied as it lies
-            page = wtable[seq.to(dev), 0]
+            page = wtable[to_device(seq, dev), 0]
             return wk.index_select(0, page), wv.index_select(0, page)
         start = (hi - width).unsqueeze(1)
         pos = (start + (torch.arange(width) - start) % width).clamp_min(0)  # [rows, width]: slot j's position
         rows = seq.unsqueeze(1)
-        page = wtable[rows.to(dev), 0 if ring else (pos // wblock).to(dev)]
-        at = (pos % wblock).to(dev)
+        page = wtable[to_device(rows, dev), 0 if ring else to_device(pos // wblock, dev)]
+        at = to_device(pos % wblock, dev)
         return (wk.transpose(1, 2)[page, at].transpose(1, 2).contiguous(),
                 wv.transpose(1, 2)[page, at].transpose(1, 2).contiguous())
     dev = recent.k.device
@@ -911,7 +915,7 @@ def _ring(layout: PageLayout, recent: Recent, seq: Tensor, lo: Tensor, hi: Tenso
     rv = torch.zeros_like(rk)
     span, pos, row = recent.rows(seq, lo, hi)
     if width and len(pos):
-        r, slot, idx = span.to(dev), (pos % width).to(dev), row.to(dev)
+        r, slot, idx = to_device(span, dev), to_device(pos % width, dev), to_device(row, dev)
         rk[r, :, slot] = recent.k.index_select(0, idx)
         rv[r, :, slot] = recent.v.index_select(0, idx)
     return rk, rv

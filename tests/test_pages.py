@@ -10,6 +10,7 @@ another layer's page between two of this layer's).
 """
 from __future__ import annotations
 
+import copy
 import pickle
 
 import pytest
@@ -440,6 +441,38 @@ def windowed_steps(lay, pages, wcache, wblock, table, wtable, ring, steps, g, dt
         if after is not None:
             after(held)
     return kept, held
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_a_steps_layers_read_the_window_table_back_once(ring):
+    """A step's layers share its flat batches (``vllm.backend.ragged``): the window cache's table is read back to
+    the host by the first layer's ``store_windowed`` (``Ragged.plans``), the next layer -- other pages, other tokens
+    -- reuses it and its calls' rows, and each layer's outputs are the bits of batches of its own."""
+    policy, dtype, block, wblock = Policy.kivi(4, residual=0), "float32", 64, 32
+    H, Hq, D, n_pages = 2, 4, 64, 48
+    lay = P.PageLayout(policy, H, D, dtype, block, window=True)
+    table = scrambled_table(2, 12, n_pages, seed=3)
+    wtable = scrambled_table(2, 1 if ring else 24, n_pages, seed=103)
+    g = torch.Generator().manual_seed(3)
+    qs, seq = torch.tensor([0, 70, 83]), torch.tensor([70, 13])
+    batch, wbatch = P.Ragged.of(qs, seq, table), P.Ragged.of(qs, seq, wtable)
+    assert batch.starts == [0, 70, 83]
+
+    def layer(b, wb, pages, window, k, v, q):
+        recent = P.store_windowed(lay, pages, window, wblock, k, v, b, wb, ring=ring)
+        return P.attention_windowed(lay, pages, q, b, recent, 0.125)
+
+    layers = [(engine_pages(lay, n_pages, interleave=2), window_pages(lay, n_pages, wblock, pad=64),
+               *(torch.randn(83, h, D, generator=g) for h in (H, H, Hq))) for _ in range(2)]
+    again, apart = copy.deepcopy(layers[1][:2]), copy.deepcopy(layers[1][:2])  # the second layer's pages, unwritten
+    outs = [layer(batch, wbatch, *x) for x in layers]
+    host = wbatch.plans["host table"]
+    assert torch.equal(host, wtable.long()) and len(batch.plans) == 1
+    outs.append(layer(batch, wbatch, *again, *layers[1][2:]))  # the second layer again: the same plans
+    assert wbatch.plans["host table"] is host and len(batch.plans) == 1
+    alone = layer(P.Ragged.of(qs, seq, table), P.Ragged.of(qs, seq, wtable), *apart, *layers[1][2:])
+    assert torch.equal(bits(outs[1]), bits(alone)) and torch.equal(bits(outs[2]), bits(alone))
+    assert not torch.equal(bits(outs[0]), bits(outs[1]))
 
 
 @pytest.mark.parametrize("case", range(len(WINDOWED)))
