@@ -356,7 +356,7 @@ def time_prompt_rows(device: str, prompts, Hq: int, H: int, D: int, formats, smo
     engine computes it through ``kvcompile.pages`` -- each query a decode row of the row-invariant kernel over the
     positions up to its own, ``pages.ROWS_PER_CALL`` row-heads a call -- with the rows as runs of the sequence
     (``groups``) and each row a program of its own, against SDPA flash over the whole prompt (causal). Plain
-    calls: the runs are cut on the host."""
+    calls; the runs are cut on the device (``decode.run_offsets``)."""
     from kvcompile.pages import ROWS_PER_CALL
     rows = []
     step = max(1, ROWS_PER_CALL // H)

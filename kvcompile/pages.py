@@ -593,11 +593,10 @@ def _shifted(ring: Tensor, shift: Tensor) -> Tensor:
 
 
 class _Call(NamedTuple):
-    """One kernel call of ``_each_query``: its rows (a slice of the batch's tokens, and on the query's device), their
+    """One kernel call of ``_each_query``: its rows (of the batch's tokens, on the query's device), their
     lengths and tables on the pages' device, runs of one sequence's rows, a sliding window's mask and the sinks it
     has left, and the host values the rings are built from."""
-    rows: slice
-    rows_dev: Tensor
+    rows: Tensor
     lengths: Tensor
     table: Tensor
     runs: Tensor | None
@@ -643,7 +642,7 @@ def _query_calls(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, wi
             mask = _window_mask(L[r] - shift[r], first[r] - shift[r], _slid_width(window, layout.block, S), dev)
             if S:  # sinks the window has left: zeros (their page may be freed and hold anything), never seen
                 gone = to_device(first[r] >= S, dev)
-        calls.append(_Call(r, to_device(idx[r], q.device), to_device((L[r] - shift[r]).to(torch.int32), dev),
+        calls.append(_Call(to_device(idx[r], q.device), to_device((L[r] - shift[r]).to(torch.int32), dev),
                            table[r], _runs(seq[r], shift[r]), mask, gone, seq[r], None if lo is None else lo[r],
                            L[r], shift[r]))
     batch.plans[key] = calls
@@ -687,9 +686,9 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
                 s_, lo_, hi_, by = s_[own], lo_[own], hi_[last], by[own]
             rk, rv = _ring(layout, recent, s_, lo_, hi_, sp.ring, dt)
             st = st._replace(k_res=_shifted(rk, by), v_res=_shifted(rv, by))
-        got = ops.backend(pages.device).attention(q.index_select(0, c.rows_dev).unsqueeze(2), st, sp, c.mask, scale,
+        got = ops.backend(pages.device).attention(q.index_select(0, c.rows).unsqueeze(2), st, sp, c.mask, scale,
                                                   invariant=True, groups=runs, rings=rings, flat=flat)
-        out.index_copy_(0, c.rows_dev.to(out.device), got.squeeze(2).to(out.dtype))
+        out.index_copy_(0, c.rows.to(out.device), got.squeeze(2).to(out.dtype))
     return out
 
 

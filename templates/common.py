@@ -87,10 +87,11 @@ def check_interpreter(version: str | None = None) -> None:
             f"Triton {version} compiles them.")
 
 
-def check_groups(groups, state, n: int, k_new, rope, rings=None) -> None:
+def check_groups(groups, state, n: int, k_new, rope, rings=None) -> torch.Tensor:
     """``attention``'s ``groups`` (and ``rings``) describe its rows: the kernels that read a run's packed tiles once
     for its rows (the C kernels' ``kvc_attention_rows``, the Triton decode kernel's runs: ``decode.run_rows``)
-    read tables, lengths and rings by them."""
+    read tables, lengths and rings by them. Returns the offsets (int64) on the state's device, where the check
+    put them."""
     B = state.lengths.shape[0]
     if not isinstance(groups, torch.Tensor) or (rings is not None and not isinstance(rings, torch.Tensor)):
         raise ArgumentError(f"row groups (and rings) must be int32 tensors; got {type(groups).__name__}"
@@ -115,6 +116,7 @@ def check_groups(groups, state, n: int, k_new, rope, rings=None) -> None:
             raise ArgumentError(GROUPS_UNSHARED)
     else:  # no host sync on a GPU (a prompt's every call through vLLM checks these): the device raises
         torch._assert_async(ok, GROUPS_UNSHARED)
+    return g
 
 
 GROUPS_UNSHARED = "the rows of a group must share their block table and have lengths in ascending order"

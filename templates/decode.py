@@ -1183,8 +1183,9 @@ def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | Non
     ``dot``: operand precision of the full-precision positions' products (the packed ones are bf16).
     ``block_n``, ``nsplit``: ``decode_tiles``. ``chunk``: the query's own key and value (fp32 [B, H, 1, D], as
     stored), read instead of the codes at position L - 1. ``mask``: None, or bool / float already broadcast to
-    [B, Hq, 1, P]. ``groups`` (with ``invariant``): offsets (host int32) of runs of rows that are one sequence's
-    positions in ascending order, its block table in each: a program takes up to ``run_rows`` of them."""
+    [B, Hq, 1, P]. ``groups`` (with ``invariant``): offsets (integers; ``launch.attention`` passes them checked and
+    on the device) of runs of rows that are one sequence's positions in ascending order, its block table in each:
+    a program takes up to ``run_rows`` of them."""
     B, Hq, n, D = q.shape
     H = spec.heads
     G = Hq // H

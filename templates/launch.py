@@ -248,7 +248,7 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     check_chunk(q, k_new, v_new, spec)
     check_devices(state, q=q, mask=mask, k_new=k_new, v_new=v_new)
     if groups is not None:
-        _common.check_groups(groups, state, n, k_new, rope)
+        groups = _common.check_groups(groups, state, n, k_new, rope)  # (now on the state's device)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     pl = plan(state, spec, q.shape, mask, tiles, rope is not None, kernel, q.device,
               k_new is not None and stored_chunk_needed(spec, n), invariant, q.dtype)
