@@ -595,7 +595,10 @@ def _shifted(ring: Tensor, shift: Tensor) -> Tensor:
 class _Call(NamedTuple):
     """One kernel call of ``_each_query``: its rows (of the batch's tokens, on the query's device), their
     lengths and tables on the pages' device, runs of one sequence's rows, a sliding window's mask and the sinks it
-    has left, and the host values the rings are built from."""
+    has left, the host values the rings are built from, and (windowed) the rings' rows: ``(seq, lo, hi, shift,
+    rings)`` of the rows that build a ring (of a run whose full precision begins at the same position, the last
+    row's: it holds every position the others read) and which ring each row reads (None: its own). ``memo``:
+    what the layers gather the rings with (``_ring``), made by the first."""
     rows: Tensor
     lengths: Tensor
     table: Tensor
@@ -606,6 +609,8 @@ class _Call(NamedTuple):
     lo: Tensor | None
     L: Tensor
     shift: Tensor
+    rings: tuple | None
+    memo: dict
 
 
 def _query_calls(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, windowed: bool,
@@ -642,9 +647,20 @@ def _query_calls(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, wi
             mask = _window_mask(L[r] - shift[r], first[r] - shift[r], _slid_width(window, layout.block, S), dev)
             if S:  # sinks the window has left: zeros (their page may be freed and hold anything), never seen
                 gone = to_device(first[r] >= S, dev)
+        runs = _runs(seq[r], shift[r])
+        rings = None
+        if windowed:
+            s_, lo_, hi_, by, own = seq[r], lo[r], L[r], shift[r], None
+            if runs is not None:
+                new = _starts(s_, by, lo_)
+                first = new.nonzero().flatten()
+                last = torch.cat([first[1:] - 1, torch.tensor([len(s_) - 1])])
+                own = (new.cumsum(0) - 1).to(torch.int32)
+                s_, lo_, hi_, by = s_[first], lo_[first], hi_[last], by[first]
+            rings = (s_, lo_, hi_, by, own)
         calls.append(_Call(to_device(idx[r], q.device), to_device((L[r] - shift[r]).to(torch.int32), dev),
-                           table[r], _runs(seq[r], shift[r]), mask, gone, seq[r], None if lo is None else lo[r],
-                           L[r], shift[r]))
+                           table[r], runs, mask, gone, seq[r], None if lo is None else lo[r], L[r], shift[r], rings,
+                           {}))
     batch.plans[key] = calls
     return calls
 
@@ -675,16 +691,9 @@ def _each_query(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, sca
         elif recent is not None:
             # the query's own position too comes from its ring (or, once packed, from the pages): a query whose own
             # token is already packed (no window, a group it completed) reads it packed, as the store holds it.
-            # Rows of a run whose full precision begins at the same position share the ring of the last of them
-            # (it holds every position the others read).
-            s_, lo_, hi_, by = c.seq, c.lo, c.L, c.shift
-            if runs is not None:
-                new = _starts(s_, by, lo_)
-                own = new.nonzero().flatten()
-                last = torch.cat([own[1:] - 1, torch.tensor([len(s_) - 1])])
-                rings = (new.cumsum(0) - 1).to(torch.int32)
-                s_, lo_, hi_, by = s_[own], lo_[own], hi_[last], by[own]
-            rk, rv = _ring(layout, recent, s_, lo_, hi_, sp.ring, dt)
+            # Rows of a run whose full precision begins at the same position share a ring (``_Call.rings``).
+            s_, lo_, hi_, by, rings = c.rings
+            rk, rv = _ring(layout, recent, s_, lo_, hi_, sp.ring, dt, c.memo)
             st = st._replace(k_res=_shifted(rk, by), v_res=_shifted(rv, by))
         got = ops.backend(pages.device).attention(q.index_select(0, c.rows).unsqueeze(2), st, sp, c.mask, scale,
                                                   invariant=True, groups=runs, rings=rings, flat=flat)
@@ -778,74 +787,125 @@ def _locate(table: Tensor, seqs: Tensor, pos: Tensor, wblock: int, ring: bool) -
     return table[seqs, torch.zeros_like(pos) if ring else pos // wblock], pos % wblock
 
 
+class _Window(NamedTuple):
+    """What ``store_windowed`` derives from a step's two batches and no layer's keys or values -- where the step's
+    tokens go in the window cache, which of its positions the step reads, what it packs -- made by the step's first
+    layer of a layout and read by the others (``Ragged.plans`` of the window cache's batch): the window table is
+    read back once a step, every index reaches the device once a step, and no layer repeats the host work."""
+    batch: Ragged        # the packed pages' batch it was made for
+    qs: Tensor           # int64 CPU tensors: query_start, the positions each sequence held before the step,
+    held_to: Tensor      # its tokens, and the first position before the step that it reads
+    n: Tensor
+    lo: Tensor
+    writes: tuple | None  # (row of the step's tokens, page, row) on the tokens' device: the window cache's writes
+    wtable: Tensor | None  # the window table on the device, when the step's rings come from the cache (a decode step)
+    reads: tuple | None  # else (page, row) on the device of the positions before the step that it reads,
+    start: Tensor | None  # and where each sequence's begin among them (int64 CPU)
+    held: int
+    packs: tuple | None  # what ``_pack`` writes with (done, its device copy, sinks, table, held_to int32 on the
+    # pages' device: the store advances a copy), or None: the step completes no group and writes no sinks
+
+
+def _window_plan(layout: PageLayout, pages: Tensor, dev: torch.device, wblock: int, batch: Ragged, wbatch: Ragged,
+                 ring: bool, null_page: int | None) -> _Window:
+    """``store_windowed``'s plan for this step (``_Window``), made once for the layers of ``layout``."""
+    key = ("window", layout, pages.device, dev, wblock, ring, null_page)
+    plan = wbatch.plans.get(key)
+    if plan is not None and plan.batch is batch:
+        return plan
+    sp, sp0 = layout.spec, layout.packing_spec
+    qs = torch.tensor(batch.starts, dtype=torch.long)
+    held_to = torch.tensor(batch.before, dtype=torch.long)  # positions each sequence held before the step
+    n = torch.tensor(batch.n, dtype=torch.long)
+    wtab = wbatch.table.to("cpu", torch.long)  # the window's table, where the writes and the reads find pages
+
+    # the step's tokens into the window cache (a ring keeps only its newest ``wblock``)
+    end = held_to + n
+    seqs, pos = _spans(torch.maximum(held_to, end - wblock) if ring else held_to, end)
+    page, row = _locate(wtab, seqs, pos, wblock, ring)
+    if null_page is not None:
+        given = page != null_page
+        seqs, pos, page, row = seqs[given], pos[given], page[given], row[given]
+    writes = None
+    if len(pos):
+        writes = tuple(to_device(x, dev) for x in (qs[seqs] + pos - held_to[seqs], page, row))
+
+    # the positions before the step that it reads
+    lo = torch.where(n > 0, torch.minimum(sp0.boundary(held_to), sp.boundary(held_to + 1)), held_to)
+    lo = torch.minimum(lo, held_to)  # (a sequence still short of its sinks reads none of its positions from here)
+    wtable = reads = start = None
+    held = 0
+    if _in_cache(wtab, null_page, lo, end, wblock, ring):  # a decode step: the rings come from the cache
+        wtable = to_device(wtab, dev)
+    else:
+        seqs, pos = _spans(lo, held_to)
+        held = len(pos)
+        if held:
+            page, row = _locate(wtab, seqs, pos, wblock, ring)
+            if null_page is not None and bool((page == null_page).any()):
+                i = int((page == null_page).nonzero()[0])
+                raise ArgumentError(f"the window cache has no page for position {int(pos[i])} of sequence "
+                                    f"{int(seqs[i])}, which this step reads (its window: the {layout.window_tokens} "
+                                    f"positions before its newest); the engine freed or never gave that page")
+            reads = to_device(page, dev), to_device(row, dev)
+        count = held_to - lo
+        start = torch.cumsum(count, 0) - count
+
+    # the groups the step's write completes (``_pack``)
+    packs = None
+    if any(batch.n):
+        done = (sp0.boundary(end) > sp0.boundary(held_to)).nonzero().flatten()
+        sinks = (held_to < layout.policy.sink) & (n > 0)  # sequences whose sinks this step writes
+        if len(done) or bool(sinks.any()):  # (most decode steps: none, and the store would keep nothing it wrote)
+            packs = (done, to_device(done, dev), sinks, batch.table.to(pages.device),
+                     to_device(held_to.to(torch.int32), pages.device))
+    plan = wbatch.plans[key] = _Window(batch, qs, held_to, n, lo, writes, wtable, reads, start, held, packs)
+    return plan
+
+
 def store_windowed(layout: PageLayout, pages: Tensor, window: Tensor, wblock: int, k: Tensor, v: Tensor,
                    batch: Ragged, wbatch: Ragged, ring: bool = False, null_page: int | None = None) -> Recent:
     """``store_ragged`` for a layout with a window: the tokens ``k, v [T, H, D]`` go in full precision into the
     window cache (``wbatch``'s pages; ``ring``: see above; positions on page ``null_page`` are not written, and
     reading one is an error), and every ``flush``-group they complete into the packed pages (``batch``'s) -- the
     bytes ``kvcompile.store.store_reference`` writes for those positions. Returns what ``attention_windowed`` reads
-    for the same step (``Recent``)."""
+    for the same step (``Recent``). The step's indices are planned by its first layer (``_Window``)."""
     if not layout.window:
         raise ArgumentError("store_windowed takes a layout with window=True; use store_ragged")
     from .store import as_stored
-    sp, sp0 = layout.spec, layout.packing_spec
+    sp = layout.spec
     wk, wv = layout.window_views(window, wblock)
     dt, dev = wk.dtype, k.device
-    qs = torch.tensor(batch.starts, dtype=torch.long)
-    T = int(qs[-1]) if len(qs) else 0
-    held_to = torch.tensor(batch.before, dtype=torch.long)  # positions each sequence held before the step
-    n = torch.tensor(batch.n, dtype=torch.long)
+    plan = _window_plan(layout, pages, dev, wblock, batch, wbatch, ring, null_page)
+    T = batch.starts[-1] if batch.starts else 0
     own_k = as_stored(k[:T].transpose(0, 1)[None], sp, dt, keys=True)[0].transpose(0, 1)  # [T, H, D]
     own_v = as_stored(v[:T].transpose(0, 1)[None], sp, dt)[0].transpose(0, 1)
 
-    # the window's table, where the write and the reads find pages (on the host: read back once a step)
-    wtab = wbatch.plans.get("host table")
-    if wtab is None:
-        wtab = wbatch.plans["host table"] = wbatch.table.to("cpu", torch.long)
-
-    def write():  # the step's tokens into the window cache (a ring keeps only its newest ``wblock``)
-        end = held_to + n
-        seqs, pos = _spans(torch.maximum(held_to, end - wblock) if ring else held_to, end)
-        page, row = _locate(wtab, seqs, pos, wblock, ring)
-        if null_page is not None:
-            given = page != null_page
-            seqs, pos, page, row = seqs[given], pos[given], page[given], row[given]
-        if len(pos):
-            idx, page, row = (to_device(x, dev) for x in (qs[seqs] + pos - held_to[seqs], page, row))
+    def write():  # the step's tokens into the window cache
+        if plan.writes is not None:
+            idx, page, row = plan.writes
             wk[page, :, row] = own_k.index_select(0, idx)
             wv[page, :, row] = own_v.index_select(0, idx)
 
-    # the positions before the step that it reads
-    lo = torch.where(n > 0, torch.minimum(sp0.boundary(held_to), sp.boundary(held_to + 1)), held_to)
-    lo = torch.minimum(lo, held_to)  # (a sequence still short of its sinks reads none of its positions from here)
-    if _in_cache(wtab, null_page, lo, held_to + n, wblock, ring):  # a decode step: the rings come from the cache
+    if plan.wtable is not None:  # a decode step: the rings come from the cache
         write()
-        wtable = to_device(wtab, dev)
-        recent = Recent(None, None, lo, None, 0, held_to, qs[:-1], (wk, wv, wtable, wblock, ring))
-        return _pack(layout, pages, batch, recent, held_to, n, k, v, dt)
+        recent = Recent(None, None, plan.lo, None, 0, plan.held_to, plan.qs[:-1], (wk, wv, plan.wtable, wblock, ring))
+        return _pack(layout, pages, batch, recent, plan, k, v, dt)
     # A sliding window's pages can be another request's in this very step (vLLM hands a prompt's pages to the
     # prefix cache as soon as they are scheduled): written first, then read. A ring is its request's alone, and
     # the step's tokens may overwrite slots it still reads: read first.
     if not ring:
         write()
-    seqs, pos = _spans(lo, held_to)
-    if len(pos):
-        page, row = _locate(wtab, seqs, pos, wblock, ring)
-        if null_page is not None and bool((page == null_page).any()):
-            i = int((page == null_page).nonzero()[0])
-            raise ArgumentError(f"the window cache has no page for position {int(pos[i])} of sequence "
-                                f"{int(seqs[i])}, which this step reads (its window: the {layout.window_tokens} "
-                                f"positions before its newest); the engine freed or never gave that page")
-        page, row = to_device(page, dev), to_device(row, dev)
+    if plan.reads is not None:
+        page, row = plan.reads
         held_k, held_v = wk[page, :, row], wv[page, :, row]
     else:
         held_k = held_v = own_k[:0]
-    count = held_to - lo
-    recent = Recent(torch.cat([held_k, own_k]), torch.cat([held_v, own_v]), lo, torch.cumsum(count, 0) - count,
-                    len(pos), held_to, qs[:-1])
+    recent = Recent(torch.cat([held_k, own_k]), torch.cat([held_v, own_v]), plan.lo, plan.start, plan.held,
+                    plan.held_to, plan.qs[:-1])
     if ring:
         write()
-    return _pack(layout, pages, batch, recent, held_to, n, k, v, dt)
+    return _pack(layout, pages, batch, recent, plan, k, v, dt)
 
 
 def _in_cache(table: Tensor, null_page: int | None, lo: Tensor, end: Tensor, wblock: int, ring: bool) -> bool:
@@ -863,50 +923,48 @@ def _in_cache(table: Tensor, null_page: int | None, lo: Tensor, end: Tensor, wbl
     return null_page is None or not bool((_locate(table, seqs, pos, wblock, ring)[0] == null_page).any())
 
 
-def _pack(layout: PageLayout, pages: Tensor, batch: Ragged, recent: Recent, held_to: Tensor, n: Tensor, k: Tensor,
-          v: Tensor, dt) -> Recent:
+def _pack(layout: PageLayout, pages: Tensor, batch: Ragged, recent: Recent, plan: _Window, k: Tensor, v: Tensor,
+          dt) -> Recent:
     """The groups a step's write completes, packed now: a store of the same layout without the recent window packs
     every whole group at once (the bytes of a group depend on its tokens alone), its ring the pending group."""
-    if not any(batch.n):
-        return recent
+    if plan.packs is None:
+        return recent  # (most decode steps: no group completes, and the store would keep nothing it wrote)
     sp0 = layout.packing_spec
+    done, at, sinks, table, held = plan.packs
+    held_to = plan.held_to
     # the pending group's positions, for the sequences whose write completes a group (the others pack nothing, and
     # what the store writes into their rings is not kept: the window cache holds their positions)
-    done = (sp0.boundary(held_to + n) > sp0.boundary(held_to)).nonzero().flatten()
-    sinks = (held_to < layout.policy.sink) & (n > 0)  # sequences whose sinks this step writes
-    if not len(done) and not bool(sinks.any()):
-        return recent  # (most decode steps: no group completes, and the store would keep nothing it wrote)
     some, sv = _ring(layout, recent, done, sp0.boundary(held_to)[done], held_to[done], sp0.ring, dt)
     rk = some.new_zeros(len(held_to), *some.shape[1:])
     rv = torch.zeros_like(rk)
     if len(done):
-        at = to_device(done, rk.device)
         rk[at], rv[at] = some, sv
-    table = batch.table.to(pages.device)
-    st = layout.state(pages, to_device(held_to.to(torch.int32), pages.device), table)._replace(k_res=rk, v_res=rv)
-    ops.backend(pages.device).store(st, sp0, batch.padded(k), batch.padded(v), n.to(torch.int32))
+    st = layout.state(pages, held.clone(), table)._replace(k_res=rk, v_res=rv)  # (the store advances it in place)
+    ops.backend(pages.device).store(st, sp0, batch.padded(k), batch.padded(v), plan.n.to(torch.int32))
     layout._put_sinks(pages, st, table, sinks)
     return recent
 
 
-def _ring(layout: PageLayout, recent: Recent, seq: Tensor, lo: Tensor, hi: Tensor, width: int, dtype):
+def _ring(layout: PageLayout, recent: Recent, seq: Tensor, lo: Tensor, hi: Tensor, width: int, dtype,
+          memo: dict | None = None):
     """Rings ``[len(seq), H, width, D]`` (slot ``p % width``, as the store's) holding positions ``[lo[r], hi[r])`` of
     sequence ``seq[r]`` from ``recent`` (from the window cache itself: the slots before ``lo[r]`` then hold older
-    positions, or whatever the cache holds there -- never read)."""
+    positions, or whatever the cache holds there -- never read). ``memo``: where the layers of a step keep the
+    window cache's indices of these rings (made by the first: ``_Call.memo``)."""
     H, D = layout.heads, layout.head_dim
     if recent.cache is not None:
         wk, wv, wtable, wblock, ring = recent.cache
         dev = wk.device
         if not width:
             return (torch.zeros(len(seq), H, 0, D, dtype=dtype, device=dev),) * 2
-        if ring and wblock == width:  # the cache's ring is the kernels' (slot p % width): copied as it lies
-            page = wtable[to_device(seq, dev), 0]
+        got = memo.get("ring") if memo is not None else None
+        if got is None or got[0] is not wtable or got[1] != (wblock, ring, width):
+            got = (wtable, (wblock, ring, width), _ring_index(seq, hi, wtable, wblock, ring, width))
+            if memo is not None:
+                memo["ring"] = got
+        page, at = got[2]
+        if at is None:  # the cache's ring is the kernels' (slot p % width): copied as it lies
             return wk.index_select(0, page), wv.index_select(0, page)
-        start = (hi - width).unsqueeze(1)
-        pos = (start + (torch.arange(width) - start) % width).clamp_min(0)  # [rows, width]: slot j's position
-        rows = seq.unsqueeze(1)
-        page = wtable[to_device(rows, dev), 0 if ring else to_device(pos // wblock, dev)]
-        at = to_device(pos % wblock, dev)
         return (wk.transpose(1, 2)[page, at].transpose(1, 2).contiguous(),
                 wv.transpose(1, 2)[page, at].transpose(1, 2).contiguous())
     dev = recent.k.device
@@ -918,6 +976,19 @@ def _ring(layout: PageLayout, recent: Recent, seq: Tensor, lo: Tensor, hi: Tenso
         rk[r, :, slot] = recent.k.index_select(0, idx)
         rv[r, :, slot] = recent.v.index_select(0, idx)
     return rk, rv
+
+
+def _ring_index(seq: Tensor, hi: Tensor, wtable: Tensor, wblock: int, ring: bool, width: int):
+    """Where rings of ``width`` slots ending before ``hi[r]`` of sequences ``seq`` (int64 CPU) lie in the window
+    cache whose table ``wtable`` is on its device: ``(page, None)`` where the cache's ring is the kernels' (one page
+    a row), else ``(page, row)`` ``[rows, width]`` of every slot, on the table's device."""
+    dev = wtable.device
+    if ring and wblock == width:
+        return wtable[to_device(seq, dev), 0], None
+    start = (hi - width).unsqueeze(1)
+    pos = (start + (torch.arange(width) - start) % width).clamp_min(0)  # [rows, width]: slot j's position
+    page = wtable[to_device(seq.unsqueeze(1), dev), 0 if ring else to_device(pos // wblock, dev)]
+    return page, to_device(pos % wblock, dev)
 
 
 def attention_windowed(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, recent: Recent,

@@ -157,8 +157,9 @@ def test_pages_decode_smoke():
 
 
 def test_pages_host_smoke():
-    """The host-time benchmark of vLLM's prompt path runs the Triton launchers with their launches counted, not
-    run (its own process: it sets the interpreter flag and replaces the launcher)."""
+    """The host-time benchmark of vLLM's prompt path, and of a windowed layout's decode step, runs the Triton
+    launchers with their launches counted, not run (its own process: it sets the interpreter flag and replaces the
+    launchers)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -170,3 +171,8 @@ def test_pages_host_smoke():
     assert "96-token prompt, int8, 4 query / 2 KV heads, head_dim 32: 2 launches a layer (decode and merge; " \
            "calls: 1)" in out
     assert "| first (makes the step's plan) |" in out and "| the others (median of 1) |" in out
+    out = subprocess.run([sys.executable, str(script), "--decode", "3", "--tokens", "200", "--layers", "2",
+                          "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--policy", "kivi2"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "decode step of 3 sequences at 200 positions, kivi2 (window cache of 32-token pages), 4 query / 2 KV " \
+           "heads, head_dim 64: 2 launches a layer" in out and "| the others (median of 1) |" in out

@@ -444,10 +444,11 @@ def windowed_steps(lay, pages, wcache, wblock, table, wtable, ring, steps, g, dt
 
 
 @pytest.mark.parametrize("ring", [False, True])
-def test_a_steps_layers_read_the_window_table_back_once(ring):
-    """A step's layers share its flat batches (``vllm.backend.ragged``): the window cache's table is read back to
-    the host by the first layer's ``store_windowed`` (``Ragged.plans``), the next layer -- other pages, other tokens
-    -- reuses it and its calls' rows, and each layer's outputs are the bits of batches of its own."""
+def test_a_steps_layers_share_the_window_plan_of_its_first(ring, monkeypatch):
+    """A step's layers share its flat batches (``vllm.backend.ragged``): the first layer's ``store_windowed``
+    plans the step (``pages._Window``: the window table read back, the writes' and reads' indices, what it packs),
+    the next layer -- other pages, other tokens -- reuses the plan and its calls' rows, and each layer's outputs,
+    packed pages and window cache are the bits of batches of its own."""
     policy, dtype, block, wblock = Policy.kivi(4, residual=0), "float32", 64, 32
     H, Hq, D, n_pages = 2, 4, 64, 48
     lay = P.PageLayout(policy, H, D, dtype, block, window=True)
@@ -457,6 +458,8 @@ def test_a_steps_layers_read_the_window_table_back_once(ring):
     qs, seq = torch.tensor([0, 70, 83]), torch.tensor([70, 13])
     batch, wbatch = P.Ragged.of(qs, seq, table), P.Ragged.of(qs, seq, wtable)
     assert batch.starts == [0, 70, 83]
+    planned, in_cache = [], P._in_cache  # a plan reads the window table to ask whether the cache holds the rings
+    monkeypatch.setattr(P, "_in_cache", lambda *a: planned.append(1) or in_cache(*a))
 
     def layer(b, wb, pages, window, k, v, q):
         recent = P.store_windowed(lay, pages, window, wblock, k, v, b, wb, ring=ring)
@@ -466,13 +469,73 @@ def test_a_steps_layers_read_the_window_table_back_once(ring):
                *(torch.randn(83, h, D, generator=g) for h in (H, H, Hq))) for _ in range(2)]
     again, apart = copy.deepcopy(layers[1][:2]), copy.deepcopy(layers[1][:2])  # the second layer's pages, unwritten
     outs = [layer(batch, wbatch, *x) for x in layers]
-    host = wbatch.plans["host table"]
-    assert torch.equal(host, wtable.long()) and len(batch.plans) == 1
+    assert len(planned) == 1  # the window table is read (and the step planned) by the first layer alone
+    (key, made), = wbatch.plans.items()
+    assert made.packs is not None and made.writes is not None and len(batch.plans) == 1
     outs.append(layer(batch, wbatch, *again, *layers[1][2:]))  # the second layer again: the same plans
-    assert wbatch.plans["host table"] is host and len(batch.plans) == 1
+    assert len(planned) == 1 and wbatch.plans[key] is made and len(batch.plans) == 1
     alone = layer(P.Ragged.of(qs, seq, table), P.Ragged.of(qs, seq, wtable), *apart, *layers[1][2:])
+    assert len(planned) == 2
     assert torch.equal(bits(outs[1]), bits(alone)) and torch.equal(bits(outs[2]), bits(alone))
+    for mine, own in zip(layers[1][:2] + again, apart * 2):  # the pages and window caches: the same bytes
+        assert torch.equal(bits(mine), bits(own))
     assert not torch.equal(bits(outs[0]), bits(outs[1]))
+    # a plan is the step's: the same window batch beside another packed batch plans again
+    layer(P.Ragged.of(qs, seq, table), wbatch, *copy.deepcopy(layers[1][:2]), *layers[1][2:])
+    assert len(planned) == 3 and wbatch.plans[key] is not made
+
+
+@pytest.mark.parametrize("policy,ring,wblock", [
+    (Policy.kivi(4, residual=40), False, 16), (Policy.kivi(4, residual=0), True, 48),
+    (Policy.kivi(2, residual=0), True, 32)], ids=["window", "ring-48", "ring-as-the-kernels"])
+def test_a_decode_steps_layers_gather_their_rings_by_the_first_layers_indices(policy, ring, wblock, monkeypatch):
+    """In a decode step (the rings come from the window cache) the first layer finds where each row's ring lies in
+    the cache (``pages._ring_index``) and the step's other layers gather theirs by the same indices: each layer's
+    outputs are the bits of a step of its own, and the next step finds them again."""
+    dtype, block, H, Hq, D, n_pages = "bfloat16", 64, 2, 4, 64, 48
+    lay = P.PageLayout(policy, H, D, dtype, block, window=True)
+    table = scrambled_table(2, 8, n_pages, seed=5)
+    wtable = scrambled_table(2, 1 if ring else 16, n_pages, seed=105)
+    g = torch.Generator().manual_seed(5)
+    found, index = [], P._ring_index
+    monkeypatch.setattr(P, "_ring_index", lambda *a: found.append(1) or index(*a))
+    dt = getattr(torch, dtype)
+    mine = [(engine_pages(lay, n_pages), window_pages(lay, n_pages, wblock)) for _ in range(2)]
+    apart = copy.deepcopy(mine)
+    qs = torch.tensor([0, 70, 83])
+    for i, (b, w) in enumerate(mine + apart):  # a prefill of 70 and 13 tokens, each layer's own
+        k, v = torch.randn(2, 83, H, D, generator=torch.Generator().manual_seed(i % 2)).to(dt)
+        P.store_windowed(lay, b, w, wblock, k, v, P.Ragged.of(qs, torch.tensor([70, 13]), table),
+                         P.Ragged.of(qs, torch.tensor([70, 13]), wtable), ring=ring)
+    found.clear()
+    qs, seq = torch.tensor([0, 1, 2]), torch.tensor([71, 14])
+    for step in range(2):
+        data = [tuple(torch.randn(2, h, D, generator=g).to(dt) for h in (H, H, Hq)) for _ in mine]
+        batch, wbatch = P.Ragged.of(qs, seq, table), P.Ragged.of(qs, seq, wtable)
+        shared = []
+        for (pages, window), (k, v, q) in zip(mine, data):
+            recent = P.store_windowed(lay, pages, window, wblock, k, v, batch, wbatch, ring=ring)
+            assert recent.cache is not None  # a decode step: its rings from the cache
+            shared.append(P.attention_windowed(lay, pages, q, batch, recent, 0.125))
+        assert len(found) == step + 1  # the first layer found the rings, the second gathered by its indices
+        for (pages, window), (k, v, q), out in zip(apart, data, shared):
+            recent = P.store_windowed(lay, pages, window, wblock, k, v, P.Ragged.of(qs, seq, table),
+                                      P.Ragged.of(qs, seq, wtable), ring=ring)
+            assert torch.equal(bits(out), bits(P.attention_windowed(lay, pages, q, P.Ragged.of(qs, seq, table),
+                                                                    recent, 0.125)))
+        assert len(found) == step + 3 and not torch.equal(bits(shared[0]), bits(shared[1]))
+        del found[step + 1:]
+        seq = seq + 1
+    # the same step's batch beside a window cache of another table (its pages moved): that table's rings
+    (pages, window), (k, v, q) = copy.deepcopy(mine[0]), data[0]
+    moved, wmoved = window.clone(), (wtable + 7) % n_pages
+    moved[wmoved.flatten().long()] = window[wtable.flatten().long()]
+    got = []
+    for b in (batch, P.Ragged.of(qs, seq - 1, table)):
+        p2, w2 = copy.deepcopy(pages), copy.deepcopy(moved)
+        recent = P.store_windowed(lay, p2, w2, wblock, k, v, b, P.Ragged.of(qs, seq - 1, wmoved), ring=ring)
+        got.append(P.attention_windowed(lay, p2, q, b, recent, 0.125))
+    assert torch.equal(bits(got[0]), bits(got[1]))
 
 
 @pytest.mark.parametrize("case", range(len(WINDOWED)))
