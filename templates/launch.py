@@ -145,9 +145,10 @@ def plan(state: KVState, spec: LayerSpec, q_shape, mask: Tensor | None = None, t
          invariant: bool = False, dtype: torch.dtype | None = None) -> Plan:
     """The kernel and tiles ``attention`` uses for queries of shape ``q_shape`` and ``dtype`` (host-known sizes
     only); ``chunk``: the queries' own keys and values are read from the chunk (``stored_chunk`` gave them);
-    ``invariant``: the decode kernel's row-invariant splits (``decode.decode_tiles``). "auto" takes the prefill
-    path (``sdpa``) on CUDA for ``SDPA_QUERIES`` queries or more in bf16 / fp16 (head_dim a multiple of 8, as
-    SDPA's fused kernels read it), not with ``tiles`` or ``invariant``."""
+    ``invariant``: the decode kernel's row-invariant splits (``decode.decode_tiles``), or for a layout it does not
+    serve the general kernel without splits (one program a row: tiles from position 0, to the row's own end).
+    "auto" takes the prefill path (``sdpa``) on CUDA for ``SDPA_QUERIES`` queries or more in bf16 / fp16 (head_dim
+    a multiple of 8, as SDPA's fused kernels read it), not with ``tiles`` or ``invariant``."""
     if kernel not in ("auto", "decode", "general", "sdpa"):
         raise ArgumentError(f"attention kernel={kernel!r} is not valid: expected 'auto', 'decode', 'general' or "
                             f"'sdpa'")
@@ -168,6 +169,14 @@ def plan(state: KVState, spec: LayerSpec, q_shape, mask: Tensor | None = None, t
         full = spec.sink > 0 or spec.ring > 0 or chunk
         return Plan(True, 1, block_n, nsplit, positions, nsplit + int(full))
     bq, bn, ns = tiles or _attention.default_tiles(spec, n, G, device, B, positions)
+    if invariant and n == 1:
+        # a layout the decode kernel does not serve (head_dim 80 or 96, int3, ...): one program a row, no splits.
+        # Its tiles start at position 0 and are sized by the layout alone, and its loop ends at the row's own end,
+        # so a row's result depends on that row alone
+        if tiles and ns != 1:
+            raise ArgumentError(f"row-invariant attention over {spec.name} runs on the general kernel, whose rows "
+                                f"take no splits: got tiles={tuple(tiles)}; give NSPLIT 1")
+        ns = 1
     return Plan(False, bq, min(bn, spec.block), ns, positions, ns)
 
 
@@ -226,8 +235,8 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     queries in bf16 / fp16, else the general one), "decode", "general" or "sdpa" (``templates.prefill`` with
     operands in q's dtype, on any device) to compare them; "decode" raises where it cannot serve the call.
     invariant: each row's result depends on that row alone, not on the batch beside it (the decode kernel's
-    row-invariant splits and an in-order merge: ``decode.decode_tiles``), as the C kernels' always does; one
-    query per row (an engine's flat batch, each query a row: ``kvcompile.pages``). Else the splits fill the GPU.
+    row-invariant splits and an in-order merge: ``decode.decode_tiles``; where the decode kernel does not serve the
+    layout, the general kernel with one program a row), as the C kernels' always does; one query per row (an engine's flat batch, each query a row: ``kvcompile.pages``). Else the splits fill the GPU.
     groups: int32 ``[g + 1]`` offsets, rows ``groups[i] .. groups[i + 1] - 1`` positions of one sequence in
     ascending order, one block table (``common.check_groups``: the offsets at the call; the tables and lengths at
     the call on the CPU, on a GPU by a device assert, no host sync): with ``invariant`` a program of the decode
@@ -249,12 +258,12 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     check_devices(state, q=q, mask=mask, k_new=k_new, v_new=v_new)
     if groups is not None:
         groups = _common.check_groups(groups, state, n, k_new, rope)  # (now on the state's device)
+    if invariant and n != 1:
+        raise UnsupportedError(f"row-invariant attention takes one query a row; got {n} queries a row over "
+                               f"{spec.name}: give each query a row of its own (kvcompile.pages does)")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     pl = plan(state, spec, q.shape, mask, tiles, rope is not None, kernel, q.device,
               k_new is not None and stored_chunk_needed(spec, n), invariant, q.dtype)
-    if invariant and not pl.decode:
-        raise UnsupportedError(f"row-invariant attention runs on the decode kernel, which does not serve {n} queries "
-                               f"a row over {spec.name}: give each query a row of its own (kvcompile.pages does)")
     if pl.sdpa:  # the mask as given (not expanded: its causal form is recognised once for every layer)
         return _prefill.prefill_attention(q, state, spec, given, scale, k_new=k_new, v_new=v_new, rope=rope,
                                           operands=q.dtype, kernel=True)

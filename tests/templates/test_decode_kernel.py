@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompile import Policy, Quant
+from kvcompile.errors import ArgumentError, UnsupportedError
 from kvcompile.store import attention_reference
 from kvcompile.templates import decode, launch
 from attention_checks import filled
@@ -533,6 +534,50 @@ def test_a_run_of_one_sequences_rows_gives_each_row_its_bits_alone(policy, G, ma
     assert not ((runs.double() - want).abs() > bound)[ok].any()
 
 
+UNSERVED = [  # (policy, head_dim, G): layouts the decode kernel does not serve
+    (Policy.int8(), 80, 2),  # head_dim 80 (Phi-2's) and 96 (Phi-3's): no power of two
+    (Policy.kivi(3, sink=2), 32, 4),  # int3, key groups, a ring and sinks
+    (Policy(Quant("int2", "token"), Quant("int2", "token"), residual=0), 32, 1),  # int2 in token groups of 8 bytes
+]
+
+
+@pytest.mark.parametrize("policy,D,G", UNSERVED, ids=["int8-D80", "kivi3-sinks", "int2-D32"])
+def test_rows_of_a_layout_the_decode_kernel_does_not_serve_are_row_invariant_on_the_general_kernel(
+        policy, D, G, monkeypatch):
+    """``invariant=True`` (an engine's flat batch: ``kvcompile.pages`` on CUDA) over a layout the decode kernel does
+    not serve runs the general kernel with one program a row, no splits -- its tiles start at position 0 and its
+    loop ends at the row's own end -- so each row is the same bits as in a call of its own, within the bound; it
+    used to be refused, which stopped vLLM on CUDA at its first step for every such model. Splits are refused."""
+    from kvcompile.templates import attention as general
+    H, N = 2, 150
+    spec, st = filled(policy, [N], H, D, seed=3)
+    assert decode.decode_layout(spec, 1, False, G) is None
+    lengths = [1, 20, 47, 48, 100, 129, 150]
+    B = len(lengths)
+    rep = [0] * B
+    state = st._replace(k_res=st.k_res[rep], v_res=st.v_res[rep], k_sink=st.k_sink[rep], v_sink=st.v_sink[rep],
+                        lengths=torch.tensor(lengths, dtype=torch.int32), table=st.table[rep].contiguous())
+    q = torch.randn(B, H * G, 1, D, generator=torch.Generator().manual_seed(1))
+    grids = []
+    launch_run = general.run
+    monkeypatch.setattr(general, "run", lambda k, grid, args, **kw: (grids.append((k.__name__, grid)),
+                                                                      launch_run(k, grid, args, **kw)))
+    dev_state = type(state)(*[t.to(DEV) for t in state])
+    rows = launch.attention(q.to(DEV), dev_state, spec, invariant=True).cpu()
+    assert grids == [("_attn_kernel", (B * H, 1, 1))]
+    for i in range(B):
+        one = state._replace(**{f: getattr(state, f)[i:i + 1] for f in ("k_res", "v_res", "k_sink", "v_sink",
+                                                                          "lengths", "table")})
+        alone = launch.attention(q[i:i + 1].to(DEV), type(one)(*[t.to(DEV) for t in one]), spec, invariant=True)
+        assert torch.equal(alone.cpu(), rows[i:i + 1]), i
+    want, bound = launch.reference_and_bound(q, state, spec, invariant=True, device=DEV)
+    assert not ((rows.double() - want).abs() > bound).any()
+    with pytest.raises(ArgumentError, match="whose rows take no splits: got tiles=.1, 16, 2.; give NSPLIT 1"):
+        launch.attention(q.to(DEV), dev_state, spec, invariant=True, tiles=(1, 16, 2))
+    with pytest.raises(UnsupportedError, match="takes one query a row; got 2 queries a row"):
+        launch.attention(torch.cat([q, q], 2).to(DEV), dev_state, spec, invariant=True)
+
+
 def test_runs_are_cut_at_a_sequence_a_count_and_a_share():
     """``decode.run_offsets``: a program's rows are one sequence's, at most ``rows`` of them, with one split
     share; past the pieces, programs with no rows (B: the grid is B programs)."""
@@ -578,7 +623,6 @@ def test_runs_are_cut_by_tensor_ops_as_a_row_at_a_time(data):
 def test_runs_that_do_not_describe_the_rows_are_refused():
     """``launch.attention``'s ``groups`` are checked at the call (``common.check_groups``), as the C kernels' are:
     not a tensor, rows of two tables in one run, lengths not ascending, offsets that do not cover the rows."""
-    from kvcompile.errors import ArgumentError
     policy = Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0)
     spec, st = filled(policy, [40, 40], 1, 32)
     q = torch.randn(2, 2, 1, 32).to(DEV)

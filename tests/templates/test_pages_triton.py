@@ -15,13 +15,16 @@ CUTS = {"whole": [40], "chunks": [16, 16, 8], "cached": [32, 1, 7], "recomputed"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy,windowed", [
-    (Policy(Quant("int4", "token"), Quant("int4", "token"), rotate=True), False),
-    (Policy.kivi(4, group=16, residual=20, sink=2, rotate=True), True),  # key groups, a window and sinks
-    (Policy.fp8(residual=0, axis="tensor", rotate=True), False),  # one fixed scale, none stored
-], ids=["tok+rot:4", "kivi+sinks", "fp8-tensor+rot"])
-def test_a_tokens_attention_is_the_same_bits_however_the_work_is_cut_on_triton(policy, windowed):
-    H, Hq, D, block, n_pages = 2, 4, 64, 16, 24
+@pytest.mark.parametrize("policy,windowed,D", [
+    (Policy(Quant("int4", "token"), Quant("int4", "token"), rotate=True), False, 64),
+    (Policy.kivi(4, group=16, residual=20, sink=2, rotate=True), True, 64),  # key groups, a window and sinks
+    (Policy.fp8(residual=0, axis="tensor", rotate=True), False, 64),  # one fixed scale, none stored
+    # layouts the decode kernel does not serve: the general kernel, a program a row
+    (Policy(Quant("int8", "token"), Quant("int8", "token")), False, 80),
+    (Policy.kivi(3, group=16, residual=20), True, 64),
+], ids=["tok+rot:4", "kivi+sinks", "fp8-tensor+rot", "int8-D80", "kivi3"])
+def test_a_tokens_attention_is_the_same_bits_however_the_work_is_cut_on_triton(policy, windowed, D):
+    H, Hq, block, n_pages = 2, 4, 16, 24
     g = torch.Generator().manual_seed(7)
     mine, other = ([torch.randn(40, h, D, generator=g).to(torch.bfloat16).to(DEV) for h in (H, H, Hq)]
                    for _ in range(2))
