@@ -653,10 +653,10 @@ def _query_calls(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, wi
             s_, lo_, hi_, by, own = seq[r], lo[r], L[r], shift[r], None
             if runs is not None:
                 new = _starts(s_, by, lo_)
-                first = new.nonzero().flatten()
-                last = torch.cat([first[1:] - 1, torch.tensor([len(s_) - 1])])
+                lead = new.nonzero().flatten()
+                last = torch.cat([lead[1:] - 1, torch.tensor([len(s_) - 1])])
                 own = (new.cumsum(0) - 1).to(torch.int32)
-                s_, lo_, hi_, by = s_[first], lo_[first], hi_[last], by[first]
+                s_, lo_, hi_, by = s_[lead], lo_[lead], hi_[last], by[lead]
             rings = (s_, lo_, hi_, by, own)
         calls.append(_Call(to_device(idx[r], q.device), to_device((L[r] - shift[r]).to(torch.int32), dev),
                            table[r], runs, mask, gone, seq[r], None if lo is None else lo[r], L[r], shift[r], rings,
@@ -930,7 +930,7 @@ def _pack(layout: PageLayout, pages: Tensor, batch: Ragged, recent: Recent, plan
     if plan.packs is None:
         return recent  # (most decode steps: no group completes, and the store would keep nothing it wrote)
     sp0 = layout.packing_spec
-    done, at, sinks, table, held = plan.packs
+    done, at, sinks, table, lengths = plan.packs
     held_to = plan.held_to
     # the pending group's positions, for the sequences whose write completes a group (the others pack nothing, and
     # what the store writes into their rings is not kept: the window cache holds their positions)
@@ -939,7 +939,7 @@ def _pack(layout: PageLayout, pages: Tensor, batch: Ragged, recent: Recent, plan
     rv = torch.zeros_like(rk)
     if len(done):
         rk[at], rv[at] = some, sv
-    st = layout.state(pages, held.clone(), table)._replace(k_res=rk, v_res=rv)  # (the store advances it in place)
+    st = layout.state(pages, lengths.clone(), table)._replace(k_res=rk, v_res=rv)  # (the store advances them)
     ops.backend(pages.device).store(st, sp0, batch.padded(k), batch.padded(v), plan.n.to(torch.int32))
     layout._put_sinks(pages, st, table, sinks)
     return recent

@@ -661,6 +661,25 @@ def test_a_sliding_window_over_a_window_cache_reads_the_store_as_it_stood(case):
                                   else 4e-3), (p, float((got[p].float() - want[0, :, 0].float()).abs().max()))
 
 
+@pytest.mark.parametrize("case", [1, 4], ids=["ring", "sinks"])
+def test_a_sliding_window_over_a_window_cache_is_the_same_bits_in_calls_of_any_size(case, monkeypatch):
+    """A step's rows go to the kernels in calls of at most ``ROWS_PER_CALL`` rows x heads (``_query_calls``), each
+    with its own rows' window masks and shared rings: calls of a few rows give every output the bits of one call."""
+    policy, dtype, block, wblock, ring, W = SLIDING_WINDOWED[case]
+    H, Hq, D, n_pages = 2, 4, 64, 48
+    lay = P.PageLayout(policy, H, D, dtype, block, window=True)
+    table = scrambled_table(2, 12, n_pages, seed=case)
+    wtable = scrambled_table(2, 1 if ring else 24, n_pages, seed=case + 100)
+    outs = []
+    for per_call in (P.ROWS_PER_CALL, 7 * H):
+        monkeypatch.setattr(P, "ROWS_PER_CALL", per_call)
+        kept, _ = windowed_steps(lay, engine_pages(lay, n_pages, interleave=2), window_pages(lay, n_pages, wblock),
+                                 wblock, table, wtable, ring, STEPS + [(90, 1)], torch.Generator().manual_seed(1),
+                                 getattr(torch, dtype), Hq, window=W)
+        outs.append(torch.cat([torch.cat(kept[i][3]) for i in (0, 1)]))
+    assert torch.equal(bits(outs[0]), bits(outs[1]))
+
+
 def test_triton_kernels_read_a_sliding_window_over_a_window_cache():
     """The CUDA path (Triton, in the interpreter here) of a sliding-window layer under KIVI: the same pages and
     window cache as the C kernels, and each query of the long sequence -- its window starting pages later --
