@@ -152,6 +152,9 @@ def plan(state: KVState, spec: LayerSpec, q_shape, mask: Tensor | None = None, t
     if kernel not in ("auto", "decode", "general", "sdpa"):
         raise ArgumentError(f"attention kernel={kernel!r} is not valid: expected 'auto', 'decode', 'general' or "
                             f"'sdpa'")
+    if invariant and kernel == "sdpa":
+        raise ArgumentError("row-invariant attention runs on the decode kernel or the general one, not kernel='sdpa' "
+                            "(SDPA's result for a row may depend on the batch beside it)")
     B, Hq, n, D = q_shape
     G = Hq // spec.heads
     device = device or state.lengths.device
@@ -236,7 +239,8 @@ def attention(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | None = 
     operands in q's dtype, on any device) to compare them; "decode" raises where it cannot serve the call.
     invariant: each row's result depends on that row alone, not on the batch beside it (the decode kernel's
     row-invariant splits and an in-order merge: ``decode.decode_tiles``; where the decode kernel does not serve the
-    layout, the general kernel with one program a row), as the C kernels' always does; one query per row (an engine's flat batch, each query a row: ``kvcompile.pages``). Else the splits fill the GPU.
+    layout, the general kernel with one program a row), as the C kernels' always does; one query per row (an
+    engine's flat batch, each query a row: ``kvcompile.pages``). Else the splits fill the GPU.
     groups: int32 ``[g + 1]`` offsets, rows ``groups[i] .. groups[i + 1] - 1`` positions of one sequence in
     ascending order, one block table (``common.check_groups``: the offsets at the call; the tables and lengths at
     the call on the CPU, on a GPU by a device assert, no host sync): with ``invariant`` a program of the decode

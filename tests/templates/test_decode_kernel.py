@@ -576,6 +576,8 @@ def test_rows_of_a_layout_the_decode_kernel_does_not_serve_are_row_invariant_on_
         launch.attention(q.to(DEV), dev_state, spec, invariant=True, tiles=(1, 16, 2))
     with pytest.raises(UnsupportedError, match="takes one query a row; got 2 queries a row"):
         launch.attention(torch.cat([q, q], 2).to(DEV), dev_state, spec, invariant=True)
+    with pytest.raises(ArgumentError, match="not kernel='sdpa'"):
+        launch.attention(q.to(DEV), dev_state, spec, invariant=True, kernel="sdpa")
 
 
 def test_runs_are_cut_at_a_sequence_a_count_and_a_share():
