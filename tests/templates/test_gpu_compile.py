@@ -85,6 +85,14 @@ SCRIPT = textwrap.dedent("""
             state.lengths.copy_(torch.tensor([1, 2]))
             launch.attention(torch.randn(2, 8, 1, 128), state, spec, mask, invariant=True,
                              groups=torch.tensor([0, 2], dtype=torch.int32))
+        # row-invariant rows of layouts the decode kernel does not serve (head_dim 80 or 96, int3): the general
+        # kernel, a program a row, no splits
+        for policy, D in ((Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0), 80),
+                          (Policy.kivi(3, group=32, residual=16, sink=4), 96)):
+            spec = LayerSpec(policy, 2, D, "bfloat16", 64)
+            state = spec.allocate(2, 4096)
+            launch.store(state, spec, *torch.randn(2, 2, 2, 1, D))
+            launch.attention(torch.randn(2, 8, 1, D), state, spec, None, invariant=True)
         # the prefill path's past read back whole (templates.past): bf16 as bits, fp16, fp32 (pre-RoPE keys), with
         # the queries' own chunk, sinks and a ring, per-channel keys, fp8, int3
         from kvcompile.templates import past
@@ -116,6 +124,7 @@ SCRIPT = textwrap.dedent("""
           "runs:", sorted({(c["RUN"], c["FULL"], c["MASK_KIND"]) for n, c in log if n == "_decode_kernel"
                            and c.get("INVARIANT")}),
           "rotate:", sorted((c["D"], c["OUT_F64"]) for n, c in log if n == "_rotate_kernel"),
+          "general:", sorted({(c["D"], c["SPLIT"]) for n, c in log if n == "_attn_kernel"}),
           "past:", sorted({(c["OUT"], c["CHUNK"], c["S"] > 0, c["W"] > 0) for n, c in log if n == "_past_kernel"}),
           "fixed:", sorted({(n, c.get("E4M3", c.get("K_E4M3"))) for n, c in log
                             if 3 in (c.get("SFMT"), c.get("K_SFMT"), c.get("V_SFMT"))}))
@@ -157,6 +166,9 @@ def test_kernels_compile_for_sm90():
     # (RUN, full-precision program, mask kind): a row a program (decode steps), runs of 4 rows (a prompt's), each
     # row's sinks and ring, a mask
     assert "runs: [(1, False, 0), (1, True, 0), (1, True, 2), (4, False, 0), (4, True, 2)]" in r.stdout, r.stdout
+    # the general kernel at head_dim 80 and 96 (padded to 128), without splits (the row-invariant rows above)
+    general = r.stdout.split("general:")[1].split("]")[0]
+    assert "(80, False)" in general and "(96, False)" in general, r.stdout
     # the rotation: fp32 out (the float32 rows), float64 out (bf16 / fp16 rows, for torch to round; float64 rows)
     assert "rotate: [(64, False), (80, True), (96, True), (128, True)]" in r.stdout, r.stdout
     # the past read back for the prefill path: (output dtype: fp32 0, bf16 bits 1, fp16 2; chunk; sinks; ring)
