@@ -1060,16 +1060,20 @@ def row_widths(state: KVState, spec: LayerSpec, n_new: Tensor | int = 0, rings: 
 
 
 def _state_capacity_check(state: KVState, spec: LayerSpec, lengths: Tensor, n_new: Tensor) -> None:
-    """Every row's table must cover the blocks its append writes (``KVStore.reserve`` makes sure)."""
-    need = [spec.blocks_for(int(L) + int(n)) for L, n in zip(lengths.tolist(), n_new.tolist())]
+    """Every row's table must cover the blocks its append writes (``KVStore.reserve`` makes sure). Tensor ops over
+    the rows (the host side of a store on CPU tensors runs it at every append: an engine's every layer)."""
+    ends = lengths.to("cpu", torch.long) + n_new.to("cpu", torch.long)
+    need = (spec.policy.boundary(ends) - spec.sink + spec.block - 1) // spec.block  # blocks_for, row by row
     tbl = state.table.cpu()
-    for b, nb in enumerate(need):
-        if nb > tbl.shape[1] or (nb and int(tbl[b, :nb].min()) < 0):
-            cap = int((tbl[b] >= 0).sum()) if tbl.shape[1] else 0
-            raise CapacityError(
-                f"KV cache overflow: sequence {b} holds {int(lengths[b])} tokens and appends {int(n_new[b])}, "
-                f"which needs {nb} blocks of {spec.block} packed tokens, but {cap} are reserved for it. Reserve "
-                f"them first (KVStore.reserve), or allocate a larger store.")
+    unreserved = (torch.arange(tbl.shape[1]) < need[:, None]) & (tbl < 0)
+    short = (need > tbl.shape[1]) | unreserved.any(1)
+    if bool(short.any()):
+        b = int(short.nonzero()[0])
+        nb, cap = int(need[b]), int((tbl[b] >= 0).sum())
+        raise CapacityError(
+            f"KV cache overflow: sequence {b} holds {int(lengths[b])} tokens and appends {int(n_new[b])}, "
+            f"which needs {nb} blocks of {spec.block} packed tokens, but {cap} are reserved for it. Reserve "
+            f"them first (KVStore.reserve), or allocate a larger store.")
 
 
 # --------------------------------------------------------------------------- rotation

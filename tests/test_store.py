@@ -8,6 +8,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import kvcompile as kc
+import profiles
 from kvcompile import Policy, Quant
 from kvcompile import quant as Q
 from kvcompile.store import (DTYPE_NAMES, ROW_TOKENS, KVStore, LayerSpec, QuantizedKV, dequantize_reference,
@@ -516,6 +517,32 @@ def test_an_unreserved_append_is_a_clear_error_not_a_wild_write():
     with pytest.raises(kc.CapacityError, match="needs 2 blocks of 16 packed tokens, but 1 are reserved"):
         store_reference(state, spec, x, x)
     assert state.lengths.tolist() == [0]
+
+
+@profiles.CHEAP
+@given(st.data())
+def test_the_capacity_check_finds_the_first_row_short_of_blocks(data):
+    """``store._state_capacity_check`` (tensor ops over the rows) refuses exactly the appends a row at a time would
+    (``LayerSpec.blocks_for`` of its end against the row's reserved table entries), naming the first such row."""
+    from kvcompile.store import KVState, _state_capacity_check
+    policy = data.draw(st.sampled_from([Policy.int8(), Policy.kivi(4, group=16, residual=8, sink=2)]))
+    spec = LayerSpec(policy, 1, 16, "float32", 16)
+    B, W = data.draw(st.integers(1, 5)), data.draw(st.integers(0, 4))
+    table = torch.tensor(data.draw(st.lists(st.lists(st.integers(-1, 3), min_size=W, max_size=W), min_size=B,
+                                            max_size=B)), dtype=torch.int32).view(B, W)
+    lengths = torch.tensor(data.draw(st.lists(st.integers(0, 80), min_size=B, max_size=B)), dtype=torch.int32)
+    n_new = torch.tensor(data.draw(st.lists(st.integers(0, 20), min_size=B, max_size=B)), dtype=torch.int32)
+    state = KVState(*[None] * 10, lengths, table)
+    need = [spec.blocks_for(int(a) + int(b)) for a, b in zip(lengths, n_new)]
+    short = [b for b, nb in enumerate(need) if nb > W or (nb and int(table[b, :nb].min()) < 0)]
+    if not short:
+        _state_capacity_check(state, spec, lengths, n_new)
+        return
+    b = short[0]
+    with pytest.raises(kc.CapacityError, match=f"sequence {b} holds {int(lengths[b])} tokens and appends "
+                                               f"{int(n_new[b])}, which needs {need[b]} blocks of 16 packed tokens, "
+                                               f"but {int((table[b] >= 0).sum())} are reserved"):
+        _state_capacity_check(state, spec, lengths, n_new)
 
 
 # --------------------------------------------------------------------------- non-finite values and saturation
