@@ -8,8 +8,9 @@ kernel launches replaced by a counter, so what is timed is Python and the small 
 calls -- on a GPU the latter are asynchronous kernels, here they run on the CPU, so the numbers are an upper
 bound. A step's first layer makes the calls' plan (``Ragged.plans``), the other layers reuse it.
 
-``--decode B``: instead of a prompt, a decode step of B sequences of ``--tokens`` positions each, under a KIVI
-policy with its window cache (``--policy kivi4`` / ``kivi2``: ``store_windowed`` then ``attention_windowed``, the
+``--decode B``: instead of a prompt, a decode step of B sequences of ``--tokens + 1`` to ``--tokens + B``
+positions (lengths apart, as a serving batch's: a few complete a key group and pack), under a KIVI policy with its
+window cache (``--policy kivi4`` / ``kivi2``: ``store_windowed`` then ``attention_windowed``, the
 path every decode step of a windowed layout takes through vLLM; ``--ring``: the window cache as a ring).
 
     python benchmarks/pages_host.py [--tokens 4096] [--layers 8] [--policy int4]
@@ -45,7 +46,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--policy", default="int4", choices=[*POLICIES, *WINDOWED])
     ap.add_argument("--decode", type=int, default=0, metavar="B",
-                    help="time a decode step of B sequences of --tokens positions (a KIVI --policy)")
+                    help="time a decode step of B sequences of about --tokens positions (a KIVI --policy)")
     ap.add_argument("--ring", action="store_true", help="with --decode: the window cache as a ring")
     args = ap.parse_args()
     H, Hq, D, T, BS = args.kv_heads, args.heads, args.head_dim, args.tokens, 16
@@ -92,23 +93,23 @@ def _pages(lay, n_pages):
 
 
 def decode_step(args, launches) -> None:
-    """One decode step (a token for each of ``args.decode`` sequences holding ``args.tokens`` positions) through a
-    windowed layout's store and attention, layer after layer."""
+    """One decode step (a token for each of ``args.decode`` sequences holding ``args.tokens`` positions or a few
+    more) through a windowed layout's store and attention, layer after layer."""
     if args.policy not in WINDOWED:
         raise SystemExit(f"--decode times a windowed (KIVI) policy: {', '.join(WINDOWED)}")
     H, Hq, D, L, B, BS = args.kv_heads, args.heads, args.head_dim, args.tokens, args.decode, 128
     lay = P.PageLayout(WINDOWED[args.policy], H, D, "bfloat16", BS, window=True)
-    per = -(-(L + 1) // BS)
+    per = -(-(L + B) // BS)
     pages = _pages(lay, B * per + 1)
     table = torch.arange(1, B * per + 1, dtype=torch.int32).view(B, per)
     wblock = -(-lay.window_tokens // 16) * 16 if args.ring else 32
-    wper = 1 if args.ring else -(-(L + 1) // wblock)
+    wper = 1 if args.ring else -(-(L + B) // wblock)
     es = 2
     per_page = lay.window_page_bytes(wblock) // es
     window = torch.zeros((B * wper + 1) * per_page, dtype=torch.bfloat16).as_strided(
         (B * wper + 1, H, wblock, 2 * D), (per_page, wblock * 2 * D, 2 * D, 1))
     wtable = torch.arange(1, B * wper + 1, dtype=torch.int32).view(B, wper)
-    qs, seq = torch.arange(B + 1), torch.full((B,), L + 1)
+    qs, seq = torch.arange(B + 1), L + 1 + torch.arange(B)  # lengths apart: a few complete a group each step
     k, v, q = torch.randn(B, H, D).bfloat16(), torch.randn(B, H, D).bfloat16(), torch.randn(B, Hq, D).bfloat16()
     # a step before the timed one, so that the launchers' first calls are not the first layer's time
     warm = P.store_windowed(lay, pages, window, wblock, k, v, P.Ragged.of(qs, seq, table), P.Ragged.of(qs, seq, wtable),
@@ -124,7 +125,7 @@ def decode_step(args, launches) -> None:
         times.append(time.perf_counter() - t)
     per_layer = len(launches) // args.layers
     rest = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else float("nan")
-    print(f"decode step of {B} sequences at {L} positions, {args.policy} ({'ring' if args.ring else 'window'} "
+    print(f"decode step of {B} sequences at {L + 1}-{L + B} positions, {args.policy} ({'ring' if args.ring else 'window'} "
           f"cache of {wblock}-token pages), {Hq} query / {H} KV heads, head_dim {D}: {per_layer} launches a layer")
     print("| layer | host ms |\n|---|---:|")
     print(f"| first (makes the step's plan) | {times[0] * 1e3:.2f} |")

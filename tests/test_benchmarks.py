@@ -174,5 +174,5 @@ def test_pages_host_smoke():
     out = subprocess.run([sys.executable, str(script), "--decode", "3", "--tokens", "200", "--layers", "2",
                           "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--policy", "kivi2"],
                          capture_output=True, text=True, timeout=300, check=True).stdout
-    assert "decode step of 3 sequences at 200 positions, kivi2 (window cache of 32-token pages), 4 query / 2 KV " \
+    assert "decode step of 3 sequences at 201-203 positions, kivi2 (window cache of 32-token pages), 4 query / 2 KV " \
            "heads, head_dim 64: 2 launches a layer" in out and "| the others (median of 1) |" in out
