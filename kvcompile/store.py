@@ -193,8 +193,8 @@ class LayerSpec:
         """Q(L): tokens at positions [sink, Q(L)) are in packed storage once the sequence holds L tokens."""
         return self.policy.boundary(L)
 
-    def blocks_for(self, L: int) -> int:
-        """Blocks a sequence of ``L`` tokens holds."""
+    def blocks_for(self, L):
+        """Blocks a sequence of ``L`` tokens holds (an int, or an integer tensor: each's)."""
         return -(-(self.boundary(L) - self.sink) // self.block)
 
     @property
@@ -1063,7 +1063,7 @@ def _state_capacity_check(state: KVState, spec: LayerSpec, lengths: Tensor, n_ne
     """Every row's table must cover the blocks its append writes (``KVStore.reserve`` makes sure). Tensor ops over
     the rows (the host side of a store on CPU tensors runs it at every append: an engine's every layer)."""
     ends = lengths.to("cpu", torch.long) + n_new.to("cpu", torch.long)
-    need = (spec.policy.boundary(ends) - spec.sink + spec.block - 1) // spec.block  # blocks_for, row by row
+    need = spec.blocks_for(ends)
     tbl = state.table.cpu()
     unreserved = (torch.arange(tbl.shape[1]) < need[:, None]) & (tbl < 0)
     short = (need > tbl.shape[1]) | unreserved.any(1)
