@@ -595,7 +595,7 @@ def _shifted(ring: Tensor, shift: Tensor) -> Tensor:
 class _Call(NamedTuple):
     """One kernel call of ``_each_query``: its rows (of the batch's tokens, on the query's device), their
     lengths and tables on the pages' device, runs of one sequence's rows, a sliding window's mask and the sinks it
-    has left, the host values the rings are built from, and (windowed) the rings' rows: ``(seq, lo, hi, shift,
+    has left, each row's sequence and shift (host), and (windowed) the rings' rows: ``(seq, lo, hi, shift,
     rings)`` of the rows that build a ring (of a run whose full precision begins at the same position, the last
     row's: it holds every position the others read) and which ring each row reads (None: its own). ``memo``:
     what the layers gather the rings with (``_ring``), made by the first."""
@@ -606,8 +606,6 @@ class _Call(NamedTuple):
     mask: Tensor | None
     gone: Tensor | None
     seq: Tensor
-    lo: Tensor | None
-    L: Tensor
     shift: Tensor
     rings: tuple | None
     memo: dict
@@ -659,8 +657,7 @@ def _query_calls(layout: PageLayout, pages: Tensor, q: Tensor, batch: Ragged, wi
                 s_, lo_, hi_, by = s_[lead], lo_[lead], hi_[last], by[lead]
             rings = (s_, lo_, hi_, by, own)
         calls.append(_Call(to_device(idx[r], q.device), to_device((L[r] - shift[r]).to(torch.int32), dev),
-                           table[r], runs, mask, gone, seq[r], None if lo is None else lo[r], L[r], shift[r], rings,
-                           {}))
+                           table[r], runs, mask, gone, seq[r], shift[r], rings, {}))
     batch.plans[key] = calls
     return calls
 
