@@ -47,8 +47,8 @@ POLICIES = {  # the timing table's formats (benchmarks/gpu_kernels.py): every po
     "int8": Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0),
     "int4": Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0),
     "int2": Policy(Quant("int2", "token"), Quant("int2", "token"), residual=0),
-    "int4-kivi": Policy.kivi(4, group=32, residual=0),
-    "int2-kivi": Policy.kivi(2, group=32, residual=0),
+    "int4-kivi": Policy.kivi(4, residual=0),  # key groups of 32 tokens, value groups of 32 channels (16 at 80)
+    "int2-kivi": Policy.kivi(2, residual=0),
 }
 CANDIDATES = {"block_n": (64, 128, 256), "warps": (4, 8), "stages": (3,)}  # --stages adds more
 ISSUE_PER_BYTE = 128 / (4.8e12 / 132 / 1.98e9)  # thread-instructions an SM issues per byte at full bandwidth

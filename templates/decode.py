@@ -45,6 +45,11 @@ clock and issues 128 thread-instructions, so the loop has about 7 instructions p
   and the query (and the output) are read (written) in that order. The dot product is the same sum in another
   order, and no unpacked tile is ever reshaped across threads (an interleaving reshape cost 2x the loop's
   instructions in a sm_90 compile: docs/results.md).
+- **Padded heads**: a head that is no power of two (Phi-2's 80, Phi-3's 96) or whose byte slots are narrower
+  than a dot operand (int2 at 32) is computed over a padded one (``padded_head``): the query zero past the head's
+  own channels, the output there dropped, 8-bit codes read under a mask constant along the head's bytes (the
+  loads keep their vectors), packed codes, words and value groups clamped to the head's last (``_own``: a mask
+  there cost registers and spilled). Its tiles are the padded head's (``tile_config``).
 - **Codes read as words**: int4 / int2 key codes reach each thread as 4-byte words (int2: halfwords), int4 values
   as halfwords (``key_words``, ``value_words``): sub-slot ``s`` of a word holds channels ``NS j + s`` (``NS`` =
   codes a word), a product per sub-slot, so that those codes are not loaded and packed into registers byte by
@@ -93,9 +98,20 @@ CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_confi
 
 
 # --------------------------------------------------------------------------- which layouts, which mode
-def tensor_mode(q: Quant, head_dim: int, gqa: int | None = None) -> int | None:
+def padded_head(quants, head_dim: int) -> int:
+    """The head the decode kernel computes over: ``head_dim`` padded to a power of two, and far enough that each
+    quantized tensor's byte slots (``D / (8 / bits)`` channels) are at least one dot operand (16) wide (head_dim 80
+    and 96, Phi-2's and Phi-3's, compute over 128; int2 at 32 over 64). The query is zero in the padded channels
+    and the output's there are dropped; what the loads read there is zeros (8-bit codes, per-channel scales) or
+    the token's own last byte, word or group again (``_own``), never another token's."""
+    per = max([8 // q.bits for q in quants if q.quantized] or [1])
+    return max(triton.next_power_of_2(head_dim), 16 * per)
+
+
+def tensor_mode(q: Quant, head_dim: int, gqa: int | None = None, padded: int | None = None) -> int | None:
     """How the decode kernel reads one tensor stored as ``q``: the keys (``gqa`` None) or the values of a KV
-    head read by ``gqa`` query heads. None: it cannot (the general kernel runs).
+    head read by ``gqa`` query heads. None: it cannot (the general kernel runs). ``padded``: the head the kernel
+    computes over (``padded_head`` of both tensors; default: of this one).
 
     TILE: one scale per token-head (``group`` the whole head) with fp16 or fp8 scales (fp32 scales could
     overflow fp32 once the ``128 + c`` offset multiplies them), or none stored (fp8, axis="tensor": always TILE,
@@ -108,12 +124,14 @@ def tensor_mode(q: Quant, head_dim: int, gqa: int | None = None) -> int | None:
     prefers it to ROWS beside CHAN keys: KIVI int2's 8-byte groups). CHAN (keys only):
     per-channel scales over token groups of at least 16 tokens (KIVI's keys), fp16 or fp8 scales, the query scaled
     per group. ELEM: any other grouping whose groups cover whole bytes. Formats: fp8, int8, int4, int2 (int3's
-    3-byte units and format "none" are the general kernel's)."""
+    3-byte units and format "none" are the general kernel's). Any head whose codes fill whole bytes: its channels
+    are padded to ``padded`` (power-of-two groups tile it)."""
     if not q.quantized or q.format == "int3":
         return None
     per = 8 // q.bits
-    if head_dim & (head_dim - 1) or head_dim // per < 16:
-        return None  # slots of D / PER channels: a power of two, at least one dot operand (16) wide
+    if head_dim % per:
+        return None  # a token's codes end inside a byte
+    padded = padded or padded_head((q,), head_dim)
     g = q.group_for(head_dim)
     token = q.axis != "channel"  # axis="tensor" reads as per token-head, its scale 1.0 (not stored)
     values = gqa is not None
@@ -125,7 +143,7 @@ def tensor_mode(q: Quant, head_dim: int, gqa: int | None = None) -> int | None:
         return None  # a group inside a byte: its slots would need different scales
     if values and token and g // per >= GROUPS_WIDE and q.scale_dtype != "float32":
         return MODE_GROUPS
-    if values and token and q.scale_dtype != "float32" and value_rows(head_dim, g, gqa) <= ROWS_MAX:
+    if values and token and q.scale_dtype != "float32" and value_rows(padded, g, gqa) <= ROWS_MAX:
         return MODE_ROWS
     if values and token and g // per >= GROUPS_MIN and q.scale_dtype != "float32":
         return MODE_GROUPS
@@ -133,14 +151,15 @@ def tensor_mode(q: Quant, head_dim: int, gqa: int | None = None) -> int | None:
 
 
 def value_rows(head_dim: int, group: int, gqa: int) -> int:
-    """Mode ROWS' rows: the query heads padded to a power of two, times the values' groups in a head."""
+    """Mode ROWS' rows: the query heads padded to a power of two, times the values' groups in a (padded) head."""
     return triton.next_power_of_2(gqa) * (head_dim // group)
 
 
 def decode_rows(key_mode: int, value_mode: int, head_dim: int, value_group: int, gqa: int) -> int:
-    """The rows of the kernel's products: the query heads padded to a power of two (mode ROWS: times the values'
-    groups). Padded to 16 besides, except with CHAN keys or GROUPS values: their batched products put a warp on
-    each group (of tokens, or of channels), and a product of fewer rows is padded inside the tensor cores only,
+    """The rows of the kernel's products (``head_dim``: the padded head): the query heads padded to a power of
+    two (mode ROWS: times the values' groups). Padded to 16 besides, except with CHAN keys or GROUPS values: their
+    batched products put a warp on each group (of tokens, or of channels), and a product of fewer rows is padded
+    inside the tensor cores only,
     so that the softmax, the scaled queries and the probabilities per group are computed for the real heads
     alone (sm_90, KIVI int4 at GQA 4: 12.63 loop instructions a byte at 16 rows, 11.03 at 4). Layouts with one
     product for all tokens (TILE, ELEM) keep 16: with fewer rows Triton's layouts replicate their unpacking
@@ -158,12 +177,14 @@ def decode_layout(spec: LayerSpec, n: int, rope: bool, gqa: int) -> tuple[int, i
 
 def modes(policy, head_dim: int, gqa: int) -> tuple[int | None, int | None]:
     """(key mode, value mode) for this policy's layout read by ``gqa`` query heads a KV head: ``tensor_mode`` of
-    each (None where the decode kernel cannot read that tensor), except two pairings. Beside CHAN keys, values
-    in groups of ``GROUPS_MIN`` to ``GROUPS_WIDE`` columns take GROUPS, not ROWS (KIVI int2, sm_90, head_dim 128,
-    GQA 4: 17.2 loop instructions a byte against 22.9 for ROWS beside per-element keys); beside TILE keys ROWS
-    stays (int4 keys, int4 values in 16-groups, GQA 2: 9.3 against 17.0). And keys CHAN beside values ELEM or
-    ROWS are ELEM: there the scaled queries' registers cost more than they save (CHAN spilled beside either)."""
-    km, vm = tensor_mode(policy.key, head_dim), tensor_mode(policy.value, head_dim, gqa)
+    each (None where the decode kernel cannot read that tensor) over the head both pad to (``padded_head``),
+    except two pairings. Beside CHAN keys, values in groups of ``GROUPS_MIN`` to ``GROUPS_WIDE`` columns take
+    GROUPS, not ROWS (KIVI int2, sm_90, head_dim 128, GQA 4: 17.2 loop instructions a byte against 22.9 for ROWS
+    beside per-element keys); beside TILE keys ROWS stays (int4 keys, int4 values in 16-groups, GQA 2: 9.3 against
+    17.0). And keys CHAN beside values ELEM or ROWS are ELEM: there the scaled queries' registers cost more than
+    they save (CHAN spilled beside either)."""
+    padded = padded_head((policy.key, policy.value), head_dim)
+    km, vm = tensor_mode(policy.key, head_dim, None, padded), tensor_mode(policy.value, head_dim, gqa, padded)
     v = policy.value
     if km == MODE_CHAN and vm == MODE_ROWS and v.group_for(head_dim) // (8 // v.bits) >= GROUPS_MIN:
         vm = MODE_GROUPS
@@ -190,13 +211,19 @@ def tile_config(spec: LayerSpec, gqa: int) -> dict:
     scales and values spread over the tile take registers, KIVI int2 at 256 spilled 1.1 KB per thread on sm_90;
     ``elem_keys_max_block_n`` where only the keys are: KIVI int2 beside ROWS values never spilled at 128 tokens,
     head_dim 64 and 128, every GQA group that gives ROWS, and did at 256; ``chan_max_block_n`` for CHAN keys:
-    KIVI int2 beside GROUPS values spilled at 256 tokens at GQA 2, 4 and 8, never at 128)."""
+    KIVI int2 beside GROUPS values spilled at 256 tokens at GQA 2, 4 and 8, never at 128). A padded head
+    (``padded_head``) without an entry of its own takes the entry of the head it is padded to, whose registers
+    its tiles take (head_dim 96, fp8 at 128 tokens as the rule's bytes give it: 254 registers, 10.9 loop
+    instructions a byte against 9.3 at the 128 head's 64 tokens), and the rule counts its padded bytes."""
     table = config_table()
-    key = f"{format_key(spec.policy.key)}/{format_key(spec.policy.value)};D={spec.head_dim};G={gqa}"
-    if key in table["configs"]:
-        return dict(table["configs"][key], source="table")
-    bits = spec.policy.key.bits + spec.policy.value.bits  # bytes of codes per token: bits * D / 8
-    per_token = bits * spec.head_dim // 8
+    pk, pv = spec.policy.key, spec.policy.value
+    padded = padded_head((pk, pv), spec.head_dim)
+    for D in dict.fromkeys((spec.head_dim, padded)):
+        key = f"{format_key(pk)}/{format_key(pv)};D={D};G={gqa}"
+        if key in table["configs"]:
+            return dict(table["configs"][key], source="table")
+    bits = pk.bits + pv.bits  # bytes of codes per token: bits * D / 8
+    per_token = bits * padded // 8
     rule = table["default"]
     km, vm = modes(spec.policy, spec.head_dim, gqa)
     top = rule["elem_max_block_n"] if vm == MODE_ELEM else rule["elem_keys_max_block_n"] if km == MODE_ELEM \
@@ -334,26 +361,27 @@ def _unpack_words(bits: int, width: int) -> str:
     return asm + "}"
 
 
-def key_words(q: Quant, head_dim: int, mode: int | None) -> int:
+def key_words(q: Quant, head_dim: int, mode: int | None, padded: int | None = None) -> int:
     """Bytes a mode-TILE key tile reads as one element (4, 2, or 1): int4 / int2 codes as words or halfwords of
-    ``8 // bits * width`` sub-slots, each at least a dot operand (16 channels) wide and at most 8 of them. A word
+    ``8 // bits * width`` sub-slots, each at least a dot operand (16 channels) wide in the ``padded`` head and at
+    most 8 of them, a token's codes whole words. A word
     of a token's row reaches a thread whole (its byte loads and the packing of bytes into words gone) and feeds
     ``_unpack_words``' PTX (``_word_tiles``)."""
     if mode != MODE_TILE or not q.is_int or q.bits >= 8:
         return 1
-    per = 8 // q.bits
-    return next((w for w in (4, 2) if per * w <= 8 and head_dim // (per * w) >= 16), 1)
+    per, padded = 8 // q.bits, padded or head_dim
+    return next((w for w in (4, 2) if per * w <= 8 and padded // (per * w) >= 16 and head_dim % (per * w) == 0), 1)
 
 
-def value_words(q: Quant, head_dim: int, mode: int | None) -> int:
+def value_words(q: Quant, head_dim: int, mode: int | None, padded: int | None = None) -> int:
     """Bytes a value tile in mode TILE, ROWS or GROUPS reads as one element (2 or 1): int4 codes as halfwords,
-    four sub-slots. TILE and ROWS: sub-slots of at least 32 channels (a product's columns for 4 warps: narrower,
-    each warp would unpack them all). GROUPS (a warp a group): a group's sub-slots at least 8 channels wide (one
-    product's columns on the tensor cores)."""
+    four sub-slots. TILE and ROWS: sub-slots of at least 32 channels of the ``padded`` head (a product's columns
+    for 4 warps: narrower, each warp would unpack them all). GROUPS (a warp a group): a group's sub-slots at least
+    8 channels wide (one product's columns on the tensor cores)."""
     if not q.is_int or q.bits != 4:
         return 1
     if mode in (MODE_TILE, MODE_ROWS):
-        return 2 if head_dim // 4 >= 32 else 1
+        return 2 if (padded or head_dim) // 4 >= 32 and head_dim % 4 == 0 else 1
     return 2 if mode == MODE_GROUPS and q.group_for(head_dim) // 4 >= GROUPS_MIN else 1
 
 
@@ -421,16 +449,35 @@ def _exp2(x):
 
 
 @triton.jit
-def _codes(ptr, ok, KIND: tl.constexpr):
+def _codes(ptr, ok, lane, KIND: tl.constexpr, PAD: tl.constexpr):
     """A tile's codes. An integer format's are read unmasked: a position past the tile's end lies in its row's
     block (or block 0, where the table has none: the block id's load is masked), so it reads finite codes whose
     scores and probabilities the visibility masks (the scales stay masked). fp8's are masked (a stale byte may be
-    a NaN code, and 0 times NaN is NaN)."""
+    a NaN code, and 0 times NaN is NaN). PAD (8-bit codes of a padded head): ``lane`` masks the bytes past the
+    head's own, which read zeros -- never the next token's (a mask constant along the head's own bytes keeps the
+    loads' vectors, where clamping the lanes to the last byte, ``_own``, cost them: fp8 at head_dim 96, 13.2 loop
+    instructions a byte against 10.0)."""
     if KIND == 2:
-        x = tl.load(ptr, mask=ok, other=0)
+        if PAD:
+            x = tl.load(ptr, mask=ok & lane, other=0)
+        else:
+            x = tl.load(ptr, mask=ok, other=0)
+    elif PAD:
+        x = tl.load(ptr, mask=lane, other=0)
     else:
         x = tl.load(ptr)
     return x
+
+
+@triton.jit
+def _own(i, n: tl.constexpr, PAD: tl.constexpr):
+    """Lane indices ``i`` as a padded head's loads take them (PAD): the lanes past the head's own ``n`` (bytes,
+    words, channels, groups) read its last one again -- the token's own data, so nothing past its row is read and
+    nothing non-finite arrives there that the token's own lanes do not already carry. The query is zero in those
+    lanes (masked) and the outputs there are dropped, so what they read weighs nothing; no mask in the loop."""
+    if PAD:
+        i = tl.minimum(i, n - 1)
+    return i
 
 
 @triton.jit
@@ -485,8 +532,8 @@ def _decode_kernel(
     st_b,  # block table [B, MB]
     sm_b, sm_h, sm_c, P,  # mask [B, Hq, 1, P]
     H, Hq, sm_scale, nsplit, split_min, split_max,
-    D: tl.constexpr, S: tl.constexpr, R: tl.constexpr, F: tl.constexpr, W: tl.constexpr, BS: tl.constexpr,
-    K_MODE: tl.constexpr, K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_E4M3: tl.constexpr,
+    D: tl.constexpr, DR: tl.constexpr, S: tl.constexpr, R: tl.constexpr, F: tl.constexpr, W: tl.constexpr,
+    BS: tl.constexpr, K_MODE: tl.constexpr, K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_E4M3: tl.constexpr,
     K_CHANNEL: tl.constexpr, K_G: tl.constexpr, K_SFMT: tl.constexpr, K_W: tl.constexpr, V_W: tl.constexpr,
     V_MODE: tl.constexpr, V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_E4M3: tl.constexpr,
     V_CHANNEL: tl.constexpr, V_G: tl.constexpr, V_SFMT: tl.constexpr,
@@ -494,7 +541,8 @@ def _decode_kernel(
     CHUNK: tl.constexpr, FULL: tl.constexpr, STAGES: tl.constexpr, NGV: tl.constexpr, WGV: tl.constexpr,
     INVARIANT: tl.constexpr, RUN: tl.constexpr,
 ):
-    """Program (b*H + h, split): rows = the G query heads of KV head h (padded to M = 16); in mode ROWS the
+    """Program (b*H + h, split): rows = the G query heads of KV head h (padded to M = 16); channels: D, the head's
+    DR padded (``padded_head``; PAD: the channels from DR on are masked: zeros in, dropped out); in mode ROWS the
     values' NGV groups times those heads (padded to M // NGV): row ``j * (M // NGV) + i`` is query head ``i``
     weighted by group ``j``'s scales, and keeps group ``j``'s channels. With RUN (``run_rows``), ``b`` is a run
     of up to RUN batch rows of one sequence (``run_ptr``: offsets), row ``r * (M // RUN) + i`` query head ``i``
@@ -507,6 +555,7 @@ def _decode_kernel(
     """
     bh = tl.program_id(0)
     split = tl.program_id(1)
+    PAD: tl.constexpr = DR < D
     b = bh // H
     h = bh % H
     m = tl.arange(0, M)
@@ -559,14 +608,15 @@ def _decode_kernel(
         jv = tl.arange(0, D // VNS)
         # the query in slot order (channel PK u + i), fp32 and rounded to bf16; the rows' sums for TILE
         qok = row_ok[:, None]
+        qlane = qok & (uk < DR // PK)[None, :]  # the head's own channels (PK u + i < DR)
         qb_ptr = q_ptr + (rb.to(tl.int64) * sq_b + hq.to(tl.int64) * sq_h)[:, None]
         # (a query beyond bf16's range saturates there, as the elements do: inf would turn finite scores to NaN)
-        q0 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :], mask=qok, other=0.0), -BF16_MAX), BF16_MAX)
+        q0 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :], mask=qlane, other=0.0), -BF16_MAX), BF16_MAX)
         qb0 = _bf16(q0)
         qsum = tl.sum(q0, 1)
         qbsum = tl.sum(qb0.to(tl.float32), 1)
         if PK > 1:
-            q1 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :] + 1, mask=qok, other=0.0), -BF16_MAX),
+            q1 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :] + 1, mask=qlane, other=0.0), -BF16_MAX),
                              BF16_MAX)
             qb1 = _bf16(q1)
             qsum += tl.sum(q1, 1)
@@ -574,9 +624,9 @@ def _decode_kernel(
         else:
             qb1 = qb0
         if PK > 2:
-            q2 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :] + 2, mask=qok, other=0.0), -BF16_MAX),
+            q2 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :] + 2, mask=qlane, other=0.0), -BF16_MAX),
                              BF16_MAX)
-            q3 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :] + 3, mask=qok, other=0.0), -BF16_MAX),
+            q3 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :] + 3, mask=qlane, other=0.0), -BF16_MAX),
                              BF16_MAX)
             qb2 = _bf16(q2)
             qb3 = _bf16(q3)
@@ -591,16 +641,29 @@ def _decode_kernel(
         qt3 = tl.trans(qb3)
         KNS: tl.constexpr = PK * K_W  # K_W > 1: the keys' sub-slots, channel KNS j + s (``key_words``)
         jw = tl.arange(0, D // KNS)
+        # a padded head's loads: 8-bit codes masked past the head's own (``_codes``); packed codes, words and
+        # value groups clamped to its last (``_own``; masks there cost registers: int4 words at head_dim 80 spilled
+        # 1.1 KB a thread, int2 bytes at 96 0.6 KB)
+        KM: tl.constexpr = PAD & (PK == 1)
+        VM: tl.constexpr = PAD & (PV == 1)
+        klane = (uk < DR // PK)[None, :]
+        vlane = (uv < DR // PV)[None, :]
+        ukl = _own(uk, DR // PK, PAD & (PK > 1))
+        uvl = _own(uv, DR // PV, PAD & (PV > 1))
+        wlane = (jw < DR // KNS)[None, :]  # (the query's own channels in key words)
+        jwl = _own(jw, DR // KNS, PAD)
+        jvl = _own(jv, DR // VNS, PAD)
+        gvl = _own(tl.arange(0, NGV), DR // V_G, PAD)
         if K_W > 1:
-            qw0 = _query_sub(qb_ptr, qok, jw, 0, KNS)
-            qw1 = _query_sub(qb_ptr, qok, jw, 1, KNS)
-            qw2 = _query_sub(qb_ptr, qok, jw, 2, KNS)
-            qw3 = _query_sub(qb_ptr, qok, jw, 3, KNS)
+            qw0 = _query_sub(qb_ptr, qok & wlane, jw, 0, KNS)
+            qw1 = _query_sub(qb_ptr, qok & wlane, jw, 1, KNS)
+            qw2 = _query_sub(qb_ptr, qok & wlane, jw, 2, KNS)
+            qw3 = _query_sub(qb_ptr, qok & wlane, jw, 3, KNS)
             if KNS > 4:
-                qw4 = _query_sub(qb_ptr, qok, jw, 4, KNS)
-                qw5 = _query_sub(qb_ptr, qok, jw, 5, KNS)
-                qw6 = _query_sub(qb_ptr, qok, jw, 6, KNS)
-                qw7 = _query_sub(qb_ptr, qok, jw, 7, KNS)
+                qw4 = _query_sub(qb_ptr, qok & wlane, jw, 4, KNS)
+                qw5 = _query_sub(qb_ptr, qok & wlane, jw, 5, KNS)
+                qw6 = _query_sub(qb_ptr, qok & wlane, jw, 6, KNS)
+                qw7 = _query_sub(qb_ptr, qok & wlane, jw, 7, KNS)
             else:
                 qw4 = qw0
                 qw5 = qw0
@@ -679,13 +742,14 @@ def _decode_kernel(
                 blk_next = tl.load(tbl + (nxt - S) // BS + offs // BS, mask=nxt + offs < hi, other=0).to(tl.int64)
             # ---- scores
             if K_W == 1:
-                kbyte = _codes(kch + (blk * skc_nb + row * skc_t)[:, None] + uk[None, :], kv_ok[:, None],
-                               K_KIND).to(tl.int32)
+                kbyte = _codes(kch + (blk * skc_nb + row * skc_t)[:, None] + ukl[None, :], kv_ok[:, None], klane,
+                               K_KIND, KM).to(tl.int32)
             if K_MODE == 0:
                 ka, kb = _affine(ks, kz, blk * sks_nb + ksh + row * sks_t, kv_ok, K_KIND, K_BITS, K_E4M3, K_SFMT)
                 # tokens as the rows (M) of the products: the codes are the A operand, made in registers
                 if K_W > 1:  # whole words of each token's row, their sub-slots
-                    kword = _codes(kcw + (blk * wk_nb + row * wk_t)[:, None] + jw[None, :], kv_ok[:, None], K_KIND)
+                    kword = _codes(kcw + (blk * wk_nb + row * wk_t)[:, None] + jwl[None, :], kv_ok[:, None], None,
+                                   K_KIND, False)
                     kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7 = _word_tiles(kword, K_BITS, K_W)
                     raw = _qk_slots(qinit, kw0, kw1, kw2, kw3, qw0, qw1, qw2, qw3, 4)
                     if KNS > 4:
@@ -703,30 +767,34 @@ def _decode_kernel(
                 raw3 = tl.zeros([NT, K_G, M], tl.float32)
                 corr = tl.zeros([NT, M], tl.float32)
                 raw3, corr = _chan_qk(raw3, corr, kc0, qf0, 0, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
-                                      sks_nb, sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT)
+                                      sks_nb, sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_G, K_KIND, K_BITS, K_E4M3,
+                                      K_SFMT, DR)
                 if PK > 1:
                     raw3, corr = _chan_qk(raw3, corr, kc1, qf1, 1, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
                                           sks_nb, sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_G, K_KIND, K_BITS, K_E4M3,
-                                          K_SFMT)
+                                          K_SFMT, DR)
                 if PK > 2:
                     raw3, corr = _chan_qk(raw3, corr, kc2, qf2, 2, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
                                           sks_nb, sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_G, K_KIND, K_BITS, K_E4M3,
-                                          K_SFMT)
+                                          K_SFMT, DR)
                     raw3, corr = _chan_qk(raw3, corr, kc3, qf3, 3, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh,
                                           sks_nb, sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_G, K_KIND, K_BITS, K_E4M3,
-                                          K_SFMT)
+                                          K_SFMT, DR)
                 s = tl.trans(tl.reshape((raw3 + corr[:, None, :]) * qk_scale, (BLOCK_N, M)))
             else:
                 raw = _elem_qk(None, qt0, kbyte, 0, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh, sks_nb, sks_t,
-                               uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT)
+                               uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT, DR)
                 if PK > 1:
                     raw = _elem_qk(raw, qt1, kbyte, 1, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh, sks_nb,
-                                   sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT)
+                                   sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3,
+                                   K_SFMT, DR)
                 if PK > 2:
                     raw = _elem_qk(raw, qt2, kbyte, 2, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh, sks_nb,
-                                   sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT)
+                                   sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3,
+                                   K_SFMT, DR)
                     raw = _elem_qk(raw, qt3, kbyte, 3, ks, kz, blk, row, start - S, hi - S, kv_ok, ksh, sks_nb,
-                                   sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3, K_SFMT)
+                                   sks_t, uk, tbl, PK, UK, BLOCK_N, BS, K_CHANNEL, K_G, K_KIND, K_BITS, K_E4M3,
+                                   K_SFMT, DR)
                 s = tl.trans(raw) * qk_scale
             # ---- visibility and online softmax (as attention._online_step, without its value checks)
             if RUN > 1:  # past a row's own end its positions are another row's (finite codes: ``run_rows``)
@@ -752,7 +820,7 @@ def _decode_kernel(
             m_i = m_new
             # ---- values
             if V_MODE == 2:  # p' per group: [groups, rows, BLOCK_N] against [groups, BLOCK_N, group's columns]
-                va, vb = _affine(vs, vz, (blk * svs_nb + vsh + row * svs_t)[:, None] + gv[None, :], kv_ok[:, None],
+                va, vb = _affine(vs, vz, (blk * svs_nb + vsh + row * svs_t)[:, None] + gvl[None, :], kv_ok[:, None],
                                  V_KIND, V_BITS, V_E4M3, V_SFMT)  # [BLOCK_N, groups]
                 pa3 = _bf16(tl.where(vis[None, :, :], pr[None, :, :] * tl.trans(va)[:, None, :], 0.0))
                 # sum_n p b per group: one tf32 product. A poisoned group's NaN reaches the rows that see it through
@@ -762,24 +830,25 @@ def _decode_kernel(
                 bsumg = bsumg * alpha[None, :] + tl.trans(tl.dot(pr, vb, input_precision="tf32"))
                 if V_W > 1:
                     vword3 = _codes(vcw + (blk * wv_nb + row * wv_t)[None, :, None]
-                                    + (gv[:, None, None] * (WGV // V_W) + wv[None, None, :]), kv_ok[None, :, None],
-                                    V_KIND)
+                                    + (gvl[:, None, None] * (WGV // V_W) + wv[None, None, :]), kv_ok[None, :, None],
+                                    None, V_KIND, False)
                     vg0, vg1, vg2, vg3, _, _, _, _ = _word_tiles(vword3, V_BITS, V_W)
                     vg0, vg1, vg2, vg3 = _less_off4(vg0, vg1, vg2, vg3, V_BITS, V_KIND)
                 else:
                     vbyte3 = _codes(vch + (blk * svc_nb + row * svc_t)[None, :, None]
-                                    + (gv[:, None, None] * WGV + wv[None, None, :]), kv_ok[None, :, None],
-                                    V_KIND).to(tl.int32)
+                                    + (gvl[:, None, None] * WGV + wv[None, None, :]), kv_ok[None, :, None],
+                                    None, V_KIND, False).to(tl.int32)
                     vg0, vg1, vg2, vg3 = _code_tiles_exact(vbyte3, V_BITS, V_KIND, V_E4M3)
                 accg0, accg1, accg2, accg3 = _pv_slots(accg0, accg1, accg2, accg3, pa3, vg0, vg1, vg2, vg3,
                                                        alpha[None, :, None], VNS)
             elif V_W > 1:
-                vword = _codes(vcw + (blk * wv_nb + row * wv_t)[:, None] + jv[None, :], kv_ok[:, None], V_KIND)
+                vword = _codes(vcw + (blk * wv_nb + row * wv_t)[:, None] + jvl[None, :], kv_ok[:, None], None,
+                               V_KIND, False)
             else:
-                vbyte = _codes(vch + (blk * svc_nb + row * svc_t)[:, None] + uv[None, :], kv_ok[:, None],
-                               V_KIND).to(tl.int32)
+                vbyte = _codes(vch + (blk * svc_nb + row * svc_t)[:, None] + uvl[None, :], kv_ok[:, None], vlane,
+                               V_KIND, VM).to(tl.int32)
             if V_MODE == 4:  # each row's own group's scales: [rows, BLOCK_N]
-                va, vb = _affine(vs, vz, (blk * svs_nb + vsh + row * svs_t)[None, :] + gv[:, None], kv_ok[None, :],
+                va, vb = _affine(vs, vz, (blk * svs_nb + vsh + row * svs_t)[None, :] + gvl[:, None], kv_ok[None, :],
                                  V_KIND, V_BITS, V_E4M3, V_SFMT)  # [groups, BLOCK_N]
                 va = tl.reshape(tl.broadcast_to(va[:, None, :], (NGV, GR, BLOCK_N)), (M, BLOCK_N))
                 vb = tl.reshape(tl.broadcast_to(vb[:, None, :], (NGV, GR, BLOCK_N)), (M, BLOCK_N))
@@ -813,18 +882,18 @@ def _decode_kernel(
                 pb = _bf16(pr)
                 acc0, hit0 = _elem_pv(acc0, hit0, alpha, pb, vis, vbyte, 0, vs, vz, blk, row, start - S, hi - S, kv_ok,
                                       vsh, svs_nb, svs_t, uv, tbl, PV, UV, BLOCK_N, BS, V_CHANNEL, V_G, V_KIND, V_BITS,
-                                      V_E4M3, V_SFMT)
+                                      V_E4M3, V_SFMT, DR)
                 if PV > 1:
                     acc1, hit1 = _elem_pv(acc1, hit1, alpha, pb, vis, vbyte, 1, vs, vz, blk, row, start - S, hi - S,
                                           kv_ok, vsh, svs_nb, svs_t, uv, tbl, PV, UV, BLOCK_N, BS, V_CHANNEL, V_G,
-                                          V_KIND, V_BITS, V_E4M3, V_SFMT)
+                                          V_KIND, V_BITS, V_E4M3, V_SFMT, DR)
                 if PV > 2:
                     acc2, hit2 = _elem_pv(acc2, hit2, alpha, pb, vis, vbyte, 2, vs, vz, blk, row, start - S, hi - S,
                                           kv_ok, vsh, svs_nb, svs_t, uv, tbl, PV, UV, BLOCK_N, BS, V_CHANNEL, V_G,
-                                          V_KIND, V_BITS, V_E4M3, V_SFMT)
+                                          V_KIND, V_BITS, V_E4M3, V_SFMT, DR)
                     acc3, hit3 = _elem_pv(acc3, hit3, alpha, pb, vis, vbyte, 3, vs, vz, blk, row, start - S, hi - S,
                                           kv_ok, vsh, svs_nb, svs_t, uv, tbl, PV, UV, BLOCK_N, BS, V_CHANNEL, V_G,
-                                          V_KIND, V_BITS, V_E4M3, V_SFMT)
+                                          V_KIND, V_BITS, V_E4M3, V_SFMT, DR)
             blk = blk_next
         if V_MODE == 2:
             fixg = bsumg[:, :, None]
@@ -857,11 +926,11 @@ def _decode_kernel(
                                                            sm_h, Hq, P, G, S, R, F, MASK_KIND)
             _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, first + r, h, hq_r, m < G, Lr, QLr, end_r,
                           w_r, mask_r, sq_b, sq_h, sr_b, sr_h, sr_t, ssk_b, ssk_h, ssk_t, sm_c, H, sm_scale, D, S, W,
-                          M, MASK_KIND, DOT, CHUNK)
+                          M, MASK_KIND, DOT, CHUNK, DR)
     else:  # the full-precision positions: sinks, the query's own token (CHUNK), the residual ring
         _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, b, h, hq, row_one, L, QL, end, w_row, mask_rows,
                       sq_b, sq_h, sr_b, sr_h, sr_t, ssk_b, ssk_h, ssk_t, sm_c, H, sm_scale, D, S, W, M, MASK_KIND, DOT,
-                      CHUNK)
+                      CHUNK, DR)
 
 
 @triton.jit
@@ -909,13 +978,14 @@ def _row_frame(len_ptr, mask_ptr, rb, mh, h, split, nslots, sm_b, sm_h, Hq, P, G
 def _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, b, h, hq, row_ok, L, QL, end, w_row, mask_rows,
                   sq_b, sq_h, sr_b, sr_h, sr_t, ssk_b, ssk_h, ssk_t, sm_c, H, sm_scale, D: tl.constexpr,
                   S: tl.constexpr, W: tl.constexpr, M: tl.constexpr, MASK_KIND: tl.constexpr, DOT: tl.constexpr,
-                  CHUNK: tl.constexpr):
+                  CHUNK: tl.constexpr, DR: tl.constexpr):
     """The decode kernel's program ``split == nsplit``: attention over the full-precision positions (sinks, the
     query's own token from the chunk, the ring) in fp32 with ``DOT`` operands, as ``attention._attn_kernel``
-    reads them (``_full_tile``, ``_online_step``), written to the workspace like a split's."""
+    reads them (``_full_tile``, ``_online_step``), written to the workspace like a split's (D channels, the
+    head's own DR and zeros past them)."""
     c = tl.arange(0, D)
     q = tl.load(q_ptr + b.to(tl.int64) * sq_b + hq.to(tl.int64)[:, None] * sq_h + c[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=row_ok[:, None] & (c < DR)[None, :], other=0.0)
     qpos = tl.full([M], 0, tl.int32) + (L - 1)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
@@ -929,18 +999,18 @@ def _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, b, h, hq, row_
         for start in range(0, stop, FN):
             p = start + offs
             kv_ok = p < stop
-            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, _full_tile(sk, p, kv_ok, ssk_t, D, D),
-                                         _full_tile(sv, p, kv_ok, ssk_t, D, D), p, kv_ok, qpos, row_ok,
+            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, _full_tile(sk, p, kv_ok, ssk_t, DR, D),
+                                         _full_tile(sv, p, kv_ok, ssk_t, DR, D), p, kv_ok, qpos, row_ok,
                                          mask_rows, sm_c, sm_scale, MASK_KIND, DOT)
     if CHUNK:
         first = tl.maximum(L - 1, S)
         if first < tl.minimum(QL, end):  # the query's own token, packed: read from the chunk
-            kcn = kn + (b.to(tl.int64) * H + h) * D
-            vcn = vn + (b.to(tl.int64) * H + h) * D
+            kcn = kn + (b.to(tl.int64) * H + h) * DR
+            vcn = vn + (b.to(tl.int64) * H + h) * DR
             p = first + offs
             kv_ok = offs < 1
-            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, _full_tile(kcn, offs, kv_ok, D, D, D),
-                                         _full_tile(vcn, offs, kv_ok, D, D, D), p, kv_ok, qpos, row_ok,
+            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, _full_tile(kcn, offs, kv_ok, DR, DR, D),
+                                         _full_tile(vcn, offs, kv_ok, DR, DR, D), p, kv_ok, qpos, row_ok,
                                          mask_rows, sm_c, sm_scale, MASK_KIND, DOT)
     if W > 0:
         rk = kr + b.to(tl.int64) * sr_b + h.to(tl.int64) * sr_h
@@ -948,8 +1018,8 @@ def _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, b, h, hq, row_
         for start in range(tl.maximum(QL, S), end, FN):
             p = start + offs
             kv_ok = p < end
-            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, _full_tile(rk, p % W, kv_ok, sr_t, D, D),
-                                         _full_tile(rv, p % W, kv_ok, sr_t, D, D), p, kv_ok, qpos, row_ok,
+            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, _full_tile(rk, p % W, kv_ok, sr_t, DR, D),
+                                         _full_tile(rv, p % W, kv_ok, sr_t, DR, D), p, kv_ok, qpos, row_ok,
                                          mask_rows, sm_c, sm_scale, MASK_KIND, DOT)
     tl.store(ws_acc + w_row[:, None] * D + c[None, :], acc, mask=row_ok[:, None])
     tl.store(ws_ml + w_row * 2, m_i, mask=row_ok)
@@ -960,20 +1030,24 @@ def _full_program(q_ptr, ws_acc, ws_ml, kr, vr, ksk, vsk, kn, vn, b, h, hq, row_
 def _elem_compact(s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl, I: tl.constexpr,
                   PER: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
                   CHANNEL: tl.constexpr, G: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
-                  E4M3: tl.constexpr, SFMT: tl.constexpr):
+                  E4M3: tl.constexpr, SFMT: tl.constexpr, DR: tl.constexpr):
     """``(a, b)`` of slot ``I`` (channels PER u + I) of a tile as stored, before they are spread over the tile:
     per channel (CHANNEL) ``[BLOCK_N / G, U]``, one row of scales per group of G tokens (a group never
-    straddles two blocks); per token ``[BLOCK_N, D / G]``, one per group of G channels."""
+    straddles two blocks); per token ``[BLOCK_N, D / G]``, one per group of G channels. A padded head's channels
+    past its own ``DR`` are (0, 0); its groups past them read its last again (``_own``)."""
     if CHANNEL:
         NT: tl.constexpr = BLOCK_N // G
         jt = j0 + tl.arange(0, NT) * G  # each group's first packed index (the tile starts at a multiple of G)
         gok = jt < jend
         tb = tl.load(tbl + jt // BS, mask=gok, other=0).to(tl.int64)
         off = (tb * s_nb + hoff + ((jt % BS) // G) * s_t)[:, None] + (PER * u + I)[None, :]
-        a, b = _affine(s_ptr, z_ptr, off, gok[:, None], KIND, BITS, E4M3, SFMT)
+        ok = gok[:, None]
+        if DR < U * PER:
+            ok = ok & (PER * u + I < DR)[None, :]
+        a, b = _affine(s_ptr, z_ptr, off, ok, KIND, BITS, E4M3, SFMT)
     else:
         NG: tl.constexpr = U * PER // G
-        gi = tl.arange(0, NG)
+        gi = _own(tl.arange(0, NG), (DR + G - 1) // G, DR < U * PER)
         off = (blk * s_nb + hoff + row * s_t)[:, None] + gi[None, :]
         a, b = _affine(s_ptr, z_ptr, off, kv_ok[:, None], KIND, BITS, E4M3, SFMT)
     return a, b
@@ -1005,12 +1079,13 @@ def _bf16_saturated(x, SFMT: tl.constexpr):
 @triton.jit
 def _elem_qk(raw, qt, byte, I: tl.constexpr, s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl,
              PER: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, CHANNEL: tl.constexpr,
-             G: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr, SFMT: tl.constexpr):
+             G: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr, SFMT: tl.constexpr,
+             DR: tl.constexpr):
     """``raw + k . q`` over slot ``I`` of a key tile in mode ELEM (``raw`` None: the first slot; ``qt``: the query
     slot transposed, tokens as the rows as in mode TILE): each element ``a * code + b`` in fp32, rounded to bf16
     once. A poisoned group's NaN reaches the scores, where ``_online_step``'s rule takes it."""
     a, b = _elem_compact(s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl, I, PER, U, BLOCK_N, BS,
-                         CHANNEL, G, KIND, BITS, E4M3, SFMT)
+                         CHANNEL, G, KIND, BITS, E4M3, SFMT, DR)
     k = _code_f32(byte, I, BITS, KIND, E4M3) * _spread(a, PER, U, BLOCK_N, CHANNEL, G) + _spread(b, PER, U, BLOCK_N,
                                                                                                   CHANNEL, G)
     return _dot(_bf16_saturated(k, SFMT), qt, raw)
@@ -1019,14 +1094,14 @@ def _elem_qk(raw, qt, byte, I: tl.constexpr, s_ptr, z_ptr, blk, row, j0, jend, k
 @triton.jit
 def _chan_qk(raw3, corr, codes, qf, I: tl.constexpr, s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl,
              PER: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
-             KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr, SFMT: tl.constexpr):
+             KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr, SFMT: tl.constexpr, DR: tl.constexpr):
     """Slot ``I`` of a key tile in mode CHAN, added to ``raw3 [BLOCK_N / G, G, rows]`` (the tile's groups of G
     tokens, each token's ``q' . c``) and ``corr [BLOCK_N / G, rows]`` (each group's ``q . b``): ``q' = bf16(q a)``,
     the fp32 query slot ``qf [U, rows]`` times the group's scales, so that the slot's ``codes`` (bf16, exact:
     ``_code_tiles_exact``) enter the product as they are and no element is dequantized. A poisoned group's NaN
     scale makes its tokens' scores NaN, as ``attention_reference`` does."""
     a, b = _elem_compact(s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl, I, PER, U, BLOCK_N, BS,
-                         True, G, KIND, BITS, E4M3, SFMT)  # [BLOCK_N / G, U]
+                         True, G, KIND, BITS, E4M3, SFMT, DR)  # [BLOCK_N / G, U]
     qs = _bf16(qf[None, :, :] * a[:, :, None])  # [BLOCK_N / G, U, rows]
     raw3 = _dot(codes, qs, raw3)
     return raw3, corr + tl.sum(qf[None, :, :] * b[:, :, None], 1)
@@ -1036,13 +1111,13 @@ def _chan_qk(raw3, corr, codes, qf, I: tl.constexpr, s_ptr, z_ptr, blk, row, j0,
 def _elem_pv(acc, hit, alpha, pb, vis, byte, I: tl.constexpr, s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb,
              s_t, u, tbl, PER: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
              CHANNEL: tl.constexpr, G: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, E4M3: tl.constexpr,
-             SFMT: tl.constexpr):
+             SFMT: tl.constexpr, DR: tl.constexpr):
     """``(acc * alpha + p v, hit)`` for slot ``I`` of a value tile in mode ELEM. A poisoned group (NaN scale) is
     read as zeros, and ``hit`` counts, per row and channel, the visible positions that hold one: the channels
     with a count become NaN at the end (``attention_reference``: NaN in the rows that see it and nowhere else).
     Only a tile that holds one computes the count (the check is on the scales as loaded)."""
     a, b = _elem_compact(s_ptr, z_ptr, blk, row, j0, jend, kv_ok, hoff, s_nb, s_t, u, tbl, I, PER, U, BLOCK_N, BS,
-                         CHANNEL, G, KIND, BITS, E4M3, SFMT)
+                         CHANNEL, G, KIND, BITS, E4M3, SFMT, DR)
     nan = (a != a) | (b != b)
     v = _bf16_saturated(_code_f32(byte, I, BITS, KIND, E4M3) * _spread(tl.where(nan, 0.0, a), PER, U, BLOCK_N,
                                                                         CHANNEL, G)
@@ -1064,16 +1139,21 @@ def decode_config(policy, head_dim: int, sink: int, flush: int, ring: int, block
     multiples of 4 bytes). ``invariant``: row-invariant splits; ``runs`` (with it): a program a run of rows where
     the layout allows (``run_rows``)."""
     D = head_dim
+    DP = padded_head((policy.key, policy.value), D)
     kw = layout_constexprs(policy, D, sink, flush, ring, block)  # (quantized formats only: their groups, axes)
-    del kw["DB"]  # the general kernel's padded head; this kernel's head is a power of two (``tensor_mode``)
+    del kw["DB"]  # the general kernel's padded head; this kernel's is DP (``padded_head``)
+    kw.update(D=DP, DR=D)  # D: the channels computed over; DR: the head's own (the rest masked)
+    for pre, q in (("K_", policy.key), ("V_", policy.value)):
+        if q.quantized and q.axis != "channel" and kw[pre + "G"] == D:
+            kw[pre + "G"] = DP  # one scale a token-head: a group of the padded head (its extra channels zeros)
     kw["K_MODE"], kw["V_MODE"] = modes(policy, D, gqa)
-    kw["K_W"] = key_words(policy.key, D, kw["K_MODE"]) if words else 1
-    kw["V_W"] = value_words(policy.value, D, kw["V_MODE"]) if words else 1
+    kw["K_W"] = key_words(policy.key, D, kw["K_MODE"], DP) if words else 1
+    kw["V_W"] = value_words(policy.value, D, kw["V_MODE"], DP) if words else 1
     groups = kw["V_MODE"] == MODE_GROUPS  # values' groups and each group's columns per slot (GROUPS only)
     rows = kw["V_MODE"] == MODE_ROWS  # a row per query head and value group
-    M = decode_rows(kw["K_MODE"], kw["V_MODE"], D, kw["V_G"], gqa)
+    M = decode_rows(kw["K_MODE"], kw["V_MODE"], DP, kw["V_G"], gqa)
     kw.update(G=gqa, M=M, BLOCK_N=block_n, MASK_KIND=mask_kind, DOT=dot, CHUNK=chunk, FULL=full, STAGES=stages,
-              NGV=D // kw["V_G"] if groups or rows else 1, WGV=kw["V_G"] // (8 // kw["V_BITS"]) if groups else 16,
+              NGV=DP // kw["V_G"] if groups or rows else 1, WGV=kw["V_G"] // (8 // kw["V_BITS"]) if groups else 16,
               INVARIANT=invariant, RUN=run_rows(kw["V_MODE"], M, gqa) if invariant and runs else 1)
     key = (f"decode[k={policy.key.key()}:{MODES[kw['K_MODE']]};v={policy.value.key()}:{MODES[kw['V_MODE']]};"
            f"S={sink};R={policy.residual};F={flush};W={ring};BS={block};D={D};gqa={gqa};bn={block_n};"
@@ -1201,8 +1281,9 @@ def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | Non
     q = q.contiguous()
     dev = q.device
     slots = nsplit + int(full)
-    out = torch.empty(B, Hq, 1, D, dtype=torch.float32, device=dev)
-    ws_acc = torch.empty(B, Hq, 1, slots, D, dtype=torch.float32, device=dev)
+    DP = kw["D"]  # the padded head (``padded_head``): the workspace's and the merge's columns
+    out = torch.empty(B, Hq, 1, DP, dtype=torch.float32, device=dev)
+    ws_acc = torch.empty(B, Hq, 1, slots, DP, dtype=torch.float32, device=dev)
     ws_ml = torch.empty(B, Hq, 1, slots, 2, dtype=torch.float32, device=dev)
     if mask is None:
         mask_t, mstr, P = state.lengths, (0, 0, 0, 0), 0
@@ -1229,8 +1310,8 @@ def launch_decode(q: Tensor, state: KVState, spec: LayerSpec, mask: Tensor | Non
     # allows for (the decode kernel is not bit-exact with anything; the store kernels keep it off)
     run(_decode_kernel, (B * H, slots), args, num_warps=cfg["warps"], enable_fp_fusion=True)
     run(_merge_kernel, (B * Hq,), dict(out_ptr=out, ws_acc=ws_acc, ws_ml=ws_ml, nsplit=slots,
-                                       NSPLIT_B=max(16, triton.next_power_of_2(slots)), DB=D, IN_ORDER=invariant))
-    return out
+                                       NSPLIT_B=max(16, triton.next_power_of_2(slots)), DB=DP, IN_ORDER=invariant))
+    return out if DP == D else out[..., :D].contiguous()
 
 
 # --------------------------------------------------------------------------- what the bound needs

@@ -173,7 +173,7 @@ def plan(state: KVState, spec: LayerSpec, q_shape, mask: Tensor | None = None, t
         return Plan(True, 1, block_n, nsplit, positions, nsplit + int(full))
     bq, bn, ns = tiles or _attention.default_tiles(spec, n, G, device, B, positions)
     if invariant and n == 1:
-        # a layout the decode kernel does not serve (head_dim 80 or 96, int3, ...): one program a row, no splits.
+        # a layout the decode kernel does not serve (int3, groups inside a byte, ...): one program a row, no splits.
         # Its tiles start at position 0 and are sized by the layout alone, and its loop ends at the row's own end,
         # so a row's result depends on that row alone
         if tiles and ns != 1:

@@ -19,7 +19,7 @@ from kvcompile.store import attention_reference
 from kvcompile.templates import decode, launch
 from attention_checks import filled
 from nonfinite_checks import assert_nan_pattern
-from store_checks import bad_store
+from store_checks import bad_store, scrambled
 from tiers import slow_after
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,6 +80,16 @@ LAYOUTS = [  # (policy, head_dim, G): every mode and format; ragged rows around 
      64, 1),
     (Policy(Quant("int8", "channel", 16), Quant("int2", "token", 8, False, "fp8_e4m3"), residual=0), 64, 2),
     (Policy(Quant("fp8_e5m2", "tensor"), Quant("fp8_e4m3", "tensor"), residual=3, rotate=True), 128, 4),
+    # heads padded to a power of two (``decode.padded_head``): Phi-2's 80 and Phi-3's 96, int2 at 32 (slots of 8)
+    (Policy(Quant("int8", **TOK), Quant("int8", **TOK), residual=0), 80, 2),
+    (Policy(Quant("int4", **TOK), Quant("int4", **TOK), residual=2, sink=1), 96, 4),  # int4 keys as words
+    (Policy.kivi(4, residual=8, sink=2), 80, 4),  # CHAN keys, GROUPS values in 16-groups: 5 of 8 groups real
+    (Policy.kivi(2, residual=4), 96, 3),  # 3 value groups of 32, padded to 4
+    (Policy(Quant("int4", **TOK), Quant("int4", "token", 16), residual=0), 80, 2),  # ROWS: 5 of 8 groups a head
+    (Policy(Quant("int2", **TOK), Quant("fp8_e4m3", "tensor"), residual=3), 32, 1),
+    (Policy(Quant("int8", "token", 16, False, "float32"), Quant("int4", "token", None, False, "float32"), residual=2),
+     80, 3),  # fp32 scales: per element, a value scale a token-head over the padded head
+    (Policy(Quant("int4", "channel", 4), Quant("int8", "channel", 16), residual=0), 96, 2),  # ELEM, per channel
 ]
 
 
@@ -117,7 +127,7 @@ def quants(draw, D):
     per = 8 // int(fmt[-1]) if fmt.startswith("int") else 1
     axis = draw(st.sampled_from(["token", "channel"]))
     if axis == "token":
-        group = draw(st.sampled_from([None] + [g for g in (per, 8, 16, 32) if per <= g <= D]))
+        group = draw(st.sampled_from([None] + [g for g in (per, 8, 16, 32) if per <= g <= D and D % g == 0]))
     else:
         group = draw(st.sampled_from([1, 2, 4, 16]))
     sym = True if fmt.startswith("fp8") else draw(st.booleans())
@@ -126,7 +136,7 @@ def quants(draw, D):
 
 @st.composite
 def decode_cases(draw):
-    D = draw(st.sampled_from([64, 128]))
+    D = draw(st.sampled_from([64, 128, 80, 96]))
     policy = Policy(draw(quants(D)), draw(quants(D)), residual=draw(st.sampled_from([0, 0, 3, 16])),
                     sink=draw(st.sampled_from([0, 2])), rotate=draw(st.booleans()))
     B, H, G = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3, 4, 8]))
@@ -173,7 +183,47 @@ def test_decode_kernel_non_finite_values_poison_what_the_reference_says(policy):
     """NaN, +inf and -inf keys and values in sinks, packed groups' edges and the residual ring: NaN exactly
     where ``attention_reference`` is (a poisoned group: its NaN scale), never inf, the rest within the bound;
     masks hide some of them."""
-    B, H, G, D, L = 2, 1, 2, 32, 40
+    _poisoned(policy, 32)
+
+
+@pytest.mark.parametrize("policy", [
+    Policy(Quant("int4", "channel", 16), Quant("int4", "token", 16), residual=4),  # CHAN keys, GROUPS values
+    Policy(Quant("fp8_e4m3", "tensor"), Quant("fp8_e5m2", "tensor"), residual=2, sink=1),  # NaN codes, no scale
+    Policy(Quant("int8", "channel", 4), Quant("int4", "token", 16), residual=3, sink=2),  # ELEM keys, ROWS values
+])
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_a_padded_heads_poisoned_positions_stay_in_their_own_channels(policy):
+    """head_dim 80 over a padded head of 128: the channels and groups past the head's own are masked, so a
+    poisoned group's NaN scale or an fp8 NaN code next to them (the next token's, the next group's) reaches no
+    other output than ``attention_reference`` says."""
+    _poisoned(policy, 80)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_a_padded_head_reads_no_code_of_the_next_token():
+    """fp8 keys with no scale at head_dim 80: a token's padded channels lie where the next token's codes are. A
+    NaN code there (the next token's first channel), hidden from every head by the mask, must leave the rows
+    finite: the kernel reads zeros past the head's own channels (0 times NaN would be NaN)."""
+    from kvcompile.store import LayerSpec
+    D, L = 80, 40
+    spec = LayerSpec(Policy(Quant("fp8_e4m3", "tensor"), Quant("fp8_e4m3", "tensor"), residual=0), 1, D, "float32",
+                     block_tokens=16)
+    spec.register()
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(2, 1, L, D, generator=g), torch.randn(2, 1, L, D, generator=g)
+    k[:, :, 6, 0] = float("nan")  # token 6's first channel: token 5's padded channels read it
+    store = scrambled(spec, 2, 8, seed=3)
+    store.append(k, v, torch.tensor([L, L]))
+    keep = torch.ones(2, 1, 1, L, dtype=torch.bool)
+    keep[..., 6] = False
+    q = torch.randn(2, 2, 1, D, generator=g)
+    assert launch.plan(store.state, spec, (2, 2, 1, D)).decode
+    err, _ = check(q, store.state, spec, mask=keep)
+    assert err.isfinite().all()
+
+
+def _poisoned(policy, D):
+    B, H, G, L = 2, 1, 2, 40
     spec, store, k, v = bad_store(policy, "float32", B, H, D, L)
     state = store.state
     assert launch.plan(state, spec, (B, H * G, 1, D)).decode
@@ -218,9 +268,17 @@ def test_which_layouts_the_decode_kernel_serves():
     assert decode.tensor_mode(Quant("int4", "token", 8), 64, 2) == decode.MODE_ROWS  # 8 groups x 2 heads
     assert decode.tensor_mode(Quant("int4", "token", 8), 64, 4) == decode.MODE_ELEM  # 4 columns a group
     assert decode.tensor_mode(Quant("int4", "token", 8, scale_dtype="float32"), 64, 1) == decode.MODE_ELEM
-    for q, D in ((Quant("int3", "token"), 128), (Quant("none"), 128), (Quant("int2", "token"), 32),
-                 (Quant("int4", "token", 1), 128), (tok, 96)):
+    for q, D in ((Quant("int3", "token"), 128), (Quant("none"), 128), (Quant("int4", "token", 1), 128),
+                 (Quant("int2", "token", 2), 96)):
         assert decode.tensor_mode(q, D) is None, (q, D)
+    # a head that is no power of two (Phi-2's 80, Phi-3's 96), or whose slots are narrower than a dot operand (int2
+    # at 32: 8 channels a slot), is padded: the kernel computes over the padded head, the rest masked
+    assert decode.tensor_mode(tok, 96) == decode.tensor_mode(Quant("int2", "token"), 32) == decode.MODE_TILE
+    assert [decode.padded_head((q,), D) for q, D in ((tok, 80), (tok, 96), (tok, 128), (Quant("int8", "token"), 32),
+                                                     (Quant("int2", "token"), 32), (Quant("int2", "token"), 80))] \
+        == [128, 128, 128, 32, 64, 128]
+    assert decode.modes(Policy.kivi(4), 80, 4) == (decode.MODE_CHAN, decode.MODE_GROUPS)  # value groups of 16 fit 80
+    assert decode.modes(Policy(tok, Quant("int4", "token", 16)), 80, 2) == (decode.MODE_TILE, decode.MODE_ROWS)
     spec = _spec(Policy(tok, tok, residual=0), 128)
     assert decode.decode_layout(spec, 1, False, 4) == (decode.MODE_TILE, decode.MODE_TILE)
     # KIVI: the keys scale the query per group beside values scaled per group, int2's 8-byte groups included
@@ -380,6 +438,12 @@ def test_tiles_come_from_the_config_table_or_its_rule(monkeypatch):
     assert rows["source"] == "rule" and rows["block_n"] == rule["elem_keys_max_block_n"] > rule["elem_max_block_n"]
     kivi2 = decode.tile_config(_spec(Policy.kivi(2, group=32, residual=0), 128), 5)  # CHAN keys: capped
     assert kivi2["source"] == "rule" and kivi2["block_n"] == rule["chan_max_block_n"] < got[2]["block_n"]
+    # a padded head without an entry of its own: the entry of the head it is padded to, else the rule over its
+    # padded bytes (int8 at 96 and at 128 take the same registers a token)
+    key = "int8.token.head/int8.token.head;D={};G=8"
+    assert key.format(96) not in table["configs"] and key.format(128) in table["configs"]
+    assert decode.tile_config(_spec(tok[8], 96), 8) == dict(table["configs"][key.format(128)], source="table")
+    assert decode.tile_config(_spec(tok[8], 96), 5) == got[8]
     monkeypatch.setattr(decode, "INTERPRET", False)
     spec = _spec(tok[4], 128)
     bn = decode.tile_config(spec, 4)["block_n"]
@@ -470,23 +534,25 @@ def test_row_invariant_splits_give_a_row_the_same_bits_in_any_batch(policy):
     assert not torch.equal(attend([0], False, (1, 16, 2)), attend([0], False, (1, 16, 5)))
 
 
-RUNS = [  # (policy, G, mask): layouts whose products' rows are padded to 16, where a program takes a run of rows
-    (Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0), 4, None),
-    (Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0, sink=3), 2, "bool"),
-    (Policy(Quant("fp8_e4m3", "tensor"), Quant("fp8_e4m3", "tensor"), residual=0), 3, "float"),  # NaN codes
-    (Policy(Quant("int4", "token", 8), Quant("int8", "channel", 16), residual=0), 1, None),  # ELEM keys, values
+RUNS = [  # (policy, G, mask, D): layouts whose products' rows are padded to 16, where a program takes a run of rows
+    (Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0), 4, None, 32),
+    (Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0, sink=3), 2, "bool", 32),
+    (Policy(Quant("fp8_e4m3", "tensor"), Quant("fp8_e4m3", "tensor"), residual=0), 3, "float", 32),  # NaN codes
+    (Policy(Quant("int4", "token", 8), Quant("int8", "channel", 16), residual=0), 1, None, 32),  # ELEM keys, values
+    (Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0, sink=2), 2, "bool", 80),  # a padded head
 ]
 
 
-@pytest.mark.parametrize("policy,G,mask_kind", RUNS, ids=["int4", "int8-sinks-bool", "fp8-tensor-float", "elem"])
-def test_a_run_of_one_sequences_rows_gives_each_row_its_bits_alone(policy, G, mask_kind, monkeypatch):
+@pytest.mark.parametrize("policy,G,mask_kind,D", RUNS,
+                         ids=["int4", "int8-sinks-bool", "fp8-tensor-float", "elem", "int4-D80-sinks-bool"])
+def test_a_run_of_one_sequences_rows_gives_each_row_its_bits_alone(policy, G, mask_kind, D, monkeypatch):
     """``launch.attention(..., invariant=True, groups=...)`` (a prompt's queries, each a decode row of one sequence:
     ``kvcompile.pages``): a program takes up to ``decode.run_rows`` of the rows (their query heads fill the products'
     padding) and reads each packed tile once for all of them -- and each row's output is the same bits as in a
     call of its own (a decode step: the kernel without runs). The rows cross a change of their split share (the longest rows' splits are longer), so the
     runs are cut there; a poisoned token (NaN codes with the fixed fp8 scale) lies where only the longer rows see
     it; masks hide positions per row."""
-    H, D, N = 2, 32, 300
+    H, N = 2, 300
     spec, st = filled(policy, [N], H, D, seed=5)
     if spec.policy.key.axis == "tensor":  # a poisoned token-head at 280: NaN codes, as the store writes them
         from kvcompile.quant import FP8_NAN
@@ -535,13 +601,13 @@ def test_a_run_of_one_sequences_rows_gives_each_row_its_bits_alone(policy, G, ma
 
 
 UNSERVED = [  # (policy, head_dim, G): layouts the decode kernel does not serve
-    (Policy.int8(), 80, 2),  # head_dim 80 (Phi-2's) and 96 (Phi-3's): no power of two
+    (Policy(Quant("int4", "token", 1), Quant("int8", "token"), residual=0), 80, 2),  # a key group inside a byte
     (Policy.kivi(3, sink=2), 32, 4),  # int3, key groups, a ring and sinks
-    (Policy(Quant("int2", "token"), Quant("int2", "token"), residual=0), 32, 1),  # int2 in token groups of 8 bytes
+    (Policy(Quant("int2", "token", 2), Quant("int2", "token", 2), residual=0), 32, 1),  # int2 in groups of 2
 ]
 
 
-@pytest.mark.parametrize("policy,D,G", UNSERVED, ids=["int8-D80", "kivi3-sinks", "int2-D32"])
+@pytest.mark.parametrize("policy,D,G", UNSERVED, ids=["int4-g1-D80", "kivi3-sinks", "int2-g2-D32"])
 def test_rows_of_a_layout_the_decode_kernel_does_not_serve_are_row_invariant_on_the_general_kernel(
         policy, D, G, monkeypatch):
     """``invariant=True`` (an engine's flat batch: ``kvcompile.pages`` on CUDA) over a layout the decode kernel does

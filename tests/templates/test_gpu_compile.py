@@ -57,6 +57,16 @@ SCRIPT = textwrap.dedent("""
         # kernel's tiles (e4m3's NaN code selected) and the general kernel's prefill
         (Policy.fp8(residual=4, sink=2, axis="tensor", rotate=True), 128, "bfloat16", 4, 1, None, None, None, "decode"),
         (Policy.fp8("fp8_e5m2", residual=0, axis="tensor"), 64, "float16", 2, 5, None, 16, None),
+        # padded heads (decode.padded_head): 8-bit codes masked (fp8 at 96), int4 words clamped (80), KIVI's groups
+        # (3 of 4 at 96, CHAN keys), ROWS values (5 of 8 groups at 80), int2 at 32 (slots of 8 channels)
+        (Policy.fp8(residual=4, sink=2), 96, "bfloat16", 1, 1, None, None, None, "decode"),
+        (Policy(Quant("int4", "token"), Quant("int4", "token"), residual=0), 80, "bfloat16", 1, 1, None, None, None,
+         "decode"),
+        (Policy.kivi(4, residual=0), 96, "bfloat16", 4, 1, torch.zeros(1), None, None, "decode"),
+        (Policy(Quant("int4", "token"), Quant("int4", "token", 16), residual=0), 80, "float16", 2, 1, None, None,
+         None, "decode"),
+        (Policy(Quant("int2", "token"), Quant("int2", "token"), residual=0), 32, "float16", 2, 1, None, None, None,
+         "decode"),
     ]
     with common.compile_only(90, log):
         for policy, D, dt, G, n, mask, block, tiles, *kernel in cases:
@@ -85,10 +95,11 @@ SCRIPT = textwrap.dedent("""
             state.lengths.copy_(torch.tensor([1, 2]))
             launch.attention(torch.randn(2, 8, 1, 128), state, spec, mask, invariant=True,
                              groups=torch.tensor([0, 2], dtype=torch.int32))
-        # row-invariant rows of layouts the decode kernel does not serve (head_dim 80 or 96, int3): the general
-        # kernel, a program a row, no splits
-        for policy, D in ((Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0), 80),
-                          (Policy.kivi(3, group=32, residual=16, sink=4), 96)):
+        # row-invariant rows of layouts the decode kernel does not serve (a key group inside a byte, int3): the
+        # general kernel, a program a row, no splits; and of a padded head (80), the decode kernel's
+        for policy, D in ((Policy(Quant("int4", "token", 1), Quant("int8", "token"), residual=0), 80),
+                          (Policy.kivi(3, group=32, residual=16, sink=4), 96),
+                          (Policy(Quant("int8", "token"), Quant("int8", "token"), residual=0), 80)):
             spec = LayerSpec(policy, 2, D, "bfloat16", 64)
             state = spec.allocate(2, 4096)
             launch.store(state, spec, *torch.randn(2, 2, 2, 1, D))
@@ -119,6 +130,8 @@ SCRIPT = textwrap.dedent("""
           "decode:", sorted({(c["K_MODE"], c["V_MODE"], c["FULL"], c["CHUNK"], c["MASK_KIND"], c["BLOCK_N"] > c["BS"])
                              for n, c in log if n == "_decode_kernel"}),
           "words:", sorted({(c["K_W"], c["V_W"]) for n, c in log if n == "_decode_kernel"}),
+          "padded:", sorted({(c["DR"], c["D"], c["K_MODE"], c["V_MODE"], c["K_W"], c["V_W"]) for n, c in log
+                             if n == "_decode_kernel" and c["DR"] != c["D"]}),
           "invariant:", sum(bool(c.get("INVARIANT")) for n, c in log if n == "_decode_kernel"),
           sum(bool(c.get("IN_ORDER")) for n, c in log if n == "_merge_kernel"),
           "runs:", sorted({(c["RUN"], c["FULL"], c["MASK_KIND"]) for n, c in log if n == "_decode_kernel"
@@ -162,7 +175,10 @@ def test_kernels_compile_for_sm90():
     # codes read as words / halfwords: int4 at 128 (keys words, values halfwords; KIVI int4's values in GROUPS
     # halfwords), int2 at 128 and int4 at 64 (keys halfwords), the rest byte by byte
     assert "words: [(1, 1), (1, 2), (2, 1), (4, 2)]" in r.stdout, r.stdout
-    assert "invariant: 6 6" in r.stdout, r.stdout  # row-invariant splits and the in-order merge lower too
+    assert "invariant: 7 7" in r.stdout, r.stdout  # row-invariant splits and the in-order merge lower too
+    # padded heads: (head_dim, padded, key mode, value mode, key words, value words)
+    assert ("padded: [(32, 64, 0, 0, 1, 1), (80, 128, 0, 0, 1, 1), (80, 128, 0, 0, 4, 2), (80, 128, 0, 4, 4, 2), "
+            "(96, 128, 0, 0, 1, 1), (96, 128, 3, 2, 1, 2)]") in r.stdout, r.stdout
     # (RUN, full-precision program, mask kind): a row a program (decode steps), runs of 4 rows (a prompt's), each
     # row's sinks and ring, a mask
     assert "runs: [(1, False, 0), (1, True, 0), (1, True, 2), (4, False, 0), (4, True, 2)]" in r.stdout, r.stdout
