@@ -128,7 +128,7 @@ def check_correctness(device: str, B: int, H: int, G: int, D: int, C: int, names
                         raise SystemExit(msg)
                     failed.append(msg)
         lines.append(f"ok  {name:26s} store exact, attention within bound ({'+'.join(sorted(kernels))} kernels; "
-                     f"{spec.policy.key_str()})")
+                     f"{spec.policy.key_str()}; head_dim {D})")
     return lines + failed
 
 
@@ -539,6 +539,7 @@ def main(argv=None) -> str:
 
     if smoke:  # every step once, at sizes the interpreter runs in about a minute
         checks = check_correctness(device, B=2, H=1, G=2, D=64, C=34, names=["int2", "kivi4+res+sink+rot"])
+        checks += check_correctness(device, B=2, H=1, G=1, D=80, C=34, names=["int4"])  # a padded head
         checks += check_runs(device, H=1, G=2, D=64, C=60, names=["int4"], rows=6)
         log("correctness done")
         rows = time_decode(device, [1], [128], Hq=2, H=1, D=64, formats=["int4-kivi"], smoke=True, block=16,
@@ -548,13 +549,17 @@ def main(argv=None) -> str:
         store = time_store(device, 1, 32, 1, 1, 64, ["int4"], True, 16)
         readback = time_past(device, 1, 48, 1, 64, ["int4"], True, 16)
         prompt_rows = time_prompt_rows(device, [48], 2, 1, 64, ["int4"], True, 16)
+        padded = []
     elif args.quick:
         checks = check_correctness(device, B=3, H=8, G=4, D=128, C=300, names=["int4", "int2-kivi", "fp8"])
         log("correctness done")
         rows = time_decode(device, [8], [32768], 32, 8, 128, list(FORMATS), False, args.block, tiles)
-        general, prefill, store, readback, prompt_rows = [], [], [], [], []
+        general, prefill, store, readback, prompt_rows, padded = [], [], [], [], [], []
     else:
         checks = check_correctness(device, B=3, H=8, G=4, D=128, C=300)
+        # heads padded to 128 (decode.padded_head): Phi-3-mini's 96 channels, one query head a KV head; Phi-2's 80
+        checks += check_correctness(device, B=3, H=8, G=1, D=96, C=300, names=["fp8", "int8", "int4", "int4-kivi"])
+        checks += check_correctness(device, B=3, H=8, G=1, D=80, C=300, names=["int4", "int2"])
         checks += check_runs(device, H=8, G=4, D=128, C=600, names=["fp8", "int8", "int4", "int2"])
         log("correctness done")
         rows = time_decode(device, [1, 8, 32], [4096, 32768, 131072], 32, 8, 128, list(FORMATS), False,
@@ -562,6 +567,9 @@ def main(argv=None) -> str:
         log("decode table done")
         general = time_general(device, 8, 32768, 32, 8, 128, list(FORMATS), False, args.block)
         log("general kernel done")
+        padded = time_decode(device, [8], [32768], 32, 32, 96, ["fp8", "int8", "int4", "int4-kivi"], False,
+                             args.block, tiles)
+        log("padded head done")
         if any(c.startswith("FAIL attention") for c in checks):
             prefill = []
             log("prefill timing skipped: the prefill path failed its correctness check")
@@ -583,6 +591,9 @@ def main(argv=None) -> str:
     sl = {} if smoke else slopes(rows)
     sections.append("Decode (one query; 32 query heads over 8 KV heads, head_dim 128, bf16):\n\n"
                     + render_decode(rows + general, peak))
+    if padded:
+        sections.append("Decode at head_dim 96 over a padded head of 128 (Phi-3-mini's 32 query heads, one a KV head, "
+                        "bf16):\n\n" + render_decode(padded, peak))
     if sl:
         sections.append("Growth with context (target: at most 1.2 x the bytes ratio x bf16's):\n\n" + render_slopes(sl))
     if prefill:

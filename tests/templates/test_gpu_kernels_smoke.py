@@ -14,7 +14,8 @@ def test_gpu_benchmark_smoke_run(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     report = mod.main(["--smoke", "--out", str(tmp_path / "kernels.md")])
-    assert report.count("store exact, attention within bound (decode+general kernels") == 2
+    assert report.count("store exact, attention within bound (decode+general kernels") == 3
+    assert report.count("; head_dim 64)") == 2 and report.count("; head_dim 80)") == 1  # a padded head too
     assert "| 1 | 128 | bf16 sdpa (flash) |" in report and "| 1 | 128 | int4-kivi |" in report
     assert "| 1 | 128 | int4 (general kernel) |" in report
     # prefill (the path "auto" takes on the CPU, and the general kernel once more), store
