@@ -91,6 +91,7 @@ MODES = {MODE_TILE: "tile", MODE_ELEM: "elem", MODE_GROUPS: "groups", MODE_CHAN:
 # product with a scale (at most 2**24: fp16's largest, or e4m3 codes' 256 times an fp8 or fp16 scale) leaves bf16
 CHAN_QMAX = tl.constexpr(3.3895313892515355e38 / 2.0 ** 24)
 ROWS_MAX = 16  # mode ROWS: at most this many rows (query heads, padded to a power of two, times value groups)
+CHAN_ROWS_MAX = 8  # ... and beside CHAN keys at most this many (``modes``)
 # mode GROUPS: a group's columns in a slot (bytes' slots, D / G / (8 / bits)): from GROUPS_WIDE always, from
 # GROUPS_MIN (one n8 product on the tensor cores) where ROWS cannot take the group or the keys are CHAN
 GROUPS_WIDE, GROUPS_MIN = 16, 8
@@ -178,14 +179,19 @@ def decode_layout(spec: LayerSpec, n: int, rope: bool, gqa: int) -> tuple[int, i
 def modes(policy, head_dim: int, gqa: int) -> tuple[int | None, int | None]:
     """(key mode, value mode) for this policy's layout read by ``gqa`` query heads a KV head: ``tensor_mode`` of
     each (None where the decode kernel cannot read that tensor) over the head both pad to (``padded_head``),
-    except two pairings. Beside CHAN keys, values in groups of ``GROUPS_MIN`` to ``GROUPS_WIDE`` columns take
-    GROUPS, not ROWS (KIVI int2, sm_90, head_dim 128, GQA 4: 17.2 loop instructions a byte against 22.9 for ROWS
-    beside per-element keys); beside TILE keys ROWS stays (int4 keys, int4 values in 16-groups, GQA 2: 9.3 against
-    17.0). And keys CHAN beside values ELEM or ROWS are ELEM: there the scaled queries' registers cost more than
-    they save (CHAN spilled beside either)."""
+    except where the keys are CHAN. Beside them, ROWS stays where it takes at most ``CHAN_ROWS_MAX`` rows (KIVI
+    with value groups of 16 channels beside one or two query heads a KV head, sm_90: int4 at head_dim 80, GQA 1,
+    13.8 loop instructions a byte against 36.2 for GROUPS; int2 in 16-groups at 64, GQA 2, 18.3 against 30.5 for
+    ROWS beside per-element keys; KIVI int2's 32-groups at 128, GQA 1, 14.1 against GROUPS' 13.9, the one case
+    measured where it cost); with more rows CHAN spilled beside it. Then values in groups of ``GROUPS_MIN`` to
+    ``GROUPS_WIDE`` columns take GROUPS (KIVI int2 at 128, GQA 4: 17.2 against 22.9 for ROWS beside per-element
+    keys), and beside values ELEM or ROWS the keys are ELEM: there the scaled queries' registers cost more than
+    they save. Beside TILE keys ROWS stays (int4 keys, int4 values in 16-groups, GQA 2: 9.3 against 17.0)."""
     padded = padded_head((policy.key, policy.value), head_dim)
     km, vm = tensor_mode(policy.key, head_dim, None, padded), tensor_mode(policy.value, head_dim, gqa, padded)
     v = policy.value
+    if km == MODE_CHAN and vm == MODE_ROWS and value_rows(padded, v.group_for(head_dim), gqa) <= CHAN_ROWS_MAX:
+        return km, vm
     if km == MODE_CHAN and vm == MODE_ROWS and v.group_for(head_dim) // (8 // v.bits) >= GROUPS_MIN:
         vm = MODE_GROUPS
     if km == MODE_CHAN and vm in (MODE_ELEM, MODE_ROWS):

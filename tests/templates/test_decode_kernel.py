@@ -90,6 +90,9 @@ LAYOUTS = [  # (policy, head_dim, G): every mode and format; ragged rows around 
     (Policy(Quant("int8", "token", 16, False, "float32"), Quant("int4", "token", None, False, "float32"), residual=2),
      80, 3),  # fp32 scales: per element, a value scale a token-head over the padded head
     (Policy(Quant("int4", "channel", 4), Quant("int8", "channel", 16), residual=0), 96, 2),  # ELEM, per channel
+    # CHAN keys beside ROWS values of at most 8 rows: 8 groups (5 real) a head at 80, 4 groups x 2 heads at 64
+    (Policy.kivi(4, residual=3, sink=1), 80, 1),
+    (Policy.kivi(2, group=16, residual=0), 64, 2),
 ]
 
 
@@ -278,6 +281,10 @@ def test_which_layouts_the_decode_kernel_serves():
                                                      (Quant("int2", "token"), 32), (Quant("int2", "token"), 80))] \
         == [128, 128, 128, 32, 64, 128]
     assert decode.modes(Policy.kivi(4), 80, 4) == (decode.MODE_CHAN, decode.MODE_GROUPS)  # value groups of 16 fit 80
+    # beside CHAN keys, ROWS in up to 8 rows (one or two query heads a KV head over narrow value groups)
+    assert decode.modes(Policy.kivi(4), 80, 1) == decode.modes(Policy.kivi(2, group=16), 64, 2) == (
+        decode.MODE_CHAN, decode.MODE_ROWS)
+    assert decode.modes(Policy.kivi(2, group=16), 64, 3) == (decode.MODE_ELEM, decode.MODE_ROWS)  # 16 rows
     assert decode.modes(Policy(tok, Quant("int4", "token", 16)), 80, 2) == (decode.MODE_TILE, decode.MODE_ROWS)
     spec = _spec(Policy(tok, tok, residual=0), 128)
     assert decode.decode_layout(spec, 1, False, 4) == (decode.MODE_TILE, decode.MODE_TILE)

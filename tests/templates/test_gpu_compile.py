@@ -67,6 +67,8 @@ SCRIPT = textwrap.dedent("""
          None, "decode"),
         (Policy(Quant("int2", "token"), Quant("int2", "token"), residual=0), 32, "float16", 2, 1, None, None, None,
          "decode"),
+        # KIVI at 80 beside one query head a KV head: CHAN keys beside ROWS values (8 rows, 5 groups real)
+        (Policy.kivi(4, residual=8, sink=2), 80, "bfloat16", 1, 1, None, None, None, "decode"),
     ]
     with common.compile_only(90, log):
         for policy, D, dt, G, n, mask, block, tiles, *kernel in cases:
@@ -178,7 +180,7 @@ def test_kernels_compile_for_sm90():
     assert "invariant: 7 7" in r.stdout, r.stdout  # row-invariant splits and the in-order merge lower too
     # padded heads: (head_dim, padded, key mode, value mode, key words, value words)
     assert ("padded: [(32, 64, 0, 0, 1, 1), (80, 128, 0, 0, 1, 1), (80, 128, 0, 0, 4, 2), (80, 128, 0, 4, 4, 2), "
-            "(96, 128, 0, 0, 1, 1), (96, 128, 3, 2, 1, 2)]") in r.stdout, r.stdout
+            "(80, 128, 3, 4, 1, 2), (96, 128, 0, 0, 1, 1), (96, 128, 3, 2, 1, 2)]") in r.stdout, r.stdout
     # (RUN, full-precision program, mask kind): a row a program (decode steps), runs of 4 rows (a prompt's), each
     # row's sinks and ring, a mask
     assert "runs: [(1, False, 0), (1, True, 0), (1, True, 2), (4, False, 0), (4, True, 2)]" in r.stdout, r.stdout

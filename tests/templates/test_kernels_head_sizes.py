@@ -104,7 +104,8 @@ def test_c_kernels_at_every_head_size(name, D):
 @pytest.mark.parametrize("name", slow_after(1, ["kivi2", "kivi3+sink+rot", "fp8", "int8+rot", "fp8-tensor"]))
 def test_triton_kernels_at_non_power_of_two_heads(name, D):
     """Through Triton's interpreter on the CPU (about 15 s a case): the formats and groups that reach the
-    kernels differently, each head padded to its tile of 128 channels."""
+    kernels differently, each head padded to 128 channels (decode: the decode kernel's padded head, int3 aside;
+    several queries: the general kernel's tile)."""
     from kvcompile.templates import launch
     from test_attention_kernel import check
     _stores_match(launch.store, PRESETS[name], D, triton=True)
