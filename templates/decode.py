@@ -160,11 +160,10 @@ def decode_rows(key_mode: int, value_mode: int, head_dim: int, value_group: int,
     """The rows of the kernel's products (``head_dim``: the padded head): the query heads padded to a power of
     two (mode ROWS: times the values' groups). Padded to 16 besides, except with CHAN keys or GROUPS values: their
     batched products put a warp on each group (of tokens, or of channels), and a product of fewer rows is padded
-    inside the tensor cores only,
-    so that the softmax, the scaled queries and the probabilities per group are computed for the real heads
-    alone (sm_90, KIVI int4 at GQA 4: 12.63 loop instructions a byte at 16 rows, 11.03 at 4). Layouts with one
-    product for all tokens (TILE, ELEM) keep 16: with fewer rows Triton's layouts replicate their unpacking
-    across warps (int4 at 4 rows: 18.08 against 7.05)."""
+    inside the tensor cores only, so that the softmax, the scaled queries and the probabilities per group are
+    computed for the real heads alone (sm_90, KIVI int4 at GQA 4: 12.63 loop instructions a byte at 16 rows,
+    11.03 at 4). Layouts with one product for all tokens (TILE, ELEM) keep 16: with fewer rows Triton's layouts
+    replicate their unpacking across warps (int4 at 4 rows: 18.08 against 7.05)."""
     rows = value_rows(head_dim, value_group, gqa) if value_mode == MODE_ROWS else triton.next_power_of_2(gqa)
     return rows if key_mode == MODE_CHAN or value_mode == MODE_GROUPS else max(16, rows)
 
@@ -614,7 +613,8 @@ def _decode_kernel(
         jv = tl.arange(0, D // VNS)
         # the query in slot order (channel PK u + i), fp32 and rounded to bf16; the rows' sums for TILE
         qok = row_ok[:, None]
-        qlane = qok & (uk < DR // PK)[None, :]  # the head's own channels (PK u + i < DR)
+        klane = (uk < DR // PK)[None, :]  # the head's own channels (PK u + i < DR), its key bytes
+        qlane = qok & klane
         qb_ptr = q_ptr + (rb.to(tl.int64) * sq_b + hq.to(tl.int64) * sq_h)[:, None]
         # (a query beyond bf16's range saturates there, as the elements do: inf would turn finite scores to NaN)
         q0 = tl.minimum(tl.maximum(tl.load(qb_ptr + PK * uk[None, :], mask=qlane, other=0.0), -BF16_MAX), BF16_MAX)
@@ -652,24 +652,23 @@ def _decode_kernel(
         # 1.1 KB a thread, int2 bytes at 96 0.6 KB)
         KM: tl.constexpr = PAD & (PK == 1)
         VM: tl.constexpr = PAD & (PV == 1)
-        klane = (uk < DR // PK)[None, :]
         vlane = (uv < DR // PV)[None, :]
         ukl = _own(uk, DR // PK, PAD & (PK > 1))
         uvl = _own(uv, DR // PV, PAD & (PV > 1))
-        wlane = (jw < DR // KNS)[None, :]  # (the query's own channels in key words)
+        qwok = qok & (jw < DR // KNS)[None, :]  # the query's own channels in key words
         jwl = _own(jw, DR // KNS, PAD)
         jvl = _own(jv, DR // VNS, PAD)
         gvl = _own(tl.arange(0, NGV), DR // V_G, PAD)
         if K_W > 1:
-            qw0 = _query_sub(qb_ptr, qok & wlane, jw, 0, KNS)
-            qw1 = _query_sub(qb_ptr, qok & wlane, jw, 1, KNS)
-            qw2 = _query_sub(qb_ptr, qok & wlane, jw, 2, KNS)
-            qw3 = _query_sub(qb_ptr, qok & wlane, jw, 3, KNS)
+            qw0 = _query_sub(qb_ptr, qwok, jw, 0, KNS)
+            qw1 = _query_sub(qb_ptr, qwok, jw, 1, KNS)
+            qw2 = _query_sub(qb_ptr, qwok, jw, 2, KNS)
+            qw3 = _query_sub(qb_ptr, qwok, jw, 3, KNS)
             if KNS > 4:
-                qw4 = _query_sub(qb_ptr, qok & wlane, jw, 4, KNS)
-                qw5 = _query_sub(qb_ptr, qok & wlane, jw, 5, KNS)
-                qw6 = _query_sub(qb_ptr, qok & wlane, jw, 6, KNS)
-                qw7 = _query_sub(qb_ptr, qok & wlane, jw, 7, KNS)
+                qw4 = _query_sub(qb_ptr, qwok, jw, 4, KNS)
+                qw5 = _query_sub(qb_ptr, qwok, jw, 5, KNS)
+                qw6 = _query_sub(qb_ptr, qwok, jw, 6, KNS)
+                qw7 = _query_sub(qb_ptr, qwok, jw, 7, KNS)
             else:
                 qw4 = qw0
                 qw5 = qw0
